@@ -1,0 +1,30 @@
+# `make demo` and `make test` each work from a clean clone: they build .venv and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# torch: keep one that is already importable (system site packages are visible); otherwise take
+# the CPU build torch==2.13.0 (a bare `torch` would pull several GB of CUDA packages).
+# deepspeed builds from source against that torch, so it is installed without build isolation.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
+	$(PY) -m pip install -q -e ".[all]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ncclguard demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,37 @@
+"""ncclguard: collectives that never hang, and reports that name the rank that stalled."""
+
+from ncclguard.barrier import BarrierResult, safe_barrier
+from ncclguard.collectives import CollectiveResult, safe_all_reduce
+from ncclguard.config import Config, configure, get_config
+from ncclguard.errors import (
+    CollectiveFailed,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GroupFailed,
+    NcclGuardError,
+)
+from ncclguard.flight import FlightRecord, recorder
+from ncclguard.phase import current_phase, phase
+from ncclguard.sigalrm import sigalrm_timeout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BarrierResult",
+    "CollectiveFailed",
+    "CollectiveMismatch",
+    "CollectiveResult",
+    "CollectiveTimeout",
+    "Config",
+    "FlightRecord",
+    "GroupFailed",
+    "NcclGuardError",
+    "configure",
+    "current_phase",
+    "get_config",
+    "phase",
+    "recorder",
+    "safe_all_reduce",
+    "safe_barrier",
+    "sigalrm_timeout",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from ncclguard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""One validated configuration for the whole library, with ``NCCLGUARD_*`` environment overrides.
+
+Every invariant (positive sizes, thresholds in order, timeouts in order) is stated here once,
+so the code that uses a value never re-checks it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Config", "configure", "get_config"]
+
+
+class Config(BaseSettings):
+    """Settings of ncclguard. Each field can be set as ``NCCLGUARD_<FIELD>`` in the environment.
+
+    Chunk policy (from the seeds): under ``chunk_direct_below`` elements one call; up to
+    ``chunk_large_from`` elements ``mid_chunks`` chunks of about ``mid_chunk_numel``; above it
+    ``large_chunks`` chunks of about ``large_chunk_numel``.
+
+    Deadline policy: ``timeout_policy="size"`` uses the seeds' tiers (under 1e7 elements 300 s,
+    under 1e8 900 s, else 1800 s); ``"bandwidth"`` uses ``timeout_base_s + bytes /
+    (min_bandwidth_gbps * 1e9)``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="NCCLGUARD_", validate_assignment=True, extra="forbid")
+
+    # Chunking.
+    chunk_direct_below: int = Field(100_000_000, gt=0)
+    chunk_large_from: int = Field(500_000_000, gt=0)
+    mid_chunks: tuple[int, int] = (2, 5)
+    mid_chunk_numel: int = Field(100_000_000, gt=0)
+    large_chunks: tuple[int, int] = (10, 20)
+    large_chunk_numel: int = Field(50_000_000, gt=0)
+    max_inflight: int = Field(2, ge=1, le=64)
+
+    # Deadlines of a single collective.
+    timeout_policy: Literal["size", "bandwidth"] = "size"
+    timeout_small_below: int = Field(10_000_000, gt=0)
+    timeout_medium_below: int = Field(100_000_000, gt=0)
+    timeout_small_s: float = Field(300.0, gt=0)
+    timeout_medium_s: float = Field(900.0, gt=0)
+    timeout_large_s: float = Field(1800.0, gt=0)
+    timeout_base_s: float = Field(60.0, gt=0)
+    min_bandwidth_gbps: float = Field(0.1, gt=0)
+
+    # Barrier and the cross-rank check.
+    barrier_timeout_s: float = Field(300.0, gt=0)
+    postmortem_grace_s: float = Field(0.5, ge=0, le=0.9)
+
+    # Flight recorder.
+    flight_records: int = Field(2000, gt=0)
+
+    @model_validator(mode="after")
+    def _in_order(self) -> "Config":
+        if self.chunk_direct_below > self.chunk_large_from:
+            raise ValueError(
+                f"chunk_direct_below ({self.chunk_direct_below}) must be <= chunk_large_from "
+                f"({self.chunk_large_from})"
+            )
+        for name in ("mid_chunks", "large_chunks"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if self.timeout_small_below > self.timeout_medium_below:
+            raise ValueError("timeout_small_below must be <= timeout_medium_below")
+        if not self.timeout_small_s <= self.timeout_medium_s <= self.timeout_large_s:
+            raise ValueError(
+                "size tiers must not shrink with size: timeout_small_s <= timeout_medium_s <= "
+                f"timeout_large_s, got {self.timeout_small_s}, {self.timeout_medium_s}, {self.timeout_large_s}"
+            )
+        return self
+
+
+_lock = threading.Lock()
+_config: Config | None = None
+
+
+def get_config() -> Config:
+    """Returns the configuration in force (built from the environment on first use)."""
+    global _config
+    if _config is None:
+        with _lock:
+            if _config is None:
+                _config = Config()
+    return _config
+
+
+def configure(**overrides: Any) -> Config:
+    """Replaces the configuration in force with one that has ``overrides`` applied.
+
+    Args:
+        **overrides: fields of :class:`Config`.
+
+    Returns:
+        The new, validated configuration.
+
+    Raises:
+        pydantic.ValidationError: an unknown field or a value that breaks an invariant; the
+            configuration in force is then unchanged.
+    """
+    global _config
+    with _lock:
+        current = _config if _config is not None else Config()
+        _config = Config(**{**current.model_dump(), **overrides})
+        return _config

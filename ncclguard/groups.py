@@ -1,0 +1,92 @@
+"""What ncclguard knows of a process group: its name, ranks, store, backend, and whether it failed."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["GroupInfo", "group_info", "mark_failed", "failure_of", "clear_failure"]
+
+# Devices each backend can move, for the up-front check of safe_all_reduce.
+BACKEND_DEVICES: dict[str, frozenset[str]] = {
+    "gloo": frozenset({"cpu", "cuda"}),
+    "nccl": frozenset({"cuda"}),
+    "mpi": frozenset({"cpu", "cuda"}),
+    "ucc": frozenset({"cpu", "cuda"}),
+    "xccl": frozenset({"xpu"}),
+}
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group as ncclguard sees it from this rank."""
+
+    group: Any  # a torch ProcessGroup; None only for a world of one
+    name: str
+    rank: int  # this process's rank in the group
+    size: int
+    backend: str
+    store: Any  # the group's c10d Store (already prefixed by torch for subgroups), or None
+
+    def global_rank(self, group_rank: int) -> int:
+        """Maps a rank in this group to its global rank."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def group_info(group: Any = None) -> GroupInfo | None:
+    """Describes ``group`` (default: the world group).
+
+    Returns:
+        The group's description, or None when no process group is initialized (a world of one).
+
+    Raises:
+        ValueError: this rank is not a member of ``group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._get_default_group() if group is None or group is dist.group.WORLD else group
+    if c10d._rank_not_in_group(pg):
+        raise ValueError(
+            "this rank is not a member of the group it passed; call the collective only on the "
+            "ranks given to new_group(ranks=...), or pass group=None for the world group"
+        )
+    entry = c10d._world.pg_map.get(pg)
+    store = entry[1] if entry is not None else None
+    return GroupInfo(
+        group=pg,
+        name=pg.group_name,
+        rank=dist.get_rank(pg),
+        size=dist.get_world_size(pg),
+        backend=str(dist.get_backend(pg)),
+        store=store,
+    )
+
+
+_failed_lock = threading.Lock()
+_failed: "weakref.WeakKeyDictionary[Any, Exception]" = weakref.WeakKeyDictionary()
+
+
+def mark_failed(group: Any, reason: Exception) -> None:
+    """Records that ``group`` timed out or failed; later safe_* calls on it refuse at once."""
+    with _failed_lock:
+        _failed.setdefault(group, reason)
+
+
+def failure_of(group: Any) -> Exception | None:
+    """Returns why ``group`` was marked failed, or None."""
+    with _failed_lock:
+        return _failed.get(group)
+
+
+def clear_failure(group: Any) -> None:
+    """Forgets a failure mark (for a group whose communicator the caller has rebuilt itself)."""
+    with _failed_lock:
+        _failed.pop(group, None)

@@ -1,0 +1,105 @@
+"""Launching real multi-rank jobs from a test: bounded in time, results read back as JSON.
+
+A worker script (tests/workers/*.py) runs on every rank, uses the fault vocabulary of
+``workers/rankkit.py`` (stall, kill, leave, skip_collective) and saves what it saw with
+``rankkit.save(...)``; the test asserts on ``Job.results[rank]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ncclguard.launch import spawn
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).parent.parent
+
+
+@dataclass
+class Job:
+    """A finished multi-rank launch."""
+
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    returncodes: dict[int, int | None] = field(default_factory=dict)
+    output: str = ""
+    wall_s: float = 0.0
+    out_dir: Path | None = None
+
+    def __getitem__(self, rank: int) -> dict[str, Any]:
+        if rank not in self.results:
+            raise AssertionError(f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}")
+        return self.results[rank]
+
+
+def run_ranks(
+    worker: str,
+    nproc: int,
+    *args: str,
+    timeout_s: float = 90.0,
+    launcher: str = "torchrun",
+    env: dict[str, str] | None = None,
+    expect_rc: dict[int, int] | None = None,
+) -> Job:
+    """Runs ``tests/workers/<worker>.py <args>`` on ``nproc`` ranks and returns their results.
+
+    Args:
+        worker: script name under tests/workers, without ``.py``.
+        nproc: ranks.
+        *args: arguments for the script (usually a scenario name).
+        timeout_s: hard wall-clock bound; the job is killed and the test fails past it.
+        launcher: ``"torchrun"`` (``torchrun --standalone``) or ``"spawn"`` (ncclguard's
+            launcher, which does not tear the job down when one rank dies).
+        env: extra environment for the ranks.
+        expect_rc: exit codes to require per rank (spawn only); default: every rank exits 0.
+    """
+    out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
+    rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The worker imports rankkit from tests/workers; ncclguard comes from the installed package.
+    rank_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS), rank_env.get("PYTHONPATH")]))
+    script = [str(WORKERS / f"{worker}.py"), *args]
+    job = Job(out_dir=out_dir)
+    start = time.monotonic()
+    if launcher == "torchrun":
+        cmd: Sequence[str] = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--monitor-interval=0.1", *script,
+        ]
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True, cwd=REPO)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                log.seek(0)
+                raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{log.read()[-8000:]}")
+            log.seek(0)
+            job.output = log.read()
+        job.returncodes = {r: rc for r in range(nproc)}
+        if rc != 0:
+            raise AssertionError(f"torchrun {worker} {args} exited {rc}\n{job.output[-8000:]}")
+    elif launcher == "spawn":
+        res = spawn([sys.executable, *script], nproc, timeout_s=timeout_s, env=rank_env, cwd=str(REPO))
+        job.output = res.output()
+        job.returncodes = {r.rank: r.returncode for r in res.ranks}
+        if res.timed_out:
+            raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{job.output[-8000:]}")
+        want = {r: (expect_rc or {}).get(r, 0) for r in range(nproc)}
+        if job.returncodes != want:
+            raise AssertionError(f"{worker} {args}: exit codes {job.returncodes}, expected {want}\n{job.output[-8000:]}")
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    job.wall_s = time.monotonic() - start
+    for path in out_dir.glob("rank*.json"):
+        job.results[int(path.stem[4:])] = json.loads(path.read_text())
+    return job
