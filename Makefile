@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
 	$(PY) -m pip install -q -e ".[all]"
+	# DeepSpeed's CPU accelerator compiles its shared-memory comm op (~60 s on 2 cores) on first
+	# use; build it here, once, instead of inside a time-bounded test launch.
+	$(PY) -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,6 +28,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_gloo_2ranks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

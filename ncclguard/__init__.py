@@ -11,8 +11,12 @@ from ncclguard.errors import (
     NcclGuardError,
 )
 from ncclguard.flight import FlightRecord, recorder
+from ncclguard.instrument import instrument, uninstrument
 from ncclguard.phase import current_phase, phase
+from ncclguard.pginit import ProcessGroupInit, init_process_group
 from ncclguard.sigalrm import sigalrm_timeout
+from ncclguard.timeouts import TimeoutHierarchy
+from ncclguard.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
 __version__ = "0.1.0"
 
@@ -26,12 +30,21 @@ __all__ = [
     "FlightRecord",
     "GroupFailed",
     "NcclGuardError",
+    "ProcessGroupInit",
+    "TimeoutHierarchy",
+    "Watchdog",
+    "WatchdogConfig",
     "configure",
     "current_phase",
+    "current_watchdog",
     "get_config",
+    "init_process_group",
+    "instrument",
     "phase",
     "recorder",
     "safe_all_reduce",
     "safe_barrier",
     "sigalrm_timeout",
+    "start_watchdog",
+    "uninstrument",
 ]

@@ -5,12 +5,14 @@ Failure model (docs/collectives.md has the long form):
 - a timeout or backend error marks the group failed: torch cannot cancel a collective that is
   in flight (on gloo, ``wait(timeout)`` gives up waiting but the op stays queued and may still
   complete and write later), so later safe_* calls on that group refuse at once;
-- with ``atomic=True`` the reduction runs in a private buffer and is copied into the tensor only
-  when every chunk completed, so a late write can never touch the caller's tensor.
+- with ``atomic=True`` the reduction runs in a private buffer (kept between calls, dropped after a
+  failure) and is copied into the tensor only when every chunk completed, so a late write can
+  never touch the caller's tensor.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
@@ -37,7 +39,7 @@ from ncclguard.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info,
 from ncclguard.rendezvous import StoreUnreachable, exchange, next_round
 from ncclguard.timeouts import adaptive_timeout, to_seconds
 
-__all__ = ["CollectiveResult", "safe_all_reduce"]
+__all__ = ["CollectiveResult", "release_atomic_buffers", "safe_all_reduce"]
 
 ReduceOp = dist.ReduceOp
 _OPS = {
@@ -172,7 +174,8 @@ def safe_all_reduce(
         timeout: seconds or timedelta for the whole call, from entry. Default: by size, see
             :func:`ncclguard.timeouts.adaptive_timeout`.
         chunk_numel: elements per chunk; default from the size policy in :class:`ncclguard.Config`.
-        atomic: on failure, leave the tensor bit for bit as it was (costs one copy of it).
+        atomic: on failure, leave the tensor bit for bit as it was (costs one copy of it, in a
+            buffer kept between calls; see :func:`release_atomic_buffers`).
         verify: compare numel, dtype, op, device and chunking across ranks through the store
             before any data moves. None: only at or above the chunking threshold. All ranks
             must pass the same value.
@@ -204,37 +207,45 @@ def safe_all_reduce(
     if failed is not None:
         return result(False, 0, GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on"))
 
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    rec = recorder.start(opname, info.name, numel, dtype)
+    try:
+        reduced, err = _reduce(info, tensor, op, bounds, start, timeout_s, atomic, verify,
+                               dict(op=opname, numel=numel, dtype=dtype, group=info.name))
+    except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
+        recorder.finish(rec, f"interrupted: {exc!r}")
+        raise
+    recorder.finish(rec, err)
+    return result(err is None, reduced, err)
+
+
+def _reduce(
+    info: GroupInfo, tensor: torch.Tensor, op: Any, bounds: list[tuple[int, int]], start: float,
+    timeout_s: float, atomic: bool, verify: bool | None, fields: dict[str, Any],
+) -> tuple[int, CollectiveError | None]:
+    """The checked, chunked reduction. Returns (leading elements reduced, error or None)."""
     deadline = start + timeout_s
     call = next_round(info, "all_reduce")
-    rec = recorder.start(opname, info.name, numel, str(tensor.dtype).removeprefix("torch."))
-    fields = dict(op=opname, numel=numel, dtype=rec.dtype, group=info.name)
-
-    if verify or (verify is None and numel >= get_config().chunk_direct_below):
+    if verify or (verify is None and tensor.numel() >= get_config().chunk_direct_below):
         error = _check_fingerprints(info, call, tensor, op, bounds, deadline, start, fields)
         if error is not None:
-            recorder.finish(rec, error)
             log.warning("%s", error)
-            return result(False, 0, error)
+            return 0, error
 
-    try:
-        with torch.no_grad():
-            reduced, error = _run_chunks(info, tensor, op, bounds, deadline, atomic)
-    except Exception:
-        recorder.finish(rec, "internal error")
-        raise
-    if error is None:
-        recorder.finish(rec)
-        return result(True, numel)
+    with torch.no_grad():
+        reduced, failure = _run_chunks(info, tensor, op, bounds, deadline, atomic)
+    if failure is None:
+        return reduced, None
 
     # The communicator cannot be trusted any more: the abandoned op may still be queued.
-    chunk_index, exc, timed_out = error
+    chunk_index, exc, timed_out = failure
     gave_up_s = time.monotonic() - start
     missing = _postmortem(info, call, start + timeout_s + 0.9)
     cls = CollectiveTimeout if timed_out else CollectiveFailed
     what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)" if timed_out else f"failed: {exc}"
     who = f"; ranks {missing} never arrived" if missing else ""
     err = cls(
-        f"{opname} of {numel} x {rec.dtype} on group {info.name!r} {what} at chunk "
+        f"{fields['op']} of {fields['numel']} x {fields['dtype']} on group {info.name!r} {what} at chunk "
         f"{chunk_index + 1}/{len(bounds)}{who}",
         chunk=(chunk_index, len(bounds)),
         elapsed_s=time.monotonic() - start,
@@ -242,9 +253,8 @@ def safe_all_reduce(
         **fields,
     )
     mark_failed(info.group, err)
-    recorder.finish(rec, err)
     log.error("%s", err)
-    return result(False, 0 if atomic else reduced, err)
+    return reduced, err
 
 
 def _check_fingerprints(
@@ -280,6 +290,58 @@ def _check_fingerprints(
     return None
 
 
+class _PrivateBuffers:
+    """One reusable flat buffer per (dtype, device) for ``atomic=True``.
+
+    Allocating and first touching a tensor-sized buffer on every call cost more than the
+    all_reduce itself (benchmarks/atomic_cost.py). A buffer is checked out for one call, so
+    concurrent calls never share one, and dropped, never reused, after a failed call: the
+    abandoned op may still write into it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            buf = self._free.pop((dtype, device), None)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            kept = self._free.get((buf.dtype, buf.device))
+            if kept is None or kept.numel() < buf.numel():
+                self._free[(buf.dtype, buf.device)] = buf
+
+    def release(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_private = _PrivateBuffers()
+
+
+def release_atomic_buffers() -> None:
+    """Frees the buffers kept between ``atomic=True`` calls (one per dtype and device, as large as
+    the largest tensor reduced atomically)."""
+    _private.release()
+
+
+def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_flat: bool) -> None:
+    """Copies elements [a, b) of ``src`` (any layout) into flat ``dst``, or back when not ``into_flat``."""
+    off = 0
+    for v in logical_views(src, a, b):
+        part = dst[off : off + v.numel()].view(v.shape)
+        if into_flat:
+            part.copy_(v)
+        else:
+            v.copy_(part)
+        off += v.numel()
+
+
 def _run_chunks(
     info: GroupInfo, tensor: torch.Tensor, op: Any, bounds: list[tuple[int, int]], deadline: float, atomic: bool,
 ) -> tuple[int, tuple[int, BaseException, bool] | None]:
@@ -291,27 +353,39 @@ def _run_chunks(
     """
     avg_by_hand = op == ReduceOp.AVG and info.backend != "nccl"
     wire_op = ReduceOp.SUM if avg_by_hand else op
-    # atomic: reduce a private copy, publish it only when complete. Otherwise reduce in place,
-    # through staging buffers when the layout is not contiguous (extra memory O(chunk)).
-    target = tensor.contiguous().clone() if atomic else tensor
-    flat = target.view(-1) if target.is_contiguous() else None
-    staging: list[torch.Tensor] = []
+    numel = tensor.numel()
+    if len(bounds) == 1 and not atomic and tensor.is_contiguous():
+        # The common small call: the tensor itself on the wire, none of the chunk machinery.
+        try:
+            _wait(dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend)
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+            return 0, (0, exc, _is_timeout(exc, deadline))
+        if avg_by_hand:
+            tensor.div_(info.size)
+        return numel, None
+
+    # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
+    # private copy published only at the end (atomic), or a small staging ring (non-contiguous).
     max_inflight = get_config().max_inflight
+    chunk = bounds[0][1] - bounds[0][0]
+    in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
+    private = _private.take(numel, tensor.dtype, tensor.device) if atomic else None
+    staging = [] if in_place is None and private is None else None
     inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
     reduced = 0
 
     def issue(i: int) -> None:
         a, b = bounds[i]
-        if flat is not None:
-            buf = flat[a:b]
+        if in_place is not None:
+            buf = in_place[a:b]
         else:
-            if len(staging) < max_inflight:
-                staging.append(torch.empty(bounds[0][1] - bounds[0][0], dtype=target.dtype, device=target.device))
-            buf = staging[i % max_inflight][: b - a]
-            off = 0
-            for v in logical_views(target, a, b):
-                buf[off : off + v.numel()].view(v.shape).copy_(v)
-                off += v.numel()
+            if private is not None:
+                buf = private[a:b]
+            else:
+                if len(staging) < max_inflight:
+                    staging.append(torch.empty(chunk, dtype=tensor.dtype, device=tensor.device))
+                buf = staging[i % max_inflight][: b - a]
+            _copy_range(buf, tensor, a, b, into_flat=True)
         inflight.append((i, dist.all_reduce(buf, op=wire_op, group=info.group, async_op=True), buf))
 
     def complete() -> None:
@@ -321,12 +395,8 @@ def _run_chunks(
         inflight.popleft()
         if avg_by_hand:
             buf.div_(info.size)
-        if flat is None:
-            a, b = bounds[i]
-            off = 0
-            for v in logical_views(target, a, b):
-                v.copy_(buf[off : off + v.numel()].view(v.shape))
-                off += v.numel()
+        if staging is not None:
+            _copy_range(buf, tensor, *bounds[i], into_flat=False)
         reduced = bounds[i][1]
 
     i = 0
@@ -339,12 +409,16 @@ def _run_chunks(
             i = inflight[0][0]
             complete()
     except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-        failed_chunk = inflight[0][0] if inflight else i
-        timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or time.monotonic() >= deadline
-        return reduced, (failed_chunk, exc, timed_out)
-    if atomic:
-        tensor.copy_(target)
+        # The private buffer is not given back: an abandoned op may still write into it.
+        return (0 if atomic else reduced), (inflight[0][0] if inflight else i, exc, _is_timeout(exc, deadline))
+    if private is not None:
+        tensor.copy_(private[:numel].view(tensor.shape))
+        _private.give_back(private)
     return reduced, None
+
+
+def _is_timeout(exc: BaseException, deadline: float) -> bool:
+    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or time.monotonic() >= deadline
 
 
 def _postmortem(info: GroupInfo, call: str, give_up_at: float) -> list[int] | None:

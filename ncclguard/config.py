@@ -55,6 +55,13 @@ class Config(BaseSettings):
     # Flight recorder.
     flight_records: int = Field(2000, gt=0)
 
+    # Timeout hierarchy (ncclguard.timeouts.TimeoutHierarchy); None = not declared.
+    # How long one evaluation pass may run on a rank while the others wait.
+    eval_deadline_s: float | None = Field(None, gt=0)
+    # The progress-heartbeat timeout of a supervisor outside the job (e.g. nvidia-resiliency-ext's
+    # ft_launcher), which must exceed the process-group timeout.
+    heartbeat_timeout_s: float | None = Field(None, gt=0)
+
     @model_validator(mode="after")
     def _in_order(self) -> "Config":
         if self.chunk_direct_below > self.chunk_large_from:

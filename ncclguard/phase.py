@@ -2,24 +2,55 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import ContextDecorator
 from typing import Any
 
 __all__ = ["phase", "current_phase", "main_thread_phase"]
 
+
+class _Track:
+    """One thread's open phases and their path, kept joined so that reading it costs nothing."""
+
+    __slots__ = ("stack", "path", "ident")
+
+    def __init__(self, ident: int | None = None) -> None:
+        self.stack: list[str] = []
+        self.path = ""
+        self.ident = ident  # the owning thread's ident (kept for the main thread's track only)
+
+    def push(self, text: str) -> None:
+        self.stack.append(text)
+        self.path = " > ".join(self.stack)
+
+    def pop(self, text: str) -> None:
+        if self.stack and self.stack[-1] == text:
+            self.stack.pop()
+        elif text in self.stack:  # exited out of order (a generator, say): drop ours only
+            self.stack.remove(text)
+        self.path = " > ".join(self.stack)
+
+
 _local = threading.local()
-# The main thread's stack is also kept here so the watchdog thread can read it.
-_main_stack: list[str] = []
+# The main thread's phases live here, where the watchdog thread (and the recorder) read them.
+MAIN = _Track(threading.main_thread().ident)
 
 
-def _stack() -> list[str]:
-    if threading.current_thread() is threading.main_thread():
-        return _main_stack
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+def _after_fork() -> None:
+    MAIN.ident = threading.main_thread().ident  # the forking thread is the child's main thread
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _track() -> _Track:
+    if threading.get_ident() == MAIN.ident:  # read on every recorded collective: kept cheap
+        return MAIN
+    track = getattr(_local, "track", None)
+    if track is None:
+        track = _local.track = _Track()
+    return track
 
 
 def _label(name: str, labels: dict[str, Any]) -> str:
@@ -35,6 +66,9 @@ class phase(ContextDecorator):
     Args:
         name: what the rank is doing.
         **labels: details shown after the name (step, batch, ...).
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string.
     """
 
     def __init__(self, name: str, **labels: Any) -> None:
@@ -43,22 +77,18 @@ class phase(ContextDecorator):
         self.text = _label(name, labels)
 
     def __enter__(self) -> "phase":
-        _stack().append(self.text)
+        _track().push(self.text)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stack = _stack()
-        if stack and stack[-1] == self.text:
-            stack.pop()
-        elif self.text in stack:  # exited out of order (a generator, say): drop ours only
-            stack.remove(self.text)
+        _track().pop(self.text)
 
 
 def current_phase() -> str:
     """The calling thread's phase path, ``""`` outside any phase."""
-    return " > ".join(_stack())
+    return _track().path
 
 
 def main_thread_phase() -> str:
     """The main thread's phase path, readable from any thread (the watchdog's)."""
-    return " > ".join(list(_main_stack))
+    return MAIN.path

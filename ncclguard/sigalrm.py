@@ -3,8 +3,9 @@
 What it can and cannot do: a SIGALRM handler runs in the main thread between bytecodes. It ends
 a Python-level stall (a slow evaluation loop, a sleep, a busy loop) within milliseconds of the
 deadline, but it cannot interrupt a blocking C++ call such as a gloo or NCCL collective: the
-handler only runs once that call returns. The watchdog (:mod:`ncclguard.watchdog`) and the
-deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
+handler only runs once that call returns (tests/test_sigalrm.py and
+tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.watchdog`) and
+the deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
 """
 
 from __future__ import annotations
@@ -13,30 +14,58 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from ncclguard.errors import CollectiveTimeout
 from ncclguard.timeouts import to_seconds
 
 __all__ = ["sigalrm_timeout"]
 
-# Deadlines of the open guards, outermost first: (monotonic deadline, message).
-_stack: list[tuple[float, str]] = []
+_EARLY = 1e-3  # a tick this close to a deadline counts as on time (timer granularity)
 
 
-def _arm(deadline: float) -> None:
-    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-6))
+@dataclass
+class _Deadline:
+    at: float  # time.monotonic()
+    seconds: float
+    message: str
+    started: float
+    fired: bool = False
+    # The timer that was armed before the outermost guard: its handler is called at its time.
+    previous: Callable[[int, Any], Any] | None = None
+    interval: float = 0.0
+
+
+# The open guards' deadlines (and the previous timer's, if one was armed), in entry order.
+_stack: list[_Deadline] = []
+
+
+def _arm() -> None:
+    """Arms the timer for the nearest deadline that has not fired, or disarms it."""
+    pending = [d.at for d in _stack if not d.fired]
+    if pending:
+        signal.setitimer(signal.ITIMER_REAL, max(min(pending) - time.monotonic(), 1e-6))
+    else:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
     now = time.monotonic()
-    expired = [entry for entry in _stack if entry[0] <= now + 1e-3]
-    if not expired:  # an early tick (timer granularity): re-arm for the nearest deadline
-        if _stack:
-            _arm(min(d for d, _ in _stack))
-        return
-    deadline, message = min(expired)
-    raise CollectiveTimeout(message, op="python", elapsed_s=0.0)
+    due = sorted((d for d in _stack if not d.fired and d.at <= now + _EARLY), key=lambda d: d.at)
+    for d in due:
+        if d.previous is not None or d.interval:  # the timer armed before us: hand it its tick
+            if d.interval:
+                d.at += d.interval
+            else:
+                d.fired = True
+            if callable(d.previous):
+                d.previous(signum, frame)
+            continue
+        d.fired = True  # never re-armed: the exception below is this deadline's only effect
+        _arm()
+        raise CollectiveTimeout(d.message, op="python", elapsed_s=now - d.started)
+    _arm()  # an early tick, or only the previous timer was due
 
 
 @contextmanager
@@ -44,16 +73,17 @@ def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None
     """Raises :class:`ncclguard.errors.CollectiveTimeout` in the main thread after ``seconds``.
 
     Sub-second deadlines work (``setitimer``). Guards nest: the earliest deadline fires, and when
-    an inner guard exits the outer one goes on with its remaining time. On exit the previous
-    SIGALRM handler and timer are restored.
+    an inner guard exits the outer one goes on with its remaining time. A timer armed before the
+    outermost guard keeps running: its handler is called when it comes due, and on exit the
+    previous SIGALRM handler and the rest of that timer are put back.
 
     Args:
-        seconds: the deadline, from entry; positive.
+        seconds: the deadline, from entry; positive (a number or a timedelta).
         message: the error's text (default: "Python code ran past its N s deadline").
 
     Raises:
         RuntimeError: called outside the main thread, or on a platform without SIGALRM.
-        ValueError: ``seconds`` is not positive.
+        TypeError, ValueError: ``seconds`` is not a positive duration.
         CollectiveTimeout: (inside the block) the deadline passed.
     """
     seconds = to_seconds(seconds, "seconds")
@@ -65,22 +95,31 @@ def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None
             "use the Watchdog or a safe_* deadline in other threads"
         )
     start = time.monotonic()
-    entry = (start + seconds, message or f"Python code ran past its {seconds:g} s deadline")
     outer = not _stack
+    prev_handler: Any = None
+    previous: _Deadline | None = None
     if outer:
-        prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
         prev_remaining, prev_interval = signal.setitimer(signal.ITIMER_REAL, 0)
+        prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
+        if prev_remaining > 0:
+            previous = _Deadline(start + prev_remaining, prev_remaining, "", start,
+                                 previous=prev_handler if callable(prev_handler) else signal.SIG_DFL,
+                                 interval=prev_interval)
+            _stack.append(previous)
+    entry = _Deadline(start + seconds, seconds, message or f"Python code ran past its {seconds:g} s deadline", start)
     _stack.append(entry)
-    _arm(min(d for d, _ in _stack))
+    _arm()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         _stack.remove(entry)
-        if _stack:
-            _arm(min(d for d, _ in _stack))
-        elif outer:
-            signal.signal(signal.SIGALRM, prev_handler)
-            if prev_remaining > 0:
-                left = prev_remaining - (time.monotonic() - start)
-                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), prev_interval)
+        if outer:
+            if previous is not None:
+                _stack.remove(previous)
+            if prev_handler is not None:  # None: a handler installed from C, which Python cannot restore
+                signal.signal(signal.SIGALRM, prev_handler)
+            if previous is not None and not previous.fired:
+                signal.setitimer(signal.ITIMER_REAL, max(previous.at - time.monotonic(), 1e-6), previous.interval)
+        else:
+            _arm()

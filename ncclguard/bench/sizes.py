@@ -99,7 +99,9 @@ def format_bytes(nbytes: int) -> str:
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+            if value == int(value) or value >= 100:
+                return f"{value:.0f} {unit}"
+            return f"{value:.3g} {unit}"
     return f"{nbytes} B"
 
 

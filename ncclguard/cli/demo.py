@@ -13,6 +13,8 @@ import time
 # The acts, in order. Each module: TITLE (str) and run(args) -> int (0 = the act showed what it should).
 ACTS = [
     "ncclguard.cli.demo_collectives",
+    "ncclguard.cli.demo_bench",
+    "ncclguard.cli.demo_desync",
 ]
 
 

@@ -1,0 +1,86 @@
+"""Where the guarded call's fixed cost goes at 1 element (gloo, 2 ranks on this host).
+
+    .venv/bin/python benchmarks/small_call_cost.py [--iters 1500]
+
+Times, interleaved per iteration after a barrier, steps from a plain synchronous
+``dist.all_reduce`` towards ``safe_all_reduce``: the same op issued asynchronously and waited on
+with a deadline, then on a view of the tensor (what the chunk loop passes), then ncclguard's
+chunk loop alone (``ncclguard.collectives._run_chunks``, private: this is a diagnosis, not an
+API), then the whole call. Results: ``benchmarks/results/small-call-cost.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results" / "small-call-cost.json"
+
+
+def _rank(iters: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import ncclguard.collectives as collectives
+    from ncclguard.groups import group_info
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    flat = t.view(-1)
+    wait = timedelta(seconds=60)
+    info = group_info()
+    cases = {
+        "dist.all_reduce(t)": lambda: dist.all_reduce(t),
+        "dist.all_reduce(t, async_op=True).wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
+        "the same on a view t.view(-1)[0:1]": lambda: dist.all_reduce(flat[0:1], async_op=True).wait(timeout=wait),
+        "ncclguard's chunk loop (_run_chunks)": lambda: collectives._run_chunks(
+            info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False),
+        "safe_all_reduce(t)": lambda: collectives.safe_all_reduce(t, timeout=60),
+    }
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    token = torch.zeros(1)
+    for it in range(iters + 50):  # the first 50 rounds warm up
+        for k in range(len(names)):
+            name = names[(it + k) % len(names)]
+            dist.all_reduce(token)
+            start = time.perf_counter()
+            cases[name]()
+            if it >= 50:
+                times[name].append(time.perf_counter() - start)
+    mine = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    if dist.get_rank() == 0:
+        slowest = torch.stack(parts).max(dim=0).values
+        p50 = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
+        rows = [{"case": n, "p50_us": round(p50[n] * 1e6, 1), "x_plain": round(p50[n] / p50[names[0]], 3)} for n in names]
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps({"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2),
+                                   "rows": rows}, indent=1) + "\n")
+        for r in rows:
+            print(f"{r['case']:50s} p50 {r['p50_us']:7.1f} us  x{r['x_plain']:.2f}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> int:
+    from ncclguard.launch import spawn, under_launcher
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=1500)
+    ns = ap.parse_args()
+    if under_launcher():
+        _rank(ns.iters)
+    res = spawn([sys.executable, __file__, "--iters", str(ns.iters)], 2, timeout_s=600, capture=False)
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

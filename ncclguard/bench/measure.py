@@ -1,0 +1,151 @@
+"""The measurement on one rank: every mode of one size, interleaved per iteration.
+
+Modes take turns inside each iteration, in a rotating order (plain, safe, safe-atomic; then
+safe, safe-atomic, plain; ...), so a burst of noise from the rest of the machine lands on all
+modes alike and no mode always runs right after another. Every call is preceded by a barrier
+(a 1-element all_reduce), and timed with ``perf_counter`` until it has completed on this rank
+(on CUDA, after a device synchronize). Ranks share their times afterwards with one all_gather.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ncclguard.bench import check
+from ncclguard.bench.memory import PeakMemory
+from ncclguard.collectives import safe_all_reduce
+
+__all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
+
+TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG,
+}
+
+
+class BenchCallFailed(RuntimeError):
+    """A guarded call returned an error; the group cannot be used any more."""
+
+
+@dataclass
+class ModeRun:
+    """What one rank learned about one mode at one size (times of every rank, after the gather)."""
+
+    mode: str
+    chunks: int = 1
+    rank_times_s: list[list[float]] = field(default_factory=list)  # [rank][iteration]
+    rank_peak_bytes: list[int | None] = field(default_factory=list)  # [rank]: peak over the use before one call
+    wrong: int | None = None  # summed over ranks
+
+
+@dataclass
+class SizeRun:
+    """Every mode measured at one size: element count, bytes, and each mode's :class:`ModeRun`."""
+
+    numel: int
+    nbytes: int
+    modes: dict[str, ModeRun]
+
+
+def _caller(mode: str, t: torch.Tensor, op: str, timeout: float | None, chunk_numel: int | None) -> Callable[[], int]:
+    """A no-argument call of ``mode`` on ``t``; returns the chunks it used."""
+    red = TORCH_OPS[op]
+    if mode == "plain":
+        def plain() -> int:
+            try:
+                dist.all_reduce(t, op=red)
+            except RuntimeError as exc:  # DistBackendError and the group's timeout derive from it
+                raise BenchCallFailed(f"plain: {exc}") from exc
+            return 1
+        return plain
+    atomic = mode == "safe-atomic"
+
+    def guarded() -> int:
+        res = safe_all_reduce(t, red, timeout=timeout, chunk_numel=chunk_numel, atomic=atomic)
+        if not res.ok:
+            raise BenchCallFailed(f"{mode}: {res.error}")
+        return res.chunks
+    return guarded
+
+
+def _gather(x: torch.Tensor, device: torch.device, world: int) -> list[torch.Tensor]:
+    parts = [torch.zeros_like(x, device=device) for _ in range(world)]
+    dist.all_gather(parts, x.to(device))
+    return [p.cpu() for p in parts]
+
+
+def _sync(device: torch.device, token: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.all_reduce(token)  # a barrier every backend has on every device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_size(
+    numel: int, dtype: torch.dtype, device: torch.device, modes: tuple[str, ...], op: str, *,
+    iters: int, warmup: int, timeout: float | None, chunk_numel: int | None,
+    check_data: bool, corrupt_rank: int | None, on_iteration: Callable[[], None] = lambda: None,
+) -> SizeRun:
+    """Measures every mode at one size on this rank; every rank must call it with the same arguments.
+
+    Returns:
+        The times of every rank (gathered), this rank's peak memory per mode, and the summed
+        ``#wrong`` per mode when ``check_data``.
+
+    Raises:
+        BenchCallFailed: a guarded call failed (its error says why).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.empty(numel, dtype=dtype, device=device)
+    check.fill(t, rank)  # the values do not change the speed; they keep the data finite for a while
+    calls = {m: _caller(m, t, op, timeout, chunk_numel) for m in modes}
+    runs = {m: ModeRun(m) for m in modes}
+    token = torch.zeros(1, device=device)
+    mine = torch.zeros(len(modes), iters, dtype=torch.float64)
+    for it in range(warmup + iters):
+        for k in range(len(modes)):
+            j = (it + k) % len(modes)
+            _sync(device, token)
+            start = time.perf_counter()
+            chunks = calls[modes[j]]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            runs[modes[j]].chunks = chunks
+            if it >= warmup:
+                mine[j, it - warmup] = elapsed
+            on_iteration()
+
+    # Peak memory: one more call of each mode, alone, after the warm-up filled the caches.
+    peak = PeakMemory(device)
+    peaks = torch.full((len(modes),), -1, dtype=torch.int64)
+    for j, m in enumerate(modes):
+        _sync(device, token)
+        peak.start()
+        calls[m]()
+        got = peak.stop()
+        peaks[j] = -1 if got is None else got
+
+    if check_data:
+        wrong = torch.zeros(len(modes), dtype=torch.int64, device=device)
+        for j, m in enumerate(modes):
+            check.fill(t, rank, corrupt=rank == corrupt_rank, op=op)
+            _sync(device, token)
+            calls[m]()
+            wrong[j] = check.count_wrong(t, op, world)
+        dist.all_reduce(wrong)
+        for j, m in enumerate(modes):
+            runs[m].wrong = int(wrong[j].item())
+
+    times = _gather(mine, device, world)
+    peak_by_rank = _gather(peaks, device, world)
+    for j, m in enumerate(modes):
+        runs[m].rank_times_s = [g[j].tolist() for g in times]
+        runs[m].rank_peak_bytes = [None if int(g[j]) < 0 else int(g[j]) for g in peak_by_rank]
+    return SizeRun(numel, numel * torch.empty((), dtype=dtype).element_size(), runs)

@@ -1,0 +1,119 @@
+"""One rank of the benchmark: join the group, agree that the sizes fit, measure, and (rank 0) report."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ncclguard.bench.environment import describe_job
+from ncclguard.bench.measure import BenchCallFailed, SizeRun, measure_size
+from ncclguard.bench.memory import MemoryRefused, ensure_fits
+from ncclguard.bench.options import BenchOptions
+from ncclguard.bench.report import build_rows, render_table, summary, write_csv, write_json
+from ncclguard.bench.sizes import format_bytes
+
+__all__ = ["run_rank"]
+
+EXIT_FAILED, EXIT_REFUSED = 1, 2
+
+
+def _say(text: str) -> None:
+    print(f"python -m ncclguard.bench [rank {dist.get_rank()}]: {text}", file=sys.stderr, flush=True)
+
+
+def _agree(ok: bool, device: torch.device) -> list[bool]:
+    """Every rank's ``ok``, on every rank (so all ranks stop together, nobody waits in a collective)."""
+    mine = torch.tensor([int(ok)], device=device)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [bool(p.item()) for p in parts]
+
+
+def _fits(opts: BenchOptions, device: torch.device) -> str | None:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    try:
+        ensure_fits(opts.numels(), opts.element_size, opts.dtype, opts.modes, opts.check, local,
+                    device if device.type == "cuda" else None)
+    except MemoryRefused as exc:
+        return str(exc)
+    return None
+
+
+def run_rank(opts: BenchOptions, backend: str) -> int:
+    """Runs the benchmark as this rank of a launched job.
+
+    Returns:
+        0, 1 (wrong values, busbw below --min-busbw, or a failed call) or 2 (refused); the same
+        on every rank.
+    """
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=opts.timeout)} if opts.timeout else {}
+    dist.init_process_group(backend, **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    if opts.corrupt_rank is not None and opts.corrupt_rank >= world:
+        if rank == 0:
+            _say(f"refused: --corrupt-rank {opts.corrupt_rank} is not a rank of this {world}-rank job")
+        return EXIT_REFUSED
+    problem = _fits(opts, device)
+    verdicts = _agree(problem is None, device)
+    if not all(verdicts):
+        if problem is not None and (rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0):
+            _say(f"refused: {problem}")
+        elif rank == 0:
+            _say(f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(verdicts) if not ok]}")
+        return EXIT_REFUSED
+
+    environment = describe_job(device, backend)
+    dtype = getattr(torch, opts.dtype)
+    numels = opts.numels()
+    per_size = (opts.warmup + opts.iters) * len(opts.modes)
+    progress = (
+        Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        if rank == 0 else nullcontext()
+    )
+    runs: list[SizeRun] = []
+    with progress:
+        task = progress.add_task("all_reduce", total=per_size * len(numels)) if rank == 0 else None
+        for numel in numels:
+            if rank == 0:
+                progress.update(task, description=f"all_reduce {format_bytes(numel * opts.element_size)}")
+            tick = (lambda: progress.advance(task)) if rank == 0 else (lambda: None)
+            try:
+                runs.append(measure_size(
+                    numel, dtype, device, opts.modes, opts.op, iters=opts.iters, warmup=opts.warmup,
+                    timeout=opts.timeout, chunk_numel=opts.chunk_numel, check_data=opts.check,
+                    corrupt_rank=opts.corrupt_rank, on_iteration=tick,
+                ))
+            except BenchCallFailed as exc:
+                _say(f"a guarded call failed at {numel} elements, stopping: {exc}")
+                return EXIT_FAILED
+
+    rows = build_rows(runs, opts.dtype, opts.op, world)
+    summ = summary(rows, opts.min_busbw)
+    if rank == 0:
+        render_table(rows, world, summ)
+        config = {**opts.model_dump(mode="json"), "numels": numels, "backend": backend, "world_size": world}
+        if opts.json_path:
+            write_json(opts.json_path, config, environment, rows, summ)
+        if opts.csv_path:
+            write_csv(opts.csv_path, rows)
+        if opts.plot_path:
+            from ncclguard.bench.plot import plot_busbw
+
+            plot_busbw(opts.plot_path, rows, f"all_reduce {opts.dtype}, {world} ranks, {backend} "
+                       f"({', '.join(environment['hosts'])})")
+    return summ["exit_code"]

@@ -1,0 +1,161 @@
+"""``ncclguard.init_process_group``: torch's, after the network plan is applied, and with subgroups
+that inherit the world group's timeout.
+
+Two pitfalls it removes. NCCL and gloo read their interface variables when the group is
+created, so the plan must be in the environment before ``init_process_group``, not after. And
+``new_group(timeout=None)`` gets the *backend default* (10 min for NCCL, 30 min for gloo), not
+the timeout given to ``init_process_group``: torch fills it from
+``distributed_c10d._get_default_timeout(backend)`` (torch 2.13, ``_new_group_with_tag`` and
+``split_group``). After this wrapper, that default is the world group's timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+from ncclguard._log import log
+from ncclguard.netenv import NetPlan, apply, detect
+from ncclguard.timeouts import group_timeout_s, to_seconds
+
+__all__ = ["ProcessGroupInit", "init_process_group", "restore_default_timeout"]
+
+
+class ProcessGroupInit(BaseModel):
+    """What :func:`init_process_group` did.
+
+    Attributes:
+        backend: the world group's backend.
+        timeout_s: the world group's timeout, read back from the live group.
+        plan: the network plan detected (None with ``apply_env=False``).
+        applied: the variables set from the plan (the user's own are never in it).
+        subgroups_inherit: later groups made without ``timeout=`` get ``timeout_s``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str
+    timeout_s: float | None
+    plan: NetPlan | None
+    applied: dict[str, str]
+    subgroups_inherit: bool
+
+
+_patch_lock = threading.Lock()
+_original_default: Callable[[Any], timedelta] | None = None
+_world_ref: "weakref.ref[Any] | None" = None
+_world_timeout: timedelta | None = None
+
+
+def _default_timeout(backend: Any) -> timedelta:
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    # Only for the world group this wrapper created: after destroy_process_group and a plain
+    # torch init, torch's own default applies again.
+    if _world_ref is not None and world is not None and _world_ref() is world and _world_timeout is not None:
+        return _world_timeout
+    assert _original_default is not None
+    return _original_default(backend)
+
+
+def _inherit(world: Any, seconds: float) -> bool:
+    global _original_default, _world_ref, _world_timeout
+    from torch.distributed import distributed_c10d as c10d
+
+    with _patch_lock:
+        if _original_default is None:
+            current = getattr(c10d, "_get_default_timeout", None)
+            if not callable(current):
+                log.warning(
+                    "this torch has no distributed_c10d._get_default_timeout; subgroups keep the backend "
+                    "default timeout: pass timeout= to new_group"
+                )
+                return False
+            _original_default = current
+            c10d._get_default_timeout = _default_timeout
+        _world_ref = weakref.ref(world)
+        _world_timeout = timedelta(seconds=seconds)
+    return True
+
+
+def restore_default_timeout() -> None:
+    """Puts torch's own ``_get_default_timeout`` back: new groups get the backend default again."""
+    global _original_default, _world_ref, _world_timeout
+    from torch.distributed import distributed_c10d as c10d
+
+    with _patch_lock:
+        if _original_default is not None:
+            c10d._get_default_timeout = _original_default
+        _original_default, _world_ref, _world_timeout = None, None, None
+
+
+def _peer_of(init_method: str | None) -> str | None:
+    # None lets detect() take MASTER_ADDR itself (and say so in the plan).
+    if init_method and init_method.startswith("tcp://"):
+        return urlsplit(init_method).hostname
+    return None
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+    master_addr: str | None = None,
+    apply_env: bool = True,
+    override: bool = False,
+    inherit_timeout: bool = True,
+    **kwargs: Any,
+) -> ProcessGroupInit:
+    """Detects and applies the network plan, then calls ``torch.distributed.init_process_group``.
+
+    Args:
+        backend: as for torch (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, None).
+        timeout: the world group's timeout, in seconds or as a timedelta (None: torch's default).
+        master_addr: the peer to route to (default: the host of a ``tcp://`` init_method, else
+            ``MASTER_ADDR``, else the default route).
+        apply_env: detect and apply the plan (False: leave the environment alone).
+        override: let the plan replace variables the user set.
+        inherit_timeout: later groups created without ``timeout=`` get this group's timeout.
+        **kwargs: passed on to torch (``init_method``, ``rank``, ``world_size``, ``store``, ...).
+
+    Returns:
+        What was applied and the timeout in force.
+
+    Raises:
+        TypeError, ValueError: a bad ``timeout`` or master address (before anything is changed).
+        Whatever torch's init_process_group raises.
+    """
+    seconds = None if timeout is None else to_seconds(timeout)
+    plan: NetPlan | None = None
+    applied: dict[str, str] = {}
+    if apply_env:
+        plan = detect(master_addr if master_addr is not None else _peer_of(kwargs.get("init_method")))
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        applied = apply(plan, override=override)
+    if seconds is not None:
+        kwargs["timeout"] = timedelta(seconds=seconds)
+    dist.init_process_group(backend=backend, **kwargs)
+
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    in_force = group_timeout_s(world)
+    inherits = False
+    if inherit_timeout and in_force is not None:
+        inherits = _inherit(world, in_force)
+    log.info(
+        "process group up: backend %s, timeout %s s, interface %s%s",
+        dist.get_backend(), in_force, plan.interface if plan else "(not detected)",
+        ", subgroups inherit the timeout" if inherits else "",
+    )
+    return ProcessGroupInit(
+        backend=str(dist.get_backend()), timeout_s=in_force, plan=plan, applied=applied, subgroups_inherit=inherits
+    )

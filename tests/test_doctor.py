@@ -1,0 +1,172 @@
+"""`python -m ncclguard doctor`: the table, --json, --export, bad input, and --check-ranks under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ncclguard.cli import main
+from ncclguard.cli.doctor import compare_ranks
+from ncclguard.envvars import DEPRECATED, IGNORED
+
+REPO = Path(__file__).parent.parent
+REPORT_KEYS = {"host", "rank", "plan", "variables", "timeouts", "versions", "warnings", "ok"}
+# Variables the tests decide on; anything of the runner's environment among them is removed.
+CONTROLLED = [*IGNORED, *DEPRECATED, *DEPRECATED.values(), "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_SOCKET_FAMILY", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+              "LOCAL_WORLD_SIZE", "DEEPSPEED_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_RUN_ID"]
+SEEDS_ENV = {"NCCL_TIMEOUT": "1800", "NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384",
+             "NCCL_SOCKET_IFNAME": "lo"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in CONTROLLED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "250")  # rich: one table row per line
+    return monkeypatch
+
+
+def _doctor(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["doctor", "--master-addr", "127.0.0.1", "--backend", "gloo", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_names_every_variable_the_seeds_set(env, capsys):
+    for name, value in SEEDS_ENV.items():
+        env.setenv(name, value)
+    rc, out, _ = _doctor(capsys, "--json")
+    report = json.loads(out)
+    assert rc == 1 and report["ok"] is False
+    assert set(report) == REPORT_KEYS
+    assert (report["plan"]["interface"], report["plan"]["target_source"]) == ("lo", "argument")
+    rows = {v["name"]: (v["value"], v["recommended"], v["status"]) for v in report["variables"]}
+    assert rows == {
+        "NCCL_SOCKET_IFNAME": ("lo", "=lo", "set by user"),
+        "GLOO_SOCKET_IFNAME": (None, "lo", "unset"),
+        "NCCL_IB_DISABLE": (None, "1", "unset"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": (None, "3", "set by user"),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": (None, "1", "unset"),
+        "TORCH_FR_BUFFER_SIZE": (None, "2000", "set by user"),
+        "NCCL_ASYNC_ERROR_HANDLING": ("1", None, "deprecated"),
+        "NCCL_TIMEOUT": ("1800", None, "ignored by NCCL and PyTorch"),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": ("16384", None, "deprecated"),
+    }
+    assert [w.split(":")[0] for w in report["warnings"]] == [
+        "NCCL_TIMEOUT=1800 does nothing", "NCCL_ASYNC_ERROR_HANDLING is deprecated",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated", "timeouts",
+    ]
+    timeouts = {r["name"]: r["seconds"] for r in report["timeouts"]["rows"]}
+    assert timeouts["per-op deadline"] == 1800 and timeouts["process-group timeout"] == 1800
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["gloo"] == f"built into torch {torch.__version__}"
+
+
+def test_clean_environment_exits_zero(env, capsys):
+    rc, out, _ = _doctor(capsys, "--json", "--pg-timeout", "3600")
+    report = json.loads(out)
+    assert (rc, report["ok"], report["warnings"], report["timeouts"]["problems"]) == (0, True, [], [])
+    assert {v["status"] for v in report["variables"]} == {"unset"}
+
+
+def test_table(env, capsys):
+    for name, value in SEEDS_ENV.items():
+        env.setenv(name, value)
+    rc, out, _ = _doctor(capsys)
+    assert rc == 1
+    for title in ("network of", "environment variables", "timeout hierarchy", "versions", "4 warning(s):"):
+        assert title in out, title
+    lines = out.splitlines()
+    row = next(line for line in lines if "│ NCCL_TIMEOUT " in line)
+    assert "1800" in row and "ignored by NCCL and PyTorch" in row
+    row = next(line for line in lines if "│ interface " in line)
+    assert "│ lo " in row
+    assert "127.0.0.1 [argument]" in out
+    assert "  - NCCL_TIMEOUT=1800 does nothing: neither NCCL nor PyTorch reads it;" in out
+    for name in SEEDS_ENV:
+        env.delenv(name)
+    rc, out, _ = _doctor(capsys, "--pg-timeout", "3600")
+    assert rc == 0 and out.rstrip().endswith("nothing to change.")
+
+
+def test_export_lines(env, capsys):
+    env.setenv("NCCL_TIMEOUT", "1800")
+    env.setenv("NCCL_IB_DISABLE", "0")
+    rc, out, _ = _doctor(capsys, "--export")
+    assert rc == 1
+    assert out.splitlines() == [
+        "# ncclguard doctor for " + os.uname().nodename + ": peer 127.0.0.1 via lo",
+        "export NCCL_SOCKET_IFNAME==lo",
+        "export GLOO_SOCKET_IFNAME=lo",
+        "# NCCL_IB_DISABLE is yours (0); ncclguard would set 1",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
+        "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        "export TORCH_FR_BUFFER_SIZE=2000",
+        "# NCCL_TIMEOUT=1800: ignored by NCCL and PyTorch; " + IGNORED["NCCL_TIMEOUT"],
+    ]
+
+
+def test_bad_input_and_check_ranks_outside_a_launcher(env, capsys):
+    rc = main(["doctor", "--master-addr", "a b"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (2, "")
+    assert err.startswith("doctor: master address 'a b' is neither an IP address nor a valid hostname")
+    rc = main(["doctor", "--master-addr", "127.0.0.1", "--check-ranks"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (2, "")
+    assert "torchrun --nproc_per_node=2 -m ncclguard doctor --check-ranks" in err
+    for bad in (["--json", "--export"], ["--pg-timeout", "0"], ["--pg-timeout", "ten"], ["--timeout", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["doctor", *bad])  # argparse refuses it, with status 2
+        assert exc.value.code == 2
+    assert "expected a positive number of seconds, got '0'" in capsys.readouterr().err
+
+
+def _payload(interface: str, torch_version: str, **env: str) -> dict:
+    return {"host": "h", "plan": {"interface": interface}, "versions": {"torch": torch_version}, "env": env, "warnings": 0}
+
+
+def test_compare_ranks_names_the_disagreements():
+    same = {r: _payload("eth0", "2.13.0") for r in range(4)}
+    assert compare_ranks(same) == []
+    mixed = {0: _payload("eth0", "2.13.0"), 1: _payload("eth0", "2.13.0"), 2: _payload("eth0", "2.13.0"),
+             3: _payload("ens5", "2.12.1", NCCL_SOCKET_IFNAME="eth0")}
+    assert compare_ranks(mixed) == [
+        "ranks disagree on the interface: eth0 on ranks 0-2; ens5 on rank 3. One exported NCCL_SOCKET_IFNAME/"
+        "GLOO_SOCKET_IFNAME cannot name them all: let ncclguard.init_process_group apply each rank's own plan, or give "
+        "NCCL a prefix list that matches every one.",
+        "ranks disagree on torch version: 2.13.0 on ranks 0-2; 2.12.1 on rank 3. Install the same version on every host.",
+        "ranks disagree on NCCL_SOCKET_IFNAME: None on ranks 0-2; eth0 on rank 3. Set it the same way on every host "
+        "(or nowhere).",
+    ]
+
+
+def _clean_subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CONTROLLED}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.mark.multirank
+def test_check_ranks_under_torchrun():
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1",
+         "-m", "ncclguard", "doctor", "--check-ranks", "--json", "--pg-timeout", "3600", "--timeout", "30"],
+        capture_output=True, text=True, timeout=150, env=_clean_subprocess_env(), cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)  # rank 0 alone prints; this is also `python -m ncclguard` end to end
+    ranks = report["ranks"]
+    assert (report["rank"], ranks["world_size"], ranks["all_reduce_ok"], ranks["disagreements"]) == (0, 2, True, [])
+    assert sorted(ranks["reports"]) == ["0", "1"]
+    assert {p["plan"]["interface"] for p in ranks["reports"].values()} == {"lo"}
+    # torchrun itself exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 to its workers.
+    row = next(v for v in report["variables"] if v["name"] == "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    assert (row["value"], row["status"]) == ("1", "set by user") and row["note"].startswith("torchrun's default")
