@@ -8,6 +8,7 @@ it, grandchildren included.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 __all__ = ["RankExit", "free_port", "spawn", "under_launcher"]
 
@@ -47,6 +48,17 @@ class SpawnResult:
     @property
     def ok(self) -> bool:
         return not self.timed_out and all(r.ok for r in self.ranks)
+
+    def json_lines(self, tag: str = "RESULT") -> dict[int, Any]:
+        """Parses the line ``<tag> {json}`` that each rank printed, by rank (ranks that printed none
+        are absent; the last such line of a rank wins)."""
+        found: dict[int, Any] = {}
+        prefix = tag + " "
+        for r in self.ranks:
+            for line in r.stdout.splitlines():
+                if line.startswith(prefix):
+                    found[r.rank] = json.loads(line[len(prefix):])
+        return found
 
     def output(self) -> str:
         """Every rank's stdout and stderr, labelled, for error messages."""

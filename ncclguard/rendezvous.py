@@ -9,8 +9,9 @@ Protocol for a round named ``P`` (all keys below ``ncclguard/P``):
 1. each rank sets ``r<rank>`` to its payload and increments ``n``;
 2. the rank that makes ``n`` equal the group size settles the outcome ``o`` to ``ok`` with
    compare-and-set; the others wait for ``o`` until the deadline, then try to settle it to
-   ``timeout``. compare-and-set makes the first settlement final, so every rank, late ones
-   included, reads the same outcome;
+   ``timeout <n>`` (with the arrival count then). compare-and-set makes the first settlement
+   final, so every rank, late ones included, reads the same outcome, and a rank whose arrival
+   number is above that count knows it came late;
 3. each rank increments ``gone`` when it leaves; the last one deletes the round's keys, so a
    loop of rounds leaves the store small.
 """
@@ -50,8 +51,7 @@ class RoundResult:
         payloads: payloads by group rank, for every rank that arrived.
         missing: group ranks whose payload this rank did not find after the outcome was settled
             (sorted; empty when ``ok``).
-        late: the round had already been given up by the others before this rank's own
-            deadline: this rank is the one that came late.
+        late: the round had already been given up when this rank arrived.
         elapsed_s: seconds this rank spent in the round.
     """
 
@@ -110,17 +110,19 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
     store, size, me = info.store, info.size, info.rank
     p = f"ncclguard/{name}"
     outcome_key = f"{p}/o"
-    own_deadline_hit = False
     try:
         store.set(f"{p}/r{me}", json.dumps({"host": HOST, "payload": payload}))
         arrived = store.add(f"{p}/n", 1)
         if arrived >= size:
-            outcome = store.compare_set(outcome_key, "", "ok").decode()
+            settled = store.compare_set(outcome_key, "", "ok").decode()
         elif _wait(store, outcome_key, deadline - time.monotonic()):
-            outcome = store.get(outcome_key).decode()
+            settled = store.get(outcome_key).decode()
         else:
-            own_deadline_hit = True
-            outcome = store.compare_set(outcome_key, "", "timeout").decode()
+            # The verdict records how many ranks had arrived, so a rank can tell whether it came
+            # before the verdict (on time, only slower to notice) or after it (late).
+            settled = store.compare_set(outcome_key, "", f"timeout {store.add(f'{p}/n', 0)}").decode()
+        outcome, _, arrived_by = settled.partition(" ")
+        late = outcome != "ok" and arrived > int(arrived_by or size)
         keys = [f"{p}/r{r}" for r in range(size)]
         if outcome == "ok":
             present = keys
@@ -147,6 +149,6 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
         outcome=outcome,
         payloads=payloads,
         missing=missing,
-        late=outcome != "ok" and not own_deadline_hit,
+        late=late,
         elapsed_s=time.monotonic() - start,
     )

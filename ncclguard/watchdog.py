@@ -49,6 +49,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ncclguard._log import log
+from ncclguard.abort import abort_process_groups
 from ncclguard.errors import CollectiveTimeout
 from ncclguard.flight import FlightRecord, format_stack, frame_site, recorder, seq_key
 from ncclguard.incident import INCIDENT_FILE, SUMMARY_FILE, merge, render, write_json
@@ -874,36 +875,12 @@ class Watchdog:
             prev(signum, frame)
 
     def _do_abort(self, inc: _Incident, entry: dict[str, Any]) -> None:
-        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             entry.update(done=False, why="no process group")
             return
-        from torch.distributed import distributed_c10d as c10d
-
-        groups = sorted(dict(c10d._world.pg_names).items(), key=lambda kv: kv[1], reverse=True)
-        nccl = None
-        try:
-            backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
-            if c10d.is_nccl_available() and isinstance(backend, c10d.ProcessGroupNCCL):
-                nccl = backend
-        except (RuntimeError, ValueError, AttributeError):
-            nccl = None
-        aborted, failed = [], []
-        # As torch's _abort_process_group: NCCL aborts inside one group call, so the communicators'
-        # aborts cannot deadlock each other (pytorch#119797). The c10d bookkeeping is left alone:
-        # the main thread may still hold these groups, and destroy_process_group() cleans up.
-        if nccl is not None:
-            nccl._group_start()
-        for pg, name in groups:
-            try:
-                pg.abort()
-                aborted.append(name)
-            except Exception as exc:  # noqa: BLE001
-                failed.append(f"{name}: {exc}")
-        if nccl is not None:
-            nccl._group_end()
+        aborted, failed = abort_process_groups()
         entry.update(done=bool(aborted), aborted=aborted, failed=failed)
         log.error("watchdog: aborted process groups %s%s", aborted, f" (failed: {failed})" if failed else "")
 

@@ -42,12 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ncclguard.launch import spawn
 
     res = spawn([sys.executable, "-m", "ncclguard.cli.demo_collectives"], 2, timeout_s=60)
-    results = {}
-    for r in res.ranks:
-        for line in r.stdout.splitlines():
-            if line.startswith("RESULT "):
-                doc = json.loads(line[7:])
-                results[doc["rank"]] = doc
+    results = res.json_lines()
     if res.timed_out or len(results) != 2:
         print("the demo ranks did not report:\n" + res.output()[-4000:])
         return 1

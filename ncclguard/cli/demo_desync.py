@@ -67,12 +67,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"After step 3, rank 2 alone evaluates for {EVAL_S:g} s; ranks 0-1 go on into step 4's all_reduce and wait.")
     res = spawn([sys.executable, "-m", "ncclguard.cli.demo_desync", incident_dir], 3, timeout_s=90,
                 env={"NCCLGUARD_WATCHDOG_SESSION": "demo"})
-    results = {}
-    for r in res.ranks:
-        for line in r.stdout.splitlines():
-            if line.startswith("RESULT "):
-                doc = json.loads(line[7:])
-                results[doc["rank"]] = doc
+    results = res.json_lines()
     if res.timed_out or len(results) != 3:
         print("the demo ranks did not report:\n" + res.output()[-4000:])
         return 1
