@@ -52,7 +52,7 @@ _OPS = {
     ReduceOp.BOR: "BOR",
     ReduceOp.BXOR: "BXOR",
 }
-_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+_NEEDS_DTYPE_CHECK = frozenset({"AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"})
 
 
 @dataclass
@@ -114,17 +114,19 @@ def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> No
         raise TypeError(f"safe_all_reduce needs a torch.Tensor, got {type(tensor).__name__}; wrap data with torch.as_tensor(...)")
     if tensor.layout != torch.strided:
         raise TypeError(f"safe_all_reduce needs a dense tensor, got layout {tensor.layout}; call tensor.to_dense() first")
-    if not isinstance(op, ReduceOp.RedOpType) or op not in _OPS:
+    name = _OPS.get(op) if isinstance(op, ReduceOp.RedOpType) else None
+    if name is None:
         raise ValueError(f"unsupported op {op!r}; use one of ReduceOp.{', ReduceOp.'.join(_OPS.values())}")
-    dt = tensor.dtype
-    if op == ReduceOp.AVG and not (dt.is_floating_point or dt.is_complex) and backend != "nccl":
-        raise TypeError(
-            f"ReduceOp.AVG on {dt} would truncate; reduce with ReduceOp.SUM and divide, or convert to a floating dtype"
-        )
-    if op in _BITWISE and (dt.is_floating_point or dt.is_complex):
-        raise TypeError(f"ReduceOp.{_OPS[op]} needs an integer or bool tensor, got {dt}")
-    if op in (ReduceOp.MIN, ReduceOp.MAX) and dt.is_complex:
-        raise TypeError(f"ReduceOp.{_OPS[op]} is not defined for complex tensors ({dt}); reduce .real/.imag or .abs()")
+    if name in _NEEDS_DTYPE_CHECK:  # SUM, PRODUCT: every dtype; the others are checked below
+        dt = tensor.dtype
+        if name == "AVG" and not (dt.is_floating_point or dt.is_complex) and backend != "nccl":
+            raise TypeError(
+                f"ReduceOp.AVG on {dt} would truncate; reduce with ReduceOp.SUM and divide, or convert to a floating dtype"
+            )
+        if name in ("BAND", "BOR", "BXOR") and (dt.is_floating_point or dt.is_complex):
+            raise TypeError(f"ReduceOp.{name} needs an integer or bool tensor, got {dt}")
+        if name in ("MIN", "MAX") and dt.is_complex:
+            raise TypeError(f"ReduceOp.{name} is not defined for complex tensors ({dt}); reduce .real/.imag or .abs()")
     if chunk_numel is not None and (isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0):
         raise ValueError(f"chunk_numel must be a positive int (elements per chunk), got {chunk_numel!r}")
     if backend is not None:
@@ -232,8 +234,7 @@ def _reduce(
             log.warning("%s", error)
             return 0, error
 
-    with torch.no_grad():
-        reduced, failure = _run_chunks(info, tensor, op, bounds, deadline, atomic)
+    reduced, failure = _run_chunks(info, tensor, op, bounds, deadline, atomic)
     if failure is None:
         return reduced, None
 
@@ -361,7 +362,8 @@ def _run_chunks(
         except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
             return 0, (0, exc, _is_timeout(exc, deadline))
         if avg_by_hand:
-            tensor.div_(info.size)
+            with torch.no_grad():
+                tensor.div_(info.size)
         return numel, None
 
     # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
@@ -400,6 +402,8 @@ def _run_chunks(
         reduced = bounds[i][1]
 
     i = 0
+    grad_mode = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # staging copies and AVG's division are not autograd's business
     try:
         for i in range(len(bounds)):
             if len(inflight) >= max_inflight:
@@ -408,12 +412,14 @@ def _run_chunks(
         while inflight:
             i = inflight[0][0]
             complete()
+        if private is not None:
+            tensor.copy_(private[:numel].view(tensor.shape))
+            _private.give_back(private)
     except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
         # The private buffer is not given back: an abandoned op may still write into it.
         return (0 if atomic else reduced), (inflight[0][0] if inflight else i, exc, _is_timeout(exc, deadline))
-    if private is not None:
-        tensor.copy_(private[:numel].view(tensor.shape))
-        _private.give_back(private)
+    finally:
+        torch.set_grad_enabled(grad_mode)
     return reduced, None
 
 
