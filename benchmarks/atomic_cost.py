@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections import deque
 from pathlib import Path
+
+from interleaved import p50_of_slowest
 
 OUT = Path(__file__).resolve().parent / "results" / "atomic-cost.json"
 
@@ -69,23 +69,9 @@ def _rank(numel: int, iters: int) -> None:
         "reused buffer: copy in + copy-back (no comm)": reused_copies,
         "atomic emulated on a reused buffer": atomic_on_reused_buffer,
     }
-    names = list(cases)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    token = torch.zeros(1)
-    for it in range(iters + 2):  # the first 2 rounds warm up
-        for k in range(len(names)):
-            name = names[(it + k) % len(names)]
-            dist.all_reduce(token)
-            start = time.perf_counter()
-            cases[name]()
-            if it >= 2:
-                times[name].append(time.perf_counter() - start)
-    mine = torch.tensor([[*times[n]] for n in names], dtype=torch.float64)
-    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    if dist.get_rank() == 0:
-        slowest = torch.stack(parts).max(dim=0).values  # each iteration: the slowest rank
-        p50 = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
+    p50 = p50_of_slowest(cases, iters, warmup=2)
+    if p50 is not None:
+        names = list(p50)
         rows = [{"case": n, "p50_ms": round(p50[n] * 1e3, 2), "x_plain": round(p50[n] / p50["plain"], 3)} for n in names]
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps({"numel": numel, "dtype": "float32", "iters": iters, "chunks": len(bounds),

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from interleaved import p50_of_slowest
 
 OUT = Path(__file__).resolve().parent / "results" / "small-call-cost.json"
 
@@ -43,23 +44,9 @@ def _rank(iters: int) -> None:
             info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False),
         "safe_all_reduce(t)": lambda: collectives.safe_all_reduce(t, timeout=60),
     }
-    names = list(cases)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    token = torch.zeros(1)
-    for it in range(iters + 50):  # the first 50 rounds warm up
-        for k in range(len(names)):
-            name = names[(it + k) % len(names)]
-            dist.all_reduce(token)
-            start = time.perf_counter()
-            cases[name]()
-            if it >= 50:
-                times[name].append(time.perf_counter() - start)
-    mine = torch.tensor([times[n] for n in names], dtype=torch.float64)
-    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    if dist.get_rank() == 0:
-        slowest = torch.stack(parts).max(dim=0).values
-        p50 = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
+    p50 = p50_of_slowest(cases, iters, warmup=50)
+    if p50 is not None:
+        names = list(p50)
         rows = [{"case": n, "p50_us": round(p50[n] * 1e6, 1), "x_plain": round(p50[n] / p50[names[0]], 3)} for n in names]
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps({"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2),
