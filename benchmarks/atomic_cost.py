@@ -29,7 +29,7 @@ def _rank(numel: int, iters: int) -> None:
     import torch.distributed as dist
 
     from ncclguard import get_config, safe_all_reduce
-    from ncclguard.chunking import chunk_bounds
+    from ncclguard.collectives.chunking import chunk_bounds
 
     dist.init_process_group("gloo")
     t = torch.ones(numel)
@@ -85,7 +85,7 @@ def _rank(numel: int, iters: int) -> None:
 
 def main() -> int:
     from ncclguard.bench.sizes import parse_numel
-    from ncclguard.launch import spawn, under_launcher
+    from ncclguard.testing.launch import spawn, under_launcher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=parse_numel, default=100_000_000)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import instrument, phase, recorder, uninstrument
-from ncclguard.instrument import _spec, _wrap
+from ncclguard.diagnosis.instrument import _spec, _wrap
 
 BUDGET_US = 5.0
 

@@ -35,7 +35,7 @@ def rank_main(mode: str, stall: float) -> None:
 
 
 def main() -> None:
-    from ncclguard.launch import free_port
+    from ncclguard.testing.launch import free_port
 
     mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
     stall = sys.argv[2] if len(sys.argv) > 2 else "12"

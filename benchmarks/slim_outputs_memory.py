@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,11 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed._tools.mem_tracker import MemTracker
 
+# The synthetic Qwen2.5-VL data and the reference trainer are test fixtures (tests/workers).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
+
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
-from ncclguard.integrations.qwen2_5_vl_synthetic import image_tokens, mid_config, synthetic_batch, tiny_config
+from qwen2_5_vl_synthetic import image_tokens, mid_config, synthetic_batch, tiny_config
 
 RESULTS = Path(__file__).parent / "results" / "slim_outputs_memory.json"
 # (config, batch, filler text tokens, image grid in patches): sequence = text + image tokens + 5.

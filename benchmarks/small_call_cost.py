@@ -5,7 +5,7 @@
 Times, interleaved per iteration after a barrier, steps from a plain synchronous
 ``dist.all_reduce`` towards ``safe_all_reduce``: the same op issued asynchronously and waited on
 with a deadline, then on a view of the tensor (what the chunk loop passes), then ncclguard's
-chunk loop alone (``ncclguard.collectives._run_chunks``, private: this is a diagnosis, not an
+chunk loop alone (``ncclguard.collectives.all_reduce._run_chunks``, private: this is a diagnosis, not an
 API), then the whole call. Results: ``benchmarks/results/small-call-cost.json``.
 """
 
@@ -28,8 +28,8 @@ def _rank(iters: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import ncclguard.collectives as collectives
-    from ncclguard.groups import group_info
+    import ncclguard.collectives.all_reduce as collectives
+    from ncclguard.collectives.groups import group_info
 
     dist.init_process_group("gloo")
     t = torch.ones(1)
@@ -58,7 +58,7 @@ def _rank(iters: int) -> None:
 
 
 def main() -> int:
-    from ncclguard.launch import spawn, under_launcher
+    from ncclguard.testing.launch import spawn, under_launcher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=1500)

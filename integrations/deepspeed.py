@@ -14,7 +14,7 @@ training process group is left as it was. Per attempt, on every rank:
    (:mod:`ncclguard.integrations.eval_group`), so a blocked ``dist.all_reduce`` gives up by the
    deadline and kills only that side group.
 3. An :class:`EvalSums` result is all-reduced by the guard with ``safe_all_reduce`` on the side group.
-4. The ranks agree through the store (``ncclguard.rendezvous.exchange``) on the outcome: all use
+4. The ranks agree through the store (``ncclguard.collectives.rendezvous.exchange``) on the outcome: all use
    their result or all skip it. A rank that comes late learns the verdict at once.
 5. On an agreed failure the side group is discarded (the next attempt builds a new one), and
    after ``retries`` further attempts, each after ``shrink()``, ``monitor.log_metrics`` gets
@@ -41,14 +41,14 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ncclguard._log import log
-from ncclguard.barrier import safe_barrier
-from ncclguard.collectives import safe_all_reduce
-from ncclguard.groups import GroupInfo, group_info
+from ncclguard.collectives.barrier import safe_barrier
+from ncclguard.collectives.all_reduce import safe_all_reduce
+from ncclguard.collectives.groups import GroupInfo, group_info
 from ncclguard.integrations.eval_group import EvalGroup, deadline_timeout, routed_default_group
 from ncclguard.integrations.modes import eval_mode
-from ncclguard.rendezvous import StoreUnreachable, exchange, next_round
-from ncclguard.sigalrm import sigalrm_timeout
-from ncclguard.timeouts import to_seconds
+from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
+from ncclguard.diagnosis.sigalrm import sigalrm_timeout
+from ncclguard.collectives.deadlines import to_seconds
 
 __all__ = [
     "EvalSums",

@@ -55,7 +55,7 @@ class Config(BaseSettings):
     # Flight recorder.
     flight_records: int = Field(2000, gt=0)
 
-    # Timeout hierarchy (ncclguard.timeouts.TimeoutHierarchy); None = not declared.
+    # Timeout hierarchy (ncclguard.env.hierarchy.TimeoutHierarchy); None = not declared.
     # How long one evaluation pass may run on a rank while the others wait.
     eval_deadline_s: float | None = Field(None, gt=0)
     # The progress-heartbeat timeout of a supervisor outside the job (e.g. nvidia-resiliency-ext's

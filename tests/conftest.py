@@ -1,8 +1,14 @@
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 
 from ncclguard.config import configure, get_config
+
+# Worker scripts and the fixtures they share (the reference trainer, synthetic Qwen2.5-VL data)
+# live in tests/workers, importable by top-level name, as the ranks import them.
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 
 @pytest.fixture(autouse=True)

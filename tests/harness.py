@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ncclguard.launch import spawn
+from ncclguard.testing.launch import spawn
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).parent.parent

@@ -10,9 +10,9 @@ import torch
 from pydantic import ValidationError
 
 import ncclguard
-from ncclguard.chunking import chunk_bounds, chunk_count, logical_views
+from ncclguard.collectives.chunking import chunk_bounds, chunk_count, logical_views
 from ncclguard.config import Config, configure, get_config
-from ncclguard.timeouts import adaptive_timeout, size_timeout, to_seconds
+from ncclguard.collectives.deadlines import adaptive_timeout, size_timeout, to_seconds
 
 
 @pytest.mark.parametrize(

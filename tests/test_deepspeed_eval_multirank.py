@@ -1,7 +1,7 @@
 """guarded_evaluate / patch_trainer on real DeepSpeed engines (ZeRO 0 and 2) of the real tiny Qwen2.5-VL
 classifier, 2 ranks under torchrun with gloo on CPU. One launch; see tests/workers/deepspeed_worker.py.
 
-The trainer is ncclguard.integrations.reference_trainer.ReferenceTrainer, whose evaluate()
+The trainer is reference_trainer.ReferenceTrainer, whose evaluate()
 all-reduces its metrics with dist.all_reduce on the default group, as the seeds' trainer does.
 """
 

@@ -13,7 +13,7 @@ import torch
 
 from ncclguard.cli import main
 from ncclguard.cli.doctor import compare_ranks
-from ncclguard.envvars import DEPRECATED, IGNORED
+from ncclguard.env.envvars import DEPRECATED, IGNORED
 
 REPO = Path(__file__).parent.parent
 REPORT_KEYS = {"host", "rank", "plan", "variables", "timeouts", "versions", "warnings", "ok"}

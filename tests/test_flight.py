@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import configure, current_phase, instrument, phase, uninstrument
-from ncclguard.flight import FlightRecorder, call_site, recorder
-from ncclguard.instrument import INSTRUMENTED_OPS, is_instrumented
-from ncclguard.phase import main_thread_phase
+from ncclguard.diagnosis.flight import FlightRecorder, call_site, recorder
+from ncclguard.diagnosis.instrument import INSTRUMENTED_OPS, is_instrumented
+from ncclguard.diagnosis.phase import main_thread_phase
 
 HERE = __file__
 

@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from ncclguard.config import configure
-from ncclguard.envvars import DEPRECATED, IGNORED, applied_by_ncclguard, audit, env_warnings, gloo_ifname_matches, nccl_ifname_matches
-from ncclguard.infiniband import read_infiniband
-from ncclguard.netenv import NetPlan, apply, detect, parse_host
-from ncclguard.routes import NoRoute, lookup_route, parse_ip_json, parse_ip_text, parse_proc_ipv6_route, parse_proc_route
-from ncclguard.timeouts import TimeoutHierarchy, backend_default_timeout_s
+from ncclguard.env.envvars import DEPRECATED, IGNORED, applied_by_ncclguard, audit, env_warnings, gloo_ifname_matches, nccl_ifname_matches
+from ncclguard.env.infiniband import read_infiniband
+from ncclguard.env.netenv import NetPlan, apply, detect, parse_host
+from ncclguard.env.routes import NoRoute, lookup_route, parse_ip_json, parse_ip_text, parse_proc_ipv6_route, parse_proc_route
+from ncclguard.env.hierarchy import TimeoutHierarchy, backend_default_timeout_s
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ip"
 CASES = json.loads((FIXTURES / "cases.json").read_text())

@@ -19,8 +19,8 @@ from ncclguard.integrations.deepspeed import (
 )
 from ncclguard.integrations.modes import eval_mode
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
-from ncclguard.integrations.qwen2_5_vl_synthetic import split_batch, synthetic_batch, tiny_config
-from ncclguard.integrations.reference_trainer import ListMonitor
+from qwen2_5_vl_synthetic import split_batch, synthetic_batch, tiny_config
+from reference_trainer import ListMonitor
 
 
 def make_model(pooling: str = "last", seed: int = 0) -> Qwen2_5_VLForClassification:

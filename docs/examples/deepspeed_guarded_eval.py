@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
+from pathlib import Path
 import time
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+# The synthetic Qwen2.5-VL data and the reference trainer are test fixtures (tests/workers).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "tests" / "workers"))
+
 from ncclguard.integrations.deepspeed import patch_trainer
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification
-from ncclguard.integrations.qwen2_5_vl_synthetic import synthetic_batch, tiny_config
-from ncclguard.integrations.reference_trainer import ReferenceTrainer, ds_config
+from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
+from reference_trainer import ReferenceTrainer, ds_config
 
 
 class PrintMonitor:

@@ -1,7 +1,7 @@
 """What the numbers were measured on: versions, devices, hosts, world size, and the guard's settings.
 
 Every rank describes itself; the descriptions travel as JSON over the group's store
-(:func:`ncclguard.rendezvous.exchange`), never pickled.
+(:func:`ncclguard.collectives.rendezvous.exchange`), never pickled.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ncclguard.config import get_config
-from ncclguard.groups import group_info
-from ncclguard.rendezvous import HOST, exchange, next_round
+from ncclguard.collectives.groups import group_info
+from ncclguard.collectives.rendezvous import HOST, exchange, next_round
 
 __all__ = ["describe_rank", "describe_job"]
 

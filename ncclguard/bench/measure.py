@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ncclguard.bench import check
 from ncclguard.bench.memory import PeakMemory
-from ncclguard.collectives import safe_all_reduce
+from ncclguard.collectives.all_reduce import safe_all_reduce
 
 __all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
 

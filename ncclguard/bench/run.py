@@ -1,7 +1,7 @@
 """``python -m ncclguard.bench``: spawns ranks on this host, or runs as one rank under torchrun.
 
 Without torchrun's variables it checks memory for all its ranks, then re-runs itself as
-``--nproc`` ranks with :func:`ncclguard.launch.spawn` and exits with the worst rank's status.
+``--nproc`` ranks with :func:`ncclguard.testing.launch.spawn` and exits with the worst rank's status.
 Under a launcher every rank measures, and rank 0 prints and writes the results.
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ncclguard.bench.memory import MemoryRefused, ensure_fits
 from ncclguard.bench.options import BenchOptions, parse_options
-from ncclguard.launch import spawn, under_launcher
+from ncclguard.testing.launch import spawn, under_launcher
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
 

@@ -39,7 +39,7 @@ def _rank_main() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ncclguard.launch import spawn
+    from ncclguard.testing.launch import spawn
 
     res = spawn([sys.executable, "-m", "ncclguard.cli.demo_collectives"], 2, timeout_s=60)
     results = res.json_lines()

@@ -58,8 +58,8 @@ def _rank_main(incident_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ncclguard.incident import load_incident, render
-    from ncclguard.launch import spawn
+    from ncclguard.diagnosis.incident import load_incident, render
+    from ncclguard.testing.launch import spawn
 
     incident_dir = tempfile.mkdtemp(prefix="ncclguard-demo-incidents-")
     print(f"3 ranks train with instrument() and a watchdog (heartbeat {HEARTBEAT_S:g} s, hang after {HANG_S:g} s, "

@@ -22,11 +22,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ncclguard.envvars import DEPRECATED, IGNORED, audit
-from ncclguard.launch import under_launcher
-from ncclguard.netenv import NetPlan, detect
-from ncclguard.timeouts import TimeoutHierarchy
-from ncclguard.versions import library_versions
+from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
+from ncclguard.testing.launch import under_launcher
+from ncclguard.env.netenv import NetPlan, detect
+from ncclguard.env.hierarchy import TimeoutHierarchy
+from ncclguard.env.versions import library_versions
 
 # Variables shown in the table when set, besides the recommended ones.
 SHOWN_WHEN_SET = (
@@ -140,9 +140,9 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
     import torch
     import torch.distributed as dist
 
-    from ncclguard.groups import group_info
-    from ncclguard.pginit import init_process_group
-    from ncclguard.rendezvous import exchange, next_round
+    from ncclguard.collectives.groups import group_info
+    from ncclguard.env.pginit import init_process_group
+    from ncclguard.collectives.rendezvous import exchange, next_round
 
     start = time.monotonic()
     init = init_process_group("gloo", timeout=timeout_s, master_addr=plan_target)

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ncclguard.incident import INCIDENT_FILE, load_incident, render
+from ncclguard.diagnosis.incident import INCIDENT_FILE, load_incident, render
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

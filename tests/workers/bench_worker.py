@@ -7,7 +7,7 @@ import sys
 import rankkit
 from ncclguard.bench.options import parse_options
 from ncclguard.bench.rank import run_rank
-from ncclguard.launch import under_launcher
+from ncclguard.testing.launch import under_launcher
 
 # The same path as `torchrun -m ncclguard.bench ARGS` takes (bench.run.main under a launcher),
 # minus its final os._exit, so the rank can save what it returned.

@@ -28,8 +28,8 @@ from rankkit import put, stall
 from ncclguard.integrations.deepspeed import FAILED_METRIC, guarded_evaluate, patch_trainer, unpatch_trainer
 from ncclguard.integrations.eval_group import deadline_timeout, routed_default_group
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
-from ncclguard.integrations.qwen2_5_vl_synthetic import synthetic_batch, tiny_config
-from ncclguard.integrations.reference_trainer import ListMonitor, ReferenceTrainer, ds_config
+from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
+from reference_trainer import ListMonitor, ReferenceTrainer, ds_config
 
 TIMEOUT_S = 2.0
 STALL_S = 30.0  # far past the deadline: only the guard can end it in time

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import rankkit
 from rankkit import kill, put, skip_collective
 from ncclguard import CollectiveTimeout, phase, recorder, safe_barrier, sigalrm_timeout, start_watchdog
-from ncclguard.incident import INCIDENT_FILE
+from ncclguard.diagnosis.incident import INCIDENT_FILE
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

@@ -23,7 +23,7 @@ from rankkit import put
 
 
 def _timeouts() -> dict[str, float | None]:
-    from ncclguard.timeouts import group_timeout_s
+    from ncclguard.env.hierarchy import group_timeout_s
 
     return {
         "default": dist.distributed_c10d._get_default_timeout(dist.Backend("gloo")).total_seconds(),
@@ -34,9 +34,9 @@ def _timeouts() -> dict[str, float | None]:
 
 def inherit() -> None:
     import ncclguard
-    from ncclguard.envvars import env_warnings
-    from ncclguard.pginit import restore_default_timeout
-    from ncclguard.timeouts import TimeoutHierarchy
+    from ncclguard.env.envvars import env_warnings
+    from ncclguard.env.pginit import restore_default_timeout
+    from ncclguard.env.hierarchy import TimeoutHierarchy
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init = ncclguard.init_process_group("gloo", timeout=20)
@@ -87,7 +87,7 @@ def detect_many() -> None:
     """Not a rank: prints the plans for the addresses given (``-`` = no address: the default route)."""
     import json
 
-    from ncclguard.netenv import detect
+    from ncclguard.env.netenv import detect
 
     plans = {a: detect(None if a == "-" else a, environ={}).model_dump(mode="json") for a in sys.argv[2:]}
     print(json.dumps(plans))

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict
 
 from ncclguard._log import log
 from ncclguard.config import Config, get_config
-from ncclguard.envvars import DEPRECATED, env_warnings, mark_applied
-from ncclguard.infiniband import SYSFS_INFINIBAND, IbDevice, read_infiniband
-from ncclguard.routes import IPAddress, NoRoute, Route, lookup_route
+from ncclguard.env.envvars import DEPRECATED, env_warnings, mark_applied
+from ncclguard.env.infiniband import SYSFS_INFINIBAND, IbDevice, read_infiniband
+from ncclguard.env.routes import IPAddress, NoRoute, Route, lookup_route
 
 __all__ = ["NetPlan", "apply", "detect", "parse_host"]
 
@@ -315,7 +315,7 @@ def apply(plan: NetPlan, override: bool = False, environ: MutableMapping[str, st
         TypeError: ``plan`` is not a :class:`NetPlan`.
     """
     if not isinstance(plan, NetPlan):
-        raise TypeError(f"plan must be a NetPlan from ncclguard.netenv.detect(), got {type(plan).__name__}")
+        raise TypeError(f"plan must be a NetPlan from ncclguard.env.netenv.detect(), got {type(plan).__name__}")
     env = os.environ if environ is None else environ
     aliases = {new: old for old, new in DEPRECATED.items()}
     done: dict[str, str] = {}

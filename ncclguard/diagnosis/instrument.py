@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ncclguard.flight import recorder
+from ncclguard.diagnosis.flight import recorder
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
 

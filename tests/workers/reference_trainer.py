@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard.integrations.deepspeed import EvalSums
-from ncclguard.integrations.qwen2_5_vl_synthetic import split_batch
+from qwen2_5_vl_synthetic import split_batch
 
 __all__ = ["ds_config", "ReferenceTrainer", "ListMonitor"]
 

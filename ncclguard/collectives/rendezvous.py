@@ -30,7 +30,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-from ncclguard.groups import GroupInfo
+from ncclguard.collectives.groups import GroupInfo
 
 __all__ = ["RoundResult", "exchange", "next_round", "known_hosts", "StoreUnreachable"]
 

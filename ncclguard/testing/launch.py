@@ -160,7 +160,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-if __name__ == "__main__":  # python -m ncclguard.launch -n 2 -- cmd ...
+if __name__ == "__main__":  # python -m ncclguard.testing.launch -n 2 -- cmd ...
     import argparse
 
     ap = argparse.ArgumentParser(description="Run N ranks of a command on this host (torchrun's variables, no teardown).")

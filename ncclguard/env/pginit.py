@@ -21,8 +21,9 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from ncclguard._log import log
-from ncclguard.netenv import NetPlan, apply, detect
-from ncclguard.timeouts import group_timeout_s, to_seconds
+from ncclguard.env.netenv import NetPlan, apply, detect
+from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.env.hierarchy import group_timeout_s
 
 __all__ = ["ProcessGroupInit", "init_process_group", "restore_default_timeout"]
 

@@ -13,7 +13,7 @@ An incident is a numbered entry in the store. Every rank's watchdog that sees it
 of all its Python threads, its flight records and the heartbeats to
 ``<incident_dir>/<id>/rank<r>.json`` and publishes a statement; the first rank done merges the
 statements into ``incident.json`` and ``summary.txt`` (culprits apart from victims, see
-:mod:`ncclguard.incident`). Then every rank climbs the action ladder up to ``action``, giving
+:mod:`ncclguard.diagnosis.incident`). Then every rank climbs the action ladder up to ``action``, giving
 each rung ``escalate_after_s`` to clear the hang:
 
 ``report``  log only;
@@ -49,11 +49,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ncclguard._log import log
-from ncclguard.abort import abort_process_groups
+from ncclguard.diagnosis.abort import abort_process_groups
 from ncclguard.errors import CollectiveTimeout
-from ncclguard.flight import FlightRecord, format_stack, frame_site, recorder, seq_key
-from ncclguard.incident import INCIDENT_FILE, SUMMARY_FILE, merge, render, write_json
-from ncclguard.phase import main_thread_phase
+from ncclguard.diagnosis.flight import FlightRecord, format_stack, frame_site, recorder, seq_key
+from ncclguard.diagnosis.incident import INCIDENT_FILE, SUMMARY_FILE, merge, render, write_json
+from ncclguard.diagnosis.phase import main_thread_phase
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
 
@@ -87,7 +87,7 @@ class WatchdogConfig(BaseSettings):
         session: a name for this watchdog's keys in the store; give a new one to a second
             watchdog started in the same job.
         store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
-        instrument: also call :func:`ncclguard.instrument` so plain ``torch.distributed`` calls
+        instrument: also call :func:`ncclguard.diagnosis.instrument` so plain ``torch.distributed`` calls
             are recorded.
     """
 
@@ -305,7 +305,7 @@ class Watchdog:
         self._store_lost = False
         self._local_count = 0
         if cfg.instrument:
-            from ncclguard.instrument import instrument, is_instrumented
+            from ncclguard.diagnosis.instrument import instrument, is_instrumented
 
             if not is_instrumented():
                 instrument()
@@ -333,7 +333,7 @@ class Watchdog:
             signal.signal(self._signum, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
             self._prev_handler, self._handler_installed = None, False
         if self._instrumented:
-            from ncclguard.instrument import uninstrument
+            from ncclguard.diagnosis.instrument import uninstrument
 
             uninstrument()
             self._instrumented = False

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.chunking import chunk_bounds, logical_views
+from ncclguard.collectives.chunking import chunk_bounds, logical_views
 from ncclguard.config import get_config
 from ncclguard.errors import (
     CollectiveError,
@@ -34,10 +34,10 @@ from ncclguard.errors import (
     GroupFailed,
     NcclGuardError,
 )
-from ncclguard.flight import recorder
-from ncclguard.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info, mark_failed
-from ncclguard.rendezvous import StoreUnreachable, exchange, next_round
-from ncclguard.timeouts import adaptive_timeout, to_seconds
+from ncclguard.diagnosis.flight import recorder
+from ncclguard.collectives.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info, mark_failed
+from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
+from ncclguard.collectives.deadlines import adaptive_timeout, to_seconds
 
 __all__ = ["CollectiveResult", "release_atomic_buffers", "safe_all_reduce"]
 
@@ -174,7 +174,7 @@ def safe_all_reduce(
         group: the process group (default: the world). Without an initialized process group the
             call is a world of one: ok, tensor unchanged.
         timeout: seconds or timedelta for the whole call, from entry. Default: by size, see
-            :func:`ncclguard.timeouts.adaptive_timeout`.
+            :func:`ncclguard.env.hierarchy.adaptive_timeout`.
         chunk_numel: elements per chunk; default from the size policy in :class:`ncclguard.Config`.
         atomic: on failure, leave the tensor bit for bit as it was (costs one copy of it, in a
             buffer kept between calls; see :func:`release_atomic_buffers`).

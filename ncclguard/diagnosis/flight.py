@@ -25,8 +25,8 @@ from types import FrameType
 from typing import Any
 
 from ncclguard.config import get_config
-from ncclguard.phase import MAIN as _MAIN_PHASES
-from ncclguard.phase import current_phase
+from ncclguard.diagnosis.phase import MAIN as _MAIN_PHASES
+from ncclguard.diagnosis.phase import current_phase
 
 __all__ = ["FlightRecord", "FlightRecorder", "recorder", "call_site", "frame_site", "format_stack", "seq_key"]
 

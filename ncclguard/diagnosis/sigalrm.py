@@ -4,7 +4,7 @@ What it can and cannot do: a SIGALRM handler runs in the main thread between byt
 a Python-level stall (a slow evaluation loop, a sleep, a busy loop) within milliseconds of the
 deadline, but it cannot interrupt a blocking C++ call such as a gloo or NCCL collective: the
 handler only runs once that call returns (tests/test_sigalrm.py and
-tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.watchdog`) and
+tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.diagnosis.watchdog`) and
 the deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ncclguard.errors import CollectiveTimeout
-from ncclguard.timeouts import to_seconds
+from ncclguard.collectives.deadlines import to_seconds
 
 __all__ = ["sigalrm_timeout"]
 

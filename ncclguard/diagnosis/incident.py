@@ -1,6 +1,6 @@
 """Incidents on disk: the per-rank dumps, the merged ``incident.json``, and the plain-text report.
 
-The watchdog (:mod:`ncclguard.watchdog`) writes ``<incident_dir>/<id>/rank<r>.json`` on every rank
+The watchdog (:mod:`ncclguard.diagnosis.watchdog`) writes ``<incident_dir>/<id>/rank<r>.json`` on every rank
 it can reach, and one surviving rank merges the ranks' statements into ``incident.json`` and
 ``summary.txt``. This module holds the parts that need no process group: the culprit analysis,
 the merge, the rendering, and loading an incident back (``python -m ncclguard report DIR``).
@@ -153,7 +153,7 @@ def analyse(
     """Names culprits and victims from what the ranks said.
 
     Args:
-        statements: each answering rank's statement (see :mod:`ncclguard.watchdog`), by rank.
+        statements: each answering rank's statement (see :mod:`ncclguard.diagnosis.watchdog`), by rank.
         heartbeats: the last heartbeat seen of each rank, by rank (used where no statement came).
         stale: ranks whose heartbeat stopped, with seconds since it last changed.
         world_size: ranks in the job.
