@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
+
+# ruff (lint and format) over everything we ship and test; types over the library.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ncclguard integrations tests benchmarks docs
+	$(VENV)/bin/ruff format --check ncclguard integrations tests benchmarks docs
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_gloo_2ranks.py

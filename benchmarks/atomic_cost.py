@@ -72,11 +72,25 @@ def _rank(numel: int, iters: int) -> None:
     p50 = p50_of_slowest(cases, iters, warmup=2)
     if p50 is not None:
         names = list(p50)
-        rows = [{"case": n, "p50_ms": round(p50[n] * 1e3, 2), "x_plain": round(p50[n] / p50["plain"], 3)} for n in names]
+        rows = [
+            {"case": n, "p50_ms": round(p50[n] * 1e3, 2), "x_plain": round(p50[n] / p50["plain"], 3)} for n in names
+        ]
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"numel": numel, "dtype": "float32", "iters": iters, "chunks": len(bounds),
-                                   "max_inflight": inflight, "loadavg_1min_after": round(os.getloadavg()[0], 2),
-                                   "rows": rows}, indent=1) + "\n")
+        OUT.write_text(
+            json.dumps(
+                {
+                    "numel": numel,
+                    "dtype": "float32",
+                    "iters": iters,
+                    "chunks": len(bounds),
+                    "max_inflight": inflight,
+                    "loadavg_1min_after": round(os.getloadavg()[0], 2),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         for r in rows:
             print(f"{r['case']:46s} p50 {r['p50_ms']:9.1f} ms  x{r['x_plain']:.2f}", flush=True)
     sys.stdout.flush()
@@ -93,8 +107,9 @@ def main() -> int:
     ns = ap.parse_args()
     if under_launcher():
         _rank(ns.numel, ns.iters)
-    res = spawn([sys.executable, __file__, "--numel", str(ns.numel), "--iters", str(ns.iters)], 2,
-                timeout_s=900, capture=False)
+    res = spawn(
+        [sys.executable, __file__, "--numel", str(ns.numel), "--iters", str(ns.iters)], 2, timeout_s=900, capture=False
+    )
     return 0 if res.ok else 1
 
 

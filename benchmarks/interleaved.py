@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def p50_of_slowest(cases: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict[str, float] | None:

@@ -26,8 +26,9 @@ import statistics
 import sys
 import time
 import timeit
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ def _deep_caller(depth: int, fn: Callable[[], Any]) -> Callable[[], Any]:
     src = "def f0():\n    return leaf()\n"
     for i in range(1, depth):
         src += f"def f{i}():\n    return f{i - 1}()\n"
-    exec(compile(src, torch_file, "exec"), namespace)  # noqa: S102 - our own generated source
+    exec(compile(src, torch_file, "exec"), namespace)
     return namespace[f"f{depth - 1}"]
 
 
@@ -85,7 +86,10 @@ def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
         ar_async(t, async_op=True)
         recorder.sweep()  # the watchdog's side: notices completion and closes the record
 
-    cases["all_reduce async_op=True (+ the sweep that closes it)"] = (async_then_sweep, lambda: _noop_async(t, async_op=True))
+    cases["all_reduce async_op=True (+ the sweep that closes it)"] = (
+        async_then_sweep,
+        lambda: _noop_async(t, async_op=True),
+    )
     send = _wrap(_spec("send", dist.send), _noop)
     cases["send (point to point)"] = (lambda: send(t, dst=0), lambda: _noop(t, dst=0))
     out = {}
@@ -96,8 +100,11 @@ def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
             p = per_call_us(plain, calls, repeat)
             # Per repeat, wrapped minus plain; the min is the least-disturbed run, the median the typical one.
             diffs = sorted(a - b for a, b in zip(w, p))
-            out[name] = {"min_us": round(diffs[0], 3), "median_us": round(statistics.median(diffs), 3),
-                         "max_us": round(diffs[-1], 3)}
+            out[name] = {
+                "min_us": round(diffs[0], 3),
+                "median_us": round(statistics.median(diffs), 3),
+                "max_us": round(diffs[-1], 3),
+            }
     recorder.clear()
     return out
 
@@ -124,9 +131,14 @@ def gloo_costs(pairs: int, calls: int) -> dict[str, float]:
         plain.append(got[False])
         recorded.append(got[True])
         diffs.append(got[True] - got[False])
-    return {"plain_p50_us": round(statistics.median(plain), 2), "instrumented_p50_us": round(statistics.median(recorded), 2),
-            "difference_p50_us": round(statistics.median(diffs), 2),
-            "difference_of_minima_us": round(min(recorded) - min(plain), 2), "pairs": pairs, "calls_per_block": calls}
+    return {
+        "plain_p50_us": round(statistics.median(plain), 2),
+        "instrumented_p50_us": round(statistics.median(recorded), 2),
+        "difference_p50_us": round(statistics.median(diffs), 2),
+        "difference_of_minima_us": round(min(recorded) - min(plain), 2),
+        "pairs": pairs,
+        "calls_per_block": calls,
+    }
 
 
 def main() -> int:
@@ -155,23 +167,44 @@ def main() -> int:
     # measure the other processes (Python's timeit docs say the same of repeat()'s minimum).
     worst = max(row["min_us"] for row in wrapper.values())
     worst_median = max(row["median_us"] for row in wrapper.values())
-    print(f"worst case: {worst:.2f} us (least disturbed), {worst_median:.2f} us (median) -> "
-          f"{'within' if worst <= BUDGET_US else 'OVER'} the {BUDGET_US:g} us budget")
-    print(f"\ngloo world of one, 1-element all_reduce, per call: plain p50 {gloo['plain_p50_us']:.1f} us, "
-          f"instrumented p50 {gloo['instrumented_p50_us']:.1f} us; difference p50 over {gloo['pairs']} interleaved pairs "
-          f"{gloo['difference_p50_us']:+.1f} us, difference of the minima {gloo['difference_of_minima_us']:+.1f} us")
+    print(
+        f"worst case: {worst:.2f} us (least disturbed), {worst_median:.2f} us (median) -> "
+        f"{'within' if worst <= BUDGET_US else 'OVER'} the {BUDGET_US:g} us budget"
+    )
+    print(
+        f"\ngloo world of one, 1-element all_reduce, per call: plain p50 {gloo['plain_p50_us']:.1f} us, "
+        f"instrumented p50 {gloo['instrumented_p50_us']:.1f} us; difference p50 over {gloo['pairs']} interleaved pairs "
+        f"{gloo['difference_p50_us']:+.1f} us, difference of the minima {gloo['difference_of_minima_us']:+.1f} us"
+    )
     print("(around a real call the same code runs with cold caches: dearer than in the loop above)")
-    print(f"\n{os.cpu_count()} cores, 1-min load {load_before:.2f} -> {load_after:.2f}, {wall:.1f} s, torch {torch.__version__}, "
-          f"Python {platform.python_version()}")
+    print(
+        f"\n{os.cpu_count()} cores, 1-min load {load_before:.2f} -> {load_after:.2f}, {wall:.1f} s, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "budget_us": BUDGET_US, "wrapper": wrapper, "worst_min_us": worst, "worst_median_us": worst_median,
-            "gloo_world_of_one": gloo,
-            "environment": {"cores": os.cpu_count(), "load_1min": [load_before, load_after], "wall_s": round(wall, 1),
-                            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
-        }, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                    "budget_us": BUDGET_US,
+                    "wrapper": wrapper,
+                    "worst_min_us": worst,
+                    "worst_median_us": worst_median,
+                    "gloo_world_of_one": gloo,
+                    "environment": {
+                        "cores": os.cpu_count(),
+                        "load_1min": [load_before, load_after],
+                        "wall_s": round(wall, 1),
+                        "torch": torch.__version__,
+                        "python": platform.python_version(),
+                        "machine": platform.machine(),
+                    },
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if worst <= BUDGET_US else 1
 
 

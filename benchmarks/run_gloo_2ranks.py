@@ -27,8 +27,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RUNS: dict[str, list[str]] = {
-    "sweep": ["-b", "1K", "-e", "1G", "-f", "2", "--iters", "20", "--warmup", "5", "--check",
-              "--csv", "{out}/sweep.csv", "--plot", "{out}/busbw.png"],
+    "sweep": [
+        "-b",
+        "1K",
+        "-e",
+        "1G",
+        "-f",
+        "2",
+        "--iters",
+        "20",
+        "--warmup",
+        "5",
+        "--check",
+        "--csv",
+        "{out}/sweep.csv",
+        "--plot",
+        "{out}/busbw.png",
+    ],
     "ratio-1e8": ["--numel", "1e8", "--iters", "60", "--warmup", "5"],
     "ratio-1": ["--numel", "1", "--iters", "3000", "--warmup", "100"],
 }
@@ -54,17 +69,33 @@ class LoadSampler(threading.Thread):
         self._halt.set()
         self.join()
         s = self.samples or [os.getloadavg()[0]]
-        return {"samples": len(s), "min": round(min(s), 2), "mean": round(statistics.fmean(s), 2), "max": round(max(s), 2)}
+        return {
+            "samples": len(s),
+            "min": round(min(s), 2),
+            "mean": round(statistics.fmean(s), 2),
+            "max": round(max(s), 2),
+        }
 
 
 def _machine() -> dict[str, Any]:
     import psutil
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "note": "a 2-vCPU VM shared with other jobs (test suites of other developers ran at the same time)"}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "note": "a 2-vCPU VM shared with other jobs (test suites of other developers ran at the same time)",
+    }
 
 
 def run(name: str, out: Path) -> dict[str, Any]:
@@ -72,8 +103,18 @@ def run(name: str, out: Path) -> dict[str, Any]:
     path = out / f"{name}.json"
     rel = os.path.relpath(out, REPO)  # relative paths keep the recorded command reproducible
     args = [a.format(out=rel) for a in RUNS[name]]
-    cmd = [sys.executable, "-m", "ncclguard.bench", "--nproc", "2", "--backend", "gloo", *args,
-           "--json", os.path.join(rel, f"{name}.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ncclguard.bench",
+        "--nproc",
+        "2",
+        "--backend",
+        "gloo",
+        *args,
+        "--json",
+        os.path.join(rel, f"{name}.json"),
+    ]
     print("$ python -m ncclguard.bench " + " ".join(cmd[3:]), flush=True)
     sampler = LoadSampler()
     sampler.start()
@@ -83,8 +124,12 @@ def run(name: str, out: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"{name}: the benchmark exited {proc.returncode}")
     doc = json.loads(path.read_text())
-    doc["machine"] = {**_machine(), "loadavg_1min_during_run": load, "wall_s": round(time.monotonic() - start, 1),
-                      "command": "python -m ncclguard.bench " + " ".join(cmd[3:])}
+    doc["machine"] = {
+        **_machine(),
+        "loadavg_1min_during_run": load,
+        "wall_s": round(time.monotonic() - start, 1),
+        "command": "python -m ncclguard.bench " + " ".join(cmd[3:]),
+    }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -116,10 +161,12 @@ def sweep_table(doc: dict[str, Any]) -> str:
         by.setdefault(r["size_bytes"], {})[r["mode"]] = r
     from ncclguard.bench.sizes import format_bytes
 
-    lines = ["| size | elements | chunks (safe) | plain p50 us | safe p50 us | safe-atomic p50 us | busbw plain GB/s "
-             "| busbw safe GB/s | busbw safe-atomic GB/s | safe/plain p50 (mean) | safe-atomic/plain p50 (mean) "
-             "| +peak safe-atomic over plain | #wrong |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| size | elements | chunks (safe) | plain p50 us | safe p50 us | safe-atomic p50 us | busbw plain GB/s "
+        "| busbw safe GB/s | busbw safe-atomic GB/s | safe/plain p50 (mean) | safe-atomic/plain p50 (mean) "
+        "| +peak safe-atomic over plain | #wrong |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for size, m in sorted(by.items()):
         p, s, a = m["plain"], m["safe"], m["safe-atomic"]
         peak = a["extra_peak_over_plain_bytes"]
@@ -128,25 +175,32 @@ def sweep_table(doc: dict[str, Any]) -> str:
             f"| {_fmt_us(s['time_us']['p50_us'])} | {_fmt_us(a['time_us']['p50_us'])} | {p['busbw_gbps']:.3f} "
             f"| {s['busbw_gbps']:.3f} | {a['busbw_gbps']:.3f} | {s['ratio_to_plain_p50']:.2f} ({s['ratio_to_plain']:.2f}) "
             f"| {a['ratio_to_plain_p50']:.2f} ({a['ratio_to_plain']:.2f}) | {'n/a' if peak is None else f'{peak / 2**20:+.1f} MiB'} "
-            f"| {sum((x['wrong'] or 0) for x in m.values())} |")
+            f"| {sum((x['wrong'] or 0) for x in m.values())} |"
+        )
     avg = doc["summary"]["avg_busbw_gbps"]
     lines.append("")
-    lines.append("Avg bus bandwidth (GB/s, nccl-tests' mean over sizes): " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items()))
+    lines.append(
+        "Avg bus bandwidth (GB/s, nccl-tests' mean over sizes): " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items())
+    )
     return "\n".join(lines)
 
 
 def ratio_table(docs: dict[str, dict[str, Any]]) -> str:
     """The markdown table of the two long ratio runs."""
-    lines = ["| run | elements | iterations | mode | chunks | mean us | p50 us | min us | max us | /plain mean | /plain p50 |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | elements | iterations | mode | chunks | mean us | p50 us | min us | max us | /plain mean | /plain p50 |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, doc in docs.items():
         for r in doc["results"]:
             t = r["time_us"]
             ratio = "-" if r["mode"] == "plain" else f"{r['ratio_to_plain']:.3f}"
             ratio50 = "-" if r["mode"] == "plain" else f"{r['ratio_to_plain_p50']:.3f}"
-            lines.append(f"| {name} | {r['numel']:,} | {doc['config']['iters']} | {r['mode']} | {r['chunks']} "
-                         f"| {_fmt_us(t['mean_us'])} | {_fmt_us(t['p50_us'])} | {_fmt_us(t['min_us'])} "
-                         f"| {_fmt_us(t['max_us'])} | {ratio} | {ratio50} |")
+            lines.append(
+                f"| {name} | {r['numel']:,} | {doc['config']['iters']} | {r['mode']} | {r['chunks']} "
+                f"| {_fmt_us(t['mean_us'])} | {_fmt_us(t['p50_us'])} | {_fmt_us(t['min_us'])} "
+                f"| {_fmt_us(t['max_us'])} | {ratio} | {ratio50} |"
+            )
     return "\n".join(lines)
 
 
@@ -160,8 +214,10 @@ def verdict(docs: dict[str, dict[str, Any]]) -> str:
             continue
         worst = max(ratios)
         ok = "meets" if worst <= TARGET else "MISSES"
-        lines.append(f"- `{mode}`: p50 ratio to plain at >= 1e8 elements is {', '.join(f'{x:.3f}' for x in ratios)}: "
-                     f"**{ok}** the 3 % target (worst {worst:.3f}).")
+        lines.append(
+            f"- `{mode}`: p50 ratio to plain at >= 1e8 elements is {', '.join(f'{x:.3f}' for x in ratios)}: "
+            f"**{ok}** the 3 % target (worst {worst:.3f})."
+        )
     return "\n".join(lines)
 
 
@@ -170,8 +226,10 @@ def conditions(docs: dict[str, dict[str, Any]]) -> str:
     for name, doc in docs.items():
         m = doc.get("machine", {})
         load = m.get("loadavg_1min_during_run", {})
-        lines.append(f"- {name}: {m.get('wall_s', '?')} s, 1-min load average during the run {load.get('min')} to "
-                     f"{load.get('max')} (mean {load.get('mean')}) on {m.get('logical_cores')} cores")
+        lines.append(
+            f"- {name}: {m.get('wall_s', '?')} s, 1-min load average during the run {load.get('min')} to "
+            f"{load.get('max')} (mean {load.get('mean')}) on {m.get('logical_cores')} cores"
+        )
     return "\n".join(lines)
 
 
@@ -182,24 +240,52 @@ def regenerate_readme(out: Path) -> None:
     if "sweep" in docs:
         m = docs["sweep"]["machine"]
         env = docs["sweep"]["environment"]
-        parts += [f"Machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
-                  f"torch {env['torch']}, gloo {env['gloo']}, {env['world_size']} ranks on one host over loopback.", "",
-                  "### Sweep, 1 KiB to 1 GiB (float32 sum, 20 iterations after 5 warm-up, modes interleaved per iteration)",
-                  "", f"`{m['command']}`", "", sweep_table(docs["sweep"]), ""]
+        parts += [
+            f"Machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
+            f"torch {env['torch']}, gloo {env['gloo']}, {env['world_size']} ranks on one host over loopback.",
+            "",
+            "### Sweep, 1 KiB to 1 GiB (float32 sum, 20 iterations after 5 warm-up, modes interleaved per iteration)",
+            "",
+            f"`{m['command']}`",
+            "",
+            sweep_table(docs["sweep"]),
+            "",
+        ]
     ratio_docs = {k: v for k, v in docs.items() if k.startswith("ratio")}
     if ratio_docs:
-        parts += ["### Ratio of guarded to plain time (long runs)", "",
-                  *[f"`{d['machine']['command']}`  " for d in ratio_docs.values()], "", ratio_table(ratio_docs), ""]
-    for name, unit, title in (("atomic-cost", "ms", "Where safe-atomic's time goes (1e8 float32)"),
-                              ("small-call-cost", "us", "Where the fixed cost of a guarded call goes (1 element)")):
+        parts += [
+            "### Ratio of guarded to plain time (long runs)",
+            "",
+            *[f"`{d['machine']['command']}`  " for d in ratio_docs.values()],
+            "",
+            ratio_table(ratio_docs),
+            "",
+        ]
+    for name, unit, title in (
+        ("atomic-cost", "ms", "Where safe-atomic's time goes (1e8 float32)"),
+        ("small-call-cost", "us", "Where the fixed cost of a guarded call goes (1 element)"),
+    ):
         path = out / f"{name}.json"
         if path.exists():
             doc = json.loads(path.read_text())
-            parts += [f"### {title}", "", f"`python benchmarks/{DIAGNOSES[name]}` ({doc['iters']} interleaved iterations, "
-                      f"p50 of the slowest rank; 1-min load average after: {doc['loadavg_1min_after']})", "",
-                      diagnosis_table(doc, unit), ""]
-    parts += ["### Against the target (guarded path at most 3 % over plain from 1e8 elements)", "", verdict(docs), "",
-              "### How noisy the machine was", "", conditions(docs)]
+            parts += [
+                f"### {title}",
+                "",
+                f"`python benchmarks/{DIAGNOSES[name]}` ({doc['iters']} interleaved iterations, "
+                f"p50 of the slowest rank; 1-min load average after: {doc['loadavg_1min_after']})",
+                "",
+                diagnosis_table(doc, unit),
+                "",
+            ]
+    parts += [
+        "### Against the target (guarded path at most 3 % over plain from 1e8 elements)",
+        "",
+        verdict(docs),
+        "",
+        "### How noisy the machine was",
+        "",
+        conditions(docs),
+    ]
     readme = HERE / "README.md"
     text = readme.read_text()
     head, rest = text.split(START, 1)
@@ -209,8 +295,11 @@ def regenerate_readme(out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("sweep", "ratios", "diagnoses", "readme"),
-                    help="run only this part (readme: just regenerate the tables)")
+    ap.add_argument(
+        "--only",
+        choices=("sweep", "ratios", "diagnoses", "readme"),
+        help="run only this part (readme: just regenerate the tables)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON, CSV and PNG go")
     ns = ap.parse_args()
     ns.out = ns.out.resolve()

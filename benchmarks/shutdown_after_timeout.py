@@ -45,7 +45,9 @@ def main() -> None:
     start = time.monotonic()
     try:
         procs[0].wait(timeout=float(stall) + 40)
-        print(f"mode={mode} stall={stall}s: rank 0 exited (rc={procs[0].returncode}) {time.monotonic() - start:.1f} s after launch")
+        print(
+            f"mode={mode} stall={stall}s: rank 0 exited (rc={procs[0].returncode}) {time.monotonic() - start:.1f} s after launch"
+        )
     except subprocess.TimeoutExpired:
         print(f"mode={mode} stall={stall}s: rank 0 still running {time.monotonic() - start:.1f} s after launch")
     finally:

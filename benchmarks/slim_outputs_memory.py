@@ -37,8 +37,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 # The synthetic Qwen2.5-VL data and the reference trainer are test fixtures (tests/workers).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
 
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
 from qwen2_5_vl_synthetic import image_tokens, mid_config, synthetic_batch, tiny_config
+
+from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
 
 RESULTS = Path(__file__).parent / "results" / "slim_outputs_memory.json"
 # (config, batch, filler text tokens, image grid in patches): sequence = text + image tokens + 5.
@@ -81,8 +82,13 @@ def measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], train: bool)
         held = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
     seconds = time.perf_counter() - start
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    result = {"returned": output_bytes(out), "peak": peak, "held": held, "forward_s": round(seconds, 2),
-              "hidden_states": len(out.hidden_states) if out.hidden_states is not None else 0}
+    result = {
+        "returned": output_bytes(out),
+        "peak": peak,
+        "held": held,
+        "forward_s": round(seconds, 2),
+        "hidden_states": len(out.hidden_states) if out.hidden_states is not None else 0,
+    }
     del out
     return result
 
@@ -123,8 +129,14 @@ def seven_b() -> dict[str, Any]:
     s = SEVEN_B
     per_tensor = s["batch"] * s["seq"] * s["hidden"]
     total = (s["layers"] + 1) * per_tensor
-    return {**s, "elements_per_tensor": per_tensor, "tensors": s["layers"] + 1, "elements": total,
-            "bytes_bf16": total * 2, "bytes_fp32": total * 4}
+    return {
+        **s,
+        "elements_per_tensor": per_tensor,
+        "tensors": s["layers"] + 1,
+        "elements": total,
+        "bytes_bf16": total * 2,
+        "bytes_fp32": total * 4,
+    }
 
 
 def mb(n: int) -> str:
@@ -143,8 +155,11 @@ def main() -> None:
         rows.append(run_setup(name))
     doc = {
         "command": "benchmarks/slim_outputs_memory.py --configs " + " ".join(args.configs),
-        "machine": {"torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version()},
+        "machine": {
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "dtype": "float32",
         "setups": rows,
         "qwen2_5_vl_7b_arithmetic": seven_b(),
@@ -153,15 +168,33 @@ def main() -> None:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     table = Table(title="slim_outputs: one forward, float32, CPU (MB = 1e6 bytes)")
-    for col in ("config", "B x S x H, layers", "mode", "variant", "returned MB", "peak MB", "peak - params MB",
-                "held MB", "forward s"):
+    for col in (
+        "config",
+        "B x S x H, layers",
+        "mode",
+        "variant",
+        "returned MB",
+        "peak MB",
+        "peak - params MB",
+        "held MB",
+        "forward s",
+    ):
         table.add_column(col, justify="right")
     for row in rows:
         shape = f"{row['batch']} x {row['seq']} x {row['hidden']}, {row['layers']}"
         for key, r in row["runs"].items():
             mode, variant = key.split("/")
-            table.add_row(row["config"], shape, mode, variant, mb(r["returned"]), mb(r["peak"]),
-                          mb(r["peak_minus_params"]), mb(r["held"]), f"{r['forward_s']:.2f}")
+            table.add_row(
+                row["config"],
+                shape,
+                mode,
+                variant,
+                mb(r["returned"]),
+                mb(r["peak"]),
+                mb(r["peak_minus_params"]),
+                mb(r["held"]),
+                f"{r['forward_s']:.2f}",
+            )
     console.print(table)
     s = doc["qwen2_5_vl_7b_arithmetic"]
     console.print(

@@ -41,16 +41,23 @@ def _rank(iters: int) -> None:
         "dist.all_reduce(t, async_op=True).wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
         "the same on a view t.view(-1)[0:1]": lambda: dist.all_reduce(flat[0:1], async_op=True).wait(timeout=wait),
         "ncclguard's chunk loop (_run_chunks)": lambda: collectives._run_chunks(
-            info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False),
+            info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False
+        ),
         "safe_all_reduce(t)": lambda: collectives.safe_all_reduce(t, timeout=60),
     }
     p50 = p50_of_slowest(cases, iters, warmup=50)
     if p50 is not None:
         names = list(p50)
-        rows = [{"case": n, "p50_us": round(p50[n] * 1e6, 1), "x_plain": round(p50[n] / p50[names[0]], 3)} for n in names]
+        rows = [
+            {"case": n, "p50_us": round(p50[n] * 1e6, 1), "x_plain": round(p50[n] / p50[names[0]], 3)} for n in names
+        ]
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2),
-                                   "rows": rows}, indent=1) + "\n")
+        OUT.write_text(
+            json.dumps(
+                {"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2), "rows": rows}, indent=1
+            )
+            + "\n"
+        )
         for r in rows:
             print(f"{r['case']:50s} p50 {r['p50_us']:7.1f} us  x{r['x_plain']:.2f}", flush=True)
     sys.stdout.flush()

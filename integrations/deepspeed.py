@@ -31,24 +31,25 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ncclguard._log import log
-from ncclguard.collectives.barrier import safe_barrier
 from ncclguard.collectives.all_reduce import safe_all_reduce
+from ncclguard.collectives.barrier import safe_barrier
+from ncclguard.collectives.deadlines import to_seconds
 from ncclguard.collectives.groups import GroupInfo, group_info
-from ncclguard.integrations.eval_group import EvalGroup, deadline_timeout, routed_default_group
-from ncclguard.integrations.modes import eval_mode
 from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
 from ncclguard.diagnosis.sigalrm import sigalrm_timeout
-from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.integrations.eval_group import EvalGroup, deadline_timeout, routed_default_group
+from ncclguard.integrations.modes import eval_mode
 
 __all__ = [
     "EvalSums",
@@ -152,7 +153,7 @@ class GuardOptions(BaseModel):
         return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
 
 
-_eval_groups: "weakref.WeakKeyDictionary[Any, EvalGroup]" = weakref.WeakKeyDictionary()
+_eval_groups: weakref.WeakKeyDictionary[Any, EvalGroup] = weakref.WeakKeyDictionary()
 _last: EvalReport | None = None
 
 
@@ -201,8 +202,9 @@ def guarded_evaluate(
         raise TypeError(f"eval_fn must be callable with no arguments, got {type(eval_fn).__name__}")
     if not isinstance(engine, torch.nn.Module):
         raise TypeError(f"engine must be a DeepSpeed engine or a torch.nn.Module, got {type(engine).__name__}")
-    opts = GuardOptions(timeout_s=timeout_s, monitor=monitor, fallback=fallback, retries=retries, shrink=shrink,
-                        **options)
+    opts = GuardOptions(
+        timeout_s=timeout_s, monitor=monitor, fallback=fallback, retries=retries, shrink=shrink, **options
+    )
     return _guarded(engine, eval_fn, opts, step)
 
 
@@ -257,8 +259,9 @@ def _attempt(
     evals = _eval_groups.setdefault(world.group, EvalGroup())
     value, error = _run_local(eval_fn, opts, evals, deadline, local_error)
     try:
-        verdict = exchange(world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error},
-                           deadline + opts.grace)
+        verdict = exchange(
+            world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error}, deadline + opts.grace
+        )
     except StoreUnreachable as exc:
         evals.discard()
         return False, None, f"could not agree on the outcome: {exc}", []

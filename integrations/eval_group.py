@@ -28,41 +28,21 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
+from ncclguard._torch_compat import routed_default_group
 
 __all__ = ["TIMEOUT_REFRESH_S", "EvalGroup", "routed_default_group", "deadline_timeout"]
 
 TIMEOUT_REFRESH_S = 0.05
 _MIN_TIMEOUT = timedelta(milliseconds=1)
-
-
-@contextmanager
-def routed_default_group(group: Any) -> Iterator[None]:
-    """While the block runs, collectives with ``group=None`` (or ``dist.group.WORLD``) use ``group``.
-
-    Args:
-        group: a process group over the same ranks as the default group, numbered the same.
-
-    Raises:
-        RuntimeError: no default process group, or ``group`` does not span the world in order.
-    """
-    saved = c10d._world.default_pg
-    if saved is None:
-        raise RuntimeError("routed_default_group needs an initialized default process group")
-    if dist.get_world_size(group) != dist.get_world_size() or dist.get_rank(group) != dist.get_rank():
-        raise RuntimeError("the routed group must span every rank of the world with the same rank numbers")
-    c10d._world.default_pg = group
-    try:
-        yield
-    finally:
-        c10d._world.default_pg = saved
 
 
 @contextmanager
@@ -75,7 +55,7 @@ def deadline_timeout(group: Any, deadline: float) -> Iterator[None]:
     stop = threading.Event()
 
     def refresh() -> None:
-        c10d._set_pg_timeout(max(timedelta(seconds=deadline - time.monotonic()), _MIN_TIMEOUT), group)
+        compat.set_group_timeout(group, max(timedelta(seconds=deadline - time.monotonic()), _MIN_TIMEOUT))
 
     def loop() -> None:
         while not stop.wait(TIMEOUT_REFRESH_S):

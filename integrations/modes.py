@@ -9,8 +9,8 @@ mode (a frozen vision tower, say). So the flags of all modules are saved and put
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from torch import nn
 

@@ -109,14 +109,17 @@ class Qwen2_5_VLForClassification(Qwen2_5_VLPreTrainedModel):
         """
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attn = output_attentions if output_attentions is not None else self.config.output_attentions
-        if _TAKES_MM_TOKEN_TYPES and kwargs.get("mm_token_type_ids") is None and input_ids is not None and (
-            image_grid_thw is not None or kwargs.get("video_grid_thw") is not None
+        if (
+            _TAKES_MM_TOKEN_TYPES
+            and kwargs.get("mm_token_type_ids") is None
+            and input_ids is not None
+            and (image_grid_thw is not None or kwargs.get("video_grid_thw") is not None)
         ):
             # transformers 5 builds Qwen2.5-VL's 3-D rotary positions from these; the processor
             # makes them, a hand-built batch usually lacks them.
-            kwargs["mm_token_type_ids"] = (
-                (input_ids == self.config.image_token_id).int() + 2 * (input_ids == self.config.video_token_id).int()
-            )
+            kwargs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).int() + 2 * (
+                input_ids == self.config.video_token_id
+            ).int()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -1,8 +1,15 @@
 """ncclguard: collectives that never hang, and reports that name the rank that stalled."""
 
-from ncclguard.collectives.barrier import BarrierResult, safe_barrier
 from ncclguard.collectives.all_reduce import CollectiveResult, safe_all_reduce
+from ncclguard.collectives.barrier import BarrierResult, safe_barrier
 from ncclguard.config import Config, configure, get_config
+from ncclguard.diagnosis.flight import FlightRecord, recorder
+from ncclguard.diagnosis.instrument import instrument, uninstrument
+from ncclguard.diagnosis.phase import current_phase, phase
+from ncclguard.diagnosis.sigalrm import sigalrm_timeout
+from ncclguard.diagnosis.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
+from ncclguard.env.hierarchy import TimeoutHierarchy
+from ncclguard.env.pginit import ProcessGroupInit, init_process_group
 from ncclguard.errors import (
     CollectiveFailed,
     CollectiveMismatch,
@@ -10,13 +17,6 @@ from ncclguard.errors import (
     GroupFailed,
     NcclGuardError,
 )
-from ncclguard.diagnosis.flight import FlightRecord, recorder
-from ncclguard.diagnosis.instrument import instrument, uninstrument
-from ncclguard.diagnosis.phase import current_phase, phase
-from ncclguard.env.pginit import ProcessGroupInit, init_process_group
-from ncclguard.diagnosis.sigalrm import sigalrm_timeout
-from ncclguard.env.hierarchy import TimeoutHierarchy
-from ncclguard.diagnosis.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
 __version__ = "0.1.0"
 

@@ -63,11 +63,10 @@ class Config(BaseSettings):
     heartbeat_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _in_order(self) -> "Config":
+    def _in_order(self) -> Config:
         if self.chunk_direct_below > self.chunk_large_from:
             raise ValueError(
-                f"chunk_direct_below ({self.chunk_direct_below}) must be <= chunk_large_from "
-                f"({self.chunk_large_from})"
+                f"chunk_direct_below ({self.chunk_direct_below}) must be <= chunk_large_from ({self.chunk_large_from})"
             )
         for name in ("mid_chunks", "large_chunks"):
             lo, hi = getattr(self, name)

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveFailed",
     "CollectiveMismatch",
     "GroupFailed",
+    "TorchCompatError",
 ]
 
 
@@ -89,4 +90,11 @@ class GroupFailed(NcclGuardError):
     """The group timed out or failed earlier; its communicator cannot be trusted any more.
 
     Make a new group (``torch.distributed.new_group`` over the same ranks) to go on.
+    """
+
+
+class TorchCompatError(NcclGuardError, RuntimeError):
+    """This torch lacks, or changed, a private torch.distributed API that ncclguard reads.
+
+    The message names the API and the torch version; see :mod:`ncclguard._torch_compat`.
     """

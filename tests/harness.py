@@ -14,9 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ncclguard.testing.launch import spawn
 
@@ -36,7 +37,9 @@ class Job:
 
     def __getitem__(self, rank: int) -> dict[str, Any]:
         if rank not in self.results:
-            raise AssertionError(f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}")
+            raise AssertionError(
+                f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}"
+            )
         return self.results[rank]
 
 
@@ -70,12 +73,18 @@ def run_ranks(
     start = time.monotonic()
     if launcher == "torchrun":
         cmd: Sequence[str] = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--monitor-interval=0.1", *script,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--monitor-interval=0.1",
+            *script,
         ]
         with tempfile.TemporaryFile("w+") as log:
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True, cwd=REPO)
+            proc = subprocess.Popen(
+                cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=REPO
+            )
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -96,7 +105,9 @@ def run_ranks(
             raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{job.output[-8000:]}")
         want = {r: (expect_rc or {}).get(r, 0) for r in range(nproc)}
         if job.returncodes != want:
-            raise AssertionError(f"{worker} {args}: exit codes {job.returncodes}, expected {want}\n{job.output[-8000:]}")
+            raise AssertionError(
+                f"{worker} {args}: exit codes {job.returncodes}, expected {want}\n{job.output[-8000:]}"
+            )
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     job.wall_s = time.monotonic() - start

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-
 from harness import REPO, run_ranks
+
 from ncclguard.bench import check
 from ncclguard.bench.measure import ModeRun, SizeRun
 from ncclguard.bench.memory import MemoryRefused, ensure_fits
@@ -45,28 +45,80 @@ def _recomputed_busbw(row: dict, world: int) -> float:
 
 # --- launches -------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-spawned")
-    proc = _bench("-b", "1K", "-e", "64K", "-f", "8", "--iters", "4", "--warmup", "1", "--check", "--nproc", "2",
-                  "--json", str(out / "r.json"), "--csv", str(out / "r.csv"), "--plot", str(out / "r.png"))
+    proc = _bench(
+        "-b",
+        "1K",
+        "-e",
+        "64K",
+        "-f",
+        "8",
+        "--iters",
+        "4",
+        "--warmup",
+        "1",
+        "--check",
+        "--nproc",
+        "2",
+        "--json",
+        str(out / "r.json"),
+        "--csv",
+        str(out / "r.csv"),
+        "--plot",
+        str(out / "r.png"),
+    )
     return proc, out
 
 
 @pytest.fixture(scope="module")
 def torchrun(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-torchrun")
-    job = run_ranks("bench_worker", 2, "--numel", "2**10", "--iters", "3", "--warmup", "1", "--check", "--dtype",
-                    "bfloat16", "--op", "max", "--chunk-numel", "300", "--json", str(out / "r.json"),
-                    launcher="torchrun", timeout_s=120)
+    job = run_ranks(
+        "bench_worker",
+        2,
+        "--numel",
+        "2**10",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+        "--dtype",
+        "bfloat16",
+        "--op",
+        "max",
+        "--chunk-numel",
+        "300",
+        "--json",
+        str(out / "r.json"),
+        launcher="torchrun",
+        timeout_s=120,
+    )
     return job, json.loads((out / "r.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def corrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-corrupted")
-    proc = _bench("--numel", "1000", "--iters", "1", "--warmup", "0", "--modes", "plain", "safe", "--check",
-                  "--corrupt-rank", "1", "--json", str(out / "r.json"))
+    proc = _bench(
+        "--numel",
+        "1000",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--modes",
+        "plain",
+        "safe",
+        "--check",
+        "--corrupt-rank",
+        "1",
+        "--json",
+        str(out / "r.json"),
+    )
     return proc, json.loads((out / "r.json").read_text())
 
 
@@ -74,7 +126,12 @@ def test_self_spawned_run_passes_and_prints_the_table(spawned):
     proc, _ = spawned
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all_reduce (float32 sum) on 2 ranks" in proc.stdout
-    for formula in ("busbw: algbw x 2(n-1)/n", "algbw: size in bytes / time", "#wrong:", "Avg bus bandwidth (GB/s): plain"):
+    for formula in (
+        "busbw: algbw x 2(n-1)/n",
+        "algbw: size in bytes / time",
+        "#wrong:",
+        "Avg bus bandwidth (GB/s): plain",
+    ):
         assert formula in proc.stdout
 
 
@@ -83,7 +140,13 @@ def test_json_has_configuration_environment_and_raw_times(spawned):
     assert set(doc) == {"benchmark", "config", "environment", "formulas", "results", "summary"}
     cfg = doc["config"]
     assert (cfg["numels"], cfg["modes"], cfg["iters"], cfg["warmup"], cfg["backend"], cfg["world_size"]) == (
-        SWEEP, MODES, 4, 1, "gloo", 2)
+        SWEEP,
+        MODES,
+        4,
+        1,
+        "gloo",
+        2,
+    )
     env = doc["environment"]
     assert env["torch"] == torch.__version__ and env["nccl"] is None and env["gloo"].startswith("bundled with torch")
     assert env["world_size"] == 2 and len(env["hosts"]) == 1
@@ -132,7 +195,10 @@ def test_under_torchrun_uses_the_launched_ranks(torchrun):
     assert [job[r]["rc"] for r in (0, 1)] == [0, 0]
     assert doc["config"]["world_size"] == 2 and doc["config"]["numels"] == [1024]
     assert [(r["mode"], r["chunks"], r["dtype"], r["op"], r["wrong"]) for r in doc["results"]] == [
-        ("plain", 1, "bfloat16", "max", 0), ("safe", 4, "bfloat16", "max", 0), ("safe-atomic", 4, "bfloat16", "max", 0)]
+        ("plain", 1, "bfloat16", "max", 0),
+        ("safe", 4, "bfloat16", "max", 0),
+        ("safe-atomic", 4, "bfloat16", "max", 0),
+    ]
     for row in doc["results"]:
         assert row["size_bytes"] == 2048
         assert row["busbw_gbps"] == pytest.approx(_recomputed_busbw(row, 2), abs=1e-6)
@@ -157,9 +223,16 @@ def test_a_size_that_cannot_fit_is_refused_before_any_rank_starts():
 
 # --- pure parts -----------------------------------------------------------------------------------
 
+
 def test_sizes_parse_safely():
     assert [parse_numel(s) for s in ("5e8", "1e6", "2**20", "2^10", "1_000", "2.5e7")] == [
-        500_000_000, 1_000_000, 1_048_576, 1024, 1000, 25_000_000]
+        500_000_000,
+        1_000_000,
+        1_048_576,
+        1024,
+        1000,
+        25_000_000,
+    ]
     for bad in ("1.5", "1e-3", "0", "-4", "abc", "2**99", "__import__('os')", "1e999999"):
         with pytest.raises(ValueError):
             parse_numel(bad)
@@ -170,16 +243,19 @@ def test_sizes_parse_safely():
     assert [format_numel(n) for n in (10**8, 2**20, 123456)] == ["1e8", "2**20", "123456"]
 
 
-@pytest.mark.parametrize("argv, phrase", [
-    (["--numel", "1.5"], "not a whole number"),
-    (["--numel", "10", "-b", "1K"], "either --numel or a byte sweep"),
-    (["-b", "2G", "-e", "1K"], "must not exceed -e"),
-    (["--iters", "0"], "--iters: Input should be greater than or equal to 1"),
-    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
-    (["--op", "avg", "--dtype", "int32"], "would truncate"),
-    (["--modes", "fast"], "invalid choice: 'fast'"),
-    (["--corrupt-rank", "1"], "add --check"),
-])
+@pytest.mark.parametrize(
+    "argv, phrase",
+    [
+        (["--numel", "1.5"], "not a whole number"),
+        (["--numel", "10", "-b", "1K"], "either --numel or a byte sweep"),
+        (["-b", "2G", "-e", "1K"], "must not exceed -e"),
+        (["--iters", "0"], "--iters: Input should be greater than or equal to 1"),
+        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["--op", "avg", "--dtype", "int32"], "would truncate"),
+        (["--modes", "fast"], "invalid choice: 'fast'"),
+        (["--corrupt-rank", "1"], "add --check"),
+    ],
+)
 def test_bad_options_exit_2_with_a_message(argv, phrase, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_options(argv)
@@ -198,8 +274,18 @@ def test_formulas_on_four_ranks():
     assert slowest_per_iteration([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
     s = summarize([1e-3, 3e-3, 2e-3])
     assert (s.mean_us, s.min_us, s.p50_us, s.max_us) == pytest.approx((2000, 1000, 2000, 3000))
-    run = SizeRun(1000, 4000, {m: ModeRun(m, rank_times_s=[[1e-3, 2e-3]] * 3 + [[2e-3, 2e-3]],
-                                          rank_peak_bytes=[10, 10, 10, 10 if m == "plain" else 4010]) for m in ("plain", "safe")})
+    run = SizeRun(
+        1000,
+        4000,
+        {
+            m: ModeRun(
+                m,
+                rank_times_s=[[1e-3, 2e-3]] * 3 + [[2e-3, 2e-3]],
+                rank_peak_bytes=[10, 10, 10, 10 if m == "plain" else 4010],
+            )
+            for m in ("plain", "safe")
+        },
+    )
     rows = build_rows([run], "float32", "sum", 4)
     assert rows[0]["time_us"]["mean_us"] == 2000 and rows[0]["algbw_gbps"] == 0.002 and rows[0]["busbw_gbps"] == 0.003
     assert rows[1]["ratio_to_plain"] == 1.0 and rows[1]["extra_peak_over_plain_bytes"] == 4000
@@ -213,12 +299,15 @@ def test_min_busbw_fails_on_the_average_of_a_mode():
     assert bad["failures"] == ["--min-busbw: average busbw of plain is 2.000 GB/s, below 2.5 GB/s"]
 
 
-@pytest.mark.parametrize("dtype, op", [
-    (dtype, op)
-    for dtype in (torch.int8, torch.uint8, torch.int64, torch.float16, torch.bfloat16, torch.float64)
-    for op in ("sum", "prod", "min", "max", "avg")
-    if op != "avg" or dtype.is_floating_point  # avg on integers is refused by the options
-])
+@pytest.mark.parametrize(
+    "dtype, op",
+    [
+        (dtype, op)
+        for dtype in (torch.int8, torch.uint8, torch.int64, torch.float16, torch.bfloat16, torch.float64)
+        for op in ("sum", "prod", "min", "max", "avg")
+        if op != "avg" or dtype.is_floating_point  # avg on integers is refused by the options
+    ],
+)
 def test_check_counts_exactly_what_a_local_reduction_gets_wrong(dtype, op):
     world, n = 9, 1001
     parts = []
@@ -227,8 +316,13 @@ def test_check_counts_exactly_what_a_local_reduction_gets_wrong(dtype, op):
         check.fill(t, r)
         parts.append(t)
     stacked = torch.stack(parts).to(torch.float64)
-    reduced = {"sum": stacked.sum(0), "prod": stacked.prod(0), "min": stacked.min(0).values,
-               "max": stacked.max(0).values, "avg": stacked.sum(0) / world}[op]
+    reduced = {
+        "sum": stacked.sum(0),
+        "prod": stacked.prod(0),
+        "min": stacked.min(0).values,
+        "max": stacked.max(0).values,
+        "avg": stacked.sum(0) / world,
+    }[op]
     if dtype.is_floating_point:
         reduced = reduced.to(dtype)
     else:  # wrap like integer arithmetic does
@@ -236,8 +330,13 @@ def test_check_counts_exactly_what_a_local_reduction_gets_wrong(dtype, op):
     assert check.count_wrong(reduced, op, world) == 0
     check.fill(parts[3], 3, corrupt=True, op=op)
     corrupted = torch.stack(parts).to(torch.float64)
-    bad = {"sum": corrupted.sum(0), "prod": corrupted.prod(0), "min": corrupted.min(0).values,
-           "max": corrupted.max(0).values, "avg": corrupted.sum(0) / world}[op]
+    bad = {
+        "sum": corrupted.sum(0),
+        "prod": corrupted.prod(0),
+        "min": corrupted.min(0).values,
+        "max": corrupted.max(0).values,
+        "avg": corrupted.sum(0) / world,
+    }[op]
     bad = bad.to(dtype) if dtype.is_floating_point else bad.to(torch.int64).to(dtype)
     assert check.count_wrong(bad, op, world) == n
 

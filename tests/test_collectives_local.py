@@ -11,14 +11,23 @@ from pydantic import ValidationError
 
 import ncclguard
 from ncclguard.collectives.chunking import chunk_bounds, chunk_count, logical_views
-from ncclguard.config import Config, configure, get_config
 from ncclguard.collectives.deadlines import adaptive_timeout, size_timeout, to_seconds
+from ncclguard.config import Config, configure, get_config
 
 
 @pytest.mark.parametrize(
     "numel, chunks",
-    [(1, 1), (99_999_999, 1), (100_000_000, 2), (250_000_000, 3), (500_000_000, 5),
-     (500_000_001, 11), (600_000_000, 12), (1_000_000_000, 20), (4_000_000_000, 20)],
+    [
+        (1, 1),
+        (99_999_999, 1),
+        (100_000_000, 2),
+        (250_000_000, 3),
+        (500_000_000, 5),
+        (500_000_001, 11),
+        (600_000_000, 12),
+        (1_000_000_000, 20),
+        (4_000_000_000, 20),
+    ],
 )
 def test_default_chunk_policy_follows_the_seeds_tiers(numel, chunks):
     assert chunk_count(numel) == chunks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from harness import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -39,7 +38,13 @@ def test_int64_is_bit_exact(semantics):
 def test_chunked_result_fields(semantics):
     for r in RANKS:
         assert semantics[r]["chunked_fields"] == {
-            "ok": True, "chunks": 4, "numel": 100, "nbytes": 400, "reduced_numel": 100, "value": 3.0, "bool": True,
+            "ok": True,
+            "chunks": 4,
+            "numel": 100,
+            "nbytes": 400,
+            "reduced_numel": 100,
+            "value": 3.0,
+            "bool": True,
         }
 
 

@@ -8,7 +8,6 @@ all-reduces its metrics with dist.all_reduce on the default group, as the seeds'
 from __future__ import annotations
 
 import pytest
-
 from harness import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -149,8 +148,9 @@ def test_slim_outputs_on_a_deepspeed_engine(job, stage):
 
 @pytest.fixture(scope="module")
 def example():
-    return run_ranks("deepspeed_worker", 2, "example", "--stall-rank", "1", "--steps", "8", "--timeout", "2",
-                     timeout_s=240)
+    return run_ranks(
+        "deepspeed_worker", 2, "example", "--stall-rank", "1", "--steps", "8", "--timeout", "2", timeout_s=240
+    )
 
 
 def test_example_skips_the_stalled_evaluation_and_trains_on(example):

@@ -18,11 +18,30 @@ from ncclguard.env.envvars import DEPRECATED, IGNORED
 REPO = Path(__file__).parent.parent
 REPORT_KEYS = {"host", "rank", "plan", "variables", "timeouts", "versions", "warnings", "ok"}
 # Variables the tests decide on; anything of the runner's environment among them is removed.
-CONTROLLED = [*IGNORED, *DEPRECATED, *DEPRECATED.values(), "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
-              "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_SOCKET_FAMILY", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-              "LOCAL_WORLD_SIZE", "DEEPSPEED_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_RUN_ID"]
-SEEDS_ENV = {"NCCL_TIMEOUT": "1800", "NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384",
-             "NCCL_SOCKET_IFNAME": "lo"}
+CONTROLLED = [
+    *IGNORED,
+    *DEPRECATED,
+    *DEPRECATED.values(),
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "NCCL_SOCKET_FAMILY",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "DEEPSPEED_TIMEOUT",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCHELASTIC_RUN_ID",
+]
+SEEDS_ENV = {
+    "NCCL_TIMEOUT": "1800",
+    "NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
 
 
 @pytest.fixture
@@ -60,8 +79,10 @@ def test_json_names_every_variable_the_seeds_set(env, capsys):
         "TORCH_NCCL_TRACE_BUFFER_SIZE": ("16384", None, "deprecated"),
     }
     assert [w.split(":")[0] for w in report["warnings"]] == [
-        "NCCL_TIMEOUT=1800 does nothing", "NCCL_ASYNC_ERROR_HANDLING is deprecated",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated", "timeouts",
+        "NCCL_TIMEOUT=1800 does nothing",
+        "NCCL_ASYNC_ERROR_HANDLING is deprecated",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated",
+        "timeouts",
     ]
     timeouts = {r["name"]: r["seconds"] for r in report["timeouts"]["rows"]}
     assert timeouts["per-op deadline"] == 1800 and timeouts["process-group timeout"] == 1800
@@ -130,14 +151,24 @@ def test_bad_input_and_check_ranks_outside_a_launcher(env, capsys):
 
 
 def _payload(interface: str, torch_version: str, **env: str) -> dict:
-    return {"host": "h", "plan": {"interface": interface}, "versions": {"torch": torch_version}, "env": env, "warnings": 0}
+    return {
+        "host": "h",
+        "plan": {"interface": interface},
+        "versions": {"torch": torch_version},
+        "env": env,
+        "warnings": 0,
+    }
 
 
 def test_compare_ranks_names_the_disagreements():
     same = {r: _payload("eth0", "2.13.0") for r in range(4)}
     assert compare_ranks(same) == []
-    mixed = {0: _payload("eth0", "2.13.0"), 1: _payload("eth0", "2.13.0"), 2: _payload("eth0", "2.13.0"),
-             3: _payload("ens5", "2.12.1", NCCL_SOCKET_IFNAME="eth0")}
+    mixed = {
+        0: _payload("eth0", "2.13.0"),
+        1: _payload("eth0", "2.13.0"),
+        2: _payload("eth0", "2.13.0"),
+        3: _payload("ens5", "2.12.1", NCCL_SOCKET_IFNAME="eth0"),
+    }
     assert compare_ranks(mixed) == [
         "ranks disagree on the interface: eth0 on ranks 0-2; ens5 on rank 3. One exported NCCL_SOCKET_IFNAME/"
         "GLOO_SOCKET_IFNAME cannot name them all: let ncclguard.init_process_group apply each rank's own plan, or give "
@@ -157,9 +188,28 @@ def _clean_subprocess_env() -> dict[str, str]:
 @pytest.mark.multirank
 def test_check_ranks_under_torchrun():
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1",
-         "-m", "ncclguard", "doctor", "--check-ranks", "--json", "--pg-timeout", "3600", "--timeout", "30"],
-        capture_output=True, text=True, timeout=150, env=_clean_subprocess_env(), cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--monitor-interval=0.1",
+            "-m",
+            "ncclguard",
+            "doctor",
+            "--check-ranks",
+            "--json",
+            "--pg-timeout",
+            "3600",
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=_clean_subprocess_env(),
+        cwd=REPO,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)  # rank 0 alone prints; this is also `python -m ncclguard` end to end

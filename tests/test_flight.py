@@ -55,7 +55,10 @@ def test_sequence_numbers_count_per_group_and_point_to_point_apart():
     rec.finish(s1)
     rec.finish(b1, RuntimeError("Connection closed by peer"))
     assert [(r.op, r.group, r.seq) for r in rec.records()] == [
-        ("all_reduce(SUM)", "0", 1), ("broadcast", "7", 1), ("all_reduce(SUM)", "0", 2), ("send", "0", 1),
+        ("all_reduce(SUM)", "0", 1),
+        ("broadcast", "7", 1),
+        ("all_reduce(SUM)", "0", 2),
+        ("send", "0", 1),
     ]
     assert rec.last_seq() == {"0": 2, "7": 1, "0:p2p": 1}
     assert rec.last_completed() == {"0": 1, "0:p2p": 1}
@@ -91,7 +94,8 @@ def test_bad_sizes_are_refused(bad):
 def test_record_carries_phase_site_and_thread():
     rec = FlightRecorder(size=4)
     with phase("eval", batch=37):
-        r = rec.start("all_reduce(SUM)", "0", 1, "float32", site=call_site(1)); here = line()  # noqa: E702
+        r = rec.start("all_reduce(SUM)", "0", 1, "float32", site=call_site(1))
+        here = line()
     assert r.phase == "eval batch=37"
     assert r.site == f"{HERE}:{here}"
     assert r.thread == threading.get_ident()
@@ -173,7 +177,8 @@ def test_instrumented_calls_are_recorded(world_of_one, fresh):
     instrument()
     t = torch.ones(5, dtype=torch.float64)
     with phase("train", step=3):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX); sync_line = line()  # noqa: E702
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        sync_line = line()
         work = dist.all_reduce(tensor=t, async_op=True)
         work.wait()
         dist.broadcast(t, src=0)
@@ -188,7 +193,10 @@ def test_instrumented_calls_are_recorded(world_of_one, fresh):
         (3, "broadcast", world, 5, "float64", "completed", False, "train step=3"),
         (4, "barrier", world, 0, "", "completed", False, "train step=3"),
     ]
-    assert [(r.seq, r.op, r.dtype) for r in recorder.records()[4:]] == [(5, "all_gather", "int64"), (6, "all_gather", "uint8")]
+    assert [(r.seq, r.op, r.dtype) for r in recorder.records()[4:]] == [
+        (5, "all_gather", "int64"),
+        (6, "all_gather", "uint8"),
+    ]
     assert recorder.records()[0].site == f"{HERE}:{sync_line}"
     assert recorder.inflight() == []
 

@@ -14,21 +14,64 @@ from ncclguard.diagnosis.incident import analyse, load_incident, merge, rank_ran
 NOW = 1_000_000.0
 
 
-def rec(seq: int, op: str = "all_reduce(SUM)", *, group: str = "0", numel: int = 4, dtype: str = "float32",
-        age: float = 10.0, phase: str = "train step=3", site: str = "/job/train.py:40") -> dict:
-    return {"seq": seq, "op": op, "group": group, "numel": numel, "dtype": dtype, "start": NOW - age, "state": "started",
-            "end": None, "phase": phase, "site": site, "error": None, "async_op": False, "peer": None, "thread": 1}
+def rec(
+    seq: int,
+    op: str = "all_reduce(SUM)",
+    *,
+    group: str = "0",
+    numel: int = 4,
+    dtype: str = "float32",
+    age: float = 10.0,
+    phase: str = "train step=3",
+    site: str = "/job/train.py:40",
+) -> dict:
+    return {
+        "seq": seq,
+        "op": op,
+        "group": group,
+        "numel": numel,
+        "dtype": dtype,
+        "start": NOW - age,
+        "state": "started",
+        "end": None,
+        "phase": phase,
+        "site": site,
+        "error": None,
+        "async_op": False,
+        "peer": None,
+        "thread": 1,
+    }
 
 
-def statement(rank: int, *, last: dict | None = None, done: dict | None = None, inflight: list | None = None,
-              phase: str = "train step=3", site: str = "/job/train.py:40", groups: dict | None = None, world: int = 4) -> dict:
+def statement(
+    rank: int,
+    *,
+    last: dict | None = None,
+    done: dict | None = None,
+    inflight: list | None = None,
+    phase: str = "train step=3",
+    site: str = "/job/train.py:40",
+    groups: dict | None = None,
+    world: int = 4,
+) -> dict:
     inflight = inflight or []
     return {
-        "rank": rank, "host": "node1", "pid": 100 + rank, "beat": 7, "time": NOW, "phase": phase, "site": site,
-        "last_seq": last or {}, "last_completed": done or {}, "inflight": inflight,
-        "blocked_in": inflight[0] if inflight else None, "world_size": world,
+        "rank": rank,
+        "host": "node1",
+        "pid": 100 + rank,
+        "beat": 7,
+        "time": NOW,
+        "phase": phase,
+        "site": site,
+        "last_seq": last or {},
+        "last_completed": done or {},
+        "inflight": inflight,
+        "blocked_in": inflight[0] if inflight else None,
+        "world_size": world,
         "stack": ["/job/main.py:10 in <module>: main()", f"{site} in loop: step()"],
-        "recent": [], "groups": groups or {"0": list(range(world))}, "peers": {},
+        "recent": [],
+        "groups": groups or {"0": list(range(world))},
+        "peers": {},
     }
 
 
@@ -45,8 +88,12 @@ def test_rank_ranges():
 
 def test_the_seeds_desync_names_rank_6_and_where_it_is():
     world = 8
-    sts = {r: waiting(r, 56731, world, numel=467019003, age=600.0, phase="train step=1201") for r in range(world) if r != 6}
-    sts[6] = statement(6, last={"0": 56730}, done={"0": 56730}, phase="eval batch=37", site="/job/eval.py:88", world=world)
+    sts = {
+        r: waiting(r, 56731, world, numel=467019003, age=600.0, phase="train step=1201") for r in range(world) if r != 6
+    }
+    sts[6] = statement(
+        6, last={"0": 56730}, done={"0": 56730}, phase="eval batch=37", site="/job/eval.py:88", world=world
+    )
     out = analyse(sts, {}, {}, world, now=NOW, waiting_after_s=5.0)
     assert out["summary"] == (
         "ranks 0-5,7 waiting in all_reduce(SUM) #56731 (467019003 x float32, phase train step=1201) for 600.0 s; "
@@ -57,7 +104,12 @@ def test_the_seeds_desync_names_rank_6_and_where_it_is():
         (6, "behind", "eval batch=37", "/job/eval.py:88", 56730)
     ]
     (finding,) = out["findings"]
-    assert (finding["kind"], finding["group"], finding["seq"], finding["waiting"]) == ("desync", "0", 56731, [0, 1, 2, 3, 4, 5, 7])
+    assert (finding["kind"], finding["group"], finding["seq"], finding["waiting"]) == (
+        "desync",
+        "0",
+        56731,
+        [0, 1, 2, 3, 4, 5, 7],
+    )
 
 
 def test_ranks_in_the_same_place_are_named_together():
@@ -69,17 +121,33 @@ def test_ranks_in_the_same_place_are_named_together():
         "rank 0 waiting in all_reduce(SUM) #12 (4 x float32, phase train step=3) for 10.0 s; "
         "ranks 1-3 last completed #11, now in phase eval batch=7 at eval.py:88"
     )
-    text = render(merge({"id": "x", "kind": "hang", "reason": "r", "by": 0, "created": NOW, "group": "0", "seq": 12},
-                        sts, {}, {}, 4, merged_by=0, waiting_after_s=5.0))
-    assert "  ranks 1-3 (host:pid node1:101, node1:102, node1:103): not in the collective the others wait in (#12 on group 0); last completed #11" in text
+    text = render(
+        merge(
+            {"id": "x", "kind": "hang", "reason": "r", "by": 0, "created": NOW, "group": "0", "seq": 12},
+            sts,
+            {},
+            {},
+            4,
+            merged_by=0,
+            waiting_after_s=5.0,
+        )
+    )
+    assert (
+        "  ranks 1-3 (host:pid node1:101, node1:102, node1:103): not in the collective the others wait in (#12 on group 0); last completed #11"
+        in text
+    )
     assert text.count("main-thread stack of rank") == 1
 
 
 def test_a_culprit_waiting_in_another_collective_is_shown_there():
     sts = {r: waiting(r, 12) for r in (0, 1, 2)}
-    sts[3] = statement(3, last={"0": 11, "5": 4}, done={"0": 11, "5": 3},
-                       inflight=[rec(4, "broadcast", group="5", numel=10, phase="eval batch=2", site="/job/eval.py:51")],
-                       groups={"0": [0, 1, 2, 3], "5": [1, 3]})
+    sts[3] = statement(
+        3,
+        last={"0": 11, "5": 4},
+        done={"0": 11, "5": 3},
+        inflight=[rec(4, "broadcast", group="5", numel=10, phase="eval batch=2", site="/job/eval.py:51")],
+        groups={"0": [0, 1, 2, 3], "5": [1, 3]},
+    )
     out = analyse(sts, {}, {}, 4, now=NOW, waiting_after_s=5.0)
     assert out["summary"].startswith(
         "ranks 0-2 waiting in all_reduce(SUM) #12 (4 x float32, phase train step=3) for 10.0 s; "
@@ -98,8 +166,10 @@ def test_ranks_that_disagree_at_the_same_number_are_a_mismatch():
     assert [v["ranks"] for v in finding["variants"]] == [[0, 1, 2], [3]]
     assert [(c["rank"], c["why"]) for c in out["culprits"]] == [(3, "mismatch")]
     assert out["victims"] == [0, 1, 2]
-    assert out["summary"] == ("ranks disagree at all_reduce(SUM) #5: ranks 0-2 in all_reduce(SUM) (4 x float32) at train.py:40; "
-                              "rank 3 in broadcast (10 x float32) at eval.py:9")
+    assert out["summary"] == (
+        "ranks disagree at all_reduce(SUM) #5: ranks 0-2 in all_reduce(SUM) (4 x float32) at train.py:40; "
+        "rank 3 in broadcast (10 x float32) at eval.py:9"
+    )
 
 
 def test_everyone_in_the_same_collective_is_a_stuck_transport_not_a_desync():
@@ -114,8 +184,10 @@ def test_a_lost_rank_during_a_desync_comes_from_its_last_heartbeat():
     sts = {r: waiting(r, 5) for r in (0, 1, 2)}
     heartbeat = statement(3, last={"0": 4}, done={"0": 4}, phase="eval batch=1", site="/job/eval.py:20")
     out = analyse(sts, {3: heartbeat}, {3: 9.04}, 4, now=NOW, waiting_after_s=5.0)
-    assert out["summary"] == ("ranks 0-2 waiting in all_reduce(SUM) #5 (4 x float32, phase train step=3) for 10.0 s; "
-                              "rank 3 lost (no heartbeat for 9.0 s), last completed #4")
+    assert out["summary"] == (
+        "ranks 0-2 waiting in all_reduce(SUM) #5 (4 x float32, phase train step=3) for 10.0 s; "
+        "rank 3 lost (no heartbeat for 9.0 s), last completed #4"
+    )
     assert [(c["rank"], c["why"], c["stale_s"]) for c in out["culprits"]] == [(3, "lost", 9.0)]
     assert out["lost"] == [3]
 
@@ -126,7 +198,10 @@ def test_a_lost_rank_alone_makes_the_others_victims_and_its_stale_state_is_not_e
     heartbeat = statement(3, last={"0": 5}, done={"0": 4}, inflight=[rec(5, age=30.0)])
     out = analyse(sts, {3: heartbeat}, {3: 2.0}, 4, now=NOW, waiting_after_s=5.0)
     assert [f["kind"] for f in out["findings"]] == ["lost"]
-    assert out["summary"] == "rank 3 lost: no heartbeat for 2.0 s, last seen in all_reduce(SUM) #5 (phase train step=3) at train.py:40"
+    assert (
+        out["summary"]
+        == "rank 3 lost: no heartbeat for 2.0 s, last seen in all_reduce(SUM) #5 (phase train step=3) at train.py:40"
+    )
     assert out["victims"] == [0, 1, 2]
 
 
@@ -154,8 +229,10 @@ def test_subgroup_members_only():
         2: statement(2, phase="eval", site="/job/eval.py:5", groups=groups, world=3),
     }
     out = analyse(sts, {}, {}, 3, now=NOW, waiting_after_s=5.0)
-    assert out["summary"] == ("rank 0 waiting in all_reduce(SUM) #1 on group 3 (4 x float32, phase train step=3) for 10.0 s; "
-                              "rank 1 issued nothing on this group yet, now in phase data at data.py:7")
+    assert out["summary"] == (
+        "rank 0 waiting in all_reduce(SUM) #1 on group 3 (4 x float32, phase train step=3) for 10.0 s; "
+        "rank 1 issued nothing on this group yet, now in phase data at data.py:7"
+    )
     assert [c["rank"] for c in out["culprits"]] == [1]
 
 
@@ -169,8 +246,10 @@ def test_a_recv_waiting_for_a_rank_that_never_sends_names_that_rank():
         1: statement(1, last={"0:p2p": 2}, done={"0:p2p": 2}, phase="eval", site="/job/eval.py:12", world=2),
     }
     out = analyse(sts, {}, {}, 2, now=NOW, waiting_after_s=5.0)
-    assert out["summary"] == ("rank 0 waiting in recv from rank 1 (4 x float32, phase train step=3) for 10.0 s; "
-                              "rank 1 now in phase eval at eval.py:12")
+    assert out["summary"] == (
+        "rank 0 waiting in recv from rank 1 (4 x float32, phase train step=3) for 10.0 s; "
+        "rank 1 now in phase eval at eval.py:12"
+    )
     assert [(c["rank"], c["why"], c["waiter"]) for c in out["culprits"]] == [(1, "p2p", 0)]
     assert out["victims"] == [0]
 
@@ -182,21 +261,44 @@ def test_two_ranks_sending_to_each_other_are_a_deadlock_without_culprit():
     }
     out = analyse(sts, {}, {}, 2, now=NOW, waiting_after_s=5.0)
     assert out["culprits"] == [] and out["victims"] == [0, 1]
-    assert out["summary"].startswith("rank 0 waiting in send to rank 1 (4 x float32, phase train step=3) for 10.0 s; "
-                                     "rank 1 waits back in send: a point-to-point deadlock")
+    assert out["summary"].startswith(
+        "rank 0 waiting in send to rank 1 (4 x float32, phase train step=3) for 10.0 s; "
+        "rank 1 waits back in send: a point-to-point deadlock"
+    )
 
 
 def _dumps(tmp_path):
     """Rank dumps as the watchdog writes them, without the merged file (its merger died)."""
-    sts = {0: waiting(0, 12, world=2), 1: statement(1, last={"0": 11}, done={"0": 11}, phase="eval batch=7",
-                                                     site="/job/eval.py:88", world=2)}
-    doc = {"id": "20250101-000000-001", "kind": "hang", "reason": "rank 0 waited 10.0 s in all_reduce(SUM) #12",
-           "by": 0, "created": NOW, "group": "0", "seq": 12, "n": 1}
+    sts = {
+        0: waiting(0, 12, world=2),
+        1: statement(1, last={"0": 11}, done={"0": 11}, phase="eval batch=7", site="/job/eval.py:88", world=2),
+    }
+    doc = {
+        "id": "20250101-000000-001",
+        "kind": "hang",
+        "reason": "rank 0 waited 10.0 s in all_reduce(SUM) #12",
+        "by": 0,
+        "created": NOW,
+        "group": "0",
+        "seq": 12,
+        "n": 1,
+    }
     where = tmp_path / "incidents" / doc["id"]
     for r, st in sts.items():
-        write_json(where / f"rank{r}.json", {"kind": "ncclguard-rank-dump", "version": 1, "incident": doc, "statement": st,
-                                              "threads": {}, "records": [], "heartbeats": {}, "waiting_after_s": 5.0,
-                                              "actions": []})
+        write_json(
+            where / f"rank{r}.json",
+            {
+                "kind": "ncclguard-rank-dump",
+                "version": 1,
+                "incident": doc,
+                "statement": st,
+                "threads": {},
+                "records": [],
+                "heartbeats": {},
+                "waiting_after_s": 5.0,
+                "actions": [],
+            },
+        )
     return where
 
 
@@ -215,9 +317,15 @@ def test_report_merges_rank_dumps_when_no_merged_file_was_written(tmp_path, caps
 
 def test_report_json_and_list(tmp_path, capsys):
     where = _dumps(tmp_path)
-    incident = merge(json.loads((where / "rank0.json").read_text())["incident"],
-                     {0: waiting(0, 12, world=2), 1: statement(1, last={"0": 11}, done={"0": 11}, world=2)},
-                     {}, {}, 2, merged_by=0, waiting_after_s=5.0)
+    incident = merge(
+        json.loads((where / "rank0.json").read_text())["incident"],
+        {0: waiting(0, 12, world=2), 1: statement(1, last={"0": 11}, done={"0": 11}, world=2)},
+        {},
+        {},
+        2,
+        merged_by=0,
+        waiting_after_s=5.0,
+    )
     write_json(where / "incident.json", incident)
     assert main(["report", "--json", str(where)]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads((where / "incident.json").read_text())
@@ -225,10 +333,13 @@ def test_report_json_and_list(tmp_path, capsys):
     assert capsys.readouterr().out == f"20250101-000000-001  2 rank dump(s)  {incident['summary']}\n"
 
 
-@pytest.mark.parametrize("make, phrase", [
-    (lambda p: p / "nowhere", "is not a directory"),
-    (lambda p: p, "no incident under"),
-])
+@pytest.mark.parametrize(
+    "make, phrase",
+    [
+        (lambda p: p / "nowhere", "is not a directory"),
+        (lambda p: p, "no incident under"),
+    ],
+)
 def test_report_explains_a_wrong_directory(tmp_path, capsys, make, phrase):
     assert main(["report", str(make(tmp_path))]) == 2
     assert phrase in capsys.readouterr().out

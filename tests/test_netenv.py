@@ -11,25 +11,40 @@ import ipaddress
 import json
 import os
 import re
-import sys
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_ranks
+
 from ncclguard.config import configure
-from ncclguard.env.envvars import DEPRECATED, IGNORED, applied_by_ncclguard, audit, env_warnings, gloo_ifname_matches, nccl_ifname_matches
+from ncclguard.env.envvars import (
+    DEPRECATED,
+    IGNORED,
+    applied_by_ncclguard,
+    audit,
+    env_warnings,
+    gloo_ifname_matches,
+    nccl_ifname_matches,
+)
+from ncclguard.env.hierarchy import TimeoutHierarchy, backend_default_timeout_s
 from ncclguard.env.infiniband import read_infiniband
 from ncclguard.env.netenv import NetPlan, apply, detect, parse_host
-from ncclguard.env.routes import NoRoute, lookup_route, parse_ip_json, parse_ip_text, parse_proc_ipv6_route, parse_proc_route
-from ncclguard.env.hierarchy import TimeoutHierarchy, backend_default_timeout_s
+from ncclguard.env.routes import (
+    NoRoute,
+    lookup_route,
+    parse_ip_json,
+    parse_ip_text,
+    parse_proc_ipv6_route,
+    parse_proc_route,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ip"
 CASES = json.loads((FIXTURES / "cases.json").read_text())
@@ -60,7 +75,6 @@ EXPECTED_PROC = {
 }
 
 
-
 @pytest.fixture(autouse=True)
 def _deepspeed_not_imported(monkeypatch):
     """In-process tests here read DEEPSPEED_TIMEOUT as a fresh process would. Once deepspeed is
@@ -68,11 +82,24 @@ def _deepspeed_not_imported(monkeypatch):
     xdist worker may have imported it; the multi-rank worker checks the imported case."""
     monkeypatch.delitem(sys.modules, "deepspeed.constants", raising=False)
 
+
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [*IGNORED, *DEPRECATED, *DEPRECATED.values(), "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
-                 "NCCL_IB_DISABLE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_SOCKET_FAMILY", "MASTER_ADDR",
-                 "DEEPSPEED_TIMEOUT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-                 *(k for k in os.environ if k.startswith("NCCLGUARD_WATCHDOG_"))]:
+    for name in [
+        *IGNORED,
+        *DEPRECATED,
+        *DEPRECATED.values(),
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_IB_DISABLE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "NCCL_SOCKET_FAMILY",
+        "MASTER_ADDR",
+        "DEEPSPEED_TIMEOUT",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+        *(k for k in os.environ if k.startswith("NCCLGUARD_WATCHDOG_")),
+    ]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -110,11 +137,14 @@ def test_unreachable_recorded_stderr_and_proc_tables():
         err = json.loads((FIXTURES / "unreachable" / f"{query}.err").read_text())
         assert err == {"rc": 2, "stderr": "RTNETLINK answers: Network is unreachable\n"}
     with pytest.raises(NoRoute, match="Network is unreachable"):
-        parse_proc_route((FIXTURES / "unreachable" / "proc_net_route").read_text(), ipaddress.IPv4Address("203.0.113.9"))
+        parse_proc_route(
+            (FIXTURES / "unreachable" / "proc_net_route").read_text(), ipaddress.IPv4Address("203.0.113.9")
+        )
     # IPv6 without a default route ends on the kernel's ::/0 reject route on lo.
     with pytest.raises(NoRoute, match="Network is unreachable"):
-        parse_proc_ipv6_route((FIXTURES / "unreachable" / "proc_net_ipv6_route").read_text(),
-                              ipaddress.IPv6Address("2001:db8:77::1"))
+        parse_proc_ipv6_route(
+            (FIXTURES / "unreachable" / "proc_net_ipv6_route").read_text(), ipaddress.IPv6Address("2001:db8:77::1")
+        )
 
 
 def test_parsers_refuse_what_is_not_a_route():
@@ -149,7 +179,9 @@ def test_real_ip_json_text_and_proc_agree_on_the_default_route(tmp_path, monkeyp
     probe = ipaddress.IPv4Address("198.51.100.1")
     via_json = lookup_route(probe)
     assert via_json.method == "ip -j route get"
-    text = subprocess.run(["ip", "route", "get", str(probe)], capture_output=True, text=True, check=True, timeout=10).stdout
+    text = subprocess.run(
+        ["ip", "route", "get", str(probe)], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
     via_text = parse_ip_text(text, str(probe))
     monkeypatch.setenv("PATH", str(tmp_path))  # `ip` hidden: only /proc/net is left
     assert shutil.which("ip") is None
@@ -206,7 +238,11 @@ def test_detect_reads_master_addr_then_the_default_route(monkeypatch):
     plan = detect(environ={"MASTER_ADDR": "127.0.0.1"})
     assert (plan.target, plan.target_source, plan.interface) == ("127.0.0.1", "MASTER_ADDR", "lo")
     probe = detect(environ={})
-    assert (probe.target, probe.target_source, probe.interface) == (None, "default route", _default_interface_from_proc())
+    assert (probe.target, probe.target_source, probe.interface) == (
+        None,
+        "default route",
+        _default_interface_from_proc(),
+    )
 
 
 def test_unresolvable_host_is_a_warning_not_a_crash(monkeypatch):
@@ -227,7 +263,9 @@ def test_loopback_master_in_a_multi_node_job_is_flagged(monkeypatch):
     ]
 
 
-@pytest.mark.parametrize("bad", ["-h", "10.0.0.1; rm -rf /", "$(reboot)", "a b", "", "x" * 300, "node..1", "1.2.3.4.5/8"])
+@pytest.mark.parametrize(
+    "bad", ["-h", "10.0.0.1; rm -rf /", "$(reboot)", "a b", "", "x" * 300, "node..1", "1.2.3.4.5/8"]
+)
 def test_bad_master_address_is_refused_before_any_lookup(bad):
     with pytest.raises(ValueError, match="neither an IP address nor a valid hostname"):
         detect(bad)
@@ -247,10 +285,16 @@ def test_infiniband_ports_and_the_ib_switch(monkeypatch):
     _clean_env(monkeypatch)
     devices = read_infiniband(FIXTURES / "infiniband" / "active")
     assert [(d.name, d.netdevs, d.active) for d in devices] == [
-        ("mlx5_0", ["ib0"], True), ("mlx5_1", ["ib1"], False), ("mlx5_2", ["eth2"], True),
+        ("mlx5_0", ["ib0"], True),
+        ("mlx5_1", ["ib1"], False),
+        ("mlx5_2", ["eth2"], True),
     ]
     assert devices[0].ports[0].model_dump() == {
-        "port": 1, "state": "ACTIVE", "phys_state": "LinkUp", "link_layer": "InfiniBand", "rate": "200 Gb/sec (4X HDR)",
+        "port": 1,
+        "state": "ACTIVE",
+        "phys_state": "LinkUp",
+        "link_layer": "InfiniBand",
+        "rate": "200 Gb/sec (4X HDR)",
     }
     assert devices[2].ports[0].link_layer == "Ethernet"  # RoCE
     active = detect("127.0.0.1", infiniband_root=FIXTURES / "infiniband" / "active")
@@ -286,15 +330,19 @@ def test_torch_distributed_debug_set_after_import_is_flagged():
     other = "DETAIL" if level != "DETAIL" else "OFF"
     assert env_warnings({"TORCH_DISTRIBUTED_DEBUG": level.lower()}) == []
     (w,) = env_warnings({"TORCH_DISTRIBUTED_DEBUG": other})
-    assert w.startswith(f"TORCH_DISTRIBUTED_DEBUG={other} has no effect: torch read it at `import torch` and uses {level};")
+    assert w.startswith(
+        f"TORCH_DISTRIBUTED_DEBUG={other} has no effect: torch read it at `import torch` and uses {level};"
+    )
 
 
 def test_deepspeed_timeout_in_seconds_or_not_a_number():
     (w,) = env_warnings({"DEEPSPEED_TIMEOUT": "1800s"})
     assert w.startswith("DEEPSPEED_TIMEOUT=1800s is not a whole number of minutes")
     (w,) = env_warnings({"DEEPSPEED_TIMEOUT": "1800"})
-    assert w == ("DEEPSPEED_TIMEOUT=1800 means 1800 minutes (30.0 hours): it is read in minutes, not seconds; "
-                 "for 1800 s write DEEPSPEED_TIMEOUT=30.")
+    assert w == (
+        "DEEPSPEED_TIMEOUT=1800 means 1800 minutes (30.0 hours): it is read in minutes, not seconds; "
+        "for 1800 s write DEEPSPEED_TIMEOUT=30."
+    )
     assert env_warnings({"DEEPSPEED_TIMEOUT": "30"}) == []
 
 
@@ -329,7 +377,10 @@ def test_torch_headers_confirm_the_catalogue():
     if not (inc / "ProcessGroupNCCL.hpp").exists():
         pytest.skip(f"torch headers not installed under {inc}")
     nccl = (inc / "ProcessGroupNCCL.hpp").read_text()
-    lists = {m[0]: re.findall(r'"([A-Z_]+)"', m[1]) for m in re.findall(r"static std::vector<std::string>\s+(\w+)\s*=\s*\{([^}]*)\}", nccl)}
+    lists = {
+        m[0]: re.findall(r'"([A-Z_]+)"', m[1])
+        for m in re.findall(r"static std::vector<std::string>\s+(\w+)\s*=\s*\{([^}]*)\}", nccl)
+    }
     for old, new in DEPRECATED.items():
         if new == "TORCH_FR_BUFFER_SIZE":
             continue
@@ -360,16 +411,29 @@ def test_apply_sets_what_is_unset_and_returns_it():
 
 def test_apply_never_overrides_the_user(caplog):
     env = {"NCCL_SOCKET_IFNAME": "=eth1", "NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384"}
-    plan = _plan(NCCL_SOCKET_IFNAME="=lo", GLOO_SOCKET_IFNAME="lo", TORCH_NCCL_ASYNC_ERROR_HANDLING="3",
-                 TORCH_FR_BUFFER_SIZE="2000")
+    plan = _plan(
+        NCCL_SOCKET_IFNAME="=lo",
+        GLOO_SOCKET_IFNAME="lo",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="3",
+        TORCH_FR_BUFFER_SIZE="2000",
+    )
     with caplog.at_level("INFO", logger="ncclguard"):
         assert apply(plan, environ=env) == {"GLOO_SOCKET_IFNAME": "lo"}
     # The user's values, their deprecated aliases included, are untouched and reported.
-    assert env == {"NCCL_SOCKET_IFNAME": "=eth1", "NCCL_ASYNC_ERROR_HANDLING": "1",
-                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384", "GLOO_SOCKET_IFNAME": "lo"}
-    assert "NCCL_SOCKET_IFNAME==eth1 is set by the user; ncclguard recommends NCCL_SOCKET_IFNAME==lo and leaves it" in caplog.text
+    assert env == {
+        "NCCL_SOCKET_IFNAME": "=eth1",
+        "NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "16384",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    assert (
+        "NCCL_SOCKET_IFNAME==eth1 is set by the user; ncclguard recommends NCCL_SOCKET_IFNAME==lo and leaves it"
+        in caplog.text
+    )
     assert apply(plan, override=True, environ=env) == {
-        "NCCL_SOCKET_IFNAME": "=lo", "GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "NCCL_SOCKET_IFNAME": "=lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "TORCH_FR_BUFFER_SIZE": "2000",
     }
     with pytest.raises(TypeError, match="NetPlan"):
@@ -386,7 +450,12 @@ def test_apply_to_the_process_and_the_audit_rows(monkeypatch):
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
     done = apply(plan)
-    assert set(done) == {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE"}
+    assert set(done) == {
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_BUFFER_SIZE",
+    }
     assert applied_by_ncclguard()["GLOO_SOCKET_IFNAME"] == "lo"
     rows = {r.name: (r.value, r.recommended, r.status) for r in audit(plan.environment)}
     assert rows == {
@@ -405,14 +474,23 @@ def test_apply_to_the_process_and_the_audit_rows(monkeypatch):
 
 
 def test_hierarchy_in_order_and_each_broken_rule():
-    ok = TimeoutHierarchy(op_deadline_s=300, watchdog_hang_s=300, pg_timeout_s=600, heartbeat_timeout_s=900,
-                          eval_deadline_s=200, barrier_deadline_s=300, peer_liveness_s=30)
+    ok = TimeoutHierarchy(
+        op_deadline_s=300,
+        watchdog_hang_s=300,
+        pg_timeout_s=600,
+        heartbeat_timeout_s=900,
+        eval_deadline_s=200,
+        barrier_deadline_s=300,
+        peer_liveness_s=30,
+    )
     assert ok.problems() == [] and ok.notes() == []
     broken = {
         "per-op deadline (600 s) is not below the process-group timeout (600 s)": dict(op_deadline_s=600),
         "watchdog hang timeout (600 s) is not below the process-group timeout (600 s)": dict(watchdog_hang_s=600),
         "heartbeat timeout (600 s) is not above the process-group timeout (600 s)": dict(heartbeat_timeout_s=600),
-        "evaluation deadline (700 s) is not below the process-group timeout (600 s)": dict(eval_deadline_s=700, barrier_deadline_s=800),
+        "evaluation deadline (700 s) is not below the process-group timeout (600 s)": dict(
+            eval_deadline_s=700, barrier_deadline_s=800
+        ),
         "barrier deadline (100 s) is shorter than the evaluation deadline (200 s)": dict(barrier_deadline_s=100),
     }
     for message, change in broken.items():
@@ -430,7 +508,12 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     configure(timeout_large_s=1800.0, barrier_timeout_s=300.0, eval_deadline_s=250.0)
     monkeypatch.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "120")  # the watchdog's own settings, read too
     gloo = TimeoutHierarchy.in_force(backend="gloo", validate=False)
-    assert (gloo.op_deadline_s, gloo.pg_timeout_s, gloo.eval_deadline_s, gloo.barrier_deadline_s) == (1800, 1800, 250, 300)
+    assert (gloo.op_deadline_s, gloo.pg_timeout_s, gloo.eval_deadline_s, gloo.barrier_deadline_s) == (
+        1800,
+        1800,
+        250,
+        300,
+    )
     assert (gloo.watchdog_hang_s, gloo.peer_liveness_s, gloo.heartbeat_timeout_s) == (120, 30, None)
     assert gloo.sources["watchdog_hang_s"] == "WatchdogConfig (NCCLGUARD_WATCHDOG_*)"
     assert gloo.sources["pg_timeout_s"] == "gloo default (no group yet)"
@@ -441,12 +524,19 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     with pytest.raises(ValueError, match="timeout hierarchy out of order"):
         TimeoutHierarchy.in_force(backend="gloo")
     configure(heartbeat_timeout_s=600.0)  # a supervisor that gives up before NCCL's 600 s would
-    with pytest.raises(ValueError, match=re.escape("heartbeat timeout (600 s) is not above the process-group timeout (600 s)")):
+    with pytest.raises(
+        ValueError, match=re.escape("heartbeat timeout (600 s) is not above the process-group timeout (600 s)")
+    ):
         TimeoutHierarchy.in_force(backend="nccl", op_numel=1000)
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "20")
     monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "900")
     nccl = TimeoutHierarchy.in_force(backend="nccl", pg_timeout_s=3600, heartbeat_timeout_s=7200)
-    assert (nccl.pg_timeout_s, nccl.heartbeat_timeout_s, nccl.deepspeed_timeout_s, nccl.nccl_heartbeat_s) == (3600, 7200, 1200, 900)
+    assert (nccl.pg_timeout_s, nccl.heartbeat_timeout_s, nccl.deepspeed_timeout_s, nccl.nccl_heartbeat_s) == (
+        3600,
+        7200,
+        1200,
+        900,
+    )
     rows = {r["name"]: (r["seconds"], r["source"]) for r in nccl.rows()}
     assert rows["DeepSpeed default timeout"] == (1200, "DEEPSPEED_TIMEOUT=20 (minutes)")
     assert rows["NCCL watchdog heartbeat"] == (900, "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
@@ -463,8 +553,13 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
 
 @pytest.fixture(scope="module")
 def inherit():
-    return run_ranks("netenv_worker", 2, "inherit", timeout_s=120,
-                     env={"TORCH_DISTRIBUTED_DEBUG": "INFO", "DEEPSPEED_TIMEOUT": "20", "NCCL_IB_DISABLE": "0"})
+    return run_ranks(
+        "netenv_worker",
+        2,
+        "inherit",
+        timeout_s=120,
+        env={"TORCH_DISTRIBUTED_DEBUG": "INFO", "DEEPSPEED_TIMEOUT": "20", "NCCL_IB_DISABLE": "0"},
+    )
 
 
 @pytest.mark.multirank
@@ -474,10 +569,19 @@ def test_init_applies_the_plan_but_not_over_the_user(inherit):
         assert (init["backend"], init["timeout_s"], init["subgroups_inherit"]) == ("gloo", 20.0, True)
         assert init["plan"]["interface"] == "lo" and init["plan"]["target_source"] == "MASTER_ADDR"
         # NCCL_IB_DISABLE came from the user, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 from torchrun.
-        assert init["applied"] == {"NCCL_SOCKET_IFNAME": "=lo", "GLOO_SOCKET_IFNAME": "lo",
-                                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
-        assert inherit[r]["env_after"] == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", "NCCL_IB_DISABLE": "0",
-                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
+        assert init["applied"] == {
+            "NCCL_SOCKET_IFNAME": "=lo",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_BUFFER_SIZE": "2000",
+        }
+        assert inherit[r]["env_after"] == {
+            "GLOO_SOCKET_IFNAME": "lo",
+            "NCCL_SOCKET_IFNAME": "=lo",
+            "NCCL_IB_DISABLE": "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "TORCH_FR_BUFFER_SIZE": "2000",
+        }
         assert inherit[r]["sum"] == 3.0
 
 
@@ -495,7 +599,10 @@ def test_hierarchy_reads_the_live_groups(inherit):
         assert inherit[r]["hierarchy_subgroups"] == [5.0, 20.0]
         assert inherit[r]["hierarchy_deepspeed"] == 1200.0
         assert len(inherit[r]["hierarchy_notes"]) == 2
-        assert inherit[r]["hierarchy_notes"][0].startswith("group ") and "(5 s) differs from the world group's (20 s)" in inherit[r]["hierarchy_notes"][0]
+        assert (
+            inherit[r]["hierarchy_notes"][0].startswith("group ")
+            and "(5 s) differs from the world group's (20 s)" in inherit[r]["hierarchy_notes"][0]
+        )
 
 
 @pytest.mark.multirank

@@ -88,21 +88,33 @@ def pair():
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCHELASTIC_", "MASTER_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCHELASTIC_", "MASTER_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return {**env, **extra}
 
 
-def _run_in(namespaces: list[tuple[str, list[str], dict[str, str]]], timeout_s: float) -> list[subprocess.CompletedProcess]:
+def _run_in(
+    namespaces: list[tuple[str, list[str], dict[str, str]]], timeout_s: float
+) -> list[subprocess.CompletedProcess]:
     """Runs one command per namespace at the same time; all are killed past ``timeout_s``."""
     procs = []
     for ns, argv, env in namespaces:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, cwd=REPO, stdout=out, stderr=err,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
         procs.append((proc, out, err, argv))
     done = []
     try:
@@ -128,7 +140,9 @@ def _run_in(namespaces: list[tuple[str, list[str], dict[str, str]]], timeout_s: 
 def detected(pair):
     worker = [sys.executable, str(WORKERS / "netenv_worker.py"), "detect"]
     doctor = [sys.executable, "-m", "ncclguard", "doctor", "--json", "--master-addr", ADDR_A, "--pg-timeout", "3600"]
-    a, b = _run_in([(pair.ns_a, [*worker, ADDR_B, ADDR_A, "203.0.113.9", "-"], _env()), (pair.ns_b, doctor, _env())], 120)
+    a, b = _run_in(
+        [(pair.ns_a, [*worker, ADDR_B, ADDR_A, "203.0.113.9", "-"], _env()), (pair.ns_b, doctor, _env())], 120
+    )
     assert a.returncode == 0, a.stderr
     assert b.returncode == 0, b.stdout + b.stderr
     return json.loads(a.stdout), json.loads(b.stdout)
@@ -138,8 +152,14 @@ def test_detect_finds_the_veth_from_each_side(pair, detected):
     plans, doctor_b = detected
     to_b = plans[ADDR_B]
     assert (to_b["interface"], to_b["local_address"], to_b["family"]) == (pair.if_a, ADDR_A, "ipv4")
-    assert to_b["route"] == {"destination": ADDR_B, "interface": pair.if_a, "source": ADDR_A, "gateway": None,
-                             "kind": "unicast", "method": "ip -j route get"}
+    assert to_b["route"] == {
+        "destination": ADDR_B,
+        "interface": pair.if_a,
+        "source": ADDR_A,
+        "gateway": None,
+        "kind": "unicast",
+        "method": "ip -j route get",
+    }
     assert to_b["environment"]["NCCL_SOCKET_IFNAME"] == f"={pair.if_a}"
     assert to_b["environment"]["GLOO_SOCKET_IFNAME"] == pair.if_a
     assert to_b["warnings"] == []
@@ -165,18 +185,29 @@ def test_unreachable_and_no_default_route_are_warnings(detected):
     ]
     probe = plans["-"]
     assert probe["interface"] is None
-    assert probe["warnings"] == ["this host has no default route; set MASTER_ADDR or pass --master-addr to pick the peer."]
+    assert probe["warnings"] == [
+        "this host has no default route; set MASTER_ADDR or pass --master-addr to pick the peer."
+    ]
 
 
 def test_gloo_job_across_the_namespaces(pair):
     out = Path(tempfile.mkdtemp(prefix="ncclguard-netns-"))
-    common = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR=ADDR_A, MASTER_PORT="29500",
-                  NCCLGUARD_TEST_OUT=str(out), OMP_NUM_THREADS="1")
+    common = dict(
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR=ADDR_A,
+        MASTER_PORT="29500",
+        NCCLGUARD_TEST_OUT=str(out),
+        OMP_NUM_THREADS="1",
+    )
     argv = [sys.executable, str(WORKERS / "netenv_worker.py"), "netns"]
-    ranks = _run_in([
-        (pair.ns_a, argv, _env(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", **common)),
-        (pair.ns_b, argv, _env(RANK="1", LOCAL_RANK="0", GROUP_RANK="1", **common)),
-    ], 120)
+    ranks = _run_in(
+        [
+            (pair.ns_a, argv, _env(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", **common)),
+            (pair.ns_b, argv, _env(RANK="1", LOCAL_RANK="0", GROUP_RANK="1", **common)),
+        ],
+        120,
+    )
     for r in ranks:
         assert r.returncode == 0, r.stdout + r.stderr
     res = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
@@ -194,9 +225,26 @@ def test_gloo_job_across_the_namespaces(pair):
 
 def test_check_ranks_as_a_two_node_torchrun_job(pair):
     def node(rank: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
-                f"--master-addr={ADDR_A}", "--master-port=29501", "--monitor-interval=0.1",
-                "-m", "ncclguard", "doctor", "--check-ranks", "--json", "--pg-timeout", "3600", "--timeout", "30"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={rank}",
+            "--nproc-per-node=1",
+            f"--master-addr={ADDR_A}",
+            "--master-port=29501",
+            "--monitor-interval=0.1",
+            "-m",
+            "ncclguard",
+            "doctor",
+            "--check-ranks",
+            "--json",
+            "--pg-timeout",
+            "3600",
+            "--timeout",
+            "30",
+        ]
 
     a, b = _run_in([(pair.ns_a, node(0), _env()), (pair.ns_b, node(1), _env())], 150)
     # Each host detects its own veth: the ranks disagree on the interface name, so both exit 1.

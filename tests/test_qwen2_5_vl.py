@@ -10,17 +10,22 @@ import time
 
 import pytest
 import torch
+from qwen2_5_vl_synthetic import split_batch, synthetic_batch, tiny_config
+from reference_trainer import ListMonitor
 from torch import nn
 from transformers import Qwen2_5_VLModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ncclguard.integrations.deepspeed import (
-    FAILED_METRIC, EvalSums, guarded_evaluate, last_report, patch_trainer, unpatch_trainer,
+    FAILED_METRIC,
+    EvalSums,
+    guarded_evaluate,
+    last_report,
+    patch_trainer,
+    unpatch_trainer,
 )
 from ncclguard.integrations.modes import eval_mode
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
-from qwen2_5_vl_synthetic import split_batch, synthetic_batch, tiny_config
-from reference_trainer import ListMonitor
 
 
 def make_model(pooling: str = "last", seed: int = 0) -> Qwen2_5_VLForClassification:
@@ -144,8 +149,14 @@ class SeedV1Classifier(nn.Module):
 
     def forward(self, input_ids, attention_mask, pixel_values, image_grid_thw, labels=None):
         mm = (input_ids == self.backbone.config.image_token_id).int()
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
-                            image_grid_thw=image_grid_thw, mm_token_type_ids=mm, output_hidden_states=True)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            mm_token_type_ids=mm,
+            output_hidden_states=True,
+        )
         logits = self.head(out.last_hidden_state[:, -1])
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
@@ -244,8 +255,9 @@ def test_guarded_evaluate_alone_skips_a_stall_and_tells_the_monitor():
     model = make_model()
     monitor = ListMonitor()
     start = time.monotonic()
-    value = guarded_evaluate(model, lambda: time.sleep(30), timeout_s=0.5, step=7, monitor=monitor,
-                             fallback=(-1.0, -1.0))
+    value = guarded_evaluate(
+        model, lambda: time.sleep(30), timeout_s=0.5, step=7, monitor=monitor, fallback=(-1.0, -1.0)
+    )
     assert time.monotonic() - start < 10
     assert value == (-1.0, -1.0)
     assert len(monitor.records) == 1
@@ -262,8 +274,9 @@ def test_guarded_evaluate_alone_retries_after_shrink():
             raise MemoryError(f"batch {size['batch']} does not fit")
         return (1.0, 1.0)
 
-    value = guarded_evaluate(make_model(), evaluate, timeout_s=5, retries=2,
-                             shrink=lambda: size.update(batch=size["batch"] // 2))
+    value = guarded_evaluate(
+        make_model(), evaluate, timeout_s=5, retries=2, shrink=lambda: size.update(batch=size["batch"] // 2)
+    )
     assert value == (1.0, 1.0)
     report = last_report()
     assert report.attempts == 3 and report.ok

@@ -163,7 +163,9 @@ def test_refused_where_the_platform_has_no_setitimer(monkeypatch):
             pass
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.5, ValueError), (float("nan"), ValueError), ("1", TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc", [(0, ValueError), (-1.5, ValueError), (float("nan"), ValueError), ("1", TypeError)]
+)
 def test_bad_seconds_are_refused(bad, exc):
     with pytest.raises(exc, match="seconds"):
         with sigalrm_timeout(bad):

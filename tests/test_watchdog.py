@@ -26,20 +26,26 @@ def test_defaults_and_derived_values():
     assert quick.ladder == ACTIONS == ("report", "raise", "abort", "exit")
 
 
-@pytest.mark.parametrize("fields, phrase", [
-    ({"heartbeat_s": 5, "hang_timeout_s": 5}, "hang_timeout_s (5.0) must be > heartbeat_s (5.0)"),
-    ({"heartbeat_s": 1, "hang_timeout_s": 10, "peer_timeout_s": 1.5}, "peer_timeout_s (1.5) must be >= 2 * heartbeat_s (1.0)"),
-    ({"heartbeat_s": 0}, "greater than 0"),
-    ({"escalate_after_s": -1}, "greater than 0"),
-    ({"action": "kill"}, "'report', 'raise', 'abort' or 'exit'"),
-    ({"exit_code": 0}, "greater than or equal to 1"),
-    ({"exit_code": 256}, "less than or equal to 255"),
-    ({"raise_signal": "SIGALRM"}, "other than SIGALRM"),
-    ({"raise_signal": "SIGNOPE"}, "catchable signal"),
-    ({"store_addr": "localhost"}, "'host:port'"),
-    ({"session": "a/b"}, "session"),
-    ({"heartbeat": 1}, "heartbeat"),
-])
+@pytest.mark.parametrize(
+    "fields, phrase",
+    [
+        ({"heartbeat_s": 5, "hang_timeout_s": 5}, "hang_timeout_s (5.0) must be > heartbeat_s (5.0)"),
+        (
+            {"heartbeat_s": 1, "hang_timeout_s": 10, "peer_timeout_s": 1.5},
+            "peer_timeout_s (1.5) must be >= 2 * heartbeat_s (1.0)",
+        ),
+        ({"heartbeat_s": 0}, "greater than 0"),
+        ({"escalate_after_s": -1}, "greater than 0"),
+        ({"action": "kill"}, "'report', 'raise', 'abort' or 'exit'"),
+        ({"exit_code": 0}, "greater than or equal to 1"),
+        ({"exit_code": 256}, "less than or equal to 255"),
+        ({"raise_signal": "SIGALRM"}, "other than SIGALRM"),
+        ({"raise_signal": "SIGNOPE"}, "catchable signal"),
+        ({"store_addr": "localhost"}, "'host:port'"),
+        ({"session": "a/b"}, "session"),
+        ({"heartbeat": 1}, "heartbeat"),
+    ],
+)
 def test_bad_settings_say_what_is_wrong(fields, phrase):
     with pytest.raises(ValidationError) as info:
         WatchdogConfig(**fields)
@@ -97,7 +103,9 @@ def test_raise_needs_the_main_thread_to_install_its_handler(tmp_path):
     assert current_watchdog() is None
     # action report needs no handler: any thread may start it.
     started = []
-    t = threading.Thread(target=lambda: started.append(Watchdog(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path).start()))
+    t = threading.Thread(
+        target=lambda: started.append(Watchdog(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path).start())
+    )
     t.start()
     t.join(10)
     started[0].stop()

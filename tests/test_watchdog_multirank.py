@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from harness import run_ranks
+
 from ncclguard.cli import main
 from ncclguard.diagnosis.watchdog import EXIT_CODE
 
@@ -60,7 +60,9 @@ def raise_lost():
 
 @pytest.fixture(scope="module")
 def exit_job():
-    return run_ranks("diagnosis_worker", 2, "exit", timeout_s=60, launcher="spawn", expect_rc={0: EXIT_CODE, 1: EXIT_CODE})
+    return run_ranks(
+        "diagnosis_worker", 2, "exit", timeout_s=60, launcher="spawn", expect_rc={0: EXIT_CODE, 1: EXIT_CODE}
+    )
 
 
 # ----------------------------------------------------------------------------- desync launch
@@ -69,12 +71,20 @@ def exit_job():
 def test_every_instrumented_op_is_recorded_alike_on_every_rank(desync):
     world = 3
     expected = [
-        (1, "all_reduce(SUM)", 4, "float32", False), (2, "all_gather", 4, "float32", False),
-        (3, "all_gather_single", 4, "float32", False), (4, "all_gather_into_tensor", 4, "float32", False),
-        (5, "reduce_scatter(SUM)", 4 * world, "float32", False), (6, "reduce_scatter_tensor(SUM)", 4 * world, "float32", False),
-        (7, "broadcast", 4, "float32", False), (8, "reduce(SUM)", 4, "float32", False), (9, "barrier", 0, "", False),
-        (10, "all_to_all", 2 * world, "float32", False), (11, "all_to_all_single", 2 * world, "float32", False),
-        (12, "gather", 4, "float32", False), (13, "scatter", 4, "float32", False), (14, "all_reduce(SUM)", 4, "float32", True),
+        (1, "all_reduce(SUM)", 4, "float32", False),
+        (2, "all_gather", 4, "float32", False),
+        (3, "all_gather_single", 4, "float32", False),
+        (4, "all_gather_into_tensor", 4, "float32", False),
+        (5, "reduce_scatter(SUM)", 4 * world, "float32", False),
+        (6, "reduce_scatter_tensor(SUM)", 4 * world, "float32", False),
+        (7, "broadcast", 4, "float32", False),
+        (8, "reduce(SUM)", 4, "float32", False),
+        (9, "barrier", 0, "", False),
+        (10, "all_to_all", 2 * world, "float32", False),
+        (11, "all_to_all_single", 2 * world, "float32", False),
+        (12, "gather", 4, "float32", False),
+        (13, "scatter", 4, "float32", False),
+        (14, "all_reduce(SUM)", 4, "float32", True),
     ]
     for r in range(world):
         assert set(desync[r]["ops"].values()) == {"ok"}, desync[r]["ops"]
@@ -101,11 +111,18 @@ def test_desync_names_the_skipping_rank_with_phase_and_site_within_hang_timeout_
     assert finding["site"].endswith(f"{WORKER}:{mark('desync')}")
     assert finding["waiting"] == [0, 1] and inc["victims"] == [0, 1]
     (culprit,) = inc["culprits"]
-    assert (culprit["rank"], culprit["why"], culprit["last_completed"], culprit["phase"]) == (2, "behind", 14, "eval batch=7")
+    assert (culprit["rank"], culprit["why"], culprit["last_completed"], culprit["phase"]) == (
+        2,
+        "behind",
+        14,
+        "eval batch=7",
+    )
     assert culprit["site"].endswith(f"{WORKER}:{mark('eval')}")
     assert culprit["inflight"] is None
     assert inc["summary"].startswith("ranks 0-1 waiting in all_reduce(SUM) #15 (4 x float32, phase train step=4) for ")
-    assert inc["summary"].endswith(f" s; rank 2 last completed #14, now in phase eval batch=7 at {WORKER}:{mark('eval')}")
+    assert inc["summary"].endswith(
+        f" s; rank 2 last completed #14, now in phase eval batch=7 at {WORKER}:{mark('eval')}"
+    )
     hang_to_disk = inc["written_at"] - min(desync[0]["desync_start"], desync[1]["desync_start"])
     assert HANG_S <= hang_to_disk <= HANG_S + 2 * HEARTBEAT_S, hang_to_disk
     # The waiting ranks were released when rank 2 came back, after the report was on disk.
@@ -116,11 +133,18 @@ def test_a_rank_frozen_in_python_is_named(desync):
     inc = merged(incidents(desync)[1])
     assert inc["victims"] == [0, 2]
     (culprit,) = inc["culprits"]
-    assert (culprit["rank"], culprit["why"], culprit["last_completed"], culprit["phase"]) == (1, "behind", 15, "checkpoint step=9")
+    assert (culprit["rank"], culprit["why"], culprit["last_completed"], culprit["phase"]) == (
+        1,
+        "behind",
+        15,
+        "checkpoint step=9",
+    )
     assert culprit["site"].endswith(f"{WORKER}:{mark('frozen')}")
     (finding,) = inc["findings"]
     assert (finding["seq"], finding["numel"], finding["dtype"], finding["phase"]) == (16, 8, "float64", "train step=5")
-    assert inc["ranks"]["1"]["stack"][-1].startswith(f"{Path(finding['site']).parent}/{WORKER}:{mark('frozen')} in frozen")
+    assert inc["ranks"]["1"]["stack"][-1].startswith(
+        f"{Path(finding['site']).parent}/{WORKER}:{mark('frozen')} in frozen"
+    )
 
 
 def test_sigalrm_cannot_interrupt_a_blocked_gloo_collective_but_the_watchdog_reports_it(desync):
@@ -182,7 +206,9 @@ def test_raise_ends_a_python_level_stall_and_skips_ranks_blocked_in_cpp(raise_lo
         assert rungs in ([("report", True), ("raise", False)], [("report", True), ("resolved", True)]), rungs
         if rungs[1][0] == "raise":
             why = actions[1]["why"]
-            assert "blocked in C++ (all_reduce(SUM) #2)" in why or why.startswith("dropped: op #2 on group 0 completed"), why
+            assert "blocked in C++ (all_reduce(SUM) #2)" in why or why.startswith(
+                "dropped: op #2 on group 0 completed"
+            ), why
     # Rank 2 came back once raised: everyone was released.
     assert all(raise_lost[r]["released"] <= HANG_S + 2 * HEARTBEAT_S + 1.0 for r in range(4))
     inc = merged(Path(first["dir"]))
@@ -224,7 +250,11 @@ def test_exit_climbs_the_ladder_and_ends_every_rank_with_the_documented_code(exi
     assert exit_job.returncodes == {0: EXIT_CODE, 1: EXIT_CODE} and EXIT_CODE == 75
     # Whichever rank exits first takes the store with it (rank 0 hosts it): the other may also
     # write a store incident before its own exit rung.
-    (where,) = [p for p in incidents(exit_job) if json.loads(next(p.glob("rank*.json")).read_text())["incident"]["kind"] == "hang"]
+    (where,) = [
+        p
+        for p in incidents(exit_job)
+        if json.loads(next(p.glob("rank*.json")).read_text())["incident"]["kind"] == "hang"
+    ]
     inc = merged(where)
     assert [(c["rank"], c["phase"]) for c in inc["culprits"]] == [(1, "eval batch=3")]
     ladders = {r: [(a["rung"], a["done"]) for a in dump(where, r)["actions"]] for r in (0, 1)}

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -30,10 +30,11 @@ import torch.distributed as dist
 # The synthetic Qwen2.5-VL data and the reference trainer are test fixtures (tests/workers).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "tests" / "workers"))
 
-from ncclguard.integrations.deepspeed import patch_trainer
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification
 from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
 from reference_trainer import ReferenceTrainer, ds_config
+
+from ncclguard.integrations.deepspeed import patch_trainer
+from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification
 
 
 class PrintMonitor:
@@ -69,17 +70,26 @@ def main() -> None:
 
     def on_eval_batch(i: int) -> None:
         # A slow first evaluation on one rank, at the full batch size only (a shrink cures it).
-        if (rank == args.stall_rank and evaluations["n"] == 1 and i == 0
-                and trainer.eval_batch_size == args.eval_batch_size):
+        if (
+            rank == args.stall_rank
+            and evaluations["n"] == 1
+            and i == 0
+            and trainer.eval_batch_size == args.eval_batch_size
+        ):
             print(f"[rank {rank}] stalling {args.stall_seconds:g} s in the evaluation loop", flush=True)
             time.sleep(args.stall_seconds)
 
     eval_data = synthetic_batch(cfg, 8, seed=500 + rank)
     trainer = ReferenceTrainer(
-        Qwen2_5_VLForClassification(cfg), ds_config(args.stage, micro_batch=4), eval_data,
-        eval_batch_size=args.eval_batch_size, monitor=PrintMonitor(), on_eval_batch=on_eval_batch,
+        Qwen2_5_VLForClassification(cfg),
+        ds_config(args.stage, micro_batch=4),
+        eval_data,
+        eval_batch_size=args.eval_batch_size,
+        monitor=PrintMonitor(),
+        on_eval_batch=on_eval_batch,
     )
     if not args.no_guard:
+
         def halve() -> None:
             trainer.eval_batch_size = max(1, trainer.eval_batch_size // 2)
 
@@ -98,12 +108,16 @@ def main() -> None:
             if rank != 0:
                 pass
             elif report is not None and not report.ok:
-                print(f"step {step}: evaluation skipped on every rank after {took:.1f} s "
-                      f"(returned the fallback {eval_loss, accuracy}); training goes on", flush=True)
+                print(
+                    f"step {step}: evaluation skipped on every rank after {took:.1f} s "
+                    f"(returned the fallback {eval_loss, accuracy}); training goes on",
+                    flush=True,
+                )
             else:
                 tries = f" (attempt {report.attempts})" if report is not None and report.attempts > 1 else ""
-                print(f"step {step}: eval loss {eval_loss:.4f}, accuracy {accuracy:.3f}{tries}, {took:.1f} s",
-                      flush=True)
+                print(
+                    f"step {step}: eval loss {eval_loss:.4f}, accuracy {accuracy:.3f}{tries}, {took:.1f} s", flush=True
+                )
             trainer.eval_batch_size = args.eval_batch_size
 
     # Same parameters everywhere? Compare digests as numbers over the training group.

@@ -58,7 +58,11 @@ def expected(op: str, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, tor
             v %= 1 << bits
             if torch.iinfo(dtype).min < 0 and v >= 1 << (bits - 1):
                 v -= 1 << bits
-        out.append(torch.tensor(v, dtype=dtype) if not dtype.is_floating_point else torch.tensor(float(v), dtype=torch.float64).to(dtype))
+        out.append(
+            torch.tensor(v, dtype=dtype)
+            if not dtype.is_floating_point
+            else torch.tensor(float(v), dtype=torch.float64).to(dtype)
+        )
     return out[0], out[1]
 
 

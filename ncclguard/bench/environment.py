@@ -16,9 +16,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ncclguard.config import get_config
 from ncclguard.collectives.groups import group_info
 from ncclguard.collectives.rendezvous import HOST, exchange, next_round
+from ncclguard.config import get_config
 
 __all__ = ["describe_rank", "describe_job"]
 
@@ -88,7 +88,15 @@ def describe_job(device: torch.device, backend: str) -> dict[str, Any]:
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "hosts": sorted({r["host"] for r in ranks.values()}),
         "ranks": [{"rank": int(r), **d} for r, d in ranks.items()],
-        "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("NCCL_", "TORCH_NCCL_", "GLOO_", "NCCLGUARD_"))
-                or k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")},
-        "ncclguard_config": {k: v for k, v in get_config().model_dump().items() if k.startswith(("chunk_", "mid_", "large_", "max_inflight"))},
+        "env": {
+            k: os.environ[k]
+            for k in sorted(os.environ)
+            if k.startswith(("NCCL_", "TORCH_NCCL_", "GLOO_", "NCCLGUARD_"))
+            or k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")
+        },
+        "ncclguard_config": {
+            k: v
+            for k, v in get_config().model_dump().items()
+            if k.startswith(("chunk_", "mid_", "large_", "max_inflight"))
+        },
     }

@@ -10,8 +10,8 @@ modes alike and no mode always runs right after another. Every call is preceded 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,8 +23,11 @@ from ncclguard.collectives.all_reduce import safe_all_reduce
 __all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
 
 TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG,
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "avg": dist.ReduceOp.AVG,
 }
 
 
@@ -56,12 +59,14 @@ def _caller(mode: str, t: torch.Tensor, op: str, timeout: float | None, chunk_nu
     """A no-argument call of ``mode`` on ``t``; returns the chunks it used."""
     red = TORCH_OPS[op]
     if mode == "plain":
+
         def plain() -> int:
             try:
                 dist.all_reduce(t, op=red)
             except RuntimeError as exc:  # DistBackendError and the group's timeout derive from it
                 raise BenchCallFailed(f"plain: {exc}") from exc
             return 1
+
         return plain
     atomic = mode == "safe-atomic"
 
@@ -70,6 +75,7 @@ def _caller(mode: str, t: torch.Tensor, op: str, timeout: float | None, chunk_nu
         if not res.ok:
             raise BenchCallFailed(f"{mode}: {res.error}")
         return res.chunks
+
     return guarded
 
 
@@ -88,9 +94,19 @@ def _sync(device: torch.device, token: torch.Tensor) -> None:
 
 
 def measure_size(
-    numel: int, dtype: torch.dtype, device: torch.device, modes: tuple[str, ...], op: str, *,
-    iters: int, warmup: int, timeout: float | None, chunk_numel: int | None,
-    check_data: bool, corrupt_rank: int | None, on_iteration: Callable[[], None] = lambda: None,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    modes: tuple[str, ...],
+    op: str,
+    *,
+    iters: int,
+    warmup: int,
+    timeout: float | None,
+    chunk_numel: int | None,
+    check_data: bool,
+    corrupt_rank: int | None,
+    on_iteration: Callable[[], None] = lambda: None,
 ) -> SizeRun:
     """Measures every mode at one size on this rank; every rank must call it with the same arguments.
 

@@ -45,7 +45,9 @@ class Need:
         return sum(self.parts.values())
 
 
-def need_per_rank(numel: int, element_size: int, modes: tuple[str, ...], check: bool, on_gpu: bool) -> tuple[Need, Need]:
+def need_per_rank(
+    numel: int, element_size: int, modes: tuple[str, ...], check: bool, on_gpu: bool
+) -> tuple[Need, Need]:
     """What one rank needs on the host and on its device for ``numel`` elements.
 
     Returns:
@@ -62,7 +64,9 @@ def need_per_rank(numel: int, element_size: int, modes: tuple[str, ...], check: 
     return Need({**host, **data}), Need({})
 
 
-def _largest_fitting(available: int, ranks: int, element_size: int, modes: tuple[str, ...], check: bool, on_gpu: bool) -> int:
+def _largest_fitting(
+    available: int, ranks: int, element_size: int, modes: tuple[str, ...], check: bool, on_gpu: bool
+) -> int:
     """The largest element count whose need fits ``available`` bytes for ``ranks`` ranks (0 if none)."""
     lo, hi = 0, 1 << 50
     while lo < hi:  # need grows with numel, so bisect
@@ -81,8 +85,13 @@ def _available(on_gpu: bool, device: torch.device | None) -> int:
 
 
 def ensure_fits(
-    numels: list[int], element_size: int, dtype: str, modes: tuple[str, ...], check: bool,
-    ranks_on_host: int, device: torch.device | None = None,
+    numels: list[int],
+    element_size: int,
+    dtype: str,
+    modes: tuple[str, ...],
+    check: bool,
+    ranks_on_host: int,
+    device: torch.device | None = None,
 ) -> None:
     """Refuses sizes that will not fit in this host's RAM (all its ranks) or in one GPU.
 
@@ -113,7 +122,8 @@ def ensure_fits(
         hint = (
             f"what fits: --numel {_round_down(fit)} ({format_bytes(_round_down_int(fit) * element_size)}), "
             f"or a sweep up to -e {_pow2_suffix(fit * element_size)}"
-            if fit > 0 else "nothing fits: free memory or run fewer ranks per host (--nproc)"
+            if fit > 0
+            else "nothing fits: free memory or run fewer ranks per host (--nproc)"
         )
         if "safe-atomic" in modes and fit > 0:
             hint += "; without safe-atomic (--modes plain safe) larger sizes fit"

@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 __all__ = ["FORMULAS", "TimeStats", "slowest_per_iteration", "summarize", "algbw_gbps", "busbw_factor", "busbw_gbps"]
 

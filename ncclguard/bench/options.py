@@ -7,8 +7,9 @@ Names follow nccl-tests where it has one (``-b/-e/-f``, ``-n`` is ``--iters``, `
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,9 +21,17 @@ Mode = Literal["plain", "safe", "safe-atomic"]
 MODES: tuple[str, ...] = ("plain", "safe", "safe-atomic")
 # nccl-tests' names first, torch's spellings as aliases; value: the torch dtype's name.
 DTYPES: dict[str, str] = {
-    "int8": "int8", "uint8": "uint8", "int32": "int32", "int64": "int64",
-    "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-    "float": "float32", "float32": "float32", "double": "float64", "float64": "float64",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int64": "int64",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+    "double": "float64",
+    "float64": "float64",
 }
 OPS: tuple[str, ...] = ("sum", "prod", "min", "max", "avg")
 DEFAULT_BYTES = 32 * 1024**2  # nccl-tests' default: one size of 32 MiB
@@ -70,7 +79,7 @@ class BenchOptions(BaseModel):
         return tuple(m for m in MODES if m in value)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "BenchOptions":
+    def _consistent(self) -> BenchOptions:
         if self.numel is None:
             sweep_bytes(self.minbytes, self.maxbytes, self.stepfactor)  # raises on a bad sweep
         if self.op == "avg" and not self.dtype.startswith(("float", "bfloat")):
@@ -100,8 +109,10 @@ class BenchOptions(BaseModel):
         counts = self.numels()
         if len(counts) == 1:
             return f"{counts[0]} x {self.dtype} ({format_bytes(counts[0] * self.element_size)})"
-        return (f"{len(counts)} sizes from {format_bytes(counts[0] * self.element_size)} to "
-                f"{format_bytes(counts[-1] * self.element_size)} of {self.dtype}")
+        return (
+            f"{len(counts)} sizes from {format_bytes(counts[0] * self.element_size)} to "
+            f"{format_bytes(counts[-1] * self.element_size)} of {self.dtype}"
+        )
 
 
 # Field name -> the flag a user typed, for error messages.
@@ -140,21 +151,53 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("-e", "--maxbytes", type=_arg(parse_bytes), default=None, help="last size (default: -b)")
     size.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (default 2)")
     run = p.add_argument_group("what to run")
-    run.add_argument("-d", "--dtype", "--datatype", dest="dtype", default="float", help=f"one of {', '.join(DTYPES)} (default float)")
+    run.add_argument(
+        "-d", "--dtype", "--datatype", dest="dtype", default="float", help=f"one of {', '.join(DTYPES)} (default float)"
+    )
     run.add_argument("-o", "--op", default="sum", choices=OPS, help="reduction (default sum)")
     run.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size and mode (default 20)")
-    run.add_argument("-w", "--warmup", "--warmup_iters", dest="warmup", type=int, default=5, help="untimed iterations first (default 5)")
-    run.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", choices=MODES,
-                     help="any of plain, safe, safe-atomic (default: all three, interleaved per iteration)")
-    run.add_argument("--chunk-numel", type=_arg(parse_numel), help="elements per chunk of safe modes (default: the size policy)")
-    run.add_argument("--timeout", type=float, help="seconds: deadline of each guarded call and the process group timeout "
-                     "(default: ncclguard's size-based deadline; the backend's group timeout)")
-    run.add_argument("-c", "--check", action="store_true", help="also run a correctness pass with integer-valued data (#wrong)")
+    run.add_argument(
+        "-w",
+        "--warmup",
+        "--warmup_iters",
+        dest="warmup",
+        type=int,
+        default=5,
+        help="untimed iterations first (default 5)",
+    )
+    run.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        metavar="MODE",
+        choices=MODES,
+        help="any of plain, safe, safe-atomic (default: all three, interleaved per iteration)",
+    )
+    run.add_argument(
+        "--chunk-numel", type=_arg(parse_numel), help="elements per chunk of safe modes (default: the size policy)"
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds: deadline of each guarded call and the process group timeout "
+        "(default: ncclguard's size-based deadline; the backend's group timeout)",
+    )
+    run.add_argument(
+        "-c", "--check", action="store_true", help="also run a correctness pass with integer-valued data (#wrong)"
+    )
     launch = p.add_argument_group("ranks")
-    launch.add_argument("--nproc", type=int, default=None, help="ranks to spawn on this host when not under torchrun "
-                        "(default: CUDA devices, else 2)")
-    launch.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl with CUDA, else gloo")
-    launch.add_argument("--job-timeout", type=float, default=6 * 3600.0, help="seconds the self-spawned job may run in all")
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to spawn on this host when not under torchrun (default: CUDA devices, else 2)",
+    )
+    launch.add_argument(
+        "--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl with CUDA, else gloo"
+    )
+    launch.add_argument(
+        "--job-timeout", type=float, default=6 * 3600.0, help="seconds the self-spawned job may run in all"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", dest="json_path", type=Path, help="write configuration, environment and raw times here")
     out.add_argument("--csv", dest="csv_path", type=Path, help="write one row per size and mode here")

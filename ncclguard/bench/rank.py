@@ -40,8 +40,15 @@ def _agree(ok: bool, device: torch.device) -> list[bool]:
 def _fits(opts: BenchOptions, device: torch.device) -> str | None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     try:
-        ensure_fits(opts.numels(), opts.element_size, opts.dtype, opts.modes, opts.check, local,
-                    device if device.type == "cuda" else None)
+        ensure_fits(
+            opts.numels(),
+            opts.element_size,
+            opts.dtype,
+            opts.modes,
+            opts.check,
+            local,
+            device if device.type == "cuda" else None,
+        )
     except MemoryRefused as exc:
         return str(exc)
     return None
@@ -73,7 +80,9 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
         if problem is not None and (rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0):
             _say(f"refused: {problem}")
         elif rank == 0:
-            _say(f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(verdicts) if not ok]}")
+            _say(
+                f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(verdicts) if not ok]}"
+            )
         return EXIT_REFUSED
 
     environment = describe_job(device, backend)
@@ -81,9 +90,17 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
     numels = opts.numels()
     per_size = (opts.warmup + opts.iters) * len(opts.modes)
     progress = (
-        Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-        if rank == 0 else nullcontext()
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        if rank == 0
+        else nullcontext()
     )
     runs: list[SizeRun] = []
     with progress:
@@ -93,11 +110,22 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
                 progress.update(task, description=f"all_reduce {format_bytes(numel * opts.element_size)}")
             tick = (lambda: progress.advance(task)) if rank == 0 else (lambda: None)
             try:
-                runs.append(measure_size(
-                    numel, dtype, device, opts.modes, opts.op, iters=opts.iters, warmup=opts.warmup,
-                    timeout=opts.timeout, chunk_numel=opts.chunk_numel, check_data=opts.check,
-                    corrupt_rank=opts.corrupt_rank, on_iteration=tick,
-                ))
+                runs.append(
+                    measure_size(
+                        numel,
+                        dtype,
+                        device,
+                        opts.modes,
+                        opts.op,
+                        iters=opts.iters,
+                        warmup=opts.warmup,
+                        timeout=opts.timeout,
+                        chunk_numel=opts.chunk_numel,
+                        check_data=opts.check,
+                        corrupt_rank=opts.corrupt_rank,
+                        on_iteration=tick,
+                    )
+                )
             except BenchCallFailed as exc:
                 _say(f"a guarded call failed at {numel} elements, stopping: {exc}")
                 return EXIT_FAILED
@@ -114,6 +142,9 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
         if opts.plot_path:
             from ncclguard.bench.plot import plot_busbw
 
-            plot_busbw(opts.plot_path, rows, f"all_reduce {opts.dtype}, {world} ranks, {backend} "
-                       f"({', '.join(environment['hosts'])})")
+            plot_busbw(
+                opts.plot_path,
+                rows,
+                f"all_reduce {opts.dtype}, {world} ranks, {backend} ({', '.join(environment['hosts'])})",
+            )
     return summ["exit_code"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -22,8 +23,22 @@ from ncclguard.bench.sizes import format_bytes
 __all__ = ["build_rows", "summary", "render_table", "write_json", "write_csv", "CSV_FIELDS"]
 
 CSV_FIELDS = [
-    "size_bytes", "numel", "dtype", "op", "mode", "chunks", "time_us", "min_us", "p50_us", "max_us",
-    "algbw_gbps", "busbw_gbps", "ratio_to_plain", "ratio_to_plain_p50", "extra_peak_over_plain_bytes", "wrong",
+    "size_bytes",
+    "numel",
+    "dtype",
+    "op",
+    "mode",
+    "chunks",
+    "time_us",
+    "min_us",
+    "p50_us",
+    "max_us",
+    "algbw_gbps",
+    "busbw_gbps",
+    "ratio_to_plain",
+    "ratio_to_plain_p50",
+    "extra_peak_over_plain_bytes",
+    "wrong",
 ]
 
 
@@ -45,24 +60,26 @@ def build_rows(runs: Sequence[SizeRun], dtype: str, op: str, world_size: int) ->
         for mode, r in run.modes.items():
             st = stats[mode]
             plain = stats.get("plain")
-            rows.append({
-                "size_bytes": run.nbytes,
-                "numel": run.numel,
-                "dtype": dtype,
-                "op": op,
-                "mode": mode,
-                "chunks": r.chunks,
-                "time_us": st.to_dict(),
-                "algbw_gbps": round(algbw_gbps(run.nbytes, st.mean_us / 1e6), 6),
-                "busbw_gbps": round(busbw_gbps(run.nbytes, st.mean_us / 1e6, world_size), 6),
-                "ratio_to_plain": round(st.mean_us / plain.mean_us, 4) if plain else None,
-                "ratio_to_plain_p50": round(st.p50_us / plain.p50_us, 4) if plain else None,
-                "extra_peak_over_plain_bytes": _extra_peak(run, mode),
-                "wrong": r.wrong,
-                "iteration_times_us": [round(t * 1e6, 3) for t in slowest[mode]],
-                "rank_times_us": [[round(t * 1e6, 3) for t in ts] for ts in r.rank_times_s],
-                "rank_peak_bytes": r.rank_peak_bytes,
-            })
+            rows.append(
+                {
+                    "size_bytes": run.nbytes,
+                    "numel": run.numel,
+                    "dtype": dtype,
+                    "op": op,
+                    "mode": mode,
+                    "chunks": r.chunks,
+                    "time_us": st.to_dict(),
+                    "algbw_gbps": round(algbw_gbps(run.nbytes, st.mean_us / 1e6), 6),
+                    "busbw_gbps": round(busbw_gbps(run.nbytes, st.mean_us / 1e6, world_size), 6),
+                    "ratio_to_plain": round(st.mean_us / plain.mean_us, 4) if plain else None,
+                    "ratio_to_plain_p50": round(st.p50_us / plain.p50_us, 4) if plain else None,
+                    "extra_peak_over_plain_bytes": _extra_peak(run, mode),
+                    "wrong": r.wrong,
+                    "iteration_times_us": [round(t * 1e6, 3) for t in slowest[mode]],
+                    "rank_times_us": [[round(t * 1e6, 3) for t in ts] for ts in r.rank_times_s],
+                    "rank_peak_bytes": r.rank_peak_bytes,
+                }
+            )
     return rows
 
 
@@ -100,17 +117,34 @@ def _peak(v: int | None, mode: str) -> str:
     return ("+" if v >= 0 else "-") + format_bytes(abs(v))
 
 
-def render_table(rows: Sequence[dict[str, Any]], world_size: int, summ: dict[str, Any], console: Console | None = None) -> None:
+def render_table(
+    rows: Sequence[dict[str, Any]], world_size: int, summ: dict[str, Any], console: Console | None = None
+) -> None:
     """Prints the results table, the formulas under it, and the averages (rank 0 calls this)."""
     # Off a terminal (a log file, a pipe) rich would assume 80 columns; the table needs ~150.
     console = console or Console(width=None if Console().is_terminal else 170)
     with_check = any(r["wrong"] is not None for r in rows)
     kinds = ", ".join(dict.fromkeys(f"{r['dtype']} {r['op']}" for r in rows))
-    table = Table(title=f"all_reduce ({kinds}) on {world_size} ranks: plain dist.all_reduce vs ncclguard.safe_all_reduce",
-                  title_justify="left")
+    table = Table(
+        title=f"all_reduce ({kinds}) on {world_size} ranks: plain dist.all_reduce vs ncclguard.safe_all_reduce",
+        title_justify="left",
+    )
     # Two-line headers keep the table narrow enough for a terminal of 120 columns.
-    for name in ("size", "count", "mode", "chunks", "time\n(us)", "min\n(us)", "p50\n(us)", "max\n(us)",
-                 "algbw\n(GB/s)", "busbw\n(GB/s)", "x plain\n(mean)", "x plain\n(p50)", "+peak\nmemory"):
+    for name in (
+        "size",
+        "count",
+        "mode",
+        "chunks",
+        "time\n(us)",
+        "min\n(us)",
+        "p50\n(us)",
+        "max\n(us)",
+        "algbw\n(GB/s)",
+        "busbw\n(GB/s)",
+        "x plain\n(mean)",
+        "x plain\n(p50)",
+        "+peak\nmemory",
+    ):
         # fold, never "…": a truncated number is worse than a wrapped one
         table.add_column(name, justify="left" if name == "mode" else "right", overflow="fold")
     if with_check:
@@ -121,9 +155,14 @@ def render_table(rows: Sequence[dict[str, Any]], world_size: int, summ: dict[str
         cells = [
             format_bytes(r["size_bytes"]) if r["size_bytes"] != previous else "",
             str(r["numel"]) if r["size_bytes"] != previous else "",
-            r["mode"], str(r["chunks"]),
-            f"{t['mean_us']:.1f}", f"{t['min_us']:.1f}", f"{t['p50_us']:.1f}", f"{t['max_us']:.1f}",
-            f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}",
+            r["mode"],
+            str(r["chunks"]),
+            f"{t['mean_us']:.1f}",
+            f"{t['min_us']:.1f}",
+            f"{t['p50_us']:.1f}",
+            f"{t['max_us']:.1f}",
+            f"{r['algbw_gbps']:.3f}",
+            f"{r['busbw_gbps']:.3f}",
             _ratio(r["ratio_to_plain"]) if r["mode"] != "plain" else "-",
             _ratio(r["ratio_to_plain_p50"]) if r["mode"] != "plain" else "-",
             _peak(r["extra_peak_over_plain_bytes"], r["mode"]),
@@ -143,11 +182,22 @@ def render_table(rows: Sequence[dict[str, Any]], world_size: int, summ: dict[str
         console.print(f"[bold red]FAILED[/] {f}")
 
 
-def write_json(path: Path, config: dict[str, Any], environment: dict[str, Any], rows: Sequence[dict[str, Any]],
-               summ: dict[str, Any]) -> None:
+def write_json(
+    path: Path,
+    config: dict[str, Any],
+    environment: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    summ: dict[str, Any],
+) -> None:
     """Writes the whole run: configuration, environment, formulas, rows with raw times, summary."""
-    doc = {"benchmark": "all_reduce", "config": config, "environment": environment, "formulas": FORMULAS,
-           "results": list(rows), "summary": summ}
+    doc = {
+        "benchmark": "all_reduce",
+        "config": config,
+        "environment": environment,
+        "formulas": FORMULAS,
+        "results": list(rows),
+        "summary": summ,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
@@ -160,5 +210,12 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         w.writeheader()
         for r in rows:
             t = r["time_us"]
-            w.writerow({**{k: r[k] for k in CSV_FIELDS if k in r},
-                        "time_us": t["mean_us"], "min_us": t["min_us"], "p50_us": t["p50_us"], "max_us": t["max_us"]})
+            w.writerow(
+                {
+                    **{k: r[k] for k in CSV_FIELDS if k in r},
+                    "time_us": t["mean_us"],
+                    "min_us": t["min_us"],
+                    "p50_us": t["p50_us"],
+                    "max_us": t["max_us"],
+                }
+            )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,10 @@ def _refuse(message: str) -> int:
 def _spawn_ranks(opts: BenchOptions, argv: Sequence[str]) -> int:
     backend = _backend(opts)
     if backend == "nccl" and opts.nproc > torch.cuda.device_count():
-        return _refuse(f"--nproc {opts.nproc} needs one GPU per rank with nccl, but {torch.cuda.device_count()} "
-                       "are visible; lower --nproc or use --backend gloo")
+        return _refuse(
+            f"--nproc {opts.nproc} needs one GPU per rank with nccl, but {torch.cuda.device_count()} "
+            "are visible; lower --nproc or use --backend gloo"
+        )
     if backend == "gloo":  # with GPUs each rank checks its own device once it runs
         try:
             ensure_fits(opts.numels(), opts.element_size, opts.dtype, opts.modes, opts.check, opts.nproc)
@@ -46,8 +48,11 @@ def _spawn_ranks(opts: BenchOptions, argv: Sequence[str]) -> int:
             return _refuse(str(exc))
     res = spawn([sys.executable, "-m", "ncclguard.bench", *argv], opts.nproc, timeout_s=opts.job_timeout, capture=False)
     if res.timed_out:
-        print(f"python -m ncclguard.bench: the ranks did not finish within --job-timeout {opts.job_timeout:g} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"python -m ncclguard.bench: the ranks did not finish within --job-timeout {opts.job_timeout:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_FAILED
     codes = [r.returncode for r in res.ranks]
     if all(c == 0 for c in codes):

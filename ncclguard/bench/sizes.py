@@ -43,9 +43,7 @@ def parse_numel(text: str) -> int:
         try:
             number = Decimal(text.strip().replace("_", ""))
         except InvalidOperation:
-            raise ValueError(
-                f"element count {text!r} is not a number; write it like 1000, 1e6, 5e8 or 2**20"
-            ) from None
+            raise ValueError(f"element count {text!r} is not a number; write it like 1000, 1e6, 5e8 or 2**20") from None
         if number.is_finite() and number > 2**_MAX_EXP:
             raise ValueError(f"element count {text!r} is too large (at most 2**{_MAX_EXP})")
         if not number.is_finite() or number != number.to_integral_value():

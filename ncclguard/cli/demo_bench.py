@@ -8,8 +8,25 @@ import sys
 
 TITLE = "Benchmark: what guarding costs (2 ranks, gloo, 1 KiB to 4 MiB, with --check)"
 # A few seconds on 2 cores; the full sweep to 1 GiB is benchmarks/run_gloo_2ranks.py.
-ARGS = ["-b", "1K", "-e", "4M", "-f", "16", "--iters", "5", "--warmup", "2", "--check", "--nproc", "2",
-        "--backend", "gloo", "--job-timeout", "90"]  # the bench bounds its own ranks; 120 s below bounds the bench
+ARGS = [
+    "-b",
+    "1K",
+    "-e",
+    "4M",
+    "-f",
+    "16",
+    "--iters",
+    "5",
+    "--warmup",
+    "2",
+    "--check",
+    "--nproc",
+    "2",
+    "--backend",
+    "gloo",
+    "--job-timeout",
+    "90",
+]  # the bench bounds its own ranks; 120 s below bounds the bench
 
 
 def run(args: argparse.Namespace) -> int:

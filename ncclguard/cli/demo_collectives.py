@@ -31,8 +31,12 @@ def _rank_main() -> None:
         time.sleep(STALL_S)  # rank 1 is "elsewhere": a long evaluation, a checkpoint save...
     start = time.monotonic()
     res = safe_all_reduce(torch.ones(4), timeout=DEADLINE_S)
-    out["stall"] = {"ok": res.ok, "elapsed_s": round(time.monotonic() - start, 3), "error": str(res.error) if res.error else None,
-                    "missing": getattr(res.error, "missing_ranks", None)}
+    out["stall"] = {
+        "ok": res.ok,
+        "elapsed_s": round(time.monotonic() - start, 3),
+        "error": str(res.error) if res.error else None,
+        "missing": getattr(res.error, "missing_ranks", None),
+    }
     print("RESULT " + json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)  # the timed-out op is still queued in gloo; normal shutdown would wait on it
@@ -47,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         print("the demo ranks did not report:\n" + res.output()[-4000:])
         return 1
     h = results[0]["healthy"]
-    print(f"healthy: safe_all_reduce of 1e6 x float32 on 2 ranks -> {h['value']} (1+2) in {h['elapsed_s'] * 1e3:.1f} ms, ok={h['ok']}")
+    print(
+        f"healthy: safe_all_reduce of 1e6 x float32 on 2 ranks -> {h['value']} (1+2) in {h['elapsed_s'] * 1e3:.1f} ms, ok={h['ok']}"
+    )
     s = results[0]["stall"]
     print(f"stall:   rank 1 sleeps {STALL_S:g} s before the collective; rank 0's deadline is {DEADLINE_S:g} s")
     print(f"         rank 0 returned after {s['elapsed_s']:.2f} s, ok={s['ok']}, missing ranks {s['missing']}")

@@ -51,7 +51,12 @@ def _rank_main(incident_dir: str) -> None:
             dist.all_reduce(grads)
         if step == 3 and rank == 2:
             _evaluate(batches=10)  # only rank 2 evaluates after step 3: an uneven shard
-    out = {"rank": rank, "steps": STEPS, "hang_start": hang_start, "incidents": wd.wait_for_incident(10, merged=rank == 0)}
+    out = {
+        "rank": rank,
+        "steps": STEPS,
+        "hang_start": hang_start,
+        "incidents": wd.wait_for_incident(10, merged=rank == 0),
+    }
     wd.stop()
     print("RESULT " + json.dumps(out, default=str), flush=True)
     os._exit(0)
@@ -62,11 +67,17 @@ def run(args: argparse.Namespace) -> int:
     from ncclguard.testing.launch import spawn
 
     incident_dir = tempfile.mkdtemp(prefix="ncclguard-demo-incidents-")
-    print(f"3 ranks train with instrument() and a watchdog (heartbeat {HEARTBEAT_S:g} s, hang after {HANG_S:g} s, "
-          "action report).")
+    print(
+        f"3 ranks train with instrument() and a watchdog (heartbeat {HEARTBEAT_S:g} s, hang after {HANG_S:g} s, "
+        "action report)."
+    )
     print(f"After step 3, rank 2 alone evaluates for {EVAL_S:g} s; ranks 0-1 go on into step 4's all_reduce and wait.")
-    res = spawn([sys.executable, "-m", "ncclguard.cli.demo_desync", incident_dir], 3, timeout_s=90,
-                env={"NCCLGUARD_WATCHDOG_SESSION": "demo"})
+    res = spawn(
+        [sys.executable, "-m", "ncclguard.cli.demo_desync", incident_dir],
+        3,
+        timeout_s=90,
+        env={"NCCLGUARD_WATCHDOG_SESSION": "demo"},
+    )
     results = res.json_lines()
     if res.timed_out or len(results) != 3:
         print("the demo ranks did not report:\n" + res.output()[-4000:])
@@ -78,13 +89,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     hang_start = min(results[r]["hang_start"] for r in (0, 1))
     to_disk = incident["written_at"] - hang_start
-    print(f"The merged report was on disk {to_disk:.2f} s after ranks 0-1 began to wait "
-          f"(hang_timeout_s={HANG_S:g}); `python -m ncclguard report {where}` prints it:\n")
+    print(
+        f"The merged report was on disk {to_disk:.2f} s after ranks 0-1 began to wait "
+        f"(hang_timeout_s={HANG_S:g}); `python -m ncclguard report {where}` prints it:\n"
+    )
     print(render(incident, stack_lines=4))
-    print(f"Rank 2 came back after its evaluation; every rank finished its {STEPS} steps: "
-          f"{all(results[r]['steps'] == STEPS for r in results)}.")
+    print(
+        f"Rank 2 came back after its evaluation; every rank finished its {STEPS} steps: "
+        f"{all(results[r]['steps'] == STEPS for r in results)}."
+    )
     culprits = [(c["rank"], c["why"], c["phase"].split(" ")[0]) for c in incident["culprits"]]
-    good = culprits == [(2, "behind", "eval")] and incident["victims"] == [0, 1] and to_disk <= HANG_S + 2 * HEARTBEAT_S + 1
+    good = (
+        culprits == [(2, "behind", "eval")]
+        and incident["victims"] == [0, 1]
+        and to_disk <= HANG_S + 2 * HEARTBEAT_S + 1
+    )
     return 0 if good else 1
 
 

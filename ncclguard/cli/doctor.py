@@ -23,10 +23,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
-from ncclguard.testing.launch import under_launcher
-from ncclguard.env.netenv import NetPlan, detect
 from ncclguard.env.hierarchy import TimeoutHierarchy
+from ncclguard.env.netenv import NetPlan, detect
 from ncclguard.env.versions import library_versions
+from ncclguard.testing.launch import under_launcher
 
 # Variables shown in the table when set, besides the recommended ones.
 SHOWN_WHEN_SET = (
@@ -46,9 +46,21 @@ SHOWN_WHEN_SET = (
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
 )
 # Variables whose values must agree across ranks (compared by --check-ranks when set).
-COMPARED_VARIABLES = tuple(sorted({*SHOWN_WHEN_SET, *IGNORED, *DEPRECATED, "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
-                                   "NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE"}
-                                  - {"MASTER_ADDR", "MASTER_PORT"}))
+COMPARED_VARIABLES = tuple(
+    sorted(
+        {
+            *SHOWN_WHEN_SET,
+            *IGNORED,
+            *DEPRECATED,
+            "NCCL_SOCKET_IFNAME",
+            "GLOO_SOCKET_IFNAME",
+            "NCCL_IB_DISABLE",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_FR_BUFFER_SIZE",
+        }
+        - {"MASTER_ADDR", "MASTER_PORT"}
+    )
+)
 
 
 def _seconds(text: str) -> float:
@@ -64,18 +76,24 @@ def _seconds(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the doctor's options to its subcommand parser."""
     parser.epilog = "exit status: 0 nothing to change, 1 warnings or ranks that disagree, 2 could not run"
-    parser.add_argument("--master-addr", metavar="HOST",
-                        help="peer to route to (default: MASTER_ADDR, else the default route)")
+    parser.add_argument(
+        "--master-addr", metavar="HOST", help="peer to route to (default: MASTER_ADDR, else the default route)"
+    )
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     out.add_argument("--export", action="store_true", help="print `export` lines for the recommended variables")
-    parser.add_argument("--backend", choices=("nccl", "gloo"),
-                        help="backend to assume for the default timeout (default: nccl with CUDA, else gloo)")
-    parser.add_argument("--pg-timeout", type=_seconds, metavar="SECONDS",
-                        help="the timeout= you pass to init_process_group")
+    parser.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        help="backend to assume for the default timeout (default: nccl with CUDA, else gloo)",
+    )
+    parser.add_argument(
+        "--pg-timeout", type=_seconds, metavar="SECONDS", help="the timeout= you pass to init_process_group"
+    )
     parser.add_argument("--check-ranks", action="store_true", help="under torchrun: compare the plans of all ranks")
-    parser.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                        help="bound for --check-ranks (default 60)")
+    parser.add_argument(
+        "--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="bound for --check-ranks (default 60)"
+    )
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -122,13 +140,17 @@ def compare_ranks(payloads: dict[int, dict[str, Any]]) -> list[str]:
             out.append(f"ranks disagree on {label}: {'; '.join(parts)}. {advice}".strip())
 
     spread(
-        "the interface", {r: p["plan"]["interface"] for r, p in payloads.items()},
+        "the interface",
+        {r: p["plan"]["interface"] for r, p in payloads.items()},
         "One exported NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME cannot name them all: let ncclguard.init_process_group "
         "apply each rank's own plan, or give NCCL a prefix list that matches every one.",
     )
     for lib in sorted({k for p in payloads.values() for k in p["versions"]}):
-        spread(f"{lib} version", {r: p["versions"].get(lib) for r, p in payloads.items()},
-               "Install the same version on every host.")
+        spread(
+            f"{lib} version",
+            {r: p["versions"].get(lib) for r, p in payloads.items()},
+            "Install the same version on every host.",
+        )
     for name in COMPARED_VARIABLES:
         values = {r: p["env"].get(name) for r, p in payloads.items()}
         spread(name, values, "Set it the same way on every host (or nowhere).")
@@ -141,8 +163,8 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
     import torch.distributed as dist
 
     from ncclguard.collectives.groups import group_info
-    from ncclguard.env.pginit import init_process_group
     from ncclguard.collectives.rendezvous import exchange, next_round
+    from ncclguard.env.pginit import init_process_group
 
     start = time.monotonic()
     init = init_process_group("gloo", timeout=timeout_s, master_addr=plan_target)
@@ -174,7 +196,9 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
 
 def _print_tables(report: dict[str, Any], console: Console) -> None:
     plan = NetPlan.model_validate(report["plan"])
-    net = Table(title=f"network of {report['host']}" + (f" (rank {report['rank']})" if report["rank"] is not None else ""))
+    net = Table(
+        title=f"network of {report['host']}" + (f" (rank {report['rank']})" if report["rank"] is not None else "")
+    )
     net.add_column("item", style="bold")
     net.add_column("value")
     route = plan.route
@@ -199,8 +223,13 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
         var.add_column(col)
     style = {"ok": "green", "set by ncclguard": "green", "unset": "yellow", "set by user": "cyan"}
     for v in report["variables"]:
-        var.add_row(v["name"], escape(v["value"]) if v["value"] is not None else "-", escape(v["recommended"] or "-"),
-                    f"[{style.get(v['status'], 'red')}]{v['status']}[/]", escape(v["note"]))
+        var.add_row(
+            v["name"],
+            escape(v["value"]) if v["value"] is not None else "-",
+            escape(v["recommended"] or "-"),
+            f"[{style.get(v['status'], 'red')}]{v['status']}[/]",
+            escape(v["note"]),
+        )
     console.print(var)
 
     tt = Table(title="timeout hierarchy")
@@ -219,12 +248,20 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
 
     if "ranks" in report:
         ranks = report["ranks"]
-        rt = Table(title=f"ranks ({ranks['world_size']}), gloo all_reduce {'ok' if ranks['all_reduce_ok'] else 'WRONG'}")
+        rt = Table(
+            title=f"ranks ({ranks['world_size']}), gloo all_reduce {'ok' if ranks['all_reduce_ok'] else 'WRONG'}"
+        )
         for col in ("rank", "host", "interface", "local address", "torch", "warnings"):
             rt.add_column(col)
         for rank, p in ranks["reports"].items():
-            rt.add_row(rank, p["host"], str(p["plan"]["interface"]), str(p["plan"]["local_address"]),
-                       str(p["versions"].get("torch")), str(p["warnings"]))
+            rt.add_row(
+                rank,
+                p["host"],
+                str(p["plan"]["interface"]),
+                str(p["plan"]["local_address"]),
+                str(p["versions"].get("torch")),
+                str(p["warnings"]),
+            )
         console.print(rt)
 
     problems = report["warnings"] + report.get("ranks", {}).get("disagreements", [])
@@ -241,13 +278,17 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
 
 def _print_export(report: dict[str, Any]) -> None:
     plan = report["plan"]
-    print(f"# ncclguard doctor for {report['host']}: peer {plan['target'] or '(default route)'} via {plan['interface']}")
+    print(
+        f"# ncclguard doctor for {report['host']}: peer {plan['target'] or '(default route)'} via {plan['interface']}"
+    )
     for v in report["variables"]:
         if v["recommended"] is not None and v["status"] == "unset":
             print(f"export {v['name']}={shlex.quote(v['recommended'])}")
         elif v["recommended"] is not None and v["status"] == "set by user":
-            print(f"# {v['name']} is yours ({v['value'] if v['value'] is not None else v['note']}); "
-                  f"ncclguard would set {v['recommended']}")
+            print(
+                f"# {v['name']} is yours ({v['value'] if v['value'] is not None else v['note']}); "
+                f"ncclguard would set {v['recommended']}"
+            )
         elif v["status"] in ("ignored by NCCL and PyTorch", "deprecated", "no effect (read at import)"):
             print(f"# {v['name']}={v['value']}: {v['status']}; {v['note']}")
 
@@ -261,14 +302,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.check_ranks:
         if not under_launcher():
-            print("doctor: --check-ranks compares ranks and runs under a launcher, e.g.\n"
-                  "  torchrun --nproc_per_node=2 -m ncclguard doctor --check-ranks", file=sys.stderr)
+            print(
+                "doctor: --check-ranks compares ranks and runs under a launcher, e.g.\n"
+                "  torchrun --nproc_per_node=2 -m ncclguard doctor --check-ranks",
+                file=sys.stderr,
+            )
             return 2
         try:
             report["ranks"] = _check_ranks(report, args.master_addr, args.timeout)
         except Exception as exc:  # the point of the check: say why the ranks could not meet
-            print(f"doctor: rank {report['rank']} could not join the others with its plan "
-                  f"(interface {report['plan']['interface']}): {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"doctor: rank {report['rank']} could not join the others with its plan "
+                f"(interface {report['plan']['interface']}): {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
             sys.stderr.flush()
             os._exit(1)  # a half-made gloo group can block interpreter shutdown
     problems = report["warnings"] + report.get("ranks", {}).get("disagreements", [])

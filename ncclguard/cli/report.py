@@ -18,8 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="an incident directory, or the incident root (newest incident)")
     parser.add_argument("--json", action="store_true", help="print the merged incident as JSON")
     parser.add_argument("--list", action="store_true", help="list the incidents under DIR, oldest first")
-    parser.add_argument("--stack-lines", type=int, default=8, metavar="N",
-                        help="frames of each culprit's main-thread stack to show (default 8)")
+    parser.add_argument(
+        "--stack-lines",
+        type=int,
+        default=8,
+        metavar="N",
+        help="frames of each culprit's main-thread stack to show (default 8)",
+    )
 
 
 def _list(root: Path) -> int:
@@ -29,7 +34,9 @@ def _list(root: Path) -> int:
         dumps = len(list(d.glob("rank*.json")))
         if not merged.is_file() and not dumps:
             continue
-        summary = json.loads(merged.read_text()).get("summary", "") if merged.is_file() else "(not merged: rank dumps only)"
+        summary = (
+            json.loads(merged.read_text()).get("summary", "") if merged.is_file() else "(not merged: rank dumps only)"
+        )
         rows.append(f"{d.name}  {dumps} rank dump(s)  {summary}")
     if not rows:
         print(f"no incidents under {root}")

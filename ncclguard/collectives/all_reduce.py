@@ -25,7 +25,11 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.collectives.chunking import chunk_bounds, logical_views
+from ncclguard.collectives.deadlines import adaptive_timeout, to_seconds
+from ncclguard.collectives.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info, mark_failed
+from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
 from ncclguard.config import get_config
+from ncclguard.diagnosis.flight import recorder
 from ncclguard.errors import (
     CollectiveError,
     CollectiveFailed,
@@ -34,10 +38,6 @@ from ncclguard.errors import (
     GroupFailed,
     NcclGuardError,
 )
-from ncclguard.diagnosis.flight import recorder
-from ncclguard.collectives.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info, mark_failed
-from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
-from ncclguard.collectives.deadlines import adaptive_timeout, to_seconds
 
 __all__ = ["CollectiveResult", "release_atomic_buffers", "safe_all_reduce"]
 
@@ -84,14 +84,14 @@ class CollectiveResult:
     def __bool__(self) -> bool:
         return self.ok
 
-    def raise_for_error(self) -> "CollectiveResult":
+    def raise_for_error(self) -> CollectiveResult:
         """Raises :attr:`error` if the call failed; returns self otherwise (for chaining)."""
         if self.error is not None:
             raise self.error
         return self
 
 
-_info_cache: "weakref.WeakKeyDictionary[Any, GroupInfo]" = weakref.WeakKeyDictionary()
+_info_cache: weakref.WeakKeyDictionary[Any, GroupInfo] = weakref.WeakKeyDictionary()
 
 
 def _group(group: Any) -> GroupInfo | None:
@@ -111,9 +111,13 @@ def _group(group: Any) -> GroupInfo | None:
 def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> None:
     """Every check that can be made without talking to another rank. Raises TypeError/ValueError."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"safe_all_reduce needs a torch.Tensor, got {type(tensor).__name__}; wrap data with torch.as_tensor(...)")
+        raise TypeError(
+            f"safe_all_reduce needs a torch.Tensor, got {type(tensor).__name__}; wrap data with torch.as_tensor(...)"
+        )
     if tensor.layout != torch.strided:
-        raise TypeError(f"safe_all_reduce needs a dense tensor, got layout {tensor.layout}; call tensor.to_dense() first")
+        raise TypeError(
+            f"safe_all_reduce needs a dense tensor, got layout {tensor.layout}; call tensor.to_dense() first"
+        )
     name = _OPS.get(op) if isinstance(op, ReduceOp.RedOpType) else None
     if name is None:
         raise ValueError(f"unsupported op {op!r}; use one of ReduceOp.{', ReduceOp.'.join(_OPS.values())}")
@@ -127,7 +131,9 @@ def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> No
             raise TypeError(f"ReduceOp.{name} needs an integer or bool tensor, got {dt}")
         if name in ("MIN", "MAX") and dt.is_complex:
             raise TypeError(f"ReduceOp.{name} is not defined for complex tensors ({dt}); reduce .real/.imag or .abs()")
-    if chunk_numel is not None and (isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0):
+    if chunk_numel is not None and (
+        isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0
+    ):
         raise ValueError(f"chunk_numel must be a positive int (elements per chunk), got {chunk_numel!r}")
     if backend is not None:
         devices = BACKEND_DEVICES.get(backend)
@@ -207,13 +213,24 @@ def safe_all_reduce(
         return result(True, numel)
     failed = failure_of(info.group)
     if failed is not None:
-        return result(False, 0, GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on"))
+        return result(
+            False, 0, GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on")
+        )
 
     dtype = str(tensor.dtype).removeprefix("torch.")
     rec = recorder.start(opname, info.name, numel, dtype)
     try:
-        reduced, err = _reduce(info, tensor, op, bounds, start, timeout_s, atomic, verify,
-                               dict(op=opname, numel=numel, dtype=dtype, group=info.name))
+        reduced, err = _reduce(
+            info,
+            tensor,
+            op,
+            bounds,
+            start,
+            timeout_s,
+            atomic,
+            verify,
+            dict(op=opname, numel=numel, dtype=dtype, group=info.name),
+        )
     except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
         recorder.finish(rec, f"interrupted: {exc!r}")
         raise
@@ -222,8 +239,15 @@ def safe_all_reduce(
 
 
 def _reduce(
-    info: GroupInfo, tensor: torch.Tensor, op: Any, bounds: list[tuple[int, int]], start: float,
-    timeout_s: float, atomic: bool, verify: bool | None, fields: dict[str, Any],
+    info: GroupInfo,
+    tensor: torch.Tensor,
+    op: Any,
+    bounds: list[tuple[int, int]],
+    start: float,
+    timeout_s: float,
+    atomic: bool,
+    verify: bool | None,
+    fields: dict[str, Any],
 ) -> tuple[int, CollectiveError | None]:
     """The checked, chunked reduction. Returns (leading elements reduced, error or None)."""
     deadline = start + timeout_s
@@ -259,8 +283,14 @@ def _reduce(
 
 
 def _check_fingerprints(
-    info: GroupInfo, call: str, tensor: torch.Tensor, op: Any, bounds: list[tuple[int, int]],
-    deadline: float, start: float, fields: dict[str, Any],
+    info: GroupInfo,
+    call: str,
+    tensor: torch.Tensor,
+    op: Any,
+    bounds: list[tuple[int, int]],
+    deadline: float,
+    start: float,
+    fields: dict[str, Any],
 ) -> CollectiveError | None:
     mine = {
         "numel": tensor.numel(),
@@ -277,16 +307,21 @@ def _check_fingerprints(
         missing = [info.global_rank(r) for r in rnd.missing]
         return CollectiveTimeout(
             f"{fields['op']} on group {info.name!r}: ranks {missing} did not reach the call within "
-            f"{deadline - start:g} s" if missing else f"{fields['op']} on group {info.name!r}: arrived after "
-            "the other ranks gave up",
-            elapsed_s=time.monotonic() - start, missing_ranks=missing, **fields,
+            f"{deadline - start:g} s"
+            if missing
+            else f"{fields['op']} on group {info.name!r}: arrived after the other ranks gave up",
+            elapsed_s=time.monotonic() - start,
+            missing_ranks=missing,
+            **fields,
         )
     prints = {info.global_rank(r): p for r, p in sorted(rnd.payloads.items())}
     if any(p != mine for p in prints.values()):
         listing = "; ".join(f"rank {r}: {p}" for r, p in prints.items())
         return CollectiveMismatch(
             f"{fields['op']} on group {info.name!r}: ranks disagree, nothing was sent ({listing})",
-            fingerprints=prints, elapsed_s=time.monotonic() - start, **fields,
+            fingerprints=prints,
+            elapsed_s=time.monotonic() - start,
+            **fields,
         )
     return None
 
@@ -344,7 +379,12 @@ def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_fl
 
 
 def _run_chunks(
-    info: GroupInfo, tensor: torch.Tensor, op: Any, bounds: list[tuple[int, int]], deadline: float, atomic: bool,
+    info: GroupInfo,
+    tensor: torch.Tensor,
+    op: Any,
+    bounds: list[tuple[int, int]],
+    deadline: float,
+    atomic: bool,
 ) -> tuple[int, tuple[int, BaseException, bool] | None]:
     """Issues the chunks with a bounded number in flight.
 

@@ -8,9 +8,9 @@ from datetime import timedelta
 from typing import Any
 
 from ncclguard._log import log
+from ncclguard.collectives.deadlines import to_seconds
 from ncclguard.collectives.groups import group_info
 from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, known_hosts, next_round
-from ncclguard.collectives.deadlines import to_seconds
 
 __all__ = ["BarrierResult", "safe_barrier"]
 

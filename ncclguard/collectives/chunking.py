@@ -7,7 +7,7 @@ whose tensors differ in layout still issue identical sequences of collectives.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

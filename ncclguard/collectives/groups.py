@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
+
 __all__ = ["GroupInfo", "group_info", "mark_failed", "failure_of", "clear_failure"]
 
 # Devices each backend can move, for the up-front check of safe_all_reduce.
@@ -50,28 +52,24 @@ def group_info(group: Any = None) -> GroupInfo | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = c10d._get_default_group() if group is None or group is dist.group.WORLD else group
-    if c10d._rank_not_in_group(pg):
+    pg = compat.default_group() if group is None or group is dist.group.WORLD else group
+    if compat.rank_not_in_group(pg):
         raise ValueError(
             "this rank is not a member of the group it passed; call the collective only on the "
             "ranks given to new_group(ranks=...), or pass group=None for the world group"
         )
-    entry = c10d._world.pg_map.get(pg)
-    store = entry[1] if entry is not None else None
     return GroupInfo(
         group=pg,
         name=pg.group_name,
         rank=dist.get_rank(pg),
         size=dist.get_world_size(pg),
         backend=str(dist.get_backend(pg)),
-        store=store,
+        store=compat.group_store(pg),
     )
 
 
 _failed_lock = threading.Lock()
-_failed: "weakref.WeakKeyDictionary[Any, Exception]" = weakref.WeakKeyDictionary()
+_failed: weakref.WeakKeyDictionary[Any, Exception] = weakref.WeakKeyDictionary()
 
 
 def mark_failed(group: Any, reason: Exception) -> None:

@@ -49,7 +49,12 @@ def _skip_prefixes() -> tuple[str, ...]:
     # Frameworks imported later (deepspeed after ncclguard) change the answer; len(sys.modules)
     # is a cheap "did anything get imported" check.
     if _skip_prefixes_cache[0] != len(sys.modules):
-        dirs = [_PACKAGE_DIR, os.path.realpath(os.path.join(_PACKAGE_DIR, "integrations")), contextlib.__file__, _THREADING]
+        dirs = [
+            _PACKAGE_DIR,
+            os.path.realpath(os.path.join(_PACKAGE_DIR, "integrations")),
+            contextlib.__file__,
+            _THREADING,
+        ]
         for name in _FRAMEWORKS:
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None) if module is not None else None
@@ -137,9 +142,20 @@ class FlightRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON data (without the Work handle)."""
         return {
-            "seq": self.seq, "op": self.op, "group": self.group, "numel": self.numel, "dtype": self.dtype,
-            "start": self.start, "state": self.state, "end": self.end, "phase": self.phase, "site": self.site,
-            "error": self.error, "async_op": self.async_op, "peer": self.peer, "thread": self.thread,
+            "seq": self.seq,
+            "op": self.op,
+            "group": self.group,
+            "numel": self.numel,
+            "dtype": self.dtype,
+            "start": self.start,
+            "state": self.state,
+            "end": self.end,
+            "phase": self.phase,
+            "site": self.site,
+            "error": self.error,
+            "async_op": self.async_op,
+            "peer": self.peer,
+            "thread": self.thread,
         }
 
 
@@ -160,7 +176,9 @@ class FlightRecorder:
     """
 
     def __init__(self, size: int | None = None) -> None:
-        self._records: deque[FlightRecord] = deque(maxlen=self._check_size(size if size is not None else get_config().flight_records))
+        self._records: deque[FlightRecord] = deque(
+            maxlen=self._check_size(size if size is not None else get_config().flight_records)
+        )
         self._seq: dict[str, int] = {}
         self._done: dict[str, int] = {}
         # Async records waiting for their Work to complete (sync ones are in _open): id -> record.
@@ -194,8 +212,14 @@ class FlightRecorder:
         return bool(self._open.get(_get_ident()))
 
     def start(
-        self, op: str, group: str, numel: int, dtype: str, site: str | None = None,
-        async_op: bool = False, peer: int | None = None,
+        self,
+        op: str,
+        group: str,
+        numel: int,
+        dtype: str,
+        site: str | None = None,
+        async_op: bool = False,
+        peer: int | None = None,
     ) -> FlightRecord:
         """Opens a record for a collective that is about to be issued.
 
@@ -216,9 +240,20 @@ class FlightRecorder:
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
         rec = FlightRecord(
-            seq, op, group, numel, dtype, _time(), "started", None,
+            seq,
+            op,
+            group,
+            numel,
+            dtype,
+            _time(),
+            "started",
+            None,
             _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase(),
-            site if site is not None else frame_site(sys._getframe(2)), None, async_op, peer, tid,
+            site if site is not None else frame_site(sys._getframe(2)),
+            None,
+            async_op,
+            peer,
+            tid,
         )
         self._records.append(rec)
         opened = self._open.get(tid)

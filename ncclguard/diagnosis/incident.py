@@ -19,8 +19,9 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = [
     "INCIDENT_FILE",
@@ -82,7 +83,9 @@ def write_json(path: Path, doc: Any) -> None:
     os.replace(tmp, path)
 
 
-def _view(rank: int, statements: dict[int, dict[str, Any]], heartbeats: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+def _view(
+    rank: int, statements: dict[int, dict[str, Any]], heartbeats: dict[int, dict[str, Any]]
+) -> dict[str, Any] | None:
     """What is known of ``rank``: its statement, else its last heartbeat, else None."""
     if rank in statements:
         return {**statements[rank], "source": "statement"}
@@ -112,8 +115,12 @@ def _where_now(rank: int, view: dict[str, Any] | None, exclude: tuple[str, int] 
             inflight = rec
             break
     return {
-        "rank": rank, "phase": view.get("phase", ""), "site": view.get("site", "?"), "inflight": inflight,
-        "host": view.get("host"), "pid": view.get("pid"),
+        "rank": rank,
+        "phase": view.get("phase", ""),
+        "site": view.get("site", "?"),
+        "inflight": inflight,
+        "host": view.get("host"),
+        "pid": view.get("pid"),
     }
 
 
@@ -188,7 +195,8 @@ def analyse(
             if r not in mine or rec["seq"] < mine[r]["seq"]:
                 mine[r] = {**rec, "age_s": round(taken - rec["start"], 3)}
     problem = [
-        g for g, recs in oldest.items()
+        g
+        for g, recs in oldest.items()
         if any(rec["age_s"] >= waiting_after_s for rec in recs.values()) or (focus is not None and focus[0] == g)
     ]
 
@@ -202,20 +210,41 @@ def analyse(
         shapes = Counter((rec["op"], rec["numel"], rec["dtype"]) for rec in at_top.values())
         first = at_top[min(at_top)]
         waiting_s = round(max(now - rec["start"] for rec in at_top.values()), 1)
-        base = {"group": group, "seq": top, "op": first["op"], "numel": first["numel"], "dtype": first["dtype"],
-                "phase": first.get("phase", ""), "site": first.get("site", ""), "waiting_s": waiting_s}
+        base = {
+            "group": group,
+            "seq": top,
+            "op": first["op"],
+            "numel": first["numel"],
+            "dtype": first["dtype"],
+            "phase": first.get("phase", ""),
+            "site": first.get("site", ""),
+            "waiting_s": waiting_s,
+        }
         if len(shapes) > 1:
             variants = []
             for shape, count in shapes.most_common():
                 ranks = sorted(r for r, rec in at_top.items() if (rec["op"], rec["numel"], rec["dtype"]) == shape)
-                variants.append({"ranks": ranks, "op": shape[0], "numel": shape[1], "dtype": shape[2],
-                                 "site": at_top[ranks[0]].get("site", ""), "phase": at_top[ranks[0]].get("phase", "")})
-            majority = variants[0]["ranks"] if variants[0]["ranks"] and len(variants[0]["ranks"]) > len(variants[1]["ranks"]) else []
-            odd = sorted(r for v in variants[1 if majority else 0:] for r in v["ranks"])
+                variants.append(
+                    {
+                        "ranks": ranks,
+                        "op": shape[0],
+                        "numel": shape[1],
+                        "dtype": shape[2],
+                        "site": at_top[ranks[0]].get("site", ""),
+                        "phase": at_top[ranks[0]].get("phase", ""),
+                    }
+                )
+            majority = (
+                variants[0]["ranks"]
+                if variants[0]["ranks"] and len(variants[0]["ranks"]) > len(variants[1]["ranks"])
+                else []
+            )
+            odd = sorted(r for v in variants[1 if majority else 0 :] for r in v["ranks"])
             findings.append({"kind": "mismatch", **base, "variants": variants, "suspects": odd})
             for r in odd:
-                culprits.setdefault(r, {"rank": r, "why": "mismatch", "group": group, "seq": top,
-                                        **_where_now(r, views.get(r))})
+                culprits.setdefault(
+                    r, {"rank": r, "why": "mismatch", "group": group, "seq": top, **_where_now(r, views.get(r))}
+                )
             victims.update(r for r in at_top if r not in odd)
             continue
         behind, gone = [], []
@@ -245,15 +274,35 @@ def analyse(
         peer = rec["peer"]
         peer_view = views.get(peer) if peer not in stale else None
         back = [p for p in (peer_view or {}).get("inflight") or [] if p.get("peer") == r]
-        finding = {"kind": "p2p", "rank": r, "op": rec["op"], "group": rec["group"], "seq": rec["seq"], "peer": peer,
-                   "numel": rec["numel"], "dtype": rec["dtype"], "phase": rec.get("phase", ""), "site": rec.get("site", ""),
-                   "waiting_s": round(now - rec["start"], 1), "peer_waits_back": back[0] if back else None,
-                   "peer_where": _where_now(peer, peer_view)}
+        finding = {
+            "kind": "p2p",
+            "rank": r,
+            "op": rec["op"],
+            "group": rec["group"],
+            "seq": rec["seq"],
+            "peer": peer,
+            "numel": rec["numel"],
+            "dtype": rec["dtype"],
+            "phase": rec.get("phase", ""),
+            "site": rec.get("site", ""),
+            "waiting_s": round(now - rec["start"], 1),
+            "peer_waits_back": back[0] if back else None,
+            "peer_where": _where_now(peer, peer_view),
+        }
         findings.append(finding)
         victims.add(r)
         if peer >= 0 and peer not in stale and not back:
-            culprits.setdefault(peer, {"why": "p2p", "group": rec["group"], "seq": rec["seq"], "waiter": r, "waiter_op": rec["op"],
-                                       **_where_now(peer, peer_view)})
+            culprits.setdefault(
+                peer,
+                {
+                    "why": "p2p",
+                    "group": rec["group"],
+                    "seq": rec["seq"],
+                    "waiter": r,
+                    "waiter_op": rec["op"],
+                    **_where_now(peer, peer_view),
+                },
+            )
 
     missing_lost = [r for r in lost if r not in culprits]
     if missing_lost:
@@ -268,8 +317,13 @@ def analyse(
         if not victims:
             victims.update(r for r in range(world_size) if r not in culprits)
     if silent:
-        findings.append({"kind": "silent", "ranks": silent,
-                         "note": "no statement came from these ranks (watchdog thread starved, e.g. the GIL held by C code)"})
+        findings.append(
+            {
+                "kind": "silent",
+                "ranks": silent,
+                "note": "no statement came from these ranks (watchdog thread starved, e.g. the GIL held by C code)",
+            }
+        )
     victims.difference_update(culprits)
     summary = _one_line(findings)
     return {
@@ -286,21 +340,29 @@ def _one_line(findings: list[dict[str, Any]]) -> str:
     parts = []
     for f in findings:
         if f["kind"] in ("desync", "stuck", "mismatch"):
-            head = (f"{_ranks_text(f.get('waiting') or [r for v in f.get('variants', []) for r in v['ranks']])} waiting in "
-                    f"{_op_text(f)} ({f['numel']} x {f['dtype'] or 'no data'}, {_phase_text(f['phase'])}) for {f['waiting_s']:.1f} s")
+            head = (
+                f"{_ranks_text(f.get('waiting') or [r for v in f.get('variants', []) for r in v['ranks']])} waiting in "
+                f"{_op_text(f)} ({f['numel']} x {f['dtype'] or 'no data'}, {_phase_text(f['phase'])}) for {f['waiting_s']:.1f} s"
+            )
             if f["kind"] == "stuck":
                 parts.append(head + "; every member is there: a stuck transport, not a desync")
             elif f["kind"] == "mismatch":
-                shapes = "; ".join(f"{_ranks_text(v['ranks'])} in {v['op']} ({v['numel']} x {v['dtype']}) at {_short_site(v['site'])}"
-                                   for v in f["variants"])
+                shapes = "; ".join(
+                    f"{_ranks_text(v['ranks'])} in {v['op']} ({v['numel']} x {v['dtype']}) at {_short_site(v['site'])}"
+                    for v in f["variants"]
+                )
                 parts.append(f"ranks disagree at {f['op']} #{f['seq']}: {shapes}")
             else:
                 tails = _grouped(f["behind"], lambda b: f"{_last_text(b)}, {_now_text(b)}")
-                tails += [f"rank {b['rank']} lost (no heartbeat for {b['stale_s']:.1f} s), {_last_text(b)}" for b in f["lost"]]
+                tails += [
+                    f"rank {b['rank']} lost (no heartbeat for {b['stale_s']:.1f} s), {_last_text(b)}" for b in f["lost"]
+                ]
                 parts.append("; ".join([head, *tails]))
         elif f["kind"] == "p2p":
-            head = (f"rank {f['rank']} waiting in {f['op']} {'to' if 'send' in f['op'] else 'from'} rank {f['peer']} "
-                    f"({f['numel']} x {f['dtype']}, {_phase_text(f['phase'])}) for {f['waiting_s']:.1f} s")
+            head = (
+                f"rank {f['rank']} waiting in {f['op']} {'to' if 'send' in f['op'] else 'from'} rank {f['peer']} "
+                f"({f['numel']} x {f['dtype']}, {_phase_text(f['phase'])}) for {f['waiting_s']:.1f} s"
+            )
             back = f["peer_waits_back"]
             if back is not None:
                 parts.append(f"{head}; rank {f['peer']} waits back in {back['op']}: a point-to-point deadlock")
@@ -308,7 +370,9 @@ def _one_line(findings: list[dict[str, Any]]) -> str:
                 parts.append(f"{head}; rank {f['peer']} {_now_text(f['peer_where'])}")
         elif f["kind"] == "lost":
             for e in f["ranks"]:
-                parts.append(f"rank {e['rank']} lost: no heartbeat for {e['stale_s']:.1f} s, {_now_text(e, 'last seen in')}")
+                parts.append(
+                    f"rank {e['rank']} lost: no heartbeat for {e['stale_s']:.1f} s, {_now_text(e, 'last seen in')}"
+                )
         elif f["kind"] == "store":
             parts.append(f["text"])
     return "; ".join(parts) if parts else "no rank is stuck in a collective and every peer is alive"
@@ -370,8 +434,18 @@ def _when(ts: float | None) -> str:
 
 def _culprit_key(c: dict[str, Any]) -> tuple[Any, ...]:
     rec = c.get("inflight") or {}
-    return (c["why"], c.get("group"), c.get("seq"), c.get("last_seq"), c.get("last_completed") if c["why"] != "lost" else None,
-            c.get("phase"), c.get("site"), rec.get("op"), rec.get("seq"), rec.get("group"))
+    return (
+        c["why"],
+        c.get("group"),
+        c.get("seq"),
+        c.get("last_seq"),
+        c.get("last_completed") if c["why"] != "lost" else None,
+        c.get("phase"),
+        c.get("site"),
+        rec.get("op"),
+        rec.get("seq"),
+        rec.get("group"),
+    )
 
 
 def _culprit_blocks(culprits: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -390,8 +464,14 @@ def render(incident: dict[str, Any], *, stack_lines: int = 8) -> str:
         source = f"written by rank {merged_by} alone (without the store the ranks cannot meet)"
     else:
         who = f"rank {merged_by}" if merged_by >= 0 else "`ncclguard report`"
-        source = (f"merged by {who} from the statements of {len(incident['statements_from'])}/{incident['world_size']} ranks"
-                  + (f" (no statement from {_ranks_text(incident['missing_statements'])})" if incident["missing_statements"] else ""))
+        source = (
+            f"merged by {who} from the statements of {len(incident['statements_from'])}/{incident['world_size']} ranks"
+            + (
+                f" (no statement from {_ranks_text(incident['missing_statements'])})"
+                if incident["missing_statements"]
+                else ""
+            )
+        )
     out = [
         f"ncclguard incident {doc['id']}: {doc.get('reason', doc.get('kind', ''))}",
         f"raised by rank {doc.get('by')} at {_when(doc.get('created'))}; {source}, at {_when(incident.get('written_at'))}",
@@ -406,7 +486,9 @@ def render(incident: dict[str, Any], *, stack_lines: int = 8) -> str:
     for block in _culprit_blocks(culprits):
         c = block[0]
         hosts = sorted({f"{b['host']}:{b['pid']}" for b in block if b.get("host")})
-        who = f"  {_ranks_text(b['rank'] for b in block)}" + (f" (host:pid {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''})" if hosts else "")
+        who = f"  {_ranks_text(b['rank'] for b in block)}" + (
+            f" (host:pid {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''})" if hosts else ""
+        )
         if c["why"] == "lost":
             stale = max(b.get("stale_s", 0.0) for b in block)
             out.append(f"{who}: LOST, no heartbeat for {stale:.1f} s (the process died, or froze holding the GIL)")
@@ -416,11 +498,15 @@ def render(incident: dict[str, Any], *, stack_lines: int = 8) -> str:
         elif c["why"] == "p2p":
             out.append(f"{who}: not in the matching send/recv; rank {c['waiter']} waits for it in {c['waiter_op']}")
         else:
-            out.append(f"{who}: not in the collective the others wait in (#{c['seq']} on group {c['group']}); {_last_text(c)}")
+            out.append(
+                f"{who}: not in the collective the others wait in (#{c['seq']} on group {c['group']}); {_last_text(c)}"
+            )
         rec = c.get("inflight")
         if rec:
-            out.append(f"      in {_op_text(rec)}: {rec['numel']} x {rec['dtype'] or 'no data'}, {_phase_text(rec.get('phase', ''))}, "
-                       f"issued at {rec.get('site')}")
+            out.append(
+                f"      in {_op_text(rec)}: {rec['numel']} x {rec['dtype'] or 'no data'}, {_phase_text(rec.get('phase', ''))}, "
+                f"issued at {rec.get('site')}"
+            )
         out.append(f"      {_phase_text(c.get('phase', ''))}, main thread at {c.get('site', '?')}")
         stack = (ranks.get(str(c["rank"])) or {}).get("stack") or []
         if stack:
@@ -431,17 +517,23 @@ def render(incident: dict[str, Any], *, stack_lines: int = 8) -> str:
     out.append(f"VICTIMS (waiting for the culprits): {_ranks_text(victims) if victims else 'none'}")
     for f in incident["findings"]:
         if f["kind"] in ("desync", "stuck"):
-            out.append(f"  {_ranks_text(f['waiting'])} in {_op_text(f)}: {f['numel']} x {f['dtype'] or 'no data'}, "
-                       f"{_phase_text(f['phase'])}, for {f['waiting_s']:.1f} s, issued at {f['site']}")
+            out.append(
+                f"  {_ranks_text(f['waiting'])} in {_op_text(f)}: {f['numel']} x {f['dtype'] or 'no data'}, "
+                f"{_phase_text(f['phase'])}, for {f['waiting_s']:.1f} s, issued at {f['site']}"
+            )
         elif f["kind"] == "mismatch":
             for v in f["variants"]:
-                out.append(f"  {_ranks_text(v['ranks'])} in {v['op']} #{f['seq']}: {v['numel']} x {v['dtype'] or 'no data'}, "
-                           f"{_phase_text(v['phase'])}, issued at {v['site']}")
+                out.append(
+                    f"  {_ranks_text(v['ranks'])} in {v['op']} #{f['seq']}: {v['numel']} x {v['dtype'] or 'no data'}, "
+                    f"{_phase_text(v['phase'])}, issued at {v['site']}"
+                )
         elif f["kind"] == "silent":
             out.append(f"  no statement from {_ranks_text(f['ranks'])}: {f['note']}")
         elif f["kind"] == "p2p":
-            out.append(f"  rank {f['rank']} in {f['op']} #{f['seq']} with rank {f['peer']}: {f['numel']} x {f['dtype']}, "
-                       f"{_phase_text(f['phase'])}, for {f['waiting_s']:.1f} s, issued at {f['site']}")
+            out.append(
+                f"  rank {f['rank']} in {f['op']} #{f['seq']} with rank {f['peer']}: {f['numel']} x {f['dtype']}, "
+                f"{_phase_text(f['phase'])}, for {f['waiting_s']:.1f} s, issued at {f['site']}"
+            )
     out.append("")
     out.append("WHAT TO DO")
     out.extend(f"  - {line}" for line in _advice(incident))
@@ -470,18 +562,26 @@ def _advice(incident: dict[str, Any]) -> list[str]:
         elif c["why"] == "mismatch":
             tips.append(f"{who}: called a different op/size at the same point; the code paths diverged before it.")
         elif c["why"] == "p2p":
-            tips.append(f"{who}: has not posted the send/recv its peer waits for; read what it does at {c.get('site', '?')} "
-                        "(pipeline stages out of step, or a condition that skips the transfer).")
+            tips.append(
+                f"{who}: has not posted the send/recv its peer waits for; read what it does at {c.get('site', '?')} "
+                "(pipeline stages out of step, or a condition that skips the transfer)."
+            )
     if "stuck" in kinds:
-        tips.append("every member is in the same collective: not a desync. Suspect the network/transport "
-                    "(NCCL_DEBUG=INFO, `python -m ncclguard doctor`) or a GPU that stopped.")
+        tips.append(
+            "every member is in the same collective: not a desync. Suspect the network/transport "
+            "(NCCL_DEBUG=INFO, `python -m ncclguard doctor`) or a GPU that stopped."
+        )
     if "store" in kinds:
-        tips.append("the rendezvous store is gone: its host (rank 0 under a plain launcher, the agent under torchrun) "
-                    "died; look for that process's end first, the other ranks only followed it.")
+        tips.append(
+            "the rendezvous store is gone: its host (rank 0 under a plain launcher, the agent under torchrun) "
+            "died; look for that process's end first, the other ranks only followed it."
+        )
     if not tips:
         tips.append("no culprit found: compare the ranks' stacks in the rank<r>.json files.")
     if kinds & {"desync", "stuck", "mismatch", "p2p"}:
-        tips.append("a backend timeout's NumelIn is what the waiting ranks queued, not proof that the transfer was slow.")
+        tips.append(
+            "a backend timeout's NumelIn is what the waiting ranks queued, not proof that the transfer was slow."
+        )
     return tips
 
 
@@ -540,6 +640,13 @@ def load_incident(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path, b
             if peer.get("stale"):
                 stale[int(r)] = max(stale.get(int(r), 0.0), peer.get("age_s", 0.0))
     world = any_dump["statement"].get("world_size", max(dumps) + 1)
-    incident = merge(any_dump["incident"], statements, heartbeats, stale, world, merged_by=-1,
-                     waiting_after_s=any_dump.get("waiting_after_s", 0.0))
+    incident = merge(
+        any_dump["incident"],
+        statements,
+        heartbeats,
+        stale,
+        world,
+        merged_by=-1,
+        waiting_after_s=any_dump.get("waiting_after_s", 0.0),
+    )
     return incident, where, True

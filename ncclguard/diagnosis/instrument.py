@@ -17,13 +17,15 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ncclguard import _torch_compat as compat
 from ncclguard.diagnosis.flight import recorder
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
@@ -52,8 +54,14 @@ INSTRUMENTED_OPS: tuple[str, ...] = tuple(_DATA_PARAM)
 _P2P_PEER = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 _ALWAYS_ASYNC = {"isend", "irecv"}
 _REDUCE_OPS = {
-    dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG", dist.ReduceOp.PRODUCT: "PRODUCT", dist.ReduceOp.MIN: "MIN",
-    dist.ReduceOp.MAX: "MAX", dist.ReduceOp.BAND: "BAND", dist.ReduceOp.BOR: "BOR", dist.ReduceOp.BXOR: "BXOR",
+    dist.ReduceOp.SUM: "SUM",
+    dist.ReduceOp.AVG: "AVG",
+    dist.ReduceOp.PRODUCT: "PRODUCT",
+    dist.ReduceOp.MIN: "MIN",
+    dist.ReduceOp.MAX: "MAX",
+    dist.ReduceOp.BAND: "BAND",
+    dist.ReduceOp.BOR: "BOR",
+    dist.ReduceOp.BXOR: "BXOR",
 }
 _DTYPE_NAMES: dict[Any, str] = {}
 
@@ -98,7 +106,9 @@ def _spec(name: str, fn: Callable[..., Any]) -> _Spec:
 
     group = where("group")
     if group is None:
-        raise RuntimeError(f"torch.distributed.{name} has no 'group' parameter in this torch; instrument() needs updating")
+        raise RuntimeError(
+            f"torch.distributed.{name} has no 'group' parameter in this torch; instrument() needs updating"
+        )
     return _Spec(name, where(_DATA_PARAM[name]), group, where("async_op"), where("op"), where(_P2P_PEER.get(name)))
 
 
@@ -120,7 +130,7 @@ def _wrap(spec: _Spec, original: Callable[..., Any]) -> Callable[..., Any]:
     default_op = op_names[dist.ReduceOp.SUM] if op_at is not None else spec.name
     start, finish, attach = recorder.start, recorder.finish, recorder.attach
     opened, get_ident = recorder._open, threading.get_ident  # recorder.busy(), inline
-    tensor_type, dtype_names, world = torch.Tensor, _DTYPE_NAMES, c10d._world
+    tensor_type, dtype_names, world = torch.Tensor, _DTYPE_NAMES, compat.world()
 
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -141,7 +151,9 @@ def _wrap(spec: _Spec, original: Callable[..., Any]) -> Callable[..., Any]:
                 except TypeError:  # a premultiplied-sum op object (unhashable): the bare name
                     op = spec.name
         group = args[group_at[0]] if n > group_at[0] else kwargs.get("group")
-        is_async = always_async or (async_pos >= 0 and bool(args[async_pos] if n > async_pos else kwargs.get("async_op")))
+        is_async = always_async or (
+            async_pos >= 0 and bool(args[async_pos] if n > async_pos else kwargs.get("async_op"))
+        )
         peer = _arg(args, kwargs, peer_at, -1) if p2p else None
         pg = group if group is not None else world.default_pg
         rec = start(op, world.pg_names.get(pg, "?") if pg is not None else "?", numel, dtype, None, is_async, peer)

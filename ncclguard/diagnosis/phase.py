@@ -76,7 +76,7 @@ class phase(ContextDecorator):
             raise ValueError("phase name must be a non-empty string, e.g. phase('eval', batch=3)")
         self.text = _label(name, labels)
 
-    def __enter__(self) -> "phase":
+    def __enter__(self) -> phase:
         _track().push(self.text)
         return self
 

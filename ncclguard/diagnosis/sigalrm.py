@@ -13,12 +13,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from ncclguard.errors import CollectiveTimeout
 from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.errors import CollectiveTimeout
 
 __all__ = ["sigalrm_timeout"]
 
@@ -102,9 +103,14 @@ def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None
         prev_remaining, prev_interval = signal.setitimer(signal.ITIMER_REAL, 0)
         prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
         if prev_remaining > 0:
-            previous = _Deadline(start + prev_remaining, prev_remaining, "", start,
-                                 previous=prev_handler if callable(prev_handler) else signal.SIG_DFL,
-                                 interval=prev_interval)
+            previous = _Deadline(
+                start + prev_remaining,
+                prev_remaining,
+                "",
+                start,
+                previous=prev_handler if callable(prev_handler) else signal.SIG_DFL,
+                interval=prev_interval,
+            )
             _stack.append(previous)
     entry = _Deadline(start + seconds, seconds, message or f"Python code ran past its {seconds:g} s deadline", start)
     _stack.append(entry)

@@ -48,12 +48,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.diagnosis.abort import abort_process_groups
-from ncclguard.errors import CollectiveTimeout
 from ncclguard.diagnosis.flight import FlightRecord, format_stack, frame_site, recorder, seq_key
 from ncclguard.diagnosis.incident import INCIDENT_FILE, SUMMARY_FILE, merge, render, write_json
 from ncclguard.diagnosis.phase import main_thread_phase
+from ncclguard.errors import CollectiveTimeout
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
 
@@ -129,7 +129,7 @@ class WatchdogConfig(BaseSettings):
         return addr
 
     @model_validator(mode="after")
-    def _in_order(self) -> "WatchdogConfig":
+    def _in_order(self) -> WatchdogConfig:
         if self.hang_timeout_s <= self.heartbeat_s:
             raise ValueError(
                 f"hang_timeout_s ({self.hang_timeout_s}) must be > heartbeat_s ({self.heartbeat_s}): "
@@ -193,10 +193,9 @@ class _Incident:
 def _default_store_addr() -> str | None:
     """``host:port`` of the default group's TCPStore (a group set up with ``store=``), or None."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     try:
-        store = c10d._get_default_store()
+        store = compat.default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
         return f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) else None
@@ -218,10 +217,10 @@ class _StoreGone(Exception):
 
 
 _running_lock = threading.Lock()
-_running: "Watchdog | None" = None
+_running: Watchdog | None = None
 
 
-def current_watchdog() -> "Watchdog | None":
+def current_watchdog() -> Watchdog | None:
     """The watchdog running in this process, or None."""
     return _running
 
@@ -244,7 +243,9 @@ class Watchdog:
 
     def __init__(self, config: WatchdogConfig | None = None, *, store: Any = None, **overrides: Any) -> None:
         if config is not None and not isinstance(config, WatchdogConfig):
-            raise TypeError(f"config must be a WatchdogConfig, got {type(config).__name__}; pass fields as keywords instead")
+            raise TypeError(
+                f"config must be a WatchdogConfig, got {type(config).__name__}; pass fields as keywords instead"
+            )
         if config is None:
             config = WatchdogConfig(**overrides)
         elif overrides:
@@ -264,7 +265,7 @@ class Watchdog:
 
     # ----------------------------------------------------------------- life cycle
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Starts the thread (returns at once; the store connection is made by the thread).
 
         Raises:
@@ -316,8 +317,14 @@ class Watchdog:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ncclguard-watchdog", daemon=True)
         self._thread.start()
-        log.info("watchdog started: heartbeat %.3g s, hang after %.3g s, peers lost after %.3g s, action %s, incidents in %s",
-                 cfg.heartbeat_s, cfg.hang_timeout_s, cfg.peer_timeout, cfg.action, cfg.incident_dir)
+        log.info(
+            "watchdog started: heartbeat %.3g s, hang after %.3g s, peers lost after %.3g s, action %s, incidents in %s",
+            cfg.heartbeat_s,
+            cfg.hang_timeout_s,
+            cfg.peer_timeout,
+            cfg.action,
+            cfg.incident_dir,
+        )
         return self
 
     def stop(self, timeout: float | None = None) -> None:
@@ -341,7 +348,7 @@ class Watchdog:
             if _running is self:
                 _running = None
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -355,7 +362,11 @@ class Watchdog:
             return [dict(i) for i in self._handled]
 
     def wait_for_incident(
-        self, timeout: float, count: int = 1, merged: bool = False, settled: bool = False,
+        self,
+        timeout: float,
+        count: int = 1,
+        merged: bool = False,
+        settled: bool = False,
     ) -> list[dict[str, Any]]:
         """Waits until this rank has handled ``count`` incidents, at most ``timeout`` seconds.
 
@@ -436,8 +447,11 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001
             self._store = None
             self._store_lost = True
-            log.error("watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
-                      addr, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.error(
+                "watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
+                addr,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
 
     def _call(self, method: str, *args: Any) -> Any:
         """One bounded store call; a dead store raises _StoreGone."""
@@ -454,7 +468,9 @@ class Watchdog:
             if self._store_error_since is None:
                 self._store_error_since = now
             if now - self._store_error_since >= self.config.peer_timeout:
-                raise _StoreGone(f"no answer for {now - self._store_error_since:.1f} s: {str(exc).splitlines()[0]}") from exc
+                raise _StoreGone(
+                    f"no answer for {now - self._store_error_since:.1f} s: {str(exc).splitlines()[0]}"
+                ) from exc
             raise
         self._store_error_since = None
         return out
@@ -487,9 +503,15 @@ class Watchdog:
     def _heartbeat(self) -> dict[str, Any]:
         blocked = self._blocked_in()
         return {
-            "rank": self.rank, "host": _HOST, "pid": self._pid, "beat": self._beat, "time": time.time(),
-            "phase": main_thread_phase(), "site": frame_site(self._main_frame()),
-            "last_seq": recorder.last_seq(), "last_completed": recorder.last_completed(),
+            "rank": self.rank,
+            "host": _HOST,
+            "pid": self._pid,
+            "beat": self._beat,
+            "time": time.time(),
+            "phase": main_thread_phase(),
+            "site": frame_site(self._main_frame()),
+            "last_seq": recorder.last_seq(),
+            "last_completed": recorder.last_completed(),
             "inflight": [r.to_dict() for r in recorder.inflight()],
             "blocked_in": blocked.to_dict() if blocked is not None else None,
         }
@@ -545,12 +567,10 @@ class Watchdog:
 
         if not (dist.is_available() and dist.is_initialized()):
             return {}
-        from torch.distributed import distributed_c10d as c10d
-
         for _ in range(3):  # the main thread may add a group while we read
             try:
-                names = dict(c10d._world.pg_names)
-                ranks = dict(c10d._world.pg_group_ranks)
+                names = compat.group_names()
+                ranks = compat.group_ranks()
                 return {names[pg]: sorted(ranks[pg]) for pg in names if pg in ranks}
             except RuntimeError:
                 continue
@@ -584,8 +604,10 @@ class Watchdog:
             if key in self._reported_ops or now - rec.start < self.config.hang_timeout_s:
                 continue
             self._reported_ops.add(key)
-            reason = (f"rank {self.rank} waited {now - rec.start:.1f} s in {rec.op} #{rec.seq} on group {rec.group} "
-                      f"({rec.numel} x {rec.dtype or 'no data'}, issued at {rec.site})")
+            reason = (
+                f"rank {self.rank} waited {now - rec.start:.1f} s in {rec.op} #{rec.seq} on group {rec.group} "
+                f"({rec.numel} x {rec.dtype or 'no data'}, issued at {rec.site})"
+            )
             log.error("watchdog: hang: %s", reason)
             doc = {"kind": "hang", "reason": reason, "group": key[0], "seq": rec.seq, "op": rec.op}
             p2p = f"/r{self.rank}" if rec.peer is not None else ""
@@ -620,15 +642,27 @@ class Watchdog:
             return  # another rank raised it; _poll_incidents picks it up
         n = int(self._call("add", f"{self._ns}/count", 1))
         created = time.time()
-        doc = {**doc, "n": n, "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}",
-               "by": self.rank, "created": created, "signature": signature}
+        doc = {
+            **doc,
+            "n": n,
+            "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}",
+            "by": self.rank,
+            "created": created,
+            "signature": signature,
+        }
         self._call("set", f"{self._ns}/incident/{n}", json.dumps(doc))
 
     def _open_local(self, doc: dict[str, Any]) -> None:
         self._local_count += 1
         created = time.time()
-        doc = {**doc, "n": -self._local_count, "by": self.rank, "created": created, "signature": "local",
-               "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-r{self.rank}-{doc['kind']}-{self._local_count}"}
+        doc = {
+            **doc,
+            "n": -self._local_count,
+            "by": self.rank,
+            "created": created,
+            "signature": "local",
+            "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-r{self.rank}-{doc['kind']}-{self._local_count}",
+        }
         self._handle(-self._local_count, doc, local=True)
 
     def _poll_incidents(self) -> None:
@@ -663,8 +697,14 @@ class Watchdog:
         frames = sys._current_frames()
         names = {t.ident: t.name for t in threading.enumerate()}
         inc.dump = {
-            "kind": "ncclguard-rank-dump", "version": 1, "incident": doc, "statement": statement,
-            "threads": {f"{names.get(ident, 'thread')} ({ident})": format_stack(frame, limit=60) for ident, frame in frames.items()},
+            "kind": "ncclguard-rank-dump",
+            "version": 1,
+            "incident": doc,
+            "statement": statement,
+            "threads": {
+                f"{names.get(ident, 'thread')} ({ident})": format_stack(frame, limit=60)
+                for ident, frame in frames.items()
+            },
             "records": [r.to_dict() for r in recorder.records()],
             "heartbeats": {str(r): hb for r, hb in heartbeats.items()},
             "waiting_after_s": cfg.heartbeat_s,
@@ -673,8 +713,13 @@ class Watchdog:
         }
         inc.actions.append({"rung": "report", "time": time.time(), "done": True})
         self._write_dump(inc)
-        log.error("watchdog: incident %s (%s): %s; this rank's dump: %s", doc["id"], doc["kind"], doc["reason"],
-                  inc.dir / f"rank{self.rank}.json")
+        log.error(
+            "watchdog: incident %s (%s): %s; this rank's dump: %s",
+            doc["id"],
+            doc["kind"],
+            doc["reason"],
+            inc.dir / f"rank{self.rank}.json",
+        )
         now = time.monotonic()
         if local:
             inc.merger = True
@@ -695,8 +740,15 @@ class Watchdog:
         inc.rung_deadline = now  # the next rung (if any) follows the report at once
         self._incidents.append(inc)
         with self._cond:
-            inc.record = {"id": doc["id"], "kind": doc["kind"], "dir": str(inc.dir), "merger": inc.merger,
-                          "actions": inc.actions, "settled": False, "doc": doc}
+            inc.record = {
+                "id": doc["id"],
+                "kind": doc["kind"],
+                "dir": str(inc.dir),
+                "merger": inc.merger,
+                "actions": inc.actions,
+                "settled": False,
+                "doc": doc,
+            }
             self._handled.append(inc.record)
             self._cond.notify_all()
 
@@ -743,8 +795,13 @@ class Watchdog:
         elif inc.local or self._store is None:
             statements, heartbeats = own, cached
             if not inc.local:
-                extra = [{"kind": "store", "text": f"the store went away before the merge: only rank {self.rank}'s "
-                                                   "statement and the heartbeats it had seen are in this report"}]
+                extra = [
+                    {
+                        "kind": "store",
+                        "text": f"the store went away before the merge: only rank {self.rank}'s "
+                        "statement and the heartbeats it had seen are in this report",
+                    }
+                ]
         else:
             try:
                 gathered = self._gather(inc, stale)
@@ -760,8 +817,17 @@ class Watchdog:
                     if view.get("stale") and int(r) not in statements:
                         stale[int(r)] = max(stale.get(int(r), 0.0), view.get("age_s", 0.0))
         stale = {r: a for r, a in stale.items() if r not in statements}
-        incident = merge(inc.doc, statements, heartbeats, stale, self.world_size, merged_by=self.rank,
-                         waiting_after_s=self.config.heartbeat_s, extra_findings=extra, analyse_ranks=analyse_ranks)
+        incident = merge(
+            inc.doc,
+            statements,
+            heartbeats,
+            stale,
+            self.world_size,
+            merged_by=self.rank,
+            waiting_after_s=self.config.heartbeat_s,
+            extra_findings=extra,
+            analyse_ranks=analyse_ranks,
+        )
         text = render(incident)
         try:
             write_json(inc.dir / INCIDENT_FILE, incident)
@@ -769,12 +835,17 @@ class Watchdog:
         except OSError as exc:
             log.error("watchdog: could not write incident %s: %s", inc.doc["id"], exc)
         inc.merged = True
-        log.error("watchdog: incident %s merged: %s; report: %s", inc.doc["id"], incident["summary"], inc.dir / SUMMARY_FILE)
+        log.error(
+            "watchdog: incident %s merged: %s; report: %s", inc.doc["id"], incident["summary"], inc.dir / SUMMARY_FILE
+        )
         log.info("watchdog: incident report\n%s", text)
         if self._store is not None and not inc.local:
             try:
-                self._call("set", f"{self._ns}/incident/{inc.n}/merged",
-                           json.dumps({"host": _HOST, "dir": str(inc.dir.resolve()), "summary": incident["summary"]}))
+                self._call(
+                    "set",
+                    f"{self._ns}/incident/{inc.n}/merged",
+                    json.dumps({"host": _HOST, "dir": str(inc.dir.resolve()), "summary": incident["summary"]}),
+                )
             except (RuntimeError, _StoreGone):
                 pass
         with self._cond:
@@ -842,15 +913,20 @@ class Watchdog:
         doc = inc.doc
         return CollectiveTimeout(
             f"ncclguard watchdog, incident {doc['id']}: {doc['reason']}; report in {inc.dir}",
-            op=doc.get("op", ""), group=doc.get("group") or "", elapsed_s=time.time() - doc["created"],
+            op=doc.get("op", ""),
+            group=doc.get("group") or "",
+            elapsed_s=time.time() - doc["created"],
             missing_ranks=doc.get("ranks"),
         )
 
     def _do_raise(self, inc: _Incident, entry: dict[str, Any]) -> None:
         blocked = self._blocked_in()
         if blocked is not None:
-            entry.update(done=False, why=f"the main thread is blocked in C++ ({blocked.op} #{blocked.seq}); "
-                                          "an exception cannot reach it before the backend returns")
+            entry.update(
+                done=False,
+                why=f"the main thread is blocked in C++ ({blocked.op} #{blocked.seq}); "
+                "an exception cannot reach it before the backend returns",
+            )
             log.warning("watchdog: raise skipped: %s", entry["why"])
             return
         self._pending_raise = (self._error(inc), self._op_key(inc), entry)
@@ -865,8 +941,10 @@ class Watchdog:
             # Checked here, in the main thread, so it cannot race with the op completing: a rank
             # whose part of the hung op completed meanwhile is not stuck any more.
             if key is not None and _completed_here(key):
-                entry.update(done=False, why=f"dropped: op #{key[1]} on group {key[0]} completed on this rank "
-                                             "before the signal landed")
+                entry.update(
+                    done=False,
+                    why=f"dropped: op #{key[1]} on group {key[0]} completed on this rank before the signal landed",
+                )
                 log.warning("watchdog: raise %s", entry["why"])
                 return
             raise exc
@@ -880,7 +958,7 @@ class Watchdog:
         if not (dist.is_available() and dist.is_initialized()):
             entry.update(done=False, why="no process group")
             return
-        aborted, failed = abort_process_groups()
+        aborted, failed = compat.abort_all_groups()
         entry.update(done=bool(aborted), aborted=aborted, failed=failed)
         log.error("watchdog: aborted process groups %s%s", aborted, f" (failed: {failed})" if failed else "")
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Collection, Literal, Mapping
+from collections.abc import Collection, Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -248,37 +249,85 @@ def audit(
         value = env.get(name)
         alias = next((old for old, new in DEPRECATED.items() if new == name and old in env), None)
         if value is None and alias is not None:
-            rows.append(VariableStatus(name=name, value=None, recommended=want, status="set by user",
-                                       note=f"set through the deprecated {alias}={env[alias]}; left as is"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=None,
+                    recommended=want,
+                    status="set by user",
+                    note=f"set through the deprecated {alias}={env[alias]}; left as is",
+                )
+            )
         elif value is None:
-            rows.append(VariableStatus(name=name, value=None, recommended=want, status="unset",
-                                       note="`doctor --export` prints the line to set it"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=None,
+                    recommended=want,
+                    status="unset",
+                    note="`doctor --export` prints the line to set it",
+                )
+            )
         elif applied.get(name) == value:
             rows.append(VariableStatus(name=name, value=value, recommended=want, status="set by ncclguard"))
         elif value == want:
             rows.append(VariableStatus(name=name, value=value, recommended=want, status="ok"))
         elif name == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and value == "1" and "TORCHELASTIC_RUN_ID" in env:
-            rows.append(VariableStatus(name=name, value=value, recommended=want, status="set by user",
-                                       note="torchrun's default when unset (1: abort communicators, tear down)"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=value,
+                    recommended=want,
+                    status="set by user",
+                    note="torchrun's default when unset (1: abort communicators, tear down)",
+                )
+            )
         else:
-            rows.append(VariableStatus(name=name, value=value, recommended=want, status="set by user",
-                                       note="differs from the recommendation; ncclguard leaves it as is"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=value,
+                    recommended=want,
+                    status="set by user",
+                    note="differs from the recommendation; ncclguard leaves it as is",
+                )
+            )
     shown = set(recommended)
     rest = sorted(({*IGNORED, *DEPRECATED, *extra} - shown) & set(env))
     for name in rest:
         value = env[name]
         if name in IGNORED:
-            rows.append(VariableStatus(name=name, value=value, recommended=None, status="ignored by NCCL and PyTorch",
-                                       note=IGNORED[name]))
+            rows.append(
+                VariableStatus(
+                    name=name, value=value, recommended=None, status="ignored by NCCL and PyTorch", note=IGNORED[name]
+                )
+            )
         elif name in DEPRECATED:
-            rows.append(VariableStatus(name=name, value=value, recommended=None, status="deprecated",
-                                       note=f"rename it {DEPRECATED[name]}"))
+            rows.append(
+                VariableStatus(
+                    name=name, value=value, recommended=None, status="deprecated", note=f"rename it {DEPRECATED[name]}"
+                )
+            )
         elif name == "TORCH_DISTRIBUTED_DEBUG" and level is not None and value.strip().upper() != level:
-            rows.append(VariableStatus(name=name, value=value, recommended=None, status="no effect (read at import)",
-                                       note=f"torch uses {level}; set it before Python starts"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=value,
+                    recommended=None,
+                    status="no effect (read at import)",
+                    note=f"torch uses {level}; set it before Python starts",
+                )
+            )
         elif name == "DEEPSPEED_TIMEOUT" and ds_minutes is not None and value.strip() != f"{ds_minutes:g}":
-            rows.append(VariableStatus(name=name, value=value, recommended=None, status="no effect (read at import)",
-                                       note=f"deepspeed uses {ds_minutes:g} min; set it before `import deepspeed`"))
+            rows.append(
+                VariableStatus(
+                    name=name,
+                    value=value,
+                    recommended=None,
+                    status="no effect (read at import)",
+                    note=f"deepspeed uses {ds_minutes:g} min; set it before `import deepspeed`",
+                )
+            )
         else:
             rows.append(VariableStatus(name=name, value=value, recommended=None, status="set by user"))
     return rows

@@ -3,18 +3,19 @@ groups', ncclguard's deadlines, the watchdog's and the launcher's, and whether t
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-from datetime import timedelta
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ncclguard.collectives.deadlines import adaptive_timeout, to_seconds
+from ncclguard import _torch_compat as compat
+from ncclguard.collectives.deadlines import adaptive_timeout
 from ncclguard.config import Config, get_config
+from ncclguard.errors import TorchCompatError
 
 __all__ = [
     "TimeoutHierarchy",
@@ -39,7 +40,9 @@ def backend_default_timeout_s(backend: str) -> float:
     if str(backend).lower() == "nccl":
         from torch.distributed.constants import default_pg_nccl_timeout
 
-        return default_pg_nccl_timeout.total_seconds() if default_pg_nccl_timeout is not None else NCCL_DEFAULT_TIMEOUT_S
+        return (
+            default_pg_nccl_timeout.total_seconds() if default_pg_nccl_timeout is not None else NCCL_DEFAULT_TIMEOUT_S
+        )
     from torch.distributed.constants import default_pg_timeout
 
     return default_pg_timeout.total_seconds()
@@ -56,14 +59,12 @@ def group_timeout_s(group: Any = None) -> float | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = c10d._get_default_group() if group is None or group is dist.group.WORLD else group
+    pg = compat.default_group() if group is None or group is dist.group.WORLD else group
     # torch keeps the timeout in each device backend's options (ProcessGroupGloo/NCCL::Options).
     for device in getattr(pg, "_device_types", []):
         try:
-            return pg._get_backend(device).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError):
+            return compat.backend_timeout(pg, device).total_seconds()
+        except (TorchCompatError, RuntimeError):
             continue
     return None
 
@@ -72,11 +73,9 @@ def subgroup_timeouts_s() -> dict[str, float]:
     """Timeouts of the groups other than the world that this rank belongs to, by group name."""
     if not (dist.is_available() and dist.is_initialized()):
         return {}
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._get_default_group()
+    world = compat.default_group()
     out: dict[str, float] = {}
-    for pg in list(c10d._world.pg_map):
+    for pg in list(compat.group_names()):
         if pg is world:
             continue
         seconds = group_timeout_s(pg)
@@ -220,7 +219,7 @@ class TimeoutHierarchy(BaseModel):
         return out
 
     @model_validator(mode="after")
-    def _ordered(self) -> "TimeoutHierarchy":
+    def _ordered(self) -> TimeoutHierarchy:
         broken = self.problems()
         if broken:
             raise ValueError("timeout hierarchy out of order: " + "; ".join(broken))
@@ -241,15 +240,24 @@ class TimeoutHierarchy(BaseModel):
             for n, v, r, k in rows
         ]
         for name, seconds in sorted(self.subgroup_timeouts_s.items()):
-            out.append({"name": f"group {name} timeout", "seconds": seconds, "rule": "> per-op deadline",
-                        "source": "live group"})
+            out.append(
+                {
+                    "name": f"group {name} timeout",
+                    "seconds": seconds,
+                    "rule": "> per-op deadline",
+                    "source": "live group",
+                }
+            )
         extra = [
             ("watchdog peer liveness", self.peer_liveness_s, "(dead-process detection)", "peer_liveness_s"),
             ("DeepSpeed default timeout", self.deepspeed_timeout_s, "", "deepspeed_timeout_s"),
             ("NCCL watchdog heartbeat", self.nccl_heartbeat_s, "(watchdog thread liveness)", "nccl_heartbeat_s"),
         ]
-        out += [{"name": n, "seconds": v, "rule": r, "source": self.sources.get(k, "")} for n, v, r, k in extra
-                if v is not None]
+        out += [
+            {"name": n, "seconds": v, "rule": r, "source": self.sources.get(k, "")}
+            for n, v, r, k in extra
+            if v is not None
+        ]
         return out
 
     def render(self) -> str:
@@ -274,7 +282,7 @@ class TimeoutHierarchy(BaseModel):
         op_numel: int = REFERENCE_NUMEL,
         environ: Mapping[str, str] | None = None,
         validate: bool = True,
-    ) -> "TimeoutHierarchy":
+    ) -> TimeoutHierarchy:
         """Reads the hierarchy in force: the configuration, the watchdog, the live groups, DeepSpeed, NCCL.
 
         Args:
@@ -317,8 +325,10 @@ class TimeoutHierarchy(BaseModel):
             values["pg_timeout_s"] = backend_default_timeout_s(chosen_backend)
             sources["pg_timeout_s"] = f"{chosen_backend} default (no group yet)"
 
-        for field, given, name in (("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
-                                   ("eval_deadline_s", eval_deadline_s, "eval_deadline_s")):
+        for field, given, name in (
+            ("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
+            ("eval_deadline_s", eval_deadline_s, "eval_deadline_s"),
+        ):
             value = given if given is not None else getattr(cfg, name)
             if value is not None:
                 values[field] = float(value)

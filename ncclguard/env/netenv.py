@@ -13,8 +13,9 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Literal, Mapping, MutableMapping
+from typing import Literal
 
 import psutil
 from pydantic import BaseModel, ConfigDict
@@ -170,7 +171,11 @@ def _recommend(interface: str | None, family: str | None, ib_active: bool, confi
 
 
 def _route(
-    host: IPAddress | str | None, target: str | None, source: str, proc_net: Path, resolve_timeout_s: float,
+    host: IPAddress | str | None,
+    target: str | None,
+    source: str,
+    proc_net: Path,
+    resolve_timeout_s: float,
     warnings: list[str],
 ) -> tuple[list[IPAddress], IPAddress | None, Route | None]:
     """Resolves ``host`` and asks the kernel for the route to it (or to the default route)."""
@@ -324,8 +329,9 @@ def apply(plan: NetPlan, override: bool = False, environ: MutableMapping[str, st
         user = name if name in env else (alias if alias is not None and alias in env else None)
         if user is not None and not override:
             if env[user] != value:
-                log.info("%s=%s is set by the user; ncclguard recommends %s=%s and leaves it",
-                         user, env[user], name, value)
+                log.info(
+                    "%s=%s is set by the user; ncclguard recommends %s=%s and leaves it", user, env[user], name, value
+                )
             continue
         if user is not None:
             log.warning("overriding %s=%s with %s=%s (override=True)", user, env[user], name, value)

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.env.netenv import NetPlan, apply, detect
 from ncclguard.collectives.deadlines import to_seconds
 from ncclguard.env.hierarchy import group_timeout_s
+from ncclguard.env.netenv import NetPlan, apply, detect
+from ncclguard.errors import TorchCompatError
 
 __all__ = ["ProcessGroupInit", "init_process_group", "restore_default_timeout"]
 
@@ -50,7 +53,7 @@ class ProcessGroupInit(BaseModel):
 
 _patch_lock = threading.Lock()
 _original_default: Callable[[Any], timedelta] | None = None
-_world_ref: "weakref.ref[Any] | None" = None
+_world_ref: weakref.ref[Any] | None = None
 _world_timeout: timedelta | None = None
 
 
@@ -68,19 +71,15 @@ def _default_timeout(backend: Any) -> timedelta:
 
 def _inherit(world: Any, seconds: float) -> bool:
     global _original_default, _world_ref, _world_timeout
-    from torch.distributed import distributed_c10d as c10d
-
     with _patch_lock:
         if _original_default is None:
-            current = getattr(c10d, "_get_default_timeout", None)
-            if not callable(current):
-                log.warning(
-                    "this torch has no distributed_c10d._get_default_timeout; subgroups keep the backend "
-                    "default timeout: pass timeout= to new_group"
-                )
+            try:
+                current = compat.get_default_timeout_fn()
+            except TorchCompatError as exc:
+                log.warning("%s; subgroups keep the backend default timeout: pass timeout= to new_group", exc)
                 return False
             _original_default = current
-            c10d._get_default_timeout = _default_timeout
+            compat.set_default_timeout_fn(_default_timeout)
         _world_ref = weakref.ref(world)
         _world_timeout = timedelta(seconds=seconds)
     return True
@@ -89,11 +88,9 @@ def _inherit(world: Any, seconds: float) -> bool:
 def restore_default_timeout() -> None:
     """Puts torch's own ``_get_default_timeout`` back: new groups get the backend default again."""
     global _original_default, _world_ref, _world_timeout
-    from torch.distributed import distributed_c10d as c10d
-
     with _patch_lock:
         if _original_default is not None:
-            c10d._get_default_timeout = _original_default
+            compat.set_default_timeout_fn(_original_default)
         _original_default, _world_ref, _world_timeout = None, None, None
 
 
@@ -144,17 +141,16 @@ def init_process_group(
     if seconds is not None:
         kwargs["timeout"] = timedelta(seconds=seconds)
     dist.init_process_group(backend=backend, **kwargs)
-
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._get_default_group()
+    world = compat.default_group()
     in_force = group_timeout_s(world)
     inherits = False
     if inherit_timeout and in_force is not None:
         inherits = _inherit(world, in_force)
     log.info(
         "process group up: backend %s, timeout %s s, interface %s%s",
-        dist.get_backend(), in_force, plan.interface if plan else "(not detected)",
+        dist.get_backend(),
+        in_force,
+        plan.interface if plan else "(not detected)",
         ", subgroups inherit the timeout" if inherits else "",
     )
     return ProcessGroupInit(

@@ -38,12 +38,43 @@ RouteMethod = Literal["ip -j route get", "ip route get", "/proc/net/route", "/pr
 
 # Route types `ip route get` prints before the destination (rtnetlink's RTN_* names).
 _ROUTE_TYPES = {
-    "unicast", "local", "broadcast", "anycast", "multicast", "blackhole", "unreachable", "prohibit", "throw", "nat",
+    "unicast",
+    "local",
+    "broadcast",
+    "anycast",
+    "multicast",
+    "blackhole",
+    "unreachable",
+    "prohibit",
+    "throw",
+    "nat",
 }
 # Keys of the text form that are followed by a value; anything else is a bare flag.
 _VALUED_KEYS = {
-    "dev", "src", "from", "via", "proto", "metric", "table", "uid", "pref", "mtu", "iif", "oif", "expires",
-    "error", "hoplimit", "realms", "advmss", "rtt", "rttvar", "ssthresh", "cwnd", "window", "tos", "mark",
+    "dev",
+    "src",
+    "from",
+    "via",
+    "proto",
+    "metric",
+    "table",
+    "uid",
+    "pref",
+    "mtu",
+    "iif",
+    "oif",
+    "expires",
+    "error",
+    "hoplimit",
+    "realms",
+    "advmss",
+    "rtt",
+    "rttvar",
+    "ssthresh",
+    "cwnd",
+    "window",
+    "tos",
+    "mark",
 }
 # Flags of the kernel's route tables (include/uapi/linux/route.h and ipv6_route.h).
 _RTF_UP, _RTF_GATEWAY, _RTF_REJECT, _RTF_LOCAL = 0x0001, 0x0002, 0x0200, 0x80000000

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = ["RankExit", "free_port", "spawn", "under_launcher"]
 
@@ -57,7 +58,7 @@ class SpawnResult:
         for r in self.ranks:
             for line in r.stdout.splitlines():
                 if line.startswith(prefix):
-                    found[r.rank] = json.loads(line[len(prefix):])
+                    found[r.rank] = json.loads(line[len(prefix) :])
         return found
 
     def output(self) -> str:
@@ -112,8 +113,14 @@ def spawn(
     port = free_port()
     base = {**os.environ, **(env or {})}
     base.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        ROLE_RANK="0",
+        ROLE_WORLD_SIZE=str(nproc),
+        OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
         PYTHONUNBUFFERED="1",
     )
     procs, logs = [], []
@@ -163,7 +170,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 if __name__ == "__main__":  # python -m ncclguard.testing.launch -n 2 -- cmd ...
     import argparse
 
-    ap = argparse.ArgumentParser(description="Run N ranks of a command on this host (torchrun's variables, no teardown).")
+    ap = argparse.ArgumentParser(
+        description="Run N ranks of a command on this host (torchrun's variables, no teardown)."
+    )
     ap.add_argument("-n", "--nproc", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import rankkit
+
 from ncclguard.bench.options import parse_options
 from ncclguard.bench.rank import run_rank
 from ncclguard.testing.launch import under_launcher

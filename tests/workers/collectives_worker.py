@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 import time
 
+import rankkit
 import torch
 import torch.distributed as dist
-
-import rankkit
 from rankkit import leave, put, stall
+
 from ncclguard import (
-    CollectiveMismatch, recorder, safe_all_reduce, safe_barrier,
+    CollectiveMismatch,
+    recorder,
+    safe_all_reduce,
+    safe_barrier,
 )
 from ncclguard.errors import CollectiveError
 
@@ -78,19 +81,36 @@ def semantics() -> None:
     # The chunked path with policy and result fields.
     x = torch.ones(100, dtype=torch.float32)
     res = safe_all_reduce(x, chunk_numel=30, timeout=20, verify=True)
-    put("chunked_fields", {"ok": res.ok, "chunks": res.chunks, "numel": res.numel, "nbytes": res.nbytes,
-                           "reduced_numel": res.reduced_numel, "value": x[0].item(), "bool": bool(res)})
+    put(
+        "chunked_fields",
+        {
+            "ok": res.ok,
+            "chunks": res.chunks,
+            "numel": res.numel,
+            "nbytes": res.nbytes,
+            "reduced_numel": res.reduced_numel,
+            "value": x[0].item(),
+            "bool": bool(res),
+        },
+    )
 
     # A rank passes a different numel: every rank refuses, nothing changes.
     n = 12 if r == 1 else 10
     before = torch.arange(n, dtype=torch.float32)
     t = before.clone()
     res = safe_all_reduce(t, verify=True, timeout=20)
-    put("mismatch", {
-        "ok": res.ok, "type": type(res.error).__name__, "unchanged": torch.equal(t, before),
-        "fingerprint_ranks": sorted(res.error.fingerprints) if isinstance(res.error, CollectiveMismatch) else None,
-        "numels": {k: v["numel"] for k, v in res.error.fingerprints.items()} if isinstance(res.error, CollectiveMismatch) else None,
-    })
+    put(
+        "mismatch",
+        {
+            "ok": res.ok,
+            "type": type(res.error).__name__,
+            "unchanged": torch.equal(t, before),
+            "fingerprint_ranks": sorted(res.error.fingerprints) if isinstance(res.error, CollectiveMismatch) else None,
+            "numels": {k: v["numel"] for k, v in res.error.fingerprints.items()}
+            if isinstance(res.error, CollectiveMismatch)
+            else None,
+        },
+    )
     # A mismatch moves no data, so the group is still usable.
     t = torch.ones(3)
     put("after_mismatch_ok", bool(safe_all_reduce(t, timeout=20)) and t.tolist() == [world] * 3)
@@ -139,8 +159,17 @@ def stalls() -> None:
     stall(2, 3.5)
     t0 = time.monotonic()
     b = safe_barrier(timeout=2.5 if r == 1 else 2)
-    put("barrier", {"ok": b.ok, "missing": b.missing_ranks, "hosts": b.missing_hosts, "late": b.late,
-                    "elapsed": time.monotonic() - t0, "error": b.error})
+    put(
+        "barrier",
+        {
+            "ok": b.ok,
+            "missing": b.missing_ranks,
+            "hosts": b.missing_hosts,
+            "late": b.late,
+            "elapsed": time.monotonic() - t0,
+            "error": b.error,
+        },
+    )
     put("barrier_sync", bool(safe_barrier(timeout=10)))
 
     # all_reduce: rank 2 sleeps 10 s before entering; the others give up after 2 s.
@@ -151,18 +180,23 @@ def stalls() -> None:
     res = safe_all_reduce(t, timeout=2)
     elapsed = time.monotonic() - t0
     err = res.error
-    put("stall", {
-        "ok": res.ok, "elapsed": elapsed, "type": type(err).__name__,
-        "is_timeout_error": isinstance(err, TimeoutError),
-        "missing": getattr(err, "missing_ranks", None), "message": str(err),
-        "fields": err.to_dict() if isinstance(err, CollectiveError) else None,
-        "unchanged": torch.equal(t, before),
-    })
+    put(
+        "stall",
+        {
+            "ok": res.ok,
+            "elapsed": elapsed,
+            "type": type(err).__name__,
+            "is_timeout_error": isinstance(err, TimeoutError),
+            "missing": getattr(err, "missing_ranks", None),
+            "message": str(err),
+            "fields": err.to_dict() if isinstance(err, CollectiveError) else None,
+            "unchanged": torch.equal(t, before),
+        },
+    )
     if r != 2:
         t0 = time.monotonic()
         again = safe_all_reduce(torch.ones(2), timeout=2)
-        put("after_timeout", {"ok": again.ok, "type": type(again.error).__name__,
-                              "elapsed": time.monotonic() - t0})
+        put("after_timeout", {"ok": again.ok, "type": type(again.error).__name__, "elapsed": time.monotonic() - t0})
     rankkit.done()
 
 
@@ -179,9 +213,18 @@ def partial() -> None:
             before = t.clone()
             res = safe_all_reduce(t, group=group, timeout=2, chunk_numel=2, atomic=atomic, verify=False)
             time.sleep(0.5)  # let any write the backend still had in flight land before we look
-            put(name, {"ok": res.ok, "type": type(res.error).__name__, "reduced_numel": res.reduced_numel,
-                       "chunk": list(res.error.chunk) if res.error else None, "values": t.tolist(),
-                       "bitwise_restored": torch.equal(t, before), "before": before.tolist()})
+            put(
+                name,
+                {
+                    "ok": res.ok,
+                    "type": type(res.error).__name__,
+                    "reduced_numel": res.reduced_numel,
+                    "chunk": list(res.error.chunk) if res.error else None,
+                    "values": t.tolist(),
+                    "bitwise_restored": torch.equal(t, before),
+                    "before": before.tolist(),
+                },
+            )
         else:
             for _ in range(2):
                 dist.all_reduce(torch.full((2,), 1.0, dtype=torch.float64), group=group)
@@ -191,8 +234,16 @@ def partial() -> None:
     leave(2)
     t0 = time.monotonic()
     res = safe_all_reduce(torch.ones(3), timeout=2)
-    put("exit", {"ok": res.ok, "elapsed": time.monotonic() - t0, "type": type(res.error).__name__,
-                 "missing": getattr(res.error, "missing_ranks", None), "message": str(res.error)})
+    put(
+        "exit",
+        {
+            "ok": res.ok,
+            "elapsed": time.monotonic() - t0,
+            "type": type(res.error).__name__,
+            "missing": getattr(res.error, "missing_ranks", None),
+            "message": str(res.error),
+        },
+    )
     rankkit.done()
 
 

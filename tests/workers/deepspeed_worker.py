@@ -19,17 +19,17 @@ from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
+import rankkit
 import torch
 import torch.distributed as dist
+from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
+from rankkit import put, stall
+from reference_trainer import ListMonitor, ReferenceTrainer, ds_config
 from torch.distributed import distributed_c10d as c10d
 
-import rankkit
-from rankkit import put, stall
 from ncclguard.integrations.deepspeed import FAILED_METRIC, guarded_evaluate, patch_trainer, unpatch_trainer
 from ncclguard.integrations.eval_group import deadline_timeout, routed_default_group
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
-from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
-from reference_trainer import ListMonitor, ReferenceTrainer, ds_config
 
 TIMEOUT_S = 2.0
 STALL_S = 30.0  # far past the deadline: only the guard can end it in time
@@ -60,8 +60,14 @@ def run_stage(stage: int, rank: int) -> dict:
 
     stalling = {"on": False}
     monitor = ListMonitor()
-    trainer = ReferenceTrainer(model, ds_config(stage, micro_batch=4), synthetic_batch(cfg, 8, seed=500 + rank),
-                               eval_batch_size=4, monitor=monitor, on_eval_batch=on_eval_batch)
+    trainer = ReferenceTrainer(
+        model,
+        ds_config(stage, micro_batch=4),
+        synthetic_batch(cfg, 8, seed=500 + rank),
+        eval_batch_size=4,
+        monitor=monitor,
+        on_eval_batch=on_eval_batch,
+    )
     trainer_box.append(trainer)
     engine = trainer.model
     world_pg = c10d._world.default_pg
@@ -87,8 +93,12 @@ def run_stage(stage: int, rank: int) -> dict:
     res["stalled_value"] = list(trainer.evaluate(step=3))
     res["stalled_elapsed_s"] = time.monotonic() - start
     rep = trainer.last_eval_report
-    res["stalled_report"] = {"ok": rep.ok, "attempts": rep.attempts, "reasons": rep.reasons,
-                             "failed_ranks": rep.failed_ranks}
+    res["stalled_report"] = {
+        "ok": rep.ok,
+        "attempts": rep.attempts,
+        "reasons": rep.reasons,
+        "failed_ranks": rep.failed_ranks,
+    }
     res["modes_after_failure"] = [engine.training, engine.module.training]
     res["default_pg_restored_after_failure"] = c10d._world.default_pg is world_pg
     res["failure_records"] = [(s, m) for s, m in monitor.records if FAILED_METRIC in m]

@@ -17,11 +17,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import rankkit
 import torch
 import torch.distributed as dist
-
-import rankkit
 from rankkit import kill, put, skip_collective
+
 from ncclguard import CollectiveTimeout, phase, recorder, safe_barrier, sigalrm_timeout, start_watchdog
 from ncclguard.diagnosis.incident import INCIDENT_FILE
 
@@ -67,10 +67,14 @@ def exercise_ops(r: int, world: int) -> dict[str, str]:
         "broadcast": lambda: dist.broadcast(x, src=0),
         "reduce": lambda: dist.reduce(x, dst=0),
         "barrier": lambda: dist.barrier(),
-        "all_to_all": lambda: dist.all_to_all([torch.zeros(2) for _ in range(world)], [torch.ones(2) for _ in range(world)]),
+        "all_to_all": lambda: dist.all_to_all(
+            [torch.zeros(2) for _ in range(world)], [torch.ones(2) for _ in range(world)]
+        ),
         "all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(2 * world), torch.ones(2 * world)),
         "gather": lambda: dist.gather(x, [torch.zeros(4) for _ in range(world)] if r == 0 else None, dst=0),
-        "scatter": lambda: dist.scatter(torch.zeros(4), [torch.ones(4) for _ in range(world)] if r == 0 else None, src=0),
+        "scatter": lambda: dist.scatter(
+            torch.zeros(4), [torch.ones(4) for _ in range(world)] if r == 0 else None, src=0
+        ),
         "async_all_reduce": lambda: dist.all_reduce(x, async_op=True).wait(),
     }
     for name, call in calls.items():
@@ -103,8 +107,13 @@ def desync() -> None:
     with phase("train", step=1):
         put("ops", exercise_ops(r, world))
     recorder.sweep()
-    put("records", [{k: v for k, v in rec.to_dict().items() if k not in ("start", "end", "thread", "error")}
-                    for rec in recorder.records()])
+    put(
+        "records",
+        [
+            {k: v for k, v in rec.to_dict().items() if k not in ("start", "end", "thread", "error")}
+            for rec in recorder.records()
+        ],
+    )
     safe_barrier(timeout=20)
 
     # 1. A desync: rank 2 skips this all_reduce and goes to evaluate.
@@ -138,8 +147,14 @@ def desync() -> None:
                 dist.all_reduce(torch.ones(3), group=slow)
             put("alarm", {"raised": None})
         except BaseException as exc:  # noqa: BLE001 - record whichever surfaced
-            put("alarm", {"raised": type(exc).__name__, "message": str(exc)[:300],
-                          "context": type(exc.__context__).__name__ if exc.__context__ else None})
+            put(
+                "alarm",
+                {
+                    "raised": type(exc).__name__,
+                    "message": str(exc)[:300],
+                    "context": type(exc.__context__).__name__ if exc.__context__ else None,
+                },
+            )
         put("alarm_elapsed", time.monotonic() - t0)
     safe_barrier(timeout=30)
     put("incidents", wd.wait_for_incident(10, count=3, merged=r == 0))
@@ -150,8 +165,14 @@ def desync() -> None:
 def raise_lost() -> None:
     r = rankkit.init()
     survivors = dist.new_group([0, 1, 2])  # for a store barrier once rank 3 is gone
-    wd = start_watchdog(heartbeat_s=HEARTBEAT_S, hang_timeout_s=HANG_S, peer_timeout_s=1.2, escalate_after_s=0.5,
-                        incident_dir=INCIDENTS, action="raise")
+    wd = start_watchdog(
+        heartbeat_s=HEARTBEAT_S,
+        hang_timeout_s=HANG_S,
+        peer_timeout_s=1.2,
+        escalate_after_s=0.5,
+        incident_dir=INCIDENTS,
+        action="raise",
+    )
 
     # 1. Rank 2 freezes in Python; action raise ends its stall. The others wait in C++ (not raised).
     with phase("train", step=1):
@@ -198,16 +219,21 @@ def idle(count: int, bound_s: float = 15.0) -> dict:
             while time.monotonic() - t0 < bound_s:
                 time.sleep(0.05)
     except CollectiveTimeout as exc:
-        seen = {"raised": type(exc).__name__, "message": str(exc), "missing": exc.missing_ranks,
-                "elapsed": time.monotonic() - t0}
+        seen = {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "missing": exc.missing_ranks,
+            "elapsed": time.monotonic() - t0,
+        }
     seen["handled"] = len(wd.wait_for_incident(5, count=count))
     return seen
 
 
 def exit_ladder() -> None:
     r = rankkit.init()
-    start_watchdog(heartbeat_s=HEARTBEAT_S, hang_timeout_s=1.0, escalate_after_s=0.4, incident_dir=INCIDENTS,
-                   action="exit")
+    start_watchdog(
+        heartbeat_s=HEARTBEAT_S, hang_timeout_s=1.0, escalate_after_s=0.4, incident_dir=INCIDENTS, action="exit"
+    )
     put("started", time.time())
     rankkit.save()
     if r == 1:

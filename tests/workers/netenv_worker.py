@@ -15,10 +15,9 @@ import os
 import sys
 from datetime import timedelta
 
+import rankkit
 import torch
 import torch.distributed as dist
-
-import rankkit
 from rankkit import put
 
 
@@ -35,14 +34,25 @@ def _timeouts() -> dict[str, float | None]:
 def inherit() -> None:
     import ncclguard
     from ncclguard.env.envvars import env_warnings
-    from ncclguard.env.pginit import restore_default_timeout
     from ncclguard.env.hierarchy import TimeoutHierarchy
+    from ncclguard.env.pginit import restore_default_timeout
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init = ncclguard.init_process_group("gloo", timeout=20)
     put("init", init.model_dump(mode="json"))
-    put("env_after", {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE",
-                                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE")})
+    put(
+        "env_after",
+        {
+            k: os.environ.get(k)
+            for k in (
+                "GLOO_SOCKET_IFNAME",
+                "NCCL_SOCKET_IFNAME",
+                "NCCL_IB_DISABLE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                "TORCH_FR_BUFFER_SIZE",
+            )
+        },
+    )
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     put("sum", t.item())

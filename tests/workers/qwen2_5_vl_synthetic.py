@@ -11,8 +11,21 @@ from typing import Any
 import torch
 from transformers import Qwen2_5_VLConfig
 
-__all__ = ["PAD", "BOS", "EOS", "VISION_START", "VISION_END", "IMAGE", "VIDEO", "FIRST_CLASS_TOKEN",
-           "tiny_config", "mid_config", "synthetic_batch", "split_batch", "image_tokens"]
+__all__ = [
+    "PAD",
+    "BOS",
+    "EOS",
+    "VISION_START",
+    "VISION_END",
+    "IMAGE",
+    "VIDEO",
+    "FIRST_CLASS_TOKEN",
+    "tiny_config",
+    "mid_config",
+    "synthetic_batch",
+    "split_batch",
+    "image_tokens",
+]
 
 # Token ids of the synthetic vocabulary: specials first, then one "class word" per label, then filler.
 PAD, BOS, EOS, VISION_START, VISION_END, IMAGE, VIDEO = 0, 1, 2, 3, 4, 5, 6
@@ -50,10 +63,26 @@ def tiny_config(num_labels: int = 4) -> Qwen2_5_VLConfig:
     Raises:
         ValueError: ``num_labels`` is not an int in [2, 54].
     """
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=1000, mrope_section=[2, 3, 3])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1])
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        mrope_section=[2, 3, 3],
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        fullatt_block_indexes=[1],
+    )
     return _config(text, vision, num_labels)
 
 
@@ -67,10 +96,26 @@ def mid_config(num_labels: int = 4) -> Qwen2_5_VLConfig:
     Raises:
         ValueError: ``num_labels`` is not an int in [2, 54].
     """
-    text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2, vocab_size=32000, mrope_section=[8, 12, 12])
-    vision = dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=896, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1, 3])
+    text = dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        mrope_section=[8, 12, 12],
+    )
+    vision = dict(
+        depth=4,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        out_hidden_size=896,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        fullatt_block_indexes=[1, 3],
+    )
     return _config(text, vision, num_labels)
 
 
@@ -133,8 +178,9 @@ def synthetic_batch(
         text = torch.randint(_FIRST_FILLER, vocab, (n,), generator=gen)
         text[int(torch.randint(0, n, (), generator=gen))] = FIRST_CLASS_TOKEN + label
         image = torch.full((n_image,), IMAGE)
-        rows.append(torch.cat([torch.tensor([BOS]), text, torch.tensor([VISION_START]), image,
-                               torch.tensor([VISION_END, EOS])]))
+        rows.append(
+            torch.cat([torch.tensor([BOS]), text, torch.tensor([VISION_START]), image, torch.tensor([VISION_END, EOS])])
+        )
     longest = max(len(r) for r in rows)
     input_ids = torch.full((batch_size, longest), PAD)
     attention_mask = torch.zeros((batch_size, longest), dtype=torch.long)

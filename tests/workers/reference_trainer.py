@@ -9,14 +9,15 @@ has; the guard is added from outside.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from qwen2_5_vl_synthetic import split_batch
 
 from ncclguard.integrations.deepspeed import EvalSums
-from qwen2_5_vl_synthetic import split_batch
 
 __all__ = ["ds_config", "ReferenceTrainer", "ListMonitor"]
 
@@ -73,8 +74,9 @@ class ReferenceTrainer:
         monitor: Any = None,
         on_eval_batch: Callable[[int], None] | None = None,
     ) -> None:
-        self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                                config=config)
+        self.model, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
         self.eval_data = eval_data
         self.eval_batch_size = eval_batch_size
         self.monitor = monitor

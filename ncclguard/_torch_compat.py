@@ -1,0 +1,262 @@
+"""The one door to torch.distributed's private APIs.
+
+ncclguard reads what torch keeps private: the world's bookkeeping (group names, ranks, stores),
+a group's backend timeout, the backend's sequence number and its flight recorder. Every such
+access goes through a function here, and each is gated: a torch older than the version that
+introduced the API, or one that renamed or removed it, gets :class:`~ncclguard.errors.TorchCompatError`
+naming the API and the torch in use, instead of an ``AttributeError`` deep in a report.
+
+Tested on torch 2.13 (CPU, gloo); ``tests/test_torch_compat.py`` exercises every entry.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ncclguard.errors import TorchCompatError
+
+__all__ = [
+    "API_MIN_VERSION",
+    "TORCH_VERSION",
+    "abort_all_groups",
+    "backend_timeout",
+    "default_group",
+    "default_store",
+    "dump_flight_recorder",
+    "flight_recorder_available",
+    "get_default_timeout_fn",
+    "group_names",
+    "group_ranks",
+    "group_store",
+    "rank_not_in_group",
+    "routed_default_group",
+    "sequence_number",
+    "set_default_timeout_fn",
+    "set_group_timeout",
+    "world",
+]
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_VERSION: tuple[int, int] = _version(torch.__version__)
+
+# The first torch release in which each private API has the shape used here. Below it, the
+# entry refuses with a clear error rather than guessing at an older shape.
+API_MIN_VERSION: dict[str, tuple[int, int]] = {
+    "distributed_c10d._world": (2, 0),
+    "distributed_c10d._get_default_group": (2, 0),
+    "distributed_c10d._get_default_store": (2, 0),
+    "distributed_c10d._rank_not_in_group": (2, 0),
+    "distributed_c10d._get_default_timeout": (2, 2),
+    "distributed_c10d._set_pg_timeout": (2, 4),
+    "ProcessGroup._get_backend(device).options._timeout": (2, 2),
+    "ProcessGroup._get_sequence_number_for_group": (2, 2),
+    "torch._C._distributed_c10d._dump_fr_trace_json": (2, 7),
+    "torch._C._distributed_c10d._dump_nccl_trace_json": (2, 5),
+    "ProcessGroupNCCL._group_start": (2, 2),
+}
+
+
+def _gate(api: str) -> None:
+    need = API_MIN_VERSION[api]
+    if TORCH_VERSION < need:
+        raise TorchCompatError(
+            f"ncclguard needs torch's private {api}, present from torch {need[0]}.{need[1]}; this is torch "
+            f"{torch.__version__}. Upgrade torch, or pin ncclguard to a release that supports it."
+        )
+
+
+def _missing(api: str, exc: BaseException | None = None) -> TorchCompatError:
+    return TorchCompatError(
+        f"torch {torch.__version__} has no usable {api} ({exc or 'attribute missing'}); ncclguard was tested "
+        "on torch 2.13. Report this with your torch version; the rest of ncclguard keeps working."
+    )
+
+
+def _c10d() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d
+
+
+@functools.cache
+def _c10d_attr(name: str) -> Any:
+    api = f"distributed_c10d.{name}"
+    _gate(api)
+    try:
+        return getattr(_c10d(), name)
+    except AttributeError as exc:
+        raise _missing(api, exc) from None
+
+
+def world() -> Any:
+    """torch's ``_World`` singleton: ``pg_names``, ``pg_map``, ``pg_group_ranks``, ``default_pg``.
+
+    Read-only use; callers on the hot path bind it once.
+    """
+    return _c10d_attr("_world")
+
+
+def default_group() -> Any:
+    """The default (world) process group; raises ``ValueError`` from torch when there is none."""
+    return _c10d_attr("_get_default_group")()
+
+
+def default_store() -> Any:
+    """The default group's store (often a ``PrefixStore`` over the job's ``TCPStore``)."""
+    return _c10d_attr("_get_default_store")()
+
+
+def rank_not_in_group(group: Any) -> bool:
+    """True when this rank is not a member of ``group``."""
+    return bool(_c10d_attr("_rank_not_in_group")(group))
+
+
+def group_names() -> dict[Any, str]:
+    """A snapshot of every live group and its name (the main thread may add groups meanwhile)."""
+    return dict(world().pg_names)
+
+
+def group_ranks() -> dict[Any, dict[int, int]]:
+    """A snapshot of every live group's global-to-group rank map."""
+    return dict(world().pg_group_ranks)
+
+
+def group_store(group: Any) -> Any:
+    """The store ``group`` was created with, or None when torch does not know the group."""
+    entry = world().pg_map.get(group)
+    return entry[1] if entry is not None else None
+
+
+def backend_timeout(group: Any, device: Any = None) -> timedelta:
+    """The timeout in force of ``group``'s backend for ``device`` (default: CPU)."""
+    api = "ProcessGroup._get_backend(device).options._timeout"
+    _gate(api)
+    try:
+        return group._get_backend(device or torch.device("cpu")).options._timeout  # type: ignore[no-any-return]
+    except AttributeError as exc:
+        raise _missing(api, exc) from None
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """Sets the default timeout of ops later started on ``group``."""
+    _c10d_attr("_set_pg_timeout")(timeout, group)
+
+
+def sequence_number(group: Any) -> int:
+    """The backend's count of collectives run on ``group``, whoever issued them (Python or C++)."""
+    api = "ProcessGroup._get_sequence_number_for_group"
+    _gate(api)
+    try:
+        return int(group._get_sequence_number_for_group())
+    except AttributeError as exc:
+        raise _missing(api, exc) from None
+
+
+def get_default_timeout_fn() -> Callable[[Any], timedelta]:
+    """torch's ``_get_default_timeout(backend)``, which ``new_group(timeout=None)`` consults."""
+    fn = _c10d_attr("_get_default_timeout")
+    if not callable(fn):
+        raise _missing("distributed_c10d._get_default_timeout")
+    return fn  # type: ignore[no-any-return]
+
+
+def set_default_timeout_fn(fn: Callable[[Any], timedelta]) -> None:
+    """Replaces torch's ``_get_default_timeout`` (``ncclguard.init_process_group`` does, reversibly)."""
+    get_default_timeout_fn()  # gate and check before touching torch
+    _c10d()._get_default_timeout = fn
+
+
+@contextmanager
+def routed_default_group(group: Any) -> Iterator[None]:
+    """Makes ``group`` the default group inside the block, so ``group=None`` collectives use it.
+
+    Args:
+        group: a process group over the same ranks as the default group, numbered the same.
+
+    Raises:
+        RuntimeError: no default process group, or ``group`` does not span the world in order.
+    """
+    w = world()
+    saved = w.default_pg
+    if saved is None:
+        raise RuntimeError("routed_default_group needs an initialized default process group")
+    if dist.get_world_size(group) != dist.get_world_size() or dist.get_rank(group) != dist.get_rank():
+        raise RuntimeError("the routed group must span every rank of the world with the same rank numbers")
+    w.default_pg = group
+    try:
+        yield
+    finally:
+        w.default_pg = saved
+
+
+def flight_recorder_available() -> bool:
+    """True when this torch can dump its flight recorder as JSON."""
+    try:
+        _gate("torch._C._distributed_c10d._dump_fr_trace_json")
+    except TorchCompatError:
+        return False
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+
+
+def dump_flight_recorder(*, only_active: bool = False, nccl: bool = False) -> str:
+    """torch's own flight recorder as JSON text: every backend op it recorded, C++-issued ones too.
+
+    Args:
+        only_active: only the entries not yet completed.
+        nccl: read the NCCL recorder (``_dump_nccl_trace_json``), which tracks started and
+            completed states; the default reads the backend-neutral one (gloo included).
+
+    Raises:
+        TorchCompatError: this torch has no such dump.
+    """
+    api = "torch._C._distributed_c10d." + ("_dump_nccl_trace_json" if nccl else "_dump_fr_trace_json")
+    _gate(api)
+    fn = getattr(torch._C._distributed_c10d, api.rsplit(".", 1)[1], None)
+    if fn is None:
+        raise _missing(api)
+    raw = fn(includeCollectives=True, onlyActive=only_active)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def abort_all_groups() -> tuple[list[str], list[str]]:
+    """Calls ``abort()`` on every process group, newest first; NCCL's inside one group call.
+
+    Returns:
+        (names aborted, ``"name: error"`` for each group whose abort raised).
+    """
+    groups = sorted(group_names().items(), key=lambda kv: kv[1], reverse=True)
+    nccl = None
+    try:
+        backend = default_group()._get_backend(torch.device("cuda"))
+        c10d = _c10d()
+        if c10d.is_nccl_available() and isinstance(backend, c10d.ProcessGroupNCCL):
+            _gate("ProcessGroupNCCL._group_start")
+            nccl = backend
+    except (RuntimeError, ValueError, AttributeError):
+        nccl = None
+    aborted, failed = [], []
+    # As torch's _abort_process_group: NCCL aborts inside one group call, so the communicators'
+    # aborts cannot deadlock each other (pytorch#119797).
+    if nccl is not None:
+        nccl._group_start()
+    for pg, name in groups:
+        try:
+            pg.abort()
+            aborted.append(name)
+        except Exception as exc:  # noqa: BLE001 - one group's failure must not stop the others
+            failed.append(f"{name}: {exc}")
+    if nccl is not None:
+        nccl._group_end()
+    return aborted, failed

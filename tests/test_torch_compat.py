@@ -1,0 +1,80 @@
+"""ncclguard._torch_compat: each private torch entry works on torch 2.13, and refuses clearly when gated."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+from ncclguard import _torch_compat as compat
+from ncclguard.errors import NcclGuardError, TorchCompatError
+
+
+@pytest.fixture(scope="module")
+def live():
+    return run_ranks("compat_worker", 2, timeout_s=90)
+
+
+def test_every_private_api_is_gated():
+    # Each gated name is used by some entry; a new private access must be added to the table.
+    assert set(compat.API_MIN_VERSION) >= {
+        "distributed_c10d._world",
+        "distributed_c10d._get_default_group",
+        "distributed_c10d._get_default_store",
+        "distributed_c10d._set_pg_timeout",
+        "ProcessGroup._get_sequence_number_for_group",
+        "torch._C._distributed_c10d._dump_fr_trace_json",
+    }
+    assert compat.TORCH_VERSION >= (2, 4)
+
+
+def test_old_torch_is_refused_with_the_api_named(monkeypatch):
+    monkeypatch.setattr(compat, "TORCH_VERSION", (1, 13))
+    compat._c10d_attr.cache_clear()
+    try:
+        with pytest.raises(TorchCompatError, match=r"distributed_c10d\._world.*torch 2\.0"):
+            compat.world()
+        with pytest.raises(TorchCompatError, match="_get_sequence_number_for_group"):
+            compat.sequence_number(object())
+        assert not compat.flight_recorder_available()
+    finally:
+        compat._c10d_attr.cache_clear()
+
+
+def test_missing_attribute_is_refused_with_the_api_named():
+    class NoSeq:
+        pass
+
+    with pytest.raises(TorchCompatError, match=r"no usable ProcessGroup\._get_sequence_number_for_group"):
+        compat.sequence_number(NoSeq())
+    with pytest.raises(TorchCompatError, match=r"options\._timeout"):
+        compat.backend_timeout(NoSeq())
+    assert issubclass(TorchCompatError, NcclGuardError)
+
+
+def test_nccl_recorder_absent_on_a_cpu_build_is_a_clear_error():
+    import torch
+
+    if hasattr(torch._C._distributed_c10d, "_dump_nccl_trace_json"):
+        pytest.skip("this torch has NCCL")
+    with pytest.raises(TorchCompatError, match="_dump_nccl_trace_json"):
+        compat.dump_flight_recorder(nccl=True)
+
+
+@pytest.mark.multirank
+def test_entries_on_a_live_gloo_group(live):
+    for rank in (0, 1):
+        r = live[rank]
+        assert r["default_is_world"] is True
+        assert r["store_roundtrip"] == "ok"
+        assert r["names_has_sub"] is True
+        assert r["ranks_of_sub"] == [0, 1]
+        assert r["group_store_is_store"] is True
+        assert r["not_in_group"] is False
+        assert r["sub_timeout_s"] == 7.0
+        assert r["sub_timeout_after_set_s"] == 4.0
+        assert r["seq_advance"] == 1
+        assert r["fr_available"] is True and r["fr_has_all_reduce"] is True
+        assert r["default_timeout_fn_s"] == 1800.0
+        assert r["routed_side_advance"] == 1
+        assert r["routed_sum"] == [3.0, 3.0]
+        assert r["default_restored"] is True
