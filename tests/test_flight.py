@@ -95,7 +95,7 @@ def test_record_carries_phase_site_and_thread():
     rec = FlightRecorder(size=4)
     with phase("eval", batch=37):
         r = rec.start("all_reduce(SUM)", "0", 1, "float32", site=call_site(1))
-        here = line()
+        here = line() - 1  # the line above
     assert r.phase == "eval batch=37"
     assert r.site == f"{HERE}:{here}"
     assert r.thread == threading.get_ident()
@@ -178,7 +178,7 @@ def test_instrumented_calls_are_recorded(world_of_one, fresh):
     t = torch.ones(5, dtype=torch.float64)
     with phase("train", step=3):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        sync_line = line()
+        sync_line = line() - 1  # the line above
         work = dist.all_reduce(tensor=t, async_op=True)
         work.wait()
         dist.broadcast(t, src=0)
