@@ -10,6 +10,8 @@ from ncclguard.config import configure, get_config
 # live in tests/workers, importable by top-level name, as the ranks import them.
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
+from netns import pair  # noqa: F401 - the two-host fixture of the netns tests
+
 
 @pytest.fixture(autouse=True)
 def _fresh_config():

@@ -2,7 +2,8 @@
 
 This is the one mechanism behind safe_barrier, the fingerprint check of safe_all_reduce and the
 cross-rank agreements of the integrations. It never touches the communicator, so it works on a
-group whose NCCL or gloo communicator is broken, and it never unpickles: payloads are JSON.
+group whose NCCL or gloo communicator is broken, and it never unpickles: what a peer wrote is
+size-bounded JSON, parsed by a pydantic model.
 
 Protocol for a round named ``P`` (all keys below ``ncclguard/P``):
 
@@ -20,25 +21,46 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed import DistStoreError
 
+from ncclguard._bounded import bounded_store_call
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import GroupInfo
+from ncclguard.errors import StoreUnreachable
 
-__all__ = ["RoundResult", "exchange", "next_round", "known_hosts", "StoreUnreachable"]
+__all__ = [
+    "MAX_ARRIVAL_BYTES",
+    "RoundResult",
+    "StoreUnreachable",
+    "exchange",
+    "known_hosts",
+    "next_round",
+    "read_present",
+    "reset_for_new_world",
+]
 
-HOST = socket.gethostname()
+# The largest arrival a rank accepts from a peer. Payloads are fingerprints, verdicts and
+# environment reports: a few KiB. Anything larger is a bug or hostile, and is not parsed.
+MAX_ARRIVAL_BYTES = 256 * 1024
 
 
-class StoreUnreachable(RuntimeError):
-    """The group's store did not answer (its server, usually on rank 0, is gone)."""
+class _Arrival(BaseModel):
+    """What one rank writes for a round: its hostname and its payload (any JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(max_length=255)
+    payload: Any = None
 
 
 @dataclass
@@ -46,17 +68,15 @@ class RoundResult:
     """What one round told this rank.
 
     Attributes:
-        ok: every rank of the group arrived before the deadline.
-        outcome: ``"ok"`` or ``"timeout"``.
+        ok: every rank of the group arrived before the deadline, with a readable payload.
         payloads: payloads by group rank, for every rank that arrived.
-        missing: group ranks whose payload this rank did not find after the outcome was settled
-            (sorted; empty when ``ok``).
+        missing: group ranks whose payload this rank did not find (or could not read) after the
+            outcome was settled (sorted; empty when ``ok``).
         late: the round had already been given up when this rank arrived.
         elapsed_s: seconds this rank spent in the round.
     """
 
     ok: bool
-    outcome: str
     payloads: dict[int, Any] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)
     late: bool = False
@@ -68,6 +88,10 @@ _seqs: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
 _hosts: dict[str, dict[int, str]] = defaultdict(dict)
 
 
+# Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
+_STORE_GRACE_S = 1.0
+
+
 def next_round(info: GroupInfo, kind: str) -> str:
     """Returns the name of this rank's next round of ``kind`` on the group.
 
@@ -77,9 +101,32 @@ def next_round(info: GroupInfo, kind: str) -> str:
         return f"{kind}/{info.name}/{next(_seqs[(info.name, kind)])}"
 
 
+def reset_for_new_world() -> None:
+    """Forgets every round count and learned hostname (``ncclguard.rebuild_world`` calls it: the
+    new world's groups may reuse the old names, and the ranks counted the old rounds unevenly)."""
+    with _seq_lock:
+        _seqs.clear()
+        _hosts.clear()
+
+
 def known_hosts(info: GroupInfo) -> dict[int, str]:
     """Hostnames by group rank learned from earlier rounds on this group."""
     return dict(_hosts[info.name])
+
+
+def read_present(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
+    """Reads those of ``keys`` that exist: one ``check`` per key, then one ``multi_get``.
+
+    ``multi_get`` fails as a whole on a missing key, hence the checks. The caller makes sure no
+    key it checked can be deleted before the read (here: only the last rank out deletes).
+
+    Returns:
+        The raw values by key, for the keys present.
+    """
+    present = [k for k in keys if store.check([k])]
+    if not present:
+        return {}
+    return dict(zip(present, store.multi_get(present), strict=True))
 
 
 def _wait(store: Any, key: str, timeout_s: float) -> bool:
@@ -89,6 +136,18 @@ def _wait(store: Any, key: str, timeout_s: float) -> bool:
         return True
     except DistStoreError:
         return False
+
+
+def _parse(blob: bytes, rank: int, name: str) -> _Arrival | None:
+    """The arrival of ``rank``, or None (logged) when it is too large or not the expected JSON."""
+    if len(blob) > MAX_ARRIVAL_BYTES:
+        log.error("round %r: rank %d wrote %d bytes (limit %d); ignored", name, rank, len(blob), MAX_ARRIVAL_BYTES)
+        return None
+    try:
+        return _Arrival.model_validate_json(blob)
+    except ValidationError as exc:
+        log.error("round %r: rank %d wrote an unreadable arrival; ignored (%s)", name, rank, exc.errors()[0]["msg"])
+        return None
 
 
 def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> RoundResult:
@@ -110,8 +169,10 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
     store, size, me = info.store, info.size, info.rank
     p = f"ncclguard/{name}"
     outcome_key = f"{p}/o"
-    try:
-        store.set(f"{p}/r{me}", json.dumps({"host": HOST, "payload": payload}))
+    keys = [f"{p}/r{r}" for r in range(size)]
+
+    def talk() -> tuple[str, int, dict[str, bytes]]:
+        store.set(keys[me], json.dumps({"host": HOSTNAME, "payload": payload}))
         arrived = store.add(f"{p}/n", 1)
         if arrived >= size:
             settled = store.compare_set(outcome_key, "", "ok").decode()
@@ -121,32 +182,35 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
             # The verdict records how many ranks had arrived, so a rank can tell whether it came
             # before the verdict (on time, only slower to notice) or after it (late).
             settled = store.compare_set(outcome_key, "", f"timeout {store.add(f'{p}/n', 0)}").decode()
-        outcome, _, arrived_by = settled.partition(" ")
-        late = outcome != "ok" and arrived > int(arrived_by or size)
-        keys = [f"{p}/r{r}" for r in range(size)]
-        if outcome == "ok":
-            present = keys
-        else:
-            present = [k for k in keys if store.check([k])]
-        raw = store.multi_get(present) if present else []
+        outcome = settled.partition(" ")[0]
+        raw = dict(zip(keys, store.multi_get(keys), strict=True)) if outcome == "ok" else read_present(store, keys)
         if store.add(f"{p}/gone", 1) >= size:
-            for key in keys + [f"{p}/n", outcome_key, f"{p}/gone"]:
+            for key in [*keys, f"{p}/n", outcome_key, f"{p}/gone"]:
                 store.delete_key(key)
-    except DistStoreError as exc:
+        return settled, arrived, raw
+
+    try:
+        # A store whose host is cut off never answers add/set: bound the round as a whole.
+        settled, arrived, raw = bounded_store_call(
+            store, talk, max(deadline - time.monotonic(), 0.0) + _STORE_GRACE_S, f"round {name!r}"
+        )
+    except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
+        if isinstance(exc, StoreUnreachable):
+            raise
         raise StoreUnreachable(f"the group's store did not answer during round {name!r}: {exc}") from exc
-    except RuntimeError as exc:  # connection refused / reset surface as plain RuntimeError
-        raise StoreUnreachable(f"the group's store did not answer during round {name!r}: {exc}") from exc
+    outcome, _, arrived_by = settled.partition(" ")
+    late = outcome != "ok" and arrived > int(arrived_by or size)
 
     payloads: dict[int, Any] = {}
-    for key, blob in zip(present, raw):
+    for key, blob in raw.items():
         rank = int(key.rsplit("/r", 1)[1])
-        doc = json.loads(blob)
-        payloads[rank] = doc["payload"]
-        _hosts[info.name][rank] = doc["host"]
-    missing = [] if outcome == "ok" else sorted(set(range(size)) - set(payloads))
+        arrival = _parse(blob, rank, name)
+        if arrival is not None:
+            payloads[rank] = arrival.payload
+            _hosts[info.name][rank] = arrival.host
+    missing = sorted(set(range(size)) - set(payloads))
     return RoundResult(
-        ok=outcome == "ok",
-        outcome=outcome,
+        ok=outcome == "ok" and not missing,
         payloads=payloads,
         missing=missing,
         late=late,

@@ -1,0 +1,48 @@
+"""ncclguard._bounded: a store call returns by its deadline even when the store's host is cut off."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ncclguard._bounded import bounded_store_call
+from ncclguard.errors import StoreUnreachable
+
+
+class FrozenStore:
+    """A store whose host stopped answering: each call blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def add(self, key: str, n: int) -> int:
+        self.calls += 1
+        self.release.wait(10)
+        return n
+
+
+def test_a_call_that_answers_returns_its_value_and_its_errors():
+    store = object()
+    assert bounded_store_call(store, lambda: 41 + 1, 1.0) == 42
+    with pytest.raises(KeyError, match="nope"):
+        bounded_store_call(store, lambda: {}["nope"], 1.0)
+
+
+def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
+    store = FrozenStore()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="did not answer within 0.3"):
+        bounded_store_call(store, lambda: store.add("k", 1), 0.3, "round 'x'")
+    assert 0.3 <= time.monotonic() - t0 < 1.0
+    # While the first call is stuck, the next is refused without another blocked thread.
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
+        bounded_store_call(store, lambda: store.add("k", 1), 5.0)
+    assert time.monotonic() - t0 < 0.1 and store.calls == 1
+    # Once the stuck call returns, the store is used again.
+    store.release.set()
+    time.sleep(0.05)
+    assert bounded_store_call(store, lambda: store.add("k", 7), 1.0) == 7
