@@ -136,3 +136,26 @@ def test_f5_the_watchdog_reports_on_each_side(linkdown):
     assert kinds[1], f"rank 1's watchdog reported nothing: {res[1]['incidents']}"
     written = sorted(p.name for p in (out / "incidents").rglob("rank*.json"))
     assert written, "no incident dump was written"
+
+
+@pytest.fixture(scope="module")
+def slowlink(pair):
+    out = Path(tempfile.mkdtemp(prefix="ncclguard-slowlink-"))
+    for ns, ifname in ((pair.ns_a, pair.if_a), (pair.ns_b, pair.if_b)):
+        _tc(ns, "qdisc", "add", "dev", ifname, "root", "tbf", "rate", "200mbit", "burst", "64kb", "latency", "50ms")
+    try:
+        ranks = _ranks(pair, "slowlink", out, 90)
+    finally:
+        for ns, ifname in ((pair.ns_a, pair.if_a), (pair.ns_b, pair.if_b)):
+            _tc(ns, "qdisc", "del", "dev", ifname, "root", check=False)
+    for r in ranks:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_f6_a_large_chunked_call_completes_exactly_over_a_slow_link(slowlink):
+    for r in (0, 1):
+        assert slowlink[r]["ok"] is True and slowlink[r]["exact"] is True
+        assert slowlink[r]["chunks"] == 12
+        # 24 MB each way at 200 Mbit/s: the link, not the loopback, set the pace
+        assert slowlink[r]["took_s"] >= 0.9, slowlink[r]["took_s"]
