@@ -31,8 +31,8 @@ test: $(STAMP)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ncclguard integrations tests benchmarks docs
-	$(VENV)/bin/ruff format --check ncclguard integrations tests benchmarks docs
+	$(VENV)/bin/ruff check ncclguard integrations tests benchmarks docs/examples
+	$(VENV)/bin/ruff format --check ncclguard integrations tests benchmarks docs/examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

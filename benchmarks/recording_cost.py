@@ -99,7 +99,7 @@ def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
             w = per_call_us(wrapped, calls, repeat)
             p = per_call_us(plain, calls, repeat)
             # Per repeat, wrapped minus plain; the min is the least-disturbed run, the median the typical one.
-            diffs = sorted(a - b for a, b in zip(w, p))
+            diffs = sorted(a - b for a, b in zip(w, p, strict=True))
             out[name] = {
                 "min_us": round(diffs[0], 3),
                 "median_us": round(statistics.median(diffs), 3),
@@ -126,7 +126,7 @@ def gloo_costs(pairs: int, calls: int) -> dict[str, float]:
         got = {}
         for wrapped in order:
             op = ops[wrapped]
-            got[wrapped] = per_call_us(lambda: op(t), calls, 1)[0]
+            got[wrapped] = per_call_us(lambda op=op: op(t), calls, 1)[0]
             recorder.clear()
         plain.append(got[False])
         recorded.append(got[True])

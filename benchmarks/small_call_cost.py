@@ -5,7 +5,7 @@
 Times, interleaved per iteration after a barrier, steps from a plain synchronous
 ``dist.all_reduce`` towards ``safe_all_reduce``: the same op issued asynchronously and waited on
 with a deadline, then on a view of the tensor (what the chunk loop passes), then ncclguard's
-chunk loop alone (``ncclguard.collectives.all_reduce._run_chunks``, private: this is a diagnosis, not an
+chunk loop alone (``ncclguard.collectives.wire.run_chunks``, internal: this is a diagnosis, not an
 API), then the whole call. Results: ``benchmarks/results/small-call-cost.json``.
 """
 
@@ -28,8 +28,9 @@ def _rank(iters: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import ncclguard.collectives.all_reduce as collectives
+    from ncclguard.collectives.all_reduce import safe_all_reduce
     from ncclguard.collectives.groups import group_info
+    from ncclguard.collectives.wire import run_chunks
 
     dist.init_process_group("gloo")
     t = torch.ones(1)
@@ -40,10 +41,10 @@ def _rank(iters: int) -> None:
         "dist.all_reduce(t)": lambda: dist.all_reduce(t),
         "dist.all_reduce(t, async_op=True).wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
         "the same on a view t.view(-1)[0:1]": lambda: dist.all_reduce(flat[0:1], async_op=True).wait(timeout=wait),
-        "ncclguard's chunk loop (_run_chunks)": lambda: collectives._run_chunks(
+        "ncclguard's chunk loop (run_chunks)": lambda: run_chunks(
             info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False
         ),
-        "safe_all_reduce(t)": lambda: collectives.safe_all_reduce(t, timeout=60),
+        "safe_all_reduce(t)": lambda: safe_all_reduce(t, timeout=60),
     }
     p50 = p50_of_slowest(cases, iters, warmup=50)
     if p50 is not None:

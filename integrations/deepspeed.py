@@ -46,10 +46,13 @@ from ncclguard.collectives.all_reduce import safe_all_reduce
 from ncclguard.collectives.barrier import safe_barrier
 from ncclguard.collectives.deadlines import to_seconds
 from ncclguard.collectives.groups import GroupInfo, group_info
-from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
+from ncclguard.collectives.rendezvous import exchange, next_round
 from ncclguard.diagnosis.sigalrm import sigalrm_timeout
-from ncclguard.integrations.eval_group import EvalGroup, deadline_timeout, routed_default_group
-from ncclguard.integrations.modes import eval_mode
+from ncclguard.errors import StoreUnreachable
+
+# Relative: this folder installs as ncclguard.integrations, and type checkers read it as `integrations`.
+from .eval_group import EvalGroup, deadline_timeout, routed_default_group
+from .modes import eval_mode
 
 __all__ = [
     "EvalSums",
@@ -237,7 +240,7 @@ def _shrink(opts: GuardOptions) -> str | None:
         return None
     try:
         opts.shrink()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a user's shrink() may raise anything; the attempt goes on
         log.exception("shrink() failed")
         return f"shrink() failed: {type(exc).__name__}: {exc}"
     return None
@@ -296,7 +299,7 @@ def _run_local(
             with opts.deadline_guard(max(deadline - time.monotonic(), 1e-3)):
                 value = eval_fn()
         return _finish(value, group, deadline), None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure of eval_fn becomes this rank's verdict
         reason = _describe(exc)
         log.warning("evaluation failed on this rank: %s", reason)
         return None, reason
@@ -325,7 +328,10 @@ def _finish(value: Any, group: Any, deadline: float) -> Any:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("no time left before the deadline to reduce the evaluation's sums")
-        safe_all_reduce(sums, dist.ReduceOp.SUM, group, timeout=remaining).raise_for_error()
+        # No explicit timeout: the side group's own timeout follows the deadline (deadline_timeout),
+        # and the default deadline is capped below it, so the reduction gives up before the deadline.
+        # (An explicit `remaining` could round above the group's timeout, which torch keeps in ms.)
+        safe_all_reduce(sums, dist.ReduceOp.SUM, group).raise_for_error()
     loss_sum, correct, count = sums.tolist()
     if not count > 0 or not math.isfinite(loss_sum):
         raise ValueError(f"no usable evaluation result: loss_sum={loss_sum}, count={count}")
@@ -342,7 +348,7 @@ def _tell_monitor(monitor: Any, report: EvalReport, step: int | None) -> None:
     }
     try:
         monitor.log_metrics(metrics, step)
-    except Exception:  # a monitor must never take training down
+    except Exception:  # noqa: BLE001 - a monitor must never take training down
         log.exception("monitor.log_metrics failed while reporting a failed evaluation")
 
 
@@ -398,7 +404,7 @@ def unpatch_trainer(trainer: Any) -> Any:
     if original is None:
         return trainer
     if getattr(original, "__self__", None) is trainer and "evaluate" in vars(trainer):
-        del trainer.evaluate  # the class's method shows through again
+        delattr(trainer, "evaluate")  # the class's method shows through again
     else:
         trainer.evaluate = original
     return trainer

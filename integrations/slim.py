@@ -56,13 +56,15 @@ def innermost_module(model: Any) -> nn.Module:
             f"expected a torch.nn.Module (a model, an HF PreTrainedModel or a DeepSpeed engine), got "
             f"{type(model).__name__}"
         )
-    wrappers: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
+    wrappers: list[type[nn.Module]] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
     deepspeed = sys.modules.get("deepspeed")  # an engine exists only if deepspeed was imported
     if deepspeed is not None and hasattr(deepspeed, "DeepSpeedEngine"):
         wrappers.append(deepspeed.DeepSpeedEngine)
-    while isinstance(model, tuple(wrappers)):
-        model = model.module
-    return model
+    kinds: tuple[type[nn.Module], ...] = tuple(wrappers)
+    inner: nn.Module = model
+    while isinstance(inner, kinds):
+        inner = inner.get_submodule("module")  # each wrapper keeps the model it runs as .module
+    return inner
 
 
 def _explicit(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

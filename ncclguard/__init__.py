@@ -11,17 +11,24 @@ from ncclguard.diagnosis.watchdog import Watchdog, WatchdogConfig, current_watch
 from ncclguard.env.hierarchy import TimeoutHierarchy
 from ncclguard.env.pginit import ProcessGroupInit, init_process_group
 from ncclguard.errors import (
+    BarrierFailed,
+    BarrierTimeout,
     CollectiveFailed,
     CollectiveMismatch,
     CollectiveTimeout,
     GroupFailed,
     NcclGuardError,
+    StoreUnreachable,
+    TorchCompatError,
 )
+from ncclguard.recovery import RebuildResult, rebuild_world
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BarrierFailed",
     "BarrierResult",
+    "BarrierTimeout",
     "CollectiveFailed",
     "CollectiveMismatch",
     "CollectiveResult",
@@ -31,7 +38,10 @@ __all__ = [
     "GroupFailed",
     "NcclGuardError",
     "ProcessGroupInit",
+    "RebuildResult",
+    "StoreUnreachable",
     "TimeoutHierarchy",
+    "TorchCompatError",
     "Watchdog",
     "WatchdogConfig",
     "configure",
@@ -41,6 +51,7 @@ __all__ = [
     "init_process_group",
     "instrument",
     "phase",
+    "rebuild_world",
     "recorder",
     "safe_all_reduce",
     "safe_barrier",

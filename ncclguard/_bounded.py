@@ -84,4 +84,4 @@ def bounded_store_call(store: Any, fn: Callable[[], T], timeout_s: float, what: 
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
+    return box["value"]

@@ -12,7 +12,9 @@ Tested on torch 2.13 (CPU, gloo); ``tests/test_torch_compat.py`` exercises every
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import sys
+import types
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "group_ranks",
     "group_store",
     "rank_not_in_group",
+    "rebind_group_defaults",
     "routed_default_group",
     "sequence_number",
     "set_default_timeout_fn",
@@ -65,6 +68,7 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "torch._C._distributed_c10d._dump_fr_trace_json": (2, 7),
     "torch._C._distributed_c10d._dump_nccl_trace_json": (2, 5),
     "ProcessGroupNCCL._group_start": (2, 2),
+    "torch.distributed.nn.functional defaults": (2, 0),
 }
 
 
@@ -144,7 +148,7 @@ def backend_timeout(group: Any, device: Any = None) -> timedelta:
     api = "ProcessGroup._get_backend(device).options._timeout"
     _gate(api)
     try:
-        return group._get_backend(device or torch.device("cpu")).options._timeout  # type: ignore[no-any-return]
+        return group._get_backend(device or torch.device("cpu")).options._timeout
     except AttributeError as exc:
         raise _missing(api, exc) from None
 
@@ -169,7 +173,7 @@ def get_default_timeout_fn() -> Callable[[Any], timedelta]:
     fn = _c10d_attr("_get_default_timeout")
     if not callable(fn):
         raise _missing("distributed_c10d._get_default_timeout")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def set_default_timeout_fn(fn: Callable[[Any], timedelta]) -> None:
@@ -260,3 +264,33 @@ def abort_all_groups() -> tuple[list[str], list[str]]:
     if nccl is not None:
         nccl._group_end()
     return aborted, failed
+
+
+def rebind_group_defaults(abandoned: Collection[Any]) -> list[str]:
+    """Unbinds abandoned groups from the defaults of ``torch.distributed.nn.functional``.
+
+    That module's functions default to ``group=group.WORLD``, evaluated when it is imported
+    (``torch._dynamo`` imports it; DDP imports ``torch._dynamo``): they keep the world group of
+    that moment for good, so after the world is rebuilt they would run on the abandoned group, and
+    keep it alive. Each such default becomes ``None``, which every torch collective reads as the
+    default group of the moment. The module is not imported here.
+
+    Args:
+        abandoned: the groups no longer in use.
+
+    Returns:
+        The names of the functions changed.
+    """
+    _gate("torch.distributed.nn.functional defaults")
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return []
+    gone = {id(g) for g in abandoned}
+    changed = []
+    for name, fn in list(vars(module).items()):
+        if not isinstance(fn, types.FunctionType) or fn.__module__ != module.__name__ or not fn.__defaults__:
+            continue
+        if any(id(d) in gone for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if id(d) in gone else d for d in fn.__defaults__)
+            changed.append(name)
+    return changed

@@ -24,7 +24,9 @@ class Config(BaseSettings):
 
     Deadline policy: ``timeout_policy="size"`` uses the seeds' tiers (under 1e7 elements 300 s,
     under 1e8 900 s, else 1800 s); ``"bandwidth"`` uses ``timeout_base_s + bytes /
-    (min_bandwidth_gbps * 1e9)``.
+    (min_bandwidth_gbps * 1e9)``. A default deadline (per op and the barrier's) is then capped
+    below the group's own timeout ``T``: at ``T * (1 - deadline_headroom) - postmortem_grace_s``,
+    and never under ``T / 2``, so ncclguard reports before the backend gives up.
     """
 
     model_config = SettingsConfigDict(env_prefix="NCCLGUARD_", validate_assignment=True, extra="forbid")
@@ -47,6 +49,10 @@ class Config(BaseSettings):
     timeout_large_s: float = Field(1800.0, gt=0)
     timeout_base_s: float = Field(60.0, gt=0)
     min_bandwidth_gbps: float = Field(0.1, gt=0)
+
+    # Share of the group's own timeout kept free after a default deadline, for the post-mortem
+    # and whatever the caller does with the error before the backend gives up.
+    deadline_headroom: float = Field(0.1, gt=0, lt=1)
 
     # Barrier and the cross-rank check.
     barrier_timeout_s: float = Field(300.0, gt=0)

@@ -10,7 +10,10 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveFailed",
     "CollectiveMismatch",
+    "BarrierTimeout",
+    "BarrierFailed",
     "GroupFailed",
+    "StoreUnreachable",
     "TorchCompatError",
 ]
 
@@ -86,6 +89,16 @@ class CollectiveMismatch(CollectiveError):
         return {**super().to_dict(), "fingerprints": {str(k): v for k, v in self.fingerprints.items()}}
 
 
+class BarrierTimeout(CollectiveTimeout):
+    """``safe_barrier``'s deadline passed before every rank arrived, or this rank arrived after the
+    others had given up. ``missing_ranks`` names the ranks that were not there; the group stays
+    usable (the barrier never touches the communicator)."""
+
+
+class BarrierFailed(CollectiveFailed):
+    """``safe_barrier`` could not run its round: the group's store did not answer."""
+
+
 class GroupFailed(NcclGuardError):
     """The group timed out or failed earlier; its communicator cannot be trusted any more.
 
@@ -93,8 +106,23 @@ class GroupFailed(NcclGuardError):
     """
 
 
+class StoreUnreachable(NcclGuardError, RuntimeError):
+    """The group's store did not answer (its server, usually on rank 0, is gone)."""
+
+
 class TorchCompatError(NcclGuardError, RuntimeError):
     """This torch lacks, or changed, a private torch.distributed API that ncclguard reads.
 
     The message names the API and the torch version; see :mod:`ncclguard._torch_compat`.
     """
+
+
+class StoreTimeout(NcclGuardError, TimeoutError):
+    """One store call did not answer within its bound; the store may only be slow.
+
+    The watchdog retries on its next tick; once the store stays silent for the peer timeout it
+    takes it as gone (:class:`StoreUnreachable`).
+    """
+
+
+__all__ += ["StoreTimeout"]

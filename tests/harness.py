@@ -91,7 +91,9 @@ def run_ranks(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 log.seek(0)
-                raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{log.read()[-8000:]}")
+                raise AssertionError(
+                    f"{worker} {args} did not finish within {timeout_s} s\n{log.read()[-8000:]}"
+                ) from None
             log.seek(0)
             job.output = log.read()
         job.returncodes = {r: rc for r in range(nproc)}

@@ -39,7 +39,7 @@ def _bench(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
 
 
 def _recomputed_busbw(row: dict, world: int) -> float:
-    slowest = [max(col) for col in zip(*row["rank_times_us"])]
+    slowest = [max(col) for col in zip(*row["rank_times_us"], strict=True)]
     return row["size_bytes"] / (statistics.fmean(slowest) * 1e-6) / 1e9 * 2 * (world - 1) / world
 
 
@@ -165,7 +165,7 @@ def test_busbw_and_times_follow_the_formulas_from_the_raw_times(spawned):
     doc = json.loads((spawned[1] / "r.json").read_text())
     by_size = {}
     for row in doc["results"]:
-        slowest = [max(col) for col in zip(*row["rank_times_us"])]
+        slowest = [max(col) for col in zip(*row["rank_times_us"], strict=True)]
         assert row["iteration_times_us"] == slowest
         t = row["time_us"]
         assert t["mean_us"] == pytest.approx(statistics.fmean(slowest), abs=1e-3)

@@ -34,7 +34,7 @@ def test_default_chunk_policy_follows_the_seeds_tiers(numel, chunks):
     bounds = chunk_bounds(numel)
     assert len(bounds) == chunks
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 def test_chunk_policy_is_configurable():
@@ -137,6 +137,12 @@ def test_errors_form_one_hierarchy():
     for cls in (ncclguard.CollectiveTimeout, ncclguard.CollectiveFailed, ncclguard.CollectiveMismatch):
         assert issubclass(cls, CollectiveError) and issubclass(cls, ncclguard.NcclGuardError)
     assert issubclass(ncclguard.GroupFailed, ncclguard.NcclGuardError)
+    from ncclguard.errors import BarrierFailed, BarrierTimeout, StoreUnreachable
+
+    # A barrier's failures are collective errors too, so one except clause catches both calls.
+    assert issubclass(BarrierTimeout, ncclguard.CollectiveTimeout) and issubclass(BarrierTimeout, TimeoutError)
+    assert issubclass(BarrierFailed, ncclguard.CollectiveFailed)
+    assert issubclass(StoreUnreachable, ncclguard.NcclGuardError)
     e = ncclguard.CollectiveTimeout("x", op="all_reduce(SUM)", numel=3, missing_ranks=[2], chunk=(1, 4))
     assert e.to_dict()["missing_ranks"] == [2] and e.to_dict()["chunk"] == [1, 4]
 

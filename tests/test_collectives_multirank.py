@@ -101,9 +101,14 @@ def test_barrier_names_missing_rank_on_every_waiting_rank_and_late_rank_fails_at
         assert b["missing"] == [2]
         assert b["late"] is False
         assert 2.0 <= b["elapsed"] < 3.0
+        assert b["error_type"] == "BarrierTimeout" and b["error_missing"] == [2]
+        assert "ranks [2] did not reach barrier" in b["error"]
+        assert b["raised"] == ["BarrierTimeout", True]
     late = stalls[2]["barrier"]
     assert late["ok"] is False and late["late"] is True
     assert late["elapsed"] < 0.5
+    assert late["error_type"] == "BarrierTimeout" and "arrived after the other ranks gave up" in late["error"]
+    assert late["raised"] == ["BarrierTimeout", True]
     assert all(stalls[r]["barrier_sync"] for r in RANKS)
 
 

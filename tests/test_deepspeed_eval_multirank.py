@@ -77,7 +77,7 @@ def test_default_group_is_restored(job, stage):
 
 def test_stalled_rank_makes_every_rank_skip_by_the_deadline(job, stage):
     reports = [job[r][stage]["stalled_report"] for r in RANKS]
-    for r, rep in zip(RANKS, reports):
+    for r, rep in zip(RANKS, reports, strict=True):
         res = job[r][stage]
         assert res["stalled_value"] == [0.0, 0.0]  # the fallback
         assert rep["ok"] is False

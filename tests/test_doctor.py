@@ -82,12 +82,25 @@ def test_json_names_every_variable_the_seeds_set(env, capsys):
         "NCCL_TIMEOUT=1800 does nothing",
         "NCCL_ASYNC_ERROR_HANDLING is deprecated",
         "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated",
-        "timeouts",
     ]
     timeouts = {r["name"]: r["seconds"] for r in report["timeouts"]["rows"]}
-    assert timeouts["per-op deadline"] == 1800 and timeouts["process-group timeout"] == 1800
+    # ncclguard's default deadline is capped below the group's timeout: 1800 x 0.9 - 0.5.
+    assert timeouts["per-op deadline"] == 1619.5 and timeouts["process-group timeout"] == 1800
     assert report["versions"]["torch"] == torch.__version__
     assert report["versions"]["gloo"] == f"built into torch {torch.__version__}"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("pg_timeout", [None, "600", "1800", "3600"])
+def test_with_the_defaults_doctor_says_nothing_about_timeouts(env, capsys, backend, pg_timeout):
+    args = ["--json", "--backend", backend] + (["--pg-timeout", pg_timeout] if pg_timeout else [])
+    rc, out, _ = _doctor(capsys, *args)
+    report = json.loads(out)
+    assert report["timeouts"]["problems"] == []
+    assert [w for w in report["warnings"] if w.startswith("timeouts")] == []
+    rows = {r["name"]: r["seconds"] for r in report["timeouts"]["rows"]}
+    assert rows["per-op deadline"] < rows["process-group timeout"]
+    assert rows["barrier deadline"] < rows["process-group timeout"]
 
 
 def test_clean_environment_exits_zero(env, capsys):
@@ -102,7 +115,7 @@ def test_table(env, capsys):
         env.setenv(name, value)
     rc, out, _ = _doctor(capsys)
     assert rc == 1
-    for title in ("network of", "environment variables", "timeout hierarchy", "versions", "4 warning(s):"):
+    for title in ("network of", "environment variables", "timeout hierarchy", "versions", "3 warning(s):"):
         assert title in out, title
     lines = out.splitlines()
     row = next(line for line in lines if "│ NCCL_TIMEOUT " in line)

@@ -50,7 +50,7 @@ def test_sequence_numbers_count_per_group_and_point_to_point_apart():
     a1 = rec.start("all_reduce(SUM)", "0", 4, "float32")
     rec.finish(a1)
     b1 = rec.start("broadcast", "7", 2, "int64")
-    a2 = rec.start("all_reduce(SUM)", "0", 4, "float32")
+    rec.start("all_reduce(SUM)", "0", 4, "float32")
     s1 = rec.start("send", "0", 4, "float32", peer=1)
     rec.finish(s1)
     rec.finish(b1, RuntimeError("Connection closed by peer"))

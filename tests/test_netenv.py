@@ -508,8 +508,9 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     configure(timeout_large_s=1800.0, barrier_timeout_s=300.0, eval_deadline_s=250.0)
     monkeypatch.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "120")  # the watchdog's own settings, read too
     gloo = TimeoutHierarchy.in_force(backend="gloo", validate=False)
+    # ncclguard's default deadlines are capped below the group's timeout (1800 x 0.9 - 0.5), as a call gets them.
     assert (gloo.op_deadline_s, gloo.pg_timeout_s, gloo.eval_deadline_s, gloo.barrier_deadline_s) == (
-        1800,
+        1619.5,
         1800,
         250,
         300,
@@ -517,12 +518,13 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     assert (gloo.watchdog_hang_s, gloo.peer_liveness_s, gloo.heartbeat_timeout_s) == (120, 30, None)
     assert gloo.sources["watchdog_hang_s"] == "WatchdogConfig (NCCLGUARD_WATCHDOG_*)"
     assert gloo.sources["pg_timeout_s"] == "gloo default (no group yet)"
-    assert gloo.problems() == [
-        "per-op deadline (1800 s) is not below the process-group timeout (1800 s): the backend gives up first and "
-        "ncclguard cannot report; lower the deadline or raise timeout= of init_process_group"
-    ]
+    assert gloo.sources["op_deadline_s"].endswith(", capped (Config)")
+    assert gloo.problems() == []
+    small = TimeoutHierarchy.in_force(backend="gloo", pg_timeout_s=3, eval_deadline_s=1, validate=False)
+    assert (small.op_deadline_s, small.barrier_deadline_s) == (pytest.approx(2.2), pytest.approx(2.2))
+    # The rule still holds for deadlines given by hand (they are refused at the call, see test_collectives_faults).
     with pytest.raises(ValueError, match="timeout hierarchy out of order"):
-        TimeoutHierarchy.in_force(backend="gloo")
+        TimeoutHierarchy(op_deadline_s=1800, pg_timeout_s=1800)
     configure(heartbeat_timeout_s=600.0)  # a supervisor that gives up before NCCL's 600 s would
     with pytest.raises(
         ValueError, match=re.escape("heartbeat timeout (600 s) is not above the process-group timeout (600 s)")

@@ -78,3 +78,20 @@ def test_entries_on_a_live_gloo_group(live):
         assert r["routed_side_advance"] == 1
         assert r["routed_sum"] == [3.0, 3.0]
         assert r["default_restored"] is True
+
+
+def test_rebind_group_defaults_unbinds_only_the_abandoned_groups(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as fn
+
+    abandoned = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    kept = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    # As torch binds them when the module is imported with a world group up.
+    monkeypatch.setattr(fn.all_reduce, "__defaults__", (dist.ReduceOp.SUM, abandoned))
+    monkeypatch.setattr(fn.all_gather, "__defaults__", (kept,))
+    assert compat.rebind_group_defaults([abandoned]) == ["all_reduce"]
+    assert fn.all_reduce.__defaults__ == (dist.ReduceOp.SUM, None)
+    assert fn.all_gather.__defaults__[0] is kept
+    assert compat.rebind_group_defaults([abandoned]) == []

@@ -1,8 +1,8 @@
 """The watchdog on real gloo ranks: desyncs and frozen ranks named, a killed rank and a dead store
 reported, the raise and exit rungs, and SIGALRM against a blocked collective.
 
-Three launches (tests/workers/diagnosis_worker.py): ``desync`` (torchrun, 3 ranks, action
-report), ``raise_lost`` (spawn, 4 ranks, action raise; ranks 3 and 0 are SIGKILLed) and ``exit``
+Three launches (tests/workers/diagnosis_worker.py): ``desync`` (torchrun, 3 ranks, ladder
+report then a custom rung), ``raise_lost`` (spawn, 4 ranks, action raise; ranks 3 and 0 are SIGKILLed) and ``exit``
 (spawn, 2 ranks, action exit).
 """
 
@@ -185,6 +185,24 @@ def test_report_command_prints_the_merged_incident(desync, capsys):
     assert merged(where)["summary"] in out
     assert "VICTIMS (waiting for the culprits): ranks 0-1" in out
     assert out == (where / "summary.txt").read_text() + f"\nincident directory: {where}\n"
+
+
+def test_a_custom_action_is_a_rung_of_the_ladder_on_every_rank(desync):
+    """The worker's ladder is ["report", Marker()]: a user's Action, climbed like the built-in rungs."""
+    found = incidents(desync)
+    # Incident 3 (rank 0 alone in the slow group's all_reduce) never resolves: every rank takes the rung.
+    for r in range(3):
+        actions = dump(found[2], r)["actions"]
+        assert [(a["rung"], a["done"]) for a in actions] == [("report", True), ("marker", True)], actions
+        mark_file = desync.out_dir / "marks" / f"{found[2].name}.rank{r}"
+        assert actions[1]["path"] == str(mark_file) and mark_file.read_text() == "hang"
+        assert dump(found[2], r)["ladder"] == ["report", "marker"]
+    # Incidents 1-2 resolve when the culprit comes back: each rank took the rung or saw it cleared first.
+    for where in found[:2]:
+        for r in range(3):
+            rungs = [(a["rung"], a["done"]) for a in dump(where, r)["actions"]]
+            assert rungs in ([("report", True), ("marker", True)], [("report", True), ("resolved", True)]), rungs
+            assert (desync.out_dir / "marks" / f"{where.name}.rank{r}").exists() == (rungs[1][0] == "marker")
 
 
 # ----------------------------------------------------------------------------- raise and lost launch

@@ -16,8 +16,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import group_info
-from ncclguard.collectives.rendezvous import HOST, exchange, next_round
+from ncclguard.collectives.rendezvous import exchange, next_round
 from ncclguard.config import get_config
 
 __all__ = ["describe_rank", "describe_job"]
@@ -47,7 +48,7 @@ def _nccl_version() -> str | None:
 def describe_rank(device: torch.device) -> dict[str, Any]:
     """This rank's host and device."""
     me: dict[str, Any] = {
-        "host": HOST,
+        "host": HOSTNAME,
         "device": str(device),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -16,19 +16,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ncclguard._naming import REDUCE_OP_NAMES
 from ncclguard.bench import check
 from ncclguard.bench.memory import PeakMemory
+from ncclguard.bench.options import OPS
 from ncclguard.collectives.all_reduce import safe_all_reduce
 
 __all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
 
-TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "prod": dist.ReduceOp.PRODUCT,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "avg": dist.ReduceOp.AVG,
-}
+# The bench's op names (nccl-tests' -o) to torch's ReduceOp, through the library's one naming table.
+_BY_NAME = {name: op for op, name in REDUCE_OP_NAMES.items()}
+TORCH_OPS = {name: _BY_NAME["PRODUCT" if name == "prod" else name.upper()] for name in OPS}
 
 
 class BenchCallFailed(RuntimeError):

@@ -166,6 +166,14 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
 
+def _kib(pattern: re.Pattern[str], status: str) -> int:
+    """The kB value of one line of /proc/self/status. Raises ValueError when the line is absent."""
+    found = pattern.search(status)
+    if found is None:
+        raise ValueError(f"no {pattern.pattern!r} in /proc/self/status")
+    return int(found.group(1))
+
+
 class PeakMemory:
     """Measures how far one call raises this process's memory above where it started.
 
@@ -186,8 +194,8 @@ class PeakMemory:
             return
         try:
             _CLEAR_REFS.write_text("5")
-            self._base = int(_RSS.search(_STATUS.read_text()).group(1)) * 1024
-        except (OSError, AttributeError):
+            self._base = _kib(_RSS, _STATUS.read_text()) * 1024
+        except (OSError, ValueError):
             self._base = -1
 
     def stop(self) -> int | None:
@@ -198,8 +206,8 @@ class PeakMemory:
         if self._base < 0:
             return None
         try:
-            peak = int(_HWM.search(_STATUS.read_text()).group(1)) * 1024
-        except (OSError, AttributeError):
+            peak = _kib(_HWM, _STATUS.read_text()) * 1024
+        except (OSError, ValueError):
             return None
         # The kernel updates RSS counters in batches of pages per thread, so a call that
         # allocates nothing can read a few KiB below its start: that is zero.

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 __all__ = ["FORMULAS", "TimeStats", "slowest_per_iteration", "summarize", "algbw_gbps", "busbw_factor", "busbw_gbps"]
 
@@ -52,7 +53,7 @@ def slowest_per_iteration(rank_times_s: Sequence[Sequence[float]]) -> list[float
     lengths = {len(t) for t in rank_times_s}
     if len(lengths) != 1:
         raise ValueError(f"every rank must report the same number of iterations, got {sorted(lengths)}")
-    return [max(col) for col in zip(*rank_times_s)]
+    return [float(t) for t in np.asarray(rank_times_s, dtype=np.float64).max(axis=0)]
 
 
 def summarize(times_s: Sequence[float]) -> TimeStats:
@@ -63,8 +64,8 @@ def summarize(times_s: Sequence[float]) -> TimeStats:
     """
     if not times_s:
         raise ValueError("no iteration times to summarize")
-    us = [t * 1e6 for t in times_s]
-    return TimeStats(statistics.fmean(us), min(us), statistics.median(us), max(us))
+    us = np.asarray(times_s, dtype=np.float64) * 1e6
+    return TimeStats(float(us.mean()), float(us.min()), float(np.median(us)), float(us.max()))
 
 
 def algbw_gbps(nbytes: int, seconds: float) -> float:

@@ -18,7 +18,7 @@ from ncclguard.bench.sizes import format_bytes, parse_bytes, parse_numel, sweep_
 __all__ = ["MODES", "DTYPES", "OPS", "BenchOptions", "build_parser", "parse_options"]
 
 Mode = Literal["plain", "safe", "safe-atomic"]
-MODES: tuple[str, ...] = ("plain", "safe", "safe-atomic")
+MODES: tuple[Mode, ...] = ("plain", "safe", "safe-atomic")
 # nccl-tests' names first, torch's spellings as aliases; value: the torch dtype's name.
 DTYPES: dict[str, str] = {
     "int8": "int8",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -89,26 +89,23 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
     dtype = getattr(torch, opts.dtype)
     numels = opts.numels()
     per_size = (opts.warmup + opts.iters) * len(opts.modes)
-    progress = (
-        Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        if rank == 0
-        else nullcontext()
+    # Only rank 0 draws the bar; the others keep a disabled one, so the loop has one shape.
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=rank != 0,
     )
     runs: list[SizeRun] = []
     with progress:
-        task = progress.add_task("all_reduce", total=per_size * len(numels)) if rank == 0 else None
+        task = progress.add_task("all_reduce", total=per_size * len(numels))
+        tick = functools.partial(progress.advance, task)
         for numel in numels:
-            if rank == 0:
-                progress.update(task, description=f"all_reduce {format_bytes(numel * opts.element_size)}")
-            tick = (lambda: progress.advance(task)) if rank == 0 else (lambda: None)
+            progress.update(task, description=f"all_reduce {format_bytes(numel * opts.element_size)}")
             try:
                 runs.append(
                     measure_size(

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import csv
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -46,7 +46,7 @@ def _extra_peak(run: SizeRun, mode: str) -> int | None:
     """Max over ranks of (this mode's peak - plain's peak), or None without plain or a measurement."""
     if "plain" not in run.modes:
         return None
-    pairs = zip(run.modes[mode].rank_peak_bytes, run.modes["plain"].rank_peak_bytes)
+    pairs = zip(run.modes[mode].rank_peak_bytes, run.modes["plain"].rank_peak_bytes, strict=True)
     diffs = [a - b for a, b in pairs if a is not None and b is not None]
     return max(diffs) if diffs else None
 
@@ -91,7 +91,7 @@ def summary(rows: Sequence[dict[str, Any]], min_busbw: float | None) -> dict[str
         (what makes the run fail, in words) and ``exit_code`` (0 or 1).
     """
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    avg = {m: round(statistics.fmean(r["busbw_gbps"] for r in rows if r["mode"] == m), 6) for m in modes}
+    avg = {m: round(float(np.mean([r["busbw_gbps"] for r in rows if r["mode"] == m])), 6) for m in modes}
     checked = [r["wrong"] for r in rows if r["wrong"] is not None]
     wrong = sum(checked) if checked else None
     failures = []

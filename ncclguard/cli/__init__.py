@@ -23,12 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = {}
     for name, (module, help_text) in COMMANDS.items():
-        try:
-            modules[name] = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue  # a command whose module is not there yet is not offered
+        modules[name] = importlib.import_module(module)
         modules[name].add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args) or 0)

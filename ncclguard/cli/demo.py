@@ -15,6 +15,7 @@ ACTS = [
     "ncclguard.cli.demo_collectives",
     "ncclguard.cli.demo_bench",
     "ncclguard.cli.demo_desync",
+    "ncclguard.cli.demo_recovery",
 ]
 
 

@@ -63,7 +63,9 @@ def _rank_main(incident_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ncclguard.diagnosis.incident import load_incident, render
+    from ncclguard.diagnosis.incident import load
+    from ncclguard.diagnosis.model import CulpritReason
+    from ncclguard.diagnosis.render import render
     from ncclguard.testing.launch import spawn
 
     incident_dir = tempfile.mkdtemp(prefix="ncclguard-demo-incidents-")
@@ -83,12 +85,12 @@ def run(args: argparse.Namespace) -> int:
         print("the demo ranks did not report:\n" + res.output()[-4000:])
         return 1
     try:
-        incident, where, _ = load_incident(incident_dir)
+        incident, where, _ = load(incident_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"no incident was written: {exc}\n" + res.output()[-4000:])
         return 1
     hang_start = min(results[r]["hang_start"] for r in (0, 1))
-    to_disk = incident["written_at"] - hang_start
+    to_disk = incident.written_at - hang_start
     print(
         f"The merged report was on disk {to_disk:.2f} s after ranks 0-1 began to wait "
         f"(hang_timeout_s={HANG_S:g}); `python -m ncclguard report {where}` prints it:\n"
@@ -98,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
         f"Rank 2 came back after its evaluation; every rank finished its {STEPS} steps: "
         f"{all(results[r]['steps'] == STEPS for r in results)}."
     )
-    culprits = [(c["rank"], c["why"], c["phase"].split(" ")[0]) for c in incident["culprits"]]
+    culprits = [(c.rank, c.why, c.phase.split(" ")[0]) for c in incident.culprits]
     good = (
-        culprits == [(2, "behind", "eval")]
-        and incident["victims"] == [0, 1]
+        culprits == [(2, CulpritReason.BEHIND, "eval")]
+        and incident.victims == [0, 1]
         and to_disk <= HANG_S + 2 * HEARTBEAT_S + 1
     )
     return 0 if good else 1

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ncclguard._naming import rank_ranges
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
 from ncclguard.env.hierarchy import TimeoutHierarchy
 from ncclguard.env.netenv import NetPlan, detect
@@ -96,18 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    out, start = [], None
-    for i, r in enumerate(sorted(ranks)):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or sorted(ranks)[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
-
-
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Builds the report (plain JSON-able data) for this rank."""
     plan = detect(args.master_addr)
@@ -136,7 +125,7 @@ def compare_ranks(payloads: dict[int, dict[str, Any]]) -> list[str]:
             groups.setdefault(json.dumps(value), []).append(rank)
         if len(groups) > 1:
             ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
-            parts = [f"{json.loads(v)} on rank{'s' if len(r) > 1 else ''} {_ranges(r)}" for v, r in ordered]
+            parts = [f"{json.loads(v)} on rank{'s' if len(r) > 1 else ''} {rank_ranges(r)}" for v, r in ordered]
             out.append(f"ranks disagree on {label}: {'; '.join(parts)}. {advice}".strip())
 
     spread(
@@ -184,7 +173,7 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
     result = exchange(info, next_round(info, "doctor"), payload, deadline=time.monotonic() + timeout_s)
     disagreements = compare_ranks(result.payloads)
     if not result.ok:
-        disagreements.insert(0, f"ranks {_ranges(result.missing)} did not answer within {timeout_s:g} s")
+        disagreements.insert(0, f"ranks {rank_ranges(result.missing)} did not answer within {timeout_s:g} s")
     return {
         "world_size": info.size,
         "all_reduce_ok": int(one.item()) == info.size,
@@ -310,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:
             report["ranks"] = _check_ranks(report, args.master_addr, args.timeout)
-        except Exception as exc:  # the point of the check: say why the ranks could not meet
+        except Exception as exc:  # noqa: BLE001 - the point of the check: say why the ranks could not meet
             print(
                 f"doctor: rank {report['rank']} could not join the others with its plan "
                 f"(interface {report['plan']['interface']}): {type(exc).__name__}: {exc}",

@@ -2,7 +2,9 @@
 
 DIR is an incident directory (``<incident_dir>/<id>``) or the incident root, in which case the
 newest incident is shown (``--list`` lists them all). Without an ``incident.json`` (the merging
-rank died first), the rank dumps found there are merged on the spot.
+rank died first), the rank dumps found there are merged on the spot. Files of format version 1
+(ncclguard before the typed model) and 2 both read; ``--json`` prints version 2, ``--schema`` its
+JSON schema.
 """
 
 from __future__ import annotations
@@ -11,13 +13,20 @@ import argparse
 import json
 from pathlib import Path
 
-from ncclguard.diagnosis.incident import INCIDENT_FILE, load_incident, render
+from ncclguard.diagnosis.incident import INCIDENT_FILE, load
+from ncclguard.diagnosis.model import Incident, RankDump, upgrade_incident
+from ncclguard.diagnosis.render import render
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="an incident directory, or the incident root (newest incident)")
-    parser.add_argument("--json", action="store_true", help="print the merged incident as JSON")
+    parser.add_argument(
+        "dir", type=Path, nargs="?", help="an incident directory, or the incident root (newest incident)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the merged incident as JSON (format version 2)")
     parser.add_argument("--list", action="store_true", help="list the incidents under DIR, oldest first")
+    parser.add_argument(
+        "--schema", action="store_true", help="print the JSON schemas of incident.json and rank<r>.json, and exit"
+    )
     parser.add_argument(
         "--stack-lines",
         type=int,
@@ -27,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _summary(merged: Path) -> str:
+    try:
+        return upgrade_incident(json.loads(merged.read_text()), str(merged)).summary
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and pydantic's errors are ValueErrors
+        return f"(unreadable: {str(exc).splitlines()[0]})"
+
+
 def _list(root: Path) -> int:
     rows = []
     for d in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime):
@@ -34,9 +50,7 @@ def _list(root: Path) -> int:
         dumps = len(list(d.glob("rank*.json")))
         if not merged.is_file() and not dumps:
             continue
-        summary = (
-            json.loads(merged.read_text()).get("summary", "") if merged.is_file() else "(not merged: rank dumps only)"
-        )
+        summary = _summary(merged) if merged.is_file() else "(not merged: rank dumps only)"
         rows.append(f"{d.name}  {dumps} rank dump(s)  {summary}")
     if not rows:
         print(f"no incidents under {root}")
@@ -46,6 +60,16 @@ def _list(root: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schema:
+        schemas = {
+            "ncclguard-incident": Incident.model_json_schema(),
+            "ncclguard-rank-dump": RankDump.model_json_schema(),
+        }
+        print(json.dumps(schemas, indent=1))
+        return 0
+    if args.dir is None:
+        print("ncclguard report: give an incident directory (or the incident root), or --schema")
+        return 2
     if args.stack_lines < 0:
         print("--stack-lines must be >= 0")
         return 2
@@ -55,15 +79,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return _list(args.dir)
     try:
-        incident, where, merged_here = load_incident(args.dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"ncclguard report: {exc}")
-        return 2
+        incident, where, merged_here = load(args.dir)
     except json.JSONDecodeError as exc:
         print(f"ncclguard report: a file under {args.dir} is not valid JSON ({exc}); was it cut short?")
         return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ncclguard report: {exc}")
+        return 2
     if args.json:
-        print(json.dumps(incident, indent=1, default=str))
+        print(json.dumps(incident.to_json(), indent=1, default=str))
         return 0
     if merged_here:
         print(f"(no incident.json in {where}: merged here from its rank dumps; the merging rank may have died)\n")

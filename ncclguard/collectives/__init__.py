@@ -1,2 +1,3 @@
 """Guarded collectives: ``safe_all_reduce``, ``safe_barrier``, and what they stand on (chunking,
-the store rendezvous, group bookkeeping, deadlines)."""
+what goes on the wire, the store rendezvous, which call each rank is in, group bookkeeping,
+deadlines)."""

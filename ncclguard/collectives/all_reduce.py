@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,10 +23,24 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.collectives.chunking import chunk_bounds, logical_views
-from ncclguard.collectives.deadlines import adaptive_timeout, to_seconds
-from ncclguard.collectives.groups import BACKEND_DEVICES, GroupInfo, failure_of, group_info, mark_failed
-from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, next_round
+from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
+from ncclguard.collectives.calls import Call, begin_call, check_tag, meet, postmortem
+from ncclguard.collectives.chunking import chunk_bounds
+from ncclguard.collectives.deadlines import (
+    adaptive_timeout,
+    check_below_group_timeout,
+    default_deadline,
+    to_seconds,
+)
+from ncclguard.collectives.groups import (
+    BACKEND_DEVICES,
+    GroupInfo,
+    failure_of,
+    group_info,
+    group_timeout_s,
+    mark_failed,
+)
+from ncclguard.collectives.wire import DeadlinePassed, release_atomic_buffers, run_chunks
 from ncclguard.config import get_config
 from ncclguard.diagnosis.flight import recorder
 from ncclguard.errors import (
@@ -37,21 +50,12 @@ from ncclguard.errors import (
     CollectiveTimeout,
     GroupFailed,
     NcclGuardError,
+    StoreUnreachable,
 )
 
-__all__ = ["CollectiveResult", "release_atomic_buffers", "safe_all_reduce"]
+__all__ = ["CollectiveResult", "forget_group_infos", "release_atomic_buffers", "safe_all_reduce"]
 
 ReduceOp = dist.ReduceOp
-_OPS = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.AVG: "AVG",
-    ReduceOp.PRODUCT: "PRODUCT",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-    ReduceOp.BAND: "BAND",
-    ReduceOp.BOR: "BOR",
-    ReduceOp.BXOR: "BXOR",
-}
 _NEEDS_DTYPE_CHECK = frozenset({"AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"})
 
 
@@ -91,20 +95,29 @@ class CollectiveResult:
         return self
 
 
+_info_lock = threading.Lock()  # two threads may describe groups at once (safe_* on two groups)
 _info_cache: weakref.WeakKeyDictionary[Any, GroupInfo] = weakref.WeakKeyDictionary()
 
 
+def forget_group_infos() -> None:
+    """Empties the cache of group descriptions. Each entry holds its group, so the cache alone
+    keeps a group alive; ``ncclguard.rebuild_world`` calls this so abandoned groups can be freed."""
+    with _info_lock:
+        _info_cache.clear()
+
+
 def _group(group: Any) -> GroupInfo | None:
-    key = group if group is not None else dist.group.WORLD
+    """group_info, cached per group object (the key is the group that ``info.group`` resolves to)."""
     try:
-        cached = _info_cache.get(key)
-    except TypeError:  # not weak-referenceable: the non-member sentinel; group_info explains
+        cached = _info_cache.get(group if group is not None else dist.group.WORLD)
+    except TypeError:  # None (no group yet) or the non-member sentinel: group_info explains
         cached = None
     if cached is not None:
         return cached
     info = group_info(group)
     if info is not None:
-        _info_cache[info.group if key is None else key] = info
+        with _info_lock:
+            _info_cache[info.group] = info
     return info
 
 
@@ -118,9 +131,9 @@ def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> No
         raise TypeError(
             f"safe_all_reduce needs a dense tensor, got layout {tensor.layout}; call tensor.to_dense() first"
         )
-    name = _OPS.get(op) if isinstance(op, ReduceOp.RedOpType) else None
+    name = REDUCE_OP_NAMES.get(op) if isinstance(op, ReduceOp.RedOpType) else None
     if name is None:
-        raise ValueError(f"unsupported op {op!r}; use one of ReduceOp.{', ReduceOp.'.join(_OPS.values())}")
+        raise ValueError(f"unsupported op {op!r}; use one of ReduceOp.{', ReduceOp.'.join(REDUCE_OP_NAMES.values())}")
     if name in _NEEDS_DTYPE_CHECK:  # SUM, PRODUCT: every dtype; the others are checked below
         dt = tensor.dtype
         if name == "AVG" and not (dt.is_floating_point or dt.is_complex) and backend != "nccl":
@@ -144,24 +157,6 @@ def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> No
             )
 
 
-def _wait(work: Any, deadline: float, backend: str) -> None:
-    """Waits for ``work`` until ``deadline``; raises TimeoutError or the backend's error."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("deadline passed")
-    if backend == "nccl":
-        # NCCL's wait() only orders streams; the CPU must poll to keep its deadline.
-        pause = 5e-5
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                raise TimeoutError("deadline passed")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
-        work.wait()
-        return
-    work.wait(timeout=timedelta(seconds=remaining))
-
-
 def safe_all_reduce(
     tensor: torch.Tensor,
     op: Any = ReduceOp.SUM,
@@ -171,6 +166,7 @@ def safe_all_reduce(
     chunk_numel: int | None = None,
     atomic: bool = False,
     verify: bool | None = None,
+    tag: str | None = None,
 ) -> CollectiveResult:
     """All-reduces ``tensor`` in place with a deadline; never hangs.
 
@@ -179,56 +175,70 @@ def safe_all_reduce(
         op: a ``torch.distributed.ReduceOp``. AVG works on gloo too (sum, then divide).
         group: the process group (default: the world). Without an initialized process group the
             call is a world of one: ok, tensor unchanged.
-        timeout: seconds or timedelta for the whole call, from entry. Default: by size, see
-            :func:`ncclguard.env.hierarchy.adaptive_timeout`.
+        timeout: seconds or timedelta for the whole call, from entry; must be below the group's
+            own timeout. Default: by size (:func:`ncclguard.collectives.deadlines.adaptive_timeout`),
+            capped below the group's timeout (:func:`ncclguard.collectives.deadlines.group_cap_s`).
         chunk_numel: elements per chunk; default from the size policy in :class:`ncclguard.Config`.
         atomic: on failure, leave the tensor bit for bit as it was (costs one copy of it, in a
             buffer kept between calls; see :func:`release_atomic_buffers`).
-        verify: compare numel, dtype, op, device and chunking across ranks through the store
-            before any data moves. None: only at or above the chunking threshold. All ranks
-            must pass the same value.
+        verify: compare the kind of call, numel, dtype, op, device and chunking across ranks
+            through the store before any data moves. None: only at or above the chunking
+            threshold, or with a ``tag``. All ranks must pass the same value.
+        tag: meet the ranks that pass the same tag, whatever their call counts (implies
+            ``verify``); see :mod:`ncclguard.collectives.calls`.
 
     Returns:
-        A :class:`CollectiveResult`; falsy with ``error`` set to a :class:`CollectiveTimeout`,
-        :class:`CollectiveFailed`, :class:`CollectiveMismatch` or :class:`GroupFailed`.
+        A :class:`CollectiveResult`; falsy with ``error`` set to a :class:`CollectiveTimeout`
+        (ncclguard's deadline passed), :class:`CollectiveFailed` (the backend failed, or its own
+        timeout ended the op first), :class:`CollectiveMismatch` or :class:`GroupFailed`.
 
     Raises:
-        TypeError, ValueError: bad input, raised on the calling rank before any communication.
+        TypeError, ValueError: bad input (a timeout at or above the group's own timeout
+            included), raised on the calling rank before any communication.
     """
     start = time.monotonic()
+    info = _group(group)
+    check_tag(tag)
+    # The call takes its number before the input is checked: a call refused on one rank only
+    # keeps the ranks' counts equal (see ncclguard.collectives.calls).
+    call = begin_call(info, "all_reduce", tag) if info is not None and info.size > 1 else None
+    _validate(tensor, op, chunk_numel, info.backend if info else None)
+    group_timeout = group_timeout_s(info.group) if call is not None and info is not None else None
+    numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
     if timeout is not None:
         timeout_s = to_seconds(timeout, "timeout")
-    info = _group(group)
-    _validate(tensor, op, chunk_numel, info.backend if info else None)
-    numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
-    opname = f"all_reduce({_OPS[op]})"
-    if timeout is None:
-        timeout_s = adaptive_timeout(numel, nbytes)
+        if info is not None:
+            check_below_group_timeout(timeout_s, group_timeout, info.name)
+    else:
+        timeout_s = default_deadline(adaptive_timeout(numel, nbytes), group_timeout)
+    opname = f"all_reduce({REDUCE_OP_NAMES[op]})"
     bounds = chunk_bounds(numel, chunk_numel)
 
     def result(ok: bool, reduced: int, error: NcclGuardError | None = None) -> CollectiveResult:
         return CollectiveResult(ok, opname, numel, nbytes, len(bounds), reduced, time.monotonic() - start, error)
 
-    if info is None or info.size == 1:
+    if call is None:
         return result(True, numel)
+    info = call.info
     failed = failure_of(info.group)
     if failed is not None:
         return result(
             False, 0, GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on")
         )
 
-    dtype = str(tensor.dtype).removeprefix("torch.")
+    dtype = dtype_name(tensor.dtype)
     rec = recorder.start(opname, info.name, numel, dtype)
     try:
         reduced, err = _reduce(
-            info,
+            call,
             tensor,
             op,
             bounds,
             start,
             timeout_s,
+            group_timeout,
             atomic,
-            verify,
+            verify or tag is not None or (verify is None and numel >= get_config().chunk_direct_below),
             dict(op=opname, numel=numel, dtype=dtype, group=info.name),
         )
     except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
@@ -239,52 +249,83 @@ def safe_all_reduce(
 
 
 def _reduce(
-    info: GroupInfo,
+    call: Call,
     tensor: torch.Tensor,
     op: Any,
     bounds: list[tuple[int, int]],
     start: float,
     timeout_s: float,
+    group_timeout: float | None,
     atomic: bool,
-    verify: bool | None,
+    verify: bool,
     fields: dict[str, Any],
 ) -> tuple[int, CollectiveError | None]:
     """The checked, chunked reduction. Returns (leading elements reduced, error or None)."""
+    info = call.info
     deadline = start + timeout_s
-    call = next_round(info, "all_reduce")
-    if verify or (verify is None and tensor.numel() >= get_config().chunk_direct_below):
-        error = _check_fingerprints(info, call, tensor, op, bounds, deadline, start, fields)
+    if verify:
+        error = _check_fingerprints(call, tensor, op, bounds, deadline, start, fields)
         if error is not None:
             log.warning("%s", error)
             return 0, error
 
-    reduced, failure = _run_chunks(info, tensor, op, bounds, deadline, atomic)
+    reduced, failure = run_chunks(info, tensor, op, bounds, deadline, atomic)
     if failure is None:
         return reduced, None
 
     # The communicator cannot be trusted any more: the abandoned op may still be queued.
-    chunk_index, exc, timed_out = failure
-    gave_up_s = time.monotonic() - start
-    missing = _postmortem(info, call, start + timeout_s + 0.9)
-    cls = CollectiveTimeout if timed_out else CollectiveFailed
-    what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)" if timed_out else f"failed: {exc}"
-    who = f"; ranks {missing} never arrived" if missing else ""
+    gave_up_s = failure.at - start
+    pm = postmortem(call, start + timeout_s + 0.9)
+    if isinstance(failure.exc, DeadlinePassed):
+        cls: type[CollectiveError] = CollectiveTimeout
+        what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)"
+    else:
+        cls = CollectiveFailed
+        what = f"failed after {gave_up_s:.2f} s: {_backend_failure(failure.exc, info, group_timeout, timeout_s)}"
+    who = f"; ranks {pm.missing} never arrived" if pm.missing else ""
+    why = "" if cls is CollectiveTimeout else _backend_timeout_hint(failure.exc)
     err = cls(
         f"{fields['op']} of {fields['numel']} x {fields['dtype']} on group {info.name!r} {what} at chunk "
-        f"{chunk_index + 1}/{len(bounds)}{who}",
-        chunk=(chunk_index, len(bounds)),
+        f"{failure.chunk + 1}/{len(bounds)}{who}{pm.describe()}{why}",
+        chunk=(failure.chunk, len(bounds)),
         elapsed_s=time.monotonic() - start,
-        missing_ranks=missing,
+        missing_ranks=pm.missing,
         **fields,
     )
+    err.__cause__ = failure.exc
     mark_failed(info.group, err)
     log.error("%s", err)
     return reduced, err
 
 
+def _is_backend_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _backend_failure(exc: BaseException, info: GroupInfo, group_timeout: float | None, timeout_s: float) -> str:
+    """The backend's error in words; says so when it was the backend's own timeout that ended the op."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_backend_timeout(exc):
+        limit = f"{group_timeout:g} s" if group_timeout is not None else "unknown"
+        return (
+            f"the {info.backend} backend's own timeout (group timeout {limit}) ended it before ncclguard's "
+            f"deadline ({timeout_s:g} s) ({text})"
+        )
+    return text
+
+
+def _backend_timeout_hint(exc: BaseException) -> str:
+    if not _is_backend_timeout(exc):
+        return ""
+    return (
+        ". An op queued on the group before this call (by other code) runs against the backend's timeout "
+        "from its own start"
+    )
+
+
 def _check_fingerprints(
-    info: GroupInfo,
-    call: str,
+    call: Call,
     tensor: torch.Tensor,
     op: Any,
     bounds: list[tuple[int, int]],
@@ -292,190 +333,35 @@ def _check_fingerprints(
     start: float,
     fields: dict[str, Any],
 ) -> CollectiveError | None:
-    mine = {
-        "numel": tensor.numel(),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-        "op": _OPS[op],
-        "device": tensor.device.type,
-        "chunks": [len(bounds), bounds[0][1] - bounds[0][0]],
-    }
+    info = call.info
+    mine = call.print(
+        numel=tensor.numel(),
+        dtype=dtype_name(tensor.dtype),
+        op=REDUCE_OP_NAMES[op],
+        device=tensor.device.type,
+        chunks=[len(bounds), bounds[0][1] - bounds[0][0]],
+    )
     try:
-        rnd = exchange(info, f"{call}/fp", mine, deadline)
+        met = meet(call, mine, deadline)
     except StoreUnreachable as exc:
         return CollectiveFailed(f"fingerprint check failed: {exc}", elapsed_s=time.monotonic() - start, **fields)
-    if not rnd.ok:
-        missing = [info.global_rank(r) for r in rnd.missing]
-        return CollectiveTimeout(
-            f"{fields['op']} on group {info.name!r}: ranks {missing} did not reach the call within "
-            f"{deadline - start:g} s"
-            if missing
-            else f"{fields['op']} on group {info.name!r}: arrived after the other ranks gave up",
-            elapsed_s=time.monotonic() - start,
-            missing_ranks=missing,
-            **fields,
-        )
-    prints = {info.global_rank(r): p for r, p in sorted(rnd.payloads.items())}
-    if any(p != mine for p in prints.values()):
-        listing = "; ".join(f"rank {r}: {p}" for r, p in prints.items())
+    where = f"{fields['op']} at {call.site} on group {info.name!r}"
+    if met.mismatch is not None and not met.missing:
         return CollectiveMismatch(
-            f"{fields['op']} on group {info.name!r}: ranks disagree, nothing was sent ({listing})",
-            fingerprints=prints,
+            f"{where}: {met.mismatch}",
+            fingerprints=met.prints,
             elapsed_s=time.monotonic() - start,
             **fields,
         )
+    if not met.ok:
+        if met.late:
+            message = f"{where}: arrived after the other ranks gave up"
+        else:
+            pm = postmortem(call, deadline + get_config().postmortem_grace_s)
+            message = (
+                f"{where}: ranks {met.missing} did not reach the call within {deadline - start:g} s{pm.describe()}"
+            )
+        if met.mismatch is not None:
+            message += f"; of those that came, {met.mismatch}"
+        return CollectiveTimeout(message, elapsed_s=time.monotonic() - start, missing_ranks=met.missing, **fields)
     return None
-
-
-class _PrivateBuffers:
-    """One reusable flat buffer per (dtype, device) for ``atomic=True``.
-
-    Allocating and first touching a tensor-sized buffer on every call cost more than the
-    all_reduce itself (benchmarks/atomic_cost.py). A buffer is checked out for one call, so
-    concurrent calls never share one, and dropped, never reused, after a failed call: the
-    abandoned op may still write into it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            buf = self._free.pop((dtype, device), None)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
-        return buf
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            kept = self._free.get((buf.dtype, buf.device))
-            if kept is None or kept.numel() < buf.numel():
-                self._free[(buf.dtype, buf.device)] = buf
-
-    def release(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
-_private = _PrivateBuffers()
-
-
-def release_atomic_buffers() -> None:
-    """Frees the buffers kept between ``atomic=True`` calls (one per dtype and device, as large as
-    the largest tensor reduced atomically)."""
-    _private.release()
-
-
-def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_flat: bool) -> None:
-    """Copies elements [a, b) of ``src`` (any layout) into flat ``dst``, or back when not ``into_flat``."""
-    off = 0
-    for v in logical_views(src, a, b):
-        part = dst[off : off + v.numel()].view(v.shape)
-        if into_flat:
-            part.copy_(v)
-        else:
-            v.copy_(part)
-        off += v.numel()
-
-
-def _run_chunks(
-    info: GroupInfo,
-    tensor: torch.Tensor,
-    op: Any,
-    bounds: list[tuple[int, int]],
-    deadline: float,
-    atomic: bool,
-) -> tuple[int, tuple[int, BaseException, bool] | None]:
-    """Issues the chunks with a bounded number in flight.
-
-    Returns:
-        (leading elements reduced in ``tensor``, None) on success, or
-        (leading elements reduced, (chunk index, exception, timed out)) on failure.
-    """
-    avg_by_hand = op == ReduceOp.AVG and info.backend != "nccl"
-    wire_op = ReduceOp.SUM if avg_by_hand else op
-    numel = tensor.numel()
-    if len(bounds) == 1 and not atomic and tensor.is_contiguous():
-        # The common small call: the tensor itself on the wire, none of the chunk machinery.
-        try:
-            _wait(dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend)
-        except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-            return 0, (0, exc, _is_timeout(exc, deadline))
-        if avg_by_hand:
-            with torch.no_grad():
-                tensor.div_(info.size)
-        return numel, None
-
-    # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
-    # private copy published only at the end (atomic), or a small staging ring (non-contiguous).
-    max_inflight = get_config().max_inflight
-    chunk = bounds[0][1] - bounds[0][0]
-    in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
-    private = _private.take(numel, tensor.dtype, tensor.device) if atomic else None
-    staging = [] if in_place is None and private is None else None
-    inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
-    reduced = 0
-
-    def issue(i: int) -> None:
-        a, b = bounds[i]
-        if in_place is not None:
-            buf = in_place[a:b]
-        else:
-            if private is not None:
-                buf = private[a:b]
-            else:
-                if len(staging) < max_inflight:
-                    staging.append(torch.empty(chunk, dtype=tensor.dtype, device=tensor.device))
-                buf = staging[i % max_inflight][: b - a]
-            _copy_range(buf, tensor, a, b, into_flat=True)
-        inflight.append((i, dist.all_reduce(buf, op=wire_op, group=info.group, async_op=True), buf))
-
-    def complete() -> None:
-        nonlocal reduced
-        i, work, buf = inflight[0]
-        _wait(work, deadline, info.backend)
-        inflight.popleft()
-        if avg_by_hand:
-            buf.div_(info.size)
-        if staging is not None:
-            _copy_range(buf, tensor, *bounds[i], into_flat=False)
-        reduced = bounds[i][1]
-
-    i = 0
-    grad_mode = torch.is_grad_enabled()
-    torch.set_grad_enabled(False)  # staging copies and AVG's division are not autograd's business
-    try:
-        for i in range(len(bounds)):
-            if len(inflight) >= max_inflight:
-                complete()
-            issue(i)
-        while inflight:
-            i = inflight[0][0]
-            complete()
-        if private is not None:
-            tensor.copy_(private[:numel].view(tensor.shape))
-            _private.give_back(private)
-    except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-        # The private buffer is not given back: an abandoned op may still write into it.
-        return (0 if atomic else reduced), (inflight[0][0] if inflight else i, exc, _is_timeout(exc, deadline))
-    finally:
-        torch.set_grad_enabled(grad_mode)
-    return reduced, None
-
-
-def _is_timeout(exc: BaseException, deadline: float) -> bool:
-    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or time.monotonic() >= deadline
-
-
-def _postmortem(info: GroupInfo, call: str, give_up_at: float) -> list[int] | None:
-    """After a failure, learns through the store which ranks never reached this call.
-
-    Every rank that gives up publishes itself; a rank still absent after a short grace never
-    arrived. Returns global ranks (sorted), or None when the store did not answer.
-    """
-    grace = min(get_config().postmortem_grace_s, give_up_at - time.monotonic())
-    try:
-        rnd = exchange(info, f"{call}/pm", {}, time.monotonic() + max(grace, 0.0))
-    except StoreUnreachable:
-        return None
-    return sorted(info.global_rank(r) for r in rnd.missing)

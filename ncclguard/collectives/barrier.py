@@ -8,9 +8,11 @@ from datetime import timedelta
 from typing import Any
 
 from ncclguard._log import log
-from ncclguard.collectives.deadlines import to_seconds
-from ncclguard.collectives.groups import group_info
-from ncclguard.collectives.rendezvous import StoreUnreachable, exchange, known_hosts, next_round
+from ncclguard.collectives.calls import begin_call, check_tag, meet, postmortem
+from ncclguard.collectives.deadlines import default_deadline, to_seconds
+from ncclguard.collectives.groups import group_info, group_timeout_s
+from ncclguard.config import get_config
+from ncclguard.errors import BarrierFailed, BarrierTimeout, CollectiveError, CollectiveMismatch, StoreUnreachable
 
 __all__ = ["BarrierResult", "safe_barrier"]
 
@@ -25,7 +27,8 @@ class BarrierResult:
         missing_hosts: hostnames of the missing ranks, where earlier rounds taught them.
         late: this rank arrived after the others had given up.
         elapsed_s: seconds spent in the barrier.
-        error: why it failed, as text, or None.
+        error: why it failed (a :class:`~ncclguard.errors.BarrierTimeout` or
+            :class:`~ncclguard.errors.BarrierFailed`), or None.
     """
 
     ok: bool
@@ -33,55 +36,93 @@ class BarrierResult:
     missing_hosts: dict[int, str] = field(default_factory=dict)
     late: bool = False
     elapsed_s: float = 0.0
-    error: str | None = None
+    error: CollectiveError | None = None
 
     def __bool__(self) -> bool:
         return self.ok
 
+    def raise_for_error(self) -> BarrierResult:
+        """Raises :attr:`error` if the barrier failed; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        return self
 
-def safe_barrier(timeout: float | timedelta = 300.0, group: Any = None, *, tag: str | None = None) -> BarrierResult:
+
+def safe_barrier(
+    timeout: float | timedelta | None = None, group: Any = None, *, tag: str | None = None
+) -> BarrierResult:
     """Waits until every rank of ``group`` arrives, or until ``timeout``, using the group's store.
 
     The communicator is never used, so this works on a group whose NCCL communicator is broken.
 
     Args:
-        timeout: seconds (or a timedelta) from entry; must be positive.
+        timeout: seconds (or a timedelta) from entry; must be positive. Default:
+            ``Config.barrier_timeout_s`` capped below the group's own timeout
+            (:func:`~ncclguard.collectives.deadlines.group_cap_s`). An explicit timeout is taken
+            as given, even past the group's timeout: the barrier never touches the communicator,
+            so the backend's timeout cannot cut it short.
         group: the process group (default: the world).
         tag: a name to meet under instead of the per-group call count; ranks that pass the same
-            tag meet each other. A tag may be used once per group.
+            tag meet each other, and once every rank passed, the call count restarts there (see
+            :mod:`ncclguard.collectives.calls`).
 
     Returns:
-        A :class:`BarrierResult`; falsy, with the missing ranks, when the deadline passed. A rank
-        that arrives after the others gave up gets a falsy result at once (``late=True``).
+        A :class:`BarrierResult`; falsy, with the missing ranks, when the deadline passed; falsy
+        with a :class:`~ncclguard.errors.CollectiveMismatch` when a rank is in another kind of
+        safe call in this round. A rank that arrives after the others gave up gets a falsy result
+        at once (``late=True``).
 
     Raises:
-        ValueError: ``timeout`` is not positive, or this rank is not in ``group``.
+        ValueError: ``timeout`` is not positive, ``tag`` is not a short name, or this rank is
+            not in ``group``.
     """
-    seconds = to_seconds(timeout, "timeout")
     info = group_info(group)
-    if info is None or info.size == 1:
+    check_tag(tag)
+    call = begin_call(info, "barrier", tag) if info is not None and info.size > 1 else None
+    if timeout is not None:
+        seconds = to_seconds(timeout, "timeout")
+    else:
+        seconds = default_deadline(get_config().barrier_timeout_s, group_timeout_s(call.info.group) if call else None)
+    if call is None:
         return BarrierResult(ok=True)
+    info = call.info
     start = time.monotonic()
-    name = f"barrier/{info.name}/tag/{tag}" if tag is not None else next_round(info, "barrier")
+    fields: dict[str, Any] = {"op": "barrier", "group": info.name}
     try:
-        rnd = exchange(info, name, {"t": time.time()}, start + seconds)
+        met = meet(call, call.print(), start + seconds)
     except StoreUnreachable as exc:
-        log.warning("safe_barrier %s: %s", name, exc)
-        return BarrierResult(ok=False, elapsed_s=time.monotonic() - start, error=str(exc))
-    if rnd.ok:
-        return BarrierResult(ok=True, elapsed_s=rnd.elapsed_s)
-    hosts = known_hosts(info)
-    missing = [info.global_rank(r) for r in rnd.missing]
+        log.warning("safe_barrier %s: %s", call.round, exc)
+        err = BarrierFailed(str(exc), elapsed_s=time.monotonic() - start, **fields)
+        err.__cause__ = exc
+        return BarrierResult(ok=False, elapsed_s=err.elapsed_s, error=err)
+    if met.ok:
+        return BarrierResult(ok=True, elapsed_s=time.monotonic() - start)
+    where = f"barrier {call.round!r} at {call.site}"
+    if met.mismatch is not None and not met.missing:
+        error: CollectiveError = CollectiveMismatch(
+            f"{where} on group {info.name!r}: {met.mismatch}",
+            fingerprints=met.prints,
+            elapsed_s=time.monotonic() - start,
+            **fields,
+        )
+        log.warning("safe_barrier: %s", error)
+        return BarrierResult(ok=False, elapsed_s=error.elapsed_s, error=error)
+    if met.late:
+        message = f"arrived after the other ranks gave up on {where}"
+    else:
+        # Ranks that gave up in this round from another call say so here, within the grace.
+        pm = postmortem(call, start + seconds + get_config().postmortem_grace_s)
+        message = f"ranks {met.missing} did not reach {where} within {seconds:g} s{pm.describe()}"
+    if met.mismatch is not None:
+        message += f"; of those that came, {met.mismatch}"
+    elapsed = time.monotonic() - start
     result = BarrierResult(
         ok=False,
-        missing_ranks=sorted(missing),
-        missing_hosts={info.global_rank(r): hosts[r] for r in rnd.missing if r in hosts},
-        late=rnd.late,
-        elapsed_s=rnd.elapsed_s,
+        missing_ranks=met.missing,
+        missing_hosts=met.missing_hosts,
+        late=met.late,
+        elapsed_s=elapsed,
+        error=BarrierTimeout(message, elapsed_s=elapsed, missing_ranks=met.missing, **fields),
     )
-    if result.late:
-        result.error = f"arrived after the other ranks gave up on barrier {name!r}"
-    else:
-        result.error = f"ranks {result.missing_ranks} did not reach barrier {name!r} within {seconds:g} s"
-    log.warning("safe_barrier: %s", result.error)
+    log.warning("safe_barrier: %s", message)
     return result

@@ -10,8 +10,18 @@ from typing import Any
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
+from ncclguard.errors import TorchCompatError
 
-__all__ = ["GroupInfo", "group_info", "mark_failed", "failure_of", "clear_failure"]
+__all__ = [
+    "GroupInfo",
+    "resolve_group",
+    "group_info",
+    "group_timeout_s",
+    "mark_failed",
+    "failure_of",
+    "clear_failure",
+    "reset_for_new_world",
+]
 
 # Devices each backend can move, for the up-front check of safe_all_reduce.
 BACKEND_DEVICES: dict[str, frozenset[str]] = {
@@ -41,6 +51,36 @@ class GroupInfo:
         return dist.get_global_rank(self.group, group_rank)
 
 
+def resolve_group(group: Any = None) -> Any:
+    """The process group ``group`` stands for: the default group for None or ``dist.group.WORLD``.
+
+    Raises:
+        ValueError: no process group is initialized (torch's message).
+    """
+    return compat.default_group() if group is None or group is dist.group.WORLD else group
+
+
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout in force of a live process group, read from its backend's options.
+
+    Args:
+        group: a process group; default the world group.
+
+    Returns:
+        Seconds, or None when no group is initialized or torch does not expose it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = resolve_group(group)
+    # torch keeps the timeout in each device backend's options (ProcessGroupGloo/NCCL::Options).
+    for device in getattr(pg, "_device_types", []):
+        try:
+            return compat.backend_timeout(pg, device).total_seconds()
+        except (TorchCompatError, RuntimeError):
+            continue
+    return None
+
+
 def group_info(group: Any = None) -> GroupInfo | None:
     """Describes ``group`` (default: the world group).
 
@@ -52,7 +92,7 @@ def group_info(group: Any = None) -> GroupInfo | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    pg = compat.default_group() if group is None or group is dist.group.WORLD else group
+    pg = resolve_group(group)
     if compat.rank_not_in_group(pg):
         raise ValueError(
             "this rank is not a member of the group it passed; call the collective only on the "
@@ -88,3 +128,9 @@ def clear_failure(group: Any) -> None:
     """Forgets a failure mark (for a group whose communicator the caller has rebuilt itself)."""
     with _failed_lock:
         _failed.pop(group, None)
+
+
+def reset_for_new_world() -> None:
+    """Forgets every failure mark (``ncclguard.rebuild_world`` calls it: the groups they were for are gone)."""
+    with _failed_lock:
+        _failed.clear()

@@ -44,6 +44,9 @@ __all__ = [
     "StoreUnreachable",
     "exchange",
     "known_hosts",
+    "next_call",
+    "realign_on_tag",
+    "store_for_this_thread",
     "next_round",
     "read_present",
     "reset_for_new_world",
@@ -88,6 +91,19 @@ _seqs: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
 _hosts: dict[str, dict[int, str]] = defaultdict(dict)
 
 
+@dataclass
+class _CallCount:
+    """This rank's count of safe_* calls on one group: ``base`` changes when a tag realigns it."""
+
+    base: str = ""
+    n: int = 0
+    tag_uses: dict[str, int] = field(default_factory=dict)
+
+
+# By (group name, this rank's rank in it): one process is one rank, but tests run ranks as threads.
+_calls: dict[tuple[str, int], _CallCount] = defaultdict(_CallCount)
+
+
 # Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
 _STORE_GRACE_S = 1.0
 
@@ -101,11 +117,46 @@ def next_round(info: GroupInfo, kind: str) -> str:
         return f"{kind}/{info.name}/{next(_seqs[(info.name, kind)])}"
 
 
+def next_call(info: GroupInfo, tag: str | None = None) -> str:
+    """Returns the round name of this rank's next safe_* call on the group.
+
+    One count for every kind of safe call, so that a barrier and an all_reduce issued as the
+    same call on different ranks meet in one round, where their fingerprints tell them apart.
+    Every call takes a number, even one refused before any communication, so that the counts of
+    the ranks stay equal when one rank's call is refused and another's is not.
+
+    Args:
+        info: the group.
+        tag: meet under this name instead (the ranks that pass the same tag meet, however many
+            calls each made before); a tag may be reused, each use is its own round.
+    """
+    with _seq_lock:
+        count = _calls[(info.name, info.rank)]
+        if tag is None:
+            count.n += 1
+            return f"call/{info.name}/{count.base}{count.n - 1}"
+        uses = count.tag_uses.get(tag, 0)
+        count.tag_uses[tag] = uses + 1
+        return f"call/{info.name}/tag/{tag}#{uses}"
+
+
+def realign_on_tag(info: GroupInfo, tag_round: str) -> None:
+    """Restarts the group's call count from a tagged round that every rank passed.
+
+    Every rank that passed the round restarts from the same point, so the counts agree again
+    however they had drifted (a rank that made a call the others did not).
+    """
+    with _seq_lock:
+        count = _calls[(info.name, info.rank)]
+        count.base, count.n = f"{tag_round.rsplit('/tag/', 1)[-1]}/", 0
+
+
 def reset_for_new_world() -> None:
     """Forgets every round count and learned hostname (``ncclguard.rebuild_world`` calls it: the
     new world's groups may reuse the old names, and the ranks counted the old rounds unevenly)."""
     with _seq_lock:
         _seqs.clear()
+        _calls.clear()
         _hosts.clear()
 
 
@@ -138,6 +189,34 @@ def _wait(store: Any, key: str, timeout_s: float) -> bool:
         return False
 
 
+_local = threading.local()
+
+
+def store_for_this_thread(store: Any, deadline: float) -> Any:
+    """The group's store as the calling thread should use it: itself on the main thread, a clone
+    of it (made once per thread and store) on any other.
+
+    A ``TCPStore`` client runs one request at a time and keeps its connection for the whole of a
+    ``wait``: measured on torch 2.13, a ``set`` from a second thread waited 1.8 s behind another
+    thread's 2 s ``wait`` on the same client, so two threads in rounds on two groups (whose
+    stores share the job's client) stalled each other until their deadlines.
+    ``Store.clone()`` gives a thread its own connection, which is what torch provides it for.
+
+    Raises:
+        StoreUnreachable: the clone could not connect by ``deadline``.
+    """
+    if threading.current_thread() is threading.main_thread() or not hasattr(store, "clone"):
+        return store
+    cache: dict[int, tuple[Any, Any]] | None = getattr(_local, "stores", None)
+    if cache is None:
+        cache = _local.stores = {}
+    entry = cache.get(id(store))
+    if entry is None or entry[0] is not store:  # (the id of a store that is gone may come back)
+        clone = bounded_store_call(store, store.clone, max(deadline - time.monotonic(), 0.0) + _STORE_GRACE_S, "clone")
+        entry = cache[id(store)] = (store, clone)
+    return entry[1]
+
+
 def _parse(blob: bytes, rank: int, name: str) -> _Arrival | None:
     """The arrival of ``rank``, or None (logged) when it is too large or not the expected JSON."""
     if len(blob) > MAX_ARRIVAL_BYTES:
@@ -166,7 +245,13 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
         StoreUnreachable: the store did not answer.
     """
     start = time.monotonic()
-    store, size, me = info.store, info.size, info.rank
+    size, me = info.size, info.rank
+    try:
+        store = store_for_this_thread(info.store, deadline)
+    except (DistStoreError, RuntimeError) as exc:
+        if isinstance(exc, StoreUnreachable):
+            raise
+        raise StoreUnreachable(f"the group's store did not answer during round {name!r}: {exc}") from exc
     p = f"ncclguard/{name}"
     outcome_key = f"{p}/o"
     keys = [f"{p}/r{r}" for r in range(size)]

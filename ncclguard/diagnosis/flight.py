@@ -14,8 +14,11 @@ by design.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -39,6 +42,22 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # ncclguard's own applications (the demo, the benchmark ranks) are user code, not library frames.
 _APP_DIRS = tuple(os.path.join(_PACKAGE_DIR, d, "") for d in ("cli", "bench"))
 _THREADING = threading.__file__
+
+
+def _inductor_cache_dir() -> str:
+    """Where torch.compile's inductor writes the code it generates (its frames are torch's, not
+    the user's): ``TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>`` as inductor's
+    ``default_cache_dir`` builds it."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+_INDUCTOR_CACHE = _inductor_cache_dir()
 _skip_prefixes_cache: tuple[int, tuple[str, ...]] = (-1, ())
 # co_filename -> "is this a framework file?"; filenames are few, so the cache stays small.
 _is_framework: dict[str, bool] = {}
@@ -54,6 +73,7 @@ def _skip_prefixes() -> tuple[str, ...]:
             os.path.realpath(os.path.join(_PACKAGE_DIR, "integrations")),
             contextlib.__file__,
             _THREADING,
+            _INDUCTOR_CACHE,
         ]
         for name in _FRAMEWORKS:
             module = sys.modules.get(name)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import _torch_compat as compat
+from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
 from ncclguard.diagnosis.flight import recorder
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
@@ -53,36 +54,17 @@ _DATA_PARAM: dict[str, str | None] = {
 INSTRUMENTED_OPS: tuple[str, ...] = tuple(_DATA_PARAM)
 _P2P_PEER = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 _ALWAYS_ASYNC = {"isend", "irecv"}
-_REDUCE_OPS = {
-    dist.ReduceOp.SUM: "SUM",
-    dist.ReduceOp.AVG: "AVG",
-    dist.ReduceOp.PRODUCT: "PRODUCT",
-    dist.ReduceOp.MIN: "MIN",
-    dist.ReduceOp.MAX: "MAX",
-    dist.ReduceOp.BAND: "BAND",
-    dist.ReduceOp.BOR: "BOR",
-    dist.ReduceOp.BXOR: "BXOR",
-}
-_DTYPE_NAMES: dict[Any, str] = {}
-
 _lock = threading.Lock()
 # name -> the original function, for as long as the wrappers are installed.
 _originals: dict[str, Callable[..., Any]] = {}
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
 def _describe(data: Any) -> tuple[int, str]:
     """(elements, dtype) of a tensor or a list of tensors."""
     if isinstance(data, torch.Tensor):
-        return data.numel(), _dtype_name(data.dtype)
+        return data.numel(), dtype_name(data.dtype)
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], torch.Tensor):
-        return sum(t.numel() for t in data if isinstance(t, torch.Tensor)), _dtype_name(data[0].dtype)
+        return sum(t.numel() for t in data if isinstance(t, torch.Tensor)), dtype_name(data[0].dtype)
     return 0, ""
 
 
@@ -126,11 +108,11 @@ def _wrap(spec: _Spec, original: Callable[..., Any]) -> Callable[..., Any]:
     data_at, group_at, op_at, peer_at = spec.data, spec.group, spec.op, spec.peer
     async_pos = spec.async_op[0] if spec.async_op is not None else -1
     # ReduceOp -> "all_reduce(SUM)": a dict lookup instead of formatting on every call.
-    op_names = {red: f"{spec.name}({text})" for red, text in _REDUCE_OPS.items()}
+    op_names = {red: f"{spec.name}({text})" for red, text in REDUCE_OP_NAMES.items()}
     default_op = op_names[dist.ReduceOp.SUM] if op_at is not None else spec.name
     start, finish, attach = recorder.start, recorder.finish, recorder.attach
     opened, get_ident = recorder._open, threading.get_ident  # recorder.busy(), inline
-    tensor_type, dtype_names, world = torch.Tensor, _DTYPE_NAMES, compat.world()
+    tensor_type, world = torch.Tensor, compat.world()
 
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -139,7 +121,7 @@ def _wrap(spec: _Spec, original: Callable[..., Any]) -> Callable[..., Any]:
         n = len(args)
         data = (args[data_at[0]] if n > data_at[0] else kwargs.get(data_at[1])) if data_at is not None else None
         if type(data) is tensor_type or isinstance(data, tensor_type):
-            numel, dtype = data.numel(), dtype_names.get(data.dtype) or _dtype_name(data.dtype)
+            numel, dtype = data.numel(), dtype_name(data.dtype)
         else:
             numel, dtype = _describe(data)
         op = default_op

@@ -34,7 +34,7 @@ class _Deadline:
     started: float
     fired: bool = False
     # The timer that was armed before the outermost guard: its handler is called at its time.
-    previous: Callable[[int, Any], Any] | None = None
+    previous: Callable[[int, Any], Any] | int | None = None  # a handler, or SIG_DFL
     interval: float = 0.0
 
 

@@ -9,212 +9,45 @@ incident when
 - a watched peer's heartbeat has not changed for ``peer_timeout_s`` (kind ``lost``), or
 - the store itself stops answering (kind ``store``; handled on this rank alone).
 
-An incident is a numbered entry in the store. Every rank's watchdog that sees it dumps the stacks
-of all its Python threads, its flight records and the heartbeats to
-``<incident_dir>/<id>/rank<r>.json`` and publishes a statement; the first rank done merges the
-statements into ``incident.json`` and ``summary.txt`` (culprits apart from victims, see
-:mod:`ncclguard.diagnosis.incident`). Then every rank climbs the action ladder up to ``action``, giving
-each rung ``escalate_after_s`` to clear the hang:
+Every rank dumps its state for the incident, one merges the statements into a report naming the
+culprits apart from the victims, then every rank climbs the action ladder (report, raise, abort,
+exit, or your own :class:`~ncclguard.diagnosis.actions.Action` rungs), giving each rung
+``escalate_after_s`` to clear the hang. No store call waits longer than ``store_timeout_s``;
+nothing waits on a dead peer.
 
-``report``  log only;
-``raise``   raise :class:`~ncclguard.errors.CollectiveTimeout` in the main thread (by a signal,
-            ``raise_signal``). Works where the main thread runs Python (a stalled loop, a
-            sleep); a main thread blocked in a C++ collective is skipped, since no exception can
-            reach it before the backend returns;
-``abort``   ``ProcessGroup.abort()`` on every process group: blocked NCCL waits return with an
-            error. Gloo's abort does not wake a blocked op (it returns at its own timeout);
-``exit``    ``os._exit(exit_code)`` (default 75, EX_TEMPFAIL) after the dump, so torchrun or an
-            elastic agent restarts the job.
-
-No store call waits longer than ``store_timeout_s``; nothing waits on a dead peer.
+This module holds the thread and its loop; the parts it drives, each with one job:
+:mod:`~ncclguard.diagnosis.store` (the store protocol), :mod:`~ncclguard.diagnosis.liveness`
+(peer heartbeats), :mod:`~ncclguard.diagnosis.detect` (detectors), :mod:`~ncclguard.diagnosis.incidents`
+(claim, statements, merge), :mod:`~ncclguard.diagnosis.actions` (the ladder),
+:mod:`~ncclguard.diagnosis.snapshot` (this rank's state), :mod:`~ncclguard.diagnosis.settings`
+(:class:`WatchdogConfig`).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
-import socket
-import sys
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import replace
+from types import FrameType
+from typing import Any
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.diagnosis.flight import FlightRecord, format_stack, frame_site, recorder, seq_key
-from ncclguard.diagnosis.incident import INCIDENT_FILE, SUMMARY_FILE, merge, render, write_json
-from ncclguard.diagnosis.phase import main_thread_phase
-from ncclguard.errors import CollectiveTimeout
+from ncclguard.diagnosis import detect
+from ncclguard.diagnosis.actions import Action, Ladder, MainThreadRaiser, build_ladder
+from ncclguard.diagnosis.flight import recorder
+from ncclguard.diagnosis.incident import INCIDENT_FILE
+from ncclguard.diagnosis.incidents import IncidentDesk
+from ncclguard.diagnosis.liveness import Liveness, SeqClock
+from ncclguard.diagnosis.model import IncidentKind, Statement
+from ncclguard.diagnosis.settings import ACTIONS, EXIT_CODE, WatchdogConfig
+from ncclguard.diagnosis.snapshot import RankState, backend_ops
+from ncclguard.diagnosis.store import Keys, WatchdogStore, store_addr
+from ncclguard.errors import StoreTimeout, StoreUnreachable
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
-
-ACTIONS = ("report", "raise", "abort", "exit")
-EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; launchers restart on it
-_HOST = socket.gethostname()
-_RECENT = 20  # flight records carried in a statement (the rank file has them all)
-
-
-class WatchdogConfig(BaseSettings):
-    """Settings of the :class:`Watchdog`; each can be set as ``NCCLGUARD_WATCHDOG_<FIELD>``.
-
-    Invariants: ``hang_timeout_s > heartbeat_s``; ``peer_timeout_s >= 2 * heartbeat_s`` (a beat may
-    come almost one period late); every duration positive.
-
-    Attributes:
-        heartbeat_s: how often this rank publishes its state.
-        hang_timeout_s: an op in flight this long is a hang. Keep it below the process group's
-            timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job.
-        peer_timeout_s: a peer whose heartbeat has not changed this long is lost (default 6 beats).
-        action: the top rung of the ladder: report, raise, abort or exit.
-        escalate_after_s: the time each rung gets to clear the hang before the next one.
-        exit_code: the status of the ``exit`` rung.
-        incident_dir: where incidents are written (``<incident_dir>/<id>/``).
-        merge_wait_s: how long the merging rank waits for the others' statements (default 2 beats).
-        store_timeout_s: the bound of every store call (default: ``min(heartbeat_s, 5)``).
-        watch_peers: each rank watches this many next ranks (ring order); every rank is watched
-            by as many. Bounds the store traffic of large jobs.
-        startup_grace_s: a peer never heard from is lost after this long.
-        raise_signal: the signal that carries the ``raise`` rung into the main thread.
-        session: a name for this watchdog's keys in the store; give a new one to a second
-            watchdog started in the same job.
-        store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
-        instrument: also call :func:`ncclguard.diagnosis.instrument` so plain ``torch.distributed`` calls
-            are recorded.
-    """
-
-    model_config = SettingsConfigDict(env_prefix="NCCLGUARD_WATCHDOG_", frozen=True, extra="forbid")
-
-    heartbeat_s: float = Field(5.0, gt=0)
-    hang_timeout_s: float = Field(300.0, gt=0)
-    peer_timeout_s: float | None = Field(None, gt=0)
-    action: Literal["report", "raise", "abort", "exit"] = "report"
-    escalate_after_s: float = Field(30.0, gt=0)
-    exit_code: int = Field(EXIT_CODE, ge=1, le=255)
-    incident_dir: Path = Path("ncclguard-incidents")
-    merge_wait_s: float | None = Field(None, gt=0)
-    store_timeout_s: float | None = Field(None, gt=0)
-    watch_peers: int = Field(16, ge=1)
-    startup_grace_s: float = Field(60.0, gt=0)
-    raise_signal: str = "SIGUSR2"
-    session: str = Field("main", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    store_addr: str | None = None
-    instrument: bool = True
-
-    @field_validator("raise_signal")
-    @classmethod
-    def _known_signal(cls, name: str) -> str:
-        if name in ("SIGKILL", "SIGSTOP", "SIGALRM") or not isinstance(getattr(signal, name, None), signal.Signals):
-            raise ValueError(
-                f"raise_signal must name a catchable signal other than SIGALRM (used by sigalrm_timeout), "
-                f"e.g. 'SIGUSR2'; got {name!r}"
-            )
-        return name
-
-    @field_validator("store_addr")
-    @classmethod
-    def _host_port(cls, addr: str | None) -> str | None:
-        if addr is not None:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"store_addr must be 'host:port', got {addr!r}")
-        return addr
-
-    @model_validator(mode="after")
-    def _in_order(self) -> WatchdogConfig:
-        if self.hang_timeout_s <= self.heartbeat_s:
-            raise ValueError(
-                f"hang_timeout_s ({self.hang_timeout_s}) must be > heartbeat_s ({self.heartbeat_s}): "
-                "a hang can only be told apart from a slow op over several beats"
-            )
-        if self.peer_timeout < 2 * self.heartbeat_s:
-            raise ValueError(
-                f"peer_timeout_s ({self.peer_timeout}) must be >= 2 * heartbeat_s ({self.heartbeat_s}): "
-                "a beat may come almost one period late, and a peer is lost only when beats stop"
-            )
-        return self
-
-    @property
-    def peer_timeout(self) -> float:
-        """``peer_timeout_s``, or 6 heartbeats when unset."""
-        return self.peer_timeout_s if self.peer_timeout_s is not None else 6 * self.heartbeat_s
-
-    @property
-    def merge_wait(self) -> float:
-        """``merge_wait_s``, or 2 heartbeats when unset."""
-        return self.merge_wait_s if self.merge_wait_s is not None else 2 * self.heartbeat_s
-
-    @property
-    def store_timeout(self) -> float:
-        """``store_timeout_s``, or ``min(heartbeat_s, 5)`` when unset."""
-        return self.store_timeout_s if self.store_timeout_s is not None else min(self.heartbeat_s, 5.0)
-
-    @property
-    def ladder(self) -> tuple[str, ...]:
-        """The rungs this watchdog climbs: ``report`` up to ``action``."""
-        return ACTIONS[: ACTIONS.index(self.action) + 1]
-
-
-@dataclass
-class _Peer:
-    beat: int = -1
-    changed: float = 0.0  # time.monotonic() when its beat last changed
-    heartbeat: dict[str, Any] | None = None
-    lost: bool = False
-
-
-@dataclass
-class _Incident:
-    """An incident as this rank handles it."""
-
-    n: int
-    doc: dict[str, Any]
-    dir: Path
-    local: bool
-    merger: bool = False
-    merge_deadline: float = 0.0
-    merged: bool = False
-    rung: int = 0
-    rung_deadline: float = 0.0
-    done: bool = False
-    actions: list[dict[str, Any]] = field(default_factory=list)
-    dump: dict[str, Any] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)  # what Watchdog.incidents shows of it
-
-
-def _default_store_addr() -> str | None:
-    """``host:port`` of the default group's TCPStore (a group set up with ``store=``), or None."""
-    import torch.distributed as dist
-
-    try:
-        store = compat.default_store()
-        while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
-        return f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) else None
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
-def _completed_here(key: tuple[str, int]) -> bool:
-    """True when this rank's record of op ``(group, seq)`` completed (failed does not count: an
-    op that errored because a peer closed its pairs leaves the job as stuck as before)."""
-    for rec in reversed(recorder.records()):
-        if rec.seq == key[1] and seq_key(rec.group, rec.peer is not None) == key[0]:
-            return rec.state == "completed"
-    return False
-
-
-class _StoreGone(Exception):
-    """The store stopped answering."""
-
 
 _running_lock = threading.Lock()
 _running: Watchdog | None = None
@@ -234,14 +67,25 @@ class Watchdog:
     Args:
         config: the settings; default from the environment (``NCCLGUARD_WATCHDOG_*``).
         store: a c10d Store to use instead of a fresh TCPStore client (it is then used from the
-            watchdog thread only; it must answer within ``store_timeout_s``).
+            watchdog's threads only; every call is bounded by ``store_timeout_s``).
+        actions: a ladder of your own instead of ``config.action``'s: built-in names
+            (``"report"``, ``"raise"``, ``"abort"``, ``"exit"``) and
+            :class:`~ncclguard.diagnosis.actions.Action` instances, in order (``report`` first).
         **overrides: fields of :class:`WatchdogConfig` applied on top of ``config``.
 
     Raises:
         pydantic.ValidationError: an unknown field or a value that breaks an invariant.
+        TypeError: ``config`` is not a WatchdogConfig, or an entry of ``actions`` is not an action.
     """
 
-    def __init__(self, config: WatchdogConfig | None = None, *, store: Any = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: WatchdogConfig | None = None,
+        *,
+        store: Any = None,
+        actions: Sequence[Action | str] | None = None,
+        **overrides: Any,
+    ) -> None:
         if config is not None and not isinstance(config, WatchdogConfig):
             raise TypeError(
                 f"config must be a WatchdogConfig, got {type(config).__name__}; pass fields as keywords instead"
@@ -251,17 +95,16 @@ class Watchdog:
         elif overrides:
             config = WatchdogConfig(**{**config.model_dump(exclude_unset=True), **overrides})
         self.config = config
+        self.ladder = Ladder(build_ladder(config.action, actions), config.escalate_after_s)
         self._given_store = store
-        self._store: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._handled: list[dict[str, Any]] = []
-        self._prev_handler: Any = None
-        self._handler_installed = False
         self._signum = getattr(signal, config.raise_signal)
-        self._pending_raise: tuple[BaseException, tuple[str, int] | None, dict[str, Any]] | None = None
+        self._raiser: MainThreadRaiser | None = None
+        self._handler_installed = False
         self._instrumented = False
+        self._desk: IncidentDesk | None = None
 
     # ----------------------------------------------------------------- life cycle
 
@@ -269,15 +112,15 @@ class Watchdog:
         """Starts the thread (returns at once; the store connection is made by the thread).
 
         Raises:
-            RuntimeError: another watchdog runs in this process, or ``action`` needs the signal
-                handler (raise and above) and this is not the main thread.
+            RuntimeError: another watchdog runs in this process, or a rung raises into the main
+                thread (``raise``) and this is not the main thread.
         """
         global _running
         cfg = self.config
-        needs_handler = ACTIONS.index(cfg.action) >= ACTIONS.index("raise")
+        needs_handler = self.ladder.needs_main_thread
         if needs_handler and threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
-                f"action {cfg.action!r} raises into the main thread through {cfg.raise_signal}, whose handler "
+                f"the ladder {'/'.join(self.ladder.names)} raises into the main thread through {cfg.raise_signal}, whose handler "
                 "only the main thread can install: start the watchdog from the main thread, or use action='report'"
             )
         with _running_lock:
@@ -290,39 +133,35 @@ class Watchdog:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self._main_ident = threading.main_thread().ident
-        self._pid = os.getpid()
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        self._ns = f"ncclguard/wd/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{cfg.session}"
-        self._peers: dict[int, _Peer] = {}
-        n_watch = min(cfg.watch_peers, self.world_size - 1)
-        self._watched = [(self.rank + i) % self.world_size for i in range(1, n_watch + 1)]
-        self._reported_ops: set[tuple[str, int]] = set()
-        self._incidents: list[_Incident] = []
-        self._seen_count = 0
-        self._waiting_docs: dict[int, float] = {}
+        self._state = RankState(self.rank, self.world_size)
+        self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
+        self._raiser = MainThreadRaiser(self._signum, self._state.completed) if needs_handler else None
         self._beat = 0
-        self._store_error_since: float | None = None
-        self._store_lost = False
-        self._local_count = 0
+        self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
+        self._reported_backend: set[tuple[str, int]] = set()  # (group, seq) in the backend's
+        self._own_seqs = SeqClock()
+        self._slow_store = False
+        self._desk = IncidentDesk(
+            cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond
+        )
         if cfg.instrument:
             from ncclguard.diagnosis.instrument import instrument, is_instrumented
 
             if not is_instrumented():
                 instrument()
                 self._instrumented = True
-        if needs_handler:
-            self._prev_handler = signal.signal(self._signum, self._on_signal)
+        if self._raiser is not None:
+            self._raiser.install(self._on_signal)
             self._handler_installed = True
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ncclguard-watchdog", daemon=True)
         self._thread.start()
         log.info(
-            "watchdog started: heartbeat %.3g s, hang after %.3g s, peers lost after %.3g s, action %s, incidents in %s",
+            "watchdog started: heartbeat %.3g s, hang after %.3g s, peers lost after %.3g s, ladder %s, incidents in %s",
             cfg.heartbeat_s,
             cfg.hang_timeout_s,
             cfg.peer_timeout,
-            cfg.action,
+            "/".join(self.ladder.names),
             cfg.incident_dir,
         )
         return self
@@ -335,10 +174,15 @@ class Watchdog:
             cfg = self.config
             self._thread.join(timeout if timeout is not None else 2 * cfg.store_timeout + cfg.heartbeat_s)
             self._thread = None
-        if self._handler_installed and threading.current_thread() is threading.main_thread():
-            # None: the old handler was installed from C, which Python cannot put back.
-            signal.signal(self._signum, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
-            self._prev_handler, self._handler_installed = None, False
+        if self._desk is not None and self._desk.store is not None:
+            self._desk.store.close()  # its helper thread; a store given by the caller stays open
+        if (
+            self._handler_installed
+            and self._raiser is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            self._raiser.uninstall()
+            self._handler_installed = False
         if self._instrumented:
             from ncclguard.diagnosis.instrument import uninstrument
 
@@ -354,12 +198,17 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The ``raise_signal`` handler (main thread): raises the armed CollectiveTimeout."""
+        if self._raiser is not None:
+            self._raiser.on_signal(signum, frame)
+
     @property
     def incidents(self) -> list[dict[str, Any]]:
         """The incidents this rank handled, oldest first: ``id``, ``kind``, ``dir``, ``merger`` (this rank
         merged it), ``actions`` (the rungs taken), ``settled`` (the ladder is over), ``doc``."""
         with self._cond:
-            return [dict(i) for i in self._handled]
+            return [c.record() for c in self._desk.cases] if self._desk is not None else []
 
     def wait_for_incident(
         self,
@@ -382,12 +231,13 @@ class Watchdog:
         deadline = time.monotonic() + timeout
 
         def ready() -> bool:
-            if len(self._handled) < count:
+            cases = self._desk.cases if self._desk is not None else []
+            if len(cases) < count:
                 return False
-            last = self._handled[count - 1]
-            if settled and not last["settled"]:
+            last = cases[count - 1]
+            if settled and not last.ladder.settled:
                 return False
-            return not merged or (Path(last["dir"]) / INCIDENT_FILE).is_file()
+            return not merged or (last.dir / INCIDENT_FILE).is_file()
 
         with self._cond:
             while not ready():
@@ -395,14 +245,16 @@ class Watchdog:
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.05))
-            return [dict(i) for i in self._handled]
+        return self.incidents
 
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
         cfg = self.config
+        desk = self._desk
+        assert desk is not None
         poll = min(cfg.heartbeat_s / 5, 0.5)
-        self._connect()
+        connect(desk, self.config, self.world_size, self._given_store)
         next_beat = 0.0
         while not self._stop.is_set():
             try:
@@ -410,574 +262,124 @@ class Watchdog:
                 recorder.sweep()
                 if now >= next_beat:
                     next_beat = now + cfg.heartbeat_s
-                    self._publish()
-                    self._watch()
-                self._check_hang()
-                self._check_peers()
-                self._poll_incidents()
-                self._progress()
-            except _StoreGone as exc:
-                self._on_store_gone(exc)
+                    self._publish(desk)
+                    self._watch(desk)
+                self._check_hang(desk)
+                self._check_peers(desk)
+                desk.poll()
+                desk.progress()
+                self._slow_store = False
+            except StoreUnreachable as exc:
+                desk.store_gone(exc)
+            except StoreTimeout as exc:
+                if not self._slow_store:  # one line per slow spell
+                    log.warning("watchdog: the store is slow (%s); trying again every tick", exc)
+                self._slow_store = True
             except Exception:  # noqa: BLE001 - the watchdog must outlive its own bugs
                 log.exception("watchdog tick failed; going on")
             self._stop.wait(poll)
 
-    # ----------------------------------------------------------------- the store
+    def _statement(self) -> Statement:
+        return self._state.statement(self._beat, self._liveness.views(time.monotonic()))
 
-    def _connect(self) -> None:
-        cfg = self.config
-        if self._given_store is not None:
-            self._store = self._given_store
-            return
-        import torch.distributed as dist
-
-        addr = cfg.store_addr
-        if addr is None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        if addr is None and dist.is_available() and dist.is_initialized():
-            addr = _default_store_addr()
-        if addr is None or self.world_size <= 1:
-            log.info("watchdog: no store (world of %d); incidents are handled on this rank only", self.world_size)
-            return
-
-        host, _, port = addr.rpartition(":")
-        try:
-            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.store_timeout))
-            self._seen_count = int(self._store.add(f"{self._ns}/count", 0))
-        except Exception as exc:  # noqa: BLE001
-            self._store = None
-            self._store_lost = True
-            log.error(
-                "watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
-                addr,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-            )
-
-    def _call(self, method: str, *args: Any) -> Any:
-        """One bounded store call; a dead store raises _StoreGone."""
-        from torch.distributed import DistNetworkError
-
-        if self._store is None:
-            raise _StoreGone("no store")
-        try:
-            out = getattr(self._store, method)(*args)
-        except DistNetworkError as exc:  # broken pipe, connection reset/refused: the server is gone
-            raise _StoreGone(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-        except RuntimeError as exc:  # a timeout: slow or gone; gone once it lasts a peer timeout
-            now = time.monotonic()
-            if self._store_error_since is None:
-                self._store_error_since = now
-            if now - self._store_error_since >= self.config.peer_timeout:
-                raise _StoreGone(
-                    f"no answer for {now - self._store_error_since:.1f} s: {str(exc).splitlines()[0]}"
-                ) from exc
-            raise
-        self._store_error_since = None
-        return out
-
-    def _on_store_gone(self, exc: BaseException) -> None:
-        if self._store_lost:
-            return
-        self._store_lost = True
-        self._store = None
-        addr = self.config.store_addr or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        text = (
-            f"the rendezvous store at {addr} stopped answering ({exc}); it lives in rank 0's process under a plain "
-            "launcher and in the agent under torchrun, so that process is probably gone"
-        )
-        log.error("watchdog: %s; handling incidents on this rank only from now on", text)
-        self._open_local({"kind": "store", "reason": "the rendezvous store is gone", "store_text": text})
-
-    # ----------------------------------------------------------------- state
-
-    def _main_frame(self) -> Any:
-        return sys._current_frames().get(self._main_ident)
-
-    def _blocked_in(self) -> FlightRecord | None:
-        """The synchronous op the main thread is inside, if any: it is in C++ and cannot be interrupted."""
-        for rec in reversed(recorder.inflight()):
-            if rec.thread == self._main_ident and not rec.async_op:
-                return rec
-        return None
-
-    def _heartbeat(self) -> dict[str, Any]:
-        blocked = self._blocked_in()
-        return {
-            "rank": self.rank,
-            "host": _HOST,
-            "pid": self._pid,
-            "beat": self._beat,
-            "time": time.time(),
-            "phase": main_thread_phase(),
-            "site": frame_site(self._main_frame()),
-            "last_seq": recorder.last_seq(),
-            "last_completed": recorder.last_completed(),
-            "inflight": [r.to_dict() for r in recorder.inflight()],
-            "blocked_in": blocked.to_dict() if blocked is not None else None,
-        }
-
-    def _publish(self) -> None:
+    def _publish(self, desk: IncidentDesk) -> None:
         self._beat += 1
-        if self._store is None:
+        if desk.store is None:
             return
+        hb = self._state.heartbeat(self._beat)
+        now = time.monotonic()
+        self._own_seqs.update(hb.backend_seq, now)
+        if hb.backend_seq is not None:
+            hb = hb.model_copy(update={"backend_still": self._own_seqs.still(now)})
         try:
-            self._call("set", f"{self._ns}/hb/{self.rank}", json.dumps(self._heartbeat()))
-        except RuntimeError:
+            desk.store.publish_heartbeat(hb)
+        except StoreTimeout:
             pass  # slow store: the next beat tries again
 
-    def _read_heartbeats(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
-        keys = [f"{self._ns}/hb/{r}" for r in ranks]
-        present = [(r, k) for r, k in zip(ranks, keys) if self._call("check", [k])]
-        if not present:
-            return {}
-        blobs = self._call("multi_get", [k for _, k in present])
-        return {r: json.loads(b) for (r, _), b in zip(present, blobs)}
-
-    def _watch(self) -> None:
-        if self._store is None or not self._watched:
+    def _watch(self, desk: IncidentDesk) -> None:
+        if desk.store is None or not self._liveness.watched:
             return
         try:
-            beats = self._read_heartbeats(self._watched)
-        except RuntimeError:
+            beats = desk.store.read_heartbeats(self._liveness.watched)
+        except StoreTimeout:
             return
-        now = time.monotonic()
-        for r in self._watched:
-            peer = self._peers.setdefault(r, _Peer(changed=now))
-            hb = beats.get(r)
-            if hb is not None and hb.get("beat") != peer.beat:
-                if peer.lost:
-                    log.warning("watchdog: rank %d is beating again", r)
-                    peer.lost = False
-                peer.beat, peer.changed, peer.heartbeat = hb["beat"], now, hb
+        for r in self._liveness.observe(beats, time.monotonic()):
+            log.warning("watchdog: rank %d is beating again", r)
 
-    def _stale(self) -> dict[int, float]:
-        """Watched peers whose heartbeat stopped, with seconds since it last changed."""
-        cfg = self.config
-        now = time.monotonic()
-        out = {}
-        for r, peer in self._peers.items():
-            age = now - peer.changed
-            limit = cfg.peer_timeout if peer.beat >= 0 else max(cfg.startup_grace_s, cfg.peer_timeout)
-            if age >= limit:
-                out[r] = age
-        return out
-
-    def _groups(self) -> dict[str, list[int]]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return {}
-        for _ in range(3):  # the main thread may add a group while we read
-            try:
-                names = compat.group_names()
-                ranks = compat.group_ranks()
-                return {names[pg]: sorted(ranks[pg]) for pg in names if pg in ranks}
-            except RuntimeError:
-                continue
-        return {}
-
-    def _peer_view(self) -> dict[str, dict[str, Any]]:
-        stale = self._stale()
-        now = time.monotonic()
-        return {
-            str(r): {"age_s": round(now - p.changed, 3), "stale": r in stale, "seen": p.beat >= 0}
-            for r, p in sorted(self._peers.items())
-        }
-
-    def _statement(self) -> dict[str, Any]:
-        frame = self._main_frame()
-        return {
-            **self._heartbeat(),
-            "world_size": self.world_size,
-            "stack": format_stack(frame),
-            "recent": [r.to_dict() for r in recorder.records(_RECENT)],
-            "groups": self._groups(),
-            "peers": self._peer_view(),
-        }
-
-    # ----------------------------------------------------------------- detection
-
-    def _check_hang(self) -> None:
-        now = time.time()
-        for rec in recorder.inflight():
-            key = (seq_key(rec.group, rec.peer is not None), rec.seq)
-            if key in self._reported_ops or now - rec.start < self.config.hang_timeout_s:
-                continue
-            self._reported_ops.add(key)
-            reason = (
-                f"rank {self.rank} waited {now - rec.start:.1f} s in {rec.op} #{rec.seq} on group {rec.group} "
-                f"({rec.numel} x {rec.dtype or 'no data'}, issued at {rec.site})"
+    def _check_hang(self, desk: IncidentDesk) -> None:
+        inflight = self._state.inflight()
+        found = detect.find_hangs(self.rank, inflight, time.time(), self.config.hang_timeout_s, self._reported_ops)
+        if desk.store is not None:  # the peers' backend numbers come through the store
+            now = time.monotonic()
+            self._own_seqs.update(self._state.backend_seq(), now)  # every tick: ~0.4 us a group
+            busy = {rec.group for rec in inflight if rec.peer is None}
+            found += detect.find_backend_desync(
+                self.rank,
+                self._own_seqs.views(now),
+                self._liveness.seq_views(now),
+                busy,
+                self.config.hang_timeout_s,
+                self._reported_backend,
             )
-            log.error("watchdog: hang: %s", reason)
-            doc = {"kind": "hang", "reason": reason, "group": key[0], "seq": rec.seq, "op": rec.op}
-            p2p = f"/r{self.rank}" if rec.peer is not None else ""
-            self._open(f"hang/{key[0]}/{rec.seq}{p2p}", doc)
+        for hang in found:
+            assert hang.op_key is not None
+            backend = hang.kind is IncidentKind.BACKEND_DESYNC
+            (self._reported_backend if backend else self._reported_ops).add(hang.op_key)
+            if backend:  # a hang is suspected: torch's recorder names the op and says if it is open
+                op = backend_ops({hang.op_key[0]: hang.op_key[1]}).get(hang.op_key[0])
+                if op is not None and op.completed:
+                    # It completed here meanwhile (the peers' numbers are up to a beat old): no hang.
+                    self._reported_backend.discard(hang.op_key)
+                    continue
+                if op is not None:
+                    hang = replace(hang, op=op.name, reason=f"{hang.reason} (in {op.name})")
+            log.error("watchdog: hang: %s", hang.reason)
+            desk.open(hang)
 
-    def _check_peers(self) -> None:
-        if self._store is None:
+    def _check_peers(self, desk: IncidentDesk) -> None:
+        if desk.store is None:
             return  # without a store no beat can arrive: silence says nothing about the peers
-        stale = self._stale()
-        fresh = [r for r in stale if not self._peers[r].lost]
-        if not fresh:
+        lost = detect.find_lost(self._liveness.newly_stale(time.monotonic()))
+        if lost is None:
             return
-        for r in fresh:
-            self._peers[r].lost = True
-        ages = ", ".join(f"rank {r} for {stale[r]:.1f} s" for r in sorted(fresh))
-        reason = f"no heartbeat from {ages}"
-        log.error("watchdog: peer lost: %s", reason)
-        if any(not i.done and i.doc["kind"] == "lost" for i in self._incidents):
+        log.error("watchdog: peer lost: %s", lost.reason)
+        if any(not c.ladder.settled and c.doc.kind is IncidentKind.PEERS_LOST for c in desk.cases):
             return  # an open lost-incident's merge will list these ranks too
-        self._open(f"lost/{min(fresh)}", {"kind": "lost", "reason": reason, "ranks": sorted(fresh)})
+        desk.open(lost)
 
-    # ----------------------------------------------------------------- incidents
 
-    def _open(self, signature: str, doc: dict[str, Any]) -> None:
-        """Raises an incident in the store (once per signature across ranks), or locally without a store."""
-        if self._store is None:
-            self._open_local(doc)
-            return
-        token = f"{self.rank}:{uuid.uuid4().hex[:8]}"
-        claim = f"{self._ns}/claim/{signature}"
-        if self._call("compare_set", claim, "", token).decode() != token:
-            return  # another rank raised it; _poll_incidents picks it up
-        n = int(self._call("add", f"{self._ns}/count", 1))
-        created = time.time()
-        doc = {
-            **doc,
-            "n": n,
-            "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}",
-            "by": self.rank,
-            "created": created,
-            "signature": signature,
-        }
-        self._call("set", f"{self._ns}/incident/{n}", json.dumps(doc))
-
-    def _open_local(self, doc: dict[str, Any]) -> None:
-        self._local_count += 1
-        created = time.time()
-        doc = {
-            **doc,
-            "n": -self._local_count,
-            "by": self.rank,
-            "created": created,
-            "signature": "local",
-            "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-r{self.rank}-{doc['kind']}-{self._local_count}",
-        }
-        self._handle(-self._local_count, doc, local=True)
-
-    def _poll_incidents(self) -> None:
-        if self._store is None:
-            return
-        try:
-            count = int(self._call("add", f"{self._ns}/count", 0))
-        except RuntimeError:
-            return
-        for n in range(self._seen_count + 1, count + 1):
-            key = f"{self._ns}/incident/{n}"
-            if not self._call("check", [key]):
-                first = self._waiting_docs.setdefault(n, time.monotonic())
-                if time.monotonic() - first < self.config.peer_timeout:
-                    return  # its creator is between add and set; look again next tick
-                log.warning("watchdog: incident %d was counted but never described; skipping it", n)
-            else:
-                self._handle(n, json.loads(self._call("get", key)), local=False)
-            self._seen_count = n
-
-    def _handle(self, n: int, doc: dict[str, Any], *, local: bool) -> None:
-        """Dumps this rank's state for incident ``n`` and publishes its statement."""
-        cfg = self.config
-        inc = _Incident(n=n, doc=doc, dir=Path(cfg.incident_dir) / doc["id"], local=local)
-        statement = self._statement()
-        heartbeats: dict[int, dict[str, Any]] = {}
-        if not local:
-            try:
-                heartbeats = self._read_heartbeats(list(range(self.world_size)))
-            except (RuntimeError, _StoreGone):
-                heartbeats = {r: p.heartbeat for r, p in self._peers.items() if p.heartbeat}
-        frames = sys._current_frames()
-        names = {t.ident: t.name for t in threading.enumerate()}
-        inc.dump = {
-            "kind": "ncclguard-rank-dump",
-            "version": 1,
-            "incident": doc,
-            "statement": statement,
-            "threads": {
-                f"{names.get(ident, 'thread')} ({ident})": format_stack(frame, limit=60)
-                for ident, frame in frames.items()
-            },
-            "records": [r.to_dict() for r in recorder.records()],
-            "heartbeats": {str(r): hb for r, hb in heartbeats.items()},
-            "waiting_after_s": cfg.heartbeat_s,
-            "watchdog": json.loads(cfg.model_dump_json()),
-            "actions": inc.actions,
-        }
-        inc.actions.append({"rung": "report", "time": time.time(), "done": True})
-        self._write_dump(inc)
+def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None) -> None:
+    """Gives ``desk`` its store: ``given``, else a new client of the job's store; none in a world
+    of one, or when the store cannot be reached (then incidents are handled on each rank alone)."""
+    keys = Keys.from_env(cfg.session)
+    if given is not None:
+        desk.store = WatchdogStore(given, keys, cfg.store_timeout, cfg.peer_timeout)
+        return
+    addr = store_addr(cfg.store_addr)
+    if addr is None or world_size <= 1:
+        log.info("watchdog: no store (world of %d); incidents are handled on this rank only", world_size)
+        return
+    try:
+        store = WatchdogStore.connect(addr, keys, cfg.store_timeout, cfg.peer_timeout)
+        desk.seen_count = store.incident_count()
+    except Exception as exc:  # noqa: BLE001 - any failure to connect leaves the rank on its own
+        desk.store_lost = True
         log.error(
-            "watchdog: incident %s (%s): %s; this rank's dump: %s",
-            doc["id"],
-            doc["kind"],
-            doc["reason"],
-            inc.dir / f"rank{self.rank}.json",
+            "watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
+            addr,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
         )
-        now = time.monotonic()
-        if local:
-            inc.merger = True
-            inc.merge_deadline = now
-        else:
-            base = f"{self._ns}/incident/{n}"
-            try:
-                self._call("set", f"{base}/st/{self.rank}", json.dumps(statement))
-                self._call("add", f"{base}/dumped", 1)
-                mine = str(self.rank)
-                inc.merger = self._call("compare_set", f"{base}/merger", "", mine).decode() == mine
-                inc.merge_deadline = now + cfg.merge_wait
-            except (RuntimeError, _StoreGone) as exc:
-                # Nobody can collect this rank's statement: it merges what it has itself.
-                inc.merger, inc.merge_deadline = True, now
-                if isinstance(exc, _StoreGone):
-                    self._on_store_gone(exc)
-        inc.rung_deadline = now  # the next rung (if any) follows the report at once
-        self._incidents.append(inc)
-        with self._cond:
-            inc.record = {
-                "id": doc["id"],
-                "kind": doc["kind"],
-                "dir": str(inc.dir),
-                "merger": inc.merger,
-                "actions": inc.actions,
-                "settled": False,
-                "doc": doc,
-            }
-            self._handled.append(inc.record)
-            self._cond.notify_all()
-
-    def _write_dump(self, inc: _Incident) -> None:
-        try:
-            write_json(inc.dir / f"rank{self.rank}.json", inc.dump)
-        except OSError as exc:
-            log.error("watchdog: could not write the dump of incident %s: %s", inc.doc["id"], exc)
-
-    def _progress(self) -> None:
-        for inc in list(self._incidents):
-            if inc.done:
-                continue
-            try:
-                if inc.merger and not inc.merged and not self._merge(inc):
-                    continue  # still waiting for statements; the ladder waits for the merge
-                self._climb(inc)
-            except _StoreGone as exc:
-                self._on_store_gone(exc)  # this incident goes on without the store next tick
-
-    def _gather(self, inc: _Incident, stale: dict[int, float]) -> tuple[dict[int, Any], dict[int, Any]] | None:
-        """The statements and heartbeats of incident ``inc`` from the store; None while still waiting."""
-        base = f"{self._ns}/incident/{inc.n}"
-        dumped = int(self._call("add", f"{base}/dumped", 0))
-        if dumped < self.world_size - len(stale) and time.monotonic() < inc.merge_deadline:
-            return None
-        ranks = list(range(self.world_size))
-        keys = [f"{base}/st/{r}" for r in ranks]
-        present = [(r, k) for r, k in zip(ranks, keys) if self._call("check", [k])]
-        blobs = self._call("multi_get", [k for _, k in present]) if present else []
-        statements = {r: json.loads(b) for (r, _), b in zip(present, blobs)}
-        return statements, self._read_heartbeats(ranks)
-
-    def _merge(self, inc: _Incident) -> bool:
-        """Merges when every live rank has spoken or the wait is over; returns True once merged."""
-        stale = self._stale()
-        own = {self.rank: inc.dump["statement"]}
-        cached = {r: p.heartbeat for r, p in self._peers.items() if p.heartbeat}
-        extra: list[dict[str, Any]] = []
-        analyse_ranks = True
-        if inc.doc["kind"] == "store":
-            statements, heartbeats, analyse_ranks = own, {}, False
-            extra = [{"kind": "store", "text": inc.doc["store_text"]}]
-        elif inc.local or self._store is None:
-            statements, heartbeats = own, cached
-            if not inc.local:
-                extra = [
-                    {
-                        "kind": "store",
-                        "text": f"the store went away before the merge: only rank {self.rank}'s "
-                        "statement and the heartbeats it had seen are in this report",
-                    }
-                ]
-        else:
-            try:
-                gathered = self._gather(inc, stale)
-            except _StoreGone as exc:
-                self._on_store_gone(exc)
-                return False  # merge from what this rank has, next tick
-            if gathered is None:
-                return False
-            statements, heartbeats = gathered
-            # Each rank watched a few peers: a peer is lost if anyone found it stale.
-            for st in statements.values():
-                for r, view in (st.get("peers") or {}).items():
-                    if view.get("stale") and int(r) not in statements:
-                        stale[int(r)] = max(stale.get(int(r), 0.0), view.get("age_s", 0.0))
-        stale = {r: a for r, a in stale.items() if r not in statements}
-        incident = merge(
-            inc.doc,
-            statements,
-            heartbeats,
-            stale,
-            self.world_size,
-            merged_by=self.rank,
-            waiting_after_s=self.config.heartbeat_s,
-            extra_findings=extra,
-            analyse_ranks=analyse_ranks,
-        )
-        text = render(incident)
-        try:
-            write_json(inc.dir / INCIDENT_FILE, incident)
-            (inc.dir / SUMMARY_FILE).write_text(text)
-        except OSError as exc:
-            log.error("watchdog: could not write incident %s: %s", inc.doc["id"], exc)
-        inc.merged = True
-        log.error(
-            "watchdog: incident %s merged: %s; report: %s", inc.doc["id"], incident["summary"], inc.dir / SUMMARY_FILE
-        )
-        log.info("watchdog: incident report\n%s", text)
-        if self._store is not None and not inc.local:
-            try:
-                self._call(
-                    "set",
-                    f"{self._ns}/incident/{inc.n}/merged",
-                    json.dumps({"host": _HOST, "dir": str(inc.dir.resolve()), "summary": incident["summary"]}),
-                )
-            except (RuntimeError, _StoreGone):
-                pass
-        with self._cond:
-            self._cond.notify_all()
-        return True
-
-    # ----------------------------------------------------------------- the ladder
-
-    def _resolved(self, inc: _Incident) -> bool:
-        """True once the op that raised a hang incident completed somewhere (never for lost ranks)."""
-        key = self._op_key(inc)
-        if key is None:
-            return False
-        if _completed_here(key):
-            if not inc.local and self._store is not None:
-                try:
-                    self._call("set", f"{self._ns}/incident/{inc.n}/resolved", "1")
-                except (RuntimeError, _StoreGone):
-                    pass
-            return True
-        if inc.local or self._store is None:
-            return False
-        try:
-            return bool(self._call("check", [f"{self._ns}/incident/{inc.n}/resolved"]))
-        except (RuntimeError, _StoreGone):
-            return False
-
-    def _settle(self, inc: _Incident) -> None:
-        inc.done = True
-        with self._cond:
-            inc.record["settled"] = True
-            self._cond.notify_all()
-
-    @staticmethod
-    def _op_key(inc: _Incident) -> tuple[str, int] | None:
-        """(group, seq) of the op that raised a hang incident; None for other kinds."""
-        doc = inc.doc
-        return (doc["group"], doc["seq"]) if doc["kind"] == "hang" else None
-
-    def _climb(self, inc: _Incident) -> None:
-        ladder = self.config.ladder
-        if inc.rung + 1 >= len(ladder):
-            self._settle(inc)
-            return
-        now = time.monotonic()
-        if now < inc.rung_deadline:
-            return
-        if self._resolved(inc):
-            inc.actions.append({"rung": "resolved", "time": time.time(), "done": True})
-            log.warning("watchdog: incident %s cleared before %s", inc.doc["id"], ladder[inc.rung + 1])
-            self._settle(inc)
-            self._write_dump(inc)
-            return
-        inc.rung += 1
-        inc.rung_deadline = now + self.config.escalate_after_s
-        rung = ladder[inc.rung]
-        entry: dict[str, Any] = {"rung": rung, "time": time.time()}
-        inc.actions.append(entry)
-        getattr(self, f"_do_{rung}")(inc, entry)
-        self._write_dump(inc)
-        with self._cond:
-            self._cond.notify_all()
-
-    def _error(self, inc: _Incident) -> CollectiveTimeout:
-        doc = inc.doc
-        return CollectiveTimeout(
-            f"ncclguard watchdog, incident {doc['id']}: {doc['reason']}; report in {inc.dir}",
-            op=doc.get("op", ""),
-            group=doc.get("group") or "",
-            elapsed_s=time.time() - doc["created"],
-            missing_ranks=doc.get("ranks"),
-        )
-
-    def _do_raise(self, inc: _Incident, entry: dict[str, Any]) -> None:
-        blocked = self._blocked_in()
-        if blocked is not None:
-            entry.update(
-                done=False,
-                why=f"the main thread is blocked in C++ ({blocked.op} #{blocked.seq}); "
-                "an exception cannot reach it before the backend returns",
-            )
-            log.warning("watchdog: raise skipped: %s", entry["why"])
-            return
-        self._pending_raise = (self._error(inc), self._op_key(inc), entry)
-        signal.pthread_kill(self._main_ident, self._signum)
-        entry["done"] = True
-        log.error("watchdog: raised CollectiveTimeout in the main thread")
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        pending, self._pending_raise = self._pending_raise, None
-        if pending is not None:
-            exc, key, entry = pending
-            # Checked here, in the main thread, so it cannot race with the op completing: a rank
-            # whose part of the hung op completed meanwhile is not stuck any more.
-            if key is not None and _completed_here(key):
-                entry.update(
-                    done=False,
-                    why=f"dropped: op #{key[1]} on group {key[0]} completed on this rank before the signal landed",
-                )
-                log.warning("watchdog: raise %s", entry["why"])
-                return
-            raise exc
-        prev = self._prev_handler
-        if callable(prev):  # not ours: the application's own use of the signal
-            prev(signum, frame)
-
-    def _do_abort(self, inc: _Incident, entry: dict[str, Any]) -> None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            entry.update(done=False, why="no process group")
-            return
-        aborted, failed = compat.abort_all_groups()
-        entry.update(done=bool(aborted), aborted=aborted, failed=failed)
-        log.error("watchdog: aborted process groups %s%s", aborted, f" (failed: {failed})" if failed else "")
-
-    def _do_exit(self, inc: _Incident, entry: dict[str, Any]) -> None:
-        code = self.config.exit_code
-        entry.update(done=True, code=code)
-        self._write_dump(inc)
-        log.critical("watchdog: exiting with status %d after incident %s", code, inc.doc["id"])
-        for handler in logging.getLogger().handlers + logging.getLogger("ncclguard").handlers:
-            try:
-                handler.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return
+    desk.store, desk.store_addr = store, addr
 
 
-def start_watchdog(config: WatchdogConfig | None = None, *, store: Any = None, **overrides: Any) -> Watchdog:
+def start_watchdog(
+    config: WatchdogConfig | None = None,
+    *,
+    store: Any = None,
+    actions: Sequence[Action | str] | None = None,
+    **overrides: Any,
+) -> Watchdog:
     """Builds and starts a :class:`Watchdog` (see it for the arguments); returns it.
 
     Example::
@@ -985,4 +387,4 @@ def start_watchdog(config: WatchdogConfig | None = None, *, store: Any = None, *
         dist.init_process_group("nccl")
         ncclguard.start_watchdog(heartbeat_s=5, hang_timeout_s=300, action="exit")
     """
-    return Watchdog(config, store=store, **overrides).start()
+    return Watchdog(config, store=store, actions=actions, **overrides).start()

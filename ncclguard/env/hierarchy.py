@@ -13,9 +13,9 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ncclguard import _torch_compat as compat
-from ncclguard.collectives.deadlines import adaptive_timeout
+from ncclguard.collectives.deadlines import adaptive_timeout, default_deadline
+from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.config import Config, get_config
-from ncclguard.errors import TorchCompatError
 
 __all__ = [
     "TimeoutHierarchy",
@@ -46,27 +46,6 @@ def backend_default_timeout_s(backend: str) -> float:
     from torch.distributed.constants import default_pg_timeout
 
     return default_pg_timeout.total_seconds()
-
-
-def group_timeout_s(group: Any = None) -> float | None:
-    """The timeout in force of a live process group, read from its backend's options.
-
-    Args:
-        group: a process group; default the world group.
-
-    Returns:
-        Seconds, or None when no group is initialized or torch does not expose it.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    pg = compat.default_group() if group is None or group is dist.group.WORLD else group
-    # torch keeps the timeout in each device backend's options (ProcessGroupGloo/NCCL::Options).
-    for device in getattr(pg, "_device_types", []):
-        try:
-            return compat.backend_timeout(pg, device).total_seconds()
-        except (TorchCompatError, RuntimeError):
-            continue
-    return None
 
 
 def subgroup_timeouts_s() -> dict[str, float]:
@@ -305,9 +284,6 @@ class TimeoutHierarchy(BaseModel):
         sources: dict[str, str] = {}
         values: dict[str, Any] = {}
 
-        values["op_deadline_s"] = adaptive_timeout(op_numel, op_numel * 4, cfg)
-        sources["op_deadline_s"] = f"{cfg.timeout_policy} policy for {op_numel} float32 elements (Config)"
-
         hang, liveness, wd_source = _watchdog_timeouts()
         if hang is not None:
             values["watchdog_hang_s"], sources["watchdog_hang_s"] = hang, wd_source
@@ -333,7 +309,15 @@ class TimeoutHierarchy(BaseModel):
             if value is not None:
                 values[field] = float(value)
                 sources[field] = "given" if given is not None else f"Config.{name}"
-        values["barrier_deadline_s"], sources["barrier_deadline_s"] = cfg.barrier_timeout_s, "Config.barrier_timeout_s"
+        # ncclguard's default deadlines, as a call on the group would get them: capped below its timeout.
+        pg = values["pg_timeout_s"]
+        policy = adaptive_timeout(op_numel, op_numel * 4, cfg)
+        values["op_deadline_s"] = default_deadline(policy, pg, cfg)
+        capped = ", capped" if values["op_deadline_s"] < policy else ""
+        sources["op_deadline_s"] = f"{cfg.timeout_policy} policy for {op_numel} float32 elements{capped} (Config)"
+        values["barrier_deadline_s"] = default_deadline(cfg.barrier_timeout_s, pg, cfg)
+        capped = " (capped)" if values["barrier_deadline_s"] < cfg.barrier_timeout_s else ""
+        sources["barrier_deadline_s"] = f"Config.barrier_timeout_s{capped}"
         values["subgroup_timeouts_s"] = subgroup_timeouts_s()
 
         ds, ds_source = _deepspeed_timeout(env)

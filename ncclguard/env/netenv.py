@@ -21,6 +21,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict
 
 from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
 from ncclguard.config import Config, get_config
 from ncclguard.env.envvars import DEPRECATED, env_warnings, mark_applied
 from ncclguard.env.infiniband import SYSFS_INFINIBAND, IbDevice, read_infiniband
@@ -298,7 +299,7 @@ def detect(
         infiniband=ib,
         environment=_recommend(interface, family, ib_active, cfg),
         warnings=warnings,
-        hostname=socket.gethostname(),
+        hostname=HOSTNAME,
     )
 
 

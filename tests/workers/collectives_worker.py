@@ -50,12 +50,12 @@ def semantics() -> None:
             if op_name == "AVG" and not dt.is_floating_point:
                 continue
             cases = {
-                "0d": lambda: data((), dt, r),
-                "empty": lambda: data((0,), dt, r),
-                "vector": lambda: data((37,), dt, r),
-                "noncontig": lambda: data((6, 9), dt, r).t(),
-                "chunked": lambda: data((50,), dt, r),
-                "chunked_noncontig": lambda: data((10, 12), dt, r)[:, ::2],
+                "0d": lambda dt=dt: data((), dt, r),
+                "empty": lambda dt=dt: data((0,), dt, r),
+                "vector": lambda dt=dt: data((37,), dt, r),
+                "noncontig": lambda dt=dt: data((6, 9), dt, r).t(),
+                "chunked": lambda dt=dt: data((50,), dt, r),
+                "chunked_noncontig": lambda dt=dt: data((10, 12), dt, r)[:, ::2],
             }
             for case, make in cases.items():
                 want = expected(make(), op_name, world)
@@ -159,6 +159,11 @@ def stalls() -> None:
     stall(2, 3.5)
     t0 = time.monotonic()
     b = safe_barrier(timeout=2.5 if r == 1 else 2)
+    try:
+        b.raise_for_error()
+        raised = None
+    except CollectiveError as exc:
+        raised = [type(exc).__name__, exc is b.error]
     put(
         "barrier",
         {
@@ -167,7 +172,10 @@ def stalls() -> None:
             "hosts": b.missing_hosts,
             "late": b.late,
             "elapsed": time.monotonic() - t0,
-            "error": b.error,
+            "error": str(b.error),
+            "error_type": type(b.error).__name__,
+            "error_missing": getattr(b.error, "missing_ranks", None),
+            "raised": raised,
         },
     )
     put("barrier_sync", bool(safe_barrier(timeout=10)))

@@ -1,9 +1,10 @@
 """Rank side of tests/test_watchdog_multirank.py. Usage: diagnosis_worker.py SCENARIO.
 
 Scenarios (each one launch):
-    desync     torchrun, 3 ranks, action report: the instrumented ops recorded alike on every
-               rank; rank 2 skips one dist.all_reduce (in eval), later rank 1 freezes in Python;
-               then SIGALRM against a blocked gloo collective while the watchdog catches it.
+    desync     torchrun, 3 ranks, ladder report then a custom rung (Marker): the instrumented
+               ops recorded alike on every rank; rank 2 skips one dist.all_reduce (in eval),
+               later rank 1 freezes in Python; then SIGALRM against a blocked gloo collective
+               while the watchdog catches it.
     raise_lost spawn, 4 ranks, action raise: a frozen rank ended by CollectiveTimeout; rank 3
                SIGKILLed and reported lost; rank 0 (the store's host) killed, the store reported.
     exit       spawn, 2 ranks, action exit: the ladder climbs to os._exit(75).
@@ -23,12 +24,25 @@ import torch.distributed as dist
 from rankkit import kill, put, skip_collective
 
 from ncclguard import CollectiveTimeout, phase, recorder, safe_barrier, sigalrm_timeout, start_watchdog
+from ncclguard.diagnosis.actions import Action, ActionContext, IncidentRef, Outcome
 from ncclguard.diagnosis.incident import INCIDENT_FILE
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"
 HEARTBEAT_S = 0.3
 HANG_S = 1.5
+
+
+class Marker(Action):
+    """A user's own rung: leaves a file per incident and rank (say, where a checkpoint would go)."""
+
+    name = "marker"
+
+    def __call__(self, incident: IncidentRef, ctx: ActionContext) -> Outcome:
+        path = OUT / "marks" / f"{incident.doc.id}.rank{ctx.rank}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(incident.doc.kind.value)
+        return Outcome(done=True, details={"path": str(path)})
 
 
 def merged_incidents() -> int:
@@ -102,7 +116,9 @@ def exercise_ops(r: int, world: int) -> dict[str, str]:
 def desync() -> None:
     r = rankkit.init()
     world = dist.get_world_size()
-    wd = start_watchdog(heartbeat_s=HEARTBEAT_S, hang_timeout_s=HANG_S, incident_dir=INCIDENTS, action="report")
+    wd = start_watchdog(
+        heartbeat_s=HEARTBEAT_S, hang_timeout_s=HANG_S, incident_dir=INCIDENTS, actions=["report", Marker()]
+    )
 
     with phase("train", step=1):
         put("ops", exercise_ops(r, world))
@@ -157,7 +173,7 @@ def desync() -> None:
             )
         put("alarm_elapsed", time.monotonic() - t0)
     safe_barrier(timeout=30)
-    put("incidents", wd.wait_for_incident(10, count=3, merged=r == 0))
+    put("incidents", wd.wait_for_incident(10, count=3, merged=r == 0, settled=True))
     put("group_names", {"world": dist.distributed_c10d._get_default_group().group_name, "slow": slow.group_name})
     rankkit.done()
 

@@ -1,0 +1,217 @@
+"""What safe_all_reduce puts on the wire: chunks issued with a bounded number in flight, each
+waited on against the call's deadline, through the tensor itself, a private buffer or a staging ring.
+
+Torch cannot cancel a collective in flight: on gloo ``wait(timeout)`` gives up waiting but the op
+stays queued and may still complete and write later. Hence the private buffer of ``atomic=True``
+(dropped, never reused, after a failure) and the caller's duty to mark the group failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ncclguard.collectives.chunking import logical_views
+from ncclguard.collectives.groups import GroupInfo
+from ncclguard.config import get_config
+
+__all__ = ["DeadlinePassed", "WireFailure", "release_atomic_buffers", "run_chunks", "wait_work"]
+
+
+# How early a timed wait may return and still count as ours (timer granularity).
+_CLOCK_SLACK_S = 2e-3
+
+
+class DeadlinePassed(TimeoutError):
+    """ncclguard's own deadline passed while waiting (as opposed to the backend giving up)."""
+
+
+@dataclass(frozen=True)
+class WireFailure:
+    """How a chunked reduction failed.
+
+    Attributes:
+        chunk: index of the chunk being waited on (or issued) when it failed.
+        exc: the exception: :class:`DeadlinePassed`, or the backend's error.
+        at: ``time.monotonic()`` when it failed.
+    """
+
+    chunk: int
+    exc: BaseException
+    at: float
+
+
+def wait_work(work: Any, deadline: float, backend: str) -> None:
+    """Waits for ``work`` until ``deadline``.
+
+    Raises:
+        DeadlinePassed: the deadline passed first.
+        Exception: the backend's error (a peer closed the connection, the backend's own timeout).
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlinePassed("deadline passed")
+    if backend == "nccl":
+        # NCCL's wait() only orders streams; the CPU must poll to keep its deadline.
+        pause = 5e-5
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise DeadlinePassed("deadline passed")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        work.wait()
+        return
+    try:
+        work.wait(timeout=timedelta(seconds=remaining))
+    except Exception as exc:
+        # gloo reports the end of our wait and its own timeout alike ("Timed out"): the clock
+        # tells them apart. A wait that ended at our deadline is ours.
+        if time.monotonic() >= deadline - _CLOCK_SLACK_S:
+            raise DeadlinePassed(f"deadline passed ({exc})") from exc
+        raise
+
+
+class _PrivateBuffers:
+    """One reusable flat buffer per (dtype, device) for ``atomic=True``.
+
+    Allocating and first touching a tensor-sized buffer on every call cost more than the
+    all_reduce itself (benchmarks/atomic_cost.py). A buffer is checked out for one call, so
+    concurrent calls never share one, and dropped, never reused, after a failed call: the
+    abandoned op may still write into it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            buf = self._free.pop((dtype, device), None)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            kept = self._free.get((buf.dtype, buf.device))
+            if kept is None or kept.numel() < buf.numel():
+                self._free[(buf.dtype, buf.device)] = buf
+
+    def release(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_private = _PrivateBuffers()
+
+
+def release_atomic_buffers() -> None:
+    """Frees the buffers kept between ``atomic=True`` calls (one per dtype and device, as large as
+    the largest tensor reduced atomically)."""
+    _private.release()
+
+
+def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_flat: bool) -> None:
+    """Copies elements [a, b) of ``src`` (any layout) into flat ``dst``, or back when not ``into_flat``."""
+    off = 0
+    for v in logical_views(src, a, b):
+        part = dst[off : off + v.numel()].view(v.shape)
+        if into_flat:
+            part.copy_(v)
+        else:
+            v.copy_(part)
+        off += v.numel()
+
+
+def run_chunks(
+    info: GroupInfo,
+    tensor: torch.Tensor,
+    op: Any,
+    bounds: list[tuple[int, int]],
+    deadline: float,
+    atomic: bool,
+) -> tuple[int, WireFailure | None]:
+    """Issues the chunks with at most ``Config.max_inflight`` in flight, each waited on by ``deadline``.
+
+    Returns:
+        (leading elements reduced in ``tensor``, None) on success, or
+        (leading elements reduced, the failure) on failure; with ``atomic`` the count is 0 and
+        ``tensor`` is untouched.
+    """
+    avg_by_hand = op == dist.ReduceOp.AVG and info.backend != "nccl"
+    wire_op = dist.ReduceOp.SUM if avg_by_hand else op
+    numel = tensor.numel()
+    if len(bounds) == 1 and not atomic and tensor.is_contiguous():
+        # The common small call: the tensor itself on the wire, none of the chunk machinery.
+        try:
+            wait_work(dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend)
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+            return 0, WireFailure(0, exc, time.monotonic())
+        if avg_by_hand:
+            with torch.no_grad():
+                tensor.div_(info.size)
+        return numel, None
+
+    # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
+    # private copy published only at the end (atomic), or a small staging ring (non-contiguous).
+    max_inflight = get_config().max_inflight
+    chunk = bounds[0][1] - bounds[0][0]
+    in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
+    private = _private.take(numel, tensor.dtype, tensor.device) if atomic else None
+    staging: list[torch.Tensor] | None = [] if in_place is None and private is None else None
+    inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
+    reduced = 0
+
+    def issue(i: int) -> None:
+        a, b = bounds[i]
+        if in_place is not None:
+            buf = in_place[a:b]
+        else:
+            if private is not None:
+                buf = private[a:b]
+            else:
+                assert staging is not None
+                if len(staging) < max_inflight:
+                    staging.append(torch.empty(chunk, dtype=tensor.dtype, device=tensor.device))
+                buf = staging[i % max_inflight][: b - a]
+            _copy_range(buf, tensor, a, b, into_flat=True)
+        inflight.append((i, dist.all_reduce(buf, op=wire_op, group=info.group, async_op=True), buf))
+
+    def complete() -> None:
+        nonlocal reduced
+        i, work, buf = inflight[0]
+        wait_work(work, deadline, info.backend)
+        inflight.popleft()
+        if avg_by_hand:
+            buf.div_(info.size)
+        if staging is not None:
+            _copy_range(buf, tensor, *bounds[i], into_flat=False)
+        reduced = bounds[i][1]
+
+    i = 0
+    grad_mode = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # staging copies and AVG's division are not autograd's business
+    try:
+        for i in range(len(bounds)):
+            if len(inflight) >= max_inflight:
+                complete()
+            issue(i)
+        while inflight:
+            i = inflight[0][0]
+            complete()
+        if private is not None:
+            tensor.copy_(private[:numel].view(tensor.shape))
+            _private.give_back(private)
+    except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+        # The private buffer is not given back: an abandoned op may still write into it.
+        return (0 if atomic else reduced), WireFailure(inflight[0][0] if inflight else i, exc, time.monotonic())
+    finally:
+        torch.set_grad_enabled(grad_mode)
+    return reduced, None

@@ -1,0 +1,428 @@
+"""Culprits versus victims, from what the ranks said: pure functions of the typed model.
+
+Per process group with an op in flight for longer than ``waiting_after_s``: the ranks waiting at
+the group's highest sequence number are the victims; a member whose last sequence number is lower
+is elsewhere (a culprit: its phase, main-thread call site and any op it is in are reported); a
+member whose heartbeat went stale is lost; waiting ranks that disagree on the op, size or dtype at
+the same number are a mismatch; everyone waiting at the same number with the same op is a stuck
+transport, not a desync. Send/recv waits are matched by peer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from ncclguard.diagnosis.model import (
+    Analysis,
+    Culprit,
+    CulpritReason,
+    DesyncFinding,
+    Finding,
+    Heartbeat,
+    HeartbeatView,
+    Incident,
+    IncidentDoc,
+    IncidentKind,
+    LostRank,
+    LostRanksFinding,
+    MismatchFinding,
+    NoView,
+    OpRecord,
+    P2PFinding,
+    RankView,
+    SilentFinding,
+    Statement,
+    StatementView,
+    Straggler,
+    StuckFinding,
+    Variant,
+    Whereabouts,
+)
+from ncclguard.diagnosis.render import summary_line
+
+__all__ = ["analyse", "assemble", "whereabouts"]
+
+SILENT_NOTE = "no statement came from these ranks (watchdog thread starved, e.g. the GIL held by C code)"
+
+
+def _view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat]) -> Heartbeat | None:
+    """What is known of ``rank``: its statement, else its last heartbeat, else None."""
+    if rank in statements:
+        return statements[rank]
+    return heartbeats.get(rank)
+
+
+def _members(group: str, views: Mapping[int, Heartbeat], world_size: int) -> list[int]:
+    for view in views.values():
+        ranks = view.groups.get(group) if isinstance(view, Statement) else None
+        if ranks:
+            return sorted(ranks)
+    if group == "0":
+        return list(range(world_size))
+    return sorted(r for r, v in views.items() if group in v.last_seq)
+
+
+def whereabouts(rank: int, view: Heartbeat | None, exclude: tuple[str, int] | None = None) -> Whereabouts:
+    """A rank's whereabouts: phase, main-thread site, and the op it is in (other than ``exclude``)."""
+    if view is None:
+        return Whereabouts(rank=rank, phase="", site="?")
+    inflight = None
+    candidates = ([view.blocked_in] if view.blocked_in is not None else []) + list(view.inflight)
+    for rec in candidates:
+        if exclude is None or (rec.group, rec.seq) != exclude:
+            inflight = rec
+            break
+    return Whereabouts(rank=rank, phase=view.phase, site=view.site, inflight=inflight, host=view.host, pid=view.pid)
+
+
+class _Findings:
+    """The analysis as it accumulates: findings, culprits by rank, victims."""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+        self.culprits: dict[int, Culprit] = {}
+        self.victims: set[int] = set()
+
+    def culprit(self, where: Whereabouts, why: CulpritReason, **fields: object) -> None:
+        if where.rank not in self.culprits:
+            self.culprits[where.rank] = Culprit.model_validate({**dict(where), **fields, "why": why})
+
+
+def _group_finding(
+    acc: _Findings,
+    group: str,
+    recs: dict[int, tuple[OpRecord, float]],
+    views: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+    now: float,
+) -> None:
+    """Analyses one group with an op stuck somewhere (``recs``: each rank's oldest op in flight)."""
+    top = max(rec.seq for rec, _ in recs.values())
+    at_top = {r: rec for r, (rec, _) in recs.items() if rec.seq == top}
+    shapes = Counter((rec.op, rec.numel, rec.dtype) for rec in at_top.values())
+    first = at_top[min(at_top)]
+    base = {
+        "group": group,
+        "seq": top,
+        "op": first.op,
+        "numel": first.numel,
+        "dtype": first.dtype,
+        "phase": first.phase,
+        "site": first.site,
+        "waiting_s": round(max(now - rec.start for rec in at_top.values()), 1),
+    }
+    if len(shapes) > 1:
+        variants = []
+        for shape, _count in shapes.most_common():
+            ranks = sorted(r for r, rec in at_top.items() if (rec.op, rec.numel, rec.dtype) == shape)
+            lead = at_top[ranks[0]]
+            variants.append(
+                Variant(ranks=ranks, op=shape[0], numel=shape[1], dtype=shape[2], site=lead.site, phase=lead.phase)
+            )
+        majority = len(variants[0].ranks) > len(variants[1].ranks)
+        odd = sorted(r for v in variants[1 if majority else 0 :] for r in v.ranks)
+        acc.findings.append(MismatchFinding.model_validate({**base, "variants": variants, "suspects": odd}))
+        for r in odd:
+            acc.culprit(whereabouts(r, views.get(r)), CulpritReason.MISMATCH, group=group, seq=top)
+        acc.victims.update(r for r in at_top if r not in odd)
+        return
+    behind: list[Straggler] = []
+    gone: list[Straggler] = []
+    for r in _members(group, views, world_size):
+        if r in at_top:
+            continue
+        view = views.get(r)
+        last = view.last_seq.get(group, 0) if view is not None else 0
+        done = view.last_completed.get(group, 0) if view is not None else 0
+        where = dict(whereabouts(r, view, exclude=(group, top)))
+        if r in stale:
+            gone.append(
+                Straggler.model_validate(
+                    {**where, "last_seq": last, "last_completed": done, "stale_s": round(stale[r], 1)}
+                )
+            )
+        elif view is None or last < top:
+            behind.append(Straggler.model_validate({**where, "last_seq": last, "last_completed": done}))
+        # else: it issued #top already and is not waiting in it: not the one holding the others up
+    acc.victims.update(at_top)
+    if not behind and not gone:
+        acc.findings.append(StuckFinding.model_validate({**base, "waiting": sorted(at_top)}))
+        return
+    acc.findings.append(
+        DesyncFinding.model_validate({**base, "waiting": sorted(at_top), "behind": behind, "lost": gone})
+    )
+    for entry, why in [(e, CulpritReason.BEHIND) for e in behind] + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
+        fields = {"group": group, "seq": top, "last_seq": entry.last_seq, "last_completed": entry.last_completed}
+        if entry.stale_s is not None:
+            fields["stale_s"] = entry.stale_s
+        acc.culprit(Whereabouts.model_validate(dict(entry)), why, **fields)
+
+
+# torch's scalar type names (its flight recorder's input_dtypes) as ncclguard writes dtypes.
+_SCALAR_TYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+}
+FROM_CPP = "C++ (not a torch.distributed Python call: DDP's reducer, a functional collective, ...)"
+
+
+def _backend_finding(
+    acc: _Findings,
+    group: str,
+    statements: Mapping[int, Statement],
+    views: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+    now: float,
+) -> None:
+    """Analyses ``group`` by the backend's sequence numbers: the ranks at the highest number wait
+    in an op the others have not issued (found by :func:`~ncclguard.diagnosis.detect.find_backend_desync`)."""
+    seqs = {r: v.backend_seq[group] for r, v in views.items() if v.backend_seq and group in v.backend_seq}
+    if not seqs:
+        return
+    top = max(seqs.values())
+    at_top = sorted(r for r, seq in seqs.items() if seq == top and r not in stale)
+    if not at_top:
+        return
+    lead = views[at_top[0]]
+    op = next((st.backend_ops[group] for r in at_top if (st := statements.get(r)) and group in st.backend_ops), None)
+    dtype = _SCALAR_TYPES.get(op.dtypes[0], op.dtypes[0].lower()) if op and op.dtypes else ""
+    numel = sum(math.prod(size) for size in op.sizes) if op else 0
+    base = {
+        "group": group,
+        "seq": top,
+        "op": op.name if op else "an op",
+        "numel": numel,
+        "dtype": dtype,
+        "phase": lead.phase,
+        "site": f"{FROM_CPP}; main thread at {lead.site}",
+        "waiting_s": round(now - op.created, 1) if op and op.created else 0.0,
+        "backend": True,
+    }
+    behind: list[Straggler] = []
+    gone: list[Straggler] = []
+    for r in _members(group, views, world_size):
+        seq = seqs.get(r, 0)
+        if seq >= top:
+            continue
+        # The others passed #seq: it completed there. Its whereabouts are Python's.
+        entry = Straggler.model_validate({**dict(whereabouts(r, views.get(r))), "last_seq": seq, "last_completed": seq})
+        if r in stale:
+            gone.append(entry.model_copy(update={"stale_s": round(stale[r], 1)}))
+        else:
+            behind.append(entry)
+    if not behind and not gone:
+        return  # every member reached #top meanwhile: the desync closed
+    acc.victims.update(at_top)
+    acc.findings.append(DesyncFinding.model_validate({**base, "waiting": at_top, "behind": behind, "lost": gone}))
+    for entry, why in [(e, CulpritReason.BEHIND) for e in behind] + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
+        fields = {"group": group, "seq": top, "last_seq": entry.last_seq, "last_completed": entry.last_completed}
+        if entry.stale_s is not None:
+            fields["stale_s"] = entry.stale_s
+        acc.culprit(Whereabouts.model_validate(dict(entry)), why, **fields)
+
+
+def _p2p_finding(
+    acc: _Findings, rank: int, rec: OpRecord, views: Mapping[int, Heartbeat], stale: Mapping[int, float], now: float
+) -> None:
+    peer = rec.peer if rec.peer is not None else -1
+    peer_view = views.get(peer) if peer not in stale else None
+    back = [p for p in (peer_view.inflight if peer_view is not None else []) if p.peer == rank]
+    where = whereabouts(peer, peer_view)
+    acc.findings.append(
+        P2PFinding(
+            rank=rank,
+            op=rec.op,
+            group=rec.group,
+            seq=rec.seq,
+            peer=peer,
+            numel=rec.numel,
+            dtype=rec.dtype,
+            phase=rec.phase,
+            site=rec.site,
+            waiting_s=round(now - rec.start, 1),
+            peer_waits_back=back[0] if back else None,
+            peer_where=where,
+        )
+    )
+    acc.victims.add(rank)
+    if peer >= 0 and peer not in stale and not back:
+        acc.culprit(where, CulpritReason.P2P, group=rec.group, seq=rec.seq, waiter=rank, waiter_op=rec.op)
+
+
+def analyse(
+    statements: Mapping[int, Statement],
+    heartbeats: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+    *,
+    now: float | None = None,
+    waiting_after_s: float = 0.0,
+    focus: tuple[str, int] | None = None,
+    backend_group: str | None = None,
+) -> Analysis:
+    """Names culprits and victims from what the ranks said.
+
+    Args:
+        statements: each answering rank's statement, by rank.
+        heartbeats: the last heartbeat seen of each rank, by rank (used where no statement came).
+        stale: ranks whose heartbeat stopped, with seconds since it last changed.
+        world_size: ranks in the job.
+        now: the time of the analysis (``time.time()``); default now.
+        waiting_after_s: an op counts as stuck once in flight this long.
+        focus: ``(group, seq)`` of the op that raised the incident: its group is always analysed.
+        backend_group: a group whose ranks stood at different backend sequence numbers (a
+            ``desync`` incident): analysed by those numbers when no recorded op explains it.
+
+    Returns:
+        The findings, culprits, victims, stale and silent ranks, and the one-line summary.
+    """
+    now = time.time() if now is None else now
+    views: dict[int, Heartbeat] = {}
+    for r in range(world_size):
+        known = _view(r, statements, heartbeats)
+        if known is not None:
+            views[r] = known
+    lost = sorted(r for r in stale if r < world_size)
+    silent = sorted(r for r in range(world_size) if r not in statements and r not in stale)
+    acc = _Findings()
+
+    # The groups with an op stuck somewhere: the oldest op in flight per rank, with its age.
+    oldest: dict[str, dict[int, tuple[OpRecord, float]]] = {}
+    p2p_waits: list[tuple[int, OpRecord]] = []
+    for r, view in views.items():
+        if r in stale:
+            continue  # a lost rank's last heartbeat is old news: it is a culprit, not a witness
+        for rec in view.inflight:
+            if rec.peer is not None:  # send/recv: counts differ between ranks, matched by peer below
+                if view.time - rec.start >= waiting_after_s:
+                    p2p_waits.append((r, rec))
+                continue
+            mine = oldest.setdefault(rec.group, {})
+            if r not in mine or rec.seq < mine[r][0].seq:
+                mine[r] = (rec, round(view.time - rec.start, 3))
+    problem = [
+        g
+        for g, recs in oldest.items()
+        if any(age >= waiting_after_s for _, age in recs.values()) or (focus is not None and focus[0] == g)
+    ]
+    for group in sorted(problem):
+        _group_finding(acc, group, oldest[group], views, stale, world_size, now)
+    if backend_group is not None and backend_group not in problem:
+        _backend_finding(acc, backend_group, statements, views, stale, world_size, now)
+    for r, rec in sorted(p2p_waits, key=lambda w: (w[0], w[1].seq)):
+        _p2p_finding(acc, r, rec, views, stale, now)
+
+    missing_lost = [r for r in lost if r not in acc.culprits]
+    if missing_lost:
+        entries = []
+        for r in missing_lost:
+            seen = views.get(r)
+            where = dict(whereabouts(r, seen))
+            by_group = dict(seen.last_completed) if seen is not None else {}
+            entries.append(
+                LostRank.model_validate({**where, "stale_s": round(stale[r], 1), "last_completed_by_group": by_group})
+            )
+            acc.culprit(
+                Whereabouts.model_validate(where),
+                CulpritReason.STOPPED_BEATING,
+                stale_s=round(stale[r], 1),
+                last_completed_by_group=by_group,
+            )
+        acc.findings.append(LostRanksFinding(ranks=entries))
+        if not acc.victims:
+            acc.victims.update(r for r in range(world_size) if r not in acc.culprits)
+    if silent:
+        acc.findings.append(SilentFinding(ranks=silent, note=SILENT_NOTE))
+    acc.victims.difference_update(acc.culprits)
+    return Analysis(
+        findings=acc.findings,
+        culprits=[acc.culprits[r] for r in sorted(acc.culprits)],
+        victims=sorted(acc.victims),
+        lost=lost,
+        silent=silent,
+        summary=summary_line(acc.findings),
+    )
+
+
+def _rank_view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat]) -> RankView:
+    if rank in statements:
+        return StatementView.model_validate(dict(statements[rank]))
+    if rank in heartbeats:
+        return HeartbeatView.model_validate(dict(heartbeats[rank]))
+    return NoView()
+
+
+def assemble(
+    doc: IncidentDoc,
+    statements: Mapping[int, Statement],
+    heartbeats: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+    *,
+    merged_by: int,
+    waiting_after_s: float,
+    extra_findings: Sequence[Finding] = (),
+    analyse_ranks: bool = True,
+) -> Incident:
+    """Builds the merged incident (the content of ``incident.json``).
+
+    Args:
+        doc: the incident as raised.
+        statements, heartbeats, stale, world_size, waiting_after_s: see :func:`analyse`.
+        merged_by: the rank that merges (-1: ``python -m ncclguard report``).
+        extra_findings: findings known to the merger only (a lost store: a :class:`StoreFinding`).
+        analyse_ranks: False when the statements say nothing about the others (a lost store).
+
+    Returns:
+        The merged incident.
+    """
+    focus = (doc.group, doc.seq) if doc.group is not None and doc.seq is not None else None
+    backend = doc.group if doc.kind is IncidentKind.BACKEND_DESYNC else None
+    if backend is not None:
+        focus = None  # numbered by the backend, not by ncclguard's records
+    result = (
+        analyse(
+            statements,
+            heartbeats,
+            stale,
+            world_size,
+            waiting_after_s=waiting_after_s,
+            focus=focus,
+            backend_group=backend,
+        )
+        if analyse_ranks
+        else Analysis()
+    )
+    if extra_findings:
+        texts = [getattr(f, "text", "") for f in extra_findings] + ([result.summary] if result.findings else [])
+        result = result.model_copy(
+            update={"findings": [*extra_findings, *result.findings], "summary": "; ".join(texts)}
+        )
+    return Incident(
+        incident=doc,
+        written_at=time.time(),
+        merged_by=merged_by,
+        world_size=world_size,
+        statements_from=sorted(statements),
+        missing_statements=[r for r in range(world_size) if r not in statements],
+        findings=result.findings,
+        culprits=result.culprits,
+        victims=result.victims,
+        lost=result.stale_ranks,
+        silent=result.silent,
+        summary=result.summary,
+        ranks={str(r): _rank_view(r, statements, heartbeats) for r in range(world_size)},
+    )

@@ -1,0 +1,190 @@
+"""Detectors: pure functions from snapshots of a rank's state to the incidents they call for.
+
+A snapshot is plain data (:class:`~ncclguard.diagnosis.model.OpRecord`,
+:class:`~ncclguard.diagnosis.model.Heartbeat`, stale ages) plus ``now``; nothing here reads a
+clock, a thread or the store, so each detector is tested with synthetic snapshots. A detector
+returns :class:`Detection` drafts; the watchdog numbers them into incidents (claiming each
+``signature`` once across ranks).
+
+Heartbeats carry ``backend_seq`` (the backend's sequence number per group, counting every
+collective whoever issued it): :func:`find_backend_desync` compares them across ranks, so a rank
+waiting in an op issued from C++ (DDP's reducer, functional collectives) is seen too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Protocol
+
+from ncclguard.diagnosis.flight import seq_key
+from ncclguard.diagnosis.model import IncidentKind, OpRecord
+
+__all__ = [
+    "Detection",
+    "SeqView",
+    "blocked_in",
+    "completed",
+    "find_backend_desync",
+    "find_hangs",
+    "find_lost",
+    "op_key",
+]
+
+
+class _RecordLike(Protocol):
+    """A flight record or its plain-data form: both number an op in its group."""
+
+    seq: int
+    group: str
+    peer: int | None
+    state: str
+
+
+@dataclass(frozen=True)
+class Detection:
+    """An incident to raise, before it is numbered.
+
+    Attributes:
+        kind: why.
+        reason: one line for the log and the report's title.
+        signature: the same for every rank that detects the same thing (claimed once).
+        group, seq, op: a hang's op (``group`` is its counter: ``"<group>:p2p"`` for send/recv).
+        ranks: the peers that went stale.
+        store_text: what happened to the store.
+    """
+
+    kind: IncidentKind
+    reason: str
+    signature: str
+    group: str | None = None
+    seq: int | None = None
+    op: str | None = None
+    ranks: tuple[int, ...] | None = None
+    store_text: str | None = None
+
+    @property
+    def op_key(self) -> tuple[str, int] | None:
+        return (self.group, self.seq) if self.group is not None and self.seq is not None else None
+
+
+def op_key(rec: _RecordLike) -> tuple[str, int]:
+    """``(counter, seq)`` of a record: its group, or ``"<group>:p2p"`` for send/recv."""
+    return seq_key(rec.group, rec.peer is not None), rec.seq
+
+
+def find_hangs(
+    rank: int, inflight: Sequence[OpRecord], now: float, hang_timeout_s: float, reported: AbstractSet[tuple[str, int]]
+) -> list[Detection]:
+    """This rank's ops in flight for ``hang_timeout_s`` or longer, not reported yet.
+
+    Args:
+        rank: this rank.
+        inflight: its ops in flight (``start`` is ``time.time()``).
+        now: ``time.time()``.
+        hang_timeout_s: the age that makes an op a hang.
+        reported: ``op_key`` of the ops already reported.
+    """
+    out = []
+    for rec in inflight:
+        key = op_key(rec)
+        if key in reported or now - rec.start < hang_timeout_s:
+            continue
+        reason = (
+            f"rank {rank} waited {now - rec.start:.1f} s in {rec.op} #{rec.seq} on group {rec.group} "
+            f"({rec.numel} x {rec.dtype or 'no data'}, issued at {rec.site})"
+        )
+        p2p = f"/r{rank}" if rec.peer is not None else ""  # send/recv numbers differ per rank
+        out.append(
+            Detection(IncidentKind.HANG, reason, f"hang/{key[0]}/{rec.seq}{p2p}", group=key[0], seq=rec.seq, op=rec.op)
+        )
+    return out
+
+
+def find_lost(newly_stale: Mapping[int, float]) -> Detection | None:
+    """One incident for the peers that just went stale (with seconds since their last beat)."""
+    if not newly_stale:
+        return None
+    ages = ", ".join(f"rank {r} for {newly_stale[r]:.1f} s" for r in sorted(newly_stale))
+    return Detection(
+        IncidentKind.PEERS_LOST,
+        f"no heartbeat from {ages}",
+        f"lost/{min(newly_stale)}",
+        ranks=tuple(sorted(newly_stale)),
+    )
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One rank's backend sequence number in a group, and how long it has stood still there."""
+
+    seq: int
+    still_s: float
+
+
+def find_backend_desync(
+    rank: int,
+    own: Mapping[str, SeqView],
+    peers: Mapping[int, Mapping[str, SeqView]],
+    busy_groups: AbstractSet[str],
+    hang_timeout_s: float,
+    reported: AbstractSet[tuple[str, int]],
+) -> list[Detection]:
+    """Groups where this rank stands ahead of watched peers, all still for ``hang_timeout_s``.
+
+    This rank issued backend op ``#n`` (from Python or from C++: DDP's reducer, a functional
+    collective) that the peers behind have not issued, and nobody moved since: it waits for them.
+    Ranks at the same number are not a desync (a rank computing while nobody waits is not a hang).
+
+    Args:
+        rank: this rank.
+        own: this rank's backend sequence number per group.
+        peers: the watched peers' (live ones only), by rank.
+        busy_groups: groups where this rank has an op in flight that ncclguard recorded: the hang
+            detector (:func:`find_hangs`) speaks for those, with the Python call site.
+        hang_timeout_s: how long everyone must have stood still.
+        reported: ``(group, seq)`` already reported.
+    """
+    out = []
+    for group, mine in sorted(own.items()):
+        if group in busy_groups or (group, mine.seq) in reported or mine.still_s < hang_timeout_s:
+            continue
+        behind = {
+            p: views[group]
+            for p, views in sorted(peers.items())
+            if group in views and views[group].seq < mine.seq and views[group].still_s >= hang_timeout_s
+        }
+        if not behind:
+            continue
+        where = ", ".join(f"rank {p} at #{v.seq}" for p, v in behind.items())
+        reason = (
+            f"rank {rank} stood {mine.still_s:.1f} s at backend op #{mine.seq} on group {group}, "
+            f"not issued yet by {where}"
+        )
+        out.append(
+            Detection(IncidentKind.BACKEND_DESYNC, reason, f"desync/{group}/{mine.seq}", group=group, seq=mine.seq)
+        )
+    return out
+
+
+def completed(records: Iterable[_RecordLike], key: tuple[str, int]) -> bool:
+    """True when this rank's record of op ``key`` completed; failed does not count (an op that
+    errored because a peer closed its pairs leaves the job as stuck as before).
+
+    Args:
+        records: the rank's flight records, oldest first (the newest record of ``key`` decides).
+        key: ``op_key`` of the op.
+    """
+    for rec in reversed(list(records)):
+        if rec.seq == key[1] and op_key(rec) == key:
+            return rec.state == "completed"
+    return False
+
+
+def blocked_in(inflight: Sequence[OpRecord], main_ident: int | None) -> OpRecord | None:
+    """The newest synchronous op the main thread is inside: it is in C++, no exception reaches it."""
+    for rec in reversed(inflight):
+        if rec.thread == main_ident and not rec.async_op:
+            return rec
+    return None

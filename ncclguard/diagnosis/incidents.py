@@ -1,0 +1,461 @@
+"""Incidents across ranks: claim, statements, merge, and the ladder of each one.
+
+An incident is a numbered entry in the store. The first rank that detects something claims its
+signature and numbers it; every rank's watchdog that sees the number handles it: dumps the stacks
+of all its Python threads, its flight records and the heartbeats to
+``<incident_dir>/<id>/rank<r>.json`` and publishes a statement; the first rank done merges the
+statements into ``incident.json`` and ``summary.txt`` (:mod:`ncclguard.diagnosis.analysis`),
+waiting at most ``merge_wait`` for the others. Then every rank climbs the action ladder
+(:mod:`ncclguard.diagnosis.actions`). Without a store (a world of one, or the store gone) a rank
+handles its incidents alone ("local" incidents, numbered below zero).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
+from ncclguard.diagnosis.actions import (
+    Action,
+    ActionContext,
+    IncidentRef,
+    Ladder,
+    LadderState,
+    MainThreadRaiser,
+    Outcome,
+    Step,
+)
+from ncclguard.diagnosis.analysis import assemble
+from ncclguard.diagnosis.detect import Detection
+from ncclguard.diagnosis.incident import INCIDENT_FILE, SUMMARY_FILE, write_json
+from ncclguard.diagnosis.liveness import Liveness
+from ncclguard.diagnosis.model import (
+    Finding,
+    Heartbeat,
+    Incident,
+    IncidentDoc,
+    IncidentKind,
+    MergedNote,
+    OpRecord,
+    RankDump,
+    Statement,
+    StoreFinding,
+)
+from ncclguard.diagnosis.render import render
+from ncclguard.diagnosis.settings import WatchdogConfig
+from ncclguard.diagnosis.snapshot import RankState
+from ncclguard.diagnosis.store import WatchdogStore
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+
+__all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "past_op", "stale_from_statements", "write_report"]
+
+
+@dataclass
+class Case:
+    """An incident as this rank handles it."""
+
+    doc: IncidentDoc
+    dir: Path
+    local: bool
+    statement: Statement
+    heartbeats: dict[int, Heartbeat]
+    threads: dict[str, list[str]]
+    records: list[OpRecord]
+    merger: bool = False
+    merge_deadline: float = 0.0
+    merged: bool = False
+    ladder: LadderState = field(default_factory=LadderState)
+
+    @property
+    def ref(self) -> IncidentRef:
+        return IncidentRef(self.doc, self.dir)
+
+    def to_dump(self, waiting_after_s: float, watchdog: dict[str, Any], ladder: Sequence[str]) -> RankDump:
+        """This rank's dump of the incident (``rank<r>.json``)."""
+        return RankDump(
+            incident=self.doc,
+            statement=self.statement,
+            threads=self.threads,
+            records=self.records,
+            heartbeats={str(r): hb for r, hb in self.heartbeats.items()},
+            waiting_after_s=waiting_after_s,
+            watchdog=watchdog,
+            ladder=list(ladder),
+            actions=[s.entry() for s in self.ladder.steps],
+        )
+
+    def record(self) -> dict[str, Any]:
+        """What :attr:`Watchdog.incidents` shows of it."""
+        return {
+            "id": self.doc.id,
+            "kind": self.doc.kind.value,
+            "dir": str(self.dir),
+            "merger": self.merger,
+            "actions": [s.entry().to_json() for s in self.ladder.steps],
+            "settled": self.ladder.settled,
+            "doc": self.doc.to_json(),
+        }
+
+
+def describe(
+    det: Detection, rank: int, n: int, ident: str, created: float, signature: str | None = None
+) -> IncidentDoc:
+    """The incident ``det`` as raised by ``rank``: numbered ``n``, named ``ident``."""
+    return IncidentDoc(
+        kind=det.kind,
+        reason=det.reason,
+        id=ident,
+        by=rank,
+        created=created,
+        n=n,
+        signature=signature if signature is not None else det.signature,
+        group=det.group,
+        seq=det.seq,
+        op=det.op,
+        ranks=list(det.ranks) if det.ranks is not None else None,
+        store_text=det.store_text,
+    )
+
+
+def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
+    """Whether this rank is past the op of ``doc``: its recorded op completed (a hang), or its
+    backend number moved beyond the op's (a desync); None for kinds without an op."""
+    key = doc.op_key
+    if key is not None:
+        return state.completed(key)
+    if doc.kind is IncidentKind.BACKEND_DESYNC and doc.group is not None and doc.seq is not None:
+        return (state.backend_seq() or {}).get(doc.group, -1) > doc.seq
+    return None
+
+
+def blocked_in(doc: IncidentDoc, state: RankState) -> OpRecord | None:
+    """The op the main thread is blocked in: a recorded synchronous op, or, at a desync's backend
+    number, the backend op issued from C++ (nothing recorded it in Python)."""
+    rec = state.blocked_in()
+    if rec is None and doc.kind is IncidentKind.BACKEND_DESYNC and doc.group is not None and doc.seq is not None:
+        if (state.backend_seq() or {}).get(doc.group) == doc.seq:
+            rec = OpRecord(seq=doc.seq, op=doc.op or "a backend op", group=doc.group, start=doc.created)
+    return rec
+
+
+def stale_from_statements(stale: Mapping[int, float], statements: Mapping[int, Statement]) -> dict[int, float]:
+    """``stale`` plus the peers any statement found stale (each rank watches a few peers: a peer
+    is lost if anyone found it so), with the longest silence seen; ranks that spoke are not."""
+    out = dict(stale)
+    for st in statements.values():
+        for r, view in st.peers.items():
+            if view.stale and int(r) not in statements:
+                out[int(r)] = max(out.get(int(r), 0.0), view.age_s)
+    return out
+
+
+def write_report(case: Case, incident: Incident) -> None:
+    """Writes the merged ``incident.json`` and ``summary.txt`` of ``case`` and logs the report."""
+    text = render(incident)
+    try:
+        write_json(case.dir / INCIDENT_FILE, incident)
+        (case.dir / SUMMARY_FILE).write_text(text)
+    except OSError as exc:
+        log.error("watchdog: could not write incident %s: %s", case.doc.id, exc)
+    log.error("watchdog: incident %s merged: %s; report: %s", case.doc.id, incident.summary, case.dir / SUMMARY_FILE)
+    log.info("watchdog: incident report\n%s", text)
+
+
+class IncidentDesk:
+    """Raises, handles and merges this rank's incidents, and climbs their ladders.
+
+    Args:
+        config: the watchdog's settings.
+        state: this rank's state.
+        liveness: the watched peers.
+        ladder: the action ladder.
+        raiser: carries the ``raise`` rung into the main thread (None without one).
+        statement: this rank's statement now.
+        cond: notified whenever an incident changes (``Watchdog.wait_for_incident`` waits on it).
+    """
+
+    def __init__(
+        self,
+        config: WatchdogConfig,
+        state: RankState,
+        liveness: Liveness,
+        ladder: Ladder,
+        raiser: MainThreadRaiser | None,
+        statement: Callable[[], Statement],
+        cond: threading.Condition,
+    ) -> None:
+        self.config, self.state, self.liveness, self.ladder = config, state, liveness, ladder
+        self.raiser, self.statement, self.cond = raiser, statement, cond
+        self.rank, self.world_size = state.rank, state.world_size
+        self.store: WatchdogStore | None = None
+        self.store_addr: str | None = None
+        self.store_lost = False
+        self.cases: list[Case] = []
+        self.seen_count = 0
+        self._waiting_docs: dict[int, float] = {}
+        self._local_count = 0
+
+    def _notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------------- raising
+
+    def open(self, det: Detection) -> None:
+        """Raises ``det`` in the store (once per signature across ranks), or locally without one.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not answer.
+        """
+        if self.store is None:
+            self.open_local(det)
+            return
+        token = f"{self.rank}:{uuid.uuid4().hex[:8]}"
+        if not self.store.claim(det.signature, token):
+            return  # another rank raised it; poll() picks it up
+        n = self.store.number_incident()
+        created = time.time()
+        doc = describe(det, self.rank, n, f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}", created)
+        self.store.put_incident(doc)
+
+    def open_local(self, det: Detection) -> None:
+        """Handles ``det`` on this rank alone."""
+        self._local_count += 1
+        created = time.time()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
+        doc = describe(
+            det,
+            self.rank,
+            -self._local_count,
+            f"{stamp}-r{self.rank}-{det.kind.value}-{self._local_count}",
+            created,
+            "local",
+        )
+        self.handle(doc, local=True)
+
+    def store_gone(self, exc: BaseException) -> None:
+        """The store stopped answering: drop it and raise a local ``store`` incident (once)."""
+        if self.store_lost:
+            return
+        self.store_lost = True
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
+        addr = (
+            self.store_addr
+            or self.config.store_addr
+            or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        )
+        text = (
+            f"the rendezvous store at {addr} stopped answering ({exc}); it lives in rank 0's process under a plain "
+            "launcher and in the agent under torchrun, so that process is probably gone"
+        )
+        log.error("watchdog: %s; handling incidents on this rank only from now on", text)
+        self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
+
+    # ----------------------------------------------------------------- handling
+
+    def poll(self) -> None:
+        """Handles the incidents numbered in the store since the last poll."""
+        if self.store is None:
+            return
+        try:
+            count = self.store.incident_count()
+        except StoreTimeout:
+            return
+        for n in range(self.seen_count + 1, count + 1):
+            if not self.store.has_incident(n):
+                first = self._waiting_docs.setdefault(n, time.monotonic())
+                if time.monotonic() - first < self.config.peer_timeout:
+                    return  # its creator is between add and set; look again next tick
+                log.warning("watchdog: incident %d was counted but never described; skipping it", n)
+            else:
+                doc = self.store.read_incident(n)
+                if doc is None:
+                    log.warning("watchdog: incident %d has no readable description; skipping it", n)
+                else:
+                    self.handle(doc, local=False)
+            self.seen_count = n
+
+    def handle(self, doc: IncidentDoc, *, local: bool) -> None:
+        """Dumps this rank's state for incident ``doc`` and publishes its statement."""
+        cfg = self.config
+        statement = self.statement()
+        heartbeats: dict[int, Heartbeat] = {}
+        if not local:
+            try:
+                if self.store is None:
+                    raise StoreUnreachable("no store")
+                heartbeats = self.store.read_heartbeats(list(range(self.world_size)))
+            except (StoreTimeout, StoreUnreachable):
+                heartbeats = self.liveness.heartbeats()  # the ones this rank has seen
+        case = Case(
+            doc,
+            Path(cfg.incident_dir) / doc.id,
+            local,
+            statement,
+            heartbeats,
+            self.state.threads(),
+            self.state.records(),
+        )
+        now = time.monotonic()
+        self.ladder.start(case.ladder, now, lambda action, step: self._act(case, action, step))
+        self.write_dump(case)
+        log.error(
+            "watchdog: incident %s (%s): %s; this rank's dump: %s",
+            doc.id,
+            doc.kind.value,
+            doc.reason,
+            case.dir / f"rank{self.rank}.json",
+        )
+        if local or self.store is None:
+            case.merger, case.merge_deadline = True, now
+        else:
+            try:
+                self.store.put_statement(doc.n, statement)
+                self.store.add_dumped(doc.n)
+                case.merger = self.store.claim_merger(doc.n, self.rank)
+                case.merge_deadline = now + cfg.merge_wait
+            except (StoreTimeout, StoreUnreachable) as exc:
+                # Nobody can collect this rank's statement: it merges what it has itself.
+                case.merger, case.merge_deadline = True, now
+                if isinstance(exc, StoreUnreachable):
+                    self.store_gone(exc)
+        with self.cond:
+            self.cases.append(case)
+            self.cond.notify_all()
+
+    def write_dump(self, case: Case) -> None:
+        try:
+            dump = case.to_dump(self.config.heartbeat_s, json.loads(self.config.model_dump_json()), self.ladder.names)
+            write_json(case.dir / f"rank{self.rank}.json", dump)
+        except OSError as exc:
+            log.error("watchdog: could not write the dump of incident %s: %s", case.doc.id, exc)
+
+    # ----------------------------------------------------------------- merging
+
+    def progress(self) -> None:
+        """Merges what is ready to merge and climbs the ladders."""
+        for case in list(self.cases):
+            if case.ladder.settled:
+                continue
+            try:
+                if case.merger and not case.merged and not self.merge(case):
+                    continue  # still waiting for statements; the ladder waits for the merge
+                self._climb(case)
+            except StoreUnreachable as exc:
+                self.store_gone(exc)  # this incident goes on without the store next tick
+
+    def _gather(self, case: Case, stale: dict[int, float]) -> tuple[dict[int, Statement], dict[int, Heartbeat]] | None:
+        """The statements and heartbeats of ``case`` from the store; None while still waiting."""
+        assert self.store is not None
+        dumped = self.store.add_dumped(case.doc.n, 0)
+        if dumped < self.world_size - len(stale) and time.monotonic() < case.merge_deadline:
+            return None
+        ranks = list(range(self.world_size))
+        return self.store.read_statements(case.doc.n, ranks), self.store.read_heartbeats(ranks)
+
+    def merge(self, case: Case) -> bool:
+        """Merges when every live rank has spoken or the wait is over; returns True once merged."""
+        doc = case.doc
+        stale = self.liveness.stale(time.monotonic())
+        statements: dict[int, Statement] = {self.rank: case.statement}
+        heartbeats: dict[int, Heartbeat] = self.liveness.heartbeats()
+        extra: list[Finding] = []
+        if doc.kind is IncidentKind.STORE_GONE:
+            heartbeats = {}
+            extra = [StoreFinding(text=doc.store_text or doc.reason)]
+        elif case.local or self.store is None:
+            if not case.local:
+                extra = [
+                    StoreFinding(
+                        text=f"the store went away before the merge: only rank {self.rank}'s "
+                        "statement and the heartbeats it had seen are in this report"
+                    )
+                ]
+        else:
+            try:
+                gathered = self._gather(case, stale)
+            except StoreUnreachable as exc:
+                self.store_gone(exc)
+                return False  # merge from what this rank has, next tick
+            if gathered is None:
+                return False
+            statements, heartbeats = gathered
+            stale = stale_from_statements(stale, statements)
+        incident = assemble(
+            doc,
+            statements,
+            heartbeats,
+            {r: a for r, a in stale.items() if r not in statements},
+            self.world_size,
+            merged_by=self.rank,
+            waiting_after_s=self.config.heartbeat_s,
+            extra_findings=extra,
+            analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
+        )
+        write_report(case, incident)
+        case.merged = True
+        if self.store is not None and not case.local:
+            try:
+                note = MergedNote(host=HOSTNAME, dir=str(case.dir.resolve()), summary=incident.summary)
+                self.store.put_merged(doc.n, note)
+            except (StoreTimeout, StoreUnreachable):
+                pass
+        self._notify()
+        return True
+
+    # ----------------------------------------------------------------- the ladder
+
+    def resolved(self, case: Case) -> bool:
+        """True once the op of a hang or desync incident completed somewhere (never for lost ranks)."""
+        passed = past_op(case.doc, self.state)
+        if passed is None:
+            return False
+        if passed:
+            if not case.local and self.store is not None:
+                try:
+                    self.store.mark_resolved(case.doc.n)
+                except (StoreTimeout, StoreUnreachable):
+                    pass
+            return True
+        if case.local or self.store is None:
+            return False
+        try:
+            return self.store.is_resolved(case.doc.n)
+        except (StoreTimeout, StoreUnreachable):
+            return False
+
+    def _act(self, case: Case, action: Action, step: Step) -> Outcome:
+        def save(outcome: Outcome) -> None:
+            step.outcome = outcome
+            self.write_dump(case)
+
+        def blocked() -> OpRecord | None:
+            return blocked_in(case.doc, self.state)
+
+        ctx = ActionContext(self.config, self.rank, self.state.main_ident, self.raiser, blocked, save)
+        return action(case.ref, ctx)
+
+    def _climb(self, case: Case) -> None:
+        state = case.ladder
+        following = self.ladder.names[state.rung + 1] if state.rung + 1 < len(self.ladder.names) else ""
+        result = self.ladder.climb(
+            state, time.monotonic(), lambda: self.resolved(case), lambda a, s: self._act(case, a, s)
+        )
+        if result == "waiting":
+            return
+        if result == "resolved":
+            log.warning("watchdog: incident %s cleared before %s", case.doc.id, following)
+        if result in ("resolved", "stepped"):
+            self.write_dump(case)
+        self._notify()

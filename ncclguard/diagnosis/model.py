@@ -1,0 +1,464 @@
+"""The typed incident model: what the watchdog publishes, what an incident says, and its file format.
+
+Every value the watchdog reads back (from the store or from disk) is parsed into one of these
+pydantic models; nothing is unpickled. Kinds, findings and culprit reasons are enums whose
+*values* are the words written since format version 1 ("hang", "desync", "behind", ...), so files
+and tests read the same; their *names* say which meaning of a word is meant (``lost`` used to mean
+three things: :attr:`IncidentKind.PEERS_LOST`, :attr:`FindingKind.RANKS_LOST`,
+:attr:`CulpritReason.STOPPED_BEATING`).
+
+File format version 2 (``format_version: 2``) is version 1 plus:
+
+- ``format_version`` instead of ``version``;
+- a rank that stopped beating keeps its per-group completion counters in
+  ``last_completed_by_group`` (version 1 put that dict in ``last_completed``, an int everywhere else);
+- heartbeats and statements may carry ``backend_seq``: the backend's sequence number per group;
+  statements ``backend_ops``: the op torch's flight recorder holds at that number; findings
+  ``backend``: the op is numbered by the backend (it may have been issued from C++);
+- incident kind ``desync``: a group's ranks stand at different backend sequence numbers.
+
+:func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
+``Incident.model_json_schema()`` and ``RankDump.model_json_schema()`` (``python -m ncclguard
+report --schema`` prints them).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ActionEntry",
+    "BackendOp",
+    "Culprit",
+    "CulpritReason",
+    "DesyncFinding",
+    "Finding",
+    "FindingKind",
+    "Heartbeat",
+    "HeartbeatView",
+    "Incident",
+    "IncidentDoc",
+    "IncidentKind",
+    "LostRank",
+    "LostRanksFinding",
+    "MergedNote",
+    "MismatchFinding",
+    "NoView",
+    "OpRecord",
+    "P2PFinding",
+    "PeerView",
+    "RankDump",
+    "RankView",
+    "SilentFinding",
+    "Statement",
+    "StatementView",
+    "StoreFinding",
+    "Straggler",
+    "StuckFinding",
+    "Variant",
+    "Whereabouts",
+    "upgrade_incident",
+    "upgrade_rank_dump",
+]
+
+FORMAT_VERSION: Literal[2] = 2
+INCIDENT_KIND: Literal["ncclguard-incident"] = "ncclguard-incident"
+RANK_DUMP_KIND: Literal["ncclguard-rank-dump"] = "ncclguard-rank-dump"
+
+
+class IncidentKind(str, Enum):
+    """Why an incident was raised."""
+
+    HANG = "hang"  # an op of the raising rank stayed in flight past hang_timeout_s
+    BACKEND_DESYNC = "desync"  # a group's ranks stand at different backend sequence numbers, none moving
+    PEERS_LOST = "lost"  # watched peers' heartbeats stopped changing for peer_timeout_s
+    STORE_GONE = "store"  # the rendezvous store stopped answering (handled on each rank alone)
+
+
+class FindingKind(str, Enum):
+    """What the analysis found in a group, or about the ranks."""
+
+    DESYNC = "desync"  # some members wait in an op, others are elsewhere
+    STUCK = "stuck"  # every member waits in the same op: the transport, not a desync
+    MISMATCH = "mismatch"  # members wait at the same number in different ops, sizes or dtypes
+    P2P = "p2p"  # a send/recv whose peer is not in the matching op
+    RANKS_LOST = "lost"  # ranks whose heartbeat stopped, outside any desync
+    SILENT = "silent"  # ranks that gave no statement (their watchdog thread did not run)
+    STORE = "store"  # the store went away; a text only
+
+
+class CulpritReason(str, Enum):
+    """Why a rank is named a culprit."""
+
+    BEHIND = "behind"  # a member that had not issued the op the others wait in
+    MISMATCH = "mismatch"  # called a different op at the same number than the majority
+    P2P = "p2p"  # has not posted the send/recv its peer waits for
+    STOPPED_BEATING = "lost"  # its heartbeat stopped: died, or frozen holding the GIL
+
+
+class _Model(BaseModel):
+    # Unknown fields are dropped, not refused: a file or a peer from a newer release still reads.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    def to_json(self) -> dict[str, Any]:
+        """The model as plain JSON data, with the on-disk field names."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class OpRecord(_Model):
+    """One flight record (see :class:`ncclguard.diagnosis.flight.FlightRecord`) as plain data."""
+
+    seq: int
+    op: str
+    group: str
+    numel: int = 0
+    dtype: str = ""
+    start: float
+    state: str = "started"
+    end: float | None = None
+    phase: str = ""
+    site: str = ""
+    error: str | None = None
+    async_op: bool = False
+    peer: int | None = None
+    thread: int = 0
+
+
+class Heartbeat(_Model):
+    """What a rank publishes every ``heartbeat_s``."""
+
+    rank: int
+    host: str
+    pid: int
+    beat: int
+    time: float
+    phase: str
+    site: str
+    last_seq: dict[str, int]
+    last_completed: dict[str, int]
+    inflight: list[OpRecord]
+    blocked_in: OpRecord | None = None
+    backend_seq: dict[str, int] | None = None  # the backend's sequence number per group, where read
+    backend_still: dict[str, float] | None = None  # seconds each of those numbers had stood still
+
+
+class BackendOp(_Model):
+    """An op as torch's own flight recorder saw it, whoever issued it (Python or C++)."""
+
+    seq: int  # the rank's backend sequence number in the group when read
+    name: str  # profiling_name, e.g. "gloo:all_reduce"
+    sizes: list[list[int]] = Field(default_factory=list)
+    dtypes: list[str] = Field(default_factory=list)  # torch's scalar type names, e.g. "Float"
+    created: float = 0.0  # time.time() when the backend enqueued it
+    state: str = ""  # gloo: always "scheduled"; NCCL: scheduled, started, completed
+    completed: bool | None = None  # by the recorder's per-group status (gloo too); None: unknown
+
+
+class PeerView(_Model):
+    """How a rank sees one of the peers it watches."""
+
+    age_s: float
+    stale: bool
+    seen: bool
+
+
+class Statement(Heartbeat):
+    """What a rank says about itself when it handles an incident: a heartbeat and more."""
+
+    world_size: int = 0
+    stack: list[str] = Field(default_factory=list)
+    recent: list[OpRecord] = Field(default_factory=list)
+    groups: dict[str, list[int]] = Field(default_factory=dict)
+    peers: dict[str, PeerView] = Field(default_factory=dict)
+    backend_ops: dict[str, BackendOp] = Field(default_factory=dict)  # per group: the newest backend op
+
+
+class IncidentDoc(_Model):
+    """An incident as raised (the store's ``incident/<n>`` value, and ``incident`` in the files)."""
+
+    kind: IncidentKind
+    reason: str
+    id: str
+    by: int = -1
+    created: float = 0.0
+    n: int = 0  # its number in the store; negative for a rank's local incidents
+    signature: str = ""  # what makes two ranks' detections the same incident ("hang/0/15")
+    group: str | None = None  # hang: the op's group and number
+    seq: int | None = None
+    op: str | None = None
+    ranks: list[int] | None = None  # lost: the ranks that stopped beating
+    store_text: str | None = None  # store: what went wrong, for the report
+
+    @property
+    def op_key(self) -> tuple[str, int] | None:
+        """``(group, seq)`` of the op that raised a hang incident; None for other kinds."""
+        if self.kind is IncidentKind.HANG and self.group is not None and self.seq is not None:
+            return self.group, self.seq
+        return None
+
+
+class MergedNote(_Model):
+    """What the merging rank leaves in the store: where the report is."""
+
+    host: str
+    dir: str
+    summary: str
+
+
+class ActionEntry(_Model):
+    """One rung of the action ladder as taken (``report``, ``raise``, ..., or ``resolved``)."""
+
+    model_config = ConfigDict(extra="allow")  # an action's own details (exit code, groups aborted)
+
+    rung: str
+    time: float
+    done: bool
+    why: str | None = None
+
+
+# ----------------------------------------------------------------------------- analysis results
+
+
+class Whereabouts(_Model):
+    """Where a rank is: its phase, its main thread's call site, and the op it is in."""
+
+    rank: int
+    phase: str = ""
+    site: str = "?"
+    inflight: OpRecord | None = None
+    host: str | None = None
+    pid: int | None = None
+
+
+class Straggler(Whereabouts):
+    """A member of a group that is not in the op the others wait in."""
+
+    last_seq: int = 0
+    last_completed: int = 0
+    stale_s: float | None = None  # set when its heartbeat stopped
+
+
+class LostRank(Whereabouts):
+    """A rank whose heartbeat stopped, outside any desync."""
+
+    stale_s: float
+    last_completed_by_group: dict[str, int] = Field(default_factory=dict)
+
+
+class Culprit(Whereabouts):
+    """A rank that is not where the others are."""
+
+    why: CulpritReason
+    group: str | None = None
+    seq: int | None = None
+    last_seq: int | None = None
+    last_completed: int | None = None
+    last_completed_by_group: dict[str, int] | None = None
+    stale_s: float | None = None
+    waiter: int | None = None  # p2p: the rank waiting for it
+    waiter_op: str | None = None
+
+
+class _OpFinding(_Model):
+    group: str
+    seq: int
+    op: str
+    numel: int
+    dtype: str
+    phase: str = ""
+    site: str = ""
+    waiting_s: float
+    # Numbered by the backend (torch's sequence number), not by ncclguard's records: the op may have
+    # been issued from C++ (DDP's reducer, a functional collective), and ``site`` says so.
+    backend: bool = False
+
+
+class DesyncFinding(_OpFinding):
+    kind: Literal[FindingKind.DESYNC] = FindingKind.DESYNC
+    waiting: list[int]
+    behind: list[Straggler] = Field(default_factory=list)
+    stale_members: list[Straggler] = Field(default_factory=list, alias="lost")
+
+
+class StuckFinding(_OpFinding):
+    kind: Literal[FindingKind.STUCK] = FindingKind.STUCK
+    waiting: list[int]
+
+
+class Variant(_Model):
+    """The ranks that called one op/size/dtype at a mismatched number."""
+
+    ranks: list[int]
+    op: str
+    numel: int
+    dtype: str
+    site: str = ""
+    phase: str = ""
+
+
+class MismatchFinding(_OpFinding):
+    kind: Literal[FindingKind.MISMATCH] = FindingKind.MISMATCH
+    variants: list[Variant]
+    suspects: list[int]
+
+
+class P2PFinding(_Model):
+    kind: Literal[FindingKind.P2P] = FindingKind.P2P
+    rank: int
+    op: str
+    group: str
+    seq: int
+    peer: int
+    numel: int
+    dtype: str
+    phase: str = ""
+    site: str = ""
+    waiting_s: float
+    peer_waits_back: OpRecord | None = None
+    peer_where: Whereabouts
+
+
+class LostRanksFinding(_Model):
+    kind: Literal[FindingKind.RANKS_LOST] = FindingKind.RANKS_LOST
+    ranks: list[LostRank]
+
+
+class SilentFinding(_Model):
+    kind: Literal[FindingKind.SILENT] = FindingKind.SILENT
+    ranks: list[int]
+    note: str
+
+
+class StoreFinding(_Model):
+    kind: Literal[FindingKind.STORE] = FindingKind.STORE
+    text: str
+
+
+Finding = Annotated[
+    DesyncFinding | StuckFinding | MismatchFinding | P2PFinding | LostRanksFinding | SilentFinding | StoreFinding,
+    Field(discriminator="kind"),
+]
+
+
+class StatementView(Statement):
+    source: Literal["statement"] = "statement"
+
+
+class HeartbeatView(Heartbeat):
+    source: Literal["heartbeat"] = "heartbeat"
+
+
+class NoView(_Model):
+    source: Literal["none"] = "none"
+
+
+RankView = Annotated[StatementView | HeartbeatView | NoView, Field(discriminator="source")]
+
+
+class Analysis(_Model):
+    """Culprits and victims, as :func:`ncclguard.diagnosis.analysis.analyse` finds them."""
+
+    findings: list[Finding] = Field(default_factory=list)
+    culprits: list[Culprit] = Field(default_factory=list)
+    victims: list[int] = Field(default_factory=list)
+    stale_ranks: list[int] = Field(default_factory=list, alias="lost")  # heartbeat stopped
+    silent: list[int] = Field(default_factory=list)  # gave no statement
+    summary: str = ""
+
+
+class Incident(Analysis):
+    """The merged incident: the content of ``incident.json``."""
+
+    kind: Literal["ncclguard-incident"] = INCIDENT_KIND
+    format_version: Literal[2] = FORMAT_VERSION
+    incident: IncidentDoc
+    written_at: float
+    merged_by: int  # -1: merged by ``python -m ncclguard report`` from the rank dumps
+    world_size: int
+    statements_from: list[int]
+    missing_statements: list[int]
+    ranks: dict[str, RankView] = Field(default_factory=dict)
+
+
+class RankDump(_Model):
+    """One rank's dump of an incident: ``rank<r>.json``."""
+
+    kind: Literal["ncclguard-rank-dump"] = RANK_DUMP_KIND
+    format_version: Literal[2] = FORMAT_VERSION
+    incident: IncidentDoc
+    statement: Statement
+    threads: dict[str, list[str]] = Field(default_factory=dict)
+    records: list[OpRecord] = Field(default_factory=list)
+    heartbeats: dict[str, Heartbeat] = Field(default_factory=dict)
+    waiting_after_s: float = 0.0
+    watchdog: dict[str, Any] | None = None  # the WatchdogConfig in force
+    ladder: list[str] | None = None  # the rungs configured
+    actions: list[ActionEntry] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- version 1
+
+
+def _move_dict_completed(entry: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(entry.get("last_completed"), dict):
+        entry = {**entry, "last_completed_by_group": entry["last_completed"]}
+        entry.pop("last_completed")
+    return entry
+
+
+_KIND_NAMES = {INCIDENT_KIND: "an ncclguard incident", RANK_DUMP_KIND: "an ncclguard rank dump"}
+
+
+def _check_kind(raw: Any, kind: str, what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict) or raw.get("kind") != kind:
+        found = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"{what} is not {_KIND_NAMES[kind]} (kind={found!r})")
+    return raw
+
+
+def upgrade_incident(raw: Any, what: str = "the file") -> Incident:
+    """Parses a merged incident of format version 1 or 2.
+
+    Args:
+        raw: the JSON data of ``incident.json``.
+        what: how to name it in an error.
+
+    Raises:
+        ValueError: not an ncclguard incident, an unknown version, or a value that does not fit
+            (``pydantic.ValidationError`` is a ``ValueError``).
+    """
+    raw = _check_kind(raw, INCIDENT_KIND, what)
+    version = raw.get("format_version", raw.get("version"))
+    if version == 1:
+        raw = {k: v for k, v in raw.items() if k != "version"}
+        raw["format_version"] = FORMAT_VERSION
+        raw["culprits"] = [_move_dict_completed(c) for c in raw.get("culprits") or []]
+        raw["findings"] = [
+            {**f, "ranks": [_move_dict_completed(e) for e in f.get("ranks") or []]}
+            if f.get("kind") == FindingKind.RANKS_LOST.value
+            else f
+            for f in raw.get("findings") or []
+        ]
+    elif version != FORMAT_VERSION:
+        raise ValueError(f"{what} has format version {version!r}; this ncclguard reads versions 1 and 2")
+    return Incident.model_validate(raw)
+
+
+def upgrade_rank_dump(raw: Any, what: str = "the file") -> RankDump:
+    """Parses a rank dump of format version 1 or 2 (see :func:`upgrade_incident`).
+
+    Raises:
+        ValueError: not an ncclguard rank dump, an unknown version, or a value that does not fit.
+    """
+    raw = _check_kind(raw, RANK_DUMP_KIND, what)
+    version = raw.get("format_version", raw.get("version"))
+    if version == 1:
+        raw = {k: v for k, v in raw.items() if k != "version"}
+        raw["format_version"] = FORMAT_VERSION
+    elif version != FORMAT_VERSION:
+        raise ValueError(f"{what} has format version {version!r}; this ncclguard reads versions 1 and 2")
+    return RankDump.model_validate(raw)

@@ -1,0 +1,304 @@
+"""Incidents as text for a tired human: the one-line summary and ``summary.txt``.
+
+Pure functions of the typed model (:mod:`ncclguard.diagnosis.model`); the analysis that fills it is
+:mod:`ncclguard.diagnosis.analysis`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from ncclguard._naming import rank_ranges
+from ncclguard.diagnosis.model import (
+    Culprit,
+    CulpritReason,
+    DesyncFinding,
+    Finding,
+    FindingKind,
+    Incident,
+    IncidentKind,
+    LostRanksFinding,
+    MismatchFinding,
+    P2PFinding,
+    SilentFinding,
+    StatementView,
+    StoreFinding,
+    Straggler,
+    StuckFinding,
+    Whereabouts,
+)
+
+__all__ = ["render", "summary_line", "ranks_text"]
+
+NOTHING_FOUND = "no rank is stuck in a collective and every peer is alive"
+
+
+class _OpLike(Protocol):
+    op: str
+    seq: int
+    group: str
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``[2]`` -> ``"rank 2"``; ``[0, 1, 3]`` -> ``"ranks 0-1,3"``."""
+    ordered = sorted(set(ranks))
+    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_ranges(ordered)}"
+
+
+def _short_site(site: str | None) -> str:
+    """``/long/path/eval.py:88`` -> ``eval.py:88`` for the one-line summary."""
+    return os.path.basename(site) if site else "?"
+
+
+def _phase_text(phase: str | None) -> str:
+    return f"phase {phase}" if phase else "no phase set"
+
+
+def _op_text(rec: _OpLike, with_group: bool = True) -> str:
+    group = f" on group {rec.group}" if with_group and rec.group not in (None, "0") else ""
+    number = "backend #" if getattr(rec, "backend", False) else "#"  # torch's numbering, not ncclguard's
+    return f"{rec.op} {number}{rec.seq}{group}"
+
+
+def _now_text(where: Whereabouts, lead: str = "now in") -> str:
+    rec = where.inflight
+    if rec is not None:
+        return f"{lead} {_op_text(rec)} ({_phase_text(rec.phase)}) at {_short_site(rec.site)}"
+    return f"{lead} {_phase_text(where.phase)} at {_short_site(where.site)}"
+
+
+def _last_text(entry: Straggler | Culprit) -> str:
+    if not entry.last_seq:
+        return "issued nothing on this group yet"
+    if entry.last_completed == entry.last_seq:
+        return f"last completed #{entry.last_completed}"
+    return f"last completed #{entry.last_completed}, last issued #{entry.last_seq}"
+
+
+def _grouped(entries: Sequence[Straggler], describe: Callable[[Straggler], str]) -> list[str]:
+    """One phrase per distinct description, naming all the ranks it fits ("ranks 1-2 ...")."""
+    by_text: dict[str, list[int]] = {}
+    for e in entries:
+        by_text.setdefault(describe(e), []).append(e.rank)
+    return [f"{ranks_text(ranks)} {text}" for text, ranks in by_text.items()]
+
+
+def _waiting_head(f: DesyncFinding | StuckFinding) -> str:
+    return (
+        f"{ranks_text(f.waiting)} waiting in {_op_text(f)} ({f.numel} x {f.dtype or 'no data'}, "
+        f"{_phase_text(f.phase)}) for {f.waiting_s:.1f} s"
+    )
+
+
+def summary_line(findings: Sequence[Finding]) -> str:
+    """The findings in one line (``incident.json``'s ``summary``, the log line, the report's top)."""
+    parts = []
+    for f in findings:
+        if isinstance(f, StuckFinding):
+            parts.append(_waiting_head(f) + "; every member is there: a stuck transport, not a desync")
+        elif isinstance(f, MismatchFinding):
+            shapes = "; ".join(
+                f"{ranks_text(v.ranks)} in {v.op} ({v.numel} x {v.dtype}) at {_short_site(v.site)}" for v in f.variants
+            )
+            parts.append(f"ranks disagree at {f.op} #{f.seq}: {shapes}")
+        elif isinstance(f, DesyncFinding):
+            tails = _grouped(f.behind, lambda b: f"{_last_text(b)}, {_now_text(b)}")
+            tails += [
+                f"rank {b.rank} lost (no heartbeat for {b.stale_s or 0.0:.1f} s), {_last_text(b)}"
+                for b in f.stale_members
+            ]
+            parts.append("; ".join([_waiting_head(f), *tails]))
+        elif isinstance(f, P2PFinding):
+            head = (
+                f"rank {f.rank} waiting in {f.op} {'to' if 'send' in f.op else 'from'} rank {f.peer} "
+                f"({f.numel} x {f.dtype}, {_phase_text(f.phase)}) for {f.waiting_s:.1f} s"
+            )
+            back = f.peer_waits_back
+            if back is not None:
+                parts.append(f"{head}; rank {f.peer} waits back in {back.op}: a point-to-point deadlock")
+            else:
+                parts.append(f"{head}; rank {f.peer} {_now_text(f.peer_where)}")
+        elif isinstance(f, LostRanksFinding):
+            for e in f.ranks:
+                parts.append(f"rank {e.rank} lost: no heartbeat for {e.stale_s:.1f} s, {_now_text(e, 'last seen in')}")
+        elif isinstance(f, StoreFinding):
+            parts.append(f.text)
+    return "; ".join(parts) if parts else NOTHING_FOUND
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
+
+
+def _culprit_key(c: Culprit) -> tuple[object, ...]:
+    rec = c.inflight
+    return (
+        c.why,
+        c.group,
+        c.seq,
+        c.last_seq,
+        c.last_completed if c.why is not CulpritReason.STOPPED_BEATING else None,
+        c.phase,
+        c.site,
+        rec.op if rec else None,
+        rec.seq if rec else None,
+        rec.group if rec else None,
+    )
+
+
+def _culprit_blocks(culprits: Sequence[Culprit]) -> list[list[Culprit]]:
+    """Culprits that are in the same place, together (64 ranks in one eval loop read as one block)."""
+    blocks: dict[tuple[object, ...], list[Culprit]] = {}
+    for c in culprits:
+        blocks.setdefault(_culprit_key(c), []).append(c)
+    return list(blocks.values())
+
+
+def _source(incident: Incident) -> str:
+    merged_by = incident.merged_by
+    if incident.incident.kind is IncidentKind.STORE_GONE:
+        return f"written by rank {merged_by} alone (without the store the ranks cannot meet)"
+    who = f"rank {merged_by}" if merged_by >= 0 else "`ncclguard report`"
+    missing = incident.missing_statements
+    return f"merged by {who} from the statements of {len(incident.statements_from)}/{incident.world_size} ranks" + (
+        f" (no statement from {ranks_text(missing)})" if missing else ""
+    )
+
+
+def _culprit_lines(incident: Incident, block: list[Culprit], stack_lines: int) -> list[str]:
+    c = block[0]
+    hosts = sorted({f"{b.host}:{b.pid}" for b in block if b.host})
+    who = f"  {ranks_text(b.rank for b in block)}" + (
+        f" (host:pid {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''})" if hosts else ""
+    )
+    out = []
+    if c.why is CulpritReason.STOPPED_BEATING:
+        stale = max(b.stale_s or 0.0 for b in block)
+        out.append(f"{who}: LOST, no heartbeat for {stale:.1f} s (the process died, or froze holding the GIL)")
+        out.append("      last seen:")
+    elif c.why is CulpritReason.MISMATCH:
+        out.append(f"{who}: called a different collective at #{c.seq} on group {c.group} than the others")
+    elif c.why is CulpritReason.P2P:
+        out.append(f"{who}: not in the matching send/recv; rank {c.waiter} waits for it in {c.waiter_op}")
+    else:
+        out.append(f"{who}: not in the collective the others wait in (#{c.seq} on group {c.group}); {_last_text(c)}")
+    rec = c.inflight
+    if rec:
+        out.append(
+            f"      in {_op_text(rec)}: {rec.numel} x {rec.dtype or 'no data'}, {_phase_text(rec.phase)}, "
+            f"issued at {rec.site}"
+        )
+    out.append(f"      {_phase_text(c.phase)}, main thread at {c.site}")
+    view = incident.ranks.get(str(c.rank))
+    stack = view.stack if isinstance(view, StatementView) else []
+    if stack and stack_lines > 0:
+        out.append(f"      main-thread stack of rank {c.rank} (innermost last):")
+        out.extend(f"        {line}" for line in stack[-stack_lines:])
+    return out
+
+
+def _victim_lines(findings: Sequence[Finding]) -> list[str]:
+    out = []
+    for f in findings:
+        if isinstance(f, (DesyncFinding, StuckFinding)):
+            out.append(
+                f"  {ranks_text(f.waiting)} in {_op_text(f)}: {f.numel} x {f.dtype or 'no data'}, "
+                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued {'from' if f.backend else 'at'} {f.site}"
+            )
+        elif isinstance(f, MismatchFinding):
+            for v in f.variants:
+                out.append(
+                    f"  {ranks_text(v.ranks)} in {v.op} #{f.seq}: {v.numel} x {v.dtype or 'no data'}, "
+                    f"{_phase_text(v.phase)}, issued at {v.site}"
+                )
+        elif isinstance(f, SilentFinding):
+            out.append(f"  no statement from {ranks_text(f.ranks)}: {f.note}")
+        elif isinstance(f, P2PFinding):
+            out.append(
+                f"  rank {f.rank} in {f.op} #{f.seq} with rank {f.peer}: {f.numel} x {f.dtype}, "
+                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued at {f.site}"
+            )
+    return out
+
+
+def render(incident: Incident, *, stack_lines: int = 8) -> str:
+    """The merged incident as plain text (also saved as ``summary.txt``).
+
+    Args:
+        incident: the merged incident.
+        stack_lines: frames of each culprit's main-thread stack to show.
+
+    Returns:
+        The report, ending in a newline.
+    """
+    doc = incident.incident
+    out = [
+        f"ncclguard incident {doc.id}: {doc.reason}",
+        f"raised by rank {doc.by} at {_when(doc.created)}; {_source(incident)}, at {_when(incident.written_at)}",
+        "",
+        "IN ONE LINE",
+        f"  {incident.summary}",
+        "",
+    ]
+    culprits = incident.culprits
+    out.append("CULPRITS (not where the others are)" if culprits else "CULPRITS: none found")
+    for block in _culprit_blocks(culprits):
+        out.extend(_culprit_lines(incident, block, stack_lines))
+    out.append("")
+    victims = incident.victims
+    out.append(f"VICTIMS (waiting for the culprits): {ranks_text(victims) if victims else 'none'}")
+    out.extend(_victim_lines(incident.findings))
+    out.append("")
+    out.append("WHAT TO DO")
+    out.extend(f"  - {line}" for line in _advice(incident))
+    out.append("")
+    out.append("Per-rank dumps (all threads' stacks, flight records, heartbeats): rank<r>.json next to this file.")
+    return "\n".join(out) + "\n"
+
+
+def _advice(incident: Incident) -> list[str]:
+    tips = []
+    kinds = {f.kind for f in incident.findings}
+    for block in _culprit_blocks(incident.culprits):
+        c, who = block[0], ranks_text(b.rank for b in block)
+        if c.why is CulpritReason.BEHIND:
+            tips.append(
+                f"{who}: elsewhere while the others wait; read what the code does at {c.site} "
+                f"({_phase_text(c.phase)}). Usual causes: uneven evaluation shards, rank-0-only work "
+                "(checkpoints, logging), a data stall, generate() without synced ranks, a collective inside an "
+                "`if rank == ...`."
+            )
+        elif c.why is CulpritReason.STOPPED_BEATING:
+            tips.append(
+                f"{who}: stopped beating; check how that process ended (the launcher's log, `dmesg` for the OOM "
+                "killer) on its host. The others cannot finish a collective without it."
+            )
+        elif c.why is CulpritReason.MISMATCH:
+            tips.append(f"{who}: called a different op/size at the same point; the code paths diverged before it.")
+        elif c.why is CulpritReason.P2P:
+            tips.append(
+                f"{who}: has not posted the send/recv its peer waits for; read what it does at {c.site} "
+                "(pipeline stages out of step, or a condition that skips the transfer)."
+            )
+    if FindingKind.STUCK in kinds:
+        tips.append(
+            "every member is in the same collective: not a desync. Suspect the network/transport "
+            "(NCCL_DEBUG=INFO, `python -m ncclguard doctor`) or a GPU that stopped."
+        )
+    if FindingKind.STORE in kinds:
+        tips.append(
+            "the rendezvous store is gone: its host (rank 0 under a plain launcher, the agent under torchrun) "
+            "died; look for that process's end first, the other ranks only followed it."
+        )
+    if not tips:
+        tips.append("no culprit found: compare the ranks' stacks in the rank<r>.json files.")
+    if kinds & {FindingKind.DESYNC, FindingKind.STUCK, FindingKind.MISMATCH, FindingKind.P2P}:
+        tips.append(
+            "a backend timeout's NumelIn is what the waiting ranks queued, not proof that the transfer was slow."
+        )
+    return tips

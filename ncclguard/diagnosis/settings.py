@@ -1,0 +1,116 @@
+"""The watchdog's settings (:class:`WatchdogConfig`), each also read from ``NCCLGUARD_WATCHDOG_<FIELD>``."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ACTIONS", "EXIT_CODE", "WatchdogConfig"]
+
+ACTIONS = ("report", "raise", "abort", "exit")
+EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; launchers restart on it
+
+
+class WatchdogConfig(BaseSettings):
+    """Settings of the :class:`Watchdog`; each can be set as ``NCCLGUARD_WATCHDOG_<FIELD>``.
+
+    Invariants: ``hang_timeout_s > heartbeat_s``; ``peer_timeout_s >= 2 * heartbeat_s`` (a beat may
+    come almost one period late); every duration positive.
+
+    Attributes:
+        heartbeat_s: how often this rank publishes its state.
+        hang_timeout_s: an op in flight this long is a hang. Keep it below the process group's
+            timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job.
+        peer_timeout_s: a peer whose heartbeat has not changed this long is lost (default 6 beats).
+        action: the top rung of the ladder: report, raise, abort or exit (a ladder of your own:
+            ``Watchdog(actions=[...])``, see :mod:`ncclguard.diagnosis.actions`).
+        escalate_after_s: the time each rung gets to clear the hang before the next one.
+        exit_code: the status of the ``exit`` rung.
+        incident_dir: where incidents are written (``<incident_dir>/<id>/``).
+        merge_wait_s: how long the merging rank waits for the others' statements (default 2 beats).
+        store_timeout_s: the bound of every store call (default: ``min(heartbeat_s, 5)``).
+        watch_peers: each rank watches this many next ranks (ring order); every rank is watched
+            by as many. Bounds the store traffic of large jobs.
+        startup_grace_s: a peer never heard from is lost after this long.
+        raise_signal: the signal that carries the ``raise`` rung into the main thread.
+        session: a name for this watchdog's keys in the store; give a new one to a second
+            watchdog started in the same job.
+        store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
+        instrument: also call :func:`ncclguard.diagnosis.instrument` so plain ``torch.distributed`` calls
+            are recorded.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="NCCLGUARD_WATCHDOG_", frozen=True, extra="forbid")
+
+    heartbeat_s: float = Field(5.0, gt=0)
+    hang_timeout_s: float = Field(300.0, gt=0)
+    peer_timeout_s: float | None = Field(None, gt=0)
+    action: Literal["report", "raise", "abort", "exit"] = "report"
+    escalate_after_s: float = Field(30.0, gt=0)
+    exit_code: int = Field(EXIT_CODE, ge=1, le=255)
+    incident_dir: Path = Path("ncclguard-incidents")
+    merge_wait_s: float | None = Field(None, gt=0)
+    store_timeout_s: float | None = Field(None, gt=0)
+    watch_peers: int = Field(16, ge=1)
+    startup_grace_s: float = Field(60.0, gt=0)
+    raise_signal: str = "SIGUSR2"
+    session: str = Field("main", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    store_addr: str | None = None
+    instrument: bool = True
+
+    @field_validator("raise_signal")
+    @classmethod
+    def _known_signal(cls, name: str) -> str:
+        if name in ("SIGKILL", "SIGSTOP", "SIGALRM") or not isinstance(getattr(signal, name, None), signal.Signals):
+            raise ValueError(
+                f"raise_signal must name a catchable signal other than SIGALRM (used by sigalrm_timeout), "
+                f"e.g. 'SIGUSR2'; got {name!r}"
+            )
+        return name
+
+    @field_validator("store_addr")
+    @classmethod
+    def _host_port(cls, addr: str | None) -> str | None:
+        if addr is not None:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"store_addr must be 'host:port', got {addr!r}")
+        return addr
+
+    @model_validator(mode="after")
+    def _in_order(self) -> WatchdogConfig:
+        if self.hang_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                f"hang_timeout_s ({self.hang_timeout_s}) must be > heartbeat_s ({self.heartbeat_s}): "
+                "a hang can only be told apart from a slow op over several beats"
+            )
+        if self.peer_timeout < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"peer_timeout_s ({self.peer_timeout}) must be >= 2 * heartbeat_s ({self.heartbeat_s}): "
+                "a beat may come almost one period late, and a peer is lost only when beats stop"
+            )
+        return self
+
+    @property
+    def peer_timeout(self) -> float:
+        """``peer_timeout_s``, or 6 heartbeats when unset."""
+        return self.peer_timeout_s if self.peer_timeout_s is not None else 6 * self.heartbeat_s
+
+    @property
+    def merge_wait(self) -> float:
+        """``merge_wait_s``, or 2 heartbeats when unset."""
+        return self.merge_wait_s if self.merge_wait_s is not None else 2 * self.heartbeat_s
+
+    @property
+    def store_timeout(self) -> float:
+        """``store_timeout_s``, or ``min(heartbeat_s, 5)`` when unset."""
+        return self.store_timeout_s if self.store_timeout_s is not None else min(self.heartbeat_s, 5.0)
+
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """The rungs this watchdog climbs: ``report`` up to ``action``."""
+        return ACTIONS[: ACTIONS.index(self.action) + 1]

@@ -1,0 +1,6 @@
+"""Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
+
+from ncclguard.recovery.reaper import reaper
+from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
+
+__all__ = ["RebuildResult", "generation", "on_rebuild", "rebuild_world", "reaper"]

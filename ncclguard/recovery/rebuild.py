@@ -1,0 +1,394 @@
+"""rebuild_world: the live ranks of a failed job meet, drop the failed world group, and build a
+new one in the same process, so training goes on without a restart.
+
+Steps (docs/recovery.md has the long form):
+
+1. the arguments are checked, before any communication;
+2. the ranks meet in the job's store (:mod:`ncclguard.recovery.meeting`); without every rank
+   there (and without ``allow_shrink``) the call returns a falsy result and nothing changes;
+3. every group of the old world is abandoned: torch forgets them (``destroy_process_group``, which
+   does not wait while ncclguard still holds the groups) and the reaper releases them off this
+   thread (:mod:`ncclguard.recovery.reaper`), so no rank ever waits on a dead or stalled peer;
+4. a new default group of the same backend is built on a fresh prefix of the job's store, the
+   members renumbered densely; ncclguard's failure marks, round counts and flight records start
+   afresh; the callbacks of :func:`on_rebuild` run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ncclguard import _torch_compat as compat
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME, rank_ranges
+from ncclguard.collectives import all_reduce as _all_reduce
+from ncclguard.collectives import groups as _groups
+from ncclguard.collectives import rendezvous as _rendezvous
+from ncclguard.diagnosis.flight import recorder
+from ncclguard.errors import StoreUnreachable
+from ncclguard.recovery.meeting import Meeting, meet
+from ncclguard.recovery.protocol import (
+    Arrival,
+    dense_rank_map,
+    handshake_timeout,
+    validate_arguments,
+    world_prefix,
+)
+from ncclguard.recovery.reaper import reaper
+
+__all__ = ["RebuildResult", "generation", "on_rebuild", "rebuild_world"]
+
+
+@dataclass
+class RebuildResult:
+    """The outcome of :func:`rebuild_world` on this rank; truthy when this rank is in a new world.
+
+    Attributes:
+        ok: a new default group was built and this rank is a member.
+        generation: the world's generation now (0 before any rebuild; unchanged on failure).
+        rank: this rank in the world it is in now (unchanged on failure).
+        world_size: the size of that world.
+        rank_map: old rank to new rank, for every member of the new world (empty on failure).
+        missing_ranks: old ranks that had not arrived: left out of the new world, or the reason
+            it was not built (sorted).
+        elapsed_s: seconds from entry to return.
+        late: this rank arrived after the others had settled without it; it is in no world now
+            and should end (its peers went on, or gave up, without it).
+        error: why it failed, or None.
+    """
+
+    ok: bool
+    generation: int
+    rank: int
+    world_size: int
+    rank_map: dict[int, int] = field(default_factory=dict)
+    missing_ranks: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    late: bool = False
+    error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass
+class _World:
+    """What this process knows of the world it belongs to. It survives a failed handshake, so a
+    later call can meet again even with no process group initialized."""
+
+    generation: int
+    rank: int
+    size: int
+    backend: str
+    store: Any  # the job's store, under every prefix; the meeting and the new groups use it
+    timeout: timedelta  # the old world's collective timeout, given to the new one
+    # The default group of this world, weakly: a strong reference would keep an abandoned group
+    # from the reaper. None: not built yet (a failed handshake).
+    group: weakref.ref[Any] | None = None
+    attempt: int = 0  # attempts made toward generation + 1
+
+
+_lock = threading.Lock()
+_world: _World | None = None
+_callbacks: list[Callable[[RebuildResult], None]] = []
+
+
+def generation() -> int:
+    """The generation of this process's world: 0 until a rebuild succeeds, then 1, 2, ..."""
+    world = _world
+    return world.generation if world is not None else 0
+
+
+def on_rebuild(fn: Callable[[RebuildResult], None]) -> Callable[[], None]:
+    """Registers ``fn(result)``, called on this rank after each successful rebuild (in the thread
+    that called :func:`rebuild_world`, once the new group is the default).
+
+    The watchdog uses it to carry on under the new generation. An exception in ``fn`` is logged,
+    not raised: the world is rebuilt either way.
+
+    Args:
+        fn: the callback.
+
+    Returns:
+        A function that unregisters ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"on_rebuild needs a callable taking a RebuildResult, got {type(fn).__name__}")
+    with _lock:
+        _callbacks.append(fn)
+
+    def remove() -> None:
+        with _lock:
+            if fn in _callbacks:
+                _callbacks.remove(fn)
+
+    return remove
+
+
+def _job_store(store: Any) -> Any:
+    # torch wraps the job's store in PrefixStores (``default_pg``, our ``ncclguard/world/g<n>``);
+    # the meeting and every generation live under the unwrapped one, the same on every rank.
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _collective_timeout(pg: Any) -> timedelta:
+    """The timeout of ``pg``'s collectives, read from its CPU backend, else its CUDA one (NCCL)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return compat.backend_timeout(pg, torch.device(device))
+        except RuntimeError:  # no backend for that device (TorchCompatError is one too)
+            continue
+    log.warning("rebuild_world: could not read the world group's timeout; the new world gets 10 min")
+    return timedelta(minutes=10)
+
+
+def _current_world() -> _World:
+    """The world to rebuild: the one ncclguard built last, or the default group torch has now.
+
+    Raises:
+        ValueError: there is no process group and no earlier rebuild.
+    """
+    global _world
+    if dist.is_available() and dist.is_initialized():
+        pg = compat.default_group()
+        if _world is None or _world.group is None or _world.group() is not pg:
+            # A world we did not build (the first one, or one the user made): learn it.
+            _world = _World(
+                generation=_world.generation if _world is not None else 0,
+                rank=dist.get_rank(),
+                size=dist.get_world_size(),
+                backend=str(dist.get_backend(pg)),
+                store=_job_store(compat.default_store()),
+                timeout=_collective_timeout(pg),
+                group=weakref.ref(pg),
+            )
+        return _world
+    if _world is None:
+        raise ValueError(
+            "rebuild_world has no world to rebuild: no default process group is initialized. Call "
+            "torch.distributed.init_process_group (or ncclguard.init_process_group) first."
+        )
+    return _world  # an earlier handshake failed; meet again as that world's members
+
+
+def _abandon(backend: str, timeout: timedelta) -> None:
+    """Makes torch forget every group of the old world without waiting on any peer.
+
+    Args:
+        backend: the old world's backend.
+        timeout: its collective timeout: by then every op it still ran has ended.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    # Held while torch lets go of them: their destructors then run on the reaper's thread.
+    abandoned = list(compat.group_names())
+    if backend != "gloo":
+        # NCCL: a hung op ends only when its communicator is aborted (untested here: no GPU).
+        # On gloo abort() does not end an op in flight, and the reaper handles the wait instead.
+        _, failed = compat.abort_all_groups()
+        if failed:
+            log.warning("rebuild: aborting the old groups: %s", "; ".join(failed))
+    dist.destroy_process_group()
+    # ncclguard's own references to the old groups and what it counted on them.
+    _all_reduce.forget_group_infos()
+    _groups.reset_for_new_world()
+    _rendezvous.reset_for_new_world()
+    recorder.clear()
+    compat.rebind_group_defaults(abandoned)
+    reaper.bury(abandoned, hold_s=timeout.total_seconds() + 5.0, label=f"{backend} process group")
+    del abandoned
+
+
+def _forget_generation(store: Any, gen: int) -> int:
+    """Deletes the keys torch and ncclguard wrote under generation ``gen``'s prefix (every member
+    has left it), so that rebuilds do not grow the store. Returns the count deleted."""
+    prefix = world_prefix(gen) + "/"
+    try:
+        keys = [k for k in store.list_keys() if k.startswith(prefix)]
+        for key in keys:
+            store.delete_key(key)
+    except (RuntimeError, AttributeError) as exc:  # a store without list_keys: the keys stay
+        log.info("rebuild_world: the keys of generation %d stay in the store (%s)", gen, exc)
+        return 0
+    return len(keys)
+
+
+def _failed(world: _World, start: float, missing: list[int], error: str, late: bool = False) -> RebuildResult:
+    log.error("rebuild_world: %s", error)
+    return RebuildResult(
+        ok=False,
+        generation=world.generation,
+        rank=world.rank,
+        world_size=world.size,
+        missing_ranks=missing,
+        elapsed_s=time.monotonic() - start,
+        late=late,
+        error=error,
+    )
+
+
+def _verdict_error(world: _World, meeting: Meeting, timeout_s: float) -> tuple[list[int], str]:
+    verdict = meeting.verdict
+    missing = verdict.missing(world.size)
+    target = world.generation + 1
+    if meeting.late and verdict.ok:
+        return missing, (
+            f"rank {world.rank} arrived after ranks {rank_ranges(verdict.arrived)} had gone on to generation "
+            f"{target} without it; this process is in no world now: save what you need and exit"
+        )
+    if meeting.late:
+        return missing, (
+            f"rank {world.rank} arrived after the others gave up waiting for ranks {rank_ranges(missing)}; "
+            "nothing changed. Call rebuild_world again on every rank"
+        )
+    if meeting.problem is not None:
+        return missing, f"the rebuild toward generation {target} was refused: {meeting.problem}"
+    return missing, (
+        f"ranks {missing} did not reach rebuild_world within {timeout_s:g} s; nothing changed (the old "
+        "world is still the default). Call rebuild_world again on every rank, pass allow_shrink=True to go "
+        "on without them, or checkpoint and exit 75 so that torchrun restarts the job"
+    )
+
+
+def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = False) -> RebuildResult:
+    """Replaces a failed world group with a new one of the live ranks, in this process.
+
+    Call it on every live rank after the world group failed (a safe call's ``GroupFailed`` or
+    ``CollectiveTimeout``, the watchdog's abort rung, a lost peer). Afterwards
+    ``dist.get_rank()``, ``dist.get_world_size()``, plain collectives and ``safe_*`` all use
+    the new group. Everything built on the old one must be made again: DDP wrappers (re-wrap;
+    DDP broadcasts the parameters of the new rank 0), subgroups (``new_group``) and groups held
+    by frameworks (see docs/recovery.md).
+
+    Args:
+        timeout: seconds (or a timedelta) to wait for the other ranks at the meeting.
+        allow_shrink: when some ranks have not arrived by ``timeout``, go on without them: the
+            ranks that arrived are renumbered densely in their old order. Pass the same value
+            on every rank.
+
+    Returns:
+        A :class:`RebuildResult`, truthy when this rank is in the new world. Falsy, with
+        ``missing_ranks`` and ``error``, when ranks were missing (without ``allow_shrink``:
+        nothing changed), when this rank came too late, or when the store or the new group's
+        handshake failed.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or no process group to rebuild; raised before any
+            communication.
+        RuntimeError: another thread of this process is already rebuilding.
+    """
+    global _world
+    timeout_s = validate_arguments(timeout, allow_shrink)
+    if not _lock.acquire(blocking=False):
+        raise RuntimeError("rebuild_world is already running in another thread of this process; call it once per rank")
+    try:
+        world = _current_world()
+        start = time.monotonic()
+        deadline = start + timeout_s
+        me = Arrival(
+            rank=world.rank,
+            world_size=world.size,
+            generation=world.generation,
+            backend=world.backend,
+            allow_shrink=allow_shrink,
+            host=HOSTNAME,
+            pid=os.getpid(),
+        )
+        attempt = world.attempt
+        world.attempt += 1  # late or not, the next call of every rank meets in the next attempt
+        try:
+            meeting = meet(world.store, me, attempt, deadline)
+        except StoreUnreachable as exc:
+            return _failed(
+                world,
+                start,
+                [],
+                f"{exc}. The store lives in torchrun's agent, or (other launchers) in rank 0's process: "
+                "without it no rank can rebuild; checkpoint and exit 75",
+            )
+        if not meeting.goes_on:
+            missing, error = _verdict_error(world, meeting, timeout_s)
+            return _failed(world, start, missing, error, late=meeting.late)
+
+        members = meeting.verdict.arrived
+        rank_map = dense_rank_map(members)
+        missing = meeting.verdict.missing(world.size)
+        _abandon(world.backend, world.timeout)
+        # From here the old world is gone: remember the new one even if its handshake fails, so a
+        # later call meets as its members.
+        _world = new = _World(
+            generation=world.generation + 1,
+            rank=rank_map[world.rank],
+            size=len(members),
+            backend=world.backend,
+            store=world.store,
+            timeout=world.timeout,
+        )
+        handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
+        try:
+            dist.init_process_group(
+                world.backend,
+                store=dist.PrefixStore(world_prefix(new.generation), world.store),
+                rank=new.rank,
+                world_size=new.size,
+                timeout=timedelta(seconds=handshake_s),
+            )
+        except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
+            return _failed(
+                new,
+                start,
+                missing,
+                f"the new group of generation {new.generation} could not be built within {handshake_s:g} s "
+                f"({exc}); a member may have died meanwhile: call rebuild_world again (allow_shrink=True to "
+                "go on without it)",
+            )
+        pg = compat.default_group()
+        new.group = weakref.ref(pg)
+        # The handshake bound is not the collectives' bound: they get the old world's.
+        compat.set_group_timeout(pg, world.timeout)
+        del pg
+        if new.rank == 0 and world.generation >= 1:
+            _forget_generation(world.store, world.generation)
+        result = RebuildResult(
+            ok=True,
+            generation=new.generation,
+            rank=new.rank,
+            world_size=new.size,
+            rank_map=rank_map,
+            missing_ranks=missing,
+            elapsed_s=time.monotonic() - start,
+        )
+        callbacks = list(_callbacks)
+    finally:
+        _lock.release()
+    log.warning(
+        "rebuild_world: generation %d, rank %d of %d (was %d of %d)%s, in %.3f s",
+        result.generation,
+        result.rank,
+        result.world_size,
+        world.rank,
+        world.size,
+        f", without ranks {rank_ranges(missing)}" if missing else "",
+        result.elapsed_s,
+    )
+    for fn in callbacks:
+        try:
+            fn(result)
+        except Exception:  # noqa: BLE001 - the world is rebuilt whatever a callback does
+            log.exception("rebuild_world: the on_rebuild callback %r raised", fn)
+    return result

@@ -1,0 +1,145 @@
+"""The store round behind safe_barrier and the fingerprint check, on a real torch store in one process.
+
+Two "ranks" are two threads sharing one ``HashStore`` (torch's in-process store, the same
+interface as ``TCPStore``): the protocol runs for real, without process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ncclguard.collectives import rendezvous
+from ncclguard.collectives.barrier import BarrierResult
+from ncclguard.collectives.groups import GroupInfo
+from ncclguard.collectives.rendezvous import MAX_ARRIVAL_BYTES, exchange, known_hosts, read_present
+from ncclguard.errors import BarrierTimeout, CollectiveError, NcclGuardError, StoreUnreachable
+
+
+def _ranks(store: dist.Store, size: int = 2, name: str = "g") -> list[GroupInfo]:
+    return [GroupInfo(group=None, name=name, rank=r, size=size, backend="gloo", store=store) for r in range(size)]
+
+
+def _together(infos: list[GroupInfo], round_name: str, timeout_s: float = 5.0) -> list[rendezvous.RoundResult]:
+    results: list[rendezvous.RoundResult | None] = [None] * len(infos)
+
+    def run(i: int) -> None:
+        results[i] = exchange(infos[i], round_name, {"rank": i}, time.monotonic() + timeout_s)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(infos))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def test_every_rank_gets_every_payload_and_the_round_leaves_no_keys():
+    store = dist.HashStore()
+    before = store.num_keys()
+    infos = _ranks(store, 3)
+    for res in _together(infos, "r/1"):
+        assert res.ok and not res.late and res.missing == []
+        assert res.payloads == {0: {"rank": 0}, 1: {"rank": 1}, 2: {"rank": 2}}
+    assert store.num_keys() == before
+    assert set(known_hosts(infos[0])) == {0, 1, 2}
+
+
+def test_absent_rank_is_missing_on_time_and_late_when_it_comes():
+    store = dist.HashStore()
+    infos = _ranks(store)
+    t0 = time.monotonic()
+    first = exchange(infos[0], "r/late", {"x": 1}, t0 + 0.3)
+    assert 0.29 <= time.monotonic() - t0 < 1.5  # the store's wait counts whole milliseconds
+    assert not first.ok and first.missing == [1] and not first.late
+    t0 = time.monotonic()
+    second = exchange(infos[1], "r/late", {"x": 2}, time.monotonic() + 5)
+    assert time.monotonic() - t0 < 0.5  # the verdict was settled: no waiting
+    assert not second.ok and second.late and second.payloads == {0: {"x": 1}, 1: {"x": 2}}
+
+
+@pytest.mark.parametrize(
+    "blob, phrase",
+    [
+        (b"{not json", "unreadable"),
+        (json.dumps({"host": "h", "payload": 1, "extra": 2}).encode(), "unreadable"),
+        (json.dumps({"host": 7, "payload": 1}).encode(), "unreadable"),
+        (json.dumps({"host": "h" * 300, "payload": 1}).encode(), "unreadable"),
+        (b"x" * (MAX_ARRIVAL_BYTES + 1), "limit"),
+    ],
+)
+def test_a_peer_writing_garbage_is_ignored_and_logged(blob, phrase, caplog):
+    store = dist.HashStore()
+    infos = _ranks(store)
+    # "Rank 1" arrives with a value no rank of ncclguard would write.
+    store.set("ncclguard/r/bad/r1", blob)
+    store.add("ncclguard/r/bad/n", 1)
+    with caplog.at_level(logging.ERROR, logger="ncclguard"):
+        res = exchange(infos[0], "r/bad", {"x": 1}, time.monotonic() + 5)
+    assert not res.ok and res.missing == [1] and res.payloads == {0: {"x": 1}}
+    assert [r for r in caplog.records if "rank 1" in r.getMessage() and phrase in r.getMessage()]
+
+
+def test_read_present_reads_only_the_keys_that_exist():
+    store = dist.HashStore()
+    store.set("k/a", "1")
+    store.set("k/c", "3")
+    assert read_present(store, ["k/a", "k/b", "k/c"]) == {"k/a": b"1", "k/c": b"3"}
+    assert read_present(store, ["k/b"]) == {}
+
+
+class _DeadStore:
+    """A store whose server is gone: every call fails as TCPStore's client does."""
+
+    def __getattr__(self, name: str):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+
+        return fail
+
+
+def test_store_that_does_not_answer_raises_store_unreachable():
+    info = _ranks(_DeadStore())[0]  # type: ignore[arg-type]
+    with pytest.raises(StoreUnreachable, match="did not answer during round 'r/dead'"):
+        exchange(info, "r/dead", {}, time.monotonic() + 1)
+    # One class, importable from where it used to live too.
+    assert rendezvous.StoreUnreachable is StoreUnreachable and issubclass(StoreUnreachable, NcclGuardError)
+    assert issubclass(StoreUnreachable, RuntimeError)
+
+
+def test_barrier_result_raise_for_error():
+    ok = BarrierResult(ok=True)
+    assert ok.raise_for_error() is ok
+    err = BarrierTimeout("ranks [2] did not reach barrier", op="barrier", missing_ranks=[2])
+    bad = BarrierResult(ok=False, missing_ranks=[2], error=err)
+    with pytest.raises(BarrierTimeout) as caught:
+        bad.raise_for_error()
+    assert caught.value is err and caught.value.missing_ranks == [2]
+    assert isinstance(err, CollectiveError) and isinstance(err, TimeoutError)
+
+
+def test_a_thread_waiting_in_a_round_does_not_hold_up_another_threads_round():
+    # One TCPStore client shared by two groups (as subgroups share the job's client). Thread 1 waits
+    # 2 s in a round nobody else joins; two more threads run a round on the other group meanwhile.
+    from datetime import timedelta
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=10))
+    lonely = _ranks(dist.PrefixStore("A", client), name="A")[0]
+    pair = _ranks(dist.PrefixStore("B", client), name="B")
+    waiting = threading.Thread(target=exchange, args=(lonely, "r/alone", {}, time.monotonic() + 2.0))
+    waiting.start()
+    time.sleep(0.2)  # thread 1 is inside its wait
+    t0 = time.monotonic()
+    results = _together(pair, "r/pair")
+    took = time.monotonic() - t0
+    waiting.join(10)
+    assert all(r.ok for r in results)
+    # Each thread speaks through its own clone of the store; without it the pair waited for the 2 s.
+    assert took < 1.5, took

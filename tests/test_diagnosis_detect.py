@@ -1,0 +1,109 @@
+"""Detectors as pure functions of synthetic snapshots: hangs, lost peers, completion, the op the
+main thread is blocked in."""
+
+from __future__ import annotations
+
+import pytest
+
+from ncclguard.diagnosis.detect import (
+    Detection,
+    SeqView,
+    blocked_in,
+    completed,
+    find_backend_desync,
+    find_hangs,
+    find_lost,
+    op_key,
+)
+from ncclguard.diagnosis.flight import FlightRecorder
+from ncclguard.diagnosis.model import IncidentKind, OpRecord
+
+NOW = 1000.0
+
+
+def rec(seq: int, age: float, *, op: str = "all_reduce(SUM)", group: str = "0", peer=None, **kw) -> OpRecord:
+    return OpRecord(
+        seq=seq, op=op, group=group, numel=4, dtype="float32", start=NOW - age, site="/job/t.py:5", peer=peer, **kw
+    )
+
+
+def test_an_op_in_flight_past_the_timeout_is_a_hang_once():
+    inflight = [rec(3, 10.0), rec(4, 1.0), rec(1, 12.0, group="5")]
+    found = find_hangs(2, inflight, NOW, 5.0, reported=set())
+    assert [(d.signature, d.op_key) for d in found] == [("hang/0/3", ("0", 3)), ("hang/5/1", ("5", 1))]
+    first = found[0]
+    assert first.kind is IncidentKind.HANG and first.op == "all_reduce(SUM)"
+    assert first.reason == "rank 2 waited 10.0 s in all_reduce(SUM) #3 on group 0 (4 x float32, issued at /job/t.py:5)"
+    assert find_hangs(2, inflight, NOW, 5.0, reported={("0", 3), ("5", 1)}) == []
+    assert find_hangs(2, inflight, NOW, 30.0, reported=set()) == []
+
+
+def test_send_recv_hangs_are_numbered_apart_and_signed_per_rank():
+    (d,) = find_hangs(1, [rec(2, 9.0, op="recv", peer=0)], NOW, 5.0, set())
+    assert (d.signature, d.group, d.op_key) == ("hang/0:p2p/2/r1", "0:p2p", ("0:p2p", 2))
+    # A collective #2 on the same group is another op.
+    assert op_key(rec(2, 0.0)) == ("0", 2) != d.op_key
+
+
+def test_peers_that_went_stale_make_one_incident():
+    assert find_lost({}) is None
+    d = find_lost({5: 7.04, 3: 6.5})
+    assert d == Detection(
+        IncidentKind.PEERS_LOST, "no heartbeat from rank 3 for 6.5 s, rank 5 for 7.0 s", "lost/3", ranks=(3, 5)
+    )
+    assert d.op_key is None
+
+
+def test_completed_reads_the_newest_record_of_the_op_and_failed_is_not_completed():
+    fr = FlightRecorder(size=10)
+    a = fr.start("all_reduce(SUM)", "0", 4, "float32", site="s")
+    fr.finish(a)
+    b = fr.start("all_reduce(SUM)", "0", 4, "float32", site="s")
+    fr.finish(b, RuntimeError("Connection closed by peer"))
+    s = fr.start("send", "0", 4, "float32", site="s", peer=1)
+    fr.finish(s)
+    records = fr.records()
+    assert completed(records, ("0", 1)) and not completed(records, ("0", 2))
+    assert completed(records, ("0:p2p", 1)) and not completed(records, ("0", 3))
+    # The plain-data form reads the same.
+    assert completed([OpRecord.model_validate(r.to_dict()) for r in records], ("0", 1))
+
+
+def test_blocked_in_is_the_main_threads_newest_synchronous_op():
+    main, other = 11, 22
+    inflight = [
+        rec(1, 9.0, thread=main),
+        rec(2, 8.0, thread=main, async_op=True),
+        rec(3, 7.0, thread=other),
+    ]
+    assert blocked_in(inflight, main) == inflight[0]
+    assert blocked_in(inflight[1:], main) is None
+    assert blocked_in([], main) is None
+
+
+def still(seq: int, s: float) -> SeqView:
+    return SeqView(seq, s)
+
+
+def test_a_rank_ahead_of_a_still_peer_waits_for_it_by_the_backends_numbers():
+    own = {"0": still(9, 2.0), "3": still(4, 2.0)}
+    peers = {1: {"0": still(8, 5.0), "3": still(4, 9.0)}, 2: {"0": still(9, 2.0)}}
+    (d,) = find_backend_desync(0, own, peers, busy_groups=set(), hang_timeout_s=1.5, reported=set())
+    assert (d.kind, d.signature, d.op_key, d.op) == (IncidentKind.BACKEND_DESYNC, "desync/0/9", ("0", 9), None)
+    assert d.reason == "rank 0 stood 2.0 s at backend op #9 on group 0, not issued yet by rank 1 at #8"
+
+
+@pytest.mark.parametrize(
+    "own, peer, busy, reported",
+    [
+        (still(9, 1.0), still(8, 5.0), set(), set()),  # this rank has not stood still long enough
+        (still(9, 2.0), still(8, 1.0), set(), set()),  # the peer moved lately: it is catching up
+        (still(9, 2.0), still(9, 5.0), set(), set()),  # the same number: nobody waits for anybody
+        (still(8, 2.0), still(9, 5.0), set(), set()),  # this rank is the one behind: the ranks ahead speak
+        (still(9, 2.0), still(8, 5.0), {"0"}, set()),  # a recorded op in flight: find_hangs names its line
+        (still(9, 2.0), still(8, 5.0), set(), {("0", 9)}),  # reported already
+    ],
+)
+def test_no_backend_desync_without_a_still_rank_behind_a_still_rank_ahead(own, peer, busy, reported):
+    assert find_backend_desync(0, {"0": own}, {1: {"0": peer}}, busy, 1.5, reported) == []
+    assert find_backend_desync(0, {"0": own}, {1: {"5": peer}}, set(), 1.5, set()) == []  # not in the group

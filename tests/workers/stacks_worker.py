@@ -1,0 +1,125 @@
+"""Rank side of tests/test_diagnosis_stacks_multirank.py: one desync per way of issuing a collective.
+
+2 ranks (torchrun, gloo), watchdog action report. For each stack, in order: plain
+``dist.all_reduce``, a functional ``all_reduce``, a DTensor ``redistribute``, DDP forward and
+backward, FSDP2 (``fully_shard``) forward and backward, and a ``torch.compile``d function with a
+functional ``all_reduce``. Rank 0 goes into the stack's collectives; rank 1 evaluates until the
+watchdog's report of that desync is merged, then joins (which releases rank 0). Before the
+desyncs, a healthy call of each stack measures how far the backend's sequence number and
+ncclguard's records advance.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import rankkit
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from rankkit import put
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from ncclguard import _torch_compat as compat
+from ncclguard import phase, recorder, safe_barrier, start_watchdog
+from ncclguard.diagnosis.incident import INCIDENT_FILE
+
+OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
+INCIDENTS = OUT / "incidents"
+HEARTBEAT_S = 0.3
+HANG_S = 1.5
+
+
+def merged_incidents() -> int:
+    return len(list(INCIDENTS.glob(f"*/{INCIDENT_FILE}"))) if INCIDENTS.is_dir() else 0
+
+
+def eval_loop(wanted: int, bound_s: float = 20.0) -> None:
+    deadline = time.monotonic() + bound_s
+    with phase("eval", batch=7):
+        while merged_incidents() < wanted and time.monotonic() < deadline:
+            time.sleep(0.05)  # MARK: eval
+
+
+class Stacks:
+    """Each stack's step, built once on every rank (DDP and FSDP2 wrap their models up front)."""
+
+    def __init__(self, world: int) -> None:
+        torch.manual_seed(0)
+        self.pg = compat.default_group()
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+        self.fsdp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in self.fsdp:
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(self.fsdp, mesh=self.mesh)
+        self.compiled = torch.compile(self._reduce_twice)
+        self.dt = distribute_tensor(torch.ones(4, 4), self.mesh, [Shard(0)])
+
+    # Compiled: inductor runs generated code in its place, so its frame stands at its first line.
+    def _reduce_twice(self, t: torch.Tensor) -> torch.Tensor:  # MARK: compile
+        return fc.all_reduce(t, "sum", self.pg) * 2
+
+    def plain(self) -> None:
+        dist.all_reduce(torch.ones(4))  # MARK: plain
+
+    def functional(self) -> None:
+        out = fc.all_reduce(torch.ones(4), "sum", self.pg)
+        float(out[0])  # MARK: functional
+
+    def dtensor(self) -> None:
+        self.dt.redistribute(self.mesh, [Replicate()]).to_local()  # MARK: dtensor
+
+    def ddp_step(self) -> None:
+        self.ddp(torch.ones(4, 16)).sum().backward()  # MARK: ddp
+
+    def fsdp_step(self) -> None:
+        self.fsdp(torch.ones(2, 8)).sum().backward()  # MARK: fsdp2
+
+    def compile_step(self) -> None:
+        float(self.compiled(torch.ones(4))[0])
+
+    def all(self) -> dict[str, Callable[[], None]]:
+        return {
+            "plain": self.plain,
+            "functional": self.functional,
+            "dtensor": self.dtensor,
+            "ddp": self.ddp_step,
+            "fsdp2": self.fsdp_step,
+            "compile": self.compile_step,
+        }
+
+
+def main() -> None:
+    r = rankkit.init()
+    stacks = Stacks(dist.get_world_size()).all()
+    wd = start_watchdog(heartbeat_s=HEARTBEAT_S, hang_timeout_s=HANG_S, incident_dir=INCIDENTS, action="report")
+    # Healthy calls: the first builds lazy state (FSDP2's, the compiled graph); the second is measured.
+    counts = {}
+    for name, step in stacks.items():
+        step()
+        seq, recs = compat.sequence_number(compat.default_group()), len(recorder.records())
+        step()
+        counts[name] = (compat.sequence_number(compat.default_group()) - seq, len(recorder.records()) - recs)
+    put("counts", counts)
+    starts = {}
+    for k, (name, step) in enumerate(stacks.items(), 1):
+        safe_barrier(timeout=60)
+        if r == 1:
+            eval_loop(wanted=k)  # evaluates until this desync's report is merged
+        with phase("train", step=k):
+            starts[name] = time.time()
+            step()
+    put("starts", starts)
+    put("incidents", wd.wait_for_incident(10, count=len(stacks), merged=r == 0))
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
