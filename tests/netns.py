@@ -136,3 +136,28 @@ def _run_in(
         tails = "\n".join(f"--- {d.args}\n{d.stdout[-2000:]}{d.stderr[-4000:]}" for d in done)
         raise AssertionError(f"{late} did not finish within {timeout_s} s\n{tails}")
     return done
+
+
+def run_two_ranks(
+    pair: Pair, argv: list[str], out: Path, port: int, timeout_s: float
+) -> list[subprocess.CompletedProcess]:
+    """Runs ``argv`` as rank 0 in namespace A (the store's host) and rank 1 in B, a world of 2.
+
+    Each rank writes its results under ``out`` (``NCCLGUARD_TEST_OUT``); both are killed past
+    ``timeout_s``.
+    """
+    common = dict(
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR=ADDR_A,
+        MASTER_PORT=str(port),
+        NCCLGUARD_TEST_OUT=str(out),
+        OMP_NUM_THREADS="1",
+    )
+    return _run_in(
+        [
+            (pair.ns_a, argv, _env(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", **common)),
+            (pair.ns_b, argv, _env(RANK="1", LOCAL_RANK="0", GROUP_RANK="1", **common)),
+        ],
+        timeout_s,
+    )

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from netns import ADDR_A, ADDR_B, WORKERS, _env, _run_in
+from netns import ADDR_A, ADDR_B, WORKERS, _env, _run_in, run_two_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -78,22 +78,8 @@ def test_unreachable_and_no_default_route_are_warnings(detected):
 
 def test_gloo_job_across_the_namespaces(pair):
     out = Path(tempfile.mkdtemp(prefix="ncclguard-netns-"))
-    common = dict(
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR=ADDR_A,
-        MASTER_PORT="29500",
-        NCCLGUARD_TEST_OUT=str(out),
-        OMP_NUM_THREADS="1",
-    )
     argv = [sys.executable, str(WORKERS / "netenv_worker.py"), "netns"]
-    ranks = _run_in(
-        [
-            (pair.ns_a, argv, _env(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", **common)),
-            (pair.ns_b, argv, _env(RANK="1", LOCAL_RANK="0", GROUP_RANK="1", **common)),
-        ],
-        120,
-    )
+    ranks = run_two_ranks(pair, argv, out, port=29500, timeout_s=120)
     for r in ranks:
         assert r.returncode == 0, r.stdout + r.stderr
     res = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}

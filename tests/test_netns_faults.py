@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import ADDR_A, WORKERS, _env, _ip, _run_in
+from netns import WORKERS, _ip, run_two_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -30,22 +30,8 @@ def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _ranks(pair, scenario: str, out: Path, timeout_s: float) -> list:
-    common = dict(
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR=ADDR_A,
-        MASTER_PORT="29501",
-        NCCLGUARD_TEST_OUT=str(out),
-        OMP_NUM_THREADS="1",
-    )
     argv = [sys.executable, str(WORKERS / "netfault_worker.py"), scenario]
-    return _run_in(
-        [
-            (pair.ns_a, argv, _env(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", **common)),
-            (pair.ns_b, argv, _env(RANK="1", LOCAL_RANK="0", GROUP_RANK="1", **common)),
-        ],
-        timeout_s,
-    )
+    return run_two_ranks(pair, argv, out, port=29501, timeout_s=timeout_s)
 
 
 def _when_started(out: Path, then, bound_s: float = 60.0) -> threading.Thread:
