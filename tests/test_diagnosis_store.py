@@ -49,32 +49,32 @@ def test_every_key_lives_under_one_namespace_per_run_restart_and_session(monkeyp
 
 
 def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone():
-    calls = BoundedCalls(timeout=0.1, gone_after=0.3)
+    store = dist.HashStore()
+    calls = BoundedCalls(store, timeout=0.1, gone_after=0.3)
     release = threading.Event()
     t0 = time.monotonic()
-    with pytest.raises(StoreTimeout, match="no answer within 0.1 s"):
+    with pytest.raises(StoreTimeout, match="the store did not answer within 0.1"):
         calls.run(release.wait, 5)
     assert time.monotonic() - t0 < 1.0
-    # The helper is still blocked: the next call fails at once instead of queueing behind it.
-    with pytest.raises(StoreTimeout, match="a previous store call has not returned"):
-        calls.run(lambda: 1)
-    time.sleep(0.5)  # silent for longer than gone_after since the first failure
-    with pytest.raises(StoreUnreachable, match="no answer for .* a previous store call has not returned"):
-        calls.run(lambda: 1)
+    # The call is still blocked: the next one fails at once instead of queueing behind it.
+    with pytest.raises(StoreTimeout, match="an earlier call to the store has not returned"):
+        calls.run(store.add, "k", 1)
+    time.sleep(0.5)  # failing for longer than gone_after since the first failure
+    with pytest.raises(StoreUnreachable, match="^no answer for .* an earlier call to the store has not returned"):
+        calls.run(store.add, "k", 1)
     release.set()  # the blocked call returns: the store answers again
     deadline = time.monotonic() + 2
     while True:
         try:
-            assert calls.run(lambda: 42) == 42
+            assert calls.run(store.add, "k", 1) == 1
             break
-        except (StoreTimeout, StoreUnreachable):  # until the helper has handed back the blocked call
+        except (StoreTimeout, StoreUnreachable):  # until the blocked call's thread has ended
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    calls.close()
 
 
 def test_a_refused_connection_is_gone_at_once_and_other_errors_pass_through():
-    calls = BoundedCalls(timeout=1.0, gone_after=60.0)
+    calls = BoundedCalls(dist.HashStore(), timeout=1.0, gone_after=60.0)
 
     def refused():
         raise dist.DistNetworkError("Connection reset by peer\nmore")
@@ -89,7 +89,6 @@ def test_a_refused_connection_is_gone_at_once_and_other_errors_pass_through():
         calls.run(slow)
     with pytest.raises(KeyError):  # a bug is not a store failure
         calls.run({}.__getitem__, "x")
-    calls.close()
 
 
 def test_heartbeats_round_trip_and_missing_ranks_are_absent():
@@ -181,4 +180,3 @@ def test_a_dead_tcpstore_is_unreachable():
         for _ in range(50):  # the first call may still land in the socket's buffer
             ws.read_heartbeats([0])
             time.sleep(0.02)
-    ws.close()

@@ -50,6 +50,7 @@ from ncclguard.diagnosis.model import (
     Statement,
     StoreFinding,
 )
+from ncclguard.diagnosis.native import add_outside_stacks
 from ncclguard.diagnosis.render import render
 from ncclguard.diagnosis.settings import WatchdogConfig
 from ncclguard.diagnosis.snapshot import RankState
@@ -158,16 +159,19 @@ def stale_from_statements(stale: Mapping[int, float], statements: Mapping[int, S
     return out
 
 
-def write_report(case: Case, incident: Incident) -> None:
-    """Writes the merged ``incident.json`` and ``summary.txt`` of ``case`` and logs the report."""
+def write_report(case: Case, incident: Incident, *, announce: bool = True) -> None:
+    """Writes the merged ``incident.json`` and ``summary.txt`` of ``case`` (and logs the report)."""
     text = render(incident)
     try:
         write_json(case.dir / INCIDENT_FILE, incident)
         (case.dir / SUMMARY_FILE).write_text(text)
     except OSError as exc:
         log.error("watchdog: could not write incident %s: %s", case.doc.id, exc)
-    log.error("watchdog: incident %s merged: %s; report: %s", case.doc.id, incident.summary, case.dir / SUMMARY_FILE)
-    log.info("watchdog: incident report\n%s", text)
+    if announce:
+        log.error(
+            "watchdog: incident %s merged: %s; report: %s", case.doc.id, incident.summary, case.dir / SUMMARY_FILE
+        )
+        log.info("watchdog: incident report\n%s", text)
 
 
 class IncidentDesk:
@@ -247,9 +251,7 @@ class IncidentDesk:
         if self.store_lost:
             return
         self.store_lost = True
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()
+        self.store = None
         addr = (
             self.store_addr
             or self.config.store_addr
@@ -404,6 +406,7 @@ class IncidentDesk:
             analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
         )
         write_report(case, incident)
+        add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
         if self.store is not None and not case.local:
             try:

@@ -15,7 +15,8 @@ File format version 2 (``format_version: 2``) is version 1 plus:
 - heartbeats and statements may carry ``backend_seq``: the backend's sequence number per group;
   statements ``backend_ops``: the op torch's flight recorder holds at that number; findings
   ``backend``: the op is numbered by the backend (it may have been issued from C++);
-- incident kind ``desync``: a group's ranks stand at different backend sequence numbers.
+- incident kind ``desync``: a group's ranks stand at different backend sequence numbers;
+- ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy).
 
 :func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
 ``Incident.model_json_schema()`` and ``RankDump.model_json_schema()`` (``python -m ncclguard
@@ -49,6 +50,7 @@ __all__ = [
     "MismatchFinding",
     "NoView",
     "OpRecord",
+    "OutsideStack",
     "P2PFinding",
     "PeerView",
     "RankDump",
@@ -359,6 +361,18 @@ class NoView(_Model):
 RankView = Annotated[StatementView | HeartbeatView | NoView, Field(discriminator="source")]
 
 
+class OutsideStack(_Model):
+    """A rank's stacks taken from outside its process (py-spy), or why there are none."""
+
+    rank: int
+    host: str
+    pid: int
+    tool: str = "py-spy dump --native"
+    text: str | None = None
+    error: str | None = None
+    how: str = ""  # what to run to get them by hand
+
+
 class Analysis(_Model):
     """Culprits and victims, as :func:`ncclguard.diagnosis.analysis.analyse` finds them."""
 
@@ -382,6 +396,8 @@ class Incident(Analysis):
     statements_from: list[int]
     missing_statements: list[int]
     ranks: dict[str, RankView] = Field(default_factory=dict)
+    # Ranks that could not speak for themselves (lost, silent): their stacks from outside.
+    outside_stacks: dict[str, OutsideStack] = Field(default_factory=dict)
 
 
 class RankDump(_Model):

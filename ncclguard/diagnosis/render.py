@@ -202,6 +202,29 @@ def _culprit_lines(incident: Incident, block: list[Culprit], stack_lines: int) -
     return out
 
 
+def _outside_lines(incident: Incident, stack_lines: int) -> list[str]:
+    """The stacks of ranks that could not speak for themselves, from py-spy (the main thread's
+    part), or how to get them."""
+    if not incident.outside_stacks:
+        return []
+    out = ["", "STACKS FROM OUTSIDE (ranks that could not speak for themselves)"]
+    for key in sorted(incident.outside_stacks, key=int):
+        st = incident.outside_stacks[key]
+        if st.text is None:
+            out.append(f"  rank {st.rank} (pid {st.pid}): none ({st.error}); {st.how}")
+            continue
+        lines = st.text.splitlines()
+        main = next((i for i, line in enumerate(lines) if line.startswith("Thread ") and "MainThread" in line), None)
+        if main is None:
+            shown = lines[: 2 * stack_lines]
+        else:  # the main thread's block: up to the next thread, 2 * stack_lines frames at most
+            end = next((i for i in range(main + 1, len(lines)) if lines[i].startswith("Thread ")), len(lines))
+            shown = lines[main : min(end, main + 1 + 2 * max(stack_lines, 1))]
+        out.append(f"  rank {st.rank} (pid {st.pid}, {st.tool}, innermost first):")
+        out.extend(f"    {line.strip()}" for line in shown)
+    return out
+
+
 def _victim_lines(findings: Sequence[Finding]) -> list[str]:
     out = []
     for f in findings:
@@ -249,6 +272,7 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
     out.append("CULPRITS (not where the others are)" if culprits else "CULPRITS: none found")
     for block in _culprit_blocks(culprits):
         out.extend(_culprit_lines(incident, block, stack_lines))
+    out.extend(_outside_lines(incident, stack_lines))
     out.append("")
     victims = incident.victims
     out.append(f"VICTIMS (waiting for the culprits): {ranks_text(victims) if victims else 'none'}")

@@ -1,10 +1,10 @@
 """The watchdog's store protocol: its key schema, bounded calls, and validated values.
 
 - :class:`Keys` builds every key the watchdog reads or writes (nowhere else builds one).
-- :class:`BoundedCalls` runs each store call on a helper thread and waits for it at most
-  ``timeout``: a c10d ``TCPStore`` client's own timeout does not bound every call (``check`` on a
-  server frozen by SIGSTOP blocked until the server resumed, measured on torch 2.13), and the
-  watchdog thread must never wait on a dead peer.
+- :class:`BoundedCalls` bounds each store call by ``timeout`` (on a helper thread, through
+  :mod:`ncclguard._bounded`): a c10d ``TCPStore`` client's own timeout does not bound every call
+  (``check`` on a server frozen by SIGSTOP blocked until the server resumed, measured on torch
+  2.13), and the watchdog thread must never wait on a dead peer.
 - :class:`WatchdogStore` is the protocol itself: typed reads and writes of heartbeats, incidents,
   statements and the merge. Every value read is parsed by a pydantic model under a size bound;
   an oversized or malformed value is dropped with one log line (per key, until it reads well
@@ -18,8 +18,6 @@ store is gone (a refused or reset connection, or no answer for ``gone_after`` se
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,6 +26,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ncclguard import _torch_compat as compat
+from ncclguard._bounded import bounded_store_call
 from ncclguard._log import log
 from ncclguard.diagnosis.model import Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.errors import StoreTimeout, StoreUnreachable
@@ -124,49 +123,27 @@ def parse_value(model: type[M], blob: bytes | str, what: str) -> M:
         ) from None
 
 
-class _Call:
-    __slots__ = ("fn", "args", "done", "value", "error")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.fn, self.args = fn, args
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else type(exc).__name__
 
 
 class BoundedCalls:
-    """Runs calls on one helper thread, waiting for each at most ``timeout`` seconds.
-
-    A call that does not return in time leaves the helper blocked; later calls fail at once (the
-    connection is busy) until it returns. Torch's ``DistNetworkError`` (refused, reset) means the
-    store is gone; its other errors, and silence, mean slow until they last ``gone_after``.
+    """Store calls bounded by ``timeout`` each (:func:`ncclguard._bounded.bounded_store_call`: a
+    helper thread per call; while a call that missed its deadline is still blocked, later calls
+    fail at once), classified for the watchdog: torch's ``DistNetworkError`` (refused, reset)
+    means the store is gone; a missed deadline or torch's other errors mean slow, until the store
+    has failed for ``gone_after`` seconds in a row.
 
     Args:
+        store: the store the calls talk to.
         timeout: the bound of each call.
         gone_after: seconds of failed calls after which the store counts as gone.
     """
 
-    def __init__(self, timeout: float, gone_after: float) -> None:
-        self.timeout, self.gone_after = timeout, gone_after
-        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._pending: _Call | None = None
-        self._pending_since = 0.0
+    def __init__(self, store: Any, timeout: float, gone_after: float) -> None:
+        self.store, self.timeout, self.gone_after = store, timeout, gone_after
         self._failing_since: float | None = None
-        self._thread = threading.Thread(target=self._serve, name="ncclguard-watchdog-store", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while (call := self._queue.get()) is not None:
-            try:
-                call.value = call.fn(*call.args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which classifies it
-                call.error = exc
-            call.done.set()
 
     def _fail(self, text: str) -> StoreTimeout | StoreUnreachable:
         now = time.monotonic()
@@ -178,37 +155,24 @@ class BoundedCalls:
         return StoreTimeout(text)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the helper thread; its value.
+        """``fn(*args)``, a call on the store, within ``timeout``; its value.
 
         Raises:
-            StoreTimeout: no answer within ``timeout`` (or the previous call still blocks).
+            StoreTimeout: no answer within ``timeout`` (or an earlier call is still blocked).
             StoreUnreachable: the store is gone.
         """
         from torch.distributed import DistNetworkError
 
-        pending = self._pending
-        if pending is not None and not pending.done.is_set():
-            raise self._fail(
-                f"a previous store call has not returned for {time.monotonic() - self._pending_since:.1f} s"
-            )
-        call = _Call(fn, args)
-        self._pending, self._pending_since = call, time.monotonic()
-        self._queue.put(call)
-        if not call.done.wait(self.timeout):
-            raise self._fail(f"no answer within {self.timeout:g} s")
-        self._pending = None
-        if isinstance(call.error, DistNetworkError):  # broken pipe, connection reset/refused: the server is gone
-            raise StoreUnreachable(f"{type(call.error).__name__}: {_first_line(call.error)}") from call.error
-        if isinstance(call.error, RuntimeError):  # torch's own timeout: slow or gone
-            raise self._fail(_first_line(call.error)) from call.error
-        if call.error is not None:
-            raise call.error
+        try:
+            value = bounded_store_call(self.store, lambda: fn(*args), self.timeout, "watchdog store call")
+        except DistNetworkError as exc:  # broken pipe, connection reset/refused: the server is gone
+            raise StoreUnreachable(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        except StoreUnreachable as exc:  # missed its deadline: slow, or gone once it lasts
+            raise self._fail(_first_line(exc)) from exc
+        except RuntimeError as exc:  # torch's own timeout: slow or gone
+            raise self._fail(_first_line(exc)) from exc
         self._failing_since = None
-        return call.value
-
-    def close(self) -> None:
-        """Ends the helper thread once it is free (a blocked call keeps it, as a daemon)."""
-        self._queue.put(None)
+        return value
 
 
 class WatchdogStore:
@@ -223,7 +187,7 @@ class WatchdogStore:
 
     def __init__(self, store: Any, keys: Keys, timeout: float, gone_after: float) -> None:
         self.store, self.keys = store, keys
-        self.calls = BoundedCalls(timeout, gone_after)
+        self.calls = BoundedCalls(store, timeout, gone_after)
         self._warned: set[str] = set()
 
     @classmethod
@@ -236,17 +200,10 @@ class WatchdogStore:
         import torch.distributed as dist
 
         host, _, port = addr.rpartition(":")
-        calls = BoundedCalls(timeout, 0.0)  # a failed connect is final
-        try:
-            client = calls.run(
-                lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-            )
-        finally:
-            calls.close()
+        client = BoundedCalls(addr, timeout, 0.0).run(  # a failed connect is final
+            lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        )
         return cls(client, keys, timeout, gone_after)
-
-    def close(self) -> None:
-        self.calls.close()
 
     def _call(self, method: str, *args: Any) -> Any:
         return self.calls.run(getattr(self.store, method), *args)

@@ -174,8 +174,6 @@ class Watchdog:
             cfg = self.config
             self._thread.join(timeout if timeout is not None else 2 * cfg.store_timeout + cfg.heartbeat_s)
             self._thread = None
-        if self._desk is not None and self._desk.store is not None:
-            self._desk.store.close()  # its helper thread; a store given by the caller stays open
         if (
             self._handler_installed
             and self._raiser is not None

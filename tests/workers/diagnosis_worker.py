@@ -8,10 +8,15 @@ Scenarios (each one launch):
     raise_lost spawn, 4 ranks, action raise: a frozen rank ended by CollectiveTimeout; rank 3
                SIGKILLed and reported lost; rank 0 (the store's host) killed, the store reported.
     exit       spawn, 2 ranks, action exit: the ladder climbs to os._exit(75).
+    gil        torchrun, 2 ranks, action report: rank 1 holds the GIL in a C call (its watchdog
+               thread stops too) while rank 0 waits in an all_reduce; rank 0's watchdog dumps
+               rank 1's stacks from outside with py-spy.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import sys
 import time
@@ -272,5 +277,33 @@ def exit_ladder() -> None:
     rankkit.done()
 
 
+def hold_gil(seconds: int) -> None:
+    ctypes.PyDLL(None).sleep(seconds)  # MARK: gil
+
+
+def gil() -> None:
+    r = rankkit.init()
+    wd = start_watchdog(
+        heartbeat_s=HEARTBEAT_S, hang_timeout_s=HANG_S, peer_timeout_s=1.2, incident_dir=INCIDENTS, action="report"
+    )
+    safe_barrier(timeout=20)
+    # A few beats, so that each rank has seen its peer's heartbeat before rank 1 goes silent.
+    time.sleep(4 * HEARTBEAT_S)  # MARK: gil-before
+    if r == 1:
+        with phase("checkpoint", step=3):
+            hold_gil(6)  # a C call that keeps the GIL: no Python thread of this rank runs meanwhile
+    with phase("train", step=4):
+        put("start", time.time())
+        dist.all_reduce(torch.ones(4))
+    put("incidents", wd.wait_for_incident(15, count=1, merged=r == 0))
+    if r == 0:  # the stacks are added to the report by a helper thread, after the merge
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+            json.loads(p.read_text()).get("outside_stacks") for p in INCIDENTS.glob(f"*/{INCIDENT_FILE}")
+        ):
+            time.sleep(0.1)
+    rankkit.done()
+
+
 if __name__ == "__main__":
-    {"desync": desync, "raise_lost": raise_lost, "exit": exit_ladder}[sys.argv[1]]()
+    {"desync": desync, "raise_lost": raise_lost, "exit": exit_ladder, "gil": gil}[sys.argv[1]]()

@@ -1,0 +1,70 @@
+"""Stacks from outside (py-spy) without a job: a child process holding the GIL, another host,
+this process itself, and how the report shows them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ncclguard._naming import HOSTNAME
+from ncclguard.diagnosis.model import Incident, IncidentDoc, IncidentKind, OutsideStack
+from ncclguard.diagnosis.native import dump_stacks, find_py_spy, how_to_get, outside_stacks
+from ncclguard.diagnosis.render import render
+
+HOLDER = "import ctypes, sys\nprint('ready', flush=True)\nctypes.PyDLL(None).sleep(int(sys.argv[1]))\n"
+
+
+@pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+def test_a_process_holding_the_gil_is_dumped_with_its_native_frames():
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, "20"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        time.sleep(0.2)  # inside the C call now
+        t0 = time.monotonic()
+        stacks = outside_stacks({3: (HOSTNAME, child.pid)})
+        took = time.monotonic() - t0
+    finally:
+        child.kill()
+        child.wait(10)
+    st = stacks["3"]
+    assert (st.rank, st.pid, st.error) == (3, child.pid, None) and took < 20
+    assert '"MainThread"' in st.text and "sleep (libc" in st.text and "<module> (<string>:3)" in st.text
+
+
+def test_no_dump_of_another_host_of_this_process_or_of_a_dead_pid():
+    assert outside_stacks({0: (HOSTNAME, os.getpid())}) == {}  # its own statement has its stacks
+    far = outside_stacks({5: ("node9", 4242)})["5"]
+    assert (far.text, far.error) == (None, "on another host (node9)")
+    assert far.how == how_to_get("node9", 4242) and far.how.startswith(
+        "on host node9: `py-spy dump --native --pid 4242`"
+    )
+    if find_py_spy() is not None:
+        text, error = dump_stacks(2**22 + 12345, timeout_s=10)  # no such process
+        assert text is None and error is not None and error.startswith("py-spy failed (status ")
+
+
+def test_the_report_shows_the_main_threads_block_or_how_to_get_it():
+    dump = 'Process 7: python x.py\n\nThread 7 (idle): "MainThread"\n    sleep (libc.so.6)\n    hold (x.py:3)\nThread 8 (idle): "other"\n    wait (y.py:1)\n'
+    incident = Incident(
+        incident=IncidentDoc(kind=IncidentKind.PEERS_LOST, reason="no heartbeat from rank 1", id="x", ranks=[1]),
+        written_at=0.0,
+        merged_by=0,
+        world_size=3,
+        statements_from=[0],
+        missing_statements=[1, 2],
+        outside_stacks={
+            "1": OutsideStack(rank=1, host="h", pid=7, text=dump, how=how_to_get("h", 7)),
+            "2": OutsideStack(rank=2, host="node9", pid=8, error="on another host (node9)", how=how_to_get("node9", 8)),
+        },
+    )
+    text = render(incident)
+    assert (
+        "STACKS FROM OUTSIDE (ranks that could not speak for themselves)\n"
+        "  rank 1 (pid 7, py-spy dump --native, innermost first):\n"
+        '    Thread 7 (idle): "MainThread"\n    sleep (libc.so.6)\n    hold (x.py:3)\n'
+        "  rank 2 (pid 8): none (on another host (node9)); on host node9: `py-spy dump --native --pid 8`"
+    ) in text
