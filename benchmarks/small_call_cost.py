@@ -1,12 +1,22 @@
-"""Where the guarded call's fixed cost goes at 1 element (gloo, 2 ranks on this host).
+"""Where the fixed cost of a guarded call goes at 1 element (gloo, 2 ranks on this host).
 
-    .venv/bin/python benchmarks/small_call_cost.py [--iters 1500]
+    .venv/bin/python benchmarks/small_call_cost.py [--iters 3000]
 
-Times, interleaved per iteration after a barrier, steps from a plain synchronous
-``dist.all_reduce`` towards ``safe_all_reduce``: the same op issued asynchronously and waited on
-with a deadline, then on a view of the tensor (what the chunk loop passes), then ncclguard's
-chunk loop alone (``ncclguard.collectives.wire.run_chunks``, internal: this is a diagnosis, not an
-API), then the whole call. Results: ``benchmarks/results/small-call-cost.json``.
+Times, interleaved per iteration after a barrier, an ablation from a plain synchronous
+``dist.all_reduce`` up to ``safe_all_reduce``, each case adding one piece of the guarded call's
+hot path (``ncclguard.collectives.all_reduce``; the pieces are re-typed here, a diagnosis, not
+an API):
+
+1. ``dist.all_reduce(t)``, the plain call;
+2. the same issued with ``async_op=True`` and waited on with a timeout (what the guard does);
+3. + the group-state lookup and the input checks made before the issue;
+4. + what runs after the issue: the call's number, the default deadline, the result object;
+5. ``safe_all_reduce(t)`` with the flight recorder replaced by a no-op (diagnosis only: it
+   shows what ``recorder.start``/``finish`` of ncclguard.diagnosis cost inside the call);
+6. ``safe_all_reduce(t)``, the real call.
+
+Every case reports min, p5 and p50 of the slowest rank's time. Results:
+``benchmarks/results/small-call-cost.json``.
 """
 
 from __future__ import annotations
@@ -19,48 +29,117 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from interleaved import p50_of_slowest
-
 OUT = Path(__file__).resolve().parent / "results" / "small-call-cost.json"
 
 
 def _rank(iters: int) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from ncclguard.collectives.all_reduce import safe_all_reduce
-    from ncclguard.collectives.groups import group_info
-    from ncclguard.collectives.wire import run_chunks
+    from ncclguard.bench.metrics import slowest_per_iteration
+    from ncclguard.collectives import all_reduce as ar
+    from ncclguard.collectives.groups import cached_state
+    from ncclguard.config import get_config
+    from ncclguard.diagnosis import flight
 
     dist.init_process_group("gloo")
     t = torch.ones(1)
-    flat = t.view(-1)
+    token = torch.zeros(1)
     wait = timedelta(seconds=60)
-    info = group_info()
+    op = dist.ReduceOp.SUM
+    ar.safe_all_reduce(t)  # builds the group's state
+    world = dist.group.WORLD
+
+    def checked() -> tuple[object, int, object]:
+        state = cached_state(world)
+        assert state is not None
+        ok = (
+            type(t) is torch.Tensor
+            and type(op) is type(dist.ReduceOp.SUM)
+            and op in ar._FAST_OPS
+            and t.layout is torch.strided
+            and state.multi
+            and ((state.cpu_ok and t.is_cpu) or (state.cuda_ok and t.is_cuda))
+            and t.is_contiguous()
+        )
+        config = get_config()
+        assert ok and t.numel() < config.chunk_direct_below
+        return state, t.numel(), config
+
+    def with_checks() -> None:
+        state, _, _ = checked()
+        dist.all_reduce(t, op=op, group=state.info.group, async_op=True).wait(timeout=wait)
+
+    def with_bookkeeping() -> None:
+        start = time.monotonic()
+        state, numel, config = checked()
+        work = dist.all_reduce(t, op=op, group=state.info.group, async_op=True)
+        base, counter = state.count.current
+        _number = (base, next(counter))
+        timeout_s = state.default_deadline(numel, numel * t.element_size(), config, start)
+        work.wait(timeout=state.whole_wait(timeout_s))
+        ar.CollectiveResult(True, "all_reduce(SUM)", numel, numel * 4, 1, numel, time.monotonic() - start)
+
+    class _NoRecorder:
+        def start(self, *args: object, **kwargs: object) -> None:
+            return None
+
+        def finish(self, *args: object, **kwargs: object) -> None:
+            return None
+
+    def without_recorder() -> None:
+        ar.recorder = _NoRecorder()  # type: ignore[assignment]
+        try:
+            ar.safe_all_reduce(t)
+        finally:
+            ar.recorder = flight.recorder
+
     cases = {
         "dist.all_reduce(t)": lambda: dist.all_reduce(t),
-        "dist.all_reduce(t, async_op=True).wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
-        "the same on a view t.view(-1)[0:1]": lambda: dist.all_reduce(flat[0:1], async_op=True).wait(timeout=wait),
-        "ncclguard's chunk loop (run_chunks)": lambda: run_chunks(
-            info, t, dist.ReduceOp.SUM, [(0, 1)], time.monotonic() + 60, False
-        ),
-        "safe_all_reduce(t)": lambda: safe_all_reduce(t, timeout=60),
+        "async_op=True + wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
+        "+ group state and input checks": with_checks,
+        "+ number, default deadline, result": with_bookkeeping,
+        "safe_all_reduce(t), recorder a no-op": without_recorder,
+        "safe_all_reduce(t)": lambda: ar.safe_all_reduce(t),
     }
-    p50 = p50_of_slowest(cases, iters, warmup=50)
-    if p50 is not None:
-        names = list(p50)
-        rows = [
-            {"case": n, "p50_us": round(p50[n] * 1e6, 1), "x_plain": round(p50[n] / p50[names[0]], 3)} for n in names
-        ]
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(
-            json.dumps(
-                {"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2), "rows": rows}, indent=1
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for it in range(iters + 200):
+        for k in range(len(names)):
+            name = names[(it + k) % len(names)]
+            dist.all_reduce(token)
+            a = time.perf_counter()
+            cases[name]()
+            if it >= 200:
+                times[name].append(time.perf_counter() - a)
+    mine = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    if dist.get_rank() == 0:
+        rows = []
+        base = None
+        for i, n in enumerate(names):
+            us = np.asarray(slowest_per_iteration([p[i].tolist() for p in parts])) * 1e6
+            row = {
+                "case": n,
+                "min_us": round(float(us.min()), 1),
+                "p5_us": round(float(np.percentile(us, 5)), 1),
+                "p50_us": round(float(np.median(us)), 1),
+            }
+            base = base or row
+            row["x_plain_min"] = round(row["min_us"] / base["min_us"], 3)
+            row["x_plain_p5"] = round(row["p5_us"] / base["p5_us"], 3)
+            row["x_plain_p50"] = round(row["p50_us"] / base["p50_us"], 3)
+            rows.append(row)
+            print(
+                f"{n:40s} min {row['min_us']:6.1f}  p5 {row['p5_us']:6.1f}  p50 {row['p50_us']:6.1f} us  "
+                f"x{row['x_plain_p5']:.2f} (p5)",
+                flush=True,
             )
-            + "\n"
-        )
-        for r in rows:
-            print(f"{r['case']:50s} p50 {r['p50_us']:7.1f} us  x{r['x_plain']:.2f}", flush=True)
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"numel": 1, "iters": iters, "loadavg_1min_after": round(os.getloadavg()[0], 2), "rows": rows}
+        OUT.write_text(json.dumps(doc, indent=1) + "\n")
     sys.stdout.flush()
     os._exit(0)
 
@@ -69,7 +148,7 @@ def main() -> int:
     from ncclguard.testing.launch import spawn, under_launcher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=1500)
+    ap.add_argument("--iters", type=int, default=3000)
     ns = ap.parse_args()
     if under_launcher():
         _rank(ns.iters)

@@ -29,6 +29,7 @@ __all__ = [
     "TORCH_VERSION",
     "abort_all_groups",
     "backend_timeout",
+    "backend_timeout_reader",
     "default_group",
     "default_store",
     "dump_flight_recorder",
@@ -43,6 +44,7 @@ __all__ = [
     "sequence_number",
     "set_default_timeout_fn",
     "set_group_timeout",
+    "work_error",
     "world",
 ]
 
@@ -151,6 +153,21 @@ def backend_timeout(group: Any, device: Any = None) -> timedelta:
         return group._get_backend(device or torch.device("cpu")).options._timeout
     except AttributeError as exc:
         raise _missing(api, exc) from None
+
+
+def backend_timeout_reader(group: Any, device: Any = None) -> Callable[[], float]:
+    """A function that reads the timeout in force of ``group``'s backend for ``device`` (default:
+    CPU), in seconds, at each call. The backend's options object is looked up once; torch changes
+    the timeout in it in place (``_set_pg_timeout``), so the reader stays current, at a third of
+    :func:`backend_timeout`'s cost (the hot path of ``safe_all_reduce`` reads it on every call)."""
+    api = "ProcessGroup._get_backend(device).options._timeout"
+    _gate(api)
+    try:
+        options = group._get_backend(device or torch.device("cpu")).options
+        options._timeout  # noqa: B018 - fail here, not at the first read
+    except AttributeError as exc:
+        raise _missing(api, exc) from None
+    return lambda: options._timeout.total_seconds()
 
 
 def set_group_timeout(group: Any, timeout: timedelta) -> None:
@@ -294,3 +311,23 @@ def rebind_group_defaults(abandoned: Collection[Any]) -> list[str]:
             fn.__defaults__ = tuple(None if id(d) in gone else d for d in fn.__defaults__)
             changed.append(name)
     return changed
+
+
+def work_error(work: Any) -> BaseException | None:
+    """The error a completed ``Work`` ended with, or None.
+
+    ``Work.exception()`` is deprecated, and on some builds its binding cannot return the
+    ``exception_ptr`` at all (torch 2.11.0+cu130 raised ``TypeError: Unable to convert function
+    return value`` even for a successful NCCL op, seen on an H100). There, ``work.wait()`` is
+    asked instead: on a completed op it returns at once, and it raises the error the backend
+    recorded.
+    """
+    try:
+        exc = work.exception()
+    except TypeError:
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - the backend's error, returned to the caller
+            return err
+        return None
+    return exc if isinstance(exc, BaseException) else None

@@ -58,6 +58,13 @@ class Config(BaseSettings):
     barrier_timeout_s: float = Field(300.0, gt=0)
     postmortem_grace_s: float = Field(0.5, ge=0, le=0.9)
 
+    # How a guarded call waits for an NCCL collective (ncclguard.collectives.completion):
+    # "poll" asks the work every nccl_poll_us (seen ~20 µs after the GPU finished, about a quarter
+    # of a core while waiting); "event" sleeps in a blocking CUDA event (a few % of a core, but
+    # seen 0.1-0.4 ms late on the H100 measured, benchmarks/nccl_completion.py).
+    nccl_wait: Literal["poll", "event"] = "poll"
+    nccl_poll_us: float = Field(20.0, gt=0, le=10_000)
+
     # Flight recorder.
     flight_records: int = Field(2000, gt=0)
 

@@ -159,6 +159,31 @@ def test_json_has_configuration_environment_and_raw_times(spawned):
         assert row["wrong"] == 0
         assert set(row["time_us"]) == {"mean_us", "min_us", "p50_us", "max_us"}
     assert doc["summary"] == {**doc["summary"], "wrong": 0, "failures": [], "exit_code": 0}
+    for row in doc["results"]:  # what ncclguard says it keeps: the atomic buffer, as large as the tensor
+        want = row["size_bytes"] if row["mode"] == "safe-atomic" else 0
+        assert row["kept_reported_bytes"] == want and row["rank_kept_reported_bytes"] == [want, want]
+        assert row["kept_between_calls_bytes"] >= 0
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-kept")
+    proc = _bench("--numel", "4e6", "--iters", "1", "--warmup", "0", "--nproc", "2", "--json", str(out / "r.json"))
+    return proc, json.loads((out / "r.json").read_text())
+
+
+def test_memory_kept_between_calls_is_measured(kept):
+    proc, doc = kept
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["mode"]: r for r in doc["results"]}
+    size = 4_000_000 * 4
+    # safe-atomic keeps a tensor-sized buffer between calls: the resident set says so (give or take
+    # the process's own allocations during a call, up to ~2 MB seen), although its +peak is about zero.
+    assert size - (1 << 20) <= rows["safe-atomic"]["kept_between_calls_bytes"] <= size + (4 << 20)
+    assert rows["safe-atomic"]["kept_reported_bytes"] == size
+    for mode in ("plain", "safe"):  # nothing of ncclguard's; the process's own allocations move RSS by ~2 MB
+        assert rows[mode]["kept_between_calls_bytes"] < size / 4 and rows[mode]["kept_reported_bytes"] == 0
+    assert "kept:" in proc.stdout  # the formula is printed under the table
 
 
 def test_busbw_and_times_follow_the_formulas_from_the_raw_times(spawned):

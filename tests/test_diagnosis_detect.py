@@ -1,5 +1,6 @@
 """Detectors as pure functions of synthetic snapshots: hangs, lost peers, completion, the op the
-main thread is blocked in."""
+main thread is blocked in, and the backend's numbers (a desync, a stuck transport) with the
+verdict of torch's flight recorder on each suspect."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import pytest
 from ncclguard.diagnosis.detect import (
     Detection,
     SeqView,
+    Verdict,
+    backend_verdict,
     blocked_in,
     completed,
     find_backend_desync,
+    find_backend_stuck,
     find_hangs,
     find_lost,
     op_key,
 )
 from ncclguard.diagnosis.flight import FlightRecorder
-from ncclguard.diagnosis.model import IncidentKind, OpRecord
+from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord
 
 NOW = 1000.0
 
@@ -107,3 +111,67 @@ def test_a_rank_ahead_of_a_still_peer_waits_for_it_by_the_backends_numbers():
 def test_no_backend_desync_without_a_still_rank_behind_a_still_rank_ahead(own, peer, busy, reported):
     assert find_backend_desync(0, {"0": own}, {1: {"0": peer}}, busy, 1.5, reported) == []
     assert find_backend_desync(0, {"0": own}, {1: {"5": peer}}, set(), 1.5, set()) == []  # not in the group
+
+
+def test_a_peer_read_a_beat_ago_counts_as_still_for_that_beat_longer():
+    # The peer's number is known as of its last heartbeat: 1.3 s still when read, up to 0.3 s before.
+    own, peer = {"0": still(9, 1.6)}, {1: {"0": still(8, 1.3)}}
+    assert find_backend_desync(0, own, peer, set(), 1.5, set()) == []
+    (d,) = find_backend_desync(0, own, peer, set(), 1.5, set(), peer_lag_s=0.3)
+    assert d.op_key == ("0", 9)
+
+
+def test_every_rank_still_at_one_number_is_a_stuck_suspect():
+    own = {"0": still(9, 2.0), "3": still(4, 2.0)}
+    peers = {1: {"0": still(9, 5.0), "3": still(4, 9.0)}, 2: {"0": still(9, 1.8)}}
+    found = find_backend_stuck(0, own, peers, busy_groups=set(), hang_timeout_s=1.5, skip=set())
+    assert [(d.kind, d.signature, d.op_key, d.op) for d in found] == [
+        (IncidentKind.BACKEND_STUCK, "stuck/0/9", ("0", 9), None),
+        (IncidentKind.BACKEND_STUCK, "stuck/3/4", ("3", 4), None),
+    ]
+    assert found[0].reason == "rank 0 stood 2.0 s at backend op #9 on group 0, as did rank 1, rank 2"
+    # A group no watched peer is in: this rank's open op is a hang all the same (the merge sorts it out).
+    (alone,) = find_backend_stuck(0, {"5": still(2, 2.0)}, peers, set(), 1.5, set())
+    assert alone.reason == "rank 0 stood 2.0 s at backend op #2 on group 5"
+
+
+@pytest.mark.parametrize(
+    "own, peer, busy, skip",
+    [
+        (still(9, 1.0), still(9, 5.0), set(), set()),  # this rank has not stood still long enough
+        (still(9, 2.0), still(9, 1.0), set(), set()),  # the peer moved lately
+        (still(9, 2.0), still(8, 5.0), set(), set()),  # the peer is behind: a desync, not this
+        (still(9, 2.0), still(10, 5.0), set(), set()),  # the peer is ahead: this rank is the one behind
+        (still(9, 2.0), still(9, 5.0), {"0"}, set()),  # a recorded op in flight: find_hangs names its line
+        (still(9, 2.0), still(9, 5.0), set(), {("0", 9)}),  # reported, or read and found completed
+    ],
+)
+def test_no_stuck_suspect_unless_everyone_stood_still_at_one_number(own, peer, busy, skip):
+    assert find_backend_stuck(0, {"0": own}, {1: {"0": peer}}, busy, 1.5, skip) == []
+
+
+def test_a_peer_read_a_beat_ago_is_still_long_enough_for_a_stuck_suspect_too():
+    own, peer = {"0": still(9, 1.6)}, {1: {"0": still(9, 1.3)}}
+    assert find_backend_stuck(0, own, peer, set(), 1.5, set()) == []
+    assert len(find_backend_stuck(0, own, peer, set(), 1.5, set(), peer_lag_s=0.3)) == 1
+
+
+def op(completed: bool | None, age: float = 5.0) -> BackendOp:
+    return BackendOp(seq=9, name="gloo:all_reduce", created=NOW - age, completed=completed)
+
+
+@pytest.mark.parametrize(
+    "backend_op, stuck_verdict, desync_verdict",
+    [
+        (op(False), Verdict.OPEN, Verdict.OPEN),
+        (op(True), Verdict.CLOSED, Verdict.CLOSED),  # completed here: the numbers were a beat old
+        (op(False, age=0.5), Verdict.YOUNG, Verdict.YOUNG),  # open, younger than the timeout: look again
+        # Nothing tells (no recorder entry, no state): every rank computing stands still too, so no
+        # stuck transport on numbers alone; a peer behind everyone still is a desync all the same.
+        (op(None), Verdict.CLOSED, Verdict.OPEN),
+        (None, Verdict.CLOSED, Verdict.OPEN),
+    ],
+)
+def test_torchs_recorder_decides_whether_a_suspect_is_a_hang(backend_op, stuck_verdict, desync_verdict):
+    assert backend_verdict(backend_op, NOW, 1.5, unknown_is_open=False) is stuck_verdict
+    assert backend_verdict(backend_op, NOW, 1.5, unknown_is_open=True) is desync_verdict

@@ -1,11 +1,12 @@
 """Diagnosis sees every collective, whoever issued it: one desync per stack on real gloo ranks.
 
 One launch (tests/workers/stacks_worker.py, torchrun, 2 ranks): for each of plain
-``dist.all_reduce``, a functional ``all_reduce``, a DTensor redistribute, DDP, FSDP2 and a
-``torch.compile``d functional ``all_reduce``, rank 1 evaluates while rank 0 goes into the stack's
-collectives. Ops issued through ``torch.distributed``'s Python API are named by ncclguard's
-records (kind ``hang``, with their call site); the others by the backend's sequence numbers in the
-heartbeats (kind ``desync``, issued from C++).
+``dist.all_reduce``, a functional ``all_reduce``, a DTensor redistribute, DDP, FSDP2, a
+``torch.compile``d functional ``all_reduce`` and a DeepSpeed ZeRO-2 step, rank 1 evaluates while
+rank 0 goes into the stack's collectives. Ops issued through ``torch.distributed``'s Python API
+are named by ncclguard's records (kind ``hang``, with their call site, joined to torch's flight
+recorder entry); the others by the backend's sequence numbers in the heartbeats (kind ``desync``,
+issued from C++).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
+from ncclguard.diagnosis import torchfr
+from ncclguard.diagnosis.model import OpRecord
+
 pytestmark = pytest.mark.multirank
 HEARTBEAT_S = 0.3  # as in the worker
 HANG_S = 1.5
 WORKER = "stacks_worker.py"
-STACKS = ["plain", "functional", "dtensor", "ddp", "fsdp2", "compile"]
+STACKS = ["plain", "functional", "dtensor", "ddp", "fsdp2", "compile", "deepspeed"]
 # Which detector names each stack's desync: Python-level records, or the backend's numbers.
 KIND = {
     "plain": "hang",
@@ -29,7 +33,12 @@ KIND = {
     "ddp": "desync",
     "fsdp2": "hang",
     "compile": "desync",
+    "deepspeed": "hang",  # deepspeed.comm calls torch.distributed's Python functions
 }
+
+
+# torch's name of the op each Python-issued stack waits in (gloo runs all_gather_single as all_gather).
+BACKEND_OP = {"plain": "gloo:all_reduce", "fsdp2": "gloo:all_gather", "deepspeed": "gloo:all_reduce"}
 
 
 def mark(name: str) -> int:
@@ -50,13 +59,19 @@ def merged_by_stack(job) -> dict[str, dict]:
 
 
 def test_what_the_backend_counts_against_what_python_sees_per_call(stacks):
-    """A healthy call of each stack: backend sequence numbers advanced vs ncclguard records (instrumented)."""
+    """A healthy call of each stack: backend ops (every group), ncclguard records (instrumented),
+    and the backend's entries that the join gives a Python record: exactly the recorded calls."""
     for r in (0, 1):
         counts = {name: tuple(c) for name, c in stacks[r]["counts"].items()}
-        assert counts["plain"] == (1, 1)
-        for name in ("functional", "dtensor", "ddp", "compile"):  # issued from C++: no Python record
-            assert counts[name][0] >= 1 and counts[name][1] == 0, (name, counts[name])
-        assert counts["fsdp2"][0] > counts["fsdp2"][1] >= 1  # some through Python, some not
+        assert counts == {
+            "plain": (1, 1, 1),
+            "functional": (1, 0, 0),  # issued from C++: no Python record, nothing joined
+            "dtensor": (1, 0, 0),
+            "ddp": (1, 0, 0),  # the bucket all_reduce (steps after the second, which rebuilds the buckets)
+            "fsdp2": (6, 4, 4),  # some through Python, some not
+            "compile": (1, 0, 0),
+            "deepspeed": (3, 3, 3),  # deepspeed.comm -> torch.distributed: all of them
+        }
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -80,6 +95,11 @@ def test_the_desync_of_each_stack_names_the_evaluating_rank_within_hang_timeout_
         assert finding["site"].endswith(f"{WORKER}:{mark(stack)}"), finding["site"]
     else:
         assert not finding["backend"] and finding["site"].endswith(f"{WORKER}:{mark(stack)}")
+        # Issued from Python: joined to torch's flight-recorder entry, so both numberings are there.
+        rank0 = inc["ranks"]["0"]
+        assert finding["backend_op"] == BACKEND_OP[stack]
+        assert finding["backend_seq"] == rank0["backend_seq"][finding["group"]]
+        assert rank0["backend_ops"][finding["group"]]["record"]["seq"] == finding["seq"]
     hang_to_disk = inc["written_at"] - stacks[0]["starts"][stack]
     assert HANG_S <= hang_to_disk <= HANG_S + 2 * HEARTBEAT_S, hang_to_disk
 
@@ -91,3 +111,31 @@ def test_the_ddp_report_names_the_bucket_all_reduce(stacks):
     assert inc["incident"]["reason"].endswith(" (in gloo:all_reduce)")
     assert inc["summary"].startswith(f"rank 0 waiting in gloo:all_reduce backend #{finding['seq']} (272 x float32")
     assert inc["culprits"][0]["last_seq"] == finding["seq"] - 1
+
+
+def test_the_deepspeed_report_names_the_gradient_all_reduce_on_deepspeeds_group(stacks):
+    inc = merged_by_stack(stacks)["deepspeed"]
+    (finding,) = inc["findings"]
+    assert (finding["op"], finding["numel"], finding["dtype"]) == ("all_reduce(SUM)", 16 * 8 + 8, "float32")
+    assert finding["group"] != "0"  # DeepSpeed's data-parallel group, not the world group
+    text = (inc["incident"]["reason"], inc["summary"])
+    assert text[0].startswith(f"rank 0 waited 1.5 s in all_reduce(SUM) #{finding['seq']} on group {finding['group']}")
+    assert text[1].startswith(f"rank 0 waiting in all_reduce(SUM) #{finding['seq']} on group {finding['group']} (136")
+
+
+def test_the_join_on_the_saved_recorders_gives_every_recorded_call_its_backend_entry(stacks):
+    """On each rank's whole run: every collective ncclguard recorded has torch's entry joined to it,
+    and no entry is joined to a record of another group or of a call that had ended."""
+    for r in (0, 1):
+        saved = json.loads((stacks.out_dir / f"fr_rank{r}.json").read_text())
+        dump = torchfr.parse_dump(json.dumps(saved["dump"]))
+        records = [OpRecord.model_validate(x) for x in saved["records"]]
+        # Every call site is the worker's: never torch's, DeepSpeed's or typing_extensions' @deprecated wrapper.
+        assert {rec.site.rsplit(":", 1)[0] for rec in records} == {str(Path(__file__).parent / "workers" / WORKER)}
+        joined = torchfr.join(records, dump.entries)
+        by_entry = {e.record_id: e for e in dump.entries}
+        assert {(rec.group, rec.seq) for rec in joined.values()} == {(x.group, x.seq) for x in records}
+        for rid, rec in joined.items():
+            e = by_entry[rid]
+            assert e.group == rec.group and rec.start <= e.created + 1e-4
+            assert rec.end is None or e.created <= rec.end + 1e-4

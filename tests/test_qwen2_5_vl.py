@@ -10,7 +10,18 @@ import time
 
 import pytest
 import torch
-from qwen2_5_vl_synthetic import split_batch, synthetic_batch, tiny_config
+from qwen2_5_vl_synthetic import (
+    BOS,
+    EOS,
+    IMAGE,
+    VIDEO,
+    VISION_END,
+    VISION_START,
+    split_batch,
+    synthetic_batch,
+    text_only,
+    tiny_config,
+)
 from reference_trainer import ListMonitor
 from torch import nn
 from transformers import Qwen2_5_VLModel
@@ -133,6 +144,137 @@ def test_loads_the_backbone_of_a_qwen2_5_vl_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "classifier")
     again = Qwen2_5_VLForClassification.from_pretrained(tmp_path / "classifier")
     assert all(torch.equal(again.state_dict()[k], v) for k, v in got.items())
+
+
+# --- always_run_vision: the same modules on every step, whatever the batch holds ------------------
+
+
+def twins() -> tuple[Qwen2_5_VLForClassification, Qwen2_5_VLForClassification]:
+    """The same weights, with (default) and without the always-run vision pass."""
+    fixed = make_model().train()
+    stock = Qwen2_5_VLForClassification(tiny_config(), always_run_vision=False).train()
+    stock.load_state_dict(fixed.state_dict())
+    return fixed, stock
+
+
+def module_calls(model: nn.Module, inputs: dict) -> list[str]:
+    """Names of the modules a forward and backward call, in call order (what ZeRO-3 and FSDP
+    gather and reduce for, module by module)."""
+    calls: list[str] = []
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: calls.append(name))
+        for name, m in model.named_modules()
+        if name
+    ]
+    try:
+        model(**inputs).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return calls
+
+
+def video_sample(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One sample holding an image of 4x4 patches and a video of 2x4x4 patches (4 + 8 tokens)."""
+    vc = tiny_config().vision_config
+    gen = torch.Generator().manual_seed(seed)
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    ids = [BOS, 70, 71, VISION_START, *[IMAGE] * 4, VISION_END, VISION_START, *[VIDEO] * 8, VISION_END, EOS]
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "pixel_values": torch.randn(16, patch_dim, generator=gen),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "pixel_values_videos": torch.randn(32, patch_dim, generator=gen),
+        "video_grid_thw": torch.tensor([[2, 4, 4]]),
+        "labels": torch.tensor([1]),
+    }
+
+
+def test_a_text_only_batch_gives_exactly_the_stock_outputs_and_gradients(batch):
+    fixed, stock = twins()
+    text = text_only(batch)
+    out_fixed, out_stock = fixed(**text), stock(**text)
+    assert torch.equal(out_fixed.logits, out_stock.logits) and torch.equal(out_fixed.loss, out_stock.loss)
+    out_fixed.loss.backward()
+    out_stock.loss.backward()
+    vision = 0
+    for (name, p), q in zip(fixed.named_parameters(), stock.parameters(), strict=True):
+        if name.startswith("model.visual."):
+            vision += 1
+            assert q.grad is None  # the stock model never called the tower
+            assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))  # called, exactly 0
+        else:
+            assert torch.equal(p.grad, q.grad), name
+    assert vision == len(list(fixed.model.visual.parameters())) == 30  # every one took part
+
+
+def test_an_image_batch_gives_exactly_the_stock_outputs_and_gradients(batch):
+    fixed, stock = twins()
+    out_fixed, out_stock = fixed(**batch), stock(**batch)
+    assert torch.equal(out_fixed.logits, out_stock.logits)
+    out_fixed.loss.backward()
+    out_stock.loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(fixed.parameters(), stock.parameters(), strict=True))
+
+
+def test_images_and_videos_go_through_the_tower_in_one_call_with_the_stock_result():
+    fixed, stock = twins()
+    sample = video_sample()
+    with torch.no_grad():
+        assert torch.allclose(fixed(**sample).logits, stock(**sample).logits, atol=1e-6)
+    assert module_calls(fixed, sample).count("model.visual") == 1
+    assert module_calls(stock, sample).count("model.visual") == 2  # once for images, once for videos
+
+
+def test_every_batch_calls_the_same_modules_in_the_same_order(batch):
+    fixed, stock = twins()
+    text = text_only(batch)
+    # What makes a mixed batch safe under ZeRO-3 and FSDP: one sequence of module calls for all.
+    with_images, text_alone, both = (module_calls(fixed, b) for b in (batch, text, video_sample()))
+    assert with_images == text_alone == both
+    assert with_images[:2] == ["model.language_model.embed_tokens", "model.visual"]
+    # The stock path skips the whole tower for the text-only batch: the desync.
+    stock_images, stock_text = module_calls(stock, batch), module_calls(stock, text)
+    skipped = [name for name in stock_images if name not in stock_text]
+    assert skipped and all(name.startswith("model.visual") for name in skipped)
+    assert [n for n in stock_images if not n.startswith("model.visual")] == stock_text
+
+
+def test_the_zero_cost_pass_runs_in_eval_and_without_grad_too(batch):
+    fixed, _ = twins()
+    fixed.eval()
+    calls = []
+    fixed.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        fixed(**text_only(batch))  # ZeRO-3 gathers parameters in evaluation as well
+    assert calls == [1]
+
+
+def test_bad_vision_inputs_are_rejected_before_the_tower_runs(batch):
+    model = make_model()
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    no_grid = {k: v for k, v in batch.items() if k != "image_grid_thw"}
+    with pytest.raises(ValueError, match="without their grid"):
+        model(**no_grid)
+    too_few = {**batch, "input_ids": text_only(batch)["input_ids"]}
+    with pytest.raises(ValueError, match="placeholder tokens do not match the grids: 0 tokens, 16 features"):
+        model(**too_few)
+    no_ids = {k: v for k, v in batch.items() if k != "input_ids"}
+    with pytest.raises(ValueError, match="pass input_ids, or build the model with always_run_vision=False"):
+        model(**no_ids, inputs_embeds=torch.zeros(4, batch["input_ids"].shape[1], 64))
+    assert calls == []
+
+
+def test_always_run_vision_is_validated_and_saved(tmp_path):
+    with pytest.raises(TypeError, match="always_run_vision must be True or False"):
+        Qwen2_5_VLForClassification(tiny_config(), always_run_vision="yes")
+    assert make_model().always_run_vision is True
+    model = Qwen2_5_VLForClassification(tiny_config(), always_run_vision=False)
+    model.save_pretrained(tmp_path)
+    assert Qwen2_5_VLForClassification.from_pretrained(tmp_path).always_run_vision is False
 
 
 # --- slim_outputs ---------------------------------------------------------------------------------

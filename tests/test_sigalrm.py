@@ -170,3 +170,30 @@ def test_bad_seconds_are_refused(bad, exc):
     with pytest.raises(exc, match="seconds"):
         with sigalrm_timeout(bad):
             pass
+
+
+def test_a_deadline_whose_signal_lands_on_another_thread_still_ends_a_sleep_in_the_main_thread():
+    """SIGALRM is process-directed: when another thread's C handler takes it, the main thread's
+    sleep is not interrupted (seen once in a guarded evaluation: a 30 s sleep past a 1 s
+    deadline). The guard sends the signal again, to the main thread, once the deadline is overdue."""
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
+    sent = []
+
+    def astray() -> None:
+        time.sleep(0.2)
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the guard's own timer never rings ...
+        time.sleep(0.15)
+        signal.pthread_kill(other.ident, signal.SIGALRM)  # ... its signal lands on another thread
+        sent.append(time.monotonic())
+
+    threading.Thread(target=astray, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="ran past its 0.35 s deadline"):
+        with sigalrm_timeout(0.35):
+            time.sleep(5)
+    elapsed = time.monotonic() - start
+    idle.set()
+    assert sent, "the signal was not sent to the other thread"
+    assert 0.35 <= elapsed < 1.0, elapsed  # without the resend: 5 s

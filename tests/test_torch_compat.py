@@ -48,6 +48,8 @@ def test_missing_attribute_is_refused_with_the_api_named():
         compat.sequence_number(NoSeq())
     with pytest.raises(TorchCompatError, match=r"options\._timeout"):
         compat.backend_timeout(NoSeq())
+    with pytest.raises(TorchCompatError, match=r"options\._timeout"):
+        compat.backend_timeout_reader(NoSeq())
     assert issubclass(TorchCompatError, NcclGuardError)
 
 
@@ -72,6 +74,7 @@ def test_entries_on_a_live_gloo_group(live):
         assert r["not_in_group"] is False
         assert r["sub_timeout_s"] == 7.0
         assert r["sub_timeout_after_set_s"] == 4.0
+        assert r["reader_after_set_s"] == 4.0  # the reader sees the change made after it was built
         assert r["seq_advance"] == 1
         assert r["fr_available"] is True and r["fr_has_all_reduce"] is True
         assert r["default_timeout_fn_s"] == 1800.0
@@ -95,3 +98,32 @@ def test_rebind_group_defaults_unbinds_only_the_abandoned_groups(monkeypatch):
     assert fn.all_reduce.__defaults__ == (dist.ReduceOp.SUM, None)
     assert fn.all_gather.__defaults__[0] is kept
     assert compat.rebind_group_defaults([abandoned]) == []
+
+
+def test_work_error_reads_a_completed_work_and_falls_back_where_the_binding_breaks():
+    class Ok:
+        def exception(self):
+            return None
+
+    class Failed:
+        def exception(self):
+            return RuntimeError("NCCL error: unhandled system error")
+
+    class BrokenBinding:  # torch 2.11.0+cu130: exception() cannot convert its exception_ptr
+        def __init__(self, error=None):
+            self.error, self.waited = error, 0
+
+        def exception(self):
+            raise TypeError("Unable to convert function return value to a Python type!")
+
+        def wait(self):
+            self.waited += 1
+            if self.error:
+                raise self.error
+
+    assert compat.work_error(Ok()) is None
+    assert str(compat.work_error(Failed())) == "NCCL error: unhandled system error"
+    ok = BrokenBinding()
+    assert compat.work_error(ok) is None and ok.waited == 1
+    bad = BrokenBinding(RuntimeError("peer closed"))
+    assert str(compat.work_error(bad)) == "peer closed" and bad.waited == 1

@@ -9,6 +9,7 @@ modes alike and no mode always runs right after another. Every call is preceded 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from ncclguard._naming import REDUCE_OP_NAMES
 from ncclguard.bench import check
 from ncclguard.bench.memory import PeakMemory
 from ncclguard.bench.options import OPS
-from ncclguard.collectives.all_reduce import safe_all_reduce
+from ncclguard.collectives.all_reduce import release_atomic_buffers, retained_atomic_bytes, safe_all_reduce
 
 __all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
 
@@ -41,6 +42,10 @@ class ModeRun:
     chunks: int = 1
     rank_times_s: list[list[float]] = field(default_factory=list)  # [rank][iteration]
     rank_peak_bytes: list[int | None] = field(default_factory=list)  # [rank]: peak over the use before one call
+    # [rank]: use after one call over the use before it, ncclguard's atomic buffers released first
+    rank_kept_bytes: list[int | None] = field(default_factory=list)
+    # [rank]: what ncclguard says it keeps after one call (retained_atomic_bytes)
+    rank_kept_reported_bytes: list[int] = field(default_factory=list)
     wrong: int | None = None  # summed over ranks
 
 
@@ -109,8 +114,8 @@ def measure_size(
     """Measures every mode at one size on this rank; every rank must call it with the same arguments.
 
     Returns:
-        The times of every rank (gathered), this rank's peak memory per mode, and the summed
-        ``#wrong`` per mode when ``check_data``.
+        The times of every rank (gathered), every rank's peak memory and memory kept between
+        calls per mode, and the summed ``#wrong`` per mode when ``check_data``.
 
     Raises:
         BenchCallFailed: a guarded call failed (its error says why).
@@ -146,6 +151,20 @@ def measure_size(
         got = peak.stop()
         peaks[j] = -1 if got is None else got
 
+    # Memory kept between calls: from a state where ncclguard holds no buffer, one call of the
+    # mode, then what stays in use (measured) and what ncclguard reports it keeps.
+    kept = torch.full((len(modes), 2), -1, dtype=torch.int64)
+    for j, m in enumerate(modes):
+        _sync(device, token)
+        release_atomic_buffers()
+        gc.collect()
+        before = peak.current()
+        calls[m]()
+        after = peak.current()
+        kept[j, 0] = -1 if before is None or after is None else max(after - before, 0)
+        kept[j, 1] = retained_atomic_bytes()
+    release_atomic_buffers()  # the check pass and the next size start from nothing kept
+
     if check_data:
         wrong = torch.zeros(len(modes), dtype=torch.int64, device=device)
         for j, m in enumerate(modes):
@@ -159,7 +178,10 @@ def measure_size(
 
     times = _gather(mine, device, world)
     peak_by_rank = _gather(peaks, device, world)
+    kept_by_rank = _gather(kept, device, world)
     for j, m in enumerate(modes):
         runs[m].rank_times_s = [g[j].tolist() for g in times]
         runs[m].rank_peak_bytes = [None if int(g[j]) < 0 else int(g[j]) for g in peak_by_rank]
+        runs[m].rank_kept_bytes = [None if int(g[j, 0]) < 0 else int(g[j, 0]) for g in kept_by_rank]
+        runs[m].rank_kept_reported_bytes = [int(g[j, 1]) for g in kept_by_rank]
     return SizeRun(numel, numel * torch.empty((), dtype=dtype).element_size(), runs)

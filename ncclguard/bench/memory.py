@@ -1,8 +1,9 @@
-"""Memory: will the sizes fit before we start, and how much more does a guarded call take at its peak.
+"""Memory: will the sizes fit before we start, how much more does a guarded call take at its peak,
+and how much does a mode keep between calls.
 
 The up-front check counts what the benchmark itself holds per rank: the buffer, the private copy
-``safe-atomic`` makes (``safe_all_reduce(atomic=True)`` clones the tensor), the block of the
-correctness pass, and a fixed allowance for the runtime (``import torch`` plus a process group is
+``safe-atomic`` keeps (``safe_all_reduce(atomic=True)`` reduces in a tensor-sized buffer kept
+between calls), the block of the correctness pass, and a fixed allowance for the runtime (``import torch`` plus a process group is
 about 250 MB of RSS here). gloo on CPU reduces in place without a scratch copy (the plain rows'
 ``rank_peak_bytes`` in benchmarks/results/sweep.json are 0 up to 1 GiB).
 
@@ -197,6 +198,17 @@ class PeakMemory:
             self._base = _kib(_RSS, _STATUS.read_text()) * 1024
         except (OSError, ValueError):
             self._base = -1
+
+    def current(self) -> int | None:
+        """Bytes in use now: allocated by the CUDA caching allocator, or this process's resident
+        set (``VmRSS``); None where it cannot be read."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.memory_allocated(self.device))
+        try:
+            return _kib(_RSS, _STATUS.read_text()) * 1024
+        except (OSError, ValueError):
+            return None
 
     def stop(self) -> int | None:
         """Bytes of the peak above the use at :meth:`start`, or None where it cannot be measured."""

@@ -24,7 +24,8 @@ FORMULAS: dict[str, str] = {
     "algbw": "size in bytes / time, in GB/s (1e9 B/s)",
     "busbw": "algbw x 2(n-1)/n, n = ranks (all_reduce, as nccl-tests)",
     "x plain": "the mode's time / plain's time at the same size (mean: of the means; p50: of the medians)",
-    "+peak": "extra peak memory of one call of the mode over one plain call (CUDA allocator peak, or host RSS high-water mark)",
+    "+peak": "extra peak memory of one call of the mode over one plain call (CUDA allocator peak, or host RSS high-water mark; memory kept from earlier calls is not in it)",
+    "kept": "memory in use after one call of the mode over before it, ncclguard's buffers released first (CUDA allocated, or host RSS)",
     "#wrong": "elements that differ from the exact result, summed over ranks (--check, integer-valued data)",
 }
 

@@ -38,6 +38,8 @@ CSV_FIELDS = [
     "ratio_to_plain",
     "ratio_to_plain_p50",
     "extra_peak_over_plain_bytes",
+    "kept_between_calls_bytes",
+    "kept_reported_bytes",
     "wrong",
 ]
 
@@ -49,6 +51,11 @@ def _extra_peak(run: SizeRun, mode: str) -> int | None:
     pairs = zip(run.modes[mode].rank_peak_bytes, run.modes["plain"].rank_peak_bytes, strict=True)
     diffs = [a - b for a, b in pairs if a is not None and b is not None]
     return max(diffs) if diffs else None
+
+
+def _max_known(values: Sequence[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def build_rows(runs: Sequence[SizeRun], dtype: str, op: str, world_size: int) -> list[dict[str, Any]]:
@@ -74,10 +81,14 @@ def build_rows(runs: Sequence[SizeRun], dtype: str, op: str, world_size: int) ->
                     "ratio_to_plain": round(st.mean_us / plain.mean_us, 4) if plain else None,
                     "ratio_to_plain_p50": round(st.p50_us / plain.p50_us, 4) if plain else None,
                     "extra_peak_over_plain_bytes": _extra_peak(run, mode),
+                    "kept_between_calls_bytes": _max_known(r.rank_kept_bytes),
+                    "kept_reported_bytes": _max_known(list(r.rank_kept_reported_bytes)),
                     "wrong": r.wrong,
                     "iteration_times_us": [round(t * 1e6, 3) for t in slowest[mode]],
                     "rank_times_us": [[round(t * 1e6, 3) for t in ts] for ts in r.rank_times_s],
                     "rank_peak_bytes": r.rank_peak_bytes,
+                    "rank_kept_bytes": r.rank_kept_bytes,
+                    "rank_kept_reported_bytes": r.rank_kept_reported_bytes,
                 }
             )
     return rows
@@ -117,6 +128,13 @@ def _peak(v: int | None, mode: str) -> str:
     return ("+" if v >= 0 else "-") + format_bytes(abs(v))
 
 
+def _kept(measured: int | None, reported: int | None) -> str:
+    """Memory kept between calls as measured; where it cannot be measured, what ncclguard reports."""
+    if measured is None:
+        return "n/a" if not reported else f"n/a ({format_bytes(reported)})"
+    return format_bytes(measured)
+
+
 def render_table(
     rows: Sequence[dict[str, Any]], world_size: int, summ: dict[str, Any], console: Console | None = None
 ) -> None:
@@ -144,6 +162,7 @@ def render_table(
         "x plain\n(mean)",
         "x plain\n(p50)",
         "+peak\nmemory",
+        "kept\nbetween\ncalls",
     ):
         # fold, never "…": a truncated number is worse than a wrapped one
         table.add_column(name, justify="left" if name == "mode" else "right", overflow="fold")
@@ -166,6 +185,7 @@ def render_table(
             _ratio(r["ratio_to_plain"]) if r["mode"] != "plain" else "-",
             _ratio(r["ratio_to_plain_p50"]) if r["mode"] != "plain" else "-",
             _peak(r["extra_peak_over_plain_bytes"], r["mode"]),
+            _kept(r["kept_between_calls_bytes"], r["kept_reported_bytes"]),
         ]
         if with_check:
             cells.append("-" if r["wrong"] is None else str(r["wrong"]))

@@ -12,9 +12,7 @@ Failure model (docs/collectives.md has the long form):
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.collectives.calls import Call, begin_call, check_tag, meet, postmortem
+from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.deadlines import (
     adaptive_timeout,
@@ -35,28 +34,53 @@ from ncclguard.collectives.deadlines import (
 from ncclguard.collectives.groups import (
     BACKEND_DEVICES,
     GroupInfo,
+    GroupState,
+    cached_state,
     failure_of,
-    group_info,
-    group_timeout_s,
-    mark_failed,
+    forget_group_states,
+    group_state,
 )
-from ncclguard.collectives.wire import DeadlinePassed, release_atomic_buffers, run_chunks
-from ncclguard.config import get_config
+from ncclguard.collectives.rendezvous import call_count, take_number
+from ncclguard.collectives.verdicts import check_fingerprints, wire_error
+from ncclguard.collectives.wire import (
+    CLOCK_SLACK_S,
+    DeadlinePassed,
+    WireFailure,
+    release_atomic_buffers,
+    retained_atomic_bytes,
+    run_chunks,
+    wait_work,
+)
+from ncclguard.config import Config, get_config
 from ncclguard.diagnosis.flight import recorder
 from ncclguard.errors import (
     CollectiveError,
-    CollectiveFailed,
-    CollectiveMismatch,
-    CollectiveTimeout,
     GroupFailed,
     NcclGuardError,
-    StoreUnreachable,
 )
 
-__all__ = ["CollectiveResult", "forget_group_infos", "release_atomic_buffers", "safe_all_reduce"]
+__all__ = [
+    "CollectiveResult",
+    "forget_group_infos",
+    "release_atomic_buffers",
+    "retained_atomic_bytes",
+    "safe_all_reduce",
+]
 
 ReduceOp = dist.ReduceOp
 _NEEDS_DTYPE_CHECK = frozenset({"AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"})
+# Bound once for the hot path (attribute lookups on torch's modules cost there).
+_monotonic = time.monotonic
+_Tensor = torch.Tensor
+_RedOpType = ReduceOp.RedOpType
+_strided = torch.strided
+_world = compat.world()  # torch's _World: default_pg is the group that None stands for
+_TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument() replaces dist.all_reduce)
+# The hot path waits with its whole deadline (a cached timedelta) when it spent less than this of
+# it before the wait: the wait then overruns the deadline by less than this.
+_REUSE_WAIT_S = 1e-3
+# Ops the hot path takes: valid for every dtype on every backend, so no dtype check is needed.
+_FAST_OPS: dict[Any, str] = {ReduceOp.SUM: "all_reduce(SUM)", ReduceOp.PRODUCT: "all_reduce(PRODUCT)"}
 
 
 @dataclass
@@ -95,30 +119,10 @@ class CollectiveResult:
         return self
 
 
-_info_lock = threading.Lock()  # two threads may describe groups at once (safe_* on two groups)
-_info_cache: weakref.WeakKeyDictionary[Any, GroupInfo] = weakref.WeakKeyDictionary()
-
-
 def forget_group_infos() -> None:
-    """Empties the cache of group descriptions. Each entry holds its group, so the cache alone
-    keeps a group alive; ``ncclguard.rebuild_world`` calls this so abandoned groups can be freed."""
-    with _info_lock:
-        _info_cache.clear()
-
-
-def _group(group: Any) -> GroupInfo | None:
-    """group_info, cached per group object (the key is the group that ``info.group`` resolves to)."""
-    try:
-        cached = _info_cache.get(group if group is not None else dist.group.WORLD)
-    except TypeError:  # None (no group yet) or the non-member sentinel: group_info explains
-        cached = None
-    if cached is not None:
-        return cached
-    info = group_info(group)
-    if info is not None:
-        with _info_lock:
-            _info_cache[info.group] = info
-    return info
+    """Empties the cache of group states. Each entry holds its group, so the cache alone keeps a
+    group alive; ``ncclguard.rebuild_world`` calls this so abandoned groups can be freed."""
+    forget_group_states()
 
 
 def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> None:
@@ -196,14 +200,173 @@ def safe_all_reduce(
         TypeError, ValueError: bad input (a timeout at or above the group's own timeout
             included), raised on the calling rank before any communication.
     """
-    start = time.monotonic()
-    info = _group(group)
+    start = _monotonic()
+    # The hot path: a small contiguous tensor, an op valid for every dtype, nothing asked for that
+    # needs the chunk machinery or a store round. It makes every check of the general path, in
+    # fewer steps, and does what is not needed before the collective (its number, the default
+    # deadline) after issuing it, while the backend works. benchmarks/small_call_cost.py times it.
+    try:
+        state = cached_state(_world.default_pg if group is None else group)
+    except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
+        state = None
+    if (
+        state is not None
+        and chunk_numel is None
+        and not atomic
+        and not verify
+        and tag is None
+        and type(tensor) is _Tensor
+        and type(op) is _RedOpType
+        and (opname := _FAST_OPS.get(op)) is not None
+        and tensor.layout is _strided
+        and state.multi
+        and ((state.cpu_ok and tensor.is_cpu) or (state.cuda_ok and tensor.is_cuda))
+        and tensor.is_contiguous()
+    ):
+        config = get_config()
+        numel = tensor.numel()
+        if numel < config.chunk_direct_below:
+            if (
+                timeout is not None
+                or state.failed is not None
+                or state.nccl
+                or dist.all_reduce is not _TORCH_ALL_REDUCE
+            ):
+                return _fast(state, tensor, op, opname, numel, start, timeout, config)
+            # The hottest case, inline: default deadline, gloo, nothing wrapping dist.all_reduce.
+            info = state.info
+            number = rec = None
+            try:
+                work = _TORCH_ALL_REDUCE(tensor, op=op, group=info.group, async_op=True)
+                # While the backend works: the call's number, its flight record, the deadline.
+                base, counter = state.count.current
+                number = (base, next(counter))
+                rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
+                timeout_s = state.default_deadline(numel, numel * tensor.element_size(), config, start)
+                if _monotonic() - start < _REUSE_WAIT_S:
+                    work.wait(timeout=state.whole_wait(timeout_s))
+                else:
+                    wait_work(work, start + timeout_s, info.backend, info.group)
+            except BaseException as exc:  # noqa: BLE001 - a backend error becomes a result
+                return _fast_failed(state, tensor, opname, numel, start, config, number, rec, exc)
+            recorder.finish(rec)
+            return CollectiveResult(True, opname, numel, numel * tensor.element_size(), 1, numel, _monotonic() - start)
+    return _general(tensor, op, group, start, timeout, chunk_numel, atomic, verify, tag)
+
+
+def _fast(
+    state: GroupState,
+    tensor: torch.Tensor,
+    op: Any,
+    opname: str,
+    numel: int,
+    start: float,
+    timeout: Any,
+    config: Config,
+) -> CollectiveResult:
+    """safe_all_reduce's direct path (see there) with an explicit timeout, on a failed group, on
+    NCCL, or under a wrapper of ``dist.all_reduce``: one collective on the tensor itself."""
+    info = state.info
+    timeout_s = None
+    if timeout is not None:
+        try:
+            timeout_s = to_seconds(timeout, "timeout")
+            check_below_group_timeout(timeout_s, state.timeout_s(), info.name)
+        except (TypeError, ValueError):
+            take_number(state.count)  # a refused call takes its number too (see calls.py)
+            raise
+    if state.failed is not None:
+        take_number(state.count)
+        return _refused(info, state.failed, opname, numel, numel * tensor.element_size(), start)
+    number: tuple[str, int] | None = None
+    rec = None
+    try:
+        # The flight record is opened right after the issue, while the backend works. A wrapper
+        # (instrument()'s) would record the op itself unless a record is open, so when
+        # dist.all_reduce is not torch's own function, it is opened first, as in the general path.
+        issue = dist.all_reduce
+        if issue is not _TORCH_ALL_REDUCE:
+            rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
+        work = issue(tensor, op=op, group=info.group, async_op=True)
+        number = take_number(state.count)
+        if rec is None:
+            rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
+        if timeout_s is None:
+            timeout_s = state.default_deadline(numel, numel * tensor.element_size(), config, _monotonic())
+        wait_work(work, start + timeout_s, info.backend, info.group)
+    except BaseException as exc:  # noqa: BLE001 - a backend error becomes a result
+        return _fast_failed(state, tensor, opname, numel, start, config, number, rec, exc, timeout_s)
+    recorder.finish(rec)
+    return CollectiveResult(True, opname, numel, numel * tensor.element_size(), 1, numel, _monotonic() - start)
+
+
+def _fast_failed(
+    state: GroupState,
+    tensor: torch.Tensor,
+    opname: str,
+    numel: int,
+    start: float,
+    config: Config,
+    number: tuple[str, int] | None,
+    rec: Any,
+    exc: BaseException,
+    timeout_s: float | None = None,
+) -> CollectiveResult:
+    """The direct paths' failure: the result of a backend error or a passed deadline (the group is
+    marked failed); anything else (KeyboardInterrupt) closes the record and is raised again."""
+    info = state.info
+    at = _monotonic()
+    if number is None:
+        number = take_number(state.count)
+    dtype = dtype_name(tensor.dtype)
+    if not isinstance(exc, Exception):  # an open record would read as a hang
+        if rec is not None:
+            recorder.finish(rec, f"interrupted: {exc!r}")
+        raise exc
+    if rec is None:
+        rec = recorder.start(opname, info.name, numel, dtype)
+    nbytes = numel * tensor.element_size()
+    if timeout_s is None:
+        timeout_s = state.default_deadline(numel, nbytes, config, _monotonic())
+    if not isinstance(exc, DeadlinePassed) and at >= start + timeout_s - CLOCK_SLACK_S:
+        # gloo reports the end of our wait and its own timeout alike: a wait that ended at our
+        # deadline is ours (as wire.wait_work decides).
+        exc = DeadlinePassed(f"deadline passed ({exc})")
+    call = Call(info, "all_reduce", base=number[0], n=number[1])
+    fields = dict(op=opname, numel=numel, dtype=dtype, group=info.name)
+    err = wire_error(call, WireFailure(0, exc, at), 1, start, timeout_s, state.timeout_s(), fields)
+    recorder.finish(rec, err)
+    return CollectiveResult(False, opname, numel, nbytes, 1, 0, _monotonic() - start, err)
+
+
+def _refused(
+    info: GroupInfo, failed: Exception, opname: str, numel: int, nbytes: int, start: float
+) -> CollectiveResult:
+    """The result of a call on a group that failed earlier (nothing was sent)."""
+    error = GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on")
+    return CollectiveResult(False, opname, numel, nbytes, 1, 0, _monotonic() - start, error)
+
+
+def _general(
+    tensor: Any,
+    op: Any,
+    group: Any,
+    start: float,
+    timeout: float | timedelta | None,
+    chunk_numel: Any,
+    atomic: bool,
+    verify: bool | None,
+    tag: str | None,
+) -> CollectiveResult:
+    """Every case: chunks, atomic, verify, tags, any op, any layout, a world of one."""
+    state = group_state(group, call_count)
+    info = state.info if state is not None else None
     check_tag(tag)
     # The call takes its number before the input is checked: a call refused on one rank only
     # keeps the ranks' counts equal (see ncclguard.collectives.calls).
     call = begin_call(info, "all_reduce", tag) if info is not None and info.size > 1 else None
     _validate(tensor, op, chunk_numel, info.backend if info else None)
-    group_timeout = group_timeout_s(info.group) if call is not None and info is not None else None
+    group_timeout = state.timeout_s() if call is not None and state is not None else None
     numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
     if timeout is not None:
         timeout_s = to_seconds(timeout, "timeout")
@@ -215,16 +378,14 @@ def safe_all_reduce(
     bounds = chunk_bounds(numel, chunk_numel)
 
     def result(ok: bool, reduced: int, error: NcclGuardError | None = None) -> CollectiveResult:
-        return CollectiveResult(ok, opname, numel, nbytes, len(bounds), reduced, time.monotonic() - start, error)
+        return CollectiveResult(ok, opname, numel, nbytes, len(bounds), reduced, _monotonic() - start, error)
 
     if call is None:
         return result(True, numel)
     info = call.info
     failed = failure_of(info.group)
     if failed is not None:
-        return result(
-            False, 0, GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on")
-        )
+        return _refused(info, failed, opname, numel, nbytes, start)
 
     dtype = dtype_name(tensor.dtype)
     rec = recorder.start(opname, info.name, numel, dtype)
@@ -261,107 +422,14 @@ def _reduce(
     fields: dict[str, Any],
 ) -> tuple[int, CollectiveError | None]:
     """The checked, chunked reduction. Returns (leading elements reduced, error or None)."""
-    info = call.info
     deadline = start + timeout_s
     if verify:
-        error = _check_fingerprints(call, tensor, op, bounds, deadline, start, fields)
+        error = check_fingerprints(call, tensor, op, bounds, deadline, start, fields)
         if error is not None:
             log.warning("%s", error)
             return 0, error
 
-    reduced, failure = run_chunks(info, tensor, op, bounds, deadline, atomic)
+    reduced, failure = run_chunks(call.info, tensor, op, bounds, deadline, atomic)
     if failure is None:
         return reduced, None
-
-    # The communicator cannot be trusted any more: the abandoned op may still be queued.
-    gave_up_s = failure.at - start
-    pm = postmortem(call, start + timeout_s + 0.9)
-    if isinstance(failure.exc, DeadlinePassed):
-        cls: type[CollectiveError] = CollectiveTimeout
-        what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)"
-    else:
-        cls = CollectiveFailed
-        what = f"failed after {gave_up_s:.2f} s: {_backend_failure(failure.exc, info, group_timeout, timeout_s)}"
-    who = f"; ranks {pm.missing} never arrived" if pm.missing else ""
-    why = "" if cls is CollectiveTimeout else _backend_timeout_hint(failure.exc)
-    err = cls(
-        f"{fields['op']} of {fields['numel']} x {fields['dtype']} on group {info.name!r} {what} at chunk "
-        f"{failure.chunk + 1}/{len(bounds)}{who}{pm.describe()}{why}",
-        chunk=(failure.chunk, len(bounds)),
-        elapsed_s=time.monotonic() - start,
-        missing_ranks=pm.missing,
-        **fields,
-    )
-    err.__cause__ = failure.exc
-    mark_failed(info.group, err)
-    log.error("%s", err)
-    return reduced, err
-
-
-def _is_backend_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timeout" in text or "timed out" in text
-
-
-def _backend_failure(exc: BaseException, info: GroupInfo, group_timeout: float | None, timeout_s: float) -> str:
-    """The backend's error in words; says so when it was the backend's own timeout that ended the op."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if _is_backend_timeout(exc):
-        limit = f"{group_timeout:g} s" if group_timeout is not None else "unknown"
-        return (
-            f"the {info.backend} backend's own timeout (group timeout {limit}) ended it before ncclguard's "
-            f"deadline ({timeout_s:g} s) ({text})"
-        )
-    return text
-
-
-def _backend_timeout_hint(exc: BaseException) -> str:
-    if not _is_backend_timeout(exc):
-        return ""
-    return (
-        ". An op queued on the group before this call (by other code) runs against the backend's timeout "
-        "from its own start"
-    )
-
-
-def _check_fingerprints(
-    call: Call,
-    tensor: torch.Tensor,
-    op: Any,
-    bounds: list[tuple[int, int]],
-    deadline: float,
-    start: float,
-    fields: dict[str, Any],
-) -> CollectiveError | None:
-    info = call.info
-    mine = call.print(
-        numel=tensor.numel(),
-        dtype=dtype_name(tensor.dtype),
-        op=REDUCE_OP_NAMES[op],
-        device=tensor.device.type,
-        chunks=[len(bounds), bounds[0][1] - bounds[0][0]],
-    )
-    try:
-        met = meet(call, mine, deadline)
-    except StoreUnreachable as exc:
-        return CollectiveFailed(f"fingerprint check failed: {exc}", elapsed_s=time.monotonic() - start, **fields)
-    where = f"{fields['op']} at {call.site} on group {info.name!r}"
-    if met.mismatch is not None and not met.missing:
-        return CollectiveMismatch(
-            f"{where}: {met.mismatch}",
-            fingerprints=met.prints,
-            elapsed_s=time.monotonic() - start,
-            **fields,
-        )
-    if not met.ok:
-        if met.late:
-            message = f"{where}: arrived after the other ranks gave up"
-        else:
-            pm = postmortem(call, deadline + get_config().postmortem_grace_s)
-            message = (
-                f"{where}: ranks {met.missing} did not reach the call within {deadline - start:g} s{pm.describe()}"
-            )
-        if met.mismatch is not None:
-            message += f"; of those that came, {met.mismatch}"
-        return CollectiveTimeout(message, elapsed_s=time.monotonic() - start, missing_ranks=met.missing, **fields)
-    return None
+    return reduced, wire_error(call, failure, len(bounds), start, timeout_s, group_timeout, fields)

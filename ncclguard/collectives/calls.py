@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -33,7 +33,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ncclguard._log import log
 from ncclguard.collectives.groups import GroupInfo
-from ncclguard.collectives.rendezvous import exchange, known_hosts, next_call, realign_on_tag
+from ncclguard.collectives.rendezvous import (
+    call_count,
+    call_round,
+    exchange,
+    known_hosts,
+    next_call,
+    realign_on_tag,
+    take_number,
+)
 from ncclguard.config import get_config
 from ncclguard.errors import StoreUnreachable
 
@@ -62,19 +70,44 @@ def check_tag(tag: Any) -> None:
         )
 
 
-@dataclass
 class Call:
     """One safe_* call of this rank: its group, kind, round name and tag.
 
-    The call site is found when first asked for (on the failure path, or for a store round), so
-    the hot path of an all_reduce that makes no store round does not walk the stack.
+    The round name and the call site are made when first asked for (on the failure path, or for
+    a store round), so the hot path of an all_reduce that makes no store round builds no string
+    and walks no stack.
+
+    Args:
+        info: the group.
+        kind: ``"all_reduce"``, ``"barrier"``, ...
+        round: the round's name; None to make it from ``base`` and ``n`` (the call count).
+        tag: the tag the call meets under, or None.
     """
 
-    info: GroupInfo
-    kind: str
-    round: str
-    tag: str | None = None
-    _site: str | None = field(default=None, repr=False)
+    __slots__ = ("info", "kind", "tag", "_round", "_base", "_n", "_site")
+
+    def __init__(
+        self,
+        info: GroupInfo,
+        kind: str,
+        round: str | None = None,
+        tag: str | None = None,
+        *,
+        base: str = "",
+        n: int = 0,
+    ) -> None:
+        self.info, self.kind, self.tag = info, kind, tag
+        self._round, self._base, self._n = round, base, n
+        self._site: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Call(group={self.info.name!r}, kind={self.kind!r}, round={self.round!r}, tag={self.tag!r})"
+
+    @property
+    def round(self) -> str:
+        if self._round is None:
+            self._round = call_round(self.info, self._base, self._n)
+        return self._round
 
     @property
     def site(self) -> str:
@@ -89,7 +122,11 @@ class Call:
 
 def begin_call(info: GroupInfo, kind: str, tag: str | None = None) -> Call:
     """Takes this rank's next call number on the group (see :func:`~ncclguard.collectives.rendezvous.next_call`)."""
-    call = Call(info, kind, next_call(info, tag), tag)
+    if tag is None:
+        base, n = take_number(call_count(info))
+        call = Call(info, kind, base=base, n=n)
+    else:
+        call = Call(info, kind, next_call(info, tag), tag)
     if tag is not None or kind != "all_reduce":
         call._site = call_site()
     return call

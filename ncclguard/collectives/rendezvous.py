@@ -44,7 +44,10 @@ __all__ = [
     "StoreUnreachable",
     "exchange",
     "known_hosts",
+    "call_count",
+    "call_round",
     "next_call",
+    "take_number",
     "realign_on_tag",
     "store_for_this_thread",
     "next_round",
@@ -92,16 +95,22 @@ _hosts: dict[str, dict[int, str]] = defaultdict(dict)
 
 
 @dataclass
-class _CallCount:
-    """This rank's count of safe_* calls on one group: ``base`` changes when a tag realigns it."""
+class CallCount:
+    """This rank's count of safe_* calls on one group.
 
-    base: str = ""
-    n: int = 0
+    Attributes:
+        current: (base, counter): the round names' prefix, which a tag that every rank passed
+            changes, and the count since then. Replaced as one tuple, and ``next()`` on an
+            ``itertools.count`` is atomic, so taking a number needs no lock (the hot path).
+        tag_uses: how often each tag was used.
+    """
+
+    current: tuple[str, itertools.count] = field(default_factory=lambda: ("", itertools.count()))
     tag_uses: dict[str, int] = field(default_factory=dict)
 
 
 # By (group name, this rank's rank in it): one process is one rank, but tests run ranks as threads.
-_calls: dict[tuple[str, int], _CallCount] = defaultdict(_CallCount)
+_calls: dict[tuple[str, int], CallCount] = defaultdict(CallCount)
 
 
 # Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
@@ -117,6 +126,24 @@ def next_round(info: GroupInfo, kind: str) -> str:
         return f"{kind}/{info.name}/{next(_seqs[(info.name, kind)])}"
 
 
+def call_count(info: GroupInfo) -> CallCount:
+    """This rank's call count on the group (one object per group name and rank, for good: reset
+    in place, so a holder of it, like the hot path's group state, never reads a stale count)."""
+    with _seq_lock:
+        return _calls[(info.name, info.rank)]
+
+
+def take_number(count: CallCount) -> tuple[str, int]:
+    """Takes the next number of ``count``: returns (its base, the number)."""
+    base, counter = count.current
+    return base, next(counter)
+
+
+def call_round(info: GroupInfo, base: str, n: int) -> str:
+    """The round name of call number ``n`` after ``base`` on the group."""
+    return f"call/{info.name}/{base}{n}"
+
+
 def next_call(info: GroupInfo, tag: str | None = None) -> str:
     """Returns the round name of this rank's next safe_* call on the group.
 
@@ -130,11 +157,10 @@ def next_call(info: GroupInfo, tag: str | None = None) -> str:
         tag: meet under this name instead (the ranks that pass the same tag meet, however many
             calls each made before); a tag may be reused, each use is its own round.
     """
+    if tag is None:
+        return call_round(info, *take_number(call_count(info)))
     with _seq_lock:
         count = _calls[(info.name, info.rank)]
-        if tag is None:
-            count.n += 1
-            return f"call/{info.name}/{count.base}{count.n - 1}"
         uses = count.tag_uses.get(tag, 0)
         count.tag_uses[tag] = uses + 1
         return f"call/{info.name}/tag/{tag}#{uses}"
@@ -148,15 +174,17 @@ def realign_on_tag(info: GroupInfo, tag_round: str) -> None:
     """
     with _seq_lock:
         count = _calls[(info.name, info.rank)]
-        count.base, count.n = f"{tag_round.rsplit('/tag/', 1)[-1]}/", 0
+        count.current = (f"{tag_round.rsplit('/tag/', 1)[-1]}/", itertools.count())
 
 
 def reset_for_new_world() -> None:
     """Forgets every round count and learned hostname (``ncclguard.rebuild_world`` calls it: the
-    new world's groups may reuse the old names, and the ranks counted the old rounds unevenly)."""
+    new world's groups may reuse the old names, and the ranks counted the old rounds unevenly).
+    Call counts are reset in place (see :func:`call_count`)."""
     with _seq_lock:
         _seqs.clear()
-        _calls.clear()
+        for count in _calls.values():
+            count.current, count.tag_uses = ("", itertools.count()), {}
         _hosts.clear()
 
 

@@ -19,18 +19,24 @@ import torch
 import torch.distributed as dist
 
 from ncclguard.collectives.chunking import logical_views
+from ncclguard.collectives.completion import DeadlinePassed, wait_gpu_work
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.config import get_config
+from ncclguard.diagnosis.flight import recorder
 
-__all__ = ["DeadlinePassed", "WireFailure", "release_atomic_buffers", "run_chunks", "wait_work"]
+__all__ = [
+    "CLOCK_SLACK_S",
+    "DeadlinePassed",
+    "WireFailure",
+    "release_atomic_buffers",
+    "retained_atomic_bytes",
+    "run_chunks",
+    "wait_work",
+]
 
 
 # How early a timed wait may return and still count as ours (timer granularity).
-_CLOCK_SLACK_S = 2e-3
-
-
-class DeadlinePassed(TimeoutError):
-    """ncclguard's own deadline passed while waiting (as opposed to the backend giving up)."""
+CLOCK_SLACK_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,19 @@ class WireFailure:
     at: float
 
 
-def wait_work(work: Any, deadline: float, backend: str) -> None:
+def wait_work(
+    work: Any, deadline: float, backend: str, group: Any = None, wait_timeout: timedelta | None = None
+) -> None:
     """Waits for ``work`` until ``deadline``.
+
+    Args:
+        work: the collective's ``Work``.
+        deadline: ``time.monotonic()`` value at which to give up.
+        backend: the group's backend name.
+        group: the process group (NCCL: whose watcher thread waits for the GPU).
+        wait_timeout: gloo: the timeout to wait with instead of the time left (the hot path passes
+            a cached timedelta of its whole deadline when it spent under a millisecond of it:
+            building a timedelta costs more than that overrun matters).
 
     Raises:
         DeadlinePassed: the deadline passed first.
@@ -59,21 +76,16 @@ def wait_work(work: Any, deadline: float, backend: str) -> None:
     if remaining <= 0:
         raise DeadlinePassed("deadline passed")
     if backend == "nccl":
-        # NCCL's wait() only orders streams; the CPU must poll to keep its deadline.
-        pause = 5e-5
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                raise DeadlinePassed("deadline passed")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
-        work.wait()
+        # NCCL's wait() only orders streams; the CPU waits as ncclguard.collectives.completion says.
+        config = get_config()
+        wait_gpu_work(work, deadline, group, config.nccl_wait, config.nccl_poll_us * 1e-6)
         return
     try:
-        work.wait(timeout=timedelta(seconds=remaining))
+        work.wait(timeout=wait_timeout or timedelta(seconds=remaining))
     except Exception as exc:
         # gloo reports the end of our wait and its own timeout alike ("Timed out"): the clock
         # tells them apart. A wait that ended at our deadline is ours.
-        if time.monotonic() >= deadline - _CLOCK_SLACK_S:
+        if time.monotonic() >= deadline - CLOCK_SLACK_S:
             raise DeadlinePassed(f"deadline passed ({exc})") from exc
         raise
 
@@ -108,6 +120,12 @@ class _PrivateBuffers:
         with self._lock:
             self._free.clear()
 
+    def retained_bytes(self) -> int:
+        """Bytes held between calls (the free buffers; a buffer checked out by a call in flight
+        is not counted)."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._free.values())
+
 
 _private = _PrivateBuffers()
 
@@ -116,6 +134,11 @@ def release_atomic_buffers() -> None:
     """Frees the buffers kept between ``atomic=True`` calls (one per dtype and device, as large as
     the largest tensor reduced atomically)."""
     _private.release()
+
+
+def retained_atomic_bytes() -> int:
+    """Bytes that ``atomic=True`` keeps allocated between calls (what :func:`release_atomic_buffers` frees)."""
+    return _private.retained_bytes()
 
 
 def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_flat: bool) -> None:
@@ -151,7 +174,9 @@ def run_chunks(
     if len(bounds) == 1 and not atomic and tensor.is_contiguous():
         # The common small call: the tensor itself on the wire, none of the chunk machinery.
         try:
-            wait_work(dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend)
+            wait_work(
+                dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend, info.group
+            )
         except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
             return 0, WireFailure(0, exc, time.monotonic())
         if avg_by_hand:
@@ -187,13 +212,14 @@ def run_chunks(
     def complete() -> None:
         nonlocal reduced
         i, work, buf = inflight[0]
-        wait_work(work, deadline, info.backend)
+        wait_work(work, deadline, info.backend, info.group)
         inflight.popleft()
         if avg_by_hand:
             buf.div_(info.size)
         if staging is not None:
             _copy_range(buf, tensor, *bounds[i], into_flat=False)
         reduced = bounds[i][1]
+        recorder.progress_here(i + 1, len(bounds), reduced * tensor.element_size())  # heartbeat: chunk i of n
 
     i = 0
     grad_mode = torch.is_grad_enabled()

@@ -114,6 +114,7 @@ def _group_finding(
         "phase": first.phase,
         "site": first.site,
         "waiting_s": round(max(now - rec.start for rec in at_top.values()), 1),
+        **_backend_side(group, top, at_top, views),
     }
     if len(shapes) > 1:
         variants = []
@@ -162,6 +163,19 @@ def _group_finding(
         acc.culprit(Whereabouts.model_validate(dict(entry)), why, **fields)
 
 
+def _backend_side(
+    group: str, seq: int, ranks: Mapping[int, OpRecord], views: Mapping[int, Heartbeat]
+) -> dict[str, object]:
+    """The backend's number and name of ncclguard's op ``#seq`` on ``group``, where a waiting
+    rank's statement joined its record to torch's flight-recorder entry; empty otherwise."""
+    for r in sorted(ranks):
+        view = views.get(r)
+        op = view.backend_ops.get(group) if isinstance(view, Statement) else None
+        if op is not None and op.record is not None and op.record.seq == seq and op.record.peer is None:
+            return {"backend_seq": op.seq, "backend_op": op.name}
+    return {}
+
+
 # torch's scalar type names (its flight recorder's input_dtypes) as ncclguard writes dtypes.
 _SCALAR_TYPES = {
     "Float": "float32",
@@ -186,9 +200,13 @@ def _backend_finding(
     stale: Mapping[int, float],
     world_size: int,
     now: float,
+    stuck: bool = False,
 ) -> None:
     """Analyses ``group`` by the backend's sequence numbers: the ranks at the highest number wait
-    in an op the others have not issued (found by :func:`~ncclguard.diagnosis.detect.find_backend_desync`)."""
+    in an op the others have not issued (found by :func:`~ncclguard.diagnosis.detect.find_backend_desync`),
+    or, for a ``stuck`` incident (``stuck``), every member there with the op open: an op that does
+    not move (a stuck transport, :func:`~ncclguard.diagnosis.detect.find_backend_stuck`). The site is the Python call's where
+    a statement joined the op to ncclguard's record of it, else "issued from C++"."""
     seqs = {r: v.backend_seq[group] for r, v in views.items() if v.backend_seq and group in v.backend_seq}
     if not seqs:
         return
@@ -200,16 +218,18 @@ def _backend_finding(
     op = next((st.backend_ops[group] for r in at_top if (st := statements.get(r)) and group in st.backend_ops), None)
     dtype = _SCALAR_TYPES.get(op.dtypes[0], op.dtypes[0].lower()) if op and op.dtypes else ""
     numel = sum(math.prod(size) for size in op.sizes) if op else 0
+    rec = op.record if op is not None else None
     base = {
         "group": group,
         "seq": top,
         "op": op.name if op else "an op",
         "numel": numel,
         "dtype": dtype,
-        "phase": lead.phase,
-        "site": f"{FROM_CPP}; main thread at {lead.site}",
+        "phase": rec.phase if rec is not None else lead.phase,
+        "site": rec.site if rec is not None else f"{FROM_CPP}; main thread at {lead.site}",
         "waiting_s": round(now - op.created, 1) if op and op.created else 0.0,
         "backend": True,
+        "record_seq": rec.seq if rec is not None else None,
     }
     behind: list[Straggler] = []
     gone: list[Straggler] = []
@@ -224,7 +244,15 @@ def _backend_finding(
         else:
             behind.append(entry)
     if not behind and not gone:
-        return  # every member reached #top meanwhile: the desync closed
+        # Every member at #top: the desync closed, or (raised as such) a stuck transport if the op is open.
+        said = {
+            r: st.backend_ops[group].completed for r in at_top if (st := statements.get(r)) and group in st.backend_ops
+        }
+        waiting = [r for r in at_top if not said.get(r)]  # open, or not known to have completed
+        if stuck and False in said.values():
+            acc.victims.update(waiting)
+            acc.findings.append(StuckFinding.model_validate({**base, "waiting": waiting}))
+        return
     acc.victims.update(at_top)
     acc.findings.append(DesyncFinding.model_validate({**base, "waiting": at_top, "behind": behind, "lost": gone}))
     for entry, why in [(e, CulpritReason.BEHIND) for e in behind] + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
@@ -272,6 +300,7 @@ def analyse(
     waiting_after_s: float = 0.0,
     focus: tuple[str, int] | None = None,
     backend_group: str | None = None,
+    stuck_group: str | None = None,
 ) -> Analysis:
     """Names culprits and victims from what the ranks said.
 
@@ -285,6 +314,8 @@ def analyse(
         focus: ``(group, seq)`` of the op that raised the incident: its group is always analysed.
         backend_group: a group whose ranks stood at different backend sequence numbers (a
             ``desync`` incident): analysed by those numbers when no recorded op explains it.
+        stuck_group: a group whose ranks stood at one backend sequence number with the op open (a
+            ``stuck`` incident): analysed the same way.
 
     Returns:
         The findings, culprits, victims, stale and silent ranks, and the one-line summary.
@@ -320,8 +351,9 @@ def analyse(
     ]
     for group in sorted(problem):
         _group_finding(acc, group, oldest[group], views, stale, world_size, now)
-    if backend_group is not None and backend_group not in problem:
-        _backend_finding(acc, backend_group, statements, views, stale, world_size, now)
+    for seen_group, stuck in ((backend_group, False), (stuck_group, True)):
+        if seen_group is not None and seen_group not in problem:
+            _backend_finding(acc, seen_group, statements, views, stale, world_size, now, stuck)
     for r, rec in sorted(p2p_waits, key=lambda w: (w[0], w[1].seq)):
         _p2p_finding(acc, r, rec, views, stale, now)
 
@@ -391,7 +423,8 @@ def assemble(
     """
     focus = (doc.group, doc.seq) if doc.group is not None and doc.seq is not None else None
     backend = doc.group if doc.kind is IncidentKind.BACKEND_DESYNC else None
-    if backend is not None:
+    stuck = doc.group if doc.kind is IncidentKind.BACKEND_STUCK else None
+    if backend is not None or stuck is not None:
         focus = None  # numbered by the backend, not by ncclguard's records
     result = (
         analyse(
@@ -402,6 +435,7 @@ def assemble(
             waiting_after_s=waiting_after_s,
             focus=focus,
             backend_group=backend,
+            stuck_group=stuck,
         )
         if analyse_ranks
         else Analysis()

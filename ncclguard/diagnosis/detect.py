@@ -7,8 +7,10 @@ returns :class:`Detection` drafts; the watchdog numbers them into incidents (cla
 ``signature`` once across ranks).
 
 Heartbeats carry ``backend_seq`` (the backend's sequence number per group, counting every
-collective whoever issued it): :func:`find_backend_desync` compares them across ranks, so a rank
-waiting in an op issued from C++ (DDP's reducer, functional collectives) is seen too.
+collective whoever issued it): :func:`find_backend_desync` and :func:`find_backend_stuck` compare
+them across ranks, so a rank waiting in an op issued from C++ (DDP's reducer, functional
+collectives) is seen too. Both only say when to look; torch's flight recorder, read then and only
+then, says whether the op is open (:func:`backend_verdict`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from ncclguard.diagnosis.flight import seq_key
-from ncclguard.diagnosis.model import IncidentKind, OpRecord
+from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord
 
 __all__ = [
     "Detection",
     "SeqView",
+    "Verdict",
+    "backend_verdict",
     "blocked_in",
     "completed",
     "find_backend_desync",
+    "find_backend_stuck",
     "find_hangs",
     "find_lost",
     "op_key",
@@ -130,6 +136,7 @@ def find_backend_desync(
     busy_groups: AbstractSet[str],
     hang_timeout_s: float,
     reported: AbstractSet[tuple[str, int]],
+    peer_lag_s: float = 0.0,
 ) -> list[Detection]:
     """Groups where this rank stands ahead of watched peers, all still for ``hang_timeout_s``.
 
@@ -145,6 +152,8 @@ def find_backend_desync(
             detector (:func:`find_hangs`) speaks for those, with the Python call site.
         hang_timeout_s: how long everyone must have stood still.
         reported: ``(group, seq)`` already reported.
+        peer_lag_s: how old a peer's number may be when read (a heartbeat period): a peer's
+            stillness is known as of its last heartbeat, so it is counted up to this much short.
     """
     out = []
     for group, mine in sorted(own.items()):
@@ -153,7 +162,7 @@ def find_backend_desync(
         behind = {
             p: views[group]
             for p, views in sorted(peers.items())
-            if group in views and views[group].seq < mine.seq and views[group].still_s >= hang_timeout_s
+            if group in views and views[group].seq < mine.seq and views[group].still_s + peer_lag_s >= hang_timeout_s
         }
         if not behind:
             continue
@@ -166,6 +175,76 @@ def find_backend_desync(
             Detection(IncidentKind.BACKEND_DESYNC, reason, f"desync/{group}/{mine.seq}", group=group, seq=mine.seq)
         )
     return out
+
+
+def find_backend_stuck(
+    rank: int,
+    own: Mapping[str, SeqView],
+    peers: Mapping[int, Mapping[str, SeqView]],
+    busy_groups: AbstractSet[str],
+    hang_timeout_s: float,
+    skip: AbstractSet[tuple[str, int]],
+    peer_lag_s: float = 0.0,
+) -> list[Detection]:
+    """Groups where this rank and every watched peer in it stand still at one backend number.
+
+    A suspicion, not a finding: ranks that compute while nobody waits stand still too. The
+    watchdog then reads torch's flight recorder once per ``(group, seq)``: an op open there past
+    ``hang_timeout_s`` is a hang with nobody behind, a stuck transport (:func:`backend_verdict`).
+    Peers at other numbers are :func:`find_backend_desync`'s; a group where no watched peer is
+    known is a suspect too (this rank's open op is a hang whoever else is in it; the merge sorts
+    out the members from every rank's statement).
+
+    Args:
+        rank: this rank.
+        own: this rank's backend sequence number per group, with how long it stood still.
+        peers: the live watched peers', by rank.
+        busy_groups: groups with an op in flight that ncclguard recorded (:func:`find_hangs` names it).
+        hang_timeout_s: how long everyone must have stood still.
+        skip: ``(group, seq)`` reported already, or read already and found completed.
+        peer_lag_s: see :func:`find_backend_desync`.
+    """
+    out = []
+    for group, mine in sorted(own.items()):
+        if group in busy_groups or (group, mine.seq) in skip or mine.still_s < hang_timeout_s:
+            continue
+        seen = {p: views[group] for p, views in sorted(peers.items()) if group in views}
+        if any(v.seq != mine.seq or v.still_s + peer_lag_s < hang_timeout_s for v in seen.values()):
+            continue
+        also = f", as did {', '.join(f'rank {p}' for p in seen)}" if seen else ""
+        reason = f"rank {rank} stood {mine.still_s:.1f} s at backend op #{mine.seq} on group {group}{also}"
+        out.append(
+            Detection(IncidentKind.BACKEND_STUCK, reason, f"stuck/{group}/{mine.seq}", group=group, seq=mine.seq)
+        )
+    return out
+
+
+class Verdict(str, Enum):
+    """What torch's flight recorder says of a suspected backend op."""
+
+    OPEN = "open"  # open past the timeout: raise the incident
+    CLOSED = "closed"  # it completed on this rank (or nothing tells, for a stuck transport): do not look again
+    YOUNG = "young"  # open, but younger than the timeout (the numbers were read a beat apart): look again
+
+
+def backend_verdict(op: BackendOp | None, now: float, hang_timeout_s: float, *, unknown_is_open: bool) -> Verdict:
+    """Whether a suspected op (:func:`find_backend_desync`, :func:`find_backend_stuck`) is a hang.
+
+    Args:
+        op: the newest op torch's recorder holds for the group (None: it holds none).
+        now: ``time.time()``.
+        hang_timeout_s: the age that makes an open op a hang.
+        unknown_is_open: what to conclude when the recorder cannot tell (no entry, no state): a
+            desync's numbers are evidence enough (a peer behind, everyone still), a stuck
+            transport's are not (every rank computing also stands still).
+    """
+    if op is not None and op.completed:
+        return Verdict.CLOSED
+    if op is None or op.completed is None:
+        return Verdict.OPEN if unknown_is_open else Verdict.CLOSED
+    if op.created and now - op.created < hang_timeout_s:
+        return Verdict.YOUNG
+    return Verdict.OPEN
 
 
 def completed(records: Iterable[_RecordLike], key: tuple[str, int]) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from ncclguard import _torch_compat as compat
 from ncclguard.config import get_config
 from ncclguard.diagnosis.phase import MAIN as _MAIN_PHASES
 from ncclguard.diagnosis.phase import current_phase
@@ -80,6 +81,11 @@ def _skip_prefixes() -> tuple[str, ...]:
             path = getattr(module, "__file__", None) if module is not None else None
             if path:
                 dirs.append(os.path.dirname(path))
+        # typing_extensions' @deprecated wrapper stands between torch's deprecated collectives
+        # (all_gather_into_tensor, which DeepSpeed calls) and their caller: a file, not a package.
+        wrapper = getattr(sys.modules.get("typing_extensions"), "__file__", None)
+        if wrapper:
+            dirs.append(wrapper)
         prefixes = tuple(d if d.endswith(".py") else os.path.join(d, "") for d in dirs)
         if prefixes != _skip_prefixes_cache[1]:
             _is_framework.clear()
@@ -141,6 +147,9 @@ class FlightRecord:
         async_op: issued with ``async_op=True`` (or isend/irecv): the caller did not block in it.
         peer: the other rank of a send/recv.
         thread: ``threading.get_ident()`` of the issuing thread.
+        chunks_done: chunks of a chunked call completed so far (0: not chunked, or none yet).
+        chunks: chunks of the call (0 until the first chunk completes; see :meth:`FlightRecorder.progress`).
+        bytes_done: bytes of the call reduced so far.
     """
 
     seq: int
@@ -158,6 +167,9 @@ class FlightRecord:
     peer: int | None = None
     thread: int = 0
     work: Any = field(default=None, repr=False, compare=False)  # the async op's Work; never serialised
+    chunks_done: int = 0
+    chunks: int = 0
+    bytes_done: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON data (without the Work handle)."""
@@ -176,6 +188,11 @@ class FlightRecord:
             "async_op": self.async_op,
             "peer": self.peer,
             "thread": self.thread,
+            # Read bytes before chunks: the main thread writes chunks first, so a reader racing it
+            # sees chunks_done at most one chunk ahead of bytes_done, never behind.
+            "bytes_done": self.bytes_done,
+            "chunks_done": self.chunks_done,
+            "chunks": self.chunks,
         }
 
 
@@ -313,6 +330,25 @@ class FlightRecorder:
         if rec.seq > self._done.get(key, 0):  # async ops may complete out of order
             self._done[key] = rec.seq
 
+    @staticmethod
+    def progress(rec: FlightRecord, chunks_done: int, chunks: int, bytes_done: int) -> None:
+        """Notes that ``chunks_done`` of the ``chunks`` chunks of ``rec`` completed, ``bytes_done``
+        bytes in all. Three attribute writes, no lock: the watchdog reads them into the heartbeat
+        (a read racing a write may see ``chunks_done`` one chunk ahead of ``bytes_done``)."""
+        rec.chunks = chunks
+        rec.chunks_done = chunks_done
+        rec.bytes_done = bytes_done
+
+    def progress_here(self, chunks_done: int, chunks: int, bytes_done: int) -> None:
+        """:meth:`progress` of the record the calling thread has open (the chunked call it is
+        in); nothing when it has none. For the chunk loop, which does not hold the record."""
+        opened = self._open.get(_get_ident())
+        if opened:
+            rec = opened[-1]
+            rec.chunks = chunks
+            rec.chunks_done = chunks_done
+            rec.bytes_done = bytes_done
+
     def attach(self, rec: FlightRecord, work: Any) -> None:
         """Hands an async op's ``Work`` to ``rec``: it stays in flight until the work completes
         (noticed by :meth:`sweep`), and the calling thread is free again."""
@@ -332,7 +368,7 @@ class FlightRecorder:
             try:
                 if not work.is_completed():
                     continue
-                exc = work.exception()
+                exc = compat.work_error(work)
             except Exception as err:  # noqa: BLE001 - a broken Work is a failed op
                 exc = err
             self.finish(rec, exc)

@@ -7,11 +7,13 @@ of all its Python threads, its flight records and the heartbeats to
 statements into ``incident.json`` and ``summary.txt`` (:mod:`ncclguard.diagnosis.analysis`),
 waiting at most ``merge_wait`` for the others. Then every rank climbs the action ladder
 (:mod:`ncclguard.diagnosis.actions`). Without a store (a world of one, or the store gone) a rank
-handles its incidents alone ("local" incidents, numbered below zero).
+handles its incidents alone ("local" incidents, numbered below zero). Nothing is written
+outside ``incident_dir`` (:func:`incident_path`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ncclguard._log import log
-from ncclguard._naming import HOSTNAME
+from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.diagnosis.actions import (
     Action,
     ActionContext,
@@ -54,10 +56,30 @@ from ncclguard.diagnosis.native import add_outside_stacks
 from ncclguard.diagnosis.render import render
 from ncclguard.diagnosis.settings import WatchdogConfig
 from ncclguard.diagnosis.snapshot import RankState
-from ncclguard.diagnosis.store import WatchdogStore
+from ncclguard.diagnosis.store import INCIDENT_ID, StoreRefused, WatchdogStore
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 
-__all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "past_op", "stale_from_statements", "write_report"]
+__all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
+__all__ += ["write_report"]
+
+_BACKEND_KINDS = (IncidentKind.BACKEND_DESYNC, IncidentKind.BACKEND_STUCK)  # numbered by the backend
+MAX_NEW_INCIDENTS = 256  # more new incidents in one poll is not the watchdog's doing (a counter someone set)
+
+
+def incident_path(root: Path | str, ident: str) -> Path:
+    """The directory of incident ``ident`` under ``root``, resolved.
+
+    Raises:
+        ValueError: ``ident`` is not a plain name (:data:`~ncclguard.diagnosis.store.INCIDENT_ID`),
+            or the directory resolves outside ``root`` (a symbolic link there pointing out).
+    """
+    if not INCIDENT_ID.match(ident):
+        raise ValueError(f"incident id {ident[:80]!r} is not a plain directory name; nothing is written for it")
+    base = Path(root).resolve()
+    where = (base / ident).resolve()
+    if where.parent != base:
+        raise ValueError(f"incident directory {base / ident} resolves to {where}, outside {base}; nothing is written")
+    return where
 
 
 @dataclass
@@ -133,7 +155,7 @@ def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     key = doc.op_key
     if key is not None:
         return state.completed(key)
-    if doc.kind is IncidentKind.BACKEND_DESYNC and doc.group is not None and doc.seq is not None:
+    if doc.kind in _BACKEND_KINDS and doc.group is not None and doc.seq is not None:
         return (state.backend_seq() or {}).get(doc.group, -1) > doc.seq
     return None
 
@@ -142,7 +164,7 @@ def blocked_in(doc: IncidentDoc, state: RankState) -> OpRecord | None:
     """The op the main thread is blocked in: a recorded synchronous op, or, at a desync's backend
     number, the backend op issued from C++ (nothing recorded it in Python)."""
     rec = state.blocked_in()
-    if rec is None and doc.kind is IncidentKind.BACKEND_DESYNC and doc.group is not None and doc.seq is not None:
+    if rec is None and doc.kind in _BACKEND_KINDS and doc.group is not None and doc.seq is not None:
         if (state.backend_seq() or {}).get(doc.group) == doc.seq:
             rec = OpRecord(seq=doc.seq, op=doc.op or "a backend op", group=doc.group, start=doc.created)
     return rec
@@ -226,7 +248,12 @@ class IncidentDesk:
         token = f"{self.rank}:{uuid.uuid4().hex[:8]}"
         if not self.store.claim(det.signature, token):
             return  # another rank raised it; poll() picks it up
-        n = self.store.number_incident()
+        try:
+            n = self.store.number_incident()
+        except StoreRefused as exc:  # the counter holds something else: no number in the store
+            log.error("watchdog: incident counter unusable (%s); handling %s on this rank only", exc, det.signature)
+            self.open_local(det)
+            return
         created = time.time()
         doc = describe(det, self.rank, n, f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}", created)
         self.store.put_incident(doc)
@@ -236,14 +263,8 @@ class IncidentDesk:
         self._local_count += 1
         created = time.time()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
-        doc = describe(
-            det,
-            self.rank,
-            -self._local_count,
-            f"{stamp}-r{self.rank}-{det.kind.value}-{self._local_count}",
-            created,
-            "local",
-        )
+        ident = f"{stamp}-r{self.rank}-{det.kind.value}-{self._local_count}"
+        doc = describe(det, self.rank, -self._local_count, ident, created, "local")
         self.handle(doc, local=True)
 
     def store_gone(self, exc: BaseException) -> None:
@@ -274,12 +295,21 @@ class IncidentDesk:
             count = self.store.incident_count()
         except StoreTimeout:
             return
+        if count - self.seen_count > MAX_NEW_INCIDENTS:
+            self.store.warn_once(
+                self.store.keys.count,
+                f"{self.store.keys.count} jumped from {self.seen_count} to {count}: not the watchdog's doing; skipped",
+            )
+            self.seen_count = count
+            return
+        now, skipped = time.monotonic(), []
+        for n in range(self.seen_count + 1, count + 1):  # each number's wait starts when first counted
+            self._waiting_docs.setdefault(n, now)
         for n in range(self.seen_count + 1, count + 1):
             if not self.store.has_incident(n):
-                first = self._waiting_docs.setdefault(n, time.monotonic())
-                if time.monotonic() - first < self.config.peer_timeout:
-                    return  # its creator is between add and set; look again next tick
-                log.warning("watchdog: incident %d was counted but never described; skipping it", n)
+                if now - self._waiting_docs[n] < self.config.peer_timeout:
+                    break  # its creator is between add and set; look again next tick
+                skipped.append(n)
             else:
                 doc = self.store.read_incident(n)
                 if doc is None:
@@ -287,22 +317,33 @@ class IncidentDesk:
                 else:
                     self.handle(doc, local=False)
             self.seen_count = n
+            self._waiting_docs.pop(n, None)
+        if skipped:
+            many = len(skipped) > 1
+            what = f"incidents {rank_ranges(skipped)} were" if many else f"incident {skipped[0]} was"
+            log.warning("watchdog: %s counted but never described; skipping %s", what, "them" if many else "it")
 
     def handle(self, doc: IncidentDoc, *, local: bool) -> None:
         """Dumps this rank's state for incident ``doc`` and publishes its statement."""
         cfg = self.config
         statement = self.statement()
+        try:
+            where = incident_path(cfg.incident_dir, doc.id)
+        except (ValueError, OSError) as exc:
+            log.error("watchdog: incident %d not handled: %s", doc.n, exc)
+            return
         heartbeats: dict[int, Heartbeat] = {}
         if not local:
+            # Its own and the watched peers' (all of them, on every rank, is N^2 requests); the merger reads all.
             try:
                 if self.store is None:
                     raise StoreUnreachable("no store")
-                heartbeats = self.store.read_heartbeats(list(range(self.world_size)))
+                heartbeats = self.store.read_heartbeats(sorted({self.rank, *self.liveness.watched}))
             except (StoreTimeout, StoreUnreachable):
                 heartbeats = self.liveness.heartbeats()  # the ones this rank has seen
         case = Case(
             doc,
-            Path(cfg.incident_dir) / doc.id,
+            where,
             local,
             statement,
             heartbeats,
@@ -325,7 +366,7 @@ class IncidentDesk:
             try:
                 self.store.put_statement(doc.n, statement)
                 self.store.add_dumped(doc.n)
-                case.merger = self.store.claim_merger(doc.n, self.rank)
+                case.merger = self.store.claim_merger(doc.n, self.rank, self.world_size)
                 case.merge_deadline = now + cfg.merge_wait
             except (StoreTimeout, StoreUnreachable) as exc:
                 # Nobody can collect this rank's statement: it merges what it has itself.
@@ -360,7 +401,10 @@ class IncidentDesk:
     def _gather(self, case: Case, stale: dict[int, float]) -> tuple[dict[int, Statement], dict[int, Heartbeat]] | None:
         """The statements and heartbeats of ``case`` from the store; None while still waiting."""
         assert self.store is not None
-        dumped = self.store.add_dumped(case.doc.n, 0)
+        try:
+            dumped = self.store.add_dumped(case.doc.n, 0)
+        except StoreRefused:  # the counter holds something else: wait out merge_wait, merge what came
+            dumped = 0
         if dumped < self.world_size - len(stale) and time.monotonic() < case.merge_deadline:
             return None
         ranks = list(range(self.world_size))
@@ -377,13 +421,8 @@ class IncidentDesk:
             heartbeats = {}
             extra = [StoreFinding(text=doc.store_text or doc.reason)]
         elif case.local or self.store is None:
-            if not case.local:
-                extra = [
-                    StoreFinding(
-                        text=f"the store went away before the merge: only rank {self.rank}'s "
-                        "statement and the heartbeats it had seen are in this report"
-                    )
-                ]
+            gone = f"the store went away before the merge: only rank {self.rank}'s statement and the heartbeats"
+            extra = [] if case.local else [StoreFinding(text=f"{gone} it had seen are in this report")]
         else:
             try:
                 gathered = self._gather(case, stale)
@@ -409,11 +448,8 @@ class IncidentDesk:
         add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
         if self.store is not None and not case.local:
-            try:
-                note = MergedNote(host=HOSTNAME, dir=str(case.dir.resolve()), summary=incident.summary)
-                self.store.put_merged(doc.n, note)
-            except (StoreTimeout, StoreUnreachable):
-                pass
+            with contextlib.suppress(StoreTimeout, StoreUnreachable):
+                self.store.put_merged(doc.n, MergedNote(host=HOSTNAME, dir=str(case.dir), summary=incident.summary))
         self._notify()
         return True
 
@@ -426,10 +462,8 @@ class IncidentDesk:
             return False
         if passed:
             if not case.local and self.store is not None:
-                try:
+                with contextlib.suppress(StoreTimeout, StoreUnreachable):
                     self.store.mark_resolved(case.doc.n)
-                except (StoreTimeout, StoreUnreachable):
-                    pass
             return True
         if case.local or self.store is None:
             return False

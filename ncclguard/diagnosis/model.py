@@ -16,6 +16,9 @@ File format version 2 (``format_version: 2``) is version 1 plus:
   statements ``backend_ops``: the op torch's flight recorder holds at that number; findings
   ``backend``: the op is numbered by the backend (it may have been issued from C++);
 - incident kind ``desync``: a group's ranks stand at different backend sequence numbers;
+- incident kind ``stuck``: a group's ranks stand at one backend sequence number, the op open;
+- backend ops may carry ``record`` (ncclguard's record of the Python call that issued them) and
+  findings ``backend_seq``, ``backend_op``, ``record_seq`` (the op in the other numbering);
 - ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy).
 
 :func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
@@ -79,6 +82,7 @@ class IncidentKind(str, Enum):
     BACKEND_DESYNC = "desync"  # a group's ranks stand at different backend sequence numbers, none moving
     PEERS_LOST = "lost"  # watched peers' heartbeats stopped changing for peer_timeout_s
     STORE_GONE = "store"  # the rendezvous store stopped answering (handled on each rank alone)
+    BACKEND_STUCK = "stuck"  # a group's ranks stand at one backend sequence number, its op open past the timeout
 
 
 class FindingKind(str, Enum):
@@ -128,6 +132,10 @@ class OpRecord(_Model):
     async_op: bool = False
     peer: int | None = None
     thread: int = 0
+    # A chunked call's progress: chunks completed of ``chunks``, and bytes reduced (0: not chunked).
+    chunks_done: int = 0
+    chunks: int = 0
+    bytes_done: int = 0
 
 
 class Heartbeat(_Model):
@@ -158,6 +166,7 @@ class BackendOp(_Model):
     created: float = 0.0  # time.time() when the backend enqueued it
     state: str = ""  # gloo: always "scheduled"; NCCL: scheduled, started, completed
     completed: bool | None = None  # by the recorder's per-group status (gloo too); None: unknown
+    record: OpRecord | None = None  # ncclguard's record of the Python call that issued it, if one did
 
 
 class PeerView(_Model):
@@ -277,6 +286,11 @@ class _OpFinding(_Model):
     # Numbered by the backend (torch's sequence number), not by ncclguard's records: the op may have
     # been issued from C++ (DDP's reducer, a functional collective), and ``site`` says so.
     backend: bool = False
+    # The same op in the other numbering, where torch's flight recorder and ncclguard's records were
+    # joined (Python issued it): the backend's number and name, and ncclguard's number.
+    backend_seq: int | None = None
+    backend_op: str = ""
+    record_seq: int | None = None
 
 
 class DesyncFinding(_OpFinding):

@@ -22,6 +22,7 @@ from ncclguard.diagnosis.model import (
     IncidentKind,
     LostRanksFinding,
     MismatchFinding,
+    OpRecord,
     P2PFinding,
     SilentFinding,
     StatementView,
@@ -31,7 +32,7 @@ from ncclguard.diagnosis.model import (
     Whereabouts,
 )
 
-__all__ = ["render", "summary_line", "ranks_text"]
+__all__ = ["progress_text", "render", "summary_line", "ranks_text"]
 
 NOTHING_FOUND = "no rank is stuck in a collective and every peer is alive"
 
@@ -189,9 +190,10 @@ def _culprit_lines(incident: Incident, block: list[Culprit], stack_lines: int) -
         out.append(f"{who}: not in the collective the others wait in (#{c.seq} on group {c.group}); {_last_text(c)}")
     rec = c.inflight
     if rec:
+        progress = progress_text(rec)
         out.append(
             f"      in {_op_text(rec)}: {rec.numel} x {rec.dtype or 'no data'}, {_phase_text(rec.phase)}, "
-            f"issued at {rec.site}"
+            f"issued at {rec.site}" + (f"; {progress}" if progress else "")
         )
     out.append(f"      {_phase_text(c.phase)}, main thread at {c.site}")
     view = incident.ranks.get(str(c.rank))
@@ -225,14 +227,50 @@ def _outside_lines(incident: Incident, stack_lines: int) -> list[str]:
     return out
 
 
-def _victim_lines(findings: Sequence[Finding]) -> list[str]:
+def _bytes_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def progress_text(rec: OpRecord) -> str | None:
+    """``"chunk 5 of 12 done, 10.0 MiB reduced"`` for a chunked call that spoke of its progress
+    (:meth:`ncclguard.diagnosis.flight.FlightRecorder.progress`); None for any other op."""
+    if rec.chunks <= 0:
+        return None
+    return f"chunk {rec.chunks_done} of {rec.chunks} done, {_bytes_text(rec.bytes_done)} reduced"
+
+
+def _progress_lines(incident: Incident, f: DesyncFinding | StuckFinding) -> list[str]:
+    """Where each waiting rank stood in a chunked op, from its statement (or heartbeat): ranks at
+    the same chunk read as one line."""
+    if f.backend:
+        return []
+    by_text: dict[str, list[int]] = {}
+    for r in f.waiting:
+        view = incident.ranks.get(str(r))
+        for rec in getattr(view, "inflight", None) or []:
+            text = progress_text(rec) if (rec.group, rec.seq, rec.peer) == (f.group, f.seq, None) else None
+            if text is not None:
+                by_text.setdefault(text, []).append(r)
+    return [f"      {ranks_text(ranks)}: {text}" for text, ranks in by_text.items()]
+
+
+def _other_numbering(f: DesyncFinding | StuckFinding) -> str:
+    """The op in the other numbering, where torch's recorder and ncclguard's records were joined."""
+    if f.backend_seq is not None:
+        return f" (the backend's {f.backend_op} #{f.backend_seq})"
+    return f" (ncclguard's #{f.record_seq})" if f.record_seq is not None else ""
+
+
+def _victim_lines(incident: Incident) -> list[str]:
     out = []
-    for f in findings:
+    for f in incident.findings:
         if isinstance(f, (DesyncFinding, StuckFinding)):
             out.append(
                 f"  {ranks_text(f.waiting)} in {_op_text(f)}: {f.numel} x {f.dtype or 'no data'}, "
-                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued {'from' if f.backend else 'at'} {f.site}"
+                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued {'from' if f.backend and f.record_seq is None else 'at'} {f.site}"
+                + _other_numbering(f)
             )
+            out.extend(_progress_lines(incident, f))
         elif isinstance(f, MismatchFinding):
             for v in f.variants:
                 out.append(
@@ -276,7 +314,7 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
     out.append("")
     victims = incident.victims
     out.append(f"VICTIMS (waiting for the culprits): {ranks_text(victims) if victims else 'none'}")
-    out.extend(_victim_lines(incident.findings))
+    out.extend(_victim_lines(incident))
     out.append("")
     out.append("WHAT TO DO")
     out.extend(f"  - {line}" for line in _advice(incident))
@@ -309,6 +347,15 @@ def _advice(incident: Incident) -> list[str]:
                 f"{who}: has not posted the send/recv its peer waits for; read what it does at {c.site} "
                 "(pipeline stages out of step, or a condition that skips the transfer)."
             )
+    moved = [
+        f for f in incident.findings if isinstance(f, (DesyncFinding, StuckFinding)) and _progress_lines(incident, f)
+    ]
+    if moved:
+        tips.append(
+            "the waiting ranks had completed chunks of the op when they spoke (see VICTIMS): data was moving, so "
+            "compare the bytes reduced with the time waited before suspecting a hang; a link slower than expected "
+            "shows as a steady rate, a stopped one as chunks that no longer advance between reports."
+        )
     if FindingKind.STUCK in kinds:
         tips.append(
             "every member is in the same collective: not a desync. Suspect the network/transport "

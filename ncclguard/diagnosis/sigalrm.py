@@ -6,6 +6,13 @@ deadline, but it cannot interrupt a blocking C++ call such as a gloo or NCCL col
 handler only runs once that call returns (tests/test_sigalrm.py and
 tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.diagnosis.watchdog`) and
 the deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
+
+The timer's SIGALRM is sent to the process, not to a thread, and the kernel may hand it to
+another thread: its C handler then only flags the signal, and a main thread asleep in a system
+call (``time.sleep``) is not woken until the call returns. Seen once in a guarded evaluation here
+(a 30 s sleep ran to its end past a 1 s deadline); reproduced by sending the signal to another
+thread (tests/test_sigalrm.py). So while a guard is open a helper thread sends SIGALRM to the main
+thread itself, once per deadline, when a deadline is :data:`_KICK_S` overdue and has not fired.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ncclguard.errors import CollectiveTimeout
 __all__ = ["sigalrm_timeout"]
 
 _EARLY = 1e-3  # a tick this close to a deadline counts as on time (timer granularity)
+_KICK_S = 0.02  # a deadline this overdue and not fired: its signal went astray (module doc)
 
 
 @dataclass
@@ -36,6 +44,7 @@ class _Deadline:
     # The timer that was armed before the outermost guard: its handler is called at its time.
     previous: Callable[[int, Any], Any] | int | None = None  # a handler, or SIG_DFL
     interval: float = 0.0
+    kicked: bool = False  # SIGALRM was sent to the main thread again for it
 
 
 # The open guards' deadlines (and the previous timer's, if one was armed), in entry order.
@@ -67,6 +76,34 @@ def _on_alarm(signum: int, frame: Any) -> None:
         _arm()
         raise CollectiveTimeout(d.message, op="python", elapsed_s=now - d.started)
     _arm()  # an early tick, or only the previous timer was due
+
+
+# Held while the kicker sends and while the outermost guard stops it, so that no kick is sent
+# once the guard has begun to put the previous handler back.
+_kick_lock = threading.Lock()
+
+
+def _kicker(stop: threading.Event, main_ident: int) -> None:
+    """Sends SIGALRM to the main thread for each deadline overdue by _KICK_S that has not fired.
+
+    It wakes at the nearest such time, and at least every 0.25 s (a nested guard may have added
+    an earlier deadline), so a long evaluation costs it a few wake-ups a second.
+    """
+    wait = 0.0
+    while not stop.wait(wait):
+        with _kick_lock:
+            if stop.is_set():
+                return
+            now = time.monotonic()
+            open_ = [d for d in list(_stack) if not d.fired and not d.kicked]
+            late = [d for d in open_ if d.at + _KICK_S <= now]
+            for d in late:
+                d.kicked = True
+            if late:
+                signal.pthread_kill(main_ident, signal.SIGALRM)
+            upcoming = [d.at + _KICK_S - now for d in open_ if d not in late]
+            wait = min([0.25, *upcoming]) if upcoming else 0.25
+            wait = max(wait, 1e-3)
 
 
 @contextmanager
@@ -114,10 +151,21 @@ def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None
             _stack.append(previous)
     entry = _Deadline(start + seconds, seconds, message or f"Python code ran past its {seconds:g} s deadline", start)
     _stack.append(entry)
+    stop_kicker = threading.Event()
+    if outer:
+        kicker = threading.Thread(
+            target=_kicker, args=(stop_kicker, threading.get_ident()), name="ncclguard-sigalrm-kick", daemon=True
+        )
+        kicker.start()
     _arm()
     try:
         yield
     finally:
+        if outer:
+            with _kick_lock:
+                stop_kicker.set()
+        # A kick sent before the lock was taken is delivered, at the latest, when this call
+        # returns, while the handler is still ours (an extra tick is ignored: nothing is due).
         signal.setitimer(signal.ITIMER_REAL, 0)
         _stack.remove(entry)
         if outer:

@@ -7,20 +7,18 @@ it returns (:mod:`ncclguard.diagnosis.model`).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
 
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._naming import HOSTNAME
-from ncclguard.diagnosis import detect
+from ncclguard.diagnosis import detect, torchfr
 from ncclguard.diagnosis.flight import FlightRecord, format_stack, frame_site, recorder
 from ncclguard.diagnosis.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
 from ncclguard.diagnosis.phase import main_thread_phase
@@ -36,58 +34,52 @@ def op_record(rec: FlightRecord) -> OpRecord:
     return OpRecord.model_validate(rec.to_dict())
 
 
-def _recorder_dumps(groups: Mapping[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _recorder_dump(groups: Mapping[str, int]) -> torchfr.Dump:
     """torch's flight-recorder entries and per-group status: the backend-neutral dump (gloo), and
     NCCL's own where groups are missing from it (on NCCL the neutral dump is empty: torch 2.11)."""
-    entries: list[dict[str, Any]] = []
-    status: dict[str, Any] = {}
+    dump = torchfr.Dump()
     for nccl in (False, True):
-        found = {(e.get("process_group") or [None])[0] for e in entries}
-        if nccl and (not dist.is_nccl_available() or groups.keys() <= found):
+        if nccl and (not dist.is_nccl_available() or groups.keys() <= {e.group for e in dump.entries}):
             break
         try:
-            raw = json.loads(compat.dump_flight_recorder(nccl=nccl))
+            part = torchfr.parse_newest(compat.dump_flight_recorder(nccl=nccl), groups)
         except (TorchCompatError, RuntimeError, ValueError):
             continue
-        entries += raw.get("entries") or []
-        status.update(raw.get("pg_status") or {})
-    return entries, status
+        dump.entries += part.entries
+        dump.status.update(part.status)
+    return dump
 
 
-def backend_ops(seqs: Mapping[str, int]) -> dict[str, BackendOp]:
-    """Per group of ``seqs``: the newest op torch's flight recorder holds for it, and whether it
-    completed on this rank: by the entry's state where the backend tracks it (NCCL), else by the
-    recorder's per-group status (gloo, whose entries all read "scheduled"). Groups it has no
-    entry for are left out.
+def backend_ops(seqs: Mapping[str, int], records: Sequence[OpRecord] = ()) -> dict[str, BackendOp]:
+    """Per group of ``seqs``: the newest op torch's flight recorder holds for it, whether it
+    completed on this rank (:func:`~ncclguard.diagnosis.torchfr.entry_open`), and the record of
+    the Python call that issued it where ``records`` has one (:func:`~ncclguard.diagnosis.torchfr.join`).
+    Groups it has no entry for are left out.
 
     The recorder numbers collectives apart from send/recv (``collective_seq_id``, ``p2p_seq_id``),
     while the backend's sequence number counts both: the newest entry is matched, not a number.
+
+    Args:
+        seqs: this rank's backend sequence number per group.
+        records: ncclguard's flight records to join (none: no join).
     """
     if not seqs:
         return {}
-    entries, status = _recorder_dumps(seqs)
-    newest: dict[str, dict[str, Any]] = {}
-    for e in entries:
-        name = (e.get("process_group") or [None])[0]
-        if name in seqs and e.get("record_id", -1) >= newest.get(name, {}).get("record_id", -1):
-            newest[name] = e
+    dump = _recorder_dump(seqs)
+    found = torchfr.newest(dump.entries, seqs)
+    issued = torchfr.join(records, list(found.values())) if records else {}
     out = {}
-    for name, e in newest.items():
-        completed = True if e.get("state") == "completed" else None
-        st = status.get(name)
-        if completed is None and not e.get("is_p2p") and isinstance(st, dict):
-            try:
-                completed = int(st["last_completed_collective"]) >= int(e["collective_seq_id"])
-            except (KeyError, TypeError, ValueError):
-                completed = None
+    for name, e in found.items():
+        is_open = torchfr.entry_open(e, dump.status)
         out[name] = BackendOp(
             seq=seqs[name],
-            name=str(e.get("profiling_name", "")),
-            sizes=e.get("input_sizes") or [],
-            dtypes=[str(d) for d in e.get("input_dtypes") or []],
-            created=float(e.get("time_created_ns") or 0) / 1e9,
-            state=str(e.get("state", "")),
-            completed=completed,
+            name=e.name,
+            sizes=e.sizes,
+            dtypes=e.dtypes,
+            created=e.created,
+            state=e.state,
+            completed=None if is_open is None else not is_open,
+            record=issued.get(e.record_id),
         )
     return out
 
@@ -112,9 +104,9 @@ class RankState:
         """This rank's ops in flight, oldest first."""
         return [op_record(r) for r in recorder.inflight()]
 
-    def records(self) -> list[OpRecord]:
-        """Every flight record kept, oldest first."""
-        return [op_record(r) for r in recorder.records()]
+    def records(self, last: int | None = None) -> list[OpRecord]:
+        """The flight records kept (the ``last`` newest ones; default all), oldest first."""
+        return [op_record(r) for r in recorder.records(last)]
 
     def blocked_in(self) -> OpRecord | None:
         """The synchronous op the main thread is inside, if any."""
@@ -154,7 +146,7 @@ class RankState:
             recent=[op_record(r) for r in recorder.records(RECENT)],
             groups=self.groups(),
             peers=dict(peers),
-            backend_ops=backend_ops(hb.backend_seq or {}),
+            backend_ops=backend_ops(hb.backend_seq or {}, self.records()),
         )
 
     @staticmethod

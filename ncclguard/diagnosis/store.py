@@ -1,24 +1,26 @@
 """The watchdog's store protocol: its key schema, bounded calls, and validated values.
 
 - :class:`Keys` builds every key the watchdog reads or writes (nowhere else builds one).
-- :class:`BoundedCalls` bounds each store call by ``timeout`` (on a helper thread, through
-  :mod:`ncclguard._bounded`): a c10d ``TCPStore`` client's own timeout does not bound every call
-  (``check`` on a server frozen by SIGSTOP blocked until the server resumed, measured on torch
-  2.13), and the watchdog thread must never wait on a dead peer.
+- :class:`~ncclguard.diagnosis.store_calls.BoundedCalls` bounds each store call by ``timeout``
+  and tells a slow store from a refused request and a store that is gone.
 - :class:`WatchdogStore` is the protocol itself: typed reads and writes of heartbeats, incidents,
-  statements and the merge. Every value read is parsed by a pydantic model under a size bound;
-  an oversized or malformed value is dropped with one log line (per key, until it reads well
-  again), never raised into the watchdog's loop.
+  statements and the merge. Every value read is parsed by a pydantic model under a size bound,
+  checked against its key (``hb/3`` holds rank 3's; an incident id is a plain name,
+  :data:`INCIDENT_ID`) and for finite numbers; a bad one is dropped with one log line per key
+  (until it reads well again), never raised into the loop. Claims nobody wrote are taken over;
+  counters that are not numbers are read before being counted on again (:class:`StoreRefused`).
 
-Errors: :class:`~ncclguard.errors.StoreTimeout` for one call that did not answer in time (the
-store may be slow; the next tick retries), :class:`~ncclguard.errors.StoreUnreachable` once the
-store is gone (a refused or reset connection, or no answer for ``gone_after`` seconds).
+Errors: :class:`~ncclguard.errors.StoreTimeout` for one call that did not answer in time (the next
+tick retries); :class:`StoreRefused` (a StoreTimeout) for one request the server refused while it
+still serves; :class:`~ncclguard.errors.StoreUnreachable` once the store is gone (a closed
+connection that a new one cannot replace, or no answer for ``gone_after`` seconds).
 """
 
 from __future__ import annotations
 
+import math
 import os
-import time
+import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -26,12 +28,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ncclguard import _torch_compat as compat
-from ncclguard._bounded import bounded_store_call
 from ncclguard._log import log
 from ncclguard.diagnosis.model import Heartbeat, IncidentDoc, MergedNote, Statement
-from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.diagnosis.store_calls import BoundedCalls, StoreRefused
 
-__all__ = ["LIMITS", "BoundedCalls", "Keys", "WatchdogStore", "default_store_addr", "parse_value", "store_addr"]
+__all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
+__all__ += ["default_store_addr", "parse_value", "store_addr"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,6 +45,12 @@ LIMITS: dict[type[BaseModel], int] = {
     IncidentDoc: 64 * 1024,
     MergedNote: 64 * 1024,
 }
+
+# An incident id names a directory under incident_dir: a plain name, never a path. The ids the
+# watchdog makes (``20250101-120000-001``, ``20250101-120000-r3-store-1``) fit it.
+INCIDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_CLAIM_TOKEN = re.compile(r"^[0-9]{1,9}:[0-9A-Za-z]{1,32}$")  # a rank's claim: "<rank>:<8 hex digits>"
+_COUNTER = re.compile(rb"^-?[0-9]{1,18}$")  # what TCPStore's add writes
 
 
 class Keys:
@@ -123,56 +131,23 @@ def parse_value(model: type[M], blob: bytes | str, what: str) -> M:
         ) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
+def check_finite(value: BaseModel, what: str) -> None:
+    """Raises ValueError when a float anywhere in ``value`` is NaN or infinite (JSON's ``NaN`` and
+    ``Infinity`` parse as floats, and a stillness of ``Infinity`` would read as a desync at once)."""
+    todo: list[Any] = [value.model_dump()]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{what}: holds {item!r} where a finite number belongs")
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
 
 
-class BoundedCalls:
-    """Store calls bounded by ``timeout`` each (:func:`ncclguard._bounded.bounded_store_call`: a
-    helper thread per call; while a call that missed its deadline is still blocked, later calls
-    fail at once), classified for the watchdog: torch's ``DistNetworkError`` (refused, reset)
-    means the store is gone; a missed deadline or torch's other errors mean slow, until the store
-    has failed for ``gone_after`` seconds in a row.
-
-    Args:
-        store: the store the calls talk to.
-        timeout: the bound of each call.
-        gone_after: seconds of failed calls after which the store counts as gone.
-    """
-
-    def __init__(self, store: Any, timeout: float, gone_after: float) -> None:
-        self.store, self.timeout, self.gone_after = store, timeout, gone_after
-        self._failing_since: float | None = None
-
-    def _fail(self, text: str) -> StoreTimeout | StoreUnreachable:
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = now
-        silent = now - self._failing_since
-        if silent >= self.gone_after:
-            return StoreUnreachable(f"no answer for {silent:.1f} s: {text}")
-        return StoreTimeout(text)
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a call on the store, within ``timeout``; its value.
-
-        Raises:
-            StoreTimeout: no answer within ``timeout`` (or an earlier call is still blocked).
-            StoreUnreachable: the store is gone.
-        """
-        from torch.distributed import DistNetworkError
-
-        try:
-            value = bounded_store_call(self.store, lambda: fn(*args), self.timeout, "watchdog store call")
-        except DistNetworkError as exc:  # broken pipe, connection reset/refused: the server is gone
-            raise StoreUnreachable(f"{type(exc).__name__}: {_first_line(exc)}") from exc
-        except StoreUnreachable as exc:  # missed its deadline: slow, or gone once it lasts
-            raise self._fail(_first_line(exc)) from exc
-        except RuntimeError as exc:  # torch's own timeout: slow or gone
-            raise self._fail(_first_line(exc)) from exc
-        self._failing_since = None
-        return value
+def _of_rank(rank: int) -> Callable[[Heartbeat], str | None]:
+    """A check that a heartbeat (or statement) read under ``rank``'s key says it is ``rank``'s."""
+    return lambda value: None if value.rank == rank else f"says rank {value.rank}"
 
 
 class WatchdogStore:
@@ -186,9 +161,15 @@ class WatchdogStore:
     """
 
     def __init__(self, store: Any, keys: Keys, timeout: float, gone_after: float) -> None:
-        self.store, self.keys = store, keys
+        self.keys = keys
         self.calls = BoundedCalls(store, timeout, gone_after)
         self._warned: set[str] = set()
+        self._refused: set[str] = set()  # counters whose value the server would not count on
+
+    @property
+    def store(self) -> Any:
+        """The client (a new one after the server closed the previous connection)."""
+        return self.calls.store
 
     @classmethod
     def connect(cls, addr: str, keys: Keys, timeout: float, gone_after: float) -> WatchdogStore:
@@ -206,7 +187,52 @@ class WatchdogStore:
         return cls(client, keys, timeout, gone_after)
 
     def _call(self, method: str, *args: Any) -> Any:
-        return self.calls.run(getattr(self.store, method), *args)
+        key = args[0] if args and isinstance(args[0], str) else ""
+        # The method is looked up at call time: after a reconnect, ``store`` is a new client.
+        return self.calls.run(lambda: getattr(self.store, method)(*args), what=f"{method} {key}".strip())
+
+    def warn_once(self, key: str, text: str) -> None:
+        """Logs ``text`` about the value under ``key``: once, until that key reads well again."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("watchdog: ignored a value from the store: %s", text)
+
+    def _read_well(self, key: str) -> None:
+        self._warned.discard(key)
+
+    def _counter(self, key: str, k: int) -> int:
+        """``add(key, k)``; a key on which the server refused ``add`` is read first until it holds a
+        number again (each refused ``add`` costs a connection). Raises StoreRefused meanwhile."""
+        if key in self._refused:
+            if self._call("check", [key]):
+                raw = bytes(self._call("get", key))
+                if not _COUNTER.match(raw):
+                    raise StoreRefused(f"{key} holds {raw[:40]!r}, not a counter")
+            self._refused.discard(key)
+        try:
+            value = int(self._call("add", key, k))
+        except StoreRefused as exc:
+            self._refused.add(key)
+            self.warn_once(
+                key,
+                f"{key} is not a number that ncclguard counted ({exc}); it is left alone until it is deleted or "
+                "holds a number again",
+            )
+            raise
+        self._read_well(key)
+        return value
+
+    def _take(self, key: str, mine: str, valid: Callable[[str], bool]) -> bool:
+        """compare-and-set of ``mine`` into an empty ``key``: True when this client holds it. A value
+        there that ``valid`` refuses (ncclguard did not write it) is taken over, with one log line."""
+        got = bytes(self._call("compare_set", key, "", mine))
+        text = got.decode(errors="replace")
+        if text == mine:
+            return True
+        if valid(text):
+            return False
+        self.warn_once(key, f"{key} held {got[:60]!r}, which no rank wrote; taking it over")
+        return bytes(self._call("compare_set", key, got, mine)).decode(errors="replace") == mine
 
     def _read_present(self, keys: Sequence[str]) -> list[tuple[int, bytes]]:
         """(index, value) of each of ``keys`` that exists: checked one by one, then read in one call."""
@@ -217,15 +243,19 @@ class WatchdogStore:
 
         return list(self.calls.run(read))
 
-    def _parse(self, model: type[M], blob: bytes, key: str) -> M | None:
+    def _parse(self, model: type[M], blob: bytes, key: str, check: Callable[[M], str | None] | None = None) -> M | None:
+        """``blob`` parsed into ``model``, checked by ``check`` (a complaint, or None); None and one
+        log line per bad key (until it reads well again) when it does not fit."""
         try:
             value = parse_value(model, blob, key)
+            check_finite(value, key)
+            wrong = check(value) if check is not None else None
+            if wrong is not None:
+                raise ValueError(f"{key}: {wrong}")
         except ValueError as exc:
-            if key not in self._warned:  # one line per bad key, until it reads well again
-                self._warned.add(key)
-                log.warning("watchdog: ignored a value from the store: %s", exc)
+            self.warn_once(key, str(exc))
             return None
-        self._warned.discard(key)
+        self._read_well(key)
         return value
 
     @staticmethod
@@ -246,7 +276,7 @@ class WatchdogStore:
         keys = [self.keys.heartbeat(r) for r in ranks]
         out = {}
         for i, blob in self._read_present(keys):
-            hb = self._parse(Heartbeat, blob, keys[i])
+            hb = self._parse(Heartbeat, blob, keys[i], _of_rank(ranks[i]))
             if hb is not None:
                 out[ranks[i]] = hb
         return out
@@ -254,17 +284,25 @@ class WatchdogStore:
     # ----------------------------------------------------------------- incidents
 
     def incident_count(self) -> int:
-        """Incidents numbered so far in this namespace."""
-        return int(self._call("add", self.keys.count, 0))
+        """Incidents numbered so far in this namespace.
+
+        Raises:
+            StoreRefused: the counter holds something that is not a number.
+        """
+        return self._counter(self.keys.count, 0)
 
     def claim(self, signature: str, token: str) -> bool:
-        """True when this rank is the first to raise the incident ``signature``."""
-        got = self._call("compare_set", self.keys.claim(signature), "", token)
-        return bytes(got).decode(errors="replace") == token
+        """True when this rank is the first to raise the incident ``signature`` (``token``:
+        ``"<rank>:<8 hex digits>"``; a claim of another shape is taken over)."""
+        return self._take(self.keys.claim(signature), token, lambda v: _CLAIM_TOKEN.match(v) is not None)
 
     def number_incident(self) -> int:
-        """The next incident number."""
-        return int(self._call("add", self.keys.count, 1))
+        """The next incident number.
+
+        Raises:
+            StoreRefused: the counter holds something that is not a number.
+        """
+        return self._counter(self.keys.count, 1)
 
     def put_incident(self, doc: IncidentDoc) -> None:
         self._call("set", self.keys.incident(doc.n), self._encode(doc))
@@ -273,9 +311,18 @@ class WatchdogStore:
         return bool(self._call("check", [self.keys.incident(n)]))
 
     def read_incident(self, n: int) -> IncidentDoc | None:
-        """Incident ``n`` as described by its creator; None when its value does not parse."""
+        """Incident ``n`` as described by its creator; None when its value does not parse, names
+        another number, or has an id that is not a plain directory name (:data:`INCIDENT_ID`)."""
         key = self.keys.incident(n)
-        return self._parse(IncidentDoc, self._call("get", key), key)
+
+        def check(doc: IncidentDoc) -> str | None:
+            if doc.n != n:
+                return f"describes incident {doc.n}, not {n}"
+            if not INCIDENT_ID.match(doc.id):
+                return f"id {doc.id[:80]!r} is not a plain directory name (letters, digits, '_', '.', '-'; 128 at most)"
+            return None
+
+        return self._parse(IncidentDoc, self._call("get", key), key, check)
 
     def put_statement(self, n: int, statement: Statement) -> None:
         """Publishes this rank's statement on incident ``n`` (cut to its size bound if needed)."""
@@ -291,20 +338,24 @@ class WatchdogStore:
         self._call("set", self.keys.statement(n, statement.rank), text)
 
     def add_dumped(self, n: int, k: int = 1) -> int:
-        """Counts ``k`` more ranks as having dumped incident ``n``; the count."""
-        return int(self._call("add", self.keys.dumped(n), k))
+        """Counts ``k`` more ranks as having dumped incident ``n``; the count.
 
-    def claim_merger(self, n: int, rank: int) -> bool:
-        """True when ``rank`` is the first to ask to merge incident ``n``."""
-        mine = str(rank)
-        return bytes(self._call("compare_set", self.keys.merger(n), "", mine)).decode(errors="replace") == mine
+        Raises:
+            StoreRefused: the counter holds something that is not a number.
+        """
+        return self._counter(self.keys.dumped(n), k)
+
+    def claim_merger(self, n: int, rank: int, world_size: int = 1 << 30) -> bool:
+        """True when ``rank`` is the first to ask to merge incident ``n`` (a value there that is
+        not a rank below ``world_size`` is taken over)."""
+        return self._take(self.keys.merger(n), str(rank), lambda v: v.isdigit() and int(v[:10]) < world_size)
 
     def read_statements(self, n: int, ranks: Sequence[int]) -> dict[int, Statement]:
         """The statements of ``ranks`` on incident ``n`` that exist and parse, by rank."""
         keys = [self.keys.statement(n, r) for r in ranks]
         out = {}
         for i, blob in self._read_present(keys):
-            st = self._parse(Statement, blob, keys[i])
+            st = self._parse(Statement, blob, keys[i], _of_rank(ranks[i]))
             if st is not None:
                 out[ranks[i]] = st
         return out
@@ -316,7 +367,17 @@ class WatchdogStore:
         self._call("set", self.keys.resolved(n), "1")
 
     def is_resolved(self, n: int) -> bool:
-        return bool(self._call("check", [self.keys.resolved(n)]))
+        """True once a rank marked incident ``n`` resolved (the value ``1``; another is logged and
+        does not count)."""
+        key = self.keys.resolved(n)
+        if not self._call("check", [key]):
+            return False
+        raw = bytes(self._call("get", key))
+        if raw != b"1":
+            self.warn_once(key, f"{key} holds {raw[:40]!r}, not the mark '1' a rank sets; the incident stays open")
+            return False
+        self._read_well(key)
+        return True
 
 
 def default_store_addr() -> str | None:

@@ -6,6 +6,9 @@ group, the ops in flight, the main thread's phase and call site, host, pid, time
 incident when
 
 - an op of this rank has been in flight longer than ``hang_timeout_s`` (kind ``hang``), or
+- by the backend's sequence numbers, whoever issued the op (Python or C++), confirmed by torch's
+  flight recorder: this rank stands ahead of a still peer (kind ``desync``), or everyone stands
+  still at one number with the op open past ``hang_timeout_s`` (kind ``stuck``), or
 - a watched peer's heartbeat has not changed for ``peer_timeout_s`` (kind ``lost``), or
 - the store itself stops answering (kind ``store``; handled on this rank alone).
 
@@ -41,9 +44,9 @@ from ncclguard.diagnosis.flight import recorder
 from ncclguard.diagnosis.incident import INCIDENT_FILE
 from ncclguard.diagnosis.incidents import IncidentDesk
 from ncclguard.diagnosis.liveness import Liveness, SeqClock
-from ncclguard.diagnosis.model import IncidentKind, Statement
+from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord, Statement
 from ncclguard.diagnosis.settings import ACTIONS, EXIT_CODE, WatchdogConfig
-from ncclguard.diagnosis.snapshot import RankState, backend_ops
+from ncclguard.diagnosis.snapshot import RECENT, RankState, backend_ops
 from ncclguard.diagnosis.store import Keys, WatchdogStore, store_addr
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 
@@ -138,8 +141,7 @@ class Watchdog:
         self._raiser = MainThreadRaiser(self._signum, self._state.completed) if needs_handler else None
         self._beat = 0
         self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
-        self._reported_backend: set[tuple[str, int]] = set()  # (group, seq) in the backend's
-        self._own_seqs = SeqClock()
+        self._backend = BackendWatch(self.rank, self._state, self._liveness, cfg.hang_timeout_s, cfg.heartbeat_s)
         self._slow_store = False
         self._desk = IncidentDesk(
             cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond
@@ -286,9 +288,9 @@ class Watchdog:
             return
         hb = self._state.heartbeat(self._beat)
         now = time.monotonic()
-        self._own_seqs.update(hb.backend_seq, now)
+        self._backend.own_seqs.update(hb.backend_seq, now)
         if hb.backend_seq is not None:
-            hb = hb.model_copy(update={"backend_still": self._own_seqs.still(now)})
+            hb = hb.model_copy(update={"backend_still": self._backend.own_seqs.still(now)})
         try:
             desk.store.publish_heartbeat(hb)
         except StoreTimeout:
@@ -307,30 +309,12 @@ class Watchdog:
     def _check_hang(self, desk: IncidentDesk) -> None:
         inflight = self._state.inflight()
         found = detect.find_hangs(self.rank, inflight, time.time(), self.config.hang_timeout_s, self._reported_ops)
-        if desk.store is not None:  # the peers' backend numbers come through the store
-            now = time.monotonic()
-            self._own_seqs.update(self._state.backend_seq(), now)  # every tick: ~0.4 us a group
-            busy = {rec.group for rec in inflight if rec.peer is None}
-            found += detect.find_backend_desync(
-                self.rank,
-                self._own_seqs.views(now),
-                self._liveness.seq_views(now),
-                busy,
-                self.config.hang_timeout_s,
-                self._reported_backend,
-            )
         for hang in found:
             assert hang.op_key is not None
-            backend = hang.kind is IncidentKind.BACKEND_DESYNC
-            (self._reported_backend if backend else self._reported_ops).add(hang.op_key)
-            if backend:  # a hang is suspected: torch's recorder names the op and says if it is open
-                op = backend_ops({hang.op_key[0]: hang.op_key[1]}).get(hang.op_key[0])
-                if op is not None and op.completed:
-                    # It completed here meanwhile (the peers' numbers are up to a beat old): no hang.
-                    self._reported_backend.discard(hang.op_key)
-                    continue
-                if op is not None:
-                    hang = replace(hang, op=op.name, reason=f"{hang.reason} (in {op.name})")
+            self._reported_ops.add(hang.op_key)
+        if desk.store is not None:  # the peers' backend numbers come through the store
+            found += self._backend.confirm(self._backend.suspects(inflight))
+        for hang in found:
             log.error("watchdog: hang: %s", hang.reason)
             desk.open(hang)
 
@@ -344,6 +328,66 @@ class Watchdog:
         if any(not c.ladder.settled and c.doc.kind is IncidentKind.PEERS_LOST for c in desk.cases):
             return  # an open lost-incident's merge will list these ranks too
         desk.open(lost)
+
+
+class BackendWatch:
+    """The backend's numbers as this rank's watchdog follows them: its own (when each last moved),
+    the suspects they raise, and torch's flight recorder read to confirm each suspect once.
+
+    Args:
+        rank: this rank.
+        state: this rank's state.
+        liveness: the watched peers (their numbers come with their heartbeats).
+        hang_timeout_s: how long the numbers must stand still.
+        heartbeat_s: how old a peer's number may be when read.
+    """
+
+    def __init__(
+        self, rank: int, state: RankState, liveness: Liveness, hang_timeout_s: float, heartbeat_s: float
+    ) -> None:
+        self.rank, self.state, self.liveness = rank, state, liveness
+        self.hang_timeout_s, self.heartbeat_s = hang_timeout_s, heartbeat_s
+        self.own_seqs = SeqClock()
+        self.reported: set[tuple[str, int]] = set()  # (group, seq) in the backend's numbering
+        self.looked: set[tuple[str, int]] = set()  # read in torch's recorder and found closed
+
+    def suspects(self, inflight: Sequence[OpRecord]) -> list[detect.Detection]:
+        """Groups that the backend's numbers make suspect: a desync (this rank ahead of a still
+        peer) or a stuck op (everyone still at one number)."""
+        now = time.monotonic()
+        self.own_seqs.update(self.state.backend_seq(), now)  # every tick: ~0.5 us a group
+        own, peers = self.own_seqs.views(now), self.liveness.seq_views(now)
+        self.looked = {(g, s) for g, s in self.looked if g in own and own[g].seq == s}  # moved: look again
+        busy = {rec.group for rec in inflight if rec.peer is None}
+        skip = self.reported | self.looked
+        args = (self.rank, own, peers, busy, self.hang_timeout_s, skip, self.heartbeat_s)
+        return detect.find_backend_desync(*args) + detect.find_backend_stuck(*args)
+
+    def confirm(self, suspects: Sequence[detect.Detection]) -> list[detect.Detection]:
+        """Reads torch's flight recorder once for the suspects (the only place it is read before an
+        incident): those that are hangs, with their op named."""
+        if not suspects:
+            return []
+        # The call that issued a newest entry, if Python did, is among this rank's newest records.
+        seqs = {h.group: h.seq for h in suspects if h.group is not None and h.seq is not None}
+        ops = backend_ops(seqs, self.state.records(RECENT))
+        out = []
+        for hang in suspects:
+            assert hang.group is not None and hang.seq is not None
+            op = ops.get(hang.group)
+            stuck = hang.kind is IncidentKind.BACKEND_STUCK
+            verdict = detect.backend_verdict(op, time.time(), self.hang_timeout_s, unknown_is_open=not stuck)
+            if verdict is detect.Verdict.CLOSED:
+                self.looked.add((hang.group, hang.seq))  # completed here (the peers' numbers are a beat old)
+            if verdict is not detect.Verdict.OPEN or (hang.group, hang.seq) in self.reported:
+                continue
+            self.reported.add((hang.group, hang.seq))
+            out.append(
+                hang
+                if op is None
+                else replace(hang, op=op.name, reason=f"{hang.reason} (in {op.name}{_issued_text(op)})")
+            )
+        return out
 
 
 def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None) -> None:
@@ -386,3 +430,9 @@ def start_watchdog(
         ncclguard.start_watchdog(heartbeat_s=5, hang_timeout_s=300, action="exit")
     """
     return Watchdog(config, store=store, actions=actions, **overrides).start()
+
+
+def _issued_text(op: BackendOp) -> str:
+    """``", issued at eval.py:88 as ncclguard's #12"`` where a Python call issued ``op``, else ``""``."""
+    rec = op.record
+    return f", issued at {rec.site} as ncclguard's #{rec.seq}" if rec is not None else ""

@@ -25,6 +25,7 @@ __all__ = [
     "synthetic_batch",
     "split_batch",
     "image_tokens",
+    "text_only",
 ]
 
 # Token ids of the synthetic vocabulary: specials first, then one "class word" per label, then filler.
@@ -224,3 +225,11 @@ def split_batch(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, tor
         }
         for a in range(0, n, size)
     ]
+
+
+def text_only(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same samples without their images: each image placeholder becomes a filler token, no
+    pixels, no grid (a text-only batch of the same shape, as a mixed dataset would give)."""
+    ids = batch["input_ids"].clone()
+    ids[ids == IMAGE] = _FIRST_FILLER
+    return {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": batch["labels"]}

@@ -1,0 +1,131 @@
+"""What a guarded all_reduce tells when it cannot go on: the cross-rank check before any data
+moves (:func:`check_fingerprints`) and the error after a failed wire (:func:`wire_error`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ncclguard._log import log
+from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
+from ncclguard.collectives.calls import Call, meet, postmortem
+from ncclguard.collectives.completion import DeadlinePassed
+from ncclguard.collectives.groups import GroupInfo, mark_failed
+from ncclguard.collectives.wire import WireFailure
+from ncclguard.config import get_config
+from ncclguard.errors import (
+    CollectiveError,
+    CollectiveFailed,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    StoreUnreachable,
+)
+
+__all__ = ["backend_failure", "check_fingerprints", "wire_error"]
+
+
+def wire_error(
+    call: Call,
+    failure: WireFailure,
+    chunks: int,
+    start: float,
+    timeout_s: float,
+    group_timeout: float | None,
+    fields: dict[str, Any],
+) -> CollectiveError:
+    """The error of a failed reduction, after its post-mortem; marks the group failed: the
+    communicator cannot be trusted any more (the abandoned op may still be queued)."""
+    info = call.info
+    gave_up_s = failure.at - start
+    pm = postmortem(call, start + timeout_s + 0.9)
+    if isinstance(failure.exc, DeadlinePassed):
+        cls: type[CollectiveError] = CollectiveTimeout
+        what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)"
+    else:
+        cls = CollectiveFailed
+        what = f"failed after {gave_up_s:.2f} s: {backend_failure(failure.exc, info, group_timeout, timeout_s)}"
+    who = f"; ranks {pm.missing} never arrived" if pm.missing else ""
+    why = "" if cls is CollectiveTimeout else _backend_timeout_hint(failure.exc)
+    err = cls(
+        f"{fields['op']} of {fields['numel']} x {fields['dtype']} on group {info.name!r} {what} at chunk "
+        f"{failure.chunk + 1}/{chunks}{who}{pm.describe()}{why}",
+        chunk=(failure.chunk, chunks),
+        elapsed_s=time.monotonic() - start,
+        missing_ranks=pm.missing,
+        **fields,
+    )
+    err.__cause__ = failure.exc
+    mark_failed(info.group, err)
+    log.error("%s", err)
+    return err
+
+
+def _is_backend_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def backend_failure(exc: BaseException, info: GroupInfo, group_timeout: float | None, timeout_s: float) -> str:
+    """The backend's error in words; says so when it was the backend's own timeout that ended the op."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_backend_timeout(exc):
+        limit = f"{group_timeout:g} s" if group_timeout is not None else "unknown"
+        return (
+            f"the {info.backend} backend's own timeout (group timeout {limit}) ended it before ncclguard's "
+            f"deadline ({timeout_s:g} s) ({text})"
+        )
+    return text
+
+
+def _backend_timeout_hint(exc: BaseException) -> str:
+    if not _is_backend_timeout(exc):
+        return ""
+    return (
+        ". An op queued on the group before this call (by other code) runs against the backend's timeout "
+        "from its own start"
+    )
+
+
+def check_fingerprints(
+    call: Call,
+    tensor: torch.Tensor,
+    op: Any,
+    bounds: list[tuple[int, int]],
+    deadline: float,
+    start: float,
+    fields: dict[str, Any],
+) -> CollectiveError | None:
+    info = call.info
+    mine = call.print(
+        numel=tensor.numel(),
+        dtype=dtype_name(tensor.dtype),
+        op=REDUCE_OP_NAMES[op],
+        device=tensor.device.type,
+        chunks=[len(bounds), bounds[0][1] - bounds[0][0]],
+    )
+    try:
+        met = meet(call, mine, deadline)
+    except StoreUnreachable as exc:
+        return CollectiveFailed(f"fingerprint check failed: {exc}", elapsed_s=time.monotonic() - start, **fields)
+    where = f"{fields['op']} at {call.site} on group {info.name!r}"
+    if met.mismatch is not None and not met.missing:
+        return CollectiveMismatch(
+            f"{where}: {met.mismatch}",
+            fingerprints=met.prints,
+            elapsed_s=time.monotonic() - start,
+            **fields,
+        )
+    if not met.ok:
+        if met.late:
+            message = f"{where}: arrived after the other ranks gave up"
+        else:
+            pm = postmortem(call, deadline + get_config().postmortem_grace_s)
+            message = (
+                f"{where}: ranks {met.missing} did not reach the call within {deadline - start:g} s{pm.describe()}"
+            )
+        if met.mismatch is not None:
+            message += f"; of those that came, {met.mismatch}"
+        return CollectiveTimeout(message, elapsed_s=time.monotonic() - start, missing_ranks=met.missing, **fields)
+    return None

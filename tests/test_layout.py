@@ -1,0 +1,56 @@
+"""The house rules of the layout, checked: small modules and classes, one door to torch's private
+APIs, a public face with an explicit ``__all__``, no printing in the library."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import ncclguard
+
+REPO = Path(__file__).parent.parent
+LIBRARY = sorted([*(REPO / "ncclguard").rglob("*.py"), *(REPO / "integrations").rglob("*.py")])
+# Modules whose job is to print: the command-line faces.
+PRINTS = ("ncclguard/cli/", "ncclguard/bench/", "/__main__.py")
+
+
+def test_no_module_over_500_lines_and_no_class_over_300() -> None:
+    long_modules = {str(p.relative_to(REPO)): n for p in LIBRARY if (n := len(p.read_text().splitlines())) > 500}
+    assert long_modules == {}
+    long_classes = {}
+    for p in LIBRARY:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > 300:  # type: ignore[operator]
+                long_classes[f"{p.relative_to(REPO)}:{node.name}"] = n
+    assert long_classes == {}
+
+
+def test_private_torch_distributed_apis_only_through_the_compat_module() -> None:
+    private = re.compile(r"c10d\._[a-z]|_C\._distributed_c10d|\._get_sequence_number_for_group|options\._timeout")
+    offenders = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in LIBRARY
+        if p.name != "_torch_compat.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if private.search(line.split("#")[0]) and not line.lstrip().startswith(("``", '"', "'"))
+    ]
+    assert offenders == []
+
+
+def test_the_public_face_lists_what_it_exports() -> None:
+    assert sorted(ncclguard.__all__) == sorted(set(ncclguard.__all__))
+    for name in ncclguard.__all__:
+        assert hasattr(ncclguard, name), name
+
+
+def test_the_library_logs_and_never_prints() -> None:
+    offenders = []
+    for p in LIBRARY:
+        rel = str(p.relative_to(REPO))
+        if any(part in rel or rel.endswith(part) for part in PRINTS):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []
