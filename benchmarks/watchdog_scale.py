@@ -19,7 +19,12 @@ requests per heartbeat per rank, the time from the desync's start to ``incident.
 the report names, and the resident memory of the worker processes (minus their size once torch
 and ncclguard are imported) and of the server's process.
 
-Usage: python benchmarks/watchdog_scale.py [--ranks 64 256 1024] [--json benchmarks/results/watchdog_scale.json]
+``--gloo-ranks 16`` also runs the desync scenario of ``tests/workers/diagnosis_worker.py`` on that
+many real gloo ranks (torchrun, through ``tests/harness.py``, bounded): rank 2 skips an all_reduce
+and evaluates while the others wait; measured: the time to the report, who it names, and the
+resident memory of all the ranks together.
+
+Usage: python benchmarks/watchdog_scale.py [--ranks 64 256 1024] [--gloo-ranks 16] [--json benchmarks/results/watchdog_scale.json]
 """
 
 from __future__ import annotations
@@ -424,16 +429,69 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_gloo(n: int) -> dict[str, Any]:
+    """The desync scenario of tests/workers/diagnosis_worker.py on ``n`` real gloo ranks."""
+    import psutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from harness import run_ranks
+
+    peak: dict[str, float] = {"rss_mib": 0.0, "ranks": 0}
+    stop = threading.Event()
+
+    def sample() -> None:  # every rank process's resident memory, summed, every 0.5 s
+        while not stop.is_set():
+            rss = [
+                p.info["memory_info"].rss
+                for p in psutil.process_iter(["cmdline", "memory_info"])
+                if any(str(a).endswith("diagnosis_worker.py") for a in p.info["cmdline"] or [])
+                and "torchrun" not in " ".join(p.info["cmdline"] or [])
+                and p.info["memory_info"] is not None
+            ]
+            if sum(rss) / 2**20 > peak["rss_mib"]:
+                peak.update(rss_mib=sum(rss) / 2**20, ranks=len(rss))
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t = time.monotonic()
+    try:
+        job = run_ranks("diagnosis_worker", n, "desync", timeout_s=540)
+    finally:
+        stop.set()
+    wall = time.monotonic() - t
+    first = json.loads((sorted((job.out_dir / "incidents").iterdir())[0] / "incident.json").read_text())
+    start = min(job[r]["desync_start"] for r in range(n) if "desync_start" in job[r])
+    hb, hang = 0.3, 1.5  # the worker's settings
+    return {
+        "ranks": n,
+        "command": f"run_ranks('diagnosis_worker', {n}, 'desync') (tests/harness.py, torchrun, gloo)",
+        "wall_s": round(wall, 1),
+        "peak_rss_mib_all_ranks": round(peak["rss_mib"], 1),
+        "rank_processes_sampled": peak["ranks"],
+        "report": {
+            "kind": first["incident"]["kind"],
+            "on_disk_after_s": round(first["written_at"] - start, 3),
+            "bound_s": hang + 2 * hb,
+            "culprits": [c["rank"] for c in first["culprits"]],
+            "victims": len(first["victims"]),
+            "statements_from": len(first["statements_from"]),
+            "summary": first["summary"][:300],
+        },
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--ranks", type=int, nargs="*", default=[64, 256, 1024])
+    p.add_argument("--gloo-ranks", type=int, default=0, help="also run the desync worker on this many gloo ranks")
     p.add_argument("--procs", type=int, default=4, help="worker processes (threads of ranks in each)")
-    p.add_argument("--heartbeat", type=float, default=2.0)
-    p.add_argument("--hang", type=float, default=6.0, help="hang_timeout_s")
+    p.add_argument("--heartbeat", type=float, default=5.0, help="heartbeat_s (the product default)")
+    p.add_argument("--hang", type=float, default=15.0, help="hang_timeout_s")
     p.add_argument("--store-timeout", type=float, default=2.0)
     p.add_argument("--step", type=float, default=1.0, help="seconds between backend ops before the desync")
-    p.add_argument("--warm", type=float, default=6.0, help="seconds from t0 to the steady window")
-    p.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
+    p.add_argument("--warm", type=float, default=10.0, help="seconds from t0 to the steady window")
+    p.add_argument("--window", type=float, default=30.0, help="seconds of the steady window")
     p.add_argument("--connect-timeout", type=float, default=180.0)
     p.add_argument("--max-report-wait", type=float, default=60.0)
     p.add_argument("--max-wait", type=float, default=240.0, help="a worker's longest wait for the end")
@@ -475,6 +533,9 @@ def main() -> None:
         },
         "runs": runs,
     }
+    if args.gloo_ranks:
+        out["gloo_desync"] = run_gloo(args.gloo_ranks)
+        print(json.dumps(out["gloo_desync"], indent=1), flush=True)
     if len(runs) > 1:
         base = runs[0]["requests_per_s_per_rank"]["mean"]
         out["per_rank_rate_vs_smallest"] = {

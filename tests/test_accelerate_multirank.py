@@ -122,3 +122,28 @@ def test_guarded_evaluate_and_start_watchdog_want_an_accelerator():
         guarded_evaluate(object(), lambda: 1, timeout_s=1)
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got str"):
         start_watchdog("accelerator")
+
+
+def test_an_interrupted_evaluation_leaves_its_dataloader_registered_until_restored():
+    # Accelerate's own classes, in this process: a prepared-style DataLoaderShard registers in the
+    # shared GradientState when its iteration starts and only leaves when the iteration ends.
+    import gc
+
+    import torch
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.state import GradientState
+    from torch.utils.data import TensorDataset
+
+    from ncclguard.integrations.accelerate import dataloaders_restored_on_skip
+
+    state = GradientState()
+    loader = DataLoaderShard(TensorDataset(torch.arange(8.0)), batch_size=2)
+    before = list(state.dataloader_references)  # other tests in this process may have left some
+    with dataloaders_restored_on_skip(state) as restore:
+        batches = iter(loader)
+        next(batches)  # the evaluation is cut short here (the deadline)
+        del batches
+        gc.collect()
+        assert state.dataloader_references[-1] is loader and state.in_dataloader  # left behind
+        restore()
+    assert state.dataloader_references == before

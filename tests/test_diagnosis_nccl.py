@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,48 @@ def test_the_nccl_recorder_reads_as_the_watchdog_expects(nccl_world):
     assert op.completed is True and op.created > 0
     raw = json.loads(compat.dump_flight_recorder(nccl=True))
     assert {"entries", "pg_status"} <= set(raw)
+
+
+def test_on_nccl_an_op_held_open_reads_open_and_python_issued_ops_are_joined_to_their_call(nccl_world):
+    """torch's NCCL recorder against ncclguard's join (diagnosis/torchfr.py): DDP's bucket all_reduces
+    come from the autograd device thread and join nothing; an all_reduce queued behind a sleep kernel
+    reads open, joined to its Python call, then completed."""
+    from ncclguard import instrument, recorder, uninstrument
+    from ncclguard.diagnosis import torchfr
+    from ncclguard.diagnosis.snapshot import op_record
+
+    recorder.clear()
+    instrument()
+    try:
+        run_ops()
+        records = [op_record(r) for r in recorder.records()]
+        dump = torchfr.parse_dump(compat.dump_flight_recorder(nccl=True))
+        joined = torchfr.join(records, dump.entries)
+        assert [(r.seq, r.op) for r in joined.values()] == [(1, "all_reduce(SUM)")]  # run_ops' one Python call
+        buckets = [e for e in dump.entries if e.name == "nccl:all_reduce" and e.numel == 16 * 16 + 16]
+        assert buckets and not any(e.record_id in joined for e in buckets)
+        name = nccl_world.group_name
+        torch.cuda._sleep(int(2e9))  # about a second: the all_reduce behind it stays open
+        dist.all_reduce(torch.ones(1024, device="cuda"))  # MARK: held open
+        held = backend_ops(RankState.backend_seq() or {}, [op_record(r) for r in recorder.records()])[name]
+        assert held.completed is False and held.name == "nccl:all_reduce" and held.record is not None
+        assert held.record.site.endswith(f"test_diagnosis_nccl.py:{_line('held open')}")
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # NCCL's watchdog thread retires the entry
+            done = backend_ops(RankState.backend_seq() or {})[name]
+            if done.completed:
+                break
+            time.sleep(0.05)
+        assert done.completed is True
+    finally:
+        uninstrument()
+        recorder.clear()
+
+
+def _line(mark: str) -> int:
+    (line,) = [i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines()) if t.endswith(f"# MARK: {mark}")]
+    return line
 
 
 if __name__ == "__main__":

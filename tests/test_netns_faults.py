@@ -4,12 +4,15 @@ F5: the link goes down in the middle of a chunked ``safe_all_reduce``. Every ran
 deadline; the rank that holds the store names the rank it lost; the other learns that the store
 (on the lost host) is unreachable; each watchdog writes an incident.
 F6: the link is rate-limited (``tc ... tbf``; this kernel has no ``netem`` qdisc, so delay is not
-injected) and a large chunked call completes exactly.
+injected) and a large chunked call completes exactly; while it runs, its progress (chunk i of n,
+bytes reduced) is in both ranks' heartbeats in the store, and in the report of the incident the
+watchdog raises when the call outlasts ``hang_timeout_s``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from netns import WORKERS, _ip, run_two_ranks
+
+from ncclguard.cli import main
 
 pytestmark = pytest.mark.multirank
 
@@ -124,11 +129,15 @@ def test_f5_the_watchdog_reports_on_each_side(linkdown):
     assert written, "no incident dump was written"
 
 
+SLOW_CHUNKS = 24  # 12e6 float32 in chunks of 500,000: 2,000,000 bytes each
+CHUNK_BYTES = 2_000_000
+
+
 @pytest.fixture(scope="module")
 def slowlink(pair):
     out = Path(tempfile.mkdtemp(prefix="ncclguard-slowlink-"))
     for ns, ifname in ((pair.ns_a, pair.if_a), (pair.ns_b, pair.if_b)):
-        _tc(ns, "qdisc", "add", "dev", ifname, "root", "tbf", "rate", "200mbit", "burst", "64kb", "latency", "50ms")
+        _tc(ns, "qdisc", "add", "dev", ifname, "root", "tbf", "rate", "100mbit", "burst", "64kb", "latency", "50ms")
     try:
         ranks = _ranks(pair, "slowlink", out, 90)
     finally:
@@ -142,6 +151,40 @@ def slowlink(pair):
 def test_f6_a_large_chunked_call_completes_exactly_over_a_slow_link(slowlink):
     for r in (0, 1):
         assert slowlink[r]["ok"] is True and slowlink[r]["exact"] is True
-        assert slowlink[r]["chunks"] == 12
-        # 24 MB each way at 200 Mbit/s: the link, not the loopback, set the pace
-        assert slowlink[r]["took_s"] >= 0.9, slowlink[r]["took_s"]
+        assert slowlink[r]["chunks"] == SLOW_CHUNKS
+        # 48 MB each way at 100 Mbit/s: the link, not the loopback, set the pace (3.8 s at full rate)
+        assert slowlink[r]["took_s"] >= 3.0, slowlink[r]["took_s"]
+
+
+def test_f6_progress_shows_in_both_ranks_heartbeats_while_the_call_runs(slowlink):
+    for r in (0, 1):  # what each rank's sampler read of the store
+        samples = slowlink[r]["progress_samples"]
+        for rank in (0, 1):
+            mine = [s for s in samples if s["rank"] == rank]
+            assert mine, f"rank {r} read no progress of rank {rank}"
+            assert {s["chunks"] for s in mine} == {SLOW_CHUNKS} and {s["op"] for s in mine} == {"all_reduce(SUM)"}
+            middle = [s for s in mine if 0 < s["chunks_done"] < SLOW_CHUNKS]
+            assert len({s["chunks_done"] for s in middle}) >= 3, mine  # seen moving, chunk by chunk
+            for s in mine:  # bytes are whole chunks; a read racing the write may see the count one ahead
+                assert s["bytes_done"] in (s["chunks_done"] * CHUNK_BYTES, (s["chunks_done"] - 1) * CHUNK_BYTES), s
+            done = [(s["beat"], s["chunks_done"]) for s in mine]
+            assert done == sorted(done), done  # never goes back
+
+
+def test_f6_progress_shows_in_the_report_of_the_incident_raised_while_it_ran(slowlink, capsys):
+    dirs = {i["dir"] for r in (0, 1) for i in slowlink[r]["incidents"]}
+    kinds = {i["kind"] for r in (0, 1) for i in slowlink[r]["incidents"]}
+    assert len(dirs) == 1 and kinds == {"hang"}, slowlink[0]["incidents"]
+    (where,) = dirs
+    merged = json.loads((Path(where) / "incident.json").read_text())
+    stmts = {r: v for r, v in merged["ranks"].items() if v["source"] == "statement"}
+    assert sorted(stmts) == ["0", "1"]
+    for view in stmts.values():
+        (rec,) = [x for x in view["inflight"] if x["chunks"]]
+        assert rec["chunks"] == SLOW_CHUNKS and 0 < rec["chunks_done"] < SLOW_CHUNKS, rec
+    capsys.readouterr()
+    assert main(["report", where]) == 0
+    text = capsys.readouterr().out
+    shown = [(int(i), int(n)) for i, n in re.findall(r"chunk (\d+) of (\d+) done, [0-9.]+ MiB reduced", text)]
+    assert shown and all(n == SLOW_CHUNKS and 0 < i < n for i, n in shown), text
+    assert "data was moving" in text

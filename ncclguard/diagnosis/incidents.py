@@ -332,15 +332,11 @@ class IncidentDesk:
         except (ValueError, OSError) as exc:
             log.error("watchdog: incident %d not handled: %s", doc.n, exc)
             return
-        heartbeats: dict[int, Heartbeat] = {}
-        if not local:
-            # Its own and the watched peers' (all of them, on every rank, is N^2 requests); the merger reads all.
-            try:
-                if self.store is None:
-                    raise StoreUnreachable("no store")
-                heartbeats = self.store.read_heartbeats(sorted({self.rank, *self.liveness.watched}))
-            except (StoreTimeout, StoreUnreachable):
-                heartbeats = self.liveness.heartbeats()  # the ones this rank has seen
+        # Its own (from its statement) and the watched peers' as last read: no store call, since at
+        # N ranks a fresh read on every rank at once is N * watch_peers requests; the merger reads all.
+        heartbeats = (
+            {} if local else {**self.liveness.heartbeats(), self.rank: Heartbeat.model_validate(dict(statement))}
+        )
         case = Case(
             doc,
             where,

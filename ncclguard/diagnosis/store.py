@@ -235,10 +235,15 @@ class WatchdogStore:
         return bytes(self._call("compare_set", key, got, mine)).decode(errors="replace") == mine
 
     def _read_present(self, keys: Sequence[str]) -> list[tuple[int, bytes]]:
-        """(index, value) of each of ``keys`` that exists: checked one by one, then read in one call."""
+        """(index, value) of each of ``keys`` that exists, read in one call. ``check`` of them all is
+        one request (true when all exist: the usual case, watched peers that beat); only when some
+        are missing is each checked (``multi_get`` waits for a missing key instead of failing)."""
 
         def read() -> list[tuple[int, bytes]]:
-            present = [i for i, k in enumerate(keys) if self.store.check([k])]
+            if keys and self.store.check(list(keys)):
+                present = list(range(len(keys)))
+            else:
+                present = [i for i, k in enumerate(keys) if self.store.check([k])]
             return list(zip(present, self.store.multi_get([keys[i] for i in present]), strict=True)) if present else []
 
         return list(self.calls.run(read))

@@ -74,12 +74,21 @@ class Faults(TrainerCallback):
             time.sleep(STALL_S)  # MARK: stall
 
     def on_save(self, args, state, control, **kw):
-        if self.rank == 0 and state.global_step == SAVE_AT:
+        if state.global_step != SAVE_AT:
+            return
+        started = OUT / "upload-started"
+        deadline = time.monotonic() + BOUND_S
+        if self.rank == 0:
             self.upload.append(time.time())
-            deadline = time.monotonic() + BOUND_S
+            started.touch()
             while not reported(1) and time.monotonic() < deadline:
                 time.sleep(0.05)  # MARK: upload
             self.upload.append(time.time())
+        else:
+            # Rank 0 alone writes the checkpoint files, so it leaves the save later: rank 1 trains
+            # on once the upload has begun, so that rank 0 is slow at the upload, not in the save.
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 class Probe(TrainerCallback):

@@ -2,12 +2,15 @@
 
 Usage: netfault_worker.py linkdown|slowlink. Each rank writes ``started.rank<r>`` into the test's
 directory when it enters the large call, so the test can act on the link while the call runs.
+In ``slowlink`` a thread reads both ranks' heartbeats from the store while the call runs (the
+watchdog's own protocol: ``WatchdogStore``), to see the call's progress in them.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import torch.distributed as dist
 from rankkit import put
 
 import ncclguard
+from ncclguard.diagnosis.store import Keys, WatchdogStore
+from ncclguard.errors import StoreTimeout
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 
@@ -59,13 +64,43 @@ def linkdown() -> None:
     rankkit.done()
 
 
+def _sample_progress(stop: threading.Event, samples: list[dict]) -> None:
+    """Every 0.1 s, the chunked calls in flight in both ranks' heartbeats, as the store has them."""
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    store = WatchdogStore.connect(addr, Keys.from_env("main"), 5.0, 30.0)
+    while not stop.is_set():
+        try:
+            beats = store.read_heartbeats([0, 1])
+        except StoreTimeout:
+            continue
+        for r, hb in beats.items():
+            for rec in hb.inflight:
+                if rec.chunks:
+                    samples.append(
+                        {"rank": r, "beat": hb.beat, "seq": rec.seq, "op": rec.op, "chunks_done": rec.chunks_done,
+                         "chunks": rec.chunks, "bytes_done": rec.bytes_done}
+                    )  # fmt: skip
+        stop.wait(0.1)
+
+
 def slowlink() -> None:
     _start()
-    t, res, took = _big_call(numel=6_000_000, chunk_numel=500_000, timeout=20.0)
+    stop, samples = threading.Event(), []
+    sampler = threading.Thread(target=_sample_progress, args=(stop, samples), daemon=True)
+    sampler.start()
+    t, res, took = _big_call(numel=12_000_000, chunk_numel=500_000, timeout=20.0)
+    stop.set()
+    sampler.join(10)
     put("ok", bool(res))
     put("took_s", took)
     put("exact", bool(res) and bool((t == 3.0).all()))
     put("chunks", res.chunks)
+    put("progress_samples", samples)
+    wd = ncclguard.current_watchdog()
+    assert wd is not None
+    # The call outlasts hang_timeout_s: the watchdog reports it while it runs, progress included.
+    seen = wd.wait_for_incident(timeout=10.0, merged=True)
+    put("incidents", [{"kind": i.get("kind"), "dir": i.get("dir"), "doc": i.get("doc")} for i in seen])
     rankkit.done()
 
 

@@ -1,0 +1,75 @@
+"""The watchdog's store protocol at scale (issue 12, point 6), at a size CI affords.
+
+64 and 256 simulated ranks, each a real ``Watchdog`` loop with its own TCPStore client against one
+real TCPStore, in worker processes (``benchmarks/watchdog_scale.py``, which also runs 1,024). A
+desync (rank N // 3 stops one backend op short while the others wait) must be reported within
+``hang_timeout_s + 2 * heartbeat_s`` naming that rank alone, and the store requests per rank per
+second must not grow with the number of ranks (each rank reads ``watch_peers`` peers, not all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank  # worker processes, tens of seconds
+
+HEARTBEAT_S = 2.0
+HANG_S = 4.0
+# The per-rank request rate at 256 ranks over that at 64: equal by the protocol (watch_peers = 16
+# peers read per beat, one counter read per tick); the bound leaves room for a loaded machine.
+RATE_FACTOR = 1.25
+
+
+def _scale_module():
+    path = Path(__file__).parent.parent / "benchmarks" / "watchdog_scale.py"
+    spec = importlib.util.spec_from_file_location("watchdog_scale", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["watchdog_scale"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def runs():
+    scale = _scale_module()
+    args = argparse.Namespace(
+        procs=2,
+        heartbeat=HEARTBEAT_S,
+        hang=HANG_S,
+        store_timeout=2.0,
+        step=1.0,
+        warm=2 * HEARTBEAT_S,
+        window=4 * HEARTBEAT_S,
+        connect_timeout=120.0,
+        max_report_wait=30.0,
+        max_wait=120.0,
+    )
+    return {n: scale.run_size(n, args) for n in (64, 256)}
+
+
+@pytest.mark.parametrize("n", [64, 256])
+def test_a_desync_among_simulated_ranks_is_reported_in_time_naming_the_culprit(runs, n):
+    run = runs[n]
+    report = run["report"]
+    assert report["found"], run
+    assert report["kind"] == "desync"
+    assert report["culprits"] == [n // 3] and report["victims"] == n - 1, report
+    assert report["on_disk_after_s"] <= HANG_S + 2 * HEARTBEAT_S, report
+    assert report["raised_after_s"] >= HANG_S  # not before the hang timeout
+    assert run["ranks_that_handled_an_incident"] == n
+    assert not [line for line in run["odd_log_lines"] if "tick failed" in line], run["odd_log_lines"]
+
+
+def test_store_requests_per_rank_stay_flat_from_64_to_256_ranks(runs):
+    small, large = (runs[n]["requests_per_s_per_rank"]["mean"] for n in (64, 256))
+    assert small > 0 and 1 / RATE_FACTOR <= large / small <= RATE_FACTOR, (small, large)
+    # Every rank beat on time in the window: the rate is the protocol's, not a starved machine's.
+    for n in (64, 256):
+        beats, expected = runs[n]["beats_at_window_end"], runs[n]["expected_beats_at_window_end"]
+        assert beats["min"] >= expected - 2, (n, beats, expected)
