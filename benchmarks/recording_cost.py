@@ -1,19 +1,20 @@
 """What flight-recording costs per call: the instrument() wrapper around a torch.distributed op.
 
-The issue's budget is at most 5 microseconds per call. Two measurements, one process:
+Issue 13's budget: at most 1.5 microseconds per instrumented call around a real call. Two
+measurements, one process:
 
 1. ``wrapper``: the recording wrapper around a no-op that has the op's signature, minus the
-   no-op called directly. This is the recording cost alone: argument lookup, size and dtype,
-   group name, phase, the call-site frame walk, the record, the lock, the ring. Variants: the
-   caller right above the op; the caller 10 frames up behind framework frames (as under
+   no-op called directly. This is the recording cost alone, with warm caches: argument lookup,
+   size and dtype, group name, phase, the call-site frame walk, the record, the ring. Variants:
+   the caller right above the op; the caller 10 frames up behind framework frames (as under
    DeepSpeed: each frame's file is one of torch's, so the walk skips it); an async op; a send.
-2. ``gloo``: a real 1-element all_reduce on a gloo group of one rank, plain against
-   instrumented, in interleaved blocks so machine noise lands on both alike.
+2. ``gloo``: a real 1-element all_reduce on a gloo group of one rank, plain and instrumented in
+   interleaved pairs of single calls (which goes first alternates), each call timed alone.
 
-The verdict against the budget takes each case's least-disturbed timing (the minimum of the
-repeats, as Python's timeit documentation recommends for repeat()); medians are shown too.
+The verdict is the median over the pairs of (instrumented - plain) around the real call: what a
+typical call pays. The difference of the medians and of the minima are shown beside it.
 
-Usage: python benchmarks/recording_cost.py [--calls N] [--repeat R] [--json PATH]
+Usage: python benchmarks/recording_cost.py [--calls N] [--repeat R] [--pairs P] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from ncclguard import instrument, phase, recorder, uninstrument
 from ncclguard.diagnosis.instrument import _spec, _wrap
 
-BUDGET_US = 5.0
+BUDGET_US = 1.5
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -76,11 +77,11 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeat: int) -> list[float]:
 def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
     t = torch.ones(1)
     cases: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
-    ar = _wrap(_spec("all_reduce", dist.all_reduce), _noop)
+    ar = _wrap(_spec("all_reduce", dist.all_reduce), _noop, like=dist.all_reduce)
     cases["all_reduce, caller right above"] = (lambda: ar(t), lambda: _noop(t))
     deep_wrapped, deep_plain = _deep_caller(10, lambda: ar(t)), _deep_caller(10, lambda: _noop(t))
     cases["all_reduce, caller 10 framework frames up"] = (deep_wrapped, deep_plain)
-    ar_async = _wrap(_spec("all_reduce", dist.all_reduce), _noop_async)
+    ar_async = _wrap(_spec("all_reduce", dist.all_reduce), _noop_async, like=dist.all_reduce)
 
     def async_then_sweep() -> None:
         ar_async(t, async_op=True)
@@ -90,7 +91,7 @@ def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
         async_then_sweep,
         lambda: _noop_async(t, async_op=True),
     )
-    send = _wrap(_spec("send", dist.send), _noop)
+    send = _wrap(_spec("send", dist.send), _noop, like=dist.send)
     cases["send (point to point)"] = (lambda: send(t, dst=0), lambda: _noop(t, dst=0))
     out = {}
     with phase("train", step=1201):
@@ -109,74 +110,130 @@ def wrapper_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def gloo_costs(pairs: int, calls: int) -> dict[str, float]:
-    """Plain and instrumented blocks, alternating; the per-pair difference cancels slow drifts."""
+def gloo_costs(pairs: int) -> dict[str, float]:
+    """Plain and instrumented calls in interleaved pairs (which goes first alternates), each call
+    timed on its own; the per-pair difference cancels drifts, its median is the verdict."""
     t = torch.ones(1)
     instrument()
-    ops = {True: dist.all_reduce, False: dist.all_reduce.__ncclguard_original__}
+    recorded_op = dist.all_reduce
+    plain_op = recorded_op.__ncclguard_original__
     uninstrument()
     # Warm-up: a fresh gloo group runs its first thousands of calls in a slower regime (threads
     # not yet settled on cores), which would drown the difference in noise.
     until = time.monotonic() + 2.0
     while time.monotonic() < until:
-        ops[False](t)
+        plain_op(t)
+    clock = time.perf_counter_ns
     plain, recorded, diffs = [], [], []
     for i in range(pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        got = {}
-        for wrapped in order:
-            op = ops[wrapped]
-            got[wrapped] = per_call_us(lambda op=op: op(t), calls, 1)[0]
-            recorder.clear()
-        plain.append(got[False])
-        recorded.append(got[True])
-        diffs.append(got[True] - got[False])
+        if i % 1000 == 0:
+            recorder.clear()  # the ring stays at its steady size; the counters stay small
+        if i % 2:
+            a = clock()
+            recorded_op(t)
+            b = clock()
+            plain_op(t)
+            c = clock()
+            w, p = b - a, c - b
+        else:
+            a = clock()
+            plain_op(t)
+            b = clock()
+            recorded_op(t)
+            c = clock()
+            p, w = b - a, c - b
+        plain.append(p / 1e3)
+        recorded.append(w / 1e3)
+        diffs.append((w - p) / 1e3)
+    recorder.clear()
     return {
         "plain_p50_us": round(statistics.median(plain), 2),
         "instrumented_p50_us": round(statistics.median(recorded), 2),
         "difference_p50_us": round(statistics.median(diffs), 2),
+        "difference_of_medians_us": round(statistics.median(recorded) - statistics.median(plain), 2),
         "difference_of_minima_us": round(min(recorded) - min(plain), 2),
         "pairs": pairs,
-        "calls_per_block": calls,
     }
+
+
+def ablation(calls: int = 100_000, repeat: int = 7) -> dict[str, float]:
+    """The generated wrapper cut after each piece of its body, around a no-op in a warm loop:
+    thread CPU ns per call over the bare no-op (median of ``repeat``). A diagnosis of where the
+    recording time goes, not an API: it compiles truncated copies of ``instrument._BODY``."""
+    from ncclguard.diagnosis import instrument as ins
+
+    t = torch.ones(1)
+    body = ins._BODY
+    tail = "    return original({call})\n"
+    cuts = {
+        "wrapper + call only": body.split("    _data = {data}")[0].replace("    if _stack:", "    if True:"),
+        "+ numel, dtype, op, async, peer": body.split("    _pg = group")[0] + tail,
+        "+ group name, sequence number": body.split("    # The caller's frame")[0] + tail,
+        "+ caller frame": body.split("    _rec = record(")[0] + tail,
+        "+ record, ring, open stack, finish (all)": body,
+    }
+
+    def loop(fn: Callable[..., Any]) -> float:
+        begin = time.thread_time()
+        for _ in range(calls):
+            fn(t)
+        return (time.thread_time() - begin) / calls * 1e9
+
+    base = min(loop(_noop) for _ in range(5))
+    out = {}
+    try:
+        for name, cut in cuts.items():
+            ins._BODY = cut
+            wrapped = _wrap(_spec("all_reduce", dist.all_reduce), _noop, like=dist.all_reduce)
+            recorder.clear()
+            out[name] = round(statistics.median(loop(wrapped) - base for _ in range(repeat)))
+    finally:
+        ins._BODY = body
+        recorder.clear()
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=50_000, help="calls per timing (default 50000)")
     ap.add_argument("--repeat", type=int, default=9, help="timings per case (default 9)")
+    ap.add_argument("--pairs", type=int, default=20_000, help="interleaved gloo call pairs (default 20000)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    if args.calls < 1 or args.repeat < 1:
-        ap.error("--calls and --repeat must be >= 1")
+    if args.calls < 1 or args.repeat < 1 or args.pairs < 1:
+        ap.error("--calls, --repeat and --pairs must be >= 1")
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     load_before = os.getloadavg()[0]
     started = time.monotonic()
     wrapper = wrapper_costs(args.calls, args.repeat)
-    gloo = gloo_costs(pairs=40, calls=max(args.calls // 100, 100))
+    gloo = gloo_costs(args.pairs)
+    pieces = ablation()
     wall = time.monotonic() - started
     load_after = os.getloadavg()[0]
     dist.destroy_process_group()
 
-    print(f"Recording cost per call (instrument() wrapper minus the bare call), budget {BUDGET_US:g} us")
+    print("Recording cost per call (instrument() wrapper around a no-op, minus the bare no-op)")
     print(f"{'case':55s} {'min us':>8s} {'median us':>10s} {'max us':>8s}")
     for name, row in wrapper.items():
         print(f"{name:55s} {row['min_us']:8.2f} {row['median_us']:10.2f} {row['max_us']:8.2f}")
-    # The verdict uses each case's least-disturbed timing: on a shared machine the higher ones
-    # measure the other processes (Python's timeit docs say the same of repeat()'s minimum).
     worst = max(row["min_us"] for row in wrapper.values())
     worst_median = max(row["median_us"] for row in wrapper.values())
+    print(f"worst case: {worst:.2f} us (least disturbed), {worst_median:.2f} us (median)")
+    # The verdict: around a real call, the median of the per-pair differences (not the minima:
+    # the issue asks what a typical call pays, and a minimum picks the luckiest call of each side).
+    verdict = gloo["difference_p50_us"]
     print(
-        f"worst case: {worst:.2f} us (least disturbed), {worst_median:.2f} us (median) -> "
-        f"{'within' if worst <= BUDGET_US else 'OVER'} the {BUDGET_US:g} us budget"
+        f"\ngloo world of one, 1-element all_reduce, per call: plain p50 {gloo['plain_p50_us']:.2f} us, "
+        f"instrumented p50 {gloo['instrumented_p50_us']:.2f} us\n"
+        f"difference: median of {gloo['pairs']} interleaved pairs {verdict:+.2f} us, "
+        f"difference of the medians {gloo['difference_of_medians_us']:+.2f} us, "
+        f"difference of the minima {gloo['difference_of_minima_us']:+.2f} us\n"
+        f"-> {'within' if verdict <= BUDGET_US else 'OVER'} the {BUDGET_US:g} us budget (median of the pairs)"
     )
-    print(
-        f"\ngloo world of one, 1-element all_reduce, per call: plain p50 {gloo['plain_p50_us']:.1f} us, "
-        f"instrumented p50 {gloo['instrumented_p50_us']:.1f} us; difference p50 over {gloo['pairs']} interleaved pairs "
-        f"{gloo['difference_p50_us']:+.1f} us, difference of the minima {gloo['difference_of_minima_us']:+.1f} us"
-    )
-    print("(around a real call the same code runs with cold caches: dearer than in the loop above)")
+    print("\nablation, warm loop, thread CPU ns per call over the bare no-op (median of 7 x 100000 calls):")
+    for name, ns in pieces.items():
+        print(f"  {name:45s} {ns:6d}")
     print(
         f"\n{os.cpu_count()} cores, 1-min load {load_before:.2f} -> {load_after:.2f}, {wall:.1f} s, torch {torch.__version__}, "
         f"Python {platform.python_version()}"
@@ -191,7 +248,10 @@ def main() -> int:
                     "wrapper": wrapper,
                     "worst_min_us": worst,
                     "worst_median_us": worst_median,
+                    "verdict_us": verdict,
+                    "verdict": "median over interleaved pairs of (instrumented - plain), real gloo call",
                     "gloo_world_of_one": gloo,
+                    "ablation_ns": pieces,
                     "environment": {
                         "cores": os.cpu_count(),
                         "load_1min": [load_before, load_after],
@@ -205,7 +265,7 @@ def main() -> int:
             )
             + "\n"
         )
-    return 0 if worst <= BUDGET_US else 1
+    return 0 if verdict <= BUDGET_US else 1
 
 
 if __name__ == "__main__":

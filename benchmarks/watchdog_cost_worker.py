@@ -3,8 +3,9 @@
 One process per rank (started by ``benchmarks/watchdog_cost.py`` through
 :func:`ncclguard.testing.launch.spawn`, or by torchrun). It trains a tiny GPT-2 (built from a
 config, no download) with plain DDP or DeepSpeed ZeRO-2 on gloo, in blocks of steps. Every
-round runs one block per mode, in an order that rotates from round to round, so that noise from
-other jobs on the machine lands on every mode alike:
+round runs one block per mode, in the order of a row of a Williams Latin square, so that noise
+from other jobs on the machine, and whatever a block leaves behind for the next, lands on every
+mode alike:
 
 - ``off`` and ``off2``: nothing of ncclguard (two of them: their ratio is the noise floor);
 - ``wd<H>``: ``instrument()``, ``start_watchdog(heartbeat_s=H, ...)`` and every step inside
@@ -13,8 +14,9 @@ other jobs on the machine lands on every mode alike:
 Per block it records each step's wall time, the main thread's and the process's CPU time, the
 watchdog thread's CPU time (read from its POSIX thread clock), the collectives recorded, and the
 incidents raised. Then idle blocks (training paused, the main thread asleep; ``off`` and each
-watchdog mode, twice): the process's CPU time there is the watchdog's whole cost, helper threads
-and (rank 0, under the spawn launcher) the store server included. It prints one line
+watchdog mode once per idle round, a whole number of heartbeats long): the process's CPU time there
+is the watchdog's whole cost, helper threads and (rank 0, under the spawn launcher) the store
+server included. It prints one line
 ``RESULT {json}``.
 
 Usage (normally through the launcher): ``watchdog_cost_worker.py --stack ddp|deepspeed ...``
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -42,6 +45,33 @@ from ncclguard.diagnosis.instrument import is_instrumented
 WATCHDOG_THREAD = "ncclguard-watchdog"  # the name Watchdog gives its thread
 
 
+class GcClock:
+    """Counts the cyclic garbage collector's runs per generation and the time they take (any
+    thread), through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.runs = [0, 0, 0]
+        self.seconds = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.runs[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def reset(self) -> None:
+        self.runs, self.seconds = [0, 0, 0], 0.0
+
+    def snapshot(self) -> tuple[list[int], float]:
+        return list(self.runs), self.seconds
+
+
+GC = GcClock()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stack", choices=("ddp", "deepspeed"), required=True)
@@ -51,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--settle", type=int, default=2, help="untimed steps at the start of every block")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="untimed training before the first round")
     ap.add_argument("--idle-s", type=float, default=4.0, help="seconds per idle block (0: none)")
+    ap.add_argument("--idle-rounds", type=int, default=3, help="rounds of idle blocks (one per mode each)")
     ap.add_argument("--hang-timeout-s", type=float, default=60.0)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=128)
@@ -149,6 +180,7 @@ def run_block(
 ) -> dict[str, Any]:
     """One block of ``args.settle + args.steps`` steps in ``mode``; returns its measurements."""
     hb = float(mode[2:]) if mode.startswith("wd") else None
+    gc.collect()  # what the last block left for the collector is not charged to this one
     dist.barrier()  # every rank begins the block together (untimed)
     if hb is not None:
         ncclguard.instrument()
@@ -162,6 +194,7 @@ def run_block(
             step(i)
         i += 1
     calls0 = recorded_calls()
+    GC.reset()
     wd0 = thread_cpu_s(wd_thread)
     cpu0, proc0 = time.thread_time(), time.process_time()
     times = []
@@ -173,6 +206,7 @@ def run_block(
         times.append(time.perf_counter() - t0)
         i += 1
     wall = time.perf_counter() - t_block
+    gc_runs, gc_s = GC.snapshot()
     cpu, proc = time.thread_time() - cpu0, time.process_time() - proc0
     wd1 = thread_cpu_s(wd_thread)
     instrumented = is_instrumented()
@@ -194,6 +228,8 @@ def run_block(
         "instrumented": instrumented,
         "recorded_calls": calls,
         "incidents": incidents,
+        "gc_collections": gc_runs,
+        "gc_s": gc_s,
         "next_step": i,
     }
 
@@ -228,9 +264,20 @@ def idle_block(mode: str, seconds: float, args: argparse.Namespace, incident_dir
 
 
 def order(modes: list[str], r: int) -> list[str]:
-    """Round ``r``'s order of the modes: a rotation, so each mode takes each position in turn."""
-    k = r % len(modes)
-    return modes[k:] + modes[:k]
+    """Round ``r``'s order of the modes: row ``r`` of a Williams Latin square, so that over
+    ``len(modes)`` rounds each mode takes each position once and follows each other mode once
+    (a plain rotation would always put ``off`` right after the same watchdog block, and whatever
+    a block leaves behind would land on the same mode every time)."""
+    n = len(modes)
+    seq, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
+    while len(seq) < n:
+        seq.append(lo)
+        lo += 1
+        if len(seq) < n:
+            seq.append(hi)
+            hi -= 1
+    row = [modes[(x + r) % n] for x in seq]
+    return row if n % 2 == 0 or (r // n) % 2 == 0 else row[::-1]
 
 
 def main(argv: list[str]) -> int:
@@ -260,10 +307,16 @@ def main(argv: list[str]) -> int:
             i = b.pop("next_step")
             blocks.append(b)
     idle = []
-    if args.idle_s > 0:  # two rounds, the second in reverse order
+    if args.idle_s > 0:  # --idle-rounds rounds, every other one in reverse order
         idle_modes = ["off", *modes[2:]]
-        for mode in idle_modes + idle_modes[::-1]:
-            idle.append(idle_block(mode, args.idle_s, args, incident_dir))
+        for r in range(args.idle_rounds):
+            for mode in idle_modes if r % 2 == 0 else idle_modes[::-1]:
+                hb = float(mode[2:]) if mode.startswith("wd") else None
+                # a whole number of heartbeats: a window shorter than one beat may hold none
+                secs = args.idle_s if hb is None else hb * max(1, round(args.idle_s / hb))
+                b = idle_block(mode, secs, args, incident_dir)
+                b["round"] = r
+                idle.append(b)
     dist.barrier()
     out = {
         "rank": rank,

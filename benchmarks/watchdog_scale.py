@@ -436,22 +436,25 @@ def run_gloo(n: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from harness import run_ranks
 
-    peak: dict[str, float] = {"rss_mib": 0.0, "ranks": 0}
+    peak: dict[str, float] = {"rss_mib": 0.0, "ranks": 0, "max_rank_mib": 0.0, "launcher_mib": 0.0}
     stop = threading.Event()
 
     def sample() -> None:  # every rank process's resident memory, summed, every 0.5 s
         while not stop.is_set():
-            rss = [
-                p.info["memory_info"].rss
-                for p in psutil.process_iter(["cmdline", "memory_info"])
-                if any(str(a).endswith("diagnosis_worker.py") for a in p.info["cmdline"] or [])
-                and "torchrun" not in " ".join(p.info["cmdline"] or [])
-                and p.info["memory_info"] is not None
-            ]
-            if sum(rss) / 2**20 > peak["rss_mib"]:
-                peak.update(rss_mib=sum(rss) / 2**20, ranks=len(rss))
+            rss, launcher = [], 0.0
+            for p in psutil.process_iter(["cmdline", "memory_info"]):
+                cmd = [str(a) for a in p.info["cmdline"] or []]
+                if p.info["memory_info"] is None or not any(a.endswith("diagnosis_worker.py") for a in cmd):
+                    continue
+                if "torch.distributed.run" in cmd or any(a.endswith("torchrun") for a in cmd):
+                    launcher = p.info["memory_info"].rss / 2**20  # the launcher, not a rank
+                else:
+                    rss.append(p.info["memory_info"].rss / 2**20)
+            if sum(rss) > peak["rss_mib"]:
+                peak.update(rss_mib=sum(rss), ranks=len(rss), max_rank_mib=max(rss), launcher_mib=launcher)
             stop.wait(0.5)
 
+    load_before = os.getloadavg()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t = time.monotonic()
@@ -467,11 +470,19 @@ def run_gloo(n: int) -> dict[str, Any]:
         "ranks": n,
         "command": f"run_ranks('diagnosis_worker', {n}, 'desync') (tests/harness.py, torchrun, gloo)",
         "wall_s": round(wall, 1),
+        "loadavg_before": load_before,
         "peak_rss_mib_all_ranks": round(peak["rss_mib"], 1),
         "rank_processes_sampled": peak["ranks"],
+        "peak_rss_mib_per_rank": round(peak["rss_mib"] / max(1, peak["ranks"]), 1),
+        "largest_rank_rss_mib": round(peak["max_rank_mib"], 1),
+        "launcher_rss_mib": round(peak["launcher_mib"], 1),
+        "memory_total_mib": round(psutil.virtual_memory().total / 2**20),
         "report": {
             "kind": first["incident"]["kind"],
+            "findings": [f["kind"] for f in first["findings"]],
             "on_disk_after_s": round(first["written_at"] - start, 3),
+            "heartbeat_s": hb,
+            "hang_timeout_s": hang,
             "bound_s": hang + 2 * hb,
             "culprits": [c["rank"] for c in first["culprits"]],
             "victims": len(first["victims"]),
@@ -514,7 +525,7 @@ def main() -> None:
         res["wall_s"] = round(time.monotonic() - t, 1)
         runs.append(res)
         print(json.dumps(res, indent=1), flush=True)
-    out = {
+    out: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {
             "cpus": os.cpu_count(),
@@ -535,6 +546,7 @@ def main() -> None:
     }
     if args.gloo_ranks:
         out["gloo_desync"] = run_gloo(args.gloo_ranks)
+        out["machine"]["loadavg_at_end"] = os.getloadavg()
         print(json.dumps(out["gloo_desync"], indent=1), flush=True)
     if len(runs) > 1:
         base = runs[0]["requests_per_s_per_rank"]["mean"]

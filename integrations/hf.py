@@ -69,8 +69,8 @@ def timeout_warnings(
     group's timeout: the evaluation deadline and the watchdog's hang timeout must be below it.
 
     ``ddp_timeout`` is the timeout the Trainer gives the process group, under DDP and under
-    DeepSpeed (``TrainingArguments._setup_devices``). ``python -m ncclguard doctor --pg-timeout
-    <ddp_timeout>`` checks the same order with the rest of the hierarchy.
+    DeepSpeed (``TrainingArguments._setup_devices``). ``python -m ncclguard doctor --ddp-timeout
+    <ddp_timeout>`` (or ``--training-args args.json``) checks the same order with the rest of the hierarchy.
 
     Args:
         args: the trainer's arguments.

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ncclguard.errors import StoreUnreachable
 
-__all__ = ["bounded_store_call"]
+__all__ = ["bounded_store_call", "no_answer", "run_into", "still_stuck"]
 
 T = TypeVar("T")
 
@@ -39,6 +39,30 @@ def _stuck_on(store: Any) -> threading.Thread | None:
             del _stuck[id(store)]
             return None
         return thread
+
+
+def still_stuck(what: str) -> StoreUnreachable:
+    """The error for a call refused because an earlier one on the same store has not returned."""
+    return StoreUnreachable(f"{what}: an earlier call to the store has not returned; the store's host is unreachable")
+
+
+def no_answer(what: str, waited_s: float) -> StoreUnreachable:
+    """The error for a call that did not return within its deadline."""
+    return StoreUnreachable(
+        f"{what}: the store did not answer within {waited_s:.2f} s; its host is unreachable "
+        "or frozen (TCPStore's add/set/compare_set are not bounded by the store's own timeout)"
+    )
+
+
+def run_into(fn: Callable[[], Any], box: dict[str, Any], done: threading.Event) -> None:
+    """Runs ``fn()`` and leaves its value (``box["value"]``) or error (``box["error"]``) in
+    ``box``, then sets ``done``: the body of a helper thread."""
+    try:
+        box["value"] = fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
+        box["error"] = exc
+    finally:
+        done.set()
 
 
 def bounded_store_call(store: Any, fn: Callable[[], T], timeout_s: float, what: str = "store call") -> T:
@@ -58,30 +82,16 @@ def bounded_store_call(store: Any, fn: Callable[[], T], timeout_s: float, what: 
             stuck. The error ``fn()`` raised, if it raised one in time.
     """
     if _stuck_on(store) is not None:
-        raise StoreUnreachable(
-            f"{what}: an earlier call to the store has not returned; the store's host is unreachable"
-        )
+        raise still_stuck(what)
     box: dict[str, Any] = {}
     done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
-            box["error"] = exc
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=run, name="ncclguard-store-call", daemon=True)
+    thread = threading.Thread(target=run_into, args=(fn, box, done), name="ncclguard-store-call", daemon=True)
     start = time.monotonic()
     thread.start()
     if not done.wait(max(timeout_s, 0.001)):
         with _lock:
             _stuck[id(store)] = thread
-        raise StoreUnreachable(
-            f"{what}: the store did not answer within {time.monotonic() - start:.2f} s; its host is unreachable "
-            "or frozen (TCPStore's add/set/compare_set are not bounded by the store's own timeout)"
-        )
+        raise no_answer(what, time.monotonic() - start)
     if "error" in box:
         raise box["error"]
     return box["value"]

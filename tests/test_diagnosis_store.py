@@ -73,6 +73,44 @@ def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone():
             time.sleep(0.01)
 
 
+def _store_call_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ncclguard-store-call"]
+
+
+def test_calls_share_one_helper_thread_that_close_ends():
+    before = set(_store_call_threads())
+    calls = BoundedCalls(dist.HashStore(), timeout=1.0, gone_after=5.0)
+    idents = {calls.run(threading.get_ident) for _ in range(5)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    (helper,) = set(_store_call_threads()) - before
+    calls.close()
+    helper.join(2.0)
+    assert not helper.is_alive()
+    calls.run(threading.get_ident)  # a call after close starts a new thread
+    (again,) = set(_store_call_threads()) - before
+    assert again is not helper and again.is_alive()
+    calls.close()
+
+
+def test_a_call_that_blocked_then_returned_frees_the_calls_for_a_new_thread():
+    calls = BoundedCalls(dist.HashStore(), timeout=0.1, gone_after=60.0)
+    first = calls.run(threading.get_ident)
+    release = threading.Event()
+    with pytest.raises(StoreTimeout, match="did not answer"):
+        calls.run(release.wait, 5)
+    release.set()
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            second = calls.run(threading.get_ident)
+            break
+        except StoreTimeout:  # until the blocked call has returned
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert second != first  # the thread left to the blocked call is not used again
+    calls.close()
+
+
 def test_a_refused_connection_is_gone_at_once_and_other_errors_pass_through():
     calls = BoundedCalls(dist.HashStore(), timeout=1.0, gone_after=60.0)
 
@@ -89,6 +127,18 @@ def test_a_refused_connection_is_gone_at_once_and_other_errors_pass_through():
         calls.run(slow)
     with pytest.raises(KeyError):  # a bug is not a store failure
         calls.run({}.__getitem__, "x")
+
+
+def test_an_unchanged_heartbeat_is_not_parsed_again_and_a_changed_one_is():
+    ws = wstore()
+    ws.publish_heartbeat(heartbeat(1, beat=3))
+    first = ws.read_heartbeats([1])[1]
+    assert ws.read_heartbeats([1])[1] is first  # the same value: the parse is reused
+    ws.publish_heartbeat(heartbeat(1, beat=4))
+    second = ws.read_heartbeats([1])[1]
+    assert second.beat == 4 and second is not first
+    ws.store.set(ws.keys.heartbeat(1), "not json")
+    assert ws.read_heartbeats([1]) == {}  # a bad value is not masked by the last good one
 
 
 def test_heartbeats_round_trip_and_missing_ranks_are_absent():

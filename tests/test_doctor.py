@@ -233,3 +233,87 @@ def test_check_ranks_under_torchrun():
     # torchrun itself exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 to its workers.
     row = next(v for v in report["variables"] if v["name"] == "TORCH_NCCL_ASYNC_ERROR_HANDLING")
     assert (row["value"], row["status"]) == ("1", "set by user") and row["note"].startswith("torchrun's default")
+
+
+def _doctor_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m ncclguard doctor`` as a user runs it, in a clean environment of known width."""
+    clean = {k: v for k, v in _clean_subprocess_env().items() if not k.startswith("NCCLGUARD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ncclguard", "doctor", "--master-addr", "127.0.0.1", "--backend", "gloo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, "COLUMNS": "250", **env},
+        cwd=REPO,
+    )
+
+
+TRAINER_NOTE = (
+    "note: Hugging Face Trainer: the process-group timeout is TrainingArguments.ddp_timeout ({} s, {}); "
+    "guard_trainer's eval_timeout_s and the watchdog's hang timeout must be below it"
+)
+
+
+def test_doctor_names_what_is_not_below_the_trainers_ddp_timeout():
+    # --ddp_timeout: the flag of the training script's own command line, copied as it is.
+    done = _doctor_cli("--ddp_timeout", "600", "--eval-timeout", "600", NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S="900")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    row = next(line for line in lines if "│ process-group timeout " in line)
+    assert "│ 600 " in row and "TrainingArguments.ddp_timeout (--ddp-timeout)" in row
+    tail = lines[lines.index(TRAINER_NOTE.format(600, "given")) :]
+    assert tail == [
+        TRAINER_NOTE.format(600, "given"),
+        "3 warning(s):",
+        "  - timeouts: watchdog hang timeout (900 s) is not below the process-group timeout (600 s): the backend "
+        "tears the job down before the watchdog reports; lower NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S "
+        "(TrainingArguments.ddp_timeout=600)",
+        "  - timeouts: evaluation deadline (600 s) is not below the process-group timeout (600 s): ranks that finish "
+        "first wait in the next collective for at most the group timeout, then fail (TrainingArguments.ddp_timeout=600)",
+        "  - timeouts: barrier deadline (300 s) is shorter than the evaluation deadline (600 s): the barrier after "
+        "evaluation would give up on a rank that is still within its deadline",
+    ]
+
+
+def test_doctor_reads_ddp_timeout_from_a_training_arguments_json(env, capsys, tmp_path):
+    # In this process (the CLI itself is run as a subprocess above): the file HfArgumentParser reads.
+    env.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "900")
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": "out", "ddp_timeout": 7200, "eval_strategy": "steps"}))
+    rc, out, _ = _doctor(capsys, "--training-args", str(args), "--eval-timeout", "120")
+    assert rc == 0, out
+    assert out.splitlines()[-2:] == [TRAINER_NOTE.format(7200, "given"), "nothing to change."]
+    # Without ddp_timeout in the file, the Trainer's default (1800 s): a hang timeout of 1800 s is not below it.
+    env.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "1800")
+    args.write_text(json.dumps({"output_dir": "out"}))
+    rc, out, _ = _doctor(capsys, "--training-args", str(args), "--json")
+    report = json.loads(out)
+    assert report["timeouts"]["notes"] == [TRAINER_NOTE.format(1800, "the default").removeprefix("note: ")]
+    assert report["timeouts"]["problems"] == [
+        "watchdog hang timeout (1800 s) is not below the process-group timeout (1800 s): the backend tears the job "
+        "down before the watchdog reports; lower NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S (TrainingArguments.ddp_timeout=1800)"
+    ]
+    row = next(r for r in report["timeouts"]["rows"] if r["name"] == "process-group timeout")
+    assert (row["seconds"], row["source"]) == (1800, f"TrainingArguments.ddp_timeout ({args}, default)")
+    assert rc == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"ddp_timeout": -1}', "ddp_timeout must be a positive number of seconds, got -1"),
+        ('{"ddp_timeout": "soon"}', "ddp_timeout must be a positive number of seconds, got 'soon'"),
+        ('{"ddp_timeout": true}', "ddp_timeout must be a positive number of seconds, got True"),
+        ('{"ddp_timeout": "600"}', "ddp_timeout must be a positive number of seconds, got '600'"),
+        ("[1800]", "is not a JSON object of TrainingArguments fields"),
+        ("{", "cannot read TrainingArguments JSON"),
+    ],
+)
+def test_doctor_refuses_a_bad_training_arguments_file(env, capsys, tmp_path, content, message):
+    bad = tmp_path / "args.json"
+    bad.write_text(content)
+    rc, out, err = _doctor(capsys, "--training-args", str(bad))
+    assert (rc, out) == (2, "") and err.startswith("doctor: ") and message in err
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--ddp-timeout", "600", "--pg-timeout", "600"])  # one process-group timeout, not two
+    assert exc.value.code == 2

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import WORKERS, _ip, run_two_ranks
+from netns import ADDR_A, WORKERS, _ip, run_two_ranks
 
 from ncclguard.cli import main
 
@@ -116,17 +116,26 @@ def test_f5_the_link_went_down_in_the_middle(linkdown):
 def test_f5_unreachable_ranks_are_named(linkdown):
     res, _ = linkdown
     assert res[0]["missing_ranks"] == [1], res[0]["error"]
-    # Rank 1 cannot reach the store (it lives on rank 0's host): it cannot learn who arrived.
-    assert res[1]["missing_ranks"] in (None, [0]), res[1]["error"]
+    # Rank 1 cannot reach the store (it lives on rank 0's host): it cannot learn who arrived,
+    # and its error says so instead of naming nobody.
+    assert res[1]["missing_ranks"] is None, res[1]["error"]
+    told = "the store did not answer the post-mortem, so this rank cannot tell which ranks arrived"
+    assert told in res[1]["error"], res[1]["error"]
 
 
 def test_f5_the_watchdog_reports_on_each_side(linkdown):
     res, out = linkdown
-    kinds = {r: [i["kind"] for i in res[r]["incidents"]] for r in (0, 1)}
-    assert kinds[0], f"rank 0's watchdog reported nothing: {res[0]['incidents']}"
-    assert kinds[1], f"rank 1's watchdog reported nothing: {res[1]['incidents']}"
-    written = sorted(p.name for p in (out / "incidents").rglob("rank*.json"))
-    assert written, "no incident dump was written"
+    # The store's host: rank 1's heartbeats stop reaching the store, so rank 1 is reported lost.
+    lost = [i["doc"] for i in res[0]["incidents"] if i["kind"] == "lost"]
+    assert [d["ranks"] for d in lost] == [[1]], res[0]["incidents"]
+    merged = json.loads((out / "incidents" / lost[0]["id"] / "incident.json").read_text())
+    assert [(c["rank"], c["why"]) for c in merged["culprits"]] == [(1, "lost")]
+    # The other host: the store is unreachable, so it writes its incident alone, naming the store.
+    assert [i["kind"] for i in res[1]["incidents"]] == ["store"], res[1]["incidents"]
+    (where,) = (out / "incidents").glob("*-r1-store-*")
+    (finding,) = json.loads((where / "incident.json").read_text())["findings"]
+    assert finding["kind"] == "store" and f"the rendezvous store at {ADDR_A}:29501" in finding["text"]
+    assert sorted(p.name for p in where.iterdir()) == ["incident.json", "rank1.json", "summary.txt"]
 
 
 SLOW_CHUNKS = 24  # 12e6 float32 in chunks of 500,000: 2,000,000 bytes each

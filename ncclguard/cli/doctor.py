@@ -3,6 +3,9 @@
 Exit status: 0 when nothing needs changing, 1 when there are warnings (or ranks disagree
 with ``--check-ranks``), 2 when the doctor could not run as asked.
 
+With ``--ddp-timeout`` or ``--training-args`` (a Hugging Face Trainer job) the process-group
+timeout is ``TrainingArguments.ddp_timeout`` and the rules broken against it say so.
+
 Under torchrun, ``--check-ranks`` has every rank detect its own plan, joins a gloo group with
 it (which proves the plan works), exchanges the plans through the store and flags
 disagreements (interface names, library versions, user-set variables). Only rank 0 prints.
@@ -16,8 +19,10 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -29,6 +34,8 @@ from ncclguard.env.netenv import NetPlan, detect
 from ncclguard.env.versions import library_versions
 from ncclguard.testing.launch import under_launcher
 
+# A TrainingArguments JSON file is a few KiB; anything far larger is not one.
+TRAINING_ARGS_MAX_BYTES = 1 << 20
 # Variables shown in the table when set, besides the recommended ones.
 SHOWN_WHEN_SET = (
     "DEEPSPEED_TIMEOUT",
@@ -88,8 +95,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("nccl", "gloo"),
         help="backend to assume for the default timeout (default: nccl with CUDA, else gloo)",
     )
-    parser.add_argument(
+    pg = parser.add_mutually_exclusive_group()
+    pg.add_argument(
         "--pg-timeout", type=_seconds, metavar="SECONDS", help="the timeout= you pass to init_process_group"
+    )
+    # Both spellings, as HfArgumentParser gives a training script (transformers/hf_argparser.py):
+    # the flag can be copied from the training command as it is.
+    pg.add_argument(
+        "--ddp-timeout",
+        "--ddp_timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="a Hugging Face Trainer job: its TrainingArguments.ddp_timeout (the process group's timeout)",
+    )
+    pg.add_argument(
+        "--training-args",
+        metavar="FILE.json",
+        help="a Hugging Face Trainer job: read ddp_timeout from its TrainingArguments JSON file (default 1800 if absent)",
+    )
+    parser.add_argument(
+        "--eval-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="the evaluation deadline (guard_trainer's or guarded_evaluate's eval_timeout_s)",
     )
     parser.add_argument("--check-ranks", action="store_true", help="under torchrun: compare the plans of all ranks")
     parser.add_argument(
@@ -97,19 +125,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _TrainingArgsFile(BaseModel):
+    """The one field of a TrainingArguments JSON file the doctor reads (the others are the script's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ddp_timeout: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)  # not "600", not true
+
+
+def read_ddp_timeout(path: str | Path) -> float | None:
+    """``ddp_timeout`` from a TrainingArguments JSON file, as ``HfArgumentParser.parse_json_file``
+    reads it (``python train.py args.json``) and ``TrainingArguments.to_json_string`` writes it.
+
+    Args:
+        path: the JSON file.
+
+    Returns:
+        The timeout in seconds, or None when the file does not set it (the Trainer's default then).
+
+    Raises:
+        ValueError: the file is missing, larger than 1 MiB, not a JSON object, or its
+            ``ddp_timeout`` is not a positive number.
+    """
+    file = Path(path)
+    try:
+        size = file.stat().st_size
+        if size > TRAINING_ARGS_MAX_BYTES:
+            raise ValueError(f"{file} is {size} bytes; a TrainingArguments file is at most {TRAINING_ARGS_MAX_BYTES}")
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read TrainingArguments JSON {file}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is not a JSON object of TrainingArguments fields")
+    try:
+        return _TrainingArgsFile.model_validate(data).ddp_timeout
+    except ValidationError:
+        raise ValueError(
+            f"{file}: ddp_timeout must be a positive number of seconds, got {data['ddp_timeout']!r}"
+        ) from None
+
+
+def _timeouts(args: argparse.Namespace) -> tuple[TimeoutHierarchy, list[str], list[str]]:
+    """The hierarchy in force, its broken rules and its notes; with a Trainer's ``ddp_timeout``
+    as the process-group timeout, the rules and notes name it."""
+    ddp_given = args.ddp_timeout is not None or args.training_args is not None
+    if not ddp_given:
+        hierarchy = TimeoutHierarchy.in_force(
+            backend=args.backend, pg_timeout_s=args.pg_timeout, eval_deadline_s=args.eval_timeout, validate=False
+        )
+        return hierarchy, hierarchy.problems(), hierarchy.notes()
+    # Imported here: only a Trainer job needs it. mypy sees integrations/ as a package of its own
+    # (setuptools package-dir maps it to ncclguard.integrations when installed).
+    from ncclguard.integrations.shared import (  # type: ignore[import-not-found]
+        HF_DDP_TIMEOUT_DEFAULT_S,
+        trainer_timeout_notes,
+    )
+
+    if args.training_args is not None:
+        ddp = read_ddp_timeout(args.training_args)
+        source = f"TrainingArguments.ddp_timeout ({args.training_args}{'' if ddp is not None else ', default'})"
+    else:
+        ddp, source = args.ddp_timeout, "TrainingArguments.ddp_timeout (--ddp-timeout)"
+    pg = HF_DDP_TIMEOUT_DEFAULT_S if ddp is None else ddp
+    hierarchy = TimeoutHierarchy.in_force(
+        backend=args.backend, pg_timeout_s=pg, pg_source=source, eval_deadline_s=args.eval_timeout, validate=False
+    )
+    # The rules broken against the process-group timeout are broken against ddp_timeout: say so.
+    suffix = f" (TrainingArguments.ddp_timeout={pg:g})"
+    problems = [p + suffix if "the process-group timeout" in p else p for p in hierarchy.problems()]
+    head = trainer_timeout_notes(ddp, args.eval_timeout, hierarchy.watchdog_hang_s)[0]
+    return hierarchy, problems, [head, *hierarchy.notes()]
+
+
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Builds the report (plain JSON-able data) for this rank."""
+    """Builds the report (plain JSON-able data) for this rank.
+
+    Raises:
+        ValueError: a value the doctor cannot use (master address, TrainingArguments file).
+    """
     plan = detect(args.master_addr)
     variables = audit(plan.environment, extra=SHOWN_WHEN_SET)
-    hierarchy = TimeoutHierarchy.in_force(backend=args.backend, pg_timeout_s=args.pg_timeout, validate=False)
-    problems = hierarchy.problems()
+    hierarchy, problems, notes = _timeouts(args)
     warnings = list(plan.warnings) + [f"timeouts: {p}" for p in problems]
     return {
         "host": plan.hostname,
         "rank": int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None,
         "plan": plan.model_dump(mode="json"),
         "variables": [v.model_dump() for v in variables],
-        "timeouts": {"rows": hierarchy.rows(), "problems": problems, "notes": hierarchy.notes()},
+        "timeouts": {"rows": hierarchy.rows(), "problems": problems, "notes": notes},
         "versions": library_versions(),
         "warnings": warnings,
     }

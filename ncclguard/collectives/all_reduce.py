@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
+from ncclguard._naming import _DTYPE_NAMES, REDUCE_OP_NAMES, dtype_name
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.deadlines import (
@@ -83,7 +83,7 @@ _REUSE_WAIT_S = 1e-3
 _FAST_OPS: dict[Any, str] = {ReduceOp.SUM: "all_reduce(SUM)", ReduceOp.PRODUCT: "all_reduce(PRODUCT)"}
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveResult:
     """The outcome of a safe collective; truthy when it completed on this rank.
 
@@ -241,8 +241,10 @@ def safe_all_reduce(
                 # While the backend works: the call's number, its flight record, the deadline.
                 base, counter = state.count.current
                 number = (base, next(counter))
-                rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
-                timeout_s = state.default_deadline(numel, numel * tensor.element_size(), config, start)
+                dtype = tensor.dtype
+                rec = recorder.start(opname, info.name, numel, _DTYPE_NAMES.get(dtype) or dtype_name(dtype))
+                nbytes = numel * tensor.element_size()
+                timeout_s = state.default_deadline(numel, nbytes, config, start)
                 if _monotonic() - start < _REUSE_WAIT_S:
                     work.wait(timeout=state.whole_wait(timeout_s))
                 else:
@@ -250,7 +252,7 @@ def safe_all_reduce(
             except BaseException as exc:  # noqa: BLE001 - a backend error becomes a result
                 return _fast_failed(state, tensor, opname, numel, start, config, number, rec, exc)
             recorder.finish(rec)
-            return CollectiveResult(True, opname, numel, numel * tensor.element_size(), 1, numel, _monotonic() - start)
+            return CollectiveResult(True, opname, numel, nbytes, 1, numel, _monotonic() - start)
     return _general(tensor, op, group, start, timeout, chunk_numel, atomic, verify, tag)
 
 

@@ -258,13 +258,22 @@ class Postmortem:
         missing: global ranks that never reached the round (sorted), or None: the store did not answer.
         elsewhere: global rank -> ``"kind at site"`` for ranks that gave up in this round in a
             different call than this rank's.
+        store_error: why the store did not answer (``missing`` is then None), else None.
     """
 
     missing: list[int] | None
     elsewhere: dict[int, str]
+    store_error: str | None = None
 
     def describe(self) -> str:
-        """``"; rank 1 was in barrier at x.py:3"`` for the ranks that were elsewhere, or ``""``."""
+        """``"; rank 1 was in barrier at x.py:3"`` for the ranks that were elsewhere, or, when the
+        store did not answer, that this rank cannot tell who arrived and why; ``""`` otherwise."""
+        if self.store_error is not None:
+            # A rank cut off from the store's host cannot learn who arrived: say so, not nothing.
+            return (
+                "; the store did not answer the post-mortem, so this rank cannot tell which ranks arrived: "
+                f"its link to the store's host is down or the store is frozen ({self.store_error})"
+            )
         return "".join(f"; rank {r} was in {where} in this round" for r, where in sorted(self.elsewhere.items()))
 
 
@@ -279,8 +288,8 @@ def postmortem(call: Call, give_up_at: float) -> Postmortem:
     grace = min(get_config().postmortem_grace_s, give_up_at - time.monotonic())
     try:
         rnd = exchange(info, f"{call.round}/pm", mine.model_dump(), time.monotonic() + max(grace, 0.0))
-    except StoreUnreachable:
-        return Postmortem(None, {})
+    except StoreUnreachable as exc:
+        return Postmortem(None, {}, store_error=str(exc))
     elsewhere = {}
     for r, payload in rnd.payloads.items():
         theirs = _parse(payload)

@@ -3,7 +3,8 @@
 Each record holds a sequence number per group, the op, size, dtype, group, times, state, the
 phase and the user's call site. ``safe_*`` calls are always recorded; ``ncclguard.instrument()``
 records the plain ``torch.distributed`` calls too. Recording is a few attribute writes and a
-short frame walk (benchmarks/recording_cost.py measures it), cheap enough for every call.
+short frame walk; the call site is kept as a code object and an offset and becomes ``file:line``
+only when read (benchmarks/recording_cost.py measures the cost).
 
 Sequence numbers count per group and per process, so the n-th collective of one rank meets the
 n-th of the others: a rank whose number is lower than its peers' is somewhere else. Point-to-point
@@ -14,121 +15,30 @@ by design.
 from __future__ import annotations
 
 import contextlib
-import getpass
-import os
-import re
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections import deque
-from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType
 from typing import Any
 
 from ncclguard import _torch_compat as compat
 from ncclguard.config import get_config
 from ncclguard.diagnosis.phase import MAIN as _MAIN_PHASES
 from ncclguard.diagnosis.phase import current_phase
+from ncclguard.diagnosis.sites import code_site, user_frame
 
-__all__ = ["FlightRecord", "FlightRecorder", "recorder", "call_site", "frame_site", "format_stack", "seq_key"]
+__all__ = [
+    "FlightRecord",
+    "FlightRecorder",
+    "recorder",
+    "seq_key",
+]
 
-# Frames from these packages are skipped when looking for the user's call site. Prefixes are
-# the packages' real directories, so a checkout that happens to be named "ncclguard" still counts.
-_FRAMEWORKS = ("torch", "deepspeed", "transformers", "accelerate")
 _get_ident = threading.get_ident
 _time = time.time
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# ncclguard's own applications (the demo, the benchmark ranks) are user code, not library frames.
-_APP_DIRS = tuple(os.path.join(_PACKAGE_DIR, d, "") for d in ("cli", "bench"))
-_THREADING = threading.__file__
 
 
-def _inductor_cache_dir() -> str:
-    """Where torch.compile's inductor writes the code it generates (its frames are torch's, not
-    the user's): ``TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>`` as inductor's
-    ``default_cache_dir`` builds it."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
-
-
-_INDUCTOR_CACHE = _inductor_cache_dir()
-_skip_prefixes_cache: tuple[int, tuple[str, ...]] = (-1, ())
-# co_filename -> "is this a framework file?"; filenames are few, so the cache stays small.
-_is_framework: dict[str, bool] = {}
-
-
-def _skip_prefixes() -> tuple[str, ...]:
-    global _skip_prefixes_cache
-    # Frameworks imported later (deepspeed after ncclguard) change the answer; len(sys.modules)
-    # is a cheap "did anything get imported" check.
-    if _skip_prefixes_cache[0] != len(sys.modules):
-        dirs = [
-            _PACKAGE_DIR,
-            os.path.realpath(os.path.join(_PACKAGE_DIR, "integrations")),
-            contextlib.__file__,
-            _THREADING,
-            _INDUCTOR_CACHE,
-        ]
-        for name in _FRAMEWORKS:
-            module = sys.modules.get(name)
-            path = getattr(module, "__file__", None) if module is not None else None
-            if path:
-                dirs.append(os.path.dirname(path))
-        # typing_extensions' @deprecated wrapper stands between torch's deprecated collectives
-        # (all_gather_into_tensor, which DeepSpeed calls) and their caller: a file, not a package.
-        wrapper = getattr(sys.modules.get("typing_extensions"), "__file__", None)
-        if wrapper:
-            dirs.append(wrapper)
-        prefixes = tuple(d if d.endswith(".py") else os.path.join(d, "") for d in dirs)
-        if prefixes != _skip_prefixes_cache[1]:
-            _is_framework.clear()
-        _skip_prefixes_cache = (len(sys.modules), prefixes)
-    return _skip_prefixes_cache[1]
-
-
-def frame_site(frame: FrameType | None) -> str:
-    """``file:line`` of ``frame`` or the first frame above it outside torch, deepspeed,
-    transformers, accelerate and ncclguard; ``"?"`` when there is none."""
-    cache = _skip_prefixes_cache
-    prefixes = cache[1] if cache[0] == len(sys.modules) else _skip_prefixes()
-    known = _is_framework
-    while frame is not None:
-        path = frame.f_code.co_filename
-        skip = known.get(path)
-        if skip is None:
-            skip = known[path] = (path.startswith(prefixes) and not path.startswith(_APP_DIRS)) or path.startswith("<")
-        if not skip:
-            return f"{path}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-def call_site(skip: int = 2) -> str:
-    """``file:line`` of the caller's first frame outside the frameworks and ncclguard.
-
-    Args:
-        skip: frames to skip from here (1: the caller of ``call_site``).
-    """
-    return frame_site(sys._getframe(skip))
-
-
-def format_stack(frame: FrameType | None, limit: int = 40) -> list[str]:
-    """The stack of ``frame``, outermost first, as ``"file:line in func: code"`` lines (the
-    innermost ``limit``)."""
-    if frame is None:
-        return []
-    summary = traceback.extract_stack(frame, limit=limit)
-    return [f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "") for f in summary]
-
-
-@dataclass(slots=True)
 class FlightRecord:
     """One collective as this rank saw it.
 
@@ -142,7 +52,7 @@ class FlightRecord:
         state: ``started``, ``completed`` or ``failed``.
         end: ``time.time()`` when it finished (async ops: when the completion was noticed).
         phase: the issuing thread's phase path.
-        site: the user's ``file:line`` that issued it.
+        site: the user's ``file:line`` that issued it (resolved on first read, see below).
         error: the failure, as text.
         async_op: issued with ``async_op=True`` (or isend/irecv): the caller did not block in it.
         peer: the other rank of a send/recv.
@@ -150,26 +60,95 @@ class FlightRecord:
         chunks_done: chunks of a chunked call completed so far (0: not chunked, or none yet).
         chunks: chunks of the call (0 until the first chunk completes; see :meth:`FlightRecorder.progress`).
         bytes_done: bytes of the call reduced so far.
+
+    The recorder keeps the call site as the user frame's code object and instruction offset and
+    turns them into ``file:line`` only when :attr:`site` is read (a report, a heartbeat): a
+    frame's ``f_lineno`` and the formatting cost more than the rest of the record together.
     """
 
-    seq: int
-    op: str
-    group: str
-    numel: int
-    dtype: str
-    start: float
-    state: str = "started"
-    end: float | None = None
-    phase: str = ""
-    site: str = ""
-    error: str | None = None
-    async_op: bool = False
-    peer: int | None = None
-    thread: int = 0
-    work: Any = field(default=None, repr=False, compare=False)  # the async op's Work; never serialised
-    chunks_done: int = 0
-    chunks: int = 0
-    bytes_done: int = 0
+    __slots__ = (
+        "seq",
+        "op",
+        "group",
+        "numel",
+        "dtype",
+        "start",
+        "state",
+        "end",
+        "phase",
+        "_site",
+        "_code",
+        "_lasti",
+        "error",
+        "async_op",
+        "peer",
+        "thread",
+        "work",
+        "chunks_done",
+        "chunks",
+        "bytes_done",
+    )
+
+    def __init__(
+        self,
+        seq: int,
+        op: str,
+        group: str,
+        numel: int,
+        dtype: str,
+        start: float,
+        state: str = "started",
+        end: float | None = None,
+        phase: str = "",
+        site: str | None = "",
+        error: str | None = None,
+        async_op: bool = False,
+        peer: int | None = None,
+        thread: int = 0,
+        code: CodeType | None = None,
+        lasti: int = -1,
+    ) -> None:
+        self.seq = seq
+        self.op = op
+        self.group = group
+        self.numel = numel
+        self.dtype = dtype
+        self.start = start
+        self.state = state
+        self.end = end
+        self.phase = phase
+        self._site = site  # None: not resolved yet (see _code)
+        self._code = code  # the user frame's code and offset, for the site; None: no user frame
+        self._lasti = lasti
+        self.error = error
+        self.async_op = async_op
+        self.peer = peer
+        self.thread = thread
+        self.work: Any = None  # the async op's Work; never serialised
+        self.chunks_done = 0
+        self.chunks = 0
+        self.bytes_done = 0
+
+    @property
+    def site(self) -> str:
+        """The user's ``file:line`` that issued the op, ``"?"`` without one."""
+        site = self._site
+        if site is None:
+            code = self._code
+            site = self._site = "?" if code is None else code_site(code, self._lasti)
+        return site
+
+    @site.setter
+    def site(self, value: str) -> None:
+        self._site = value
+
+    def __repr__(self) -> str:
+        return f"FlightRecord({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FlightRecord) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value (as the dataclass was)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON data (without the Work handle)."""
@@ -276,22 +255,38 @@ class FlightRecorder:
         key = group if peer is None else group + ":p2p"
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
-        rec = FlightRecord(
-            seq,
-            op,
-            group,
-            numel,
-            dtype,
-            _time(),
-            "started",
-            None,
-            _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase(),
-            site if site is not None else frame_site(sys._getframe(2)),
-            None,
-            async_op,
-            peer,
-            tid,
-        )
+        phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
+        if site is None:
+            # The user's frame, found now (the stack is gone later); its line is looked up when
+            # the site is read (FlightRecord.site): f_lineno costs more than the whole walk.
+            frame = _user_frame(_getframe(2))
+            if frame is None:
+                rec = FlightRecord(
+                    seq, op, group, numel, dtype, _time(), "started", None, phase, "?", None, async_op, peer, tid
+                )
+            else:
+                rec = FlightRecord(
+                    seq,
+                    op,
+                    group,
+                    numel,
+                    dtype,
+                    _time(),
+                    "started",
+                    None,
+                    phase,
+                    None,
+                    None,
+                    async_op,
+                    peer,
+                    tid,
+                    frame.f_code,
+                    frame.f_lasti,
+                )
+        else:
+            rec = FlightRecord(
+                seq, op, group, numel, dtype, _time(), "started", None, phase, site, None, async_op, peer, tid
+            )
         self._records.append(rec)
         opened = self._open.get(tid)
         if opened is None:
@@ -400,4 +395,6 @@ class FlightRecorder:
         self._open.clear()
 
 
+_user_frame = user_frame
+_getframe = sys._getframe
 recorder = FlightRecorder()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +28,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import _torch_compat as compat
+from ncclguard._naming import _DTYPE_NAMES as dtype_names
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.diagnosis.flight import recorder
+from ncclguard.diagnosis.flight import FlightRecord, recorder
+from ncclguard.diagnosis.phase import MAIN as MAIN_PHASES
+from ncclguard.diagnosis.phase import current_phase
+from ncclguard.diagnosis.sites import user_frame
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
 
@@ -94,62 +100,130 @@ def _spec(name: str, fn: Callable[..., Any]) -> _Spec:
     return _Spec(name, where(_DATA_PARAM[name]), group, where("async_op"), where("op"), where(_P2P_PEER.get(name)))
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], where: tuple[int, str] | None, default: Any = None) -> Any:
-    if where is None:
-        return default
-    pos, name = where
-    return args[pos] if len(args) > pos else kwargs.get(name, default)
+# The wrapper's body, compiled once per op with the op's own parameter list (see _wrap): named
+# parameters cost less than unpacking *args/**kwargs on every call. Names in braces are filled in.
+_BODY = """
+def recorded({params}):
+    _tid = get_ident()
+    _stack = opened.get(_tid)
+    if _stack:  # inside a recorded call (safe_all_reduce's chunks): count it once
+        return original({call})
+    _data = {data}
+    if type(_data) is tensor_type:
+        _numel = _data.numel()
+        _dtype = dtype_names.get(_data.dtype) or dtype_name(_data.dtype)
+    else:
+        _numel, _dtype = describe(_data)
+    _reduce_op = {op}
+    if _reduce_op is None:
+        _op = default_op
+    else:
+        try:
+            _op = op_names.get(_reduce_op, bare)
+        except TypeError:  # a premultiplied-sum op object (unhashable): the bare name
+            _op = bare
+    _is_async = {is_async}
+    _peer = {peer}
+    _pg = group if group is not None else world.default_pg
+    _name = world.pg_names.get(_pg, "?") if _pg is not None else "?"
+    _key = _name if _peer is None else _name + ":p2p"
+    _seq = seqs.get(_key, 0) + 1
+    seqs[_key] = _seq
+    # The caller's frame, kept as code and offset; FlightRecord.site makes file:line of them.
+    _frame = user(getframe(1))
+    _rec = record(
+        _seq, _op, _name, _numel, _dtype, now(), "started", None,
+        main.path if _tid == main.ident else current_phase(),
+        "?" if _frame is None else None, None, _is_async, _peer, _tid,
+        None if _frame is None else _frame.f_code, -1 if _frame is None else _frame.f_lasti,
+    )
+    recorder._records.append(_rec)  # looked up per call: resize() replaces the deque
+    if _stack is None:
+        _stack = opened[_tid] = []
+    _stack.append(_rec)
+    try:
+        _out = original({call})
+    except BaseException as _exc:
+        finish(_rec, _exc)
+        raise
+    if _is_async and _out is not None:
+        attach(_rec, _out)
+    elif _stack and _stack[-1] is _rec and _rec.state == "started":  # finish(rec), inline
+        _stack.pop()
+        _rec.end = now()
+        _rec.state = "completed"
+        if _seq > done.get(_key, 0):
+            done[_key] = _seq
+    else:
+        finish(_rec)
+    return _out
+"""
+_PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _wrap(spec: _Spec, original: Callable[..., Any]) -> Callable[..., Any]:
-    # Everything the wrapper needs is bound here, once: it runs on every collective (budget: 5 us).
-    always_async = spec.name in _ALWAYS_ASYNC
-    p2p = spec.name in _P2P_PEER
-    data_at, group_at, op_at, peer_at = spec.data, spec.group, spec.op, spec.peer
-    async_pos = spec.async_op[0] if spec.async_op is not None else -1
+def _wrap(spec: _Spec, original: Callable[..., Any], like: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """The recording wrapper of ``original``: same parameters, same defaults (the very objects).
+    ``like``: the function whose parameters to take instead (the benchmark wraps a no-op)."""
+    params = list(inspect.signature(like or original).parameters.values())
+    if not all(p.kind in _PLAIN for p in params) or any(p.name.startswith("_") for p in params):
+        raise RuntimeError(f"torch.distributed.{spec.name} has a signature instrument() cannot mirror: {params}")
     # ReduceOp -> "all_reduce(SUM)": a dict lookup instead of formatting on every call.
     op_names = {red: f"{spec.name}({text})" for red, text in REDUCE_OP_NAMES.items()}
-    default_op = op_names[dist.ReduceOp.SUM] if op_at is not None else spec.name
-    start, finish, attach = recorder.start, recorder.finish, recorder.attach
-    opened, get_ident = recorder._open, threading.get_ident  # recorder.busy(), inline
-    tensor_type, world = torch.Tensor, compat.world()
-
-    @functools.wraps(original)
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        if opened.get(get_ident()):  # inside a recorded call (safe_all_reduce's chunks): count it once
-            return original(*args, **kwargs)
-        n = len(args)
-        data = (args[data_at[0]] if n > data_at[0] else kwargs.get(data_at[1])) if data_at is not None else None
-        if type(data) is tensor_type or isinstance(data, tensor_type):
-            numel, dtype = data.numel(), dtype_name(data.dtype)
+    # Everything the wrapper needs is bound here, once: it runs on every collective (budget 1.5 us;
+    # benchmarks/recording_cost.py). recorder.start and the success half of recorder.finish are
+    # inline: one Python frame per call instead of four. The recorder's dicts are bound once:
+    # FlightRecorder.clear() empties them in place.
+    namespace: dict[str, Any] = {
+        "original": original,
+        "op_names": op_names,
+        "default_op": op_names[dist.ReduceOp.SUM] if spec.op is not None else spec.name,
+        "bare": spec.name,
+        "describe": _describe,
+        "finish": recorder.finish,
+        "attach": recorder.attach,
+        "recorder": recorder,
+        "opened": recorder._open,
+        "seqs": recorder._seq,
+        "done": recorder._done,
+        "get_ident": threading.get_ident,
+        "now": time.time,
+        "getframe": sys._getframe,
+        "user": user_frame,
+        "tensor_type": torch.Tensor,
+        "world": compat.world(),
+        "record": FlightRecord,
+        "main": MAIN_PHASES,
+        "current_phase": current_phase,
+        "dtype_names": dtype_names,
+        "dtype_name": dtype_name,
+    }
+    clash = [p.name for p in params if p.name in namespace]
+    if clash:
+        raise RuntimeError(f"torch.distributed.{spec.name}'s parameters {clash} clash with instrument()'s names")
+    heads, args = [], []
+    star = False
+    for i, p in enumerate(params):
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
+            heads.append("*")
+            star = True
+        if p.default is inspect.Parameter.empty:
+            heads.append(p.name)
         else:
-            numel, dtype = _describe(data)
-        op = default_op
-        if op_at is not None:
-            reduce_op = args[op_at[0]] if n > op_at[0] else kwargs.get(op_at[1])
-            if reduce_op is not None:
-                try:
-                    op = op_names.get(reduce_op, spec.name)
-                except TypeError:  # a premultiplied-sum op object (unhashable): the bare name
-                    op = spec.name
-        group = args[group_at[0]] if n > group_at[0] else kwargs.get("group")
-        is_async = always_async or (
-            async_pos >= 0 and bool(args[async_pos] if n > async_pos else kwargs.get("async_op"))
-        )
-        peer = _arg(args, kwargs, peer_at, -1) if p2p else None
-        pg = group if group is not None else world.default_pg
-        rec = start(op, world.pg_names.get(pg, "?") if pg is not None else "?", numel, dtype, None, is_async, peer)
-        try:
-            out = original(*args, **kwargs)
-        except BaseException as exc:
-            finish(rec, exc)
-            raise
-        if is_async and out is not None:
-            attach(rec, out)
-        else:
-            finish(rec)
-        return out
-
+            namespace[f"_default{i}"] = p.default
+            heads.append(f"{p.name}=_default{i}")
+        args.append(p.name if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}")
+    peer = spec.peer[1] if spec.peer is not None else None
+    source = _BODY.format(
+        params=", ".join(heads),
+        call=", ".join(args),
+        data=spec.data[1] if spec.data is not None else "None",
+        op=spec.op[1] if spec.op is not None else "None",
+        is_async="True" if spec.name in _ALWAYS_ASYNC else (f"bool({spec.async_op[1]})" if spec.async_op else "False"),
+        # A send/recv numbers in "<group>:p2p" even when its peer argument is None (a group_dst).
+        peer=f"-1 if {peer} is None else {peer}" if peer is not None else "None",
+    )
+    exec(compile(source, f"<ncclguard.instrument:{spec.name}>", "exec"), namespace)
+    recorded = functools.wraps(original)(namespace["recorded"])
     recorded.__ncclguard_original__ = original  # type: ignore[attr-defined]
     return recorded
 

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._naming import HOSTNAME
 from ncclguard.diagnosis import detect, torchfr
-from ncclguard.diagnosis.flight import FlightRecord, format_stack, frame_site, recorder
+from ncclguard.diagnosis.flight import FlightRecord, recorder
 from ncclguard.diagnosis.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
 from ncclguard.diagnosis.phase import main_thread_phase
+from ncclguard.diagnosis.sites import format_stack, frame_site
 from ncclguard.errors import TorchCompatError
 
 __all__ = ["RECENT", "RankState", "backend_ops", "op_record"]

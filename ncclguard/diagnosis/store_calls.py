@@ -1,24 +1,31 @@
 """Store calls for the watchdog: each bounded in time, classified as slow, refused or gone.
 
-:class:`BoundedCalls` runs each call on a helper thread (:func:`ncclguard._bounded.bounded_store_call`):
-a c10d ``TCPStore`` client's own timeout does not bound every call (``check`` on a server frozen by
-SIGSTOP blocked until the server resumed, measured on torch 2.13), and the watchdog thread must
-never wait on a dead peer. A closed connection on a server that still takes connections is one
-refused request (:class:`StoreRefused`), and the calls go on over a new connection.
+:class:`BoundedCalls` runs each call on a helper thread (:class:`Helper`, the pattern of
+:func:`ncclguard._bounded.bounded_store_call` with one long-lived thread instead of one thread per
+call): a c10d ``TCPStore`` client's own timeout does not bound every call (``check`` on a server
+frozen by SIGSTOP blocked until the server resumed, measured on torch 2.13), and the watchdog thread
+must never wait on a dead peer. A thread per call cost ~140 us of CPU per call against ~30 us
+for a hand-off to a waiting thread (benchmarks/README.md, "The watchdog's cost in a training
+loop"), and the watchdog makes a call every tick. A closed connection on a server that still
+takes connections is one refused request (:class:`StoreRefused`), and the calls go on over a new
+connection.
 """
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ncclguard._bounded import bounded_store_call
+from ncclguard._bounded import no_answer, run_into, still_stuck
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 
-__all__ = ["BoundedCalls", "StoreRefused"]
+__all__ = ["BoundedCalls", "Helper", "StoreRefused"]
+
+IDLE_EXIT_S = 5.0  # a helper thread with no call for this long ends (a new one starts on the next call)
 
 
 class StoreRefused(StoreTimeout):
@@ -33,10 +40,81 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+class Helper:
+    """A long-lived helper thread that runs one store call at a time, each within a deadline.
+
+    A call that misses its deadline is abandoned: the thread stays blocked in it, and until it
+    returns every later call fails at once (no pile of blocked threads). The thread ends after
+    :data:`IDLE_EXIT_S` without a call, or on :meth:`close`; the next call starts a new one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._pending: threading.Event | None = None  # set when the last call submitted has returned
+
+    def _loop(self, jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None]) -> None:
+        while True:
+            try:
+                job = jobs.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:  # the caller submits under this lock: no call is lost to the exit
+                    if self._jobs is not jobs:  # abandoned (closed, or left to a blocked call)
+                        return
+                    if jobs.empty():
+                        self._thread = None
+                        return
+                continue
+            if job is None:
+                return
+            run_into(*job)
+
+    def busy(self) -> bool:
+        """True while a call that missed its deadline has not returned."""
+        return self._pending is not None and not self._pending.is_set()
+
+    def call(self, fn: Callable[[], Any], timeout_s: float, what: str = "store call") -> Any:
+        """``fn()`` on the helper thread; its value within ``timeout_s`` seconds (1 ms at least).
+
+        Raises:
+            StoreUnreachable: ``fn()`` did not return in time, or an earlier call is still blocked.
+            The error ``fn()`` raised, if it raised one in time.
+        """
+        if self.busy():
+            raise still_stuck(what)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        start = time.monotonic()
+        with self._lock:
+            self._pending = done
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, args=(self._jobs,), name="ncclguard-store-call", daemon=True
+                )
+                self._thread.start()
+            self._jobs.put((fn, box, done))
+        if not done.wait(max(timeout_s, 0.001)):
+            with self._lock:  # the blocked thread is left to its call; the next call gets a new one
+                self._thread, self._jobs = None, queue.SimpleQueue()
+            raise no_answer(what, time.monotonic() - start)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def close(self) -> None:
+        """Ends the helper thread once its current call (if any) returns."""
+        with self._lock:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread, self._jobs = None, queue.SimpleQueue()
+
+
 class BoundedCalls:
-    """Store calls bounded by ``timeout`` each (:func:`ncclguard._bounded.bounded_store_call`: a
-    helper thread per call; while a call that missed its deadline is still blocked, later calls
-    fail at once), classified for the watchdog: torch's ``DistNetworkError`` (refused, reset)
+    """Store calls bounded by ``timeout`` each (:class:`Helper`: one helper thread; while a call that
+    missed its deadline is still blocked, later calls fail at once), classified for the watchdog: torch's ``DistNetworkError`` (refused, reset)
     means the store is gone; a missed deadline or torch's other errors mean slow, until the store
     has failed for ``gone_after`` seconds in a row.
 
@@ -50,12 +128,19 @@ class BoundedCalls:
         self.store, self.timeout, self.gone_after = store, timeout, gone_after
         self._failing_since: float | None = None
         self._clone: dict[str, Any] | None = None  # a reconnect under way: "done", then "store" or "error"
+        self._helper = Helper()
+
+    def close(self) -> None:
+        """Ends the helper thread (a later call starts a new one)."""
+        self._helper.close()
 
     def _adopt(self) -> None:
         """Takes the new client a reconnect made, once it is there."""
         box = self._clone
         if box is not None and "store" in box:
             self.store, self._clone = box["store"], None
+            if self._helper.busy():  # blocked on the old client: the new one gets a thread of its own
+                self._helper = Helper()
 
     def _reconnect(self) -> bool:
         """After the server closed the connection: True when it still takes connections, False when
@@ -115,7 +200,7 @@ class BoundedCalls:
 
         self._adopt()
         try:
-            value = bounded_store_call(self.store, lambda: fn(*args), self.timeout, "watchdog store call")
+            value = self._helper.call(lambda: fn(*args), self.timeout, "watchdog store call")
         except DistNetworkError as exc:  # broken pipe, connection reset/refused
             if self._reconnect():  # the server lives: it refused this one request
                 raise StoreRefused(

@@ -278,6 +278,8 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the watchdog must outlive its own bugs
                 log.exception("watchdog tick failed; going on")
             self._stop.wait(poll)
+        if desk.store is not None:
+            desk.store.close()  # its helper thread ends with the watchdog
 
     def _statement(self) -> Statement:
         return self._state.statement(self._beat, self._liveness.views(time.monotonic()))

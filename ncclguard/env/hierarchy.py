@@ -256,6 +256,7 @@ class TimeoutHierarchy(BaseModel):
         group: Any = None,
         backend: str | None = None,
         pg_timeout_s: float | None = None,
+        pg_source: str = "given",
         heartbeat_timeout_s: float | None = None,
         eval_deadline_s: float | None = None,
         op_numel: int = REFERENCE_NUMEL,
@@ -270,6 +271,7 @@ class TimeoutHierarchy(BaseModel):
             backend: the backend to assume when no group is live (default: nccl where CUDA
                 is available, else gloo).
             pg_timeout_s: the process-group timeout, when known better than the live group.
+            pg_source: where ``pg_timeout_s`` came from, for the table (e.g. ``TrainingArguments.ddp_timeout``).
             heartbeat_timeout_s: the supervisor's heartbeat timeout (default ``Config.heartbeat_timeout_s``).
             eval_deadline_s: the evaluation deadline (default ``Config.eval_deadline_s``).
             op_numel: the collective size the per-op deadline is computed for (float32).
@@ -294,7 +296,7 @@ class TimeoutHierarchy(BaseModel):
         live_backend = str(dist.get_backend(group)) if live is not None else None
         chosen_backend = live_backend or backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if pg_timeout_s is not None:
-            values["pg_timeout_s"], sources["pg_timeout_s"] = float(pg_timeout_s), "given"
+            values["pg_timeout_s"], sources["pg_timeout_s"] = float(pg_timeout_s), pg_source
         elif live is not None:
             values["pg_timeout_s"], sources["pg_timeout_s"] = live, f"live {live_backend} group"
         else:
