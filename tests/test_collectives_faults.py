@@ -136,3 +136,16 @@ def test_a_call_from_another_thread_keeps_its_deadline(th):
     assert got["barrier"]["type"] == "BarrierTimeout" and got["barrier"]["missing"] == [1]
     for kind in ("all_reduce", "barrier"):
         assert 1.5 <= got[kind]["elapsed"] < 2.5  # deadline + the post-mortem grace
+
+
+def test_a_barrier_whose_store_stops_answering_fails_by_its_deadline_and_the_next_one_works(th):
+    # torchrun's agent holds the store; rank 0 SIGSTOPs it and both ranks call safe_barrier(2 s).
+    for r in (0, 1):
+        got = th[r]["frozen_store"]
+        assert "skipped" not in got, got
+        frozen, thawed = got["frozen"], got["thawed"]
+        assert frozen["ok"] is False and frozen["type"] == "BarrierFailed", frozen
+        assert "the store did not answer" in frozen["message"], frozen
+        # Its deadline plus the 1 s the rendezvous gives store calls past it (_STORE_GRACE_S).
+        assert 2.0 <= frozen["elapsed"] < 2.0 + 1.0 + 0.5, frozen
+        assert thawed["ok"] is True and thawed["type"] is None, thawed  # the store answers again

@@ -1,13 +1,16 @@
 """Rank side of tests/test_collectives_faults.py. Usage: collectives_faults_worker.py SCENARIO.
 
 Scenarios: ``group_timeout`` (our deadline before the backend's), ``alignment`` (calls that do
-not line up are told, not matched), ``threads`` (safe calls from two threads on two groups).
+not line up are told, not matched), ``threads`` (safe calls from two threads on two groups, then
+a barrier while the store is frozen).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -246,7 +249,33 @@ def threads() -> None:
     else:
         time.sleep(3.0)
     safe_barrier(timeout=30)
+    frozen_store(r)
     rankkit.done()
+
+
+def frozen_store(r: int) -> None:
+    """The store stops answering: torchrun's agent (the ranks' parent) holds the TCPStore
+    server, so SIGSTOP freezes it; gloo's own connections do not need it."""
+    agent = os.getppid()
+    with open(f"/proc/{agent}/cmdline", "rb") as f:
+        cmdline = f.read()
+    if not any(name in cmdline for name in (b"torchrun", b"torch.distributed.run")):
+        put("frozen_store", {"skipped": f"the parent is not torchrun's agent: {cmdline!r}"})
+        return
+    dist.barrier()
+    if r == 0:
+        os.kill(agent, signal.SIGSTOP)
+    dist.barrier()  # over gloo: both ranks start with the store frozen
+    t0 = time.monotonic()
+    frozen = outcome(safe_barrier(timeout=2.0), t0)
+    dist.barrier()
+    if r == 0:
+        os.kill(agent, signal.SIGCONT)
+    dist.barrier()
+    time.sleep(0.2)  # the call left blocked in the frozen store returns first (until then calls fail fast)
+    t0 = time.monotonic()
+    thawed = outcome(safe_barrier(timeout=10.0), t0)
+    put("frozen_store", {"frozen": frozen, "thawed": thawed})
 
 
 if __name__ == "__main__":
