@@ -37,6 +37,8 @@ __all__ = [
 
 _get_ident = threading.get_ident
 _time = time.time
+_user_frame = user_frame
+_getframe = sys._getframe
 
 
 class FlightRecord:
@@ -256,37 +258,18 @@ class FlightRecorder:
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
         phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
+        code, lasti = None, -1
         if site is None:
             # The user's frame, found now (the stack is gone later); its line is looked up when
             # the site is read (FlightRecord.site): f_lineno costs more than the whole walk.
             frame = _user_frame(_getframe(2))
             if frame is None:
-                rec = FlightRecord(
-                    seq, op, group, numel, dtype, _time(), "started", None, phase, "?", None, async_op, peer, tid
-                )
+                site = "?"
             else:
-                rec = FlightRecord(
-                    seq,
-                    op,
-                    group,
-                    numel,
-                    dtype,
-                    _time(),
-                    "started",
-                    None,
-                    phase,
-                    None,
-                    None,
-                    async_op,
-                    peer,
-                    tid,
-                    frame.f_code,
-                    frame.f_lasti,
-                )
-        else:
-            rec = FlightRecord(
-                seq, op, group, numel, dtype, _time(), "started", None, phase, site, None, async_op, peer, tid
-            )
+                code, lasti = frame.f_code, frame.f_lasti
+        rec = FlightRecord(
+            seq, op, group, numel, dtype, _time(), "started", None, phase, site, None, async_op, peer, tid, code, lasti
+        )
         self._records.append(rec)
         opened = self._open.get(tid)
         if opened is None:
@@ -395,6 +378,4 @@ class FlightRecorder:
         self._open.clear()
 
 
-_user_frame = user_frame
-_getframe = sys._getframe
 recorder = FlightRecorder()
