@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard import instrument, recorder, uninstrument
-from ncclguard.diagnosis.liveness import SeqClock
-from ncclguard.diagnosis.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.liveness import SeqClock
+from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
 
 BUDGET_US_PER_GROUP = 20.0
 GROUP_COUNTS = (1, 8, 32)

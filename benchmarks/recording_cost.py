@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import instrument, phase, recorder, uninstrument
-from ncclguard.diagnosis.instrument import _spec, _wrap
+from ncclguard.recording.instrument import _spec, _wrap
 
 BUDGET_US = 1.5
 
@@ -160,7 +160,7 @@ def ablation(calls: int = 100_000, repeat: int = 7) -> dict[str, float]:
     """The generated wrapper cut after each piece of its body, around a no-op in a warm loop:
     thread CPU ns per call over the bare no-op (median of ``repeat``). A diagnosis of where the
     recording time goes, not an API: it compiles truncated copies of ``instrument._BODY``."""
-    from ncclguard.diagnosis import instrument as ins
+    from ncclguard.recording import instrument as ins
 
     t = torch.ones(1)
     body = ins._BODY

@@ -41,7 +41,7 @@ def _rank(iters: int) -> None:
     from ncclguard.collectives import all_reduce as ar
     from ncclguard.collectives.groups import cached_state
     from ncclguard.config import get_config
-    from ncclguard.diagnosis import flight
+    from ncclguard.recording import flight
 
     dist.init_process_group("gloo")
     t = torch.ones(1)

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ncclguard.diagnosis.settings import WatchdogConfig
 from ncclguard.testing.launch import spawn
+from ncclguard.watching.settings import WatchdogConfig
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "watchdog_cost_worker.py"
@@ -144,7 +144,7 @@ def verdict(ci: Sequence[float], floor: Sequence[float]) -> str:
 def watchdog_thread_stats(ranks: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
     """The watchdog thread's CPU over all of ``mode``'s blocks, per rank-second and per step."""
     hb = float(mode[2:])
-    poll = min(hb / 5, 0.5)  # the loop's tick (ncclguard/diagnosis/watchdog.py, Watchdog._run)
+    poll = min(hb / 5, 0.5)  # the loop's tick (ncclguard/watching/watchdog.py, Watchdog._run)
     cpu = wall = steps = calls = 0.0
     for res in ranks:
         for b in res["blocks"]:
@@ -200,7 +200,7 @@ def idle_stats(ranks: Sequence[dict[str, Any]], train_cores: float) -> dict[str,
     }
     for mode in sorted({m for _, m in rate if m.startswith("wd")}, key=lambda m: -float(m[2:])):
         hb = float(mode[2:])
-        tick = min(hb / 5, 0.5)  # the loop's tick (ncclguard/diagnosis/watchdog.py, Watchdog._run)
+        tick = min(hb / 5, 0.5)  # the loop's tick (ncclguard/watching/watchdog.py, Watchdog._run)
         extras = [rate[(r, mode)] - rate[(r, "off")] for r in rounds if (r, mode) in rate]
         extra = statistics.fmean(extras)
         out[mode] = {
@@ -336,7 +336,7 @@ def git_state() -> dict[str, Any]:
     return {
         "head": git("rev-parse", "HEAD"),
         "uncommitted_in_diagnosis": git(
-            "status", "--short", "--", "ncclguard/diagnosis", "ncclguard/_bounded.py"
+            "status", "--short", "--", "ncclguard/watching", "ncclguard/recording", "ncclguard/store"
         ).splitlines(),
     }
 

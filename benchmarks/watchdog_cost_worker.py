@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import ncclguard
-from ncclguard.diagnosis.instrument import is_instrumented
+from ncclguard.recording.instrument import is_instrumented
 
 WATCHDOG_THREAD = "ncclguard-watchdog"  # the name Watchdog gives its thread
 

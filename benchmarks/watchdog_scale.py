@@ -1,6 +1,6 @@
 """The watchdog's store protocol at 64, 256 and 1,024 simulated ranks against one real TCPStore.
 
-Each simulated rank is a real :class:`ncclguard.diagnosis.watchdog.Watchdog` whose loop
+Each simulated rank is a real :class:`ncclguard.watching.watchdog.Watchdog` whose loop
 (``Watchdog._run``: heartbeats, watched peers, the hang and desync detectors, incident claim,
 statements, merge, the ladder) runs on a thread of its own, with its own TCPStore client, against
 one TCPStore server; only the rank's state is synthetic (:class:`SimState`: no process group, so
@@ -120,8 +120,8 @@ class CountingStore:
 
 def sim_state_class() -> type:
     """:class:`SimState` (built after torch is imported, in the worker)."""
-    from ncclguard.diagnosis.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
-    from ncclguard.diagnosis.snapshot import RankState
+    from ncclguard.incidents.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
+    from ncclguard.watching.snapshot import RankState
 
     class SimState(RankState):
         """A rank's state without a process group: its backend number follows the schedule."""
@@ -206,7 +206,7 @@ def start_sim_watchdog(store: Any, rank: int, world: int, state: Any, config: An
     with the module's ``RankState`` and allows one watchdog per process; for the simulation those
     are set (and put back) around each start, under a lock.
     """
-    import ncclguard.diagnosis.watchdog as wmod
+    import ncclguard.watching.watchdog as wmod
 
     with _start_lock:
         saved = wmod.RankState, os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
@@ -257,7 +257,7 @@ def worker(args: argparse.Namespace) -> None:
     """One process's share of the simulated ranks (``--lo`` to ``--hi``)."""
     import torch.distributed as dist
 
-    from ncclguard.diagnosis.settings import WatchdogConfig
+    from ncclguard.watching.settings import WatchdogConfig
 
     tally = Tally()
     logging.getLogger("ncclguard").addHandler(tally)

@@ -44,11 +44,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from ncclguard._log import log
 from ncclguard.collectives.all_reduce import safe_all_reduce
 from ncclguard.collectives.barrier import safe_barrier
-from ncclguard.collectives.deadlines import to_seconds
 from ncclguard.collectives.groups import GroupInfo, group_info
 from ncclguard.collectives.rendezvous import exchange, next_round
-from ncclguard.diagnosis.sigalrm import sigalrm_timeout
+from ncclguard.deadlines import to_seconds
 from ncclguard.errors import StoreUnreachable
+from ncclguard.sigalrm import sigalrm_timeout
 
 # Relative: this folder installs as ncclguard.integrations, and type checkers read it as `integrations`.
 from .eval_group import EvalGroup, deadline_timeout, routed_default_group

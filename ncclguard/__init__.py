@@ -3,11 +3,6 @@
 from ncclguard.collectives.all_reduce import CollectiveResult, safe_all_reduce
 from ncclguard.collectives.barrier import BarrierResult, safe_barrier
 from ncclguard.config import Config, configure, get_config
-from ncclguard.diagnosis.flight import FlightRecord, recorder
-from ncclguard.diagnosis.instrument import instrument, uninstrument
-from ncclguard.diagnosis.phase import current_phase, phase
-from ncclguard.diagnosis.sigalrm import sigalrm_timeout
-from ncclguard.diagnosis.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.env.hierarchy import TimeoutHierarchy
 from ncclguard.env.pginit import ProcessGroupInit, init_process_group
 from ncclguard.errors import (
@@ -21,7 +16,12 @@ from ncclguard.errors import (
     StoreUnreachable,
     TorchCompatError,
 )
+from ncclguard.recording.flight import FlightRecord, recorder
+from ncclguard.recording.instrument import instrument, uninstrument
+from ncclguard.recording.phase import current_phase, phase
 from ncclguard.recovery import RebuildResult, rebuild_world
+from ncclguard.sigalrm import sigalrm_timeout
+from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""ncclguard._bounded: a store call returns by its deadline even when the store's host is cut off."""
+"""ncclguard.store.bounded: a store call returns by its deadline even when the store's host is cut off."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ncclguard._bounded import bounded_store_call
 from ncclguard.errors import StoreUnreachable
+from ncclguard.store.bounded import bounded_store_call
 
 
 class FrozenStore:

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from ncclguard.collectives import rendezvous
 from ncclguard.collectives.calls import CallPrint, begin_call, call_site, check_tag, compare_prints, meet
-from ncclguard.collectives.deadlines import check_below_group_timeout, default_deadline, group_cap_s
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.config import configure
+from ncclguard.deadlines import check_below_group_timeout, default_deadline, group_cap_s
 
 # ---------------------------------------------------------------- deadlines in the group's timeout
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 import ncclguard
 from ncclguard.collectives.chunking import chunk_bounds, chunk_count, logical_views
-from ncclguard.collectives.deadlines import adaptive_timeout, size_timeout, to_seconds
 from ncclguard.config import Config, configure, get_config
+from ncclguard.deadlines import adaptive_timeout, size_timeout, to_seconds
 
 
 @pytest.mark.parametrize(

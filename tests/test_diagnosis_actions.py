@@ -17,7 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from ncclguard import Watchdog
-from ncclguard.diagnosis.actions import (
+from ncclguard.errors import CollectiveTimeout
+from ncclguard.incidents.model import IncidentDoc, IncidentKind, OpRecord
+from ncclguard.recording.flight import recorder
+from ncclguard.watching.actions import (
     Abort,
     Action,
     ActionContext,
@@ -31,10 +34,7 @@ from ncclguard.diagnosis.actions import (
     Report,
     build_ladder,
 )
-from ncclguard.diagnosis.flight import recorder
-from ncclguard.diagnosis.model import IncidentDoc, IncidentKind, OpRecord
-from ncclguard.diagnosis.settings import WatchdogConfig
-from ncclguard.errors import CollectiveTimeout
+from ncclguard.watching.settings import WatchdogConfig
 
 DOC = IncidentDoc(
     kind=IncidentKind.HANG, reason="rank 0 waited", id="x-001", created=time.time(), group="0", seq=7, op="barrier"
@@ -174,9 +174,9 @@ def test_abort_calls_abort_on_every_process_group():
 def test_exit_saves_its_rung_then_ends_the_process_with_its_code(tmp_path):
     script = f"""
 import json, pathlib, time
-from ncclguard.diagnosis.actions import ActionContext, Exit, IncidentRef
-from ncclguard.diagnosis.model import IncidentDoc
-from ncclguard.diagnosis.settings import WatchdogConfig
+from ncclguard.watching.actions import ActionContext, Exit, IncidentRef
+from ncclguard.incidents.model import IncidentDoc
+from ncclguard.watching.settings import WatchdogConfig
 doc = IncidentDoc(kind="hang", reason="r", id="x-002")
 save = lambda o: pathlib.Path({str(tmp_path / "saved.json")!r}).write_text(json.dumps([o.done, o.details]))
 for exit in (Exit(), Exit(9)):

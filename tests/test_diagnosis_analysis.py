@@ -3,9 +3,9 @@ e.g. DDP's reducer), on synthetic statements; the Python-level analysis is tests
 
 from __future__ import annotations
 
-from ncclguard.diagnosis.analysis import FROM_CPP, analyse, assemble
-from ncclguard.diagnosis.model import BackendOp, CulpritReason, DesyncFinding, IncidentDoc, IncidentKind, Statement
-from ncclguard.diagnosis.render import render
+from ncclguard.incidents.analysis import FROM_CPP, analyse, assemble
+from ncclguard.incidents.model import BackendOp, CulpritReason, DesyncFinding, IncidentDoc, IncidentKind, Statement
+from ncclguard.incidents.render import render
 
 NOW = 1_000_000.0
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ncclguard.diagnosis.detect import (
+from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
+from ncclguard.recording.flight import FlightRecorder
+from ncclguard.watching.detect import (
     Detection,
     SeqView,
     Verdict,
@@ -19,8 +21,6 @@ from ncclguard.diagnosis.detect import (
     find_lost,
     op_key,
 )
-from ncclguard.diagnosis.flight import FlightRecorder
-from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord
 
 NOW = 1000.0
 

@@ -1,8 +1,8 @@
 """Hostile and malformed store data (issue 12, point 3), against a REAL TCPStore.
 
-Every key of the watchdog's schema (:class:`ncclguard.diagnosis.store.Keys`) gets malformed JSON,
+Every key of the watchdog's schema (:class:`ncclguard.watching.protocol.Keys`) gets malformed JSON,
 values over their size bound, wrong types, non-finite numbers, values under the wrong rank's key
-and path-traversal incident ids, while a real :class:`~ncclguard.diagnosis.watchdog.Watchdog`
+and path-traversal incident ids, while a real :class:`~ncclguard.watching.watchdog.Watchdog`
 (rank 0 of a world of 2; the test plays rank 1) runs against the store. Afterwards the watchdog
 still beats, nothing was written outside ``incident_dir``, and each bad key gave one log line
 naming it. The round of :mod:`ncclguard.collectives.rendezvous` gets the same treatment for the
@@ -30,13 +30,13 @@ from hypothesis import strategies as st
 
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.collectives.rendezvous import exchange
-from ncclguard.diagnosis.actions import Action, ActionContext, IncidentRef, Outcome
-from ncclguard.diagnosis.flight import recorder
-from ncclguard.diagnosis.incidents import incident_path
-from ncclguard.diagnosis.model import Heartbeat, IncidentDoc, IncidentKind, Statement
-from ncclguard.diagnosis.store import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
-from ncclguard.diagnosis.watchdog import Watchdog
 from ncclguard.errors import StoreTimeout
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Statement
+from ncclguard.recording.flight import recorder
+from ncclguard.watching.actions import Action, ActionContext, IncidentRef, Outcome
+from ncclguard.watching.desk import incident_path
+from ncclguard.watching.protocol import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
+from ncclguard.watching.watchdog import Watchdog
 
 T = TypeVar("T")
 HB = 0.1

@@ -12,15 +12,15 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ncclguard.diagnosis.actions import Ladder, build_ladder
-from ncclguard.diagnosis.detect import Detection
-from ncclguard.diagnosis.incidents import IncidentDesk, blocked_in
-from ncclguard.diagnosis.liveness import Liveness
-from ncclguard.diagnosis.model import Heartbeat, IncidentKind, OpRecord, Statement
-from ncclguard.diagnosis.settings import WatchdogConfig
-from ncclguard.diagnosis.snapshot import RankState
-from ncclguard.diagnosis.store import Keys, WatchdogStore
 from ncclguard.errors import StoreUnreachable
+from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Statement
+from ncclguard.watching.actions import Ladder, build_ladder
+from ncclguard.watching.desk import IncidentDesk, blocked_in
+from ncclguard.watching.detect import Detection
+from ncclguard.watching.liveness import Liveness
+from ncclguard.watching.protocol import Keys, WatchdogStore
+from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.snapshot import RankState
 
 WORLD = 3
 

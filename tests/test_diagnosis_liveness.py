@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ncclguard.diagnosis.detect import SeqView
-from ncclguard.diagnosis.liveness import Liveness, SeqClock, watched_peers
-from ncclguard.diagnosis.model import Heartbeat, PeerView
+from ncclguard.incidents.model import Heartbeat, PeerView
+from ncclguard.watching.detect import SeqView
+from ncclguard.watching.liveness import Liveness, SeqClock, watched_peers
 
 
 def hb(rank: int, beat: int) -> Heartbeat:

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from ncclguard.cli import main
-from ncclguard.diagnosis.incident import load, write_json
-from ncclguard.diagnosis.model import (
+from ncclguard.incidents.files import load, write_json
+from ncclguard.incidents.model import (
     FORMAT_VERSION,
     CulpritReason,
     FindingKind,
@@ -24,7 +24,7 @@ from ncclguard.diagnosis.model import (
     upgrade_incident,
     upgrade_rank_dump,
 )
-from ncclguard.diagnosis.render import render
+from ncclguard.incidents.render import render
 
 V1 = Path(__file__).parent / "fixtures" / "incidents_v1"
 DESYNC = V1 / "20261122-090619-001"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
-from ncclguard.diagnosis import torchfr
-from ncclguard.diagnosis.model import OpRecord
+from ncclguard.incidents.model import OpRecord
+from ncclguard.watching import torchfr
 
 pytestmark = pytest.mark.multirank
 HEARTBEAT_S = 0.3  # as in the worker

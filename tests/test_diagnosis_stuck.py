@@ -4,8 +4,8 @@ detectors are tests/test_diagnosis_detect.py; real ranks, tests/test_diagnosis_s
 
 from __future__ import annotations
 
-from ncclguard.diagnosis.analysis import FROM_CPP, analyse, assemble
-from ncclguard.diagnosis.model import (
+from ncclguard.incidents.analysis import FROM_CPP, analyse, assemble
+from ncclguard.incidents.model import (
     BackendOp,
     DesyncFinding,
     IncidentDoc,
@@ -14,7 +14,7 @@ from ncclguard.diagnosis.model import (
     Statement,
     StuckFinding,
 )
-from ncclguard.diagnosis.render import render
+from ncclguard.incidents.render import render
 
 NOW = 1_000_000.0
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ncclguard.diagnosis.model import OpRecord
-from ncclguard.diagnosis.torchfr import (
+from ncclguard.incidents.model import OpRecord
+from ncclguard.watching.torchfr import (
     MAX_DUMP_CHARS,
     FREntry,
     entry_open,

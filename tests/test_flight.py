@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import configure, current_phase, instrument, phase, uninstrument
-from ncclguard.diagnosis.flight import FlightRecorder, recorder
-from ncclguard.diagnosis.instrument import INSTRUMENTED_OPS, is_instrumented
-from ncclguard.diagnosis.phase import main_thread_phase
-from ncclguard.diagnosis.sites import call_site
+from ncclguard.recording.flight import FlightRecorder, recorder
+from ncclguard.recording.instrument import INSTRUMENTED_OPS, is_instrumented
+from ncclguard.recording.phase import main_thread_phase
+from ncclguard.recording.sites import call_site
 
 HERE = __file__
 
@@ -242,7 +242,7 @@ def test_the_site_is_resolved_when_read_and_names_the_line_f_lineno_gives(world_
 
 
 def test_code_site_agrees_with_f_lineno_on_every_line_of_a_function():
-    from ncclguard.diagnosis.sites import code_site
+    from ncclguard.recording.sites import code_site
 
     seen = []
 
@@ -264,7 +264,7 @@ def test_code_site_agrees_with_f_lineno_on_every_line_of_a_function():
 
 
 def test_a_record_without_a_user_frame_reads_question_mark():
-    from ncclguard.diagnosis.flight import FlightRecord
+    from ncclguard.recording.flight import FlightRecord
 
     rec = FlightRecord(1, "barrier", "0", 0, "", 1.0, site=None)
     assert rec.site == "?" and rec.to_dict()["site"] == "?"

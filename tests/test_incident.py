@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ncclguard.cli import main
-from ncclguard.diagnosis.incident import analyse, load_incident, merge, rank_ranges, render, write_json
+from ncclguard.incidents.files import analyse, load_incident, merge, rank_ranges, render, write_json
 
 NOW = 1_000_000.0
 

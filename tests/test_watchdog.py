@@ -12,8 +12,8 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from ncclguard import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
-from ncclguard.diagnosis.instrument import is_instrumented
-from ncclguard.diagnosis.watchdog import ACTIONS, EXIT_CODE
+from ncclguard.recording.instrument import is_instrumented
+from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE
 
 
 def test_defaults_and_derived_values():

@@ -15,7 +15,7 @@ import pytest
 from harness import run_ranks
 
 from ncclguard.cli import main
-from ncclguard.diagnosis.watchdog import EXIT_CODE
+from ncclguard.watching.watchdog import EXIT_CODE
 
 pytestmark = pytest.mark.multirank
 HEARTBEAT_S = 0.3  # as in the worker

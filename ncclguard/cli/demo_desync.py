@@ -63,9 +63,9 @@ def _rank_main(incident_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ncclguard.diagnosis.incident import load
-    from ncclguard.diagnosis.model import CulpritReason
-    from ncclguard.diagnosis.render import render
+    from ncclguard.incidents.files import load
+    from ncclguard.incidents.model import CulpritReason
+    from ncclguard.incidents.render import render
     from ncclguard.testing.launch import spawn
 
     incident_dir = tempfile.mkdtemp(prefix="ncclguard-demo-incidents-")

@@ -31,6 +31,7 @@ from ncclguard._naming import rank_ranges
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
 from ncclguard.env.hierarchy import TimeoutHierarchy
 from ncclguard.env.netenv import NetPlan, detect
+from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, trainer_timeout_notes
 from ncclguard.env.versions import library_versions
 from ncclguard.testing.launch import under_launcher
 
@@ -174,13 +175,6 @@ def _timeouts(args: argparse.Namespace) -> tuple[TimeoutHierarchy, list[str], li
             backend=args.backend, pg_timeout_s=args.pg_timeout, eval_deadline_s=args.eval_timeout, validate=False
         )
         return hierarchy, hierarchy.problems(), hierarchy.notes()
-    # Imported here: only a Trainer job needs it. mypy sees integrations/ as a package of its own
-    # (setuptools package-dir maps it to ncclguard.integrations when installed).
-    from ncclguard.integrations.shared import (  # type: ignore[import-not-found]
-        HF_DDP_TIMEOUT_DEFAULT_S,
-        trainer_timeout_notes,
-    )
-
     if args.training_args is not None:
         ddp = read_ddp_timeout(args.training_args)
         source = f"TrainingArguments.ddp_timeout ({args.training_args}{'' if ddp is not None else ', default'})"

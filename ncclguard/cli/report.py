@@ -13,9 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ncclguard.diagnosis.incident import INCIDENT_FILE, load
-from ncclguard.diagnosis.model import Incident, RankDump, upgrade_incident
-from ncclguard.diagnosis.render import render
+from ncclguard.incidents.files import INCIDENT_FILE, load
+from ncclguard.incidents.model import Incident, RankDump, upgrade_incident
+from ncclguard.incidents.render import render
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,12 +25,6 @@ from ncclguard._log import log
 from ncclguard._naming import _DTYPE_NAMES, REDUCE_OP_NAMES, dtype_name
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
-from ncclguard.collectives.deadlines import (
-    adaptive_timeout,
-    check_below_group_timeout,
-    default_deadline,
-    to_seconds,
-)
 from ncclguard.collectives.groups import (
     BACKEND_DEVICES,
     GroupInfo,
@@ -52,12 +46,18 @@ from ncclguard.collectives.wire import (
     wait_work,
 )
 from ncclguard.config import Config, get_config
-from ncclguard.diagnosis.flight import recorder
+from ncclguard.deadlines import (
+    adaptive_timeout,
+    check_below_group_timeout,
+    default_deadline,
+    to_seconds,
+)
 from ncclguard.errors import (
     CollectiveError,
     GroupFailed,
     NcclGuardError,
 )
+from ncclguard.recording.flight import recorder
 
 __all__ = [
     "CollectiveResult",
@@ -180,8 +180,8 @@ def safe_all_reduce(
         group: the process group (default: the world). Without an initialized process group the
             call is a world of one: ok, tensor unchanged.
         timeout: seconds or timedelta for the whole call, from entry; must be below the group's
-            own timeout. Default: by size (:func:`ncclguard.collectives.deadlines.adaptive_timeout`),
-            capped below the group's timeout (:func:`ncclguard.collectives.deadlines.group_cap_s`).
+            own timeout. Default: by size (:func:`ncclguard.deadlines.adaptive_timeout`),
+            capped below the group's timeout (:func:`ncclguard.deadlines.group_cap_s`).
         chunk_numel: elements per chunk; default from the size policy in :class:`ncclguard.Config`.
         atomic: on failure, leave the tensor bit for bit as it was (costs one copy of it, in a
             buffer kept between calls; see :func:`release_atomic_buffers`).

@@ -9,9 +9,9 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.collectives.calls import begin_call, check_tag, meet, postmortem
-from ncclguard.collectives.deadlines import default_deadline, to_seconds
 from ncclguard.collectives.groups import group_info, group_timeout_s
 from ncclguard.config import get_config
+from ncclguard.deadlines import default_deadline, to_seconds
 from ncclguard.errors import BarrierFailed, BarrierTimeout, CollectiveError, CollectiveMismatch, StoreUnreachable
 
 __all__ = ["BarrierResult", "safe_barrier"]
@@ -58,7 +58,7 @@ def safe_barrier(
     Args:
         timeout: seconds (or a timedelta) from entry; must be positive. Default:
             ``Config.barrier_timeout_s`` capped below the group's own timeout
-            (:func:`~ncclguard.collectives.deadlines.group_cap_s`). An explicit timeout is taken
+            (:func:`~ncclguard.deadlines.group_cap_s`). An explicit timeout is taken
             as given, even past the group's timeout: the barrier never touches the communicator,
             so the backend's timeout cannot cut it short.
         group: the process group (default: the world).

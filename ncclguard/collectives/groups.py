@@ -13,8 +13,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard.collectives.deadlines import adaptive_timeout, group_cap_s
 from ncclguard.config import Config
+from ncclguard.deadlines import adaptive_timeout, group_cap_s
 from ncclguard.errors import TorchCompatError
 
 __all__ = [
@@ -240,8 +240,8 @@ class GroupState:
 
     def default_deadline(self, numel: int, nbytes: int, config: Config, now: float) -> float:
         """The default deadline of a call on ``numel`` elements (``nbytes`` bytes): the policy's
-        (:func:`~ncclguard.collectives.deadlines.adaptive_timeout`), capped below the group's
-        timeout (:func:`~ncclguard.collectives.deadlines.group_cap_s`).
+        (:func:`~ncclguard.deadlines.adaptive_timeout`), capped below the group's
+        timeout (:func:`~ncclguard.deadlines.group_cap_s`).
 
         The group's timeout is read again when the last read is :data:`TIMEOUT_TTL_S` old (``now``
         is ``time.monotonic()``) or the configuration changed, so a default deadline follows a

@@ -32,11 +32,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed import DistStoreError
 
-from ncclguard._bounded import bounded_store_call
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.errors import StoreUnreachable
+from ncclguard.store.bounded import bounded_store_call
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",

@@ -22,7 +22,7 @@ from ncclguard.collectives.chunking import logical_views
 from ncclguard.collectives.completion import DeadlinePassed, wait_gpu_work
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.config import get_config
-from ncclguard.diagnosis.flight import recorder
+from ncclguard.recording.flight import recorder
 
 __all__ = [
     "CLOCK_SLACK_S",

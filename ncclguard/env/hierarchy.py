@@ -13,9 +13,9 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ncclguard import _torch_compat as compat
-from ncclguard.collectives.deadlines import adaptive_timeout, default_deadline
 from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.config import Config, get_config
+from ncclguard.deadlines import adaptive_timeout, default_deadline
 
 __all__ = [
     "TimeoutHierarchy",
@@ -80,7 +80,7 @@ def _s(seconds: float | None) -> str:
 def _watchdog_timeouts() -> tuple[float | None, float | None, str]:
     """The watchdog's hang and peer-liveness timeouts: the running one's, else its configuration."""
     try:
-        from ncclguard.diagnosis.watchdog import WatchdogConfig, current_watchdog
+        from ncclguard.watching.watchdog import WatchdogConfig, current_watchdog
     except ImportError:
         return None, None, ""
     running = current_watchdog()

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.deadlines import to_seconds
 from ncclguard.env.hierarchy import group_timeout_s
 from ncclguard.env.netenv import NetPlan, apply, detect
 from ncclguard.errors import TorchCompatError

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.deadlines import to_seconds
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",

@@ -34,8 +34,8 @@ from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.collectives import all_reduce as _all_reduce
 from ncclguard.collectives import groups as _groups
 from ncclguard.collectives import rendezvous as _rendezvous
-from ncclguard.diagnosis.flight import recorder
 from ncclguard.errors import StoreUnreachable
+from ncclguard.recording.flight import recorder
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
     Arrival,

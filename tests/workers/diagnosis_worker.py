@@ -29,8 +29,8 @@ import torch.distributed as dist
 from rankkit import kill, put, skip_collective
 
 from ncclguard import CollectiveTimeout, phase, recorder, safe_barrier, sigalrm_timeout, start_watchdog
-from ncclguard.diagnosis.actions import Action, ActionContext, IncidentRef, Outcome
-from ncclguard.diagnosis.incident import INCIDENT_FILE
+from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.watching.actions import Action, ActionContext, IncidentRef, Outcome
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

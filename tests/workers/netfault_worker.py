@@ -20,8 +20,8 @@ import torch.distributed as dist
 from rankkit import put
 
 import ncclguard
-from ncclguard.diagnosis.store import Keys, WatchdogStore
 from ncclguard.errors import StoreTimeout
+from ncclguard.watching.protocol import Keys, WatchdogStore
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 

@@ -32,9 +32,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ncclguard import _torch_compat as compat
 from ncclguard import phase, recorder, safe_barrier, start_watchdog
-from ncclguard.diagnosis import torchfr
-from ncclguard.diagnosis.incident import INCIDENT_FILE
-from ncclguard.diagnosis.snapshot import RankState, op_record
+from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.watching import torchfr
+from ncclguard.watching.snapshot import RankState, op_record
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

@@ -26,7 +26,7 @@ from rankkit import put
 
 from ncclguard import _torch_compat as compat
 from ncclguard import phase, start_watchdog
-from ncclguard.diagnosis.incident import INCIDENT_FILE
+from ncclguard.incidents.files import INCIDENT_FILE
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

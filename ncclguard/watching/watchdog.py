@@ -14,15 +14,15 @@ incident when
 
 Every rank dumps its state for the incident, one merges the statements into a report naming the
 culprits apart from the victims, then every rank climbs the action ladder (report, raise, abort,
-exit, or your own :class:`~ncclguard.diagnosis.actions.Action` rungs), giving each rung
+exit, or your own :class:`~ncclguard.watching.actions.Action` rungs), giving each rung
 ``escalate_after_s`` to clear the hang. No store call waits longer than ``store_timeout_s``;
 nothing waits on a dead peer.
 
 This module holds the thread and its loop; the parts it drives, each with one job:
-:mod:`~ncclguard.diagnosis.store` (the store protocol), :mod:`~ncclguard.diagnosis.liveness`
-(peer heartbeats), :mod:`~ncclguard.diagnosis.detect` (detectors), :mod:`~ncclguard.diagnosis.incidents`
-(claim, statements, merge), :mod:`~ncclguard.diagnosis.actions` (the ladder),
-:mod:`~ncclguard.diagnosis.snapshot` (this rank's state), :mod:`~ncclguard.diagnosis.settings`
+:mod:`~ncclguard.watching.protocol` (the store protocol), :mod:`~ncclguard.watching.liveness`
+(peer heartbeats), :mod:`~ncclguard.watching.detect` (detectors), :mod:`~ncclguard.watching.desk`
+(claim, statements, merge), :mod:`~ncclguard.watching.actions` (the ladder),
+:mod:`~ncclguard.watching.snapshot` (this rank's state), :mod:`~ncclguard.watching.settings`
 (:class:`WatchdogConfig`).
 """
 
@@ -38,17 +38,17 @@ from types import FrameType
 from typing import Any
 
 from ncclguard._log import log
-from ncclguard.diagnosis import detect
-from ncclguard.diagnosis.actions import Action, Ladder, MainThreadRaiser, build_ladder
-from ncclguard.diagnosis.flight import recorder
-from ncclguard.diagnosis.incident import INCIDENT_FILE
-from ncclguard.diagnosis.incidents import IncidentDesk
-from ncclguard.diagnosis.liveness import Liveness, SeqClock
-from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord, Statement
-from ncclguard.diagnosis.settings import ACTIONS, EXIT_CODE, WatchdogConfig
-from ncclguard.diagnosis.snapshot import RECENT, RankState, backend_ops
-from ncclguard.diagnosis.store import Keys, WatchdogStore, store_addr
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord, Statement
+from ncclguard.recording.flight import recorder
+from ncclguard.watching import detect
+from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
+from ncclguard.watching.desk import IncidentDesk
+from ncclguard.watching.liveness import Liveness, SeqClock
+from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
+from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
+from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
 
@@ -73,7 +73,7 @@ class Watchdog:
             watchdog's threads only; every call is bounded by ``store_timeout_s``).
         actions: a ladder of your own instead of ``config.action``'s: built-in names
             (``"report"``, ``"raise"``, ``"abort"``, ``"exit"``) and
-            :class:`~ncclguard.diagnosis.actions.Action` instances, in order (``report`` first).
+            :class:`~ncclguard.watching.actions.Action` instances, in order (``report`` first).
         **overrides: fields of :class:`WatchdogConfig` applied on top of ``config``.
 
     Raises:
@@ -147,7 +147,7 @@ class Watchdog:
             cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond
         )
         if cfg.instrument:
-            from ncclguard.diagnosis.instrument import instrument, is_instrumented
+            from ncclguard.recording.instrument import instrument, is_instrumented
 
             if not is_instrumented():
                 instrument()
@@ -184,7 +184,7 @@ class Watchdog:
             self._raiser.uninstall()
             self._handler_installed = False
         if self._instrumented:
-            from ncclguard.diagnosis.instrument import uninstrument
+            from ncclguard.recording.instrument import uninstrument
 
             uninstrument()
             self._instrumented = False

@@ -30,10 +30,10 @@ from torch.distributed import distributed_c10d as c10d
 from ncclguard import _torch_compat as compat
 from ncclguard._naming import _DTYPE_NAMES as dtype_names
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.diagnosis.flight import FlightRecord, recorder
-from ncclguard.diagnosis.phase import MAIN as MAIN_PHASES
-from ncclguard.diagnosis.phase import current_phase
-from ncclguard.diagnosis.sites import user_frame
+from ncclguard.recording.flight import FlightRecord, recorder
+from ncclguard.recording.phase import MAIN as MAIN_PHASES
+from ncclguard.recording.phase import current_phase
+from ncclguard.recording.sites import user_frame
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
 

@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.diagnosis.model import ActionEntry, IncidentDoc, OpRecord
-from ncclguard.diagnosis.settings import ACTIONS
 from ncclguard.errors import CollectiveTimeout
+from ncclguard.incidents.model import ActionEntry, IncidentDoc, OpRecord
+from ncclguard.watching.settings import ACTIONS
 
 if TYPE_CHECKING:
-    from ncclguard.diagnosis.settings import WatchdogConfig
+    from ncclguard.watching.settings import WatchdogConfig
 
 __all__ = [
     "Abort",
@@ -290,7 +290,7 @@ def build_ladder(action: str, actions: Sequence[Action | str] | None = None) -> 
             ladder.append(a)
         else:
             raise TypeError(
-                f"each of actions must be one of {list(BUILTIN)} or an ncclguard.diagnosis.actions.Action "
+                f"each of actions must be one of {list(BUILTIN)} or an ncclguard.watching.actions.Action "
                 f"instance, got {a!r}"
             )
     if not ladder or not isinstance(ladder[0], Report):

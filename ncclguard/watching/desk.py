@@ -4,9 +4,9 @@ An incident is a numbered entry in the store. The first rank that detects someth
 signature and numbers it; every rank's watchdog that sees the number handles it: dumps the stacks
 of all its Python threads, its flight records and the heartbeats to
 ``<incident_dir>/<id>/rank<r>.json`` and publishes a statement; the first rank done merges the
-statements into ``incident.json`` and ``summary.txt`` (:mod:`ncclguard.diagnosis.analysis`),
+statements into ``incident.json`` and ``summary.txt`` (:mod:`ncclguard.incidents.analysis`),
 waiting at most ``merge_wait`` for the others. Then every rank climbs the action ladder
-(:mod:`ncclguard.diagnosis.actions`). Without a store (a world of one, or the store gone) a rank
+(:mod:`ncclguard.watching.actions`). Without a store (a world of one, or the store gone) a rank
 handles its incidents alone ("local" incidents, numbered below zero). Nothing is written
 outside ``incident_dir`` (:func:`incident_path`).
 """
@@ -26,21 +26,10 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
-from ncclguard.diagnosis.actions import (
-    Action,
-    ActionContext,
-    IncidentRef,
-    Ladder,
-    LadderState,
-    MainThreadRaiser,
-    Outcome,
-    Step,
-)
-from ncclguard.diagnosis.analysis import assemble
-from ncclguard.diagnosis.detect import Detection
-from ncclguard.diagnosis.incident import INCIDENT_FILE, SUMMARY_FILE, write_json
-from ncclguard.diagnosis.liveness import Liveness
-from ncclguard.diagnosis.model import (
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.analysis import assemble
+from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE, write_json
+from ncclguard.incidents.model import (
     Finding,
     Heartbeat,
     Incident,
@@ -52,12 +41,23 @@ from ncclguard.diagnosis.model import (
     Statement,
     StoreFinding,
 )
-from ncclguard.diagnosis.native import add_outside_stacks
-from ncclguard.diagnosis.render import render
-from ncclguard.diagnosis.settings import WatchdogConfig
-from ncclguard.diagnosis.snapshot import RankState
-from ncclguard.diagnosis.store import INCIDENT_ID, StoreRefused, WatchdogStore
-from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.render import render
+from ncclguard.watching.actions import (
+    Action,
+    ActionContext,
+    IncidentRef,
+    Ladder,
+    LadderState,
+    MainThreadRaiser,
+    Outcome,
+    Step,
+)
+from ncclguard.watching.detect import Detection
+from ncclguard.watching.liveness import Liveness
+from ncclguard.watching.native import add_outside_stacks
+from ncclguard.watching.protocol import INCIDENT_ID, StoreRefused, WatchdogStore
+from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.snapshot import RankState
 
 __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
 __all__ += ["write_report"]
@@ -70,7 +70,7 @@ def incident_path(root: Path | str, ident: str) -> Path:
     """The directory of incident ``ident`` under ``root``, resolved.
 
     Raises:
-        ValueError: ``ident`` is not a plain name (:data:`~ncclguard.diagnosis.store.INCIDENT_ID`),
+        ValueError: ``ident`` is not a plain name (:data:`~ncclguard.watching.protocol.INCIDENT_ID`),
             or the directory resolves outside ``root`` (a symbolic link there pointing out).
     """
     if not INCIDENT_ID.match(ident):

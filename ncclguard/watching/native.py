@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
-from ncclguard.diagnosis.model import CulpritReason, HeartbeatView, Incident, OutsideStack, StatementView
+from ncclguard.incidents.model import CulpritReason, HeartbeatView, Incident, OutsideStack, StatementView
 
 __all__ = [
     "PY_SPY_TIMEOUT_S",

@@ -24,9 +24,9 @@ from typing import Any
 
 from ncclguard import _torch_compat as compat
 from ncclguard.config import get_config
-from ncclguard.diagnosis.phase import MAIN as _MAIN_PHASES
-from ncclguard.diagnosis.phase import current_phase
-from ncclguard.diagnosis.sites import code_site, user_frame
+from ncclguard.recording.phase import MAIN as _MAIN_PHASES
+from ncclguard.recording.phase import current_phase
+from ncclguard.recording.sites import code_site, user_frame
 
 __all__ = [
     "FlightRecord",

@@ -1,7 +1,7 @@
 """Incidents as text for a tired human: the one-line summary and ``summary.txt``.
 
-Pure functions of the typed model (:mod:`ncclguard.diagnosis.model`); the analysis that fills it is
-:mod:`ncclguard.diagnosis.analysis`.
+Pure functions of the typed model (:mod:`ncclguard.incidents.model`); the analysis that fills it is
+:mod:`ncclguard.incidents.analysis`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from ncclguard._naming import rank_ranges
-from ncclguard.diagnosis.model import (
+from ncclguard.incidents.model import (
     Culprit,
     CulpritReason,
     DesyncFinding,
@@ -233,7 +233,7 @@ def _bytes_text(n: int) -> str:
 
 def progress_text(rec: OpRecord) -> str | None:
     """``"chunk 5 of 12 done, 10.0 MiB reduced"`` for a chunked call that spoke of its progress
-    (:meth:`ncclguard.diagnosis.flight.FlightRecorder.progress`); None for any other op."""
+    (:meth:`ncclguard.recording.flight.FlightRecorder.progress`); None for any other op."""
     if rec.chunks <= 0:
         return None
     return f"chunk {rec.chunks_done} of {rec.chunks} done, {_bytes_text(rec.bytes_done)} reduced"

@@ -4,7 +4,7 @@ What it can and cannot do: a SIGALRM handler runs in the main thread between byt
 a Python-level stall (a slow evaluation loop, a sleep, a busy loop) within milliseconds of the
 deadline, but it cannot interrupt a blocking C++ call such as a gloo or NCCL collective: the
 handler only runs once that call returns (tests/test_sigalrm.py and
-tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.diagnosis.watchdog`) and
+tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.watching.watchdog`) and
 the deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
 
 The timer's SIGALRM is sent to the process, not to a thread, and the kernel may hand it to
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ncclguard.collectives.deadlines import to_seconds
+from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CollectiveTimeout
 
 __all__ = ["sigalrm_timeout"]

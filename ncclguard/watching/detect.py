@@ -1,7 +1,7 @@
 """Detectors: pure functions from snapshots of a rank's state to the incidents they call for.
 
-A snapshot is plain data (:class:`~ncclguard.diagnosis.model.OpRecord`,
-:class:`~ncclguard.diagnosis.model.Heartbeat`, stale ages) plus ``now``; nothing here reads a
+A snapshot is plain data (:class:`~ncclguard.incidents.model.OpRecord`,
+:class:`~ncclguard.incidents.model.Heartbeat`, stale ages) plus ``now``; nothing here reads a
 clock, a thread or the store, so each detector is tested with synthetic snapshots. A detector
 returns :class:`Detection` drafts; the watchdog numbers them into incidents (claiming each
 ``signature`` once across ranks).
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from ncclguard.diagnosis.flight import seq_key
-from ncclguard.diagnosis.model import BackendOp, IncidentKind, OpRecord
+from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
+from ncclguard.recording.flight import seq_key
 
 __all__ = [
     "Detection",

@@ -116,7 +116,7 @@ class _Model(BaseModel):
 
 
 class OpRecord(_Model):
-    """One flight record (see :class:`ncclguard.diagnosis.flight.FlightRecord`) as plain data."""
+    """One flight record (see :class:`ncclguard.recording.flight.FlightRecord`) as plain data."""
 
     seq: int
     op: str
@@ -388,7 +388,7 @@ class OutsideStack(_Model):
 
 
 class Analysis(_Model):
-    """Culprits and victims, as :func:`ncclguard.diagnosis.analysis.analyse` finds them."""
+    """Culprits and victims, as :func:`ncclguard.incidents.analysis.analyse` finds them."""
 
     findings: list[Finding] = Field(default_factory=list)
     culprits: list[Culprit] = Field(default_factory=list)

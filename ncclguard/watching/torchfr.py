@@ -4,12 +4,12 @@ ncclguard's records issued it.
 torch records every op its backend ran (``_dump_fr_trace_json``, through
 :mod:`ncclguard._torch_compat`), from Python or from C++ (DDP's reducer, functional collectives),
 with the issuing thread and the time it was enqueued; ncclguard's recorder
-(:mod:`ncclguard.diagnosis.flight`) records the Python calls with their call site and phase.
+(:mod:`ncclguard.recording.flight`) records the Python calls with their call site and phase.
 :func:`join` pairs them: an entry belongs to the record of the same group and thread whose call
 was running when the entry was created. The join runs on what both recorders already hold, when an
 incident is dumped: nothing is added to a collective's path.
 
-Pure functions of parsed data; the dump is read in :mod:`ncclguard.diagnosis.snapshot`.
+Pure functions of parsed data; the dump is read in :mod:`ncclguard.watching.snapshot`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ncclguard.diagnosis.flight import seq_key
-from ncclguard.diagnosis.model import OpRecord
+from ncclguard.incidents.model import OpRecord
+from ncclguard.recording.flight import seq_key
 
 __all__ = ["MAX_DUMP_CHARS", "FREntry", "Dump", "entry_open", "join", "newest", "parse_dump", "parse_newest"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ncclguard.diagnosis.detect import SeqView
-from ncclguard.diagnosis.model import Heartbeat, PeerView
+from ncclguard.incidents.model import Heartbeat, PeerView
+from ncclguard.watching.detect import SeqView
 
 __all__ = ["Liveness", "PeerState", "SeqClock", "watched_peers"]
 

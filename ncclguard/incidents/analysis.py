@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from ncclguard.diagnosis.model import (
+from ncclguard.incidents.model import (
     Analysis,
     Culprit,
     CulpritReason,
@@ -41,7 +41,7 @@ from ncclguard.diagnosis.model import (
     Variant,
     Whereabouts,
 )
-from ncclguard.diagnosis.render import summary_line
+from ncclguard.incidents.render import summary_line
 
 __all__ = ["analyse", "assemble", "whereabouts"]
 
@@ -203,9 +203,9 @@ def _backend_finding(
     stuck: bool = False,
 ) -> None:
     """Analyses ``group`` by the backend's sequence numbers: the ranks at the highest number wait
-    in an op the others have not issued (found by :func:`~ncclguard.diagnosis.detect.find_backend_desync`),
+    in an op the others have not issued (found by :func:`~ncclguard.watching.detect.find_backend_desync`),
     or, for a ``stuck`` incident (``stuck``), every member there with the op open: an op that does
-    not move (a stuck transport, :func:`~ncclguard.diagnosis.detect.find_backend_stuck`). The site is the Python call's where
+    not move (a stuck transport, :func:`~ncclguard.watching.detect.find_backend_stuck`). The site is the Python call's where
     a statement joined the op to ncclguard's record of it, else "issued from C++"."""
     seqs = {r: v.backend_seq[group] for r, v in views.items() if v.backend_seq and group in v.backend_seq}
     if not seqs:

@@ -25,7 +25,7 @@ __all__ = ["call_site", "code_site", "format_stack", "frame_site", "user_frame"]
 # Frames from these packages are skipped when looking for the user's call site. Prefixes are
 # the packages' real directories, so a checkout that happens to be named "ncclguard" still counts.
 _FRAMEWORKS = ("torch", "deepspeed", "transformers", "accelerate")
-# The ncclguard package, every subpackage of it (this file is in ncclguard/diagnosis/).
+# The ncclguard package, every subpackage of it (this file is in ncclguard/recording/).
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ncclguard's own applications (the demo, the benchmark ranks) are user code, not library frames.
 _APP_DIRS = tuple(os.path.join(_PACKAGE_DIR, d, "") for d in ("cli", "bench"))

@@ -2,7 +2,7 @@
 
 The one place where the watchdog reads the live process (the flight recorder, the main
 thread's frame and phase, the process groups); everything downstream works on the snapshots
-it returns (:mod:`ncclguard.diagnosis.model`).
+it returns (:mod:`ncclguard.incidents.model`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._naming import HOSTNAME
-from ncclguard.diagnosis import detect, torchfr
-from ncclguard.diagnosis.flight import FlightRecord, recorder
-from ncclguard.diagnosis.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
-from ncclguard.diagnosis.phase import main_thread_phase
-from ncclguard.diagnosis.sites import format_stack, frame_site
 from ncclguard.errors import TorchCompatError
+from ncclguard.incidents.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
+from ncclguard.recording.flight import FlightRecord, recorder
+from ncclguard.recording.phase import main_thread_phase
+from ncclguard.recording.sites import format_stack, frame_site
+from ncclguard.watching import detect, torchfr
 
 __all__ = ["RECENT", "RankState", "backend_ops", "op_record"]
 
@@ -53,8 +53,8 @@ def _recorder_dump(groups: Mapping[str, int]) -> torchfr.Dump:
 
 def backend_ops(seqs: Mapping[str, int], records: Sequence[OpRecord] = ()) -> dict[str, BackendOp]:
     """Per group of ``seqs``: the newest op torch's flight recorder holds for it, whether it
-    completed on this rank (:func:`~ncclguard.diagnosis.torchfr.entry_open`), and the record of
-    the Python call that issued it where ``records`` has one (:func:`~ncclguard.diagnosis.torchfr.join`).
+    completed on this rank (:func:`~ncclguard.watching.torchfr.entry_open`), and the record of
+    the Python call that issued it where ``records`` has one (:func:`~ncclguard.watching.torchfr.join`).
     Groups it has no entry for are left out.
 
     The recorder numbers collectives apart from send/recv (``collective_seq_id``, ``p2p_seq_id``),

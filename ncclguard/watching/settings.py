@@ -27,7 +27,7 @@ class WatchdogConfig(BaseSettings):
             timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job.
         peer_timeout_s: a peer whose heartbeat has not changed this long is lost (default 6 beats).
         action: the top rung of the ladder: report, raise, abort or exit (a ladder of your own:
-            ``Watchdog(actions=[...])``, see :mod:`ncclguard.diagnosis.actions`).
+            ``Watchdog(actions=[...])``, see :mod:`ncclguard.watching.actions`).
         escalate_after_s: the time each rung gets to clear the hang before the next one.
         exit_code: the status of the ``exit`` rung.
         incident_dir: where incidents are written (``<incident_dir>/<id>/``).
@@ -40,7 +40,7 @@ class WatchdogConfig(BaseSettings):
         session: a name for this watchdog's keys in the store; give a new one to a second
             watchdog started in the same job.
         store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
-        instrument: also call :func:`ncclguard.diagnosis.instrument` so plain ``torch.distributed`` calls
+        instrument: also call :func:`ncclguard.recording.instrument` so plain ``torch.distributed`` calls
             are recorded.
     """
 

@@ -1,9 +1,9 @@
 """Incidents on disk: the per-rank dumps, the merged ``incident.json``, the report, loading them back.
 
-The watchdog (:mod:`ncclguard.diagnosis.watchdog`) writes ``<incident_dir>/<id>/rank<r>.json`` on
+The watchdog (:mod:`ncclguard.watching.watchdog`) writes ``<incident_dir>/<id>/rank<r>.json`` on
 every rank it can reach, and one surviving rank merges the ranks' statements into
-``incident.json`` and ``summary.txt``. The typed model is :mod:`ncclguard.diagnosis.model`, the
-analysis :mod:`ncclguard.diagnosis.analysis`, the text :mod:`ncclguard.diagnosis.render`. This
+``incident.json`` and ``summary.txt``. The typed model is :mod:`ncclguard.incidents.model`, the
+analysis :mod:`ncclguard.incidents.analysis`, the text :mod:`ncclguard.incidents.render`. This
 module is their JSON face: :func:`analyse`, :func:`merge` and :func:`render` take and give the plain
 JSON data written to the files, and :func:`load` / :func:`load_incident` read format versions 1
 and 2 (``python -m ncclguard report``).
@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from ncclguard._naming import rank_ranges
-from ncclguard.diagnosis import analysis
-from ncclguard.diagnosis import render as _render
-from ncclguard.diagnosis.model import (
+from ncclguard.incidents import analysis
+from ncclguard.incidents import render as _render
+from ncclguard.incidents.model import (
     FORMAT_VERSION,
     Finding,
     Heartbeat,
@@ -81,7 +81,7 @@ def analyse(
     waiting_after_s: float = 0.0,
     focus: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """:func:`ncclguard.diagnosis.analysis.analyse` on JSON statements and heartbeats.
+    """:func:`ncclguard.incidents.analysis.analyse` on JSON statements and heartbeats.
 
     Returns:
         ``{"findings", "culprits", "victims", "lost", "silent", "summary"}`` as JSON data.
@@ -113,7 +113,7 @@ def merge(
     extra_findings: Sequence[Mapping[str, Any]] | None = None,
     analyse_ranks: bool = True,
 ) -> dict[str, Any]:
-    """:func:`ncclguard.diagnosis.analysis.assemble` on JSON data: the content of ``incident.json``.
+    """:func:`ncclguard.incidents.analysis.assemble` on JSON data: the content of ``incident.json``.
 
     Args:
         doc: the incident as raised (``id``, ``kind``, ``reason``, ``by``, ``created``, ...).

@@ -1,7 +1,7 @@
 """Store calls for the watchdog: each bounded in time, classified as slow, refused or gone.
 
 :class:`BoundedCalls` runs each call on a helper thread (:class:`Helper`, the pattern of
-:func:`ncclguard._bounded.bounded_store_call` with one long-lived thread instead of one thread per
+:func:`ncclguard.store.bounded.bounded_store_call` with one long-lived thread instead of one thread per
 call): a c10d ``TCPStore`` client's own timeout does not bound every call (``check`` on a server
 frozen by SIGSTOP blocked until the server resumed, measured on torch 2.13), and the watchdog thread
 must never wait on a dead peer. A thread per call cost ~140 us of CPU per call against ~30 us
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ncclguard._bounded import no_answer, run_into, still_stuck
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.store.bounded import no_answer, run_into, still_stuck
 
 __all__ = ["BoundedCalls", "Helper", "StoreRefused"]
 

@@ -1,7 +1,7 @@
 """The watchdog's store protocol: its key schema, bounded calls, and validated values.
 
 - :class:`Keys` builds every key the watchdog reads or writes (nowhere else builds one).
-- :class:`~ncclguard.diagnosis.store_calls.BoundedCalls` bounds each store call by ``timeout``
+- :class:`~ncclguard.store.calls.BoundedCalls` bounds each store call by ``timeout``
   and tells a slow store from a refused request and a store that is gone.
 - :class:`WatchdogStore` is the protocol itself: typed reads and writes of heartbeats, incidents,
   statements and the merge. Every value read is parsed by a pydantic model under a size bound,
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ValidationError
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.diagnosis.model import Heartbeat, IncidentDoc, MergedNote, Statement
-from ncclguard.diagnosis.store_calls import BoundedCalls, StoreRefused
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, MergedNote, Statement
+from ncclguard.store.calls import BoundedCalls, StoreRefused
 
 __all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
 __all__ += ["default_store_addr", "parse_value", "store_addr"]

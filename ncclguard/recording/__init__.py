@@ -1,0 +1,1 @@
+"""Recording: what each rank's collectives were, where, in which phase."""

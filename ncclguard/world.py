@@ -1,0 +1,176 @@
+"""The world this process belongs to, and everything ncclguard keeps per world.
+
+A :class:`World` is one generation of the job: its members, this rank's number among them, the
+job's store and backend, and the per-world state of every part of ncclguard (failure marks, call
+counts, learned hostnames, atomic buffers, the recorder's numbering, the watchdog's members).
+Each part declares its state once as a :class:`Slot` and reads it with :meth:`World.get`; the
+state is built the first time a world is asked for it. A new world therefore starts every part
+afresh, and nothing resets another package's cache by hand.
+
+:func:`announce` makes a new world current (``rebuild_world`` calls it) and tells the
+subscribers (:func:`subscribe`): the watchdog, which then watches the new members under their
+new numbers, and whatever holds resources of the old world.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from ncclguard._log import log
+
+__all__ = ["Slot", "World", "WorldChange", "announce", "current_world", "subscribe"]
+
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    """One part's per-world state: ``factory(world)`` builds it the first time a world is asked.
+
+    Args:
+        name: what the state is, for logs and errors.
+        factory: builds the state for a world.
+    """
+
+    __slots__ = ("factory", "name")
+
+    def __init__(self, name: str, factory: Callable[[World], T]) -> None:
+        self.name = name
+        self.factory = factory
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
+
+
+@dataclass(eq=False)
+class World:
+    """One generation of the job as this process sees it.
+
+    Attributes:
+        generation: 0 for the world the job started with, then 1, 2, ... after each rebuild.
+        rank: this process's rank in it; None while torch's default group says (generation 0).
+        size: its member count; None while torch's default group says (generation 0).
+        rank_map: previous generation's rank to this one's, for every member (empty in generation 0).
+        left_out: previous generation's ranks that are not members of this one (sorted).
+        backend: the backend of its default group, once known.
+        store: the job's store (unprefixed), once known: every generation keys its rounds under it.
+        timeout: its collectives' timeout, once known.
+        group: its default process group, weakly (a strong reference would keep an abandoned
+            group alive past its reaper); None before it is built.
+    """
+
+    generation: int = 0
+    rank: int | None = None
+    size: int | None = None
+    rank_map: Mapping[int, int] = field(default_factory=dict)
+    left_out: tuple[int, ...] = ()
+    backend: str | None = None
+    store: Any = None
+    timeout: timedelta | None = None
+    group: Any = None  # weakref.ref to a ProcessGroup, or None
+    _state: dict[Slot[Any], Any] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def get(self, slot: Slot[T]) -> T:
+        """This world's state of ``slot``, built on first use (once, whichever thread asks first)."""
+        try:
+            return self._state[slot]
+        except KeyError:
+            pass
+        with self._lock:
+            if slot not in self._state:
+                self._state[slot] = slot.factory(self)
+            return self._state[slot]
+
+    def old_rank(self, rank: int) -> int | None:
+        """The previous generation's number of this generation's ``rank`` (None if unknown)."""
+        for old, new in self.rank_map.items():
+            if new == rank:
+                return old
+        return None
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """What :func:`announce` tells each subscriber.
+
+    Attributes:
+        old: the world before.
+        new: the world now current.
+    """
+
+    old: World
+    new: World
+
+
+class _Worlds:
+    """The process's current world and its subscribers (one per process: a process is one rank)."""
+
+    def __init__(self) -> None:
+        self.current = World()
+        self.subscribers: list[Callable[[WorldChange], None]] = []
+        self.lock = threading.Lock()
+
+
+_worlds = _Worlds()
+
+
+def current_world() -> World:
+    """The world this process is in now."""
+    return _worlds.current
+
+
+def subscribe(fn: Callable[[WorldChange], None]) -> Callable[[], None]:
+    """Calls ``fn(change)`` after each :func:`announce`, in the announcing thread.
+
+    Args:
+        fn: the subscriber; an exception in it is logged, never raised into the announcer.
+
+    Returns:
+        A function that unsubscribes ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"subscribe needs a callable taking a WorldChange, got {type(fn).__name__}")
+    with _worlds.lock:
+        _worlds.subscribers.append(fn)
+
+    def unsubscribe() -> None:
+        with _worlds.lock:
+            if fn in _worlds.subscribers:
+                _worlds.subscribers.remove(fn)
+
+    return unsubscribe
+
+
+def announce(new: World) -> WorldChange:
+    """Makes ``new`` the current world and tells every subscriber.
+
+    Args:
+        new: the world now in force (its generation must be above the current one's, or equal
+            when it only fills in what the current one did not know).
+
+    Returns:
+        The change, as the subscribers saw it.
+
+    Raises:
+        ValueError: ``new`` is of an older generation than the current world.
+    """
+    with _worlds.lock:
+        old = _worlds.current
+        if new.generation < old.generation:
+            raise ValueError(f"world generation {new.generation} is older than the current {old.generation}")
+        _worlds.current = new
+        subscribers = list(_worlds.subscribers)
+    change = WorldChange(old=old, new=new)
+    for fn in subscribers:
+        try:
+            fn(change)
+        except Exception:  # noqa: BLE001 - the world has changed whatever a subscriber does
+            log.exception("world: the subscriber %r raised on generation %d", fn, new.generation)
+    return change
