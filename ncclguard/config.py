@@ -95,18 +95,27 @@ class Config(BaseSettings):
         return self
 
 
-_lock = threading.Lock()
-_config: Config | None = None
+class _InForce:
+    """The configuration in force in this process (a process runs one configuration, whatever
+    its world: a rebuild keeps it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.config: Config | None = None
+
+
+_in_force = _InForce()
 
 
 def get_config() -> Config:
     """Returns the configuration in force (built from the environment on first use)."""
-    global _config
-    if _config is None:
-        with _lock:
-            if _config is None:
-                _config = Config()
-    return _config
+    config = _in_force.config
+    if config is None:
+        with _in_force.lock:
+            if _in_force.config is None:
+                _in_force.config = Config()
+            config = _in_force.config
+    return config
 
 
 def configure(**overrides: Any) -> Config:
@@ -122,8 +131,7 @@ def configure(**overrides: Any) -> Config:
         pydantic.ValidationError: an unknown field or a value that breaks an invariant; the
             configuration in force is then unchanged.
     """
-    global _config
-    with _lock:
-        current = _config if _config is not None else Config()
-        _config = Config(**{**current.model_dump(), **overrides})
-        return _config
+    with _in_force.lock:
+        current = _in_force.config if _in_force.config is not None else Config()
+        _in_force.config = Config(**{**current.model_dump(), **overrides})
+        return _in_force.config

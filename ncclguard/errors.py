@@ -125,4 +125,18 @@ class StoreTimeout(NcclGuardError, TimeoutError):
     """
 
 
-__all__ += ["StoreTimeout"]
+class RebuildFailed(NcclGuardError):
+    """``rebuild_world`` did not put this rank in a new world.
+
+    Attributes:
+        missing_ranks: the old ranks that had not arrived (sorted).
+        late: this rank arrived after the others had settled without it.
+    """
+
+    def __init__(self, message: str, *, missing_ranks: list[int] | None = None, late: bool = False) -> None:
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks or [])
+        self.late = late
+
+
+__all__ += ["StoreTimeout", "RebuildFailed"]

@@ -85,6 +85,12 @@ class World:
                 self._state[slot] = slot.factory(self)
             return self._state[slot]
 
+    def retire(self) -> None:
+        """Drops this world's per-world state (``rebuild_world`` calls it on the abandoned world,
+        so that the last references to its groups are the reaper's, never a cache's)."""
+        with self._lock:
+            self._state.clear()
+
     def old_rank(self, rank: int) -> int | None:
         """The previous generation's number of this generation's ``rank`` (None if unknown)."""
         for old, new in self.rank_map.items():

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ncclguard.collectives import rendezvous
 from ncclguard.collectives.calls import CallPrint, begin_call, call_site, check_tag, compare_prints, meet
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.config import configure
 from ncclguard.deadlines import check_below_group_timeout, default_deadline, group_cap_s
+from ncclguard.world import World, announce, current_world
 
 # ---------------------------------------------------------------- deadlines in the group's timeout
 
@@ -169,8 +169,16 @@ def test_a_tagged_round_every_rank_passed_realigns_the_counts():
     assert begin_call(infos[0], "all_reduce").round == begin_call(infos[1], "all_reduce").round == "call/tag-1/sync#0/0"
 
 
-def test_reset_for_new_world_forgets_the_counts():
+def test_a_new_world_starts_the_counts_afresh_and_the_old_one_keeps_its_own():
+    # Commit note: rendezvous.reset_for_new_world() is gone; the counts belong to the World, so a
+    # new world (what rebuild_world announces) starts them at 0 and nothing resets them by hand.
     info = _ranks(dist.HashStore(), "reset-1")[0]
     begin_call(info, "barrier")
-    rendezvous.reset_for_new_world()
-    assert begin_call(info, "barrier").round == "call/reset-1/0"
+    before = current_world()
+    try:
+        announce(World(generation=before.generation))  # the same generation: a world of the user's own
+        assert begin_call(info, "barrier").round == "call/reset-1/0"
+        assert begin_call(info, "barrier").round == "call/reset-1/1"
+    finally:
+        announce(before)
+    assert begin_call(info, "barrier").round == "call/reset-1/1"  # the old world's count went on

@@ -61,7 +61,7 @@ def _rank_main() -> None:
                 "rank_map": {str(k): v for k, v in rebuilt.rank_map.items()},
                 "missing": rebuilt.missing_ranks,
                 "elapsed_s": rebuilt.elapsed_s,
-                "error": rebuilt.error,
+                "error": str(rebuilt.error) if rebuilt.error is not None else None,
             }
             if not rebuilt:
                 break

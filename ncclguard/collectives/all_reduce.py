@@ -31,7 +31,6 @@ from ncclguard.collectives.groups import (
     GroupState,
     cached_state,
     failure_of,
-    forget_group_states,
     group_state,
 )
 from ncclguard.collectives.rendezvous import call_count, take_number
@@ -120,9 +119,8 @@ class CollectiveResult:
 
 
 def forget_group_infos() -> None:
-    """Empties the cache of group states. Each entry holds its group, so the cache alone keeps a
-    group alive; ``ncclguard.rebuild_world`` calls this so abandoned groups can be freed."""
-    forget_group_states()
+    """Nothing to do: the group states belong to the world (:data:`~ncclguard.collectives.groups.GROUPS`),
+    and a rebuilt world starts without them."""
 
 
 def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> None:

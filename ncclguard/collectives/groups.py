@@ -16,20 +16,21 @@ from ncclguard import _torch_compat as compat
 from ncclguard.config import Config
 from ncclguard.deadlines import adaptive_timeout, group_cap_s
 from ncclguard.errors import TorchCompatError
+from ncclguard.world import Slot, World, current_world
 
 __all__ = [
     "GroupInfo",
     "GroupState",
     "group_state",
+    "GROUPS",
+    "GroupTable",
     "cached_state",
-    "forget_group_states",
     "resolve_group",
     "group_info",
     "group_timeout_s",
     "mark_failed",
     "failure_of",
     "clear_failure",
-    "reset_for_new_world",
 ]
 
 # Devices each backend can move, for the up-front check of safe_all_reduce.
@@ -117,41 +118,57 @@ def group_info(group: Any = None) -> GroupInfo | None:
     )
 
 
-_failed_lock = threading.Lock()
-_failed: weakref.WeakKeyDictionary[Any, Exception] = weakref.WeakKeyDictionary()
+class GroupTable:
+    """What this world's ranks know of its groups: their cached states and failure marks.
+
+    One per :class:`~ncclguard.world.World` (:data:`GROUPS`): a rebuilt world starts with none, and
+    the abandoned world's table goes with it, so nothing here keeps an abandoned group alive.
+
+    Attributes:
+        lock: guards both maps.
+        failed: why a group was marked failed, by group (weakly: a mark never keeps a group alive).
+        states: the hot path's cached :class:`GroupState` per group (each holds its group).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.lock = threading.Lock()
+        self.failed: weakref.WeakKeyDictionary[Any, Exception] = weakref.WeakKeyDictionary()
+        self.states: dict[Any, GroupState] = {}
+
+
+GROUPS: Slot[GroupTable] = Slot("groups", GroupTable)
+
+
+def _table() -> GroupTable:
+    return current_world().get(GROUPS)
 
 
 def mark_failed(group: Any, reason: Exception) -> None:
     """Records that ``group`` timed out or failed; later safe_* calls on it refuse at once."""
-    with _failed_lock:
-        first = _failed.setdefault(group, reason)
-        state = _states.get(group)
+    table = _table()
+    with table.lock:
+        first = table.failed.setdefault(group, reason)
+        state = table.states.get(group)
         if state is not None:
             state.failed = first
 
 
 def failure_of(group: Any) -> Exception | None:
     """Returns why ``group`` was marked failed, or None."""
-    if not _failed:  # the hot path of every safe call: no group ever failed, no lock to take
+    table = _table()
+    if not table.failed:  # the hot path of every safe call: no group ever failed, no lock to take
         return None
-    with _failed_lock:
-        return _failed.get(group)
+    with table.lock:
+        return table.failed.get(group)
 
 
 def clear_failure(group: Any) -> None:
     """Forgets a failure mark (for a group whose communicator the caller has rebuilt itself)."""
-    with _failed_lock:
-        _failed.pop(group, None)
-        state = _states.get(group)
+    table = _table()
+    with table.lock:
+        table.failed.pop(group, None)
+        state = table.states.get(group)
         if state is not None:
-            state.failed = None
-
-
-def reset_for_new_world() -> None:
-    """Forgets every failure mark (``ncclguard.rebuild_world`` calls it: the groups they were for are gone)."""
-    with _failed_lock:
-        _failed.clear()
-        for state in list(_states.values()):
             state.failed = None
 
 
@@ -263,12 +280,9 @@ class GroupState:
         self._cap_config, self._read_at = config, now
 
 
-_states_lock = threading.Lock()
-# Keyed by the process group object. Each value holds its group, so weak keys would gain nothing;
-# ``ncclguard.rebuild_world`` empties the cache (forget_group_states) so abandoned groups can go.
-_states: dict[Any, GroupState] = {}
-# The hot path's lookup: a bound dict.get (no Python frame); the dict is only ever cleared in place.
-cached_state = _states.get
+def cached_state(key: Any) -> GroupState | None:
+    """The hot path's lookup: the cached state of the group ``key`` in this world, or None."""
+    return current_world().get(GROUPS).states.get(key)
 
 
 def group_state(group: Any, count_of: Any) -> GroupState | None:
@@ -285,8 +299,9 @@ def group_state(group: Any, count_of: Any) -> GroupState | None:
         ValueError: this rank is not a member of ``group``.
     """
     key = compat.world().default_pg if group is None else group
+    table = _table()
     try:
-        state = _states.get(key)
+        state = table.states.get(key)
     except TypeError:  # an unhashable argument: group_info says what is wrong with it
         state = None
     if state is not None:
@@ -294,14 +309,8 @@ def group_state(group: Any, count_of: Any) -> GroupState | None:
     info = group_info(group)
     if info is None:
         return None
-    with _states_lock:
-        state = _states.setdefault(info.group, GroupState(info, count_of(info)))
+    with table.lock:
+        state = table.states.setdefault(info.group, GroupState(info, count_of(info)))
     if state.failed is None:  # marked failed between building the state and caching it
         state.failed = failure_of(info.group)
     return state
-
-
-def forget_group_states() -> None:
-    """Empties the cache of group states (each holds its group alive)."""
-    with _states_lock:
-        _states.clear()

@@ -37,6 +37,7 @@ from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
+from ncclguard.world import Slot, World, current_world
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",
@@ -52,7 +53,9 @@ __all__ = [
     "store_for_this_thread",
     "next_round",
     "read_present",
-    "reset_for_new_world",
+    "COUNTS",
+    "CallCount",
+    "Counts",
 ]
 
 # The largest arrival a rank accepts from a peer. Payloads are fingerprints, verdicts and
@@ -89,11 +92,6 @@ class RoundResult:
     elapsed_s: float = 0.0
 
 
-_seq_lock = threading.Lock()
-_seqs: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
-_hosts: dict[str, dict[int, str]] = defaultdict(dict)
-
-
 @dataclass
 class CallCount:
     """This rank's count of safe_* calls on one group.
@@ -109,8 +107,30 @@ class CallCount:
     tag_uses: dict[str, int] = field(default_factory=dict)
 
 
-# By (group name, this rank's rank in it): one process is one rank, but tests run ranks as threads.
-_calls: dict[tuple[str, int], CallCount] = defaultdict(CallCount)
+class Counts:
+    """This world's round counts and the hostnames its rounds taught (one per World: a rebuilt
+    world's groups may reuse the old names, and the ranks counted the old rounds unevenly).
+
+    Attributes:
+        lock: guards the maps.
+        seqs: the next round number per (group name, round kind).
+        hosts: hostnames by group rank, per group name, learned from rounds.
+        calls: call counts by (group name, this rank's rank in it): one process is one rank, but
+            tests run ranks as threads.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.lock = threading.Lock()
+        self.seqs: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
+        self.hosts: dict[str, dict[int, str]] = defaultdict(dict)
+        self.calls: dict[tuple[str, int], CallCount] = defaultdict(CallCount)
+
+
+COUNTS: Slot[Counts] = Slot("round counts", Counts)
+
+
+def _counts() -> Counts:
+    return current_world().get(COUNTS)
 
 
 # Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
@@ -122,15 +142,17 @@ def next_round(info: GroupInfo, kind: str) -> str:
 
     Every rank counts its own calls, so the n-th call of each rank meets the n-th of the others.
     """
-    with _seq_lock:
-        return f"{kind}/{info.name}/{next(_seqs[(info.name, kind)])}"
+    counts = _counts()
+    with counts.lock:
+        return f"{kind}/{info.name}/{next(counts.seqs[(info.name, kind)])}"
 
 
 def call_count(info: GroupInfo) -> CallCount:
-    """This rank's call count on the group (one object per group name and rank, for good: reset
-    in place, so a holder of it, like the hot path's group state, never reads a stale count)."""
-    with _seq_lock:
-        return _calls[(info.name, info.rank)]
+    """This rank's call count on the group in this world (one object per group name and rank; a
+    holder of it, like the hot path's group state, belongs to the same world)."""
+    counts = _counts()
+    with counts.lock:
+        return counts.calls[(info.name, info.rank)]
 
 
 def take_number(count: CallCount) -> tuple[str, int]:
@@ -159,8 +181,9 @@ def next_call(info: GroupInfo, tag: str | None = None) -> str:
     """
     if tag is None:
         return call_round(info, *take_number(call_count(info)))
-    with _seq_lock:
-        count = _calls[(info.name, info.rank)]
+    counts = _counts()
+    with counts.lock:
+        count = counts.calls[(info.name, info.rank)]
         uses = count.tag_uses.get(tag, 0)
         count.tag_uses[tag] = uses + 1
         return f"call/{info.name}/tag/{tag}#{uses}"
@@ -172,25 +195,15 @@ def realign_on_tag(info: GroupInfo, tag_round: str) -> None:
     Every rank that passed the round restarts from the same point, so the counts agree again
     however they had drifted (a rank that made a call the others did not).
     """
-    with _seq_lock:
-        count = _calls[(info.name, info.rank)]
+    counts = _counts()
+    with counts.lock:
+        count = counts.calls[(info.name, info.rank)]
         count.current = (f"{tag_round.rsplit('/tag/', 1)[-1]}/", itertools.count())
-
-
-def reset_for_new_world() -> None:
-    """Forgets every round count and learned hostname (``ncclguard.rebuild_world`` calls it: the
-    new world's groups may reuse the old names, and the ranks counted the old rounds unevenly).
-    Call counts are reset in place (see :func:`call_count`)."""
-    with _seq_lock:
-        _seqs.clear()
-        for count in _calls.values():
-            count.current, count.tag_uses = ("", itertools.count()), {}
-        _hosts.clear()
 
 
 def known_hosts(info: GroupInfo) -> dict[int, str]:
     """Hostnames by group rank learned from earlier rounds on this group."""
-    return dict(_hosts[info.name])
+    return dict(_counts().hosts[info.name])
 
 
 def read_present(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
@@ -315,12 +328,13 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
     late = outcome != "ok" and arrived > int(arrived_by or size)
 
     payloads: dict[int, Any] = {}
+    hosts = _counts().hosts[info.name]
     for key, blob in raw.items():
         rank = int(key.rsplit("/r", 1)[1])
         arrival = _parse(blob, rank, name)
         if arrival is not None:
             payloads[rank] = arrival.payload
-            _hosts[info.name][rank] = arrival.host
+            hosts[rank] = arrival.host
     missing = sorted(set(range(size)) - set(payloads))
     return RoundResult(
         ok=outcome == "ok" and not missing,

@@ -51,10 +51,25 @@ class ProcessGroupInit(BaseModel):
     subgroups_inherit: bool
 
 
-_patch_lock = threading.Lock()
-_original_default: Callable[[Any], timedelta] | None = None
-_world_ref: weakref.ref[Any] | None = None
-_world_timeout: timedelta | None = None
+class _Patch:
+    """torch's ``_get_default_timeout`` as ncclguard patched it, so that subgroups inherit the world
+    group's timeout (one patch per process: torch's default is process-wide).
+
+    Attributes:
+        lock: guards the fields.
+        original: torch's own function, while patched.
+        world: the world group this wrapper created, weakly.
+        timeout: that world group's timeout.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.original: Callable[[Any], timedelta] | None = None
+        self.world: weakref.ref[Any] | None = None
+        self.timeout: timedelta | None = None
+
+
+_patch = _Patch()
 
 
 def _default_timeout(backend: Any) -> timedelta:
@@ -63,35 +78,34 @@ def _default_timeout(backend: Any) -> timedelta:
     world = c10d.GroupMember.WORLD
     # Only for the world group this wrapper created: after destroy_process_group and a plain
     # torch init, torch's own default applies again.
-    if _world_ref is not None and world is not None and _world_ref() is world and _world_timeout is not None:
-        return _world_timeout
-    assert _original_default is not None
-    return _original_default(backend)
+    ref, timeout, original = _patch.world, _patch.timeout, _patch.original
+    if ref is not None and world is not None and ref() is world and timeout is not None:
+        return timeout
+    assert original is not None
+    return original(backend)
 
 
 def _inherit(world: Any, seconds: float) -> bool:
-    global _original_default, _world_ref, _world_timeout
-    with _patch_lock:
-        if _original_default is None:
+    with _patch.lock:
+        if _patch.original is None:
             try:
                 current = compat.get_default_timeout_fn()
             except TorchCompatError as exc:
                 log.warning("%s; subgroups keep the backend default timeout: pass timeout= to new_group", exc)
                 return False
-            _original_default = current
+            _patch.original = current
             compat.set_default_timeout_fn(_default_timeout)
-        _world_ref = weakref.ref(world)
-        _world_timeout = timedelta(seconds=seconds)
+        _patch.world = weakref.ref(world)
+        _patch.timeout = timedelta(seconds=seconds)
     return True
 
 
 def restore_default_timeout() -> None:
     """Puts torch's own ``_get_default_timeout`` back: new groups get the backend default again."""
-    global _original_default, _world_ref, _world_timeout
-    with _patch_lock:
-        if _original_default is not None:
-            compat.set_default_timeout_fn(_original_default)
-        _original_default, _world_ref, _world_timeout = None, None, None
+    with _patch.lock:
+        if _patch.original is not None:
+            compat.set_default_timeout_fn(_patch.original)
+        _patch.original, _patch.world, _patch.timeout = None, None, None
 
 
 def _peer_of(init_method: str | None) -> str | None:

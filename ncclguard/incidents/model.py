@@ -203,6 +203,11 @@ class IncidentDoc(_Model):
     op: str | None = None
     ranks: list[int] | None = None  # lost: the ranks that stopped beating
     store_text: str | None = None  # store: what went wrong, for the report
+    generation: int = 0  # the world's generation (0 until a rebuild); ranks are numbered in it
+    # The rebuild that made this generation: previous generation's rank -> this one's ("2": 1);
+    # None in generation 0.
+    rank_map: dict[str, int] | None = None
+    left_out: list[int] | None = None  # previous generation's ranks not in this one
 
     @property
     def op_key(self) -> tuple[str, int] | None:

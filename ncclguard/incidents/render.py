@@ -19,6 +19,7 @@ from ncclguard.incidents.model import (
     Finding,
     FindingKind,
     Incident,
+    IncidentDoc,
     IncidentKind,
     LostRanksFinding,
     MismatchFinding,
@@ -301,6 +302,7 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
     out = [
         f"ncclguard incident {doc.id}: {doc.reason}",
         f"raised by rank {doc.by} at {_when(doc.created)}; {_source(incident)}, at {_when(incident.written_at)}",
+        *_generation_lines(doc),
         "",
         "IN ONE LINE",
         f"  {incident.summary}",
@@ -321,6 +323,24 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
     out.append("")
     out.append("Per-rank dumps (all threads' stacks, flight records, heartbeats): rank<r>.json next to this file.")
     return "\n".join(out) + "\n"
+
+
+def generation_text(doc: IncidentDoc) -> str | None:
+    """``"world generation 1 (rebuilt: old rank 2 is rank 1 now, ...; left out: rank 1)"``; None
+    in generation 0, whose numbers are the job's own."""
+    if doc.generation == 0:
+        return None
+    moves = sorted((int(old), new) for old, new in (doc.rank_map or {}).items())
+    renamed = ", ".join(f"old rank {old} is rank {new} now" for old, new in moves if old != new)
+    parts = [renamed or "every rank kept its number"]
+    if doc.left_out:
+        parts.append(f"left out: {ranks_text(doc.left_out)}")
+    return f"world generation {doc.generation}, ranks in its numbering (rebuilt: {'; '.join(parts)})"
+
+
+def _generation_lines(doc: IncidentDoc) -> list[str]:
+    text = generation_text(doc)
+    return [text] if text is not None else []
 
 
 def _advice(incident: Incident) -> list[str]:

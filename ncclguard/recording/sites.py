@@ -46,16 +46,16 @@ def _inductor_cache_dir() -> str:
 
 
 _INDUCTOR_CACHE = _inductor_cache_dir()
-_skip_prefixes_cache: tuple[int, tuple[str, ...]] = (-1, ())
+# (len(sys.modules) when computed, the prefixes); a one-element list so it is replaced, not rebound.
+_skip_prefixes_cache: list[tuple[int, tuple[str, ...]]] = [(-1, ())]
 # co_filename -> "is this a framework file?"; filenames are few, so the cache stays small.
 _is_framework: dict[str, bool] = {}
 
 
 def _skip_prefixes() -> tuple[str, ...]:
-    global _skip_prefixes_cache
     # Frameworks imported later (deepspeed after ncclguard) change the answer; len(sys.modules)
     # is a cheap "did anything get imported" check.
-    if _skip_prefixes_cache[0] != len(sys.modules):
+    if _skip_prefixes_cache[0][0] != len(sys.modules):
         dirs = [_PACKAGE_DIR, contextlib.__file__, _THREADING, _INDUCTOR_CACHE]
         # ncclguard.integrations lives outside the package directory in a source checkout
         # (setuptools package-dir maps the top-level integrations/ into it).
@@ -73,16 +73,16 @@ def _skip_prefixes() -> tuple[str, ...]:
         if wrapper:
             dirs.append(wrapper)
         prefixes = tuple(d if d.endswith(".py") else os.path.join(d, "") for d in dirs)
-        if prefixes != _skip_prefixes_cache[1]:
+        if prefixes != _skip_prefixes_cache[0][1]:
             _is_framework.clear()
-        _skip_prefixes_cache = (len(sys.modules), prefixes)
-    return _skip_prefixes_cache[1]
+        _skip_prefixes_cache[0] = (len(sys.modules), prefixes)
+    return _skip_prefixes_cache[0][1]
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
     """``frame`` or the first frame above it outside torch, deepspeed, transformers, accelerate
     and ncclguard; None when there is none."""
-    cache = _skip_prefixes_cache
+    cache = _skip_prefixes_cache[0]
     prefixes = cache[1] if cache[0] == len(sys.modules) else _skip_prefixes()
     known = _is_framework
     while frame is not None:

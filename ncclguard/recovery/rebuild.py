@@ -9,9 +9,10 @@ Steps (docs/recovery.md has the long form):
 3. every group of the old world is abandoned: torch forgets them (``destroy_process_group``, which
    does not wait while ncclguard still holds the groups) and the reaper releases them off this
    thread (:mod:`ncclguard.recovery.reaper`), so no rank ever waits on a dead or stalled peer;
-4. a new default group of the same backend is built on a fresh prefix of the job's store, the
-   members renumbered densely; ncclguard's failure marks, round counts and flight records start
-   afresh; the callbacks of :func:`on_rebuild` run.
+4. a new :class:`~ncclguard.world.World` is announced: the members renumbered densely, every
+   part's per-world state (failure marks, round counts, flight records) fresh, and the subscribers
+   (the watchdog) told; a new default group of the same backend is built on a fresh prefix of the
+   job's store; the callbacks of :func:`on_rebuild` run.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.collectives import all_reduce as _all_reduce
-from ncclguard.collectives import groups as _groups
-from ncclguard.collectives import rendezvous as _rendezvous
-from ncclguard.errors import StoreUnreachable
+from ncclguard.errors import RebuildFailed, StoreUnreachable
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
@@ -45,6 +44,7 @@ from ncclguard.recovery.protocol import (
     world_prefix,
 )
 from ncclguard.recovery.reaper import reaper
+from ncclguard.world import Slot, World, announce, current_world
 
 __all__ = ["RebuildResult", "generation", "on_rebuild", "rebuild_world"]
 
@@ -64,7 +64,7 @@ class RebuildResult:
         elapsed_s: seconds from entry to return.
         late: this rank arrived after the others had settled without it; it is in no world now
             and should end (its peers went on, or gave up, without it).
-        error: why it failed, or None.
+        error: why it failed (a :class:`~ncclguard.errors.RebuildFailed`), or None.
     """
 
     ok: bool
@@ -75,38 +75,35 @@ class RebuildResult:
     missing_ranks: list[int] = field(default_factory=list)
     elapsed_s: float = 0.0
     late: bool = False
-    error: str | None = None
+    error: RebuildFailed | None = None
 
     def __bool__(self) -> bool:
         return self.ok
 
-
-@dataclass
-class _World:
-    """What this process knows of the world it belongs to. It survives a failed handshake, so a
-    later call can meet again even with no process group initialized."""
-
-    generation: int
-    rank: int
-    size: int
-    backend: str
-    store: Any  # the job's store, under every prefix; the meeting and the new groups use it
-    timeout: timedelta  # the old world's collective timeout, given to the new one
-    # The default group of this world, weakly: a strong reference would keep an abandoned group
-    # from the reaper. None: not built yet (a failed handshake).
-    group: weakref.ref[Any] | None = None
-    attempt: int = 0  # attempts made toward generation + 1
+    def raise_for_error(self) -> RebuildResult:
+        """Raises :attr:`error` if the rebuild failed; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        return self
 
 
+class _Attempts:
+    """Meetings this rank has called toward the next generation (a late rank's next call meets in
+    the next attempt, like everyone else's)."""
+
+    def __init__(self, world: World) -> None:
+        self.n = 0
+
+
+_ATTEMPTS: Slot[_Attempts] = Slot("rebuild attempts", _Attempts)
+# Callbacks of on_rebuild: the process's, whatever its world.
 _lock = threading.Lock()
-_world: _World | None = None
 _callbacks: list[Callable[[RebuildResult], None]] = []
 
 
 def generation() -> int:
     """The generation of this process's world: 0 until a rebuild succeeds, then 1, 2, ..."""
-    world = _world
-    return world.generation if world is not None else 0
+    return current_world().generation
 
 
 def on_rebuild(fn: Callable[[RebuildResult], None]) -> Callable[[], None]:
@@ -157,19 +154,20 @@ def _collective_timeout(pg: Any) -> timedelta:
     return timedelta(minutes=10)
 
 
-def _current_world() -> _World:
-    """The world to rebuild: the one ncclguard built last, or the default group torch has now.
+def _current_world() -> World:
+    """The world to rebuild, with what a rebuild needs of it known: the one ncclguard built last,
+    or the default group torch has now (learnt into the current world).
 
     Raises:
         ValueError: there is no process group and no earlier rebuild.
     """
-    global _world
+    world = current_world()
     if dist.is_available() and dist.is_initialized():
         pg = compat.default_group()
-        if _world is None or _world.group is None or _world.group() is not pg:
+        if world.group is None or world.group() is not pg:
             # A world we did not build (the first one, or one the user made): learn it.
-            _world = _World(
-                generation=_world.generation if _world is not None else 0,
+            learned = World(
+                generation=world.generation,
                 rank=dist.get_rank(),
                 size=dist.get_world_size(),
                 backend=str(dist.get_backend(pg)),
@@ -177,22 +175,29 @@ def _current_world() -> _World:
                 timeout=_collective_timeout(pg),
                 group=weakref.ref(pg),
             )
-        return _world
-    if _world is None:
+            if world.group is None:
+                # The world ncclguard has known since import: what it holds is of this group.
+                world.rank, world.size, world.backend = learned.rank, learned.size, learned.backend
+                world.store, world.timeout, world.group = learned.store, learned.timeout, learned.group
+            else:  # the user replaced the group ncclguard built: a world of its own, state and all
+                world = announce(learned).new
+        return world
+    if world.store is None:
         raise ValueError(
             "rebuild_world has no world to rebuild: no default process group is initialized. Call "
             "torch.distributed.init_process_group (or ncclguard.init_process_group) first."
         )
-    return _world  # an earlier handshake failed; meet again as that world's members
+    return world  # an earlier handshake failed; meet again as that world's members
 
 
-def _abandon(backend: str, timeout: timedelta) -> None:
-    """Makes torch forget every group of the old world without waiting on any peer.
+def _abandon(world: World) -> None:
+    """Makes torch and ncclguard forget every group of ``world`` without waiting on any peer.
 
     Args:
-        backend: the old world's backend.
-        timeout: its collective timeout: by then every op it still ran has ended.
+        world: the old world (its backend, and its collective timeout: by then every op it still
+            ran has ended).
     """
+    backend, timeout = world.backend or "gloo", world.timeout or timedelta(minutes=10)
     if not (dist.is_available() and dist.is_initialized()):
         return
     # Held while torch lets go of them: their destructors then run on the reaper's thread.
@@ -206,9 +211,8 @@ def _abandon(backend: str, timeout: timedelta) -> None:
     dist.destroy_process_group()
     # ncclguard's own references to the old groups and what it counted on them.
     _all_reduce.forget_group_infos()
-    _groups.reset_for_new_world()
-    _rendezvous.reset_for_new_world()
     recorder.clear()
+    world.retire()
     compat.rebind_group_defaults(abandoned)
     reaper.bury(abandoned, hold_s=timeout.total_seconds() + 5.0, label=f"{backend} process group")
     del abandoned
@@ -228,23 +232,23 @@ def _forget_generation(store: Any, gen: int) -> int:
     return len(keys)
 
 
-def _failed(world: _World, start: float, missing: list[int], error: str, late: bool = False) -> RebuildResult:
+def _failed(world: World, start: float, missing: list[int], error: str, late: bool = False) -> RebuildResult:
     log.error("rebuild_world: %s", error)
     return RebuildResult(
         ok=False,
         generation=world.generation,
-        rank=world.rank,
-        world_size=world.size,
+        rank=world.rank if world.rank is not None else -1,
+        world_size=world.size if world.size is not None else 0,
         missing_ranks=missing,
         elapsed_s=time.monotonic() - start,
         late=late,
-        error=error,
+        error=RebuildFailed(error, missing_ranks=missing, late=late),
     )
 
 
-def _verdict_error(world: _World, meeting: Meeting, timeout_s: float) -> tuple[list[int], str]:
+def _verdict_error(world: World, meeting: Meeting, timeout_s: float) -> tuple[list[int], str]:
     verdict = meeting.verdict
-    missing = verdict.missing(world.size)
+    missing = verdict.missing(world.size or 0)
     target = world.generation + 1
     if meeting.late and verdict.ok:
         return missing, (
@@ -292,12 +296,12 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             communication.
         RuntimeError: another thread of this process is already rebuilding.
     """
-    global _world
     timeout_s = validate_arguments(timeout, allow_shrink)
     if not _lock.acquire(blocking=False):
         raise RuntimeError("rebuild_world is already running in another thread of this process; call it once per rank")
     try:
         world = _current_world()
+        assert world.rank is not None and world.size is not None and world.backend is not None
         start = time.monotonic()
         deadline = start + timeout_s
         me = Arrival(
@@ -309,8 +313,9 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             host=HOSTNAME,
             pid=os.getpid(),
         )
-        attempt = world.attempt
-        world.attempt += 1  # late or not, the next call of every rank meets in the next attempt
+        attempts = world.get(_ATTEMPTS)
+        attempt = attempts.n
+        attempts.n += 1  # late or not, the next call of every rank meets in the next attempt
         try:
             meeting = meet(world.store, me, attempt, deadline)
         except StoreUnreachable as exc:
@@ -328,24 +333,28 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         members = meeting.verdict.arrived
         rank_map = dense_rank_map(members)
         missing = meeting.verdict.missing(world.size)
-        _abandon(world.backend, world.timeout)
-        # From here the old world is gone: remember the new one even if its handshake fails, so a
-        # later call meets as its members.
-        _world = new = _World(
+        _abandon(world)
+        # From here the old world is gone: the new one is current even if its handshake fails, so
+        # a later call meets as its members, and the subscribers (the watchdog) follow it now.
+        new_rank, new_size = rank_map[world.rank], len(members)
+        new = World(
             generation=world.generation + 1,
-            rank=rank_map[world.rank],
-            size=len(members),
+            rank=new_rank,
+            size=new_size,
+            rank_map=rank_map,
+            left_out=tuple(missing),
             backend=world.backend,
             store=world.store,
             timeout=world.timeout,
         )
+        announce(new)
         handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
         try:
             dist.init_process_group(
                 world.backend,
                 store=dist.PrefixStore(world_prefix(new.generation), world.store),
-                rank=new.rank,
-                world_size=new.size,
+                rank=new_rank,
+                world_size=new_size,
                 timeout=timedelta(seconds=handshake_s),
             )
         except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
@@ -360,15 +369,16 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         pg = compat.default_group()
         new.group = weakref.ref(pg)
         # The handshake bound is not the collectives' bound: they get the old world's.
-        compat.set_group_timeout(pg, world.timeout)
+        if world.timeout is not None:
+            compat.set_group_timeout(pg, world.timeout)
         del pg
-        if new.rank == 0 and world.generation >= 1:
+        if new_rank == 0 and world.generation >= 1:
             _forget_generation(world.store, world.generation)
         result = RebuildResult(
             ok=True,
             generation=new.generation,
-            rank=new.rank,
-            world_size=new.size,
+            rank=new_rank,
+            world_size=new_size,
             rank_map=rank_map,
             missing_ranks=missing,
             elapsed_s=time.monotonic() - start,

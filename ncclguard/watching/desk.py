@@ -227,6 +227,8 @@ class IncidentDesk:
         self.store_lost = False
         self.cases: list[Case] = []
         self.seen_count = 0
+        # The world this desk raises incidents in: its generation and the rebuild that made it.
+        self.world: dict[str, Any] = {"generation": 0}
         self._waiting_docs: dict[int, float] = {}
         self._local_count = 0
 
@@ -255,16 +257,23 @@ class IncidentDesk:
             self.open_local(det)
             return
         created = time.time()
-        doc = describe(det, self.rank, n, f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{n:03d}", created)
+        ident = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{self._gen_tag}{n:03d}"
+        doc = describe(det, self.rank, n, ident, created).model_copy(update=self.world)
         self.store.put_incident(doc)
+
+    @property
+    def _gen_tag(self) -> str:
+        # Incident numbers restart in each generation: its ids say which one ("g1-001").
+        gen = self.world.get("generation", 0)
+        return f"g{gen}-" if gen else ""
 
     def open_local(self, det: Detection) -> None:
         """Handles ``det`` on this rank alone."""
         self._local_count += 1
         created = time.time()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
-        ident = f"{stamp}-r{self.rank}-{det.kind.value}-{self._local_count}"
-        doc = describe(det, self.rank, -self._local_count, ident, created, "local")
+        ident = f"{stamp}-{self._gen_tag}r{self.rank}-{det.kind.value}-{self._local_count}"
+        doc = describe(det, self.rank, -self._local_count, ident, created, "local").model_copy(update=self.world)
         self.handle(doc, local=True)
 
     def store_gone(self, exc: BaseException) -> None:

@@ -60,16 +60,22 @@ class Keys:
         session: the watchdog session (``WatchdogConfig.session``).
         run_id: the job's run id (``TORCHELASTIC_RUN_ID``; ``"run"`` without one).
         restart: the restart count (``TORCHELASTIC_RESTART_COUNT``; a restarted job starts afresh).
+        generation: the world's generation (:class:`~ncclguard.world.World`).
     """
 
-    def __init__(self, session: str, run_id: str = "run", restart: str = "0") -> None:
-        self.ns = f"ncclguard/wd/{run_id}/{restart}/{session}"
+    def __init__(self, session: str, run_id: str = "run", restart: str = "0", generation: int = 0) -> None:
+        # Each world generation beats and numbers its incidents apart (a rebuilt world renumbers
+        # its ranks); generation 0 keeps the namespace of ncclguard before rebuilds existed.
+        self.ns = f"ncclguard/wd/{run_id}/{restart}/{session}" + (f"/g{generation}" if generation else "")
 
     @classmethod
-    def from_env(cls, session: str) -> Keys:
-        """The keys of ``session`` in this job, from torchrun's environment."""
+    def from_env(cls, session: str, generation: int = 0) -> Keys:
+        """The keys of ``session`` in this job and world generation, from torchrun's environment."""
         return cls(
-            session, os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            session,
+            os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            generation,
         )
 
     @property

@@ -49,16 +49,26 @@ from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
+from ncclguard.world import World, WorldChange, current_world, subscribe
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
 
-_running_lock = threading.Lock()
-_running: Watchdog | None = None
+
+class _Running:
+    """The watchdog running in this process (one per process: its signal handler and its thread
+    are the process's), whatever the world; it follows world changes itself."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watchdog: Watchdog | None = None
+
+
+_running = _Running()
 
 
 def current_watchdog() -> Watchdog | None:
     """The watchdog running in this process, or None."""
-    return _running
+    return _running.watchdog
 
 
 class Watchdog:
@@ -108,6 +118,9 @@ class Watchdog:
         self._handler_installed = False
         self._instrumented = False
         self._desk: IncidentDesk | None = None
+        self._retired: list[Any] = []  # cases of earlier worlds' desks, oldest first
+        self._next_world: World | None = None  # announced, not yet followed by the thread
+        self._unsubscribe: Any = None
 
     # ----------------------------------------------------------------- life cycle
 
@@ -118,7 +131,6 @@ class Watchdog:
             RuntimeError: another watchdog runs in this process, or a rung raises into the main
                 thread (``raise``) and this is not the main thread.
         """
-        global _running
         cfg = self.config
         needs_handler = self.ladder.needs_main_thread
         if needs_handler and threading.current_thread() is not threading.main_thread():
@@ -126,26 +138,14 @@ class Watchdog:
                 f"the ladder {'/'.join(self.ladder.names)} raises into the main thread through {cfg.raise_signal}, whose handler "
                 "only the main thread can install: start the watchdog from the main thread, or use action='report'"
             )
-        with _running_lock:
-            if _running is not None:
+        with _running.lock:
+            if _running.watchdog is not None:
                 raise RuntimeError("a Watchdog already runs in this process; stop() it first (one per process)")
-            _running = self
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self._state = RankState(self.rank, self.world_size)
-        self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
-        self._raiser = MainThreadRaiser(self._signum, self._state.completed) if needs_handler else None
-        self._beat = 0
-        self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
-        self._backend = BackendWatch(self.rank, self._state, self._liveness, cfg.hang_timeout_s, cfg.heartbeat_s)
-        self._slow_store = False
-        self._desk = IncidentDesk(
-            cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond
-        )
+            _running.watchdog = self
+        self._raiser = MainThreadRaiser(self._signum, lambda key: self._state.completed(key)) if needs_handler else None
+        self._desk, self._retired, self._next_world = None, [], None  # a restarted watchdog starts afresh
+        self._enter(current_world())
+        self._unsubscribe = subscribe(self._on_world_change)
         if cfg.instrument:
             from ncclguard.recording.instrument import instrument, is_instrumented
 
@@ -170,7 +170,9 @@ class Watchdog:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops the thread (waits at most ``timeout``, default two store timeouts plus a beat)."""
-        global _running
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         self._stop.set()
         if self._thread is not None:
             cfg = self.config
@@ -188,9 +190,68 @@ class Watchdog:
 
             uninstrument()
             self._instrumented = False
-        with _running_lock:
-            if _running is self:
-                _running = None
+        with _running.lock:
+            if _running.watchdog is self:
+                _running.watchdog = None
+
+    def _enter(self, world: World) -> None:
+        """Watches ``world`` from now on: its members under their numbers in it, heartbeats and
+        incidents under its generation's keys. The cases of the world before are kept (they are
+        this rank's history), their ladders as they were."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        if world.rank is not None and world.size is not None:
+            self.rank, self.world_size = world.rank, world.size
+        elif dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.generation = world.generation
+        self._state = RankState(self.rank, self.world_size)
+        self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
+        self._beat = 0
+        self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
+        self._backend = BackendWatch(self.rank, self._state, self._liveness, cfg.hang_timeout_s, cfg.heartbeat_s)
+        self._slow_store = False
+        old = self._desk
+        desk = IncidentDesk(cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond)
+        desk.world = {
+            "generation": world.generation,
+            "rank_map": {str(k): v for k, v in world.rank_map.items()} if world.generation else None,
+            "left_out": list(world.left_out) if world.generation else None,
+        }
+        if old is not None:
+            desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
+            if desk.store is not None:
+                desk.store.keys = Keys.from_env(cfg.session, generation=world.generation)
+                try:
+                    desk.seen_count = desk.store.incident_count()
+                except (StoreTimeout, StoreUnreachable):
+                    desk.seen_count = 0  # a fresh generation's counter starts at 0 anyway
+            with self._cond:
+                self._retired.extend(old.cases)
+        self._desk = desk
+        if old is not None:
+            log.warning(
+                "watchdog: following world generation %d: rank %d of %d%s",
+                world.generation,
+                self.rank,
+                self.world_size,
+                f" (left out: ranks {list(world.left_out)})" if world.left_out else "",
+            )
+
+    def _on_world_change(self, change: WorldChange) -> None:
+        """A subscriber of :func:`~ncclguard.world.announce` (the announcing thread): the watchdog's
+        thread follows the new world at its next tick."""
+        with self._cond:
+            self._next_world = change.new
+
+    def _follow_world(self) -> None:
+        with self._cond:
+            world, self._next_world = self._next_world, None
+        if world is not None:
+            self._enter(world)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -208,7 +269,7 @@ class Watchdog:
         """The incidents this rank handled, oldest first: ``id``, ``kind``, ``dir``, ``merger`` (this rank
         merged it), ``actions`` (the rungs taken), ``settled`` (the ladder is over), ``doc``."""
         with self._cond:
-            return [c.record() for c in self._desk.cases] if self._desk is not None else []
+            return [c.record() for c in self._all_cases()]
 
     def wait_for_incident(
         self,
@@ -231,7 +292,7 @@ class Watchdog:
         deadline = time.monotonic() + timeout
 
         def ready() -> bool:
-            cases = self._desk.cases if self._desk is not None else []
+            cases = self._all_cases()
             if len(cases) < count:
                 return False
             last = cases[count - 1]
@@ -247,16 +308,22 @@ class Watchdog:
                 self._cond.wait(min(left, 0.05))
         return self.incidents
 
+    def _all_cases(self) -> list[Any]:
+        return self._retired + (self._desk.cases if self._desk is not None else [])
+
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
         cfg = self.config
-        desk = self._desk
-        assert desk is not None
+        assert self._desk is not None
         poll = min(cfg.heartbeat_s / 5, 0.5)
-        connect(desk, self.config, self.world_size, self._given_store)
+        connect(self._desk, self.config, self.world_size, self._given_store, self.generation)
         next_beat = 0.0
         while not self._stop.is_set():
+            if self._next_world is not None:
+                self._follow_world()
+                next_beat = 0.0  # beat at once in the new world
+            desk = self._desk
             try:
                 now = time.monotonic()
                 recorder.sweep()
@@ -278,8 +345,8 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the watchdog must outlive its own bugs
                 log.exception("watchdog tick failed; going on")
             self._stop.wait(poll)
-        if desk.store is not None:
-            desk.store.close()  # its helper thread ends with the watchdog
+        if self._desk.store is not None:
+            self._desk.store.close()  # its helper thread ends with the watchdog
 
     def _statement(self) -> Statement:
         return self._state.statement(self._beat, self._liveness.views(time.monotonic()))
@@ -392,10 +459,10 @@ class BackendWatch:
         return out
 
 
-def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None) -> None:
+def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None, generation: int = 0) -> None:
     """Gives ``desk`` its store: ``given``, else a new client of the job's store; none in a world
     of one, or when the store cannot be reached (then incidents are handled on each rank alone)."""
-    keys = Keys.from_env(cfg.session)
+    keys = Keys.from_env(cfg.session, generation=generation)
     if given is not None:
         desk.store = WatchdogStore(given, keys, cfg.store_timeout, cfg.peer_timeout)
         return

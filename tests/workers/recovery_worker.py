@@ -57,7 +57,11 @@ def result_fields(res: Any) -> dict[str, Any]:
         "missing": res.missing_ranks,
         "late": res.late,
         "elapsed": res.elapsed_s,
-        "error": res.error,
+        # A RebuildFailed whose fields agree with the result's, or None.
+        "error": str(res.error) if res.error is not None else None,
+        "error_type": type(res.error).__name__ if res.error is not None else None,
+        "error_fields_agree": res.error is None
+        or (res.error.missing_ranks == res.missing_ranks and res.error.late == res.late),
     }
 
 
