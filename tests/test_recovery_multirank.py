@@ -158,3 +158,11 @@ def test_a_lost_store_gives_a_falsy_result_at_once():
         assert lost["ok"] is False and lost["wall"] < 3
         assert "the job's store did not answer" in lost["error"] and "exit 75" in lost["error"]
         assert (lost["generation"], lost["world_size"]) == (0, 3)
+
+
+def test_a_failed_rebuild_carries_a_rebuild_failed_that_agrees_with_its_result(absent_job, killed_job):
+    failed = [absent_job[r]["absent"] for r in range(3)] + [killed_job[r]["no_shrink"] for r in (0, 2)]
+    failed.append(absent_job[2]["left_out"])
+    for res in failed:
+        assert res["ok"] is False and res["error_type"] == "RebuildFailed" and res["error_fields_agree"] is True
+    assert absent_job[0]["together"]["error_type"] is None and absent_job[0]["together"]["error"] is None
