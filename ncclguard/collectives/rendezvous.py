@@ -23,6 +23,7 @@ store work is in :mod:`ncclguard.store`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -212,6 +213,7 @@ def _timed_out(peek: Peek) -> str:
     return f"timeout {peek.count()}"
 
 
+@functools.lru_cache(maxsize=64)
 def _rule(size: int) -> Rule[str]:
     everyone = range(size)
     return Rule(
