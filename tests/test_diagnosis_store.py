@@ -40,12 +40,13 @@ def test_every_key_lives_under_one_namespace_per_run_restart_and_session(monkeyp
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     k = Keys.from_env("demo")
-    assert k.ns == "ncclguard/wd/job7/2/demo"
+    assert k.ns == "ncclguard/wd/job7/2/demo/g0"  # one namespace per world generation too
     keys = [k.count, k.heartbeat(3), k.claim("hang/0/15"), k.incident(4), k.statement(4, 3)]
     keys += [k.dumped(4), k.merger(4), k.merged(4), k.resolved(4)]
     assert all(key.startswith(k.ns + "/") for key in keys) and len(set(keys)) == len(keys)
-    assert k.statement(4, 3) == "ncclguard/wd/job7/2/demo/incident/4/st/3"
-    assert Keys("main").ns == "ncclguard/wd/run/0/main"
+    assert k.statement(4, 3) == "ncclguard/wd/job7/2/demo/g0/incident/4/st/3"
+    assert Keys("main").ns == "ncclguard/wd/run/0/main/g0"
+    assert Keys.from_env("demo", generation=2).ns == "ncclguard/wd/job7/2/demo/g2"
 
 
 def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone():

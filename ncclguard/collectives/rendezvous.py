@@ -5,7 +5,8 @@ cross-rank agreements of the integrations. It never touches the communicator, so
 group whose NCCL or gloo communicator is broken, and it never unpickles: what a peer wrote is
 size-bounded JSON, parsed by a pydantic model.
 
-Protocol for a round named ``P`` (all keys below ``ncclguard/P``):
+The round is the store layer's settle-once round (:func:`ncclguard.store.rounds.settle_round`),
+with keys below ``ncclguard/<name>`` (:func:`ncclguard.store.keys.round_keys`):
 
 1. each rank sets ``r<rank>`` to its payload and increments ``n``;
 2. the rank that makes ``n`` equal the group size settles the outcome ``o`` to ``ok`` with
@@ -15,28 +16,32 @@ Protocol for a round named ``P`` (all keys below ``ncclguard/P``):
    number is above that count knows it came late;
 3. each rank increments ``gone`` when it leaves; the last one deletes the round's keys, so a
    loop of rounds leaves the store small.
+
+This module keeps the per-group state (round counts, call counts, learned hostnames); the
+store work is in :mod:`ncclguard.store`.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-import json
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed import DistStoreError
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.errors import StoreUnreachable
-from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.keys import round_keys
+from ncclguard.store.rounds import Members, Peek, Rule, read_present, settle_round
 from ncclguard.world import Slot, World, current_world
 
 __all__ = [
@@ -133,10 +138,6 @@ def _counts() -> Counts:
     return current_world().get(COUNTS)
 
 
-# Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
-_STORE_GRACE_S = 1.0
-
-
 def next_round(info: GroupInfo, kind: str) -> str:
     """Returns the name of this rank's next round of ``kind`` on the group.
 
@@ -206,68 +207,35 @@ def known_hosts(info: GroupInfo) -> dict[int, str]:
     return dict(_counts().hosts[info.name])
 
 
-def read_present(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
-    """Reads those of ``keys`` that exist: one ``check`` per key, then one ``multi_get``.
-
-    ``multi_get`` fails as a whole on a missing key, hence the checks. The caller makes sure no
-    key it checked can be deleted before the read (here: only the last rank out deletes).
-
-    Returns:
-        The raw values by key, for the keys present.
-    """
-    present = [k for k in keys if store.check([k])]
-    if not present:
-        return {}
-    return dict(zip(present, store.multi_get(present), strict=True))
-
-
-def _wait(store: Any, key: str, timeout_s: float) -> bool:
-    try:
-        # A zero timedelta would mean "the store's default"; a millisecond is "now".
-        store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
-        return True
-    except DistStoreError:
-        return False
-
-
-_local = threading.local()
-
-
-def store_for_this_thread(store: Any, deadline: float) -> Any:
-    """The group's store as the calling thread should use it: itself on the main thread, a clone
-    of it (made once per thread and store) on any other.
-
-    A ``TCPStore`` client runs one request at a time and keeps its connection for the whole of a
-    ``wait``: measured on torch 2.13, a ``set`` from a second thread waited 1.8 s behind another
-    thread's 2 s ``wait`` on the same client, so two threads in rounds on two groups (whose
-    stores share the job's client) stalled each other until their deadlines.
-    ``Store.clone()`` gives a thread its own connection, which is what torch provides it for.
-
-    Raises:
-        StoreUnreachable: the clone could not connect by ``deadline``.
-    """
-    if threading.current_thread() is threading.main_thread() or not hasattr(store, "clone"):
-        return store
-    cache: dict[int, tuple[Any, Any]] | None = getattr(_local, "stores", None)
-    if cache is None:
-        cache = _local.stores = {}
-    entry = cache.get(id(store))
-    if entry is None or entry[0] is not store:  # (the id of a store that is gone may come back)
-        clone = bounded_store_call(store, store.clone, max(deadline - time.monotonic(), 0.0) + _STORE_GRACE_S, "clone")
-        entry = cache[id(store)] = (store, clone)
-    return entry[1]
-
-
 def _parse(blob: bytes, rank: int, name: str) -> _Arrival | None:
     """The arrival of ``rank``, or None (logged) when it is too large or not the expected JSON."""
-    if len(blob) > MAX_ARRIVAL_BYTES:
-        log.error("round %r: rank %d wrote %d bytes (limit %d); ignored", name, rank, len(blob), MAX_ARRIVAL_BYTES)
-        return None
     try:
-        return _Arrival.model_validate_json(blob)
-    except ValidationError as exc:
-        log.error("round %r: rank %d wrote an unreadable arrival; ignored (%s)", name, rank, exc.errors()[0]["msg"])
+        # finite=False: a payload is the caller's data, and NaN in it is theirs to judge.
+        return decode(_Arrival, blob, f"round {name!r}: rank {rank}'s arrival", MAX_ARRIVAL_BYTES, finite=False)
+    except DecodeError as exc:
+        if exc.reason == "size":
+            log.error("round %r: rank %d wrote %d bytes (limit %d); ignored", name, rank, exc.size, exc.limit)
+        else:
+            log.error("round %r: rank %d wrote an unreadable arrival; ignored (%s)", name, rank, exc.detail)
         return None
+
+
+def _timed_out(peek: Peek) -> str:
+    # The verdict records how many ranks had arrived, so a rank can tell whether it came before
+    # the verdict (on time, only slower to notice) or after it (late).
+    return f"timeout {peek.count()}"
+
+
+@functools.lru_cache(maxsize=64)
+def _rule(size: int) -> Rule[str]:
+    everyone = range(size)
+    return Rule(
+        everyone=lambda: "ok",
+        given_up=_timed_out,
+        read=lambda raw: raw.decode(),
+        # Every rank reads and counts out; after "ok" every arrival is there.
+        members=lambda settled: Members(everyone, complete=settled == "ok"),
+    )
 
 
 def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> RoundResult:
@@ -289,48 +257,27 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
     size, me = info.size, info.rank
     try:
         store = store_for_this_thread(info.store, deadline)
-    except (DistStoreError, RuntimeError) as exc:
-        if isinstance(exc, StoreUnreachable):
-            raise
-        raise StoreUnreachable(f"the group's store did not answer during round {name!r}: {exc}") from exc
-    p = f"ncclguard/{name}"
-    outcome_key = f"{p}/o"
-    keys = [f"{p}/r{r}" for r in range(size)]
-
-    def talk() -> tuple[str, int, dict[str, bytes]]:
-        store.set(keys[me], json.dumps({"host": HOSTNAME, "payload": payload}))
-        arrived = store.add(f"{p}/n", 1)
-        if arrived >= size:
-            settled = store.compare_set(outcome_key, "", "ok").decode()
-        elif _wait(store, outcome_key, deadline - time.monotonic()):
-            settled = store.get(outcome_key).decode()
-        else:
-            # The verdict records how many ranks had arrived, so a rank can tell whether it came
-            # before the verdict (on time, only slower to notice) or after it (late).
-            settled = store.compare_set(outcome_key, "", f"timeout {store.add(f'{p}/n', 0)}").decode()
-        outcome = settled.partition(" ")[0]
-        raw = dict(zip(keys, store.multi_get(keys), strict=True)) if outcome == "ok" else read_present(store, keys)
-        if store.add(f"{p}/gone", 1) >= size:
-            for key in [*keys, f"{p}/n", outcome_key, f"{p}/gone"]:
-                store.delete_key(key)
-        return settled, arrived, raw
-
-    try:
-        # A store whose host is cut off never answers add/set: bound the round as a whole.
-        settled, arrived, raw = bounded_store_call(
-            store, talk, max(deadline - time.monotonic(), 0.0) + _STORE_GRACE_S, f"round {name!r}"
+        # A store whose host is cut off never answers add/set: the round is bounded as a whole.
+        settled = settle_round(
+            store,
+            round_keys(name),
+            me,
+            size,
+            encode({"host": HOSTNAME, "payload": payload}),
+            deadline,
+            _rule(size),
+            f"round {name!r}",
         )
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
         if isinstance(exc, StoreUnreachable):
             raise
         raise StoreUnreachable(f"the group's store did not answer during round {name!r}: {exc}") from exc
-    outcome, _, arrived_by = settled.partition(" ")
-    late = outcome != "ok" and arrived > int(arrived_by or size)
+    outcome, _, arrived_by = settled.outcome.partition(" ")
+    late = outcome != "ok" and settled.number > int(arrived_by or size)
 
     payloads: dict[int, Any] = {}
     hosts = _counts().hosts[info.name]
-    for key, blob in raw.items():
-        rank = int(key.rsplit("/r", 1)[1])
+    for rank, blob in sorted((settled.arrivals or {}).items()):
         arrival = _parse(blob, rank, name)
         if arrival is not None:
             payloads[rank] = arrival.payload

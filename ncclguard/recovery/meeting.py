@@ -1,6 +1,7 @@
 """The meeting of a rebuild, in the job's store: who is still there, settled once for everyone.
 
-Protocol for one attempt (keys from :class:`~ncclguard.recovery.protocol.MeetingKeys`):
+The meeting is the store layer's settle-once round (:func:`ncclguard.store.rounds.settle_round`)
+with keys from :class:`~ncclguard.store.keys.MeetingKeys`:
 
 1. each rank writes its :class:`Arrival` under ``a<rank>`` and increments ``n``;
 2. the rank that makes ``n`` equal the world size settles the verdict ``v`` (everyone arrived)
@@ -11,6 +12,9 @@ Protocol for one attempt (keys from :class:`~ncclguard.recovery.protocol.Meeting
    attempt's keys but the verdict, which stays (a few bytes) so that a rank arriving late learns
    at once that it was left out.
 
+The whole attempt is bounded by its deadline (plus the round's grace): a store whose host is cut
+off never answers ``add``/``set``.
+
 The communicator is never touched: the meeting works however broken the old group is.
 """
 
@@ -18,13 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
 
+import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 from ncclguard._log import log
-from ncclguard.collectives.rendezvous import read_present
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery.protocol import (
     MAX_ARRIVAL_BYTES,
@@ -34,8 +36,9 @@ from ncclguard.recovery.protocol import (
     Verdict,
     check_arrivals,
     decide,
-    parse,
 )
+from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.rounds import Members, Peek, Rule, settle_round
 
 __all__ = ["Meeting", "meet"]
 
@@ -64,16 +67,28 @@ class Meeting:
         return self.verdict.ok and not self.late and self.problem is None
 
 
-def _wait(store: Any, key: str, seconds: float) -> bool:
-    try:
-        # A zero timedelta would mean "the store's default"; a millisecond is "now".
-        store.wait([key], timedelta(seconds=max(seconds, 0.001)))
-        return True
-    except DistStoreError:
-        return False
+def _rule(keys: MeetingKeys, size: int, allow_shrink: bool) -> Rule[Verdict]:
+    def read(raw: bytes) -> Verdict:
+        try:
+            return decode(Verdict, raw, f"the verdict under {keys.verdict!r}", MAX_VERDICT_BYTES)
+        except DecodeError as exc:
+            raise StoreUnreachable(f"the rebuild's verdict under {keys.verdict!r} cannot be read: {exc}") from exc
+
+    def given_up(peek: Peek) -> str:
+        return encode(decide(peek.present(), size, allow_shrink))
+
+    return Rule(
+        everyone=lambda: encode(decide(list(range(size)), size, False)),
+        given_up=given_up,
+        read=read,
+        # Every rank in the verdict wrote its arrival before it was settled, and nobody deletes
+        # before all of them have left: one multi_get finds them all.
+        members=lambda verdict: Members(verdict.arrived, complete=True),
+        keep_outcome=True,
+    )
 
 
-def meet(store: Any, me: Arrival, attempt: int, deadline: float) -> Meeting:
+def meet(store: dist.Store, me: Arrival, attempt: int, deadline: float) -> Meeting:
     """Runs one attempt of the meeting toward generation ``me.generation + 1``.
 
     Args:
@@ -92,38 +107,22 @@ def meet(store: Any, me: Arrival, attempt: int, deadline: float) -> Meeting:
     keys = MeetingKeys(me.generation + 1, attempt)
     size = me.world_size
     try:
-        store.set(keys.arrival(me.rank), me.model_dump_json())
-        if store.add(keys.count, 1) >= size:
-            raw = store.compare_set(keys.verdict, "", decide(list(range(size)), size, False).model_dump_json())
-        elif _wait(store, keys.verdict, deadline - time.monotonic()):
-            raw = store.get(keys.verdict)
-        else:
-            present = read_present(store, [keys.arrival(r) for r in range(size)])
-            arrived = [int(k.rsplit("/a", 1)[1]) for k in present]
-            raw = store.compare_set(keys.verdict, "", decide(arrived, size, me.allow_shrink).model_dump_json())
-        try:
-            verdict = parse(Verdict, raw, MAX_VERDICT_BYTES)
-        except ValueError as exc:
-            raise StoreUnreachable(f"the rebuild's verdict under {keys.verdict!r} cannot be read: {exc}") from exc
-        late = me.rank not in verdict.arrived
-        if late:
-            return Meeting(verdict, True, elapsed_s=time.monotonic() - start)
-        # Every rank in the verdict wrote its arrival before it was settled, and nobody deletes
-        # before all of them have left: the reads below always find the keys.
-        raw_arrivals = store.multi_get([keys.arrival(r) for r in verdict.arrived])
-        if store.add(keys.gone, 1) >= len(verdict.arrived):
-            for key in keys.transient(size):
-                store.delete_key(key)
+        settled = settle_round(
+            store, keys, me.rank, size, encode(me), deadline, _rule(keys, size, me.allow_shrink), "the rebuild meeting"
+        )
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
-        if isinstance(exc, StoreUnreachable):
+        if isinstance(exc, StoreUnreachable):  # no answer by the deadline, or an unreadable verdict
             raise
         raise StoreUnreachable(f"the job's store did not answer during the rebuild meeting: {exc}") from exc
+    verdict = settled.outcome
+    if settled.arrivals is None:  # not in the verdict: late
+        return Meeting(verdict, True, elapsed_s=time.monotonic() - start)
 
     arrivals: dict[int, Arrival] = {}
-    for rank, blob in zip(verdict.arrived, raw_arrivals, strict=True):
+    for rank, blob in settled.arrivals.items():
         try:
-            arrivals[rank] = parse(Arrival, blob, MAX_ARRIVAL_BYTES)
-        except ValueError as exc:
+            arrivals[rank] = decode(Arrival, blob, f"rank {rank}'s arrival", MAX_ARRIVAL_BYTES)
+        except DecodeError as exc:
             log.error("rebuild: rank %d's arrival is unreadable (%s)", rank, exc)
     problem = check_arrivals(verdict, arrivals, size) if verdict.ok else None
     return Meeting(verdict, False, arrivals, problem, time.monotonic() - start)

@@ -1,19 +1,21 @@
 """The pure logic of a rebuild: what ranks write to the store, how the meeting is decided, and
 how survivors are renumbered. No store, no process group: everything here is testable alone.
 
-A rebuild toward generation ``G`` meets under ``ncclguard/rebuild/g<G>/t<T>`` in the job's store,
-``T`` being the attempt: every rank counts its own attempts toward ``G``, so the n-th call of each
-rank meets the n-th call of the others, as ncclguard's other rounds do.
+A rebuild toward generation ``G`` meets under ``ncclguard/rebuild/g<G>/t<T>`` in the job's store
+(the keys: :class:`ncclguard.store.keys.MeetingKeys`, re-exported here), ``T`` being the
+attempt: every rank counts its own attempts toward ``G``, so the n-th call of each rank meets the
+n-th call of the others, as ncclguard's other rounds do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard.deadlines import to_seconds
+from ncclguard.store.codec import decode
+from ncclguard.store.keys import MeetingKeys, world_prefix
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",
@@ -81,42 +83,6 @@ class Verdict(BaseModel):
         return [r for r in range(world_size) if r not in there]
 
 
-@dataclass(frozen=True)
-class MeetingKeys:
-    """The store keys of one attempt toward one generation."""
-
-    generation: int
-    attempt: int
-
-    @property
-    def prefix(self) -> str:
-        return f"ncclguard/rebuild/g{self.generation}/t{self.attempt}"
-
-    def arrival(self, rank: int) -> str:
-        return f"{self.prefix}/a{rank}"
-
-    @property
-    def count(self) -> str:
-        return f"{self.prefix}/n"
-
-    @property
-    def verdict(self) -> str:
-        return f"{self.prefix}/v"
-
-    @property
-    def gone(self) -> str:
-        return f"{self.prefix}/gone"
-
-    def transient(self, world_size: int) -> list[str]:
-        """The keys the last rank out deletes (the verdict stays, so a late rank learns it at once)."""
-        return [*(self.arrival(r) for r in range(world_size)), self.count, self.gone]
-
-
-def world_prefix(generation: int) -> str:
-    """The store prefix under which generation ``generation``'s process group is built."""
-    return f"ncclguard/world/g{generation}"
-
-
 def decide(arrived: list[int], world_size: int, allow_shrink: bool) -> Verdict:
     """The verdict of a meeting given who had arrived when it was settled.
 
@@ -176,18 +142,14 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parse(model: type[M], raw: bytes | str, limit: int) -> M:
-    """Parses a peer's JSON into ``model``, refusing anything over ``limit`` bytes.
+    """Parses a peer's JSON into ``model``, refusing anything over ``limit`` bytes: the store
+    layer's codec (:func:`ncclguard.store.codec.decode`), its errors naming "a peer's value".
 
     Raises:
-        ValueError: too large, not JSON, or not the model's shape.
+        ValueError: too large, not JSON, not the model's shape, or holding a non-finite number
+            (a :class:`~ncclguard.store.codec.DecodeError`).
     """
-    size = len(raw)
-    if size > limit:
-        raise ValueError(f"{model.__name__} of {size} bytes exceeds the limit of {limit}")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise ValueError(f"unreadable {model.__name__}: {exc.errors()[0]['msg']}") from None
+    return decode(model, raw, "a peer's value", limit)
 
 
 def validate_arguments(timeout: Any, allow_shrink: Any) -> float:

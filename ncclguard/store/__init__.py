@@ -1,1 +1,2 @@
-"""The store layer: bounded calls, the JSON codec, settle-once rounds and the key schema."""
+"""The store layer: bounded calls (``bounded``, ``calls``), the JSON codec (``codec``), settle-once
+rounds (``rounds``), a client per thread (``clients``) and the key schema (``keys``)."""

@@ -1,19 +1,16 @@
 """Store calls for the watchdog: each bounded in time, classified as slow, refused or gone.
 
-:class:`BoundedCalls` runs each call on a helper thread (:class:`Helper`, the pattern of
-:func:`ncclguard.store.bounded.bounded_store_call` with one long-lived thread instead of one thread per
-call): a c10d ``TCPStore`` client's own timeout does not bound every call (``check`` on a server
-frozen by SIGSTOP blocked until the server resumed, measured on torch 2.13), and the watchdog thread
-must never wait on a dead peer. A thread per call cost ~140 us of CPU per call against ~30 us
-for a hand-off to a waiting thread (benchmarks/README.md, "The watchdog's cost in a training
-loop"), and the watchdog makes a call every tick. A closed connection on a server that still
-takes connections is one refused request (:class:`StoreRefused`), and the calls go on over a new
-connection.
+:class:`BoundedCalls` runs each call on its own long-lived helper thread
+(:class:`~ncclguard.store.bounded.Helper`, the one bounded-call mechanism, which the rounds use
+too): a c10d ``TCPStore`` client's own timeout does not bound every call, and the watchdog thread
+must never wait on a dead peer. What this module adds is the watchdog's reading of failures: a
+closed connection on a server that still takes connections is one refused request
+(:class:`StoreRefused`), and the calls go on over a new connection; a missed deadline is slow,
+until the store has failed for ``gone_after`` seconds in a row.
 """
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
@@ -21,11 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.store.bounded import no_answer, run_into, still_stuck
+from ncclguard.store.bounded import Helper
 
 __all__ = ["BoundedCalls", "Helper", "StoreRefused"]
-
-IDLE_EXIT_S = 5.0  # a helper thread with no call for this long ends (a new one starts on the next call)
 
 
 class StoreRefused(StoreTimeout):
@@ -38,78 +33,6 @@ class StoreRefused(StoreTimeout):
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-class Helper:
-    """A long-lived helper thread that runs one store call at a time, each within a deadline.
-
-    A call that misses its deadline is abandoned: the thread stays blocked in it, and until it
-    returns every later call fails at once (no pile of blocked threads). The thread ends after
-    :data:`IDLE_EXIT_S` without a call, or on :meth:`close`; the next call starts a new one.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread: threading.Thread | None = None
-        self._pending: threading.Event | None = None  # set when the last call submitted has returned
-
-    def _loop(self, jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None]) -> None:
-        while True:
-            try:
-                job = jobs.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self._lock:  # the caller submits under this lock: no call is lost to the exit
-                    if self._jobs is not jobs:  # abandoned (closed, or left to a blocked call)
-                        return
-                    if jobs.empty():
-                        self._thread = None
-                        return
-                continue
-            if job is None:
-                return
-            run_into(*job)
-
-    def busy(self) -> bool:
-        """True while a call that missed its deadline has not returned."""
-        return self._pending is not None and not self._pending.is_set()
-
-    def call(self, fn: Callable[[], Any], timeout_s: float, what: str = "store call") -> Any:
-        """``fn()`` on the helper thread; its value within ``timeout_s`` seconds (1 ms at least).
-
-        Raises:
-            StoreUnreachable: ``fn()`` did not return in time, or an earlier call is still blocked.
-            The error ``fn()`` raised, if it raised one in time.
-        """
-        if self.busy():
-            raise still_stuck(what)
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        start = time.monotonic()
-        with self._lock:
-            self._pending = done
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, args=(self._jobs,), name="ncclguard-store-call", daemon=True
-                )
-                self._thread.start()
-            self._jobs.put((fn, box, done))
-        if not done.wait(max(timeout_s, 0.001)):
-            with self._lock:  # the blocked thread is left to its call; the next call gets a new one
-                self._thread, self._jobs = None, queue.SimpleQueue()
-            raise no_answer(what, time.monotonic() - start)
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def close(self) -> None:
-        """Ends the helper thread once its current call (if any) returns."""
-        with self._lock:
-            if self._thread is not None:
-                self._jobs.put(None)
-                self._thread, self._jobs = None, queue.SimpleQueue()
 
 
 class BoundedCalls:

@@ -1,11 +1,13 @@
 """The watchdog's store protocol: its key schema, bounded calls, and validated values.
 
-- :class:`Keys` builds every key the watchdog reads or writes (nowhere else builds one).
+- :class:`~ncclguard.store.keys.Keys` (re-exported here) builds every key the watchdog reads or
+  writes (nowhere else builds one), one namespace per world generation.
 - :class:`~ncclguard.store.calls.BoundedCalls` bounds each store call by ``timeout``
   and tells a slow store from a refused request and a store that is gone.
 - :class:`WatchdogStore` is the protocol itself: typed reads and writes of heartbeats, incidents,
-  statements and the merge. Every value read is parsed by a pydantic model under a size bound,
-  checked against its key (``hb/3`` holds rank 3's; an incident id is a plain name,
+  statements and the merge. Every value read is decoded by the store layer's codec
+  (:func:`ncclguard.store.codec.decode`: a pydantic model under the size bound :data:`LIMITS`
+  gives it, finite numbers only), checked against its key (``hb/3`` holds rank 3's; an incident id is a plain name,
   :data:`INCIDENT_ID`) and for finite numbers; a bad one is dropped with one log line per key
   (until it reads well again), never raised into the loop. Claims nobody wrote are taken over;
   counters that are not numbers are read before being counted on again (:class:`StoreRefused`).
@@ -18,19 +20,20 @@ connection that a new one cannot replace, or no answer for ``gone_after`` second
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.store.calls import BoundedCalls, StoreRefused
+from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
+from ncclguard.store.keys import Keys
 
 __all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
 __all__ += ["default_store_addr", "parse_value", "store_addr"]
@@ -53,102 +56,22 @@ _CLAIM_TOKEN = re.compile(r"^[0-9]{1,9}:[0-9A-Za-z]{1,32}$")  # a rank's claim: 
 _COUNTER = re.compile(rb"^-?[0-9]{1,18}$")  # what TCPStore's add writes
 
 
-class Keys:
-    """The watchdog's key schema: one namespace per job run, restart and session.
-
-    Args:
-        session: the watchdog session (``WatchdogConfig.session``).
-        run_id: the job's run id (``TORCHELASTIC_RUN_ID``; ``"run"`` without one).
-        restart: the restart count (``TORCHELASTIC_RESTART_COUNT``; a restarted job starts afresh).
-        generation: the world's generation (:class:`~ncclguard.world.World`).
-    """
-
-    def __init__(self, session: str, run_id: str = "run", restart: str = "0", generation: int = 0) -> None:
-        # Each world generation beats and numbers its incidents apart (a rebuilt world renumbers
-        # its ranks); generation 0 keeps the namespace of ncclguard before rebuilds existed.
-        self.ns = f"ncclguard/wd/{run_id}/{restart}/{session}" + (f"/g{generation}" if generation else "")
-
-    @classmethod
-    def from_env(cls, session: str, generation: int = 0) -> Keys:
-        """The keys of ``session`` in this job and world generation, from torchrun's environment."""
-        return cls(
-            session,
-            os.environ.get("TORCHELASTIC_RUN_ID", "run"),
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-            generation,
-        )
-
-    @property
-    def count(self) -> str:
-        """The incident counter (``add`` numbers incidents from 1)."""
-        return f"{self.ns}/count"
-
-    def heartbeat(self, rank: int) -> str:
-        return f"{self.ns}/hb/{rank}"
-
-    def claim(self, signature: str) -> str:
-        """Taken by the first rank that detects the incident ``signature`` (``hang/0/15``)."""
-        return f"{self.ns}/claim/{signature}"
-
-    def incident(self, n: int) -> str:
-        return f"{self.ns}/incident/{n}"
-
-    def statement(self, n: int, rank: int) -> str:
-        return f"{self.ns}/incident/{n}/st/{rank}"
-
-    def dumped(self, n: int) -> str:
-        """Counts the ranks that dumped incident ``n``."""
-        return f"{self.ns}/incident/{n}/dumped"
-
-    def merger(self, n: int) -> str:
-        """Taken by the rank that merges incident ``n``."""
-        return f"{self.ns}/incident/{n}/merger"
-
-    def merged(self, n: int) -> str:
-        return f"{self.ns}/incident/{n}/merged"
-
-    def resolved(self, n: int) -> str:
-        """Set once the op of hang incident ``n`` completed on some rank."""
-        return f"{self.ns}/incident/{n}/resolved"
-
-
 def parse_value(model: type[M], blob: bytes | str, what: str) -> M:
-    """Parses one value read from the store.
+    """Decodes one value read from the store under its model's bound in :data:`LIMITS`.
 
     Args:
         model: the pydantic model it must fit.
         blob: the raw value.
         what: how to name it in the error (the key).
 
+    Returns:
+        The value.
+
     Raises:
-        ValueError: over the model's size bound (:data:`LIMITS`), or not valid JSON for the model.
+        ValueError: over the model's size bound, not valid JSON for the model, or holding a
+            non-finite number (a :class:`~ncclguard.store.codec.DecodeError`).
     """
-    limit = LIMITS.get(model, 64 * 1024)
-    if len(blob) > limit:
-        raise ValueError(f"{what}: {len(blob)} bytes, over the {limit}-byte bound of a {model.__name__}")
-    try:
-        return model.model_validate_json(blob)
-    except ValidationError as exc:
-        errors = exc.errors()
-        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
-        msg = errors[0]["msg"] if errors else str(exc)
-        raise ValueError(
-            f"{what}: not a valid {model.__name__} ({where or 'value'}: {msg}; {exc.error_count()} error(s))"
-        ) from None
-
-
-def check_finite(value: BaseModel, what: str) -> None:
-    """Raises ValueError when a float anywhere in ``value`` is NaN or infinite (JSON's ``NaN`` and
-    ``Infinity`` parse as floats, and a stillness of ``Infinity`` would read as a desync at once)."""
-    todo: list[Any] = [value.model_dump()]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError(f"{what}: holds {item!r} where a finite number belongs")
-        if isinstance(item, dict):
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
+    return decode(model, blob, what, LIMITS.get(model, DEFAULT_LIMIT))
 
 
 def _of_rank(rank: int) -> Callable[[Heartbeat], str | None]:
@@ -167,11 +90,25 @@ class WatchdogStore:
     """
 
     def __init__(self, store: Any, keys: Keys, timeout: float, gone_after: float) -> None:
-        self.keys = keys
+        self._keys = keys
         self.calls = BoundedCalls(store, timeout, gone_after)
         self._warned: set[str] = set()
         self._refused: set[str] = set()  # counters whose value the server would not count on
         self._beats: dict[str, tuple[bytes, Heartbeat]] = {}  # key -> the last value read there, parsed
+
+    @property
+    def keys(self) -> Keys:
+        """The key schema in use."""
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: Keys) -> None:
+        """Moves to another namespace (a new world generation): what was learned about the old
+        keys (parsed heartbeats, warned and refused keys) is forgotten."""
+        self._keys = keys
+        self._warned.clear()
+        self._refused.clear()
+        self._beats.clear()
 
     def close(self) -> None:
         """Ends the helper thread of the calls (a later call starts a new one)."""
@@ -264,7 +201,6 @@ class WatchdogStore:
         log line per bad key (until it reads well again) when it does not fit."""
         try:
             value = parse_value(model, blob, key)
-            check_finite(value, key)
             wrong = check(value) if check is not None else None
             if wrong is not None:
                 raise ValueError(f"{key}: {wrong}")
@@ -276,7 +212,7 @@ class WatchdogStore:
 
     @staticmethod
     def _encode(value: BaseModel) -> str:
-        return value.model_dump_json(by_alias=True)
+        return encode(value)
 
     # ----------------------------------------------------------------- heartbeats
 
