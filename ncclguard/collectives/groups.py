@@ -309,8 +309,9 @@ def group_state(group: Any, count_of: Any) -> GroupState | None:
     info = group_info(group)
     if info is None:
         return None
+    fresh = GroupState(info, count_of(info))  # built outside the lock: it reads the failure marks
     with table.lock:
-        state = table.states.setdefault(info.group, GroupState(info, count_of(info)))
+        state = table.states.setdefault(info.group, fresh)
     if state.failed is None:  # marked failed between building the state and caching it
         state.failed = failure_of(info.group)
     return state
