@@ -120,6 +120,13 @@ def python_deadline_guard(seconds: float) -> AbstractContextManager[None]:
 
     SIGALRM ends Python-level stalls only (a slow loop, a sleep); a blocked C++ call returns
     first. Collectives on the default group are bounded by the side group's timeout instead.
+
+    Args:
+        seconds: the deadline, from entry.
+
+    Returns:
+        :func:`ncclguard.sigalrm_timeout` (which raises :class:`~ncclguard.errors.DeadlineExceeded`
+        at the deadline) in the main thread; a context manager that does nothing elsewhere.
     """
     if threading.current_thread() is threading.main_thread():
         return sigalrm_timeout(seconds, f"the evaluation ran past its {seconds:.3g} s deadline")
