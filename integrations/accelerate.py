@@ -4,7 +4,7 @@ Accelerate users own their loop, so there is nothing to hook: the loop calls
 :func:`guarded_evaluate` where it evaluates, and :func:`start_watchdog` once after the
 ``Accelerator`` is built (its state has joined the process group by then).
 
-- :func:`guarded_evaluate` is the guard of :mod:`ncclguard.integrations.deepspeed` (one guard,
+- :func:`guarded_evaluate` is the guard of :mod:`ncclguard.recovery.evaluation` (one guard,
   not a second one) around a user's evaluation: every rank uses its result or every rank skips it,
   by the deadline. ``accelerator.gather_for_metrics``, ``gather``, ``reduce`` and
   ``gather_object`` inside it call ``torch.distributed`` with no group, so they run on the guard's
@@ -40,9 +40,9 @@ from ncclguard import Watchdog, WatchdogConfig, phase
 from ncclguard import start_watchdog as _start_watchdog
 from ncclguard._log import log
 from ncclguard.collectives.groups import group_timeout_s
+from ncclguard.recovery.evaluation import FAILED_METRIC, GuardOptions, last_report
+from ncclguard.recovery.evaluation import guarded_evaluate as _guarded_evaluate
 
-from .deepspeed import FAILED_METRIC, GuardOptions, last_report
-from .deepspeed import guarded_evaluate as _guarded_evaluate
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
 
 __all__ = [
@@ -161,7 +161,7 @@ def guarded_evaluate(
         retries: further attempts after a failed one.
         shrink: called before each retry on every rank (e.g. halve the evaluation batch).
         **options: ``grace_s`` and ``deadline_guard`` of
-            :class:`~ncclguard.integrations.deepspeed.GuardOptions`.
+            :class:`~ncclguard.recovery.evaluation.GuardOptions`.
 
     Returns:
         ``eval_fn``'s result, or ``fallback`` when every rank skipped it. :func:`last_skip`
@@ -170,7 +170,6 @@ def guarded_evaluate(
     Raises:
         TypeError, ValueError, RuntimeError: bad arguments (before any rank waits on another).
     """
-    global _last_skip
     _check_accelerator(accelerator)
     module = _models(accelerator, model)
     labels = {} if step is None else {"step": step}
@@ -187,14 +186,12 @@ def guarded_evaluate(
             **options,
         )
         if value is not SKIPPED:
-            _last_skip = None
+            _last.skip = None
             return value
         restore()
     report = last_report()
-    _last_skip = skip_record(report, step, time.monotonic() - start)
-    log.warning(
-        "evaluation at step %s skipped on every rank after %.2f s: %s", step, _last_skip.elapsed_s, _last_skip.reason
-    )
+    skip = _last.skip = skip_record(report, step, time.monotonic() - start)
+    log.warning("evaluation at step %s skipped on every rank after %.2f s: %s", step, skip.elapsed_s, skip.reason)
     metrics = {FAILED_METRIC: 1.0, "eval/attempts": float(report.attempts if report is not None else 1)}
     try:
         accelerator.log(metrics, step=step)
@@ -203,9 +200,22 @@ def guarded_evaluate(
     return fallback
 
 
-_last_skip: SkippedEvaluation | None = None
+class _LastSkip:
+    """Holds the last skip of this process (one holder, mutated; no module global rebound)."""
+
+    __slots__ = ("skip",)
+
+    def __init__(self) -> None:
+        self.skip: SkippedEvaluation | None = None
+
+
+_last = _LastSkip()
 
 
 def last_skip() -> SkippedEvaluation | None:
-    """The skip of the last :func:`guarded_evaluate` on this process; None when it was not skipped."""
-    return _last_skip
+    """The skip of the last :func:`guarded_evaluate` on this process.
+
+    Returns:
+        The :class:`SkippedEvaluation`, or None when the last call was not skipped (or none ran).
+    """
+    return _last.skip

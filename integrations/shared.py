@@ -15,8 +15,7 @@ from typing import Any
 
 from ncclguard import WatchdogConfig
 from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, timeout_problems, trainer_timeout_notes
-
-from .deepspeed import EvalReport
+from ncclguard.recovery.evaluation import EvalReport
 
 __all__ = [
     "HF_DDP_TIMEOUT_DEFAULT_S",

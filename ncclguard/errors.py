@@ -1,4 +1,10 @@
-"""The exceptions ncclguard reports. A failed safe_* call returns one in its result's ``error``."""
+"""Every exception ncclguard raises or reports. A failed call returns one in its result's ``error``.
+
+Each result (:class:`~ncclguard.CollectiveResult`, :class:`~ncclguard.BarrierResult`,
+:class:`~ncclguard.RebuildResult`, the guarded evaluation's
+:class:`~ncclguard.recovery.evaluation.EvalReport`) has ``ok``, ``error`` (one of these
+exceptions, or None), is truthy when ``ok``, and has ``raise_for_error()``.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,15 @@ __all__ = [
     "BarrierFailed",
     "GroupFailed",
     "StoreUnreachable",
+    "StoreTimeout",
+    "StoreRefused",
     "TorchCompatError",
+    "DeadlineExceeded",
+    "EvaluationFailed",
+    "RebuildFailed",
+    "NoRoute",
+    "MemoryRefused",
+    "BenchCallFailed",
 ]
 
 
@@ -125,11 +139,50 @@ class StoreTimeout(NcclGuardError, TimeoutError):
     """
 
 
-class RebuildFailed(NcclGuardError):
-    """``rebuild_world`` did not put this rank in a new world.
+class StoreRefused(StoreTimeout):
+    """The store closed this client's connection on one request, and a new connection was made:
+    the server refused that request but still serves. The libuv TCPStore server drops a client
+    whose ``add`` meets a value that is not a number ("Error processing client message: stoll",
+    torch 2.13), so a key that ncclguard counts on holds something it did not write."""
+
+
+class DeadlineExceeded(NcclGuardError, TimeoutError):
+    """Python code ran past the deadline of :func:`ncclguard.sigalrm_timeout`.
+
+    Not a collective's timeout (that is :class:`CollectiveTimeout`): the guarded block may hold
+    any code. A ``TimeoutError``, so ``except TimeoutError`` catches it.
 
     Attributes:
-        missing_ranks: the old ranks that had not arrived (sorted).
+        seconds: the deadline, in seconds from the guard's entry.
+        elapsed_s: seconds from the guard's entry to the moment it fired.
+    """
+
+    def __init__(self, message: str, *, seconds: float = 0.0, elapsed_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.seconds, self.elapsed_s = seconds, elapsed_s
+
+
+class EvaluationFailed(NcclGuardError):
+    """Every attempt of a guarded evaluation failed; every rank skipped it.
+
+    Attributes:
+        reasons: why each attempt failed, as the ranks agreed (one entry per attempt).
+        failed_ranks: global ranks that failed or were missing in the last attempt.
+    """
+
+    def __init__(
+        self, message: str, *, reasons: list[str] | None = None, failed_ranks: list[int] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reasons = list(reasons or [])
+        self.failed_ranks = list(failed_ranks or [])
+
+
+class RebuildFailed(NcclGuardError):
+    """:func:`ncclguard.rebuild_world` built no new world with this rank in it.
+
+    Attributes:
+        missing_ranks: old ranks that had not arrived (sorted).
         late: this rank arrived after the others had settled without it.
     """
 
@@ -139,4 +192,13 @@ class RebuildFailed(NcclGuardError):
         self.late = late
 
 
-__all__ += ["StoreTimeout", "RebuildFailed"]
+class NoRoute(NcclGuardError, LookupError):
+    """The kernel has no route to the address (``Network is unreachable``)."""
+
+
+class MemoryRefused(NcclGuardError, ValueError):
+    """The benchmark's sizes do not fit in memory; the message says what would."""
+
+
+class BenchCallFailed(NcclGuardError, RuntimeError):
+    """A guarded call in the benchmark returned an error; the group cannot be used any more."""

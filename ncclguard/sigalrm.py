@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ncclguard.deadlines import to_seconds
-from ncclguard.errors import CollectiveTimeout
+from ncclguard.errors import DeadlineExceeded
 
 __all__ = ["sigalrm_timeout"]
 
@@ -74,7 +74,7 @@ def _on_alarm(signum: int, frame: Any) -> None:
             continue
         d.fired = True  # never re-armed: the exception below is this deadline's only effect
         _arm()
-        raise CollectiveTimeout(d.message, op="python", elapsed_s=now - d.started)
+        raise DeadlineExceeded(d.message, seconds=d.seconds, elapsed_s=now - d.started)
     _arm()  # an early tick, or only the previous timer was due
 
 
@@ -108,7 +108,7 @@ def _kicker(stop: threading.Event, main_ident: int) -> None:
 
 @contextmanager
 def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None]:
-    """Raises :class:`ncclguard.errors.CollectiveTimeout` in the main thread after ``seconds``.
+    """Raises :class:`ncclguard.errors.DeadlineExceeded` (a ``TimeoutError``) in the main thread after ``seconds``.
 
     Sub-second deadlines work (``setitimer``). Guards nest: the earliest deadline fires, and when
     an inner guard exits the outer one goes on with its remaining time. A timer armed before the
@@ -122,7 +122,7 @@ def sigalrm_timeout(seconds: float, message: str | None = None) -> Iterator[None
     Raises:
         RuntimeError: called outside the main thread, or on a platform without SIGALRM.
         TypeError, ValueError: ``seconds`` is not a positive duration.
-        CollectiveTimeout: (inside the block) the deadline passed.
+        DeadlineExceeded: (inside the block) the deadline passed.
     """
     seconds = to_seconds(seconds, "seconds")
     if not hasattr(signal, "SIGALRM") or not hasattr(signal, "setitimer"):

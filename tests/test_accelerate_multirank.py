@@ -55,9 +55,9 @@ def test_a_rank_stalled_before_gather_for_metrics_is_skipped_together_by_the_dea
         skip = res["skips"]["stall"]
         assert skip["step"] == 2
         assert EVAL_TIMEOUT_S <= skip["elapsed_s"] <= EVAL_TIMEOUT_S + GRACE_S
-        assert "rank 1: CollectiveTimeout: the evaluation ran past its" in skip["reason"]
+        assert "rank 1: DeadlineExceeded: the evaluation ran past its" in skip["reason"]
         # Rank 0 waited in gather_for_metrics: its own failure names the gloo timeout there.
-        assert "rank 0: CollectiveTimeout" in skip["reason"] and "gloo" in skip["reason"]
+        assert "rank 0: DeadlineExceeded" in skip["reason"] and "gloo" in skip["reason"]
         # Stall to skip, on each rank's clock (one machine): the deadline plus the agreement.
         assert 0 < res["ended"]["stall"] - stalled_at <= EVAL_TIMEOUT_S + GRACE_S
         # The interrupted loader was taken out of GradientState; training mode is back.
@@ -77,7 +77,7 @@ def test_uneven_shards_without_even_batches_are_skipped_together(job):
         assert job[r]["outcomes"]["uneven"] is None
         skip = job[r]["skips"]["uneven"]
         assert skip["step"] == 4 and EVAL_TIMEOUT_S <= skip["elapsed_s"] <= EVAL_TIMEOUT_S + GRACE_S
-        assert skip["reason"].startswith("attempt 1: rank 0: CollectiveTimeout") and "rank 1" not in skip["reason"]
+        assert skip["reason"].startswith("attempt 1: rank 0: DeadlineExceeded") and "rank 1" not in skip["reason"]
 
 
 @pytest.mark.multirank

@@ -91,9 +91,9 @@ def test_json_names_every_variable_the_seeds_set(env, capsys):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-@pytest.mark.parametrize("pg_timeout", [None, "600", "1800", "3600"])
-def test_with_the_defaults_doctor_says_nothing_about_timeouts(env, capsys, backend, pg_timeout):
-    args = ["--json", "--backend", backend] + (["--pg-timeout", pg_timeout] if pg_timeout else [])
+@pytest.mark.parametrize("group_timeout", [None, "600", "1800", "3600"])
+def test_with_the_defaults_doctor_says_nothing_about_timeouts(env, capsys, backend, group_timeout):
+    args = ["--json", "--backend", backend] + (["--group-timeout", group_timeout] if group_timeout else [])
     rc, out, _ = _doctor(capsys, *args)
     report = json.loads(out)
     assert report["timeouts"]["problems"] == []
@@ -104,10 +104,20 @@ def test_with_the_defaults_doctor_says_nothing_about_timeouts(env, capsys, backe
 
 
 def test_clean_environment_exits_zero(env, capsys):
-    rc, out, _ = _doctor(capsys, "--json", "--pg-timeout", "3600")
+    rc, out, _ = _doctor(capsys, "--json", "--group-timeout", "3600")
     report = json.loads(out)
     assert (rc, report["ok"], report["warnings"], report["timeouts"]["problems"]) == (0, True, [], [])
     assert {v["status"] for v in report["variables"]} == {"unset"}
+
+
+def test_old_pg_timeout_flag_still_works_and_is_hidden(env, capsys):
+    rc_new, new, _ = _doctor(capsys, "--json", "--group-timeout", "900")
+    rc_old, old, _ = _doctor(capsys, "--json", "--pg-timeout", "900")
+    assert rc_new == rc_old and json.loads(new)["timeouts"] == json.loads(old)["timeouts"]
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--group-timeout" in help_text and "--pg-timeout" not in help_text
 
 
 def test_table(env, capsys):
@@ -126,7 +136,7 @@ def test_table(env, capsys):
     assert "  - NCCL_TIMEOUT=1800 does nothing: neither NCCL nor PyTorch reads it;" in out
     for name in SEEDS_ENV:
         env.delenv(name)
-    rc, out, _ = _doctor(capsys, "--pg-timeout", "3600")
+    rc, out, _ = _doctor(capsys, "--group-timeout", "3600")
     assert rc == 0 and out.rstrip().endswith("nothing to change.")
 
 
@@ -156,7 +166,7 @@ def test_bad_input_and_check_ranks_outside_a_launcher(env, capsys):
     out, err = capsys.readouterr()
     assert (rc, out) == (2, "")
     assert "torchrun --nproc_per_node=2 -m ncclguard doctor --check-ranks" in err
-    for bad in (["--json", "--export"], ["--pg-timeout", "0"], ["--pg-timeout", "ten"], ["--timeout", "-1"]):
+    for bad in (["--json", "--export"], ["--group-timeout", "0"], ["--group-timeout", "ten"], ["--timeout", "-1"]):
         with pytest.raises(SystemExit) as exc:
             main(["doctor", *bad])  # argparse refuses it, with status 2
         assert exc.value.code == 2
@@ -213,7 +223,7 @@ def test_check_ranks_under_torchrun():
             "doctor",
             "--check-ranks",
             "--json",
-            "--pg-timeout",
+            "--group-timeout",
             "3600",
             "--timeout",
             "30",
@@ -315,5 +325,5 @@ def test_doctor_refuses_a_bad_training_arguments_file(env, capsys, tmp_path, con
     rc, out, err = _doctor(capsys, "--training-args", str(bad))
     assert (rc, out) == (2, "") and err.startswith("doctor: ") and message in err
     with pytest.raises(SystemExit) as exc:
-        main(["doctor", "--ddp-timeout", "600", "--pg-timeout", "600"])  # one process-group timeout, not two
+        main(["doctor", "--ddp-timeout", "600", "--group-timeout", "600"])  # one process-group timeout, not two
     assert exc.value.code == 2

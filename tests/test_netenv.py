@@ -477,9 +477,9 @@ def test_hierarchy_in_order_and_each_broken_rule():
     ok = TimeoutHierarchy(
         op_deadline_s=300,
         watchdog_hang_s=300,
-        pg_timeout_s=600,
+        group_timeout_s=600,
         heartbeat_timeout_s=900,
-        eval_deadline_s=200,
+        eval_timeout_s=200,
         barrier_deadline_s=300,
         peer_liveness_s=30,
     )
@@ -489,7 +489,7 @@ def test_hierarchy_in_order_and_each_broken_rule():
         "watchdog hang timeout (600 s) is not below the process-group timeout (600 s)": dict(watchdog_hang_s=600),
         "heartbeat timeout (600 s) is not above the process-group timeout (600 s)": dict(heartbeat_timeout_s=600),
         "evaluation deadline (700 s) is not below the process-group timeout (600 s)": dict(
-            eval_deadline_s=700, barrier_deadline_s=800
+            eval_timeout_s=700, barrier_deadline_s=800
         ),
         "barrier deadline (100 s) is shorter than the evaluation deadline (200 s)": dict(barrier_deadline_s=100),
     }
@@ -498,9 +498,9 @@ def test_hierarchy_in_order_and_each_broken_rule():
         with pytest.raises(ValueError, match=re.escape(message)):
             TimeoutHierarchy(**values)
     with pytest.raises(ValueError, match=r"per-op deadline \(300 s\) is not below group 5's timeout \(300 s\)"):
-        TimeoutHierarchy(op_deadline_s=300, pg_timeout_s=600, subgroup_timeouts_s={"5": 300})
+        TimeoutHierarchy(op_deadline_s=300, group_timeout_s=600, subgroup_timeouts_s={"5": 300})
     with pytest.raises(ValueError, match="greater than 0"):
-        TimeoutHierarchy(pg_timeout_s=0)
+        TimeoutHierarchy(group_timeout_s=0)
 
 
 def test_hierarchy_in_force_without_a_group(monkeypatch):
@@ -509,7 +509,7 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     monkeypatch.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "120")  # the watchdog's own settings, read too
     gloo = TimeoutHierarchy.in_force(backend="gloo", validate=False)
     # ncclguard's default deadlines are capped below the group's timeout (1800 x 0.9 - 0.5), as a call gets them.
-    assert (gloo.op_deadline_s, gloo.pg_timeout_s, gloo.eval_deadline_s, gloo.barrier_deadline_s) == (
+    assert (gloo.op_deadline_s, gloo.group_timeout_s, gloo.eval_timeout_s, gloo.barrier_deadline_s) == (
         1619.5,
         1800,
         250,
@@ -517,14 +517,14 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
     )
     assert (gloo.watchdog_hang_s, gloo.peer_liveness_s, gloo.heartbeat_timeout_s) == (120, 30, None)
     assert gloo.sources["watchdog_hang_s"] == "WatchdogConfig (NCCLGUARD_WATCHDOG_*)"
-    assert gloo.sources["pg_timeout_s"] == "gloo default (no group yet)"
+    assert gloo.sources["group_timeout_s"] == "gloo default (no group yet)"
     assert gloo.sources["op_deadline_s"].endswith(", capped (Config)")
     assert gloo.problems() == []
-    small = TimeoutHierarchy.in_force(backend="gloo", pg_timeout_s=3, eval_deadline_s=1, validate=False)
+    small = TimeoutHierarchy.in_force(backend="gloo", group_timeout_s=3, eval_timeout_s=1, validate=False)
     assert (small.op_deadline_s, small.barrier_deadline_s) == (pytest.approx(2.2), pytest.approx(2.2))
     # The rule still holds for deadlines given by hand (they are refused at the call, see test_collectives_faults).
     with pytest.raises(ValueError, match="timeout hierarchy out of order"):
-        TimeoutHierarchy(op_deadline_s=1800, pg_timeout_s=1800)
+        TimeoutHierarchy(op_deadline_s=1800, group_timeout_s=1800)
     configure(heartbeat_timeout_s=600.0)  # a supervisor that gives up before NCCL's 600 s would
     with pytest.raises(
         ValueError, match=re.escape("heartbeat timeout (600 s) is not above the process-group timeout (600 s)")
@@ -532,8 +532,8 @@ def test_hierarchy_in_force_without_a_group(monkeypatch):
         TimeoutHierarchy.in_force(backend="nccl", op_numel=1000)
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "20")
     monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "900")
-    nccl = TimeoutHierarchy.in_force(backend="nccl", pg_timeout_s=3600, heartbeat_timeout_s=7200)
-    assert (nccl.pg_timeout_s, nccl.heartbeat_timeout_s, nccl.deepspeed_timeout_s, nccl.nccl_heartbeat_s) == (
+    nccl = TimeoutHierarchy.in_force(backend="nccl", group_timeout_s=3600, heartbeat_timeout_s=7200)
+    assert (nccl.group_timeout_s, nccl.heartbeat_timeout_s, nccl.deepspeed_timeout_s, nccl.nccl_heartbeat_s) == (
         3600,
         7200,
         1200,

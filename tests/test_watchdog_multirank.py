@@ -151,7 +151,7 @@ def test_sigalrm_cannot_interrupt_a_blocked_gloo_collective_but_the_watchdog_rep
     alarm = desync[0]["alarm"]
     # The 1 s alarm fired only when gloo gave up at its 4 s timeout; its exception then replaced gloo's.
     assert desync[0]["alarm_elapsed"] >= 3.5  # far past the 1 s alarm: gloo's 4 s timeout ended it
-    assert (alarm["raised"], alarm["context"]) == ("CollectiveTimeout", "RuntimeError")
+    assert (alarm["raised"], alarm["context"]) == ("DeadlineExceeded", "RuntimeError")
     inc = merged(incidents(desync)[2])
     slow = desync[0]["group_names"]["slow"]
     (finding,) = inc["findings"]

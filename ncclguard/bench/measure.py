@@ -22,16 +22,13 @@ from ncclguard.bench import check
 from ncclguard.bench.memory import PeakMemory
 from ncclguard.bench.options import OPS
 from ncclguard.collectives.all_reduce import release_atomic_buffers, retained_atomic_bytes, safe_all_reduce
+from ncclguard.errors import BenchCallFailed
 
-__all__ = ["ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
+__all__ = ["BenchCallFailed", "ModeRun", "SizeRun", "measure_size", "TORCH_OPS"]
 
 # The bench's op names (nccl-tests' -o) to torch's ReduceOp, through the library's one naming table.
 _BY_NAME = {name: op for op, name in REDUCE_OP_NAMES.items()}
 TORCH_OPS = {name: _BY_NAME["PRODUCT" if name == "prod" else name.upper()] for name in OPS}
-
-
-class BenchCallFailed(RuntimeError):
-    """A guarded call returned an error; the group cannot be used any more."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from ncclguard.bench.sizes import format_bytes
+from ncclguard.errors import MemoryRefused
 
 __all__ = ["CHECK_BLOCK", "MemoryRefused", "need_per_rank", "ensure_fits", "PeakMemory"]
 
@@ -29,10 +30,6 @@ RUNTIME_BYTES = 512 * 1024**2  # per rank on the host: torch, the process group,
 DEVICE_RESERVE_BYTES = 1024**3  # per GPU: NCCL's buffers and the CUDA context
 USABLE = 0.9  # never plan to use the last 10 % of what is free
 CHECK_BLOCK = 1 << 22  # elements the correctness pass compares at a time
-
-
-class MemoryRefused(ValueError):
-    """The sizes do not fit; the message says what would."""
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pg = parser.add_mutually_exclusive_group()
     pg.add_argument(
-        "--pg-timeout", type=_seconds, metavar="SECONDS", help="the timeout= you pass to init_process_group"
+        "--group-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="the process group's timeout: the timeout= you pass to init_process_group",
     )
+    # The old spelling, hidden, so that scripts written for it keep working.
+    pg.add_argument("--pg-timeout", dest="group_timeout", type=_seconds, help=argparse.SUPPRESS)
     # Both spellings, as HfArgumentParser gives a training script (transformers/hf_argparser.py):
     # the flag can be copied from the training command as it is.
     pg.add_argument(
@@ -172,7 +177,7 @@ def _timeouts(args: argparse.Namespace) -> tuple[TimeoutHierarchy, list[str], li
     ddp_given = args.ddp_timeout is not None or args.training_args is not None
     if not ddp_given:
         hierarchy = TimeoutHierarchy.in_force(
-            backend=args.backend, pg_timeout_s=args.pg_timeout, eval_deadline_s=args.eval_timeout, validate=False
+            backend=args.backend, group_timeout_s=args.group_timeout, eval_timeout_s=args.eval_timeout, validate=False
         )
         return hierarchy, hierarchy.problems(), hierarchy.notes()
     if args.training_args is not None:
@@ -182,7 +187,7 @@ def _timeouts(args: argparse.Namespace) -> tuple[TimeoutHierarchy, list[str], li
         ddp, source = args.ddp_timeout, "TrainingArguments.ddp_timeout (--ddp-timeout)"
     pg = HF_DDP_TIMEOUT_DEFAULT_S if ddp is None else ddp
     hierarchy = TimeoutHierarchy.in_force(
-        backend=args.backend, pg_timeout_s=pg, pg_source=source, eval_deadline_s=args.eval_timeout, validate=False
+        backend=args.backend, group_timeout_s=pg, group_source=source, eval_timeout_s=args.eval_timeout, validate=False
     )
     # The rules broken against the process-group timeout are broken against ddp_timeout: say so.
     suffix = f" (TrainingArguments.ddp_timeout={pg:g})"

@@ -24,6 +24,10 @@ __all__ = [
     "subgroup_timeouts_s",
 ]
 
+# The live group's timeout, under a name that TimeoutHierarchy.in_force's `group_timeout_s`
+# argument (the timeout given by the caller) does not shadow.
+_live_timeout_s = group_timeout_s
+
 
 # torch 2.13 defaults: ProcessGroupNCCL.hpp kProcessGroupNCCLDefaultTimeout (10 min) and
 # Backend.hpp kBackendDefaultTimeout (30 min, every other backend). A CPU-only build has no
@@ -119,9 +123,9 @@ class TimeoutHierarchy(BaseModel):
     Attributes:
         op_deadline_s: the deadline of one guarded collective.
         watchdog_hang_s: how long an op may be in flight before ncclguard's watchdog calls it a hang.
-        pg_timeout_s: the world process group's timeout.
+        group_timeout_s: the world process group's timeout.
         heartbeat_timeout_s: the progress-heartbeat timeout of a supervisor outside the job.
-        eval_deadline_s: how long one evaluation pass may run.
+        eval_timeout_s: how long one evaluation pass may run.
         barrier_deadline_s: how long a barrier waits for the last rank.
         peer_liveness_s: after this long without a watchdog heartbeat a peer is lost.
         subgroup_timeouts_s: other live groups' timeouts, by group name.
@@ -134,9 +138,9 @@ class TimeoutHierarchy(BaseModel):
 
     op_deadline_s: float | None = Field(None, gt=0)
     watchdog_hang_s: float | None = Field(None, gt=0)
-    pg_timeout_s: float = Field(gt=0)
+    group_timeout_s: float = Field(gt=0)
     heartbeat_timeout_s: float | None = Field(None, gt=0)
-    eval_deadline_s: float | None = Field(None, gt=0)
+    eval_timeout_s: float | None = Field(None, gt=0)
     barrier_deadline_s: float | None = Field(None, gt=0)
     peer_liveness_s: float | None = Field(None, gt=0)
     subgroup_timeouts_s: dict[str, float] = {}
@@ -147,8 +151,8 @@ class TimeoutHierarchy(BaseModel):
     def problems(self) -> list[str]:
         """Each broken rule of the order, as a sentence that says what to change."""
         out = []
-        op, hang, pg, hb = self.op_deadline_s, self.watchdog_hang_s, self.pg_timeout_s, self.heartbeat_timeout_s
-        ev, bar = self.eval_deadline_s, self.barrier_deadline_s
+        op, hang, pg, hb = self.op_deadline_s, self.watchdog_hang_s, self.group_timeout_s, self.heartbeat_timeout_s
+        ev, bar = self.eval_timeout_s, self.barrier_deadline_s
         if op is not None and op >= pg:
             out.append(
                 f"per-op deadline ({_s(op)}) is not below the process-group timeout ({_s(pg)}): the backend gives up "
@@ -183,17 +187,17 @@ class TimeoutHierarchy(BaseModel):
         """Facts worth knowing that break no rule: subgroups with another timeout, DeepSpeed's default."""
         out = []
         for name, seconds in sorted(self.subgroup_timeouts_s.items()):
-            if seconds != self.pg_timeout_s:
+            if seconds != self.group_timeout_s:
                 out.append(
-                    f"group {name}'s timeout ({_s(seconds)}) differs from the world group's ({_s(self.pg_timeout_s)}); "
+                    f"group {name}'s timeout ({_s(seconds)}) differs from the world group's ({_s(self.group_timeout_s)}); "
                     "a group made by new_group without timeout= gets the backend default unless it was made after "
                     "ncclguard.init_process_group"
                 )
-        if self.deepspeed_timeout_s is not None and "live" in self.sources.get("pg_timeout_s", ""):
-            if self.deepspeed_timeout_s != self.pg_timeout_s:
+        if self.deepspeed_timeout_s is not None and "live" in self.sources.get("group_timeout_s", ""):
+            if self.deepspeed_timeout_s != self.group_timeout_s:
                 out.append(
                     f"DeepSpeed's default timeout ({_s(self.deepspeed_timeout_s)}) differs from the live world group's "
-                    f"({_s(self.pg_timeout_s)}); it applies only to a group deepspeed.init_distributed creates itself"
+                    f"({_s(self.group_timeout_s)}); it applies only to a group deepspeed.init_distributed creates itself"
                 )
         return out
 
@@ -209,9 +213,9 @@ class TimeoutHierarchy(BaseModel):
         rows = [
             ("per-op deadline", self.op_deadline_s, "< process-group timeout", "op_deadline_s"),
             ("watchdog hang timeout", self.watchdog_hang_s, "< process-group timeout", "watchdog_hang_s"),
-            ("process-group timeout", self.pg_timeout_s, "", "pg_timeout_s"),
+            ("process-group timeout", self.group_timeout_s, "", "group_timeout_s"),
             ("heartbeat timeout", self.heartbeat_timeout_s, "> process-group timeout", "heartbeat_timeout_s"),
-            ("evaluation deadline", self.eval_deadline_s, "< process-group timeout", "eval_deadline_s"),
+            ("evaluation deadline", self.eval_timeout_s, "< process-group timeout", "eval_timeout_s"),
             ("barrier deadline", self.barrier_deadline_s, ">= evaluation deadline", "barrier_deadline_s"),
         ]
         out = [
@@ -255,10 +259,10 @@ class TimeoutHierarchy(BaseModel):
         config: Config | None = None,
         group: Any = None,
         backend: str | None = None,
-        pg_timeout_s: float | None = None,
-        pg_source: str = "given",
+        group_timeout_s: float | None = None,
+        group_source: str = "given",
         heartbeat_timeout_s: float | None = None,
-        eval_deadline_s: float | None = None,
+        eval_timeout_s: float | None = None,
         op_numel: int = REFERENCE_NUMEL,
         environ: Mapping[str, str] | None = None,
         validate: bool = True,
@@ -270,10 +274,10 @@ class TimeoutHierarchy(BaseModel):
             group: the group whose timeout is the process-group timeout (default the world).
             backend: the backend to assume when no group is live (default: nccl where CUDA
                 is available, else gloo).
-            pg_timeout_s: the process-group timeout, when known better than the live group.
-            pg_source: where ``pg_timeout_s`` came from, for the table (e.g. ``TrainingArguments.ddp_timeout``).
+            group_timeout_s: the process-group timeout, when known better than the live group.
+            group_source: where ``group_timeout_s`` came from, for the table (e.g. ``TrainingArguments.ddp_timeout``).
             heartbeat_timeout_s: the supervisor's heartbeat timeout (default ``Config.heartbeat_timeout_s``).
-            eval_deadline_s: the evaluation deadline (default ``Config.eval_deadline_s``).
+            eval_timeout_s: the evaluation deadline (default ``Config.eval_deadline_s``).
             op_numel: the collective size the per-op deadline is computed for (float32).
             environ: environment to read ``DEEPSPEED_TIMEOUT`` and NCCL's heartbeat from.
             validate: raise on a broken order (False: return it; :meth:`problems` lists it).
@@ -292,27 +296,27 @@ class TimeoutHierarchy(BaseModel):
         if liveness is not None:
             values["peer_liveness_s"], sources["peer_liveness_s"] = liveness, wd_source
 
-        live = group_timeout_s(group)
+        live = _live_timeout_s(group)
         live_backend = str(dist.get_backend(group)) if live is not None else None
         chosen_backend = live_backend or backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if pg_timeout_s is not None:
-            values["pg_timeout_s"], sources["pg_timeout_s"] = float(pg_timeout_s), pg_source
+        if group_timeout_s is not None:
+            values["group_timeout_s"], sources["group_timeout_s"] = float(group_timeout_s), group_source
         elif live is not None:
-            values["pg_timeout_s"], sources["pg_timeout_s"] = live, f"live {live_backend} group"
+            values["group_timeout_s"], sources["group_timeout_s"] = live, f"live {live_backend} group"
         else:
-            values["pg_timeout_s"] = backend_default_timeout_s(chosen_backend)
-            sources["pg_timeout_s"] = f"{chosen_backend} default (no group yet)"
+            values["group_timeout_s"] = backend_default_timeout_s(chosen_backend)
+            sources["group_timeout_s"] = f"{chosen_backend} default (no group yet)"
 
         for field, given, name in (
             ("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
-            ("eval_deadline_s", eval_deadline_s, "eval_deadline_s"),
+            ("eval_timeout_s", eval_timeout_s, "eval_deadline_s"),
         ):
             value = given if given is not None else getattr(cfg, name)
             if value is not None:
                 values[field] = float(value)
                 sources[field] = "given" if given is not None else f"Config.{name}"
         # ncclguard's default deadlines, as a call on the group would get them: capped below its timeout.
-        pg = values["pg_timeout_s"]
+        pg = values["group_timeout_s"]
         policy = adaptive_timeout(op_numel, op_numel * 4, cfg)
         values["op_deadline_s"] = default_deadline(policy, pg, cfg)
         capped = ", capped" if values["op_deadline_s"] < policy else ""

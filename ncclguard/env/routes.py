@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from ncclguard._log import log
+from ncclguard.errors import NoRoute
 
 __all__ = [
     "IPAddress",
@@ -78,10 +79,6 @@ _VALUED_KEYS = {
 }
 # Flags of the kernel's route tables (include/uapi/linux/route.h and ipv6_route.h).
 _RTF_UP, _RTF_GATEWAY, _RTF_REJECT, _RTF_LOCAL = 0x0001, 0x0002, 0x0200, 0x80000000
-
-
-class NoRoute(LookupError):
-    """The kernel has no route to the address (``Network is unreachable``)."""
 
 
 class Route(BaseModel):

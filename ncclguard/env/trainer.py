@@ -18,13 +18,13 @@ HF_DDP_TIMEOUT_DEFAULT_S = 1800.0
 
 
 def timeout_problems(
-    pg_timeout_s: float | None, eval_timeout_s: float | None = None, hang_timeout_s: float | None = None
+    group_timeout_s: float | None, eval_timeout_s: float | None = None, hang_timeout_s: float | None = None
 ) -> list[str]:
     """The broken rules of the timeout order among a process-group timeout, an evaluation
     deadline and the watchdog's hang timeout (each must be below the first).
 
     Args:
-        pg_timeout_s: the process group's timeout (None: unknown, nothing to check).
+        group_timeout_s: the process group's timeout (None: unknown, nothing to check).
         eval_timeout_s: the evaluation deadline, if any.
         hang_timeout_s: the watchdog's hang timeout, if any.
 
@@ -32,11 +32,11 @@ def timeout_problems(
         One sentence per broken rule (from :class:`ncclguard.TimeoutHierarchy`); empty when the
         order holds.
     """
-    if pg_timeout_s is None:
+    if group_timeout_s is None:
         return []
     # model_construct: the problems are what is wanted here, not the validation error.
     order = TimeoutHierarchy.model_construct(
-        pg_timeout_s=pg_timeout_s, eval_deadline_s=eval_timeout_s, watchdog_hang_s=hang_timeout_s
+        group_timeout_s=group_timeout_s, eval_timeout_s=eval_timeout_s, watchdog_hang_s=hang_timeout_s
     )
     return order.problems()
 

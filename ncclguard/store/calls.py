@@ -17,17 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.errors import StoreRefused, StoreTimeout, StoreUnreachable
 from ncclguard.store.bounded import Helper
 
 __all__ = ["BoundedCalls", "Helper", "StoreRefused"]
-
-
-class StoreRefused(StoreTimeout):
-    """The store closed this client's connection on one request, and a new connection was made:
-    the server refused that request but still serves. The libuv TCPStore server drops a client
-    whose ``add`` meets a value that is not a number ("Error processing client message: stoll",
-    torch 2.13), so a key that ncclguard counts on holds something it did not write."""
 
 
 def _first_line(exc: BaseException) -> str:
