@@ -8,7 +8,7 @@ exceptions, or None), is truthy when ``ok``, and has ``raise_for_error()``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "NcclGuardError",
@@ -202,3 +202,35 @@ class MemoryRefused(NcclGuardError, ValueError):
 
 class BenchCallFailed(NcclGuardError, RuntimeError):
     """A guarded call in the benchmark returned an error; the group cannot be used any more."""
+
+
+class DecodeError(NcclGuardError, ValueError):
+    """A value read from the store that does not decode.
+
+    Attributes:
+        what: the value's name, as the caller gave it (a key, "rank 3's arrival").
+        model: the name of the model it had to fit.
+        reason: ``"size"`` (over the bound), ``"invalid"`` (not JSON, or not the model's shape) or
+            ``"non-finite"`` (a NaN or infinite float).
+        size: its length in bytes.
+        limit: the bound it was read under.
+        detail: the first complaint, in pydantic's words (``"Field required"``) or the bad float.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        *,
+        what: str,
+        model: str,
+        reason: Literal["size", "invalid", "non-finite"],
+        size: int,
+        limit: int,
+        detail: str,
+    ) -> None:
+        super().__init__(text)
+        self.what, self.model, self.reason = what, model, reason
+        self.size, self.limit, self.detail = size, limit, detail
+
+
+__all__ += ["DecodeError"]

@@ -15,9 +15,9 @@ LIBRARY = sorted([*(REPO / "ncclguard").rglob("*.py"), *(REPO / "integrations").
 PRINTS = ("ncclguard/cli/", "ncclguard/bench/", "/__main__.py")
 
 
-def test_no_module_over_500_lines_and_no_class_over_300() -> None:
-    long_modules = {str(p.relative_to(REPO)): n for p in LIBRARY if (n := len(p.read_text().splitlines())) > 500}
-    assert long_modules == {}
+def test_no_class_over_300_lines() -> None:
+    # Modules are split along the seams of docs/architecture.md's layers (tests/test_import_contract.py),
+    # not to fit a line count; a class that long does more than one job.
     long_classes = {}
     for p in LIBRARY:
         for node in ast.walk(ast.parse(p.read_text())):

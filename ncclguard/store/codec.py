@@ -20,6 +20,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from ncclguard.errors import DecodeError
+
 __all__ = ["DEFAULT_LIMIT", "DecodeError", "check_finite", "decode", "encode"]
 
 M = TypeVar("M", bound=BaseModel)
@@ -27,25 +29,6 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_LIMIT = 64 * 1024  # bytes; for a model its caller gives no bound of its own
 
 Reason = Literal["size", "invalid", "non-finite"]
-
-
-class DecodeError(ValueError):
-    """A value read from the store that does not decode.
-
-    Attributes:
-        what: the value's name, as the caller gave it (a key, "rank 3's arrival").
-        model: the name of the model it had to fit.
-        reason: ``"size"`` (over the bound), ``"invalid"`` (not JSON, or not the model's shape) or
-            ``"non-finite"`` (a NaN or infinite float).
-        size: its length in bytes.
-        limit: the bound it was read under.
-        detail: the first complaint, in pydantic's words (``"Field required"``) or the bad float.
-    """
-
-    def __init__(self, text: str, *, what: str, model: str, reason: Reason, size: int, limit: int, detail: str) -> None:
-        super().__init__(text)
-        self.what, self.model, self.reason = what, model, reason
-        self.size, self.limit, self.detail = size, limit, detail
 
 
 def _non_finite(value: BaseModel) -> float | None:

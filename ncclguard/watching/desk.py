@@ -196,6 +196,12 @@ def write_report(case: Case, incident: Incident, *, announce: bool = True) -> No
         log.info("watchdog: incident report\n%s", text)
 
 
+def _gen_tag(world: Mapping[str, Any]) -> str:
+    # Incident numbers restart in each generation: its ids say which one ("g1-001").
+    gen = world.get("generation", 0)
+    return f"g{gen}-" if gen else ""
+
+
 class IncidentDesk:
     """Raises, handles and merges this rank's incidents, and climbs their ladders.
 
@@ -257,22 +263,16 @@ class IncidentDesk:
             self.open_local(det)
             return
         created = time.time()
-        ident = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{self._gen_tag}{n:03d}"
+        ident = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{_gen_tag(self.world)}{n:03d}"
         doc = describe(det, self.rank, n, ident, created).model_copy(update=self.world)
         self.store.put_incident(doc)
-
-    @property
-    def _gen_tag(self) -> str:
-        # Incident numbers restart in each generation: its ids say which one ("g1-001").
-        gen = self.world.get("generation", 0)
-        return f"g{gen}-" if gen else ""
 
     def open_local(self, det: Detection) -> None:
         """Handles ``det`` on this rank alone."""
         self._local_count += 1
         created = time.time()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
-        ident = f"{stamp}-{self._gen_tag}r{self.rank}-{det.kind.value}-{self._local_count}"
+        ident = f"{stamp}-{_gen_tag(self.world)}r{self.rank}-{det.kind.value}-{self._local_count}"
         doc = describe(det, self.rank, -self._local_count, ident, created, "local").model_copy(update=self.world)
         self.handle(doc, local=True)
 

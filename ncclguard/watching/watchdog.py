@@ -198,15 +198,8 @@ class Watchdog:
         """Watches ``world`` from now on: its members under their numbers in it, heartbeats and
         incidents under its generation's keys. The cases of the world before are kept (they are
         this rank's history), their ladders as they were."""
-        import torch.distributed as dist
-
         cfg = self.config
-        if world.rank is not None and world.size is not None:
-            self.rank, self.world_size = world.rank, world.size
-        elif dist.is_available() and dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.rank, self.world_size = rank_and_size(world)
         self.generation = world.generation
         self._state = RankState(self.rank, self.world_size)
         self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
@@ -216,42 +209,20 @@ class Watchdog:
         self._slow_store = False
         old = self._desk
         desk = IncidentDesk(cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond)
-        desk.world = {
-            "generation": world.generation,
-            "rank_map": {str(k): v for k, v in world.rank_map.items()} if world.generation else None,
-            "left_out": list(world.left_out) if world.generation else None,
-        }
+        take_over(desk, old, world, cfg.session)
         if old is not None:
-            desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
-            if desk.store is not None:
-                desk.store.keys = Keys.from_env(cfg.session, generation=world.generation)
-                try:
-                    desk.seen_count = desk.store.incident_count()
-                except (StoreTimeout, StoreUnreachable):
-                    desk.seen_count = 0  # a fresh generation's counter starts at 0 anyway
             with self._cond:
                 self._retired.extend(old.cases)
-        self._desk = desk
-        if old is not None:
             log.warning(
-                "watchdog: following world generation %d: rank %d of %d%s",
-                world.generation,
-                self.rank,
-                self.world_size,
-                f" (left out: ranks {list(world.left_out)})" if world.left_out else "",
+                "watchdog: following world generation %d: rank %d of %d", world.generation, self.rank, self.world_size
             )
+        self._desk = desk
 
     def _on_world_change(self, change: WorldChange) -> None:
-        """A subscriber of :func:`~ncclguard.world.announce` (the announcing thread): the watchdog's
-        thread follows the new world at its next tick."""
+        # A subscriber of announce(), in the announcing thread: the watchdog's thread follows the
+        # new world at its next tick (it alone touches the per-world members).
         with self._cond:
             self._next_world = change.new
-
-    def _follow_world(self) -> None:
-        with self._cond:
-            world, self._next_world = self._next_world, None
-        if world is not None:
-            self._enter(world)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -321,8 +292,11 @@ class Watchdog:
         next_beat = 0.0
         while not self._stop.is_set():
             if self._next_world is not None:
-                self._follow_world()
-                next_beat = 0.0  # beat at once in the new world
+                with self._cond:
+                    world, self._next_world = self._next_world, None
+                if world is not None:
+                    self._enter(world)
+                    next_beat = 0.0  # beat at once in the new world
             desk = self._desk
             try:
                 now = time.monotonic()
@@ -482,6 +456,36 @@ def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any
         )
         return
     desk.store, desk.store_addr = store, addr
+
+
+def rank_and_size(world: World) -> tuple[int, int]:
+    """This rank and the size of ``world``: its own once rebuilt, else torch's, else torchrun's."""
+    import torch.distributed as dist
+
+    if world.rank is not None and world.size is not None:
+        return world.rank, world.size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, session: str) -> None:
+    """Makes ``desk`` the desk of ``world``: its incidents say the generation and the renumbering,
+    and it takes ``old``'s store connection (if any) over, keyed for this generation."""
+    desk.world = {
+        "generation": world.generation,
+        "rank_map": {str(k): v for k, v in world.rank_map.items()} if world.generation else None,
+        "left_out": list(world.left_out) if world.generation else None,
+    }
+    if old is None:
+        return
+    desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
+    if desk.store is not None:
+        desk.store.keys = Keys.from_env(session, generation=world.generation)
+        try:
+            desk.seen_count = desk.store.incident_count()
+        except (StoreTimeout, StoreUnreachable):
+            desk.seen_count = 0  # a fresh generation's counter starts at 0 anyway
 
 
 def start_watchdog(
