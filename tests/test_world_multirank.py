@@ -64,7 +64,7 @@ def test_a_desync_after_a_shrink_is_reported_in_the_new_numbering_without_the_le
         assert rep["world_size"] == 3 and rep["statements_from"] == [0, 1, 2] and rep["missing_statements"] == []
         assert "world generation 1, ranks in its numbering (rebuilt: old rank 2 is rank 1 now, " in rep["summary"]
         assert "old rank 3 is rank 2 now; left out: rank 1)" in rep["summary"]
-        assert "merged by rank 0 from the statements of 3/3 ranks" in rep["summary_head"][1]
+        assert "from the statements of 3/3 ranks" in rep["summary_head"][1]  # any member may merge
     left = shrink_job[1]
     assert left["rebuild"] == {"ok": False, "late": True, "generation": 0}
     # The left-out rank is in no new world: its watchdog stays in generation 0 until it stops.
