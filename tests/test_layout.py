@@ -1,5 +1,6 @@
-"""The house rules of the layout, checked: small modules and classes, one door to torch's private
-APIs, a public face with an explicit ``__all__``, no printing in the library."""
+"""The house rules of the layout, checked: small classes, one door to torch's private APIs, a public
+face with an explicit ``__all__``, no printing in the library. (Module size is no longer capped by
+line count: tests/test_import_contract.py checks what each module may import instead.)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ LIBRARY = sorted([*(REPO / "ncclguard").rglob("*.py"), *(REPO / "integrations").
 PRINTS = ("ncclguard/cli/", "ncclguard/bench/", "/__main__.py")
 
 
-def test_no_module_over_500_lines_and_no_class_over_300() -> None:
-    long_modules = {str(p.relative_to(REPO)): n for p in LIBRARY if (n := len(p.read_text().splitlines())) > 500}
-    assert long_modules == {}
+def test_no_class_over_300_lines() -> None:
     long_classes = {}
     for p in LIBRARY:
         for node in ast.walk(ast.parse(p.read_text())):
