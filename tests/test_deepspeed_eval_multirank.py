@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+# The launch's own guard (330 s, below) is over pytest-timeout's 300 s default: this module's is 400.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(400)]
 RANKS = (0, 1)
 STAGES = ("zero0", "zero2")
 TIMEOUT_S = 2.0  # the worker's evaluation deadline
