@@ -24,7 +24,16 @@ many real gloo ranks (torchrun, through ``tests/harness.py``, bounded): rank 2 s
 and evaluates while the others wait; measured: the time to the report, who it names, and the
 resident memory of all the ranks together.
 
-Usage: python benchmarks/watchdog_scale.py [--ranks 64 256 1024] [--gloo-ranks 16] [--json benchmarks/results/watchdog_scale.json]
+The latencies (``raised_after_s``, ``on_disk_after_s`` from the desync's start, per size and run)
+are also gathered under ``"latency"`` with their min, median and max against the bound.
+``tests/test_diagnosis_scale.py`` runs this protocol at 64 and 256 ranks but asserts only who is
+named and a generous hang guard; its figures are measured here, under the test's settings::
+
+    python benchmarks/watchdog_scale.py --ranks 64 256 --procs 2 --heartbeat 2 --hang 4 --warm 4 \
+        --window 8 --connect-timeout 120 --max-report-wait 30 --max-wait 120 --together --repeat 3 \
+        --json benchmarks/results/watchdog_scale_ci.json
+
+Usage: python benchmarks/watchdog_scale.py [--ranks 64 256 1024] [--gloo-ranks 16] [--together] [--repeat N] [--json benchmarks/results/watchdog_scale.json]
 """
 
 from __future__ import annotations
@@ -492,6 +501,24 @@ def run_gloo(n: int) -> dict[str, Any]:
     }
 
 
+def latency_summary(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """Per size: the desync-to-report latencies of its runs, their min, median and max, the bound."""
+    out: dict[str, Any] = {}
+    for n in sorted({r["ranks"] for r in runs}):
+        reports = [r["report"] for r in runs if r["ranks"] == n]
+        found = [x for x in reports if x.get("found")]
+        row: dict[str, Any] = {"runs": len(reports), "found": len(found), "bound_s": bound}
+        for key in ("raised_after_s", "on_disk_after_s"):
+            values = [x[key] for x in found]
+            row[key] = values
+            if values:
+                row[f"{key}_min_median_max"] = [min(values), round(statistics.median(values), 3), max(values)]
+        row["within_bound"] = sum(1 for x in found if x["within_bound"])
+        row["named_the_culprit_alone"] = sum(1 for x in found if x["culprits"] == [x["culprit_expected"]])
+        out[str(n)] = row
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="*", default=[64, 256, 1024])
@@ -506,6 +533,8 @@ def main() -> None:
     p.add_argument("--connect-timeout", type=float, default=180.0)
     p.add_argument("--max-report-wait", type=float, default=60.0)
     p.add_argument("--max-wait", type=float, default=240.0, help="a worker's longest wait for the end")
+    p.add_argument("--together", action="store_true", help="run all sizes at once (as the CI test does)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each size, for the spread of the latencies")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--lo", "--hi", "--world", "--culprit", "--steps"):
@@ -518,13 +547,20 @@ def main() -> None:
         return
     import torch
 
-    runs = []
-    for n in args.ranks:
+    def timed(n: int) -> dict[str, Any]:
         t = time.monotonic()
         res = run_size(n, args)
         res["wall_s"] = round(time.monotonic() - t, 1)
-        runs.append(res)
         print(json.dumps(res, indent=1), flush=True)
+        return res
+
+    runs: list[dict[str, Any]] = []
+    for _ in range(args.repeat):
+        if args.together and args.ranks:
+            with ThreadPoolExecutor(len(args.ranks)) as pool:
+                runs.extend(pool.map(timed, args.ranks))
+        else:
+            runs.extend(timed(n) for n in args.ranks)
     out: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {
@@ -541,18 +577,20 @@ def main() -> None:
             "store_timeout_s": args.store_timeout,
             "window_s": args.window,
             "procs": args.procs,
+            "together": args.together,
+            "repeat": args.repeat,
         },
+        "latency": latency_summary(runs, args.hang + 2 * args.heartbeat),
         "runs": runs,
     }
     if args.gloo_ranks:
         out["gloo_desync"] = run_gloo(args.gloo_ranks)
         out["machine"]["loadavg_at_end"] = os.getloadavg()
         print(json.dumps(out["gloo_desync"], indent=1), flush=True)
-    if len(runs) > 1:
-        base = runs[0]["requests_per_s_per_rank"]["mean"]
-        out["per_rank_rate_vs_smallest"] = {
-            str(r["ranks"]): round(r["requests_per_s_per_rank"]["mean"] / base, 3) for r in runs
-        }
+    if len(args.ranks) > 1:
+        rates = {n: [r["requests_per_s_per_rank"]["mean"] for r in runs if r["ranks"] == n] for n in args.ranks}
+        base = statistics.fmean(rates[args.ranks[0]])
+        out["per_rank_rate_vs_smallest"] = {str(n): round(statistics.fmean(v) / base, 3) for n, v in rates.items()}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

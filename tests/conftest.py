@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from ncclguard.config import configure, get_config
 
@@ -11,6 +12,11 @@ from ncclguard.config import configure, get_config
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 from netns import pair  # noqa: F401 - the two-host fixture of the netns tests
+
+# A loaded CI machine generates examples slowly now and then: hypothesis's "too slow" health check
+# (and per-example deadline) would fail a test by chance, not for what it checks.
+settings.register_profile("loaded", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("loaded")
 
 
 @pytest.fixture(autouse=True)

@@ -36,12 +36,12 @@ def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="did not answer within 0.3"):
         bounded_store_call(store, lambda: store.add("k", 1), 0.3, "round 'x'")
-    assert 0.3 <= time.monotonic() - t0 < 1.0
+    assert 0.3 <= time.monotonic() - t0 < 1.5  # after the deadline; a hang guard (5x) above it
     # While the first call is stuck, the next is refused without another blocked thread.
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
         bounded_store_call(store, lambda: store.add("k", 1), 5.0)
-    assert time.monotonic() - t0 < 0.1 and store.calls == 1
+    assert time.monotonic() - t0 < 1.0 and store.calls == 1  # at once: not the 5 s it was given
     # Once the stuck call returns, the store is used again.
     store.release.set()
     time.sleep(0.05)

@@ -7,6 +7,9 @@ import pytest
 from harness import run_ranks
 
 pytestmark = pytest.mark.multirank
+# Upper bounds on a call's time are hang guards, over 3x what a loaded 2-core machine took (figures
+# from full-suite runs beside other jobs). That our deadline, not gloo's, ended a call is asserted by
+# the error's type and message, which load cannot change; lower bounds (not before the deadline) stay.
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def test_default_deadline_fires_before_a_3s_group_timeout(gt):
     d = gt[0]["default"]
     assert d["ok"] is False and d["type"] == "CollectiveTimeout" and d["missing"] == [1]
     assert "(deadline 2.2 s)" in d["message"]  # 3 s x 0.9 - 0.5 s
-    assert 2.2 <= d["elapsed"] < 3.0  # the post-mortem included, before gloo's own 3 s
+    assert 2.2 <= d["elapsed"] < 9.0  # hang guard: 3x the 2.7 s (deadline + post-mortem) loaded runs took
     late = gt[1]["late_peer"]  # the late peer finds the group torn down and returns at once
     assert late["ok"] is False and late["elapsed"] < 2.2
 
@@ -50,7 +53,7 @@ def test_explicit_deadline_at_or_above_the_group_timeout_is_refused_before_commu
 def test_default_barrier_deadline_is_capped_too(gt):
     b = gt[0]["barrier_default"]
     assert b["ok"] is False and b["type"] == "BarrierTimeout" and b["missing"] == [1]
-    assert "within 2.2 s" in b["message"] and 2.2 <= b["elapsed"] < 3.0
+    assert "within 2.2 s" in b["message"] and 2.2 <= b["elapsed"] < 9.0  # hang guard: 3x the 2.7 s measured
     late = gt[1]["barrier_default"]
     assert late["late"] is True and late["elapsed"] < 0.5
 
@@ -62,7 +65,9 @@ def test_backend_giving_up_first_is_a_failure_that_names_its_timeout(gt):
         "the gloo backend's own timeout (group timeout 3 s) ended it before ncclguard's deadline (2.2 s)"
         in b["message"]
     )
-    assert b["elapsed"] < 2.2 + 0.6  # the queued op hit 3 s at 1.5 s into the call; then the post-mortem
+    # The queued op hit 3 s at 1 s into the call; then the post-mortem. Hang guard: 3x the 2 s
+    # loaded runs took (when the op was queued 1.5 s before the call).
+    assert b["elapsed"] < 6.0
 
 
 # ---------------------------------------------------------------- 2. calls that do not line up
@@ -117,7 +122,7 @@ def test_an_all_reduce_without_a_store_round_against_a_barrier_is_named_after_th
     b, a = al[0]["postmortem"], al[1]["postmortem"]
     assert b["type"] == "BarrierTimeout" and f"rank 1 was in all_reduce at {sites['c']} in this round" in b["message"]
     assert a["type"] == "CollectiveTimeout" and f"rank 0 was in barrier at {sites['a']} in this round" in a["message"]
-    assert 2.0 <= b["elapsed"] < 3.0 and 2.0 <= a["elapsed"] < 3.0
+    assert 2.0 <= b["elapsed"] < 6.5 and 2.0 <= a["elapsed"] < 6.5  # hang guard: 3x the 2.0 s measured
 
 
 # ---------------------------------------------------------------- 5. concurrency
@@ -135,7 +140,7 @@ def test_a_call_from_another_thread_keeps_its_deadline(th):
     assert got["all_reduce"]["type"] == "CollectiveTimeout" and got["all_reduce"]["missing"] == [1]
     assert got["barrier"]["type"] == "BarrierTimeout" and got["barrier"]["missing"] == [1]
     for kind in ("all_reduce", "barrier"):
-        assert 1.5 <= got[kind]["elapsed"] < 2.5  # deadline + the post-mortem grace
+        assert 1.5 <= got[kind]["elapsed"] < 6.5  # deadline + post-mortem: 2.0 s measured; 3x hang guard
 
 
 def test_a_barrier_whose_store_stops_answering_fails_by_its_deadline_and_the_next_one_works(th):
@@ -146,6 +151,7 @@ def test_a_barrier_whose_store_stops_answering_fails_by_its_deadline_and_the_nex
         frozen, thawed = got["frozen"], got["thawed"]
         assert frozen["ok"] is False and frozen["type"] == "BarrierFailed", frozen
         assert "the store did not answer" in frozen["message"], frozen
-        # Its deadline plus the 1 s the rendezvous gives store calls past it (_STORE_GRACE_S).
-        assert 2.0 <= frozen["elapsed"] < 2.0 + 1.0 + 0.5, frozen
+        # Its deadline plus the 1 s the rendezvous gives store calls past it (_STORE_GRACE_S): 3.0 s
+        # measured under load; the upper bound is a hang guard, over 3x that.
+        assert 2.0 <= frozen["elapsed"] < 10.0, frozen
         assert thawed["ok"] is True and thawed["type"] is None, thawed  # the store answers again

@@ -60,7 +60,7 @@ def test_absent_rank_is_missing_on_time_and_late_when_it_comes():
     assert not first.ok and first.missing == [1] and not first.late
     t0 = time.monotonic()
     second = exchange(infos[1], "r/late", {"x": 2}, time.monotonic() + 5)
-    assert time.monotonic() - t0 < 0.5  # the verdict was settled: no waiting
+    assert time.monotonic() - t0 < 1.5  # the verdict was settled: no waiting (its deadline is 5 s)
     assert not second.ok and second.late and second.payloads == {0: {"x": 1}, 1: {"x": 2}}
 
 
@@ -127,14 +127,14 @@ def test_barrier_result_raise_for_error():
 
 def test_a_thread_waiting_in_a_round_does_not_hold_up_another_threads_round():
     # One TCPStore client shared by two groups (as subgroups share the job's client). Thread 1 waits
-    # 2 s in a round nobody else joins; two more threads run a round on the other group meanwhile.
+    # 6 s in a round nobody else joins; two more threads run a round on the other group meanwhile.
     from datetime import timedelta
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=10))
     lonely = _ranks(dist.PrefixStore("A", client), name="A")[0]
     pair = _ranks(dist.PrefixStore("B", client), name="B")
-    waiting = threading.Thread(target=exchange, args=(lonely, "r/alone", {}, time.monotonic() + 2.0))
+    waiting = threading.Thread(target=exchange, args=(lonely, "r/alone", {}, time.monotonic() + 6.0))
     waiting.start()
     time.sleep(0.2)  # thread 1 is inside its wait
     t0 = time.monotonic()
@@ -142,5 +142,6 @@ def test_a_thread_waiting_in_a_round_does_not_hold_up_another_threads_round():
     took = time.monotonic() - t0
     waiting.join(10)
     assert all(r.ok for r in results)
-    # Each thread speaks through its own clone of the store; without it the pair waited for the 2 s.
-    assert took < 1.5, took
+    # Each thread speaks through its own clone of the store; without it the pair waited for the 6 s.
+    # The bound is a third of that: room for a loaded machine, still far from the 6 s.
+    assert took < 2.0, took

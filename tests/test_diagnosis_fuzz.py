@@ -196,7 +196,9 @@ TRAVERSAL_IDS = ["../../etc/x", "..", ".", "a/b", "a\x00b", "x" * 300, "", " lea
 # ----------------------------------------------------------------------------- incident paths
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(ident=st.one_of(st.text(max_size=200), st.sampled_from(TRAVERSAL_IDS)))
 def test_an_incident_directory_never_resolves_outside_the_incident_dir(tmp_path, ident):
     root = tmp_path / "incidents"
@@ -224,7 +226,9 @@ def test_an_absolute_id_and_a_symbolic_link_out_are_refused(tmp_path):
 # ----------------------------------------------------------------------------- the protocol's reads
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(blob=hostile_heartbeats())
 def test_a_hostile_heartbeat_is_dropped_with_one_line_until_it_reads_well(clients, lines, blob):
     ws = WatchdogStore(clients[0], Keys("reads"), 2.0, 10.0)
@@ -506,7 +510,9 @@ ARRIVALS = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(blob=ARRIVALS)
 def test_a_round_reads_a_hostile_arrival_as_missing(clients, lines, blob):
     """The arrivals of a round (``ncclguard/<round>/r<rank>``) are parsed by a size-bounded model."""

@@ -20,9 +20,14 @@ from harness import run_ranks
 from ncclguard.incidents.model import OpRecord
 from ncclguard.watching import torchfr
 
-pytestmark = pytest.mark.multirank
+# The launch's guard (450 s, below) is over pytest-timeout's 300 s default: this module's is 600.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 HEARTBEAT_S = 0.3  # as in the worker
 HANG_S = 1.5
+# Hang guard on a report: over 3x the 1.6-2.2 s from the hang to the report on disk that loaded runs
+# took (docs/diagnosis.md; hang_timeout_s + 2 * heartbeat_s is 2.1 s, and one loaded run of the stuck
+# test took 2.02 s). How soon it comes is a latency (benchmarks/watchdog_scale.py --gloo-ranks).
+REPORT_GUARD_S = 7.0
 WORKER = "stacks_worker.py"
 STACKS = ["plain", "functional", "dtensor", "ddp", "fsdp2", "compile", "deepspeed"]
 # Which detector names each stack's desync: Python-level records, or the backend's numbers.
@@ -49,7 +54,9 @@ def mark(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def stacks():
-    return run_ranks("stacks_worker", 2, timeout_s=240)
+    # Hang guard: 3x the 150 s the launch took at load average 8 (waiting partly on a JIT build of
+    # DeepSpeed's shared-memory op that another launch had started).
+    return run_ranks("stacks_worker", 2, timeout_s=450)
 
 
 def merged_by_stack(job) -> dict[str, dict]:
@@ -101,7 +108,7 @@ def test_the_desync_of_each_stack_names_the_evaluating_rank_within_hang_timeout_
         assert finding["backend_seq"] == rank0["backend_seq"][finding["group"]]
         assert rank0["backend_ops"][finding["group"]]["record"]["seq"] == finding["seq"]
     hang_to_disk = inc["written_at"] - stacks[0]["starts"][stack]
-    assert HANG_S <= hang_to_disk <= HANG_S + 2 * HEARTBEAT_S, hang_to_disk
+    assert HANG_S <= hang_to_disk <= REPORT_GUARD_S, hang_to_disk
 
 
 def test_the_ddp_report_names_the_bucket_all_reduce(stacks):

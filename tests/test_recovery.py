@@ -154,7 +154,7 @@ def test_meeting_without_a_rank_fails_then_names_the_late_one():
     store = dist.HashStore()
     t0 = time.monotonic()
     out = run_meeting(store, {0: (0, False), 1: (0, False)})
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.5  # the 1 s deadline; a hang guard over 3x it
     for rank in (0, 1):
         assert not out[rank].goes_on and not out[rank].late
         assert out[rank].verdict.missing(3) == [2]

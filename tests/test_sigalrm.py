@@ -14,7 +14,11 @@ import pytest
 
 from ncclguard import CollectiveTimeout, DeadlineExceeded, NcclGuardError, sigalrm_timeout
 
-LATE_S = 0.05  # the bound: a Python loop is interrupted within 50 ms of its deadline
+# How late past its deadline an interruption may come here: a hang guard, not the 50 ms.
+# benchmarks/sigalrm_lateness.py measures the lateness (at most 24.5 and 26 ms over 40 busy loops
+# at load averages 5.8 and 7.7 on 2 cores, results/sigalrm_lateness.json); 0.15 s is over 5x that and keeps
+# every nested deadline below apart (0.1 s, 0.2 s, 0.3 s, 0.6 s).
+LATE_S = 0.15
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +41,7 @@ def spin(seconds: float = 10.0) -> None:
         pass
 
 
-def test_busy_python_loop_is_interrupted_within_50_ms():
+def test_busy_python_loop_is_interrupted_after_its_deadline():
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         with sigalrm_timeout(0.2):
@@ -52,7 +56,7 @@ def test_busy_python_loop_is_interrupted_within_50_ms():
     assert 0.2 <= err.elapsed_s < 0.2 + LATE_S
 
 
-def test_sleep_is_interrupted_within_50_ms_with_the_given_message():
+def test_sleep_is_interrupted_after_its_deadline_with_the_given_message():
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="^evaluation took too long$"):
         with sigalrm_timeout(0.15, "evaluation took too long"):
@@ -108,10 +112,12 @@ def test_previous_handler_and_timer_are_restored():
     start = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, 0.5)
     with sigalrm_timeout(2.0):
-        time.sleep(0.1)
+        time.sleep(0.25)
     assert signal.getsignal(signal.SIGALRM) is handler
     remaining, interval = signal.getitimer(signal.ITIMER_REAL)
-    assert abs(remaining - (0.5 - (time.monotonic() - start))) < 0.01  # the rest of the old timer, not a new one
+    # The rest of the old timer (0.25 s), not a new one (0.5 s, or the guard's 2 s); 0.1 s leaves
+    # room for a time slice between the two readings on a loaded machine.
+    assert abs(remaining - (0.5 - (time.monotonic() - start))) < 0.1
     assert interval == 0.0
     time.sleep(0.6)
     assert len(fired) == 1

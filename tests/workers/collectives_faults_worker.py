@@ -74,8 +74,9 @@ def group_timeout() -> None:
     t0 = time.monotonic()
     if r == 0:
         put("default", outcome(safe_all_reduce(torch.ones(4), group=g), t0))
+        rankkit.announce("default")
     else:
-        time.sleep(4.0)
+        rankkit.wait_for("default", at_least_s=4.0)  # late: after rank 0 gave up, however long that took
         t0 = time.monotonic()
         put("late_peer", outcome(safe_all_reduce(torch.ones(4), group=g), t0))
     safe_barrier(timeout=30)
@@ -101,22 +102,26 @@ def group_timeout() -> None:
     # The barrier's default deadline is capped too; the late rank fails at once.
     g = three_second_group()
     if r == 1:
-        time.sleep(3.5)
+        rankkit.wait_for("barrier_default", at_least_s=3.5)  # late: after rank 0 gave up
     t0 = time.monotonic()
     b = safe_barrier(group=g)
     put("barrier_default", outcome(b, t0) | {"late": b.late})
+    if r == 0:
+        rankkit.announce("barrier_default")
     safe_barrier(timeout=30)
 
-    # The backend gives up first: an op another piece of code queued on the group 1.5 s earlier
-    # reaches the group's 3 s timeout before the guarded call's own deadline (1.5 + 2.2 s).
+    # The backend gives up first: an op another piece of code queued on the group 2 s earlier
+    # reaches the group's 3 s timeout before the guarded call's own deadline (2 + 2.2 s): 1 s into
+    # the call, 1.2 s before the deadline (each side of it about 1 s for a loaded machine).
     g = three_second_group()
     if r == 0:
         dist.all_reduce(torch.ones(2), group=g, async_op=True)
-        time.sleep(1.5)
+        time.sleep(2.0)
         t0 = time.monotonic()
         put("backend_first", outcome(safe_all_reduce(torch.ones(3), group=g), t0))
+        rankkit.announce("backend_first")
     else:
-        time.sleep(4.5)
+        rankkit.wait_for("backend_first", at_least_s=4.5)  # never joins the queued op
     safe_barrier(timeout=30)
     rankkit.done()
 
@@ -151,8 +156,9 @@ def alignment() -> None:
     t0 = time.monotonic()
     if r == 0:
         put("extra", outcome(barrier_at_a(timeout=1), t0))
+        rankkit.announce("extra")
     else:
-        time.sleep(1.5)
+        rankkit.wait_for("extra", at_least_s=1.5)  # after rank 0 gave that round up, however late
         t0 = time.monotonic()
         put("extra_victim", outcome(all_reduce_at_c(torch.ones(2), verify=True, timeout=10), t0))
     t = torch.full((2,), float(r + 1))

@@ -154,9 +154,12 @@ def semantics() -> None:
 
 def stalls() -> None:
     r = rankkit.init()
-    # Barrier: rank 2 arrives 3.5 s late for a 2 s barrier. Rank 1's own deadline is 2.5 s, so
-    # it always learns rank 0's verdict before its own deadline: it was on time, not late.
-    stall(2, 3.5)
+    # Barrier: rank 2 arrives 3.5 s late for a 2 s barrier, and never before both others gave up
+    # (a fixed sleep a loaded machine could outrun). Rank 1's own deadline is 2.5 s, so it always
+    # learns rank 0's verdict before its own deadline: it was on time, not late.
+    if r == 2:
+        rankkit.wait_for("barrier-0", at_least_s=3.5)
+        rankkit.wait_for("barrier-1")
     t0 = time.monotonic()
     b = safe_barrier(timeout=2.5 if r == 1 else 2)
     try:
@@ -178,6 +181,8 @@ def stalls() -> None:
             "raised": raised,
         },
     )
+    if r != 2:
+        rankkit.announce(f"barrier-{r}")
     put("barrier_sync", bool(safe_barrier(timeout=10)))
 
     # all_reduce: rank 2 sleeps 10 s before entering; the others give up after 2 s.

@@ -110,13 +110,18 @@ def run_stage(stage: int, rank: int) -> dict:
     res["digest_after_failure"] = param_digest(engine)
 
     # Rank 1 comes to the evaluation late: the barrier fails, every rank skips, training goes on.
+    # It comes once rank 0 gave up (and at least 2 deadlines late), not after a fixed sleep that a
+    # loaded machine could outrun.
     patch_trainer(trainer, timeout_s=TIMEOUT_S)
-    stall(STALL_RANK, 2 * TIMEOUT_S)
+    if rank == STALL_RANK:
+        rankkit.wait_for(f"late-{stage}", at_least_s=2 * TIMEOUT_S)
     start = time.monotonic()
     res["late_value"] = list(trainer.evaluate(step=7))
     res["late_elapsed_s"] = time.monotonic() - start
     rep = trainer.last_eval_report
     res["late_report"] = {"ok": rep.ok, "reasons": rep.reasons, "failed_ranks": rep.failed_ranks}
+    if rank != STALL_RANK:
+        rankkit.announce(f"late-{stage}")
     res["losses_after_late"] = [trainer.train_step(next(batches)) for _ in range(1)]
 
     # A retry after shrink() halves the evaluation batch (no stall at batch 2).

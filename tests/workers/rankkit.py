@@ -48,6 +48,15 @@ def kill(who: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def dead(pid: int) -> bool:
+    """True once process ``pid`` has ended (gone, or a zombie: its sockets are closed)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def leave(who: int) -> None:
     """Rank ``who`` exits cleanly (status 0) here, as a rank that never reaches the collective."""
     if rank() == who:
@@ -58,6 +67,29 @@ def leave(who: int) -> None:
 def skip_collective(who: int) -> bool:
     """True on rank ``who``: the caller skips the collective there (a desync)."""
     return rank() == who
+
+
+def _job_store() -> Any:
+    """The launch's own store, under the default group's prefixes (the same after a rebuild)."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def announce(name: str) -> None:
+    """Marks ``name`` done in the job's store, for :func:`wait_for` on the other ranks."""
+    _job_store().set(f"rankkit/{name}", "1")
+
+
+def wait_for(name: str, at_least_s: float = 0.0, timeout_s: float = 60.0) -> None:
+    """Waits until some rank called ``announce(name)``, and at least ``at_least_s`` in all.
+
+    For a rank that must come late (after another gave up): waiting on the event, not a fixed
+    sleep that a loaded machine can outrun."""
+    t0 = time.monotonic()
+    _job_store().wait([f"rankkit/{name}"], timedelta(seconds=timeout_s))
+    time.sleep(max(0.0, at_least_s - (time.monotonic() - t0)))
 
 
 def put(key: str, value: Any) -> None:

@@ -207,7 +207,14 @@ def timeout_and_loop() -> None:
     put("reaper_idle_after", reaper.wait_idle(GROUP_TIMEOUT_S + 5))
 
     safe_barrier(timeout=20)  # every rank done with the last meeting before the store is counted
-    put("resources", {"before": before, "after": resources(), "peak": peak})
+    # Threads and descriptors of ended work go away on their own time: a loaded machine may still
+    # be tearing one down here. Give them up to 10 s to get back to the stated bound, then count.
+    after = resources()
+    settle = time.monotonic() + 10
+    while (after["threads"] > before["threads"] + 1 or after["fds"] > before["fds"] + 2) and time.monotonic() < settle:
+        time.sleep(0.1)
+        after = resources()
+    put("resources", {"before": before, "after": after, "peak": peak})
     put("store_keys", {"before": keys_before, "after": store.num_keys()})
     rankkit.done()
 
@@ -252,10 +259,16 @@ def absent() -> None:
     job_store = dist.distributed_c10d._get_default_store().underlying_store
 
     # 1. Ranks 0-1 try without rank 2: falsy within timeout + 1 s, naming it; nothing changes.
-    #    Rank 2 comes after they gave up: falsy at once, late.
+    #    Rank 2 comes after they gave up (waiting on their word, not a sleep a loaded machine can
+    #    outrun): falsy at once, late.
     t0 = time.monotonic()
-    res = rebuild_world(timeout=2) if r != 2 else (time.sleep(3.5), rebuild_world(timeout=5))[1]
+    if r == 2:
+        rankkit.wait_for("absent-0", at_least_s=3.5)
+        rankkit.wait_for("absent-1")
+    res = rebuild_world(timeout=2) if r != 2 else rebuild_world(timeout=5)
     put("absent", {**result_fields(res), "wall": time.monotonic() - t0})
+    if r != 2:
+        rankkit.announce(f"absent-{r}")
     put("unchanged", {"same_group": dist.distributed_c10d._get_default_group() is gen0, "world": dist.get_world_size()})
     del gen0
 
@@ -277,13 +290,15 @@ def absent() -> None:
         put("left_out", {**result_fields(res), "wall": time.monotonic() - t0})
         time.sleep(0.5)
         put("reaper_busy_with_the_old_group", reaper.pending())
+        rankkit.announce(f"left_out-{r}")  # rank 2 may come (and leave) now
         put("world2", world_checks([0, 1]))
         # Rank 0's process hosts the job's store (spawn launcher): stay until rank 2 has read its verdict.
         job_store.wait(["test/rank2_done"], timedelta(seconds=15))
         # Rank 2's exit closes its side: the queued op fails and the old group goes, long before 20 s.
         put("reaper_idle_once_rank2_left", reaper.wait_idle(10))
     else:
-        time.sleep(4.5)
+        rankkit.wait_for("left_out-0", at_least_s=4.5)  # after both shrank without it
+        rankkit.wait_for("left_out-1")
         t0 = time.monotonic()
         res = rebuild_world(timeout=5, allow_shrink=True)
         put("left_out", {**result_fields(res), "wall": time.monotonic() - t0})
@@ -295,9 +310,13 @@ def store_lost() -> None:
     """spawn, 3 ranks: rank 0, whose process serves the job's store under this launcher, is killed;
     the others get a falsy result at once that says why."""
     rankkit.init(timeout_s=GROUP_TIMEOUT_S)
-    dist.all_reduce(torch.ones(1))
+    pids = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
     kill(0)
-    time.sleep(0.5)
+    # Wait until rank 0 is gone (its store with it), however loaded the machine: not a fixed sleep.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not rankkit.dead(pids[0]):
+        time.sleep(0.05)
     t0 = time.monotonic()
     res = rebuild_world(timeout=3, allow_shrink=True)
     put("lost", {**result_fields(res), "wall": time.monotonic() - t0})
