@@ -224,7 +224,7 @@ def start_sim_watchdog(store: Any, rank: int, world: int, state: Any, config: An
         try:
             wd = wmod.Watchdog(config, store=store).start()
         finally:
-            wmod._running = None  # one per process in a job; the simulation runs many
+            wmod._running.watchdog = None  # one per process in a job; the simulation runs many
             wmod.RankState = saved[0]  # type: ignore[misc]
             for name, value in (("RANK", saved[1]), ("WORLD_SIZE", saved[2])):
                 if value is None:

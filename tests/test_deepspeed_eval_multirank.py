@@ -7,6 +7,8 @@ all-reduces its metrics with dist.all_reduce on the default group, as the seeds'
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from harness import run_ranks
 
@@ -89,7 +91,9 @@ def test_stalled_rank_makes_every_rank_skip_by_the_deadline(job, stage):
         assert res["stalled_elapsed_s"] < 15.0
     assert reports[0]["reasons"] == reports[1]["reasons"]  # one agreed verdict
     reason = reports[0]["reasons"][0]
-    assert "rank 1: DeadlineExceeded: the evaluation ran past its 2 s deadline" in reason
+    # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine).
+    left = re.search(r"rank 1: DeadlineExceeded: the evaluation ran past its ([0-9.]+) s deadline", reason)
+    assert left is not None and 1.0 < float(left.group(1)) <= 2.0, reason
     assert "rank 0: DeadlineExceeded" in reason and "Timed out waiting" in reason  # rank 0 was in all_reduce
 
 

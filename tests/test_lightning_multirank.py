@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,7 +108,9 @@ def test_a_stalled_validation_is_skipped_on_every_rank_by_the_deadline(guard):
         # guard's bound is the deadline plus the verdict's grace, max(2, timeout/20) s; measured
         # times are in docs/integrations.md).
         assert EVAL_TIMEOUT_S <= skip["elapsed_s"] < STALL_S / 2
-        assert "rank 1: DeadlineExceeded: the evaluation ran past its 2 s deadline" in skip["reason"]
+        # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine).
+        left = re.search(r"rank 1: DeadlineExceeded: the evaluation ran past its ([0-9.]+) s deadline", skip["reason"])
+        assert left is not None and 1.0 < float(left.group(1)) <= 2.0, skip["reason"]
         assert res["callback_metrics"]["eval/evaluation_failed"] == 1.0
 
 
