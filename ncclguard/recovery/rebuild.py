@@ -31,11 +31,9 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
-from ncclguard.collectives import all_reduce as _all_reduce
 from ncclguard.collectives import groups as _groups
 from ncclguard.collectives import rendezvous as _rendezvous
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recording.flight import recorder
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
     Arrival,
@@ -205,10 +203,8 @@ def _abandon(backend: str, timeout: timedelta) -> None:
             log.warning("rebuild: aborting the old groups: %s", "; ".join(failed))
     dist.destroy_process_group()
     # ncclguard's own references to the old groups and what it counted on them.
-    _all_reduce.forget_group_infos()
     _groups.reset_for_new_world()
     _rendezvous.reset_for_new_world()
-    recorder.clear()
     compat.rebind_group_defaults(abandoned)
     reaper.bury(abandoned, hold_s=timeout.total_seconds() + 5.0, label=f"{backend} process group")
     del abandoned
