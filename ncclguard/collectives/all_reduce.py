@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import REDUCE_OP_NAMES
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.groups import failure_of
-from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
+from ncclguard.collectives.plan import PLANS, CallShape, GroupPlan, check_input, forget_plans, plan_for
 from ncclguard.collectives.verdicts import check_fingerprints, wire_error
 from ncclguard.collectives.wire import (
     WireFailure,
@@ -37,6 +38,7 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
 from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
 from ncclguard.recording.flight import recorder
+from ncclguard.world import current_world
 
 __all__ = [
     "CollectiveResult",
@@ -49,6 +51,7 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 # Bound once for the hot path (attribute lookups on torch's modules cost there).
 _monotonic = time.monotonic
+_world = compat.world()  # torch's _World: default_pg is the group that None stands for
 _TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument() replaces dist.all_reduce)
 # A call waits with its whole deadline (a cached timedelta) when it spent less than this of it
 # before the wait: the wait then overruns the deadline by less than this.
@@ -142,7 +145,13 @@ def safe_all_reduce(
     # works); the fingerprint check when asked; the record closed; the result. What does not
     # change between calls is computed once, in the plan (ncclguard.collectives.plan).
     start = _monotonic()
-    plan = plan_for(group)
+    # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
+    try:
+        plan = current_world().get(PLANS).by_group.get(_world.default_pg if group is None else group)
+    except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
+        plan = None
+    if plan is None:
+        plan = plan_for(group)
     if plan is None or not plan.multi:
         return _alone(plan, tensor, op, start, timeout, chunk_numel, tag)
     config = get_config()

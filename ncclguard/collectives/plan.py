@@ -35,7 +35,7 @@ from ncclguard.deadlines import adaptive_timeout, group_cap_s
 from ncclguard.errors import TorchCompatError
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
-__all__ = ["TIMEOUT_TTL_S", "CallShape", "GroupPlan", "check_input", "forget_plans", "plan_for"]
+__all__ = ["PLANS", "TIMEOUT_TTL_S", "CallShape", "GroupPlan", "Plans", "check_input", "forget_plans", "plan_for"]
 
 ReduceOp = dist.ReduceOp
 _NEEDS_DTYPE_CHECK = frozenset({"AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"})
@@ -266,15 +266,16 @@ class GroupPlan:
         return self._wait
 
 
-class _Plans:
-    """One world's plans, by process group."""
+class Plans:
+    """One world's plans, by process group (``by_group``; built under ``lock``)."""
 
     def __init__(self, world: World) -> None:
         self.lock = threading.Lock()
         self.by_group: dict[Any, GroupPlan] = {}
 
 
-_PLANS: Slot[_Plans] = Slot("safe_all_reduce plans", _Plans)
+# Each world's plans; safe_all_reduce reads its cache hit directly (see plan_for).
+PLANS: Slot[Plans] = Slot("safe_all_reduce plans", Plans)
 
 
 def plan_for(group: Any) -> GroupPlan | None:
@@ -289,7 +290,7 @@ def plan_for(group: Any) -> GroupPlan | None:
     Raises:
         ValueError: this rank is not a member of ``group``.
     """
-    plans = current_world().get(_PLANS)
+    plans = current_world().get(PLANS)
     try:
         plan = plans.by_group.get(_world.default_pg if group is None else group)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
@@ -312,7 +313,7 @@ def forget_plans(world: World | None = None) -> None:
     Args:
         world: the world whose plans to drop.
     """
-    plans = (world or current_world()).get(_PLANS)
+    plans = (world or current_world()).get(PLANS)
     with plans.lock:
         plans.by_group.clear()
 
