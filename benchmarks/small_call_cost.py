@@ -91,7 +91,7 @@ def _rank(iters: int) -> None:
     cases = {
         "dist.all_reduce(t)": lambda: dist.all_reduce(t),
         "async_op=True + wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
-        "+ group state and input checks": with_checks,
+        "+ plan and shape lookup": with_checks,
         "+ number, default deadline, result": with_bookkeeping,
         "safe_all_reduce(t), recorder a no-op": without_recorder,
         "safe_all_reduce(t)": lambda: ar.safe_all_reduce(t),

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import REDUCE_OP_NAMES
+from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.groups import failure_of
-from ncclguard.collectives.plan import PLANS, CallShape, GroupPlan, check_input, forget_plans, plan_for
+from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
 from ncclguard.collectives.verdicts import check_fingerprints, wire_error
 from ncclguard.collectives.wire import (
     WireFailure,
@@ -38,7 +39,6 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
 from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
 from ncclguard.recording.flight import recorder
-from ncclguard.world import current_world
 
 __all__ = [
     "CollectiveResult",
@@ -147,7 +147,7 @@ def safe_all_reduce(
     start = _monotonic()
     # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
-        plan = current_world().get(PLANS).by_group.get(_world.default_pg if group is None else group)
+        plan = _plans.current_plans.by_group.get(_world.default_pg if group is None else group)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
         plan = None
     if plan is None:
@@ -210,9 +210,7 @@ def safe_all_reduce(
             reduced, failure = run_chunks(plan.info, tensor, shape, start + timeout_s, atomic, direct, work, wait)
         if failure is not None:
             call = call or Call(plan.info, "all_reduce", base=base, n=n)
-            error = wire_error(
-                call, failure, len(shape.bounds), start, timeout_s, plan.timeout_s(), _fields(plan, shape)
-            )
+            error = wire_error(call, failure, shape.chunks, start, timeout_s, plan.timeout_s(), _fields(plan, shape))
     except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
         if rec is not None:
             recorder.finish(rec, f"interrupted: {exc!r}")
@@ -220,12 +218,12 @@ def safe_all_reduce(
     if error is None:
         recorder.close_ok(rec)
         return CollectiveResult(
-            True, shape.opname, shape.numel, shape.nbytes, len(shape.bounds), reduced, _monotonic() - start
+            True, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start
         )
     if rec is not None:
         recorder.finish(rec, error)
     return CollectiveResult(
-        False, shape.opname, shape.numel, shape.nbytes, len(shape.bounds), reduced, _monotonic() - start, error
+        False, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start, error
     )
 
 
