@@ -34,6 +34,7 @@ from ncclguard.collectives.wire import (
     release_atomic_buffers,
     retained_atomic_bytes,
     run_chunks,
+    wait_work,
 )
 from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
@@ -206,8 +207,22 @@ def safe_all_reduce(
             if error is not None:
                 log.warning("%s", error)
         if error is None and failure is None:
-            wait = plan.whole_wait(timeout_s) if direct and _monotonic() - start < _REUSE_WAIT_S else None
-            reduced, failure = run_chunks(plan.info, tensor, shape, start + timeout_s, atomic, direct, work, wait)
+            if direct:  # one op, the tensor itself on the wire, none of the chunk machinery
+                try:
+                    if work is None:
+                        work = dist.all_reduce(tensor, op=shape.wire_op, group=plan.group, async_op=True)
+                    # Under a millisecond spent: wait with the whole deadline (a cached timedelta).
+                    wait = plan.whole_wait(timeout_s) if _monotonic() - start < _REUSE_WAIT_S else None
+                    wait_work(work, start + timeout_s, plan.backend, plan.group, wait)
+                except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+                    failure = WireFailure(0, exc, _monotonic())
+                else:
+                    reduced = shape.numel
+                    if shape.avg_by_hand:  # the backend has no AVG: it summed
+                        with torch.no_grad():
+                            tensor.div_(plan.info.size)
+            else:
+                reduced, failure = run_chunks(plan.info, tensor, shape, start + timeout_s, atomic)
         if failure is not None:
             call = call or Call(plan.info, "all_reduce", base=base, n=n)
             error = wire_error(call, failure, shape.chunks, start, timeout_s, plan.timeout_s(), _fields(plan, shape))

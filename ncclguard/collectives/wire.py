@@ -177,12 +177,11 @@ def run_chunks(
     shape: CallShape,
     deadline: float,
     atomic: bool,
-    direct: bool,
-    work: Any = None,
-    wait_timeout: timedelta | None = None,
 ) -> tuple[int, WireFailure | None]:
     """Reduces ``tensor`` in the chunks of ``shape``, at most ``Config.max_inflight`` in flight,
-    each waited on by ``deadline``.
+    each waited on by ``deadline``, through the tensor itself (contiguous, not atomic), a private
+    copy published only at the end (atomic) or a small staging ring (non-contiguous). (One chunk
+    of a contiguous tensor, not atomic, is one op on the tensor: safe_all_reduce issues it itself.)
 
     Args:
         info: the group.
@@ -190,11 +189,6 @@ def run_chunks(
         shape: the call's shape (chunk bounds, the op on the wire, AVG by hand).
         deadline: ``time.monotonic()`` value at which to give up.
         atomic: reduce in a private buffer, copied into ``tensor`` only when every chunk completed.
-        direct: one chunk, the tensor itself on the wire (contiguous, not atomic): one op, none of
-            the chunk machinery.
-        work: the direct op, when the caller issued it already (to do its bookkeeping while the
-            backend works); None: issued here.
-        wait_timeout: the direct op's wait (see :func:`wait_work`).
 
     Returns:
         (leading elements reduced in ``tensor``, None) on success, or
@@ -203,18 +197,6 @@ def run_chunks(
     """
     wire_op = shape.wire_op
     avg_by_hand = shape.avg_by_hand
-    if direct:
-        try:
-            if work is None:
-                work = dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True)
-            wait_work(work, deadline, info.backend, info.group, wait_timeout)
-        except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-            return 0, WireFailure(0, exc, time.monotonic())
-        if avg_by_hand:
-            with torch.no_grad():
-                tensor.div_(info.size)
-        return shape.numel, None
-
     bounds = shape.bounds
     numel = shape.numel
     # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
