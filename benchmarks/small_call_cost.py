@@ -9,7 +9,7 @@ an API):
 
 1. ``dist.all_reduce(t)``, the plain call;
 2. the same issued with ``async_op=True`` and waited on with a timeout (what the guard does);
-3. + the group-state lookup and the input checks made before the issue;
+3. + the group's plan and the call's shape looked up (the input checked once per shape);
 4. + what runs after the issue: the call's number, the default deadline, the result object;
 5. ``safe_all_reduce(t)`` with the flight recorder replaced by a no-op (diagnosis only: it
    shows what ``recorder.start``/``finish`` of ncclguard.diagnosis cost inside the call);
@@ -39,7 +39,7 @@ def _rank(iters: int) -> None:
 
     from ncclguard.bench.metrics import slowest_per_iteration
     from ncclguard.collectives import all_reduce as ar
-    from ncclguard.collectives.groups import cached_state
+    from ncclguard.collectives.plan import CallShape, GroupPlan, plan_for
     from ncclguard.config import get_config
     from ncclguard.recording import flight
 
@@ -48,41 +48,34 @@ def _rank(iters: int) -> None:
     token = torch.zeros(1)
     wait = timedelta(seconds=60)
     op = dist.ReduceOp.SUM
-    ar.safe_all_reduce(t)  # builds the group's state
-    world = dist.group.WORLD
+    ar.safe_all_reduce(t)  # builds the group's plan and the call's shape
 
-    def checked() -> tuple[object, int, object]:
-        state = cached_state(world)
-        assert state is not None
-        ok = (
-            type(t) is torch.Tensor
-            and type(op) is type(dist.ReduceOp.SUM)
-            and op in ar._FAST_OPS
-            and t.layout is torch.strided
-            and state.multi
-            and ((state.cpu_ok and t.is_cpu) or (state.cuda_ok and t.is_cuda))
-            and t.is_contiguous()
-        )
-        config = get_config()
-        assert ok and t.numel() < config.chunk_direct_below
-        return state, t.numel(), config
+    def checked() -> tuple[GroupPlan, CallShape]:
+        plan = plan_for(None)
+        assert plan is not None and plan.multi and get_config() is plan.config
+        shape = plan.shape(t, op, None)
+        assert shape.direct and t.is_contiguous()
+        return plan, shape
 
     def with_checks() -> None:
-        state, _, _ = checked()
-        dist.all_reduce(t, op=op, group=state.info.group, async_op=True).wait(timeout=wait)
+        plan, shape = checked()
+        dist.all_reduce(t, op=shape.wire_op, group=plan.group, async_op=True).wait(timeout=wait)
 
     def with_bookkeeping() -> None:
         start = time.monotonic()
-        state, numel, config = checked()
-        work = dist.all_reduce(t, op=op, group=state.info.group, async_op=True)
-        base, counter = state.count.current
+        plan, shape = checked()
+        work = dist.all_reduce(t, op=shape.wire_op, group=plan.group, async_op=True)
+        base, counter = plan.count.current
         _number = (base, next(counter))
-        timeout_s = state.default_deadline(numel, numel * t.element_size(), config, start)
-        work.wait(timeout=state.whole_wait(timeout_s))
-        ar.CollectiveResult(True, "all_reduce(SUM)", numel, numel * 4, 1, numel, time.monotonic() - start)
+        timeout_s = plan.default_timeout(shape, start)
+        work.wait(timeout=plan.whole_wait(timeout_s))
+        ar.CollectiveResult(True, shape.opname, shape.numel, shape.nbytes, 1, shape.numel, time.monotonic() - start)
 
     class _NoRecorder:
-        def start(self, *args: object, **kwargs: object) -> None:
+        def open_fast(self, *args: object, **kwargs: object) -> None:
+            return None
+
+        def close_ok(self, *args: object, **kwargs: object) -> None:
             return None
 
         def finish(self, *args: object, **kwargs: object) -> None:
@@ -98,7 +91,7 @@ def _rank(iters: int) -> None:
     cases = {
         "dist.all_reduce(t)": lambda: dist.all_reduce(t),
         "async_op=True + wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
-        "+ group state and input checks": with_checks,
+        "+ plan and shape lookup": with_checks,
         "+ number, default deadline, result": with_bookkeeping,
         "safe_all_reduce(t), recorder a no-op": without_recorder,
         "safe_all_reduce(t)": lambda: ar.safe_all_reduce(t),

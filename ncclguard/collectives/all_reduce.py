@@ -22,40 +22,23 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard._naming import _DTYPE_NAMES, REDUCE_OP_NAMES, dtype_name
+from ncclguard._naming import REDUCE_OP_NAMES
+from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
-from ncclguard.collectives.groups import (
-    BACKEND_DEVICES,
-    GroupInfo,
-    GroupState,
-    cached_state,
-    failure_of,
-    group_state,
-)
-from ncclguard.collectives.rendezvous import call_count, take_number
+from ncclguard.collectives.groups import failure_of
+from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
 from ncclguard.collectives.verdicts import check_fingerprints, wire_error
 from ncclguard.collectives.wire import (
-    CLOCK_SLACK_S,
-    DeadlinePassed,
     WireFailure,
     release_atomic_buffers,
     retained_atomic_bytes,
     run_chunks,
     wait_work,
 )
-from ncclguard.config import Config, get_config
-from ncclguard.deadlines import (
-    adaptive_timeout,
-    check_below_group_timeout,
-    default_deadline,
-    to_seconds,
-)
-from ncclguard.errors import (
-    CollectiveError,
-    GroupFailed,
-    NcclGuardError,
-)
+from ncclguard.config import get_config
+from ncclguard.deadlines import check_below_group_timeout, to_seconds
+from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
 from ncclguard.recording.flight import recorder
 
 __all__ = [
@@ -67,19 +50,13 @@ __all__ = [
 ]
 
 ReduceOp = dist.ReduceOp
-_NEEDS_DTYPE_CHECK = frozenset({"AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"})
 # Bound once for the hot path (attribute lookups on torch's modules cost there).
 _monotonic = time.monotonic
-_Tensor = torch.Tensor
-_RedOpType = ReduceOp.RedOpType
-_strided = torch.strided
 _world = compat.world()  # torch's _World: default_pg is the group that None stands for
 _TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument() replaces dist.all_reduce)
-# The hot path waits with its whole deadline (a cached timedelta) when it spent less than this of
-# it before the wait: the wait then overruns the deadline by less than this.
+# A call waits with its whole deadline (a cached timedelta) when it spent less than this of it
+# before the wait: the wait then overruns the deadline by less than this.
 _REUSE_WAIT_S = 1e-3
-# Ops the hot path takes: valid for every dtype on every backend, so no dtype check is needed.
-_FAST_OPS: dict[Any, str] = {ReduceOp.SUM: "all_reduce(SUM)", ReduceOp.PRODUCT: "all_reduce(PRODUCT)"}
 
 
 @dataclass(slots=True)
@@ -119,44 +96,9 @@ class CollectiveResult:
 
 
 def forget_group_infos() -> None:
-    """Nothing to do: the group states belong to the world (:data:`~ncclguard.collectives.groups.GROUPS`),
-    and a rebuilt world starts without them."""
-
-
-def _validate(tensor: Any, op: Any, chunk_numel: Any, backend: str | None) -> None:
-    """Every check that can be made without talking to another rank. Raises TypeError/ValueError."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(
-            f"safe_all_reduce needs a torch.Tensor, got {type(tensor).__name__}; wrap data with torch.as_tensor(...)"
-        )
-    if tensor.layout != torch.strided:
-        raise TypeError(
-            f"safe_all_reduce needs a dense tensor, got layout {tensor.layout}; call tensor.to_dense() first"
-        )
-    name = REDUCE_OP_NAMES.get(op) if isinstance(op, ReduceOp.RedOpType) else None
-    if name is None:
-        raise ValueError(f"unsupported op {op!r}; use one of ReduceOp.{', ReduceOp.'.join(REDUCE_OP_NAMES.values())}")
-    if name in _NEEDS_DTYPE_CHECK:  # SUM, PRODUCT: every dtype; the others are checked below
-        dt = tensor.dtype
-        if name == "AVG" and not (dt.is_floating_point or dt.is_complex) and backend != "nccl":
-            raise TypeError(
-                f"ReduceOp.AVG on {dt} would truncate; reduce with ReduceOp.SUM and divide, or convert to a floating dtype"
-            )
-        if name in ("BAND", "BOR", "BXOR") and (dt.is_floating_point or dt.is_complex):
-            raise TypeError(f"ReduceOp.{name} needs an integer or bool tensor, got {dt}")
-        if name in ("MIN", "MAX") and dt.is_complex:
-            raise TypeError(f"ReduceOp.{name} is not defined for complex tensors ({dt}); reduce .real/.imag or .abs()")
-    if chunk_numel is not None and (
-        isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0
-    ):
-        raise ValueError(f"chunk_numel must be a positive int (elements per chunk), got {chunk_numel!r}")
-    if backend is not None:
-        devices = BACKEND_DEVICES.get(backend)
-        if devices is not None and tensor.device.type not in devices:
-            raise ValueError(
-                f"the tensor is on {tensor.device.type!r} but the group's backend {backend!r} moves "
-                f"only {sorted(devices)} tensors; move it first, e.g. tensor.to('{sorted(devices)[0]}')"
-            )
+    """Drops the current world's group plans. Each holds its group, so the plans alone keep a
+    group alive; a new world (``ncclguard.rebuild_world``) drops the old world's by itself."""
+    forget_plans()
 
 
 def safe_all_reduce(
@@ -198,238 +140,134 @@ def safe_all_reduce(
         TypeError, ValueError: bad input (a timeout at or above the group's own timeout
             included), raised on the calling rank before any communication.
     """
+    # One pipeline for every call: the group's plan; the call's shape (input checked once per
+    # shape); the deadline; the failure mark; the wire (issued first when nothing has to precede
+    # it, so the call's number, its record and its default deadline are made while the backend
+    # works); the fingerprint check when asked; the record closed; the result. What does not
+    # change between calls is computed once, in the plan (ncclguard.collectives.plan).
     start = _monotonic()
-    # The hot path: a small contiguous tensor, an op valid for every dtype, nothing asked for that
-    # needs the chunk machinery or a store round. It makes every check of the general path, in
-    # fewer steps, and does what is not needed before the collective (its number, the default
-    # deadline) after issuing it, while the backend works. benchmarks/small_call_cost.py times it.
+    # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
-        state = cached_state(_world.default_pg if group is None else group)
+        plan = _plans.current_plans.by_group.get(_world.default_pg if group is None else group)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
-        state = None
-    if (
-        state is not None
-        and chunk_numel is None
-        and not atomic
-        and not verify
-        and tag is None
-        and type(tensor) is _Tensor
-        and type(op) is _RedOpType
-        and (opname := _FAST_OPS.get(op)) is not None
-        and tensor.layout is _strided
-        and state.multi
-        and ((state.cpu_ok and tensor.is_cpu) or (state.cuda_ok and tensor.is_cuda))
-        and tensor.is_contiguous()
-    ):
-        config = get_config()
-        numel = tensor.numel()
-        if numel < config.chunk_direct_below:
-            if (
-                timeout is not None
-                or state.failed is not None
-                or state.nccl
-                or dist.all_reduce is not _TORCH_ALL_REDUCE
-            ):
-                return _fast(state, tensor, op, opname, numel, start, timeout, config)
-            # The hottest case, inline: default deadline, gloo, nothing wrapping dist.all_reduce.
-            info = state.info
-            number = rec = None
-            try:
-                work = _TORCH_ALL_REDUCE(tensor, op=op, group=info.group, async_op=True)
-                # While the backend works: the call's number, its flight record, the deadline.
-                base, counter = state.count.current
-                number = (base, next(counter))
-                dtype = tensor.dtype
-                rec = recorder.start(opname, info.name, numel, _DTYPE_NAMES.get(dtype) or dtype_name(dtype))
-                nbytes = numel * tensor.element_size()
-                timeout_s = state.default_deadline(numel, nbytes, config, start)
-                if _monotonic() - start < _REUSE_WAIT_S:
-                    work.wait(timeout=state.whole_wait(timeout_s))
-                else:
-                    wait_work(work, start + timeout_s, info.backend, info.group)
-            except BaseException as exc:  # noqa: BLE001 - a backend error becomes a result
-                return _fast_failed(state, tensor, opname, numel, start, config, number, rec, exc)
-            recorder.finish(rec)
-            return CollectiveResult(True, opname, numel, nbytes, 1, numel, _monotonic() - start)
-    return _general(tensor, op, group, start, timeout, chunk_numel, atomic, verify, tag)
-
-
-def _fast(
-    state: GroupState,
-    tensor: torch.Tensor,
-    op: Any,
-    opname: str,
-    numel: int,
-    start: float,
-    timeout: Any,
-    config: Config,
-) -> CollectiveResult:
-    """safe_all_reduce's direct path (see there) with an explicit timeout, on a failed group, on
-    NCCL, or under a wrapper of ``dist.all_reduce``: one collective on the tensor itself."""
-    info = state.info
-    timeout_s = None
-    if timeout is not None:
-        try:
-            timeout_s = to_seconds(timeout, "timeout")
-            check_below_group_timeout(timeout_s, state.timeout_s(), info.name)
-        except (TypeError, ValueError):
-            take_number(state.count)  # a refused call takes its number too (see calls.py)
-            raise
-    if state.failed is not None:
-        take_number(state.count)
-        return _refused(info, state.failed, opname, numel, numel * tensor.element_size(), start)
-    number: tuple[str, int] | None = None
-    rec = None
+        plan = None
+    if plan is None:
+        plan = plan_for(group)
+    if plan is None or not plan.multi:
+        return _alone(plan, tensor, op, start, timeout, chunk_numel, tag)
+    config = get_config()
+    if config is not plan.config:
+        plan.use_config(config)
+    if tag is not None:
+        check_tag(tag)
     try:
-        # The flight record is opened right after the issue, while the backend works. A wrapper
-        # (instrument()'s) would record the op itself unless a record is open, so when
-        # dist.all_reduce is not torch's own function, it is opened first, as in the general path.
-        issue = dist.all_reduce
-        if issue is not _TORCH_ALL_REDUCE:
-            rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
-        work = issue(tensor, op=op, group=info.group, async_op=True)
-        number = take_number(state.count)
-        if rec is None:
-            rec = recorder.start(opname, info.name, numel, dtype_name(tensor.dtype))
+        shape = plan.shape(tensor, op, chunk_numel)
+        timeout_s = None
+        if timeout is not None:
+            timeout_s = to_seconds(timeout, "timeout")
+            check_below_group_timeout(timeout_s, plan.timeout_s(), plan.name)
+    except (TypeError, ValueError):
+        _number(plan, tag)  # a refused call takes its number too (see ncclguard.collectives.calls)
+        raise
+    failed = failure_of(plan.group)
+    if failed is not None:
+        _number(plan, tag)
+        refused = GroupFailed(f"group {plan.name!r} failed earlier ({failed}); make a new group to go on")
+        return CollectiveResult(False, shape.opname, shape.numel, shape.nbytes, 1, 0, _monotonic() - start, refused)
+    check = verify or tag is not None or (verify is None and shape.verify_default)
+    direct = shape.direct and not atomic and tensor.is_contiguous()
+    work: Any = None
+    failure: WireFailure | None = None
+    # Issued first when nothing has to precede it: no fingerprint round, and no wrapper of
+    # dist.all_reduce (instrument()'s would record the op itself unless our record is open).
+    if direct and not check and dist.all_reduce is _TORCH_ALL_REDUCE:
+        try:
+            work = _TORCH_ALL_REDUCE(tensor, op=shape.wire_op, group=plan.group, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a backend error becomes a result
+            failure = WireFailure(0, exc, _monotonic())
+    # The call's number: the Call object (its round name) is made only when a round needs it.
+    call: Call | None = None
+    base, n = "", 0
+    if tag is None:
+        base, counter = plan.count.current
+        n = next(counter)
+    else:
+        call = begin_call(plan.info, "all_reduce", tag)
+    rec = recorder.open_fast(shape.opname, plan.name, shape.numel, shape.dtype)
+    try:
         if timeout_s is None:
-            timeout_s = state.default_deadline(numel, numel * tensor.element_size(), config, _monotonic())
-        wait_work(work, start + timeout_s, info.backend, info.group)
-    except BaseException as exc:  # noqa: BLE001 - a backend error becomes a result
-        return _fast_failed(state, tensor, opname, numel, start, config, number, rec, exc, timeout_s)
-    recorder.finish(rec)
-    return CollectiveResult(True, opname, numel, numel * tensor.element_size(), 1, numel, _monotonic() - start)
-
-
-def _fast_failed(
-    state: GroupState,
-    tensor: torch.Tensor,
-    opname: str,
-    numel: int,
-    start: float,
-    config: Config,
-    number: tuple[str, int] | None,
-    rec: Any,
-    exc: BaseException,
-    timeout_s: float | None = None,
-) -> CollectiveResult:
-    """The direct paths' failure: the result of a backend error or a passed deadline (the group is
-    marked failed); anything else (KeyboardInterrupt) closes the record and is raised again."""
-    info = state.info
-    at = _monotonic()
-    if number is None:
-        number = take_number(state.count)
-    dtype = dtype_name(tensor.dtype)
-    if not isinstance(exc, Exception):  # an open record would read as a hang
+            timeout_s = plan.default_timeout(shape, start)
+        error: CollectiveError | None = None
+        reduced = 0
+        if check:
+            call = call or Call(plan.info, "all_reduce", base=base, n=n)
+            error = check_fingerprints(
+                call, tensor, op, list(shape.bounds), start + timeout_s, start, _fields(plan, shape)
+            )
+            if error is not None:
+                log.warning("%s", error)
+        if error is None and failure is None:
+            if direct:  # one op, the tensor itself on the wire, none of the chunk machinery
+                try:
+                    if work is None:
+                        work = dist.all_reduce(tensor, op=shape.wire_op, group=plan.group, async_op=True)
+                    # Under a millisecond spent: wait with the whole deadline (a cached timedelta).
+                    wait = plan.whole_wait(timeout_s) if _monotonic() - start < _REUSE_WAIT_S else None
+                    wait_work(work, start + timeout_s, plan.backend, plan.group, wait)
+                except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+                    failure = WireFailure(0, exc, _monotonic())
+                else:
+                    reduced = shape.numel
+                    if shape.avg_by_hand:  # the backend has no AVG: it summed
+                        with torch.no_grad():
+                            tensor.div_(plan.info.size)
+            else:
+                reduced, failure = run_chunks(plan.info, tensor, shape, start + timeout_s, atomic)
+        if failure is not None:
+            call = call or Call(plan.info, "all_reduce", base=base, n=n)
+            error = wire_error(call, failure, shape.chunks, start, timeout_s, plan.timeout_s(), _fields(plan, shape))
+    except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
         if rec is not None:
             recorder.finish(rec, f"interrupted: {exc!r}")
-        raise exc
-    if rec is None:
-        rec = recorder.start(opname, info.name, numel, dtype)
-    nbytes = numel * tensor.element_size()
-    if timeout_s is None:
-        timeout_s = state.default_deadline(numel, nbytes, config, _monotonic())
-    if not isinstance(exc, DeadlinePassed) and at >= start + timeout_s - CLOCK_SLACK_S:
-        # gloo reports the end of our wait and its own timeout alike: a wait that ended at our
-        # deadline is ours (as wire.wait_work decides).
-        exc = DeadlinePassed(f"deadline passed ({exc})")
-    call = Call(info, "all_reduce", base=number[0], n=number[1])
-    fields = dict(op=opname, numel=numel, dtype=dtype, group=info.name)
-    err = wire_error(call, WireFailure(0, exc, at), 1, start, timeout_s, state.timeout_s(), fields)
-    recorder.finish(rec, err)
-    return CollectiveResult(False, opname, numel, nbytes, 1, 0, _monotonic() - start, err)
+        raise
+    if error is None:
+        recorder.close_ok(rec)
+        return CollectiveResult(
+            True, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start
+        )
+    if rec is not None:
+        recorder.finish(rec, error)
+    return CollectiveResult(
+        False, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start, error
+    )
 
 
-def _refused(
-    info: GroupInfo, failed: Exception, opname: str, numel: int, nbytes: int, start: float
-) -> CollectiveResult:
-    """The result of a call on a group that failed earlier (nothing was sent)."""
-    error = GroupFailed(f"group {info.name!r} failed earlier ({failed}); make a new group to go on")
-    return CollectiveResult(False, opname, numel, nbytes, 1, 0, _monotonic() - start, error)
+def _number(plan: GroupPlan, tag: str | None) -> None:
+    """Takes the call's number (or its tag's use) for a call refused before any communication."""
+    begin_call(plan.info, "all_reduce", tag)
 
 
-def _general(
+def _fields(plan: GroupPlan, shape: CallShape) -> dict[str, Any]:
+    """What an error of this call names: op, numel, dtype, group."""
+    return dict(op=shape.opname, numel=shape.numel, dtype=shape.dtype, group=plan.name)
+
+
+def _alone(
+    plan: GroupPlan | None,
     tensor: Any,
     op: Any,
-    group: Any,
     start: float,
     timeout: float | timedelta | None,
     chunk_numel: Any,
-    atomic: bool,
-    verify: bool | None,
     tag: str | None,
 ) -> CollectiveResult:
-    """Every case: chunks, atomic, verify, tags, any op, any layout, a world of one."""
-    state = group_state(group, call_count)
-    info = state.info if state is not None else None
+    """A world of one (no process group, or a group of one rank): the input is checked as on any
+    group, nothing moves, the tensor is the result."""
     check_tag(tag)
-    # The call takes its number before the input is checked: a call refused on one rank only
-    # keeps the ranks' counts equal (see ncclguard.collectives.calls).
-    call = begin_call(info, "all_reduce", tag) if info is not None and info.size > 1 else None
-    _validate(tensor, op, chunk_numel, info.backend if info else None)
-    group_timeout = state.timeout_s() if call is not None and state is not None else None
-    numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+    check_input(tensor, op, chunk_numel, plan.backend if plan is not None else None)
     if timeout is not None:
-        timeout_s = to_seconds(timeout, "timeout")
-        if info is not None:
-            check_below_group_timeout(timeout_s, group_timeout, info.name)
-    else:
-        timeout_s = default_deadline(adaptive_timeout(numel, nbytes), group_timeout)
+        to_seconds(timeout, "timeout")
+    numel = tensor.numel()
+    chunks = len(chunk_bounds(numel, chunk_numel))
     opname = f"all_reduce({REDUCE_OP_NAMES[op]})"
-    bounds = chunk_bounds(numel, chunk_numel)
-
-    def result(ok: bool, reduced: int, error: NcclGuardError | None = None) -> CollectiveResult:
-        return CollectiveResult(ok, opname, numel, nbytes, len(bounds), reduced, _monotonic() - start, error)
-
-    if call is None:
-        return result(True, numel)
-    info = call.info
-    failed = failure_of(info.group)
-    if failed is not None:
-        return _refused(info, failed, opname, numel, nbytes, start)
-
-    dtype = dtype_name(tensor.dtype)
-    rec = recorder.start(opname, info.name, numel, dtype)
-    try:
-        reduced, err = _reduce(
-            call,
-            tensor,
-            op,
-            bounds,
-            start,
-            timeout_s,
-            group_timeout,
-            atomic,
-            verify or tag is not None or (verify is None and numel >= get_config().chunk_direct_below),
-            dict(op=opname, numel=numel, dtype=dtype, group=info.name),
-        )
-    except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
-        recorder.finish(rec, f"interrupted: {exc!r}")
-        raise
-    recorder.finish(rec, err)
-    return result(err is None, reduced, err)
-
-
-def _reduce(
-    call: Call,
-    tensor: torch.Tensor,
-    op: Any,
-    bounds: list[tuple[int, int]],
-    start: float,
-    timeout_s: float,
-    group_timeout: float | None,
-    atomic: bool,
-    verify: bool,
-    fields: dict[str, Any],
-) -> tuple[int, CollectiveError | None]:
-    """The checked, chunked reduction. Returns (leading elements reduced, error or None)."""
-    deadline = start + timeout_s
-    if verify:
-        error = check_fingerprints(call, tensor, op, bounds, deadline, start, fields)
-        if error is not None:
-            log.warning("%s", error)
-            return 0, error
-
-    reduced, failure = run_chunks(call.info, tensor, op, bounds, deadline, atomic)
-    if failure is None:
-        return reduced, None
-    return reduced, wire_error(call, failure, len(bounds), start, timeout_s, group_timeout, fields)
+    return CollectiveResult(True, opname, numel, numel * tensor.element_size(), chunks, numel, _monotonic() - start)

@@ -3,7 +3,9 @@ waited on against the call's deadline, through the tensor itself, a private buff
 
 Torch cannot cancel a collective in flight: on gloo ``wait(timeout)`` gives up waiting but the op
 stays queued and may still complete and write later. Hence the private buffer of ``atomic=True``
-(dropped, never reused, after a failure) and the caller's duty to mark the group failed.
+(dropped, never reused, after a failure) and the caller's duty to mark the group failed. The
+buffers kept between calls are per world: a new world starts without, and the old world's are
+released when the world changes.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch.distributed as dist
 from ncclguard.collectives.chunking import logical_views
 from ncclguard.collectives.completion import DeadlinePassed, wait_gpu_work
 from ncclguard.collectives.groups import GroupInfo
+from ncclguard.collectives.plan import CallShape
 from ncclguard.config import get_config
 from ncclguard.recording.flight import recorder
+from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
 __all__ = [
     "CLOCK_SLACK_S",
@@ -99,7 +103,7 @@ class _PrivateBuffers:
     abandoned op may still write into it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, world: World | None = None) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -127,18 +131,32 @@ class _PrivateBuffers:
             return sum(b.numel() * b.element_size() for b in self._free.values())
 
 
-_private = _PrivateBuffers()
+_BUFFERS: Slot[_PrivateBuffers] = Slot("atomic buffers", _PrivateBuffers)
 
 
 def release_atomic_buffers() -> None:
     """Frees the buffers kept between ``atomic=True`` calls (one per dtype and device, as large as
     the largest tensor reduced atomically)."""
-    _private.release()
+    current_world().get(_BUFFERS).release()
 
 
 def retained_atomic_bytes() -> int:
-    """Bytes that ``atomic=True`` keeps allocated between calls (what :func:`release_atomic_buffers` frees)."""
-    return _private.retained_bytes()
+    """Bytes that ``atomic=True`` keeps allocated between calls (what :func:`release_atomic_buffers` frees).
+
+    Returns:
+        The bytes held by the current world's buffers.
+    """
+    return current_world().get(_BUFFERS).retained_bytes()
+
+
+def _release_old_buffers(change: WorldChange) -> None:
+    """The old world's buffers serve no call any more (an op it abandoned may still write into a
+    buffer it checked out, which was never given back)."""
+    if change.old is not change.new:
+        change.old.get(_BUFFERS).release()
+
+
+subscribe(_release_old_buffers)
 
 
 def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_flat: bool) -> None:
@@ -156,40 +174,38 @@ def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_fl
 def run_chunks(
     info: GroupInfo,
     tensor: torch.Tensor,
-    op: Any,
-    bounds: list[tuple[int, int]],
+    shape: CallShape,
     deadline: float,
     atomic: bool,
 ) -> tuple[int, WireFailure | None]:
-    """Issues the chunks with at most ``Config.max_inflight`` in flight, each waited on by ``deadline``.
+    """Reduces ``tensor`` in the chunks of ``shape``, at most ``Config.max_inflight`` in flight,
+    each waited on by ``deadline``, through the tensor itself (contiguous, not atomic), a private
+    copy published only at the end (atomic) or a small staging ring (non-contiguous). (One chunk
+    of a contiguous tensor, not atomic, is one op on the tensor: safe_all_reduce issues it itself.)
+
+    Args:
+        info: the group.
+        tensor: the caller's tensor.
+        shape: the call's shape (chunk bounds, the op on the wire, AVG by hand).
+        deadline: ``time.monotonic()`` value at which to give up.
+        atomic: reduce in a private buffer, copied into ``tensor`` only when every chunk completed.
 
     Returns:
         (leading elements reduced in ``tensor``, None) on success, or
         (leading elements reduced, the failure) on failure; with ``atomic`` the count is 0 and
         ``tensor`` is untouched.
     """
-    avg_by_hand = op == dist.ReduceOp.AVG and info.backend != "nccl"
-    wire_op = dist.ReduceOp.SUM if avg_by_hand else op
-    numel = tensor.numel()
-    if len(bounds) == 1 and not atomic and tensor.is_contiguous():
-        # The common small call: the tensor itself on the wire, none of the chunk machinery.
-        try:
-            wait_work(
-                dist.all_reduce(tensor, op=wire_op, group=info.group, async_op=True), deadline, info.backend, info.group
-            )
-        except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-            return 0, WireFailure(0, exc, time.monotonic())
-        if avg_by_hand:
-            with torch.no_grad():
-                tensor.div_(info.size)
-        return numel, None
-
+    wire_op = shape.wire_op
+    avg_by_hand = shape.avg_by_hand
+    bounds = shape.bounds
+    numel = shape.numel
     # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
     # private copy published only at the end (atomic), or a small staging ring (non-contiguous).
     max_inflight = get_config().max_inflight
     chunk = bounds[0][1] - bounds[0][0]
     in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
-    private = _private.take(numel, tensor.dtype, tensor.device) if atomic else None
+    buffers = current_world().get(_BUFFERS) if atomic else None
+    private = buffers.take(numel, tensor.dtype, tensor.device) if buffers is not None else None
     staging: list[torch.Tensor] | None = [] if in_place is None and private is None else None
     inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
     reduced = 0
@@ -232,9 +248,9 @@ def run_chunks(
         while inflight:
             i = inflight[0][0]
             complete()
-        if private is not None:
+        if private is not None and buffers is not None:
             tensor.copy_(private[:numel].view(tensor.shape))
-            _private.give_back(private)
+            buffers.give_back(private)
     except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
         # The private buffer is not given back: an abandoned op may still write into it.
         return (0 if atomic else reduced), WireFailure(inflight[0][0] if inflight else i, exc, time.monotonic())

@@ -9,7 +9,14 @@ only when read (benchmarks/recording_cost.py measures the cost).
 Sequence numbers count per group and per process, so the n-th collective of one rank meets the
 n-th of the others: a rank whose number is lower than its peers' is somewhere else. Point-to-point
 ops (send/recv) count separately (``"<group>:p2p"``), because their counts differ between ranks
-by design.
+by design. The numbering is per world: the recorder forgets its records and counters when a new
+world is announced (:func:`ncclguard.world.announce`, after ``rebuild_world``), because the new
+world's ranks all count from 1 again.
+
+Two doors in: :meth:`FlightRecorder.start` / :meth:`~FlightRecorder.finish` for any caller, and
+the hot path's :meth:`~FlightRecorder.open_fast` / :meth:`~FlightRecorder.close_ok`, which
+``instrument()``'s generated wrappers and ``safe_all_reduce`` call on every collective: the same
+record in fewer steps, so nothing outside this module touches the recorder's fields.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ncclguard.config import get_config
 from ncclguard.recording.phase import MAIN as _MAIN_PHASES
 from ncclguard.recording.phase import current_phase
 from ncclguard.recording.sites import code_site, user_frame
+from ncclguard.world import WorldChange, subscribe
 
 __all__ = [
     "FlightRecord",
@@ -39,6 +47,7 @@ _get_ident = threading.get_ident
 _time = time.time
 _user_frame = user_frame
 _getframe = sys._getframe
+_new_record = object.__new__
 
 
 class FlightRecord:
@@ -277,6 +286,88 @@ class FlightRecorder:
         opened.append(rec)
         return rec
 
+    def open_fast(
+        self,
+        op: str,
+        group: str,
+        numel: int,
+        dtype: str,
+        async_op: bool = False,
+        peer: int | None = None,
+    ) -> FlightRecord | None:
+        """Opens a record for a collective the calling thread is about to issue (the hot path).
+
+        :meth:`start` for the code that runs on every collective (``instrument()``'s wrappers,
+        ``safe_all_reduce``): positional arguments, the call site always looked for (from the
+        caller's caller up), and no record for a nested op.
+
+        Args:
+            op: the operation's name.
+            group: the process group's name.
+            numel: elements moved (input side).
+            dtype: the tensor's dtype without ``torch.``.
+            async_op: the caller does not block in the op.
+            peer: the other rank of a point-to-point op (numbers it in ``"<group>:p2p"``).
+
+        Returns:
+            The record, to close with :meth:`close_ok`, :meth:`finish` or :meth:`attach`; None
+            while the calling thread is inside a recorded call already: the op is part of that
+            call (safe_all_reduce's chunks) and is not counted again.
+        """
+        tid = _get_ident()
+        opened = self._open.get(tid)
+        if opened:
+            return None
+        key = group if peer is None else group + ":p2p"
+        seq = self._seq.get(key, 0) + 1
+        self._seq[key] = seq
+        # The user's frame above the caller (a wrapper, safe_all_reduce), kept as code and offset.
+        frame = _user_frame(_getframe(2))
+        # Built field by field: binding __init__'s 16 arguments costs more than these stores,
+        # and this runs on every collective. Keep in step with FlightRecord.__init__.
+        rec = _new_record(FlightRecord)
+        rec.seq = seq
+        rec.op = op
+        rec.group = group
+        rec.numel = numel
+        rec.dtype = dtype
+        rec.start = _time()
+        rec.state = "started"
+        rec.end = None
+        rec.phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
+        rec.error = None
+        rec.async_op = async_op
+        rec.peer = peer
+        rec.thread = tid
+        rec.work = None
+        rec.chunks_done = rec.chunks = rec.bytes_done = 0
+        if frame is None:
+            rec._site, rec._code, rec._lasti = "?", None, -1
+        else:
+            rec._site, rec._code, rec._lasti = None, frame.f_code, frame.f_lasti
+        self._records.append(rec)
+        if opened is None:
+            self._open[tid] = [rec]
+        else:
+            opened.append(rec)
+        return rec
+
+    def close_ok(self, rec: FlightRecord | None) -> None:
+        """Closes ``rec`` as completed: :meth:`finish` without an error, its usual case (the
+        innermost open record of its thread) in a few steps. None (a nested op's): nothing."""
+        if rec is None:
+            return
+        stack = self._open.get(rec.thread)
+        if stack and stack[-1] is rec and rec.state == "started":
+            stack.pop()
+            rec.end = _time()
+            rec.state = "completed"
+            key = rec.group if rec.peer is None else rec.group + ":p2p"
+            if rec.seq > self._done.get(key, 0):  # async ops may complete out of order
+                self._done[key] = rec.seq
+            return
+        self.finish(rec)
+
     def _close(self, rec: FlightRecord) -> None:
         stack = self._open.get(rec.thread)
         if stack:
@@ -377,5 +468,17 @@ class FlightRecorder:
         self._async.clear()
         self._open.clear()
 
+    def follow_world(self, change: WorldChange) -> None:
+        """Starts the new world's numbering: forgets the old world's records and counters (its
+        groups are gone, and every rank of the new world counts from 1 again).
+
+        Args:
+            change: the world change :func:`ncclguard.world.announce` reports.
+        """
+        if change.new is not change.old:
+            self.clear()
+
 
 recorder = FlightRecorder()
+# The process's recorder follows the world; a recorder made elsewhere (a test's) does not.
+subscribe(recorder.follow_world)

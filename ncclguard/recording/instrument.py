@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 from ncclguard import _torch_compat as compat
 from ncclguard._naming import _DTYPE_NAMES as dtype_names
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.recording.flight import FlightRecord, recorder
-from ncclguard.recording.phase import MAIN as MAIN_PHASES
-from ncclguard.recording.phase import current_phase
-from ncclguard.recording.sites import user_frame
+from ncclguard.recording.flight import recorder
 
 __all__ = ["INSTRUMENTED_OPS", "instrument", "uninstrument", "is_instrumented"]
 
@@ -102,12 +97,9 @@ def _spec(name: str, fn: Callable[..., Any]) -> _Spec:
 
 # The wrapper's body, compiled once per op with the op's own parameter list (see _wrap): named
 # parameters cost less than unpacking *args/**kwargs on every call. Names in braces are filled in.
+# The recording itself is the recorder's hot path (open_fast, close_ok): two calls per op.
 _BODY = """
 def recorded({params}):
-    _tid = get_ident()
-    _stack = opened.get(_tid)
-    if _stack:  # inside a recorded call (safe_all_reduce's chunks): count it once
-        return original({call})
     _data = {data}
     if type(_data) is tensor_type:
         _numel = _data.numel()
@@ -123,24 +115,10 @@ def recorded({params}):
         except TypeError:  # a premultiplied-sum op object (unhashable): the bare name
             _op = bare
     _is_async = {is_async}
-    _peer = {peer}
     _pg = group if group is not None else world.default_pg
-    _name = world.pg_names.get(_pg, "?") if _pg is not None else "?"
-    _key = _name if _peer is None else _name + ":p2p"
-    _seq = seqs.get(_key, 0) + 1
-    seqs[_key] = _seq
-    # The caller's frame, kept as code and offset; FlightRecord.site makes file:line of them.
-    _frame = user(getframe(1))
-    _rec = record(
-        _seq, _op, _name, _numel, _dtype, now(), "started", None,
-        main.path if _tid == main.ident else current_phase(),
-        "?" if _frame is None else None, None, _is_async, _peer, _tid,
-        None if _frame is None else _frame.f_code, -1 if _frame is None else _frame.f_lasti,
-    )
-    recorder._records.append(_rec)  # looked up per call: resize() replaces the deque
-    if _stack is None:
-        _stack = opened[_tid] = []
-    _stack.append(_rec)
+    _rec = open_fast(_op, world.pg_names.get(_pg, "?") if _pg is not None else "?", _numel, _dtype, _is_async, {peer})
+    if _rec is None:  # inside a recorded call (safe_all_reduce's chunks): counted once, there
+        return original({call})
     try:
         _out = original({call})
     except BaseException as _exc:
@@ -148,14 +126,8 @@ def recorded({params}):
         raise
     if _is_async and _out is not None:
         attach(_rec, _out)
-    elif _stack and _stack[-1] is _rec and _rec.state == "started":  # finish(rec), inline
-        _stack.pop()
-        _rec.end = now()
-        _rec.state = "completed"
-        if _seq > done.get(_key, 0):
-            done[_key] = _seq
     else:
-        finish(_rec)
+        close_ok(_rec)
     return _out
 """
 _PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -170,30 +142,20 @@ def _wrap(spec: _Spec, original: Callable[..., Any], like: Callable[..., Any] | 
     # ReduceOp -> "all_reduce(SUM)": a dict lookup instead of formatting on every call.
     op_names = {red: f"{spec.name}({text})" for red, text in REDUCE_OP_NAMES.items()}
     # Everything the wrapper needs is bound here, once: it runs on every collective (budget 1.5 us;
-    # benchmarks/recording_cost.py). recorder.start and the success half of recorder.finish are
-    # inline: one Python frame per call instead of four. The recorder's dicts are bound once:
-    # FlightRecorder.clear() empties them in place.
+    # benchmarks/recording_cost.py). The recorder's methods are bound once too (a bound method is
+    # one lookup instead of two per call).
     namespace: dict[str, Any] = {
         "original": original,
         "op_names": op_names,
         "default_op": op_names[dist.ReduceOp.SUM] if spec.op is not None else spec.name,
         "bare": spec.name,
         "describe": _describe,
+        "open_fast": recorder.open_fast,
+        "close_ok": recorder.close_ok,
         "finish": recorder.finish,
         "attach": recorder.attach,
-        "recorder": recorder,
-        "opened": recorder._open,
-        "seqs": recorder._seq,
-        "done": recorder._done,
-        "get_ident": threading.get_ident,
-        "now": time.time,
-        "getframe": sys._getframe,
-        "user": user_frame,
         "tensor_type": torch.Tensor,
         "world": compat.world(),
-        "record": FlightRecord,
-        "main": MAIN_PHASES,
-        "current_phase": current_phase,
         "dtype_names": dtype_names,
         "dtype_name": dtype_name,
     }
@@ -220,7 +182,7 @@ def _wrap(spec: _Spec, original: Callable[..., Any], like: Callable[..., Any] | 
         op=spec.op[1] if spec.op is not None else "None",
         is_async="True" if spec.name in _ALWAYS_ASYNC else (f"bool({spec.async_op[1]})" if spec.async_op else "False"),
         # A send/recv numbers in "<group>:p2p" even when its peer argument is None (a group_dst).
-        peer=f"-1 if {peer} is None else {peer}" if peer is not None else "None",
+        peer=f"(-1 if {peer} is None else {peer})" if peer is not None else "None",
     )
     exec(compile(source, f"<ncclguard.instrument:{spec.name}>", "exec"), namespace)
     recorded = functools.wraps(original)(namespace["recorded"])

@@ -32,9 +32,7 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
-from ncclguard.collectives import all_reduce as _all_reduce
 from ncclguard.errors import RebuildFailed, StoreUnreachable
-from ncclguard.recording.flight import recorder
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
     Arrival,
@@ -210,9 +208,7 @@ def _abandon(world: World) -> None:
             log.warning("rebuild: aborting the old groups: %s", "; ".join(failed))
     dist.destroy_process_group()
     # ncclguard's own references to the old groups and what it counted on them.
-    _all_reduce.forget_group_infos()
-    recorder.clear()
-    world.retire()
+    world.retire()  # its per-world state (group states, plans, buffers) holds no group past here
     compat.rebind_group_defaults(abandoned)
     reaper.bury(abandoned, hold_s=timeout.total_seconds() + 5.0, label=f"{backend} process group")
     del abandoned
