@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import recorder, safe_all_reduce
+from ncclguard import world as world_module
 from ncclguard.collectives import plan as plans
 from ncclguard.collectives.wire import retained_atomic_bytes
 from ncclguard.world import World, announce, current_world
@@ -19,14 +20,19 @@ from ncclguard.world import World, announce, current_world
 
 @pytest.fixture
 def world_of_one():
+    before = current_world()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    # Later tests in this process run in the world they would have found (announce never goes
+    # back a generation: put it back, then announce it so that every subscriber follows).
+    world_module._worlds.current = before
+    announce(before)
 
 
 def test_a_world_change_starts_the_numbering_the_plans_and_the_buffers_afresh(world_of_one) -> None:
     assert safe_all_reduce(torch.ones(3))
-    old = plans.current_plans
+    old = plans.hot.plans
     assert old.by_group  # the default group's plan, built by the call
     old_world = current_world()
     rec = recorder.start("all_reduce(SUM)", "0", 3, "float32", site="here")
@@ -37,10 +43,10 @@ def test_a_world_change_starts_the_numbering_the_plans_and_the_buffers_afresh(wo
 
     assert recorder.last_seq() == {} and recorder.records() == []
     assert not old.by_group  # the abandoned groups are not kept alive by their plans
-    assert plans.current_plans is current_world().get(plans.PLANS) is not old
+    assert plans.hot.plans is current_world().get(plans.PLANS) is not old
     assert retained_atomic_bytes() == 0
     assert safe_all_reduce(torch.ones(3))
-    assert plans.current_plans.by_group
+    assert plans.hot.plans.by_group
 
 
 def test_the_shape_cache_checks_every_new_shape_and_refuses_bad_input_every_time(world_of_one) -> None:

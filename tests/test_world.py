@@ -17,6 +17,7 @@ def restore_world():
     before = current_world()
     yield before
     world_module._worlds.current = before
+    announce(before)  # the same generation: every subscriber follows it back
 
 
 def test_a_slot_is_built_once_per_world_and_a_new_world_starts_afresh(restore_world):

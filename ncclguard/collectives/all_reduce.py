@@ -148,7 +148,7 @@ def safe_all_reduce(
     start = _monotonic()
     # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
-        plan = _plans.current_plans.by_group.get(_world.default_pg if group is None else group)
+        plan = _plans.hot.by_group.get(_world.default_pg if group is None else group)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
         plan = None
     if plan is None:
