@@ -375,7 +375,7 @@ def _describe(exc: BaseException) -> str:
     return text[:500]
 
 
-def _finish(value: Any, group: Any, deadline: float) -> Any:
+def _finish(value: Any, group: dist.ProcessGroup | None, deadline: float) -> Any:
     """Reduces an EvalSums over the side group; any other value is returned as it is."""
     if not isinstance(value, EvalSums):
         return value
