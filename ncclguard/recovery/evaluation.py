@@ -177,7 +177,7 @@ class GuardOptions(BaseModel):
         return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
 
 
-_eval_groups: weakref.WeakKeyDictionary[Any, EvalGroup] = weakref.WeakKeyDictionary()
+_eval_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, EvalGroup] = weakref.WeakKeyDictionary()
 
 
 class _LastReport:
