@@ -114,38 +114,38 @@ def world() -> Any:
     return _c10d_attr("_world")
 
 
-def default_group() -> Any:
+def default_group() -> dist.ProcessGroup:
     """The default (world) process group; raises ``ValueError`` from torch when there is none."""
     return _c10d_attr("_get_default_group")()
 
 
-def default_store() -> Any:
+def default_store() -> dist.Store:
     """The default group's store (often a ``PrefixStore`` over the job's ``TCPStore``)."""
     return _c10d_attr("_get_default_store")()
 
 
-def rank_not_in_group(group: Any) -> bool:
+def rank_not_in_group(group: dist.ProcessGroup) -> bool:
     """True when this rank is not a member of ``group``."""
     return bool(_c10d_attr("_rank_not_in_group")(group))
 
 
-def group_names() -> dict[Any, str]:
+def group_names() -> dict[dist.ProcessGroup, str]:
     """A snapshot of every live group and its name (the main thread may add groups meanwhile)."""
     return dict(world().pg_names)
 
 
-def group_ranks() -> dict[Any, dict[int, int]]:
+def group_ranks() -> dict[dist.ProcessGroup, dict[int, int]]:
     """A snapshot of every live group's global-to-group rank map."""
     return dict(world().pg_group_ranks)
 
 
-def group_store(group: Any) -> Any:
+def group_store(group: dist.ProcessGroup) -> dist.Store | None:
     """The store ``group`` was created with, or None when torch does not know the group."""
     entry = world().pg_map.get(group)
     return entry[1] if entry is not None else None
 
 
-def backend_timeout(group: Any, device: Any = None) -> timedelta:
+def backend_timeout(group: dist.ProcessGroup, device: Any = None) -> timedelta:
     """The timeout in force of ``group``'s backend for ``device`` (default: CPU)."""
     api = "ProcessGroup._get_backend(device).options._timeout"
     _gate(api)
@@ -155,7 +155,7 @@ def backend_timeout(group: Any, device: Any = None) -> timedelta:
         raise _missing(api, exc) from None
 
 
-def backend_timeout_reader(group: Any, device: Any = None) -> Callable[[], float]:
+def backend_timeout_reader(group: dist.ProcessGroup, device: Any = None) -> Callable[[], float]:
     """A function that reads the timeout in force of ``group``'s backend for ``device`` (default:
     CPU), in seconds, at each call. The backend's options object is looked up once; torch changes
     the timeout in it in place (``_set_pg_timeout``), so the reader stays current, at a third of
@@ -170,17 +170,18 @@ def backend_timeout_reader(group: Any, device: Any = None) -> Callable[[], float
     return lambda: options._timeout.total_seconds()
 
 
-def set_group_timeout(group: Any, timeout: timedelta) -> None:
+def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     """Sets the default timeout of ops later started on ``group``."""
     _c10d_attr("_set_pg_timeout")(timeout, group)
 
 
-def sequence_number(group: Any) -> int:
+def sequence_number(group: dist.ProcessGroup) -> int:
     """The backend's count of collectives run on ``group``, whoever issued them (Python or C++)."""
     api = "ProcessGroup._get_sequence_number_for_group"
     _gate(api)
     try:
-        return int(group._get_sequence_number_for_group())
+        # torch's stubs (torch/_C/_distributed_c10d.pyi) do not declare this binding of ProcessGroup.
+        return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
     except AttributeError as exc:
         raise _missing(api, exc) from None
 
@@ -200,7 +201,7 @@ def set_default_timeout_fn(fn: Callable[[Any], timedelta]) -> None:
 
 
 @contextmanager
-def routed_default_group(group: Any) -> Iterator[None]:
+def routed_default_group(group: dist.ProcessGroup) -> Iterator[None]:
     """Makes ``group`` the default group inside the block, so ``group=None`` collectives use it.
 
     Args:
@@ -283,7 +284,7 @@ def abort_all_groups() -> tuple[list[str], list[str]]:
     return aborted, failed
 
 
-def rebind_group_defaults(abandoned: Collection[Any]) -> list[str]:
+def rebind_group_defaults(abandoned: Collection[dist.ProcessGroup]) -> list[str]:
     """Unbinds abandoned groups from the defaults of ``torch.distributed.nn.functional``.
 
     That module's functions default to ``group=group.WORLD``, evaluated when it is imported

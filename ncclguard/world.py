@@ -18,9 +18,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ncclguard._log import log
+
+if TYPE_CHECKING:
+    import weakref
+
+    from torch.distributed import ProcessGroup, Store
 
 __all__ = ["Slot", "World", "WorldChange", "announce", "current_world", "subscribe"]
 
@@ -68,9 +73,9 @@ class World:
     rank_map: Mapping[int, int] = field(default_factory=dict)
     left_out: tuple[int, ...] = ()
     backend: str | None = None
-    store: Any = None
+    store: Store | None = None
     timeout: timedelta | None = None
-    group: Any = None  # weakref.ref to a ProcessGroup, or None
+    group: weakref.ref[ProcessGroup] | None = None
     _state: dict[Slot[Any], Any] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

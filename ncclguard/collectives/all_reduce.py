@@ -104,7 +104,7 @@ def forget_group_infos() -> None:
 def safe_all_reduce(
     tensor: torch.Tensor,
     op: Any = ReduceOp.SUM,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     *,
     timeout: float | timedelta | None = None,
     chunk_numel: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ncclguard._log import log
 from ncclguard.collectives.calls import begin_call, check_tag, meet, postmortem
@@ -13,6 +13,9 @@ from ncclguard.collectives.groups import group_info, group_timeout_s
 from ncclguard.config import get_config
 from ncclguard.deadlines import default_deadline, to_seconds
 from ncclguard.errors import BarrierFailed, BarrierTimeout, CollectiveError, CollectiveMismatch, StoreUnreachable
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["BarrierResult", "safe_barrier"]
 
@@ -49,7 +52,7 @@ class BarrierResult:
 
 
 def safe_barrier(
-    timeout: float | timedelta | None = None, group: Any = None, *, tag: str | None = None
+    timeout: float | timedelta | None = None, group: ProcessGroup | None = None, *, tag: str | None = None
 ) -> BarrierResult:
     """Waits until every rank of ``group`` arrives, or until ``timeout``, using the group's store.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 
@@ -39,12 +38,14 @@ BACKEND_DEVICES: dict[str, frozenset[str]] = {
 class GroupInfo:
     """A process group as ncclguard sees it from this rank."""
 
-    group: Any  # a torch ProcessGroup; None only for a world of one
+    # A live group (a world of one has no GroupInfo); tests build stand-ins with None, which
+    # global_rank allows for.
+    group: dist.ProcessGroup
     name: str
     rank: int  # this process's rank in the group
     size: int
     backend: str
-    store: Any  # the group's c10d Store (already prefixed by torch for subgroups), or None
+    store: dist.Store | None  # the group's c10d Store (already prefixed by torch for subgroups), or None
 
     def global_rank(self, group_rank: int) -> int:
         """Maps a rank in this group to its global rank."""
@@ -53,7 +54,7 @@ class GroupInfo:
         return dist.get_global_rank(self.group, group_rank)
 
 
-def resolve_group(group: Any = None) -> Any:
+def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """The process group ``group`` stands for: the default group for None or ``dist.group.WORLD``.
 
     Raises:
@@ -62,7 +63,7 @@ def resolve_group(group: Any = None) -> Any:
     return compat.default_group() if group is None or group is dist.group.WORLD else group
 
 
-def group_timeout_s(group: Any = None) -> float | None:
+def group_timeout_s(group: dist.ProcessGroup | None = None) -> float | None:
     """The timeout in force of a live process group, read from its backend's options.
 
     Args:
@@ -83,7 +84,7 @@ def group_timeout_s(group: Any = None) -> float | None:
     return None
 
 
-def group_info(group: Any = None) -> GroupInfo | None:
+def group_info(group: dist.ProcessGroup | None = None) -> GroupInfo | None:
     """Describes ``group`` (default: the world group).
 
     Returns:
@@ -123,7 +124,7 @@ class GroupTable:
 
     def __init__(self, world: World) -> None:
         self.lock = threading.Lock()
-        self.failed: weakref.WeakKeyDictionary[Any, Exception] = weakref.WeakKeyDictionary()
+        self.failed: weakref.WeakKeyDictionary[dist.ProcessGroup, Exception] = weakref.WeakKeyDictionary()
 
 
 GROUPS: Slot[GroupTable] = Slot("groups", GroupTable)
@@ -133,14 +134,14 @@ def _table() -> GroupTable:
     return current_world().get(GROUPS)
 
 
-def mark_failed(group: Any, reason: Exception) -> None:
+def mark_failed(group: dist.ProcessGroup, reason: Exception) -> None:
     """Records that ``group`` timed out or failed; later safe_* calls on it refuse at once."""
     table = _table()
     with table.lock:
         table.failed.setdefault(group, reason)
 
 
-def failure_of(group: Any) -> Exception | None:
+def failure_of(group: dist.ProcessGroup) -> Exception | None:
     """Returns why ``group`` was marked failed, or None."""
     table = _table()
     if not table.failed:  # the hot path of every safe call: no group ever failed, no lock to take
@@ -149,7 +150,7 @@ def failure_of(group: Any) -> Exception | None:
         return table.failed.get(group)
 
 
-def clear_failure(group: Any) -> None:
+def clear_failure(group: dist.ProcessGroup) -> None:
     """Forgets a failure mark (for a group whose communicator the caller has rebuilt itself)."""
     table = _table()
     with table.lock:

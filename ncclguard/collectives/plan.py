@@ -288,7 +288,7 @@ class Plans:
 
     def __init__(self, world: World) -> None:
         self.lock = threading.Lock()
-        self.by_group: dict[Any, GroupPlan] = {}
+        self.by_group: dict[dist.ProcessGroup, GroupPlan] = {}
 
 
 PLANS: Slot[Plans] = Slot("safe_all_reduce plans", Plans)
@@ -310,7 +310,7 @@ class _Hot:
 hot = _Hot(current_world().get(PLANS))
 
 
-def plan_for(group: Any) -> GroupPlan | None:
+def plan_for(group: dist.ProcessGroup | None) -> GroupPlan | None:
     """The current world's plan of ``group`` (None: the default group), built on first use.
 
     Args:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed import DistStoreError
@@ -43,6 +43,9 @@ from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.keys import round_keys
 from ncclguard.store.rounds import Members, Peek, Rule, read_present, settle_round
 from ncclguard.world import Slot, World, current_world
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",
@@ -256,7 +259,8 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> Round
     start = time.monotonic()
     size, me = info.size, info.rank
     try:
-        store = store_for_this_thread(info.store, deadline)
+        # cast: None only for a group torch does not know, which fails here as it always did.
+        store = store_for_this_thread(cast("Store", info.store), deadline)
         # A store whose host is cut off never answers add/set: the round is bounded as a whole.
         settled = settle_round(
             store,

@@ -59,7 +59,11 @@ class WireFailure:
 
 
 def wait_work(
-    work: Any, deadline: float, backend: str, group: Any = None, wait_timeout: timedelta | None = None
+    work: Any,
+    deadline: float,
+    backend: str,
+    group: dist.ProcessGroup | None = None,
+    wait_timeout: timedelta | None = None,
 ) -> None:
     """Waits for ``work`` until ``deadline``.
 

@@ -257,7 +257,7 @@ class TimeoutHierarchy(BaseModel):
         cls,
         *,
         config: Config | None = None,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         backend: str | None = None,
         group_timeout_s: float | None = None,
         group_source: str = "given",

@@ -65,7 +65,7 @@ class _Patch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.original: Callable[[Any], timedelta] | None = None
-        self.world: weakref.ref[Any] | None = None
+        self.world: weakref.ref[dist.ProcessGroup] | None = None
         self.timeout: timedelta | None = None
 
 
@@ -85,7 +85,7 @@ def _default_timeout(backend: Any) -> timedelta:
     return original(backend)
 
 
-def _inherit(world: Any, seconds: float) -> bool:
+def _inherit(world: dist.ProcessGroup, seconds: float) -> bool:
     with _patch.lock:
         if _patch.original is None:
             try:

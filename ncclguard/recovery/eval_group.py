@@ -31,7 +31,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -46,7 +45,7 @@ _MIN_TIMEOUT = timedelta(milliseconds=1)
 
 
 @contextmanager
-def deadline_timeout(group: Any, deadline: float) -> Iterator[None]:
+def deadline_timeout(group: dist.ProcessGroup, deadline: float) -> Iterator[None]:
     """Keeps ``group``'s default timeout equal to the time left before ``deadline`` (monotonic).
 
     Ops started inside the block give up at the deadline; afterwards the timeout stays small, so
@@ -82,11 +81,11 @@ class EvalGroup:
     """
 
     def __init__(self) -> None:
-        self._group: Any = None
-        self._dead: list[Any] = []  # failed groups, kept alive on purpose (see the module doc)
+        self._group: dist.ProcessGroup | None = None
+        self._dead: list[dist.ProcessGroup] = []  # failed groups, kept alive on purpose (see the module doc)
         self.builds = 0
 
-    def get(self, timeout_s: float) -> Any:
+    def get(self, timeout_s: float) -> dist.ProcessGroup:
         """Returns the current group, building one (gloo, ``timeout_s``) if there is none.
 
         Raises:

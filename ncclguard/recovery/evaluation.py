@@ -177,7 +177,7 @@ class GuardOptions(BaseModel):
         return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
 
 
-_eval_groups: weakref.WeakKeyDictionary[Any, EvalGroup] = weakref.WeakKeyDictionary()
+_eval_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, EvalGroup] = weakref.WeakKeyDictionary()
 
 
 class _LastReport:
@@ -375,7 +375,7 @@ def _describe(exc: BaseException) -> str:
     return text[:500]
 
 
-def _finish(value: Any, group: Any, deadline: float) -> Any:
+def _finish(value: Any, group: dist.ProcessGroup | None, deadline: float) -> Any:
     """Reduces an EvalSums over the side group; any other value is returned as it is."""
     if not isinstance(value, EvalSums):
         return value

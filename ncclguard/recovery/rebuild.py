@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +132,7 @@ def on_rebuild(fn: Callable[[RebuildResult], None]) -> Callable[[], None]:
     return remove
 
 
-def _job_store(store: Any) -> Any:
+def _job_store(store: dist.Store) -> dist.Store:
     # torch wraps the job's store in PrefixStores (``default_pg``, our ``ncclguard/world/g<n>``);
     # the meeting and every generation live under the unwrapped one, the same on every rank.
     while isinstance(store, dist.PrefixStore):
@@ -141,7 +140,7 @@ def _job_store(store: Any) -> Any:
     return store
 
 
-def _collective_timeout(pg: Any) -> timedelta:
+def _collective_timeout(pg: dist.ProcessGroup) -> timedelta:
     """The timeout of ``pg``'s collectives, read from its CPU backend, else its CUDA one (NCCL)."""
     for device in ("cpu", "cuda"):
         try:
@@ -214,7 +213,7 @@ def _abandon(world: World) -> None:
     del abandoned
 
 
-def _forget_generation(store: Any, gen: int) -> int:
+def _forget_generation(store: dist.Store, gen: int) -> int:
     """Deletes the keys torch and ncclguard wrote under generation ``gen``'s prefix (every member
     has left it), so that rebuilds do not grow the store. Returns the count deleted."""
     prefix = world_prefix(gen) + "/"
@@ -298,6 +297,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
     try:
         world = _current_world()
         assert world.rank is not None and world.size is not None and world.backend is not None
+        assert world.store is not None  # _current_world raises without one
         start = time.monotonic()
         deadline = start + timeout_s
         me = Arrival(

@@ -184,7 +184,8 @@ _local = threading.local()  # .helpers: id(store) -> this thread's helper for th
 _KEEP_IDLE = 16  # helpers of a thread kept though idle; past this, idle ones are dropped
 
 
-def _stuck_on(store: Any) -> bool:
+# ``store`` below is an ``object``: only its id is used (a c10d Store, or a test double).
+def _stuck_on(store: object) -> bool:
     with _lock:
         helper = _stuck.get(id(store))
         if helper is not None and not helper.busy():
@@ -193,7 +194,7 @@ def _stuck_on(store: Any) -> bool:
         return helper is not None
 
 
-def helper_for(store: Any) -> Helper:
+def helper_for(store: object) -> Helper:
     """The calling thread's helper for ``store`` (one per store client and thread: a client runs
     one request at a time, and threads that share one, as ranks run as threads in tests do, must
     not queue behind each other's waits).
@@ -216,7 +217,7 @@ def helper_for(store: Any) -> Helper:
     return helper
 
 
-def bounded_store_call(store: Any, fn: Callable[[], T], timeout_s: float, what: str = "store call") -> T:
+def bounded_store_call(store: object, fn: Callable[[], T], timeout_s: float, what: str = "store call") -> T:
     """Runs ``fn()`` (a call on ``store``) and returns its result within ``timeout_s`` seconds, on
     the calling thread's :class:`Helper` for ``store``.
 

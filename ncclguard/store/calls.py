@@ -41,6 +41,8 @@ class BoundedCalls:
     """
 
     def __init__(self, store: Any, timeout: float, gone_after: float) -> None:
+        # Any: a c10d Store, a test double or proxy with its methods (benchmarks' CountingStore),
+        # or, for a connect (WatchdogStore.connect), the address the new client will talk to.
         self.store, self.timeout, self.gone_after = store, timeout, gone_after
         self._failing_since: float | None = None
         self._clone: dict[str, Any] | None = None  # a reconnect under way: "done", then "store" or "error"

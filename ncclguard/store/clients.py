@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import torch.distributed as dist
 
@@ -41,7 +40,7 @@ def store_for_this_thread(store: dist.Store, deadline: float) -> dist.Store:
     """
     if threading.current_thread() is threading.main_thread() or not hasattr(store, "clone"):
         return store
-    cache: dict[int, tuple[Any, Any]] | None = getattr(_local, "stores", None)
+    cache: dict[int, tuple[dist.Store, dist.Store]] | None = getattr(_local, "stores", None)
     if cache is None:
         cache = _local.stores = {}
     entry = cache.get(id(store))

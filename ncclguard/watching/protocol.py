@@ -89,6 +89,8 @@ class WatchdogStore:
         gone_after: silence after which the store counts as gone (``peer_timeout``).
     """
 
+    # store: Any, as a Store or a test double or proxy with its methods (tests' GoneStore,
+    # benchmarks' CountingStore).
     def __init__(self, store: Any, keys: Keys, timeout: float, gone_after: float) -> None:
         self._keys = keys
         self.calls = BoundedCalls(store, timeout, gone_after)
@@ -115,7 +117,7 @@ class WatchdogStore:
         self.calls.close()
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Any:  # the Store given, or its test double (see __init__)
         """The client (a new one after the server closed the previous connection)."""
         return self.calls.store
 

@@ -95,7 +95,7 @@ class Watchdog:
         self,
         config: WatchdogConfig | None = None,
         *,
-        store: Any = None,
+        store: Any = None,  # a c10d Store, or a proxy or test double with its methods (see WatchdogStore)
         actions: Sequence[Action | str] | None = None,
         **overrides: Any,
     ) -> None:
@@ -433,6 +433,7 @@ class BackendWatch:
         return out
 
 
+# given: Any, as Watchdog's store (a c10d Store, or a proxy or test double with its methods).
 def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None, generation: int = 0) -> None:
     """Gives ``desk`` its store: ``given``, else a new client of the job's store; none in a world
     of one, or when the store cannot be reached (then incidents are handled on each rank alone)."""
@@ -491,7 +492,7 @@ def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, sessio
 def start_watchdog(
     config: WatchdogConfig | None = None,
     *,
-    store: Any = None,
+    store: Any = None,  # a c10d Store, or a proxy or test double with its methods (see WatchdogStore)
     actions: Sequence[Action | str] | None = None,
     **overrides: Any,
 ) -> Watchdog:
