@@ -88,26 +88,32 @@ def watchdog(instrument: bool) -> Any:
     )
 
 
+def hang_in_the_new_world(wd: Any, culprit: int) -> None:
+    """In the rebuilt world: every rank all-reduces once (its watchdog beats there meanwhile), then
+    ``culprit`` evaluates until the report is merged while the others wait in an all_reduce."""
+    dist.all_reduce(torch.ones(1))
+    time.sleep(1.0)
+    put("watchdog_follows", {"generation": wd.generation, "rank": wd.rank, "world_size": wd.world_size})
+    if dist.get_rank() == culprit:
+        evaluate_until_reported()
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    put("sum", x.tolist())
+    incidents = wd.wait_for_incident(WAIT_BOUND_S, merged=True)
+    put("incidents", [{"kind": i["kind"], "generation": i["doc"]["generation"]} for i in incidents])
+    put("report", report_fields())
+    dist.barrier()
+
+
 def same_size() -> None:
-    r = rankkit.init(timeout_s=GROUP_TIMEOUT_S)
+    rankkit.init(timeout_s=GROUP_TIMEOUT_S)
     wd = watchdog(instrument=True)
     dist.all_reduce(torch.ones(1))
     res = rebuild_world(timeout=20)
     world = current_world()
     put("rebuild", {"ok": res.ok, "generation": res.generation, "rank": res.rank, "size": res.world_size})
     put("world", {"generation": world.generation, "rank": world.rank, "size": world.size})
-    dist.all_reduce(torch.ones(1))  # the new world works, and every watchdog has beaten in it
-    time.sleep(1.0)
-    put("watchdog_follows", {"generation": wd.generation, "rank": wd.rank, "world_size": wd.world_size})
-    if r == 2:
-        evaluate_until_reported()
-    x = torch.ones(4)
-    dist.all_reduce(x)  # ranks 0-1 wait here for rank 2
-    put("sum", x.tolist())
-    incidents = wd.wait_for_incident(WAIT_BOUND_S, merged=True)
-    put("incidents", [{"kind": i["kind"], "generation": i["doc"]["generation"]} for i in incidents])
-    put("report", report_fields())
-    dist.barrier()
+    hang_in_the_new_world(wd, culprit=2)  # ranks 0-1 wait for rank 2
     wd.stop()
     rankkit.done()
 
@@ -144,18 +150,7 @@ def shrink() -> None:
         {"generation": world.generation, "rank": world.rank, "size": world.size, "left_out": list(world.left_out)},
     )
     new_rank = dist.get_rank()
-    dist.all_reduce(torch.ones(1))  # the new world works, and every watchdog has beaten in it
-    time.sleep(1.0)
-    put("watchdog_follows", {"generation": wd.generation, "rank": wd.rank, "world_size": wd.world_size})
-    if new_rank == 1:
-        evaluate_until_reported()
-    x = torch.ones(4)
-    dist.all_reduce(x)  # new ranks 0 and 2 wait here for new rank 1
-    put("sum", x.tolist())
-    incidents = wd.wait_for_incident(WAIT_BOUND_S, merged=True)
-    put("incidents", [{"kind": i["kind"], "generation": i["doc"]["generation"]} for i in incidents])
-    put("report", report_fields())
-    dist.barrier()
+    hang_in_the_new_world(wd, culprit=1)  # new ranks 0 and 2 wait for new rank 1 (old rank 2)
     wd.stop()
     if new_rank == 0:  # rank 0's process serves the job's store: stay until the left-out rank read its verdict
         from datetime import timedelta
