@@ -144,8 +144,9 @@ class Watchdog:
             _running.watchdog = self
         self._raiser = MainThreadRaiser(self._signum, lambda key: self._state.completed(key)) if needs_handler else None
         self._desk, self._retired, self._next_world = None, [], None  # a restarted watchdog starts afresh
-        self._enter(current_world())
+        # Subscribed first: a world announced meanwhile is followed at the thread's first tick.
         self._unsubscribe = subscribe(self._on_world_change)
+        self._enter(current_world())
         if cfg.instrument:
             from ncclguard.recording.instrument import instrument, is_instrumented
 
