@@ -151,7 +151,7 @@ def test_a_barrier_whose_store_stops_answering_fails_by_its_deadline_and_the_nex
         frozen, thawed = got["frozen"], got["thawed"]
         assert frozen["ok"] is False and frozen["type"] == "BarrierFailed", frozen
         assert "the store did not answer" in frozen["message"], frozen
-        # Its deadline plus the 1 s the rendezvous gives store calls past it (_STORE_GRACE_S): 3.0 s
+        # Its deadline plus the 1 s the rendezvous gives store calls past it (store.rounds.GRACE_S): 3.0 s
         # measured under load; the upper bound is a hang guard, over 3x that.
         assert 2.0 <= frozen["elapsed"] < 10.0, frozen
         assert thawed["ok"] is True and thawed["type"] is None, thawed  # the store answers again
