@@ -66,6 +66,26 @@ class _Running:
 _running = _Running()
 
 
+class _Announced:
+    """The newest world announced and not yet followed: the subscriber (the announcing thread) puts
+    it, the watchdog's thread takes it at its next tick (it alone touches the per-world members)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._world: World | None = None
+
+    def put(self, change: WorldChange) -> None:
+        with self._lock:
+            self._world = change.new
+
+    def take(self) -> World | None:
+        if self._world is None:  # the common case, every tick: no lock
+            return None
+        with self._lock:
+            world, self._world = self._world, None
+        return world
+
+
 def current_watchdog() -> Watchdog | None:
     """The watchdog running in this process, or None."""
     return _running.watchdog
@@ -119,7 +139,7 @@ class Watchdog:
         self._instrumented = False
         self._desk: IncidentDesk | None = None
         self._retired: list[Any] = []  # cases of earlier worlds' desks, oldest first
-        self._next_world: World | None = None  # announced, not yet followed by the thread
+        self._announced = _Announced()
         self._unsubscribe: Any = None
 
     # ----------------------------------------------------------------- life cycle
@@ -143,9 +163,8 @@ class Watchdog:
                 raise RuntimeError("a Watchdog already runs in this process; stop() it first (one per process)")
             _running.watchdog = self
         self._raiser = MainThreadRaiser(self._signum, lambda key: self._state.completed(key)) if needs_handler else None
-        self._desk, self._retired, self._next_world = None, [], None  # a restarted watchdog starts afresh
-        # Subscribed first: a world announced meanwhile is followed at the thread's first tick.
-        self._unsubscribe = subscribe(self._on_world_change)
+        self._desk, self._retired, self._announced = None, [], _Announced()  # a restarted watchdog starts afresh
+        self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
         self._enter(current_world())
         if cfg.instrument:
             from ncclguard.recording.instrument import instrument, is_instrumented
@@ -219,12 +238,6 @@ class Watchdog:
             )
         self._desk = desk
 
-    def _on_world_change(self, change: WorldChange) -> None:
-        # A subscriber of announce(), in the announcing thread: the watchdog's thread follows the
-        # new world at its next tick (it alone touches the per-world members).
-        with self._cond:
-            self._next_world = change.new
-
     def __enter__(self) -> Watchdog:
         return self.start()
 
@@ -292,12 +305,10 @@ class Watchdog:
         connect(self._desk, self.config, self.world_size, self._given_store, self.generation)
         next_beat = 0.0
         while not self._stop.is_set():
-            if self._next_world is not None:
-                with self._cond:
-                    world, self._next_world = self._next_world, None
-                if world is not None:
-                    self._enter(world)
-                    next_beat = 0.0  # beat at once in the new world
+            world = self._announced.take()
+            if world is not None:
+                self._enter(world)
+                next_beat = 0.0  # beat at once in the new world
             desk = self._desk
             try:
                 now = time.monotonic()
