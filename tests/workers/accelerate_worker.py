@@ -120,9 +120,7 @@ def main() -> None:
             with ncclguard.phase("train", step=step):
                 if step == slow_at and rank == 0:
                     put("slow_started", time.time())
-                    deadline = time.monotonic() + BOUND_S
-                    while not reported(1) and time.monotonic() < deadline:
-                        time.sleep(0.05)  # MARK: slow-train
+                    rankkit.when(lambda: reported(1), BOUND_S).wait(BOUND_S)  # MARK: slow-train
                     put("slow_ended", time.time())
                 x, y = next(batches)
                 loss = torch.nn.functional.cross_entropy(model(x), y)

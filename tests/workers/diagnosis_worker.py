@@ -59,17 +59,13 @@ def merged_incidents() -> int:
 
 def eval_loop(wanted: int, bound_s: float = 20.0) -> None:
     """Rank 2 "evaluates" until the hang it causes has been merged into a report."""
-    deadline = time.monotonic() + bound_s
     with phase("eval", batch=7):
-        while merged_incidents() < wanted and time.monotonic() < deadline:
-            time.sleep(0.05)  # MARK: eval
+        rankkit.when(lambda: merged_incidents() >= wanted, bound_s).wait(bound_s)  # MARK: eval
 
 
 def frozen(wanted: int, bound_s: float = 20.0) -> None:
-    deadline = time.monotonic() + bound_s
     with phase("checkpoint", step=9):
-        while merged_incidents() < wanted and time.monotonic() < deadline:
-            time.sleep(0.05)  # MARK: frozen
+        rankkit.when(lambda: merged_incidents() >= wanted, bound_s).wait(bound_s)  # MARK: frozen
 
 
 def exercise_ops(r: int, world: int) -> dict[str, str]:

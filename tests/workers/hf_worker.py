@@ -81,8 +81,7 @@ class Faults(TrainerCallback):
         if self.rank == 0:
             self.upload.append(time.time())
             started.touch()
-            while not reported(1) and time.monotonic() < deadline:
-                time.sleep(0.05)  # MARK: upload
+            rankkit.when(lambda: reported(1), deadline - time.monotonic()).wait(BOUND_S)  # MARK: upload
             self.upload.append(time.time())
         else:
             # Rank 0 alone writes the checkpoint files, so it leaves the save later: rank 1 trains

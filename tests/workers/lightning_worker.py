@@ -79,9 +79,7 @@ class Regression(LightningModule):
         first = self.global_step == VAL_EVERY and batch_idx == 0 and self.global_rank == 1
         if first and self.scenario == "watch":
             self.stalls.append(time.time())
-            deadline = time.monotonic() + BOUND_S
-            while not reported(SLOW_EVAL_PHASE) and time.monotonic() < deadline:
-                time.sleep(0.05)  # MARK: slow-eval
+            rankkit.when(lambda: reported(SLOW_EVAL_PHASE), BOUND_S).wait(BOUND_S)  # MARK: slow-eval
             self.stalls.append(time.time())  # [start, end] of the slow part
         elif first and self.scenario == "guard":
             self.stalls.append(time.time())
@@ -105,9 +103,7 @@ class SlowUpload(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_rank == 0 and trainer.global_step == 4:
             self.started.append(time.time())
-            deadline = time.monotonic() + BOUND_S
-            while not reported(SLOW_SAVE_PHASE) and time.monotonic() < deadline:
-                time.sleep(0.05)  # MARK: upload
+            rankkit.when(lambda: reported(SLOW_SAVE_PHASE), BOUND_S).wait(BOUND_S)  # MARK: upload
             self.started.append(time.time())  # [start, end] of the slow part
 
 

@@ -14,7 +14,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -115,3 +117,23 @@ def done() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def when(check: Callable[[], bool], bound_s: float, every_s: float = 0.05) -> threading.Event:
+    """An event set once ``check()`` is true, polled on a thread of its own for ``bound_s`` at most.
+
+    A stalled rank waits on it from its own line (``when(...).wait(bound_s)  # MARK: ...``): a
+    sample of its main thread then finds it on that line (threading's frames are skipped as
+    library frames), never inside the check. Polling on the main thread let a loaded run sample
+    it inside the check's file reads, and the report named pathlib.py as the stalled rank's site.
+    """
+    done = threading.Event()
+
+    def poll() -> None:
+        deadline = time.monotonic() + bound_s
+        while not check() and time.monotonic() < deadline:
+            time.sleep(every_s)
+        done.set()
+
+    threading.Thread(target=poll, name="rankkit-when", daemon=True).start()
+    return done

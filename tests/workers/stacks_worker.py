@@ -64,10 +64,8 @@ def merged_incidents() -> int:
 
 
 def eval_loop(wanted: int, bound_s: float = 20.0) -> None:
-    deadline = time.monotonic() + bound_s
     with phase("eval", batch=7):
-        while merged_incidents() < wanted and time.monotonic() < deadline:
-            time.sleep(0.05)  # MARK: eval
+        rankkit.when(lambda: merged_incidents() >= wanted, bound_s).wait(bound_s)  # MARK: eval
 
 
 class Stacks:
