@@ -134,7 +134,7 @@ def test_group_refuses_at_once_after_timeout(stalls):
 
 
 def test_late_rank_returns_within_its_own_deadline(stalls):
-    assert stalls[2]["stall"]["elapsed"] < 3.0
+    assert stalls[2]["stall"]["elapsed"] < 6.0  # hang guard: 3x the 2 s deadline
 
 
 def test_atomic_restores_tensor_after_timeout_mid_chunked_call(partial):
@@ -157,6 +157,6 @@ def test_survivors_return_when_a_rank_exits_before_the_collective(partial):
     for r in (0, 1):
         e = partial[r]["exit"]
         assert e["ok"] is False
-        assert e["elapsed"] < 3.0
+        assert e["elapsed"] < 6.0  # hang guard: 3x the 2 s deadline (lower bound kept by the error type)
         assert e["missing"] == [2]
         assert e["type"] in ("CollectiveFailed", "CollectiveTimeout")
