@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Torch's C++ extensions (DeepSpeed's ops) build into the venv, not the shared ~/.cache: a build
+# killed half-way there leaves a lock file that makes every later build, in any clone, wait for ever.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 PYTEST_ARGS ?=
 
 .PHONY: install demo test lint bench clean
@@ -19,8 +22,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
 	$(PY) -m pip install -q -e ".[all]"
 	# DeepSpeed's CPU accelerator compiles its shared-memory comm op (~60 s on 2 cores) on first
-	# use; build it here, once, instead of inside a time-bounded test launch.
-	$(PY) -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	# use; build it here, once, instead of inside a time-bounded test launch. A lock left by an
+	# interrupted install goes with the rest of that build; the bound turns a stuck build into an error.
+	rm -rf $(TORCH_EXTENSIONS_DIR)
+	timeout 900 $(PY) -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,7 +23,7 @@ STALL_S = 30.0  # how long rank 1 would stall without the guard
 @pytest.fixture(scope="module")
 def job():
     # The first DeepSpeed launch on a machine JIT-builds deepspeed_shm_comm (about a minute on 2
-    # cores, cached in ~/.cache/torch_extensions afterwards); the bound leaves room for it. Hang
+    # cores; `make` builds it into .venv/torch_extensions beforehand); the bound leaves room for it. Hang
     # guard: over 3x the 102 s the launch took, built, at load average 11.
     return run_ranks("deepspeed_worker", 2, "0", "2", timeout_s=330)
 
