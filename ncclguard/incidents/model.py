@@ -154,6 +154,8 @@ class Heartbeat(_Model):
     blocked_in: OpRecord | None = None
     backend_seq: dict[str, int] | None = None  # the backend's sequence number per group, where read
     backend_still: dict[str, float] | None = None  # seconds each of those numbers had stood still
+    step: int | None = None  # the training step the rank is in, where its loop marks steps
+    straggler_score: float | None = None  # 1.0: as fast as the fastest peer; lower is slower
 
 
 class BackendOp(_Model):
