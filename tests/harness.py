@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ncclguard.testing.launch import spawn
 
 WORKERS = Path(__file__).parent / "workers"
@@ -41,6 +43,26 @@ class Job:
                 f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}"
             )
         return self.results[rank]
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """Kills torchrun and every rank it started: torchrun starts each rank in a session of its
+    own, so killing torchrun's process group alone left ranks running (orphans that loaded the
+    machine for the tests after, seen in a fresh-clone run)."""
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in ranks:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # the rank's own session, with what it started
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_ranks(
@@ -88,7 +110,7 @@ def run_ranks(
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_job(proc)
                 proc.wait()
                 log.seek(0)
                 raise AssertionError(
