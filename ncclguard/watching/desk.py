@@ -41,6 +41,7 @@ from ncclguard.incidents.model import (
     Statement,
     StoreFinding,
 )
+from ncclguard.incidents.pictures import draw_later
 from ncclguard.incidents.render import render
 from ncclguard.watching.actions import (
     Action,
@@ -450,6 +451,8 @@ class IncidentDesk:
             analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
         )
         write_report(case, incident)
+        if self.config.incident_plot:
+            draw_later(incident, case.dir)  # timeline.png, from a thread of its own, with matplotlib
         add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
         if self.store is not None and not case.local:

@@ -69,6 +69,7 @@ class WatchdogConfig(BaseSettings):
     metrics_textfile: Path | None = Field(
         None, description="write the metrics here for node-exporter's textfile collector ({rank}: the rank)"
     )
+    incident_plot: bool = Field(True, description="draw timeline.png into each merged incident (with matplotlib)")
 
     @field_validator("raise_signal")
     @classmethod
