@@ -88,8 +88,8 @@ def timeline(incident: Incident, where: Path | None = None) -> Timeline:
             recs = [*view.recent, *view.inflight] if isinstance(view, StatementView) else list(view.inflight)
             _add(merged.setdefault(int(r), {}), recs)
             tl.hosts.setdefault(int(r), f"{view.host}:{view.pid}")
-    for r in range(incident.world_size):
-        merged.setdefault(r, {})
+    for rank in range(incident.world_size):
+        merged.setdefault(rank, {})
     tl.records = {r: sorted(recs.values(), key=lambda x: (x.start, x.seq)) for r, recs in sorted(merged.items())}
     starts = [rec.start for recs in tl.records.values() for rec in recs]
     if tl.report <= 0:
