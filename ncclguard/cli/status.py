@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -60,12 +61,16 @@ def connect(addr: str, timeout: float) -> Any:
         The client.
 
     Raises:
+        OSError: the connection was refused (nobody listens there) or timed out.
         StoreTimeout, StoreUnreachable: no answer within ``timeout``.
         RuntimeError: torch's own connect error (``DistNetworkError``, ``DistStoreError``).
     """
     import torch.distributed as dist
 
     host, _, port = addr.rpartition(":")
+    # A refused connection fails at once here, without torch's retries and C++ log lines.
+    with socket.create_connection((host, int(port)), timeout=timeout):
+        pass
     return BoundedCalls(addr, timeout, 0.0).run(
         lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
     )
@@ -151,6 +156,11 @@ def _ranks_of(g: RankGroup) -> list[int]:
 def _read_once(addr: str, args: argparse.Namespace) -> int:
     try:
         store = connect(addr, args.timeout)
+    except ConnectionRefusedError:
+        print(
+            f"ncclguard status: nobody listens at {addr} (connection refused); is the job running, and is this its store?"
+        )
+        return EXIT_CODES["no-store"]
     except (StoreTimeout, StoreUnreachable, RuntimeError, OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"ncclguard status: the store at {addr} did not answer within {args.timeout:g} s ({first})")

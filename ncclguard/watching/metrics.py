@@ -207,6 +207,7 @@ class WatchdogMetrics:
                 g.clear()  # the peers of the world before
             self.rank, self._generation = str(rank), generation
         r, now = self.rank, time.time()
+        self.rebuilds.labels(rank=r)  # shown at 0 before the first rebuild
         self.generation.labels(rank=r).set(generation)
         self.beat.labels(rank=r).set(now)
         for inc in incidents:
