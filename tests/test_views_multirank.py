@@ -25,10 +25,10 @@ from ncclguard.incidents.pictures import PICTURE_FILE
 
 pytestmark = pytest.mark.multirank
 PNG = b"\x89PNG\r\n\x1a\n"
-# Hang guards: a loaded 2-core machine starts the two ranks in ~10 s and raises the hang within
-# ~3 s of hang_timeout_s (1.5 s); every wait below is over 3x that.
-START_GUARD_S = 60.0
-HANG_GUARD_S = 30.0
+# Hang guards: a loaded 2-core machine starts the two ranks in ~10-20 s and merges the hang ~2 s
+# after hang_timeout_s (4 s); every wait below is over 3x that.
+START_GUARD_S = 90.0
+HANG_GUARD_S = 40.0
 
 
 def free_port_pair() -> int:
@@ -105,10 +105,10 @@ def test_status_metrics_and_pictures_of_a_live_job(tmp_path, capsys):
         assert code == EXIT_CODES["healthy"] == 0
         assert (out["health"], out["reasons"], out["incident_count"], out["incidents"]) == ("healthy", [], 0, [])
         assert out["index"]["world_size"] == 2 and out["index"]["generation"] == 0
-        assert out["index"]["heartbeat_s"] == 0.3 and out["index"]["hang_timeout_s"] == 1.5
+        assert out["index"]["heartbeat_s"] == 0.5 and out["index"]["hang_timeout_s"] == 4.0
         assert [r["rank"] for r in out["ranks"]] == [0, 1]
         assert {r["phase"] for r in out["ranks"]} == {"train"}
-        assert all(r["age_s"] < 3.0 for r in out["ranks"])  # beats every 0.3 s
+        assert all(r["age_s"] <= 1.5 for r in out["ranks"])  # "ok": within 3 beats of 0.5 s
         assert sum(g["count"] for g in out["groups"]) == 2
         assert out["requests"] <= 8
 

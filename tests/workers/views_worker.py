@@ -39,8 +39,11 @@ def exists(name: str) -> bool:
 def main() -> None:
     r = rankkit.init(timeout_s=120)
     wd = start_watchdog(
-        heartbeat_s=0.3,
-        hang_timeout_s=1.5,
+        # Loose enough that a loaded 2-core machine raises nothing while training (1.5 s raised
+        # spurious hangs and lost peers there), tight enough for the planned hang to come soon.
+        heartbeat_s=0.5,
+        hang_timeout_s=4.0,
+        peer_timeout_s=15.0,
         incident_dir=DIR / "incidents",
         metrics_port=int(os.environ["VIEWS_PORT"]),
         metrics_addr="127.0.0.1",
