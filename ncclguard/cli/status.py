@@ -114,11 +114,11 @@ def show(status: JobStatus, max_groups: int) -> None:
 
     console = Console(highlight=False)
     idx = status.index
-    head = (
-        f"ncclguard status  store {status.store}  run {idx.run_id} restart {idx.restart} session {idx.session} "
-        f"generation {idx.generation}: {idx.world_size} ranks, {len(status.groups)} group(s)  "
+    console.print(
+        f"[{_STYLE[status.health]}]{status.health.upper()}[/]  {idx.world_size} ranks in {len(status.groups)} "
+        f"group(s), world generation {idx.generation}"
     )
-    console.print(head + f"[{_STYLE[status.health]}]{status.health.upper()}[/]")
+    console.print(f"store {status.store}  run {idx.run_id}  restart {idx.restart}  session {idx.session}", markup=False)
     for reason in status.reasons:
         console.print(f"  - {reason}", markup=False)
     table = Table(show_lines=False, pad_edge=False)

@@ -211,7 +211,8 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float = _WINDOW_S) -> None:
             Patch(color=c, label={"done": "completed", "open": "in flight", "failed": "failed"}[k])
             for k, c in colors.items()
         ],
-        loc="lower left",
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
     )
     fig.tight_layout()
