@@ -320,3 +320,78 @@ def test_metrics_names_follow_prometheus_conventions(tmp_path):
     assert 'ncclguard_commits_total{rank="3",result="failed"} 1.0' in text
     assert (tmp_path / "m-3.prom").read_text() == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m-3.prom"]
+
+
+def test_watch_reads_again_until_interrupted(server, capsys, monkeypatch):
+    import ncclguard.cli.status as status_cli
+
+    fill(server, "watch", 2, time.time())
+    naps = []
+
+    def nap(s: float) -> None:
+        naps.append(s)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status_cli.time, "sleep", nap)
+    code = main(["status", "--store", f"127.0.0.1:{server.port}", "--session", "watch", "--watch", "0.5"])
+    out = capsys.readouterr().out
+    assert (code, naps) == (0, [0.5, 0.5])
+    assert out.count("\033[H\033[2J") == 2 and out.count("HEALTHY  2 ranks in 1 group(s)") == 2
+
+
+def test_rank_0_names_the_namespace_once_per_world(server, client):
+    from types import SimpleNamespace
+
+    from ncclguard.watching.protocol import WatchdogStore
+    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.views import Views
+
+    cfg = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=4.0, session="idx")
+    key = index_key("idx")
+    store = WatchdogStore(client, Keys("idx", "run-x", "2", 0), 5.0, 10.0)
+    desk0 = SimpleNamespace(rank=0, world_size=4, world={"generation": 0}, store=store)
+    desk1 = SimpleNamespace(rank=1, world_size=4, world={"generation": 0}, store=store)
+    Views(cfg).beat(None, desk1)
+    assert not server.check([key])  # rank 0 alone names it
+    views = Views(cfg)
+    views.beat(None, desk0)
+    got = WatchIndex.model_validate_json(server.get(key))
+    assert (got.run_id, got.restart, got.session, got.generation, got.world_size) == ("run-x", "2", "idx", 0, 4)
+    assert (got.heartbeat_s, got.peer_timeout_s, got.hang_timeout_s) == (0.5, 3.0, 4.0)
+    assert got.keys.heartbeat(3) == "ncclguard/wd/run-x/2/idx/g0/hb/3"
+    server.delete_key(key)
+    views.beat(None, desk0)
+    assert not server.check([key])  # once per world
+    store.keys = Keys("idx", "run-x", "2", 1)  # a rebuild: generation 1, three ranks
+    desk0.world, desk0.world_size = {"generation": 1}, 3
+    views.beat(None, desk0)
+    got = WatchIndex.model_validate_json(server.get(key))
+    assert (got.generation, got.world_size, got.keys.heartbeat(0)) == (1, 3, "ncclguard/wd/run-x/2/idx/g1/hb/0")
+
+
+def test_metrics_count_waits_once_and_follow_a_rebuild():
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    from ncclguard.incidents.model import PeerView
+    from ncclguard.watching.metrics import WatchdogMetrics
+
+    m = WatchdogMetrics(0)
+    value = m.registry.get_sample_value
+    now = time.time()
+    recs = [SimpleNamespace(start=now - 3.0, end=now - 2.5), SimpleNamespace(start=now - 2.0, end=None)]
+    peers = {"1": PeerView(age_s=0.4, stale=False, seen=True), "2": PeerView(age_s=9.0, stale=True, seen=True)}
+    for _ in range(2):  # the same records seen on two beats are counted once
+        m.update(0, 0, [], peers, {}, recs)
+    assert value("ncclguard_collective_wait_seconds_total", {"rank": "0"}) == pytest.approx(0.5)
+    assert value("ncclguard_collectives_total", {"rank": "0"}) == 1.0
+    assert value("ncclguard_inflight_ops", {"rank": "0"}) == 1.0
+    assert 2.0 <= value("ncclguard_oldest_inflight_seconds", {"rank": "0"}) < 60.0
+    assert value("ncclguard_peer_stale", {"rank": "0", "peer": "2"}) == 1.0
+    assert value("ncclguard_rebuilds_total", {"rank": "0"}) == 0.0
+    m.update(1, 1, [], {"0": PeerView(age_s=0.1, stale=False, seen=True)}, {}, [])  # rebuilt: now rank 1
+    assert value("ncclguard_rebuilds_total", {"rank": "1"}) == 1.0
+    assert value("ncclguard_world_generation", {"rank": "1"}) == 1.0
+    assert value("ncclguard_peer_stale", {"rank": "0", "peer": "2"}) is None  # the old world's peers are gone
+    assert value("ncclguard_peer_heartbeat_age_seconds", {"rank": "1", "peer": "0"}) == 0.1
