@@ -156,12 +156,23 @@ def test_healthy_then_an_open_incident_then_resolved(server, capsys):
             "created": 0.0,
             "open": True,
             "report": None,
+            "ranks": None,
             "problem": None,
         }
     ]
+    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0", [1]), ("1-3", [])]
     server.set(keys.resolved(1), "1")
     code, out = status_json(server, "inc", capsys)
     assert (code, out["incidents"][0]["open"]) == (0, False)
+    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0-3", [])]
+    lost = IncidentDoc(
+        kind=IncidentKind.PEERS_LOST, reason="rank 3 stopped", id="20260101-000001-002", by=1, n=2, ranks=[3]
+    )
+    server.set(keys.incident(2), lost.model_dump_json())
+    server.add(keys.count, 1)
+    code, out = status_json(server, "inc", capsys)
+    assert (code, [i["open"] for i in out["incidents"]]) == (4, [False, True])
+    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0,2", []), ("1,3", [2])]
 
 
 def test_a_store_nobody_answers_is_a_clear_error_within_the_timeout(capsys):

@@ -104,6 +104,7 @@ def _group_cells(g: RankGroup) -> list[str]:
         inflight,
         _span(g.age_s, ".1f"),
         _span(g.score, ".2f"),
+        " ".join(f"#{n}" for n in g.incidents) or "-",
     ]
 
 
@@ -122,7 +123,19 @@ def show(status: JobStatus, max_groups: int) -> None:
     for reason in status.reasons:
         console.print(f"  - {reason}", markup=False)
     table = Table(show_lines=False, pad_edge=False)
-    for col in ("ranks", "n", "state", "phase", "step", "last op #", "backend #", "in flight", "beat age s", "score"):
+    for col in (
+        "ranks",
+        "n",
+        "state",
+        "phase",
+        "step",
+        "last op #",
+        "backend #",
+        "in flight",
+        "beat age s",
+        "score",
+        "incidents",
+    ):
         table.add_column(col, overflow="fold")
     for g in status.groups[:max_groups]:
         table.add_row(*_group_cells(g), style="red" if g.state != "ok" or g.slow else None)

@@ -122,6 +122,7 @@ class RankRow(BaseModel):
     host: str = ""
     pid: int | None = None
     problem: str | None = None  # why a value under its key did not parse
+    incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
 
 
 class RankGroup(BaseModel):
@@ -139,6 +140,7 @@ class RankGroup(BaseModel):
     age_s: tuple[float, float] | None
     score: tuple[float, float] | None
     inflight_s: float | None  # the longest
+    incidents: list[int] = Field(default_factory=list)
 
 
 class IncidentRow(BaseModel):
@@ -152,6 +154,7 @@ class IncidentRow(BaseModel):
     created: float = 0.0
     open: bool = True
     report: str | None = None  # host:dir of the merged report
+    ranks: list[int] | None = None  # a lost incident: the ranks that stopped beating
     problem: str | None = None
 
 
@@ -269,13 +272,14 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
     def key(r: RankRow) -> tuple[Any, ...]:
         slow = r.straggler_score is not None and r.straggler_score < SLOW_SCORE
         backend = tuple(sorted(r.backend_seq.items())) if r.backend_seq is not None else None
-        return (r.state, r.phase, r.step, slow, tuple(sorted(r.last_seq.items())), backend, r.inflight)
+        seqs = tuple(sorted(r.last_seq.items()))
+        return (r.state, r.phase, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
 
     buckets: dict[tuple[Any, ...], list[RankRow]] = {}
     for r in sorted(rows, key=lambda r: r.rank):
         buckets.setdefault(key(r), []).append(r)
     out = []
-    for (state, phase, step, slow, _, _, inflight), members in buckets.items():
+    for (state, phase, step, slow, _, _, inflight, incidents), members in buckets.items():
         first = members[0]
         times = [m.inflight_s for m in members if m.inflight_s is not None]
         out.append(
@@ -292,6 +296,7 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
                 age_s=_span([m.age_s for m in members if m.age_s is not None]),
                 score=_span([m.straggler_score for m in members if m.straggler_score is not None]),
                 inflight_s=max(times) if times else None,
+                incidents=list(incidents),
             )
         )
     return out
@@ -324,6 +329,7 @@ def _incidents(reader: StatusReader, keys: Keys) -> tuple[int, list[IncidentRow]
                 created=doc.created,
                 open=resolved.get(i) != b"1",
                 report=f"{note.host}:{note.dir}" if note is not None else None,
+                ranks=doc.ranks,
             )
         )
     return count, rows
@@ -381,6 +387,10 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
     t = now()
     rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
     count, incidents = _incidents(reader, keys)
+    for inc in incidents:
+        if inc.open and inc.problem is None:
+            for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
+                rows[r].incidents.append(inc.n)
     health, reasons = _verdict(rows, incidents, index)
     return JobStatus(
         store=store,
