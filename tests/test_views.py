@@ -406,3 +406,26 @@ def test_metrics_count_waits_once_and_follow_a_rebuild():
     assert value("ncclguard_world_generation", {"rank": "1"}) == 1.0
     assert value("ncclguard_peer_stale", {"rank": "0", "peer": "2"}) is None  # the old world's peers are gone
     assert value("ncclguard_peer_heartbeat_age_seconds", {"rank": "1", "peer": "0"}) == 0.1
+
+
+def test_without_the_extras_the_commands_say_what_to_install(tmp_path, capsys, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.views import Views
+
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "prometheus_client"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import of it raises ImportError
+    out = tmp_path / "t.png"
+    assert main(["report", str(FIXTURE), "--plot", str(out)]) == 2
+    assert "the timeline needs matplotlib: pip install 'ncclguard[plot]'" in capsys.readouterr().out
+    assert not out.exists()
+    views = Views(WatchdogConfig(metrics_textfile=tmp_path / "m.prom"))
+    desk = SimpleNamespace(rank=1, world_size=2, world={"generation": 0}, store=None)
+    with caplog.at_level("ERROR", logger="ncclguard"):
+        views.beat(SimpleNamespace(incidents=[]), desk)
+        views.beat(SimpleNamespace(incidents=[]), desk)
+    assert [r.getMessage() for r in caplog.records] == [
+        "[rank ?] watchdog: metrics are off: the watchdog's metrics need prometheus_client: pip install 'ncclguard[metrics]'"
+    ]
+    assert views.metrics is None and list(tmp_path.iterdir()) == []
