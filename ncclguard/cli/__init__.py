@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ncclguard.cli.demo", "run the 2-rank demo: guarded collectives, a stall caught, a desync named"),
     "doctor": ("ncclguard.cli.doctor", "check the network and timeout environment and say what to change"),
     "report": ("ncclguard.cli.report", "render a merged incident report from an incident directory"),
+    "status": ("ncclguard.cli.status", "a live, read-only view of a running job, read from its store"),
 }
 
 

@@ -4,17 +4,20 @@ DIR is an incident directory (``<incident_dir>/<id>``) or the incident root, in 
 newest incident is shown (``--list`` lists them all). Without an ``incident.json`` (the merging
 rank died first), the rank dumps found there are merged on the spot. Files of format version 1
 (ncclguard before the typed model) and 2 both read; ``--json`` prints version 2, ``--schema`` its
-JSON schema.
+JSON schema. ``--trace OUT.json`` also writes the merged records as a Chrome/Perfetto trace and
+``--plot OUT.png`` a timeline of the last ``--seconds`` (:mod:`ncclguard.incidents.pictures`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ncclguard.incidents.files import INCIDENT_FILE, load
 from ncclguard.incidents.model import Incident, RankDump, upgrade_incident
+from ncclguard.incidents.pictures import chrome_trace, plot_timeline, timeline
 from ncclguard.incidents.render import render
 
 
@@ -33,6 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         metavar="N",
         help="frames of each culprit's main-thread stack to show (default 8)",
+    )
+    parser.add_argument(
+        "--trace", type=Path, metavar="OUT.json", help="also write the merged records as a Chrome/Perfetto trace"
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="also draw a timeline of the last seconds (matplotlib, 'plot' extra)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, metavar="S", help="the plot's window before the report (default 10)"
     )
 
 
@@ -56,6 +71,29 @@ def _list(root: Path) -> int:
         print(f"no incidents under {root}")
         return 1
     print("\n".join(rows))
+    return 0
+
+
+def _pictures(incident: Incident, where: Path, args: argparse.Namespace) -> int:
+    """Writes ``--trace`` and ``--plot``; 0, or 2 when one cannot be written."""
+    if args.seconds <= 0:
+        print("--seconds must be > 0")
+        return 2
+    tl = timeline(incident, where)
+    try:
+        if args.trace is not None:
+            args.trace.parent.mkdir(parents=True, exist_ok=True)
+            args.trace.write_text(json.dumps(chrome_trace(tl)))
+            print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+        if args.plot is not None:
+            plot_timeline(tl, args.plot, args.seconds)
+            print(f"plot: {args.plot}", file=sys.stderr)
+    except ImportError as exc:
+        print(f"ncclguard report: {exc}")
+        return 2
+    except OSError as exc:
+        print(f"ncclguard report: cannot write a picture: {exc}")
+        return 2
     return 0
 
 
@@ -86,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"ncclguard report: {exc}")
         return 2
+    if args.trace is not None or args.plot is not None:
+        code = _pictures(incident, where, args)
+        if code:
+            return code
     if args.json:
         print(json.dumps(incident.to_json(), indent=1, default=str))
         return 0

@@ -9,13 +9,15 @@
 - :class:`Keys`: the watchdog's namespace, one per job run, restart, session and world
   generation (``ncclguard/wd/<run id>/<restart>/<session>/g<G>``): after a rebuild the watchdog
   of the new world starts afresh, and the old world's incidents never mix with the new one's.
+- :func:`index_key`: where a job's current watchdog namespace is named for a reader outside the
+  job (``python -m ncclguard status``), one key per session (``ncclguard/wd-index/<session>``).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["Keys", "MeetingKeys", "RoundKeys", "round_keys", "world_prefix"]
+__all__ = ["Keys", "MeetingKeys", "RoundKeys", "index_key", "round_keys", "world_prefix"]
 
 
 class RoundKeys:
@@ -233,3 +235,18 @@ class Keys:
     def resolved(self, n: int) -> str:
         """Set once the op of hang incident ``n`` completed on some rank."""
         return f"{self.ns}/incident/{n}/resolved"
+
+
+def index_key(session: str) -> str:
+    """Where rank 0's watchdog names its current namespace (run id, restart, generation, size).
+
+    A reader outside the job knows the store's address but not torchrun's run id or restart count;
+    this fixed key tells it where the heartbeats and incidents are.
+
+    Args:
+        session: the watchdog session (``WatchdogConfig.session``).
+
+    Returns:
+        The key, ``ncclguard/wd-index/<session>``.
+    """
+    return f"ncclguard/wd-index/{session}"

@@ -41,6 +41,7 @@ from ncclguard.incidents.model import (
     Statement,
     StoreFinding,
 )
+from ncclguard.incidents.pictures import draw_later
 from ncclguard.incidents.render import render
 from ncclguard.watching.actions import (
     Action,
@@ -181,14 +182,17 @@ def stale_from_statements(stale: Mapping[int, float], statements: Mapping[int, S
     return out
 
 
-def write_report(case: Case, incident: Incident, *, announce: bool = True) -> None:
-    """Writes the merged ``incident.json`` and ``summary.txt`` of ``case`` (and logs the report)."""
+def write_report(case: Case, incident: Incident, *, announce: bool = True, plot: bool = False) -> None:
+    """Writes the merged ``incident.json`` and ``summary.txt`` of ``case`` (and logs the report);
+    with ``plot``, ``timeline.png`` too, from a thread of its own when matplotlib is installed."""
     text = render(incident)
     try:
         write_json(case.dir / INCIDENT_FILE, incident)
         (case.dir / SUMMARY_FILE).write_text(text)
     except OSError as exc:
         log.error("watchdog: could not write incident %s: %s", case.doc.id, exc)
+    if plot:
+        draw_later(incident, case.dir)
     if announce:
         log.error(
             "watchdog: incident %s merged: %s; report: %s", case.doc.id, incident.summary, case.dir / SUMMARY_FILE
@@ -449,7 +453,7 @@ class IncidentDesk:
             extra_findings=extra,
             analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
         )
-        write_report(case, incident)
+        write_report(case, incident, plot=self.config.incident_plot)
         add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
         if self.store is not None and not case.local:

@@ -244,6 +244,11 @@ class WatchdogStore:
                 self._beats[key], out[ranks[i]] = (raw, hb), hb
         return out
 
+    def put_index(self, key: str, index: BaseModel) -> None:
+        """Sets the job's index under ``key`` (:func:`ncclguard.store.keys.index_key`): where a
+        reader outside the job (``python -m ncclguard status``) finds this namespace."""
+        self._call("set", key, self._encode(index))
+
     # ----------------------------------------------------------------- incidents
 
     def incident_count(self) -> int:

@@ -61,6 +61,15 @@ class WatchdogConfig(BaseSettings):
     session: str = Field("main", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     store_addr: str | None = None
     instrument: bool = True
+    # Metrics (the ``metrics`` extra; off by default; see ncclguard/watching/metrics.py and docs/status.md).
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve Prometheus metrics over HTTP on this port + LOCAL_RANK"
+    )
+    metrics_addr: str = Field("0.0.0.0", min_length=1, description="the address the metrics server binds")
+    metrics_textfile: Path | None = Field(
+        None, description="write the metrics here for node-exporter's textfile collector ({rank}: the rank)"
+    )
+    incident_plot: bool = Field(True, description="draw timeline.png into each merged incident (with matplotlib)")
 
     @field_validator("raise_signal")
     @classmethod

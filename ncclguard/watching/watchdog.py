@@ -304,6 +304,9 @@ class Watchdog:
         poll = min(cfg.heartbeat_s / 5, 0.5)
         connect(self._desk, self.config, self.world_size, self._given_store, self.generation)
         next_beat = 0.0
+        from ncclguard.watching.views import Views  # the status index and the metrics, once per beat
+
+        views = Views(cfg)
         while not self._stop.is_set():
             world = self._announced.take()
             if world is not None:
@@ -317,6 +320,7 @@ class Watchdog:
                     next_beat = now + cfg.heartbeat_s
                     self._publish(desk)
                     self._watch(desk)
+                    views.beat(self, desk)
                 self._check_hang(desk)
                 self._check_peers(desk)
                 desk.poll()

@@ -1,0 +1,406 @@
+"""The job's state as a reader outside it sees it: ``python -m ncclguard status``.
+
+Rank 0's watchdog names its namespace under a fixed key (:func:`~ncclguard.store.keys.index_key`,
+a :class:`WatchIndex`: run id, restart, session, generation, world size, its timeouts), once per
+world on its first beat. A reader that knows only the store's address reads that index, then every
+rank's heartbeat and the newest incidents of that namespace, and groups the ranks that agree
+(:func:`group_rows`) so that a thousand ranks fit on one screen.
+
+Reading is read-only (``check``, ``get``, ``multi_get``; never ``add``, which would create a key)
+and bounded: heartbeats are checked and read :data:`CHUNK` keys a request, a chunk with missing
+keys is split in halves until the missing ones are found, and only the newest
+:data:`MAX_INCIDENTS` incidents are read. Every value goes through the store codec under a size
+bound into a pydantic model; a value that does not fit is shown as ``bad``, never raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME, rank_ranges
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, MergedNote
+from ncclguard.store.calls import BoundedCalls
+from ncclguard.store.codec import decode
+from ncclguard.store.keys import Keys, index_key
+from ncclguard.watching.protocol import LIMITS, WatchdogStore
+
+__all__ = [
+    "CHUNK",
+    "MAX_INCIDENTS",
+    "SLOW_SCORE",
+    "Health",
+    "IncidentRow",
+    "JobStatus",
+    "RankGroup",
+    "RankRow",
+    "StatusReader",
+    "WatchIndex",
+    "group_rows",
+    "publish_index",
+    "read_status",
+]
+
+CHUNK = 128  # keys per check and per multi_get
+MAX_INCIDENTS = 16  # the newest incidents read
+SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
+INDEX_LIMIT = 4096  # bytes of JSON
+Health = Literal["healthy", "suspect", "incident"]
+RankState = Literal["ok", "late", "stale", "missing", "bad"]
+
+
+class WatchIndex(BaseModel):
+    """Where a job's watchdog keeps its keys, as rank 0 wrote it (the value of ``index_key``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    run_id: str = Field(min_length=1, max_length=256)
+    restart: str = Field(min_length=1, max_length=64)
+    session: str = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1 << 20)
+    heartbeat_s: float = Field(gt=0)
+    peer_timeout_s: float = Field(gt=0)
+    hang_timeout_s: float = Field(gt=0)
+    written: float
+    host: str = Field("", max_length=256)
+    pid: int = 0
+
+    @property
+    def keys(self) -> Keys:
+        """The key schema of this namespace."""
+        return Keys(self.session, self.run_id, self.restart, self.generation)
+
+
+def publish_index(
+    store: WatchdogStore, heartbeat_s: float, peer_timeout_s: float, hang_timeout_s: float, world_size: int
+) -> None:
+    """Names ``store``'s namespace under the session's index key (rank 0, first beat of a world).
+
+    Args:
+        store: rank 0's watchdog store (its keys say run id, restart, session and generation).
+        heartbeat_s, peer_timeout_s, hang_timeout_s: the watchdog's settings, for the reader's verdict.
+        world_size: the ranks of this world.
+    """
+    keys = store.keys
+    index = WatchIndex(
+        run_id=keys.run_id,
+        restart=keys.restart,
+        session=keys.session,
+        generation=keys.generation,
+        world_size=world_size,
+        heartbeat_s=heartbeat_s,
+        peer_timeout_s=peer_timeout_s,
+        hang_timeout_s=hang_timeout_s,
+        written=time.time(),
+        host=HOSTNAME,
+    )
+    try:
+        store.put_index(index_key(keys.session), index)
+    except (StoreTimeout, StoreUnreachable) as exc:
+        log.warning("watchdog: could not name this job's namespace for `ncclguard status` (%s)", exc)
+
+
+class RankRow(BaseModel):
+    """One rank as its heartbeat shows it."""
+
+    rank: int
+    state: RankState
+    age_s: float | None = None
+    phase: str = ""
+    step: int | None = None
+    straggler_score: float | None = None
+    last_seq: dict[str, int] = Field(default_factory=dict)
+    backend_seq: dict[str, int] | None = None
+    inflight: str | None = None  # the oldest op in flight: "all_reduce(SUM) #12 on 0"
+    inflight_s: float | None = None
+    host: str = ""
+    pid: int | None = None
+    problem: str | None = None  # why a value under its key did not parse
+    incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
+
+
+class RankGroup(BaseModel):
+    """Ranks whose rows agree (all but heartbeat age, score and time in the op, shown as ranges)."""
+
+    ranks: str  # "0-511,513-1023"
+    count: int
+    state: RankState
+    phase: str
+    step: int | None
+    slow: bool
+    last_seq: dict[str, int]
+    backend_seq: dict[str, int] | None
+    inflight: str | None
+    age_s: tuple[float, float] | None
+    score: tuple[float, float] | None
+    inflight_s: float | None  # the longest
+    incidents: list[int] = Field(default_factory=list)
+
+
+class IncidentRow(BaseModel):
+    """One incident of the namespace."""
+
+    n: int
+    id: str = "?"
+    kind: str = "?"
+    reason: str = ""
+    by: int = -1
+    created: float = 0.0
+    open: bool = True
+    report: str | None = None  # host:dir of the merged report
+    ranks: list[int] | None = None  # a lost incident: the ranks that stopped beating
+    problem: str | None = None
+
+
+class JobStatus(BaseModel):
+    """What ``python -m ncclguard status --json`` prints."""
+
+    store: str
+    health: Health
+    reasons: list[str]
+    read_at: float
+    requests: int
+    index: WatchIndex
+    groups: list[RankGroup]
+    ranks: list[RankRow]
+    incident_count: int
+    incidents: list[IncidentRow]
+
+
+class StatusReader:
+    """Read-only, counted, bounded reads of a store for the status view.
+
+    Args:
+        store: a c10d Store client (or a double with ``check``, ``get``, ``multi_get``).
+        timeout: the bound of each request.
+    """
+
+    def __init__(self, store: Any, timeout: float) -> None:  # Any: a Store or a test double
+        self._calls = BoundedCalls(store, timeout, timeout)
+        self.requests = 0
+
+    def close(self) -> None:
+        """Ends the helper thread."""
+        self._calls.close()
+
+    def _run(self, method: str, arg: Any) -> Any:
+        self.requests += 1
+        return self._calls.run(lambda: getattr(self._calls.store, method)(arg), what=method)
+
+    def present(self, keys: Sequence[str]) -> list[int]:
+        """Indices of ``keys`` that exist: a ``check`` per :data:`CHUNK` keys, halves of a chunk
+        with missing keys checked again (m missing keys cost about 2 m log2(CHUNK / m) checks)."""
+        out: list[int] = []
+
+        def walk(lo: int, hi: int) -> None:
+            if self._run("check", list(keys[lo:hi])):
+                out.extend(range(lo, hi))
+            elif hi - lo > 1:
+                mid = (lo + hi) // 2
+                walk(lo, mid)
+                walk(mid, hi)
+
+        for lo in range(0, len(keys), CHUNK):
+            walk(lo, min(lo + CHUNK, len(keys)))
+        return out
+
+    def read(self, keys: Sequence[str]) -> dict[int, bytes]:
+        """The values of ``keys`` that exist, by index: :meth:`present`, then one ``multi_get`` per
+        :data:`CHUNK` keys."""
+        idx = self.present(keys)
+        out: dict[int, bytes] = {}
+        for lo in range(0, len(idx), CHUNK):
+            part = idx[lo : lo + CHUNK]
+            for i, blob in zip(part, self._run("multi_get", [keys[i] for i in part]), strict=True):
+                out[i] = bytes(blob)
+        return out
+
+
+def _parse(model: Any, blob: bytes, key: str, limit: int) -> tuple[Any, str | None]:
+    try:
+        return decode(model, blob, key, limit), None
+    except ValueError as exc:
+        return None, str(exc).splitlines()[0][:200]
+
+
+def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float) -> RankRow:
+    if blob is None:
+        return RankRow(rank=rank, state="missing")
+    hb, problem = _parse(Heartbeat, blob, key, LIMITS[Heartbeat])
+    if hb is None or hb.rank != rank:
+        return RankRow(rank=rank, state="bad", problem=problem or f"says rank {hb.rank if hb else '?'}")
+    age = max(0.0, now - hb.time)
+    state: RankState = "ok" if age <= 3 * index.heartbeat_s else "late" if age <= index.peer_timeout_s else "stale"
+    oldest = min(hb.inflight, key=lambda r: r.start, default=None)
+    return RankRow(
+        rank=rank,
+        state=state,
+        age_s=round(age, 3),
+        phase=hb.phase,
+        step=hb.step,
+        straggler_score=hb.straggler_score,
+        last_seq=hb.last_seq,
+        backend_seq=hb.backend_seq,
+        inflight=None if oldest is None else f"{oldest.op} #{oldest.seq} on {oldest.group}",
+        inflight_s=None if oldest is None else round(max(0.0, now - oldest.start), 3),
+        host=hb.host,
+        pid=hb.pid,
+    )
+
+
+def _span(values: list[float]) -> tuple[float, float] | None:
+    return (min(values), max(values)) if values else None
+
+
+def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
+    """Groups ranks whose state, phase, step, numbers per group, op in flight and slowness agree;
+    heartbeat ages, scores and times in the op become ranges. Groups come in order of their first rank.
+
+    Args:
+        rows: one row per rank.
+
+    Returns:
+        The groups.
+    """
+
+    def key(r: RankRow) -> tuple[Any, ...]:
+        slow = r.straggler_score is not None and r.straggler_score < SLOW_SCORE
+        backend = tuple(sorted(r.backend_seq.items())) if r.backend_seq is not None else None
+        seqs = tuple(sorted(r.last_seq.items()))
+        return (r.state, r.phase, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
+
+    buckets: dict[tuple[Any, ...], list[RankRow]] = {}
+    for r in sorted(rows, key=lambda r: r.rank):
+        buckets.setdefault(key(r), []).append(r)
+    out = []
+    for (state, phase, step, slow, _, _, inflight, incidents), members in buckets.items():
+        first = members[0]
+        times = [m.inflight_s for m in members if m.inflight_s is not None]
+        out.append(
+            RankGroup(
+                ranks=rank_ranges(m.rank for m in members),
+                count=len(members),
+                state=state,
+                phase=phase,
+                step=step,
+                slow=slow,
+                last_seq=first.last_seq,
+                backend_seq=first.backend_seq,
+                inflight=inflight,
+                age_s=_span([m.age_s for m in members if m.age_s is not None]),
+                score=_span([m.straggler_score for m in members if m.straggler_score is not None]),
+                inflight_s=max(times) if times else None,
+                incidents=list(incidents),
+            )
+        )
+    return out
+
+
+def _incidents(reader: StatusReader, keys: Keys) -> tuple[int, list[IncidentRow]]:
+    got = reader.read([keys.count])
+    raw = got.get(0, b"0")
+    count = int(raw) if raw.strip().lstrip(b"-").isdigit() and len(raw) < 19 else 0
+    numbers = list(range(max(1, count - MAX_INCIDENTS + 1), count + 1))
+    docs = reader.read([keys.incident(n) for n in numbers])
+    resolved = reader.read([keys.resolved(n) for n in numbers])
+    merged = reader.read([keys.merged(n) for n in numbers])
+    rows = []
+    for i, n in enumerate(numbers):
+        if i not in docs:
+            continue
+        doc, problem = _parse(IncidentDoc, docs[i], keys.incident(n), LIMITS[IncidentDoc])
+        if doc is None:
+            rows.append(IncidentRow(n=n, problem=problem))
+            continue
+        note, _ = _parse(MergedNote, merged[i], keys.merged(n), LIMITS[MergedNote]) if i in merged else (None, None)
+        rows.append(
+            IncidentRow(
+                n=n,
+                id=doc.id[:128],
+                kind=doc.kind.value,
+                reason=doc.reason[:500],
+                by=doc.by,
+                created=doc.created,
+                open=resolved.get(i) != b"1",
+                report=f"{note.host}:{note.dir}" if note is not None else None,
+                ranks=doc.ranks,
+            )
+        )
+    return count, rows
+
+
+def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: WatchIndex) -> tuple[Health, list[str]]:
+    reasons = []
+    opened = [i for i in incidents if i.open and i.problem is None]
+    if opened:
+        reasons.append("open incident(s): " + ", ".join(f"{i.id} ({i.kind})" for i in opened))
+    for state, words in (("missing", "no heartbeat"), ("stale", "heartbeat stopped"), ("bad", "unreadable heartbeat")):
+        ranks = [r.rank for r in rows if r.state == state]
+        if ranks:
+            reasons.append(f"{words}: ranks {rank_ranges(ranks)}")
+    long = [r.rank for r in rows if r.inflight_s is not None and r.inflight_s > index.hang_timeout_s / 2]
+    if long:
+        reasons.append(
+            f"in one op for over half of hang_timeout_s ({index.hang_timeout_s:g} s): ranks {rank_ranges(long)}"
+        )
+    slow = [r.rank for r in rows if r.straggler_score is not None and r.straggler_score < SLOW_SCORE]
+    if slow:
+        reasons.append(f"straggler score below {SLOW_SCORE}: ranks {rank_ranges(slow)}")
+    health: Health = "incident" if opened else "suspect" if reasons else "healthy"
+    return health, reasons
+
+
+def read_index(reader: StatusReader, session: str) -> WatchIndex | str:
+    """The session's index, or why there is none (a sentence)."""
+    key = index_key(session)
+    got = reader.read([key])
+    if 0 not in got:
+        return f"no ncclguard watchdog has named a session {session!r} in this store (no key {key})"
+    index, problem = _parse(WatchIndex, got[0], key, INDEX_LIMIT)
+    return index if index is not None else f"the value under {key} is not a watchdog index: {problem}"
+
+
+def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callable[[], float] = time.time) -> JobStatus:
+    """Reads every rank's heartbeat and the newest incidents of ``index``'s namespace.
+
+    Args:
+        reader: the bounded reader.
+        index: the namespace (:func:`read_index`).
+        store: ``host:port``, for the output.
+        now: the clock heartbeat ages are taken against (ranks' ``time.time()``).
+
+    Returns:
+        The status.
+
+    Raises:
+        StoreTimeout, StoreUnreachable: the store did not answer.
+    """
+    keys = index.keys
+    hb_keys = [keys.heartbeat(r) for r in range(index.world_size)]
+    blobs = reader.read(hb_keys)
+    t = now()
+    rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    count, incidents = _incidents(reader, keys)
+    for inc in incidents:
+        if inc.open and inc.problem is None:
+            for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
+                rows[r].incidents.append(inc.n)
+    health, reasons = _verdict(rows, incidents, index)
+    return JobStatus(
+        store=store,
+        health=health,
+        reasons=reasons,
+        read_at=t,
+        requests=reader.requests,
+        index=index,
+        groups=group_rows(rows),
+        ranks=rows,
+        incident_count=count,
+        incidents=incidents,
+    )
