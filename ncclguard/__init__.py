@@ -30,7 +30,7 @@ from ncclguard.errors import (
 from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
-from ncclguard.recovery import CommitResult, RebuildResult, rebuild_world, should_commit
+from ncclguard.recovery import CommitResult, RebuildResult, RecoveringStep, StepResult, rebuild_world, should_commit
 from ncclguard.sigalrm import sigalrm_timeout
 from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
@@ -60,6 +60,8 @@ __all__ = [
     "ProcessGroupInit",
     "RebuildFailed",
     "RebuildResult",
+    "RecoveringStep",
+    "StepResult",
     "StoreRefused",
     "StoreTimeout",
     "StoreUnreachable",

@@ -124,7 +124,7 @@ def test_a_statement_at_its_bounds_fits_the_codec_limit():
 
 
 def test_commit_keys_are_per_group_generation_and_step():
-    assert commit_keys("0", 2, 5).outcome == "ncclguard/commit/0/g2/s5/o"
+    assert commit_keys("0", 2, 5, restart="1").outcome == "ncclguard/commit/1/0/g2/s5/o"
     assert commit_keys("0", 2, 5) != commit_keys("0", 3, 5)
 
 

@@ -3,11 +3,14 @@
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
+from ncclguard.recovery.recovering import RecoveringStep, StepResult
 
 __all__ = [
     "CommitResult",
     "committed_step",
     "should_commit",
+    "RecoveringStep",
+    "StepResult",
     "RebuildResult",
     "generation",
     "on_rebuild",

@@ -9,6 +9,7 @@ here touches a store or a process group, so the verdict logic is tested without 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -84,18 +85,22 @@ def verdict_limit(size: int) -> int:
     return 4096 + size * (16 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
 
 
-def commit_keys(group: str, generation: int, step: int) -> RoundKeys:
+def commit_keys(group: str, generation: int, step: int, restart: str | None = None) -> RoundKeys:
     """The round keys of step ``step``'s commit on ``group`` in world ``generation``.
 
     Args:
         group: the group's name.
         generation: the world generation.
         step: the commit count.
+        restart: the launcher's restart count (default ``TORCHELASTIC_RESTART_COUNT``, else
+            ``"0"``): a restarted job's rounds never meet the keys its previous run left.
 
     Returns:
-        Keys under ``ncclguard/commit/<group>/g<generation>/s<step>``.
+        Keys under ``ncclguard/commit/<restart>/<group>/g<generation>/s<step>``.
     """
-    return RoundKeys(f"ncclguard/commit/{group}/g{generation}/s{step}")
+    if restart is None:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return RoundKeys(f"ncclguard/commit/{restart}/{group}/g{generation}/s{step}")
 
 
 def clip(text: str) -> str:
