@@ -168,7 +168,7 @@ class RecoveringStep:
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
-        model = self.model
+        self.model  # noqa: B018 - refuses a rank left out earlier, before anything runs
         start = time.monotonic()
         buffers = [b.detach().clone() for b in self.module.buffers()]
         rng = torch.get_rng_state()
@@ -178,7 +178,7 @@ class RecoveringStep:
             self.optimizer.zero_grad(set_to_none=True)
             failure: BaseException | None = None
             try:
-                output = step_fn(model)
+                output = step_fn(self.model)
             except Exception as exc:  # noqa: BLE001 - this rank's failure goes into the commit
                 log.warning("RecoveringStep: the step raised on this rank (%s: %s)", type(exc).__name__, exc)
                 failure, output = exc, None
@@ -190,6 +190,7 @@ class RecoveringStep:
             error: NcclGuardError | None = res.error or CommitFailed("the step's commit failed")
             if attempt == self.max_attempts:
                 break
+            old = self._model
             if dist.is_available() and dist.is_initialized():
                 self._model = None
                 rebuilt = rebuild_world(timeout=self._rebuild_s, allow_shrink=self.allow_shrink)
@@ -197,7 +198,7 @@ class RecoveringStep:
                 if not rebuilt:
                     log.error("RecoveringStep: no world to redo the step in (%s)", rebuilt.error)
                     if not rebuilt.late:  # nothing changed: the old world and its wrapper stand
-                        self._model = model
+                        self._model = old
                     error = rebuilt.error or RebuildFailed("rebuild_world failed")
                     return StepResult(
                         False, attempt, generation(), rebuilds, None, commits, rebuilt.late, _since(start), error
@@ -205,8 +206,8 @@ class RecoveringStep:
             self._restore(buffers, rng)
             # The old wrapper goes now, while the reaper still holds the abandoned groups: freeing
             # a group's last reference on this thread could wait for gloo to give up its ops.
-            del model
-            model = self._model = self._wrapped()
+            del old
+            self._model = self._wrapped()
             log.warning(
                 "RecoveringStep: redoing the step in world generation %d (%d ranks), attempt %d",
                 generation(),
