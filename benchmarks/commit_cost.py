@@ -17,9 +17,12 @@ Measured per size:
 - ``settler_cpu_ms``: what only the settling rank adds to the round's critical path, measured
   alone in this process: one ``multi_get`` of every statement from the server, decoding them and
   deciding the verdict (median of 20).
-- ``requests_per_rank``: store requests per rank per round, by the protocol (5: ``set``, ``add``,
-  ``wait``, ``get``, and ``compare_set`` only for the settler), plus the settler's ``multi_get`` and
-  the deletes of the round before.
+- ``serial_round_ms``: every request of one round (every rank's and the settler's) issued by one
+  client in sequence, with no thread contention: the server's work per round, which bounds a
+  round where each rank has a core of its own (the store serves requests one at a time).
+- ``requests_per_rank``: store requests per rank per round, by the protocol: 4 (``set``, ``add``,
+  ``wait``, ``get``); the settler makes ``set``, ``add``, ``multi_get``, ``compare_set`` and the
+  deletes of the round before.
 
 Usage: python benchmarks/commit_cost.py [--ranks 8 64 1024] [--procs 4] [--rounds 30] [--json benchmarks/results/commit_cost.json]
 """
@@ -107,6 +110,34 @@ def settler_cpu_ms(server: dist.TCPStore, size: int) -> float:
     return statistics.median(samples)
 
 
+def serial_round_ms(server: dist.TCPStore, size: int, rounds: int) -> float:
+    """Every request of one round, issued by one client in sequence (median over ``rounds``): per
+    rank ``set``, ``add``, ``wait``, ``get``; the settler's ``multi_get``, verdict and
+    ``compare_set`` (and the deletes of the round before). The server's work of a round, without
+    1,024 threads contending for 2 cores: what bounds a round where every rank has a core."""
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    name = f"serial{size}"
+    info = GroupInfo(group=None, name=name, rank=0, size=size, backend="gloo", store=client)  # type: ignore[arg-type]
+    samples = []
+    for n in range(rounds):
+        keys = commit_keys(name, 0, n)
+        blobs = [
+            encode(Statement(rank=r, step=n, generation=0, group=name, group_size=size, seq=n)) for r in range(size)
+        ]
+        rule = commit_mod._rule(client, info, 0, n, TIMEOUT_S)
+        t0 = time.perf_counter()
+        for r in range(size):
+            client.set(keys.arrival(r), blobs[r])
+            client.add(keys.count, 1)
+        client.compare_set(keys.outcome, "", rule.everyone())
+        for _ in range(size):
+            client.wait([keys.outcome], timedelta(seconds=TIMEOUT_S))
+            verdict = rule.read(bytes(client.get(keys.outcome)))
+        samples.append((time.perf_counter() - t0) * 1e3)
+        assert verdict.ok
+    return statistics.median(samples)
+
+
 def run_size(server: dist.TCPStore, size: int, procs: int, rounds: int, warmup: int) -> dict[str, Any]:
     procs = min(procs, size)
     per = [size // procs + (1 if i < size % procs else 0) for i in range(procs)]
@@ -147,7 +178,8 @@ def run_size(server: dist.TCPStore, size: int, procs: int, rounds: int, warmup: 
         "round_wall_ms_p90": round(walls[int(0.9 * (len(walls) - 1))], 3),
         "rank_ms_p50": round(statistics.median(rank_ms), 3),
         "settler_cpu_ms_p50": round(settler_cpu_ms(server, size), 3),
-        "requests_per_rank": "5 (set, add, wait, get; compare_set on the settler) + the settler's multi_get and deletes",
+        "serial_round_ms_p50": round(serial_round_ms(server, size, max(rounds // 3, 3)), 3),
+        "requests_per_rank": "4 (set, add, wait, get); the settler: set, add, multi_get, compare_set, deletes of the round before",
     }
 
 
