@@ -197,3 +197,22 @@ def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_la
     assert {r: late for r, (_, late) in out.items()} == {0: False, 1: False, 2: True, 3: False}
     clean = _thread_ranks(4, late=set(), timeout_s=10)
     assert [v.ok for v, _ in clean.values()] == [True] * 4
+
+
+def test_an_incident_the_watchdog_raised_fails_the_next_commit_only(fresh, tmp_path):
+    """A world of one with a real watchdog: a synthetic op left in flight past the hang timeout is
+    an incident; the next commit names it, the one after is clean again."""
+    wd = ncclguard.Watchdog(heartbeat_s=0.1, hang_timeout_s=0.3, incident_dir=tmp_path, action="report")
+    rec = ncclguard.recorder.start("all_reduce(SUM)", "commit-test", 4, "float32", site="/job/t.py:1")
+    try:
+        wd.start()
+        (inc,) = wd.wait_for_incident(30, settled=True)  # hang guard: the incident comes after ~0.4 s
+        ncclguard.recorder.finish(rec)
+        res = ncclguard.should_commit()
+        assert not res
+        assert res.reasons == {0: [f"the watchdog raised incident {inc['id']} (hang)"]}
+        assert ncclguard.should_commit().ok is True
+    finally:
+        ncclguard.recorder.finish(rec)
+        wd.stop()
+        ncclguard.recorder.clear()

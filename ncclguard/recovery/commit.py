@@ -258,6 +258,7 @@ def should_commit(
         TypeError, ValueError: bad arguments, a ``step`` not above the last one, or a group of an
             abandoned world; raised before any communication.
         RuntimeError: another thread of this process is in should_commit.
+        StoreUnreachable: the group's store did not answer (its host is gone); no verdict exists.
     """
     start = time.monotonic()
     timeout_s = _check_arguments(timeout, step, failure)
@@ -274,6 +275,10 @@ def should_commit(
         info = _live_group(group)
         n, since, now = state.n, state.since, time.time()
         problems = _problems(info, since, failure)
+        # Counted before the round: a round that raised (the store gone) is not met again.
+        state.n, state.since = n + 1, now
+        if step is not None:
+            state.user_step = step
         if info is None:  # a world of one: no one to agree with
             verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed={0: problems} if problems else {})
             late = False
@@ -291,9 +296,6 @@ def should_commit(
                 problems=problems,
             )
             verdict, late = _settle(info, world.generation, n, statement, start + timeout_s, timeout_s)
-        state.n, state.since = n + 1, now
-        if step is not None:
-            state.user_step = step
         if verdict.ok:
             state.committed = n
     finally:
