@@ -163,21 +163,28 @@ def test_a_second_thread_is_refused_while_a_commit_runs():
             ncclguard.should_commit()
 
 
-def _thread_ranks(size: int, late: set[int], timeout_s: float) -> dict[int, tuple[CommitVerdict, bool]]:
+def _thread_ranks(
+    size: int, late: set[int], timeout_s: float, rounds: int = 1, keys: list[int] | None = None
+) -> dict[int, tuple[CommitVerdict, bool]]:
     """Runs the commit round of ``size`` ranks as threads, each with its own client of one TCPStore."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     out: dict[int, tuple[CommitVerdict, bool]] = {}
     settled = threading.Event()
+    done, between = threading.Barrier(size), threading.Barrier(size)
 
     def rank(r: int) -> None:
         store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
         if r in late:
             settled.wait(30)
         info = GroupInfo(group=None, name="t", rank=r, size=size, backend="gloo", store=store)  # type: ignore[arg-type]
-        out[r] = commit_mod._settle(
-            info, 0, 3, stmt(r, group="t", group_size=size), time.monotonic() + timeout_s, timeout_s
-        )
-        settled.set()
+        for n in range(rounds):
+            statement = stmt(r, group="t", group_size=size, step=n)
+            out[r] = commit_mod._settle(info, 0, n, statement, time.monotonic() + timeout_s, timeout_s)
+            settled.set()
+            done.wait(30)  # every rank is out of round n: the store's key count is read between rounds
+            if r == 0 and keys is not None:
+                keys.append(server.num_keys())
+            between.wait(30)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
@@ -193,10 +200,13 @@ def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_la
     verdicts = [v for v, _ in out.values()]
     assert all(v == verdicts[0] for v in verdicts)
     assert verdicts[0].arrived == [0, 1, 3]
-    assert verdicts[0].failed == {2: ["did not reach should_commit for commit 3 within 0.5 s"]}
+    assert verdicts[0].failed == {2: ["did not reach should_commit for commit 0 within 0.5 s"]}
     assert {r: late for r, (_, late) in out.items()} == {0: False, 1: False, 2: True, 3: False}
-    clean = _thread_ranks(4, late=set(), timeout_s=10)
+    counts: list[int] = []
+    clean = _thread_ranks(4, late=set(), timeout_s=10, rounds=4, keys=counts)
     assert [v.ok for v, _ in clean.values()] == [True] * 4
+    # Each round that every rank reached deletes the round before: the store does not grow.
+    assert counts[1] == counts[2] == counts[3] == counts[0]
 
 
 def test_an_incident_the_watchdog_raised_fails_the_next_commit_only(fresh, tmp_path):

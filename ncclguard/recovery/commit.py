@@ -10,9 +10,10 @@ that completes the round (or, past the deadline, the first to give up waiting) d
 statements present, and every rank, a late one included, reads that same verdict. The round never
 touches the communicator, so it settles on a group whose communicator is dead.
 
-Store traffic per rank: a ``set``, two ``add``, a ``wait`` and a ``get``; the settling rank also
-reads every statement (one ``multi_get``) and deletes the round before (every rank has left it
-once every rank reached this one). Nobody else reads the statements.
+Store traffic per rank: a ``set``, an ``add``, a ``wait`` and a ``get``; the settling rank makes a
+``multi_get`` of every statement and a ``compare_set`` instead of the ``wait`` and ``get``. Nobody
+else reads the statements. After a round that every rank reached, each rank deletes its statement
+of the round before (rank 0 its counters and verdict too): every rank has left that one.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from ncclguard.recovery.commit_protocol import (
     decide,
     verdict_limit,
 )
+from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
-from ncclguard.store.rounds import Members, Peek, Rule, read_present, settle_round
+from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, read_present, settle_round
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
@@ -204,9 +206,6 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
     def everyone() -> str:
         wanted = [keys.arrival(r) for r in range(size)]
         raw = dict(zip(range(size), store.multi_get(wanted), strict=True))
-        if step > 0:  # every rank reached this round, so every rank has left the one before
-            for key in commit_keys(info.name, generation, step - 1).every(size):
-                store.delete_key(key)
         return encode(decide(statements(raw), size, step, timeout_s))
 
     def given_up(peek: Peek) -> str:
@@ -220,7 +219,7 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
             raise StoreUnreachable(f"the commit verdict under {keys.outcome!r} cannot be read: {exc}") from exc
 
     # No members: only the settling rank reads the statements, and the keys stay until the next
-    # round's settler (or the next rebuild) deletes them, so a late rank still finds the verdict.
+    # round that every rank reached (see _forget), so a late rank still finds the verdict.
     return Rule(everyone=everyone, given_up=given_up, read=read, members=lambda v: Members((), True))
 
 
@@ -324,7 +323,26 @@ def _settle(
             raise
         raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
     verdict = settled.outcome
+    if n > 0 and len(verdict.arrived) == info.size:
+        _forget(store, info, generation, n - 1)
     return verdict, info.rank not in verdict.arrived
+
+
+def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int) -> None:
+    """Deletes round ``n``'s keys, once round ``n + 1`` was settled with every rank in it: every
+    rank has left round ``n`` then. Each rank deletes its own statement, rank 0 the rest, after
+    its round, so the deletes are spread over the ranks and off the settling rank's path."""
+    keys = commit_keys(info.name, generation, n)
+    mine = [keys.arrival(info.rank), *((keys.count, keys.gone, keys.outcome) if info.rank == 0 else ())]
+
+    def delete() -> None:
+        for key in mine:
+            store.delete_key(key)
+
+    try:  # bounded: a store whose host is cut off never answers
+        bounded_store_call(store, delete, GRACE_S, f"clean-up of commit {n}")
+    except (DistStoreError, RuntimeError) as exc:  # the verdict stands; the keys only stay
+        log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
 
 
 def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: float, rank: int) -> CommitResult:
