@@ -324,14 +324,16 @@ def _settle(
         raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
     verdict = settled.outcome
     if n > 0 and len(verdict.arrived) == info.size:
-        _forget(store, info, generation, n - 1)
+        _forget(store, info, generation, n - 1, max(deadline - time.monotonic(), 0.0) + GRACE_S)
     return verdict, info.rank not in verdict.arrived
 
 
-def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int) -> None:
+def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, bound_s: float) -> None:
     """Deletes round ``n``'s keys, once round ``n + 1`` was settled with every rank in it: every
     rank has left round ``n`` then. Each rank deletes its own statement, rank 0 the rest, after
-    its round, so the deletes are spread over the ranks and off the settling rank's path."""
+    its round, so the deletes are spread over the ranks and off the settling rank's path. Bounded
+    by what is left of the commit's deadline (plus the round's grace), as the round was: a bound
+    shorter than the store's answer under load would leave the store refused to the next round."""
     keys = commit_keys(info.name, generation, n)
     mine = [keys.arrival(info.rank), *((keys.count, keys.gone, keys.outcome) if info.rank == 0 else ())]
 
@@ -340,7 +342,7 @@ def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int) -> None
             store.delete_key(key)
 
     try:  # bounded: a store whose host is cut off never answers
-        bounded_store_call(store, delete, GRACE_S, f"clean-up of commit {n}")
+        bounded_store_call(store, delete, bound_s, f"clean-up of commit {n}")
     except (DistStoreError, RuntimeError) as exc:  # the verdict stands; the keys only stay
         log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
 
