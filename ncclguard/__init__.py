@@ -13,6 +13,7 @@ from ncclguard.errors import (
     CollectiveFailed,
     CollectiveMismatch,
     CollectiveTimeout,
+    CommitFailed,
     DeadlineExceeded,
     DecodeError,
     EvaluationFailed,
@@ -29,7 +30,7 @@ from ncclguard.errors import (
 from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
-from ncclguard.recovery import RebuildResult, rebuild_world
+from ncclguard.recovery import CommitResult, RebuildResult, RecoveringStep, StepResult, rebuild_world, should_commit
 from ncclguard.sigalrm import sigalrm_timeout
 from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
@@ -45,6 +46,8 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveResult",
     "CollectiveTimeout",
+    "CommitFailed",
+    "CommitResult",
     "Config",
     "DeadlineExceeded",
     "DecodeError",
@@ -57,6 +60,8 @@ __all__ = [
     "ProcessGroupInit",
     "RebuildFailed",
     "RebuildResult",
+    "RecoveringStep",
+    "StepResult",
     "StoreRefused",
     "StoreTimeout",
     "StoreUnreachable",
@@ -75,6 +80,7 @@ __all__ = [
     "recorder",
     "safe_all_reduce",
     "safe_barrier",
+    "should_commit",
     "sigalrm_timeout",
     "start_watchdog",
     "uninstrument",

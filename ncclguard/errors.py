@@ -26,6 +26,7 @@ __all__ = [
     "DeadlineExceeded",
     "EvaluationFailed",
     "RebuildFailed",
+    "CommitFailed",
     "NoRoute",
     "MemoryRefused",
     "BenchCallFailed",
@@ -190,6 +191,31 @@ class RebuildFailed(NcclGuardError):
         super().__init__(message)
         self.missing_ranks = list(missing_ranks or [])
         self.late = late
+
+
+class CommitFailed(NcclGuardError):
+    """:func:`ncclguard.should_commit` found that a step may not be applied on every rank.
+
+    Attributes:
+        step: the commit's number in its world.
+        failed_ranks: group ranks that failed the step or did not arrive (sorted).
+        reasons: why, by failed rank.
+        late: this rank arrived after the verdict was settled.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int = 0,
+        failed_ranks: list[int] | None = None,
+        reasons: dict[int, list[str]] | None = None,
+        late: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.step, self.late = step, late
+        self.failed_ranks = list(failed_ranks or [])
+        self.reasons = dict(reasons or {})
 
 
 class NoRoute(NcclGuardError, LookupError):

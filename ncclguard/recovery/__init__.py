@@ -1,6 +1,19 @@
 """Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
 
+from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
+from ncclguard.recovery.recovering import RecoveringStep, StepResult
 
-__all__ = ["RebuildResult", "generation", "on_rebuild", "rebuild_world", "reaper"]
+__all__ = [
+    "CommitResult",
+    "committed_step",
+    "should_commit",
+    "RecoveringStep",
+    "StepResult",
+    "RebuildResult",
+    "generation",
+    "on_rebuild",
+    "rebuild_world",
+    "reaper",
+]

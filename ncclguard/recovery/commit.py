@@ -1,0 +1,375 @@
+"""should_commit: every rank agrees, once per step, whether the step may be applied.
+
+Call it on every rank after backward and before ``optimizer.step()``. Each rank states what it saw
+since its last commit (:class:`~ncclguard.recovery.commit_protocol.Statement`): a failed or timed
+out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
+of a ``safe_*`` call), an incident the watchdog raised, what the caller reports, and the backend's
+sequence number on the group. One settle-once round in the group's store
+(:func:`ncclguard.store.rounds.settle_round`) settles the verdict by compare-and-set: the rank
+that completes the round (or, past the deadline, the first to give up waiting) decides it from the
+statements present, and every rank, a late one included, reads that same verdict. The round never
+touches the communicator, so it settles on a group whose communicator is dead.
+
+Store traffic per rank: a ``set``, an ``add``, a ``wait`` and a ``get``; the settling rank makes a
+``multi_get`` of every statement and a ``compare_set`` instead of the ``wait`` and ``get``. Nobody
+else reads the statements. After a round that every rank reached, each rank deletes its statement
+of the round before (rank 0 its counters and verdict too): every rank has left that one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, cast
+
+import torch.distributed as dist
+from torch.distributed import DistStoreError
+
+from ncclguard import _torch_compat as compat
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s
+from ncclguard.config import get_config
+from ncclguard.deadlines import default_deadline, to_seconds
+from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
+from ncclguard.recording.flight import recorder
+from ncclguard.recovery.commit_protocol import (
+    MAX_PROBLEMS,
+    MAX_STATEMENT_BYTES,
+    CommitVerdict,
+    Statement,
+    clip,
+    commit_keys,
+    decide,
+    verdict_limit,
+)
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, read_present, settle_round
+from ncclguard.watching.watchdog import current_watchdog
+from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
+
+if TYPE_CHECKING:
+    from ncclguard.collectives.groups import GroupInfo
+
+__all__ = ["CommitResult", "committed_step", "should_commit"]
+
+
+@dataclass
+class CommitResult:
+    """The verdict of one step's commit on this rank; truthy when the step may be applied.
+
+    Attributes:
+        ok: every rank of the group arrived in time with a clean step, and they agree.
+        step: this commit's number in the current world (0 for the first; a new world restarts).
+        generation: the world generation the commit was held in.
+        failed_ranks: group ranks that failed the step or did not arrive (sorted; the same on every rank).
+        reasons: why, by failed rank (the same on every rank).
+        late: this rank's statement was not in the store when the verdict was settled.
+        elapsed_s: seconds from entry to return.
+        error: a :class:`~ncclguard.errors.CommitFailed` when not ``ok``, else None.
+    """
+
+    ok: bool
+    step: int
+    generation: int
+    failed_ranks: list[int] = field(default_factory=list)
+    reasons: dict[int, list[str]] = field(default_factory=dict)
+    late: bool = False
+    elapsed_s: float = 0.0
+    error: CommitFailed | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def raise_for_error(self) -> CommitResult:
+        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class _Commits:
+    """This world's commits on this rank: the count, and since when problems count.
+
+    Attributes:
+        lock: held while a commit runs (a second thread is refused, never queued).
+        n: the next commit's number.
+        since: ``time.time()`` of the last commit's statement; problems from then on count. The
+            world the job started with counts every problem; a rebuilt world those from its start.
+        user_step: the step number the caller passed last, or None.
+        committed: the number of the last commit that settled ok, or None.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+        self.since = time.time() if world.generation > 0 else 0.0
+        self.user_step: int | None = None
+        self.committed: int | None = None
+
+
+_COMMITS: Slot[_Commits] = Slot("commits", _Commits)
+
+
+def _start_counting(change: WorldChange) -> None:
+    # Built at the announcement, so a rebuilt world counts the problems from its start.
+    change.new.get(_COMMITS)
+
+
+subscribe(_start_counting)
+
+
+def committed_step() -> int | None:
+    """The number of the last step whose commit settled ok in this world, or None.
+
+    Returns:
+        The step (``CommitResult.step``), or None before the first.
+    """
+    return current_world().get(_COMMITS).committed
+
+
+def _check_arguments(
+    timeout: float | timedelta | None, step: int | None, failure: str | BaseException | None
+) -> float | None:
+    seconds = None if timeout is None else to_seconds(timeout, "timeout")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise TypeError(f"should_commit's step must be a non-negative int (your loop's step), got {step!r}")
+    if failure is not None and not isinstance(failure, str | BaseException):
+        raise TypeError(
+            f"should_commit's failure must be a str or an exception (what went wrong here), got {type(failure).__name__}"
+        )
+    return seconds
+
+
+def _live_group(group: dist.ProcessGroup | None) -> GroupInfo | None:
+    """The group's description; refuses a group torch no longer knows (an abandoned world's)."""
+    if group is not None and group is not dist.group.WORLD and dist.is_initialized():
+        if group not in compat.group_names():
+            raise ValueError(
+                f"should_commit was given a process group of an abandoned world (this rank is in world "
+                f"generation {current_world().generation} now); pass the group made in this world, or None"
+            )
+    return group_info(group)
+
+
+def _problems(info: GroupInfo | None, since: float, failure: str | BaseException | None) -> list[str]:
+    """What went wrong on this rank since ``since``, in words (at most MAX_PROBLEMS)."""
+    found: list[str] = []
+    if failure is not None:
+        text = failure if isinstance(failure, str) else f"{type(failure).__name__}: {failure}"
+        found.append(f"the caller reported: {text}")
+    said = set()  # a failed safe_* call marks its group with the same error: said once
+    if info is not None:
+        mark = failure_of(info.group)
+        if mark is not None:
+            found.append(f"group {info.name!r} failed ({type(mark).__name__}: {mark})")
+            said.add((str(mark) or type(mark).__name__)[:500])
+    for rec in recorder.records():
+        if rec.state == "failed" and (rec.end or rec.start) >= since and rec.error not in said:
+            found.append(f"{rec.op} on group {rec.group!r} (call {rec.seq}) failed: {rec.error}")
+    watchdog = current_watchdog()
+    if watchdog is not None:
+        for incident in watchdog.incidents:
+            if float(incident.get("doc", {}).get("created", 0.0)) >= since:
+                found.append(f"the watchdog raised incident {incident['id']} ({incident['kind']})")
+    if len(found) > MAX_PROBLEMS:
+        found[MAX_PROBLEMS - 1 :] = [f"and {len(found) - MAX_PROBLEMS + 1} more problem(s)"]
+    return [clip(p) for p in found]
+
+
+def _sequence(info: GroupInfo) -> int | None:
+    try:
+        return compat.sequence_number(info.group)
+    except (TorchCompatError, RuntimeError) as exc:
+        log.debug("should_commit: the backend's sequence number of group %r is unreadable (%s)", info.name, exc)
+        return None
+
+
+def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitVerdict]:
+    keys = commit_keys(info.name, generation, step)
+    size = info.size
+
+    def statements(raw: dict[int, bytes]) -> dict[int, Statement | None]:
+        out: dict[int, Statement | None] = {}
+        for r, blob in raw.items():
+            try:
+                out[r] = decode(Statement, blob, f"rank {r}'s commit statement", MAX_STATEMENT_BYTES)
+            except DecodeError as exc:
+                log.error("should_commit: %s", exc)
+                out[r] = None
+        return out
+
+    def everyone() -> str:
+        wanted = [keys.arrival(r) for r in range(size)]
+        raw = dict(zip(range(size), store.multi_get(wanted), strict=True))
+        return encode(decide(statements(raw), size, step, timeout_s))
+
+    def given_up(peek: Peek) -> str:
+        raw = read_present(store, [keys.arrival(r) for r in range(size)])
+        return encode(decide(statements({keys.rank_of(k): v for k, v in raw.items()}), size, step, timeout_s))
+
+    def read(raw: bytes) -> CommitVerdict:
+        try:
+            return decode(CommitVerdict, raw, f"the commit verdict under {keys.outcome!r}", verdict_limit(size))
+        except DecodeError as exc:
+            raise StoreUnreachable(f"the commit verdict under {keys.outcome!r} cannot be read: {exc}") from exc
+
+    # No members: only the settling rank reads the statements, and the keys stay until the next
+    # round that every rank reached (see _forget), so a late rank still finds the verdict.
+    return Rule(everyone=everyone, given_up=given_up, read=read, members=lambda v: Members((), True))
+
+
+def should_commit(
+    *,
+    timeout: float | timedelta | None = None,
+    group: dist.ProcessGroup | None = None,
+    step: int | None = None,
+    failure: str | BaseException | None = None,
+) -> CommitResult:
+    """Asks every rank of ``group`` whether this step was clean everywhere; all get the same answer.
+
+    Call it once per step on every rank, after backward and before ``optimizer.step()``::
+
+        loss.backward()
+        if ncclguard.should_commit():
+            optimizer.step()
+        else:
+            ...  # recover: rebuild_world, restore the step's state, redo it
+
+    Args:
+        timeout: seconds (or a timedelta) to wait for the other ranks. Default:
+            ``Config.barrier_timeout_s`` capped below the group's timeout. A rank that comes after
+            the others gave up reads their verdict (falsy, naming it) and is ``late``.
+        group: the process group whose ranks commit together (default: the world group).
+        step: your loop's step number, if you want it checked: the same on every rank, and
+            above the one passed last (else ValueError, before any communication).
+        failure: what went wrong on this rank (an exception caught in the step, a NaN loss): the
+            step fails on every rank, with this rank named.
+
+    Returns:
+        A :class:`CommitResult`, truthy when the step may be applied on every rank.
+
+    Raises:
+        TypeError, ValueError: bad arguments, a ``step`` not above the last one, or a group of an
+            abandoned world; raised before any communication.
+        RuntimeError: another thread of this process is in should_commit.
+        StoreUnreachable: the group's store did not answer (its host is gone); no verdict exists.
+    """
+    start = time.monotonic()
+    timeout_s = _check_arguments(timeout, step, failure)
+    world = current_world()
+    state = world.get(_COMMITS)
+    if not state.lock.acquire(blocking=False):
+        raise RuntimeError("should_commit is already running in another thread of this process; call it once per rank")
+    try:
+        if step is not None and state.user_step is not None and step <= state.user_step:
+            raise ValueError(
+                f"should_commit was called for step={step} after step={state.user_step}: once per step, and the "
+                "step must grow"
+            )
+        info = _live_group(group)
+        n, since, now = state.n, state.since, time.time()
+        problems = _problems(info, since, failure)
+        # Counted before the round: a round that raised (the store gone) is not met again.
+        state.n, state.since = n + 1, now
+        if step is not None:
+            state.user_step = step
+        if info is None:  # a world of one: no one to agree with
+            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed={0: problems} if problems else {})
+            late = False
+        else:
+            if timeout_s is None:
+                timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
+            statement = Statement(
+                rank=info.rank,
+                step=n,
+                user_step=step,
+                generation=world.generation,
+                group=info.name,
+                group_size=info.size,
+                seq=_sequence(info),
+                problems=problems,
+            )
+            verdict, late = _settle(info, world.generation, n, statement, start + timeout_s, timeout_s)
+        if verdict.ok:
+            state.committed = n
+    finally:
+        state.lock.release()
+    return _result(verdict, world.generation, late, time.monotonic() - start, info.rank if info else 0)
+
+
+def _settle(
+    info: GroupInfo, generation: int, n: int, statement: Statement, deadline: float, timeout_s: float
+) -> tuple[CommitVerdict, bool]:
+    """Runs the commit round; returns the settled verdict and whether this rank came late."""
+    try:
+        store = store_for_this_thread(cast("dist.Store", info.store), deadline)
+        settled = settle_round(
+            store,
+            commit_keys(info.name, generation, n),
+            info.rank,
+            info.size,
+            encode(statement),
+            deadline,
+            _rule(store, info, generation, n, timeout_s),
+            f"commit {n} on group {info.name!r}",
+        )
+    except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
+        if isinstance(exc, StoreUnreachable):
+            raise
+        raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
+    verdict = settled.outcome
+    if n > 0 and len(verdict.arrived) == info.size:
+        _forget(store, info, generation, n - 1, max(deadline - time.monotonic(), 0.0) + GRACE_S)
+    return verdict, info.rank not in verdict.arrived
+
+
+def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, bound_s: float) -> None:
+    """Deletes round ``n``'s keys, once round ``n + 1`` was settled with every rank in it: every
+    rank has left round ``n`` then. Each rank deletes its own statement, rank 0 the rest, after
+    its round, so the deletes are spread over the ranks and off the settling rank's path. Bounded
+    by what is left of the commit's deadline (plus the round's grace), as the round was: a bound
+    shorter than the store's answer under load would leave the store refused to the next round."""
+    keys = commit_keys(info.name, generation, n)
+    mine = [keys.arrival(info.rank), *((keys.count, keys.gone, keys.outcome) if info.rank == 0 else ())]
+
+    def delete() -> None:
+        for key in mine:
+            store.delete_key(key)
+
+    try:  # bounded: a store whose host is cut off never answers
+        bounded_store_call(store, delete, bound_s, f"clean-up of commit {n}")
+    except (DistStoreError, RuntimeError) as exc:  # the verdict stands; the keys only stay
+        log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
+
+
+def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: float, rank: int) -> CommitResult:
+    failed = sorted(verdict.failed)
+    error = None
+    if not verdict.ok:
+        first = failed[0] if failed else rank
+        why = "; ".join(verdict.failed.get(first, ["?"]))
+        error = CommitFailed(
+            f"step {verdict.step} (world generation {generation}) may not be applied: ranks {rank_ranges(failed)} "
+            f"failed it (rank {first}: {why}){'; this rank came after the verdict' if late else ''}. Skip the "
+            "optimizer step and recover (ncclguard.rebuild_world, then redo the step)",
+            step=verdict.step,
+            failed_ranks=failed,
+            reasons=dict(verdict.failed),
+            late=late,
+        )
+        log.warning("%s", error)
+    return CommitResult(
+        ok=verdict.ok,
+        step=verdict.step,
+        generation=generation,
+        failed_ranks=failed,
+        reasons={r: list(v) for r, v in verdict.failed.items()},
+        late=late,
+        elapsed_s=elapsed_s,
+        error=error,
+    )

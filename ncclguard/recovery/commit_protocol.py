@@ -1,0 +1,197 @@
+"""What the ranks say at a step's commit, and the verdict settled from it: pure functions.
+
+Each rank publishes a :class:`Statement` (its step count, world generation, group, the backend's
+sequence number on the group, and what went wrong on it since its last commit); the first rank
+able to settle the round turns the statements present into one :class:`CommitVerdict` with
+:func:`decide`, and every rank reads that verdict (:mod:`ncclguard.recovery.commit`). Nothing
+here touches a store or a process group, so the verdict logic is tested without processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard._naming import rank_ranges
+from ncclguard.store.keys import RoundKeys
+
+__all__ = [
+    "MAX_PROBLEMS",
+    "MAX_REASON_CHARS",
+    "MAX_STATEMENT_BYTES",
+    "CommitVerdict",
+    "Statement",
+    "commit_keys",
+    "decide",
+    "verdict_limit",
+]
+
+MAX_PROBLEMS = 8  # problems one rank states at most (the rest are summed up in the last)
+MAX_REASON_CHARS = 300  # characters of one stated problem
+MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
+
+
+class Statement(BaseModel):
+    """One rank's account of its step.
+
+    Attributes:
+        rank: this rank in the group.
+        step: this rank's commit count in its world (0 for the first).
+        user_step: the step number the caller passed, or None.
+        generation: the world generation the rank is in.
+        group: the group's name.
+        group_size: the group's size as this rank sees it.
+        seq: the backend's sequence number on the group (every collective it ran, whoever issued
+            it), or None where it cannot be read.
+        problems: what went wrong on this rank since its last commit (empty: a clean step).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    user_step: int | None = Field(default=None, ge=0)
+    generation: int = Field(ge=0)
+    group: str = Field(max_length=255)
+    group_size: int = Field(ge=1)
+    seq: int | None = Field(default=None, ge=0)
+    problems: list[str] = Field(default_factory=list, max_length=MAX_PROBLEMS)
+
+
+class CommitVerdict(BaseModel):
+    """A step's verdict, settled once for every rank.
+
+    Attributes:
+        ok: every rank arrived with a clean step, and they agree on what they did.
+        step: the commit count the round was held for.
+        arrived: the ranks whose statement was in the store when it was settled (sorted).
+        failed: why each failed rank failed (rank -> reasons); empty when ``ok``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ok: bool
+    step: int = Field(ge=0)
+    arrived: list[int]
+    failed: dict[int, list[str]] = Field(default_factory=dict)
+
+
+def verdict_limit(size: int) -> int:
+    """The most bytes a verdict among ``size`` ranks may take (every rank failed, at length)."""
+    return 4096 + size * (16 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
+
+
+def commit_keys(group: str, generation: int, step: int, restart: str | None = None) -> RoundKeys:
+    """The round keys of step ``step``'s commit on ``group`` in world ``generation``.
+
+    Args:
+        group: the group's name.
+        generation: the world generation.
+        step: the commit count.
+        restart: the launcher's restart count (default ``TORCHELASTIC_RESTART_COUNT``, else
+            ``"0"``): a restarted job's rounds never meet the keys its previous run left.
+
+    Returns:
+        Keys under ``ncclguard/commit/<restart>/<group>/g<generation>/s<step>``.
+    """
+    if restart is None:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return RoundKeys(f"ncclguard/commit/{restart}/{group}/g{generation}/s{step}")
+
+
+def clip(text: str) -> str:
+    """``text`` cut to :data:`MAX_REASON_CHARS` characters."""
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _odd_ones(values: Mapping[int, Any]) -> tuple[dict[int, Any], Any]:
+    """The ranks whose value differs from the one most ranks hold, and that value.
+
+    With no single most common value (two ranks, two values), every rank is odd and the second
+    element is None.
+    """
+    counts = Counter(values.values()).most_common()
+    if len(counts) <= 1:
+        return {}, counts[0][0] if counts else None
+    if counts[0][1] == counts[1][1]:
+        return dict(values), None
+    common = counts[0][0]
+    return {r: v for r, v in values.items() if v != common}, common
+
+
+def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[str]]) -> None:
+    """Adds to ``failed`` the ranks that disagree with the others on what they did."""
+
+    def name(ranks: list[int]) -> str:
+        return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+
+    def note(field: str, what: Callable[[Any], str], others: Callable[[Any], str]) -> None:
+        held = {r: getattr(s, field) for r, s in statements.items()}
+        odd, common = _odd_ones(held)
+        for r in sorted(odd):
+            if common is None:
+                theirs = ", ".join(f"rank {q}: {held[q]!r}" for q in sorted(held) if q != r)
+                text = f"{what(held[r])}; the others differ ({theirs})"
+            else:
+                like = sorted(q for q, v in held.items() if v == common)
+                text = f"{what(held[r])}, where {name(like)} {others(common)}"
+            failed.setdefault(r, []).append(clip(text))
+
+    note("generation", lambda v: f"is in world generation {v}", lambda v: f"are in generation {v}")
+    note("group", lambda v: f"committed on group {v!r}", lambda v: f"committed on group {v!r}")
+    note("group_size", lambda v: f"sees a group of {v} ranks", lambda v: f"see {v}")
+    note("step", lambda v: f"is at commit {v} of its world", lambda v: f"are at commit {v}")
+    if any(s.user_step is not None for s in statements.values()):
+        note("user_step", lambda v: f"passed step={v}", lambda v: f"passed step={v}")
+    seqs = {r: s.seq for r, s in statements.items() if s.seq is not None}
+    odd, common = _odd_ones(seqs)
+    for r in sorted(odd):
+        if common is None:
+            theirs = ", ".join(f"rank {q}: {seqs[q]}" for q in sorted(seqs) if q != r)
+            text = f"the backend ran {seqs[r]} collectives on its group, the others differ ({theirs})"
+        else:
+            like = sorted(q for q, v in seqs.items() if v == common)
+            diff = seqs[r] - common
+            text = (
+                f"issued {abs(diff)} collective(s) {'more' if diff > 0 else 'fewer'} than {name(like)} on the "
+                f"group (backend sequence number {seqs[r]}, theirs {common})"
+            )
+        failed.setdefault(r, []).append(clip(text))
+
+
+def decide(
+    statements: Mapping[int, Statement | None],
+    size: int,
+    step: int,
+    timeout_s: float,
+) -> CommitVerdict:
+    """The verdict of step ``step``'s commit from the statements present when it is settled.
+
+    Args:
+        statements: by rank, the statements found in the store (None: there but unreadable).
+        size: the group's size: a rank in ``0..size-1`` not in ``statements`` did not arrive.
+        step: the commit count the round was held for.
+        timeout_s: the commit's deadline, for the missing ranks' reason.
+
+    Returns:
+        The verdict: ok only when every rank arrived with a readable, clean statement and the
+        statements agree on generation, group, step and the backend's sequence number.
+    """
+    failed: dict[int, list[str]] = {}
+    for r in range(size):
+        if r not in statements:
+            failed[r] = [f"did not reach should_commit for commit {step} within {timeout_s:g} s"]
+        elif statements[r] is None:
+            failed[r] = ["its statement could not be read"]
+    readable = {r: s for r, s in statements.items() if s is not None and 0 <= r < size}
+    for r, s in readable.items():
+        if s.problems:
+            failed[r] = [clip(p) for p in s.problems]
+    if len(readable) > 1:
+        _disagreements(readable, failed)
+    arrived = sorted(r for r in statements if 0 <= r < size)
+    return CommitVerdict(ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())))

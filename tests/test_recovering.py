@@ -1,0 +1,85 @@
+"""RecoveringStep in a world of one: bad input, a clean step, a failed step redone. The multi-rank
+cases on real gloo ranks (a stall, a rank stuck for good): tests/test_recovering_multirank.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ncclguard
+from ncclguard import RecoveringStep, StepResult
+
+
+@pytest.fixture
+def parts():
+    assert not dist.is_initialized()
+    ncclguard.recorder.clear()
+    ncclguard.should_commit()  # earlier tests' problems are counted already
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    return module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_bad_input_is_refused(parts):
+    module, opt = parts
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        RecoveringStep("model", opt)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer"):
+        RecoveringStep(module, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_attempts"):
+        RecoveringStep(module, opt, max_attempts=0)
+    with pytest.raises(TypeError, match="allow_shrink"):
+        RecoveringStep(module, opt, allow_shrink=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        RecoveringStep(module, opt, rebuild_timeout=0)
+    with pytest.raises(TypeError, match="step_fn"):
+        RecoveringStep(module, opt)(None)  # type: ignore[arg-type]
+
+
+def test_a_failed_attempt_is_redone_from_the_same_state(parts):
+    module, opt = parts
+    x = torch.randn(5, 3, dtype=torch.float64)
+    reference = [t.detach().clone() for t in module.state_dict().values()]
+    calls = []
+
+    def step_fn(model: torch.nn.Module) -> float:
+        loss = model(x).pow(2).mean()  # moves BatchNorm's running stats
+        loss.backward()
+        calls.append(torch.rand(1).item())  # the RNG is put back before a redo
+        if len(calls) == 1:
+            raise RuntimeError("Connection closed by peer")
+        return float(loss.detach())
+
+    res = RecoveringStep(module, opt)(step_fn, step=0)
+    assert isinstance(res, StepResult) and res.ok and bool(res)
+    assert (res.attempts, res.rebuilds, res.left_out, res.error) == (2, 0, False, None)
+    assert [c.ok for c in res.commits] == [False, True]
+    assert res.commits[0].reasons == {0: ["the caller reported: RuntimeError: Connection closed by peer"]}
+    assert calls[0] == calls[1]
+
+    # The same step done once, cleanly, from the same start, ends in the same state bit for bit.
+    torch.manual_seed(0)
+    clean = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    assert all(torch.equal(a, b) for a, b in zip(clean.state_dict().values(), reference, strict=True))
+    clean_opt = torch.optim.SGD(clean.parameters(), lr=0.1, momentum=0.9)
+    clean(x).pow(2).mean().backward()
+    clean_opt.step()
+    assert all(
+        torch.equal(a, b) for a, b in zip(clean.state_dict().values(), module.state_dict().values(), strict=True)
+    )
+
+
+def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
+    module, opt = parts
+    before = [p.detach().clone() for p in module.parameters()]
+
+    def step_fn(model: torch.nn.Module) -> None:
+        model(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+        raise ValueError("loss is nan")
+
+    res = RecoveringStep(module, opt, max_attempts=2)(step_fn)
+    assert not res and res.attempts == 2 and [c.ok for c in res.commits] == [False, False]
+    with pytest.raises(ncclguard.CommitFailed, match="loss is nan"):
+        res.raise_for_error()
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # never stepped

@@ -1,0 +1,76 @@
+"""RecoveringStep on 3 real gloo ranks under torchrun. Rank side: tests/workers/recovering_worker.py."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+K = 2  # the step that fails (recovering_worker.K)
+CLEAN = {"ok": True, "attempts": 1, "rebuilds": 0, "left_out": False, "commits": [[True, []]], "error": None}
+
+
+@pytest.fixture(scope="module")
+def stall_job():
+    # A fault-free run, then one with rank 2 stalled 10 s past the 6 s group timeout: 22 s here.
+    # Hang guard: over 3x a loaded run's.
+    return run_ranks("recovering_worker", 3, "stall", timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def shrink_job():
+    # 6 s group timeout, 20 s commit, 20 s rebuild, then rank 2 wakes and leaves: 73 s here.
+    return run_ranks("recovering_worker", 3, "shrink", timeout_s=300)
+
+
+def test_a_stalled_step_is_redone_on_the_rebuilt_world_and_ends_bit_equal(stall_job):
+    for r in range(3):
+        res = stall_job[r]
+        assert res["reference_results"] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * 5
+        steps = res["results"]
+        assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+        redone = steps[K]
+        assert redone == {
+            "ok": True,
+            "attempts": 2,
+            "generation": 1,
+            "rebuilds": 1,
+            "left_out": False,
+            "commits": [[False, [0, 1, 2]], [True, []]],
+            "error": None,
+            "world_sizes": [3, 3],
+        }
+        assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [3]}] * 2
+        assert res["equal_across_ranks"] is True
+        assert res["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
+        assert res["final"] == [r, 3]
+
+
+def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
+    for r in (0, 1):
+        res = shrink_job[r]
+        steps = res["results"]
+        assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+        assert steps[K] == {
+            "ok": True,
+            "attempts": 2,
+            "generation": 1,
+            "rebuilds": 1,
+            "left_out": False,
+            "commits": [[False, [0, 1, 2]], [True, []]],
+            "error": None,
+            "world_sizes": [3, 2],
+        }
+        assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [2]}] * 2
+        assert res["final"] == [r, 2]
+        assert res["equal_across_ranks"] is True
+        # Against one process averaging 3 ranks' losses before K and 2 ranks' after (float64).
+        assert res["max_diff_to_reference"] < 1e-12
+    stuck = shrink_job[2]
+    assert stuck["woke_after_survivors"] is True
+    assert stuck["results"][:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+    last = stuck["results"][K]
+    assert (last["ok"], last["left_out"], last["error"], last["generation"]) == (False, True, "RebuildFailed", 0)
+    assert last["commits"] == [[False, [0, 1, 2]]]
+    assert len(stuck["results"]) == K + 1
