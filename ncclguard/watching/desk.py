@@ -146,6 +146,7 @@ def describe(
         op=det.op,
         ranks=list(det.ranks) if det.ranks is not None else None,
         store_text=det.store_text,
+        straggler=det.straggler,
     )
 
 
@@ -461,7 +462,10 @@ class IncidentDesk:
     # ----------------------------------------------------------------- the ladder
 
     def resolved(self, case: Case) -> bool:
-        """True once the op of a hang or desync incident completed somewhere (never for lost ranks)."""
+        """True once the op of a hang or desync incident completed somewhere (never for lost ranks); a
+        straggler incident at once unless ``straggler_escalate`` (a report: it never raises into training)."""
+        if case.doc.kind is IncidentKind.STRAGGLER and not self.config.straggler_escalate:
+            return True
         passed = past_op(case.doc, self.state)
         if passed is None:
             return False

@@ -49,6 +49,7 @@ from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.straggler import from_config
 from ncclguard.world import World, WorldChange, current_world, subscribe
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
@@ -341,7 +342,11 @@ class Watchdog:
         self._beat += 1
         if desk.store is None:
             return
-        hb = self._state.heartbeat(self._beat)
+        if self._beat == 1:  # a new world (or start): straggler windows start afresh (docs/stragglers.md)
+            self._straggle = from_config(self.rank, self.config)
+        if (straggler := self._straggle.check(self._liveness.heartbeats())) is not None:  # peers as read last beat
+            desk.open(straggler)
+        hb = self._straggle.on_beat(self._state.heartbeat(self._beat))
         now = time.monotonic()
         self._backend.own_seqs.update(hb.backend_seq, now)
         if hb.backend_seq is not None:
