@@ -49,7 +49,9 @@ def lockstep(computes: list[float], transfer: float, length: float, n: int, end:
 
 def defaults() -> StragglerTracker:
     cfg = WatchdogConfig()
-    return StragglerTracker(0, cfg.straggler_threshold, cfg.straggler_min_share, cfg.straggler_windows)
+    return StragglerTracker(
+        0, cfg.straggler_threshold, cfg.straggler_min_share, cfg.straggler_windows, cfg.straggler_link_threshold
+    )
 
 
 # ----------------------------------------------------------------- measure
@@ -179,6 +181,18 @@ def test_a_slow_link_is_told_apart_from_a_compute_straggler() -> None:
     assert "the transfer itself in all_reduce" in det.straggler.where
 
 
+def test_a_loaded_machine_slowing_compute_and_transfer_alike_is_no_slow_link() -> None:
+    tracker = defaults()
+    for n in range(8):  # from window 3 everything takes 3x: the machine, not the link
+        k = 1.0 if n < 3 else 3.0
+        own, *peers = lockstep([1.0 * k, 1.0 * k], 0.2 * k, 10.0, n, 10.0 * (n + 1))
+        assert tracker.feed(own, {1: peers[0]}) is None
+    small = defaults()
+    for n in range(8):  # the transfer 1.8x (under straggler_link_threshold, 2.0): no incident
+        own, *peers = lockstep([1.0, 1.0], 0.2 if n < 3 else 0.36, 10.0, n, 10.0 * (n + 1))
+        assert small.feed(own, {1: peers[0]}) is None
+
+
 def test_fresh_windows_drops_peers_whose_last_window_is_old() -> None:
     own = lockstep([1.0], 0.1, 10.0, 5, 100.0)[0]
     hb = {
@@ -260,3 +274,13 @@ def test_mark_step_counts_and_numbers_steps() -> None:
     assert steps.count == before + 3
     with pytest.raises(ValueError, match="step number is >= 0"):
         mark_step(-1)
+
+
+def test_phase_names_drop_their_labels() -> None:
+    from ncclguard.watching.straggler import phase_name
+
+    assert phase_name("train step=3 > fwd layer=2") == "train > fwd"
+    assert phase_name("") == ""
+    recs = [rec("all_reduce", t + 0.5, t + 1.0, phase=f"train step={t}") for t in range(4)]
+    w = measure(recs, 0.0, 4.0, thread=MAIN, n=0, phase_now="train step=4")
+    assert w is not None and w.phase == "train"

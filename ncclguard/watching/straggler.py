@@ -10,8 +10,9 @@ traffic does not grow with the world):
 - **compute**: its compute share is ``straggler_threshold`` times its peers' median or more, by at least
   ``straggler_min_share`` of the window, while it waits less than they do: it is the one they wait for;
 - **link**: nobody computes more, but the transfer itself (the least median op time among the rank and
-  its peers: what even the last to arrive pays) is ``straggler_threshold`` times what it was in the
-  earlier windows, costing ``straggler_min_share`` of the window or more.
+  its peers: what even the last to arrive pays) is ``straggler_link_threshold`` times what it was in
+  the earlier windows, costing ``straggler_min_share`` of the window or more, while the rank's compute
+  between two ops holds within ``straggler_threshold`` of what it was (a loaded machine slows both).
 
 ``straggler_windows`` such windows in a row raise one ``straggler`` incident (once per rank and cause in a
 world). Everything here but :class:`StragglerWatch` is pure: it takes records and figures, no clock.
@@ -26,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
@@ -43,8 +44,18 @@ from ncclguard.recording.steps import StepMarks, steps
 from ncclguard.watching.detect import Detection
 from ncclguard.watching.settings import WatchdogConfig
 
-__all__ = ["Assessment", "StragglerTracker", "StragglerWatch", "assess", "fresh_windows", "from_config", "measure"]
+__all__ = [
+    "Assessment",
+    "StragglerTracker",
+    "StragglerWatch",
+    "assess",
+    "fresh_windows",
+    "from_config",
+    "measure",
+    "phase_name",
+]
 
+H = TypeVar("H", bound=Heartbeat)
 MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
 BASELINE_WINDOWS = 8  # earlier windows whose median transfer is the link's baseline
 
@@ -58,6 +69,11 @@ class _RecordLike(Protocol):
     phase: str
     async_op: bool
     thread: int
+
+
+def phase_name(path: str) -> str:
+    """A phase path without its labels: ``"train step=3 > fwd"`` -> ``"train > fwd"``."""
+    return " > ".join(part.split(" ", 1)[0] for part in path.split(" > ")) if path else ""
 
 
 def measure(
@@ -74,7 +90,8 @@ def measure(
     """One rank's figures over the window ``[start, end]`` from its flight records.
 
     Only the synchronous records of ``thread`` count as waits (an async op's wait happens elsewhere).
-    The time before each op is compute in that op's phase; the time after the last one, in ``phase_now``.
+    The time before each op is compute in that op's phase; the time after the last one, in ``phase_now``
+    (phases by name, without their labels: :func:`phase_name`).
 
     Args:
         records: the flight records, oldest first.
@@ -113,13 +130,15 @@ def measure(
         rec_end = min(rec.end if rec.end is not None else end, end)
         begin = max(rec.start, covered)
         if begin > cursor:
-            compute[rec.phase] = compute.get(rec.phase, 0.0) + begin - cursor
+            name = phase_name(rec.phase)
+            compute[name] = compute.get(name, 0.0) + begin - cursor
         if rec_end > begin:
             waits[rec.op] = waits.get(rec.op, 0.0) + rec_end - max(begin, cursor)
             durations.append(rec_end - begin)
         cursor = max(cursor, rec_end)
     if end > cursor:
-        compute[phase_now] = compute.get(phase_now, 0.0) + end - cursor
+        name = phase_name(phase_now)
+        compute[name] = compute.get(name, 0.0) + end - cursor
     wait = min(sum(waits.values()), length)
     return StragglerWindow(
         n=n,
@@ -162,15 +181,21 @@ def assess(
     threshold: float,
     min_share: float,
     baseline_op_wait: float | None = None,
+    *,
+    link_threshold: float = 2.0,
+    baseline_compute_per_op: float | None = None,
 ) -> Assessment | None:
     """Compares ``own`` with its peers' windows (see the module's docstring for the rules).
 
     Args:
         own: this rank's window.
         peers: its watched peers' fresh windows.
-        threshold: the slowdown factor that counts (> 1).
+        threshold: the compute slowdown factor that counts (> 1).
         min_share: the least share of the window the slowdown must cost.
         baseline_op_wait: the transfer of the earlier windows (None: no link verdict yet).
+        link_threshold: the transfer's slowdown factor that counts (> 1).
+        baseline_compute_per_op: this rank's compute between two ops in the earlier windows: a link
+            is slow only while that holds within ``threshold`` (a loaded machine slows both).
 
     Returns:
         The assessment, or None without peers to compare with.
@@ -185,11 +210,14 @@ def assess(
     compute_slow = slowdown >= threshold and cf - ref_c >= min_share and wf < ref_w
     timed = [w.op_wait_s for w in (own, *peers.values()) if w.ops > 0]
     transfer = min(timed) if timed else 0.0
+    per_op = own.compute_s / own.ops if own.ops else 0.0
     link_slow = (
         not compute_slow
         and baseline_op_wait is not None
         and baseline_op_wait > 0
-        and transfer >= threshold * baseline_op_wait
+        and transfer >= link_threshold * baseline_op_wait
+        and baseline_compute_per_op is not None
+        and per_op < threshold * baseline_compute_per_op
         and (transfer - baseline_op_wait) * own.ops / own.length_s >= min_share
     )
     evidence = WindowEvidence(
@@ -214,7 +242,7 @@ class StragglerTracker:
 
     Args:
         rank: this rank.
-        threshold, min_share: see :func:`assess`.
+        threshold, min_share, link_threshold: see :func:`assess`.
         windows: slow windows in a row that make an incident.
     """
 
@@ -222,10 +250,13 @@ class StragglerTracker:
     threshold: float
     min_share: float
     windows: int
+    link_threshold: float = 2.0
     score: float | None = None
+    assessed: int = 0  # windows assessed against peers
     compute_run: list[WindowEvidence] = field(default_factory=list)
     link_run: list[WindowEvidence] = field(default_factory=list)
     transfers: deque[float] = field(default_factory=lambda: deque(maxlen=BASELINE_WINDOWS))
+    per_op: deque[float] = field(default_factory=lambda: deque(maxlen=BASELINE_WINDOWS))
     fired: set[str] = field(default_factory=set)
 
     @property
@@ -239,15 +270,26 @@ class StragglerTracker:
         Returns:
             The straggler incident to raise, the first time a cause holds ``windows`` windows in a row.
         """
-        found = assess(own, peers, self.threshold, self.min_share, self.baseline)
+        per_op = statistics.median(self.per_op) if self.per_op else None
+        found = assess(
+            own,
+            peers,
+            self.threshold,
+            self.min_share,
+            self.baseline,
+            link_threshold=self.link_threshold,
+            baseline_compute_per_op=per_op,
+        )
         if found is None:
             return None
+        self.assessed += 1
         self.score = found.score
         ev = found.evidence
         self.compute_run = [*self.compute_run, ev][-self.windows :] if found.compute_slow else []
         self.link_run = [*self.link_run, ev][-self.windows :] if found.link_slow else []
-        if not found.link_slow and ev.op_wait_s > 0:
+        if not found.link_slow and ev.op_wait_s > 0 and own.ops:
             self.transfers.append(ev.op_wait_s)
+            self.per_op.append(own.compute_s / own.ops)
         if len(self.compute_run) >= self.windows and "compute" not in self.fired:
             self.fired.add("compute")
             return self._compute(self.compute_run)
@@ -293,7 +335,7 @@ class StragglerWatch:
     Args:
         rank: this rank.
         window_s: the window's length (closed at a heartbeat: at least one beat).
-        threshold, min_share, windows: see :class:`StragglerTracker`.
+        threshold, min_share, windows, link_threshold: see :class:`StragglerTracker`.
         enabled: False: the heartbeat carries the step only, nothing is measured.
         marks: the step marks to count (default: the process's).
         thread: the thread whose collectives count (default: the main thread).
@@ -306,13 +348,14 @@ class StragglerWatch:
         threshold: float,
         min_share: float,
         windows: int,
+        link_threshold: float = 2.0,
         enabled: bool = True,
         marks: StepMarks = steps,
         thread: int | None = None,
     ) -> None:
         self.window_s, self.enabled, self.marks = window_s, enabled, marks
         self.thread = thread if thread is not None else threading.main_thread().ident
-        self.tracker = StragglerTracker(rank, threshold, min_share, windows)
+        self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
         self.start = time.time()
         self.n = 0
         self.count = marks.count
@@ -337,6 +380,10 @@ class StragglerWatch:
             )
             self.start, self.n = now, self.n + 1
             self.window = win if win is not None else self.window
+        return self.stamp(hb)
+
+    def stamp(self, hb: H) -> H:
+        """``hb`` (a heartbeat or a statement) with the step, the score and the last window."""
         return hb.model_copy(
             update={"step": self.marks.step, "straggler_score": self.tracker.score, "window": self.window}
         )
@@ -361,5 +408,6 @@ def from_config(rank: int, cfg: WatchdogConfig) -> StragglerWatch:
         cfg.straggler_threshold,
         cfg.straggler_min_share,
         cfg.straggler_windows,
+        cfg.straggler_link_threshold,
         cfg.straggler,
     )

@@ -336,14 +336,15 @@ class Watchdog:
             self._desk.store.close()  # its helper thread ends with the watchdog
 
     def _statement(self) -> Statement:
-        return self._state.statement(self._beat, self._liveness.views(time.monotonic()))
+        st = self._state.statement(self._beat, self._liveness.views(time.monotonic()))
+        return self._straggle.stamp(st) if self._beat else st  # with the straggler figures
 
     def _publish(self, desk: IncidentDesk) -> None:
         self._beat += 1
-        if desk.store is None:
-            return
         if self._beat == 1:  # a new world (or start): straggler windows start afresh (docs/stragglers.md)
             self._straggle = from_config(self.rank, self.config)
+        if desk.store is None:
+            return
         if (straggler := self._straggle.check(self._liveness.heartbeats())) is not None:  # peers as read last beat
             desk.open(straggler)
         hb = self._straggle.on_beat(self._state.heartbeat(self._beat))
