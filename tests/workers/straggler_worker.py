@@ -1,15 +1,20 @@
-"""Rank side of tests/test_straggler_multirank.py. Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR.
+"""Rank side of tests/test_straggler_multirank.py and test_straggler_netns.py.
+
+Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS].
 
 A training loop on gloo with the watchdog at its straggler defaults but a short window: each step marks
 itself (``mark_step``), computes a fixed amount of work in ``phase("train")`` (matmuls; the amount is
 calibrated on rank 0 and broadcast) and meets the others in one ``dist.all_reduce``, which also carries
 the stop flag. For ``HEALTHY_S`` seconds every rank does the same work; then rank ``SLOW_RANK`` does
 ``SLOW_FACTOR`` times as much, until a straggler incident is merged on every rank (or a bound).
-SLOW_RANK -1: no slowdown at all (a healthy run of HEALTHY_S seconds).
+SLOW_RANK -1: no slowdown at all: the run ends after HEALTHY_S seconds or at a straggler incident
+(the slow link test slows the link from outside meanwhile). ELEMENTS: the all_reduce's size in float32
+(default 1). Each rank writes ``started.rank<r>`` when its loop begins.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-from ncclguard import mark_step, phase, start_watchdog
+from ncclguard import init_process_group, mark_step, phase, start_watchdog
 from ncclguard.incidents.files import INCIDENT_FILE
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
@@ -50,8 +55,11 @@ def calibrate(a: torch.Tensor) -> int:
 
 def main() -> None:
     healthy_s, slow_rank, factor = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    elements = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
-    rank = rankkit.init(timeout_s=120)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    init_process_group("gloo", timeout=120)  # ncclguard's: picks the interface that reaches the store (netns)
+    rank = dist.get_rank()
     a = torch.randn(96, 96) / 10
     reps = calibrate(a)
     wd = start_watchdog(  # action raise: a straggler incident must stop at report all the same
@@ -62,6 +70,7 @@ def main() -> None:
         incident_dir=OUT / "incidents",
     )
     start = time.time()
+    (OUT / f"started.rank{rank}").write_text(str(start))
     slow_from = start + healthy_s
     step = 0
     while True:
@@ -74,12 +83,13 @@ def main() -> None:
             put("healthy_score", tracker.score)
         done = [c for c in wd.incidents if c["kind"] == "straggler" and (Path(c["dir"]) / INCIDENT_FILE).is_file()]
         stop = now >= slow_from + (SLOW_BOUND_S if slow_rank >= 0 else 0) or bool(done)
-        flag = torch.tensor([1.0 if stop else 0.0])
+        flag = torch.zeros(elements)
+        flag[0] = 1.0 if stop else 0.0
         with phase("train", step=step):
             work(round(reps * factor) if slow else reps, a)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         step += 1
-        if flag.item() > 0:
+        if flag[0].item() > 0:
             break
     put("start", start)
     put("slow_from", slow_from if slow_rank >= 0 else None)
