@@ -133,7 +133,7 @@ def measure(
             name = phase_name(rec.phase)
             compute[name] = compute.get(name, 0.0) + begin - cursor
         if rec_end > begin:
-            waits[rec.op] = waits.get(rec.op, 0.0) + rec_end - max(begin, cursor)
+            waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
             durations.append(rec_end - begin)
         cursor = max(cursor, rec_end)
     if end > cursor:
