@@ -152,7 +152,9 @@ def describe(
 
 def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     """Whether this rank is past the op of ``doc``: its recorded op completed (a hang), or its
-    backend number moved beyond the op's (a desync); None for kinds without an op."""
+    backend number moved beyond the op's (a desync); always for a straggler; None for kinds without an op."""
+    if doc.kind is IncidentKind.STRAGGLER:
+        return True  # a report: nothing to clear, and never a rung past report (docs/stragglers.md)
     key = doc.op_key
     if key is not None:
         return state.completed(key)
@@ -462,10 +464,7 @@ class IncidentDesk:
     # ----------------------------------------------------------------- the ladder
 
     def resolved(self, case: Case) -> bool:
-        """True once the op of a hang or desync incident completed somewhere (never for lost ranks); a
-        straggler incident at once unless ``straggler_escalate`` (a report: it never raises into training)."""
-        if case.doc.kind is IncidentKind.STRAGGLER and not self.config.straggler_escalate:
-            return True
+        """True once the op of a hang or desync incident completed somewhere (never for lost ranks)."""
         passed = past_op(case.doc, self.state)
         if passed is None:
             return False

@@ -102,7 +102,6 @@ class WatchdogConfig(BaseSettings):
     straggler_windows: int = Field(2, ge=1, le=100)  # slow windows in a row that raise the incident
     straggler_link_threshold: float = Field(2.0, gt=1.0, le=100.0)  # the transfer's slowdown that counts
     straggler_min_share: float = Field(0.05, ge=0.0, lt=1.0)  # the least share of a window the slowdown costs
-    straggler_escalate: bool = False  # climb the ladder past ``report`` for stragglers too
 
     @model_validator(mode="after")
     def _straggler_window(self) -> WatchdogConfig:
