@@ -284,3 +284,13 @@ def test_phase_names_drop_their_labels() -> None:
     recs = [rec("all_reduce", t + 0.5, t + 1.0, phase=f"train step={t}") for t in range(4)]
     w = measure(recs, 0.0, 4.0, thread=MAIN, n=0, phase_now="train step=4")
     assert w is not None and w.phase == "train"
+
+
+def test_windows_without_completed_collectives_are_not_compared() -> None:
+    # A hang: the peers sit in one op the whole window, the stalled rank computes; no verdict.
+    stalled = measure([rec("all_reduce", 0.5, 1.0)], 0.0, 10.0, thread=MAIN, n=0)
+    waiting = measure([rec("all_reduce", 0.5, 1.0), rec("all_reduce", 1.0, None)], 0.0, 10.0, thread=MAIN, n=0)
+    assert stalled is not None and waiting is not None and waiting.ops == 1 and waiting.wait_s == pytest.approx(9.5)
+    assert assess(stalled, {1: waiting, 2: waiting}, 1.15, 0.05) is None
+    own, *peers = lockstep([1.3, 1.0], 0.2, 10.0, 0, 10.0)
+    assert assess(own, {1: peers[0].model_copy(update={"ops": 2})}, 1.15, 0.05) is None

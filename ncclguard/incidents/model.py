@@ -154,7 +154,7 @@ class StragglerWindow(_Model):
     length_s: float = Field(gt=0)  # the span covered (the records may not reach back the whole window)
     compute_s: float = Field(ge=0)
     wait_s: float = Field(ge=0)
-    ops: int = Field(0, ge=0)  # collectives that completed or waited in the window
+    ops: int = Field(0, ge=0)  # collectives completed in the window
     op_wait_s: float = Field(0.0, ge=0)
     steps: int | None = Field(None, ge=0)  # step marks in the window (ncclguard.mark_step)
     phase: str = Field("", max_length=200)  # where most of the compute went

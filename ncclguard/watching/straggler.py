@@ -57,7 +57,8 @@ __all__ = [
 
 H = TypeVar("H", bound=Heartbeat)
 MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
-BASELINE_WINDOWS = 8  # earlier windows whose median transfer is the link's baseline
+BASELINE_WINDOWS = 8
+MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict  # earlier windows whose median transfer is the link's baseline
 
 
 class _RecordLike(Protocol):
@@ -134,7 +135,8 @@ def measure(
             compute[name] = compute.get(name, 0.0) + begin - cursor
         if rec_end > begin:
             waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
-            durations.append(rec_end - begin)
+            if rec.end is not None:  # completed: an op still in flight is a wait, not yet an op
+                durations.append(rec_end - begin)
         cursor = max(cursor, rec_end)
     if end > cursor:
         name = phase_name(phase_now)
@@ -198,10 +200,12 @@ def assess(
             is slow only while that holds within ``threshold`` (a loaded machine slows both).
 
     Returns:
-        The assessment, or None without peers to compare with.
+        The assessment, or None without peers to compare with (a window with fewer than
+        :data:`MIN_OPS` completed collectives, its own or a peer's, is not compared).
     """
-    if not peers:
-        return None
+    peers = {r: w for r, w in peers.items() if w.ops >= MIN_OPS}
+    if not peers or own.ops < MIN_OPS:
+        return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
     cf, wf = _share(own, "compute"), _share(own, "wait")
     pc = [_share(w, "compute") for w in peers.values()]
     ref_c, ref_w = statistics.median(pc), statistics.median(_share(w, "wait") for w in peers.values())
