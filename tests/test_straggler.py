@@ -24,6 +24,7 @@ MAIN = 1
 
 
 def rec(op: str, start: float, end: float | None, phase: str = "train", thread: int = MAIN, **kw) -> OpRecord:
+    kw.setdefault("numel", 1 << 20)
     return OpRecord(seq=1, op=op, group="0", start=start, end=end, phase=phase, thread=thread, **kw)
 
 
@@ -40,6 +41,7 @@ def lockstep(computes: list[float], transfer: float, length: float, n: int, end:
             wait_s=(step - c) * count,
             ops=max(1, int(count)),
             op_wait_s=step - c,
+            transfer_ops=max(1, int(count)),
             phase="train",
             op="all_reduce",
         )
@@ -66,7 +68,9 @@ def test_measure_splits_compute_and_wait_and_names_phase_and_op() -> None:
     assert w.length_s == pytest.approx(10.0)
     assert w.compute_s == pytest.approx(6.0)
     assert w.wait_s == pytest.approx(4.0)
-    assert w.op_wait_s == pytest.approx(0.4)
+    assert w.op_wait_s == pytest.approx(0.4) and w.transfer_ops == 10
+    tiny = measure([rec("all_reduce", t + 0.6, t + 1.0, numel=1) for t in range(10)], 0.0, 10.0, thread=MAIN, n=0)
+    assert tiny is not None and (tiny.ops, tiny.transfer_ops, tiny.op_wait_s) == (10, 0, 0.0)  # no link timing
 
 
 def test_measure_ignores_async_ops_other_threads_and_ops_before_the_window() -> None:

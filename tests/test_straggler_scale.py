@@ -66,6 +66,7 @@ def window(rank: int, n: int, computes: list[float], transfer: float) -> Straggl
         wait_s=(step - c) * count,
         ops=int(count),
         op_wait_s=step - c,
+        transfer_ops=int(count),
         phase="train",
         op="all_reduce(SUM)",
     )

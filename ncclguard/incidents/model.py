@@ -146,8 +146,8 @@ class StragglerWindow(_Model):
     """One rank's figures over one straggler window (published in its heartbeat).
 
     ``compute_s`` is the window's time outside collectives, ``wait_s`` the time its main thread spent
-    inside synchronous collectives; ``op_wait_s`` the median time of one of them (the transfer itself
-    when this rank is the last to arrive)."""
+    inside synchronous collectives; ``op_wait_s`` the median time of one of them that moves 16,384
+    elements or more (the transfer itself when this rank is the last to arrive)."""
 
     n: int = Field(ge=0)  # the window's number on this rank
     end: float  # time.time() when it closed
@@ -155,7 +155,8 @@ class StragglerWindow(_Model):
     compute_s: float = Field(ge=0)
     wait_s: float = Field(ge=0)
     ops: int = Field(0, ge=0)  # collectives completed in the window
-    op_wait_s: float = Field(0.0, ge=0)
+    op_wait_s: float = Field(0.0, ge=0)  # the median time of one op large enough to time the link
+    transfer_ops: int = Field(0, ge=0)  # those ops (16,384 elements or more)
     steps: int | None = Field(None, ge=0)  # step marks in the window (ncclguard.mark_step)
     phase: str = Field("", max_length=200)  # where most of the compute went
     op: str = Field("", max_length=80)  # where most of the wait went

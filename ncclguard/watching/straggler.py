@@ -9,8 +9,8 @@ traffic does not grow with the world):
 
 - **compute**: its compute share is ``straggler_threshold`` times its peers' median or more, by at least
   ``straggler_min_share`` of the window, while it waits less than they do: it is the one they wait for;
-- **link**: nobody computes more, but the transfer itself (the least median op time among the rank and
-  its peers: what even the last to arrive pays) is ``straggler_link_threshold`` times what it was in
+- **link**: nobody computes more, but the transfer itself (the least median time of an op of at least
+  :data:`LINK_MIN_NUMEL` elements among the rank and its peers: what even the last to arrive pays) is ``straggler_link_threshold`` times what it was in
   the earlier windows, costing ``straggler_min_share`` of the window or more, while the rank's compute
   between two ops holds within ``straggler_threshold`` of what it was (a loaded machine slows both).
 
@@ -58,6 +58,7 @@ __all__ = [
 H = TypeVar("H", bound=Heartbeat)
 MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
 BASELINE_WINDOWS = 8
+LINK_MIN_NUMEL = 16384  # elements (64 KiB of float32): smaller ops time the host's scheduling, not the link
 MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict  # earlier windows whose median transfer is the link's baseline
 
 
@@ -65,6 +66,7 @@ class _RecordLike(Protocol):
     """A flight record or its plain-data form."""
 
     op: str
+    numel: int
     start: float
     end: float | None
     phase: str
@@ -126,6 +128,7 @@ def measure(
     waits: dict[str, float] = {}
     compute: dict[str, float] = {}
     durations: list[float] = []
+    transfers: list[float] = []  # the durations of the ops large enough to time the link
     cursor = covered
     for rec in mine:
         rec_end = min(rec.end if rec.end is not None else end, end)
@@ -137,6 +140,8 @@ def measure(
             waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
             if rec.end is not None:  # completed: an op still in flight is a wait, not yet an op
                 durations.append(rec_end - begin)
+                if rec.numel >= LINK_MIN_NUMEL:
+                    transfers.append(rec_end - begin)
         cursor = max(cursor, rec_end)
     if end > cursor:
         name = phase_name(phase_now)
@@ -149,7 +154,8 @@ def measure(
         compute_s=max(0.0, length - wait),
         wait_s=wait,
         ops=len(durations),
-        op_wait_s=statistics.median(durations) if durations else 0.0,
+        op_wait_s=statistics.median(transfers) if transfers else 0.0,
+        transfer_ops=len(transfers),
         steps=steps,
         phase=max(compute, key=lambda k: compute[k])[:200] if compute else "",
         op=max(waits, key=lambda k: waits[k])[:80] if waits else "",
@@ -212,17 +218,18 @@ def assess(
     slowdown = min(cf / ref_c, MAX_SLOWDOWN) if ref_c > 0 else (MAX_SLOWDOWN if cf > 0 else 1.0)
     score = min(1.0, min([*pc, cf]) / cf) if cf > 0 else 1.0
     compute_slow = slowdown >= threshold and cf - ref_c >= min_share and wf < ref_w
-    timed = [w.op_wait_s for w in (own, *peers.values()) if w.ops > 0]
+    timed = [w.op_wait_s for w in (own, *peers.values()) if w.transfer_ops >= MIN_OPS]
     transfer = min(timed) if timed else 0.0
-    per_op = own.compute_s / own.ops if own.ops else 0.0
+    per_op = own.compute_s / own.ops
     link_slow = (
         not compute_slow
+        and own.transfer_ops >= MIN_OPS
         and baseline_op_wait is not None
         and baseline_op_wait > 0
         and transfer >= link_threshold * baseline_op_wait
         and baseline_compute_per_op is not None
         and per_op < threshold * baseline_compute_per_op
-        and (transfer - baseline_op_wait) * own.ops / own.length_s >= min_share
+        and (transfer - baseline_op_wait) * own.transfer_ops / own.length_s >= min_share
     )
     evidence = WindowEvidence(
         n=own.n,
@@ -291,7 +298,7 @@ class StragglerTracker:
         ev = found.evidence
         self.compute_run = [*self.compute_run, ev][-self.windows :] if found.compute_slow else []
         self.link_run = [*self.link_run, ev][-self.windows :] if found.link_slow else []
-        if not found.link_slow and ev.op_wait_s > 0 and own.ops:
+        if not found.link_slow and ev.op_wait_s > 0:
             self.transfers.append(ev.op_wait_s)
             self.per_op.append(own.compute_s / own.ops)
         if len(self.compute_run) >= self.windows and "compute" not in self.fired:
