@@ -36,7 +36,7 @@ def test_the_healthy_part_raises_nothing_though_every_rank_assessed_its_windows(
         # 20 windows of 2 s; the first needs a peer's window to compare with: >= 15 leaves start-up room.
         assert job[r]["healthy_assessed"] >= 15, job[r]
         assert job[r]["healthy_score"] is not None and job[r]["healthy_score"] > 1 / 1.15
-    slow_from = job[0]["slow_from"]
+    slow_from = job[2]["slow_from"]
     for where in incident_dirs(job):
         doc = json.loads((where / "incident.json").read_text())["incident"]
         assert doc["created"] > slow_from, f"an incident in the healthy part: {doc['reason']}"
@@ -55,10 +55,10 @@ def test_the_compute_straggler_is_named_with_its_evidence(job) -> None:
     assert len(report["windows"]) == 2
     for w in report["windows"]:  # the physics: it computes more and waits less than its peers
         assert w["compute_frac"] > w["peers_compute_frac"] and w["wait_frac"] < w["peers_wait_frac"]
-        assert w["end"] > job[0]["slow_from"]
-    # How soon is a latency (the lockstep unit tests assert "within 3 windows"): 8.5 s after the slowdown
-    # in a run at load ~7, 15.4 s at load ~150 on 2 cores (the measured slowdown fell to 1.17x). Guard: 3x that.
-    assert doc["created"] - job[0]["slow_from"] <= REPORT_GUARD_S
+        assert w["end"] > job[2]["slow_from"]
+    # How soon is a latency (the lockstep unit tests assert "within 3 windows"): 5.5 s to 9.6 s after the
+    # slowdown (rank 2's clock) in three runs, 15.4 s at load ~150 on 2 cores (measured 1.17x). Guard: 3x that.
+    assert doc["created"] - job[2]["slow_from"] <= REPORT_GUARD_S
     assert "rank 2 is a compute straggler" in (where / "summary.txt").read_text()
 
 
