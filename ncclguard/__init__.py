@@ -30,6 +30,7 @@ from ncclguard.errors import (
 from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
+from ncclguard.recording.steps import mark_step
 from ncclguard.recovery import CommitResult, RebuildResult, RecoveringStep, StepResult, rebuild_world, should_commit
 from ncclguard.sigalrm import sigalrm_timeout
 from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
@@ -75,6 +76,7 @@ __all__ = [
     "get_config",
     "init_process_group",
     "instrument",
+    "mark_step",
     "phase",
     "rebuild_world",
     "recorder",

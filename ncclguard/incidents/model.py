@@ -63,6 +63,9 @@ __all__ = [
     "StatementView",
     "StoreFinding",
     "Straggler",
+    "StragglerReport",
+    "StragglerWindow",
+    "WindowEvidence",
     "StuckFinding",
     "Variant",
     "Whereabouts",
@@ -83,6 +86,7 @@ class IncidentKind(str, Enum):
     PEERS_LOST = "lost"  # watched peers' heartbeats stopped changing for peer_timeout_s
     STORE_GONE = "store"  # the rendezvous store stopped answering (handled on each rank alone)
     BACKEND_STUCK = "stuck"  # a group's ranks stand at one backend sequence number, its op open past the timeout
+    STRAGGLER = "straggler"  # a rank slower than its peers window after window (a report, never escalated)
 
 
 class FindingKind(str, Enum):
@@ -138,6 +142,53 @@ class OpRecord(_Model):
     bytes_done: int = 0
 
 
+class StragglerWindow(_Model):
+    """One rank's figures over one straggler window (published in its heartbeat).
+
+    ``compute_s`` is the window's time outside collectives, ``wait_s`` the time its main thread spent
+    inside synchronous collectives; ``op_wait_s`` the median time of one of them that moves 16,384
+    elements or more (the transfer itself when this rank is the last to arrive)."""
+
+    n: int = Field(ge=0)  # the window's number on this rank
+    end: float  # time.time() when it closed
+    length_s: float = Field(gt=0)  # the span covered (the records may not reach back the whole window)
+    compute_s: float = Field(ge=0)
+    wait_s: float = Field(ge=0)
+    ops: int = Field(0, ge=0)  # collectives completed in the window
+    op_wait_s: float = Field(0.0, ge=0)  # the median time of one op large enough to time the link
+    transfer_ops: int = Field(0, ge=0)  # those ops (16,384 elements or more)
+    steps: int | None = Field(None, ge=0)  # step marks in the window (ncclguard.mark_step)
+    phase: str = Field("", max_length=200)  # where most of the compute went
+    op: str = Field("", max_length=80)  # where most of the wait went
+
+
+class WindowEvidence(_Model):
+    """One window of a straggler incident as the raising rank assessed it."""
+
+    n: int
+    end: float
+    compute_frac: float  # the rank's share of the window spent computing
+    wait_frac: float  # ... and waiting in collectives
+    peers_compute_frac: float  # the median over its fresh watched peers
+    peers_wait_frac: float
+    slowdown: float  # compute_frac / peers_compute_frac
+    op_wait_s: float  # the transfer: the least median op time among the rank and its peers
+    baseline_op_wait_s: float | None = None  # the least seen in earlier windows
+    phase: str = Field("", max_length=200)
+    op: str = Field("", max_length=80)
+
+
+class StragglerReport(_Model):
+    """What a ``straggler`` incident says: who, how much slower, where the time goes, and the evidence."""
+
+    rank: int  # the slow rank (compute), or the rank that raised it (link)
+    cause: Literal["compute", "link"]
+    slowdown: float  # compute: its compute over its peers'; link: the transfer over its baseline
+    where: str  # one line: "compute in phase 'train step=3'", "the transfer itself in all_reduce"
+    ranks: list[int] = Field(default_factory=list, max_length=1024)  # link: the ranks whose transfers slowed
+    windows: list[WindowEvidence] = Field(default_factory=list, max_length=100)
+
+
 class Heartbeat(_Model):
     """What a rank publishes every ``heartbeat_s``."""
 
@@ -156,6 +207,7 @@ class Heartbeat(_Model):
     backend_still: dict[str, float] | None = None  # seconds each of those numbers had stood still
     step: int | None = None  # the training step the rank is in, where its loop marks steps
     straggler_score: float | None = None  # 1.0: as fast as the fastest peer; lower is slower
+    window: StragglerWindow | None = None  # the last straggler window closed (docs/stragglers.md)
 
 
 class BackendOp(_Model):
@@ -210,6 +262,7 @@ class IncidentDoc(_Model):
     # None in generation 0.
     rank_map: dict[str, int] | None = None
     left_out: list[int] | None = None  # previous generation's ranks not in this one
+    straggler: StragglerReport | None = None  # straggler: who, how much slower, the evidence
 
     @property
     def op_key(self) -> tuple[str, int] | None:

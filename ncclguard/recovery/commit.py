@@ -49,6 +49,7 @@ from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, read_present, settle_round
+from ncclguard.watching.metrics import count_commit
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
@@ -297,6 +298,7 @@ def should_commit(
             verdict, late = _settle(info, world.generation, n, statement, start + timeout_s, timeout_s)
         if verdict.ok:
             state.committed = n
+        count_commit(verdict.ok)
     finally:
         state.lock.release()
     return _result(verdict, world.generation, late, time.monotonic() - start, info.rank if info else 0)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
+from ncclguard.recording.steps import mark_step
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.rebuild import generation, rebuild_world
 
@@ -169,6 +170,7 @@ class RecoveringStep:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
         self.model  # noqa: B018 - refuses a rank left out earlier, before anything runs
+        mark_step(step)  # the heartbeat's step and the straggler windows' step count; a redo is the same step
         start = time.monotonic()
         buffers = [b.detach().clone() for b in self.module.buffers()]
         rng = torch.get_rng_state()

@@ -147,12 +147,15 @@ def describe(
         op=det.op,
         ranks=list(det.ranks) if det.ranks is not None else None,
         store_text=det.store_text,
+        straggler=det.straggler,
     )
 
 
 def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     """Whether this rank is past the op of ``doc``: its recorded op completed (a hang), or its
-    backend number moved beyond the op's (a desync); None for kinds without an op."""
+    backend number moved beyond the op's (a desync); always for a straggler; None for kinds without an op."""
+    if doc.kind is IncidentKind.STRAGGLER:
+        return True  # a report: nothing to clear, and never a rung past report (docs/stragglers.md)
     key = doc.op_key
     if key is not None:
         return state.completed(key)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
+from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord, StragglerReport
 from ncclguard.recording.flight import seq_key
 
 __all__ = [
@@ -59,6 +59,7 @@ class Detection:
         group, seq, op: a hang's op (``group`` is its counter: ``"<group>:p2p"`` for send/recv).
         ranks: the peers that went stale.
         store_text: what happened to the store.
+        straggler: a straggler's report (kind ``straggler``).
     """
 
     kind: IncidentKind
@@ -69,6 +70,7 @@ class Detection:
     op: str | None = None
     ranks: tuple[int, ...] | None = None
     store_text: str | None = None
+    straggler: StragglerReport | None = None
 
     @property
     def op_key(self) -> tuple[str, int] | None:

@@ -104,6 +104,28 @@ class WatchdogConfig(BaseSettings):
             )
         return self
 
+    # Straggler detection (docs/stragglers.md; ncclguard/watching/straggler.py): on by default.
+    straggler: bool = True  # measure windows and raise ``straggler`` incidents
+    straggler_window_s: float = Field(10.0, gt=0, le=3600)  # closed at a heartbeat: at least heartbeat_s
+    straggler_threshold: float = Field(1.15, gt=1.0, le=100.0)  # the slowdown factor that counts
+    straggler_windows: int = Field(2, ge=1, le=100)  # slow windows in a row that raise the incident
+    straggler_link_threshold: float = Field(2.0, gt=1.0, le=100.0)  # the transfer's slowdown that counts
+    straggler_min_share: float = Field(0.05, ge=0.0, lt=1.0)  # the least share of a window the slowdown costs
+
+    @model_validator(mode="after")
+    def _straggler_window(self) -> WatchdogConfig:
+        if "straggler_window_s" in self.model_fields_set and self.straggler_window_s < self.heartbeat_s:
+            raise ValueError(
+                f"straggler_window_s ({self.straggler_window_s}) must be >= heartbeat_s ({self.heartbeat_s}): "
+                "a window closes at a heartbeat"
+            )
+        return self
+
+    @property
+    def straggler_window(self) -> float:
+        """``straggler_window_s``, at least one heartbeat (a window closes at a heartbeat)."""
+        return max(self.straggler_window_s, self.heartbeat_s)
+
     @property
     def peer_timeout(self) -> float:
         """``peer_timeout_s``, or 6 heartbeats when unset."""

@@ -49,6 +49,8 @@ from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.straggler import from_config
+from ncclguard.watching.views import Views
 from ncclguard.world import World, WorldChange, current_world, subscribe
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
@@ -304,9 +306,7 @@ class Watchdog:
         poll = min(cfg.heartbeat_s / 5, 0.5)
         connect(self._desk, self.config, self.world_size, self._given_store, self.generation)
         next_beat = 0.0
-        from ncclguard.watching.views import Views  # the status index and the metrics, once per beat
-
-        views = Views(cfg)
+        views = Views(cfg)  # the status index and the metrics, once per beat
         while not self._stop.is_set():
             world = self._announced.take()
             if world is not None:
@@ -339,13 +339,18 @@ class Watchdog:
             self._desk.store.close()  # its helper thread ends with the watchdog
 
     def _statement(self) -> Statement:
-        return self._state.statement(self._beat, self._liveness.views(time.monotonic()))
+        st = self._state.statement(self._beat, self._liveness.views(time.monotonic()))
+        return self._straggle.stamp(st) if self._beat else st  # with the straggler figures
 
     def _publish(self, desk: IncidentDesk) -> None:
         self._beat += 1
+        if self._beat == 1:  # a new world (or start): straggler windows start afresh (docs/stragglers.md)
+            self._straggle = from_config(self.rank, self.config)
         if desk.store is None:
             return
-        hb = self._state.heartbeat(self._beat)
+        if (straggler := self._straggle.check(self._liveness.heartbeats())) is not None:  # peers as read last beat
+            desk.open(straggler)
+        hb = self._straggle.on_beat(self._state.heartbeat(self._beat))
         now = time.monotonic()
         self._backend.own_seqs.update(hb.backend_seq, now)
         if hb.backend_seq is not None:

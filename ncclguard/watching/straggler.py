@@ -1,0 +1,424 @@
+"""Straggler detection: which rank is slower than its peers, window after window, and where its time goes.
+
+In a synchronous collective every rank leaves when the last one arrives, so the slow rank waits the
+least and its peers wait for it. Each rank measures, per window of ``straggler_window_s``, its time
+outside collectives (*compute*) and inside them (*wait*, from ncclguard's records of the main thread's
+synchronous collectives), and publishes the figures in its heartbeat (:class:`StragglerWindow`). At each
+window it compares its figures with its watched peers' (the heartbeats it reads anyway, so the store
+traffic does not grow with the world):
+
+- **compute**: its compute share is ``straggler_threshold`` times its peers' median or more, by at least
+  ``straggler_min_share`` of the window, while it waits less than they do: it is the one they wait for;
+- **link**: nobody computes more, but the transfer itself (the least median time of an op of at least
+  :data:`LINK_MIN_NUMEL` elements among the rank and its peers: what even the last to arrive pays) is ``straggler_link_threshold`` times what it was in
+  the earlier windows, costing ``straggler_min_share`` of the window or more, while the rank's compute
+  between two ops holds within ``straggler_threshold`` of what it was (a loaded machine slows both).
+
+``straggler_windows`` such windows in a row raise one ``straggler`` incident (once per rank and cause in a
+world). Everything here but :class:`StragglerWatch` is pure: it takes records and figures, no clock.
+See ``docs/stragglers.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.incidents.model import (
+    Heartbeat,
+    IncidentKind,
+    StragglerReport,
+    StragglerWindow,
+    WindowEvidence,
+)
+from ncclguard.recording.flight import recorder
+from ncclguard.recording.phase import main_thread_phase
+from ncclguard.recording.steps import StepMarks, steps
+from ncclguard.watching.detect import Detection
+from ncclguard.watching.settings import WatchdogConfig
+
+__all__ = [
+    "Assessment",
+    "StragglerTracker",
+    "StragglerWatch",
+    "assess",
+    "fresh_windows",
+    "from_config",
+    "measure",
+    "phase_name",
+]
+
+H = TypeVar("H", bound=Heartbeat)
+MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
+BASELINE_WINDOWS = 8
+LINK_MIN_NUMEL = 16384  # elements (64 KiB of float32): smaller ops time the host's scheduling, not the link
+MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict  # earlier windows whose median transfer is the link's baseline
+
+
+class _RecordLike(Protocol):
+    """A flight record or its plain-data form."""
+
+    op: str
+    numel: int
+    start: float
+    end: float | None
+    phase: str
+    async_op: bool
+    thread: int
+
+
+def phase_name(path: str) -> str:
+    """A phase path without its labels: ``"train step=3 > fwd"`` -> ``"train > fwd"``."""
+    return " > ".join(part.split(" ", 1)[0] for part in path.split(" > ")) if path else ""
+
+
+def measure(
+    records: Sequence[_RecordLike],
+    start: float,
+    end: float,
+    *,
+    thread: int | None,
+    n: int,
+    phase_now: str = "",
+    steps: int | None = None,
+    capacity: int | None = None,
+) -> StragglerWindow | None:
+    """One rank's figures over the window ``[start, end]`` from its flight records.
+
+    Only the synchronous records of ``thread`` count as waits (an async op's wait happens elsewhere).
+    The time before each op is compute in that op's phase; the time after the last one, in ``phase_now``
+    (phases by name, without their labels: :func:`phase_name`).
+
+    Args:
+        records: the flight records, oldest first.
+        start, end: the window, in ``time.time()`` seconds.
+        thread: the ident of the thread that issues the collectives (the main thread).
+        n: the window's number.
+        phase_now: the thread's phase at ``end``.
+        steps: step marks in the window, if the loop marks steps.
+        capacity: the recorder's size: when ``records`` is that long and none ends before ``start``,
+            the oldest were dropped and the window is measured from the oldest record kept.
+
+    Returns:
+        The figures, or None when the window covers no time.
+    """
+    mine: list[_RecordLike] = []
+    reached = False
+    for rec in reversed(records):
+        if rec.thread != thread or rec.async_op:
+            continue
+        if (rec.end if rec.end is not None else end) <= start:
+            reached = True
+            break
+        mine.append(rec)
+    mine.reverse()
+    covered = start
+    if not reached and capacity is not None and len(records) >= capacity and records:
+        covered = max(start, records[0].start)
+    length = end - covered
+    if length <= 0:
+        return None
+    waits: dict[str, float] = {}
+    compute: dict[str, float] = {}
+    durations: list[float] = []
+    transfers: list[float] = []  # the durations of the ops large enough to time the link
+    cursor = covered
+    for rec in mine:
+        rec_end = min(rec.end if rec.end is not None else end, end)
+        begin = max(rec.start, covered)
+        if begin > cursor:
+            name = phase_name(rec.phase)
+            compute[name] = compute.get(name, 0.0) + begin - cursor
+        if rec_end > begin:
+            waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
+            if rec.end is not None:  # completed: an op still in flight is a wait, not yet an op
+                durations.append(rec_end - begin)
+                if rec.numel >= LINK_MIN_NUMEL:
+                    transfers.append(rec_end - begin)
+        cursor = max(cursor, rec_end)
+    if end > cursor:
+        name = phase_name(phase_now)
+        compute[name] = compute.get(name, 0.0) + end - cursor
+    wait = min(sum(waits.values()), length)
+    return StragglerWindow(
+        n=n,
+        end=end,
+        length_s=length,
+        compute_s=max(0.0, length - wait),
+        wait_s=wait,
+        ops=len(durations),
+        op_wait_s=statistics.median(transfers) if transfers else 0.0,
+        transfer_ops=len(transfers),
+        steps=steps,
+        phase=max(compute, key=lambda k: compute[k])[:200] if compute else "",
+        op=max(waits, key=lambda k: waits[k])[:80] if waits else "",
+    )
+
+
+def fresh_windows(beats: Mapping[int, Heartbeat], own: StragglerWindow) -> dict[int, StragglerWindow]:
+    """The peers' last windows that closed within two window lengths of ``own`` (older ones say
+    nothing about now: a peer that stopped beating is the ``lost`` detector's)."""
+    oldest = own.end - 2 * own.length_s
+    return {r: hb.window for r, hb in beats.items() if hb.window is not None and hb.window.end >= oldest}
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """One window of one rank against its peers."""
+
+    evidence: WindowEvidence
+    score: float  # the fastest compute share among it and its peers over its own: 1.0 is the fastest
+    compute_slow: bool
+    link_slow: bool
+
+
+def _share(w: StragglerWindow, what: str) -> float:
+    return (w.compute_s if what == "compute" else w.wait_s) / w.length_s
+
+
+def assess(
+    own: StragglerWindow,
+    peers: Mapping[int, StragglerWindow],
+    threshold: float,
+    min_share: float,
+    baseline_op_wait: float | None = None,
+    *,
+    link_threshold: float = 2.0,
+    baseline_compute_per_op: float | None = None,
+) -> Assessment | None:
+    """Compares ``own`` with its peers' windows (see the module's docstring for the rules).
+
+    Args:
+        own: this rank's window.
+        peers: its watched peers' fresh windows.
+        threshold: the compute slowdown factor that counts (> 1).
+        min_share: the least share of the window the slowdown must cost.
+        baseline_op_wait: the transfer of the earlier windows (None: no link verdict yet).
+        link_threshold: the transfer's slowdown factor that counts (> 1).
+        baseline_compute_per_op: this rank's compute between two ops in the earlier windows: a link
+            is slow only while that holds within ``threshold`` (a loaded machine slows both).
+
+    Returns:
+        The assessment, or None without peers to compare with (a window with fewer than
+        :data:`MIN_OPS` completed collectives, its own or a peer's, is not compared).
+    """
+    peers = {r: w for r, w in peers.items() if w.ops >= MIN_OPS}
+    if not peers or own.ops < MIN_OPS:
+        return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
+    cf, wf = _share(own, "compute"), _share(own, "wait")
+    pc = [_share(w, "compute") for w in peers.values()]
+    ref_c, ref_w = statistics.median(pc), statistics.median(_share(w, "wait") for w in peers.values())
+    slowdown = min(cf / ref_c, MAX_SLOWDOWN) if ref_c > 0 else (MAX_SLOWDOWN if cf > 0 else 1.0)
+    score = min(1.0, min([*pc, cf]) / cf) if cf > 0 else 1.0
+    compute_slow = slowdown >= threshold and cf - ref_c >= min_share and wf < ref_w
+    timed = [w.op_wait_s for w in (own, *peers.values()) if w.transfer_ops >= MIN_OPS]
+    transfer = min(timed) if timed else 0.0
+    per_op = own.compute_s / own.ops
+    link_slow = (
+        not compute_slow
+        and own.transfer_ops >= MIN_OPS
+        and baseline_op_wait is not None
+        and baseline_op_wait > 0
+        and transfer >= link_threshold * baseline_op_wait
+        and baseline_compute_per_op is not None
+        and per_op < threshold * baseline_compute_per_op
+        and (transfer - baseline_op_wait) * own.transfer_ops / own.length_s >= min_share
+    )
+    evidence = WindowEvidence(
+        n=own.n,
+        end=own.end,
+        compute_frac=round(cf, 4),
+        wait_frac=round(wf, 4),
+        peers_compute_frac=round(ref_c, 4),
+        peers_wait_frac=round(ref_w, 4),
+        slowdown=round(slowdown, 4),
+        op_wait_s=round(transfer, 6),
+        baseline_op_wait_s=None if baseline_op_wait is None else round(baseline_op_wait, 6),
+        phase=own.phase,
+        op=own.op,
+    )
+    return Assessment(evidence, round(max(0.0, score), 4), compute_slow, link_slow)
+
+
+@dataclass
+class StragglerTracker:
+    """One rank's assessments window after window, and the incidents they make.
+
+    Args:
+        rank: this rank.
+        threshold, min_share, link_threshold: see :func:`assess`.
+        windows: slow windows in a row that make an incident.
+    """
+
+    rank: int
+    threshold: float
+    min_share: float
+    windows: int
+    link_threshold: float = 2.0
+    score: float | None = None
+    assessed: int = 0  # windows assessed against peers
+    compute_run: list[WindowEvidence] = field(default_factory=list)
+    link_run: list[WindowEvidence] = field(default_factory=list)
+    transfers: deque[float] = field(default_factory=lambda: deque(maxlen=BASELINE_WINDOWS))
+    per_op: deque[float] = field(default_factory=lambda: deque(maxlen=BASELINE_WINDOWS))
+    fired: set[str] = field(default_factory=set)
+
+    @property
+    def baseline(self) -> float | None:
+        """The median transfer of the earlier windows that were not slow; None before the first."""
+        return statistics.median(self.transfers) if self.transfers else None
+
+    def feed(self, own: StragglerWindow, peers: Mapping[int, StragglerWindow]) -> Detection | None:
+        """Takes in this rank's new window and its peers' fresh ones.
+
+        Returns:
+            The straggler incident to raise, the first time a cause holds ``windows`` windows in a row.
+        """
+        per_op = statistics.median(self.per_op) if self.per_op else None
+        found = assess(
+            own,
+            peers,
+            self.threshold,
+            self.min_share,
+            self.baseline,
+            link_threshold=self.link_threshold,
+            baseline_compute_per_op=per_op,
+        )
+        if found is None:
+            return None
+        self.assessed += 1
+        self.score = found.score
+        ev = found.evidence
+        self.compute_run = [*self.compute_run, ev][-self.windows :] if found.compute_slow else []
+        self.link_run = [*self.link_run, ev][-self.windows :] if found.link_slow else []
+        if not found.link_slow and ev.op_wait_s > 0:
+            self.transfers.append(ev.op_wait_s)
+            self.per_op.append(own.compute_s / own.ops)
+        if len(self.compute_run) >= self.windows and "compute" not in self.fired:
+            self.fired.add("compute")
+            return self._compute(self.compute_run)
+        if len(self.link_run) >= self.windows and "link" not in self.fired:
+            self.fired.add("link")
+            return self._link(self.link_run, sorted({self.rank, *peers}))
+        return None
+
+    def _compute(self, run: list[WindowEvidence]) -> Detection:
+        slowdown = round(statistics.median(e.slowdown for e in run), 3)
+        phase = run[-1].phase or "no phase"
+        waits = f"; its peers wait for it in {run[-1].op}" if run[-1].op else ""
+        where = f"compute in phase {phase!r}{waits}"
+        report = StragglerReport(rank=self.rank, cause="compute", slowdown=slowdown, where=where, windows=run)
+        reason = (
+            f"rank {self.rank} is a compute straggler: {slowdown:.2f}x its peers' compute time over "
+            f"{len(run)} windows ({where})"
+        )
+        return Detection(
+            IncidentKind.STRAGGLER, reason, f"straggler/compute/{self.rank}", ranks=(self.rank,), straggler=report
+        )
+
+    def _link(self, run: list[WindowEvidence], ranks: list[int]) -> Detection:
+        base = run[0].baseline_op_wait_s or 0.0
+        slowdown = round(statistics.median(e.op_wait_s / base for e in run), 3) if base > 0 else MAX_SLOWDOWN
+        op = run[-1].op or "its collectives"
+        where = f"the transfer itself in {op}: {run[-1].op_wait_s * 1e3:.1f} ms an op, {base * 1e3:.1f} ms before"
+        report = StragglerReport(
+            rank=self.rank, cause="link", slowdown=slowdown, where=where, ranks=ranks[:1024], windows=run
+        )
+        reason = (
+            f"a slow link: the transfers of ranks {rank_ranges(ranks)} are {slowdown:.2f}x slower than before over "
+            f"{len(run)} windows, with no rank computing more ({where})"
+        )
+        return Detection(IncidentKind.STRAGGLER, reason, "straggler/link", ranks=tuple(ranks), straggler=report)
+
+
+class StragglerWatch:
+    """The watchdog's straggler detection on one rank: closes a window at the first heartbeat past
+    ``window_s``, puts its figures, the step and the score in the heartbeat, and assesses each new
+    window against the watched peers' once their heartbeats are read.
+
+    Args:
+        rank: this rank.
+        window_s: the window's length (closed at a heartbeat: at least one beat).
+        threshold, min_share, windows, link_threshold: see :class:`StragglerTracker`.
+        enabled: False: the heartbeat carries the step only, nothing is measured.
+        marks: the step marks to count (default: the process's).
+        thread: the thread whose collectives count (default: the main thread).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        window_s: float,
+        threshold: float,
+        min_share: float,
+        windows: int,
+        link_threshold: float = 2.0,
+        enabled: bool = True,
+        marks: StepMarks = steps,
+        thread: int | None = None,
+    ) -> None:
+        self.window_s, self.enabled, self.marks = window_s, enabled, marks
+        self.thread = thread if thread is not None else threading.main_thread().ident
+        self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
+        self.start = time.time()
+        self.n = 0
+        self.count = marks.count
+        self.window: StragglerWindow | None = None
+        self.assessed = -1  # the number of the last window assessed
+
+    def on_beat(self, hb: Heartbeat, now: float | None = None) -> Heartbeat:
+        """``hb`` with the step, the score and the last window (closing one when due)."""
+        now = time.time() if now is None else now
+        if self.enabled and now - self.start >= self.window_s:
+            marks, self.count = self.marks.count - self.count, self.marks.count
+            recs = recorder.records()
+            win = measure(
+                recs,
+                self.start,
+                now,
+                thread=self.thread,
+                n=self.n,
+                phase_now=main_thread_phase(),
+                steps=marks if self.marks.step is not None else None,
+                capacity=recorder.size,
+            )
+            self.start, self.n = now, self.n + 1
+            self.window = win if win is not None else self.window
+        return self.stamp(hb)
+
+    def stamp(self, hb: H) -> H:
+        """``hb`` (a heartbeat or a statement) with the step, the score and the last window."""
+        return hb.model_copy(
+            update={"step": self.marks.step, "straggler_score": self.tracker.score, "window": self.window}
+        )
+
+    def check(self, beats: Mapping[int, Heartbeat]) -> Detection | None:
+        """Assesses this rank's newest window, once, against the watched peers' ``beats``."""
+        win = self.window
+        if win is None or win.n == self.assessed:
+            return None
+        self.assessed = win.n
+        found = self.tracker.feed(win, fresh_windows(beats, win))
+        if found is not None:
+            log.warning("watchdog: straggler: %s", found.reason)
+        return found
+
+
+def from_config(rank: int, cfg: WatchdogConfig) -> StragglerWatch:
+    """A :class:`StragglerWatch` with the ``straggler_*`` settings of ``cfg``."""
+    return StragglerWatch(
+        rank,
+        cfg.straggler_window,
+        cfg.straggler_threshold,
+        cfg.straggler_min_share,
+        cfg.straggler_windows,
+        cfg.straggler_link_threshold,
+        cfg.straggler,
+    )

@@ -1,0 +1,300 @@
+"""Straggler detection's pure logic (ncclguard/watching/straggler.py): figures from records, the
+assessment against peers, the run of windows that raises an incident, the settings and the heartbeat.
+
+The lockstep model used here is the physics of a synchronous collective: every rank leaves the op
+when the slowest arrives, so a step lasts ``max(compute) + transfer`` and each rank waits
+``step - its compute``.
+"""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, StragglerWindow
+from ncclguard.recording.steps import StepMarks, mark_step, steps
+from ncclguard.store.codec import decode, encode
+from ncclguard.watching.protocol import LIMITS
+from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.straggler import StragglerTracker, StragglerWatch, assess, fresh_windows, measure
+
+MAIN = 1
+
+
+def rec(op: str, start: float, end: float | None, phase: str = "train", thread: int = MAIN, **kw) -> OpRecord:
+    kw.setdefault("numel", 1 << 20)
+    return OpRecord(seq=1, op=op, group="0", start=start, end=end, phase=phase, thread=thread, **kw)
+
+
+def lockstep(computes: list[float], transfer: float, length: float, n: int, end: float) -> list[StragglerWindow]:
+    """Each rank's window when ranks with per-step ``computes`` meet in one collective per step."""
+    step = max(computes) + transfer
+    count = length / step
+    return [
+        StragglerWindow(
+            n=n,
+            end=end,
+            length_s=length,
+            compute_s=c * count,
+            wait_s=(step - c) * count,
+            ops=max(1, int(count)),
+            op_wait_s=step - c,
+            transfer_ops=max(1, int(count)),
+            phase="train",
+            op="all_reduce",
+        )
+        for c in computes
+    ]
+
+
+def defaults() -> StragglerTracker:
+    cfg = WatchdogConfig()
+    return StragglerTracker(
+        0, cfg.straggler_threshold, cfg.straggler_min_share, cfg.straggler_windows, cfg.straggler_link_threshold
+    )
+
+
+# ----------------------------------------------------------------- measure
+
+
+def test_measure_splits_compute_and_wait_and_names_phase_and_op() -> None:
+    # 10 s window: per second 0.6 s of compute in "train" then a 0.4 s all_reduce.
+    recs = [rec("all_reduce", t + 0.6, t + 1.0) for t in range(10)]
+    w = measure(recs, 0.0, 10.0, thread=MAIN, n=3, phase_now="train", steps=10)
+    assert w is not None
+    assert (w.n, w.ops, w.steps, w.phase, w.op) == (3, 10, 10, "train", "all_reduce")
+    assert w.length_s == pytest.approx(10.0)
+    assert w.compute_s == pytest.approx(6.0)
+    assert w.wait_s == pytest.approx(4.0)
+    assert w.op_wait_s == pytest.approx(0.4) and w.transfer_ops == 10
+    tiny = measure([rec("all_reduce", t + 0.6, t + 1.0, numel=1) for t in range(10)], 0.0, 10.0, thread=MAIN, n=0)
+    assert tiny is not None and (tiny.ops, tiny.transfer_ops, tiny.op_wait_s) == (10, 0, 0.0)  # no link timing
+
+
+def test_measure_ignores_async_ops_other_threads_and_ops_before_the_window() -> None:
+    recs = [
+        rec("broadcast", 1.0, 3.0),  # ended before the window
+        rec("all_reduce", 5.0, 6.0, async_op=True),
+        rec("all_gather", 6.0, 7.0, thread=2),
+        rec("barrier", 8.0, 9.0, phase="eval"),
+    ]
+    w = measure(recs, 4.0, 10.0, thread=MAIN, n=0, phase_now="train")
+    assert w is not None
+    assert (w.ops, w.op, w.wait_s, w.compute_s) == (1, "barrier", pytest.approx(1.0), pytest.approx(5.0))
+    assert w.phase == "eval"  # 4 s before the barrier (in its phase) against 1 s after it
+
+
+def test_measure_counts_an_op_still_in_flight_and_clips_to_the_window() -> None:
+    recs = [rec("all_reduce", 2.0, 6.0), rec("all_reduce", 9.0, None)]
+    w = measure(recs, 4.0, 10.0, thread=MAIN, n=0)
+    assert w is not None
+    assert w.wait_s == pytest.approx(3.0)  # 4..6 and 9..10
+    assert w.compute_s == pytest.approx(3.0)
+
+
+def test_measure_covers_only_what_a_full_ring_kept() -> None:
+    recs = [rec("all_reduce", t + 0.5, t + 1.0) for t in range(5, 10)]
+    full = measure(recs, 0.0, 10.0, thread=MAIN, n=0, capacity=5)
+    assert full is not None and full.length_s == pytest.approx(4.5)  # from the oldest record kept
+    roomy = measure(recs, 0.0, 10.0, thread=MAIN, n=0, capacity=2000)
+    assert roomy is not None and roomy.length_s == pytest.approx(10.0)
+    assert measure([], 5.0, 5.0, thread=MAIN, n=0) is None
+
+
+# ----------------------------------------------------------------- assess and the run of windows
+
+
+def test_assess_names_the_rank_that_computes_more_and_waits_less() -> None:
+    own, *peers = lockstep([1.3, 1.0, 1.0, 1.0], 0.2, 10.0, 0, 10.0)
+    a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
+    assert a is not None and a.compute_slow and not a.link_slow
+    assert a.evidence.slowdown == pytest.approx(1.3, rel=1e-3)
+    assert a.score == pytest.approx(1 / 1.3, rel=1e-3)
+    healthy = assess(peers[0], {0: own, 2: peers[1], 3: peers[2]}, 1.15, 0.05)
+    assert healthy is not None and not healthy.compute_slow and healthy.score == 1.0
+    assert assess(own, {}, 1.15, 0.05) is None
+
+
+def test_defaults_fire_on_a_20_percent_compute_slowdown_within_3_windows() -> None:
+    tracker = defaults()
+    found = []
+    for n in range(3):
+        own, *peers = lockstep([1.2, 1.0, 1.0], 0.3, 10.0, n, 10.0 * (n + 1))
+        found.append(tracker.feed(own, dict(enumerate(peers, 1))))
+    hits = [d for d in found if d is not None]
+    assert len(hits) == 1 and found.index(hits[0]) <= 2
+    det = hits[0]
+    assert det.kind is IncidentKind.STRAGGLER and det.signature == "straggler/compute/0"
+    assert det.straggler is not None
+    assert (det.straggler.rank, det.straggler.cause) == (0, "compute")
+    assert det.straggler.slowdown == pytest.approx(1.2, rel=1e-3)
+    assert "phase 'train'" in det.straggler.where and "all_reduce" in det.straggler.where
+    assert [w.n for w in det.straggler.windows] == [0, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    slow=st.floats(1.2, 3.0),
+    share=st.floats(0.3, 0.95),  # the healthy step's compute share
+    peers=st.integers(1, 16),
+    noise=st.lists(st.floats(-0.03, 0.03), min_size=17 * 3, max_size=17 * 3),
+)
+def test_defaults_fire_on_any_20_percent_straggler_and_name_it(slow, share, peers, noise) -> None:
+    transfer = 1.0 / share - 1.0
+    tracker = defaults()
+    hits = []
+    for n in range(3):
+        computes = [(slow if r == 0 else 1.0) * (1 + noise[17 * n + r]) for r in range(peers + 1)]
+        own, *rest = lockstep(computes, transfer, 30.0, n, 30.0 * (n + 1))
+        if (d := tracker.feed(own, dict(enumerate(rest, 1)))) is not None:
+            hits.append(d)
+    assert len(hits) == 1 and hits[0].straggler is not None and hits[0].straggler.cause == "compute"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    me=st.integers(0, 16),
+    share=st.floats(0.05, 0.95),
+    peers=st.integers(1, 16),
+    noise=st.lists(st.floats(-0.05, 0.05), min_size=17 * 10, max_size=17 * 10),
+    tnoise=st.lists(st.floats(-0.05, 0.05), min_size=10, max_size=10),
+)
+def test_defaults_never_fire_on_ranks_within_5_percent_of_each_other(me, share, peers, noise, tnoise) -> None:
+    me = me % (peers + 1)
+    tracker = defaults()
+    for n in range(10):
+        computes = [1.0 + noise[17 * n + r] for r in range(peers + 1)]
+        wins = lockstep(computes, (1.0 / share - 1.0) * (1 + tnoise[n]), 30.0, n, 30.0 * (n + 1))
+        own = wins.pop(me)
+        assert tracker.feed(own, dict(enumerate(wins))) is None
+
+
+def test_a_slow_link_is_told_apart_from_a_compute_straggler() -> None:
+    tracker = defaults()
+    found = []
+    for n in range(6):  # the transfer goes from 0.2 s to 0.5 s an op at window 3; compute stays equal
+        own, *peers = lockstep([1.0, 1.0], 0.2 if n < 3 else 0.5, 10.0, n, 10.0 * (n + 1))
+        found.append(tracker.feed(own, {1: peers[0]}))
+    assert found[:4] == [None] * 4
+    det = found[4]
+    assert det is not None and det.straggler is not None and found[5] is None
+    assert (det.signature, det.straggler.cause, det.straggler.ranks) == ("straggler/link", "link", [0, 1])
+    assert det.straggler.slowdown == pytest.approx(2.5, rel=1e-3)
+    assert "the transfer itself in all_reduce" in det.straggler.where
+
+
+def test_a_loaded_machine_slowing_compute_and_transfer_alike_is_no_slow_link() -> None:
+    tracker = defaults()
+    for n in range(8):  # from window 3 everything takes 3x: the machine, not the link
+        k = 1.0 if n < 3 else 3.0
+        own, *peers = lockstep([1.0 * k, 1.0 * k], 0.2 * k, 10.0, n, 10.0 * (n + 1))
+        assert tracker.feed(own, {1: peers[0]}) is None
+    small = defaults()
+    for n in range(8):  # the transfer 1.8x (under straggler_link_threshold, 2.0): no incident
+        own, *peers = lockstep([1.0, 1.0], 0.2 if n < 3 else 0.36, 10.0, n, 10.0 * (n + 1))
+        assert small.feed(own, {1: peers[0]}) is None
+
+
+def test_fresh_windows_drops_peers_whose_last_window_is_old() -> None:
+    own = lockstep([1.0], 0.1, 10.0, 5, 100.0)[0]
+    hb = {
+        "rank": 1,
+        "host": "h",
+        "pid": 1,
+        "beat": 1,
+        "time": 0.0,
+        "phase": "",
+        "site": "",
+        "last_seq": {},
+        "last_completed": {},
+        "inflight": [],
+    }
+    beats = {
+        1: Heartbeat(**hb, window=own.model_copy(update={"end": 85.0})),
+        2: Heartbeat(**{**hb, "rank": 2}, window=own.model_copy(update={"end": 70.0})),
+        3: Heartbeat(**{**hb, "rank": 3}),
+    }
+    assert list(fresh_windows(beats, own)) == [1]
+
+
+# ----------------------------------------------------------------- the watch, the heartbeat, the settings
+
+
+def test_the_watch_puts_step_score_and_window_in_the_heartbeat_and_the_store_takes_it() -> None:
+    marks = StepMarks()
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=marks, thread=MAIN)
+    watch.start = 0.0
+    hb = Heartbeat(
+        rank=0, host="h", pid=1, beat=1, time=0.0, phase="", site="", last_seq={}, last_completed={}, inflight=[]
+    )
+    early = watch.on_beat(hb, now=5.0)
+    assert (early.step, early.window, early.straggler_score) == (None, None, None)
+    for _ in range(7):
+        marks.count += 1
+    marks.step = 6
+    later = watch.on_beat(hb, now=12.0)
+    assert later.step == 6 and later.window is not None
+    assert (later.window.n, later.window.steps, later.window.length_s) == (0, 7, 12.0)
+    assert watch.check({}) is None and watch.check({}) is None  # no peers; assessed once
+    blob = encode(later)
+    assert len(blob) < LIMITS[Heartbeat]
+    assert decode(Heartbeat, blob, "heartbeat", LIMITS[Heartbeat]) == later
+
+
+def test_a_watch_turned_off_measures_nothing() -> None:
+    watch = StragglerWatch(0, 1.0, 1.15, 0.05, 2, enabled=False, marks=StepMarks(), thread=MAIN)
+    hb = Heartbeat(
+        rank=0, host="h", pid=1, beat=1, time=0.0, phase="", site="", last_seq={}, last_completed={}, inflight=[]
+    )
+    assert watch.on_beat(hb, now=watch.start + 100).window is None
+
+
+def test_settings_defaults_and_their_checks() -> None:
+    cfg = WatchdogConfig()
+    assert (cfg.straggler, cfg.straggler_window_s, cfg.straggler_threshold, cfg.straggler_windows) == (
+        True,
+        10.0,
+        1.15,
+        2,
+    )
+    assert WatchdogConfig(heartbeat_s=20, hang_timeout_s=300).straggler_window == 20.0  # unset: one beat at least
+    with pytest.raises(pydantic.ValidationError, match=r"straggler_window_s \(2.0\) must be >= heartbeat_s \(5.0\)"):
+        WatchdogConfig(straggler_window_s=2.0)
+    with pytest.raises(pydantic.ValidationError, match="straggler_threshold"):
+        WatchdogConfig(straggler_threshold=1.0)
+    with pytest.raises(pydantic.ValidationError, match="straggler_windows"):
+        WatchdogConfig(straggler_windows=0)
+    with pytest.raises(pydantic.ValidationError, match="straggler_min_share"):
+        WatchdogConfig(straggler_min_share=1.0)
+
+
+def test_mark_step_counts_and_numbers_steps() -> None:
+    before = steps.count
+    first = mark_step()
+    assert mark_step() == first + 1
+    assert mark_step(100) == 100 and steps.step == 100
+    assert steps.count == before + 3
+    with pytest.raises(ValueError, match="step number is >= 0"):
+        mark_step(-1)
+
+
+def test_phase_names_drop_their_labels() -> None:
+    from ncclguard.watching.straggler import phase_name
+
+    assert phase_name("train step=3 > fwd layer=2") == "train > fwd"
+    assert phase_name("") == ""
+    recs = [rec("all_reduce", t + 0.5, t + 1.0, phase=f"train step={t}") for t in range(4)]
+    w = measure(recs, 0.0, 4.0, thread=MAIN, n=0, phase_now="train step=4")
+    assert w is not None and w.phase == "train"
+
+
+def test_windows_without_completed_collectives_are_not_compared() -> None:
+    # A hang: the peers sit in one op the whole window, the stalled rank computes; no verdict.
+    stalled = measure([rec("all_reduce", 0.5, 1.0)], 0.0, 10.0, thread=MAIN, n=0)
+    waiting = measure([rec("all_reduce", 0.5, 1.0), rec("all_reduce", 1.0, None)], 0.0, 10.0, thread=MAIN, n=0)
+    assert stalled is not None and waiting is not None and waiting.ops == 1 and waiting.wait_s == pytest.approx(9.5)
+    assert assess(stalled, {1: waiting, 2: waiting}, 1.15, 0.05) is None
+    own, *peers = lockstep([1.3, 1.0], 0.2, 10.0, 0, 10.0)
+    assert assess(own, {1: peers[0].model_copy(update={"ops": 2})}, 1.15, 0.05) is None
