@@ -197,6 +197,22 @@ def test_a_loaded_machine_slowing_compute_and_transfer_alike_is_no_slow_link() -
         assert small.feed(own, {1: peers[0]}) is None
 
 
+def test_a_slow_link_seen_through_a_load_burst_is_still_reported_once_the_burst_ends() -> None:
+    tracker = defaults()
+    found = []
+    for n in range(8):  # the link slows at window 3; windows 3-5 also compute 1.3x (load on every rank)
+        k = 1.3 if 3 <= n < 6 else 1.0
+        own, *peers = lockstep([1.0 * k, 1.0 * k], 0.2 if n < 3 else 0.5, 10.0, n, 10.0 * (n + 1))
+        found.append(tracker.feed(own, {1: peers[0]}))
+    # The burst windows count neither as a link (compute moved) nor toward the healthy baseline,
+    # so once compute holds again two slow windows in a row name the link.
+    assert found[:7] == [None] * 7
+    det = found[7]
+    assert det is not None and det.straggler is not None
+    assert (det.signature, det.straggler.cause) == ("straggler/link", "link")
+    assert det.straggler.slowdown == pytest.approx(2.5, rel=1e-3)
+
+
 def test_fresh_windows_drops_peers_whose_last_window_is_old() -> None:
     own = lockstep([1.0], 0.1, 10.0, 5, 100.0)[0]
     hb = {

@@ -11,7 +11,11 @@ import json
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+# Out of `make test`, run by `make test-alone`: with other real-rank tests beside them on 2 cores
+# (3 test files at once), the healthy part raised a false compute straggler (score 0.82 with 2 s
+# windows) and the link test a straggler before the link was slowed. Straggler detection needs
+# hardening against a loaded host before these can run in the shared suite (docs/stragglers.md).
+pytestmark = [pytest.mark.multirank, pytest.mark.alone]
 
 HEALTHY_S = 40.0
 WINDOW_S = 2.0  # as in the worker

@@ -1,5 +1,6 @@
 """A slow link told apart from a compute straggler: two ranks in two network namespaces joined by a
-veth pair (tests/netns.py), each step 50 ms of compute and a 1 MB ``all_reduce`` between them. After
+veth pair (tests/netns.py), each step 50 ms outside collectives (a sleep: see the worker) and a 1 MB
+``all_reduce`` between them. After
 about 10 s (5 windows of 2 s) the test rate-limits both ends of the veth (``tc ... tbf``, 100 mbit/s):
 the transfer itself slows while neither rank computes more, and the watchdog must raise one
 ``straggler`` incident of cause ``link`` naming both ranks, and no compute straggler.
@@ -19,7 +20,11 @@ import pytest
 from netns import WORKERS, run_two_ranks
 from test_netns_faults import _tc
 
-pytestmark = pytest.mark.multirank
+# Out of `make test`, run by `make test-alone`: with other real-rank tests beside them on 2 cores
+# (3 test files at once), the healthy part raised a false compute straggler (score 0.82 with 2 s
+# windows) and the link test a straggler before the link was slowed. Straggler detection needs
+# hardening against a loaded host before these can run in the shared suite (docs/stragglers.md).
+pytestmark = [pytest.mark.multirank, pytest.mark.alone]
 
 HEALTHY_S = 10.0  # before the link slows: 5 windows, the baseline
 BOUND_S = 90.0  # the worker's loop ends here without an incident (the test then fails)
@@ -45,7 +50,7 @@ def slowed(pair):
 
     thread = threading.Thread(target=slow_down, daemon=True)
     thread.start()
-    argv = [sys.executable, str(WORKERS / "straggler_worker.py"), str(BOUND_S), "-1", "1", str(ELEMENTS)]
+    argv = [sys.executable, str(WORKERS / "straggler_worker.py"), str(BOUND_S), "-1", "1", str(ELEMENTS), "sleep"]
     try:
         ranks = run_two_ranks(pair, argv, out, port=29503, timeout_s=LAUNCH_GUARD_S)
     finally:

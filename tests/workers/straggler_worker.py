@@ -1,6 +1,6 @@
 """Rank side of tests/test_straggler_multirank.py and test_straggler_netns.py.
 
-Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS].
+Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS [COMPUTE]].
 
 A training loop on gloo with the watchdog at its straggler defaults but a short window: each step marks
 itself (``mark_step``), computes a fixed amount of work in ``phase("train")`` (matmuls; the amount is
@@ -9,7 +9,10 @@ the stop flag. For ``HEALTHY_S`` seconds every rank does the same work; then ran
 ``SLOW_FACTOR`` times as much, until a straggler incident is merged on every rank (or a bound).
 SLOW_RANK -1: no slowdown at all: the run ends after HEALTHY_S seconds or at a straggler incident
 (the slow link test slows the link from outside meanwhile). ELEMENTS: the all_reduce's size in float32
-(default 1). Each rank writes ``started.rank<r>`` when its loop begins.
+(default 1). COMPUTE: ``matmul`` (default) or ``sleep``: the slow link test's step "computes" by
+sleeping STEP_COMPUTE_S, so that the suite's other tests, beside it on 2 cores, do not move its
+compute per op (the link rule rightly refuses a window whose compute moved; the unit tests cover a
+load burst). Each rank writes ``started.rank<r>`` when its loop begins.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def calibrate(a: torch.Tensor) -> int:
 def main() -> None:
     healthy_s, slow_rank, factor = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     elements = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    by_sleep = len(sys.argv) > 5 and sys.argv[5] == "sleep"
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init_process_group("gloo", timeout=120)  # ncclguard's: picks the interface that reaches the store (netns)
@@ -86,7 +90,10 @@ def main() -> None:
         flag = torch.zeros(elements)
         flag[0] = 1.0 if stop else 0.0
         with phase("train", step=step):
-            work(round(reps * factor) if slow else reps, a)
+            if by_sleep:
+                time.sleep(STEP_COMPUTE_S * (factor if slow else 1.0))
+            else:
+                work(round(reps * factor) if slow else reps, a)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         step += 1
         if flag[0].item() > 0:
