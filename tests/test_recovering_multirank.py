@@ -24,23 +24,27 @@ def shrink_job():
     return run_ranks("recovering_worker", 3, "shrink", timeout_s=300)
 
 
+def redone_on_generation_1(world_sizes: list[int]) -> dict[str, object]:
+    """Step K as every member reports it: failed once on generation 0, committed on generation 1."""
+    return {
+        "ok": True,
+        "attempts": 2,
+        "generation": 1,
+        "rebuilds": 1,
+        "left_out": False,
+        "commits": [[False, [0, 1, 2]], [True, []]],
+        "error": None,
+        "world_sizes": world_sizes,
+    }
+
+
 def test_a_stalled_step_is_redone_on_the_rebuilt_world_and_ends_bit_equal(stall_job):
     for r in range(3):
         res = stall_job[r]
         assert res["reference_results"] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * 5
         steps = res["results"]
         assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
-        redone = steps[K]
-        assert redone == {
-            "ok": True,
-            "attempts": 2,
-            "generation": 1,
-            "rebuilds": 1,
-            "left_out": False,
-            "commits": [[False, [0, 1, 2]], [True, []]],
-            "error": None,
-            "world_sizes": [3, 3],
-        }
+        assert steps[K] == redone_on_generation_1(world_sizes=[3, 3])
         assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [3]}] * 2
         assert res["equal_across_ranks"] is True
         assert res["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
@@ -52,16 +56,7 @@ def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
         res = shrink_job[r]
         steps = res["results"]
         assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
-        assert steps[K] == {
-            "ok": True,
-            "attempts": 2,
-            "generation": 1,
-            "rebuilds": 1,
-            "left_out": False,
-            "commits": [[False, [0, 1, 2]], [True, []]],
-            "error": None,
-            "world_sizes": [3, 2],
-        }
+        assert steps[K] == redone_on_generation_1(world_sizes=[3, 2])
         assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [2]}] * 2
         assert res["final"] == [r, 2]
         assert res["equal_across_ranks"] is True

@@ -123,23 +123,49 @@ def _odd_ones(values: Mapping[int, Any]) -> tuple[dict[int, Any], Any]:
     return {r: v for r, v in values.items() if v != common}, common
 
 
+def _name(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+
+
+def _note_odd(
+    held: Mapping[int, Any],
+    failed: dict[int, list[str]],
+    alone: Callable[[Any, str], str],
+    odd: Callable[[Any, Any, str], str],
+) -> None:
+    """Adds to ``failed`` a reason for each rank whose value in ``held`` differs from the common one.
+
+    ``odd(value, common, like)`` words it when most ranks agree (``like`` names them);
+    ``alone(value, theirs)`` when no value is held by most (``theirs`` lists the others' values).
+    """
+    odd_ranks, common = _odd_ones(held)
+    for r in sorted(odd_ranks):
+        if common is None:
+            theirs = ", ".join(f"rank {q}: {held[q]!r}" for q in sorted(held) if q != r)
+            text = alone(held[r], theirs)
+        else:
+            text = odd(held[r], common, _name(sorted(q for q, v in held.items() if v == common)))
+        failed.setdefault(r, []).append(clip(text))
+
+
+def _more_or_fewer(seq: int, common: int, like: str) -> str:
+    diff = seq - common
+    return (
+        f"issued {abs(diff)} collective(s) {'more' if diff > 0 else 'fewer'} than {like} on the "
+        f"group (backend sequence number {seq}, theirs {common})"
+    )
+
+
 def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[str]]) -> None:
     """Adds to ``failed`` the ranks that disagree with the others on what they did."""
 
-    def name(ranks: list[int]) -> str:
-        return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
-
     def note(field: str, what: Callable[[Any], str], others: Callable[[Any], str]) -> None:
-        held = {r: getattr(s, field) for r, s in statements.items()}
-        odd, common = _odd_ones(held)
-        for r in sorted(odd):
-            if common is None:
-                theirs = ", ".join(f"rank {q}: {held[q]!r}" for q in sorted(held) if q != r)
-                text = f"{what(held[r])}; the others differ ({theirs})"
-            else:
-                like = sorted(q for q, v in held.items() if v == common)
-                text = f"{what(held[r])}, where {name(like)} {others(common)}"
-            failed.setdefault(r, []).append(clip(text))
+        _note_odd(
+            {r: getattr(s, field) for r, s in statements.items()},
+            failed,
+            lambda v, theirs: f"{what(v)}; the others differ ({theirs})",
+            lambda v, common, like: f"{what(v)}, where {like} {others(common)}",
+        )
 
     note("generation", lambda v: f"is in world generation {v}", lambda v: f"are in generation {v}")
     note("group", lambda v: f"committed on group {v!r}", lambda v: f"committed on group {v!r}")
@@ -147,20 +173,12 @@ def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[s
     note("step", lambda v: f"is at commit {v} of its world", lambda v: f"are at commit {v}")
     if any(s.user_step is not None for s in statements.values()):
         note("user_step", lambda v: f"passed step={v}", lambda v: f"passed step={v}")
-    seqs = {r: s.seq for r, s in statements.items() if s.seq is not None}
-    odd, common = _odd_ones(seqs)
-    for r in sorted(odd):
-        if common is None:
-            theirs = ", ".join(f"rank {q}: {seqs[q]}" for q in sorted(seqs) if q != r)
-            text = f"the backend ran {seqs[r]} collectives on its group, the others differ ({theirs})"
-        else:
-            like = sorted(q for q, v in seqs.items() if v == common)
-            diff = seqs[r] - common
-            text = (
-                f"issued {abs(diff)} collective(s) {'more' if diff > 0 else 'fewer'} than {name(like)} on the "
-                f"group (backend sequence number {seqs[r]}, theirs {common})"
-            )
-        failed.setdefault(r, []).append(clip(text))
+    _note_odd(
+        {r: s.seq for r, s in statements.items() if s.seq is not None},
+        failed,
+        lambda v, theirs: f"the backend ran {v} collectives on its group, the others differ ({theirs})",
+        _more_or_fewer,
+    )
 
 
 def decide(
