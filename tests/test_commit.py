@@ -67,6 +67,30 @@ def test_two_ranks_that_disagree_are_both_named():
     }
 
 
+def test_every_group_a_rank_is_in_is_compared_by_name():
+    # Ranks 0-2 share group "1" (say a tensor-parallel group); rank 3 holds a group "2" alone.
+    seqs = {0: {"1": 7}, 1: {"1": 7}, 2: {"1": 8}, 3: {"2": 3}}
+    v = decide({r: stmt(r, other_seqs=seqs[r]) for r in range(4)}, 4, 3, 5.0)
+    assert v.failed == {
+        2: ["issued 1 collective(s) more than ranks 0-1 on group '1' (backend sequence number 8, theirs 7)"]
+    }
+
+
+def test_a_group_with_point_to_point_ops_is_not_compared():
+    # Measured on gloo (torch 2.13): a send from rank 0 to rank 1 raises the group's sequence
+    # number on ranks 0 and 1 only, so healthy ranks hold different numbers.
+    one_said_p2p = {0: stmt(0, seq=11, p2p_groups=["0"]), 1: stmt(1, seq=11), 2: stmt(2, seq=10)}
+    assert decide(one_said_p2p, 3, 3, 5.0).ok is True
+    others = {r: stmt(r, other_seqs={"4": 5 + (r == 0)}, p2p_groups=["4"] if r == 1 else []) for r in range(3)}
+    assert decide(others, 3, 3, 5.0).ok is True
+    everywhere = {r: stmt(r, seq=10 + r, other_seqs={"4": r}, p2p_groups=["*"] if r == 2 else []) for r in range(3)}
+    assert decide(everywhere, 3, 3, 5.0).ok is True
+    others[1] = stmt(1, other_seqs={"4": 5})  # nobody saw point-to-point ops on "4": rank 0 is odd
+    assert decide(others, 3, 3, 5.0).failed == {
+        0: ["issued 1 collective(s) more than ranks 1-2 on group '4' (backend sequence number 6, theirs 5)"]
+    }
+
+
 def test_an_unreadable_sequence_number_is_not_a_mismatch():
     v = decide({0: stmt(0, seq=None), 1: stmt(1), 2: stmt(2)}, 3, 3, 5.0)
     assert v.ok is True

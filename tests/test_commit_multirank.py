@@ -108,3 +108,16 @@ def test_a_commit_on_a_dead_communicator_settles(job):
     for r in range(3):
         assert job[r]["d_rebuild"] == 3
         assert (job[r]["d_after"]["ok"], job[r]["d_after"]["generation"]) == (True, 3)
+
+
+def test_every_group_is_compared_and_point_to_point_ops_are_no_mismatch(job):
+    # gloo counts the send and the recv in ranks 0 and 1's sequence numbers only (torch 2.13).
+    assert [job[r]["e_p2p_seq"] for r in range(3)] == [job[2]["e_p2p_seq"] + 1] * 2 + [job[2]["e_p2p_seq"]]
+    for c in same_on_every_rank(job, "e_p2p_commit"):
+        assert (c["ok"], c["step"], c["generation"], c["failed_ranks"]) == (True, 1, 3, [])
+    (name,) = {job[r]["e_sub_name"] for r in range(3)}
+    for c in same_on_every_rank(job, "e_sub_commit"):
+        assert (c["ok"], c["step"], c["failed_ranks"]) == (False, 2, [2])
+        assert c["reasons"] == {
+            "2": [f"issued 1 collective(s) more than ranks 0-1 on group {name!r} (backend sequence number 2, theirs 1)"]
+        }

@@ -36,6 +36,8 @@ from ncclguard.deadlines import default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery.commit_protocol import (
+    MAX_GROUP_NAME_CHARS,
+    MAX_GROUPS,
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitVerdict,
@@ -182,12 +184,35 @@ def _problems(info: GroupInfo | None, since: float, failure: str | BaseException
     return [clip(p) for p in found]
 
 
-def _sequence(info: GroupInfo) -> int | None:
+def _sequence(group: dist.ProcessGroup, name: str) -> int | None:
     try:
-        return compat.sequence_number(info.group)
+        return compat.sequence_number(group)
     except (TorchCompatError, RuntimeError) as exc:
-        log.debug("should_commit: the backend's sequence number of group %r is unreadable (%s)", info.name, exc)
+        log.debug("should_commit: the backend's sequence number of group %r is unreadable (%s)", name, exc)
         return None
+
+
+def _other_sequences(info: GroupInfo) -> dict[str, int]:
+    """The backend's sequence number on every other group of this world that this rank is in."""
+    found: dict[str, int] = {}
+    for pg, name in sorted(compat.group_names().items(), key=lambda kv: kv[1]):
+        if pg is info.group or len(name) > MAX_GROUP_NAME_CHARS or compat.rank_not_in_group(pg):
+            continue
+        if len(found) == MAX_GROUPS:
+            log.debug("should_commit: this rank is in more than %d other groups; the rest are not compared", MAX_GROUPS)
+            break
+        seq = _sequence(pg, name)
+        if seq is not None:
+            found[name] = seq
+    return found
+
+
+def _p2p_groups() -> list[str]:
+    """The groups on which the flight recorder saw point-to-point ops (see Statement.p2p_groups)."""
+    names = sorted(k.removesuffix(":p2p") for k in recorder.last_seq() if k.endswith(":p2p"))
+    # Past the bounds, say every group ("*"): a comparison left out is safer than a healthy rank named.
+    fits = len(names) <= MAX_GROUPS and all(len(n) <= MAX_GROUP_NAME_CHARS for n in names)
+    return names if fits else ["*"]
 
 
 def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitVerdict]:
@@ -292,7 +317,9 @@ def should_commit(
                 generation=world.generation,
                 group=info.name,
                 group_size=info.size,
-                seq=_sequence(info),
+                seq=_sequence(info.group, info.name),
+                other_seqs=_other_sequences(info),
+                p2p_groups=_p2p_groups(),
                 problems=problems,
             )
             verdict, late = _settle(info, world.generation, n, statement, start + timeout_s, timeout_s)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ncclguard._naming import rank_ranges
 from ncclguard.store.keys import RoundKeys
 
 __all__ = [
+    "MAX_GROUPS",
+    "MAX_GROUP_NAME_CHARS",
     "MAX_PROBLEMS",
     "MAX_REASON_CHARS",
     "MAX_STATEMENT_BYTES",
@@ -32,6 +34,9 @@ __all__ = [
 
 MAX_PROBLEMS = 8  # problems one rank states at most (the rest are summed up in the last)
 MAX_REASON_CHARS = 300  # characters of one stated problem
+MAX_GROUPS = 16  # other groups whose sequence numbers one rank states at most
+MAX_GROUP_NAME_CHARS = 64  # torch names groups "0", "1", ... or by a 40-character hash
+GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
 
@@ -47,6 +52,10 @@ class Statement(BaseModel):
         group_size: the group's size as this rank sees it.
         seq: the backend's sequence number on the group (every collective it ran, whoever issued
             it), or None where it cannot be read.
+        other_seqs: the same for each other group this rank is a member of, by group name.
+        p2p_groups: the groups on which this rank's flight recorder saw point-to-point ops: gloo
+            counts a send or recv in the sequence number of the two ranks it joins only, so those
+            numbers differ between healthy ranks and are not compared. ``"*"``: every group.
         problems: what went wrong on this rank since its last commit (empty: a clean step).
     """
 
@@ -59,6 +68,8 @@ class Statement(BaseModel):
     group: str = Field(max_length=255)
     group_size: int = Field(ge=1)
     seq: int | None = Field(default=None, ge=0)
+    other_seqs: dict[GroupName, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, max_length=MAX_GROUPS)
+    p2p_groups: list[GroupName] = Field(default_factory=list, max_length=MAX_GROUPS)
     problems: list[str] = Field(default_factory=list, max_length=MAX_PROBLEMS)
 
 
@@ -148,12 +159,21 @@ def _note_odd(
         failed.setdefault(r, []).append(clip(text))
 
 
-def _more_or_fewer(seq: int, common: int, like: str) -> str:
-    diff = seq - common
-    return (
-        f"issued {abs(diff)} collective(s) {'more' if diff > 0 else 'fewer'} than {like} on the "
-        f"group (backend sequence number {seq}, theirs {common})"
-    )
+def _sequence_texts(group: str | None) -> tuple[Callable[[Any, str], str], Callable[[Any, Any, str], str]]:
+    """How a differing sequence number is worded: on the committed group (None) or on ``group``."""
+    where = "the group" if group is None else f"group {group!r}"
+
+    def alone(seq: int, theirs: str) -> str:
+        return f"the backend ran {seq} collectives on {'its group' if group is None else where}, the others differ ({theirs})"
+
+    def odd(seq: int, common: int, like: str) -> str:
+        diff = seq - common
+        return (
+            f"issued {abs(diff)} collective(s) {'more' if diff > 0 else 'fewer'} than {like} on {where} "
+            f"(backend sequence number {seq}, theirs {common})"
+        )
+
+    return alone, odd
 
 
 def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[str]]) -> None:
@@ -173,12 +193,14 @@ def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[s
     note("step", lambda v: f"is at commit {v} of its world", lambda v: f"are at commit {v}")
     if any(s.user_step is not None for s in statements.values()):
         note("user_step", lambda v: f"passed step={v}", lambda v: f"passed step={v}")
-    _note_odd(
-        {r: s.seq for r, s in statements.items() if s.seq is not None},
-        failed,
-        lambda v, theirs: f"the backend ran {v} collectives on its group, the others differ ({theirs})",
-        _more_or_fewer,
-    )
+    p2p = {g for s in statements.values() for g in s.p2p_groups}
+    if "*" in p2p:
+        return
+    if not any(s.group in p2p for s in statements.values()):
+        _note_odd({r: s.seq for r, s in statements.items() if s.seq is not None}, failed, *_sequence_texts(None))
+    for name in sorted({g for s in statements.values() for g in s.other_seqs} - p2p):
+        held = {r: s.other_seqs[name] for r, s in statements.items() if name in s.other_seqs}
+        _note_odd(held, failed, *_sequence_texts(name))
 
 
 def decide(

@@ -6,7 +6,9 @@
       settled: the commit is falsy on all three with the same verdict, rank 2 ``late``;
       after a rebuild the next step commits (generation 1);
   (c) rank 2 issues one plain all_reduce more than the others: the count mismatch names it;
-  (d) a commit on a group whose communicator is dead still settles.
+  (d) a commit on a group whose communicator is dead still settles;
+  (e) every group is compared: a send from rank 0 to rank 1 (which gloo counts in those two ranks'
+      sequence numbers only) fails nothing, and one all_reduce more on a subgroup names rank 2.
 """
 
 from __future__ import annotations
@@ -136,6 +138,22 @@ def agree() -> None:
     put("d_commit", fields(should_commit(timeout=30)))
     put("d_rebuild", rebuild_world(timeout=60).generation)
     put("d_after", fields(should_commit(timeout=30)))
+
+    # (e) a send on the default group, recorded (instrument), then an extra op on another group.
+    ncclguard.instrument()
+    sub = dist.new_group([0, 1, 2])
+    dist.all_reduce(torch.ones(1), group=sub)
+    t = torch.ones(2)
+    if r == 0:
+        dist.send(t, 1)
+    elif r == 1:
+        dist.recv(t, 0)
+    put("e_p2p_seq", dist.group.WORLD._get_sequence_number_for_group())  # type: ignore[attr-defined]
+    put("e_p2p_commit", fields(should_commit(timeout=30)))
+    if r == 2:
+        dist.all_reduce(torch.ones(1), group=sub, async_op=True)  # left in flight: done() ends the rank
+    put("e_sub_name", dist.distributed_c10d._get_process_group_name(sub))
+    put("e_sub_commit", fields(should_commit(timeout=30)))
     rankkit.done()
 
 
