@@ -31,7 +31,15 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
 from ncclguard.recording.steps import mark_step
-from ncclguard.recovery import CommitResult, RebuildResult, RecoveringStep, StepResult, rebuild_world, should_commit
+from ncclguard.recovery import (
+    FSDP2,
+    CommitResult,
+    RebuildResult,
+    RecoveringStep,
+    StepResult,
+    rebuild_world,
+    should_commit,
+)
 from ncclguard.sigalrm import sigalrm_timeout
 from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
@@ -53,6 +61,7 @@ __all__ = [
     "DeadlineExceeded",
     "DecodeError",
     "EvaluationFailed",
+    "FSDP2",
     "FlightRecord",
     "GroupFailed",
     "MemoryRefused",

@@ -35,6 +35,13 @@ def test_bad_input_is_refused(parts):
         RecoveringStep(module, opt, rebuild_timeout=0)
     with pytest.raises(TypeError, match="step_fn"):
         RecoveringStep(module, opt)(None)  # type: ignore[arg-type]
+    # FSDP2: a rank left out would take its shards with it.
+    with pytest.raises(ValueError, match="allow_shrink=True cannot go with FSDP2"):
+        RecoveringStep(module, opt, wrap=ncclguard.FSDP2(), allow_shrink=True)
+    with pytest.raises(TypeError, match="fully_shard"):
+        ncclguard.FSDP2(shard="layers")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="initialized process group"):
+        RecoveringStep(module, opt, wrap=ncclguard.FSDP2())
 
 
 def test_a_failed_attempt_is_redone_from_the_same_state(parts):

@@ -19,6 +19,12 @@ def stall_job():
 
 
 @pytest.fixture(scope="module")
+def fsdp2_job():
+    # As stall_job, with the module sharded by FSDP2 and Adam.
+    return run_ranks("recovering_worker", 3, "fsdp2", timeout_s=240)
+
+
+@pytest.fixture(scope="module")
 def shrink_job():
     # 6 s group timeout, 20 s commit, 20 s rebuild, then rank 2 wakes and leaves: 73 s here.
     return run_ranks("recovering_worker", 3, "shrink", timeout_s=300)
@@ -48,6 +54,25 @@ def test_a_stalled_step_is_redone_on_the_rebuilt_world_and_ends_bit_equal(stall_
         assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [3]}] * 2
         assert res["equal_across_ranks"] is True
         assert res["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
+        assert res["final"] == [r, 3]
+
+
+def test_an_fsdp2_step_is_redone_on_a_world_sharded_again_and_ends_bit_equal(fsdp2_job):
+    for r in range(3):
+        res = fsdp2_job[r]
+        assert res["reference_results"] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * 5
+        steps = res["results"]
+        assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+        assert steps[K] == redone_on_generation_1(world_sizes=[3, 3])
+        assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [3]}] * 2
+        assert res["sharded"] == ["DTensor"]
+        already, stepped = res["refusals"]
+        assert already.startswith("FSDP2 was given a module that is already sharded")
+        assert stepped.startswith("FSDP2: build the optimizer on the unsharded module's parameters")
+        assert res["module_is_new"] is True
+        # Bit for bit: the full parameters and Adam's full state, against the fault-free run.
+        assert res["equal_to_reference"] is True
+        assert res["equal_across_ranks"] is True
         assert res["final"] == [r, 3]
 
 

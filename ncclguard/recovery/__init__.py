@@ -1,6 +1,7 @@
 """Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
 
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
+from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
 from ncclguard.recovery.recovering import RecoveringStep, StepResult
@@ -9,6 +10,7 @@ __all__ = [
     "CommitResult",
     "committed_step",
     "should_commit",
+    "FSDP2",
     "RecoveringStep",
     "StepResult",
     "RebuildResult",

@@ -34,6 +34,7 @@ from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery.commit import CommitResult, should_commit
+from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.rebuild import generation, rebuild_world
 
 __all__ = ["RecoveringStep", "StepResult"]
@@ -83,7 +84,9 @@ class RecoveringStep:
         module: the model, unwrapped (it is wrapped again after each rebuild).
         optimizer: its optimizer (stepped only after a commit that is ok).
         wrap: builds the wrapped model on the current default group; default
-            ``DistributedDataParallel(module)`` (the module itself without a process group).
+            ``DistributedDataParallel(module)`` (the module itself without a process group). For
+            FSDP2, :class:`~ncclguard.recovery.fsdp2.FSDP2` (it shards the module, and after a
+            rebuild shards it again from the shards each rank holds).
         commit_timeout: seconds (or a timedelta) each commit waits for the other ranks; default
             :func:`should_commit`'s.
         rebuild_timeout: seconds (or a timedelta) each rebuild waits for them.
@@ -99,7 +102,7 @@ class RecoveringStep:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | FSDP2 | None = None,
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         allow_shrink: bool = False,
@@ -109,10 +112,15 @@ class RecoveringStep:
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
             raise TypeError(f"RecoveringStep needs an optimizer (step, zero_grad), got {type(optimizer).__name__}")
-        if wrap is not None and not callable(wrap):
+        if wrap is not None and not (callable(wrap) or isinstance(wrap, FSDP2)):
             raise TypeError(f"wrap must build the wrapped model from the module, got {type(wrap).__name__}")
         if not isinstance(allow_shrink, bool):
             raise TypeError(f"allow_shrink must be a bool, got {allow_shrink!r}")
+        if allow_shrink and isinstance(wrap, FSDP2):
+            raise ValueError(
+                "allow_shrink=True cannot go with FSDP2: a rank left out takes its shards with it (FSDP2 keeps "
+                "no replica); use allow_shrink=False, or DDP"
+            )
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
         if commit_timeout is not None:
@@ -124,6 +132,8 @@ class RecoveringStep:
         self._model: torch.nn.Module | None = self._wrapped()
 
     def _wrapped(self) -> torch.nn.Module:
+        if isinstance(self._wrap, FSDP2):
+            return self._wrap.first(self.module, self.optimizer)
         if self._wrap is not None:
             return self._wrap(self.module)
         if not (dist.is_available() and dist.is_initialized()):
@@ -132,13 +142,22 @@ class RecoveringStep:
 
         return DistributedDataParallel(self.module)
 
-    def _restore(self, buffers: list[torch.Tensor], rng: torch.Tensor) -> None:
-        """Puts back what the failed attempt changed: gradients, buffers, the RNG state."""
+    def _rewrapped(self) -> torch.nn.Module:
+        """The model on the rebuilt world (FSDP2: a new module, holding this rank's shards)."""
+        if isinstance(self._wrap, FSDP2):
+            self.module = self._wrap.again(self.module, self.optimizer)
+            return self.module
+        return self._wrapped()
+
+    def _restore(self, buffers: list[torch.Tensor], rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        """Puts back what the failed attempt changed: gradients, buffers, the RNG states."""
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for live, kept in zip(self.module.buffers(), buffers, strict=True):
                 live.copy_(kept)
-        torch.set_rng_state(rng)
+        torch.set_rng_state(rng[0])
+        if rng[1]:
+            torch.cuda.set_rng_state_all(rng[1])
 
     @property
     def model(self) -> torch.nn.Module:
@@ -173,7 +192,8 @@ class RecoveringStep:
         mark_step(step)  # the heartbeat's step and the straggler windows' step count; a redo is the same step
         start = time.monotonic()
         buffers = [b.detach().clone() for b in self.module.buffers()]
-        rng = torch.get_rng_state()
+        # CUDA's generators too, where CUDA is in use (dropout on the GPU draws from them).
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
         commits: list[CommitResult] = []
         rebuilds, output = 0, None
         for attempt in range(1, self.max_attempts + 1):
@@ -209,7 +229,7 @@ class RecoveringStep:
             # The old wrapper goes now, while the reaper still holds the abandoned groups: freeing
             # a group's last reference on this thread could wait for gloo to give up its ops.
             del old
-            self._model = self._wrapped()
+            self._model = self._rewrapped()
             log.warning(
                 "RecoveringStep: redoing the step in world generation %d (%d ranks), attempt %d",
                 generation(),

@@ -4,6 +4,10 @@
 start through RecoveringStep with rank 2 stalled past the group's timeout at step K: every rank
 redoes step K in generation 1, and the parameters end bit-equal to the fault-free run's.
 
+``fsdp2`` (torchrun, 3 ranks): ``stall`` with the module sharded by FSDP2 (``ncclguard.FSDP2``,
+each Linear then the root) and Adam: step K is redone on a world whose module was sharded again
+from each rank's shards; the full parameters and Adam's state end bit-equal to the fault-free run.
+
 ``shrink`` (torchrun, 3 ranks): rank 2 is stuck for good at step K (it sleeps until the survivors
 are done, then finds itself left out and exits 0); ranks 0-1 go on in a world of 2.
 """
@@ -20,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-from ncclguard import RecoveringStep, StepResult
+from ncclguard import FSDP2, RecoveringStep, StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
@@ -57,15 +61,30 @@ def summary(res: StepResult) -> dict[str, Any]:
     }
 
 
+def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def train(
-    stall_at: int | None, stall: Any = None, base: int = 0, shrink: bool = False
-) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    stall_at: int | None, stall: Any = None, base: int = 0, shrink: bool = False, fsdp2: bool = False
+) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module = make_module()
     # The commit waits for the stalled rank (10 s, then its own failure) unless it is stuck for good.
     wait_s = 20 if shrink else 60
+    opt: torch.optim.Optimizer
+    if fsdp2:
+        opt = torch.optim.Adam(module.parameters(), lr=0.05)
+    else:
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     stepper = RecoveringStep(
         module,
-        torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
+        opt,
+        wrap=FSDP2(shard_layers) if fsdp2 else None,
         commit_timeout=wait_s,
         rebuild_timeout=wait_s,
         allow_shrink=shrink,
@@ -90,19 +109,62 @@ def train(
         results.append({**summary(res), "world_sizes": tries})
         if not res:
             break
-    return module, results
+    return stepper, results
 
 
-def stall() -> None:
+def full_state(stepper: RecoveringStep) -> torch.Tensor:
+    """FSDP2: the full parameters and Adam's full state, gathered over the current world."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t: Any) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    tensors = [full(p.detach()) for p in stepper.model.parameters()]
+    for p in stepper.model.parameters():
+        held = stepper.optimizer.state[p]
+        tensors += [full(held["exp_avg"]), full(held["exp_avg_sq"]), held["step"]]
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+def fsdp2_refusals() -> list[str]:
+    """What FSDP2 refuses, before any communication: a module sharded already, a stepped optimizer."""
+    said = []
+    sharded = make_module()
+    shard_layers(sharded, None)  # fully_shard's default mesh: the whole world
+    stepped = make_module()
+    opt = torch.optim.Adam(stepped.parameters())
+    stepped(torch.zeros(1, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    for module, optimizer in ((sharded, torch.optim.Adam(sharded.parameters())), (stepped, opt)):
+        try:
+            RecoveringStep(module, optimizer, wrap=FSDP2(shard_layers))
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return said
+
+
+def stall(fsdp2: bool = False) -> None:
     rankkit.init(timeout_s=GROUP_TIMEOUT_S)
-    reference, ref_results = train(stall_at=None)
+    if fsdp2:
+        put("refusals", fsdp2_refusals())
+    reference, ref_results = train(stall_at=None, fsdp2=fsdp2)
     put("reference_results", ref_results)
+    # Read now: the reference's FSDP2 shards are gathered over this world's group, gone after a rebuild.
+    theirs = full_state(reference) if fsdp2 else flat(reference.module)
+    reference_model = reference.model
+    del reference
     t0 = time.monotonic()
-    module, results = train(stall_at=K, stall=lambda: rankkit.stall(2, STALL_S), base=STEPS)
+    stepper, results = train(stall_at=K, stall=lambda: rankkit.stall(2, STALL_S), base=STEPS, fsdp2=fsdp2)
     put("results", results)
     put("faulty_s", time.monotonic() - t0)
-    put("equal_to_reference", torch.equal(flat(module), flat(reference)))
-    mine = flat(module)
+    if fsdp2:
+        mine = full_state(stepper)
+        put("module_is_new", stepper.model is not reference_model and stepper.module is stepper.model)
+        put("sharded", sorted({type(p).__name__ for p in stepper.model.parameters()}))
+    else:
+        mine = flat(stepper.module)
+    del reference_model
+    put("equal_to_reference", torch.equal(mine, theirs))
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
@@ -123,10 +185,10 @@ def shrink() -> None:
                 time.sleep(0.2)
             put("woke_after_survivors", store.check(["rankkit/survivors-done-0", "rankkit/survivors-done-1"]))
 
-    module, results = train(stall_at=K, stall=stuck, shrink=True)
+    stepper, results = train(stall_at=K, stall=stuck, shrink=True)
     put("results", results)
     if me != 2:
-        mine = flat(module)
+        mine = flat(stepper.module)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
@@ -152,4 +214,4 @@ def reference_shrunk() -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    {"stall": stall, "shrink": shrink}[sys.argv[1]]()
+    {"stall": stall, "fsdp2": lambda: stall(fsdp2=True), "shrink": shrink}[sys.argv[1]]()
