@@ -27,6 +27,7 @@ from ncclguard.errors import (
     StoreUnreachable,
     TorchCompatError,
 )
+from ncclguard.recording.ddp import record_ddp
 from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
@@ -88,6 +89,7 @@ __all__ = [
     "mark_step",
     "phase",
     "rebuild_world",
+    "record_ddp",
     "recorder",
     "safe_all_reduce",
     "safe_barrier",

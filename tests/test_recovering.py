@@ -42,6 +42,8 @@ def test_bad_input_is_refused(parts):
         ncclguard.FSDP2(shard="layers")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="initialized process group"):
         RecoveringStep(module, opt, wrap=ncclguard.FSDP2())
+    with pytest.raises(TypeError, match="record_ddp needs a DistributedDataParallel model, got Sequential"):
+        ncclguard.record_ddp(module)
 
 
 def test_a_failed_attempt_is_redone_from_the_same_state(parts):

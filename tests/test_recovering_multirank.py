@@ -84,6 +84,9 @@ def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
         assert steps[K] == redone_on_generation_1(world_sizes=[3, 2])
         assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [2]}] * 2
         assert res["final"] == [r, 2]
+        # record_ddp: each bucket all-reduce of generation 1 recorded, none left in flight.
+        assert res["ddp_records"] == [["DDP bucket 0", "completed", True]] * 3
+        assert res["ddp_inflight"] == 0
         assert res["equal_across_ranks"] is True
         # Against one process averaging 3 ranks' losses before K and 2 ranks' after (float64).
         assert res["max_diff_to_reference"] < 1e-12

@@ -387,9 +387,8 @@ class FlightRecorder:
         if rec.state != "started":
             return
         rec.end = _time()
-        if rec.work is not None:
-            rec.work = None
-            self._async.pop(id(rec), None)
+        rec.work = None
+        self._async.pop(id(rec), None)  # an async op's, or one handed off
         if error is not None:
             rec.state = "failed"
             rec.error = (str(error) or type(error).__name__)[:500]
@@ -426,6 +425,13 @@ class FlightRecorder:
             self.finish(rec)
             return
         rec.work = work
+        self._async[id(rec)] = rec
+
+    def hand_off(self, rec: FlightRecord) -> None:
+        """The op of ``rec`` goes on without the calling thread (a future will finish it): it
+        leaves the thread's open records, so later ops of the thread are recorded, and stays in
+        flight until :meth:`finish`."""
+        self._close(rec)
         self._async[id(rec)] = rec
 
     def sweep(self) -> None:

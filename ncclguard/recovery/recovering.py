@@ -84,7 +84,10 @@ class RecoveringStep:
         module: the model, unwrapped (it is wrapped again after each rebuild).
         optimizer: its optimizer (stepped only after a commit that is ok).
         wrap: builds the wrapped model on the current default group; default
-            ``DistributedDataParallel(module)`` (the module itself without a process group). For
+            ``DistributedDataParallel(module)`` (the module itself without a process group).
+            A wrap that calls :func:`~ncclguard.record_ddp` puts DDP's all-reduces in the flight
+            recorder; a step redone with a comm hook can then differ from the fault-free run in
+            the last bit (see docs/recovery.md). For
             FSDP2, :class:`~ncclguard.recovery.fsdp2.FSDP2` (it shards the module, and after a
             rebuild shards it again from the shards each rank holds).
         commit_timeout: seconds (or a timedelta) each commit waits for the other ranks; default

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
+import ncclguard
 from ncclguard import FSDP2, RecoveringStep, StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
@@ -70,6 +71,14 @@ def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
     fully_shard(module, mesh=mesh)
 
 
+def recorded_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(module)
+    ncclguard.record_ddp(model)  # DDP's bucket all-reduces in the flight recorder
+    return model
+
+
 def train(
     stall_at: int | None, stall: Any = None, base: int = 0, shrink: bool = False, fsdp2: bool = False
 ) -> tuple[RecoveringStep, list[dict[str, Any]]]:
@@ -84,7 +93,7 @@ def train(
     stepper = RecoveringStep(
         module,
         opt,
-        wrap=FSDP2(shard_layers) if fsdp2 else None,
+        wrap=FSDP2(shard_layers) if fsdp2 else (recorded_ddp if shrink else None),
         commit_timeout=wait_s,
         rebuild_timeout=wait_s,
         allow_shrink=shrink,
@@ -193,6 +202,9 @@ def shrink() -> None:
         dist.all_gather(everyone, mine)
         put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
         put("final", [dist.get_rank(), dist.get_world_size()])
+        # The recorder keeps generation 1's records: the redone step 2, then steps 3 and 4.
+        put("ddp_records", [[r.site, r.state, r.async_op] for r in ncclguard.recorder.records()])
+        put("ddp_inflight", len(ncclguard.recorder.inflight()))
         # A single-process reference: steps before K average 3 ranks' gradients, from K on 2 ranks'.
         put("max_diff_to_reference", float((mine - reference_shrunk()).abs().max()))
         rankkit.save()
