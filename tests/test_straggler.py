@@ -273,7 +273,8 @@ def test_the_watch_puts_step_score_and_window_in_the_heartbeat_and_the_store_tak
     marks.step = 6
     later = watch.on_beat(hb, now=12.0)
     assert later.step == 6 and later.window is not None
-    assert (later.window.n, later.window.steps, later.window.length_s) == (0, 7, 12.0)
+    # The window ends on the clock's multiple of 10 s, not at the beat: [0, 10) is window 0.
+    assert (later.window.n, later.window.steps, later.window.length_s) == (0, 7, 10.0)
     assert watch.check({}) is None and watch.check({}) is None  # no peers; assessed once
     blob = encode(later)
     assert len(blob) < LIMITS[Heartbeat]
@@ -450,3 +451,56 @@ def test_a_20_percent_straggler_fires_within_3_windows_whatever_the_cpu_waits(sl
         if (found := tracker.feed(own, dict(enumerate(rest, 1)))) is not None:
             hits.append(found)
     assert len(hits) == 1 and hits[0].straggler is not None and hits[0].straggler.cause == "compute"
+
+
+# ----------------------------------------------------------------- windows on the wall clock
+
+
+def test_windows_end_on_the_clocks_multiples_so_ranks_started_apart_compare_the_same_span() -> None:
+    a = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    b = StragglerWatch(1, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    a.start, b.start = 1003.0, 1007.5  # watchdogs started 4.5 s apart
+    a.tick(1009.9)
+    assert a.window is None  # before the first boundary
+    a.tick(1010.2)
+    b.tick(1010.4)
+    assert a.window is not None and b.window is not None
+    assert (a.window.n, a.window.end, a.window.length_s) == (100, 1010.0, pytest.approx(7.0))
+    assert (b.window.n, b.window.end, b.window.length_s) == (100, 1010.0, pytest.approx(2.5))
+    a.tick(1020.05)
+    b.tick(1031.0)  # a late tick closes the span up to the last boundary passed
+    assert (a.window.n, a.window.length_s) == (101, pytest.approx(10.0))
+    assert (b.window.n, b.window.length_s, b.window.end) == (102, pytest.approx(20.0), 1030.0)
+
+
+def test_measure_leaves_out_records_begun_after_the_window() -> None:
+    recs = [rec("all_reduce", t + 0.6, t + 1.0) for t in range(12)]  # the last two begin after 10 s
+    w = measure(recs, 0.0, 10.0, thread=MAIN, n=0)
+    assert w is not None and w.ops == 10
+    assert (w.compute_s, w.wait_s) == (pytest.approx(6.0), pytest.approx(4.0))
+
+
+def test_check_waits_for_a_peer_that_has_not_published_the_window_yet() -> None:
+    hb = {
+        "host": "h",
+        "pid": 1,
+        "beat": 1,
+        "time": 0.0,
+        "phase": "",
+        "site": "",
+        "last_seq": {},
+        "last_completed": {},
+        "inflight": [],
+    }
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    mine, theirs = lockstep([1.3, 1.0], 0.2, 10.0, 7, 80.0)
+    watch.window = mine
+    old = theirs.model_copy(update={"n": 6, "end": 70.0})
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=81.0) is None
+    assert watch.assessed == -1 and watch.tracker.assessed == 0  # not assessed: it waits
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=theirs)}, now=82.0) is None  # first slow window
+    assert watch.assessed == 7 and watch.tracker.assessed == 1 and len(watch.tracker.compute_run) == 1
+    # A peer that never publishes it: after a window's length the rank assesses without it.
+    watch.window = mine.model_copy(update={"n": 8, "end": 90.0})
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=95.0) is None and watch.assessed == 7
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=100.5) is None and watch.assessed == 8

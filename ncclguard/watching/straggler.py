@@ -24,6 +24,7 @@ See ``docs/stragglers.md``.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -137,8 +138,8 @@ def measure(
     mine: list[_RecordLike] = []
     reached = False
     for rec in reversed(records):
-        if rec.thread != thread or rec.async_op:
-            continue
+        if rec.thread != thread or rec.async_op or rec.start >= end:
+            continue  # another thread's, async, or begun after the window (it closes a tick late)
         if (rec.end if rec.end is not None else end) <= start:
             reached = True
             break
@@ -189,10 +190,15 @@ def measure(
 
 
 def fresh_windows(beats: Mapping[int, Heartbeat], own: StragglerWindow) -> dict[int, StragglerWindow]:
-    """The peers' last windows that closed within two window lengths of ``own`` (older ones say
-    nothing about now: a peer that stopped beating is the ``lost`` detector's)."""
+    """The peers' windows of the same number as ``own`` (the same span of the wall clock), closed
+    within two window lengths of it (an old one says nothing about now: a peer that stopped beating is
+    the ``lost`` detector's)."""
     oldest = own.end - 2 * own.length_s
-    return {r: hb.window for r, hb in beats.items() if hb.window is not None and hb.window.end >= oldest}
+    return {
+        r: hb.window
+        for r, hb in beats.items()
+        if hb.window is not None and hb.window.n == own.n and hb.window.end >= oldest
+    }
 
 
 @dataclass(frozen=True)
@@ -393,13 +399,14 @@ class StragglerTracker:
 
 
 class StragglerWatch:
-    """The watchdog's straggler detection on one rank: closes a window at the first heartbeat past
-    ``window_s``, puts its figures, the step and the score in the heartbeat, and assesses each new
-    window against the watched peers' once their heartbeats are read.
+    """The watchdog's straggler detection on one rank: closes windows on the wall clock's multiples of
+    ``window_s`` (every rank's window ``n`` covers the same span, so a burst of load on the host falls
+    in the same window on every rank), puts the figures, the step and the score in the heartbeat, and
+    assesses each window against the watched peers' window of the same number once they publish it.
 
     Args:
         rank: this rank.
-        window_s: the window's length (closed at a heartbeat: at least one beat).
+        window_s: the window's length (closed at the first watchdog tick past its end).
         threshold, min_share, windows, link_threshold: see :class:`StragglerTracker`.
         enabled: False: the heartbeat carries the step only, nothing is measured.
         marks: the step marks to count (default: the process's).
@@ -424,32 +431,36 @@ class StragglerWatch:
         self.delay = run_delay(self.native)
         self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
         self.start = time.time()
-        self.n = 0
         self.count = marks.count
         self.window: StragglerWindow | None = None
         self.assessed = -1  # the number of the last window assessed
 
+    def tick(self, now: float | None = None) -> None:
+        """Closes the window when the clock has passed its end (the watchdog calls it every tick)."""
+        now = time.time() if now is None else now
+        if not self.enabled or now < (math.floor(self.start / self.window_s) + 1) * self.window_s:
+            return
+        end = math.floor(now / self.window_s) * self.window_s  # the last boundary passed
+        # The steps and the run delay are read now, up to a tick after the boundary.
+        marks, self.count = self.marks.count - self.count, self.marks.count
+        delay = run_delay(self.native)
+        win = measure(
+            recorder.records(),
+            self.start,
+            end,
+            thread=self.thread,
+            n=max(0, round(end / self.window_s) - 1),
+            phase_now=main_thread_phase(),
+            steps=marks if self.marks.step is not None else None,
+            capacity=recorder.size,
+            run_delay_s=None if delay is None or self.delay is None else delay - self.delay,
+        )
+        self.delay, self.start = delay, end
+        self.window = win if win is not None else self.window
+
     def on_beat(self, hb: Heartbeat, now: float | None = None) -> Heartbeat:
         """``hb`` with the step, the score and the last window (closing one when due)."""
-        now = time.time() if now is None else now
-        if self.enabled and now - self.start >= self.window_s:
-            marks, self.count = self.marks.count - self.count, self.marks.count
-            recs = recorder.records()
-            delay = run_delay(self.native)
-            win = measure(
-                recs,
-                self.start,
-                now,
-                thread=self.thread,
-                n=self.n,
-                phase_now=main_thread_phase(),
-                steps=marks if self.marks.step is not None else None,
-                capacity=recorder.size,
-                run_delay_s=None if delay is None or self.delay is None else delay - self.delay,
-            )
-            self.delay = delay
-            self.start, self.n = now, self.n + 1
-            self.window = win if win is not None else self.window
+        self.tick(now)
         return self.stamp(hb)
 
     def stamp(self, hb: H) -> H:
@@ -458,11 +469,16 @@ class StragglerWatch:
             update={"step": self.marks.step, "straggler_score": self.tracker.score, "window": self.window}
         )
 
-    def check(self, beats: Mapping[int, Heartbeat]) -> Detection | None:
-        """Assesses this rank's newest window, once, against the watched peers' ``beats``."""
+    def check(self, beats: Mapping[int, Heartbeat], now: float | None = None) -> Detection | None:
+        """Assesses this rank's newest window, once, against the watched peers' windows of its number
+        in ``beats``; while a peer has not published it yet, for up to a window's length, it waits."""
         win = self.window
         if win is None or win.n == self.assessed:
             return None
+        now = time.time() if now is None else now
+        behind = any(hb.window is not None and hb.window.n < win.n for hb in beats.values())
+        if behind and now - win.end < win.length_s:
+            return None  # a peer has not closed or published this window yet: the next beat
         self.assessed = win.n
         found = self.tracker.feed(win, fresh_windows(beats, win))
         if found is not None:
