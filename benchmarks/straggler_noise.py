@@ -92,7 +92,7 @@ def main() -> None:
         load = os.getloadavg()
     finally:
         for b in busy:
-            b.kill()
+            b.terminate()  # timeout passes SIGTERM on to the loop (a SIGKILL would orphan it)
             b.wait(10)
     if res.timed_out or any(r.returncode != 0 for r in res.ranks):
         raise SystemExit(f"the ranks failed:\n{res.output()[-6000:]}")
