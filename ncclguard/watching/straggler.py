@@ -57,6 +57,7 @@ __all__ = [
     "from_config",
     "measure",
     "phase_name",
+    "run_delay",
 ]
 
 H = TypeVar("H", bound=Heartbeat)
