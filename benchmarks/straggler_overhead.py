@@ -18,13 +18,14 @@ and the side by side is kept as a cross-check:
     of forward, backward, the bucket all_reduce, ``optimizer.step()`` and one ``dist.all_reduce`` of
     the loss for logging, which ncclguard records). Blocks of ``--block-s`` seconds alternate ``off``
     (no ncclguard) and ``on`` (``start_watchdog()`` at its defaults: 5 s heartbeat, straggler detection
-    on with 10 s windows; a block is long enough for a window to close and be assessed), in pairs whose
+    on with 10 s windows; 30 s blocks let a window close on the clock's 10 s mark and be assessed a
+    beat or two later against the peer's: 16 s blocks assessed none), in pairs whose
     order alternates (off-on, on-off, ...). Per pair the ratio of median step times; the median of the
     ratios with a 95% bootstrap interval.
 
 The verdict: ((a) + (b)) per step over the median DDP step time of the ``off`` blocks, against 1%.
 
-Usage: python benchmarks/straggler_overhead.py [--pairs 8] [--block-s 16] [--width 1024]
+Usage: python benchmarks/straggler_overhead.py [--pairs 6] [--block-s 30] [--width 1024]
        [--json benchmarks/results/straggler_overhead.json]
 """
 
@@ -274,8 +275,8 @@ def analyse(data: dict[str, Any], hooks: dict[str, dict[str, float]], pairs: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=8)
-    p.add_argument("--block-s", type=float, default=16.0)
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--block-s", type=float, default=30.0)
     p.add_argument("--width", type=int, default=1024, help="the MLP's width (sets the step time)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--calls", type=int, default=20_000, help="calls per repeat of the hook microbenchmark")
