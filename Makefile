@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-alone lint bench clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
@@ -32,11 +32,7 @@ demo: $(STAMP)
 	$(PY) -m ncclguard demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q -m "not alone" $(PYTEST_ARGS)
-
-# Real-rank timing tests that need the machine to themselves (marker `alone`), one at a time.
-test-alone: $(STAMP)
-	$(PY) -m pytest -p no:xdist -q -m alone $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)

@@ -8,6 +8,10 @@ when the slowest arrives, so a step lasts ``max(compute) + transfer`` and each r
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+
 import pydantic
 import pytest
 from hypothesis import given, settings
@@ -18,7 +22,14 @@ from ncclguard.recording.steps import StepMarks, mark_step, steps
 from ncclguard.store.codec import decode, encode
 from ncclguard.watching.protocol import LIMITS
 from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.straggler import StragglerTracker, StragglerWatch, assess, fresh_windows, measure
+from ncclguard.watching.straggler import (
+    StragglerTracker,
+    StragglerWatch,
+    assess,
+    fresh_windows,
+    measure,
+    run_delay,
+)
 
 MAIN = 1
 
@@ -28,8 +39,18 @@ def rec(op: str, start: float, end: float | None, phase: str = "train", thread: 
     return OpRecord(seq=1, op=op, group="0", start=start, end=end, phase=phase, thread=thread, **kw)
 
 
-def lockstep(computes: list[float], transfer: float, length: float, n: int, end: float) -> list[StragglerWindow]:
-    """Each rank's window when ranks with per-step ``computes`` meet in one collective per step."""
+def lockstep(
+    computes: list[float], transfer: float, length: float, n: int, end: float, delays: list[float] | None = None
+) -> list[StragglerWindow]:
+    """Each rank's window when ranks with per-step ``computes`` meet in one collective per step.
+
+    ``delays``: per rank, the time per step it waited for a CPU on top of its compute (a loaded host):
+    its wall-clock compute is ``compute + delay`` and its window tells the run delay."""
+    if delays is not None:
+        walls = [c + d for c, d in zip(computes, delays, strict=True)]
+        count = length / (max(walls) + transfer)
+        wins = lockstep(walls, transfer, length, n, end)
+        return [w.model_copy(update={"run_delay_s": d * count}) for w, d in zip(wins, delays, strict=True)]
     step = max(computes) + transfer
     count = length / step
     return [
@@ -252,7 +273,8 @@ def test_the_watch_puts_step_score_and_window_in_the_heartbeat_and_the_store_tak
     marks.step = 6
     later = watch.on_beat(hb, now=12.0)
     assert later.step == 6 and later.window is not None
-    assert (later.window.n, later.window.steps, later.window.length_s) == (0, 7, 12.0)
+    # The window ends on the clock's multiple of 10 s, not at the beat: [0, 10) is window 0.
+    assert (later.window.n, later.window.steps, later.window.length_s) == (0, 7, 10.0)
     assert watch.check({}) is None and watch.check({}) is None  # no peers; assessed once
     blob = encode(later)
     assert len(blob) < LIMITS[Heartbeat]
@@ -314,3 +336,171 @@ def test_windows_without_completed_collectives_are_not_compared() -> None:
     assert assess(stalled, {1: waiting, 2: waiting}, 1.15, 0.05) is None
     own, *peers = lockstep([1.3, 1.0], 0.2, 10.0, 0, 10.0)
     assert assess(own, {1: peers[0].model_copy(update={"ops": 2})}, 1.15, 0.05) is None
+
+
+# ----------------------------------------------------------------- CPU starvation (the run delay)
+
+
+def test_run_delay_reads_a_threads_time_waiting_for_a_cpu() -> None:
+    me = threading.get_native_id()
+    first = run_delay(me)
+    assert first is not None and first >= 0.0  # Linux, where the suite runs
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:  # some running, to be descheduled or not
+        pass
+    second = run_delay(me)
+    assert second is not None and second >= first
+    assert run_delay(None) is None
+    assert run_delay(2**31 - 1) is None  # no such thread in this process
+
+
+def test_measure_keeps_the_run_delay_within_the_window() -> None:
+    recs = [rec("all_reduce", t + 0.6, t + 1.0) for t in range(10)]
+    w = measure(recs, 0.0, 10.0, thread=MAIN, n=0, run_delay_s=2.5)
+    assert w is not None and w.run_delay_s == pytest.approx(2.5)
+    over = measure(recs, 0.0, 10.0, thread=MAIN, n=0, run_delay_s=12.0)
+    assert over is not None and over.run_delay_s == pytest.approx(10.0)
+    unknown = measure(recs, 0.0, 10.0, thread=MAIN, n=0)
+    assert unknown is not None and unknown.run_delay_s is None
+
+
+def test_the_watch_publishes_the_main_threads_run_delay() -> None:
+    watch = StragglerWatch(0, 1.0, 1.15, 0.05, 2, marks=StepMarks())  # the real main thread
+    hb = Heartbeat(
+        rank=0, host="h", pid=1, beat=1, time=0.0, phase="", site="", last_seq={}, last_completed={}, inflight=[]
+    )
+    out = watch.on_beat(hb, now=watch.start + 2.0)
+    assert out.window is not None and out.window.run_delay_s is not None and 0.0 <= out.window.run_delay_s <= 2.0
+
+
+def test_a_rank_starved_of_cpu_is_no_straggler_but_its_wall_clock_alone_would_make_one() -> None:
+    # Rank 0 waits 0.3 s a step for a CPU (the host's load), for 6 windows: its wall-clock compute is
+    # 1.3x its peers', which the wall-clock rule (no run delay told) reports.
+    told, untold = defaults(), defaults()
+    found_told, found_untold = [], []
+    for n in range(6):
+        wins = lockstep([1.0, 1.0, 1.0], 0.3, 10.0, n, 10.0 * (n + 1), delays=[0.3, 0.0, 0.0])
+        own, *peers = wins
+        found_told.append(told.feed(own, dict(enumerate(peers, 1))))
+        bare = [w.model_copy(update={"run_delay_s": None}) for w in wins]
+        found_untold.append(untold.feed(bare[0], dict(enumerate(bare[1:], 1))))
+    assert found_told == [None] * 6
+    assert told.score == 1.0
+    assert [d is not None for d in found_untold] == [False, True, False, False, False, False]
+
+
+def test_a_20_percent_straggler_is_named_though_every_rank_waits_for_a_cpu() -> None:
+    tracker = defaults()
+    found = []
+    for n in range(3):  # rank 0 computes 1.2x; every rank waits 0.5 s a step for a CPU, rank 1 twice that
+        own, *peers = lockstep([1.2, 1.0, 1.0], 0.3, 10.0, n, 10.0 * (n + 1), delays=[0.5, 1.0, 0.5])
+        found.append(tracker.feed(own, dict(enumerate(peers, 1))))
+    assert found[0] is None and found[2] is None
+    det = found[1]
+    assert det is not None and det.straggler is not None and det.straggler.cause == "compute"
+    assert det.straggler.slowdown == pytest.approx(1.2, rel=1e-3)
+    assert "less the time each waited for a CPU" in det.reason
+    ev = det.straggler.windows[-1]
+    assert ev.work_frac is not None and ev.peers_work_frac is not None and ev.run_delay_frac is not None
+    assert ev.slowdown == pytest.approx(ev.work_frac / ev.peers_work_frac, abs=1e-3)
+
+
+def test_without_every_ranks_run_delay_all_are_judged_on_the_wall_clock() -> None:
+    own, *peers = lockstep([1.3, 1.0, 1.0], 0.2, 10.0, 0, 10.0, delays=[0.0, 0.0, 0.0])
+    blind = peers[1].model_copy(update={"run_delay_s": None})
+    a = assess(own, {1: peers[0], 2: blind}, 1.15, 0.05)
+    assert a is not None and a.compute_slow
+    assert (a.evidence.work_frac, a.evidence.peers_work_frac, a.evidence.run_delay_frac) == (None, None, None)
+    assert a.evidence.slowdown == pytest.approx(1.3, rel=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(share=st.floats(0.05, 0.95), peers=st.integers(1, 16), me=st.integers(0, 16), seed=st.integers(0, 2**32))
+def test_cpu_starvation_of_equal_ranks_never_fires(share, peers, me, seed) -> None:
+    # Work within 5% on every rank, each window any rank waiting up to 3x its compute for a CPU (the
+    # draws from a seed hypothesis picks: drawing 340 floats per example took minutes).
+    rng = random.Random(seed)
+    me = me % (peers + 1)
+    tracker = defaults()
+    for n in range(10):
+        d = [rng.uniform(0.0, 3.0) for _ in range(peers + 1)]
+        computes = [1.0 + rng.uniform(-0.05, 0.05) for _ in range(peers + 1)]
+        wins = lockstep(computes, 1.0 / share - 1.0, 30.0, n, 30.0 * (n + 1), delays=d)
+        own = wins.pop(me)
+        assert tracker.feed(own, dict(enumerate(wins))) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    slow=st.floats(1.2, 3.0),
+    share=st.floats(0.3, 0.95),
+    peers=st.integers(1, 16),
+    seed=st.integers(0, 2**32),
+)
+def test_a_20_percent_straggler_fires_within_3_windows_whatever_the_cpu_waits(slow, share, peers, seed) -> None:
+    # Every rank waits up to a quarter of its step's compute for a CPU, unevenly (beyond that the
+    # straggler's 20% costs less than straggler_min_share of the longer step: a host that loaded
+    # delays the job more than the straggler does).
+    rng = random.Random(seed)
+    tracker = defaults()
+    hits = []
+    for n in range(3):
+        d = [rng.uniform(0.0, 0.25) for _ in range(peers + 1)]
+        computes = [slow if r == 0 else 1.0 for r in range(peers + 1)]
+        own, *rest = lockstep(computes, 1.0 / share - 1.0, 30.0, n, 30.0 * (n + 1), delays=d)
+        if (found := tracker.feed(own, dict(enumerate(rest, 1)))) is not None:
+            hits.append(found)
+    assert len(hits) == 1 and hits[0].straggler is not None and hits[0].straggler.cause == "compute"
+
+
+# ----------------------------------------------------------------- windows on the wall clock
+
+
+def test_windows_end_on_the_clocks_multiples_so_ranks_started_apart_compare_the_same_span() -> None:
+    a = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    b = StragglerWatch(1, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    a.start, b.start = 1003.0, 1007.5  # watchdogs started 4.5 s apart
+    a.tick(1009.9)
+    assert a.window is None  # before the first boundary
+    a.tick(1010.2)
+    b.tick(1010.4)
+    assert a.window is not None and b.window is not None
+    assert (a.window.n, a.window.end, a.window.length_s) == (100, 1010.0, pytest.approx(7.0))
+    assert (b.window.n, b.window.end, b.window.length_s) == (100, 1010.0, pytest.approx(2.5))
+    a.tick(1020.05)
+    b.tick(1031.0)  # a late tick closes the span up to the last boundary passed
+    assert (a.window.n, a.window.length_s) == (101, pytest.approx(10.0))
+    assert (b.window.n, b.window.length_s, b.window.end) == (102, pytest.approx(20.0), 1030.0)
+
+
+def test_measure_leaves_out_records_begun_after_the_window() -> None:
+    recs = [rec("all_reduce", t + 0.6, t + 1.0) for t in range(12)]  # the last two begin after 10 s
+    w = measure(recs, 0.0, 10.0, thread=MAIN, n=0)
+    assert w is not None and w.ops == 10
+    assert (w.compute_s, w.wait_s) == (pytest.approx(6.0), pytest.approx(4.0))
+
+
+def test_check_waits_for_a_peer_that_has_not_published_the_window_yet() -> None:
+    hb = {
+        "host": "h",
+        "pid": 1,
+        "beat": 1,
+        "time": 0.0,
+        "phase": "",
+        "site": "",
+        "last_seq": {},
+        "last_completed": {},
+        "inflight": [],
+    }
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN)
+    mine, theirs = lockstep([1.3, 1.0], 0.2, 10.0, 7, 80.0)
+    watch.window = mine
+    old = theirs.model_copy(update={"n": 6, "end": 70.0})
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=81.0) is None
+    assert watch.assessed == -1 and watch.tracker.assessed == 0  # not assessed: it waits
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=theirs)}, now=82.0) is None  # first slow window
+    assert watch.assessed == 7 and watch.tracker.assessed == 1 and len(watch.tracker.compute_run) == 1
+    # A peer that never publishes it: after a window's length the rank assesses without it.
+    watch.window = mine.model_copy(update={"n": 8, "end": 90.0})
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=95.0) is None and watch.assessed == 7
+    assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=100.5) is None and watch.assessed == 8

@@ -20,11 +20,7 @@ import pytest
 from netns import WORKERS, run_two_ranks
 from test_netns_faults import _tc
 
-# Out of `make test`, run by `make test-alone`: with other real-rank tests beside them on 2 cores
-# (3 test files at once), the healthy part raised a false compute straggler (score 0.82 with 2 s
-# windows) and the link test a straggler before the link was slowed. Straggler detection needs
-# hardening against a loaded host before these can run in the shared suite (docs/stragglers.md).
-pytestmark = [pytest.mark.multirank, pytest.mark.alone]
+pytestmark = pytest.mark.multirank
 
 HEALTHY_S = 10.0  # before the link slows: 5 windows, the baseline
 BOUND_S = 90.0  # the worker's loop ends here without an incident (the test then fails)

@@ -157,6 +157,7 @@ def test_healthy_then_an_open_incident_then_resolved(server, capsys):
             "open": True,
             "report": None,
             "ranks": None,
+            "ranks_back": False,
             "problem": None,
         }
     ]
@@ -165,14 +166,32 @@ def test_healthy_then_an_open_incident_then_resolved(server, capsys):
     code, out = status_json(server, "inc", capsys)
     assert (code, out["incidents"][0]["open"]) == (0, False)
     assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0-3", [])]
+    now = time.time()
+    server.set(keys.heartbeat(3), beat(3, now - 40.0).model_dump_json())  # rank 3 stopped beating 40 s ago
     lost = IncidentDoc(
-        kind=IncidentKind.PEERS_LOST, reason="rank 3 stopped", id="20260101-000001-002", by=1, n=2, ranks=[3]
+        kind=IncidentKind.PEERS_LOST,
+        reason="rank 3 stopped",
+        id="20260101-000001-002",
+        by=1,
+        n=2,
+        ranks=[3],
+        created=now - 5.0,
     )
     server.set(keys.incident(2), lost.model_dump_json())
     server.add(keys.count, 1)
     code, out = status_json(server, "inc", capsys)
-    assert (code, [i["open"] for i in out["incidents"]]) == (4, [False, True])
-    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0,2", []), ("1,3", [2])]
+    assert (code, [(i["open"], i["ranks_back"]) for i in out["incidents"]]) == (4, [(False, False), (True, False)])
+    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0,2", []), ("1", [2]), ("3", [2])]
+    # Rank 3 beats again (a pause, not a death): the lost incident is no longer open.
+    server.set(keys.heartbeat(3), beat(3, time.time()).model_dump_json())
+    code, out = status_json(server, "inc", capsys)
+    assert (code, out["health"]) == (0, "healthy")
+    assert [(i["open"], i["ranks_back"]) for i in out["incidents"]] == [(False, False), (False, True)]
+    assert [(g["ranks"], g["incidents"]) for g in out["groups"]] == [("0-3", [])]
+    # A heartbeat older than the incident is no sign of return, however fresh the clock says it is.
+    server.set(keys.heartbeat(3), beat(3, now - 6.0).model_dump_json())
+    code, out = status_json(server, "inc", capsys)
+    assert (code, out["incidents"][1]["open"]) == (4, True)
 
 
 def test_a_store_nobody_answers_is_a_clear_error_within_the_timeout(capsys):

@@ -149,7 +149,7 @@ def show(status: JobStatus, max_groups: int) -> None:
         for col in ("n", "id", "kind", "state", "by", "reason", "report"):
             inc.add_column(col, overflow="fold")
         for i in status.incidents:
-            state = "bad value" if i.problem else "open" if i.open else "resolved"
+            state = "bad value" if i.problem else "open" if i.open else "ranks back" if i.ranks_back else "resolved"
             reason = i.problem or i.reason
             inc.add_row(str(i.n), i.id, i.kind, state, str(i.by), reason, i.report or "-")
         console.print(inc)

@@ -158,6 +158,9 @@ class StragglerWindow(_Model):
     op_wait_s: float = Field(0.0, ge=0)  # the median time of one op large enough to time the link
     transfer_ops: int = Field(0, ge=0)  # those ops (16,384 elements or more)
     steps: int | None = Field(None, ge=0)  # step marks in the window (ncclguard.mark_step)
+    # The time its main thread was runnable but not running (waiting for a CPU: Linux's schedstat run
+    # delay), None where the OS does not tell: compute the host took from it, not work it did.
+    run_delay_s: float | None = Field(None, ge=0)
     phase: str = Field("", max_length=200)  # where most of the compute went
     op: str = Field("", max_length=80)  # where most of the wait went
 
@@ -171,7 +174,12 @@ class WindowEvidence(_Model):
     wait_frac: float  # ... and waiting in collectives
     peers_compute_frac: float  # the median over its fresh watched peers
     peers_wait_frac: float
-    slowdown: float  # compute_frac / peers_compute_frac
+    slowdown: float  # work_frac / peers_work_frac where known, otherwise compute_frac / peers_compute_frac
+    # Where every rank compared tells its run delay: the share it was runnable without a CPU, and the
+    # compute share less it (what the rank itself took), its own and its peers' median.
+    run_delay_frac: float | None = None
+    work_frac: float | None = None
+    peers_work_frac: float | None = None
     op_wait_s: float  # the transfer: the least median op time among the rank and its peers
     baseline_op_wait_s: float | None = None  # the least seen in earlier windows
     phase: str = Field("", max_length=200)

@@ -106,7 +106,7 @@ class WatchdogConfig(BaseSettings):
 
     # Straggler detection (docs/stragglers.md; ncclguard/watching/straggler.py): on by default.
     straggler: bool = True  # measure windows and raise ``straggler`` incidents
-    straggler_window_s: float = Field(10.0, gt=0, le=3600)  # closed at a heartbeat: at least heartbeat_s
+    straggler_window_s: float = Field(10.0, gt=0, le=3600)  # published in a heartbeat: at least heartbeat_s
     straggler_threshold: float = Field(1.15, gt=1.0, le=100.0)  # the slowdown factor that counts
     straggler_windows: int = Field(2, ge=1, le=100)  # slow windows in a row that raise the incident
     straggler_link_threshold: float = Field(2.0, gt=1.0, le=100.0)  # the transfer's slowdown that counts
@@ -117,13 +117,13 @@ class WatchdogConfig(BaseSettings):
         if "straggler_window_s" in self.model_fields_set and self.straggler_window_s < self.heartbeat_s:
             raise ValueError(
                 f"straggler_window_s ({self.straggler_window_s}) must be >= heartbeat_s ({self.heartbeat_s}): "
-                "a window closes at a heartbeat"
+                "each window is published in a heartbeat"
             )
         return self
 
     @property
     def straggler_window(self) -> float:
-        """``straggler_window_s``, at least one heartbeat (a window closes at a heartbeat)."""
+        """``straggler_window_s``, at least one heartbeat (each window is published in a heartbeat)."""
         return max(self.straggler_window_s, self.heartbeat_s)
 
     @property

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.model import Heartbeat, IncidentDoc, MergedNote
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote
 from ncclguard.store.calls import BoundedCalls
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import Keys, index_key
@@ -155,6 +155,7 @@ class IncidentRow(BaseModel):
     open: bool = True
     report: str | None = None  # host:dir of the merged report
     ranks: list[int] | None = None  # a lost incident: the ranks that stopped beating
+    ranks_back: bool = False  # a lost incident whose ranks all beat again since: no longer open
     problem: str | None = None
 
 
@@ -388,6 +389,15 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
     rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
     count, incidents = _incidents(reader, keys)
     for inc in incidents:
+        if inc.open and inc.problem is None and inc.kind == IncidentKind.PEERS_LOST.value and inc.ranks:
+            # Nobody marks a lost incident resolved (no op of it completes), so status would read
+            # "incident" for the rest of the world's life. Once every rank it names beats again, on
+            # time, with a heartbeat newer than the incident, the loss is over: it is not open.
+            back = all(
+                0 <= r < len(rows) and rows[r].state == "ok" and t - (rows[r].age_s or 0.0) > inc.created
+                for r in inc.ranks
+            )
+            inc.open, inc.ranks_back = not back, back
         if inc.open and inc.problem is None:
             for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
                 rows[r].incidents.append(inc.n)

@@ -8,7 +8,10 @@ window it compares its figures with its watched peers' (the heartbeats it reads 
 traffic does not grow with the world):
 
 - **compute**: its compute share is ``straggler_threshold`` times its peers' median or more, by at least
-  ``straggler_min_share`` of the window, while it waits less than they do: it is the one they wait for;
+  ``straggler_min_share`` of the window, while it waits less than they do: it is the one they wait for.
+  Where every rank compared tells its run delay (the time its main thread was runnable but got no CPU,
+  :func:`run_delay`), compute is counted less that delay and the delay with the waits: on a loaded
+  host the scheduler starves one rank, then another, which is the host's doing, not the rank's work;
 - **link**: nobody computes more, but the transfer itself (the least median time of an op of at least
   :data:`LINK_MIN_NUMEL` elements among the rank and its peers: what even the last to arrive pays) is ``straggler_link_threshold`` times what it was in
   the earlier windows, costing ``straggler_min_share`` of the window or more, while the rank's compute
@@ -21,6 +24,7 @@ See ``docs/stragglers.md``.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -53,6 +57,7 @@ __all__ = [
     "from_config",
     "measure",
     "phase_name",
+    "run_delay",
 ]
 
 H = TypeVar("H", bound=Heartbeat)
@@ -74,6 +79,26 @@ class _RecordLike(Protocol):
     thread: int
 
 
+def run_delay(native_id: int | None) -> float | None:
+    """The seconds thread ``native_id`` of this process has spent runnable but not running, so far.
+
+    Linux's ``/proc/self/task/<tid>/schedstat`` (its second field: the time on a run queue, in ns).
+
+    Args:
+        native_id: the thread's OS id (``threading.Thread.native_id``).
+
+    Returns:
+        The run delay, or None where the OS does not tell (not Linux, no schedstat, no such thread).
+    """
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def phase_name(path: str) -> str:
     """A phase path without its labels: ``"train step=3 > fwd"`` -> ``"train > fwd"``."""
     return " > ".join(part.split(" ", 1)[0] for part in path.split(" > ")) if path else ""
@@ -89,6 +114,7 @@ def measure(
     phase_now: str = "",
     steps: int | None = None,
     capacity: int | None = None,
+    run_delay_s: float | None = None,
 ) -> StragglerWindow | None:
     """One rank's figures over the window ``[start, end]`` from its flight records.
 
@@ -105,6 +131,7 @@ def measure(
         steps: step marks in the window, if the loop marks steps.
         capacity: the recorder's size: when ``records`` is that long and none ends before ``start``,
             the oldest were dropped and the window is measured from the oldest record kept.
+        run_delay_s: the thread's run delay over the window (:func:`run_delay`), None if unknown.
 
     Returns:
         The figures, or None when the window covers no time.
@@ -112,8 +139,8 @@ def measure(
     mine: list[_RecordLike] = []
     reached = False
     for rec in reversed(records):
-        if rec.thread != thread or rec.async_op:
-            continue
+        if rec.thread != thread or rec.async_op or rec.start >= end:
+            continue  # another thread's, async, or begun after the window (it closes a tick late)
         if (rec.end if rec.end is not None else end) <= start:
             reached = True
             break
@@ -157,16 +184,22 @@ def measure(
         op_wait_s=statistics.median(transfers) if transfers else 0.0,
         transfer_ops=len(transfers),
         steps=steps,
+        run_delay_s=None if run_delay_s is None else min(max(0.0, run_delay_s), length),
         phase=max(compute, key=lambda k: compute[k])[:200] if compute else "",
         op=max(waits, key=lambda k: waits[k])[:80] if waits else "",
     )
 
 
 def fresh_windows(beats: Mapping[int, Heartbeat], own: StragglerWindow) -> dict[int, StragglerWindow]:
-    """The peers' last windows that closed within two window lengths of ``own`` (older ones say
-    nothing about now: a peer that stopped beating is the ``lost`` detector's)."""
+    """The peers' windows of the same number as ``own`` (the same span of the wall clock), closed
+    within two window lengths of it (an old one says nothing about now: a peer that stopped beating is
+    the ``lost`` detector's)."""
     oldest = own.end - 2 * own.length_s
-    return {r: hb.window for r, hb in beats.items() if hb.window is not None and hb.window.end >= oldest}
+    return {
+        r: hb.window
+        for r, hb in beats.items()
+        if hb.window is not None and hb.window.n == own.n and hb.window.end >= oldest
+    }
 
 
 @dataclass(frozen=True)
@@ -181,6 +214,12 @@ class Assessment:
 
 def _share(w: StragglerWindow, what: str) -> float:
     return (w.compute_s if what == "compute" else w.wait_s) / w.length_s
+
+
+def _work(w: StragglerWindow, runnable: bool) -> float:
+    """The share of the window the rank computed with a CPU (``runnable``: less its run delay)."""
+    delay = (w.run_delay_s or 0.0) if runnable else 0.0
+    return max(0.0, w.compute_s - delay) / w.length_s
 
 
 def assess(
@@ -213,11 +252,23 @@ def assess(
     if not peers or own.ops < MIN_OPS:
         return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
     cf, wf = _share(own, "compute"), _share(own, "wait")
-    pc = [_share(w, "compute") for w in peers.values()]
-    ref_c, ref_w = statistics.median(pc), statistics.median(_share(w, "wait") for w in peers.values())
-    slowdown = min(cf / ref_c, MAX_SLOWDOWN) if ref_c > 0 else (MAX_SLOWDOWN if cf > 0 else 1.0)
-    score = min(1.0, min([*pc, cf]) / cf) if cf > 0 else 1.0
-    compute_slow = slowdown >= threshold and cf - ref_c >= min_share and wf < ref_w
+    ref_c, ref_w = (
+        statistics.median(_share(w, "compute") for w in peers.values()),
+        statistics.median(_share(w, "wait") for w in peers.values()),
+    )
+    # Compute is judged less the time the rank was runnable but got no CPU (its run delay): on a
+    # loaded host the scheduler starves one rank, then another, by 20% of a window and more, which
+    # is the host's doing, not more work (docs/stragglers.md). Only when every rank compared tells
+    # its run delay; otherwise wall-clock compute for all.
+    runnable = own.run_delay_s is not None and all(w.run_delay_s is not None for w in peers.values())
+    mine, pw = _work(own, runnable), [_work(w, runnable) for w in peers.values()]
+    ref = statistics.median(pw)
+    slowdown = min(mine / ref, MAX_SLOWDOWN) if ref > 0 else (MAX_SLOWDOWN if mine > 0 else 1.0)
+    score = min(1.0, min([*pw, mine]) / mine) if mine > 0 else 1.0
+    # The physics check: its peers wait for it. Told run delays, a rank that waited for a CPU did not
+    # work meanwhile either, so that time counts with its waits (1 - its work share).
+    idle, ref_idle = (1.0 - mine, 1.0 - ref) if runnable else (wf, ref_w)
+    compute_slow = slowdown >= threshold and mine - ref >= min_share and idle < ref_idle
     timed = [w.op_wait_s for w in (own, *peers.values()) if w.transfer_ops >= MIN_OPS]
     transfer = min(timed) if timed else 0.0
     per_op = own.compute_s / own.ops
@@ -239,6 +290,9 @@ def assess(
         peers_compute_frac=round(ref_c, 4),
         peers_wait_frac=round(ref_w, 4),
         slowdown=round(slowdown, 4),
+        run_delay_frac=round((own.run_delay_s or 0.0) / own.length_s, 4) if runnable else None,
+        work_frac=round(mine, 4) if runnable else None,
+        peers_work_frac=round(ref, 4) if runnable else None,
         op_wait_s=round(transfer, 6),
         baseline_op_wait_s=None if baseline_op_wait is None else round(baseline_op_wait, 6),
         phase=own.phase,
@@ -321,8 +375,9 @@ class StragglerTracker:
         waits = f"; its peers wait for it in {run[-1].op}" if run[-1].op else ""
         where = f"compute in phase {phase!r}{waits}"
         report = StragglerReport(rank=self.rank, cause="compute", slowdown=slowdown, where=where, windows=run)
+        cpu = " (less the time each waited for a CPU)" if run[-1].work_frac is not None else ""
         reason = (
-            f"rank {self.rank} is a compute straggler: {slowdown:.2f}x its peers' compute time over "
+            f"rank {self.rank} is a compute straggler: {slowdown:.2f}x its peers' compute time{cpu} over "
             f"{len(run)} windows ({where})"
         )
         return Detection(
@@ -345,13 +400,14 @@ class StragglerTracker:
 
 
 class StragglerWatch:
-    """The watchdog's straggler detection on one rank: closes a window at the first heartbeat past
-    ``window_s``, puts its figures, the step and the score in the heartbeat, and assesses each new
-    window against the watched peers' once their heartbeats are read.
+    """The watchdog's straggler detection on one rank: closes windows on the wall clock's multiples of
+    ``window_s`` (every rank's window ``n`` covers the same span, so a burst of load on the host falls
+    in the same window on every rank), puts the figures, the step and the score in the heartbeat, and
+    assesses each window against the watched peers' window of the same number once they publish it.
 
     Args:
         rank: this rank.
-        window_s: the window's length (closed at a heartbeat: at least one beat).
+        window_s: the window's length (closed at the first watchdog tick past its end).
         threshold, min_share, windows, link_threshold: see :class:`StragglerTracker`.
         enabled: False: the heartbeat carries the step only, nothing is measured.
         marks: the step marks to count (default: the process's).
@@ -372,31 +428,40 @@ class StragglerWatch:
     ) -> None:
         self.window_s, self.enabled, self.marks = window_s, enabled, marks
         self.thread = thread if thread is not None else threading.main_thread().ident
+        self.native = next((t.native_id for t in threading.enumerate() if t.ident == self.thread), None)
+        self.delay = run_delay(self.native)
         self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
         self.start = time.time()
-        self.n = 0
         self.count = marks.count
         self.window: StragglerWindow | None = None
         self.assessed = -1  # the number of the last window assessed
 
+    def tick(self, now: float | None = None) -> None:
+        """Closes the window when the clock has passed its end (the watchdog calls it every tick)."""
+        now = time.time() if now is None else now
+        if not self.enabled or now < (math.floor(self.start / self.window_s) + 1) * self.window_s:
+            return
+        end = math.floor(now / self.window_s) * self.window_s  # the last boundary passed
+        # The steps and the run delay are read now, up to a tick after the boundary.
+        marks, self.count = self.marks.count - self.count, self.marks.count
+        delay = run_delay(self.native)
+        win = measure(
+            recorder.records(),
+            self.start,
+            end,
+            thread=self.thread,
+            n=max(0, round(end / self.window_s) - 1),
+            phase_now=main_thread_phase(),
+            steps=marks if self.marks.step is not None else None,
+            capacity=recorder.size,
+            run_delay_s=None if delay is None or self.delay is None else delay - self.delay,
+        )
+        self.delay, self.start = delay, end
+        self.window = win if win is not None else self.window
+
     def on_beat(self, hb: Heartbeat, now: float | None = None) -> Heartbeat:
         """``hb`` with the step, the score and the last window (closing one when due)."""
-        now = time.time() if now is None else now
-        if self.enabled and now - self.start >= self.window_s:
-            marks, self.count = self.marks.count - self.count, self.marks.count
-            recs = recorder.records()
-            win = measure(
-                recs,
-                self.start,
-                now,
-                thread=self.thread,
-                n=self.n,
-                phase_now=main_thread_phase(),
-                steps=marks if self.marks.step is not None else None,
-                capacity=recorder.size,
-            )
-            self.start, self.n = now, self.n + 1
-            self.window = win if win is not None else self.window
+        self.tick(now)
         return self.stamp(hb)
 
     def stamp(self, hb: H) -> H:
@@ -405,11 +470,16 @@ class StragglerWatch:
             update={"step": self.marks.step, "straggler_score": self.tracker.score, "window": self.window}
         )
 
-    def check(self, beats: Mapping[int, Heartbeat]) -> Detection | None:
-        """Assesses this rank's newest window, once, against the watched peers' ``beats``."""
+    def check(self, beats: Mapping[int, Heartbeat], now: float | None = None) -> Detection | None:
+        """Assesses this rank's newest window, once, against the watched peers' windows of its number
+        in ``beats``; while a peer has not published it yet, for up to a window's length, it waits."""
         win = self.window
         if win is None or win.n == self.assessed:
             return None
+        now = time.time() if now is None else now
+        behind = any(hb.window is not None and hb.window.n < win.n for hb in beats.values())
+        if behind and now - win.end < win.length_s:
+            return None  # a peer has not closed or published this window yet: the next beat
         self.assessed = win.n
         found = self.tracker.feed(win, fresh_windows(beats, win))
         if found is not None:

@@ -316,6 +316,8 @@ class Watchdog:
             try:
                 now = time.monotonic()
                 recorder.sweep()
+                if self._beat:  # a straggler window closes at the first tick past its end
+                    self._straggle.tick()
                 if now >= next_beat:
                     next_beat = now + cfg.heartbeat_s
                     self._publish(desk)

@@ -1,6 +1,6 @@
 """Rank side of tests/test_straggler_multirank.py and test_straggler_netns.py.
 
-Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS [COMPUTE]].
+Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS [COMPUTE [WINDOW_S]]].
 
 A training loop on gloo with the watchdog at its straggler defaults but a short window: each step marks
 itself (``mark_step``), computes a fixed amount of work in ``phase("train")`` (matmuls; the amount is
@@ -9,10 +9,13 @@ the stop flag. For ``HEALTHY_S`` seconds every rank does the same work; then ran
 ``SLOW_FACTOR`` times as much, until a straggler incident is merged on every rank (or a bound).
 SLOW_RANK -1: no slowdown at all: the run ends after HEALTHY_S seconds or at a straggler incident
 (the slow link test slows the link from outside meanwhile). ELEMENTS: the all_reduce's size in float32
-(default 1). COMPUTE: ``matmul`` (default) or ``sleep``: the slow link test's step "computes" by
-sleeping STEP_COMPUTE_S, so that the suite's other tests, beside it on 2 cores, do not move its
-compute per op (the link rule rightly refuses a window whose compute moved; the unit tests cover a
-load burst). Each rank writes ``started.rank<r>`` when its loop begins.
+(default 1). COMPUTE: ``matmul`` (default), ``sleep`` or ``mixed``. ``sleep``: the slow link test's
+step "computes" by sleeping STEP_COMPUTE_S, so that the suite's other tests, beside it on 2 cores, do
+not move its compute per op (the link rule rightly refuses a window whose compute moved; the unit
+tests cover a load burst). ``mixed``: a sleep of 4/5 of STEP_COMPUTE_S and matmuls for the rest (the
+3-rank test: a step that needs the CPU, as a host-side step does, and whose slowdown factor is the
+rank's own, not the host's). WINDOW_S: the straggler window (default 2 s). Each rank writes
+``started.rank<r>`` when its loop begins and returns every window it closed (``windows``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,15 +47,15 @@ def work(reps: int, a: torch.Tensor) -> None:
         a = torch.tanh(a @ a)
 
 
-def calibrate(a: torch.Tensor) -> int:
-    """Matmul repetitions that take STEP_COMPUTE_S here (rank 0's measure, broadcast)."""
+def calibrate(a: torch.Tensor, seconds: float) -> int:
+    """Matmul repetitions that take ``seconds`` here (rank 0's measure, broadcast)."""
     reps = torch.tensor([0], dtype=torch.int64)
     if dist.get_rank() == 0:
         work(20, a)
         t0 = time.perf_counter()
         work(200, a)
         per = (time.perf_counter() - t0) / 200
-        reps[0] = max(1, int(STEP_COMPUTE_S / per))
+        reps[0] = max(1, int(seconds / per))
     dist.broadcast(reps, 0)
     return int(reps[0])
 
@@ -59,20 +63,33 @@ def calibrate(a: torch.Tensor) -> int:
 def main() -> None:
     healthy_s, slow_rank, factor = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     elements = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    by_sleep = len(sys.argv) > 5 and sys.argv[5] == "sleep"
+    compute = sys.argv[5] if len(sys.argv) > 5 else "matmul"
+    window_s = float(sys.argv[6]) if len(sys.argv) > 6 else WINDOW_S
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init_process_group("gloo", timeout=120)  # ncclguard's: picks the interface that reaches the store (netns)
     rank = dist.get_rank()
     a = torch.randn(96, 96) / 10
-    reps = calibrate(a)
+    sleep_s = {"matmul": 0.0, "sleep": STEP_COMPUTE_S, "mixed": 0.8 * STEP_COMPUTE_S}[compute]
+    reps = calibrate(a, STEP_COMPUTE_S - sleep_s) if sleep_s < STEP_COMPUTE_S else 0
     wd = start_watchdog(  # action raise: a straggler incident must stop at report all the same
         heartbeat_s=HEARTBEAT_S,
         hang_timeout_s=60,
         action="raise",
-        straggler_window_s=WINDOW_S,
+        straggler_window_s=window_s,
         incident_dir=OUT / "incidents",
     )
+    windows: list[dict] = []  # every window this rank closed, for the test's evidence
+    done_polling = threading.Event()
+
+    def poll_windows() -> None:
+        while not done_polling.wait(0.1):
+            w = wd._straggle.window
+            if w is not None and (not windows or windows[-1]["n"] != w.n):
+                windows.append(w.model_dump())
+
+    poller = threading.Thread(target=poll_windows, daemon=True)
+    poller.start()
     start = time.time()
     (OUT / f"started.rank{rank}").write_text(str(start))
     slow_from = start + healthy_s
@@ -90,10 +107,10 @@ def main() -> None:
         flag = torch.zeros(elements)
         flag[0] = 1.0 if stop else 0.0
         with phase("train", step=step):
-            if by_sleep:
-                time.sleep(STEP_COMPUTE_S * (factor if slow else 1.0))
-            else:
-                work(round(reps * factor) if slow else reps, a)
+            scale = factor if slow else 1.0
+            if sleep_s:
+                time.sleep(sleep_s * scale)
+            work(round(reps * scale), a)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         step += 1
         if flag[0].item() > 0:
@@ -104,7 +121,14 @@ def main() -> None:
     put("steps", step)
     put("reps", reps)
     put("incidents", wd.incidents)
+    done_polling.set()
+    poller.join(5)
+    put("windows", windows)
     wd.stop()
+    # Every watchdog stops before any rank leaves: the store lives in rank 0's process under the
+    # netns test's launcher, and a watchdog still running when it went wrote a `store` incident
+    # ("the rendezvous store is gone") beside the straggler's (one run of the link test in six).
+    dist.barrier()
     rankkit.done()
 
 
