@@ -97,11 +97,23 @@ class Probe(TrainerCallback):
         )
 
 
+def aligned() -> None:
+    """Meets the other ranks with a long timeout, then gives the group its short one.
+
+    Building a Trainer or an Accelerator takes each rank its own time on a loaded machine; the
+    first collective after it (DDP's broadcast of the parameters) must not be the one that times
+    out. The faults come later, inside training steps."""
+    compat.set_group_timeout(compat.default_group(), timedelta(seconds=120))
+    dist.barrier()
+    compat.set_group_timeout(compat.default_group(), timedelta(seconds=GROUP_TIMEOUT_S))
+
+
 def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 def equal_across_ranks(module: torch.nn.Module) -> bool:
+    aligned()  # the ranks leave train() at their own times
     mine = flat(module)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -147,6 +159,7 @@ def part_a() -> None:
     ANNOUNCER.tag = "a"
     options = {"commit_timeout": 30, "rebuild_timeout": 30}
     ref = trainer("a-ref", 96, 5, 2, **options)
+    aligned()
     ref.train()
     stalled: list[float] = []
 
@@ -157,6 +170,7 @@ def part_a() -> None:
             wait_for_peers_to_fail("a")  # past the group timeout: they gave up on rank 2
 
     trainer_a = trainer("a", 96, 5, 2, stall=stall, **options)
+    aligned()
     trainer_a.train()
     guard = find_guard(trainer_a)
     put(
@@ -183,6 +197,7 @@ def part_b() -> None:
         torch.manual_seed(7)
         module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)).double()
         opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        aligned()
         model, opt = accelerator.prepare(module, opt)
         stepper = recovering_step(accelerator, model, opt, commit_timeout=30, rebuild_timeout=30)
         results = []
@@ -236,6 +251,7 @@ def part_c() -> None:
     # 48 samples, batches of 4 on 3 ranks: 4 steps an epoch; 7 steps cross into a second epoch.
     trainer_c = trainer("c", 48, 7, 1, stall=stall, allow_shrink=True, commit_timeout=3, rebuild_timeout=4)
     probe = next(cb for cb in trainer_c.callback_handler.callbacks if isinstance(cb, Probe))
+    aligned()
     try:
         trainer_c.train()
     except RebuildFailed as exc:
@@ -262,9 +278,9 @@ def part_c() -> None:
 def main() -> None:
     rankkit.rank = lambda: ME  # results files and faults go by launch rank
     # The join waits for every rank's imports (long on a loaded machine); the collectives then get
-    # the short timeout, read back from the live group below (and by the Trainer's Accelerate).
+    # the short timeout, read back from the live group below (the Trainer's Accelerate uses it).
     rankkit.init(timeout_s=120)
-    compat.set_group_timeout(compat.default_group(), timedelta(seconds=GROUP_TIMEOUT_S))
+    aligned()
     logging.getLogger("ncclguard").addHandler(ANNOUNCER)
     put("group_timeout_s", group_timeout_s())
     for part in sys.argv[1:]:
