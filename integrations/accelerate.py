@@ -18,6 +18,8 @@ Accelerate users own their loop, so there is nothing to hook: the loop calls
   dataloader, which decides gradient synchronisation under gradient accumulation).
 - A skip is logged with ``accelerator.log`` (to the trackers, on the main process) as
   ``eval/evaluation_failed``.
+- :func:`recovering_step` (from :mod:`ncclguard.integrations.accelerate_recovery`): a training step
+  that commits on every rank and is redone on a rebuilt world when it fails.
 """
 
 from __future__ import annotations
@@ -43,14 +45,18 @@ from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.recovery.evaluation import FAILED_METRIC, GuardOptions, last_report
 from ncclguard.recovery.evaluation import guarded_evaluate as _guarded_evaluate
 
+from .accelerate_recovery import AcceleratorRecoveringStep, follow_world, recovering_step
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
 
 __all__ = [
+    "AcceleratorRecoveringStep",
     "FAILED_METRIC",
     "SkippedEvaluation",
     "dataloaders_restored_on_skip",
+    "follow_world",
     "guarded_evaluate",
     "last_skip",
+    "recovering_step",
     "start_watchdog",
     "timeout_problems",
     "watchdog_config",

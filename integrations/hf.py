@@ -40,9 +40,11 @@ import torch
 
 from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.evaluation import EvalReport, GuardOptions, guarded_evaluate, last_report
 
 from .accelerate import dataloaders_restored_on_skip
+from .hf_recovery import TrainerRecovery
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems
 from .shared import watchdog_config as _watchdog_config
 
@@ -111,6 +113,8 @@ class NcclGuardCallback(TrainerCallback):
         eval_timeout_s: the evaluation deadline (set by :func:`guard_trainer`).
         last_eval_report: the report of the last guarded evaluation on this rank.
         skipped: the evaluations skipped on every rank, oldest first.
+        recovery: the step recovery of ``guard_trainer(recover=True)``, or None (its
+            ``recoveries`` list the steps redone).
     """
 
     def __init__(self, watchdog: WatchdogConfig | dict[str, Any] | bool | None = None) -> None:
@@ -119,10 +123,17 @@ class NcclGuardCallback(TrainerCallback):
         self.eval_timeout_s: float | None = None
         self.last_eval_report: EvalReport | None = None
         self.skipped: list[SkippedEvaluation] = []
+        self.recovery: TrainerRecovery | None = None
         self._train: phase | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
-        """Warns about the timeout order and starts the watchdog (unless one runs already)."""
+        """Warns about the timeout order and starts the watchdog (unless one runs already).
+
+        Raises:
+            ValueError: ``recover=True`` and the Trainer wrapped the model in something other than DDP.
+        """
+        if self.recovery is not None:
+            _check_recoverable(self.recovery.trainer)
         hang = self.watchdog_config.hang_timeout_s if self.watchdog_config is not None else None
         for problem in timeout_warnings(args, eval_timeout_s=self.eval_timeout_s, hang_timeout_s=hang):
             log.warning("NcclGuardCallback: %s", problem)
@@ -132,6 +143,11 @@ class NcclGuardCallback(TrainerCallback):
             log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
             return
         self.watchdog = start_watchdog(self.watchdog_config)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """After a rebuild that changed the world, re-shards the training data loader (``recover=True``)."""
+        if self.recovery is not None:
+            self.recovery.on_epoch_begin(kw.get("train_dataloader"))
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         """Phase ``train step=<global_step>``."""
@@ -174,24 +190,38 @@ def guard_trainer(
     eval_timeout_s: float | timedelta | None = None,
     retries: int = 0,
     watchdog: WatchdogConfig | dict[str, Any] | bool | None = None,
+    recover: bool = False,
+    allow_shrink: bool = False,
+    commit_timeout: float | timedelta | None = None,
+    rebuild_timeout: float | timedelta = 60.0,
+    max_attempts: int = 3,
 ) -> Trainer:
-    """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``.
+    """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
+    with ``recover=True``, a training step that fails is redone on a rebuilt world.
 
     Call it on every rank before ``trainer.train()``. The module doc lists the hooks and the
-    wrapped methods.
+    wrapped methods; :mod:`ncclguard.integrations.hf_recovery` says how a step is redone.
 
     Args:
         trainer: a ``transformers.Trainer`` (DDP or DeepSpeed through ``TrainingArguments``).
         eval_timeout_s: deadline of one evaluation (seconds or timedelta); None leaves it unguarded.
         retries: further attempts after a failed evaluation.
         watchdog: a ``WatchdogConfig``, a dict of its fields, None (defaults) or False (none).
+        recover: commit every optimizer step on every rank, and redo a failed one (DDP only).
+        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
+        commit_timeout: with ``recover``, seconds (or a timedelta) each commit waits for the
+            other ranks; default :func:`ncclguard.should_commit`'s (below the group's timeout).
+        rebuild_timeout: with ``recover``, seconds (or a timedelta) each rebuild waits for them.
+        max_attempts: with ``recover``, times a step runs at most; past it every rank raises
+            :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
 
     Returns:
         ``trainer``, guarded (:func:`find_guard` gives its callback).
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``, or a bad argument type.
-        ValueError, pydantic.ValidationError: a bad value, or the trainer is guarded already.
+        ValueError, pydantic.ValidationError: a bad value, the trainer is guarded already, or
+            ``recover=True`` with DeepSpeed or FSDP (only DDP is re-pointed after a rebuild).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
@@ -200,15 +230,75 @@ def guard_trainer(
     opts = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s, retries=retries)
     if opts is None and retries:
         raise ValueError("retries needs eval_timeout_s: without a deadline the evaluation is not guarded")
+    recovery = _recovery(trainer, recover, allow_shrink, commit_timeout, rebuild_timeout, max_attempts)
     callback = NcclGuardCallback(watchdog=watchdog)
     callback.eval_timeout_s = opts.timeout_s if opts is not None else None
+    callback.recovery = recovery
     trainer.add_callback(callback)
+    if recovery is not None:
+        _wrap(trainer, "training_step", _recovering(recovery))
     _wrap(trainer, "evaluate", _evaluating(trainer, callback, opts))
     _wrap(trainer, "_save_checkpoint", _in_phase(trainer, trainer._save_checkpoint, "save"))
     handler = trainer.callback_handler
     _wrap(handler, "on_save", _in_phase(trainer, handler.on_save, "save"))
     _wrap(trainer, "log", _in_phase(trainer, trainer.log, "log", with_step=False))
     return trainer
+
+
+def _recovery(
+    trainer: Trainer,
+    recover: bool,
+    allow_shrink: bool,
+    commit_timeout: float | timedelta | None,
+    rebuild_timeout: float | timedelta,
+    max_attempts: int,
+) -> TrainerRecovery | None:
+    """The step recovery ``recover=True`` asks for, its arguments checked (before anything is wrapped)."""
+    for name, value in (("recover", recover), ("allow_shrink", allow_shrink)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if not recover:
+        if allow_shrink:
+            raise ValueError("allow_shrink needs recover=True: without it no step is redone, on any world")
+        return None
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2:
+        raise ValueError(f"max_attempts must be an int of at least 2 (a first try and a redo), got {max_attempts!r}")
+    if commit_timeout is not None:
+        to_seconds(commit_timeout, "commit_timeout")
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ValueError(
+            "recover=True redoes steps of a DDP model only; this Trainer uses "
+            f"{'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'}, whose engine keeps process groups "
+            "ncclguard cannot re-point (docs/integrations.md)"
+        )
+    return TrainerRecovery(
+        trainer,
+        allow_shrink=allow_shrink,
+        commit_timeout=commit_timeout,
+        rebuild_timeout=to_seconds(rebuild_timeout, "rebuild_timeout"),
+        max_attempts=max_attempts,
+    )
+
+
+def _recovering(recovery: TrainerRecovery) -> Callable[..., Any]:
+    def training_step(model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        return recovery.training_step(model, inputs, num_items_in_batch)
+
+    training_step.__doc__ = "Trainer.training_step, committed on every rank and redone on a failure (ncclguard)"
+    return training_step
+
+
+def _check_recoverable(trainer: Trainer) -> None:
+    """At train begin: the model the Trainer trains is DDP-wrapped, or there is one process."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = trainer.model_wrapped
+    if isinstance(wrapped, DistributedDataParallel) or trainer.args.world_size <= 1:
+        return
+    raise ValueError(
+        f"recover=True needs the Trainer's model in DistributedDataParallel; it is {type(wrapped).__name__} "
+        f"(world size {trainer.args.world_size})"
+    )
 
 
 def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:

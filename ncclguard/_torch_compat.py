@@ -32,6 +32,7 @@ __all__ = [
     "backend_timeout_reader",
     "default_group",
     "default_store",
+    "ddp_update_process_group",
     "dump_flight_recorder",
     "flight_recorder_available",
     "get_default_timeout_fn",
@@ -332,3 +333,17 @@ def work_error(work: Any) -> BaseException | None:
             return err
         return None
     return exc if isinstance(exc, BaseException) else None
+
+
+def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Points a ``DistributedDataParallel`` at ``group`` in place and resets its reducer.
+
+    ``DistributedDataParallel._update_process_group`` (private) resets the reducer's state, so a
+    forward may run after a backward that did not finish (the reducer expected the rest of its
+    hooks), and makes the next backward rebuild its buckets on the new group, whose size may
+    differ. A communication hook registered with ``register_comm_hook`` keeps its own state.
+    """
+    update = getattr(ddp, "_update_process_group", None)
+    if not callable(update):
+        raise _missing("DistributedDataParallel._update_process_group")
+    update(group)

@@ -1,0 +1,206 @@
+"""A training step that recovers, for a loop written with Hugging Face Accelerate.
+
+::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    stepper = recovering_step(accelerator, model, optimizer)
+    for step, batch in enumerate(loader):
+        res = stepper(lambda m: accelerator.backward(loss_fn(m(batch["x"]), batch["y"])), step=step)
+        if res.left_out:          # the others went on without this rank
+            sys.exit(0)
+        if res:
+            scheduler.step()      # once per applied step, never for an attempt that failed
+
+It is :class:`~ncclguard.recovery.recovering.RecoveringStep` with a ``wrap`` that knows the
+Accelerator: after a rebuild it points the wrapper ``accelerator.prepare`` returned (the same
+object, so ``accelerator._models`` and the loop's variable follow) at the new group
+(:func:`~ncclguard.recovery.repoint.repoint_ddp`), and, when the world changed size or this rank
+was renumbered, updates Accelerate's shared state (``num_processes``, ``process_index``: what
+``accelerator.is_main_process``, ``gather`` and the samplers Accelerate builds later read).
+Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
+ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+try:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ncclguard.integrations.accelerate needs accelerate: pip install 'ncclguard[hf]'") from exc
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.recovery.recovering import RecoveringStep, StepResult
+from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
+
+__all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step", "recovery_metrics"]
+
+
+def follow_world(rank: int, size: int) -> bool:
+    """Makes Accelerate's shared state (``PartialState``, ``AcceleratorState``) say this rank and size.
+
+    Accelerate reads the rank and world size once, when its state is built. After a rebuild that
+    renumbered the ranks, ``accelerator.process_index`` / ``num_processes`` (and
+    ``TrainingArguments.process_index`` / ``world_size``, read from the same state) would
+    describe the old world. ``local_process_index`` and the device are left as they are.
+
+    Args:
+        rank: this rank in the new world.
+        size: the new world's size.
+
+    Returns:
+        True when something changed.
+    """
+    changed = False
+    # SharedDict is a class-level dict (a thread-local one on TPU): every instance reads it live.
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        if shared and (shared.get("num_processes"), shared.get("process_index")) != (size, rank):
+            shared["num_processes"], shared["process_index"] = size, rank
+            changed = True
+    return changed
+
+
+def recovery_metrics(res: StepResult, world_size: int) -> dict[str, Any]:
+    """The ``ncclguard_recover_*`` metrics of a step that was redone (for a tracker or a log)."""
+    failed = sorted({r for c in res.commits if not c.ok for r in c.failed_ranks})
+    return {
+        "ncclguard_recover_s": round(res.elapsed_s, 4),
+        "ncclguard_recover_generation": res.generation,
+        "ncclguard_recover_world_size": world_size,
+        "ncclguard_recover_attempts": res.attempts,
+        "ncclguard_recover_failed_ranks": rank_ranges(failed) if failed else "",
+    }
+
+
+class AcceleratorRecoveringStep(RecoveringStep):
+    """:class:`RecoveringStep` for a model and optimizer that ``accelerator.prepare`` returned.
+
+    Args:
+        accelerator: the loop's ``Accelerator`` (``gradient_accumulation_steps`` must be 1: see Raises).
+        model: the prepared model (a ``DistributedDataParallel`` under several processes).
+        optimizer: the prepared optimizer.
+        commit_timeout, rebuild_timeout, allow_shrink, max_attempts: as for :class:`RecoveringStep`.
+
+    Attributes:
+        recoveries: the metrics of every step that was redone on a rebuilt world, oldest first.
+
+    Raises:
+        TypeError: not an Accelerator, a model or an optimizer.
+        ValueError: the Accelerator accumulates gradients (``gradient_accumulation_steps`` > 1):
+            its ``accumulate()`` skips ``optimizer.step`` and ``zero_grad`` on all but the last
+            micro-batch, so a step of this class would be a micro-batch. Run the micro-batches of
+            one optimizer step inside ``step_fn`` instead (``with model.no_sync():`` for all but
+            the last), with the Accelerator's accumulation at 1. Also: a DeepSpeed or FSDP model
+            (only DDP is re-pointed).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        commit_timeout: float | timedelta | None = None,
+        rebuild_timeout: float | timedelta = 60.0,
+        allow_shrink: bool = False,
+        max_attempts: int = 3,
+    ) -> None:
+        if not isinstance(accelerator, Accelerator):
+            raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be the torch.nn.Module accelerator.prepare returned, got {type(model).__name__}"
+            )
+        if accelerator.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"the Accelerator accumulates gradients over {accelerator.gradient_accumulation_steps} micro-batches; "
+                "a recovering step is one optimizer step: build the Accelerator with gradient_accumulation_steps=1 and "
+                "run the micro-batches inside step_fn (with model.no_sync() for all but the last)"
+            )
+        if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"recovering_step re-points a DistributedDataParallel model after a rebuild; this one is "
+                f"{type(model).__name__} (DeepSpeed and FSDP engines keep groups ncclguard cannot re-point)"
+            )
+        self.accelerator, self.wrapper = accelerator, model
+        self.recoveries: list[dict[str, Any]] = []
+        super().__init__(
+            unwrapped(model),
+            optimizer,
+            wrap=self._repointed,
+            commit_timeout=commit_timeout,
+            rebuild_timeout=rebuild_timeout,
+            allow_shrink=allow_shrink,
+            max_attempts=max_attempts,
+        )
+
+    def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:
+        # Called once at construction (nothing to do) and after each rebuild.
+        if repoint_ddp(self.wrapper):
+            follow_world(dist.get_rank(), dist.get_world_size())
+        return self.wrapper
+
+    def __call__(self, step_fn: Any, *, step: int | None = None) -> StepResult:
+        """Runs one step as :meth:`RecoveringStep.__call__` does, and logs a recovery.
+
+        Args:
+            step_fn: forward and ``accelerator.backward`` on the model it is given.
+            step: your loop's step number.
+
+        Returns:
+            The :class:`StepResult`.
+        """
+        res = super().__call__(step_fn, step=step)
+        if res.ok and res.rebuilds:
+            metrics = recovery_metrics(res, dist.get_world_size() if dist.is_initialized() else 1)
+            self.recoveries.append({"step": step, **metrics})
+            log.warning("recovering_step: step %s redone on a rebuilt world: %s", step, metrics)
+            try:
+                self.accelerator.log(metrics, step=step)
+            except Exception:  # noqa: BLE001 - a tracker must never take training down
+                log.exception("accelerator.log failed while reporting a recovered step")
+        return res
+
+    def repoint_dataloaders(self, *loaders: Any) -> list[str]:
+        """Re-shards prepared data loaders for the current world; call it between epochs.
+
+        Args:
+            *loaders: the loaders ``accelerator.prepare`` returned.
+
+        Returns:
+            What was re-pointed, in words.
+        """
+        if not dist.is_initialized():
+            return []
+        return [d for dl in loaders for d in repoint_sampler(dl, dist.get_rank(), dist.get_world_size())]
+
+
+def recovering_step(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    **options: Any,
+) -> AcceleratorRecoveringStep:
+    """A recovering step for an Accelerate loop (see the module doc).
+
+    Args:
+        accelerator: the loop's ``Accelerator``.
+        model: the model ``accelerator.prepare`` returned.
+        optimizer: the optimizer ``accelerator.prepare`` returned.
+        **options: ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``.
+
+    Returns:
+        An :class:`AcceleratorRecoveringStep`.
+
+    Raises:
+        TypeError, ValueError: see :class:`AcceleratorRecoveringStep`.
+    """
+    return AcceleratorRecoveringStep(accelerator, model, optimizer, **options)

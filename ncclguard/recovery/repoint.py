@@ -1,0 +1,108 @@
+"""After a rebuild: point a DDP wrapper and a data loader's sharding at the new world.
+
+What a framework built on the old world keeps: its ``DistributedDataParallel`` wrapper holds the
+old (abandoned) process group, and its sampler holds the old rank and world size. The HF Trainer
+and Accelerate integrations call these after :func:`~ncclguard.recovery.rebuild.rebuild_world`;
+so can a hand-written loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ncclguard import _torch_compat as compat
+from ncclguard._log import log
+
+__all__ = ["repoint_ddp", "repoint_sampler", "unwrapped"]
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (``model`` itself otherwise)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def repoint_ddp(model: torch.nn.Module) -> bool:
+    """Points ``model`` (a ``DistributedDataParallel``) at the current default group, in place.
+
+    The wrapper stays the same object, so every reference a framework holds to it (the HF
+    Trainer's loop variable, ``trainer.model_wrapped``, ``accelerator._models``) follows. Its
+    reducer is reset, so a step whose backward failed half way can be run again, and its buckets
+    are rebuilt on the new group at the next backward (a collective every member makes).
+
+    Args:
+        model: the wrapper; anything else is left alone.
+
+    Returns:
+        True when it was re-pointed; False when it is not a DDP wrapper or already on the group.
+
+    Raises:
+        TorchCompatError: this torch has no ``DistributedDataParallel._update_process_group``.
+    """
+    if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+        return False
+    group = compat.default_group()
+    if model.process_group is group:
+        return False
+    compat.ddp_update_process_group(model, group)
+    return True
+
+
+def repoint_sampler(loader: Any, rank: int, size: int) -> list[str]:
+    """Re-shards ``loader`` for ``rank`` of ``size``: takes effect at its next ``iter()``.
+
+    Handles what shards the data loaders of the frameworks ncclguard integrates: torch's
+    ``DistributedSampler`` (``num_replicas``, ``rank``, and the per-rank length it derives from
+    them) and Accelerate's ``BatchSamplerShard`` (``num_processes``, ``process_index``). Call it
+    between epochs: both read these attributes while they iterate, so a change inside an epoch
+    would repeat or skip batches of that epoch.
+
+    Args:
+        loader: a ``DataLoader`` (or Accelerate's ``DataLoaderShard``).
+        rank: this rank in the new world.
+        size: the new world's size.
+
+    Returns:
+        What was re-pointed, in words (empty when the loader shards nothing ncclguard knows).
+    """
+    done: list[str] = []
+    seen: set[int] = set()
+    for obj in _samplers(loader):
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.utils.data.distributed.DistributedSampler):
+            before = (obj.rank, obj.num_replicas)
+            obj.rank, obj.num_replicas = rank, size
+            # As DistributedSampler.__init__ derives them from the dataset's length.
+            n = len(obj.dataset)  # type: ignore[arg-type]
+            if obj.drop_last and n % size != 0:
+                obj.num_samples = math.ceil((n - size) / size)
+            else:
+                obj.num_samples = math.ceil(n / size)
+            obj.total_size = obj.num_samples * size
+            done.append(f"DistributedSampler rank/num_replicas {before} -> {(rank, size)}")
+        elif hasattr(obj, "num_processes") and hasattr(obj, "process_index") and hasattr(obj, "batch_sampler"):
+            before = (obj.process_index, obj.num_processes)
+            obj.process_index, obj.num_processes = rank, size
+            done.append(f"{type(obj).__name__} process_index/num_processes {before} -> {(rank, size)}")
+    if done:
+        log.info("repoint_sampler: %s", "; ".join(done))
+    return done
+
+
+def _samplers(loader: Any) -> list[Any]:
+    """The sampler objects a loader shards with: its sampler, its batch sampler, and theirs."""
+    found: list[Any] = []
+    for name in ("sampler", "batch_sampler"):
+        obj = getattr(loader, name, None)
+        for _ in range(3):  # a batch sampler wraps a batch sampler wraps a sampler, at most
+            if obj is None:
+                break
+            found.append(obj)
+            obj = getattr(obj, "batch_sampler", None) or getattr(obj, "sampler", None)
+    return found

@@ -1,0 +1,125 @@
+"""Steps redone on a rebuilt world in the HF Trainer (``guard_trainer(recover=True)``) and in an
+Accelerate loop (``recovering_step``): 3 real gloo ranks under torchrun, CPU, one launch.
+
+tests/workers/hf_recover_worker.py runs, in order: (A) a tiny BERT through the Trainer with 2
+micro-batches per step, fault-free and then with rank 2 stalled at step 2 until ranks 0-1 failed
+(their DDP collective ran past the 3 s group timeout); (B) an Accelerate loop, the same stall;
+(C) the Trainer with ``allow_shrink=True`` and rank 2 stuck at step 2 until ranks 0-1 are done.
+The pure parts run in this process: bad input, a step redone in a world of one, re-sharding a
+``DistributedSampler``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+K = 2  # the step that fails (hf_recover_worker.K)
+GROUP_TIMEOUT_S = 3.0
+RECOVER_KEYS = {
+    "ncclguard_recover_s",
+    "ncclguard_recover_generation",
+    "ncclguard_recover_world_size",
+    "ncclguard_recover_attempts",
+    "ncclguard_recover_failed_ranks",
+}
+
+
+@pytest.fixture(scope="module")
+def job():
+    # Three parts, three 3 s group timeouts, a 3 s commit and a 4 s rebuild in C: 60-70 s here
+    # at load 13. Hang guard: over 3x that.
+    return run_ranks("hf_recover_worker", 3, "a", "b", "c", timeout_s=300)
+
+
+def recover_entries(history: list[dict]) -> list[dict]:
+    return [e for e in history if any("recover" in k for k in e)]
+
+
+@pytest.mark.multirank
+def test_the_trainer_redoes_a_stalled_step_on_generation_1_and_ends_bit_equal(job):
+    for r in range(3):
+        res = job[r]
+        assert res["group_timeout_s"] == GROUP_TIMEOUT_S  # the live group's, as Accelerate used it
+        a = res["a"]
+        assert a["stalled"] == (1 if r == 2 else 0)
+        assert (a["global_step"], a["generation"], a["world"]) == (5, 1, [r, 3])
+        (rec,) = a["recoveries"]
+        assert {k: rec[k] for k in ("step", "ncclguard_recover_generation", "ncclguard_recover_world_size")} == {
+            "step": K,
+            "ncclguard_recover_generation": 1,
+            "ncclguard_recover_world_size": 3,
+        }
+        assert rec["ncclguard_recover_attempts"] == 2
+        # Ranks 0-1 timed out waiting for rank 2; every rank reads the same verdict.
+        assert {0, 1} <= {int(x) for x in _ranks(rec["ncclguard_recover_failed_ranks"])}
+        (logged,) = recover_entries(a["log_history"])
+        assert set(logged) == RECOVER_KEYS | {"step", "epoch"} and logged["step"] == K
+        assert logged["ncclguard_recover_generation"] == 1
+        # The redone step is the fault-free run's step: same losses logged, same parameters.
+        assert _losses(a["log_history"]) == _losses(a["ref_log_history"])
+        assert a["equal_across_ranks"] is True
+        assert a["equal_to_reference"] is True
+    assert len({job[r]["a"]["recoveries"][0]["ncclguard_recover_failed_ranks"] for r in range(3)}) == 1
+
+
+@pytest.mark.multirank
+def test_an_accelerate_loop_redoes_a_stalled_step_on_the_next_generation(job):
+    clean = [True, 1, None, [[True, []]]]
+    for r in range(3):
+        b = job[r]["b"]
+        assert b["ref_results"] == [[True, 1, 1, [[True, []]]]] * 5
+        results = b["results"]
+        assert [x[:2] for x in results] == [[True, 1], [True, 1], [True, 2], [True, 1], [True, 1]]
+        assert [x[2] for x in results] == [1, 1, 2, 2, 2]  # generation 1 came from part A
+        redone = results[K][3]
+        assert redone[0][0] is False and {0, 1} <= set(redone[0][1]) and redone[1] == [True, []]
+        assert all(x[3] == clean[3] for i, x in enumerate(results) if i != K)
+        (rec,) = b["recoveries"]
+        assert (rec["step"], rec["ncclguard_recover_generation"], rec["ncclguard_recover_world_size"]) == (5 + K, 2, 3)
+        assert b["equal_across_ranks"] is True
+        assert b["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
+        assert b["accelerate"] == [r, 3]
+
+
+@pytest.mark.multirank
+def test_with_allow_shrink_the_survivors_finish_as_a_world_of_2(job):
+    for r in (0, 1):
+        c = job[r]["c"]
+        assert c["left_out"] is False
+        assert (c["global_step"], c["generation"], c["world"]) == (7, 3, [r, 2])
+        (rec,) = c["recoveries"]
+        assert (rec["step"], rec["ncclguard_recover_generation"], rec["ncclguard_recover_world_size"]) == (K, 3, 2)
+        assert 2 in _ranks(rec["ncclguard_recover_failed_ranks"])  # named: it never came
+        (logged,) = recover_entries(c["log_history"])
+        assert logged["ncclguard_recover_world_size"] == 2 and logged["step"] == K
+        assert c["equal_across_ranks"] is True
+        # Steps 0-2 on 3 ranks; from the redone step 2 on, Accelerate's state says 2 ranks at once,
+        # the data loader keeps its 3-way shard to the end of the epoch (step 3) and is
+        # re-sharded 2 ways from the next epoch (steps 4-6: 4 steps an epoch).
+        assert [(s["step"], s["world"], s["accelerate"], s["args_world_size"], s["shard"]) for s in c["steps"]] == [
+            (0, [r, 3], [r, 3], 3, [r, 3]),
+            (1, [r, 3], [r, 3], 3, [r, 3]),
+            (2, [r, 3], [r, 3], 3, [r, 3]),
+            (3, [r, 2], [r, 2], 2, [r, 3]),
+            (4, [r, 2], [r, 2], 2, [r, 2]),
+            (5, [r, 2], [r, 2], 2, [r, 2]),
+            (6, [r, 2], [r, 2], 2, [r, 2]),
+        ]
+    stuck = job[2]["c"]
+    # Rank 2 came back only after the survivors were done, and was left out (its train() raised).
+    assert stuck == {"left_out": True, "late": True, "woke_after_survivors": [True], "steps": stuck["steps"]}
+    assert [s["step"] for s in stuck["steps"]] == [0, 1, 2]
+
+
+def _ranks(text: str) -> set[int]:
+    """'0-2' or '0,2' or '2' as a set of ranks (rank_ranges' spelling)."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _losses(history: list[dict]) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in history if "loss" in e]
