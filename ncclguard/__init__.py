@@ -18,6 +18,7 @@ from ncclguard.errors import (
     DecodeError,
     EvaluationFailed,
     GroupFailed,
+    HealFailed,
     MemoryRefused,
     NcclGuardError,
     NoRoute,
@@ -31,7 +32,18 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.phase import current_phase, phase
 from ncclguard.recording.steps import mark_step
-from ncclguard.recovery import CommitResult, RebuildResult, RecoveringStep, StepResult, rebuild_world, should_commit
+from ncclguard.recovery import (
+    CommitResult,
+    HealResult,
+    RebuildResult,
+    RecoveringStep,
+    StepResult,
+    heal_from_peer,
+    rebuild_world,
+    rejoin_world,
+    restart_count,
+    should_commit,
+)
 from ncclguard.sigalrm import sigalrm_timeout
 from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 
@@ -55,6 +67,8 @@ __all__ = [
     "EvaluationFailed",
     "FlightRecord",
     "GroupFailed",
+    "HealFailed",
+    "HealResult",
     "MemoryRefused",
     "NcclGuardError",
     "NoRoute",
@@ -74,12 +88,15 @@ __all__ = [
     "current_phase",
     "current_watchdog",
     "get_config",
+    "heal_from_peer",
     "init_process_group",
     "instrument",
     "mark_step",
     "phase",
     "rebuild_world",
     "recorder",
+    "rejoin_world",
+    "restart_count",
     "safe_all_reduce",
     "safe_barrier",
     "should_commit",

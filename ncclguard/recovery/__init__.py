@@ -1,9 +1,11 @@
 """Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
 
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
+from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
 from ncclguard.recovery.recovering import RecoveringStep, StepResult
+from ncclguard.recovery.rejoin import rejoin_world, restart_count
 
 __all__ = [
     "CommitResult",
@@ -16,4 +18,8 @@ __all__ = [
     "on_rebuild",
     "rebuild_world",
     "reaper",
+    "HealResult",
+    "heal_from_peer",
+    "rejoin_world",
+    "restart_count",
 ]
