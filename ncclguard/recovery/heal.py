@@ -370,7 +370,8 @@ def _heal(
         raise HealFailed(f"the source (rank {source}) sends nothing: {header.error}")
     if refused:
         mine = f": {refusal}" if refusal is not None else ""
-        raise HealFailed(f"ranks {rank_ranges(refused)} refused the source's state{mine}", refused_ranks=refused)
+        who = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {rank_ranges(refused)}"
+        raise HealFailed(f"{who} refused the source's state{mine}", refused_ranks=refused)
     result.step = header.step
     # 3. The bytes, chunked. Receivers stage them; nothing is applied until all have arrived.
     staged = [torch.empty(e.shape, dtype=_dtype(e.dtype)) for e in header.tensors] if me in receivers else []
