@@ -77,6 +77,7 @@ def run_ranks(
     expect_rc: dict[int, int] | None = None,
     restarts: int = 0,
     restart_on: Sequence[int] | None = None,
+    rank_loop: int | None = None,
 ) -> Job:
     """Runs ``tests/workers/<worker>.py <args>`` on ``nproc`` ranks and returns their results.
 
@@ -91,6 +92,8 @@ def run_ranks(
         expect_rc: exit codes to require per rank (spawn only); default: every rank exits 0.
         restarts: restarts per rank that died (spawn only; see ``spawn(restarts=)``).
         restart_on: the exit codes that earn a restart (spawn's ``restart_on``).
+        rank_loop: torchrun only: run each rank under ``ncclguard.testing.rank_loop`` with this
+            many restarts (a rank restarted alone, without torchrun's teardown).
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
     rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -107,7 +110,11 @@ def run_ranks(
             "--standalone",
             f"--nproc_per_node={nproc}",
             "--monitor-interval=0.1",
-            *script,
+            *(
+                script
+                if rank_loop is None
+                else ["-m", "ncclguard.testing.rank_loop", f"--restarts={rank_loop}", "--", sys.executable, *script]
+            ),
         ]
         with tempfile.TemporaryFile("w+") as log:
             proc = subprocess.Popen(

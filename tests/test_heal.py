@@ -69,6 +69,24 @@ def test_restart_on_picks_the_exits_that_earn_a_restart():
     assert res.ok and res.restarts == [] and res.ranks[1].lives == [0]
 
 
+def test_rank_loop_restarts_one_rank_alone_and_passes_on_the_last_status(capfd):
+    from ncclguard.testing.rank_loop import main
+
+    argv = [sys.executable, "-c", SCRIPT, "1", str(int(signal.SIGKILL)), "0"]
+    env_rank = {"RANK": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env_rank.items():
+            mp.setenv(k, v)
+        assert main(["--restarts", "1", "--", *argv]) == 0
+        out, err = capfd.readouterr()
+        assert out == "rank 1 life 0\nrank 1 life 1\n"
+        assert err == "ncclguard.testing.rank_loop: the rank exited -9; restart 1 of 1\n"
+        # A rank that keeps dying ends with 128 + 9, as a shell reports it.
+        assert main(["--restarts", "1", "--", sys.executable, "-c", SCRIPT, "9", "9", "0"]) == 137
+    with pytest.raises(ValueError, match="needs the rank's command after --"):
+        main(["--restarts", "1", "--"])
+
+
 def test_spawn_refuses_a_bad_restart_policy():
     with pytest.raises(ValueError, match="restarts must be an int >= 0"):
         spawn([sys.executable, "-c", "pass"], 1, timeout_s=5, restarts=-1)

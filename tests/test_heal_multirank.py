@@ -26,6 +26,28 @@ def job():
     return run_ranks("heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=240)
 
 
+@pytest.fixture(scope="module")
+def torchrun_job():
+    # The torchrun recipe: each rank under ncclguard.testing.rank_loop, so the agent never sees
+    # the SIGKILL. The same worker: 64 s here on a loaded host. Hang guard: 240 s.
+    return run_ranks("heal_worker", 3, rank_loop=1, timeout_s=240)
+
+
+def test_under_torchrun_a_rank_loop_restarts_the_rank_alone_and_it_is_healed(torchrun_job):
+    assert "ncclguard.testing.rank_loop: the rank exited -9; restart 1 of 1" in torchrun_job.output
+    assert torchrun_job[1]["life"] == 1 and torchrun_job[0]["life"] == torchrun_job[2]["life"] == 0
+    assert torchrun_job[1]["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
+    for r in range(3):
+        res = torchrun_job[r]
+        assert res["final"] == [r, 3, 1]
+        assert (res["equal_across_ranks"], res["equal_to_reference"], res["buffers_equal_to_own_reference"]) == (
+            True,
+            True,
+            True,
+        )
+    assert torchrun_job[0]["results"][K]["commits"] == [[False, [0, 1, 2]], [True, []]]
+
+
 def test_the_launcher_restarted_the_killed_rank_once_and_alone(job):
     assert [(r.rank, r.count, r.returncode) for r in job.restarts] == [(1, 1, -9)]
     assert job.lives == {0: [0], 1: [-9, 0], 2: [0]}
