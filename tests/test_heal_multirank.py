@@ -21,16 +21,16 @@ CHUNKS = 7  # 256-byte chunks
 
 @pytest.fixture(scope="module")
 def job():
-    # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart (importing torch again: about 5 s
-    # unloaded, 20 s seen on a loaded host), a 5 s commit wait: 28-65 s here. Hang guard: 240 s.
-    return run_ranks("heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=240)
+    # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart (importing torch again: 20 s seen on
+    # a loaded host), a 5 s commit wait: 28-65 s here. Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
 
 
 @pytest.fixture(scope="module")
 def torchrun_job():
     # The torchrun recipe: each rank under ncclguard.testing.rank_loop, so the agent never sees
-    # the SIGKILL. The same worker: 64 s here on a loaded host. Hang guard: 240 s.
-    return run_ranks("heal_worker", 3, rank_loop=1, timeout_s=240)
+    # the SIGKILL. The same worker: 64 s here on a loaded host. Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, rank_loop=1, timeout_s=360)
 
 
 def test_under_torchrun_a_rank_loop_restarts_the_rank_alone_and_it_is_healed(torchrun_job):
