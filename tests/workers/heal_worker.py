@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
     if LIFE == 0:
-        dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=GROUP_TIMEOUT_S))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         ref_module, ref_opt, _, ref_results = train(kill_at=None, base=0)
         put("reference_results", ref_results)
         reference = replicated(ref_module, ref_opt)
