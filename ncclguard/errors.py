@@ -27,6 +27,7 @@ __all__ = [
     "EvaluationFailed",
     "RebuildFailed",
     "CommitFailed",
+    "HealFailed",
     "NoRoute",
     "MemoryRefused",
     "BenchCallFailed",
@@ -216,6 +217,20 @@ class CommitFailed(NcclGuardError):
         self.step, self.late = step, late
         self.failed_ranks = list(failed_ranks or [])
         self.reasons = dict(reasons or {})
+
+
+class HealFailed(NcclGuardError):
+    """:func:`ncclguard.heal_from_peer` did not give the restarted ranks their state: a refusal
+    (shapes, dtypes or sizes that do not match), a chunk past the deadline, or a failed group.
+    Nothing was copied into the receiver's module or optimizer.
+
+    Attributes:
+        refused_ranks: ranks that refused what the source announced (sorted; empty otherwise).
+    """
+
+    def __init__(self, message: str, *, refused_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.refused_ranks = list(refused_ranks or [])
 
 
 class NoRoute(NcclGuardError, LookupError):

@@ -60,6 +60,8 @@ class World:
         size: its member count; None while torch's default group says (generation 0).
         rank_map: previous generation's rank to this one's, for every member (empty in generation 0).
         left_out: previous generation's ranks that are not members of this one (sorted).
+        joined: this generation's ranks that are restarted processes which joined at the rebuild
+            that made it: they hold no training state until healed (sorted).
         backend: the backend of its default group, once known.
         store: the job's store (unprefixed), once known: every generation keys its rounds under it.
         timeout: its collectives' timeout, once known.
@@ -72,6 +74,7 @@ class World:
     size: int | None = None
     rank_map: Mapping[int, int] = field(default_factory=dict)
     left_out: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
     backend: str | None = None
     store: Store | None = None
     timeout: timedelta | None = None

@@ -36,6 +36,8 @@ class Job:
     output: str = ""
     wall_s: float = 0.0
     out_dir: Path | None = None
+    restarts: list[Any] = field(default_factory=list)  # spawn's Restart records
+    lives: dict[int, list[int | None]] = field(default_factory=dict)  # exit code of each process, by rank
 
     def __getitem__(self, rank: int) -> dict[str, Any]:
         if rank not in self.results:
@@ -73,6 +75,9 @@ def run_ranks(
     launcher: str = "torchrun",
     env: dict[str, str] | None = None,
     expect_rc: dict[int, int] | None = None,
+    restarts: int = 0,
+    restart_on: Sequence[int] | None = None,
+    rank_loop: int | None = None,
 ) -> Job:
     """Runs ``tests/workers/<worker>.py <args>`` on ``nproc`` ranks and returns their results.
 
@@ -85,6 +90,10 @@ def run_ranks(
             launcher, which does not tear the job down when one rank dies).
         env: extra environment for the ranks.
         expect_rc: exit codes to require per rank (spawn only); default: every rank exits 0.
+        restarts: restarts per rank that died (spawn only; see ``spawn(restarts=)``).
+        restart_on: the exit codes that earn a restart (spawn's ``restart_on``).
+        rank_loop: torchrun only: run each rank under ``ncclguard.testing.rank_loop`` with this
+            many restarts (a rank restarted alone, without torchrun's teardown).
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
     rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -101,7 +110,11 @@ def run_ranks(
             "--standalone",
             f"--nproc_per_node={nproc}",
             "--monitor-interval=0.1",
-            *script,
+            *(
+                script
+                if rank_loop is None
+                else ["-m", "ncclguard.testing.rank_loop", f"--restarts={rank_loop}", "--", sys.executable, *script]
+            ),
         ]
         with tempfile.TemporaryFile("w+") as log:
             proc = subprocess.Popen(
@@ -122,9 +135,18 @@ def run_ranks(
         if rc != 0:
             raise AssertionError(f"torchrun {worker} {args} exited {rc}\n{job.output[-8000:]}")
     elif launcher == "spawn":
-        res = spawn([sys.executable, *script], nproc, timeout_s=timeout_s, env=rank_env, cwd=str(REPO))
+        res = spawn(
+            [sys.executable, *script],
+            nproc,
+            timeout_s=timeout_s,
+            env=rank_env,
+            cwd=str(REPO),
+            restarts=restarts,
+            restart_on=restart_on,
+        )
         job.output = res.output()
         job.returncodes = {r.rank: r.returncode for r in res.ranks}
+        job.restarts, job.lives = res.restarts, {r.rank: r.lives for r in res.ranks}
         if res.timed_out:
             raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{job.output[-8000:]}")
         want = {r: (expect_rc or {}).get(r, 0) for r in range(nproc)}

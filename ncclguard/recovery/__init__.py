@@ -2,9 +2,11 @@
 
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
 from ncclguard.recovery.fsdp2 import FSDP2
+from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
 from ncclguard.recovery.recovering import RecoveringStep, StepResult
+from ncclguard.recovery.rejoin import rejoin_world, restart_count
 
 __all__ = [
     "CommitResult",
@@ -18,4 +20,8 @@ __all__ = [
     "on_rebuild",
     "rebuild_world",
     "reaper",
+    "HealResult",
+    "heal_from_peer",
+    "rejoin_world",
+    "restart_count",
 ]

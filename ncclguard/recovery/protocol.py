@@ -19,10 +19,12 @@ from ncclguard.store.keys import MeetingKeys, world_prefix
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",
+    "MAX_RECORD_BYTES",
     "MAX_VERDICT_BYTES",
     "Arrival",
     "MeetingKeys",
     "Verdict",
+    "WorldRecord",
     "check_arrivals",
     "decide",
     "dense_rank_map",
@@ -36,6 +38,7 @@ __all__ = [
 # a million ranks. Anything larger is a bug or hostile and is not parsed.
 MAX_ARRIVAL_BYTES = 4 * 1024
 MAX_VERDICT_BYTES = 8 * 1024 * 1024
+MAX_RECORD_BYTES = 16 * 1024 * 1024  # a world record lists each member's launch rank
 
 
 class Arrival(BaseModel):
@@ -49,6 +52,9 @@ class Arrival(BaseModel):
         allow_shrink: what the rank passed to ``rebuild_world``.
         host: its hostname, for messages.
         pid: its process id, for messages.
+        origin: its rank in generation 0 (its launch rank), which a restarted process keeps.
+        rejoined: a restarted process taking the place of rank ``rank``, which died: it holds no
+            state and is healed from a live peer (:func:`ncclguard.heal_from_peer`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +66,35 @@ class Arrival(BaseModel):
     allow_shrink: bool
     host: str = Field(max_length=255)
     pid: int = Field(ge=0)
+    origin: int | None = Field(default=None, ge=0)
+    rejoined: bool = False
+
+
+class WorldRecord(BaseModel):
+    """The job's current world, kept in the store (:func:`ncclguard.store.keys.world_record_key`)
+    for a restarted process to find its place: written by the members after each rebuild, and by
+    ``RecoveringStep(heal=True)`` for generation 0.
+
+    Attributes:
+        generation: the world's generation.
+        origins: the launch rank of each member, by rank in that world.
+        backend: its default group's backend.
+        timeout_s: its collectives' timeout, in seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    generation: int = Field(ge=0)
+    origins: list[int] = Field(min_length=1, max_length=1 << 20)
+    backend: str = Field(min_length=1, max_length=64)
+    timeout_s: float = Field(gt=0)
+
+    def rank_of(self, origin: int) -> int | None:
+        """The rank, in this world, of the member launched as ``origin`` (None: not a member)."""
+        try:
+            return self.origins.index(origin)
+        except ValueError:
+            return None
 
 
 class Verdict(BaseModel):
@@ -122,14 +157,16 @@ def check_arrivals(verdict: Verdict, arrivals: dict[int, Arrival], world_size: i
     if wrong_rank:
         return f"ranks {wrong_rank} wrote under another rank's key"
     for name in ("world_size", "backend", "generation"):
-        seen = {getattr(a, name) for a in arrivals.values()}
+        # A restarted process may not know the backend before it joins: it takes the world's.
+        seen = {getattr(a, name) for a in arrivals.values() if not (name == "backend" and a.rejoined)}
         if len(seen) > 1:
             listing = ", ".join(f"rank {r}: {getattr(a, name)!r}" for r, a in sorted(arrivals.items()))
             return f"the ranks disagree on the {name.replace('_', ' ')} they leave ({listing})"
     if arrivals and next(iter(arrivals.values())).world_size != world_size:
         return f"the ranks left a world of {next(iter(arrivals.values())).world_size}, this rank one of {world_size}"
     if verdict.shrunk and verdict.ok:
-        refused = [r for r, a in sorted(arrivals.items()) if not a.allow_shrink]
+        # A restarted process never objects to the others going on without someone else.
+        refused = [r for r, a in sorted(arrivals.items()) if not a.allow_shrink and not a.rejoined]
         if refused:
             return (
                 f"ranks {refused} passed allow_shrink=False but another rank settled a shrink; "

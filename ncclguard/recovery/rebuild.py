@@ -35,15 +35,18 @@ from ncclguard.errors import RebuildFailed, StoreUnreachable
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
     Arrival,
+    WorldRecord,
     dense_rank_map,
     handshake_timeout,
     validate_arguments,
     world_prefix,
 )
 from ncclguard.recovery.reaper import reaper
+from ncclguard.store.codec import encode
+from ncclguard.store.keys import world_record_key
 from ncclguard.world import Slot, World, announce, current_world
 
-__all__ = ["RebuildResult", "generation", "on_rebuild", "rebuild_world"]
+__all__ = ["RebuildResult", "generation", "on_rebuild", "origin_rank", "rebuild_world", "write_world_record"]
 
 
 @dataclass
@@ -62,6 +65,9 @@ class RebuildResult:
         late: this rank arrived after the others had settled without it; it is in no world now
             and should end (its peers went on, or gave up, without it).
         error: why it failed (a :class:`~ncclguard.errors.RebuildFailed`), or None.
+        joined_ranks: ranks of the new world taken by restarted processes
+            (:func:`ncclguard.rejoin_world`): they hold no state until healed
+            (:func:`ncclguard.heal_from_peer`, which ``RecoveringStep(heal=True)`` calls).
     """
 
     ok: bool
@@ -73,6 +79,7 @@ class RebuildResult:
     elapsed_s: float = 0.0
     late: bool = False
     error: RebuildFailed | None = None
+    joined_ranks: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -93,9 +100,41 @@ class _Attempts:
 
 
 _ATTEMPTS: Slot[_Attempts] = Slot("rebuild attempts", _Attempts)
+
+
+class _Origin:
+    """This process's launch rank: its rank in generation 0, the same whatever the rebuilds
+    renumber (a restarted process's is the rank it was launched as). A fact of the process, not
+    of one world."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+
+
+_ORIGIN = _Origin()
 # Callbacks of on_rebuild: the process's, whatever its world.
 _lock = threading.Lock()
 _callbacks: list[Callable[[RebuildResult], None]] = []
+
+
+def origin_rank() -> int | None:
+    """This process's launch rank (its rank in generation 0), once known: after the first
+    rebuild or ``RecoveringStep(heal=True)``, or in a process that rejoined."""
+    return _ORIGIN.rank
+
+
+def write_world_record(store: dist.Store, record: WorldRecord) -> None:
+    """Records ``record`` as the job's current world, for a restarted process to find its place
+    (:func:`ncclguard.rejoin_world`). A failure is logged: only a later rejoin needs it.
+
+    Args:
+        store: the job's store (unprefixed).
+        record: the world now in force.
+    """
+    try:
+        store.set(world_record_key(), encode(record))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        log.warning("rebuild_world: the job's world record could not be written (%s)", exc)
 
 
 def generation() -> int:
@@ -172,6 +211,8 @@ def _current_world() -> World:
                 timeout=_collective_timeout(pg),
                 group=weakref.ref(pg),
             )
+            if world.generation == 0 and _ORIGIN.rank is None:
+                _ORIGIN.rank = learned.rank  # the launch rank: what a restart of this process keeps
             if world.group is None:
                 # The world ncclguard has known since import: what it holds is of this group.
                 world.rank, world.size, world.backend = learned.rank, learned.size, learned.backend
@@ -308,6 +349,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             allow_shrink=allow_shrink,
             host=HOSTNAME,
             pid=os.getpid(),
+            origin=_ORIGIN.rank if _ORIGIN.rank is not None else world.rank,
         )
         attempts = world.get(_ATTEMPTS)
         attempt = attempts.n
@@ -333,17 +375,29 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         # From here the old world is gone: the new one is current even if its handshake fails, so
         # a later call meets as its members, and the subscribers (the watchdog) follow it now.
         new_rank, new_size = rank_map[world.rank], len(members)
+        arrivals = meeting.arrivals
+        joined = [rank_map[r] for r in members if arrivals[r].rejoined]
         new = World(
             generation=world.generation + 1,
             rank=new_rank,
             size=new_size,
             rank_map=rank_map,
             left_out=tuple(missing),
+            joined=tuple(joined),
             backend=world.backend,
             store=world.store,
             timeout=world.timeout,
         )
         announce(new)
+        if new_rank == min((r for r in range(new_size) if r not in joined), default=-1):
+            # The lowest-numbered survivor records the world, before the handshake: a restarted
+            # process in it reads it to connect, and a later one to find its place.
+            origins = [a.origin if a.origin is not None else r for r, a in sorted(arrivals.items())]
+            timeout_s = world.timeout.total_seconds() if world.timeout is not None else 600.0
+            write_world_record(
+                world.store,
+                WorldRecord(generation=new.generation, origins=origins, backend=world.backend, timeout_s=timeout_s),
+            )
         handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
         try:
             dist.init_process_group(
@@ -378,6 +432,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             rank_map=rank_map,
             missing_ranks=missing,
             elapsed_s=time.monotonic() - start,
+            joined_ranks=joined,
         )
         callbacks = list(_callbacks)
     finally:
@@ -389,7 +444,8 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         result.world_size,
         world.rank,
         world.size,
-        f", without ranks {rank_ranges(missing)}" if missing else "",
+        (f", without ranks {rank_ranges(missing)}" if missing else "")
+        + (f", restarted ranks {rank_ranges(joined)} joined" if joined else ""),
         result.elapsed_s,
     )
     for fn in callbacks:

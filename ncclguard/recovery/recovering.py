@@ -16,6 +16,20 @@ is ok the optimizer steps. When it is not, nothing was applied anywhere (the par
 optimizer's state are those from before the step, since ``optimizer.step()`` never ran), so the
 ranks rebuild the world (:func:`~ncclguard.recovery.rebuild.rebuild_world`), wrap the module again
 on the new group, put the buffers and the RNG state back, and redo the step.
+
+With ``heal=True`` a rank that died and was restarted alone by its launcher comes back: in the
+restarted process (``NCCLGUARD_RESTART_COUNT`` above 0, no process group yet) the constructor
+joins the survivors' next rebuild (:func:`~ncclguard.recovery.rejoin.rejoin_world`) and receives
+the module's and the optimizer's state from the lowest-numbered survivor
+(:func:`~ncclguard.recovery.heal.heal_from_peer`); the survivors send it right after their
+rebuild, before they redo the step. ``stepper.resume_step`` tells the restarted process which
+step to run first::
+
+    if ncclguard.restart_count() == 0:
+        dist.init_process_group("gloo")          # a restarted process must not: it rejoins
+    stepper = ncclguard.RecoveringStep(module, optimizer, heal=True)
+    for step in range(stepper.resume_step or 0, steps):
+        stepper(lambda model: loss_fn(model(batch(step))).backward(), step=step)
 """
 
 from __future__ import annotations
@@ -35,7 +49,9 @@ from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.fsdp2 import FSDP2
+from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
 from ncclguard.recovery.rebuild import generation, rebuild_world
+from ncclguard.recovery.rejoin import rejoin_world, restart_count
 
 __all__ = ["RecoveringStep", "StepResult"]
 
@@ -54,7 +70,10 @@ class StepResult:
         left_out: this rank is in no world now (the others rebuilt without it); it should exit.
         elapsed_s: seconds from entry to return.
         error: why the step was not applied (:class:`~ncclguard.errors.CommitFailed` after the
-            last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt).
+            last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt,
+            :class:`~ncclguard.errors.HealFailed` when restarted ranks joined and were not healed).
+        healed: with ``heal=True``, this rank's part in healing the restarted ranks that joined at
+            this step's rebuild (None when none joined).
     """
 
     ok: bool
@@ -66,6 +85,7 @@ class StepResult:
     left_out: bool = False
     elapsed_s: float = 0.0
     error: NcclGuardError | None = None
+    healed: HealResult | None = None
 
     def __bool__(self) -> bool:
         return self.ok
@@ -95,9 +115,21 @@ class RecoveringStep:
         rebuild_timeout: seconds (or a timedelta) each rebuild waits for them.
         allow_shrink: rebuild without the ranks that did not come (the same on every rank).
         max_attempts: times a step runs at most before its result is falsy.
+        heal: in a restarted process, rejoin and receive the state (see the module's
+            docstring); on a live rank, send it to the restarted ranks a rebuild admits. Pass
+            the same on every rank.
+        heal_timeout: seconds (or a timedelta) for one state transfer.
+        heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
+
+    Attributes:
+        resume_step: in a restarted process, the step the others redo (their ``step=``, or the
+            count of steps they had applied when they pass none): run it first. None elsewhere.
+        healed: the restarted process's :class:`~ncclguard.recovery.heal.HealResult`, or None.
 
     Raises:
         TypeError, ValueError: bad arguments.
+        RebuildFailed: a restarted process found no rebuild to join within ``rebuild_timeout``.
+        HealFailed: a restarted process did not get the state.
     """
 
     def __init__(
@@ -110,6 +142,9 @@ class RecoveringStep:
         rebuild_timeout: float | timedelta = 60.0,
         allow_shrink: bool = False,
         max_attempts: int = 3,
+        heal: bool = False,
+        heal_timeout: float | timedelta = 60.0,
+        heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -128,10 +163,29 @@ class RecoveringStep:
             raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
         if commit_timeout is not None:
             to_seconds(commit_timeout, "commit_timeout")
+        if not isinstance(heal, bool):
+            raise TypeError(f"heal must be a bool, got {heal!r}")
+        if heal and isinstance(wrap, FSDP2):
+            raise ValueError("heal=True is for DDP: FSDP2's shards are not sent to a restarted rank; use heal=False")
+        if isinstance(heal_chunk_bytes, bool) or not isinstance(heal_chunk_bytes, int) or heal_chunk_bytes < 1:
+            raise ValueError(f"heal_chunk_bytes must be a positive int, got {heal_chunk_bytes!r}")
         self._rebuild_s = to_seconds(rebuild_timeout, "rebuild_timeout")
+        self._heal_s = to_seconds(heal_timeout, "heal_timeout")
         self.module, self.optimizer = module, optimizer
         self._wrap, self._commit_timeout = wrap, commit_timeout
-        self.allow_shrink, self.max_attempts = allow_shrink, max_attempts
+        self.allow_shrink, self.max_attempts, self.heal = allow_shrink, max_attempts, heal
+        self._chunk = heal_chunk_bytes
+        self.resume_step: int | None = None
+        self.healed: HealResult | None = None
+        self._applied = 0  # steps applied: what a heal sends as the step to run when step= is never passed
+        self._redo_next = False  # the first step of a restarted process is the others' redo
+        if heal and restart_count() > 0 and not (dist.is_available() and dist.is_initialized()):
+            rejoin_world(timeout=self._rebuild_s).raise_for_error()
+            self.healed = heal_from_peer(
+                module, optimizer, timeout=self._heal_s, chunk_bytes=heal_chunk_bytes
+            ).raise_for_error()
+            self.resume_step, self._redo_next = self.healed.step, True
+            self._applied = self.healed.step or 0
         self._model: torch.nn.Module | None = self._wrapped()
 
     def _wrapped(self) -> torch.nn.Module:
@@ -199,6 +253,7 @@ class RecoveringStep:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
         commits: list[CommitResult] = []
         rebuilds, output = 0, None
+        healed: HealResult | None = None
         for attempt in range(1, self.max_attempts + 1):
             self.optimizer.zero_grad(set_to_none=True)
             failure: BaseException | None = None
@@ -207,15 +262,22 @@ class RecoveringStep:
             except Exception as exc:  # noqa: BLE001 - this rank's failure goes into the commit
                 log.warning("RecoveringStep: the step raised on this rank (%s: %s)", type(exc).__name__, exc)
                 failure, output = exc, None
-            res = should_commit(timeout=self._commit_timeout, step=step if attempt == 1 else None, failure=failure)
+            # A redo passes no step=: the others' first attempt already did.
+            redo = attempt > 1 or self._redo_next
+            self._redo_next = False
+            res = should_commit(timeout=self._commit_timeout, step=None if redo else step, failure=failure)
             commits.append(res)
             if res:
                 self.optimizer.step()
-                return StepResult(True, attempt, generation(), rebuilds, output, commits, elapsed_s=_since(start))
+                self._applied += 1
+                done = StepResult(True, attempt, generation(), rebuilds, output, commits, elapsed_s=_since(start))
+                done.healed = healed
+                return done
             error: NcclGuardError | None = res.error or CommitFailed("the step's commit failed")
             if attempt == self.max_attempts:
                 break
             old = self._model
+            joined: list[int] = []
             if dist.is_available() and dist.is_initialized():
                 self._model = None
                 rebuilt = rebuild_world(timeout=self._rebuild_s, allow_shrink=self.allow_shrink)
@@ -228,7 +290,22 @@ class RecoveringStep:
                     return StepResult(
                         False, attempt, generation(), rebuilds, None, commits, rebuilt.late, _since(start), error
                     )
+                joined = rebuilt.joined_ranks
             self._restore(buffers, rng)
+            if self.heal and joined:
+                # Before the re-wrap (DDP broadcasts rank 0's parameters), in the same order as the
+                # restarted ranks' constructor: the state from before this step, and its number.
+                healed = heal_from_peer(
+                    self.module,
+                    self.optimizer,
+                    step=self._applied if step is None else step,
+                    timeout=self._heal_s,
+                    chunk_bytes=self._chunk,
+                )
+                if not healed:
+                    fail = StepResult(False, attempt, generation(), rebuilds, None, commits, False, _since(start))
+                    fail.error, fail.healed = healed.error, healed
+                    return fail
             # The old wrapper goes now, while the reaper still holds the abandoned groups: freeing
             # a group's last reference on this thread could wait for gloo to give up its ops.
             del old

@@ -5,7 +5,8 @@
   :func:`round_keys` gives those of a collectives round (``ncclguard/<round name>``).
 - :class:`MeetingKeys`: the recovery meeting's round toward one generation, one attempt
   (``ncclguard/rebuild/g<G>/t<T>``); :func:`world_prefix`: where generation ``G``'s process
-  group is built (``ncclguard/world/g<G>``).
+  group is built (``ncclguard/world/g<G>``); :func:`world_record_key`: the job's current world,
+  for a restarted rank (``ncclguard/world/current``).
 - :class:`Keys`: the watchdog's namespace, one per job run, restart, session and world
   generation (``ncclguard/wd/<run id>/<restart>/<session>/g<G>``): after a rebuild the watchdog
   of the new world starts afresh, and the old world's incidents never mix with the new one's.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Keys", "MeetingKeys", "RoundKeys", "index_key", "round_keys", "world_prefix"]
+__all__ = ["Keys", "MeetingKeys", "RoundKeys", "index_key", "round_keys", "world_prefix", "world_record_key"]
 
 
 class RoundKeys:
@@ -156,6 +157,17 @@ def world_prefix(generation: int) -> str:
         The prefix, ``ncclguard/world/g<generation>``.
     """
     return f"ncclguard/world/g{generation}"
+
+
+def world_record_key() -> str:
+    """Where the job's current world is recorded for a restarted process
+    (:class:`ncclguard.recovery.protocol.WorldRecord`): ``ncclguard/world/current``, outside every
+    generation's prefix, so that forgetting a generation keeps it.
+
+    Returns:
+        The key.
+    """
+    return "ncclguard/world/current"
 
 
 class Keys:

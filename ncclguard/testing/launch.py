@@ -4,6 +4,12 @@ It sets the variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, .
 torchrun it does not tear the other ranks down when one dies, which is what a fault test or a
 demo of a killed rank needs. Every rank gets its own process group, so a time-out kills all of
 it, grandchildren included.
+
+With ``restarts=N`` it restarts a rank that died, alone, up to N times, with the same ``RANK``
+and ``NCCLGUARD_RESTART_COUNT`` set to its restart number: the restarted process rejoins the
+live ranks (:func:`ncclguard.rejoin_world`) and takes their state (:func:`ncclguard.heal_from_peer`);
+``RecoveringStep(..., heal=True)`` does both. Every restart is logged in
+:attr:`SpawnResult.restarts`.
 """
 
 from __future__ import annotations
@@ -16,35 +22,73 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RankExit", "free_port", "spawn", "under_launcher"]
+__all__ = [
+    "RESTART_COUNT_VAR",
+    "RankExit",
+    "Restart",
+    "SpawnResult",
+    "free_port",
+    "spawn",
+    "under_launcher",
+]
+
+# Set in a restarted rank's environment: 1 in its first restart, 2 in its second, ... (0 in a
+# rank's first process); ncclguard.restart_count() reads it.
+RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
 
 
 @dataclass
 class RankExit:
-    """How one rank ended: its exit code (negative: killed by that signal) and its output."""
+    """How one rank ended: its last process's exit code (negative: killed by that signal) and the
+    output of all its processes, in order (a restart is marked by a line in both streams).
+
+    Attributes:
+        restarts: times the launcher restarted it.
+        lives: the exit code of each of its processes, the last one included.
+    """
 
     rank: int
     returncode: int | None
     stdout: str = ""
     stderr: str = ""
     timed_out: bool = False
+    restarts: int = 0
+    lives: list[int | None] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
 
+@dataclass(frozen=True)
+class Restart:
+    """One restart by :func:`spawn`'s restart policy.
+
+    Attributes:
+        rank: the rank restarted (its ``RANK`` stays the same).
+        count: its restart number (the restarted process's ``NCCLGUARD_RESTART_COUNT``).
+        returncode: how the process before it ended (negative: killed by that signal).
+        at_s: seconds from the launch to the restart.
+    """
+
+    rank: int
+    count: int
+    returncode: int
+    at_s: float
+
+
 @dataclass
 class SpawnResult:
-    """All ranks of one :func:`spawn`, in rank order, and the wall time it took."""
+    """All ranks of one :func:`spawn`, in rank order, the restarts it made, and its wall time."""
 
     ranks: list[RankExit] = field(default_factory=list)
     wall_s: float = 0.0
     timed_out: bool = False
+    restarts: list[Restart] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -81,6 +125,57 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+class _Rank:
+    """One rank's processes: the live one, and the captured output of all of them."""
+
+    def __init__(self, rank: int, argv: list[str], env: dict[str, str], cwd: str | None, capture: bool) -> None:
+        self.rank, self.argv, self.env, self.cwd, self.capture = rank, argv, env, cwd, capture
+        # Files, not pipes: a rank that prints a lot must never block on a full pipe.
+        self.files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) if capture else (None, None)
+        self.lives: list[int | None] = []
+        self.proc = self._start(0)
+
+    def _start(self, count: int) -> subprocess.Popen:
+        env = {**self.env, RESTART_COUNT_VAR: str(count)}
+        return subprocess.Popen(
+            self.argv,
+            env=env,
+            cwd=self.cwd,
+            stdout=self.files[0],
+            stderr=self.files[1],
+            text=True,
+            start_new_session=True,
+        )
+
+    def restart(self, returncode: int) -> None:
+        _kill_tree(self.proc)  # what the dead process left running in its session
+        self.proc.wait()
+        self.lives.append(returncode)
+        count = len(self.lives)
+        for f in self.files:
+            if f is not None:
+                f.write(f"# ncclguard.testing.launch: rank {self.rank} exited {returncode}; restart {count}\n")
+                f.flush()
+        self.proc = self._start(count)
+
+    def finish(self) -> RankExit:
+        timed_out = self.proc.poll() is None
+        _kill_tree(self.proc)  # also ends anything the rank left running in its session
+        self.proc.wait()
+        text = []
+        for f in self.files:
+            if f is None:
+                text.append("")
+                continue
+            f.seek(0)
+            text.append(f.read())
+            f.close()
+        lives = [*self.lives, self.proc.returncode]
+        return RankExit(
+            self.rank, self.proc.returncode, text[0], text[1], timed_out, restarts=len(self.lives), lives=lives
+        )
+
+
 def spawn(
     argv: Sequence[str],
     nproc: int,
@@ -89,27 +184,46 @@ def spawn(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     capture: bool = True,
+    restarts: int = 0,
+    restart_on: Collection[int] | None = None,
 ) -> SpawnResult:
     """Runs ``argv`` as ``nproc`` ranks on this host and waits at most ``timeout_s`` for all.
+
+    A rank that dies is not torn down with the others. With ``restarts`` it is started again,
+    alone, with the same ``RANK``, ``LOCAL_RANK`` and ``MASTER_PORT`` and with
+    ``NCCLGUARD_RESTART_COUNT`` set to its restart number (1, 2, ...; 0 in a first process).
 
     Args:
         argv: the command, as a list (no shell), e.g. ``[sys.executable, "-m", "mod"]``.
         nproc: number of ranks.
-        timeout_s: wall-clock bound for the whole job; ranks still running then are killed.
+        timeout_s: wall-clock bound for the whole job, restarts included; ranks still running
+            then are killed.
         env: extra environment variables for every rank.
         cwd: working directory of the ranks.
         capture: collect stdout/stderr (else they go to this process's).
+        restarts: how many times each rank may be restarted (0: never).
+        restart_on: the exit codes that earn a restart, as ``Popen.returncode`` gives them
+            (negative: killed by that signal, e.g. ``-signal.SIGKILL``); None: any non-zero exit.
+            A rank that exits 0 is never restarted.
 
     Returns:
-        Each rank's exit; ``timed_out`` when the bound was hit.
+        Each rank's exit, ``timed_out`` when the bound was hit, and every restart made.
 
     Raises:
-        ValueError: ``nproc`` < 1 or ``timeout_s`` <= 0.
+        ValueError: ``nproc`` < 1, ``timeout_s`` <= 0, ``restarts`` < 0, or ``restart_on`` holds 0
+            or a non-integer.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be an int >= 0 (restarts per rank), got {restarts!r}")
+    codes = None if restart_on is None else set(restart_on)
+    if codes is not None and any(isinstance(c, bool) or not isinstance(c, int) or c == 0 for c in codes):
+        raise ValueError(
+            f"restart_on must hold non-zero exit codes (negative for a signal, e.g. -9 for SIGKILL), got {restart_on!r}"
+        )
     port = free_port()
     base = {**os.environ, **(env or {})}
     base.update(
@@ -123,39 +237,38 @@ def spawn(
         OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
         PYTHONUNBUFFERED="1",
     )
-    procs, logs = [], []
     start = time.monotonic()
-    for rank in range(nproc):
-        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-        # Files, not pipes: a rank that prints a lot must never block on a full pipe.
-        files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) if capture else (None, None)
-        logs.append(files)
-        procs.append(
-            subprocess.Popen(
-                list(argv), env=rank_env, cwd=cwd, stdout=files[0], stderr=files[1], text=True, start_new_session=True
-            )
+    ranks = [
+        _Rank(
+            rank,
+            list(argv),
+            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)},
+            cwd,
+            capture,
         )
+        for rank in range(nproc)
+    ]
     result = SpawnResult()
     deadline = start + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
+    running = set(range(nproc))
+    while running:
+        for rank in sorted(running):
+            r = ranks[rank]
+            rc = r.proc.poll()
+            if rc is None:
+                continue
+            if rc != 0 and len(r.lives) < restarts and (codes is None or rc in codes):
+                r.restart(rc)
+                result.restarts.append(Restart(rank, len(r.lives), rc, time.monotonic() - start))
+            else:
+                running.discard(rank)
+        if not running:
+            break
+        if time.monotonic() >= deadline:
             result.timed_out = True
             break
-    for rank, proc in enumerate(procs):
-        timed_out = proc.poll() is None
-        _kill_tree(proc)  # also ends anything the rank left running in its session
-        proc.wait()
-        text = []
-        for f in logs[rank]:
-            if f is None:
-                text.append("")
-                continue
-            f.seek(0)
-            text.append(f.read())
-            f.close()
-        result.ranks.append(RankExit(rank, proc.returncode, text[0], text[1], timed_out=timed_out))
+        time.sleep(0.05)  # a restart waits this long at most; polling costs nothing beside the ranks
+    result.ranks = [r.finish() for r in ranks]
     result.wall_s = time.monotonic() - start
     return result
 
@@ -175,8 +288,9 @@ if __name__ == "__main__":  # python -m ncclguard.testing.launch -n 2 -- cmd ...
     )
     ap.add_argument("-n", "--nproc", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--restarts", type=int, default=0, help="restart a rank that exits non-zero, alone, up to N times")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
-    res = spawn(cmd, ns.nproc, timeout_s=ns.timeout, capture=False)
+    res = spawn(cmd, ns.nproc, timeout_s=ns.timeout, capture=False, restarts=ns.restarts)
     sys.exit(0 if res.ok else 1)

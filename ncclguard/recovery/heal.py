@@ -1,0 +1,432 @@
+"""heal_from_peer: a live rank sends the model's and the optimizer's state to the restarted ranks
+that joined at the last rebuild, over the world group, in chunks and under a deadline.
+
+Every rank of the world calls it (the collectives below run on every rank in the same order, so
+the backend's sequence numbers stay equal and the next commit agrees):
+
+1. the source (the lowest-numbered rank that did not join) broadcasts a header: a JSON
+   manifest of every tensor it will send (name, dtype, shape), the optimizer's ``state_dict``
+   with each tensor replaced by its index in the manifest (non-tensor values as JSON, never
+   pickled), and the step to redo;
+2. each receiver checks the manifest against its own module and optimizer (names, dtypes,
+   shapes, parameter counts, a size bound) and every rank learns, in one all_reduce, who refused:
+   on a refusal everyone stops there and nothing is copied anywhere;
+3. the tensors' bytes go out in broadcasts of at most ``chunk_bytes``, each bounded by what is
+   left of the deadline; receivers stage them, and only once every chunk has arrived copy them
+   into the module's parameters and buffers and load the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.deadlines import to_seconds
+from ncclguard.errors import HealFailed
+from ncclguard.store.codec import DecodeError, decode
+from ncclguard.world import current_world
+
+__all__ = ["HealResult", "heal_from_peer"]
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024  # a manifest entry is ~100 bytes: room for ~600k tensors
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # NOTES.md: on gloo, chunks much smaller than this cost per call
+
+
+class TensorEntry(BaseModel):
+    """One tensor of the transfer: where it goes, and what it must look like."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(max_length=4096)
+    dtype: str = Field(max_length=64)
+    shape: list[int] = Field(max_length=64)
+
+
+class Header(BaseModel):
+    """What the source announces before any tensor moves.
+
+    Attributes:
+        tensors: the manifest, module tensors first (``module_tensors`` of them), then the
+            optimizer's, in the order their bytes are sent.
+        optimizer: the optimizer's ``state_dict`` as tagged JSON (:func:`_to_json`), or None.
+        step: the step the receivers should run next (the one the others redo), or None.
+        error: why the source sends nothing (every rank then stops), or None.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    tensors: list[TensorEntry] = Field(default_factory=list)
+    module_tensors: int = Field(default=0, ge=0)
+    optimizer: Any = None
+    step: int | None = None
+    chunk_bytes: int = Field(default=DEFAULT_CHUNK_BYTES, ge=1)
+    error: str | None = Field(default=None, max_length=4096)
+
+
+@dataclass
+class HealResult:
+    """One heal as this rank took part in it; truthy when every receiver has the source's state.
+
+    Attributes:
+        ok: the transfer completed and every receiver applied it (or there was nothing to heal).
+        role: ``"source"``, ``"receiver"``, ``"bystander"`` (a live rank that relays nothing it
+            keeps), or ``"none"`` (no rank joined: no communication).
+        source: the rank that sent (None when nothing was healed).
+        receivers: the ranks that received (sorted).
+        step: the step the source said to run next (what a receiver redoes), or None.
+        bytes: bytes of tensor data moved.
+        chunks: broadcasts of tensor data.
+        elapsed_s: seconds from entry to return.
+        error: a :class:`~ncclguard.errors.HealFailed` when not ``ok``, else None.
+    """
+
+    ok: bool
+    role: str
+    source: int | None = None
+    receivers: list[int] = field(default_factory=list)
+    step: int | None = None
+    bytes: int = 0
+    chunks: int = 0
+    elapsed_s: float = 0.0
+    error: HealFailed | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def raise_for_error(self) -> HealResult:
+        """Raises :attr:`error` if the heal failed; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+# --- the optimizer's state as JSON: every container tagged, tensors by index, nothing pickled ---
+
+
+def _to_json(value: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return {"t": len(tensors) - 1}
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"f": repr(value)}
+    if isinstance(value, list | tuple):
+        items = [_to_json(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
+        return {"u" if isinstance(value, tuple) else "l": items}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in value):
+            raise HealFailed(f"the optimizer's state at {path} has keys that are not str or int; heal cannot send it")
+        return {"d": [[k, _to_json(v, tensors, f"{path}[{k!r}]")] for k, v in value.items()]}
+    raise HealFailed(
+        f"the optimizer's state at {path} is a {type(value).__name__}; heal sends tensors and JSON values "
+        "(None, bool, int, float, str, lists, tuples, dicts) only, never pickles"
+    )
+
+
+def _from_json(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1:
+        raise ValueError(f"an untagged object in the optimizer's state: {sorted(value)[:5]}")
+    ((tag, body),) = value.items()
+    if tag == "t":
+        return tensors[int(body)]
+    if tag == "f":
+        return float(body)
+    if tag in ("l", "u"):
+        items = [_from_json(v, tensors) for v in body]
+        return tuple(items) if tag == "u" else items
+    if tag == "d":
+        return {k: _from_json(v, tensors) for k, v in body}
+    raise ValueError(f"unknown tag {tag!r} in the optimizer's state")
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return found
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*(("p:" + n, p) for n, p in module.named_parameters()), *(("b:" + n, b) for n, b in module.named_buffers())]
+
+
+def _entry(name: str, t: torch.Tensor) -> TensorEntry:
+    return TensorEntry(name=name, dtype=str(t.dtype), shape=list(t.shape))
+
+
+def _nbytes(e: TensorEntry) -> int:
+    return math.prod(e.shape) * _dtype(e.dtype).itemsize
+
+
+def _header(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None, chunk: int
+) -> tuple[Header, list[torch.Tensor]]:
+    named = _module_tensors(module)
+    sent = [t.detach() for _, t in named]
+    opt_tensors: list[torch.Tensor] = []
+    opt_json = _to_json(optimizer.state_dict(), opt_tensors, "state_dict") if optimizer is not None else None
+    entries = [_entry(n, t) for n, t in named] + [_entry(f"o:{i}", t) for i, t in enumerate(opt_tensors)]
+    header = Header(tensors=entries, module_tensors=len(named), optimizer=opt_json, step=step, chunk_bytes=chunk)
+    return header, sent + [t.detach() for t in opt_tensors]
+
+
+def _check(header: Header, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, limit: int) -> str | None:
+    """Why this receiver refuses ``header`` (None: it accepts)."""
+    if header.error is not None:
+        return None  # every rank stops on the source's error anyway
+    own = _module_tensors(module)
+    if header.module_tensors != len(own):
+        return f"the source sends {header.module_tensors} module tensors, this module has {len(own)}"
+    for (name, t), e in zip(own, header.tensors, strict=False):
+        if (e.name, e.dtype, e.shape) != (name, str(t.dtype), list(t.shape)):
+            return f"{e.name} {e.dtype}{e.shape} does not match this module's {name} {t.dtype}{list(t.shape)}"
+    try:
+        total = sum(_nbytes(e) for e in header.tensors)
+    except ValueError as exc:
+        return str(exc)
+    if total > limit:
+        return f"the source would send {total} bytes, over this receiver's bound of {limit} (max_bytes=)"
+    if (header.optimizer is None) != (optimizer is None):
+        return "the source and this rank disagree on whether there is an optimizer to heal"
+    if optimizer is not None:
+        try:
+            groups = _from_json(header.optimizer, [torch.empty(0)] * len(header.tensors))["param_groups"]
+            theirs = [len(g["params"]) for g in groups]
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            return f"the optimizer's state cannot be read ({exc})"
+        mine = [len(g["params"]) for g in optimizer.param_groups]
+        if theirs != mine:
+            return f"the source's optimizer has parameter groups of sizes {theirs}, this one {mine}"
+    return None
+
+
+def _wait(work: Any, deadline: float, what: str) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise HealFailed(f"the heal's deadline passed before {what}")
+    try:
+        work.wait(timeout=timedelta(seconds=left))
+    except Exception as exc:
+        raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _broadcast(t: torch.Tensor, src: int, deadline: float, what: str) -> None:
+    _wait(dist.broadcast(t, src=src, async_op=True), deadline, what)
+
+
+def _pieces(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    for t in tensors:
+        yield t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def heal_from_peer(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    receivers: list[int] | None = None,
+    source: int | None = None,
+    step: int | None = None,
+    timeout: float | timedelta = 60.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_bytes: int | None = None,
+) -> HealResult:
+    """Copies the module's parameters and buffers and the optimizer's state from a live rank to
+    the ranks that joined at the last rebuild (restarted processes); call it on every rank.
+
+    Call it right after :func:`ncclguard.rebuild_world` (survivors) and
+    :func:`ncclguard.rejoin_world` (restarted processes), before wrapping the module in DDP.
+    ``RecoveringStep(..., heal=True)`` does it on both sides.
+
+    Args:
+        module: the unwrapped model (the same architecture on every rank).
+        optimizer: its optimizer, or None to heal the module alone.
+        receivers: ranks that receive; default the current world's ``joined`` ranks (the same
+            on every rank). Nothing to receive: returns at once, no communication.
+        source: the rank that sends; default the lowest-numbered rank not receiving.
+        step: on the source, the step the receivers should run next (they read it in
+            :attr:`HealResult.step`); ignored elsewhere.
+        timeout: seconds (or a timedelta) for the whole transfer.
+        chunk_bytes: bytes of tensor data per broadcast, at most.
+        max_bytes: a receiver refuses a transfer larger than this; default 8 times its own
+            module's bytes plus 1 MiB (an optimizer such as Adam holds 2 to 3 times the module).
+
+    Returns:
+        A :class:`HealResult`, truthy when every receiver applied the source's state. Falsy with
+        a :class:`~ncclguard.errors.HealFailed` when a receiver refused (nothing copied anywhere),
+        a chunk missed the deadline, or the group failed: then the world group may be dead, and
+        the ranks must rebuild.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or no process group; raised before any communication.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"heal_from_peer needs the torch.nn.Module to heal, got {type(module).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "load_state_dict", None)):
+        raise TypeError(
+            f"optimizer must be a torch optimizer (state_dict/load_state_dict), got {type(optimizer).__name__}"
+        )
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    timeout_s = to_seconds(timeout, "timeout")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("heal_from_peer runs on a process group: call it after rebuild_world / rejoin_world")
+    size, me = dist.get_world_size(), dist.get_rank()
+    wanted = sorted(current_world().joined if receivers is None else set(receivers))
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size for r in wanted):
+        raise ValueError(f"receivers must be ranks of this world of {size}, got {receivers!r}")
+    start = time.monotonic()
+    if not wanted:
+        return HealResult(True, "none")
+    if source is None:
+        source = next((r for r in range(size) if r not in wanted), None)
+        if source is None:
+            raise ValueError(f"every rank of this world of {size} is a receiver: no live rank holds the state")
+    elif isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < size or source in wanted:
+        raise ValueError(f"source must be a rank of this world of {size} that does not receive, got {source!r}")
+    role = "source" if me == source else "receiver" if me in wanted else "bystander"
+    limit = (
+        max_bytes
+        if max_bytes is not None
+        else 8 * sum(t.numel() * t.element_size() for _, t in _module_tensors(module)) + (1 << 20)
+    )
+    result = HealResult(False, role, source, wanted)
+    deadline = start + timeout_s
+    try:
+        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, result)
+        result.ok = True
+    except HealFailed as exc:
+        result.error = exc
+        log.error("heal_from_peer: %s", exc)
+    result.elapsed_s = time.monotonic() - start
+    if result.ok:
+        log.warning(
+            "heal_from_peer: rank %d %s, rank %d to ranks %s: %d bytes in %d chunks, %.3f s",
+            me,
+            "sent" if role == "source" else "received" if role == "receiver" else "relayed",
+            source,
+            rank_ranges(wanted),
+            result.bytes,
+            result.chunks,
+            result.elapsed_s,
+        )
+    return result
+
+
+def _heal(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    me: int,
+    source: int,
+    receivers: list[int],
+    step: int | None,
+    chunk_bytes: int,
+    limit: int,
+    deadline: float,
+    result: HealResult,
+) -> None:
+    # 1. The header: its length, then its bytes. Every rank checks the length against the same bound.
+    header: Header | None = None
+    sent: list[torch.Tensor] = []
+    raw = b""
+    if me == source:
+        try:
+            header, sent = _header(module, optimizer, step, chunk_bytes)
+        except HealFailed as exc:
+            header = Header(error=str(exc)[:4096])
+        raw = header.model_dump_json().encode()
+    length = torch.tensor([len(raw) if me == source else 0], dtype=torch.int64)
+    _broadcast(length, source, deadline, "the header's length")
+    n = int(length.item())
+    if n > MAX_HEADER_BYTES:
+        raise HealFailed(f"the source's header is {n} bytes, over the bound of {MAX_HEADER_BYTES}")
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == source else torch.empty(n, dtype=torch.uint8)
+    _broadcast(buf, source, deadline, "the header")
+    if header is None:
+        try:
+            header = decode(Header, bytes(buf.numpy()), "the heal's header", MAX_HEADER_BYTES)
+        except DecodeError as exc:
+            header = Header(error=f"(seen by rank {me}) {exc}")
+    # 2. Who refuses: one all_reduce, so that every rank stops together.
+    refusal = _check(header, module, optimizer, limit) if me in receivers else None
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    flags[me] = 1 if refusal is not None else 0
+    _wait(dist.all_reduce(flags, async_op=True), deadline, "the receivers' answer")
+    refused = [r for r in range(flags.numel()) if flags[r] != 0]
+    if header.error is not None:
+        raise HealFailed(f"the source (rank {source}) sends nothing: {header.error}")
+    if refused:
+        mine = f": {refusal}" if refusal is not None else ""
+        who = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {rank_ranges(refused)}"
+        raise HealFailed(f"{who} refused the source's state{mine}", refused_ranks=refused)
+    result.step = header.step
+    # 3. The bytes, chunked. Receivers stage them; nothing is applied until all have arrived.
+    staged = [torch.empty(e.shape, dtype=_dtype(e.dtype)) for e in header.tensors] if me in receivers else []
+    total = sum(_nbytes(e) for e in header.tensors)
+    chunk = torch.empty(min(header.chunk_bytes, max(total, 1)), dtype=torch.uint8)
+    targets = [t.reshape(-1).view(torch.uint8) for t in staged]
+    out_pieces = _pieces(sent) if me == source else iter(())
+    src_piece, src_off = None, 0
+    offset = 0
+    while offset < total:
+        size = min(chunk.numel(), total - offset)
+        view = chunk[:size]
+        if me == source:
+            filled = 0
+            while filled < size:
+                if src_piece is None or src_off >= src_piece.numel():
+                    src_piece, src_off = next(out_pieces), 0
+                    continue
+                take = min(size - filled, src_piece.numel() - src_off)
+                view[filled : filled + take].copy_(src_piece[src_off : src_off + take])
+                filled, src_off = filled + take, src_off + take
+        _broadcast(view, source, deadline, f"chunk {result.chunks} ({offset} of {total} bytes)")
+        if me in receivers:
+            _scatter(view, offset, targets)
+        offset += size
+        result.chunks += 1
+    result.bytes = total
+    if me in receivers:
+        _apply(module, optimizer, header, staged)
+
+
+def _scatter(view: torch.Tensor, offset: int, targets: list[torch.Tensor]) -> None:
+    """Copies one chunk (bytes ``offset..offset+len(view)`` of the stream) into the staged tensors."""
+    pos = 0
+    for t in targets:
+        n = t.numel()
+        lo, hi = max(offset, pos), min(offset + view.numel(), pos + n)
+        if lo < hi:
+            t[lo - pos : hi - pos].copy_(view[lo - offset : hi - offset])
+        pos += n
+        if pos >= offset + view.numel():
+            break
+
+
+def _apply(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, header: Header, staged: list[torch.Tensor]
+) -> None:
+    # The optimizer first: it is the part that can still refuse, and the module is untouched then.
+    if optimizer is not None:
+        try:
+            state = _from_json(header.optimizer, staged[header.module_tensors :])
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+            raise HealFailed(f"the optimizer's state could not be loaded ({type(exc).__name__}: {exc})") from exc
+    own = _module_tensors(module)
+    with torch.no_grad():
+        for (_, t), new in zip(own, staged[: header.module_tensors], strict=True):
+            t.copy_(new)

@@ -1,0 +1,108 @@
+"""Healing a restarted rank, on 3 real gloo ranks under ncclguard's launcher with a restart
+policy. Rank side: tests/workers/heal_worker.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS, K, BASE = 6, 3, 6  # heal_worker's: rank 1 dies at step K of the run whose steps are BASE + step
+CLEAN0 = {"ok": True, "attempts": 1, "generation": 0, "rebuilds": 0, "commits": [[True, []]], "error": None}
+CLEAN1 = {**CLEAN0, "generation": 1}
+# What moves: parameters 65 float64 (520 B), buffers 16 float64 + one int64 (136 B), Adam's
+# exp_avg and exp_avg_sq for 65 float64 each (1040 B) and 6 float32 step counts (24 B).
+STATE_BYTES = 1720
+CHUNKS = 7  # 256-byte chunks
+
+
+@pytest.fixture(scope="module")
+def job():
+    # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart (importing torch again: 20 s seen on
+    # a loaded host), a 5 s commit wait: 28-65 s here. Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def torchrun_job():
+    # The torchrun recipe: each rank under ncclguard.testing.rank_loop, so the agent never sees
+    # the SIGKILL. The same worker: 64 s here on a loaded host. Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, rank_loop=1, timeout_s=360)
+
+
+def test_under_torchrun_a_rank_loop_restarts_the_rank_alone_and_it_is_healed(torchrun_job):
+    assert "ncclguard.testing.rank_loop: the rank exited -9; restart 1 of 1" in torchrun_job.output
+    assert torchrun_job[1]["life"] == 1 and torchrun_job[0]["life"] == torchrun_job[2]["life"] == 0
+    assert torchrun_job[1]["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
+    for r in range(3):
+        res = torchrun_job[r]
+        assert res["final"] == [r, 3, 1]
+        assert (res["equal_across_ranks"], res["equal_to_reference"], res["buffers_equal_to_own_reference"]) == (
+            True,
+            True,
+            True,
+        )
+    assert torchrun_job[0]["results"][K]["commits"] == [[False, [0, 1, 2]], [True, []]]
+
+
+def test_the_launcher_restarted_the_killed_rank_once_and_alone(job):
+    assert [(r.rank, r.count, r.returncode) for r in job.restarts] == [(1, 1, -9)]
+    assert job.lives == {0: [0], 1: [-9, 0], 2: [0]}
+    first_life = json.loads((job.out_dir / "life0-rank1.json").read_text())
+    assert [s["step"] for s in first_life["results"]] == list(range(K))
+    assert all(s["ok"] and s["generation"] == 0 for s in first_life["results"])
+
+
+def test_the_survivors_rebuild_with_the_restarted_rank_and_heal_it(job):
+    for r, role in ((0, "source"), (2, "bystander")):
+        res = job[r]
+        assert res["reference_results"] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(STEPS)]
+        steps = res["results"]
+        assert steps[:K] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(K)]
+        # The dead rank's absence fails the commit on all three; the rebuild admits its restart.
+        assert steps[K] == {
+            "step": K,
+            "ok": True,
+            "attempts": 2,
+            "generation": 1,
+            "rebuilds": 1,
+            "commits": [[False, [0, 1, 2]], [True, []]],
+            "error": None,
+            "world_size": 3,
+            "healed": [True, role, 0, [1], BASE + K, STATE_BYTES, CHUNKS],
+        }
+        assert steps[K + 1 :] == [{"step": s, **CLEAN1, "world_size": 3} for s in range(K + 1, STEPS)]
+        assert res["resume_step"] is None and res["life"] == 0
+
+
+def test_the_restarted_rank_resumes_at_the_redone_step_with_the_peers_state(job):
+    res = job[1]
+    assert res["life"] == 1
+    assert res["resume_step"] == BASE + K
+    assert res["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
+    assert (res["expected_bytes"], res["expected_chunks"]) == (STATE_BYTES, CHUNKS)  # its own state's size
+    assert res["results"] == [{"step": s, **CLEAN1, "world_size": 3} for s in range(K, STEPS)]
+
+
+def test_all_three_end_bit_equal_to_each_other_and_to_the_fault_free_run(job):
+    for r in range(3):
+        res = job[r]
+        assert res["final"] == [r, 3, 1]  # rank, world size, generation
+        assert res["equal_across_ranks"] is True  # parameters and Adam's state, bit for bit
+        assert res["equal_to_reference"] is True  # torch.equal to the fault-free run's
+        assert res["buffers_equal_to_own_reference"] is True  # BatchNorm's stats, per rank
+
+
+def test_a_receiver_with_another_shape_refuses_and_nothing_moves(job):
+    for r, role in ((0, "source"), (1, "receiver"), (2, "bystander")):
+        refused = job[r]["refused"]
+        assert (refused["ok"], refused["role"], refused["refused_ranks"], refused["bytes"]) == (False, role, [1], 0)
+        assert refused["untouched"] is True
+    assert job[1]["refused"]["error"] == (
+        "rank 1 refused the source's state: p:weight torch.float64[8, 4] does not match this module's "
+        "p:weight torch.float64[9, 4]"
+    )
+    assert job[0]["refused"]["error"] == "rank 1 refused the source's state"
