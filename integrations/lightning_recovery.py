@@ -23,7 +23,10 @@ manual optimization (the user's code steps the optimizer).
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -212,7 +215,7 @@ class StepRecovery:
                         size = dist.get_world_size() if dist.is_initialized() else 1
                         done = RecoveredStep(step, attempt, generation(), size, failed, time.monotonic() - start)
                         self.on_recovered(trainer, done)
-                    return original(optimizer, lambda: output, model, **kwargs)
+                    return original(optimizer, lambda done=output: done, model, **kwargs)  # computed above
                 if attempt == self.max_attempts:
                     break
                 self._rebuild(trainer, step)
@@ -229,7 +232,7 @@ class StepRecovery:
         return optimizer_step
 
     def _rebuild(self, trainer: Any, step: int) -> None:
-        """A new world, and the strategy pointed at it; leaves (SystemExit 0) a rank left out of it."""
+        """A new world, and the strategy pointed at it; ends (status 0) a rank left out of it."""
         strategy = trainer.strategy
         # The old wrapper goes first (as in RecoveringStep): the reaper still holds the old groups.
         strategy.model = strategy.lightning_module
@@ -238,10 +241,15 @@ class StepRecovery:
             error = rebuilt.error or RebuildFailed("rebuild_world failed")
             if rebuilt.late:
                 # The others went on without this rank. A zero status: torchrun leaves them running.
+                # os._exit: at interpreter shutdown a timed-out gloo group can abort the process
+                # (status -6, seen with DeepSpeed here), and torchrun would stop the survivors.
                 log.error(
                     "NcclGuardCallback: step %d: this rank was left out (%s); it exits with status 0", step, error
                 )
-                raise SystemExit(0)
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             raise error
         strategy.model = strategy._setup_model(strategy.lightning_module)
         strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
@@ -259,4 +267,4 @@ class StepRecovery:
         # WORLD_SIZE from the launch's environment, which a shrink does not change.
         env.global_rank = dist.get_rank
         env.world_size = dist.get_world_size
-        rank_zero_only.rank = fabric_rank_zero_only.rank = dist.get_rank()
+        rank_zero_only.rank = fabric_rank_zero_only.rank = dist.get_rank()  # type: ignore[attr-defined]

@@ -91,7 +91,9 @@ def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
         assert shrink[r]["equal_across_ranks"] is True
         assert shrink[r]["final"] == [r, 2, 1]
     stuck = shrink[2]
-    assert stuck == {"woke_after_survivors": True, "exit_code": 0, "recoveries": []}
+    # It woke after ranks 0-1 were done and never came back from fit: the callback ended it with
+    # status 0 (run_ranks requires torchrun's status 0, which needs every rank's).
+    assert stuck == {"woke_after_survivors": True}
     assert [(row["step"], row["recover/world_size"]) for row in metric_rows(shrink, "shrink")] == [("2", "2.0")]
 
 
