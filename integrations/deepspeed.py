@@ -9,6 +9,9 @@ guarded_evaluate`` keeps working. What is DeepSpeed-shaped is :func:`patch_train
 trainer whose ``model`` is the engine.
 
 Nothing here imports DeepSpeed: the engine is used as the ``torch.nn.Module`` it is.
+
+:class:`~ncclguard.integrations.deepspeed_commit.CommittedEngineStep` (re-exported here) commits
+every training step on every rank; a failed one ends in ``engine.save_checkpoint`` and exit 75.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ from ncclguard.recovery.evaluation import (
     run_guarded,
 )
 
+from .deepspeed_commit import EX_TEMPFAIL, CommittedEngineStep, EngineStepResult
+
 __all__ = [
+    "EX_TEMPFAIL",
+    "CommittedEngineStep",
+    "EngineStepResult",
     "FAILED_METRIC",
     "EvalSums",
     "EvalReport",

@@ -21,6 +21,10 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
   every rank or is skipped on every rank by the deadline. A skip is logged to every logger as
   ``eval/evaluation_failed`` and put in ``trainer.callback_metrics``; the loop state a skipped
   run leaves behind is reset so that training and the next validation go on.
+- With ``recover=True``: the strategy's ``optimizer_step`` is wrapped so that every rank commits
+  each step before the optimizer steps, and a failed step is redone on a rebuilt world
+  (:mod:`ncclguard.integrations.lightning_recovery`). Each recovery is logged to every logger as
+  ``recover/recovered``, ``recover/attempts``, ``recover/generation``, ``recover/world_size``.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_w
 from ncclguard._log import log
 from ncclguard.recovery.evaluation import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 
+from .lightning_recovery import RECOVER_METRICS, RecoveredStep, StepRecovery, check_recoverable, seconds
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
 
-__all__ = ["NcclGuardCallback", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
+__all__ = ["NcclGuardCallback", "RecoveredStep", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
 
 _PATCHED = "__ncclguard_original__"
 
@@ -62,6 +67,14 @@ class NcclGuardCallback(Callback):
         watchdog: the watchdog's settings: a ``WatchdogConfig``, a dict of its fields, None
             (defaults) or False (no watchdog). A watchdog already running in the process is used
             as it is and left running.
+        recover: commit every training step on every rank and redo a failed one on a rebuilt
+            world (DDP strategy, automatic optimization, ``accumulate_grad_batches=1``).
+        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
+        commit_timeout_s: with ``recover``, seconds each commit waits for every rank; it must
+            exceed the group's timeout (a rank that fails in a collective reaches the commit that
+            much later). None: ``should_commit``'s default.
+        rebuild_timeout_s: with ``recover``, seconds a rebuild waits for every rank.
+        max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
 
     Raises:
         TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s`` or ``watchdog``
@@ -71,13 +84,40 @@ class NcclGuardCallback(Callback):
         watchdog: the watchdog this callback started (None when it started none).
         last_eval_report: the report of the last guarded validation on this rank.
         skipped: the validations skipped on every rank, oldest first.
+        recoveries: the steps redone on a rebuilt world, oldest first.
     """
 
     def __init__(
         self,
         eval_timeout_s: float | timedelta | None = None,
         watchdog: WatchdogConfig | dict[str, Any] | bool | None = None,
+        *,
+        recover: bool = False,
+        allow_shrink: bool = False,
+        commit_timeout_s: float | None = None,
+        rebuild_timeout_s: float = 60.0,
+        max_attempts: int = 3,
     ) -> None:
+        for name, flag in (("recover", recover), ("allow_shrink", allow_shrink)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"NcclGuardCallback's {name} must be a bool, got {flag!r}")
+        if commit_timeout_s is not None:
+            seconds("commit_timeout_s", commit_timeout_s)
+        seconds("rebuild_timeout_s", rebuild_timeout_s)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2:
+            raise ValueError(f"NcclGuardCallback's max_attempts must be an int of at least 2, got {max_attempts!r}")
+        self.recovery = (
+            StepRecovery(
+                allow_shrink=allow_shrink,
+                commit_timeout_s=commit_timeout_s,
+                rebuild_timeout_s=float(rebuild_timeout_s),
+                max_attempts=max_attempts,
+                on_recovered=self._log_recovery,
+            )
+            if recover
+            else None
+        )
+        self.recoveries: list[RecoveredStep] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
         self.watchdog_config = watchdog_config(watchdog)
         self.watchdog: Watchdog | None = None
@@ -102,6 +142,9 @@ class NcclGuardCallback(Callback):
             else:
                 self.watchdog = start_watchdog(self.watchdog_config)
         self._wrap(trainer, "save_checkpoint", self._saving(trainer))
+        if self.recovery is not None and stage == "fit":
+            check_recoverable(trainer, pl_module)
+            self._wrap(trainer.strategy, "optimizer_step", self.recovery.optimizer_step(trainer))
         if self.eval_timeout_s is not None and stage in ("fit", "validate"):
             loop = trainer.fit_loop.epoch_loop.val_loop if stage == "fit" else trainer.validate_loop
             if not callable(getattr(loop, "run", None)):
@@ -255,5 +298,27 @@ class NcclGuardCallback(Callback):
         for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only
             try:
                 logger.log_metrics(metrics, step=step)
+            except Exception:  # noqa: BLE001 - a logger must never take training down
+                log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)
+
+    def _log_recovery(self, trainer: Trainer, rec: RecoveredStep) -> None:
+        self.recoveries.append(rec)
+        log.warning(
+            "NcclGuardCallback: step %d redone and applied in world generation %d (%d ranks) after %d attempt(s), "
+            "%.2f s; failed ranks %s",
+            rec.step,
+            rec.generation,
+            rec.world_size,
+            rec.attempts,
+            rec.elapsed_s,
+            rec.failed_ranks,
+        )
+        values = (1.0, float(rec.attempts), float(rec.generation), float(rec.world_size))
+        metrics = dict(zip(RECOVER_METRICS, values, strict=True))
+        for key, value in metrics.items():
+            trainer.callback_metrics[key] = torch.tensor(value)
+        for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only
+            try:
+                logger.log_metrics(metrics, step=rec.step)
             except Exception:  # noqa: BLE001 - a logger must never take training down
                 log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)

@@ -1,0 +1,192 @@
+"""CommittedEngineStep: every rank agrees on each DeepSpeed step; a failed one ends in a checkpoint
+and exit status 75, so that the launcher restarts the job from it.
+
+Why not a redo in process, as for plain DDP and Lightning: a DeepSpeed engine keeps the groups
+of the world it was built in, and its ZeRO optimizer keeps state laid out for them. Read in the
+installed DeepSpeed (0.19.8; docs/recovery.md "### DeepSpeed" cites the lines): the engine takes
+its data-parallel group once (``runtime/engine.py``, ``self.data_parallel_group =
+groups._get_data_parallel_group()``), a module-level clone of the world group
+(``utils/groups.py``, ``_clone_world_group``, cached in ``_WORLD_GROUP``); the ZeRO 1/2 optimizer
+stores that group per parameter group with the partition count (``runtime/zero/stage_1_and_2.py``,
+``dp_process_group``, ``real_dp_process_group``, ``partition_count``) and the buckets of a backward
+in flight (``ipg_buckets``, ``params_already_reduced``, ``averaged_gradients``). Re-pointing all
+of that after a rebuild means writing a dozen private attributes of one DeepSpeed version and
+resetting a half-reduced backward by hand; nothing checks it, so it is not done.
+
+What is safe: ``engine.save_checkpoint`` runs its collectives (two barriers and, with tag
+validation, two all_reduces) through ``deepspeed.comm`` with no group, that is on torch's default
+group (``comm/torch.py``, ``barrier``), and ZeRO 1/2's ``state_dict`` runs none. So after a failed
+commit every rank rebuilds the world (all ranks alive; the new default group), saves a checkpoint
+of the step before the failed one (``optimizer.step()`` ran on no rank), and exits 75. When a rank
+does not come to the rebuild, no complete checkpoint can be written (its ZeRO partition is in that
+process): the ranks exit 75 without one and the launcher restarts from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+from ncclguard._log import log
+from ncclguard.deadlines import to_seconds
+from ncclguard.recovery.commit import CommitResult, should_commit
+from ncclguard.recovery.rebuild import rebuild_world
+
+__all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult"]
+
+EX_TEMPFAIL = 75  # sysexits.h: a temporary failure; launchers restart on a non-zero status
+
+
+@dataclass
+class EngineStepResult:
+    """A step that committed on every rank and was applied (``engine.step()`` ran).
+
+    Attributes:
+        output: what ``step_fn`` returned.
+        commit: the step's commit.
+    """
+
+    output: Any
+    commit: CommitResult
+
+
+class CommittedEngineStep:
+    """Runs DeepSpeed steps that every rank commits before ``engine.step()``; on a failed commit:
+    rebuild, ``engine.save_checkpoint(checkpoint_dir)``, exit 75.
+
+    ``stepper = CommittedEngineStep(engine, checkpoint_dir="/ckpt")``, then per step
+    ``stepper(lambda e: e.backward(e(**batch).loss), step=step)``. On restart, load it with
+    ``engine.load_checkpoint(checkpoint_dir)`` and go on from ``engine.global_steps``.
+
+    Args:
+        engine: the ``deepspeed.DeepSpeedEngine``, with ``gradient_accumulation_steps() == 1``.
+        checkpoint_dir: where the checkpoint of a failed step goes (yours; nothing else is written).
+        commit_timeout: seconds (or a timedelta) each commit waits for every rank; above the
+            group's timeout (a rank failing in a collective reaches the commit that much later).
+        rebuild_timeout: seconds (or a timedelta) the rebuild before the save waits for every rank.
+        exit_code: the status to exit with (75, EX_TEMPFAIL).
+
+    Raises:
+        TypeError, ValueError: not an engine, gradient accumulation, a bad directory or timeout.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        checkpoint_dir: str | os.PathLike[str],
+        commit_timeout: float | timedelta | None = None,
+        rebuild_timeout: float | timedelta = 60.0,
+        exit_code: int = EX_TEMPFAIL,
+    ) -> None:
+        for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
+            if not callable(getattr(engine, name, None)):
+                raise TypeError(
+                    f"CommittedEngineStep needs a DeepSpeed engine (no {name}()), got {type(engine).__name__}"
+                )
+        gas = engine.gradient_accumulation_steps()
+        if gas != 1:
+            raise ValueError(
+                f"CommittedEngineStep needs gradient_accumulation_steps=1, got {gas}: engine.step() applies only at the "
+                "window's end, and a checkpoint in the middle of a window would resume it misaligned. Raise "
+                "train_micro_batch_size_per_gpu instead"
+            )
+        if not isinstance(checkpoint_dir, str | os.PathLike) or not str(checkpoint_dir):
+            raise ValueError(f"checkpoint_dir must be a directory path, got {checkpoint_dir!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be an int from 1 to 255 (a restart needs a failure), got {exit_code!r}")
+        if commit_timeout is not None:
+            to_seconds(commit_timeout, "commit_timeout")
+        self.engine, self.checkpoint_dir = engine, Path(checkpoint_dir)
+        self.commit_timeout, self.exit_code = commit_timeout, exit_code
+        self.rebuild_timeout_s = to_seconds(rebuild_timeout, "rebuild_timeout")
+
+    def __call__(self, step_fn: Callable[[Any], Any], *, step: int | None = None) -> EngineStepResult:
+        """Runs ``step_fn(engine)`` (forward and ``engine.backward``), commits, and steps the engine.
+
+        Args:
+            step_fn: forward and backward on the engine it is given; it must not call ``engine.step()``.
+            step: your loop's step number, checked on every rank by :func:`should_commit`.
+
+        Returns:
+            An :class:`EngineStepResult` when the step was applied on every rank.
+
+        Raises:
+            TypeError: ``step_fn`` is not callable.
+        After a failed commit (and the checkpoint, when one could be written) the process ends
+        with ``exit_code`` through ``os._exit``, not ``SystemExit``: at interpreter shutdown a gloo
+        group that timed out aborts the process (measured: status -6, "terminate called without
+        an active exception"), and the launcher must see the status.
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
+        failure: BaseException | None = None
+        output = None
+        try:
+            output = step_fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - this rank's failure goes into the commit
+            log.warning("CommittedEngineStep: the step raised on this rank (%s: %s)", type(exc).__name__, exc)
+            failure = exc
+        res = should_commit(timeout=self.commit_timeout, step=step, failure=failure)
+        if res:
+            self.engine.step()
+            return EngineStepResult(output, res)
+        self.checkpoint_and_exit(res)
+
+    def checkpoint_and_exit(self, res: CommitResult) -> NoReturn:
+        """Rebuilds the world, saves the engine's checkpoint in it and ends the process with
+        ``exit_code`` (``os._exit``, after flushing the logs).
+
+        Args:
+            res: the failed commit (its reasons are logged).
+        """
+        log.error("CommittedEngineStep: the step failed on ranks %s: %s", res.failed_ranks, res.error)
+        rebuilt = rebuild_world(timeout=self.rebuild_timeout_s, allow_shrink=False)
+        if not rebuilt:
+            log.error(
+                "CommittedEngineStep: no checkpoint: %s. Exiting %d; the launcher restarts from your last checkpoint",
+                rebuilt.error,
+                self.exit_code,
+            )
+            _exit_now(self.exit_code)
+        tag = f"global_step{self.engine.global_steps}"
+        optimizer: Any = getattr(self.engine, "optimizer", None)
+        old_group = getattr(optimizer, "dp_process_group", None)
+        try:
+            # Its collectives run on the rebuilt default group (see the module doc). The save also
+            # reads the ZeRO group's size (engine.py, _create_zero_checkpoint_files), which torch
+            # refuses for a destroyed group: for the save only, the new world group (same size:
+            # no shrink) stands in.
+            if old_group is not None:
+                optimizer.dp_process_group = dist.distributed_c10d._get_default_group()
+            self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag)
+        except Exception:  # noqa: BLE001 - the exit below is the point; the error is logged
+            log.exception("CommittedEngineStep: engine.save_checkpoint(%s) failed", self.checkpoint_dir)
+            _exit_now(self.exit_code)
+        finally:
+            if old_group is not None:
+                optimizer.dp_process_group = old_group
+        log.error(
+            "CommittedEngineStep: checkpoint %s saved in %s (before the failed step); exiting %d so that the "
+            "launcher restarts from it (engine.load_checkpoint)",
+            tag,
+            self.checkpoint_dir,
+            self.exit_code,
+        )
+        _exit_now(self.exit_code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Flushes the logs and ends the process with ``code`` (no interpreter shutdown: see __call__)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

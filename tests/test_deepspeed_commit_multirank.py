@@ -1,0 +1,98 @@
+"""CommittedEngineStep on a real DeepSpeed ZeRO-2 engine: 2 gloo ranks on CPU under ncclguard's
+launcher (torchrun would stop the second rank as soon as the first exits 75). Rank side:
+tests/workers/deepspeed_commit_worker.py.
+
+A failed step ends in ``engine.save_checkpoint`` and exit 75 on every rank; a restart loads the
+checkpoint (the state before the failed step) and ends bit-equal to a run without the fault.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+from ncclguard.integrations.deepspeed import EX_TEMPFAIL, CommittedEngineStep
+
+pytestmark = pytest.mark.timeout(600)
+K, STEPS = 2, 5
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ds-ckpt")
+    # 9 s stall, 3 s timeouts, the rebuild and the save: 40 s here with DeepSpeed's start-up, at
+    # load 3 (the op build is cached by make install). Hang guard: over 3x that.
+    failed = run_ranks(
+        "deepspeed_commit_worker",
+        2,
+        "fail",
+        str(ckpt),
+        launcher="spawn",
+        timeout_s=240,
+        expect_rc={0: EX_TEMPFAIL, 1: EX_TEMPFAIL},
+    )
+    resumed = run_ranks("deepspeed_commit_worker", 2, "resume", str(ckpt), launcher="spawn", timeout_s=240)
+    return failed, resumed, ckpt
+
+
+@pytest.mark.multirank
+def test_a_failed_step_ends_in_a_checkpoint_and_exit_75_on_every_rank(jobs):
+    failed, _, ckpt = jobs
+    assert failed.returncodes == {0: 75, 1: 75}  # also required by run_ranks
+    for r in (0, 1):
+        assert failed[r]["global_steps_before_failed_step"] == K
+        assert "not_exited" not in failed[r]
+    assert (ckpt / "latest").read_text() == f"global_step{K}"
+    files = sorted(p.name for p in (ckpt / f"global_step{K}").iterdir())
+    assert files == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    out = failed.output
+    assert out.count("CommittedEngineStep: checkpoint global_step2 saved in") == 2
+    assert "rebuild_world: generation 1" in out
+
+
+@pytest.mark.multirank
+def test_the_restart_resumes_from_the_step_before_the_failure_and_ends_bit_equal(jobs):
+    failed, resumed, _ = jobs
+    for r in (0, 1):
+        res = resumed[r]
+        assert res["loaded"] is True and res["global_steps_loaded"] == K
+        assert res["digest_loaded"] == failed[r]["digest_before_failed_step"]  # nothing of the failed step
+        assert res["global_steps_resumed"] == STEPS
+        assert res["digest_resumed"] == res["digest_reference"]  # bit for bit, Adam state included
+    assert resumed[0]["digest_resumed"] == resumed[1]["digest_resumed"]
+
+
+class NotAnEngine:
+    pass
+
+
+class Engine:
+    """The calls CommittedEngineStep checks for, with a given accumulation (no DeepSpeed needed)."""
+
+    def __init__(self, gas: int) -> None:
+        self.gas = gas
+
+    def backward(self, loss): ...
+    def step(self): ...
+    def save_checkpoint(self, *a, **k): ...
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+
+@pytest.mark.parametrize(
+    "engine, kwargs, error, text",
+    [
+        (NotAnEngine(), {"checkpoint_dir": "/x"}, TypeError, "needs a DeepSpeed engine"),
+        (Engine(4), {"checkpoint_dir": "/x"}, ValueError, "gradient_accumulation_steps=1, got 4"),
+        (Engine(1), {"checkpoint_dir": ""}, ValueError, "checkpoint_dir must be a directory path"),
+        (Engine(1), {"checkpoint_dir": "/x", "exit_code": 0}, ValueError, "exit_code must be an int from 1 to 255"),
+        (Engine(1), {"checkpoint_dir": "/x", "commit_timeout": -1}, ValueError, "commit_timeout"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_step(engine, kwargs, error, text):
+    with pytest.raises(error, match=text):
+        CommittedEngineStep(engine, **kwargs)

@@ -1,0 +1,170 @@
+"""NcclGuardCallback(recover=True) on a real ``lightning.pytorch.Trainer``: 3 gloo ranks under
+torchrun, CPU, DDP, the group's timeout 3 s. Rank side: tests/workers/lightning_recover_worker.py.
+
+``redo``: a plain Lightning fit, then the same fit with a stall (rank 2, 9 s) at step 2 and an
+exception (rank 1) at step 4: both steps are redone on every rank on a rebuilt world, and the run
+ends bit-equal to the plain one. ``shrink``: with ``allow_shrink=True`` rank 2 is stuck for good
+at step 2; ranks 0-1 finish as a world of 2, rank 2 is left out and exits 0. The argument checks
+run without ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from harness import run_ranks
+
+from ncclguard.integrations.lightning import NcclGuardCallback
+from ncclguard.integrations.lightning_recovery import check_recoverable
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def redo():
+    # Two fits, a 9 s stall and a 3 s timeout: 50 s here at load 3. Hang guard: over 3x that.
+    return run_ranks("lightning_recover_worker", 3, "redo", timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def shrink():
+    # 3 s timeout, 8 s commit, 8 s rebuild, then rank 2 wakes and leaves: 60 s here at load 3.
+    return run_ranks("lightning_recover_worker", 3, "shrink", timeout_s=240)
+
+
+def metric_rows(job, name: str) -> list[dict[str, str]]:
+    path = job.out_dir / "logs" / name / "version_0" / "metrics.csv"
+    return [row for row in csv.DictReader(path.open()) if row.get("recover/recovered")]
+
+
+@pytest.mark.multirank
+def test_failed_steps_are_redone_on_every_rank_and_the_run_ends_bit_equal_to_a_plain_one(redo):
+    for r in range(3):
+        res = redo[r]
+        ref, got = res["reference"], res["faulty"]
+        assert ref["seen"] == [[s, 0, 3] for s in range(STEPS)]
+        # Step 2 ran twice (the redo in generation 1), step 4 twice (generation 2); nothing else.
+        assert got["seen"] == [[0, 0, 3], [1, 0, 3], [2, 0, 3], [2, 1, 3], [3, 1, 3], [4, 1, 3], [4, 2, 3], [5, 2, 3]]
+        assert [(x["step"], x["attempts"], x["generation"], x["world_size"]) for x in got["recoveries"]] == [
+            (2, 2, 1, 3),
+            (4, 2, 2, 3),
+        ]
+        assert [x["failed_ranks"] for x in got["recoveries"]] == [[0, 1, 2], [0, 1, 2]]
+        assert got["recoveries"][0]["elapsed_s"] >= 9.0  # the redo waited for the stalled rank
+        # The optimizer and the per-step LR scheduler stepped once per step, as in the plain run.
+        assert got["global_step"] == ref["global_step"] == STEPS
+        assert got["before_optimizer_step"] == ref["before_optimizer_step"] == STEPS
+        assert got["lr"] == ref["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)
+        # The failed tries' logged losses are not in the epoch mean: the same float as the plain run's.
+        assert got["train_loss_epoch"] == ref["train_loss_epoch"]
+        assert got["recover_metrics"] == {
+            "recover/recovered": 1.0,
+            "recover/attempts": 2.0,
+            "recover/generation": 2.0,
+            "recover/world_size": 3.0,
+        }
+        assert got["trainer_ranks"] == [r, 3]
+        assert res["params_equal_to_reference"] is True  # bit for bit
+        assert res["buffers_equal_to_reference"] is True  # BatchNorm statistics restored before each redo
+        assert res["equal_across_ranks"] is True
+        assert res["final"] == [r, 3, 2]
+    rows = metric_rows(redo, "redo")  # rank 0's CSVLogger
+    assert [(row["step"], row["recover/generation"], row["recover/world_size"]) for row in rows] == [
+        ("2", "1.0", "3.0"),
+        ("4", "2.0", "3.0"),
+    ]
+
+
+@pytest.mark.multirank
+def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
+    for r in (0, 1):
+        got = shrink[r]["faulty"]
+        assert got["seen"] == [[0, 0, 3], [1, 0, 3], [2, 0, 3], [2, 1, 2], [3, 1, 2], [4, 1, 2], [5, 1, 2]]
+        ((step, attempts, gen, size, failed),) = [
+            (x["step"], x["attempts"], x["generation"], x["world_size"], x["failed_ranks"]) for x in got["recoveries"]
+        ]
+        assert (step, attempts, gen, size, failed) == (2, 2, 1, 2, [0, 1, 2])
+        assert got["global_step"] == got["before_optimizer_step"] == STEPS
+        assert got["trainer_ranks"] == [r, 2]  # Lightning's rank and world size follow the shrink
+        assert got["recover_metrics"]["recover/world_size"] == 2.0
+        assert shrink[r]["equal_across_ranks"] is True
+        assert shrink[r]["final"] == [r, 2, 1]
+    stuck = shrink[2]
+    # It woke after ranks 0-1 were done and never came back from fit: the callback ended it with
+    # status 0 (run_ranks requires torchrun's status 0, which needs every rank's).
+    assert stuck == {"woke_after_survivors": True}
+    assert [(row["step"], row["recover/world_size"]) for row in metric_rows(shrink, "shrink")] == [("2", "2.0")]
+
+
+# --- without ranks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"recover": 1}, TypeError, "recover must be a bool"),
+        ({"recover": True, "allow_shrink": "yes"}, TypeError, "allow_shrink must be a bool"),
+        ({"recover": True, "commit_timeout_s": 0}, ValueError, "commit_timeout_s must be a positive number"),
+        ({"recover": True, "rebuild_timeout_s": -1}, ValueError, "rebuild_timeout_s must be a positive number"),
+        ({"recover": True, "max_attempts": 1}, ValueError, "max_attempts must be an int of at least 2"),
+    ],
+)
+def test_bad_recover_arguments_are_refused_when_the_callback_is_built(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        NcclGuardCallback(**kwargs)
+
+
+def tiny(manual: bool = False):
+    import torch
+    from lightning.pytorch import LightningModule
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+            self.automatic_optimization = not manual
+            self.steps = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module()
+
+
+def trainer(**kwargs):
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_a_strategy_other_than_ddp_is_refused_in_setup_before_the_first_step():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = tiny()
+    fit = trainer(devices=1, callbacks=[NcclGuardCallback(watchdog=False, recover=True)])
+    with pytest.raises(ValueError, match="under the DDP strategy only, got SingleDeviceStrategy"):
+        fit.fit(model, DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2))
+    assert model.steps == 0
+
+
+def test_gradient_accumulation_and_manual_optimization_are_refused():
+    # Checked on a DDP trainer that is built but not fitting: no process group in this process.
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2: the earlier micro-batches"):
+        check_recoverable(trainer(devices=1, strategy="ddp", accumulate_grad_batches=2), tiny())
+    with pytest.raises(ValueError, match="automatic_optimization=False"):
+        check_recoverable(trainer(devices=1, strategy="ddp"), tiny(manual=True))
+    check_recoverable(trainer(devices=1, strategy="ddp"), tiny())  # what recover=True accepts

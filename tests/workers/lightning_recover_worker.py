@@ -1,0 +1,189 @@
+"""Rank side of tests/test_lightning_recover_multirank.py: ``NcclGuardCallback(recover=True)`` on a
+real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (group timeout 3 s).
+
+Usage: ``lightning_recover_worker.py redo|shrink``. A tiny model with BatchNorm (buffers DDP
+broadcasts) and Dropout (the RNG), SGD with momentum and a StepLR scheduler, 6 steps; Lightning
+inserts its DistributedSampler.
+
+- ``redo``: first a plain Lightning fit (no ncclguard), the reference; then the same fit from the
+  same start with ``recover=True`` and two faults: at step 2 rank 2 stalls 9 s in
+  ``training_step`` (3x the group timeout: ranks 0-1 time out in DDP's collectives), at step 4
+  rank 1 raises in ``training_step``. Every rank must redo both steps on a rebuilt world and end
+  bit-equal to the reference.
+- ``shrink``: ``recover=True, allow_shrink=True``; at step 2 rank 2 is stuck until ranks 0-1 are
+  done. They go on as a world of 2; rank 2 then finds itself left out and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import rankkit
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from rankkit import put
+from torch.utils.data import DataLoader, TensorDataset
+
+from ncclguard.integrations.lightning import NcclGuardCallback
+from ncclguard.recovery.rebuild import generation
+
+rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults and files go by launch rank
+OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
+ME = int(os.environ["RANK"])
+GROUP_TIMEOUT_S = 3.0
+STALL_S = 9.0  # 3x the group timeout
+STEPS = 6
+
+
+class Net(LightningModule):
+    def __init__(self, faults: dict[int, str]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8),
+            torch.nn.BatchNorm1d(8),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(8, 1),
+        )
+        self.faults = faults
+        self.tries: dict[int, int] = {}
+        self.seen: list[list[int]] = []  # [step, generation, world size] of each training_step run
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        self.tries[step] = self.tries.get(step, 0) + 1
+        self.seen.append([step, generation(), dist.get_world_size()])
+        if self.tries[step] == 1:
+            fault = self.faults.get(step)
+            if fault == "stall":
+                time.sleep(STALL_S)
+            elif fault == "raise":
+                raise RuntimeError(f"rank {ME}: a bad batch at step {step}")
+            elif fault == "stuck":
+                stuck_until_survivors_done()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)  # the epoch mean must not count a failed try
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Counts(Callback):
+    """Counts optimizer steps as Lightning runs them (once each, if nothing is applied twice), and
+    sets the group's 3 s timeout when training starts (start-up on a loaded machine gets 60 s)."""
+
+    def __init__(self) -> None:
+        self.before_optimizer_step = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=GROUP_TIMEOUT_S), None)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before_optimizer_step += 1
+
+
+def stuck_until_survivors_done() -> None:
+    store, deadline = rankkit._job_store(), time.monotonic() + 200
+    keys = ["rankkit/survivors-done-0", "rankkit/survivors-done-1"]
+    while time.monotonic() < deadline and not store.check(keys):
+        time.sleep(0.2)
+    put("woke_after_survivors", store.check(keys))
+    rankkit.save()  # the callback ends this left-out rank with os._exit(0); torchrun's status 0 shows it
+
+
+def data() -> DataLoader:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * STEPS * 4, 4, generator=gen)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=4)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([torch.zeros(0, dtype=torch.float64)] + [t.detach().reshape(-1).double() for t in tensors])
+
+
+def fit(name: str, faults: dict[int, str], callback: NcclGuardCallback | None) -> tuple[Net, Trainer, Counts]:
+    model, counts = Net(faults), Counts()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=3,
+        # find_unused_parameters=True: DDP then never reorders its buckets after the first step
+        # (torch/nn/parallel/distributed.py, compute_bucket_size_limits), so a re-wrapped DDP
+        # reduces in the same order as the old one and the runs can be compared bit for bit.
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), find_unused_parameters=True),
+        max_steps=STEPS,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[c for c in (callback, counts) if c is not None],
+        logger=CSVLogger(OUT / "logs", name=name, version=0) if callback is not None else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data())
+    return model, trainer, counts
+
+
+def results(model: Net, trainer: Trainer, counts: Counts, guard: NcclGuardCallback | None) -> dict:
+    return {
+        "global_step": trainer.global_step,
+        "before_optimizer_step": counts.before_optimizer_step,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "seen": model.seen,
+        "train_loss_epoch": float(trainer.callback_metrics["train_loss_epoch"]),
+        "recoveries": [asdict(r) for r in guard.recoveries] if guard is not None else None,
+        "recover_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("recover/")},
+        "trainer_ranks": [trainer.global_rank, trainer.world_size],
+    }
+
+
+def equal_across_ranks(mine: torch.Tensor) -> bool:
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def redo() -> None:
+    reference, ref_trainer, ref_counts = fit("reference", {}, None)
+    put("reference", results(reference, ref_trainer, ref_counts, None))
+    guard = NcclGuardCallback(watchdog=False, recover=True, commit_timeout_s=30, rebuild_timeout_s=30)
+    faults = {2: "stall"} if ME == 2 else {4: "raise"} if ME == 1 else {}
+    model, trainer, counts = fit("redo", faults, guard)
+    put("faulty", results(model, trainer, counts, guard))
+    # Bit for bit: the parameters, and this rank's BatchNorm statistics (its own batches since
+    # DDP's last broadcast of rank 0's buffers, so they differ across ranks but not across runs).
+    put("params_equal_to_reference", torch.equal(flat(model.parameters()), flat(reference.parameters())))
+    put("buffers_equal_to_reference", torch.equal(flat(model.buffers()), flat(reference.buffers())))
+    put("equal_across_ranks", equal_across_ranks(flat(model.parameters())))
+    put("final", [dist.get_rank(), dist.get_world_size(), generation()])
+    rankkit.done()
+
+
+def shrink() -> None:
+    guard = NcclGuardCallback(watchdog=False, recover=True, allow_shrink=True, commit_timeout_s=8, rebuild_timeout_s=8)
+    model, trainer, counts = fit("shrink", {2: "stuck"} if ME == 2 else {}, guard)
+    put("left_out_rank_came_back", True)  # never on rank 2: the callback ends it
+    put("faulty", results(model, trainer, counts, guard))
+    put("equal_across_ranks", equal_across_ranks(flat(model.parameters())))
+    put("final", [dist.get_rank(), dist.get_world_size(), generation()])
+    rankkit.save()
+    rankkit.announce(f"survivors-done-{ME}")
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    {"redo": redo, "shrink": shrink}[sys.argv[1]]()
