@@ -33,8 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.commit import CommitResult, should_commit
@@ -166,7 +165,7 @@ class CommittedEngineStep:
             # refuses for a destroyed group: for the save only, the new world group (same size:
             # no shrink) stands in.
             if old_group is not None:
-                optimizer.dp_process_group = dist.distributed_c10d._get_default_group()
+                optimizer.dp_process_group = compat.default_group()
             self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag)
         except Exception:  # noqa: BLE001 - the exit below is the point; the error is logged
             log.exception("CommittedEngineStep: engine.save_checkpoint(%s) failed", self.checkpoint_dir)

@@ -150,8 +150,7 @@ class Watchdog:
         """Starts the thread (returns at once; the store connection is made by the thread).
 
         Raises:
-            RuntimeError: another watchdog runs in this process, or a rung raises into the main
-                thread (``raise``) and this is not the main thread.
+            RuntimeError: another watchdog runs here, or the ``raise`` rung needs the main thread.
         """
         cfg = self.config
         needs_handler = self.ladder.needs_main_thread
