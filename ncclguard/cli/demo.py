@@ -16,6 +16,7 @@ ACTS = [
     "ncclguard.cli.demo_bench",
     "ncclguard.cli.demo_desync",
     "ncclguard.cli.demo_recovery",
+    "ncclguard.cli.demo_commit",
 ]
 
 
