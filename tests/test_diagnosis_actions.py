@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from ncclguard import Watchdog
 from ncclguard.errors import CollectiveTimeout
-from ncclguard.incidents.model import IncidentDoc, IncidentKind, OpRecord
+from ncclguard.incidents.model import IncidentDoc, IncidentKind, MergedNote, OpRecord
 from ncclguard.recording.flight import recorder
 from ncclguard.watching.actions import (
     Abort,
     Action,
     ActionContext,
     Exit,
+    Fence,
     IncidentRef,
     Ladder,
     LadderState,
@@ -73,7 +74,11 @@ def test_the_ladder_is_built_from_names_and_your_own_actions():
     ladder = build_ladder("report", [note, "exit"])
     assert ladder[1] is note and [a.name for a in ladder] == ["report", "note", "exit"]  # report first
     assert [a.name for a in build_ladder("exit", ["report", "abort"])] == ["report", "abort"]
-    with pytest.raises(TypeError, match="each of actions must be one of \\['report', 'raise', 'abort', 'exit'\\]"):
+    assert [type(a) for a in build_ladder("fence")] == [Report, Abort, Fence]  # no raise, no exit
+    assert build_ladder("fence", fence_after_s=4.0)[2].wait_s == 4.0
+    with pytest.raises(
+        TypeError, match="each of actions must be one of \\['report', 'raise', 'abort', 'fence', 'exit'\\]"
+    ):
         build_ladder("report", ["kill"])
     with pytest.raises(TypeError, match="got <function"):
         build_ladder("report", [lambda incident, ctx: None])
@@ -169,6 +174,55 @@ def test_abort_calls_abort_on_every_process_group():
         assert outcome == Outcome(done=True, details={"aborted": [name], "failed": []})
     finally:
         dist.destroy_process_group()
+
+
+def test_the_fence_waits_its_own_time_and_leaves_every_rank_but_the_culprit_alone():
+    # Its wait comes from the rung itself, not from escalate_after_s.
+    ladder = Ladder([Report(), Abort(), Fence(after_s=7.0)], escalate_after_s=1.0)
+    state, ref = LadderState(), IncidentRef(DOC, Path("."))
+    taken: list[str] = []
+
+    def run(action, step):
+        taken.append(action.name)
+        return Outcome(done=True)
+
+    ladder.start(state, 0.0, run)
+    assert ladder.climb(state, 0.0, lambda: False, run) == "stepped"  # abort at once
+    assert ladder.climb(state, 6.9, lambda: False, run) == "waiting"
+    assert ladder.climb(state, 7.0, lambda: False, run) == "stepped" and taken == ["report", "abort", "fence"]
+    # Alone after the report, it still waits its time.
+    state = LadderState()
+    Ladder([Report(), Fence(after_s=3.0)], 1.0).start(state, 10.0, run)
+    assert state.deadline == 13.0
+    # Not the culprit, or no verdict yet: nothing happens (the process goes on).
+    note = MergedNote(host="h", dir="d", summary="s", culprits=[2, 3])
+    assert Fence()(ref, ctx(rank=0, merged=lambda: note)) == Outcome(
+        done=False, why="rank(s) 2-3 named the culprit; this rank is not fenced", details={"culprits": [2, 3]}
+    )
+    none = MergedNote(host="h", dir="d", summary="s")
+    assert Fence()(ref, ctx(merged=lambda: none)).why == "no culprit named; this rank is not fenced"
+    assert Fence()(ref, ctx()).why == "no merged verdict in the store yet: no rank is named the culprit"
+    with pytest.raises(ValueError, match="after_s must be > 0 seconds, got 0"):
+        Fence(after_s=0)
+
+
+def test_the_fence_saves_its_rung_marks_the_rank_and_exits_0(tmp_path):
+    script = f"""
+import json, pathlib
+from ncclguard.watching.actions import ActionContext, Fence, IncidentRef
+from ncclguard.incidents.model import IncidentDoc, MergedNote
+from ncclguard.watching.settings import WatchdogConfig
+doc = IncidentDoc(kind="hang", reason="r", id="x-003")
+save = lambda o: pathlib.Path({str(tmp_path / "saved.json")!r}).write_text(json.dumps([o.done, o.details]))
+note = MergedNote(host="h", dir="d", summary="s", culprits=[1])
+ctx = ActionContext(WatchdogConfig(), 1, None, None, lambda: None, save, merged=lambda: note, mark_fenced=lambda: True)
+Fence()(IncidentRef(doc, pathlib.Path(".")), ctx)
+raise SystemExit(9)  # not reached
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads((tmp_path / "saved.json").read_text())
+    assert saved == [True, {"fenced": True, "code": 0, "marked": True, "culprits": [1]}]
 
 
 def test_exit_saves_its_rung_then_ends_the_process_with_its_code(tmp_path):

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from ncclguard import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.recording.instrument import is_instrumented
+from ncclguard.watching.settings import LADDERS
 from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE
 
 
@@ -23,7 +24,10 @@ def test_defaults_and_derived_values():
     assert cfg.ladder == ("report",)
     quick = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=2, action="exit")
     assert (quick.peer_timeout, quick.merge_wait, quick.store_timeout) == (3.0, 1.0, 0.5)
-    assert quick.ladder == ACTIONS == ("report", "raise", "abort", "exit")
+    assert quick.ladder == LADDERS["exit"] == ("report", "raise", "abort", "exit")
+    assert ACTIONS == ("report", "raise", "abort", "fence", "exit")
+    fence = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=2, action="fence", escalate_after_s=3)
+    assert (fence.ladder, fence.fence_after) == (("report", "abort", "fence"), 3.0)  # default: escalate_after_s
 
 
 @pytest.mark.parametrize(
@@ -36,7 +40,12 @@ def test_defaults_and_derived_values():
         ),
         ({"heartbeat_s": 0}, "greater than 0"),
         ({"escalate_after_s": -1}, "greater than 0"),
-        ({"action": "kill"}, "'report', 'raise', 'abort' or 'exit'"),
+        ({"action": "kill"}, "'report', 'raise', 'abort', 'fence' or 'exit'"),
+        ({"fence_after_s": 0}, "greater than 0"),
+        (
+            {"action": "fence", "heartbeat_s": 1, "hang_timeout_s": 5, "fence_after_s": 1.5},
+            "fence_after_s (1.5) must be >= merge_wait (2.0)",
+        ),
         ({"exit_code": 0}, "greater than or equal to 1"),
         ({"exit_code": 256}, "less than or equal to 255"),
         ({"raise_signal": "SIGALRM"}, "other than SIGALRM"),

@@ -281,11 +281,22 @@ class IncidentDoc(_Model):
 
 
 class MergedNote(_Model):
-    """What the merging rank leaves in the store: where the report is."""
+    """What the merging rank leaves in the store: where the report is, and whom it names."""
 
     host: str
     dir: str
     summary: str
+    culprits: list[int] = Field(default_factory=list, max_length=65536)  # the ``fence`` rung reads it
+
+
+class FenceNote(_Model):
+    """What a rank's ``fence`` rung leaves in the store before the rank exits 0."""
+
+    rank: int
+    host: str
+    pid: int
+    incident: str  # the incident's id
+    time: float
 
 
 class ActionEntry(_Model):

@@ -248,6 +248,10 @@ class Keys:
         """Set once the op of hang incident ``n`` completed on some rank."""
         return f"{self.ns}/incident/{n}/resolved"
 
+    def fenced(self, rank: int) -> str:
+        """Set by ``rank``'s ``fence`` rung before it exits (a :class:`FenceNote`)."""
+        return f"{self.ns}/fenced/{rank}"
+
 
 def index_key(session: str) -> str:
     """Where rank 0's watchdog names its current namespace (run id, restart, generation, size).

@@ -11,8 +11,17 @@ climbs them:
             before the backend returns;
 ``Abort``   ``ProcessGroup.abort()`` on every process group (``_torch_compat.abort_all_groups``):
             blocked NCCL waits return with an error. Gloo's abort does not wake a blocked op;
+``Fence``   on the rank the merged incident names the culprit (stuck elsewhere, not waiting in the
+            op), ``fence_after_s`` after the rung before: its dump, a fence mark in the store, and
+            ``os._exit(0)``. Its peers' blocked op then fails at once (gloo: "Connection closed by
+            peer"), their step's commit fails, and ``RecoveringStep(allow_shrink=True)`` rebuilds
+            without it; status 0 so that torchrun leaves the survivors running. On any other rank
+            it does nothing (``done`` False);
 ``Exit``    ``os._exit(code)`` (default 75, EX_TEMPFAIL) after the dump, so torchrun or an elastic
             agent restarts the job.
+
+The built-in ladders are :data:`~ncclguard.watching.settings.LADDERS`: ``fence`` climbs
+report, abort, fence (no raise, no exit: it is for loops that recover in process).
 
 Between rungs the ladder waits ``escalate_after_s`` and stops once the hung op completed. Your own
 rung is a subclass (it runs in the watchdog thread: keep it short, and never call a collective on
@@ -40,13 +49,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
+from ncclguard._naming import rank_ranges
 from ncclguard.errors import CollectiveTimeout
-from ncclguard.incidents.model import ActionEntry, IncidentDoc, OpRecord
-from ncclguard.watching.settings import ACTIONS
+from ncclguard.incidents.model import ActionEntry, IncidentDoc, MergedNote, OpRecord
+from ncclguard.watching.settings import LADDERS
+from ncclguard.world import current_world
 
 if TYPE_CHECKING:
     from ncclguard.watching.settings import WatchdogConfig
@@ -56,6 +67,7 @@ __all__ = [
     "Action",
     "ActionContext",
     "Exit",
+    "Fence",
     "IncidentRef",
     "Ladder",
     "LadderState",
@@ -159,6 +171,9 @@ class ActionContext:
         raiser: carries an exception into the main thread (None unless a rung needs it).
         blocked_in: the synchronous op the main thread is blocked in, if any.
         save: records an outcome in the rank's dump now (for a rung that does not return).
+        merged: the merged verdict of the incident (its culprits) from the store; None until a
+            rank merged it, or without a store.
+        mark_fenced: puts this rank's fence mark in the store; True once it is there.
     """
 
     config: WatchdogConfig
@@ -167,6 +182,8 @@ class ActionContext:
     raiser: MainThreadRaiser | None
     blocked_in: Callable[[], OpRecord | None]
     save: Callable[[Outcome], None]
+    merged: Callable[[], MergedNote | None] = field(default=lambda: None)
+    mark_fenced: Callable[[], bool] = field(default=lambda: False)
 
 
 class Action(abc.ABC):
@@ -180,6 +197,7 @@ class Action(abc.ABC):
 
     name: ClassVar[str] = "action"
     needs_main_thread: ClassVar[bool] = False
+    wait_s: float | None = None  # the wait before this rung; None: the ladder's escalate_after_s
 
     @abc.abstractmethod
     def __call__(self, incident: IncidentRef, ctx: ActionContext) -> Outcome:
@@ -232,6 +250,10 @@ class Abort(Action):
 
         if not (dist.is_available() and dist.is_initialized()):
             return Outcome(done=False, why="no process group")
+        if incident.doc.generation != current_world().generation:
+            # Its groups were abandoned by a rebuild; the groups there now are the new world's.
+            why = f"the world was rebuilt since (generation {incident.doc.generation} -> {current_world().generation})"
+            return Outcome(done=False, why=why)
         aborted, failed = compat.abort_all_groups()
         log.error("watchdog: aborted process groups %s%s", aborted, f" (failed: {failed})" if failed else "")
         return Outcome(done=bool(aborted), details={"aborted": aborted, "failed": failed})
@@ -256,36 +278,93 @@ class Exit(Action):
         outcome = Outcome(done=True, details={"code": code})
         ctx.save(outcome)
         log.critical("watchdog: exiting with status %d after incident %s", code, incident.doc.id)
-        for handler in logging.getLogger().handlers + logging.getLogger("ncclguard").handlers:
-            try:
-                handler.flush()
-            except Exception:  # noqa: BLE001 - a broken handler must not keep the process alive
-                pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
 
 
-BUILTIN: dict[str, type[Action]] = {"report": Report, "raise": Raise, "abort": Abort, "exit": Exit}
+class Fence(Action):
+    """Ends this rank with status 0 when the merged incident names it the culprit.
+
+    The rank acts on the verdict itself, from its watchdog thread: its main thread is stuck
+    elsewhere (a loop, a sleep, a wait that never ends) and will not come back. It writes its
+    dump, marks itself fenced in the store (``python -m ncclguard status`` shows it) and exits 0:
+    torchrun's agent stops every worker when one exits non-zero, and leaves the others alone when
+    one exits 0. The survivors' blocked op fails once this process is gone (gloo wakes them with
+    "Connection closed by peer"; NCCL's waits were ended by the ``abort`` rung before), and
+    ``RecoveringStep(allow_shrink=True)`` rebuilds without this rank.
+
+    A rank whose GIL is held by C code cannot run its watchdog thread, so it cannot fence itself:
+    its heartbeat stops, its peers name it lost, and it stays alive until the C call returns (see
+    docs/recovery.md, "Fencing a stuck rank").
+
+    Args:
+        after_s: the wait before this rung (default ``WatchdogConfig.fence_after_s``).
+    """
+
+    name = "fence"
+
+    def __init__(self, after_s: float | None = None) -> None:
+        if after_s is not None and not after_s > 0:
+            raise ValueError(f"after_s must be > 0 seconds, got {after_s!r}")
+        self.wait_s = after_s
+
+    def __call__(self, incident: IncidentRef, ctx: ActionContext) -> Outcome:
+        note = ctx.merged()
+        if note is None:
+            return Outcome(done=False, why="no merged verdict in the store yet: no rank is named the culprit")
+        if ctx.rank not in note.culprits:
+            named = f"rank(s) {rank_ranges(note.culprits)} named the culprit" if note.culprits else "no culprit named"
+            return Outcome(done=False, why=f"{named}; this rank is not fenced", details={"culprits": note.culprits})
+        marked = ctx.mark_fenced()
+        outcome = Outcome(done=True, details={"fenced": True, "code": 0, "marked": marked, "culprits": note.culprits})
+        ctx.save(outcome)
+        log.critical(
+            "watchdog: fenced: incident %s names this rank (%d) the culprit; exiting with status 0 so that the "
+            "others rebuild without it",
+            incident.doc.id,
+            ctx.rank,
+        )
+        _exit_now(0)
 
 
-def build_ladder(action: str, actions: Sequence[Action | str] | None = None) -> list[Action]:
+def _exit_now(code: int) -> NoReturn:
+    """``os._exit(code)`` once the logs and the standard streams are flushed."""
+    for handler in logging.getLogger().handlers + logging.getLogger("ncclguard").handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - a broken handler must not keep the process alive
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+BUILTIN: dict[str, type[Action]] = {"report": Report, "raise": Raise, "abort": Abort, "fence": Fence, "exit": Exit}
+
+
+def build_ladder(
+    action: str, actions: Sequence[Action | str] | None = None, fence_after_s: float | None = None
+) -> list[Action]:
     """The rungs to climb.
 
     Args:
-        action: ``WatchdogConfig.action``: the built-in ladder goes ``report`` up to it.
+        action: ``WatchdogConfig.action``: the built-in ladder up to it (:data:`LADDERS`).
         actions: a ladder of your own instead: built-in names and :class:`Action` instances, in
             order. ``report`` is put first when it is not.
+        fence_after_s: the wait before a ``fence`` rung named here (``WatchdogConfig.fence_after``).
 
     Raises:
         TypeError: an entry that is neither a built-in name nor an Action.
     """
+
+    def builtin(name: str) -> Action:
+        return Fence(fence_after_s) if name == "fence" else BUILTIN[name]()
+
     if actions is None:
-        return [BUILTIN[name]() for name in ACTIONS[: ACTIONS.index(action) + 1]]
+        return [builtin(name) for name in LADDERS[action]]
     ladder: list[Action] = []
     for a in actions:
         if isinstance(a, str) and a in BUILTIN:
-            ladder.append(BUILTIN[a]())
+            ladder.append(builtin(a))
         elif isinstance(a, Action):
             ladder.append(a)
         else:
@@ -347,11 +426,13 @@ class Ladder:
         return any(a.needs_main_thread for a in self.actions)
 
     def start(self, state: LadderState, now: float, run: Callable[[Action, Step], Outcome]) -> None:
-        """Takes the first rung (the report) at once; the next follows without waiting."""
+        """Takes the first rung (the report) at once; the next follows without waiting, unless it
+        has a wait of its own (``Action.wait_s``: the fence's)."""
         step = Step(self.actions[0].name, time.time(), Outcome(done=False, why="running"))
         state.steps.append(step)
         step.outcome = run(self.actions[0], step)
-        state.deadline = now
+        following = self.actions[1] if len(self.actions) > 1 else None
+        state.deadline = now + (following.wait_s or 0.0 if following is not None else 0.0)
 
     def climb(
         self, state: LadderState, now: float, resolved: Callable[[], bool], run: Callable[[Action, Step], Outcome]
@@ -378,7 +459,9 @@ class Ladder:
             state.settled = True
             return "resolved"
         state.rung += 1
-        state.deadline = now + self.escalate_after_s
+        following = self.actions[state.rung + 1] if state.rung + 1 < len(self.actions) else None
+        wait = following.wait_s if following is not None and following.wait_s is not None else None
+        state.deadline = now + (wait if wait is not None else self.escalate_after_s)
         action = self.actions[state.rung]
         step = Step(action.name, time.time(), Outcome(done=False, why="running"))
         state.steps.append(step)

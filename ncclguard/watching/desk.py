@@ -30,6 +30,7 @@ from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.analysis import assemble
 from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE, write_json
 from ncclguard.incidents.model import (
+    FenceNote,
     Finding,
     Heartbeat,
     Incident,
@@ -61,7 +62,7 @@ from ncclguard.watching.settings import WatchdogConfig
 from ncclguard.watching.snapshot import RankState
 
 __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
-__all__ += ["write_report"]
+__all__ += ["mark_fenced", "merged_note", "write_report"]
 
 _BACKEND_KINDS = (IncidentKind.BACKEND_DESYNC, IncidentKind.BACKEND_STUCK)  # numbered by the backend
 MAX_NEW_INCIDENTS = 256  # more new incidents in one poll is not the watchdog's doing (a counter someone set)
@@ -183,6 +184,31 @@ def stale_from_statements(stale: Mapping[int, float], statements: Mapping[int, S
             if view.stale and int(r) not in statements:
                 out[int(r)] = max(out.get(int(r), 0.0), view.age_s)
     return out
+
+
+def merged_note(store: WatchdogStore | None, case: Case) -> MergedNote | None:
+    """The merged verdict of ``case`` as the store has it (the ``fence`` rung's input); None
+    without a store or before the merge."""
+    if store is None or case.local:
+        return None
+    try:
+        return store.read_merged(case.doc.n)
+    except (StoreTimeout, StoreUnreachable) as exc:
+        log.warning("watchdog: could not read the merged verdict of incident %s: %s", case.doc.id, exc)
+        return None
+
+
+def mark_fenced(store: WatchdogStore | None, case: Case) -> bool:
+    """Puts this rank's fence mark in the store (status shows it); False when it could not."""
+    if store is None or case.local:
+        return False
+    note = FenceNote(rank=case.statement.rank, host=HOSTNAME, pid=os.getpid(), incident=case.doc.id, time=time.time())
+    try:
+        store.put_fenced(note)
+    except (StoreTimeout, StoreUnreachable) as exc:
+        log.warning("watchdog: could not mark this rank fenced in the store: %s", exc)
+        return False
+    return True
 
 
 def write_report(case: Case, incident: Incident, *, announce: bool = True, plot: bool = False) -> None:
@@ -461,7 +487,9 @@ class IncidentDesk:
         case.merged = True
         if self.store is not None and not case.local:
             with contextlib.suppress(StoreTimeout, StoreUnreachable):
-                self.store.put_merged(doc.n, MergedNote(host=HOSTNAME, dir=str(case.dir), summary=incident.summary))
+                culprits = sorted({c.rank for c in incident.culprits})
+                note = MergedNote(host=HOSTNAME, dir=str(case.dir), summary=incident.summary, culprits=culprits)
+                self.store.put_merged(doc.n, note)
         self._notify()
         return True
 
@@ -489,10 +517,9 @@ class IncidentDesk:
             step.outcome = outcome
             self.write_dump(case)
 
-        def blocked() -> OpRecord | None:
-            return blocked_in(case.doc, self.state)
-
+        blocked = lambda: blocked_in(case.doc, self.state)  # noqa: E731
         ctx = ActionContext(self.config, self.rank, self.state.main_ident, self.raiser, blocked, save)
+        ctx.merged, ctx.mark_fenced = lambda: merged_note(self.store, case), lambda: mark_fenced(self.store, case)
         return action(case.ref, ctx)
 
     def _climb(self, case: Case) -> None:

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.incidents.model import Heartbeat, IncidentDoc, MergedNote, Statement
+from ncclguard.incidents.model import FenceNote, Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.store.calls import BoundedCalls, StoreRefused
 from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
 from ncclguard.store.keys import Keys
@@ -46,7 +46,8 @@ LIMITS: dict[type[BaseModel], int] = {
     Heartbeat: 256 * 1024,
     Statement: 1024 * 1024,
     IncidentDoc: 64 * 1024,
-    MergedNote: 64 * 1024,
+    MergedNote: 64 * 1024 + 8 * 65536,  # the note and its culprits' numbers
+    FenceNote: 4 * 1024,
 }
 
 # An incident id names a directory under incident_dir: a plain name, never a path. The ids the
@@ -330,6 +331,15 @@ class WatchdogStore:
 
     def put_merged(self, n: int, note: MergedNote) -> None:
         self._call("set", self.keys.merged(n), self._encode(note))
+
+    def read_merged(self, n: int) -> MergedNote | None:
+        """The merged note of incident ``n``, or None (not merged yet, or unreadable: logged)."""
+        key = self.keys.merged(n)
+        got = self._read_present([key])
+        return self._parse(MergedNote, got[0][1], key) if got else None
+
+    def put_fenced(self, note: FenceNote) -> None:
+        self._call("set", self.keys.fenced(note.rank), self._encode(note))
 
     def mark_resolved(self, n: int) -> None:
         self._call("set", self.keys.resolved(n), "1")

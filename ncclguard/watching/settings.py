@@ -9,9 +9,20 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ACTIONS", "EXIT_CODE", "WatchdogConfig"]
+__all__ = ["ACTIONS", "EXIT_CODE", "LADDERS", "WatchdogConfig"]
 
-ACTIONS = ("report", "raise", "abort", "exit")
+ACTIONS = ("report", "raise", "abort", "fence", "exit")
+# The built-in ladder of each top rung. ``fence`` is the top of a job that recovers in process
+# (RecoveringStep with allow_shrink): it has no ``raise`` (an exception thrown into the main thread
+# could land in a commit or a rebuild, and break the loop that recovers) and no ``exit`` (a job
+# that exits 75 is restarted by its launcher instead).
+LADDERS: dict[str, tuple[str, ...]] = {
+    "report": ("report",),
+    "raise": ("report", "raise"),
+    "abort": ("report", "raise", "abort"),
+    "fence": ("report", "abort", "fence"),
+    "exit": ("report", "raise", "abort", "exit"),
+}
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; launchers restart on it
 
 
@@ -26,10 +37,14 @@ class WatchdogConfig(BaseSettings):
         hang_timeout_s: an op in flight this long is a hang. Keep it below the process group's
             timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job.
         peer_timeout_s: a peer whose heartbeat has not changed this long is lost (default 6 beats).
-        action: the top rung of the ladder: report, raise, abort or exit (a ladder of your own:
-            ``Watchdog(actions=[...])``, see :mod:`ncclguard.watching.actions`).
+        action: the top rung of the ladder: report, raise, abort, fence or exit (the rungs of each:
+            :data:`LADDERS`; a ladder of your own: ``Watchdog(actions=[...])``, see
+            :mod:`ncclguard.watching.actions`).
         escalate_after_s: the time each rung gets to clear the hang before the next one.
         exit_code: the status of the ``exit`` rung.
+        fence_after_s: the ``fence`` rung's wait after the rung before it (default
+            ``escalate_after_s``): how long a rank stays named the culprit, its op still open,
+            before it fences itself (exits 0). At least ``merge_wait``: it acts on the merged verdict.
         incident_dir: where incidents are written (``<incident_dir>/<id>/``).
         merge_wait_s: how long the merging rank waits for the others' statements (default 2 beats).
         store_timeout_s: the bound of every store call (default: ``min(heartbeat_s, 5)``).
@@ -49,9 +64,10 @@ class WatchdogConfig(BaseSettings):
     heartbeat_s: float = Field(5.0, gt=0)
     hang_timeout_s: float = Field(300.0, gt=0)
     peer_timeout_s: float | None = Field(None, gt=0)
-    action: Literal["report", "raise", "abort", "exit"] = "report"
+    action: Literal["report", "raise", "abort", "fence", "exit"] = "report"
     escalate_after_s: float = Field(30.0, gt=0)
     exit_code: int = Field(EXIT_CODE, ge=1, le=255)
+    fence_after_s: float | None = Field(None, gt=0)
     incident_dir: Path = Path("ncclguard-incidents")
     merge_wait_s: float | None = Field(None, gt=0)
     store_timeout_s: float | None = Field(None, gt=0)
@@ -102,6 +118,11 @@ class WatchdogConfig(BaseSettings):
                 f"peer_timeout_s ({self.peer_timeout}) must be >= 2 * heartbeat_s ({self.heartbeat_s}): "
                 "a beat may come almost one period late, and a peer is lost only when beats stop"
             )
+        if self.action == "fence" and self.fence_after < self.merge_wait:
+            raise ValueError(
+                f"fence_after_s ({self.fence_after}) must be >= merge_wait ({self.merge_wait}): the fence acts on "
+                "the merged verdict, which takes up to merge_wait to come"
+            )
         return self
 
     # Straggler detection (docs/stragglers.md; ncclguard/watching/straggler.py): on by default.
@@ -137,11 +158,16 @@ class WatchdogConfig(BaseSettings):
         return self.merge_wait_s if self.merge_wait_s is not None else 2 * self.heartbeat_s
 
     @property
+    def fence_after(self) -> float:
+        """``fence_after_s``, or ``escalate_after_s`` when unset."""
+        return self.fence_after_s if self.fence_after_s is not None else self.escalate_after_s
+
+    @property
     def store_timeout(self) -> float:
         """``store_timeout_s``, or ``min(heartbeat_s, 5)`` when unset."""
         return self.store_timeout_s if self.store_timeout_s is not None else min(self.heartbeat_s, 5.0)
 
     @property
     def ladder(self) -> tuple[str, ...]:
-        """The rungs this watchdog climbs: ``report`` up to ``action``."""
-        return ACTIONS[: ACTIONS.index(self.action) + 1]
+        """The rungs this watchdog climbs: ``report`` up to ``action`` (:data:`LADDERS`)."""
+        return LADDERS[self.action]

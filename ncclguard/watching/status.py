@@ -51,7 +51,7 @@ MAX_INCIDENTS = 16  # the newest incidents read
 SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
 INDEX_LIMIT = 4096  # bytes of JSON
 Health = Literal["healthy", "suspect", "incident"]
-RankState = Literal["ok", "late", "stale", "missing", "bad"]
+RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced"]
 
 
 class WatchIndex(BaseModel):
@@ -341,7 +341,12 @@ def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: W
     opened = [i for i in incidents if i.open and i.problem is None]
     if opened:
         reasons.append("open incident(s): " + ", ".join(f"{i.id} ({i.kind})" for i in opened))
-    for state, words in (("missing", "no heartbeat"), ("stale", "heartbeat stopped"), ("bad", "unreadable heartbeat")):
+    for state, words in (
+        ("missing", "no heartbeat"),
+        ("stale", "heartbeat stopped"),
+        ("bad", "unreadable heartbeat"),
+        ("fenced", "fenced by the watchdog (exited; the others rebuild without it)"),
+    ):
         ranks = [r.rank for r in rows if r.state == state]
         if ranks:
             reasons.append(f"{words}: ranks {rank_ranges(ranks)}")
@@ -387,6 +392,10 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
     blobs = reader.read(hb_keys)
     t = now()
     rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    # A fenced rank exited: its heartbeat ages. Only such ranks are looked up (none in a healthy job).
+    aging = [r.rank for r in rows if r.state in ("late", "stale")]
+    for i in reader.read([keys.fenced(r) for r in aging]):
+        rows[aging[i]].state = "fenced"  # its fence rung marked it before it exited
     count, incidents = _incidents(reader, keys)
     for inc in incidents:
         if inc.open and inc.problem is None and inc.kind == IncidentKind.PEERS_LOST.value and inc.ranks:

@@ -104,7 +104,7 @@ class Watchdog:
         store: a c10d Store to use instead of a fresh TCPStore client (it is then used from the
             watchdog's threads only; every call is bounded by ``store_timeout_s``).
         actions: a ladder of your own instead of ``config.action``'s: built-in names
-            (``"report"``, ``"raise"``, ``"abort"``, ``"exit"``) and
+            (``"report"``, ``"raise"``, ``"abort"``, ``"fence"``, ``"exit"``) and
             :class:`~ncclguard.watching.actions.Action` instances, in order (``report`` first).
         **overrides: fields of :class:`WatchdogConfig` applied on top of ``config``.
 
@@ -130,7 +130,7 @@ class Watchdog:
         elif overrides:
             config = WatchdogConfig(**{**config.model_dump(exclude_unset=True), **overrides})
         self.config = config
-        self.ladder = Ladder(build_ladder(config.action, actions), config.escalate_after_s)
+        self.ladder = Ladder(build_ladder(config.action, actions, config.fence_after), config.escalate_after_s)
         self._given_store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -1,0 +1,416 @@
+"""The failure drill: a 3-rank gloo DDP job with a fault every T seconds, against a fault-free run
+and against restart-from-checkpoint (issue 20, part 5).
+
+Runs (each one torchrun launch of 3 ranks on this host, the same model, data and step count):
+
+- ``clean``: ``RecoveringStep`` and the watchdog (ladder ``report, abort, fence``), no fault;
+- ``stall``: the same with a stall every ``--every`` seconds: rank 2, then 1, then 2, ... sleeps
+  ``--stall-s`` (past the group's ``--group-timeout``) once; every rank redoes the step on a
+  rebuilt world of 3. Final parameters must be bit-equal to ``clean``'s;
+- ``stuck``: the first fault is rank 2 stuck for good in Python (a sleep loop it never leaves): its
+  watchdog fences it (exit 0), ranks 0-1 rebuild as a world of 2 and go on; later faults are stalls
+  of rank 1;
+- ``kill``: a SIGKILL and a restart of the killed rank, healed from a peer. NEEDS HEAL: the
+  launcher restart policy and the healing API are built on another branch; this mode reports
+  ``"status": "needs heal"`` until they are in main (see :func:`kill_mode_available`);
+- ``restart``: the baseline: plain DDP, a checkpoint every ``--ckpt-every`` steps, torchrun
+  ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
+  restarts every rank, and they go on from the last checkpoint.
+
+Each step sleeps ``--step-s`` (its compute) besides a tiny float64 model's forward and backward.
+Measured per run, on rank 0, from the first step's start (the first launch's, for ``restart``) to
+the last step's end: throughput (steps/s), step efficiency (steps committed / steps attempted,
+redone and rolled-back steps counted as attempted), and a SHA-256 of the final parameters.
+
+Usage:
+    python benchmarks/failure_drill.py --short                 # ~1 min: clean, stall, restart
+    python benchmarks/failure_drill.py --steps 800 --every 60 --json benchmarks/results/failure_drill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+MODES = ("clean", "stall", "stuck", "kill", "restart")
+NPROC = 3
+# The watchdog of the recovering runs: a hang after 2 s, the fence 6 s after the abort rung (so a
+# stall of a few seconds is redone, never fenced), heartbeats every 0.5 s.
+WATCHDOG = {"heartbeat_s": 0.5, "hang_timeout_s": 2.0, "escalate_after_s": 1.0, "fence_after_s": 6.0}
+
+
+# ------------------------------------------------------------------------------------ rank side
+
+
+def _model() -> Any:
+    import torch
+
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+
+
+def _batch(step: int, launch_rank: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + launch_rank)
+    return torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64)
+
+
+def _digest(module: Any) -> tuple[str, Any]:
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), flat
+
+
+class Faults:
+    """Fault ``i`` is due ``(i + 1) * every`` seconds after the first step; its victim (a launch
+    rank) acts on it at the start of its next step. Every rank counts the faults on its own clock."""
+
+    def __init__(self, mode: str, every: float, t0: float, done: int = 0) -> None:
+        self.mode, self.every, self.t0, self.i = mode, every, t0, done
+
+    def victim(self, i: int) -> int:
+        if self.mode == "stuck":
+            return 2 if i == 0 else 1
+        return 2 if i % 2 == 0 else 1
+
+    def due(self, now: float) -> int | None:
+        """The fault this rank's clock says is due now (counted as done), or None."""
+        if self.mode in ("clean",) or now < self.t0 + (self.i + 1) * self.every:
+            return None
+        self.i += 1
+        return self.i - 1
+
+
+def _deadline(group_timeout: float) -> None:
+    """Once every rank is ready (the group was joined and DDP built under a long bound: ranks of a
+    loaded host start seconds apart), ``group_timeout`` for every collective (a rebuilt world
+    keeps it)."""
+    import torch.distributed as dist
+
+    from ncclguard import _torch_compat as compat
+
+    dist.barrier()
+    compat.set_group_timeout(compat.default_group(), timedelta(seconds=group_timeout))
+
+
+def _save(out: Path, me: int, data: dict[str, Any]) -> None:
+    tmp = out / f".rank{me}.json"
+    tmp.write_text(json.dumps(data))
+    tmp.replace(out / f"rank{me}.json")
+
+
+def _end() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a gloo group that timed out may still hold an abandoned op: no destructor waits
+
+
+def rank_recovering(args: argparse.Namespace) -> None:
+    """A rank of ``clean``, ``stall`` or ``stuck``."""
+    import torch
+    import torch.distributed as dist
+
+    import ncclguard
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    ncclguard.start_watchdog(
+        **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
+    )
+    module = _model()
+    stepper = ncclguard.RecoveringStep(
+        module,
+        torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
+        commit_timeout=args.commit_timeout,
+        rebuild_timeout=args.commit_timeout,
+        allow_shrink=args.mode == "stuck",
+    )
+    _deadline(args.group_timeout)
+    t0 = time.time()
+    faults = Faults(args.mode, args.every, t0)
+    attempted, recoveries = 0, []
+    for step in range(args.steps):
+        x, y = _batch(step, me)
+        first = [True]
+
+        def step_fn(model: Any, x: Any = x, y: Any = y, first: list[bool] = first) -> None:
+            if first[0]:
+                first[0] = False
+                i = faults.due(time.time())
+                if i is not None and faults.victim(i) == me:
+                    if args.mode == "stuck" and i == 0:
+                        while True:  # stuck for good: the watchdog's fence rung ends this process
+                            time.sleep(0.1)
+                    time.sleep(args.stall_s)
+            time.sleep(args.step_s)  # the step's compute
+            torch.nn.functional.mse_loss(model(x), y).backward()
+
+        res = stepper(step_fn, step=step)
+        attempted += res.attempts
+        if res.attempts > 1:
+            recoveries.append({"step": step, "attempts": res.attempts, "s": round(res.elapsed_s, 3)})
+        if not res:
+            raise SystemExit(f"step {step} was not applied: {res.error}")
+    t1 = time.time()
+    digest, flat = _digest(module)
+    everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    _save(
+        out,
+        me,
+        {
+            "mode": args.mode,
+            "steps": args.steps,
+            "committed": args.steps,
+            "attempted": attempted,
+            "train_s": t1 - t0,
+            "faults": faults.i,
+            "recoveries": recoveries,
+            "digest": digest,
+            "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
+            "world_size": dist.get_world_size(),
+            "generation": res.generation,
+        },
+    )
+    _end()
+
+
+def rank_restart(args: argparse.Namespace) -> None:
+    """A rank of the ``restart`` baseline: plain DDP, a checkpoint every ``ckpt_every`` steps; a
+    stall past the group timeout makes the all_reduce raise and torchrun restart every rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    module = _model()
+    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    ckpt, start_file = out / "ckpt.pt", out / "t0.txt"
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)  # our own file, written below (tensors and ints)
+        module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+    model = DistributedDataParallel(module)
+    _deadline(args.group_timeout)
+    if me == 0 and not start_file.exists():
+        start_file.write_text(repr(time.time()))
+    dist.barrier()
+    t0 = float(start_file.read_text())
+    done = len(list(out.glob("fault-*.done")))
+    # Faults that fell due while the job was down restarting hit no process: skipped (else a
+    # restart longer than --every would meet an overdue fault at once, again and again).
+    faults = Faults("stall", args.every, t0, max(done, int((time.time() - t0) // args.every)))
+    attempts = (out / "attempts.txt").open("a")
+    for step in range(start, args.steps):
+        i = faults.due(time.time())
+        if i is not None and faults.victim(i) == me:
+            (out / f"fault-{i}.done").touch()  # before the stall: a restarted job does not repeat it
+            time.sleep(args.stall_s)
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(step, me)
+        time.sleep(args.step_s)
+        torch.nn.functional.mse_loss(model(x), y).backward()  # raises past the group timeout: restart
+        opt.step()
+        if me == 0:
+            attempts.write(f"{step}\n")
+            attempts.flush()
+            if (step + 1) % args.ckpt_every == 0:
+                tmp = out / "ckpt.tmp"
+                torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+                tmp.replace(ckpt)
+    t1 = time.time()
+    digest, _ = _digest(module)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempts.close()
+    attempted = len((out / "attempts.txt").read_text().split())
+    _save(
+        out,
+        me,
+        {
+            "mode": "restart",
+            "steps": args.steps,
+            "committed": args.steps,
+            "attempted": attempted,
+            "train_s": t1 - t0,
+            "faults": faults.i,
+            "restarts": restarts,
+            "digest": digest,
+            "world_size": dist.get_world_size(),
+        },
+    )
+    _end()
+
+
+# ------------------------------------------------------------------------------------ the driver
+
+
+def kill_mode_available() -> str | None:
+    """None when the healing API the ``kill`` mode needs is importable, else why not.
+
+    The mode needs a launcher that restarts a killed rank alone (not the whole job) and a way for
+    the restarted rank to rejoin and receive state from a live peer (issue 20, part 4).
+    """
+    import ncclguard
+
+    if not hasattr(ncclguard, "heal") and not hasattr(ncclguard, "rejoin_world"):
+        return "needs heal: no restart policy with healing from a peer in this ncclguard (issue 20, part 4)"
+    return "needs heal: the healing API exists but this drill's kill mode is not written against it yet"
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for p in [*children]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One torchrun launch of ``mode``; rank 0's result with the launch's wall time."""
+    out = root / mode
+    out.mkdir(parents=True)
+    worker = [
+        str(HERE),
+        "--rank-mode",
+        mode,
+        *("--steps", str(args.steps), "--every", str(args.every), "--step-s", str(args.step_s)),
+        *("--stall-s", str(args.stall_s), "--group-timeout", str(args.group_timeout)),
+        *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(args.ckpt_every)),
+        *("--out", str(out)),
+    ]
+    restarts = ["--max-restarts", "100"] if mode == "restart" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
+    cmd += ["--monitor-interval=0.1", *restarts, *worker]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    with (out / "launch.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.launch_timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            proc.wait()
+            tail = (out / "launch.log").read_text()[-4000:]
+            raise SystemExit(f"{mode}: did not finish within {args.launch_timeout} s\n{tail}") from None
+    wall = time.monotonic() - start
+    if rc != 0 or not (out / "rank0.json").exists():
+        tail = (out / "launch.log").read_text()[-4000:]
+        raise SystemExit(f"{mode}: torchrun exited {rc}\n{tail}")
+    res = json.loads((out / "rank0.json").read_text())
+    survivors = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    res["same_digest_on_survivors"] = len({s["digest"] for s in survivors}) == 1
+    res["survivors"] = len(survivors)
+    res["launch_wall_s"] = round(wall, 2)
+    res["steps_per_s"] = res["steps"] / res["train_s"]
+    res["efficiency"] = res["committed"] / res["attempted"]
+    res["torchrun_rc"] = rc
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--short", action="store_true", help="the CI form: 60 steps, a stall every 6 s, ~1 min")
+    p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
+    p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
+    p.add_argument("--stall-s", type=float, default=3.0, help="a stall; past --group-timeout")
+    p.add_argument("--group-timeout", type=float, default=2.0, help="the gloo group's timeout")
+    p.add_argument("--commit-timeout", type=float, default=8.0, help="RecoveringStep's commit and rebuild")
+    p.add_argument("--ckpt-every", type=int, default=50, help="restart baseline: steps between checkpoints")
+    p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")
+    p.add_argument("--rank-mode", choices=MODES, help=argparse.SUPPRESS)  # a rank of a launch
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank_mode is not None:
+        args.mode = args.rank_mode
+        (rank_restart if args.mode == "restart" else rank_recovering)(args)
+        return 0
+    if args.short:
+        args.steps, args.every, args.ckpt_every = 60, 6.0, 20
+        args.launch_timeout = min(args.launch_timeout, 300.0)
+    if args.stall_s <= args.group_timeout:
+        p.error(
+            f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
+        )
+    modes = args.modes or (["clean", "stall", "restart"] if args.short else list(MODES))
+    if "stall" in modes and "clean" not in modes:
+        p.error("the stall run is checked against the clean run: add clean to --modes")
+    load0 = os.getloadavg()
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ncclguard-drill-") as tmp:
+        root = Path(tmp) if args.workdir is None else args.workdir
+        for mode in modes:
+            if mode == "kill":
+                why = kill_mode_available()
+                runs[mode] = {"status": why}
+                print(f"kill: skipped ({why})", flush=True)
+                continue
+            try:
+                runs[mode] = launch(mode, args, root)
+            except SystemExit as exc:  # one failed launch is a result, not the end of the drill
+                runs[mode] = {"status": f"failed: {str(exc)[:3000]}"}
+                print(f"{mode}: FAILED: {str(exc)[:600]}", flush=True)
+                continue
+            r = runs[mode]
+            print(
+                f"{mode}: {r['steps_per_s']:.2f} steps/s, efficiency {r['efficiency']:.3f} "
+                f"({r['committed']}/{r['attempted']}), {r['faults']} fault(s), wall {r['launch_wall_s']} s",
+                flush=True,
+            )
+    clean = runs.get("clean")
+    summary: dict[str, Any] = {}
+    for r in runs.values():
+        if "steps_per_s" in r and clean is not None:
+            r["throughput_vs_clean"] = r["steps_per_s"] / clean["steps_per_s"]
+    ok = {m: r for m, r in runs.items() if "steps_per_s" in r}
+    clean = ok.get("clean")
+    if "stall" in ok and clean is not None:
+        summary["stall_bit_equal_to_clean"] = runs["stall"]["digest"] == clean["digest"]
+    if "stall" in ok and "restart" in ok:
+        summary["stall_vs_restart_throughput"] = runs["stall"]["steps_per_s"] / runs["restart"]["steps_per_s"]
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {k: v for k, v in vars(args).items() if k not in ("rank_mode", "out", "json", "workdir")},
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "runs": runs,
+        "summary": summary,
+    }
+    print(json.dumps(summary), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
