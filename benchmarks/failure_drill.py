@@ -131,9 +131,14 @@ def rank_recovering(args: argparse.Namespace) -> None:
         **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
     )
     module = _model()
+    from torch.nn.parallel import DistributedDataParallel
+
     stepper = ncclguard.RecoveringStep(
         module,
         torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
+        # One bucket layout from the first step on: a re-wrapped DDP otherwise starts from its
+        # initial layout, and the ring all-reduce sums some elements in another order (last bit).
+        wrap=lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         commit_timeout=args.commit_timeout,
         rebuild_timeout=args.commit_timeout,
         allow_shrink=args.mode == "stuck",
