@@ -428,6 +428,8 @@ def test_a_running_watchdog_survives_hostile_values_in_every_key(server, lines, 
         evil.set(keys.statement(n1, 1), statement_json(0))  # rank 0's statement under rank 1's key
         evil.set(keys.resolved(n1), "yes")
         evil.set(keys.merged(n1), "{")  # written by the merger, never read
+        evil.set(keys.fenced(1), b"\x00{")  # written by a fenced rank, read by `status` only (presence)
+        expected[keys.fenced(1)] = 0
         for key in (keys.claim(sig), keys.dumped(n1), keys.statement(n1, 1), keys.resolved(n1)):
             expected[key] = 1
         expected[keys.merged(n1)] = 0
@@ -472,6 +474,7 @@ def test_a_running_watchdog_survives_hostile_values_in_every_key(server, lines, 
             "merger",
             "merged",
             "resolved",
+            "fenced",
         }
 
         # The watchdog thread lives and still beats; it never counted the store as gone.
