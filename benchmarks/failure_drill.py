@@ -10,9 +10,10 @@ Runs (each one torchrun launch of 3 ranks on this host, the same model, data and
 - ``stuck``: the first fault is rank 2 stuck for good in Python (a sleep loop it never leaves): its
   watchdog fences it (exit 0), ranks 0-1 rebuild as a world of 2 and go on; later faults are stalls
   of rank 1;
-- ``kill``: a SIGKILL and a restart of the killed rank, healed from a peer. NEEDS HEAL: the
-  launcher restart policy and the healing API are built on another branch; this mode reports
-  ``"status": "needs heal"`` until they are in main (see :func:`kill_mode_available`);
+- ``kill``: rank 2, then 1, then 2, ... SIGKILLs itself once per fault; each rank runs under
+  ``ncclguard.testing.rank_loop``, which restarts the killed process alone (torchrun's agent never
+  sees it fail); the restarted process rejoins the survivors' rebuild in its old place and is
+  healed from a live peer (``RecoveringStep(heal=True)``), and every rank redoes the step;
 - ``restart``: the baseline: plain DDP, a checkpoint every ``--ckpt-every`` steps, torchrun
   ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
   restarts every rank, and they go on from the last checkpoint.
@@ -106,10 +107,14 @@ def _deadline(group_timeout: float) -> None:
     compat.set_group_timeout(compat.default_group(), timedelta(seconds=group_timeout))
 
 
+def _save_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _save(out: Path, me: int, data: dict[str, Any]) -> None:
-    tmp = out / f".rank{me}.json"
-    tmp.write_text(json.dumps(data))
-    tmp.replace(out / f"rank{me}.json")
+    _save_text(out / f"rank{me}.json", json.dumps(data))
 
 
 def _end() -> None:
@@ -126,10 +131,10 @@ def rank_recovering(args: argparse.Namespace) -> None:
     import ncclguard
 
     out, me = Path(args.out), int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    ncclguard.start_watchdog(
-        **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
-    )
+    kill = args.mode == "kill"
+    restarted = ncclguard.restart_count() > 0  # a killed rank restarted by rank_loop: it rejoins, no init
+    if not restarted:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     module = _model()
     from torch.nn.parallel import DistributedDataParallel
 
@@ -140,14 +145,26 @@ def rank_recovering(args: argparse.Namespace) -> None:
         # initial layout, and the ring all-reduce sums some elements in another order (last bit).
         wrap=lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         commit_timeout=args.commit_timeout,
-        rebuild_timeout=args.commit_timeout,
+        # A killed rank's restart imports torch again before it rejoins: seconds on a loaded host.
+        rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         allow_shrink=args.mode == "stuck",
+        heal=kill,
     )
-    _deadline(args.group_timeout)
-    t0 = time.time()
-    faults = Faults(args.mode, args.every, t0)
-    attempted, recoveries = 0, []
-    for step in range(args.steps):
+    # After the stepper: a restarted process has its process group only once it has rejoined.
+    ncclguard.start_watchdog(
+        **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
+    )
+    start_file = out / "t0.txt"
+    if not restarted:  # a restarted process must make no collective the survivors do not make
+        _deadline(args.group_timeout)
+        if me == 0:
+            _save_text(start_file, repr(time.time()))
+        dist.barrier()
+    t0 = float(start_file.read_text())
+    done = len(list(out.glob("fault-*.done")))
+    faults = Faults(args.mode, args.every, t0, max(done, int((time.time() - t0) // args.every)) if restarted else 0)
+    attempted, recoveries, healed = 0, [], 0
+    for step in range(stepper.resume_step or 0, args.steps):
         x, y = _batch(step, me)
         first = [True]
 
@@ -156,6 +173,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
                 first[0] = False
                 i = faults.due(time.time())
                 if i is not None and faults.victim(i) == me:
+                    if kill:  # marked first: the restarted process does not repeat it
+                        (out / f"fault-{i}.done").touch()
+                        os.kill(os.getpid(), signal.SIGKILL)
                     if args.mode == "stuck" and i == 0:
                         while True:  # stuck for good: the watchdog's fence rung ends this process
                             time.sleep(0.1)
@@ -165,6 +185,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
 
         res = stepper(step_fn, step=step)
         attempted += res.attempts
+        healed += bool(res.healed)
         if res.attempts > 1:
             recoveries.append({"step": step, "attempts": res.attempts, "s": round(res.elapsed_s, 3)})
         if not res:
@@ -188,6 +209,8 @@ def rank_recovering(args: argparse.Namespace) -> None:
             "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
             "world_size": dist.get_world_size(),
             "generation": res.generation,
+            "healed": healed,
+            "restarted": restarted,
         },
     )
     _end()
@@ -265,19 +288,6 @@ def rank_restart(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ the driver
 
 
-def kill_mode_available() -> str | None:
-    """None when the healing API the ``kill`` mode needs is importable, else why not.
-
-    The mode needs a launcher that restarts a killed rank alone (not the whole job) and a way for
-    the restarted rank to rejoin and receive state from a live peer (issue 20, part 4).
-    """
-    import ncclguard
-
-    if not hasattr(ncclguard, "heal") and not hasattr(ncclguard, "rejoin_world"):
-        return "needs heal: no restart policy with healing from a peer in this ncclguard (issue 20, part 4)"
-    return "needs heal: the healing API exists but this drill's kill mode is not written against it yet"
-
-
 def _kill_tree(proc: subprocess.Popen[str]) -> None:
     import psutil
 
@@ -311,6 +321,8 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     ]
     restarts = ["--max-restarts", "100"] if mode == "restart" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
+    if mode == "kill":  # each rank in a loop that restarts it alone: the agent never sees it die
+        worker = ["-m", "ncclguard.testing.rank_loop", "--restarts", "100", "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
@@ -348,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-s", type=float, default=3.0, help="a stall; past --group-timeout")
     p.add_argument("--group-timeout", type=float, default=2.0, help="the gloo group's timeout")
     p.add_argument("--commit-timeout", type=float, default=8.0, help="RecoveringStep's commit and rebuild")
+    p.add_argument(
+        "--rejoin-timeout", type=float, default=90.0, help="kill: the survivors' rebuild waits this for the restart"
+    )
     p.add_argument("--ckpt-every", type=int, default=50, help="restart baseline: steps between checkpoints")
     p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -374,11 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ncclguard-drill-") as tmp:
         root = Path(tmp) if args.workdir is None else args.workdir
         for mode in modes:
-            if mode == "kill":
-                why = kill_mode_available()
-                runs[mode] = {"status": why}
-                print(f"kill: skipped ({why})", flush=True)
-                continue
             try:
                 runs[mode] = launch(mode, args, root)
             except SystemExit as exc:  # one failed launch is a result, not the end of the drill
@@ -400,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     clean = ok.get("clean")
     if "stall" in ok and clean is not None:
         summary["stall_bit_equal_to_clean"] = runs["stall"]["digest"] == clean["digest"]
+    if "kill" in ok and clean is not None:
+        summary["kill_bit_equal_to_clean"] = runs["kill"]["digest"] == clean["digest"]
     if "stall" in ok and "restart" in ok:
         summary["stall_vs_restart_throughput"] = runs["stall"]["steps_per_s"] / runs["restart"]["steps_per_s"]
     result = {

@@ -67,6 +67,9 @@ class World:
         timeout: its collectives' timeout, once known.
         group: its default process group, weakly (a strong reference would keep an abandoned
             group alive past its reaper); None before it is built.
+        left_behind: this process learned that the others went on to a newer generation without
+            it (its ``rebuild_world`` came late): its own code handles that, so the watchdog's
+            left-behind fence (:mod:`ncclguard.watching.left_behind`) leaves it alone.
     """
 
     generation: int = 0
@@ -79,6 +82,7 @@ class World:
     store: Store | None = None
     timeout: timedelta | None = None
     group: weakref.ref[ProcessGroup] | None = None
+    left_behind: bool = False
     _state: dict[Slot[Any], Any] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

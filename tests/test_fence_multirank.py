@@ -54,3 +54,36 @@ def test_a_rank_stuck_for_good_is_fenced_and_the_others_go_on_as_a_world_of_two(
     fenced = [a for d in dumps for a in d["actions"] if a["rung"] == "fence" and a["done"]]
     assert len(fenced) == 1
     assert (fenced[0]["fenced"], fenced[0]["code"], fenced[0]["marked"], fenced[0]["culprits"]) == (True, 0, True, [2])
+
+
+@pytest.fixture(scope="module")
+def left_behind_job():
+    # A 1.5 s group timeout, 3 s commit and rebuild, peers silent after 3 s, a 2 s grace: rank 2
+    # is gone about 15 s after it got stuck. Hang guard over 5x; torchrun must exit 0.
+    return run_ranks("fence_worker", 3, "left_behind", timeout_s=150)
+
+
+def test_a_stuck_rank_nobody_names_is_fenced_once_the_others_went_on_without_it(left_behind_job):
+    """The failure drill's stuck run: the group's timeout ends the survivors' op before any verdict
+    names rank 2, so the fence rung never acts on it; its watchdog sees the newer world and ends it."""
+    pid2 = left_behind_job[2]["pid"]
+    for r in (0, 1):
+        res = left_behind_job[r]
+        steps = res["results"]
+        assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+        assert steps[K]["ok"] is True and steps[K]["generation"] == 1 and steps[K]["world_sizes"][-1] == 2
+        assert steps[K + 1 :] == [{**CLEAN, "generation": 1, "world_sizes": [2]}] * 2
+        assert res["final"] == [r, 2]
+        assert res["equal_across_ranks"] is True
+        assert res["max_diff_to_reference"] < 1e-12
+        [err] = res["errors"]  # the group's own 1.5 s timeout, not a peer's exit
+        assert err["step"] == K and "Connection closed by peer" not in err["error"], err
+        note = res["fence_note"]
+        assert (note["rank"], note["pid"], note["incident"]) == (2, pid2, "left-behind-g0")
+        assert res["rank2_gone"] is True
+        # No verdict named rank 2 the culprit before the survivors left: no rung of theirs fenced it.
+        assert not [i for i in res["incidents"] if any(a["rung"] == "fence" and a.get("done") for a in i["actions"])]
+    # Rank 2's own incidents (its peers fell silent) never fenced it by the rung: not the culprit.
+    incidents = left_behind_job.out_dir / "incidents"
+    dumps = [json.loads(p.read_text()) for p in sorted(incidents.glob("*/rank2.json"))]
+    assert not [a for d in dumps for a in d["actions"] if a["rung"] == "fence" and a["done"]]

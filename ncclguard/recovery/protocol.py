@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard.deadlines import to_seconds
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import MeetingKeys, world_prefix
+from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 
 __all__ = [
     "MAX_ARRIVAL_BYTES",
@@ -38,7 +39,6 @@ __all__ = [
 # a million ranks. Anything larger is a bug or hostile and is not parsed.
 MAX_ARRIVAL_BYTES = 4 * 1024
 MAX_VERDICT_BYTES = 8 * 1024 * 1024
-MAX_RECORD_BYTES = 16 * 1024 * 1024  # a world record lists each member's launch rank
 
 
 class Arrival(BaseModel):
@@ -68,33 +68,6 @@ class Arrival(BaseModel):
     pid: int = Field(ge=0)
     origin: int | None = Field(default=None, ge=0)
     rejoined: bool = False
-
-
-class WorldRecord(BaseModel):
-    """The job's current world, kept in the store (:func:`ncclguard.store.keys.world_record_key`)
-    for a restarted process to find its place: written by the members after each rebuild, and by
-    ``RecoveringStep(heal=True)`` for generation 0.
-
-    Attributes:
-        generation: the world's generation.
-        origins: the launch rank of each member, by rank in that world.
-        backend: its default group's backend.
-        timeout_s: its collectives' timeout, in seconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    generation: int = Field(ge=0)
-    origins: list[int] = Field(min_length=1, max_length=1 << 20)
-    backend: str = Field(min_length=1, max_length=64)
-    timeout_s: float = Field(gt=0)
-
-    def rank_of(self, origin: int) -> int | None:
-        """The rank, in this world, of the member launched as ``origin`` (None: not a member)."""
-        try:
-            return self.origins.index(origin)
-        except ValueError:
-            return None
 
 
 class Verdict(BaseModel):

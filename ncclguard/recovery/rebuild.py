@@ -365,6 +365,8 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
                 "without it no rank can rebuild; checkpoint and exit 75",
             )
         if not meeting.goes_on:
+            if meeting.late and meeting.verdict.ok:
+                world.left_behind = True  # told here: the caller handles it, the watchdog need not fence
             missing, error = _verdict_error(world, meeting, timeout_s)
             return _failed(world, start, missing, error, late=meeting.late)
 

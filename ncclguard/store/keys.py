@@ -161,7 +161,7 @@ def world_prefix(generation: int) -> str:
 
 def world_record_key() -> str:
     """Where the job's current world is recorded for a restarted process
-    (:class:`ncclguard.recovery.protocol.WorldRecord`): ``ncclguard/world/current``, outside every
+    (:class:`ncclguard.store.world_record.WorldRecord`): ``ncclguard/world/current``, outside every
     generation's prefix, so that forgetting a generation keeps it.
 
     Returns:

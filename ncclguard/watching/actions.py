@@ -77,6 +77,7 @@ __all__ = [
     "Report",
     "Step",
     "build_ladder",
+    "exit_now",
 ]
 
 
@@ -278,7 +279,7 @@ class Exit(Action):
         outcome = Outcome(done=True, details={"code": code})
         ctx.save(outcome)
         log.critical("watchdog: exiting with status %d after incident %s", code, incident.doc.id)
-        _exit_now(code)
+        exit_now(code)
 
 
 class Fence(Action):
@@ -323,10 +324,10 @@ class Fence(Action):
             incident.doc.id,
             ctx.rank,
         )
-        _exit_now(0)
+        exit_now(0)
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """``os._exit(code)`` once the logs and the standard streams are flushed."""
     for handler in logging.getLogger().handlers + logging.getLogger("ncclguard").handlers:
         try:

@@ -33,7 +33,8 @@ from ncclguard._log import log
 from ncclguard.incidents.model import FenceNote, Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.store.calls import BoundedCalls, StoreRefused
 from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
-from ncclguard.store.keys import Keys
+from ncclguard.store.keys import Keys, world_record_key
+from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 
 __all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
 __all__ += ["default_store_addr", "parse_value", "store_addr"]
@@ -48,6 +49,7 @@ LIMITS: dict[type[BaseModel], int] = {
     IncidentDoc: 64 * 1024,
     MergedNote: 64 * 1024 + 8 * 65536,  # the note and its culprits' numbers
     FenceNote: 4 * 1024,
+    WorldRecord: MAX_RECORD_BYTES,
 }
 
 # An incident id names a directory under incident_dir: a plain name, never a path. The ids the
@@ -340,6 +342,13 @@ class WatchdogStore:
 
     def put_fenced(self, note: FenceNote) -> None:
         self._call("set", self.keys.fenced(note.rank), self._encode(note))
+
+    def read_world_record(self) -> WorldRecord | None:
+        """The job's current world (``ncclguard/world/current``, outside the watchdog's namespace),
+        or None: no rebuild recorded one yet, or it is unreadable (logged once)."""
+        key = world_record_key()
+        got = self._read_present([key])
+        return self._parse(WorldRecord, got[0][1], key) if got else None
 
     def mark_resolved(self, n: int) -> None:
         self._call("set", self.keys.resolved(n), "1")

@@ -45,6 +45,7 @@ from ncclguard.recording.flight import recorder
 from ncclguard.watching import detect
 from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.desk import IncidentDesk
+from ncclguard.watching.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
@@ -131,6 +132,7 @@ class Watchdog:
             config = WatchdogConfig(**{**config.model_dump(exclude_unset=True), **overrides})
         self.config = config
         self.ladder = Ladder(build_ladder(config.action, actions, config.fence_after), config.escalate_after_s)
+        self._left = LeftBehind(config.fence_after) if "fence" in self.ladder.names else None  # left_behind.py
         self._given_store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,11 +201,8 @@ class Watchdog:
             cfg = self.config
             self._thread.join(timeout if timeout is not None else 2 * cfg.store_timeout + cfg.heartbeat_s)
             self._thread = None
-        if (
-            self._handler_installed
-            and self._raiser is not None
-            and threading.current_thread() is threading.main_thread()
-        ):
+        in_main = threading.current_thread() is threading.main_thread()  # only it may touch signal handlers
+        if self._handler_installed and self._raiser is not None and in_main:
             self._raiser.uninstall()
             self._handler_installed = False
         if self._instrumented:
@@ -368,8 +367,9 @@ class Watchdog:
             beats = desk.store.read_heartbeats(self._liveness.watched)
         except StoreTimeout:
             return
-        for r in self._liveness.observe(beats, time.monotonic()):
+        for r in self._liveness.observe(beats, now := time.monotonic()):
             log.warning("watchdog: rank %d is beating again", r)
+        fence_if_left_behind(self._left, desk.store, self.rank, self.generation, now, bool(self._liveness.stale(now)))
 
     def _check_hang(self, desk: IncidentDesk) -> None:
         inflight = self._state.inflight()

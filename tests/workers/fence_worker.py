@@ -1,17 +1,24 @@
-"""Rank side of tests/test_fence_multirank.py. Usage: fence_worker.py stuck.
+"""Rank side of tests/test_fence_multirank.py. Usage: fence_worker.py stuck|left_behind.
 
 ``stuck`` (torchrun, 3 ranks): RecoveringStep(allow_shrink=True) under a watchdog whose top rung is
 ``fence``. At step K rank 2 is stuck for good in Python (a sleep loop it never leaves). Its own
 watchdog names it the culprit, writes its dump, marks it fenced in the store and exits it with
 status 0; ranks 0-1, blocked in DDP's all_reduce, wake with a backend error (the group's own
 timeout, 60 s, is far off), their commit fails, and they go on as a world of 2.
+
+``left_behind``: the same, but the group's timeout (1.5 s) ends the survivors' op long before any
+hang or desync verdict (``hang_timeout_s`` 20 s): nobody names rank 2 the culprit. Ranks 0-1 go on as a world of 2
+and finish; rank 2's watchdog sees their generation 1 in the job's world record and ends it with
+status 0 (the left-behind fence), so torchrun's job ends.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import rankkit
@@ -31,13 +38,14 @@ GROUP_TIMEOUT_S = 60.0  # far past the fence: what wakes the survivors is rank 2
 STEPS, K = 5, 2
 
 
-def stuck() -> None:
+def stuck(mode: str = "stuck") -> None:
+    left = mode == "left_behind"
     rankkit.init(timeout_s=GROUP_TIMEOUT_S)
     me = int(os.environ["RANK"])
     incidents = Path(os.environ["NCCLGUARD_TEST_OUT"]) / "incidents"
     wd = ncclguard.start_watchdog(
         heartbeat_s=0.5,
-        hang_timeout_s=2,
+        hang_timeout_s=20 if left else 2,  # left: no hang or desync verdict before the survivors rebuild
         escalate_after_s=1,
         fence_after_s=2,
         action="fence",
@@ -53,6 +61,11 @@ def stuck() -> None:
         rebuild_timeout=3,
         allow_shrink=True,
     )
+    if left:  # every rank ready first (ranks of a loaded host start seconds apart); then 1.5 s
+        dist.barrier()
+        from ncclguard import _torch_compat as compat
+
+        compat.set_group_timeout(compat.default_group(), timedelta(seconds=1.5))
     t0 = time.monotonic()
     results, errors = [], []
     for step in range(STEPS):
@@ -89,9 +102,17 @@ def stuck() -> None:
     from recovering_worker import reference_shrunk
 
     put("max_diff_to_reference", float((mine - reference_shrunk()).abs().max()))
-    # Rank 2's fence mark, in generation 0's watchdog namespace of the job's store.
+    # Rank 2's fence mark, in generation 0's watchdog namespace of the job's store (left behind:
+    # it comes after the survivors are done, so wait for it; bounded, a hang guard).
     store = rankkit._job_store()
     key = Keys.from_env("main", generation=0).fenced(2)
+    if left:
+        store.wait([key], timedelta(seconds=60))
+        pid2 = int(json.loads((Path(os.environ["NCCLGUARD_TEST_OUT"]) / "rank2.json").read_text())["pid"])
+        until = time.monotonic() + 30
+        while not rankkit.dead(pid2) and time.monotonic() < until:
+            time.sleep(0.05)
+        put("rank2_gone", rankkit.dead(pid2))
     put("fence_note", FenceNote.model_validate_json(bytes(store.get(key))).to_json() if store.check([key]) else None)
     put("incidents", [{"kind": i["kind"], "actions": i["actions"], "doc": i["doc"]} for i in wd.incidents])
     wd.stop()
@@ -99,4 +120,4 @@ def stuck() -> None:
 
 
 if __name__ == "__main__":
-    {"stuck": stuck}[sys.argv[1]]()
+    stuck(sys.argv[1]) if sys.argv[1] in ("stuck", "left_behind") else sys.exit(f"unknown scenario {sys.argv[1]}")
