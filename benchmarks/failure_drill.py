@@ -325,6 +325,13 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         worker = ["-m", "ncclguard.testing.rank_loop", "--restarts", "100", "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if mode == "restart":
+        # torch 2.13's torchrun shares its rendezvous TCPStore server with the workers and keeps it
+        # across restarts, with no per-attempt prefix on init_process_group's keys: a restarted
+        # worker can read the previous attempt's gloo addresses ("connectFullMesh ... Connection
+        # refused", or a 120 s wait in DDP's constructor; pytorch/pytorch#135712). Opting out of the
+        # sharing gives each attempt a store of its own: the baseline as a careful user runs it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     start = time.monotonic()
     with (out / "launch.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
@@ -347,6 +354,10 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res["steps_per_s"] = res["steps"] / res["train_s"]
     res["efficiency"] = res["committed"] / res["attempted"]
     res["torchrun_rc"] = rc
+    # kill and restart: a fault that fell due while its victim was down restarting hit nobody, so
+    # the faults injected are the victims' marks, not the count rank 0's clock says were due.
+    marks = len(list(out.glob("fault-*.done")))
+    res["faults_injected"] = marks if mode in ("kill", "restart") else res["faults"]
     return res
 
 
@@ -398,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             r = runs[mode]
             print(
                 f"{mode}: {r['steps_per_s']:.2f} steps/s, efficiency {r['efficiency']:.3f} "
-                f"({r['committed']}/{r['attempted']}), {r['faults']} fault(s), wall {r['launch_wall_s']} s",
+                f"({r['committed']}/{r['attempted']}), {r['faults_injected']} fault(s) injected, wall {r['launch_wall_s']} s",
                 flush=True,
             )
     clean = runs.get("clean")
