@@ -35,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_ARRIVALS",
     "ActionEntry",
+    "Arrival",
     "BackendOp",
     "Culprit",
     "CulpritReason",
@@ -142,6 +144,11 @@ class OpRecord(_Model):
     bytes_done: int = 0
 
 
+# A collective's backend number and the time.time() a rank reached it (torch's time_created_ns).
+Arrival = tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]]
+MAX_ARRIVALS = 32  # arrivals a window carries: about 1 KB of the heartbeat
+
+
 class StragglerWindow(_Model):
     """One rank's figures over one straggler window (published in its heartbeat).
 
@@ -163,6 +170,12 @@ class StragglerWindow(_Model):
     run_delay_s: float | None = Field(None, ge=0)
     phase: str = Field("", max_length=200)  # where most of the compute went
     op: str = Field("", max_length=80)  # where most of the wait went
+    # When the main thread's records hold too few ops (a loop that only calls DDP: its bucket
+    # all_reduce is issued from C++) and the backend ran more: the newest collectives of the world
+    # group in the window as torch's flight recorder numbers and times them, (collective_seq_id,
+    # time.time() when this rank reached the op), and torch's name of the op ("gloo:all_reduce").
+    arrivals: list[Arrival] = Field(default_factory=list, max_length=MAX_ARRIVALS)
+    backend_op: str = Field("", max_length=80)
 
 
 class WindowEvidence(_Model):
@@ -184,6 +197,11 @@ class WindowEvidence(_Model):
     baseline_op_wait_s: float | None = None  # the least seen in earlier windows
     phase: str = Field("", max_length=200)
     op: str = Field("", max_length=80)
+    # Where the compute and wait figures come from: "records", ncclguard's records of the main
+    # thread's synchronous collectives; "backend", the arrivals torch's flight recorder timed (ops
+    # issued from C++ included), over ``common_ops`` ops every rank compared holds.
+    source: Literal["records", "backend"] = "records"
+    common_ops: int | None = None
 
 
 class StragglerReport(_Model):
