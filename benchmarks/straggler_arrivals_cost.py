@@ -10,7 +10,10 @@ full at ``TORCH_FR_BUFFER_SIZE``, 2000 by default, after 100 s, so 2000 is the s
 
 - ``dump``: ``_dump_fr_trace_json`` alone (C++);
 - ``arrivals``: the watchdog's read (dump + the window's parse);
-- ``parse_dump``: dump + parsing every entry (what a second, full parser would cost), for scale.
+- ``parse_dump``: dump + parsing every entry (what a second, full parser would cost), for scale;
+- ``training_thread_stall``: the longest a thread spinning in Python stood still while another ran
+  the read once: the dump (C++) and ``json.loads`` hold the GIL, so the read stops the training
+  thread for about its whole length, once per window.
 
 The verdict per case is the least-disturbed timing (the minimum of the repeats, as timeit's
 documentation recommends), medians beside; the per-step cost is the read over the window's length.
@@ -26,6 +29,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import timeit
 from collections.abc import Callable
@@ -44,6 +48,25 @@ def per_call_ms(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
     """Milliseconds per call of ``fn``: min, median and max over ``repeat`` single calls."""
     runs = sorted(t * 1e3 for t in timeit.repeat(fn, number=1, repeat=repeat))
     return {"min_ms": round(runs[0], 3), "median_ms": round(statistics.median(runs), 3), "max_ms": round(runs[-1], 3)}
+
+
+def longest_stall_ms(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
+    """How long this (the training) thread stood still while another thread ran ``fn`` once: the
+    longest gap between two turns of a tight loop here, per repeat. Near ``fn``'s own time when ``fn``
+    holds the GIL throughout (the watchdog's read then costs the training thread all of it)."""
+    gaps = []
+    for _ in range(repeat):
+        worker = threading.Thread(target=fn)
+        last = time.perf_counter()
+        longest = 0.0
+        worker.start()
+        while worker.is_alive():
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        worker.join()
+        gaps.append(longest * 1e3)
+    gaps.sort()
+    return {"min_ms": round(gaps[0], 3), "median_ms": round(statistics.median(gaps), 3), "max_ms": round(gaps[-1], 3)}
 
 
 def case(entries: int, repeat: int, window_s: float) -> dict[str, Any]:
@@ -66,6 +89,7 @@ def case(entries: int, repeat: int, window_s: float) -> dict[str, Any]:
         "dump": per_call_ms(compat.dump_flight_recorder, repeat),
         "arrivals": per_call_ms(lambda: source.arrivals(end - window_s, end, 32), repeat),
         "parse_dump": per_call_ms(lambda: torchfr.parse_dump(compat.dump_flight_recorder()), repeat),
+        "training_thread_stall": longest_stall_ms(lambda: source.arrivals(end - window_s, end, 32), repeat),
     }
 
 
@@ -97,7 +121,8 @@ def main() -> int:
         share = a["min_ms"] / 1e3 / args.window_s
         print(
             f"{row['entries_held']:8d} {row['dump_chars'] / 1e6:6.2f} {row['dump']['min_ms']:9.2f} {a['min_ms']:12.2f} "
-            f"{a['median_ms']:8.2f} {row['parse_dump']['min_ms']:14.2f} {share:10.3%}"
+            f"{a['median_ms']:8.2f} {row['parse_dump']['min_ms']:14.2f} "
+            f"{row['training_thread_stall']['median_ms']:13.2f} {share:10.3%}"
         )
     print(
         f"\n{os.cpu_count()} cores, 1-min load {load_before:.2f} -> {load_after:.2f}, {wall:.1f} s, torch {torch.__version__}, "

@@ -28,6 +28,7 @@ from ncclguard.watching.straggler import (
     StragglerTracker,
     StragglerWatch,
     assess,
+    delay_at,
     fresh_windows,
     from_arrivals,
     measure,
@@ -703,13 +704,14 @@ def test_the_run_delay_is_taken_at_its_windows_rate_over_the_span() -> None:
 
 def test_a_clock_offset_between_hosts_reads_as_lateness() -> None:
     # time_created_ns is each host's wall clock: a rank whose clock runs d ahead seems to arrive d late
-    # at every op. 1 ms on 50 ms steps is noise; 10 ms makes a healthy rank look 1.19x slower.
-    for offset, fires in ((0.001, False), (0.010, True)):
+    # at every op. On 50 ms of compute and 5 ms of transfer, 1 ms reads 1.02x; 10 ms 1.22x, a false straggler.
+    for offset, fires, reads in ((0.001, False, 55 / 54), (0.005, False, 55 / 50), (0.010, True, 55 / 45)):
         arr = arrivals_lockstep(steady([0.05, 0.05, 0.05]), 0.005)
         arr[0] = [(s, t + offset) for s, t in arr[0]]
         own, *peers = backend_windows(arr)
         a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
         assert a is not None and a.compute_slow is fires, (offset, a.evidence.slowdown)
+        assert a.evidence.slowdown == pytest.approx(reads, abs=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -822,3 +824,44 @@ def test_world_arrivals_on_a_real_gloo_group_are_on_time_times_clock() -> None:
         assert source.arrivals(after + 1.0, after + 2.0, 32) == ("", [])  # none in a later span
     finally:
         dist.destroy_process_group()
+
+
+def test_delay_at_interpolates_between_the_ticks_samples() -> None:
+    samples = [(10.0, 1.0), (11.0, 1.5), (13.0, 1.5), (14.0, 3.5)]
+    assert delay_at(samples, 10.5) == pytest.approx(1.25)
+    assert delay_at(samples, 12.0) == pytest.approx(1.5)
+    assert delay_at(samples, 13.5) == pytest.approx(2.5)
+    assert delay_at(samples, 10.0) == 1.0 and delay_at(samples, 14.0) == 3.5
+    assert delay_at(samples, 9.9) is None and delay_at(samples, 14.1) is None and delay_at([], 1.0) is None
+
+
+def test_the_run_delay_measured_over_the_arrivals_span_beats_the_windows_average() -> None:
+    # Rank 0 waited for a CPU 15 ms of each step in the arrivals' span (a burst of load there), none in
+    # the rest of its window: the window's average (0.33 s of 10 s) would leave it 1.23x "slower".
+    arr = arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005)
+    span = [a[-1][1] - a[0][1] for a in arr]
+    wins = backend_windows(arr, delays=[31 * 0.015, 0.0, 0.0])
+    averaged = assess(wins[0], {1: wins[1], 2: wins[2]}, 1.15, 0.05)
+    assert averaged is not None and averaged.compute_slow
+    measured = [
+        w.model_copy(update={"arrivals_run_delay_s": d}) for w, d in zip(wins, [31 * 0.015, 0.0, 0.0], strict=True)
+    ]
+    a = assess(measured[0], {1: measured[1], 2: measured[2]}, 1.15, 0.05)
+    assert a is not None and not a.compute_slow and a.evidence.slowdown == pytest.approx(1.0, abs=0.02)
+    assert a.evidence.run_delay_frac == pytest.approx(31 * 0.015 / span[0], rel=0.05)
+
+
+def test_the_watch_samples_the_main_threads_run_delay_for_the_arrivals_span() -> None:
+    backend = FakeBackend()
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=threading.get_ident(), backend=backend)
+    if watch.native is None or run_delay(watch.native) is None:
+        pytest.skip("no schedstat here")
+    watch.start = 0.0
+    for t in (5.0, 9.5, 10.05):
+        watch.tick(t)
+    assert watch.window is not None and backend.reads == 0  # the backend ran nothing yet
+    backend.number = 200
+    for t in range(101, 202):  # a tick every 0.1 s through window 1 (arrivals at 10.0 to 13.9 s)
+        watch.tick(t / 10)
+    assert backend.reads == 1 and watch.window is not None and watch.window.n == 1
+    assert watch.window.arrivals_run_delay_s is not None and watch.window.arrivals_run_delay_s >= 0

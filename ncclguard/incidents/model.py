@@ -176,6 +176,9 @@ class StragglerWindow(_Model):
     # time.time() when this rank reached the op), and torch's name of the op ("gloo:all_reduce").
     arrivals: list[Arrival] = Field(default_factory=list, max_length=MAX_ARRIVALS)
     backend_op: str = Field("", max_length=80)
+    # The main thread's run delay between its first and last arrival (the span the arrivals judge),
+    # from the watchdog's samples at each tick; None where not sampled.
+    arrivals_run_delay_s: float | None = Field(None, ge=0)
 
 
 class WindowEvidence(_Model):

@@ -55,6 +55,7 @@ __all__ = [
     "StragglerTracker",
     "StragglerWatch",
     "assess",
+    "delay_at",
     "from_arrivals",
     "fresh_windows",
     "from_config",
@@ -67,6 +68,7 @@ H = TypeVar("H", bound=Heartbeat)
 MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
 BASELINE_WINDOWS = 8  # earlier windows whose median transfer is the link's baseline
 LINK_MIN_NUMEL = 16384  # elements (64 KiB of float32): smaller ops time the host's scheduling, not the link
+DELAY_SAMPLES = 1024  # run delay samples kept, one a watchdog tick: 20 s of ticks at the least poll (0.02 s)
 MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict
 
 
@@ -114,6 +116,20 @@ def run_delay(native_id: int | None) -> float | None:
             return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+def delay_at(samples: Sequence[tuple[float, float]], at: float) -> float | None:
+    """The run delay at time ``at``, interpolated between the samples ``(time, run delay)`` around it
+    (oldest first); None when ``at`` is outside them."""
+    before = None
+    for t, d in samples:
+        if t >= at:
+            if before is None:
+                return d if t == at else None
+            t0, d0 = before
+            return d0 + (d - d0) * (at - t0) / (t - t0) if t > t0 else d
+        before = (t, d)
+    return None
 
 
 def phase_name(path: str) -> str:
@@ -251,7 +267,9 @@ def from_arrivals(
     ``s`` more compute ``C`` and transfer ``T`` reads ``(C(1+s) + T) / (C + T)``: conservative).
     An op that some rank passed without waiting (it reached the next op before ``R(k)``: an async
     op, as DDP issues several buckets in one backward) is no wait for anyone. Each run delay is
-    taken at its window's rate over the span. No transfer is timed: these windows give no link verdict.
+    taken over the span: as measured between the rank's first and last arrival
+    (``arrivals_run_delay_s``, scaled to the span), else at its window's rate. No transfer is timed:
+    these windows give no link verdict.
 
     Args:
         own: this rank's window, with arrivals.
@@ -283,6 +301,9 @@ def from_arrivals(
     def derived(w: StragglerWindow, m: Mapping[int, float]) -> StragglerWindow:
         wait = min(span, sum(release[i] - m[k] for i, k in enumerate(common) if i > 0 and held[i]))
         delay = None if w.run_delay_s is None else min(span, w.run_delay_s * span / w.length_s)
+        own_span = max(m.values()) - min(m.values())
+        if delay is not None and w.arrivals_run_delay_s is not None and own_span > 0:
+            delay = min(span, w.arrivals_run_delay_s * span / own_span)  # measured over its own arrivals' span
         update: dict[str, object] = {"length_s": span, "compute_s": span - wait, "wait_s": wait}
         update |= {"ops": len(common) - 1, "transfer_ops": 0, "op_wait_s": 0.0, "run_delay_s": delay}
         return w.model_copy(update={**update, "op": w.backend_op or w.op})
@@ -461,7 +482,7 @@ class StragglerTracker:
         phase = run[-1].phase or "no phase"
         waits = f"; its peers wait for it in {run[-1].op}" if run[-1].op else ""
         if run[-1].source == "backend":  # the figures are torch's arrival times, not ncclguard's records
-            waits += ", timed by torch's flight recorder (collectives issued from C++ included)"
+            waits += ", timed by torch's flight recorder, which sees the collectives issued from C++"
         where = f"compute in phase {phase!r}{waits}"
         report = StragglerReport(rank=self.rank, cause="compute", slowdown=slowdown, where=where, windows=run)
         cpu = " (less the time each waited for a CPU)" if run[-1].work_frac is not None else ""
@@ -524,6 +545,7 @@ class StragglerWatch:
         self.thread = thread if thread is not None else threading.main_thread().ident
         self.native = next((t.native_id for t in threading.enumerate() if t.ident == self.thread), None)
         self.delay = run_delay(self.native)
+        self.delays: deque[tuple[float, float]] = deque(maxlen=DELAY_SAMPLES)  # (time.time(), run delay)
         self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
         self.start = time.time()
         self.count = marks.count
@@ -533,6 +555,12 @@ class StragglerWatch:
     def tick(self, now: float | None = None) -> None:
         """Closes the window when the clock has passed its end (the watchdog calls it every tick)."""
         now = time.time() if now is None else now
+        if self.enabled and self.backend is not None and self.native is not None:
+            # The main thread's run delay at each tick (one /proc read), so that the arrivals' span,
+            # a part of the window, is judged less the run delay it had, not the window's average.
+            sample = run_delay(self.native)
+            if sample is not None:
+                self.delays.append((now, sample))
         if not self.enabled or now < (math.floor(self.start / self.window_s) + 1) * self.window_s:
             return
         end = math.floor(now / self.window_s) * self.window_s  # the last boundary passed
@@ -567,7 +595,14 @@ class StragglerWatch:
         except Exception as exc:  # noqa: BLE001 - a torch that dumps otherwise costs the window its arrivals, not the watchdog
             log.debug("watchdog: straggler: torch's flight recorder not read (%s)", exc)
             return win
-        return win.model_copy(update={"arrivals": arrivals[-MAX_ARRIVALS:], "backend_op": op[:80]}) if arrivals else win
+        if not arrivals:
+            return win
+        arrivals = arrivals[-MAX_ARRIVALS:]
+        first, last = min(t for _, t in arrivals), max(t for _, t in arrivals)
+        lo, hi = delay_at(self.delays, first), delay_at(self.delays, last)
+        span_delay = None if lo is None or hi is None else max(0.0, hi - lo)
+        update = {"arrivals": arrivals, "backend_op": op[:80], "arrivals_run_delay_s": span_delay}
+        return win.model_copy(update=update)
 
     def on_beat(self, hb: Heartbeat, now: float | None = None) -> Heartbeat:
         """``hb`` with the step, the score and the last window (closing one when due)."""
