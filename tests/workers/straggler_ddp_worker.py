@@ -36,7 +36,12 @@ STOP_KEY = "straggler_ddp/stop_at"
 
 
 def main() -> None:
-    healthy_s, slow_rank, factor, window_s = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+    healthy_s, slow_rank, factor, window_s = (
+        float(sys.argv[1]),
+        int(sys.argv[2]),
+        float(sys.argv[3]),
+        float(sys.argv[4]),
+    )
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init_process_group("gloo", timeout=120)
@@ -78,7 +83,9 @@ def main() -> None:
             put("healthy_assessed", tracker.assessed)
             put("healthy_score", tracker.score)
         if stop_at is None:
-            merged = [c for c in wd.incidents if c["kind"] == "straggler" and (Path(c["dir"]) / INCIDENT_FILE).is_file()]
+            merged = [
+                c for c in wd.incidents if c["kind"] == "straggler" and (Path(c["dir"]) / INCIDENT_FILE).is_file()
+            ]
             if merged or (rank == 0 and now >= slow_from + SLOW_BOUND_S):
                 store.compare_set(STOP_KEY, "", str(step + 20))  # the first writer wins
             if store.check([STOP_KEY]):
