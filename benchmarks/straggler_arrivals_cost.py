@@ -56,10 +56,12 @@ def longest_stall_ms(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
     holds the GIL throughout (the watchdog's read then costs the training thread all of it)."""
     gaps = []
     for _ in range(repeat):
-        worker = threading.Thread(target=fn)
+        go = threading.Event()  # the read starts once this thread spins (a short one could end in start())
+        worker = threading.Thread(target=lambda go=go: (go.wait(), fn()))
+        worker.start()
         last = time.perf_counter()
         longest = 0.0
-        worker.start()
+        go.set()
         while worker.is_alive():
             now = time.perf_counter()
             longest, last = max(longest, now - last), now

@@ -19,7 +19,10 @@ File format version 2 (``format_version: 2``) is version 1 plus:
 - incident kind ``stuck``: a group's ranks stand at one backend sequence number, the op open;
 - backend ops may carry ``record`` (ncclguard's record of the Python call that issued them) and
   findings ``backend_seq``, ``backend_op``, ``record_seq`` (the op in the other numbering);
-- ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy).
+- ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy);
+- straggler windows may carry ``arrivals``, ``backend_op`` and ``arrivals_run_delay_s`` (torch's
+  flight-recorder times of the world group's collectives), and their evidence ``source`` and
+  ``common_ops``: optional fields, which a reader that does not know them drops.
 
 :func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
 ``Incident.model_json_schema()`` and ``RankDump.model_json_schema()`` (``python -m ncclguard
