@@ -865,3 +865,27 @@ def test_the_watch_samples_the_main_threads_run_delay_for_the_arrivals_span() ->
         watch.tick(t / 10)
     assert backend.reads == 1 and watch.window is not None and watch.window.n == 1
     assert watch.window.arrivals_run_delay_s is not None and watch.window.arrivals_run_delay_s >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lists=st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 40), st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)), max_size=32
+        ),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_any_arrivals_give_waits_and_compute_within_the_span_or_no_verdict(lists) -> None:
+    wins = [
+        StragglerWindow(n=0, end=10.0, length_s=10.0, compute_s=10.0, wait_s=0.0, run_delay_s=1.0, arrivals=a)
+        for a in lists
+    ]
+    got = from_arrivals(wins[0], dict(enumerate(wins[1:], 1)))
+    if got is not None:
+        for w in (got[0], *got[1].values()):
+            assert w.length_s > 0 and 0 <= w.wait_s <= w.length_s
+            assert w.compute_s + w.wait_s == pytest.approx(w.length_s)
+            assert w.run_delay_s is not None and 0 <= w.run_delay_s <= w.length_s
+    assess(wins[0], dict(enumerate(wins[1:], 1)), 1.15, 0.05)  # never raises
