@@ -573,6 +573,13 @@ def test_arrivals_give_each_rank_its_waits_and_compute_over_the_same_span() -> N
     assert mine.compute_s / theirs[1].compute_s == pytest.approx(70 / 55)
 
 
+def test_the_transfer_counting_as_compute_hides_a_20_percent_straggler_whose_step_transfers_30_percent() -> None:
+    # (0.7 * 1.2 + 0.3) / (0.7 + 0.3) = 1.14 < 1.15: conservative, and documented as such.
+    own, *peers = backend_windows(arrivals_lockstep(steady([0.7 * 1.2, 0.7, 0.7]), 0.3))
+    a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
+    assert a is not None and not a.compute_slow and a.evidence.slowdown == pytest.approx(1.14, abs=1e-3)
+
+
 def test_a_rank_30_percent_slower_in_a_ddp_only_loop_is_named_from_the_arrivals() -> None:
     tracker = defaults()
     hits = []
