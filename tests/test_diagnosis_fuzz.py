@@ -167,13 +167,51 @@ def wrong_types(rank: int) -> list[bytes]:
         json.dumps({**good, "time": float("nan")}).encode(),  # json.dumps writes NaN
         json.dumps({**good, "backend_seq": {"0": 3}, "backend_still": {"0": float("inf")}}).encode(),
         json.dumps({k: v for k, v in good.items() if k != "host"}).encode(),
+        *(json.dumps({**good, "window": {**WINDOW, "arrivals": bad}}).encode() for bad in HOSTILE_ARRIVALS),
     ]
+
+
+# A straggler window (ncclguard/watching/straggler.py) and arrivals it must never carry: torch's
+# flight-recorder times of a DDP-only loop, at most 32, each a backend number and a finite time.
+WINDOW = {"n": 3, "end": 40.0, "length_s": 10.0, "compute_s": 10.0, "wait_s": 0.0, "backend_op": "gloo:all_reduce"}
+HOSTILE_ARRIVALS = [
+    [[k, 1.0] for k in range(33)],  # over the bound
+    [[k, 1.0] for k in range(100_000)],  # far over it (about 1 MB): refused by size first
+    [[-1, 1.0]],
+    [[1, "NaN"]],
+    [[1, None]],
+    [["x", 1.0]],
+    [[1, 2.0, 3.0]],
+    [[1]],
+    {"1": 2.0},
+    "arrivals",
+]
+
+
+@st.composite
+def hostile_arrivals(draw: st.DrawFn) -> object:
+    """A window's ``arrivals`` that are never valid: too many, or one entry of the wrong shape."""
+    if draw(st.booleans()):
+        return [[k, float(k)] for k in range(draw(st.integers(33, 400)))]
+    bad = draw(
+        st.one_of(
+            st.tuples(st.integers(max_value=-1), st.floats(allow_nan=False, allow_infinity=False)),
+            st.tuples(st.integers(0), st.sampled_from([None, "x", [1.0], {"t": 1.0}])),
+            st.lists(st.integers(0), min_size=3, max_size=5),
+            st.text(max_size=5),
+        )
+    )
+    good = [[k, 1.0 + k] for k in range(draw(st.integers(0, 31)))]
+    return [*good, list(bad) if isinstance(bad, tuple) else bad]
 
 
 @st.composite
 def hostile_heartbeats(draw: st.DrawFn) -> bytes:
     """Bytes that are never a valid heartbeat of rank 1."""
-    kind = draw(st.sampled_from(["bytes", "json", "field", "rank"]))
+    kind = draw(st.sampled_from(["bytes", "json", "field", "rank", "arrivals"]))
+    if kind == "arrivals":
+        good = json.loads(heartbeat(1, 3).model_dump_json())
+        return json.dumps({**good, "window": {**WINDOW, "arrivals": draw(hostile_arrivals())}}).encode()
     if kind == "bytes":
         return b"\x00" + draw(st.binary(max_size=300))  # a NUL first: never JSON
     if kind == "json":

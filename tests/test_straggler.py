@@ -18,15 +18,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, StragglerWindow
+from ncclguard.recording.flight import recorder
 from ncclguard.recording.steps import StepMarks, mark_step, steps
 from ncclguard.store.codec import decode, encode
 from ncclguard.watching.protocol import LIMITS
 from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.snapshot import WorldArrivals
 from ncclguard.watching.straggler import (
     StragglerTracker,
     StragglerWatch,
     assess,
+    delay_at,
     fresh_windows,
+    from_arrivals,
     measure,
     run_delay,
 )
@@ -504,3 +508,391 @@ def test_check_waits_for_a_peer_that_has_not_published_the_window_yet() -> None:
     watch.window = mine.model_copy(update={"n": 8, "end": 90.0})
     assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=95.0) is None and watch.assessed == 7
     assert watch.check({1: Heartbeat(rank=1, **hb, window=old)}, now=100.5) is None and watch.assessed == 8
+
+
+# ----------------------------------------------------------------- the backend's arrivals (ops issued from C++)
+#
+# A loop that only calls DDP has no ncclguard record per step: its bucket all_reduce is issued from
+# C++. torch's flight recorder stamps when each rank reached each op (time_created_ns); in the lockstep
+# model rank r reaches op k at R(k-1) + T + c_r(k), where R(k) = max_s a_s(k) is the op's release.
+
+
+def arrivals_lockstep(
+    computes: list[list[float]], transfer: float, start: float = 1000.0, seq0: int = 500
+) -> list[list[tuple[int, float]]]:
+    """Each rank's arrivals at ``len(computes[r])`` consecutive synchronous ops, ``computes[r][k]`` its
+    compute before op ``k``, everyone leaving op ``k`` a ``transfer`` after the last one reached it."""
+    out: list[list[tuple[int, float]]] = [[] for _ in computes]
+    left = start
+    for k in range(len(computes[0])):
+        at = [left + c[k] for c in computes]
+        for r, a in enumerate(at):
+            out[r].append((seq0 + k, a))
+        left = max(at) + transfer
+    return out
+
+
+def backend_windows(
+    arrivals: list[list[tuple[int, float]]], n: int = 0, delays: list[float] | None = None
+) -> list[StragglerWindow]:
+    """The windows of ranks whose records hold no op, carrying ``arrivals`` (the newest 32)."""
+    return [
+        StragglerWindow(
+            n=n,
+            end=10.0 * (n + 1),
+            length_s=10.0,
+            compute_s=10.0,
+            wait_s=0.0,
+            ops=0,
+            run_delay_s=None if delays is None else delays[r],
+            phase="train",
+            arrivals=a[-32:],
+            backend_op="gloo:all_reduce",
+        )
+        for r, a in enumerate(arrivals)
+    ]
+
+
+def steady(per_rank: list[float], ops: int = 32) -> list[list[float]]:
+    return [[c] * ops for c in per_rank]
+
+
+def test_arrivals_give_each_rank_its_waits_and_compute_over_the_same_span() -> None:
+    # Ranks 0 and 1 compute 50 ms before each op, rank 2 65 ms; 5 ms of transfer.
+    own, *peers = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005))
+    got = from_arrivals(own, dict(enumerate(peers, 1)))
+    assert got is not None
+    mine, theirs = got
+    span = 31 * 0.070  # 32 ops: 31 intervals of 65 + 5 ms between releases
+    for w in (mine, *theirs.values()):
+        assert (w.length_s, w.ops, w.transfer_ops, w.op) == (pytest.approx(span), 31, 0, "gloo:all_reduce")
+        assert w.compute_s + w.wait_s == pytest.approx(span)
+    assert mine.wait_s == pytest.approx(0.0, abs=1e-9)  # the last to arrive waits for nobody
+    assert theirs[1].wait_s == pytest.approx(31 * 0.015)  # the others wait 15 ms an op for it
+    # The transfer counts as compute for all: the ratio is (65 + 5) / (50 + 5), not 65 / 50.
+    assert mine.compute_s / theirs[1].compute_s == pytest.approx(70 / 55)
+
+
+def test_the_transfer_counting_as_compute_hides_a_20_percent_straggler_whose_step_transfers_30_percent() -> None:
+    # (0.7 * 1.2 + 0.3) / (0.7 + 0.3) = 1.14 < 1.15: conservative, and documented as such.
+    own, *peers = backend_windows(arrivals_lockstep(steady([0.7 * 1.2, 0.7, 0.7]), 0.3))
+    a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
+    assert a is not None and not a.compute_slow and a.evidence.slowdown == pytest.approx(1.14, abs=1e-3)
+
+
+def test_a_rank_30_percent_slower_in_a_ddp_only_loop_is_named_from_the_arrivals() -> None:
+    tracker = defaults()
+    hits = []
+    for n in range(3):
+        own, *peers = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005, start=10.0 * n), n)
+        a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
+        assert a is not None and a.evidence.source == "backend" and a.evidence.common_ops == 32
+        assert a.compute_slow and not a.link_slow
+        if (d := tracker.feed(own, dict(enumerate(peers, 1)))) is not None:
+            hits.append((n, d))
+    ((n, det),) = hits
+    assert n == 1 and det.straggler is not None  # the second slow window in a row
+    assert (det.straggler.rank, det.straggler.cause) == (0, "compute")
+    assert det.straggler.slowdown == pytest.approx(70 / 55, rel=1e-3)
+    assert "gloo:all_reduce" in det.reason and "torch's flight recorder" in det.reason
+    assert all(w.source == "backend" and w.op == "gloo:all_reduce" for w in det.straggler.windows)
+    for peer in range(1, 3):  # the peers it is compared with are healthy, seen from their side
+        wins = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005))
+        me = wins.pop(peer)
+        healthy = assess(me, dict(enumerate(wins)), 1.15, 0.05)
+        assert healthy is not None and not healthy.compute_slow and healthy.score == 1.0
+
+
+def test_the_records_come_first_and_a_window_without_arrivals_or_enough_common_ops_is_not_compared() -> None:
+    own, *peers = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005))
+    recs = lockstep([1.0, 1.0, 1.0], 0.2, 10.0, 0, 10.0)
+    with_records = [w.model_copy(update={"arrivals": own.arrivals}) for w in recs]
+    a = assess(with_records[0], dict(enumerate(with_records[1:], 1)), 1.15, 0.05)
+    assert a is not None and a.evidence.source == "records" and not a.compute_slow
+    bare = [w.model_copy(update={"arrivals": []}) for w in (own, *peers)]
+    assert assess(bare[0], dict(enumerate(bare[1:], 1)), 1.15, 0.05) is None
+    few = [w.model_copy(update={"arrivals": w.arrivals[-3:]}) for w in (own, *peers)]  # 3 common ops: 2 spans
+    assert assess(few[0], dict(enumerate(few[1:], 1)), 1.15, 0.05) is None
+
+
+def test_a_peer_sharing_no_op_number_is_left_out_and_alone_gives_no_verdict() -> None:
+    own, p1, p2 = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005))
+    stranger = p2.model_copy(update={"arrivals": [(s + 10_000, t) for s, t in p2.arrivals]})
+    got = from_arrivals(own, {1: p1, 2: stranger})
+    assert got is not None and list(got[1]) == [1]
+    a = assess(own, {1: p1, 2: stranger}, 1.15, 0.05)
+    assert a is not None and a.compute_slow  # judged against rank 1 alone
+    assert from_arrivals(own, {2: stranger}) is None and assess(own, {2: stranger}, 1.15, 0.05) is None
+
+
+def test_an_op_some_rank_passed_without_waiting_is_no_wait() -> None:
+    # DDP issues several buckets in one backward and goes on: two buckets per step, 10 ms apart on the
+    # fast ranks. The slow rank is 30 ms late at each, so the fast ranks reach the second bucket before
+    # the slow one reached the first: they did not wait at the first, only at the second (the step's end).
+    per_step = [[0.04, 0.01], [0.04, 0.01], [0.07, 0.01]]  # compute before bucket 1, then before bucket 2
+    arr: list[list[tuple[int, float]]] = [[], [], []]
+    left, seq = 0.0, 0
+    for _ in range(16):
+        first = [left + c[0] for c in per_step]
+        second = [f + c[1] for f, c in zip(first, per_step, strict=True)]
+        for r in range(3):
+            arr[r] += [(seq, first[r]), (seq + 1, second[r])]
+        seq, left = seq + 2, max(second) + 0.005
+    got = from_arrivals(*(lambda w: (w[0], {1: w[1], 2: w[2]}))(backend_windows(arr)))
+    assert got is not None
+    fast = got[1][1]
+    # The span runs from the first bucket of step 0 to the second of step 15: a wait only at each of
+    # the 16 second buckets, 30 ms each, not at the 15 first ones too (0.93 s).
+    assert fast.wait_s == pytest.approx(16 * 0.03)
+
+
+def test_healthy_ranks_within_3_percent_never_fire_from_arrivals() -> None:
+    rng = random.Random(21)
+    for me in range(3):
+        tracker = defaults()
+        for n in range(10):
+            computes = [[0.05 * (1 + rng.uniform(-0.03, 0.03)) for _ in range(40)] for _ in range(3)]
+            wins = backend_windows(arrivals_lockstep(computes, 0.005, start=10.0 * n), n)
+            own = wins.pop(me)
+            assert tracker.feed(own, dict(enumerate(wins))) is None
+        assert tracker.assessed == 10
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    slow=st.floats(1.3, 3.0),
+    share=st.floats(0.7, 0.95),  # the healthy step's compute share: the rest is the transfer
+    peers=st.integers(1, 16),
+    seed=st.integers(0, 2**32),
+)
+def test_arrivals_name_any_30_percent_straggler_within_3_windows(slow, share, peers, seed) -> None:
+    # The transfer counts as everyone's compute (conservative): (C s + T) / (C + T) must clear the
+    # threshold, 1.15, so the straggler is slow and its step computes 70% or more.
+    rng = random.Random(seed)
+    tracker = defaults()
+    hits = []
+    for n in range(3):
+        computes = [
+            [share * (slow if r == 0 else 1.0) * (1 + rng.uniform(-0.03, 0.03)) for _ in range(40)]
+            for r in range(peers + 1)
+        ]
+        own, *rest = backend_windows(arrivals_lockstep(computes, 1 - share, start=1000.0 * n), n)
+        if (d := tracker.feed(own, dict(enumerate(rest, 1)))) is not None:
+            hits.append(d)
+    assert len(hits) == 1 and hits[0].straggler is not None and hits[0].straggler.cause == "compute"
+
+
+@settings(max_examples=150, deadline=None)
+@given(me=st.integers(0, 16), peers=st.integers(1, 16), share=st.floats(0.05, 0.95), seed=st.integers(0, 2**32))
+def test_arrivals_of_ranks_within_3_percent_never_fire(me, peers, share, seed) -> None:
+    me, rng = me % (peers + 1), random.Random(seed)
+    tracker = defaults()
+    for n in range(10):
+        bias = [rng.uniform(-0.03, 0.03) for _ in range(peers + 1)]  # a rank 3% slower all window
+        computes = [[share * (1 + b) * (1 + rng.uniform(-0.03, 0.03)) for _ in range(40)] for b in bias]
+        wins = backend_windows(arrivals_lockstep(computes, 1 - share, start=1000.0 * n), n)
+        own = wins.pop(me)
+        assert tracker.feed(own, dict(enumerate(wins))) is None
+
+
+def test_the_run_delay_is_taken_at_its_windows_rate_over_the_span() -> None:
+    # Rank 0 computes 30% longer by the wall clock, the extra waiting for a CPU (15 ms of each step):
+    # the host's doing, not its work. Told run delays, it is no straggler.
+    arr = arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005)
+    starved = backend_windows(arr, delays=[10 * 15 / 70, 0.0, 0.0])  # 15 ms of each 70 ms step
+    a = assess(starved[0], dict(enumerate(starved[1:], 1)), 1.15, 0.05)
+    assert a is not None and not a.compute_slow and a.evidence.work_frac is not None
+    assert a.evidence.slowdown == pytest.approx(1.0, abs=0.02)
+    # Without every rank's run delay, all are judged on the wall clock (as the records' rule does).
+    untold = backend_windows(arr, delays=[2.0, None, 0.0])  # type: ignore[list-item]
+    b = assess(untold[0], dict(enumerate(untold[1:], 1)), 1.15, 0.05)
+    assert b is not None and b.compute_slow and b.evidence.work_frac is None
+
+
+def test_a_clock_offset_between_hosts_reads_as_lateness() -> None:
+    # time_created_ns is each host's wall clock: a rank whose clock runs d ahead seems to arrive d late
+    # at every op. On 50 ms of compute and 5 ms of transfer, 1 ms reads 1.02x; 10 ms 1.22x, a false straggler.
+    for offset, fires, reads in ((0.001, False, 55 / 54), (0.005, False, 55 / 50), (0.010, True, 55 / 45)):
+        arr = arrivals_lockstep(steady([0.05, 0.05, 0.05]), 0.005)
+        arr[0] = [(s, t + offset) for s, t in arr[0]]
+        own, *peers = backend_windows(arr)
+        a = assess(own, dict(enumerate(peers, 1)), 1.15, 0.05)
+        assert a is not None and a.compute_slow is fires, (offset, a.evidence.slowdown)
+        assert a.evidence.slowdown == pytest.approx(reads, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        [(5, 1.0), (5, 2.0), (6, 0.5), (7, 1e18), (8, -1e18), (9, 0.0)],  # repeats, time going back, huge
+        [(k, 1000.0) for k in range(32)],  # every op at one instant: no span
+        [(k, 1000.0 - k) for k in range(32)],  # time running backwards
+        [(2**62 + k, 1000.0 + k) for k in range(32)],  # huge numbers
+    ],
+)
+def test_garbage_arrivals_never_raise_and_never_make_a_wait_longer_than_the_span(garbage) -> None:
+    good = backend_windows(arrivals_lockstep(steady([0.05, 0.05, 0.05]), 0.005))
+    bad = good[1].model_copy(update={"arrivals": garbage})
+    for own, peers in ((bad, {0: good[0], 2: good[2]}), (good[0], {1: bad, 2: good[2]})):
+        got = from_arrivals(own, peers)
+        if got is not None:
+            for w in (got[0], *got[1].values()):
+                assert 0 <= w.wait_s <= w.length_s and 0 <= w.compute_s <= w.length_s
+        assess(own, peers, 1.15, 0.05)  # a verdict or none, never an exception
+
+
+def test_the_schema_bounds_arrivals_and_refuses_what_is_not_a_number() -> None:
+    (w,) = backend_windows([[(k, 1000.0 + k) for k in range(32)]])
+    Heartbeat.model_validate(
+        {"rank": 0, "host": "h", "pid": 1, "beat": 1, "time": 0.0, "phase": "", "site": "", "last_seq": {}}
+        | {"last_completed": {}, "inflight": [], "window": w.model_dump(mode="json")}
+    )
+    blob = encode(w)
+    assert decode(StragglerWindow, blob, "window", 4096) == w  # 32 arrivals: well under the heartbeat's bound
+    bad = [
+        {"arrivals": [[k, 1.0] for k in range(33)]},  # over 32
+        {"arrivals": [[-1, 1.0]]},
+        {"arrivals": [[1, float("nan")]]},
+        {"arrivals": [[1, float("inf")]]},
+        {"arrivals": [["x", 1.0]]},
+        {"arrivals": [[1, 2.0, 3.0]]},
+        {"arrivals": {"a": 1}},
+        {"backend_op": "x" * 81},
+    ]
+    for update in bad:
+        with pytest.raises(pydantic.ValidationError):
+            StragglerWindow.model_validate({**w.model_dump(), **update})
+
+
+class FakeBackend:
+    """A world group's backend for StragglerWatch: a sequence number and arrivals, reads counted."""
+
+    def __init__(self) -> None:
+        self.number, self.reads = 0, 0
+
+    def seq(self) -> int | None:
+        return self.number
+
+    def arrivals(self, start: float, end: float, last: int) -> tuple[str, list[tuple[int, float]]]:
+        self.reads += 1
+        return "gloo:all_reduce", [(k, start + 0.1 * k) for k in range(40)][-last:]
+
+
+def test_the_watch_reads_torchs_recorder_only_when_its_records_fall_short_and_the_backend_ran() -> None:
+    backend = FakeBackend()
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN, backend=backend)
+    watch.start = 0.0
+    backend.number = 3  # the backend ran 3 collectives: too few for a verdict, not read
+    watch.tick(10.1)
+    assert backend.reads == 0 and watch.window is not None and watch.window.arrivals == []
+    backend.number = 200  # a DDP loop: 197 bucket all_reduces, no record
+    watch.tick(20.1)
+    assert backend.reads == 1 and watch.window is not None
+    assert len(watch.window.arrivals) == 32 and watch.window.backend_op == "gloo:all_reduce"
+    assert watch.window.arrivals[-1] == (39, pytest.approx(13.9))
+    watch.tick(30.1)  # the backend ran nothing more: not read
+    assert backend.reads == 1 and watch.window.arrivals == []
+    # ncclguard's records hold the ops (Python collectives): the backend is not read.
+    recorded = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=threading.get_ident(), backend=backend)
+    recorded.start = time.time()
+    for _ in range(4):
+        recorder.finish(recorder.start("all_reduce", "straggler-test", 1, "float32", site="t.py:1"))
+    backend.number += 500
+    recorded.tick(recorded.start + 10.0 + 1e-3)  # past the next boundary: the 4 records fall in the window
+    win = recorded.window
+    assert win is not None and win.ops >= 3 and win.arrivals == [] and backend.reads == 1
+
+
+def test_world_arrivals_on_a_real_gloo_group_are_on_time_times_clock() -> None:
+    # torch stamps time_created_ns with c10::getTime(): CLOCK_REALTIME on Linux, time.time()'s clock.
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        source = WorldArrivals()
+        seq0 = source.seq()
+        t = torch.ones(4)
+        before = time.time()
+        stamps = []
+        for _ in range(40):
+            stamps.append(time.time())
+            dist.all_reduce(t)
+        after = time.time()
+        seq1 = source.seq()
+        assert seq0 is not None and seq1 is not None and seq1 - seq0 == 40
+        op, arrivals = source.arrivals(before, after, 32)
+        assert op == "gloo:all_reduce" and len(arrivals) == 32 and source.read_s > 0
+        assert [s for s, _ in arrivals] == list(range(arrivals[0][0], arrivals[0][0] + 32))
+        for (_, at), called in zip(arrivals, stamps[-32:], strict=True):
+            assert called <= at <= called + 0.05  # stamped as the call reached the backend, on this clock
+        assert source.arrivals(after + 1.0, after + 2.0, 32) == ("", [])  # none in a later span
+    finally:
+        dist.destroy_process_group()
+
+
+def test_delay_at_interpolates_between_the_ticks_samples() -> None:
+    samples = [(10.0, 1.0), (11.0, 1.5), (13.0, 1.5), (14.0, 3.5)]
+    assert delay_at(samples, 10.5) == pytest.approx(1.25)
+    assert delay_at(samples, 12.0) == pytest.approx(1.5)
+    assert delay_at(samples, 13.5) == pytest.approx(2.5)
+    assert delay_at(samples, 10.0) == 1.0 and delay_at(samples, 14.0) == 3.5
+    assert delay_at(samples, 9.9) is None and delay_at(samples, 14.1) is None and delay_at([], 1.0) is None
+
+
+def test_the_run_delay_measured_over_the_arrivals_span_beats_the_windows_average() -> None:
+    # Rank 0 waited for a CPU 15 ms of each step in the arrivals' span (a burst of load there), none in
+    # the rest of its window: the window's average (0.33 s of 10 s) would leave it 1.23x "slower".
+    arr = arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005)
+    span = [a[-1][1] - a[0][1] for a in arr]
+    wins = backend_windows(arr, delays=[31 * 0.015, 0.0, 0.0])
+    averaged = assess(wins[0], {1: wins[1], 2: wins[2]}, 1.15, 0.05)
+    assert averaged is not None and averaged.compute_slow
+    measured = [
+        w.model_copy(update={"arrivals_run_delay_s": d}) for w, d in zip(wins, [31 * 0.015, 0.0, 0.0], strict=True)
+    ]
+    a = assess(measured[0], {1: measured[1], 2: measured[2]}, 1.15, 0.05)
+    assert a is not None and not a.compute_slow and a.evidence.slowdown == pytest.approx(1.0, abs=0.02)
+    assert a.evidence.run_delay_frac == pytest.approx(31 * 0.015 / span[0], rel=0.05)
+
+
+def test_the_watch_samples_the_main_threads_run_delay_for_the_arrivals_span() -> None:
+    backend = FakeBackend()
+    watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=threading.get_ident(), backend=backend)
+    if watch.native is None or run_delay(watch.native) is None:
+        pytest.skip("no schedstat here")
+    watch.start = 0.0
+    for t in (5.0, 9.5, 10.05):
+        watch.tick(t)
+    assert watch.window is not None and backend.reads == 0  # the backend ran nothing yet
+    backend.number = 200
+    for t in range(101, 202):  # a tick every 0.1 s through window 1 (arrivals at 10.0 to 13.9 s)
+        watch.tick(t / 10)
+    assert backend.reads == 1 and watch.window is not None and watch.window.n == 1
+    assert watch.window.arrivals_run_delay_s is not None and watch.window.arrivals_run_delay_s >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lists=st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 40), st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)), max_size=32
+        ),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_any_arrivals_give_waits_and_compute_within_the_span_or_no_verdict(lists) -> None:
+    wins = [
+        StragglerWindow(n=0, end=10.0, length_s=10.0, compute_s=10.0, wait_s=0.0, run_delay_s=1.0, arrivals=a)
+        for a in lists
+    ]
+    got = from_arrivals(wins[0], dict(enumerate(wins[1:], 1)))
+    if got is not None:
+        for w in (got[0], *got[1].values()):
+            assert w.length_s > 0 and 0 <= w.wait_s <= w.length_s
+            assert w.compute_s + w.wait_s == pytest.approx(w.length_s)
+            assert w.run_delay_s is not None and 0 <= w.run_delay_s <= w.length_s
+    assess(wins[0], dict(enumerate(wins[1:], 1)), 1.15, 0.05)  # never raises

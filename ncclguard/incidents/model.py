@@ -19,7 +19,10 @@ File format version 2 (``format_version: 2``) is version 1 plus:
 - incident kind ``stuck``: a group's ranks stand at one backend sequence number, the op open;
 - backend ops may carry ``record`` (ncclguard's record of the Python call that issued them) and
   findings ``backend_seq``, ``backend_op``, ``record_seq`` (the op in the other numbering);
-- ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy).
+- ``outside_stacks``: the stacks of ranks that could not speak for themselves (py-spy);
+- straggler windows may carry ``arrivals``, ``backend_op`` and ``arrivals_run_delay_s`` (torch's
+  flight-recorder times of the world group's collectives), and their evidence ``source`` and
+  ``common_ops``: optional fields, which a reader that does not know them drops.
 
 :func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
 ``Incident.model_json_schema()`` and ``RankDump.model_json_schema()`` (``python -m ncclguard
@@ -35,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_ARRIVALS",
     "ActionEntry",
+    "Arrival",
     "BackendOp",
     "Culprit",
     "CulpritReason",
@@ -142,6 +147,11 @@ class OpRecord(_Model):
     bytes_done: int = 0
 
 
+# A collective's backend number and the time.time() a rank reached it (torch's time_created_ns).
+Arrival = tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]]
+MAX_ARRIVALS = 32  # arrivals a window carries: about 1 KB of the heartbeat
+
+
 class StragglerWindow(_Model):
     """One rank's figures over one straggler window (published in its heartbeat).
 
@@ -163,6 +173,15 @@ class StragglerWindow(_Model):
     run_delay_s: float | None = Field(None, ge=0)
     phase: str = Field("", max_length=200)  # where most of the compute went
     op: str = Field("", max_length=80)  # where most of the wait went
+    # When the main thread's records hold too few ops (a loop that only calls DDP: its bucket
+    # all_reduce is issued from C++) and the backend ran more: the newest collectives of the world
+    # group in the window as torch's flight recorder numbers and times them, (collective_seq_id,
+    # time.time() when this rank reached the op), and torch's name of the op ("gloo:all_reduce").
+    arrivals: list[Arrival] = Field(default_factory=list, max_length=MAX_ARRIVALS)
+    backend_op: str = Field("", max_length=80)
+    # The main thread's run delay between its first and last arrival (the span the arrivals judge),
+    # from the watchdog's samples at each tick; None where not sampled.
+    arrivals_run_delay_s: float | None = Field(None, ge=0)
 
 
 class WindowEvidence(_Model):
@@ -184,6 +203,11 @@ class WindowEvidence(_Model):
     baseline_op_wait_s: float | None = None  # the least seen in earlier windows
     phase: str = Field("", max_length=200)
     op: str = Field("", max_length=80)
+    # Where the compute and wait figures come from: "records", ncclguard's records of the main
+    # thread's synchronous collectives; "backend", the arrivals torch's flight recorder timed (ops
+    # issued from C++ included), over ``common_ops`` ops every rank compared holds.
+    source: Literal["records", "backend"] = "records"
+    common_ops: int | None = None
 
 
 class StragglerReport(_Model):

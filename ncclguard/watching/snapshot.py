@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import FrameType
 
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching import detect, torchfr
 
-__all__ = ["RECENT", "RankState", "backend_ops", "op_record"]
+__all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
 
 RECENT = 20  # flight records carried in a statement (the rank dump has them all)
 
@@ -35,15 +35,17 @@ def op_record(rec: FlightRecord) -> OpRecord:
     return OpRecord.model_validate(rec.to_dict())
 
 
-def _recorder_dump(groups: Mapping[str, int]) -> torchfr.Dump:
+def _recorder_dump(groups: Collection[str], parse: Callable[[str], torchfr.Dump] | None = None) -> torchfr.Dump:
     """torch's flight-recorder entries and per-group status: the backend-neutral dump (gloo), and
-    NCCL's own where groups are missing from it (on NCCL the neutral dump is empty: torch 2.11)."""
+    NCCL's own where groups are missing from it (on NCCL the neutral dump is empty: torch 2.11).
+    ``parse``: how a dump's text is read (default: the newest entry of each of ``groups``)."""
     dump = torchfr.Dump()
     for nccl in (False, True):
-        if nccl and (not dist.is_nccl_available() or groups.keys() <= {e.group for e in dump.entries}):
+        if nccl and (not dist.is_nccl_available() or set(groups) <= {e.group for e in dump.entries}):
             break
         try:
-            part = torchfr.parse_newest(compat.dump_flight_recorder(nccl=nccl), groups)
+            text = compat.dump_flight_recorder(nccl=nccl)
+            part = parse(text) if parse is not None else torchfr.parse_newest(text, groups)
         except (TorchCompatError, RuntimeError, ValueError):
             continue
         dump.entries += part.entries
@@ -83,6 +85,60 @@ def backend_ops(seqs: Mapping[str, int], records: Sequence[OpRecord] = ()) -> di
             record=issued.get(e.record_id),
         )
     return out
+
+
+class WorldArrivals:
+    """The world group's backend, read for straggler windows (:class:`~ncclguard.watching.straggler.StragglerWatch`):
+    its sequence number, and when this rank reached its recent collectives by torch's flight recorder
+    (``time_created_ns``: ``c10::getTime()``, CLOCK_REALTIME on Linux, the clock of ``time.time()``)."""
+
+    def __init__(self) -> None:
+        self.read_s = 0.0  # how long the last read of the recorder took (benchmarks/straggler_overhead.py)
+
+    @staticmethod
+    def _world() -> tuple[dist.ProcessGroup, str] | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            pg = compat.default_group()
+            return pg, compat.group_names()[pg]
+        except (TorchCompatError, RuntimeError, KeyError):
+            return None
+
+    def seq(self) -> int | None:
+        """The world group's backend sequence number (every collective it ran, whoever issued it);
+        None without a group or where this torch cannot tell."""
+        world = self._world()
+        if world is None:
+            return None
+        try:
+            return compat.sequence_number(world[0])
+        except (TorchCompatError, RuntimeError):
+            return None
+
+    def arrivals(self, start: float, end: float, last: int) -> tuple[str, list[tuple[int, float]]]:
+        """The newest ``last`` collectives of the world group this rank reached in ``[start, end)``:
+        torch's name of the most frequent op, and ``(collective_seq_id, time.time() of arrival)``,
+        oldest first; ``("", [])`` where the recorder holds none or cannot be read.
+
+        Args:
+            start, end: the window, in ``time.time()`` seconds.
+            last: how many at most.
+        """
+        world = self._world()
+        if world is None:
+            return "", []
+        name = world[1]
+        t0 = time.perf_counter()
+        dump = _recorder_dump(
+            [name], lambda text: torchfr.Dump(entries=torchfr.parse_window(text, name, start, end, last))
+        )
+        self.read_s = time.perf_counter() - t0
+        entries = [e for e in dump.entries if e.group == name][-last:]
+        if not entries:
+            return "", []
+        names = [e.name for e in entries]
+        return max(set(names), key=names.count)[:80], [(e.collective_seq, e.created) for e in entries]
 
 
 class RankState:

@@ -17,6 +17,11 @@ traffic does not grow with the world):
   the earlier windows, costing ``straggler_min_share`` of the window or more, while the rank's compute
   between two ops holds within ``straggler_threshold`` of what it was (a loaded machine slows both).
 
+Where a window's records hold too few ops but the world group's backend ran more (a loop that only
+calls DDP: its bucket all_reduce is issued from C++), the window carries the backend's arrival times
+instead, read once from torch's flight recorder, and the compute rule judges figures derived from them
+(:func:`from_arrivals`; no link verdict).
+
 ``straggler_windows`` such windows in a row raise one ``straggler`` incident (once per rank and cause in a
 world). Everything here but :class:`StragglerWatch` is pure: it takes records and figures, no clock.
 See ``docs/stragglers.md``.
@@ -36,6 +41,7 @@ from typing import Protocol, TypeVar
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.incidents.model import (
+    MAX_ARRIVALS,
     Heartbeat,
     IncidentKind,
     StragglerReport,
@@ -49,10 +55,13 @@ from ncclguard.watching.detect import Detection
 from ncclguard.watching.settings import WatchdogConfig
 
 __all__ = [
+    "ArrivalSource",
     "Assessment",
     "StragglerTracker",
     "StragglerWatch",
     "assess",
+    "delay_at",
+    "from_arrivals",
     "fresh_windows",
     "from_config",
     "measure",
@@ -62,9 +71,24 @@ __all__ = [
 
 H = TypeVar("H", bound=Heartbeat)
 MAX_SLOWDOWN = 1000.0  # a finite stand-in for "its peers computed nothing" (the store refuses inf)
-BASELINE_WINDOWS = 8
+BASELINE_WINDOWS = 8  # earlier windows whose median transfer is the link's baseline
 LINK_MIN_NUMEL = 16384  # elements (64 KiB of float32): smaller ops time the host's scheduling, not the link
-MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict  # earlier windows whose median transfer is the link's baseline
+DELAY_SAMPLES = 1024  # run delay samples kept, one a watchdog tick: 20 s of ticks at the least poll (0.02 s)
+MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict
+
+
+class ArrivalSource(Protocol):
+    """The world group's backend as a straggler window reads it
+    (:class:`~ncclguard.watching.snapshot.WorldArrivals` on a live rank)."""
+
+    def seq(self) -> int | None:
+        """The world group's backend sequence number, None where unknown."""
+        ...
+
+    def arrivals(self, start: float, end: float, last: int) -> tuple[str, list[tuple[int, float]]]:
+        """torch's name of the op, and the newest ``last`` ``(collective_seq_id, arrival time)``
+        of ``[start, end)``, oldest first."""
+        ...
 
 
 class _RecordLike(Protocol):
@@ -97,6 +121,20 @@ def run_delay(native_id: int | None) -> float | None:
             return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+def delay_at(samples: Sequence[tuple[float, float]], at: float) -> float | None:
+    """The run delay at time ``at``, interpolated between the samples ``(time, run delay)`` around it
+    (oldest first); None when ``at`` is outside them."""
+    before = None
+    for t, d in samples:
+        if t >= at:
+            if before is None:
+                return d if t == at else None
+            t0, d0 = before
+            return d0 + (d - d0) * (at - t0) / (t - t0) if t > t0 else d
+        before = (t, d)
+    return None
 
 
 def phase_name(path: str) -> str:
@@ -212,6 +250,72 @@ class Assessment:
     link_slow: bool
 
 
+def _arrival_map(w: StragglerWindow) -> dict[int, float]:
+    """A window's arrivals by backend number (the first of a number repeated: garbage is not trusted)."""
+    out: dict[int, float] = {}
+    for seq, at in w.arrivals:
+        out.setdefault(seq, at)
+    return out
+
+
+def from_arrivals(
+    own: StragglerWindow, peers: Mapping[int, StragglerWindow]
+) -> tuple[StragglerWindow, dict[int, StragglerWindow]] | None:
+    """Windows whose compute and wait come from the backend's arrival times instead of ncclguard's
+    records: for a loop whose collectives are issued from C++ (DDP's bucket all_reduce).
+
+    Over the ops numbered alike in ``own``'s arrivals and each kept peer's (at least
+    :data:`MIN_OPS` + 1; a peer sharing fewer is left out), op ``k`` is released when the last rank
+    reaches it, ``R(k) = max_s a_s(k)``. Rank ``r`` waits ``R(k) - a_r(k)`` at op ``k`` and computes
+    the rest of the span from ``R(first)`` to ``R(last)``, the same span for every rank. The transfer
+    after ``R(k)`` counts as every rank's compute alike, which pulls the ratio toward 1 (a rank with
+    ``s`` more compute ``C`` and transfer ``T`` reads ``(C(1+s) + T) / (C + T)``: conservative).
+    An op that some rank passed without waiting (it reached the next op before ``R(k)``: an async
+    op, as DDP issues several buckets in one backward) is no wait for anyone. Each run delay is
+    taken over the span: as measured between the rank's first and last arrival
+    (``arrivals_run_delay_s``, scaled to the span), else at its window's rate. No transfer is timed:
+    these windows give no link verdict.
+
+    Args:
+        own: this rank's window, with arrivals.
+        peers: its peers' windows of the same number.
+
+    Returns:
+        ``own`` and the kept peers with ``compute_s``, ``wait_s``, ``length_s`` (the span), ``ops``
+        (the ops compared less one) and the run delay over the span; None without enough common ops.
+    """
+    mine = _arrival_map(own)
+    need = MIN_OPS + 1
+    maps = {r: m for r, m in ((r, _arrival_map(w)) for r, w in peers.items()) if len(m.keys() & mine.keys()) >= need}
+    if not maps:
+        return None
+    common = sorted(set(mine).intersection(*maps.values()))
+    if len(common) < need:
+        return None
+    ranks = [mine, *maps.values()]
+    release = [max(m[k] for m in ranks) for k in common]
+    span = release[-1] - release[0]
+    if not span > 0:
+        return None
+    # Op i holds every rank until R(i) unless some rank reached op i + 1 before R(i).
+    held = [
+        i + 1 == len(common) or common[i + 1] != common[i] + 1 or min(m[common[i + 1]] for m in ranks) >= release[i]
+        for i in range(len(common))
+    ]
+
+    def derived(w: StragglerWindow, m: Mapping[int, float]) -> StragglerWindow:
+        wait = min(span, sum(release[i] - m[k] for i, k in enumerate(common) if i > 0 and held[i]))
+        delay = None if w.run_delay_s is None else min(span, w.run_delay_s * span / w.length_s)
+        own_span = max(m.values()) - min(m.values())
+        if delay is not None and w.arrivals_run_delay_s is not None and own_span > 0:
+            delay = min(span, w.arrivals_run_delay_s * span / own_span)  # measured over its own arrivals' span
+        update: dict[str, object] = {"length_s": span, "compute_s": span - wait, "wait_s": wait}
+        update |= {"ops": len(common) - 1, "transfer_ops": 0, "op_wait_s": 0.0, "run_delay_s": delay}
+        return w.model_copy(update={**update, "op": w.backend_op or w.op})
+
+    return derived(own, mine), {r: derived(peers[r], m) for r, m in maps.items()}
+
+
 def _share(w: StragglerWindow, what: str) -> float:
     return (w.compute_s if what == "compute" else w.wait_s) / w.length_s
 
@@ -246,8 +350,15 @@ def assess(
 
     Returns:
         The assessment, or None without peers to compare with (a window with fewer than
-        :data:`MIN_OPS` completed collectives, its own or a peer's, is not compared).
+        :data:`MIN_OPS` completed collectives, its own or a peer's, is not compared). When ``own``
+        has fewer but carries the backend's arrivals, it is compared with the peers that carry
+        them too, on figures from :func:`from_arrivals` (evidence ``source="backend"``).
     """
+    source = "records"
+    if own.ops < MIN_OPS and own.arrivals:
+        backend = from_arrivals(own, {r: w for r, w in peers.items() if w.ops < MIN_OPS and w.arrivals})
+        if backend is not None:
+            (own, peers), source = backend, "backend"
     peers = {r: w for r, w in peers.items() if w.ops >= MIN_OPS}
     if not peers or own.ops < MIN_OPS:
         return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
@@ -297,6 +408,8 @@ def assess(
         baseline_op_wait_s=None if baseline_op_wait is None else round(baseline_op_wait, 6),
         phase=own.phase,
         op=own.op,
+        source=source,
+        common_ops=own.ops + 1 if source == "backend" else None,
     )
     return Assessment(evidence, round(max(0.0, score), 4), compute_slow, link_slow)
 
@@ -373,6 +486,8 @@ class StragglerTracker:
         slowdown = round(statistics.median(e.slowdown for e in run), 3)
         phase = run[-1].phase or "no phase"
         waits = f"; its peers wait for it in {run[-1].op}" if run[-1].op else ""
+        if run[-1].source == "backend":  # the figures are torch's arrival times, not ncclguard's records
+            waits += ", timed by torch's flight recorder, which sees the collectives issued from C++"
         where = f"compute in phase {phase!r}{waits}"
         report = StragglerReport(rank=self.rank, cause="compute", slowdown=slowdown, where=where, windows=run)
         cpu = " (less the time each waited for a CPU)" if run[-1].work_frac is not None else ""
@@ -412,6 +527,9 @@ class StragglerWatch:
         enabled: False: the heartbeat carries the step only, nothing is measured.
         marks: the step marks to count (default: the process's).
         thread: the thread whose collectives count (default: the main thread).
+        backend: the world group's backend, read when a window's records hold fewer than
+            :data:`MIN_OPS` ops while the backend ran more (its arrivals, :func:`from_arrivals`);
+            None: records only.
     """
 
     def __init__(
@@ -425,11 +543,14 @@ class StragglerWatch:
         enabled: bool = True,
         marks: StepMarks = steps,
         thread: int | None = None,
+        backend: ArrivalSource | None = None,
     ) -> None:
-        self.window_s, self.enabled, self.marks = window_s, enabled, marks
+        self.window_s, self.enabled, self.marks, self.backend = window_s, enabled, marks, backend
+        self.seq = backend.seq() if backend is not None and enabled else None
         self.thread = thread if thread is not None else threading.main_thread().ident
         self.native = next((t.native_id for t in threading.enumerate() if t.ident == self.thread), None)
         self.delay = run_delay(self.native)
+        self.delays: deque[tuple[float, float]] = deque(maxlen=DELAY_SAMPLES)  # (time.time(), run delay)
         self.tracker = StragglerTracker(rank, threshold, min_share, windows, link_threshold)
         self.start = time.time()
         self.count = marks.count
@@ -439,6 +560,12 @@ class StragglerWatch:
     def tick(self, now: float | None = None) -> None:
         """Closes the window when the clock has passed its end (the watchdog calls it every tick)."""
         now = time.time() if now is None else now
+        if self.enabled and self.backend is not None and self.native is not None:
+            # The main thread's run delay at each tick (one /proc read), so that the arrivals' span,
+            # a part of the window, is judged less the run delay it had, not the window's average.
+            sample = run_delay(self.native)
+            if sample is not None:
+                self.delays.append((now, sample))
         if not self.enabled or now < (math.floor(self.start / self.window_s) + 1) * self.window_s:
             return
         end = math.floor(now / self.window_s) * self.window_s  # the last boundary passed
@@ -456,8 +583,31 @@ class StragglerWatch:
             capacity=recorder.size,
             run_delay_s=None if delay is None or self.delay is None else delay - self.delay,
         )
-        self.delay, self.start = delay, end
+        seq, before = (self.backend.seq(), self.seq) if self.backend is not None else (None, None)
+        ran = None if seq is None or before is None else seq - before  # collectives the backend ran
+        if win is not None and win.ops < MIN_OPS and ran is not None and ran >= MIN_OPS + 1:
+            win = self._with_arrivals(win, self.start, end)
+        self.delay, self.start, self.seq = delay, end, seq
         self.window = win if win is not None else self.window
+
+    def _with_arrivals(self, win: StragglerWindow, start: float, end: float) -> StragglerWindow:
+        """``win`` with the backend's arrivals (read only when the records hold too few ops and the
+        world group's backend ran enough for a verdict: torch's recorder costs milliseconds to read)."""
+        if self.backend is None:
+            return win
+        try:
+            op, arrivals = self.backend.arrivals(start, end, MAX_ARRIVALS)
+        except Exception as exc:  # noqa: BLE001 - a torch that dumps otherwise costs the window its arrivals, not the watchdog
+            log.debug("watchdog: straggler: torch's flight recorder not read (%s)", exc)
+            return win
+        if not arrivals:
+            return win
+        arrivals = arrivals[-MAX_ARRIVALS:]
+        first, last = min(t for _, t in arrivals), max(t for _, t in arrivals)
+        lo, hi = delay_at(self.delays, first), delay_at(self.delays, last)
+        span_delay = None if lo is None or hi is None else max(0.0, hi - lo)
+        update = {"arrivals": arrivals, "backend_op": op[:80], "arrivals_run_delay_s": span_delay}
+        return win.model_copy(update=update)
 
     def on_beat(self, hb: Heartbeat, now: float | None = None) -> Heartbeat:
         """``hb`` with the step, the score and the last window (closing one when due)."""
@@ -487,8 +637,8 @@ class StragglerWatch:
         return found
 
 
-def from_config(rank: int, cfg: WatchdogConfig) -> StragglerWatch:
-    """A :class:`StragglerWatch` with the ``straggler_*`` settings of ``cfg``."""
+def from_config(rank: int, cfg: WatchdogConfig, backend: ArrivalSource | None = None) -> StragglerWatch:
+    """A :class:`StragglerWatch` with the ``straggler_*`` settings of ``cfg`` (``backend``: see it)."""
     return StragglerWatch(
         rank,
         cfg.straggler_window,
@@ -497,4 +647,5 @@ def from_config(rank: int, cfg: WatchdogConfig) -> StragglerWatch:
         cfg.straggler_windows,
         cfg.straggler_link_threshold,
         cfg.straggler,
+        backend=backend,
     )

@@ -24,7 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ncclguard.incidents.model import OpRecord
 from ncclguard.recording.flight import seq_key
 
-__all__ = ["MAX_DUMP_CHARS", "FREntry", "Dump", "entry_open", "join", "newest", "parse_dump", "parse_newest"]
+__all__ = [
+    "MAX_DUMP_CHARS",
+    "FREntry",
+    "Dump",
+    "entry_open",
+    "join",
+    "newest",
+    "parse_dump",
+    "parse_newest",
+    "parse_window",
+]
 
 # torch keeps TORCH_FR_BUFFER_SIZE entries (2000 by default, about 1.2 MB of JSON); a dump far
 # beyond that is not read (the watchdog thread must not spend seconds parsing).
@@ -135,6 +145,29 @@ def parse_newest(text: str | bytes, groups: Iterable[str]) -> Dump:
                 entries.append(e)
                 break
     return Dump(entries=sorted(entries, key=lambda e: e.record_id), status=_status(raw))
+
+
+def parse_window(text: str | bytes, group: str, start: float, end: float, last: int) -> list[FREntry]:
+    """Like :func:`parse_dump`, keeping only the newest ``last`` collectives (not send/recv) of
+    ``group`` created in ``[start, end)`` (``time.time()`` seconds), oldest first: the straggler
+    window's read of the backend's arrivals. Entries outside it are skipped before they are parsed.
+
+    Raises:
+        ValueError: as :func:`parse_dump`.
+    """
+    raw = _load(text)
+    lo, hi = start * 1e9, end * 1e9
+    found: list[tuple[int, dict[str, Any]]] = []
+    for x in raw.get("entries") or []:
+        if not isinstance(x, dict) or x.get("is_p2p"):
+            continue
+        pg, rid, created = x.get("process_group"), x.get("record_id"), x.get("time_created_ns")
+        name = str(pg[0]) if isinstance(pg, list) and pg else ""
+        if name == group and isinstance(rid, int) and isinstance(created, (int, float)) and lo <= created < hi:
+            found.append((rid, x))
+    found.sort(key=lambda c: c[0])
+    entries = [e for e in (_entry(x) for _, x in found[-last:] if last > 0) if e is not None]
+    return [e for e in entries if not e.is_p2p]
 
 
 def entry_open(entry: FREntry, status: Mapping[str, Mapping[str, Any]]) -> bool | None:

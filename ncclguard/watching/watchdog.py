@@ -49,7 +49,7 @@ from ncclguard.watching.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
-from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.snapshot import RECENT, RankState, WorldArrivals, backend_ops
 from ncclguard.watching.straggler import from_config
 from ncclguard.watching.views import Views
 from ncclguard.world import World, WorldChange, current_world, subscribe
@@ -345,7 +345,7 @@ class Watchdog:
     def _publish(self, desk: IncidentDesk) -> None:
         self._beat += 1
         if self._beat == 1:  # a new world (or start): straggler windows start afresh (docs/stragglers.md)
-            self._straggle = from_config(self.rank, self.config)
+            self._straggle = from_config(self.rank, self.config, WorldArrivals())
         if desk.store is None:
             return
         if (straggler := self._straggle.check(self._liveness.heartbeats())) is not None:  # peers as read last beat
