@@ -25,6 +25,11 @@ and the side by side is kept as a cross-check:
 
 The verdict: ((a) + (b)) per step over the median DDP step time of the ``off`` blocks, against 1%.
 
+``--ddp-only``: the step makes no Python collective (the loss is not all-reduced), so ncclguard records
+no op and each straggler window is measured from torch's flight recorder instead (one read of it per
+window, by the watchdog thread: counted in (b), since the read runs on that thread's CPU and holds the
+GIL meanwhile); (a) then has no recorded collective.
+
 Usage: python benchmarks/straggler_overhead.py [--pairs 6] [--block-s 30] [--width 1024]
        [--json benchmarks/results/straggler_overhead.json]
 """
@@ -177,8 +182,9 @@ def worker(args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        logged = loss.detach().clone()
-        dist.all_reduce(logged)
+        if not args.ddp_only:
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
 
     for _ in range(10):
         step()
@@ -200,6 +206,7 @@ def worker(args: argparse.Namespace) -> None:
             wall, proc = time.perf_counter() - wall0, time.process_time() - pr0
             th1, pp1 = ncclguard_threads_cpu_s(), parent_cpu_s()
             assessed = wd._straggle.tracker.assessed if wd is not None else 0
+            arrivals_windows = 0 if wd is None or wd._straggle.window is None else len(wd._straggle.window.arrivals)
             incidents = len(wd.incidents) if wd is not None else 0
             if wd is not None:
                 wd.stop()
@@ -215,6 +222,7 @@ def worker(args: argparse.Namespace) -> None:
                     "ncclguard_threads_cpu_s": th1 - th0,
                     "parent_cpu_s": None if pp0 is None or pp1 is None else pp1 - pp0,
                     "windows_assessed": assessed,
+                    "last_window_arrivals": arrivals_windows,
                     "incidents": incidents,
                 }
             )
@@ -225,7 +233,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def analyse(data: dict[str, Any], hooks: dict[str, dict[str, float]], pairs: int) -> dict[str, Any]:
+def analyse(
+    data: dict[str, Any], hooks: dict[str, dict[str, float]], pairs: int, ddp_only: bool = False
+) -> dict[str, Any]:
     """The verdict from (a) and (b), and the side-by-side cross-check (c)."""
     ranks = data["ranks"]
     r0 = ranks[0]
@@ -240,7 +250,8 @@ def analyse(data: dict[str, Any], hooks: dict[str, dict[str, float]], pairs: int
     on_blocks = [b for rk in ranks for b in rk if b["mode"] == "on"]
     on_steps = sum(b["steps"] for b in on_blocks)
     threads_per_step = sum(b["ncclguard_threads_cpu_s"] for b in on_blocks) / on_steps  # per rank and step
-    calls_per_step = 1  # the logged loss: DDP's bucket all_reduce is issued from C++, not recorded
+    # The logged loss: DDP's bucket all_reduce is issued from C++, not recorded (none with --ddp-only).
+    calls_per_step = 0 if ddp_only else 1
     hooks_us = hooks["mark_step"]["median_us"] + hooks["phase_enter_exit"]["median_us"]
     hooks_us += calls_per_step * hooks["recorded_collective"]["median_us"]
     parent = [b for b in r0 if b["parent_cpu_s"] is not None]
@@ -269,6 +280,8 @@ def analyse(data: dict[str, Any], hooks: dict[str, dict[str, float]], pairs: int
         "c_on_off_ci95": [round(lo, 4), round(hi, 4)],
         "c_on_off_per_pair": [round(r, 4) for r in ratios],
         "windows_assessed_per_on_block": [b["windows_assessed"] for b in r0 if b["mode"] == "on"],
+        "last_window_arrivals_per_on_block": [b.get("last_window_arrivals", 0) for b in r0 if b["mode"] == "on"],
+        "ddp_only": ddp_only,
         "incidents": sum(b["incidents"] for b in on_blocks),
     }
 
@@ -282,6 +295,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20_000, help="calls per repeat of the hook microbenchmark")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--json", default=str(HERE / "results" / "straggler_overhead.json"))
+    p.add_argument(
+        "--ddp-only", action="store_true", help="no Python collective in the step: windows read torch's recorder"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -294,15 +310,17 @@ def main() -> None:
     passed = ("pairs", "block_s", "width", "batch")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker"]
     cmd += [a for k in passed for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + ["--out", str(raw)]
+    cmd += ["--ddp-only"] if args.ddp_only else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, timeout=args.pairs * 2 * args.block_s * 4 + 300)
     data = json.loads(raw.read_text())
     result = {
         "command": "python benchmarks/straggler_overhead.py "
-        + " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in (*passed, "calls", "repeat")),
+        + " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in (*passed, "calls", "repeat"))
+        + (" --ddp-only" if args.ddp_only else ""),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1m_at_end": os.getloadavg()[0]},
         "steps_per_block": data["steps_per_block"],
-        **analyse(data, hooks, args.pairs),
+        **analyse(data, hooks, args.pairs, args.ddp_only),
         "wall_s": round(time.monotonic() - t0, 1),
         "blocks": data["ranks"],
     }
