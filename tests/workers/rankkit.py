@@ -137,3 +137,26 @@ def when(check: Callable[[], bool], bound_s: float, every_s: float = 0.05) -> th
 
     threading.Thread(target=poll, name="rankkit-when", daemon=True).start()
     return done
+
+
+class WindowLog:
+    """Every straggler window the watchdog ``wd`` closes on this rank, polled every 0.1 s (the test's
+    evidence). ``stop()`` ends the polling and returns them (plain dicts)."""
+
+    def __init__(self, wd: Any) -> None:
+        self.windows: list[dict] = []
+        self._done = threading.Event()
+
+        def poll() -> None:
+            while not self._done.wait(0.1):
+                w = wd._straggle.window
+                if w is not None and (not self.windows or self.windows[-1]["n"] != w.n):
+                    self.windows.append(w.model_dump())
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[dict]:
+        self._done.set()
+        self._thread.join(5)
+        return self.windows

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,17 +60,7 @@ def main() -> None:
         straggler_window_s=window_s,
         incident_dir=OUT / "incidents",
     )
-    windows: list[dict] = []
-    done_polling = threading.Event()
-
-    def poll_windows() -> None:
-        while not done_polling.wait(0.1):
-            w = wd._straggle.window
-            if w is not None and (not windows or windows[-1]["n"] != w.n):
-                windows.append(w.model_dump())
-
-    poller = threading.Thread(target=poll_windows, daemon=True)
-    poller.start()
+    window_log = rankkit.WindowLog(wd)  # every window this rank closed, for the test's evidence
     start = time.time()
     slow_from = start + healthy_s
     step, stop_at = 0, None
@@ -105,9 +94,7 @@ def main() -> None:
     put("reps", reps)
     put("incidents", wd.incidents)
     put("python_ops", len([r for r in wd._state.records() if r.start >= start]))
-    done_polling.set()
-    poller.join(5)
-    put("windows", windows)
+    put("windows", window_log.stop())
     wd.stop()
     dist.barrier()  # every watchdog stops before any rank leaves (see straggler_worker.py)
     rankkit.done()

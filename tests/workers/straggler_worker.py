@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -79,17 +78,7 @@ def main() -> None:
         straggler_window_s=window_s,
         incident_dir=OUT / "incidents",
     )
-    windows: list[dict] = []  # every window this rank closed, for the test's evidence
-    done_polling = threading.Event()
-
-    def poll_windows() -> None:
-        while not done_polling.wait(0.1):
-            w = wd._straggle.window
-            if w is not None and (not windows or windows[-1]["n"] != w.n):
-                windows.append(w.model_dump())
-
-    poller = threading.Thread(target=poll_windows, daemon=True)
-    poller.start()
+    window_log = rankkit.WindowLog(wd)  # every window this rank closed, for the test's evidence
     start = time.time()
     (OUT / f"started.rank{rank}").write_text(str(start))
     slow_from = start + healthy_s
@@ -121,9 +110,7 @@ def main() -> None:
     put("steps", step)
     put("reps", reps)
     put("incidents", wd.incidents)
-    done_polling.set()
-    poller.join(5)
-    put("windows", windows)
+    put("windows", window_log.stop())
     wd.stop()
     # Every watchdog stops before any rank leaves: the store lives in rank 0's process under the
     # netns test's launcher, and a watchdog still running when it went wrote a `store` incident
