@@ -26,6 +26,7 @@ import rankkit
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from hf_worker import Dataset  # the tiny token dataset of the HF tests
 from rankkit import put
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
@@ -62,19 +63,6 @@ ANNOUNCER = Announcer()
 def wait_for_peers_to_fail(tag: str) -> None:
     for r in (0, 1):
         rankkit.wait_for(f"{tag}-failed-{r}", timeout_s=BOUND_S)
-
-
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        gen = torch.Generator().manual_seed(n)
-        self.x = torch.randint(0, 100, (n, 16), generator=gen)
-        self.y = (self.x[:, 0] > 50).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
 class Probe(TrainerCallback):
@@ -149,7 +137,7 @@ def trainer(name: str, n: int, max_steps: int, accumulation: int, stall: Any = N
         seed=0,
     )
     probe = Probe()
-    t = Trainer(model=model, args=args, train_dataset=Data(n), callbacks=[probe])
+    t = Trainer(model=model, args=args, train_dataset=Dataset(n, seed=n), callbacks=[probe])
     probe.trainer = t
     guard_trainer(t, watchdog=False, recover=True, **guard)
     return t
