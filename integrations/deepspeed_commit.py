@@ -24,9 +24,7 @@ process): the ranks exit 75 without one and the launcher restarts from the last 
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +36,7 @@ from ncclguard._log import log
 from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.rebuild import rebuild_world
+from ncclguard.watching.actions import exit_now
 
 __all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult"]
 
@@ -155,7 +154,7 @@ class CommittedEngineStep:
                 rebuilt.error,
                 self.exit_code,
             )
-            _exit_now(self.exit_code)
+            exit_now(self.exit_code)  # no interpreter shutdown: see __call__
         tag = f"global_step{self.engine.global_steps}"
         optimizer: Any = getattr(self.engine, "optimizer", None)
         old_group = getattr(optimizer, "dp_process_group", None)
@@ -169,7 +168,7 @@ class CommittedEngineStep:
             self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag)
         except Exception:  # noqa: BLE001 - the exit below is the point; the error is logged
             log.exception("CommittedEngineStep: engine.save_checkpoint(%s) failed", self.checkpoint_dir)
-            _exit_now(self.exit_code)
+            exit_now(self.exit_code)  # no interpreter shutdown: see __call__
         finally:
             if old_group is not None:
                 optimizer.dp_process_group = old_group
@@ -180,12 +179,4 @@ class CommittedEngineStep:
             self.checkpoint_dir,
             self.exit_code,
         )
-        _exit_now(self.exit_code)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Flushes the logs and ends the process with ``code`` (no interpreter shutdown: see __call__)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_now(self.exit_code)  # no interpreter shutdown: see __call__

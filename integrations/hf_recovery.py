@@ -52,6 +52,7 @@ from ncclguard.errors import CommitFailed, RebuildFailed
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.rebuild import rebuild_world
 from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
+from ncclguard.recovery.step_state import StepState
 
 from .accelerate_recovery import follow_world
 
@@ -100,7 +101,7 @@ class TrainerRecovery:
         self.left_out = False
         self._micro: list[_Micro] = []
         self._given: list[torch.Tensor] = []  # the losses returned for this step's micro-batches
-        self._kept: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._kept: StepState | None = None
         self._failure: BaseException | None = None
         self._reshard: tuple[int, int] | None = None  # (rank, size) for the next epoch's data loader
 
@@ -112,7 +113,7 @@ class TrainerRecovery:
             raise RuntimeError("this rank was left out of the rebuilt world; it cannot train on")
         if not self._micro:  # the step's first micro-batch: what a redo starts from
             module = unwrapped(model)
-            self._kept = (torch.get_rng_state(), [b.detach().clone() for b in module.buffers()])
+            self._kept = StepState.take(module)
             self._failure, self._given = None, []
         sync = bool(self.trainer.accelerator.sync_gradients)
         self._micro.append(
@@ -198,12 +199,8 @@ class TrainerRecovery:
 
     def _redo(self, model: torch.nn.Module) -> list[torch.Tensor]:
         assert self._kept is not None
-        rng, buffers = self._kept
         model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for live, kept in zip(unwrapped(model).buffers(), buffers, strict=True):
-                live.copy_(kept)
-        torch.set_rng_state(rng)
+        self._kept.restore(unwrapped(model))
         state = self.trainer.accelerator.gradient_state
         losses = []
         for m in self._micro:

@@ -39,6 +39,7 @@ from ncclguard._log import log
 from ncclguard.errors import CommitFailed, RebuildFailed
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.rebuild import generation, rebuild_world
+from ncclguard.recovery.step_state import StepState
 
 __all__ = ["RECOVER_METRICS", "RecoveredStep", "StepRecovery", "check_recoverable", "seconds"]
 
@@ -118,9 +119,7 @@ class _Kept:
 
     def __init__(self, trainer: Any, module: torch.nn.Module) -> None:
         self.module = module
-        self.buffers = [b.detach().clone() for b in module.buffers()]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.step = StepState.take(module)  # buffers, torch's CPU and CUDA generators
         self.py_rng = random.getstate()
         self.np_rng = _numpy_state()
         self.progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
@@ -136,12 +135,7 @@ class _Kept:
         }
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for live, kept in zip(self.module.buffers(), self.buffers, strict=True):
-                live.copy_(kept)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.step.restore(self.module)
         random.setstate(self.py_rng)
         if self.np_rng is not None:
             import numpy

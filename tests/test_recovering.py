@@ -92,3 +92,19 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
     with pytest.raises(ncclguard.CommitFailed, match="loss is nan"):
         res.raise_for_error()
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # never stepped
+
+
+def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() -> None:
+    from ncclguard.recovery.step_state import StepState
+
+    torch.manual_seed(3)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
+    kept = StepState.take(module)
+    first = module(torch.randn(8, 4))  # moves BatchNorm's statistics and draws dropout's mask
+    assert not torch.equal(module[1].running_mean, kept.buffers[0])
+    kept.restore(module)
+    assert all(torch.equal(b, k) for b, k in zip(module.buffers(), kept.buffers, strict=True))
+    assert torch.equal(module(torch.randn(8, 4)), first)  # the same input draw and dropout mask: the same output
+    assert kept.cuda_rng == ()  # no CUDA here: nothing taken, nothing put back
+    with pytest.raises(ValueError):  # another module's buffers do not fit
+        kept.restore(torch.nn.Sequential(torch.nn.Linear(4, 4)))

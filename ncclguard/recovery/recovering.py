@@ -52,6 +52,7 @@ from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
 from ncclguard.recovery.rebuild import generation, rebuild_world
 from ncclguard.recovery.rejoin import rejoin_world, restart_count
+from ncclguard.recovery.step_state import StepState
 
 __all__ = ["RecoveringStep", "StepResult"]
 
@@ -206,15 +207,10 @@ class RecoveringStep:
             return self.module
         return self._wrapped()
 
-    def _restore(self, buffers: list[torch.Tensor], rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    def _restore(self, kept: StepState) -> None:
         """Puts back what the failed attempt changed: gradients, buffers, the RNG states."""
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for live, kept in zip(self.module.buffers(), buffers, strict=True):
-                live.copy_(kept)
-        torch.set_rng_state(rng[0])
-        if rng[1]:
-            torch.cuda.set_rng_state_all(rng[1])
+        kept.restore(self.module)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -248,9 +244,7 @@ class RecoveringStep:
         self.model  # noqa: B018 - refuses a rank left out earlier, before anything runs
         mark_step(step)  # the heartbeat's step and the straggler windows' step count; a redo is the same step
         start = time.monotonic()
-        buffers = [b.detach().clone() for b in self.module.buffers()]
-        # CUDA's generators too, where CUDA is in use (dropout on the GPU draws from them).
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
+        kept = StepState.take(self.module)  # CUDA's generators too, where CUDA is in use (GPU dropout)
         commits: list[CommitResult] = []
         rebuilds, output = 0, None
         healed: HealResult | None = None
@@ -291,7 +285,7 @@ class RecoveringStep:
                         False, attempt, generation(), rebuilds, None, commits, rebuilt.late, _since(start), error
                     )
                 joined = rebuilt.joined_ranks
-            self._restore(buffers, rng)
+            self._restore(kept)
             if self.heal and joined:
                 # Before the re-wrap (DDP broadcasts rank 0's parameters), in the same order as the
                 # restarted ranks' constructor: the state from before this step, and its number.

@@ -26,9 +26,9 @@ import rankkit
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from hf_worker import Dataset  # the tiny token dataset of the HF tests
+from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
 from rankkit import put
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ncclguard import _torch_compat as compat
 from ncclguard.collectives.groups import group_timeout_s
@@ -110,15 +110,7 @@ def equal_across_ranks(module: torch.nn.Module) -> bool:
 
 def trainer(name: str, n: int, max_steps: int, accumulation: int, stall: Any = None, **guard: Any) -> Trainer:
     torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=32,
-    )
-    model = BertForSequenceClassification(config)
+    model = tiny_bert()
     if stall is not None:
         model.register_forward_pre_hook(stall)
     args = TrainingArguments(

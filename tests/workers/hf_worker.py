@@ -47,6 +47,19 @@ def reported(count: int) -> bool:
     return incidents.is_dir() and len(list(incidents.glob("*/incident.json"))) >= count
 
 
+def tiny_bert() -> BertForSequenceClassification:
+    """The HF tests' model: a one-layer BERT classifier built from a config (no download)."""
+    config = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
+    return BertForSequenceClassification(config)
+
+
 class Dataset(torch.utils.data.Dataset):
     def __init__(self, n: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -139,15 +152,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=32,
-    )
-    model = BertForSequenceClassification(config)
+    model = tiny_bert()
     deepspeed = None
     if scenario == "deepspeed":
         deepspeed = {
