@@ -6,8 +6,6 @@
     stepper = recovering_step(accelerator, model, optimizer)
     for step, batch in enumerate(loader):
         res = stepper(lambda m: accelerator.backward(loss_fn(m(batch["x"]), batch["y"])), step=step)
-        if res.left_out:          # the others went on without this rank
-            sys.exit(0)
         if res:
             scheduler.step()      # once per applied step, never for an attempt that failed
 
@@ -18,7 +16,8 @@ object, so ``accelerator._models`` and the loop's variable follow) at the new gr
 was renumbered, updates Accelerate's shared state (``num_processes``, ``process_index``: what
 ``accelerator.is_main_process``, ``gather`` and the samplers Accelerate builds later read).
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
-ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`.
+ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`. A rank the others went
+on without exits with status 0 (the engine's left-out policy).
 """
 
 from __future__ import annotations
@@ -36,12 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ncclguard._log import log
-from ncclguard._naming import rank_ranges
-from ncclguard.recovery.recovering import RecoveringStep, StepResult
+from ncclguard.recovery.engine import LeftOut, Recovered
+from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
 
-__all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step", "recovery_metrics"]
+__all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step"]
 
 
 def follow_world(rank: int, size: int) -> bool:
@@ -68,18 +66,6 @@ def follow_world(rank: int, size: int) -> bool:
     return changed
 
 
-def recovery_metrics(res: StepResult, world_size: int) -> dict[str, Any]:
-    """The ``ncclguard_recover_*`` metrics of a step that was redone (for a tracker or a log)."""
-    failed = sorted({r for c in res.commits if not c.ok for r in c.failed_ranks})
-    return {
-        "ncclguard_recover_s": round(res.elapsed_s, 4),
-        "ncclguard_recover_generation": res.generation,
-        "ncclguard_recover_world_size": world_size,
-        "ncclguard_recover_attempts": res.attempts,
-        "ncclguard_recover_failed_ranks": rank_ranges(failed) if failed else "",
-    }
-
-
 class AcceleratorRecoveringStep(RecoveringStep):
     """:class:`RecoveringStep` for a model and optimizer that ``accelerator.prepare`` returned.
 
@@ -87,10 +73,12 @@ class AcceleratorRecoveringStep(RecoveringStep):
         accelerator: the loop's ``Accelerator`` (``gradient_accumulation_steps`` must be 1: see Raises).
         model: the prepared model (a ``DistributedDataParallel`` under several processes).
         optimizer: the prepared optimizer.
-        commit_timeout, rebuild_timeout, allow_shrink, max_attempts: as for :class:`RecoveringStep`.
+        collective_timeout, commit_timeout, rebuild_timeout, allow_shrink, max_attempts, left_out: as
+            for :class:`RecoveringStep`.
 
     Attributes:
-        recoveries: the metrics of every step that was redone on a rebuilt world, oldest first.
+        recoveries: every step that was redone on a rebuilt world, oldest first
+            (:class:`~ncclguard.recovery.engine.Recovered`; ``.metrics()`` gives what was logged).
 
     Raises:
         TypeError: not an Accelerator, a model or an optimizer.
@@ -108,10 +96,12 @@ class AcceleratorRecoveringStep(RecoveringStep):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        collective_timeout: float | timedelta | None = 300.0,
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         allow_shrink: bool = False,
         max_attempts: int = 3,
+        left_out: LeftOut = "exit",
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -131,15 +121,16 @@ class AcceleratorRecoveringStep(RecoveringStep):
                 f"{type(model).__name__} (DeepSpeed and FSDP engines keep groups ncclguard cannot re-point)"
             )
         self.accelerator, self.wrapper = accelerator, model
-        self.recoveries: list[dict[str, Any]] = []
         super().__init__(
             unwrapped(model),
             optimizer,
             wrap=self._repointed,
+            collective_timeout=collective_timeout,
             commit_timeout=commit_timeout,
             rebuild_timeout=rebuild_timeout,
             allow_shrink=allow_shrink,
             max_attempts=max_attempts,
+            left_out=left_out,
         )
 
     def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -148,26 +139,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
             follow_world(dist.get_rank(), dist.get_world_size())
         return self.wrapper
 
-    def __call__(self, step_fn: Any, *, step: int | None = None) -> StepResult:
-        """Runs one step as :meth:`RecoveringStep.__call__` does, and logs a recovery.
-
-        Args:
-            step_fn: forward and ``accelerator.backward`` on the model it is given.
-            step: your loop's step number.
-
-        Returns:
-            The :class:`StepResult`.
-        """
-        res = super().__call__(step_fn, step=step)
-        if res.ok and res.rebuilds:
-            metrics = recovery_metrics(res, dist.get_world_size() if dist.is_initialized() else 1)
-            self.recoveries.append({"step": step, **metrics})
-            log.warning("recovering_step: step %s redone on a rebuilt world: %s", step, metrics)
-            try:
-                self.accelerator.log(metrics, step=step)
-            except Exception:  # noqa: BLE001 - a tracker must never take training down
-                log.exception("accelerator.log failed while reporting a recovered step")
-        return res
+    def log(self, record: Recovered) -> None:
+        """Logs a recovered step with ``accelerator.log`` (keys ``ncclguard_recover_*``)."""
+        self.accelerator.log(record.metrics(), step=record.step)
 
     def repoint_dataloaders(self, *loaders: Any) -> list[str]:
         """Re-shards prepared data loaders for the current world; call it between epochs.
@@ -195,7 +169,8 @@ def recovering_step(
         accelerator: the loop's ``Accelerator``.
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
-        **options: ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``.
+        **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
+            ``max_attempts``, ``left_out``.
 
     Returns:
         An :class:`AcceleratorRecoveringStep`.

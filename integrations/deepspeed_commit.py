@@ -1,5 +1,5 @@
-"""CommittedEngineStep: every rank agrees on each DeepSpeed step; a failed one ends in a checkpoint
-and exit status 75, so that the launcher restarts the job from it.
+"""CommittedEngineStep: the recovery engine's adapter for DeepSpeed. Every rank agrees on each step;
+a failed one ends in a checkpoint and exit status 75, so that the launcher restarts the job from it.
 
 Why not a redo in process, as for plain DDP and Lightning: a DeepSpeed engine keeps the groups
 of the world it was built in, and its ZeRO optimizer keeps state laid out for them. Read in the
@@ -31,11 +31,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.deadlines import to_seconds
-from ncclguard.recovery.commit import CommitResult, should_commit
-from ncclguard.recovery.rebuild import rebuild_world
+from ncclguard.recovery.commit import CommitResult
+from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, Adapter, Recovery, recovery_options
+from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.watching.actions import exit_now
 
 __all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult"]
@@ -56,7 +58,7 @@ class EngineStepResult:
     commit: CommitResult
 
 
-class CommittedEngineStep:
+class CommittedEngineStep(Adapter):
     """Runs DeepSpeed steps that every rank commits before ``engine.step()``; on a failed commit:
     rebuild, ``engine.save_checkpoint(checkpoint_dir)``, exit 75.
 
@@ -67,8 +69,10 @@ class CommittedEngineStep:
     Args:
         engine: the ``deepspeed.DeepSpeedEngine``, with ``gradient_accumulation_steps() == 1``.
         checkpoint_dir: where the checkpoint of a failed step goes (yours; nothing else is written).
-        commit_timeout: seconds (or a timedelta) each commit waits for every rank; above the
-            group's timeout (a rank failing in a collective reaches the commit that much later).
+        collective_timeout: seconds (or a timedelta) a collective inside a step (ZeRO's gradient
+            reduction on DeepSpeed's clone of the world group) waits for its peers before the step
+            fails; None leaves the groups' timeouts alone.
+        commit_timeout: seconds (or a timedelta) each commit waits for every rank.
         rebuild_timeout: seconds (or a timedelta) the rebuild before the save waits for every rank.
         exit_code: the status to exit with (75, EX_TEMPFAIL).
 
@@ -76,11 +80,14 @@ class CommittedEngineStep:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory or timeout.
     """
 
+    name = "CommittedEngineStep"
+
     def __init__(
         self,
         engine: Any,
         *,
         checkpoint_dir: str | os.PathLike[str],
+        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         exit_code: int = EX_TEMPFAIL,
@@ -101,18 +108,30 @@ class CommittedEngineStep:
             raise ValueError(f"checkpoint_dir must be a directory path, got {checkpoint_dir!r}")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an int from 1 to 255 (a restart needs a failure), got {exit_code!r}")
-        if commit_timeout is not None:
-            to_seconds(commit_timeout, "commit_timeout")
-        self.engine, self.checkpoint_dir = engine, Path(checkpoint_dir)
-        self.commit_timeout, self.exit_code = commit_timeout, exit_code
-        self.rebuild_timeout_s = to_seconds(rebuild_timeout, "rebuild_timeout")
+        # One attempt: a DeepSpeed step is not redone in process (see the module doc).
+        options = recovery_options(
+            collective_timeout=collective_timeout,
+            commit_timeout=commit_timeout,
+            rebuild_timeout=rebuild_timeout,
+            max_attempts=1,
+        )
+        self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
+        self.recovery = Recovery(self, options)
+
+    def get_module(self) -> torch.nn.Module:
+        """The engine's module."""
+        return self.engine.module
+
+    def rewrap(self, rebuilt: RebuildResult) -> None:
+        """Nothing: the engine is not re-wrapped, it is saved and the process exits."""
+        return None
 
     def __call__(self, step_fn: Callable[[Any], Any], *, step: int | None = None) -> EngineStepResult:
         """Runs ``step_fn(engine)`` (forward and ``engine.backward``), commits, and steps the engine.
 
         Args:
             step_fn: forward and backward on the engine it is given; it must not call ``engine.step()``.
-            step: your loop's step number, checked on every rank by :func:`should_commit`.
+            step: your loop's step number, checked on every rank by :func:`~ncclguard.should_commit`.
 
         Returns:
             An :class:`EngineStepResult` when the step was applied on every rank.
@@ -126,28 +145,24 @@ class CommittedEngineStep:
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
-        failure: BaseException | None = None
-        output = None
-        try:
-            output = step_fn(self.engine)
-        except Exception as exc:  # noqa: BLE001 - this rank's failure goes into the commit
-            log.warning("CommittedEngineStep: the step raised on this rank (%s: %s)", type(exc).__name__, exc)
-            failure = exc
-        res = should_commit(timeout=self.commit_timeout, step=step, failure=failure)
+        tx = self.recovery.begin(step)
+        output = tx.run(lambda: step_fn(self.engine))
+        res = tx.settle(None)
         if res:
             self.engine.step()
-            return EngineStepResult(output, res)
-        self.checkpoint_and_exit(res)
+            return EngineStepResult(output, res.commits[-1])
+        self.checkpoint_and_exit(res.commits[-1], tx.number)
 
-    def checkpoint_and_exit(self, res: CommitResult) -> NoReturn:
-        """Rebuilds the world, saves the engine's checkpoint in it and ends the process with
-        ``exit_code`` (``os._exit``, after flushing the logs).
+    def checkpoint_and_exit(self, res: CommitResult, step: int) -> NoReturn:
+        """Rebuilds the world (the engine's rebuild and left-out policy), saves the engine's
+        checkpoint in it and ends the process with ``exit_code`` (``os._exit``, after flushing the logs).
 
         Args:
             res: the failed commit (its reasons are logged).
+            step: the step that failed.
         """
         log.error("CommittedEngineStep: the step failed on ranks %s: %s", res.failed_ranks, res.error)
-        rebuilt = rebuild_world(timeout=self.rebuild_timeout_s, allow_shrink=False)
+        rebuilt = self.recovery.rebuild(step)
         if not rebuilt:
             log.error(
                 "CommittedEngineStep: no checkpoint: %s. Exiting %d; the launcher restarts from your last checkpoint",

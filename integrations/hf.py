@@ -40,7 +40,7 @@ import torch
 
 from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
-from ncclguard.deadlines import to_seconds
+from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.evaluation import EvalReport, GuardOptions, guarded_evaluate, last_report
 
 from .accelerate import dataloaders_restored_on_skip
@@ -192,9 +192,11 @@ def guard_trainer(
     watchdog: WatchdogConfig | dict[str, Any] | bool | None = None,
     recover: bool = False,
     allow_shrink: bool = False,
+    collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
     commit_timeout: float | timedelta | None = None,
     rebuild_timeout: float | timedelta = 60.0,
     max_attempts: int = 3,
+    left_out: LeftOut = "exit",
 ) -> Trainer:
     """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
     with ``recover=True``, a training step that fails is redone on a rebuilt world.
@@ -207,13 +209,19 @@ def guard_trainer(
         eval_timeout_s: deadline of one evaluation (seconds or timedelta); None leaves it unguarded.
         retries: further attempts after a failed evaluation.
         watchdog: a ``WatchdogConfig``, a dict of its fields, None (defaults) or False (none).
-        recover: commit every optimizer step on every rank, and redo a failed one (DDP only).
+        recover: commit every optimizer step on every rank, and redo a failed one (DDP only):
+            the recovery engine's adapter for the Trainer (:mod:`ncclguard.integrations.hf_recovery`).
         allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
+        collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
+            training step waits for its peers before the step fails, whatever ``ddp_timeout``
+            left on the group (1,800 s by default); None leaves the group's timeout alone.
         commit_timeout: with ``recover``, seconds (or a timedelta) each commit waits for the
-            other ranks; default :func:`ncclguard.should_commit`'s (below the group's timeout).
+            other ranks; default :func:`ncclguard.should_commit`'s.
         rebuild_timeout: with ``recover``, seconds (or a timedelta) each rebuild waits for them.
         max_attempts: with ``recover``, times a step runs at most; past it every rank raises
             :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
+        left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
+            (status 0) or ``"raise"`` (``RebuildFailed`` out of ``trainer.train()``).
 
     Returns:
         ``trainer``, guarded (:func:`find_guard` gives its callback).
@@ -230,7 +238,16 @@ def guard_trainer(
     opts = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s, retries=retries)
     if opts is None and retries:
         raise ValueError("retries needs eval_timeout_s: without a deadline the evaluation is not guarded")
-    recovery = _recovery(trainer, recover, allow_shrink, commit_timeout, rebuild_timeout, max_attempts)
+    recovery = _recovery(
+        trainer,
+        recover,
+        allow_shrink=allow_shrink,
+        collective_timeout=collective_timeout,
+        commit_timeout=commit_timeout,
+        rebuild_timeout=rebuild_timeout,
+        max_attempts=max_attempts,
+        left_out=left_out,
+    )
     callback = NcclGuardCallback(watchdog=watchdog)
     callback.eval_timeout_s = opts.timeout_s if opts is not None else None
     callback.recovery = recovery
@@ -245,39 +262,22 @@ def guard_trainer(
     return trainer
 
 
-def _recovery(
-    trainer: Trainer,
-    recover: bool,
-    allow_shrink: bool,
-    commit_timeout: float | timedelta | None,
-    rebuild_timeout: float | timedelta,
-    max_attempts: int,
-) -> TrainerRecovery | None:
+def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecovery | None:
     """The step recovery ``recover=True`` asks for, its arguments checked (before anything is wrapped)."""
-    for name, value in (("recover", recover), ("allow_shrink", allow_shrink)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if not isinstance(recover, bool):
+        raise TypeError(f"recover must be a bool, got {recover!r}")
     if not recover:
-        if allow_shrink:
+        if options["allow_shrink"]:
             raise ValueError("allow_shrink needs recover=True: without it no step is redone, on any world")
         return None
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2:
-        raise ValueError(f"max_attempts must be an int of at least 2 (a first try and a redo), got {max_attempts!r}")
-    if commit_timeout is not None:
-        to_seconds(commit_timeout, "commit_timeout")
+    checked = recovery_options(**options)
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ValueError(
             "recover=True redoes steps of a DDP model only; this Trainer uses "
             f"{'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'}, whose engine keeps process groups "
-            "ncclguard cannot re-point (docs/integrations.md)"
+            "ncclguard cannot re-point (docs/recovery.md)"
         )
-    return TrainerRecovery(
-        trainer,
-        allow_shrink=allow_shrink,
-        commit_timeout=commit_timeout,
-        rebuild_timeout=to_seconds(rebuild_timeout, "rebuild_timeout"),
-        max_attempts=max_attempts,
-    )
+    return TrainerRecovery(trainer, checked)
 
 
 def _recovering(recovery: TrainerRecovery) -> Callable[..., Any]:

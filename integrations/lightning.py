@@ -24,7 +24,8 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
 - With ``recover=True``: the strategy's ``optimizer_step`` is wrapped so that every rank commits
   each step before the optimizer steps, and a failed step is redone on a rebuilt world
   (:mod:`ncclguard.integrations.lightning_recovery`). Each recovery is logged to every logger as
-  ``recover/recovered``, ``recover/attempts``, ``recover/generation``, ``recover/world_size``.
+  ``ncclguard_recover_s``, ``ncclguard_recover_attempts``, ``ncclguard_recover_generation``,
+  ``ncclguard_recover_world_size`` (the keys every adapter logs).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ import torch
 
 from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered, recovery_options
 from ncclguard.recovery.evaluation import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 
-from .lightning_recovery import RECOVER_METRICS, RecoveredStep, StepRecovery, check_recoverable, seconds
+from .lightning_recovery import StepRecovery, check_recoverable
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
 
-__all__ = ["NcclGuardCallback", "RecoveredStep", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
+__all__ = ["NcclGuardCallback", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
 
 _PATCHED = "__ncclguard_original__"
 
@@ -68,13 +70,18 @@ class NcclGuardCallback(Callback):
             (defaults) or False (no watchdog). A watchdog already running in the process is used
             as it is and left running.
         recover: commit every training step on every rank and redo a failed one on a rebuilt
-            world (DDP strategy, automatic optimization, ``accumulate_grad_batches=1``).
+            world (DDP strategy, automatic optimization, ``accumulate_grad_batches=1``): the
+            recovery engine's adapter for Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
         allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
-        commit_timeout_s: with ``recover``, seconds each commit waits for every rank; it must
-            exceed the group's timeout (a rank that fails in a collective reaches the commit that
-            much later). None: ``should_commit``'s default.
-        rebuild_timeout_s: with ``recover``, seconds a rebuild waits for every rank.
+        collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
+            training step waits for its peers before the step fails, whatever timeout the strategy
+            gave the group; None leaves it alone.
+        commit_timeout: with ``recover``, seconds (or a timedelta) each commit waits for every
+            rank. None: ``should_commit``'s default.
+        rebuild_timeout: with ``recover``, seconds (or a timedelta) a rebuild waits for every rank.
         max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
+        left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
+            (status 0) or ``"raise"`` (``RebuildFailed`` out of ``fit``).
 
     Raises:
         TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s`` or ``watchdog``
@@ -94,30 +101,26 @@ class NcclGuardCallback(Callback):
         *,
         recover: bool = False,
         allow_shrink: bool = False,
-        commit_timeout_s: float | None = None,
-        rebuild_timeout_s: float = 60.0,
+        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        commit_timeout: float | timedelta | None = None,
+        rebuild_timeout: float | timedelta = 60.0,
         max_attempts: int = 3,
+        left_out: LeftOut = "exit",
     ) -> None:
-        for name, flag in (("recover", recover), ("allow_shrink", allow_shrink)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"NcclGuardCallback's {name} must be a bool, got {flag!r}")
-        if commit_timeout_s is not None:
-            seconds("commit_timeout_s", commit_timeout_s)
-        seconds("rebuild_timeout_s", rebuild_timeout_s)
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2:
-            raise ValueError(f"NcclGuardCallback's max_attempts must be an int of at least 2, got {max_attempts!r}")
-        self.recovery = (
-            StepRecovery(
-                allow_shrink=allow_shrink,
-                commit_timeout_s=commit_timeout_s,
-                rebuild_timeout_s=float(rebuild_timeout_s),
-                max_attempts=max_attempts,
-                on_recovered=self._log_recovery,
-            )
-            if recover
-            else None
+        if not isinstance(recover, bool):
+            raise TypeError(f"NcclGuardCallback's recover must be a bool, got {recover!r}")
+        options = recovery_options(
+            collective_timeout=collective_timeout,
+            commit_timeout=commit_timeout,
+            rebuild_timeout=rebuild_timeout,
+            allow_shrink=allow_shrink,
+            max_attempts=max_attempts,
+            left_out=left_out,
         )
-        self.recoveries: list[RecoveredStep] = []
+        if allow_shrink and not recover:
+            raise ValueError("allow_shrink needs recover=True: without it no step is redone, on any world")
+        self.recovery = StepRecovery(options, self._log_recovery) if recover else None
+        self.recoveries: list[Recovered] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
         self.watchdog_config = watchdog_config(watchdog)
         self.watchdog: Watchdog | None = None
@@ -301,7 +304,7 @@ class NcclGuardCallback(Callback):
             except Exception:  # noqa: BLE001 - a logger must never take training down
                 log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)
 
-    def _log_recovery(self, trainer: Trainer, rec: RecoveredStep) -> None:
+    def _log_recovery(self, trainer: Trainer, rec: Recovered) -> None:
         self.recoveries.append(rec)
         log.warning(
             "NcclGuardCallback: step %d redone and applied in world generation %d (%d ranks) after %d attempt(s), "
@@ -313,8 +316,8 @@ class NcclGuardCallback(Callback):
             rec.elapsed_s,
             rec.failed_ranks,
         )
-        values = (1.0, float(rec.attempts), float(rec.generation), float(rec.world_size))
-        metrics = dict(zip(RECOVER_METRICS, values, strict=True))
+        # The engine's ncclguard_recover_* values; Lightning's loggers take numbers only.
+        metrics = {k: float(v) for k, v in rec.metrics().items() if isinstance(v, int | float)}
         for key, value in metrics.items():
             trainer.callback_metrics[key] = torch.tensor(value)
         for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only

@@ -10,7 +10,7 @@ from harness import run_ranks
 pytestmark = pytest.mark.multirank
 
 K = 2  # the step at which rank 2 is stuck for good (fence_worker.K)
-CLEAN = {"ok": True, "attempts": 1, "rebuilds": 0, "left_out": False, "commits": [[True, []]], "error": None}
+CLEAN = {"ok": True, "attempts": 1, "rebuilds": 0, "commits": [[True, []]], "error": None}
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,12 @@ def test_bad_recover_arguments_are_refused_before_anything_is_wrapped(tmp_path):
         guard_trainer(trainer, recover="yes")
     with pytest.raises(ValueError, match="allow_shrink needs recover=True"):
         guard_trainer(trainer, allow_shrink=True)
-    with pytest.raises(ValueError, match="max_attempts must be an int of at least 2"):
-        guard_trainer(trainer, recover=True, max_attempts=1)
+    with pytest.raises(ValueError, match="max_attempts must be an int of at least 1"):
+        guard_trainer(trainer, recover=True, max_attempts=0)
+    with pytest.raises(ValueError, match="collective_timeout must be a positive duration"):
+        guard_trainer(trainer, recover=True, collective_timeout=0)
+    with pytest.raises(ValueError, match="left_out must be 'exit' or 'raise'"):
+        guard_trainer(trainer, recover=True, left_out="stay")
     with pytest.raises(ValueError):
         guard_trainer(trainer, recover=True, commit_timeout=-1)
     with pytest.raises(ValueError):
@@ -51,11 +55,8 @@ def test_alone_a_step_that_raises_is_redone_once_and_logged(tmp_path):
     trainer.train()
     assert seen == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3]
     (rec,) = recovery.recoveries
-    assert {k: rec[k] for k in ("step", "ncclguard_recover_attempts", "ncclguard_recover_failed_ranks")} == {
-        "step": 1,
-        "ncclguard_recover_attempts": 2,
-        "ncclguard_recover_failed_ranks": "0",
-    }
+    assert (rec.step, rec.attempts, rec.failed_ranks, rec.generation) == (1, 2, [0], 0)
+    assert rec.metrics()["ncclguard_recover_failed_ranks"] == "0"
     (logged,) = [e for e in trainer.state.log_history if "ncclguard_recover_s" in e]
     assert logged["step"] == 1 and logged["ncclguard_recover_world_size"] == 1
     assert trainer.state.global_step == clean.state.global_step == 4

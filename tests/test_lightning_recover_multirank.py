@@ -1,5 +1,6 @@
 """NcclGuardCallback(recover=True) on a real ``lightning.pytorch.Trainer``: 3 gloo ranks under
-torchrun, CPU, DDP, the group's timeout 3 s. Rank side: tests/workers/lightning_recover_worker.py.
+torchrun, CPU, DDP, a step's collectives bounded at 3 s by the callback's ``collective_timeout`` (the
+group keeps the strategy's 60 s). Rank side: tests/workers/lightning_recover_worker.py.
 
 ``redo``: a plain Lightning fit, then the same fit with a stall (rank 2, 9 s) at step 2 and an
 exception (rank 1) at step 4: both steps are redone on every rank on a rebuilt world, and the run
@@ -35,7 +36,7 @@ def shrink():
 
 def metric_rows(job, name: str) -> list[dict[str, str]]:
     path = job.out_dir / "logs" / name / "version_0" / "metrics.csv"
-    return [row for row in csv.DictReader(path.open()) if row.get("recover/recovered")]
+    return [row for row in csv.DictReader(path.open()) if row.get("ncclguard_recover_attempts")]
 
 
 @pytest.mark.multirank
@@ -58,11 +59,10 @@ def test_failed_steps_are_redone_on_every_rank_and_the_run_ends_bit_equal_to_a_p
         assert got["lr"] == ref["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)
         # The failed tries' logged losses are not in the epoch mean: the same float as the plain run's.
         assert got["train_loss_epoch"] == ref["train_loss_epoch"]
-        assert got["recover_metrics"] == {
-            "recover/recovered": 1.0,
-            "recover/attempts": 2.0,
-            "recover/generation": 2.0,
-            "recover/world_size": 3.0,
+        assert {k: v for k, v in got["recover_metrics"].items() if k != "ncclguard_recover_s"} == {
+            "ncclguard_recover_attempts": 2.0,
+            "ncclguard_recover_generation": 2.0,
+            "ncclguard_recover_world_size": 3.0,
         }
         assert got["trainer_ranks"] == [r, 3]
         assert res["params_equal_to_reference"] is True  # bit for bit
@@ -70,7 +70,9 @@ def test_failed_steps_are_redone_on_every_rank_and_the_run_ends_bit_equal_to_a_p
         assert res["equal_across_ranks"] is True
         assert res["final"] == [r, 3, 2]
     rows = metric_rows(redo, "redo")  # rank 0's CSVLogger
-    assert [(row["step"], row["recover/generation"], row["recover/world_size"]) for row in rows] == [
+    assert [
+        (row["step"], row["ncclguard_recover_generation"], row["ncclguard_recover_world_size"]) for row in rows
+    ] == [
         ("2", "1.0", "3.0"),
         ("4", "2.0", "3.0"),
     ]
@@ -87,14 +89,16 @@ def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
         assert (step, attempts, gen, size, failed) == (2, 2, 1, 2, [0, 1, 2])
         assert got["global_step"] == got["before_optimizer_step"] == STEPS
         assert got["trainer_ranks"] == [r, 2]  # Lightning's rank and world size follow the shrink
-        assert got["recover_metrics"]["recover/world_size"] == 2.0
+        assert got["recover_metrics"]["ncclguard_recover_world_size"] == 2.0
         assert shrink[r]["equal_across_ranks"] is True
         assert shrink[r]["final"] == [r, 2, 1]
     stuck = shrink[2]
     # It woke after ranks 0-1 were done and never came back from fit: the callback ended it with
     # status 0 (run_ranks requires torchrun's status 0, which needs every rank's).
     assert stuck == {"woke_after_survivors": True}
-    assert [(row["step"], row["recover/world_size"]) for row in metric_rows(shrink, "shrink")] == [("2", "2.0")]
+    assert [(row["step"], row["ncclguard_recover_world_size"]) for row in metric_rows(shrink, "shrink")] == [
+        ("2", "2.0")
+    ]
 
 
 # --- without ranks ----------------------------------------------------------------------------------
@@ -104,10 +108,13 @@ def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
     "kwargs, error, text",
     [
         ({"recover": 1}, TypeError, "recover must be a bool"),
-        ({"recover": True, "allow_shrink": "yes"}, TypeError, "allow_shrink must be a bool"),
-        ({"recover": True, "commit_timeout_s": 0}, ValueError, "commit_timeout_s must be a positive number"),
-        ({"recover": True, "rebuild_timeout_s": -1}, ValueError, "rebuild_timeout_s must be a positive number"),
-        ({"recover": True, "max_attempts": 1}, ValueError, "max_attempts must be an int of at least 2"),
+        ({"recover": True, "allow_shrink": "yes"}, TypeError, "allow_shrink must be True or False"),
+        ({"recover": True, "commit_timeout": 0}, ValueError, "commit_timeout must be a positive duration"),
+        ({"recover": True, "rebuild_timeout": -1}, ValueError, "rebuild_timeout must be a positive duration"),
+        ({"recover": True, "collective_timeout": 0}, ValueError, "collective_timeout must be a positive duration"),
+        ({"recover": True, "max_attempts": 0}, ValueError, "max_attempts must be an int of at least 1"),
+        ({"recover": True, "left_out": "stay"}, ValueError, "left_out must be 'exit' or 'raise'"),
+        ({"allow_shrink": True}, ValueError, "allow_shrink needs recover=True"),
     ],
 )
 def test_bad_recover_arguments_are_refused_when_the_callback_is_built(kwargs, error, text):

@@ -35,6 +35,10 @@ def test_bad_input_is_refused(parts):
         RecoveringStep(module, opt, rebuild_timeout=0)
     with pytest.raises(TypeError, match="step_fn"):
         RecoveringStep(module, opt)(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="collective_timeout must be a positive duration"):
+        RecoveringStep(module, opt, collective_timeout=-1)
+    with pytest.raises(ValueError, match="left_out must be 'exit' or 'raise'"):
+        RecoveringStep(module, opt, left_out="stay")  # type: ignore[arg-type]
     # FSDP2: a rank left out would take its shards with it.
     with pytest.raises(ValueError, match="allow_shrink=True cannot go with FSDP2"):
         RecoveringStep(module, opt, wrap=ncclguard.FSDP2(), allow_shrink=True)
@@ -62,7 +66,7 @@ def test_a_failed_attempt_is_redone_from_the_same_state(parts):
 
     res = RecoveringStep(module, opt)(step_fn, step=0)
     assert isinstance(res, StepResult) and res.ok and bool(res)
-    assert (res.attempts, res.rebuilds, res.left_out, res.error) == (2, 0, False, None)
+    assert (res.attempts, res.rebuilds, res.error) == (2, 0, None)
     assert [c.ok for c in res.commits] == [False, True]
     assert res.commits[0].reasons == {0: ["the caller reported: RuntimeError: Connection closed by peer"]}
     assert calls[0] == calls[1]
@@ -106,5 +110,12 @@ def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() ->
     assert all(torch.equal(b, k) for b, k in zip(module.buffers(), kept.buffers, strict=True))
     assert torch.equal(module(torch.randn(8, 4)), first)  # the same input draw and dropout mask: the same output
     assert kept.cuda_rng == ()  # no CUDA here: nothing taken, nothing put back
+    import random
+
+    import numpy
+
+    drawn = (random.random(), numpy.random.rand())  # Python's and NumPy's generators are put back too
+    kept.restore(module)
+    assert (random.random(), numpy.random.rand()) == drawn
     with pytest.raises(ValueError):  # another module's buffers do not fit
         kept.restore(torch.nn.Sequential(torch.nn.Linear(4, 4)))

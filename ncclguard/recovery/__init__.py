@@ -1,14 +1,20 @@
 """Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
 
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
+from ncclguard.recovery.engine import Adapter, Recovered, Recovery, StepResult, WorldEvent, recovery_options
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
-from ncclguard.recovery.recovering import RecoveringStep, StepResult
+from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.recovery.rejoin import rejoin_world, restart_count
 
 __all__ = [
+    "Adapter",
+    "Recovered",
+    "Recovery",
+    "WorldEvent",
+    "recovery_options",
     "CommitResult",
     "committed_step",
     "should_commit",

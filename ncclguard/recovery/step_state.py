@@ -1,15 +1,18 @@
-"""What a redone step must find as its failed attempt found it: the module's buffers and torch's
-random generators.
+"""What a redone step must find as its failed attempt found it: the module's buffers and every
+random generator a step draws from.
 
 A failed step never reached ``optimizer.step()``, so the parameters and the optimizer's state need
 no copy. Its forward may have changed buffers (BatchNorm's running statistics) and drawn from the
-generators (dropout). :class:`~ncclguard.recovery.recovering.RecoveringStep` and the HF Trainer's
-and Lightning's recovery take a :class:`StepState` before a step and restore it before a redo.
+generators: torch's (dropout, on the CPU and on every CUDA device), Python's ``random`` and NumPy's
+(data augmentation in user code). The recovery engine (:mod:`ncclguard.recovery.engine`) takes a
+:class:`StepState` when a step begins and restores it before each redo, whatever the framework.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,23 +21,28 @@ __all__ = ["StepState"]
 
 @dataclass(frozen=True)
 class StepState:
-    """A module's buffers and torch's CPU and CUDA generator states, as they were.
+    """A module's buffers and the generator states, as they were.
 
     Attributes:
         buffers: copies of the module's buffers, in ``module.buffers()`` order.
         cpu_rng: torch's CPU generator state.
         cuda_rng: every CUDA device's generator state; empty where CUDA is not initialized.
+        py_rng: Python's ``random`` state.
+        np_rng: NumPy's legacy global generator state, or None without NumPy.
     """
 
     buffers: tuple[torch.Tensor, ...]
     cpu_rng: torch.Tensor
     cuda_rng: tuple[torch.Tensor, ...]
+    py_rng: Any = None
+    np_rng: Any = None
 
     @classmethod
     def take(cls, module: torch.nn.Module) -> StepState:
         """Copies ``module``'s buffers and the generator states now."""
         cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
-        return cls(tuple(b.detach().clone() for b in module.buffers()), torch.get_rng_state(), cuda)
+        buffers = tuple(b.detach().clone() for b in module.buffers())
+        return cls(buffers, torch.get_rng_state(), cuda, random.getstate(), _numpy_state())
 
     def restore(self, module: torch.nn.Module) -> None:
         """Puts the buffers back into ``module`` (the same module, or one of the same structure)
@@ -46,6 +54,24 @@ class StepState:
         with torch.no_grad():
             for live, kept in zip(module.buffers(), self.buffers, strict=True):
                 live.copy_(kept)
+        self.restore_generators()
+
+    def restore_generators(self) -> None:
+        """Puts every generator back as it was (the buffers are left alone)."""
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng:
             torch.cuda.set_rng_state_all(list(self.cuda_rng))
+        if self.py_rng is not None:
+            random.setstate(self.py_rng)
+        if self.np_rng is not None:
+            import numpy
+
+            numpy.random.set_state(self.np_rng)
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is a core dependency
+        return None
+    return numpy.random.get_state()

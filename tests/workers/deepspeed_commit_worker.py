@@ -1,5 +1,6 @@
 """Rank side of tests/test_deepspeed_commit_multirank.py: CommittedEngineStep on a real DeepSpeed
-ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), groups' timeout 3 s.
+ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), a step's collectives bounded at 3 s by the
+stepper's ``collective_timeout`` (DeepSpeed's groups keep their own timeouts).
 
 Usage: ``deepspeed_commit_worker.py fail|resume CKPT_DIR``.
 
@@ -16,18 +17,15 @@ import hashlib
 import logging
 import sys
 import time
-from datetime import timedelta
 
 import deepspeed
 import rankkit
 import torch
-import torch.distributed as dist
-from deepspeed.utils import groups
 from rankkit import put
 
 from ncclguard.integrations.deepspeed import CommittedEngineStep
 
-GROUP_TIMEOUT_S = 3.0
+BOUND_STEP_S = 3.0  # ZeRO reduces on DeepSpeed's clone of the world group: the bound covers it
 STALL_S = 9.0
 STEPS, K = 5, 2
 
@@ -43,10 +41,6 @@ def engine() -> deepspeed.DeepSpeedEngine:
         "steps_per_print": 1_000_000,
     }
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    # ZeRO reduces on DeepSpeed's clone of the world group (utils/groups.py, _clone_world_group),
-    # made by new_group with the backend's default timeout (30 min on gloo): both get 3 s.
-    for group in (None, groups._get_data_parallel_group()):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=GROUP_TIMEOUT_S), group)
     return eng
 
 
@@ -78,7 +72,9 @@ def step_fn(step: int, rank: int, stall: bool = False):
 
 def fail(ckpt: str, rank: int) -> None:
     eng = engine()
-    stepper = CommittedEngineStep(eng, checkpoint_dir=ckpt, commit_timeout=30, rebuild_timeout=30)
+    stepper = CommittedEngineStep(
+        eng, checkpoint_dir=ckpt, collective_timeout=BOUND_STEP_S, commit_timeout=30, rebuild_timeout=30
+    )
     losses = [stepper(step_fn(s, rank), step=s).output for s in range(K)]
     put("losses", losses)
     put("digest_before_failed_step", digest(eng))
@@ -95,7 +91,7 @@ def resume(ckpt: str, rank: int) -> None:
     put("loaded", path is not None)
     put("digest_loaded", digest(eng))
     put("global_steps_loaded", eng.global_steps)
-    stepper = CommittedEngineStep(eng, checkpoint_dir=ckpt, commit_timeout=30)
+    stepper = CommittedEngineStep(eng, checkpoint_dir=ckpt, collective_timeout=BOUND_STEP_S, commit_timeout=30)
     for s in range(eng.global_steps, STEPS):
         stepper(step_fn(s, rank), step=s)
     put("digest_resumed", digest(eng))
@@ -112,7 +108,7 @@ def resume(ckpt: str, rank: int) -> None:
 def main() -> None:
     mode, ckpt = sys.argv[1], sys.argv[2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    rank = rankkit.init(timeout_s=60)  # start-up on a loaded machine gets 60 s; training 3 s
+    rank = rankkit.init(timeout_s=60)  # the groups keep 60 s; a step's collectives get the 3 s bound
     deepspeed.init_distributed(dist_backend="gloo")
     {"fail": fail, "resume": resume}[mode](ckpt, rank)
 

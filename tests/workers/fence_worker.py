@@ -6,7 +6,7 @@ watchdog names it the culprit, writes its dump, marks it fenced in the store and
 status 0; ranks 0-1, blocked in DDP's all_reduce, wake with a backend error (the group's own
 timeout, 60 s, is far off), their commit fails, and they go on as a world of 2.
 
-``left_behind``: the same, but the group's timeout (1.5 s) ends the survivors' op long before any
+``left_behind``: the same, but the step bound (``collective_timeout=1.5``) ends the survivors' op long before any
 hang or desync verdict (``hang_timeout_s`` 20 s): nobody names rank 2 the culprit. Ranks 0-1 go on as a world of 2
 and finish; rank 2's watchdog sees their generation 1 in the job's world record and ends it with
 status 0 (the left-behind fence), so torchrun's job ends.
@@ -57,15 +57,11 @@ def stuck(mode: str = "stuck") -> None:
     stepper = RecoveringStep(
         module,
         torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
+        collective_timeout=1.5 if left else None,  # stuck: the group's own 60 s, far past the fence
         commit_timeout=3,
         rebuild_timeout=3,
         allow_shrink=True,
     )
-    if left:  # every rank ready first (ranks of a loaded host start seconds apart); then 1.5 s
-        dist.barrier()
-        from ncclguard import _torch_compat as compat
-
-        compat.set_group_timeout(compat.default_group(), timedelta(seconds=1.5))
     t0 = time.monotonic()
     results, errors = [], []
     for step in range(STEPS):

@@ -1,16 +1,20 @@
 """Rank side of tests/test_hf_recover_multirank.py: steps redone on a rebuilt world, 3 gloo ranks.
 
+The process group is the one ``TrainingArguments`` makes, with HF's defaults (``ddp_timeout``
+1,800 s, never lowered by hand): the step bound of 3 s is ncclguard's own ``collective_timeout``.
 One torchrun launch, in order (the world's generation grows across the parts):
 
 A. HF Trainer, ``guard_trainer(recover=True)``, a tiny BERT (from a config), 2 micro-batches per
    optimizer step. A fault-free run, then the same run from the same seed where rank 2 stalls in
    step K's first micro-batch until ranks 0-1 have failed (their DDP collective ran past the 3 s
-   group timeout): every rank redoes step K in generation 1.
+   step bound): every rank redoes step K in generation 1.
 B. An Accelerate loop through ``recovering_step``: a fault-free run, then rank 2 stalls the same
    way at step K: every rank redoes it in generation 2.
-C. HF Trainer, ``recover=True, allow_shrink=True``: rank 2 is stuck at step K until ranks 0-1 are
-   done; they go on as a world of 2 (generation 3), re-sharding the data at the next epoch. Rank 2
-   comes back to find itself left out (RebuildFailed out of ``trainer.train()``) and exits 0.
+C. HF Trainer, ``recover=True, allow_shrink=True``, the watchdog reporting only
+   (``action="report"``): rank 2 sleeps for good at the start of step K. Ranks 0-1 fail the step
+   at the bound, go on as a world of 2 (generation 3) and re-shard the data at the next epoch.
+   Rank 2 never returns: the left-behind fence the engine arms ends it with status 0, so the job
+   ends.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import rankkit
@@ -30,15 +33,13 @@ from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
 from rankkit import put
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from ncclguard import _torch_compat as compat
 from ncclguard.collectives.groups import group_timeout_s
-from ncclguard.errors import RebuildFailed
 from ncclguard.integrations.accelerate import recovering_step
 from ncclguard.integrations.hf import find_guard, guard_trainer
 from ncclguard.recovery import generation
 
 OUT = os.environ["NCCLGUARD_TEST_OUT"]
-GROUP_TIMEOUT_S = 3.0
+BOUND_STEP_S = 3.0  # collective_timeout: a collective inside a step waits this long at most
 K = 2  # the step that fails
 BOUND_S = 120.0  # how long a stalled rank waits at most for the event that ends its stall
 ME = int(os.environ["RANK"])  # the launch rank: a rebuild renumbers, faults go by this one
@@ -53,7 +54,7 @@ class Announcer(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
-        if self.tag and ("training step at global step" in text or "the step raised on this rank" in text):
+        if self.tag and " raised on this rank (" in text:  # the recovery engine logs a failed step so
             rankkit.announce(f"{self.tag}-failed-{ME}")
 
 
@@ -86,14 +87,8 @@ class Probe(TrainerCallback):
 
 
 def aligned() -> None:
-    """Meets the other ranks with a long timeout, then gives the group its short one.
-
-    Building a Trainer or an Accelerator takes each rank its own time on a loaded machine; the
-    first collective after it (DDP's broadcast of the parameters) must not be the one that times
-    out. The faults come later, inside training steps."""
-    compat.set_group_timeout(compat.default_group(), timedelta(seconds=120))
+    """Meets the other ranks (the ranks leave train() at their own times)."""
     dist.barrier()
-    compat.set_group_timeout(compat.default_group(), timedelta(seconds=GROUP_TIMEOUT_S))
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:
@@ -101,7 +96,7 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
 
 
 def equal_across_ranks(module: torch.nn.Module) -> bool:
-    aligned()  # the ranks leave train() at their own times
+    aligned()
     mine = flat(module)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -131,7 +126,7 @@ def trainer(name: str, n: int, max_steps: int, accumulation: int, stall: Any = N
     probe = Probe()
     t = Trainer(model=model, args=args, train_dataset=Dataset(n, seed=n), callbacks=[probe])
     probe.trainer = t
-    guard_trainer(t, watchdog=False, recover=True, **guard)
+    guard_trainer(t, recover=True, collective_timeout=BOUND_STEP_S, **{"watchdog": False, **guard})
     return t
 
 
@@ -139,7 +134,6 @@ def part_a() -> None:
     ANNOUNCER.tag = "a"
     options = {"commit_timeout": 30, "rebuild_timeout": 30}
     ref = trainer("a-ref", 96, 5, 2, **options)
-    aligned()
     ref.train()
     stalled: list[float] = []
 
@@ -150,7 +144,7 @@ def part_a() -> None:
             wait_for_peers_to_fail("a")  # past the group timeout: they gave up on rank 2
 
     trainer_a = trainer("a", 96, 5, 2, stall=stall, **options)
-    aligned()
+    aligned()  # the fault-free run's end
     trainer_a.train()
     guard = find_guard(trainer_a)
     put(
@@ -159,7 +153,7 @@ def part_a() -> None:
             "global_step": trainer_a.state.global_step,
             "generation": generation(),
             "world": [dist.get_rank(), dist.get_world_size()],
-            "recoveries": guard.recovery.recoveries,
+            "recoveries": recoveries(guard.recovery.recoveries),
             "log_history": trainer_a.state.log_history,
             "ref_log_history": ref.state.log_history,
             "equal_across_ranks": equal_across_ranks(trainer_a.model),
@@ -177,9 +171,10 @@ def part_b() -> None:
         torch.manual_seed(7)
         module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)).double()
         opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        aligned()
         model, opt = accelerator.prepare(module, opt)
-        stepper = recovering_step(accelerator, model, opt, commit_timeout=30, rebuild_timeout=30)
+        stepper = recovering_step(
+            accelerator, model, opt, collective_timeout=BOUND_STEP_S, commit_timeout=30, rebuild_timeout=30
+        )
         results = []
         for step in range(5):
             g = torch.Generator().manual_seed(1000 * step + ME)
@@ -208,7 +203,7 @@ def part_b() -> None:
         {
             "ref_results": ref_results,
             "results": results,
-            "recoveries": stepper.recoveries,
+            "recoveries": recoveries(stepper.recoveries),
             "equal_across_ranks": equal_across_ranks(module),
             "equal_to_reference": torch.equal(flat(module), flat(ref)),
             "accelerate": [accelerator.process_index, accelerator.num_processes],
@@ -216,55 +211,51 @@ def part_b() -> None:
     )
 
 
+class StuckForGood(TrainerCallback):
+    """Rank 2 sleeps for good at the start of step K (its main thread never comes back)."""
+
+    def on_step_begin(self, args, state, control, **kw):
+        if ME == 2 and state.global_step == K:
+            rankkit.save()  # parts A and B
+            while True:
+                time.sleep(1.0)
+
+
 def part_c() -> None:
     ANNOUNCER.tag = ""
-    stuck: list[bool] = []
-
-    def stall(module, args) -> None:
-        if ME == 2 and trainer_c.state.global_step == K and not stuck and module.training:
-            store, deadline = rankkit._job_store(), time.monotonic() + BOUND_S
-            keys = ["rankkit/c-done-0", "rankkit/c-done-1"]
-            while time.monotonic() < deadline and not store.check(keys):
-                time.sleep(0.2)
-            stuck.append(store.check(keys))
-
     # 48 samples, batches of 4 on 3 ranks: 4 steps an epoch; 7 steps cross into a second epoch.
-    trainer_c = trainer("c", 48, 7, 1, stall=stall, allow_shrink=True, commit_timeout=3, rebuild_timeout=4)
+    watchdog = {"action": "report", "heartbeat_s": 0.5, "hang_timeout_s": 3, "escalate_after_s": 4}
+    trainer_c = trainer("c", 48, 7, 1, allow_shrink=True, commit_timeout=3, rebuild_timeout=4, watchdog=watchdog)
+    trainer_c.add_callback(StuckForGood())
     probe = next(cb for cb in trainer_c.callback_handler.callbacks if isinstance(cb, Probe))
-    aligned()
-    try:
-        trainer_c.train()
-    except RebuildFailed as exc:
-        put("c", {"left_out": True, "late": exc.late, "woke_after_survivors": stuck, "steps": probe.steps})
-        rankkit.done()
+    trainer_c.train()  # rank 2 never leaves it
     guard = find_guard(trainer_c)
     put(
         "c",
         {
-            "left_out": False,
             "global_step": trainer_c.state.global_step,
             "generation": generation(),
             "world": [dist.get_rank(), dist.get_world_size()],
-            "recoveries": guard.recovery.recoveries,
+            "recoveries": recoveries(guard.recovery.recoveries),
             "log_history": trainer_c.state.log_history,
             "equal_across_ranks": equal_across_ranks(trainer_c.model),
             "steps": probe.steps,
         },
     )
-    rankkit.save()
-    rankkit.announce(f"c-done-{ME}")
+
+
+def recoveries(found: list[Any]) -> list[dict[str, Any]]:
+    return [{"step": r.step, **r.metrics()} for r in found]
 
 
 def main() -> None:
     rankkit.rank = lambda: ME  # results files and faults go by launch rank
-    # The join waits for every rank's imports (long on a loaded machine); the collectives then get
-    # the short timeout, read back from the live group below (the Trainer's Accelerate uses it).
-    rankkit.init(timeout_s=120)
-    aligned()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ncclguard").addHandler(ANNOUNCER)
-    put("group_timeout_s", group_timeout_s())
     for part in sys.argv[1:]:
         {"a": part_a, "b": part_b, "c": part_c}[part]()
+        # The group TrainingArguments made, with HF's default ddp_timeout: never lowered by hand.
+        put("group_timeout_s", group_timeout_s())
         rankkit.save()
     rankkit.done()
 

@@ -1,5 +1,6 @@
 """Rank side of tests/test_lightning_recover_multirank.py: ``NcclGuardCallback(recover=True)`` on a
-real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (group timeout 3 s).
+real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (the strategy's group timeout
+60 s, never lowered by hand; the callback's ``collective_timeout`` bounds a step's collectives at 3 s).
 
 Usage: ``lightning_recover_worker.py redo|shrink``. A tiny model with BatchNorm (buffers DDP
 broadcasts) and Dropout (the RNG), SGD with momentum and a StepLR scheduler, 6 steps; Lightning
@@ -7,7 +8,7 @@ inserts its DistributedSampler.
 
 - ``redo``: first a plain Lightning fit (no ncclguard), the reference; then the same fit from the
   same start with ``recover=True`` and two faults: at step 2 rank 2 stalls 9 s in
-  ``training_step`` (3x the group timeout: ranks 0-1 time out in DDP's collectives), at step 4
+  ``training_step`` (3x the step bound: ranks 0-1 time out in DDP's collectives), at step 4
   rank 1 raises in ``training_step``. Every rank must redo both steps on a rebuilt world and end
   bit-equal to the reference.
 - ``shrink``: ``recover=True, allow_shrink=True``; at step 2 rank 2 is stuck until ranks 0-1 are
@@ -39,8 +40,8 @@ from ncclguard.recovery.rebuild import generation
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults and files go by launch rank
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 ME = int(os.environ["RANK"])
-GROUP_TIMEOUT_S = 3.0
-STALL_S = 9.0  # 3x the group timeout
+BOUND_STEP_S = 3.0  # NcclGuardCallback's collective_timeout
+STALL_S = 9.0  # 3x the step bound
 STEPS = 6
 
 
@@ -83,14 +84,10 @@ class Net(LightningModule):
 
 
 class Counts(Callback):
-    """Counts optimizer steps as Lightning runs them (once each, if nothing is applied twice), and
-    sets the group's 3 s timeout when training starts (start-up on a loaded machine gets 60 s)."""
+    """Counts optimizer steps as Lightning runs them (once each, if nothing is applied twice)."""
 
     def __init__(self) -> None:
         self.before_optimizer_step = 0
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=GROUP_TIMEOUT_S), None)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.before_optimizer_step += 1
@@ -102,7 +99,7 @@ def stuck_until_survivors_done() -> None:
     while time.monotonic() < deadline and not store.check(keys):
         time.sleep(0.2)
     put("woke_after_survivors", store.check(keys))
-    rankkit.save()  # the callback ends this left-out rank with os._exit(0); torchrun's status 0 shows it
+    rankkit.save()  # the engine's left-out policy ends this rank with status 0; torchrun's status 0 shows it
 
 
 def data() -> DataLoader:
@@ -145,7 +142,9 @@ def results(model: Net, trainer: Trainer, counts: Counts, guard: NcclGuardCallba
         "seen": model.seen,
         "train_loss_epoch": float(trainer.callback_metrics["train_loss_epoch"]),
         "recoveries": [asdict(r) for r in guard.recoveries] if guard is not None else None,
-        "recover_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("recover/")},
+        "recover_metrics": {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ncclguard_recover_")
+        },
         "trainer_ranks": [trainer.global_rank, trainer.world_size],
     }
 
@@ -159,7 +158,9 @@ def equal_across_ranks(mine: torch.Tensor) -> bool:
 def redo() -> None:
     reference, ref_trainer, ref_counts = fit("reference", {}, None)
     put("reference", results(reference, ref_trainer, ref_counts, None))
-    guard = NcclGuardCallback(watchdog=False, recover=True, commit_timeout_s=30, rebuild_timeout_s=30)
+    guard = NcclGuardCallback(
+        watchdog=False, recover=True, collective_timeout=BOUND_STEP_S, commit_timeout=30, rebuild_timeout=30
+    )
     faults = {2: "stall"} if ME == 2 else {4: "raise"} if ME == 1 else {}
     model, trainer, counts = fit("redo", faults, guard)
     put("faulty", results(model, trainer, counts, guard))
@@ -173,7 +174,14 @@ def redo() -> None:
 
 
 def shrink() -> None:
-    guard = NcclGuardCallback(watchdog=False, recover=True, allow_shrink=True, commit_timeout_s=8, rebuild_timeout_s=8)
+    guard = NcclGuardCallback(
+        watchdog=False,
+        recover=True,
+        allow_shrink=True,
+        collective_timeout=BOUND_STEP_S,
+        commit_timeout=8,
+        rebuild_timeout=8,
+    )
     model, trainer, counts = fit("shrink", {2: "stuck"} if ME == 2 else {}, guard)
     put("left_out_rank_came_back", True)  # never on rank 2: the callback ends it
     put("faulty", results(model, trainer, counts, guard))

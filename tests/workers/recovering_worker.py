@@ -26,10 +26,11 @@ from rankkit import put
 
 import ncclguard
 from ncclguard import FSDP2, RecoveringStep, StepResult
+from ncclguard.recovery import WorldEvent
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
-GROUP_TIMEOUT_S = 6.0  # the deadline of DDP's gradient all_reduce (the group's timeout)
+GROUP_TIMEOUT_S = 6.0  # the deadline of DDP's gradient all_reduce: RecoveringStep's collective_timeout
 STALL_S = 10.0  # past it
 STEPS, K = 5, 2
 
@@ -56,10 +57,13 @@ def summary(res: StepResult) -> dict[str, Any]:
         "attempts": res.attempts,
         "generation": res.generation,
         "rebuilds": res.rebuilds,
-        "left_out": res.left_out,
         "commits": [[c.ok, c.failed_ranks] for c in res.commits],
         "error": type(res.error).__name__ if res.error is not None else None,
     }
+
+
+def event_of(event: WorldEvent) -> dict[str, Any]:
+    return {"step": event.step, "late": event.result.late, "generation": event.result.generation}
 
 
 def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
@@ -94,12 +98,19 @@ def train(
         module,
         opt,
         wrap=FSDP2(shard_layers) if fsdp2 else (recorded_ddp if shrink else None),
+        collective_timeout=GROUP_TIMEOUT_S,
         commit_timeout=wait_s,
         rebuild_timeout=wait_s,
         allow_shrink=shrink,
     )
     me = int(os.environ["RANK"])
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def left_out(event: WorldEvent) -> None:  # the engine exits this rank (status 0) right after
+        put("results", [*results, {"left_out": True, "error": type(event.result.error).__name__, **event_of(event)}])
+        rankkit.save()
+
+    stepper.engine.on_change(lambda e: left_out(e) if e.kind == "left_out" else None)
     for step in range(STEPS):
         x, y = batch(step, me)
         tries = []
@@ -153,7 +164,7 @@ def fsdp2_refusals() -> list[str]:
 
 
 def stall(fsdp2: bool = False) -> None:
-    rankkit.init(timeout_s=GROUP_TIMEOUT_S)
+    rankkit.init(timeout_s=60)
     if fsdp2:
         put("refusals", fsdp2_refusals())
     reference, ref_results = train(stall_at=None, fsdp2=fsdp2)
@@ -182,7 +193,7 @@ def stall(fsdp2: bool = False) -> None:
 
 
 def shrink() -> None:
-    rankkit.init(timeout_s=GROUP_TIMEOUT_S)
+    rankkit.init(timeout_s=60)
     me = int(os.environ["RANK"])
 
     def stuck() -> None:

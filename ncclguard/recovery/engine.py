@@ -1,0 +1,578 @@
+"""The recovery engine: one implementation of a training step's transaction, for every framework.
+
+A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:`Transaction.run`,
+:meth:`Transaction.settle`):
+
+1. **begin**: the step's snapshot (the module's buffers and every random generator,
+   :class:`~ncclguard.recovery.step_state.StepState`, plus what the adapter keeps), the step
+   mark, and the step bound (:mod:`ncclguard.recovery.bound`): a collective of this step waits
+   for its peers at most ``collective_timeout`` seconds, whatever timeout the framework left on
+   the group;
+2. **run**: forward and backward; an exception is this rank's failure, stated at the commit and
+   not raised;
+3. **commit**: :func:`~ncclguard.recovery.commit.should_commit` gives every rank the same
+   verdict. Ok: the transaction ends and the caller applies the step (``optimizer.step()``);
+4. **not ok**: nothing was applied anywhere. The world is rebuilt
+   (:func:`~ncclguard.recovery.rebuild.rebuild_world`); a rank the others went on without is
+   left out (the left-out policy below); restarted ranks the rebuild admitted are healed from
+   a live peer (:func:`~ncclguard.recovery.heal.heal_from_peer`); the adapter re-wraps the model
+   on the new world; the snapshot is put back; the step runs again, up to ``max_attempts``.
+
+The framework-specific parts are an :class:`Adapter`: what to keep beyond the snapshot, how to
+re-wrap the model on a new world, where to log. ``RecoveringStep``, ``guard_trainer(recover=True)``,
+Lightning's ``NcclGuardCallback(recover=True)``, Accelerate's ``recovering_step`` and DeepSpeed's
+``CommittedEngineStep`` are adapters of this one engine.
+
+The left-out policy, the same everywhere: a rank that reaches the rebuild after the others went
+on without it is in no world. With ``left_out="exit"`` (the default) it runs the ``on_change``
+callbacks, logs why at critical level and exits with status 0: torchrun leaves a worker that exits
+0 alone, so the job ends when the others finish. With ``left_out="raise"`` it raises
+:class:`~ncclguard.errors.RebuildFailed` (``late=True``) for code that wants to act first.
+
+A rank stuck for good inside a step never reaches the rebuild at all. While an engine runs, the
+left-behind fence (:mod:`ncclguard.watching.left_behind`) is on, whatever the watchdog's ladder:
+such a rank exits 0 once the world record shows the others went on without it.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.deadlines import to_seconds
+from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
+from ncclguard.recording.steps import mark_step
+from ncclguard.recovery.bound import StepBound
+from ncclguard.recovery.commit import CommitResult, should_commit
+from ncclguard.recovery.fence import arm_left_behind_fence
+from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
+from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
+from ncclguard.recovery.rejoin import rejoin_world, restart_count
+from ncclguard.recovery.step_state import StepState
+from ncclguard.watching.actions import exit_now
+
+__all__ = [
+    "Adapter",
+    "LeftOut",
+    "Recovered",
+    "Recovery",
+    "RecoveryOptions",
+    "StepResult",
+    "Transaction",
+    "WorldEvent",
+    "recovery_options",
+]
+
+T = TypeVar("T")
+LeftOut = Literal["exit", "raise"]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # well below NCCL's 10 min and HF's 30 min, far above a healthy op
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """The engine's settings, checked once (:func:`recovery_options`).
+
+    Attributes:
+        collective_timeout_s: how long a collective inside a step waits for its peers before the
+            step fails on this rank (the step bound); None leaves the groups' timeouts alone.
+        commit_timeout_s: how long a commit waits for every rank; None: ``should_commit``'s
+            default (below the group's timeout in force).
+        rebuild_timeout_s: how long a rebuild waits for every rank (with ``heal``: a killed rank's
+            restart, its imports and its setup).
+        allow_shrink: rebuild without the ranks that did not come (the same on every rank).
+        max_attempts: times a step runs at most.
+        heal: admit restarted ranks and send them a live peer's state.
+        heal_timeout_s: seconds for one state transfer.
+        heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
+        left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
+    """
+
+    collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
+    commit_timeout_s: float | None = None
+    rebuild_timeout_s: float = 60.0
+    allow_shrink: bool = False
+    max_attempts: int = 3
+    heal: bool = False
+    heal_timeout_s: float = 60.0
+    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    left_out: LeftOut = "exit"
+
+
+def recovery_options(
+    *,
+    collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    commit_timeout: float | timedelta | None = None,
+    rebuild_timeout: float | timedelta = 60.0,
+    allow_shrink: bool = False,
+    max_attempts: int = 3,
+    heal: bool = False,
+    heal_timeout: float | timedelta = 60.0,
+    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    left_out: LeftOut = "exit",
+) -> RecoveryOptions:
+    """Checks the engine's arguments (every adapter takes these names) and returns the options.
+
+    Raises:
+        TypeError, ValueError: a bad value, with what to pass instead; before any communication.
+    """
+    for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
+    if isinstance(heal_chunk_bytes, bool) or not isinstance(heal_chunk_bytes, int) or heal_chunk_bytes < 1:
+        raise ValueError(f"heal_chunk_bytes must be a positive int, got {heal_chunk_bytes!r}")
+    if left_out not in ("exit", "raise"):
+        raise ValueError(f"left_out must be 'exit' or 'raise', got {left_out!r}")
+    bound = None if collective_timeout is None else to_seconds(collective_timeout, "collective_timeout")
+    commit = None if commit_timeout is None else to_seconds(commit_timeout, "commit_timeout")
+    return RecoveryOptions(
+        collective_timeout_s=bound,
+        commit_timeout_s=commit,
+        rebuild_timeout_s=to_seconds(rebuild_timeout, "rebuild_timeout"),
+        allow_shrink=allow_shrink,
+        max_attempts=max_attempts,
+        heal=heal,
+        heal_timeout_s=to_seconds(heal_timeout, "heal_timeout"),
+        heal_chunk_bytes=heal_chunk_bytes,
+        left_out=left_out,
+    )
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A step that failed and was applied after a redo on a rebuilt world, as this rank saw it.
+
+    Attributes:
+        step: the caller's step number (the count of steps applied when it passes none).
+        attempts: times the step ran (2 after one failure).
+        generation: the world generation it was applied in.
+        world_size: that world's size.
+        failed_ranks: the ranks the failed commits named (their worlds' numbering).
+        healed_ranks: the restarted ranks healed at its rebuilds (the new world's numbering).
+        elapsed_s: seconds from the first attempt's start to the commit that was ok.
+    """
+
+    step: int
+    attempts: int
+    generation: int
+    world_size: int
+    failed_ranks: list[int]
+    healed_ranks: list[int]
+    elapsed_s: float
+
+    def metrics(self) -> dict[str, Any]:
+        """The ``ncclguard_recover_*`` values every adapter logs (one builder for all of them)."""
+        return {
+            "ncclguard_recover_s": round(self.elapsed_s, 4),
+            "ncclguard_recover_generation": self.generation,
+            "ncclguard_recover_world_size": self.world_size,
+            "ncclguard_recover_attempts": self.attempts,
+            "ncclguard_recover_failed_ranks": rank_ranges(self.failed_ranks) if self.failed_ranks else "",
+        }
+
+
+@dataclass
+class StepResult(Generic[T]):
+    """One step's transaction on this rank; truthy when the step may be applied (it committed).
+
+    Attributes:
+        ok: the step committed on every rank.
+        attempts: times the step ran (1 without a failure).
+        generation: the world generation it ended in.
+        rebuilds: rebuilds it took.
+        output: what the step returned in the last attempt (None if it raised).
+        commits: every attempt's commit.
+        elapsed_s: seconds from the transaction's start to its end.
+        error: why the step may not be applied (:class:`~ncclguard.errors.CommitFailed` after the
+            last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt,
+            :class:`~ncclguard.errors.HealFailed` when restarted ranks joined and were not healed).
+        healed: this rank's part in healing the restarted ranks that joined (None when none did).
+    """
+
+    ok: bool
+    attempts: int
+    generation: int
+    rebuilds: int = 0
+    output: T | None = None
+    commits: list[CommitResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    error: NcclGuardError | None = None
+    healed: HealResult | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def raise_for_error(self) -> StepResult[T]:
+        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        if not self.ok:
+            raise CommitFailed(f"the step was not applied after {self.attempts} attempt(s)")
+        return self
+
+
+@dataclass(frozen=True)
+class WorldEvent:
+    """What an ``on_change`` callback is told.
+
+    Attributes:
+        kind: ``"rebuilt"`` (this rank is in the new world; before the redo), or ``"left_out"``
+            (the others went on without this rank; before it exits or raises).
+        result: the rebuild's result.
+        step: the step being redone.
+    """
+
+    kind: Literal["rebuilt", "left_out"]
+    result: RebuildResult
+    step: int
+
+
+class Adapter(abc.ABC):
+    """What one framework supplies to the engine; everything else is the engine's.
+
+    Subclasses say how to reach the module and its optimizer, how to re-wrap the model on a new
+    world, and optionally what to keep beyond the snapshot, how to clear the gradients before an
+    attempt and where to log a recovery.
+
+    Attributes:
+        name: how logs name the adapter (``"guard_trainer"``, ``"RecoveringStep"``, ...).
+    """
+
+    name = "recovery"
+
+    @abc.abstractmethod
+    def get_module(self) -> torch.nn.Module:
+        """The unwrapped module (its buffers are kept, its state is healed)."""
+
+    def get_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose state a heal sends (None: none is sent)."""
+        return None
+
+    def keep(self) -> Any:
+        """What a redo must find as the step found it, beyond the buffers and the generators."""
+        return None
+
+    def restore(self, kept: Any) -> None:
+        """Puts back what :meth:`keep` took, before a redo."""
+        return None
+
+    def zero_grad(self) -> None:
+        """Clears the gradients before an attempt (default: the optimizer's, to None)."""
+        opt = self.get_optimizer()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+
+    @abc.abstractmethod
+    def rewrap(self, rebuilt: RebuildResult) -> None:
+        """Drops what was built on the old world and builds it on the new one (DDP, a framework's
+        rank and size); called after every successful rebuild, before the redo."""
+
+    def log(self, record: Recovered) -> None:
+        """Logs a recovered step to the framework's trackers (the engine logs it to ncclguard's)."""
+        return None
+
+
+class Recovery:
+    """The engine: owns every transaction of one training loop on this rank (see the module doc).
+
+    Args:
+        adapter: the framework's part.
+        options: the settings (:func:`recovery_options`).
+
+    Attributes:
+        recoveries: every step applied after a redo, oldest first.
+        applied: steps committed so far (the step a heal sends when the caller passes none).
+    """
+
+    def __init__(self, adapter: Adapter, options: RecoveryOptions) -> None:
+        if not isinstance(adapter, Adapter):
+            raise TypeError(f"adapter must be a ncclguard.recovery.engine.Adapter, got {type(adapter).__name__}")
+        if not isinstance(options, RecoveryOptions):
+            raise TypeError(f"options must come from recovery_options(), got {type(options).__name__}")
+        self.adapter, self.options = adapter, options
+        self.bound = StepBound(options.collective_timeout_s)
+        self.recoveries: list[Recovered] = []
+        self.applied = 0
+        self._callbacks: list[Callable[[WorldEvent], None]] = []
+        self._open: Transaction[Any] | None = None
+        self._redo_next = False  # a restarted process's first step is the survivors' redo
+        self.left = False  # this rank was left out (with left_out="raise"): no further step
+
+    def join_if_restarted(self) -> HealResult | None:
+        """In a process restarted after its rank died, with ``heal`` on: joins the survivors' next
+        rebuild (:func:`~ncclguard.recovery.rejoin.rejoin_world`) and receives the module's and the
+        optimizer's state from a live peer. Elsewhere, nothing.
+
+        Returns:
+            The heal's result (its ``step`` is the step the survivors redo), or None.
+
+        Raises:
+            RebuildFailed: no rebuild admitted this process within ``rebuild_timeout``.
+            HealFailed: the state did not arrive.
+        """
+        if not (self.options.heal and restart_count() > 0) or (dist.is_available() and dist.is_initialized()):
+            return None
+        rejoin_world(timeout=self.options.rebuild_timeout_s).raise_for_error()
+        healed = heal_from_peer(
+            self.adapter.get_module(),
+            self.adapter.get_optimizer(),
+            timeout=self.options.heal_timeout_s,
+            chunk_bytes=self.options.heal_chunk_bytes,
+        ).raise_for_error()
+        self.applied, self._redo_next = healed.step or 0, True
+        return healed
+
+    def on_change(self, fn: Callable[[WorldEvent], None]) -> Callable[[], None]:
+        """Registers ``fn(event)``, called on this rank when a rebuild put it in a new world (before
+        the redo) and when it is left out (before it exits or raises).
+
+        Returns:
+            A function that unregisters ``fn``.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"on_change needs a callable taking a WorldEvent, got {type(fn).__name__}")
+        self._callbacks.append(fn)
+        return lambda: self._callbacks.remove(fn) if fn in self._callbacks else None
+
+    def begin(self, step: int | None = None, *, number: int | None = None) -> Transaction[Any]:
+        """Opens the transaction of one step: its snapshot, its mark, its bound.
+
+        Args:
+            step: the caller's step number, checked on every rank by the commit (it must grow).
+            number: how logs, records and a heal name the step when ``step`` is not passed (a
+                framework's own count); default ``step``, else the count of steps applied.
+
+        Returns:
+            The open :class:`Transaction`.
+        """
+        if self.left:
+            raise RuntimeError(
+                f"{self.adapter.name}: this rank was left out of the rebuilt world; it has no step to run"
+            )
+        if self._open is not None:  # one left open by an exception that escaped its caller
+            self._open.close()
+        mark_step(
+            step if step is not None else number
+        )  # the heartbeat's step and the straggler windows' count; a redo is the same step
+        arm_left_behind_fence()
+        tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next)
+        self._open, self._redo_next = tx, False
+        self.bound.arm()
+        return tx
+
+    # --------------------------------------------------------------- what a failed commit sets off
+
+    def _tell(self, event: WorldEvent) -> None:
+        for fn in list(self._callbacks):
+            try:
+                fn(event)
+            except Exception:  # noqa: BLE001 - the world changed whatever a callback does
+                log.exception("%s: the on_change callback %r raised", self.adapter.name, fn)
+
+    def rebuild(self, step: int) -> RebuildResult:
+        """Rebuilds the world; applies the left-out policy to a rank the others went on without."""
+        rebuilt = rebuild_world(timeout=self.options.rebuild_timeout_s, allow_shrink=self.options.allow_shrink)
+        if rebuilt:
+            self._tell(WorldEvent("rebuilt", rebuilt, step))
+            return rebuilt
+        if rebuilt.late:
+            self._leave(rebuilt, step)
+        log.error("%s: no world to redo step %d in (%s)", self.adapter.name, step, rebuilt.error)
+        return rebuilt
+
+    def _leave(self, rebuilt: RebuildResult, step: int) -> None:
+        self._tell(WorldEvent("left_out", rebuilt, step))
+        error = rebuilt.error or RebuildFailed("the others went on without this rank", late=True)
+        self.left = True
+        if self.options.left_out == "raise":
+            raise error
+        log.critical(
+            "%s: step %d: this rank was left out (%s); it exits with status 0 so that the job ends with the others",
+            self.adapter.name,
+            step,
+            error,
+        )
+        # os._exit: at interpreter shutdown a timed-out gloo group can abort the process (status -6,
+        # seen with DeepSpeed here), and torchrun would then stop the survivors.
+        exit_now(0)
+
+    def heal_joined(self, rebuilt: RebuildResult, step: int) -> HealResult | None:
+        """Sends the state as the step found it to the restarted ranks the rebuild admitted.
+
+        Returns:
+            The heal's result, or None when nobody joined or ``heal`` is off.
+        """
+        if not (self.options.heal and rebuilt.joined_ranks):
+            return None
+        return heal_from_peer(
+            self.adapter.get_module(),
+            self.adapter.get_optimizer(),
+            step=step,
+            timeout=self.options.heal_timeout_s,
+            chunk_bytes=self.options.heal_chunk_bytes,
+        )
+
+
+class Transaction(Generic[T]):
+    """One step's transaction (see the module doc); made by :meth:`Recovery.begin`.
+
+    Attributes:
+        step: the caller's step number, or None.
+        number: how the step is named (see :meth:`Recovery.begin`).
+        failure: this rank's failure in the current attempt (an exception caught by :meth:`run`).
+        output: what the last :meth:`run` returned.
+    """
+
+    def __init__(self, engine: Recovery, step: int | None, number: int | None = None, redo: bool = False) -> None:
+        self.engine, self.step = engine, step
+        self.number = number if number is not None else step if step is not None else engine.applied
+        self._redo = redo  # the survivors' redo: its first commit passes no step=, as theirs
+        self.failure: BaseException | None = None
+        self.output: T | None = None
+        self._start = time.monotonic()
+        adapter = engine.adapter
+        self._kept = StepState.take(adapter.get_module())
+        self._extra = adapter.keep()
+        self._closed = False
+
+    def run(self, fn: Callable[[], T]) -> T | None:
+        """Runs ``fn`` (forward and backward); an exception becomes this rank's failure.
+
+        Returns:
+            What ``fn`` returned, or None when it raised (or when an earlier part of this attempt
+            failed: nothing more is computed).
+        """
+        if self.failure is not None:
+            return None
+        try:
+            self.output = fn()
+        except Exception as exc:  # noqa: BLE001 - this rank's failure goes into the commit
+            log.warning(
+                "%s: step %s raised on this rank (%s: %s)",
+                self.engine.adapter.name,
+                self.number,
+                type(exc).__name__,
+                exc,
+            )
+            self.failure, self.output = exc, None
+        return self.output
+
+    def close(self) -> None:
+        """Ends the transaction without a verdict (the step bound is lifted)."""
+        if not self._closed:
+            self._closed = True
+            self.engine.bound.disarm()
+            if self.engine._open is self:
+                self.engine._open = None
+
+    def settle(self, redo: Callable[[], T] | None) -> StepResult[T]:
+        """Commits the step on every rank; on a failed commit rebuilds, heals, re-wraps, restores
+        and redoes it (``redo`` runs forward and backward again, through :meth:`run` or not).
+
+        Args:
+            redo: runs the step again; None: no redo (the result is falsy after the first failed
+                commit, and the world is left as it is).
+
+        Returns:
+            The :class:`StepResult`; truthy when the step may be applied.
+        """
+        engine, opts, adapter, number = self.engine, self.engine.options, self.engine.adapter, self.number
+        commits: list[CommitResult] = []
+        rebuilds, healed, joined = 0, None, list[int]()
+        error: NcclGuardError | None = None
+        try:
+            for attempt in range(1, opts.max_attempts + 1):
+                # A redo passes no step=: the first attempt's commit already checked it.
+                checked = self.step if attempt == 1 and not self._redo else None
+                res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
+                commits.append(res)
+                if res:
+                    engine.applied += 1
+                    if attempt > 1:
+                        self._recovered(number, attempt, commits, joined)
+                    return self._result(True, attempt, rebuilds, commits, None, healed)
+                error = res.error or CommitFailed(f"step {number}'s commit failed")
+                if attempt == opts.max_attempts or redo is None:
+                    break
+                self.engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
+                rebuilt = engine.rebuild(number) if dist.is_available() and dist.is_initialized() else None
+                if rebuilt is not None:
+                    rebuilds += 1
+                    if not rebuilt:
+                        return self._result(False, attempt, rebuilds, commits, rebuilt.error, healed)
+                self._kept.restore(adapter.get_module())
+                adapter.restore(self._extra)
+                if rebuilt is not None:
+                    healed = engine.heal_joined(rebuilt, number) or healed
+                    if healed is not None and not healed:
+                        return self._result(False, attempt, rebuilds, commits, healed.error, healed)
+                    joined += rebuilt.joined_ranks
+                    adapter.rewrap(rebuilt)
+                log.warning(
+                    "%s: redoing step %d in world generation %d (%d ranks), attempt %d",
+                    adapter.name,
+                    number,
+                    generation(),
+                    dist.get_world_size() if dist.is_initialized() else 1,
+                    attempt + 1,
+                )
+                engine.bound.arm()
+                self.failure = None
+                adapter.zero_grad()
+                self.run(redo)
+            return self._result(False, len(commits), rebuilds, commits, error, healed)
+        finally:
+            self.close()
+
+    def _recovered(self, number: int, attempts: int, commits: list[CommitResult], joined: list[int]) -> None:
+        record = Recovered(
+            step=number,
+            attempts=attempts,
+            generation=generation(),
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            failed_ranks=sorted({r for c in commits if not c.ok for r in c.failed_ranks}),
+            healed_ranks=sorted(set(joined)),
+            elapsed_s=time.monotonic() - self._start,
+        )
+        engine = self.engine
+        engine.recoveries.append(record)
+        log.warning("%s: step %d redone on a rebuilt world: %s", engine.adapter.name, number, record.metrics())
+        try:
+            engine.adapter.log(record)
+        except Exception:  # noqa: BLE001 - a tracker must never take training down
+            log.exception("%s: logging the recovery of step %d failed", engine.adapter.name, number)
+
+    def _result(
+        self,
+        ok: bool,
+        attempts: int,
+        rebuilds: int,
+        commits: list[CommitResult],
+        error: NcclGuardError | None,
+        healed: HealResult | None,
+    ) -> StepResult[T]:
+        return StepResult(
+            ok,
+            attempts,
+            generation(),
+            rebuilds,
+            self.output if ok else None,
+            commits,
+            time.monotonic() - self._start,
+            error,
+            healed,
+        )
