@@ -62,6 +62,10 @@ class World:
         left_out: previous generation's ranks that are not members of this one (sorted).
         joined: this generation's ranks that are restarted processes which joined at the rebuild
             that made it: they hold no training state until healed (sorted).
+        origins: each member's launch rank (its rank in generation 0), by rank in this world;
+            empty in generation 0, where the two are the same.
+        deaths_seen: the job's death notices posted before this world was made
+            (:mod:`ncclguard.store.deaths`): only later ones can be about its members.
         backend: the backend of its default group, once known.
         store: the job's store (unprefixed), once known: every generation keys its rounds under it.
         timeout: its collectives' timeout, once known.
@@ -78,6 +82,8 @@ class World:
     rank_map: Mapping[int, int] = field(default_factory=dict)
     left_out: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
+    origins: tuple[int, ...] = ()
+    deaths_seen: int = 0
     backend: str | None = None
     store: Store | None = None
     timeout: timedelta | None = None
@@ -102,6 +108,10 @@ class World:
         so that the last references to its groups are the reaper's, never a cache's)."""
         with self._lock:
             self._state.clear()
+
+    def origin(self, rank: int) -> int:
+        """The launch rank of this world's member ``rank``."""
+        return self.origins[rank] if self.origins else rank
 
     def old_rank(self, rank: int) -> int | None:
         """The previous generation's number of this generation's ``rank`` (None if unknown)."""

@@ -77,7 +77,7 @@ def run_ranks(
     expect_rc: dict[int, int] | None = None,
     restarts: int = 0,
     restart_on: Sequence[int] | None = None,
-    rank_loop: int | None = None,
+    supervise: Sequence[str] | None = None,
 ) -> Job:
     """Runs ``tests/workers/<worker>.py <args>`` on ``nproc`` ranks and returns their results.
 
@@ -92,8 +92,8 @@ def run_ranks(
         expect_rc: exit codes to require per rank (spawn only); default: every rank exits 0.
         restarts: restarts per rank that died (spawn only; see ``spawn(restarts=)``).
         restart_on: the exit codes that earn a restart (spawn's ``restart_on``).
-        rank_loop: torchrun only: run each rank under ``ncclguard.testing.rank_loop`` with this
-            many restarts (a rank restarted alone, without torchrun's teardown).
+        supervise: torchrun only: run each rank under ``python -m ncclguard.supervise`` with these
+            options (``["--restarts=1"]``: a rank restarted alone, without torchrun's teardown).
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
     rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -112,8 +112,8 @@ def run_ranks(
             "--monitor-interval=0.1",
             *(
                 script
-                if rank_loop is None
-                else ["-m", "ncclguard.testing.rank_loop", f"--restarts={rank_loop}", "--", sys.executable, *script]
+                if supervise is None
+                else ["-m", "ncclguard.supervise", *supervise, "--", sys.executable, *script]
             ),
         ]
         with tempfile.TemporaryFile("w+") as log:

@@ -48,6 +48,16 @@ def test_missing_unreadable_and_failing_ranks_are_named():
     }
 
 
+def test_a_missing_rank_known_dead_is_named_with_how_it_is_known():
+    v = decide(
+        {0: stmt(0, problems=["gloo: Connection reset by peer"]), 2: stmt(2)}, 3, 0, 5.0, {1: "its process died"}
+    )
+    assert not v.ok and v.arrived == [0, 2]
+    assert v.failed == {0: ["gloo: Connection reset by peer"], 1: ["its process died"]}
+    # A rank that arrived is judged by its statement, whatever a notice says of it.
+    assert decide({0: stmt(0), 1: stmt(1)}, 2, 0, 5.0, {1: "its process died"}).ok
+
+
 def test_the_rank_with_a_different_collective_count_is_named():
     v = decide({0: stmt(0), 1: stmt(1), 2: stmt(2, seq=12), 3: stmt(3)}, 4, 3, 5.0)
     assert v.failed == {

@@ -69,22 +69,46 @@ def test_restart_on_picks_the_exits_that_earn_a_restart():
     assert res.ok and res.restarts == [] and res.ranks[1].lives == [0]
 
 
-def test_rank_loop_restarts_one_rank_alone_and_passes_on_the_last_status(capfd):
-    from ncclguard.testing.rank_loop import main
+def test_the_supervisor_restarts_one_rank_alone_posts_each_death_and_passes_on_the_last_status(capfd, tmp_path):
+    from ncclguard.store.deaths import read_deaths
+    from ncclguard.supervise.__main__ import main
 
-    argv = [sys.executable, "-c", SCRIPT, "1", str(int(signal.SIGKILL)), "0"]
-    env_rank = {"RANK": "1"}
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script = tmp_path / "rank.py"
+    script.write_text(SCRIPT)
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in env_rank.items():
-            mp.setenv(k, v)
-        assert main(["--restarts", "1", "--", *argv]) == 0
+        mp.setenv("RANK", "1")
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(server.port))
+        mp.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        assert main(["--restarts", "1", "--", sys.executable, "-c", SCRIPT, "1", str(int(signal.SIGKILL)), "0"]) == 0
         out, err = capfd.readouterr()
         assert out == "rank 1 life 0\nrank 1 life 1\n"
-        assert err == "ncclguard.testing.rank_loop: the rank exited -9; restart 1 of 1\n"
+        assert err == f"ncclguard.supervise: the rank (pid {_pid(err)}) exited -9; restart 1 of 1\n"
         # A rank that keeps dying ends with 128 + 9, as a shell reports it.
         assert main(["--restarts", "1", "--", sys.executable, "-c", SCRIPT, "9", "9", "0"]) == 137
-    with pytest.raises(ValueError, match="needs the rank's command after --"):
+        # The warm spare: a standby that imported torch runs the script when the rank dies.
+        assert main(["--restarts", "2", "--warm-spare", "--", sys.executable, str(script), "2", "9", "0"]) == 0
+        out, err = capfd.readouterr()
+        assert out.splitlines()[-3:] == ["rank 1 life 0", "rank 1 life 1", "rank 1 life 2"]
+        assert err.count("the warm spare (pid ") == 2
+    # Every death was posted in the job's store, the last of a rank out of restarts too: 1 + 2 + 2.
+    _, notices = read_deaths(server, 0)
+    assert [(n.origin, n.returncode, n.life) for n in notices] == [
+        (1, -9, 0),
+        (1, -9, 0),
+        (1, -9, 1),
+        (1, -9, 0),
+        (1, -9, 1),
+    ]
+    with pytest.raises(SystemExit):  # argparse's error: the command after -- is missing
         main(["--restarts", "1", "--"])
+    with pytest.raises(SystemExit):  # a spare takes over a Python script or module only
+        main(["--restarts", "1", "--warm-spare", "--", "/bin/true"])
+
+
+def _pid(err: str) -> int:
+    return int(err.split("(pid ", 1)[1].split(")", 1)[0])
 
 
 def test_spawn_refuses_a_bad_restart_policy():
@@ -183,7 +207,7 @@ def test_heal_and_rejoin_refuse_bad_input_before_any_communication(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match="rejoin_world needs the job's store: pass store="):
         ncclguard.rejoin_world(rank=1)
-    with pytest.raises(TypeError, match="heal must be a bool"):
+    with pytest.raises(TypeError, match="heal must be True or False"):
         ncclguard.RecoveringStep(module, opt, heal=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="heal_chunk_bytes must be a positive int"):
         ncclguard.RecoveringStep(module, opt, heal=True, heal_chunk_bytes=0)

@@ -11,7 +11,16 @@ from harness import run_ranks
 pytestmark = pytest.mark.multirank
 
 STEPS, K, BASE = 6, 3, 6  # heal_worker's: rank 1 dies at step K of the run whose steps are BASE + step
-CLEAN0 = {"ok": True, "attempts": 1, "generation": 0, "rebuilds": 0, "commits": [[True, []]], "error": None}
+CLEAN0 = {
+    "ok": True,
+    "attempts": 1,
+    "generation": 0,
+    "rebuilds": 0,
+    "commits": [[True, []]],
+    "died": [],
+    "early": False,
+    "error": None,
+}
 CLEAN1 = {**CLEAN0, "generation": 1}
 # What moves: parameters 65 float64 (520 B), buffers 16 float64 + one int64 (136 B), Adam's
 # exp_avg and exp_avg_sq for 65 float64 each (1040 B) and 6 float32 step counts (24 B).
@@ -22,19 +31,22 @@ CHUNKS = 7  # 256-byte chunks
 @pytest.fixture(scope="module")
 def job():
     # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart (importing torch again: 20 s seen on
-    # a loaded host), a 5 s commit wait: 28-65 s here. Hang guard: 360 s.
+    # a loaded host), a 3 s step bound: 28-65 s here. Hang guard: 360 s.
     return run_ranks("heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
 
 
 @pytest.fixture(scope="module")
 def torchrun_job():
-    # The torchrun recipe: each rank under ncclguard.testing.rank_loop, so the agent never sees
-    # the SIGKILL. The same worker: 64 s here on a loaded host. Hang guard: 360 s.
-    return run_ranks("heal_worker", 3, rank_loop=1, timeout_s=360)
+    # The torchrun recipe: each rank under its supervisor (python -m ncclguard.supervise), so the
+    # agent never sees the SIGKILL, with a warm spare that takes the dead rank's place. The same
+    # worker: 64 s here on a loaded host. Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, supervise=["--restarts=1", "--warm-spare"], timeout_s=360)
 
 
-def test_under_torchrun_a_rank_loop_restarts_the_rank_alone_and_it_is_healed(torchrun_job):
-    assert "ncclguard.testing.rank_loop: the rank exited -9; restart 1 of 1" in torchrun_job.output
+def test_under_torchrun_a_supervisor_restarts_the_rank_alone_from_its_warm_spare_and_it_is_healed(torchrun_job):
+    assert "ncclguard.supervise: the rank (pid " in torchrun_job.output
+    assert "exited -9; restart 1 of 1" in torchrun_job.output
+    assert "restart 1: the warm spare (pid " in torchrun_job.output
     assert torchrun_job[1]["life"] == 1 and torchrun_job[0]["life"] == torchrun_job[2]["life"] == 0
     assert torchrun_job[1]["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
     for r in range(3):
@@ -46,6 +58,9 @@ def test_under_torchrun_a_rank_loop_restarts_the_rank_alone_and_it_is_healed(tor
             True,
         )
     assert torchrun_job[0]["results"][K]["commits"] == [[False, [0, 1, 2]], [True, []]]
+    # The supervisor posted the death: the survivors' commit named rank 1 dead and settled then.
+    for r in (0, 2):
+        assert (torchrun_job[r]["results"][K]["died"], torchrun_job[r]["results"][K]["early"]) == ([1], True)
 
 
 def test_the_launcher_restarted_the_killed_rank_once_and_alone(job):
@@ -70,6 +85,8 @@ def test_the_survivors_rebuild_with_the_restarted_rank_and_heal_it(job):
             "generation": 1,
             "rebuilds": 1,
             "commits": [[False, [0, 1, 2]], [True, []]],
+            "died": [1],  # the launcher's notice: the commit did not wait its bound for rank 1
+            "early": True,
             "error": None,
             "world_size": 3,
             "healed": [True, role, 0, [1], BASE + K, STATE_BYTES, CHUNKS],

@@ -234,6 +234,63 @@ def test_the_outcome_is_settled_once_when_several_ranks_give_up():
     assert outcome == "timeout 3 by 0"  # rank 0's deadline comes first
 
 
+def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
+    """Ranks 0-1 of 3 wait; once a death notice names rank 2 dead, a waiting rank settles the round
+    at once (its outcome names who died), though the deadline is 60 s off; the late rank reads it."""
+    from ncclguard.store.deaths import DeathNotice, post_death, read_deaths
+
+    store = dist.HashStore()
+    keys = RoundKeys("test/early")
+
+    def early(peek: Peek) -> str | None:
+        _, notices = read_deaths(store, 0, restart="t")
+        dead = sorted(n.origin for n in notices)
+        return f"dead {dead} with {peek.present()}" if dead == [2] and peek.count() == 2 else None
+
+    rule = Rule(
+        everyone=lambda: "ok",
+        given_up=lambda peek: "timeout",
+        read=lambda raw: raw.decode(),
+        members=lambda outcome: Members(range(3), complete=False),
+        early=early,
+        poll_s=0.05,
+        first_wait_s=0.1,
+    )
+
+    def rank(r: int) -> Settled[str]:
+        return settle_round(store, keys, r, 3, f"from {r}", time.monotonic() + 60, rule, "round 'early'")
+
+    def die() -> None:
+        time.sleep(0.3)
+        post_death(store, DeathNotice(origin=2, pid=7, returncode=-9, life=0, host="h", at=0.0), restart="t")
+
+    killer = threading.Thread(target=die)
+    killer.start()
+    t0 = time.monotonic()
+    out = run_ranks(rank, {0: 0.0, 1: 0.0})
+    killer.join(5)
+    assert time.monotonic() - t0 < 20  # a hang guard: the round's deadline is 60 s
+    assert out[0].outcome == out[1].outcome == "dead [2] with [0, 1]"
+    late = rank(2)  # a rank that was not dead after all reads the same outcome
+    assert late.outcome == "dead [2] with [0, 1]" and late.number == 3
+
+
+def test_death_notices_are_counted_read_once_and_never_trusted_blindly():
+    from ncclguard.store.deaths import DeathNotice, death_count, post_death, read_deaths
+
+    store = dist.HashStore()
+    assert death_count(store, "0") == 0 and read_deaths(store, 0, "0") == (0, [])
+    notices = [DeathNotice(origin=r, pid=100 + r, returncode=-9, life=0, host="h", at=1.0) for r in (1, 3)]
+    assert [post_death(store, n, "0") for n in notices] == [1, 2]
+    assert read_deaths(store, 0, "0") == (2, notices)
+    assert read_deaths(store, 1, "0") == (2, notices[1:])  # only what the reader has not seen
+    assert read_deaths(store, 0, "1") == (0, [])  # another run of the job (torchrun restarted it) sees none
+    # A hostile value under a notice's key is skipped: nobody is named dead by it.
+    store.set("ncclguard/dead/0/3", b'{"origin": 5, "pid": -1}')
+    store.add("ncclguard/dead/0/n", 1)
+    assert read_deaths(store, 2, "0") == (3, [])
+
+
 def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
     store = dist.HashStore()
     keys = RoundKeys("test/members", arrival="a", outcome="v")

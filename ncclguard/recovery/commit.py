@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -50,6 +51,7 @@ from ncclguard.recovery.commit_protocol import (
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.deaths import read_deaths
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, read_present, settle_round
 from ncclguard.watching.metrics import count_commit
 from ncclguard.watching.watchdog import current_watchdog
@@ -72,6 +74,8 @@ class CommitResult:
         failed_ranks: group ranks that failed the step or did not arrive (sorted; the same on every rank).
         reasons: why, by failed rank (the same on every rank).
         late: this rank's statement was not in the store when the verdict was settled.
+        early: settled before the deadline: the ranks missing were known dead (their launcher
+            posted their death, :mod:`ncclguard.store.deaths`), so nobody waited for them.
         elapsed_s: seconds from entry to return.
         error: a :class:`~ncclguard.errors.CommitFailed` when not ``ok``, else None.
     """
@@ -84,6 +88,7 @@ class CommitResult:
     late: bool = False
     elapsed_s: float = 0.0
     error: CommitFailed | None = None
+    early: bool = False
 
     def __bool__(self) -> bool:
         return self.ok
@@ -219,7 +224,9 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
     keys = commit_keys(info.name, generation, step)
     size = info.size
 
-    def statements(raw: dict[int, bytes]) -> dict[int, Statement | None]:
+    known = _known_dead(store, info, size)
+
+    def statements_of(raw: dict[int, bytes]) -> dict[int, Statement | None]:
         out: dict[int, Statement | None] = {}
         for r, blob in raw.items():
             try:
@@ -232,11 +239,12 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
     def everyone() -> str:
         wanted = [keys.arrival(r) for r in range(size)]
         raw = dict(zip(range(size), store.multi_get(wanted), strict=True))
-        return encode(decide(statements(raw), size, step, timeout_s))
+        return encode(decide(statements_of(raw), size, step, timeout_s))
 
     def given_up(peek: Peek) -> str:
         raw = read_present(store, [keys.arrival(r) for r in range(size)])
-        return encode(decide(statements({keys.rank_of(k): v for k, v in raw.items()}), size, step, timeout_s))
+        dead = known() if known is not None else None
+        return encode(decide(statements_of({keys.rank_of(k): v for k, v in raw.items()}), size, step, timeout_s, dead))
 
     def read(raw: bytes) -> CommitVerdict:
         try:
@@ -244,9 +252,55 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         except DecodeError as exc:
             raise StoreUnreachable(f"the commit verdict under {keys.outcome!r} cannot be read: {exc}") from exc
 
+    def early(peek: Peek) -> str | None:
+        assert known is not None  # given to the rule only then
+        dead = known()
+        if not dead or peek.count() + len(dead) < size:
+            return None
+        present = peek.present()
+        if any(r not in present for r in range(size) if r not in dead):
+            return None  # a live rank is still on its way
+        raw = read_present(store, [keys.arrival(r) for r in present])
+        statements = statements_of({keys.rank_of(k): v for k, v in raw.items()})
+        return encode(decide(statements, size, step, timeout_s, dead, early=True))
+
     # No members: only the settling rank reads the statements, and the keys stay until the next
     # round that every rank reached (see _forget), so a late rank still finds the verdict.
-    return Rule(everyone=everyone, given_up=given_up, read=read, members=lambda v: Members((), True))
+    return Rule(
+        everyone=everyone,
+        given_up=given_up,
+        read=read,
+        members=lambda v: Members((), True),
+        early=early if known is not None else None,
+    )
+
+
+def _known_dead(store: dist.Store, info: GroupInfo, size: int) -> Callable[[], dict[int, str]] | None:
+    """For a commit on the world group: a reader of the job's death notices posted since this world
+    was made (:mod:`ncclguard.store.deaths`), as ``{group rank: how it is known}``; None elsewhere
+    (a subgroup's ranks are not mapped to launch ranks)."""
+    world = current_world()
+    if not dist.is_initialized() or info.group is not compat.default_group() or world.size not in (None, size):
+        return None
+    job = store
+    while isinstance(job, dist.PrefixStore):  # the notices are in the job's store, unprefixed
+        job = job.underlying_store
+    seen, dead = world.deaths_seen, dict[int, str]()
+    by_origin = {world.origin(r): r for r in range(size)}
+
+    def known() -> dict[int, str]:
+        nonlocal seen
+        seen, notices = read_deaths(job, seen)
+        for n in notices:
+            r = by_origin.get(n.origin)
+            if r is not None and r != info.rank:
+                dead[r] = (
+                    f"its process died (pid {n.pid}, exit {n.returncode}, launch rank {n.origin} on {n.host}, "
+                    "reported by its launcher)"
+                )
+        return dead
+
+    return known
 
 
 def should_commit(
@@ -401,4 +455,5 @@ def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: floa
         late=late,
         elapsed_s=elapsed_s,
         error=error,
+        early=verdict.early,
     )

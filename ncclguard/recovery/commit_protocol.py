@@ -81,6 +81,7 @@ class CommitVerdict(BaseModel):
         step: the commit count the round was held for.
         arrived: the ranks whose statement was in the store when it was settled (sorted).
         failed: why each failed rank failed (rank -> reasons); empty when ``ok``.
+        early: settled before the deadline, the ranks missing being known dead.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,6 +90,7 @@ class CommitVerdict(BaseModel):
     step: int = Field(ge=0)
     arrived: list[int]
     failed: dict[int, list[str]] = Field(default_factory=dict)
+    early: bool = False
 
 
 def verdict_limit(size: int) -> int:
@@ -208,6 +210,8 @@ def decide(
     size: int,
     step: int,
     timeout_s: float,
+    dead: Mapping[int, str] | None = None,
+    early: bool = False,
 ) -> CommitVerdict:
     """The verdict of step ``step``'s commit from the statements present when it is settled.
 
@@ -216,6 +220,8 @@ def decide(
         size: the group's size: a rank in ``0..size-1`` not in ``statements`` did not arrive.
         step: the commit count the round was held for.
         timeout_s: the commit's deadline, for the missing ranks' reason.
+        dead: missing ranks known dead, with how it is known (the reason given instead).
+        early: the verdict is settled before the deadline because of them.
 
     Returns:
         The verdict: ok only when every rank arrived with a readable, clean statement and the
@@ -223,7 +229,9 @@ def decide(
     """
     failed: dict[int, list[str]] = {}
     for r in range(size):
-        if r not in statements:
+        if r not in statements and dead and r in dead:
+            failed[r] = [clip(dead[r])]
+        elif r not in statements:
             failed[r] = [f"did not reach should_commit for commit {step} within {timeout_s:g} s"]
         elif statements[r] is None:
             failed[r] = ["its statement could not be read"]
@@ -234,4 +242,4 @@ def decide(
     if len(readable) > 1:
         _disagreements(readable, failed)
     arrived = sorted(r for r in statements if 0 <= r < size)
-    return CommitVerdict(ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())))
+    return CommitVerdict(ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())), early=early)

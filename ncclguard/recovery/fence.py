@@ -5,8 +5,7 @@ reaches the rebuild that would tell it the others went on without it, and torchr
 for ever. The watchdog's left-behind check (:mod:`ncclguard.watching.left_behind`) ends such a
 rank, but only on a ladder that fences. So each step of an engine arms it:
 
-- with a watchdog running, :meth:`~ncclguard.watching.watchdog.Watchdog.fence_left_behind` turns
-  the check on (it reads the world record only while a peer is silent: no store traffic in a
+- with a watchdog running, :func:`ncclguard.watching.left_behind.arm` turns its check on (it reads the world record only while a peer is silent: no store traffic in a
   healthy job);
 - without one, a small thread (``ncclguard-left-behind``) reads the job's world record every
   :data:`POLL_S` seconds on a store connection of its own, and applies the same rule.
@@ -31,7 +30,7 @@ from ncclguard.store.codec import decode
 from ncclguard.store.keys import world_record_key
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 from ncclguard.watching.actions import exit_now
-from ncclguard.watching.left_behind import LeftBehind
+from ncclguard.watching.left_behind import LeftBehind, arm
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import current_world
 
@@ -58,8 +57,9 @@ class _Monitor:
         while True:
             time.sleep(POLL_S)
             wd = current_watchdog()
-            if wd is not None and wd.fences_left_behind:
-                return  # the watchdog's check has taken over
+            if wd is not None:  # the watchdog's check takes over
+                arm(wd)
+                return
             world = current_world()
             if world.store is None or not (dist.is_available() and dist.is_initialized()):
                 continue  # no world yet (a restarted process waiting to rejoin is never fenced)
@@ -100,6 +100,6 @@ def arm_left_behind_fence() -> None:
     """Turns the left-behind fence on for this process (see the module doc); cheap when it is on."""
     wd = current_watchdog()
     if wd is not None:
-        wd.fence_left_behind()
+        arm(wd)
     else:
         _MONITOR.ensure()

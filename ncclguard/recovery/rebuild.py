@@ -42,7 +42,9 @@ from ncclguard.recovery.protocol import (
     world_prefix,
 )
 from ncclguard.recovery.reaper import reaper
+from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.codec import encode
+from ncclguard.store.deaths import death_count
 from ncclguard.store.keys import world_record_key
 from ncclguard.world import Slot, World, announce, current_world
 
@@ -135,6 +137,17 @@ def write_world_record(store: dist.Store, record: WorldRecord) -> None:
         store.set(world_record_key(), encode(record))
     except (RuntimeError, dist.DistStoreError) as exc:
         log.warning("rebuild_world: the job's world record could not be written (%s)", exc)
+
+
+def deaths_before(store: dist.Store, deadline: float) -> int:
+    """The job's death notices posted so far (:mod:`ncclguard.store.deaths`): a world being made
+    counts from here, since only later deaths can be of its members. 0 when the store does not say
+    in time (a later commit then waits for a dead member's bound, as without a notice)."""
+    try:
+        return bounded_store_call(store, lambda: death_count(store), max(deadline - time.monotonic(), 1.0), "deaths")
+    except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+        log.info("rebuild_world: the death count is unreadable (%s); commits will wait for a dead member", exc)
+        return 0
 
 
 def generation() -> int:
@@ -379,6 +392,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         new_rank, new_size = rank_map[world.rank], len(members)
         arrivals = meeting.arrivals
         joined = [rank_map[r] for r in members if arrivals[r].rejoined]
+        origins = tuple(a.origin if a.origin is not None else r for r, a in sorted(arrivals.items()))
         new = World(
             generation=world.generation + 1,
             rank=new_rank,
@@ -386,6 +400,8 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             rank_map=rank_map,
             left_out=tuple(missing),
             joined=tuple(joined),
+            origins=origins,
+            deaths_seen=deaths_before(world.store, deadline),
             backend=world.backend,
             store=world.store,
             timeout=world.timeout,
@@ -394,11 +410,12 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         if new_rank == min((r for r in range(new_size) if r not in joined), default=-1):
             # The lowest-numbered survivor records the world, before the handshake: a restarted
             # process in it reads it to connect, and a later one to find its place.
-            origins = [a.origin if a.origin is not None else r for r, a in sorted(arrivals.items())]
             timeout_s = world.timeout.total_seconds() if world.timeout is not None else 600.0
             write_world_record(
                 world.store,
-                WorldRecord(generation=new.generation, origins=origins, backend=world.backend, timeout_s=timeout_s),
+                WorldRecord(
+                    generation=new.generation, origins=list(origins), backend=world.backend, timeout_s=timeout_s
+                ),
             )
         handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
         try:

@@ -39,7 +39,7 @@ from ncclguard.recovery.protocol import (
     handshake_timeout,
     world_prefix,
 )
-from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult
+from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import world_record_key
 from ncclguard.world import World, announce
@@ -282,6 +282,8 @@ def _build(
         rank_map=rank_map,
         left_out=tuple(r for r in range(len(rec.origins)) if r not in rank_map),
         joined=tuple(joined),
+        origins=tuple(new_rec.origins),
+        deaths_seen=deaths_before(store, deadline),
         backend=new_rec.backend,
         store=store,
         timeout=timedelta(seconds=new_rec.timeout_s),

@@ -142,6 +142,11 @@ class Rule(Generic[T]):
         read: the outcome's raw value into what the caller uses (may raise: the round ends with it).
         members: the members the outcome names.
         keep_outcome: the last member out leaves the outcome in the store.
+        early: while a rank waits, the outcome to settle before the deadline, or None to wait on
+            (a commit settles at once when the ranks missing are known dead). Asked every
+            ``poll_s`` once ``first_wait_s`` has passed: a healthy round is settled by then.
+        poll_s: how often ``early`` is asked.
+        first_wait_s: how long a rank waits for the outcome before it asks ``early``.
     """
 
     everyone: Callable[[], str]
@@ -149,6 +154,9 @@ class Rule(Generic[T]):
     read: Callable[[bytes], T]
     members: Callable[[T], Members]
     keep_outcome: bool = False
+    early: Callable[[Peek], str | None] | None = None
+    poll_s: float = 0.1
+    first_wait_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,25 @@ class Settled(Generic[T]):
     number: int
     arrivals: dict[int, bytes] | None
     elapsed_s: float
+
+
+def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float, rule: Rule[T]) -> bytes:
+    """The outcome once another rank settles it; else, past the deadline or as soon as ``rule.early``
+    has one, the outcome this rank settles (compare-and-set: the first settlement stands)."""
+    peek = Peek(store, keys, size)
+    first = deadline - time.monotonic() if rule.early is None else min(deadline - time.monotonic(), rule.first_wait_s)
+    if wait_for(store, keys.outcome, first):
+        return bytes(store.get(keys.outcome))
+    # Polled with check, not waited for in slices: torch 2.13's TCPStore client logs two warning
+    # lines for every wait that times out.
+    while time.monotonic() < deadline:
+        outcome = rule.early(peek) if rule.early is not None else None
+        if outcome is not None:
+            return bytes(store.compare_set(keys.outcome, "", outcome))
+        if store.check([keys.outcome]):
+            return bytes(store.get(keys.outcome))
+        time.sleep(max(min(rule.poll_s, deadline - time.monotonic()), 0.0))
+    return bytes(store.compare_set(keys.outcome, "", rule.given_up(peek)))
 
 
 def settle_round(
@@ -209,10 +236,8 @@ def settle_round(
         number = int(store.add(keys.count, 1))
         if number >= size:
             raw = store.compare_set(keys.outcome, "", rule.everyone())
-        elif wait_for(store, keys.outcome, deadline - time.monotonic()):
-            raw = store.get(keys.outcome)
         else:
-            raw = store.compare_set(keys.outcome, "", rule.given_up(Peek(store, keys, size)))
+            raw = _wait_outcome(store, keys, size, deadline, rule)
         outcome = rule.read(bytes(raw))
         members = rule.members(outcome)
         if rank not in members.ranks:

@@ -9,7 +9,8 @@ With ``restarts=N`` it restarts a rank that died, alone, up to N times, with the
 and ``NCCLGUARD_RESTART_COUNT`` set to its restart number: the restarted process rejoins the
 live ranks (:func:`ncclguard.rejoin_world`) and takes their state (:func:`ncclguard.heal_from_peer`);
 ``RecoveringStep(..., heal=True)`` does both. Every restart is logged in
-:attr:`SpawnResult.restarts`.
+:attr:`SpawnResult.restarts`. Every death (an exit that is not 0) is posted in the job's store
+(:mod:`ncclguard.store.deaths`), so the survivors' commit settles without waiting for the dead rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ncclguard.store.deaths import DeathPoster
 
 __all__ = [
     "RESTART_COUNT_VAR",
@@ -147,6 +150,12 @@ class _Rank:
             start_new_session=True,
         )
 
+    def note(self, text: str) -> None:
+        """A line of the launcher's own in the rank's captured stderr."""
+        if self.files[1] is not None:
+            self.files[1].write(f"# ncclguard.testing.launch: {text}\n")
+            self.files[1].flush()
+
     def restart(self, returncode: int) -> None:
         _kill_tree(self.proc)  # what the dead process left running in its session
         self.proc.wait()
@@ -251,12 +260,18 @@ def spawn(
     result = SpawnResult()
     deadline = start + timeout_s
     running = set(range(nproc))
+    deaths: DeathPoster | None = None  # made at the first death: a job where nobody dies needs none
     while running:
         for rank in sorted(running):
             r = ranks[rank]
             rc = r.proc.poll()
             if rc is None:
                 continue
+            if rc != 0:  # the survivors' commit reads a dead rank's notice and settles at once
+                deaths = deaths or DeathPoster(base, connect_s=0.0)
+                why_not = deaths.post(rank, r.proc.pid, rc, len(r.lives))
+                if why_not is not None:
+                    r.note(why_not)
             if rc != 0 and len(r.lives) < restarts and (codes is None or rc in codes):
                 r.restart(rc)
                 result.restarts.append(Restart(rank, len(r.lives), rc, time.monotonic() - start))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
@@ -32,7 +33,7 @@ from ncclguard.watching.actions import exit_now
 from ncclguard.watching.protocol import WatchdogStore
 from ncclguard.world import current_world
 
-__all__ = ["LeftBehind", "fence_if_left_behind"]
+__all__ = ["LeftBehind", "arm", "fence_if_left_behind"]
 
 
 @dataclass
@@ -68,6 +69,17 @@ class LeftBehind:
         if self.since is None:
             self.since = now
         return now - self.since >= self.grace_s
+
+
+def arm(watchdog: Any) -> None:
+    """Turns the fence on for ``watchdog`` whatever its ladder (the recovery engine does, for a rank
+    stuck for good inside a step: :mod:`ncclguard.recovery.fence`); idempotent.
+
+    Args:
+        watchdog: the running :class:`~ncclguard.watching.watchdog.Watchdog`.
+    """
+    if watchdog._left is None:
+        watchdog._left = LeftBehind(watchdog.config.fence_after)
 
 
 def fence_if_left_behind(

@@ -146,18 +146,6 @@ class Watchdog:
         self._announced = _Announced()
         self._unsubscribe: Any = None
 
-    @property
-    def fences_left_behind(self) -> bool:
-        """True when this watchdog ends its rank once the others went on to a newer world without
-        it (a ``fence`` ladder, or :meth:`fence_left_behind`)."""
-        return self._left is not None
-
-    def fence_left_behind(self) -> None:
-        """Turns the left-behind fence on whatever the ladder (the recovery engine does, for a rank
-        stuck for good inside a step: :mod:`ncclguard.recovery.fence`); idempotent."""
-        if self._left is None:
-            self._left = LeftBehind(self.config.fence_after)
-
     # ----------------------------------------------------------------- life cycle
 
     def start(self) -> Watchdog:

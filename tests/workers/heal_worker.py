@@ -32,11 +32,13 @@ rankkit.rank = lambda: int(os.environ["RANK"])  # results go by launch rank, wha
 ME = int(os.environ["RANK"])
 LIFE = ncclguard.restart_count()
 
-# A dead peer fails the others' collectives at once ("Connection closed by peer"); the group's
-# timeout only bounds a rank left waiting on a live peer that gave up, and DDP's first broadcast
-# on a loaded host (3 s was too short there for a rank that reached it late).
-GROUP_TIMEOUT_S = 10.0
-COMMIT_S = 5.0  # the survivors wait this long for the dead rank's statement
+# A dead peer fails some survivors' collective at once ("Connection reset by peer"); gloo leaves
+# another survivor waiting for data the first one will never send until its op's timeout: the step
+# bound (collective_timeout) ends it. The group's own timeout bounds DDP's first broadcast on a
+# loaded host (3 s was too short there for a rank that reached it late).
+GROUP_TIMEOUT_S = 60.0
+BOUND_STEP_S = 3.0
+COMMIT_S = 30.0  # a hang guard: the dead rank's notice settles the commit once the live ranks are in
 REBUILD_S = 60.0  # hang guard: the survivors' meeting ends when the restarted rank arrives
 HEAL_S = 30.0  # hang guard for the transfer (a few ms here)
 CHUNK = 256  # bytes per broadcast: the state (about 3 KiB) goes in many chunks
@@ -85,6 +87,9 @@ def summary(res: StepResult) -> dict[str, Any]:
         "generation": res.generation,
         "rebuilds": res.rebuilds,
         "commits": [[c.ok, c.failed_ranks] for c in res.commits],
+        # Ranks a commit knew dead from their launcher's notice (it settled without waiting for them).
+        "died": [r for c in res.commits for r, why in c.reasons.items() if "reported by its launcher" in " ".join(why)],
+        "early": any(c.early for c in res.commits),  # settled without waiting its bound for the dead
         "error": type(res.error).__name__ if res.error is not None else None,
         "world_size": dist.get_world_size(),
     }
@@ -109,6 +114,7 @@ def train(kill_at: int | None, base: int) -> tuple[torch.nn.Module, torch.optim.
         module,
         opt,
         wrap=wrap,
+        collective_timeout=BOUND_STEP_S,
         commit_timeout=COMMIT_S,
         rebuild_timeout=REBUILD_S,
         heal=True,

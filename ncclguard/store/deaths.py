@@ -1,0 +1,212 @@
+"""Death notices: a launcher that saw a rank's process die says so in the job's store, at once.
+
+A rank killed outright (SIGKILL, the OOM killer, a segfault) never reaches its commit, and the
+survivors' commit would wait its whole bound for its statement (9.1 s of every kill in the failure
+drill before this). The process that supervises the rank (:mod:`ncclguard.supervise`, the
+``--restarts`` option of ``ncclguard run``; :func:`ncclguard.testing.launch.spawn`) sees the death
+the moment it happens and posts a :class:`DeathNotice`; a commit waiting for that rank reads it and
+settles at once (:mod:`ncclguard.recovery.commit`).
+
+Keys, under ``ncclguard/dead/<restart>`` (``<restart>`` is ``TORCHELASTIC_RESTART_COUNT``, so a job
+that torchrun restarted whole never reads its previous run's notices): a counter ``n`` and one
+notice per death, ``<i>`` for ``i`` in ``1..n``. A reader remembers how many it has seen (a world
+starts from the count at its rebuild: :attr:`ncclguard.world.World.deaths_seen`) and reads only the
+new ones. The counter is bumped after the notice is written, so a reader never meets a number
+whose notice is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard.errors import StoreUnreachable
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.codec import DecodeError, decode, encode
+
+__all__ = [
+    "MAX_NOTICE_BYTES",
+    "DeathNotice",
+    "DeathPoster",
+    "death_count",
+    "notice_now",
+    "post_death",
+    "read_deaths",
+]
+
+MAX_NOTICE_BYTES = 4 * 1024
+_MAX_READ = 256  # notices read in one call at most; the rest wait for the next poll
+
+
+class DeathNotice(BaseModel):
+    """One rank's process that died, as its launcher saw it.
+
+    Attributes:
+        origin: its launch rank (``RANK`` when it was started; a rebuild renumbers, this stays).
+        pid: the process that died.
+        returncode: how it ended (negative: killed by that signal, as ``Popen.returncode``).
+        life: its restart number (``NCCLGUARD_RESTART_COUNT``: 0 for a rank's first process).
+        host: the launcher's host.
+        at: ``time.time()`` on that host when the death was seen.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    origin: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    returncode: int
+    life: int = Field(ge=0)
+    host: str = Field(max_length=255)
+    at: float
+
+
+def _prefix(restart: str | None = None) -> str:
+    if restart is None:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"ncclguard/dead/{restart}"
+
+
+def post_death(store: dist.Store, notice: DeathNotice, restart: str | None = None) -> int:
+    """Posts ``notice``; returns its number.
+
+    Args:
+        store: the job's store (unprefixed).
+        notice: the death.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+
+    Returns:
+        The notice's number (1 for the job's first death).
+    """
+    prefix = _prefix(restart)
+    # The number comes first, from a counter of its own, so two launchers never write one key;
+    # the public counter ``n`` moves only once the notice is there.
+    number = int(store.add(f"{prefix}/taken", 1))
+    store.set(f"{prefix}/{number}", encode(notice))
+    store.add(f"{prefix}/n", 1)
+    return number
+
+
+def death_count(store: dist.Store, restart: str | None = None) -> int:
+    """How many notices are readable now (one store call).
+
+    Args:
+        store: the job's store.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+
+    Returns:
+        The count.
+    """
+    return int(store.add(f"{_prefix(restart)}/n", 0))
+
+
+def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tuple[int, list[DeathNotice]]:
+    """The notices after the first ``seen``; a count read but no new notice costs one store call.
+
+    Args:
+        store: the job's store.
+        seen: how many the caller has read already.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+
+    Returns:
+        The new count of notices read, and the new notices (an unreadable one is skipped: a
+        hostile value never names a rank dead).
+    """
+    prefix = _prefix(restart)
+    count = death_count(store, restart)
+    if count <= seen:
+        return seen, []
+    upto = min(count, seen + _MAX_READ)
+    wanted = [f"{prefix}/{i}" for i in range(seen + 1, upto + 1)]
+    present = [k for k in wanted if store.check([k])]
+    found = []
+    for key, raw in zip(present, store.multi_get(present) if present else [], strict=True):
+        try:
+            found.append(decode(DeathNotice, bytes(raw), f"the death notice under {key!r}", MAX_NOTICE_BYTES))
+        except DecodeError:
+            continue
+    return upto, found
+
+
+def notice_now(origin: int, pid: int, returncode: int, life: int, host: str) -> DeathNotice:
+    """A notice stamped now (what a launcher posts)."""
+    return DeathNotice(origin=origin, pid=pid, returncode=returncode, life=life, host=host, at=time.time())
+
+
+class DeathPoster:
+    """A launcher's line to the job's store (``MASTER_ADDR:MASTER_PORT`` of the ranks' environment),
+    to post a rank's death the moment it happens.
+
+    The client is made ahead, on a thread of its own, once something listens at the store's
+    address (the store may not be up yet: under ``ncclguard.testing.launch`` rank 0 hosts it), so
+    a death is posted without that delay; a job with no store costs a refused connection now and
+    then, nothing more.
+
+    Args:
+        env: the ranks' environment (the store's address and ``TORCHELASTIC_RESTART_COUNT``).
+        connect_s: how long the client keeps looking for the store.
+        bound_s: the bound of one post.
+    """
+
+    def __init__(self, env: dict[str, str], *, connect_s: float = 120.0, bound_s: float = 5.0) -> None:
+        self._addr, self._port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        self._restart = env.get("TORCHELASTIC_RESTART_COUNT")
+        self._bound_s, self._connect_s = bound_s, connect_s
+        self._store: dist.Store | None = None
+        self._lock = threading.Lock()
+        if self._addr and self._port.isdigit():
+            threading.Thread(target=self._look, name="ncclguard-death-poster", daemon=True).start()
+
+    def _listening(self) -> bool:
+        try:
+            with socket.create_connection((self._addr, int(self._port)), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def _connected(self) -> dist.Store | None:
+        with self._lock:
+            if self._store is None and self._addr and self._port.isdigit() and self._listening():
+                try:
+                    self._store = dist.TCPStore(
+                        self._addr,
+                        int(self._port),
+                        is_master=False,
+                        timeout=timedelta(seconds=self._bound_s),
+                        wait_for_workers=False,
+                    )
+                except (RuntimeError, dist.DistStoreError):
+                    self._store = None
+            return self._store
+
+    def _look(self) -> None:
+        deadline = time.monotonic() + self._connect_s
+        while self._connected() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def post(self, origin: int, pid: int, returncode: int, life: int) -> str | None:
+        """Posts that launch rank ``origin``'s process ``pid`` ended with ``returncode``.
+
+        Args:
+            origin: the rank's launch rank.
+            pid: the process that died.
+            returncode: ``Popen.returncode`` (negative: the signal).
+            life: its restart number.
+
+        Returns:
+            None when it was posted; else why not, in words (the launcher says it).
+        """
+        store = self._connected()
+        if store is None:
+            return f"no store at {self._addr}:{self._port} to post the death of launch rank {origin} to"
+        notice = notice_now(origin, pid, returncode, life, socket.gethostname())
+        try:
+            bounded_store_call(store, lambda: post_death(store, notice, self._restart), self._bound_s, "death notice")
+        except (StoreUnreachable, RuntimeError) as exc:
+            return f"the death of launch rank {origin} was not posted: {exc}"
+        return None

@@ -1,0 +1,104 @@
+"""A warm spare: a standby Python process that has imported torch (and what ``--preload`` names)
+and waits to take a dead rank's place.
+
+A restarted rank spends its first seconds importing: torch alone takes 1.5 to 3 s on the machines
+here, transformers or Lightning several more. The supervisor (:mod:`ncclguard.supervise.loop`)
+keeps one spare per rank, started beside the rank's process; when the rank dies, the supervisor
+writes one line to the spare's standard input (``{"restart": n}``) and the spare runs the rank's
+script in its own process, with ``NCCLGUARD_RESTART_COUNT`` set to ``n``: the imports are done.
+
+Run as ``python -m ncclguard.supervise.spare [--preload MOD ...] -- PYTHON SCRIPT ARGS`` (or
+``-- PYTHON -m MODULE ARGS``); only those two forms of a Python command can be taken over. An end of
+its input (the supervisor went away) ends the spare with status 0, running nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Target", "main", "target_of"]
+
+RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
+MAX_LINE = 4096
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a spare runs: a script (``path``) or a module (``module``), with its arguments."""
+
+    path: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+
+def target_of(argv: Sequence[str]) -> Target | None:
+    """The Python script or module a rank's command runs, or None when a spare cannot run it.
+
+    Args:
+        argv: the rank's command, ``[python, script, ...]`` or ``[python, -m, module, ...]``.
+
+    Returns:
+        The target, or None (not a Python command, or a form with interpreter options).
+    """
+    if len(argv) < 2 or not Path(argv[0]).name.startswith("python"):
+        return None
+    if argv[1] == "-m" and len(argv) >= 3:
+        return Target(None, argv[2], tuple(argv[3:]))
+    if argv[1].startswith("-"):
+        return None
+    return Target(argv[1], None, tuple(argv[2:]))
+
+
+def _run(target: Target) -> None:
+    if target.module is not None:
+        sys.argv = [target.module, *target.args]
+        sys.path[0] = os.getcwd()  # as ``python -m`` sets it
+        runpy.run_module(target.module, run_name="__main__", alter_sys=True)
+    else:
+        assert target.path is not None
+        sys.argv = [target.path, *target.args]
+        sys.path[0] = str(Path(target.path).resolve().parent)  # as ``python script.py`` sets it
+        runpy.run_path(target.path, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The spare's life: import, wait for the word, run the rank's script. Returns its status."""
+    ap = argparse.ArgumentParser(prog="python -m ncclguard.supervise.spare")
+    ap.add_argument("--preload", action="append", default=[], help="a module to import while waiting")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    ns = ap.parse_args(argv)
+    cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
+    target = target_of(cmd)
+    if target is None:
+        sys.stderr.write(f"ncclguard.supervise.spare: cannot take over {cmd[:3]!r}\n")
+        return 2
+    # The point of a spare: these imports are done before the rank needs them.
+    import torch.distributed  # noqa: F401
+
+    import ncclguard.recovery  # noqa: F401
+
+    for name in ns.preload:
+        importlib.import_module(name)
+    line = sys.stdin.readline(MAX_LINE)
+    if not line:
+        return 0  # the supervisor is gone: nothing to take over
+    word = json.loads(line)
+    restart = word.get("restart") if isinstance(word, dict) else None
+    if not isinstance(restart, int) or isinstance(restart, bool) or restart < 1:
+        sys.stderr.write(f"ncclguard.supervise.spare: an unreadable word from the supervisor: {line[:200]!r}\n")
+        return 2
+    os.environ[RESTART_COUNT_VAR] = str(restart)
+    _run(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
