@@ -5,15 +5,19 @@ Runs (each one torchrun launch of 3 ranks on this host, the same model, data and
 
 - ``clean``: ``RecoveringStep`` and the watchdog (ladder ``report, abort, fence``), no fault;
 - ``stall``: the same with a stall every ``--every`` seconds: rank 2, then 1, then 2, ... sleeps
-  ``--stall-s`` (past the group's ``--group-timeout``) once; every rank redoes the step on a
-  rebuilt world of 3. Final parameters must be bit-equal to ``clean``'s;
+  ``--stall-s`` (past the step bound ``--group-timeout``, ``RecoveringStep``'s
+  ``collective_timeout``) once; every rank redoes the step on a rebuilt world of 3. Final
+  parameters must be bit-equal to ``clean``'s;
 - ``stuck``: the first fault is rank 2 stuck for good in Python (a sleep loop it never leaves): its
   watchdog fences it (exit 0), ranks 0-1 rebuild as a world of 2 and go on; later faults are stalls
   of rank 1;
-- ``kill``: rank 2, then 1, then 2, ... SIGKILLs itself once per fault; each rank runs under
-  ``ncclguard.testing.rank_loop``, which restarts the killed process alone (torchrun's agent never
+- ``kill``: rank 2, then 1, then 2, ... SIGKILLs itself once per fault; each rank runs under its
+  supervisor (``python -m ncclguard.supervise``), which posts the death in the job's store (the
+  survivors' commit settles at once) and restarts the killed process alone (torchrun's agent never
   sees it fail); the restarted process rejoins the survivors' rebuild in its old place and is
   healed from a live peer (``RecoveringStep(heal=True)``), and every rank redoes the step;
+- ``spare``: ``kill`` with ``--warm-spare``: a standby process that imported torch takes the dead
+  rank's place;
 - ``restart``: the baseline: plain DDP, a checkpoint every ``--ckpt-every`` steps, torchrun
   ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
   restarts every rank, and they go on from the last checkpoint.
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
-MODES = ("clean", "stall", "stuck", "kill", "restart")
+MODES = ("clean", "stall", "stuck", "kill", "spare", "restart")
 NPROC = 3
 # The watchdog of the recovering runs: a hang after 2 s, the fence 6 s after the abort rung (so a
 # stall of a few seconds is redone, never fenced), heartbeats every 0.5 s.
@@ -107,6 +111,12 @@ def _deadline(group_timeout: float) -> None:
     compat.set_group_timeout(compat.default_group(), timedelta(seconds=group_timeout))
 
 
+def _kill_time(out: Path, me: int) -> float | None:
+    """When this launch rank was last killed (its fault mark), or None."""
+    times = [float(t) for p in out.glob("fault-*.done") for r, t in [p.read_text().split()] if int(r) == me]
+    return max(times, default=None)
+
+
 def _save_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}")
     tmp.write_text(text)
@@ -131,19 +141,21 @@ def rank_recovering(args: argparse.Namespace) -> None:
     import ncclguard
 
     out, me = Path(args.out), int(os.environ["RANK"])
-    kill = args.mode == "kill"
-    restarted = ncclguard.restart_count() > 0  # a killed rank restarted by rank_loop: it rejoins, no init
+    kill = args.mode in ("kill", "spare")
+    restarted = ncclguard.restart_count() > 0  # a killed rank restarted by its supervisor: it rejoins, no init
     if not restarted:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     module = _model()
     from torch.nn.parallel import DistributedDataParallel
 
+    stepper_at = time.time()
     stepper = ncclguard.RecoveringStep(
         module,
         torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
         # One bucket layout from the first step on: a re-wrapped DDP otherwise starts from its
         # initial layout, and the ring all-reduce sums some elements in another order (last bit).
         wrap=lambda m: DistributedDataParallel(m, find_unused_parameters=True),
+        collective_timeout=args.group_timeout,  # the step bound; the group keeps its own 120 s
         commit_timeout=args.commit_timeout,
         # A killed rank's restart imports torch again before it rejoins: seconds on a loaded host.
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
@@ -155,8 +167,16 @@ def rank_recovering(args: argparse.Namespace) -> None:
         **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
     )
     start_file = out / "t0.txt"
-    if not restarted:  # a restarted process must make no collective the survivors do not make
-        _deadline(args.group_timeout)
+    if restarted:  # when this process took the dead rank's place, and when it was healed
+        joined = {
+            "kill_at": _kill_time(out, me),
+            "script_at": args.script_at,
+            "stepper_at": stepper_at,
+            "healed_at": time.time(),
+        }
+        _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
+    else:  # a restarted process must make no collective the survivors do not make
+        dist.barrier()  # every rank ready (ranks of a loaded host start seconds apart)
         if me == 0:
             _save_text(start_file, repr(time.time()))
         dist.barrier()
@@ -173,8 +193,8 @@ def rank_recovering(args: argparse.Namespace) -> None:
                 first[0] = False
                 i = faults.due(time.time())
                 if i is not None and faults.victim(i) == me:
-                    if kill:  # marked first: the restarted process does not repeat it
-                        (out / f"fault-{i}.done").touch()
+                    if kill:  # marked first (with the time): the restarted process does not repeat it
+                        _save_text(out / f"fault-{i}.done", f"{me} {time.time()!r}")
                         os.kill(os.getpid(), signal.SIGKILL)
                     if args.mode == "stuck" and i == 0:
                         while True:  # stuck for good: the watchdog's fence rung ends this process
@@ -187,7 +207,17 @@ def rank_recovering(args: argparse.Namespace) -> None:
         attempted += res.attempts
         healed += bool(res.healed)
         if res.attempts > 1:
-            recoveries.append({"step": step, "attempts": res.attempts, "s": round(res.elapsed_s, 3)})
+            rec = stepper.recoveries[-1]  # where the recovery's seconds went (Recovered.timings)
+            recoveries.append(
+                {
+                    "step": step,
+                    "attempts": res.attempts,
+                    "s": round(res.elapsed_s, 3),
+                    "early": res.commits[0].early,  # the failed commit settled on a death notice
+                    "healed": rec.healed_ranks,
+                    **rec.timings,
+                }
+            )
         if not res:
             raise SystemExit(f"step {step} was not applied: {res.error}")
     t1 = time.time()
@@ -321,8 +351,9 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     ]
     restarts = ["--max-restarts", "100"] if mode == "restart" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
-    if mode == "kill":  # each rank in a loop that restarts it alone: the agent never sees it die
-        worker = ["-m", "ncclguard.testing.rank_loop", "--restarts", "100", "--", sys.executable, *worker]
+    if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
+        spare = ["--warm-spare"] if mode == "spare" else []
+        worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if mode == "restart":
@@ -357,7 +388,14 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     # kill and restart: a fault that fell due while its victim was down restarting hit nobody, so
     # the faults injected are the victims' marks, not the count rank 0's clock says were due.
     marks = len(list(out.glob("fault-*.done")))
-    res["faults_injected"] = marks if mode in ("kill", "restart") else res["faults"]
+    res["faults_injected"] = marks if mode in ("kill", "spare", "restart") else res["faults"]
+    if mode in ("kill", "spare"):  # from the kill to the new process's script, and to its heal
+        joins = [json.loads(p.read_text()) for p in sorted(out.glob("joined-*.json"))]
+        res["restarts"] = [
+            {"script_s": round(j["script_at"] - j["kill_at"], 3), "healed_s": round(j["healed_at"] - j["kill_at"], 3)}
+            for j in joins
+            if j.get("kill_at") is not None
+        ]
     return res
 
 
@@ -369,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
     p.add_argument("--stall-s", type=float, default=3.0, help="a stall; past --group-timeout")
-    p.add_argument("--group-timeout", type=float, default=2.0, help="the gloo group's timeout")
+    p.add_argument(
+        "--group-timeout",
+        type=float,
+        default=2.0,
+        help="the step bound (collective_timeout; the baseline's group timeout)",
+    )
     p.add_argument("--commit-timeout", type=float, default=8.0, help="RecoveringStep's commit and rebuild")
     p.add_argument(
         "--rejoin-timeout", type=float, default=90.0, help="kill: the survivors' rebuild waits this for the restart"
@@ -382,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_mode is not None:
+        args.script_at = time.time()  # a rank's first line (a restarted one's: after its imports)
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         args.mode = args.rank_mode
         (rank_restart if args.mode == "restart" else rank_recovering)(args)
         return 0
@@ -421,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     clean = ok.get("clean")
     if "stall" in ok and clean is not None:
         summary["stall_bit_equal_to_clean"] = runs["stall"]["digest"] == clean["digest"]
-    if "kill" in ok and clean is not None:
-        summary["kill_bit_equal_to_clean"] = runs["kill"]["digest"] == clean["digest"]
+    for mode in ("kill", "spare"):
+        if mode in ok and clean is not None:
+            summary[f"{mode}_bit_equal_to_clean"] = runs[mode]["digest"] == clean["digest"]
     if "stall" in ok and "restart" in ok:
         summary["stall_vs_restart_throughput"] = runs["stall"]["steps_per_s"] / runs["restart"]["steps_per_s"]
     result = {

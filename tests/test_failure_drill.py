@@ -1,5 +1,6 @@
-"""The failure drill's short form (benchmarks/failure_drill.py --short): a fault-free run and a run
-with a stall past the group's deadline, 3 real gloo ranks each under torchrun."""
+"""The failure drill's short form (benchmarks/failure_drill.py --short): a fault-free run, a run with
+a stall past the step bound, and a run whose ranks are killed (SIGKILL) and restarted by their
+supervisor from a warm spare; 3 real gloo ranks each under torchrun."""
 
 from __future__ import annotations
 
@@ -17,17 +18,18 @@ REPO = Path(__file__).parent.parent
 
 def test_the_short_drill_recovers_every_stall_and_reports_its_numbers(tmp_path):
     out = tmp_path / "drill.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "failure_drill.py"), "--short", "--modes", "clean", "stall"]
-    # Two launches of ~50 s each on a loaded 2-core host (most of it starting 3 processes each);
+    modes = ["clean", "stall", "spare"]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "failure_drill.py"), "--short", "--modes", *modes]
+    # Three launches of ~50 s each on a loaded 2-core host (most of it starting 3 processes each);
     # hang guard over 3x that. Each launch has its own bound inside (300 s).
-    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=700, cwd=REPO)
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    clean, stall = res["runs"]["clean"], res["runs"]["stall"]
+    clean, stall, spare = res["runs"]["clean"], res["runs"]["stall"], res["runs"]["spare"]
     # The issue's target: with stalls only, the final parameters are bit-equal to the clean run's
     # (SHA-256 of every parameter). It holds with DDP(find_unused_parameters=True): see docs/recovery.md.
     assert res["summary"]["stall_bit_equal_to_clean"] is True
-    for run in (clean, stall):
+    for run in (clean, stall, spare):
         assert run["committed"] == run["steps"] == 60
         assert 0 < run["efficiency"] <= 1 and run["efficiency"] == run["committed"] / run["attempted"]
         assert run["steps_per_s"] > 0 and run["equal_across_ranks"] is True and run["same_digest_on_survivors"]
@@ -36,4 +38,11 @@ def test_the_short_drill_recovers_every_stall_and_reports_its_numbers(tmp_path):
     assert stall["faults"] >= 1  # a stall every 6 s
     assert stall["attempted"] > stall["committed"]  # at least one step was redone
     assert [r["attempts"] for r in stall["recoveries"]] == [2] * len(stall["recoveries"])
-    assert res["runs"].keys() == {"clean", "stall"}
+    # Kills: each one's death posted by the supervisor (the survivors' commit settled without
+    # waiting for the dead rank), a warm spare took its place, it was healed, the step redone.
+    assert spare["faults_injected"] >= 1 and len(spare["restarts"]) == spare["faults_injected"]
+    assert sum(len(rec["healed"]) for rec in spare["recoveries"]) == spare["faults_injected"]
+    for rec in spare["recoveries"]:
+        assert rec["attempts"] >= 2 and rec["early"] is True and rec["healed"]
+    assert res["summary"]["spare_bit_equal_to_clean"] is True
+    assert res["runs"].keys() == set(modes)

@@ -254,7 +254,6 @@ def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
         members=lambda outcome: Members(range(3), complete=False),
         early=early,
         poll_s=0.05,
-        first_wait_s=0.1,
     )
 
     def rank(r: int) -> Settled[str]:

@@ -161,6 +161,9 @@ class Recovered:
         failed_ranks: the ranks the failed commits named (their worlds' numbering).
         healed_ranks: the restarted ranks healed at its rebuilds (the new world's numbering).
         elapsed_s: seconds from the first attempt's start to the commit that was ok.
+        timings: where those seconds went, summed over the attempts: ``attempt`` (the first
+            attempt, its collectives' wait for the failed rank included), ``commit``, ``rebuild``
+            (with a restarted rank: waiting for its process to come), ``heal``, ``rewrap``, ``redo``.
     """
 
     step: int
@@ -170,6 +173,7 @@ class Recovered:
     failed_ranks: list[int]
     healed_ranks: list[int]
     elapsed_s: float
+    timings: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, Any]:
         """The ``ncclguard_recover_*`` values every adapter logs (one builder for all of them)."""
@@ -236,6 +240,19 @@ class WorldEvent:
     kind: Literal["rebuilt", "left_out"]
     result: RebuildResult
     step: int
+
+
+class _Clock:
+    """Seconds spent per phase of a transaction (:attr:`Recovered.timings`)."""
+
+    def __init__(self, start: float) -> None:
+        self.last = start
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 class Adapter(abc.ABC):
@@ -494,22 +511,26 @@ class Transaction(Generic[T]):
         commits: list[CommitResult] = []
         rebuilds, healed, joined = 0, None, list[int]()
         error: NcclGuardError | None = None
+        clock = _Clock(self._start)
+        clock.lap("attempt")  # the first attempt ran before the commit
         try:
             for attempt in range(1, opts.max_attempts + 1):
                 # A redo passes no step=: the first attempt's commit already checked it.
                 checked = self.step if attempt == 1 and not self._redo else None
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
                 commits.append(res)
+                clock.lap("commit")
                 if res:
                     engine.applied += 1
                     if attempt > 1:
-                        self._recovered(number, attempt, commits, joined)
+                        self._recovered(number, attempt, commits, joined, clock.laps)
                     return self._result(True, attempt, rebuilds, commits, None, healed)
                 error = res.error or CommitFailed(f"step {number}'s commit failed")
                 if attempt == opts.max_attempts or redo is None:
                     break
                 self.engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
                 rebuilt = engine.rebuild(number) if dist.is_available() and dist.is_initialized() else None
+                clock.lap("rebuild")
                 if rebuilt is not None:
                     rebuilds += 1
                     if not rebuilt:
@@ -518,10 +539,12 @@ class Transaction(Generic[T]):
                 adapter.restore(self._extra)
                 if rebuilt is not None:
                     healed = engine.heal_joined(rebuilt, number) or healed
+                    clock.lap("heal")
                     if healed is not None and not healed:
                         return self._result(False, attempt, rebuilds, commits, healed.error, healed)
                     joined += rebuilt.joined_ranks
                     adapter.rewrap(rebuilt)
+                    clock.lap("rewrap")
                 log.warning(
                     "%s: redoing step %d in world generation %d (%d ranks), attempt %d",
                     adapter.name,
@@ -534,11 +557,14 @@ class Transaction(Generic[T]):
                 self.failure = None
                 adapter.zero_grad()
                 self.run(redo)
+                clock.lap("redo")
             return self._result(False, len(commits), rebuilds, commits, error, healed)
         finally:
             self.close()
 
-    def _recovered(self, number: int, attempts: int, commits: list[CommitResult], joined: list[int]) -> None:
+    def _recovered(
+        self, number: int, attempts: int, commits: list[CommitResult], joined: list[int], timings: dict[str, float]
+    ) -> None:
         record = Recovered(
             step=number,
             attempts=attempts,
@@ -547,6 +573,7 @@ class Transaction(Generic[T]):
             failed_ranks=sorted({r for c in commits if not c.ok for r in c.failed_ranks}),
             healed_ranks=sorted(set(joined)),
             elapsed_s=time.monotonic() - self._start,
+            timings={k: round(v, 4) for k, v in timings.items()},
         )
         engine = self.engine
         engine.recoveries.append(record)

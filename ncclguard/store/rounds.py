@@ -143,10 +143,11 @@ class Rule(Generic[T]):
         members: the members the outcome names.
         keep_outcome: the last member out leaves the outcome in the store.
         early: while a rank waits, the outcome to settle before the deadline, or None to wait on
-            (a commit settles at once when the ranks missing are known dead). Asked every
-            ``poll_s`` once ``first_wait_s`` has passed: a healthy round is settled by then.
+            (a commit settles at once when the ranks missing are known dead); asked every ``poll_s``.
+        watch: asked once as a rank starts to wait: whether ``early`` could settle anything (a
+            commit: whether any death was posted). No: a single wait to the deadline, no polling.
+            None: always poll.
         poll_s: how often ``early`` is asked.
-        first_wait_s: how long a rank waits for the outcome before it asks ``early``.
     """
 
     everyone: Callable[[], str]
@@ -155,8 +156,8 @@ class Rule(Generic[T]):
     members: Callable[[T], Members]
     keep_outcome: bool = False
     early: Callable[[Peek], str | None] | None = None
+    watch: Callable[[], bool] | None = None
     poll_s: float = 0.1
-    first_wait_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -181,11 +182,11 @@ def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float
     """The outcome once another rank settles it; else, past the deadline or as soon as ``rule.early``
     has one, the outcome this rank settles (compare-and-set: the first settlement stands)."""
     peek = Peek(store, keys, size)
-    first = deadline - time.monotonic() if rule.early is None else min(deadline - time.monotonic(), rule.first_wait_s)
-    if wait_for(store, keys.outcome, first):
-        return bytes(store.get(keys.outcome))
-    # Polled with check, not waited for in slices: torch 2.13's TCPStore client logs two warning
-    # lines for every wait that times out.
+    if rule.early is None or not (rule.watch is None or rule.watch()):
+        # Nothing could settle it early: one wait to the deadline (torch 2.13's TCPStore client logs
+        # two warning lines for each wait that times out, so waits are not sliced).
+        if wait_for(store, keys.outcome, deadline - time.monotonic()):
+            return bytes(store.get(keys.outcome))
     while time.monotonic() < deadline:
         outcome = rule.early(peek) if rule.early is not None else None
         if outcome is not None:

@@ -1,8 +1,9 @@
 """A warm spare: a standby Python process that has imported torch (and what ``--preload`` names)
 and waits to take a dead rank's place.
 
-A restarted rank spends its first seconds importing: torch alone takes 1.5 to 3 s on the machines
-here, transformers or Lightning several more. The supervisor (:mod:`ncclguard.supervise.loop`)
+A restarted rank spends its first seconds importing: torch takes 1.5 to 3 s on the machines here,
+``torch._dynamo`` (which the first optimizer a script makes imports) 3 to 8 s more under load, and
+transformers or Lightning several more. The supervisor (:mod:`ncclguard.supervise.loop`)
 keeps one spare per rank, started beside the rank's process; when the rank dies, the supervisor
 writes one line to the spare's standard input (``{"restart": n}``) and the spare runs the rank's
 script in its own process, with ``NCCLGUARD_RESTART_COUNT`` set to ``n``: the imports are done.
@@ -28,6 +29,10 @@ __all__ = ["Target", "main", "target_of"]
 
 RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
 MAX_LINE = 4096
+# What every rank of a training script imports, and takes seconds: torch; torch._dynamo, which the
+# first optimizer a script makes imports (torch/optim/optimizer.py, through torch._compile), and
+# with it sympy: 3 to 8 s measured here, more than torch itself; DDP; ncclguard.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "ncclguard.recovery")
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if target is None:
         sys.stderr.write(f"ncclguard.supervise.spare: cannot take over {cmd[:3]!r}\n")
         return 2
-    # The point of a spare: these imports are done before the rank needs them.
-    import torch.distributed  # noqa: F401
-
-    import ncclguard.recovery  # noqa: F401
-
-    for name in ns.preload:
+    for name in (*PRELOAD, *ns.preload):  # the point of a spare: done before the rank needs them
         importlib.import_module(name)
     line = sys.stdin.readline(MAX_LINE)
     if not line:
