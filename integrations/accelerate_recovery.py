@@ -9,12 +9,15 @@
         if res:
             scheduler.step()      # once per applied step, never for an attempt that failed
 
-It is :class:`~ncclguard.recovery.recovering.RecoveringStep` with a ``wrap`` that knows the
-Accelerator: after a rebuild it points the wrapper ``accelerator.prepare`` returned (the same
-object, so ``accelerator._models`` and the loop's variable follow) at the new group
-(:func:`~ncclguard.recovery.repoint.repoint_ddp`), and, when the world changed size or this rank
-was renumbered, updates Accelerate's shared state (``num_processes``, ``process_index``: what
-``accelerator.is_main_process``, ``gather`` and the samplers Accelerate builds later read).
+It is :class:`~ncclguard.recovery.recovering.RecoveringStep` (the recovery engine's adapter for a
+loop of your own) with a ``wrap`` that knows the Accelerator: after a rebuild it points the wrapper
+``accelerator.prepare`` returned (the same object, so ``accelerator._models`` and the loop's
+variable follow) at the new group (:func:`~ncclguard.recovery.repoint.repoint_ddp`), and, when the
+world changed size or this rank was renumbered, updates Accelerate's shared state
+(``num_processes``, ``process_index``: what ``accelerator.is_main_process``, ``gather`` and the
+samplers Accelerate builds later read). After a rebuild that admitted restarted ranks
+(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery.repoint.rewrapped_ddp`):
+use the model ``step_fn`` is given, or ``stepper.model``, not the one ``prepare`` returned.
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
 ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`. A rank the others went
 on without exits with status 0 (the engine's left-out policy).
@@ -35,9 +38,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ncclguard.recovery.engine import LeftOut, Recovered
+from ncclguard import _torch_compat as compat
+from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered
 from ncclguard.recovery.recovering import RecoveringStep
-from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
+from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
+from ncclguard.world import current_world
 
 __all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step"]
 
@@ -73,8 +78,11 @@ class AcceleratorRecoveringStep(RecoveringStep):
         accelerator: the loop's ``Accelerator`` (``gradient_accumulation_steps`` must be 1: see Raises).
         model: the prepared model (a ``DistributedDataParallel`` under several processes).
         optimizer: the prepared optimizer.
-        collective_timeout, commit_timeout, rebuild_timeout, allow_shrink, max_attempts, left_out: as
-            for :class:`RecoveringStep`.
+        collective_timeout, commit_timeout, rebuild_timeout, allow_shrink, max_attempts, heal,
+            heal_timeout, left_out: as for :class:`RecoveringStep`. With ``heal=True`` a rank
+            restarted by its supervisor joins the survivors here (its ``Accelerator()`` stood in
+            for the world until then) and receives a live peer's module and optimizer state; the
+            loop then starts at :attr:`resume_step`.
 
     Attributes:
         recoveries: every step that was redone on a rebuilt world, oldest first
@@ -96,11 +104,13 @@ class AcceleratorRecoveringStep(RecoveringStep):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        collective_timeout: float | timedelta | None = 300.0,
+        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         allow_shrink: bool = False,
         max_attempts: int = 3,
+        heal: bool = False,
+        heal_timeout: float | timedelta = 60.0,
         left_out: LeftOut = "exit",
     ) -> None:
         if not isinstance(accelerator, Accelerator):
@@ -130,13 +140,24 @@ class AcceleratorRecoveringStep(RecoveringStep):
             rebuild_timeout=rebuild_timeout,
             allow_shrink=allow_shrink,
             max_attempts=max_attempts,
+            heal=heal,
+            heal_timeout=heal_timeout,
             left_out=left_out,
         )
 
     def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Called once at construction (nothing to do) and after each rebuild.
-        if repoint_ddp(self.wrapper):
-            follow_world(dist.get_rank(), dist.get_world_size())
+        # At construction (nothing to do, unless this process just joined: its wrapper was built on
+        # the stand-in) and after each rebuild.
+        old = self.wrapper
+        if not isinstance(old, DistributedDataParallel) or old.process_group is compat.default_group():
+            return old
+        if current_world().joined:  # restarted ranks joined: every rank's wrapper starts afresh
+            self.wrapper = rewrapped_ddp(old)
+            models = self.accelerator._models
+            models[:] = [self.wrapper if m is old else m for m in models]
+        else:
+            repoint_ddp(old)
+        follow_world(dist.get_rank(), dist.get_world_size())
         return self.wrapper
 
     def log(self, record: Recovered) -> None:
@@ -170,7 +191,7 @@ def recovering_step(
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
         **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
-            ``max_attempts``, ``left_out``.
+            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``.
 
     Returns:
         An :class:`AcceleratorRecoveringStep`.

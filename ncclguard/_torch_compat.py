@@ -33,6 +33,7 @@ __all__ = [
     "default_group",
     "default_store",
     "ddp_update_process_group",
+    "init_stand_in_group",
     "dump_flight_recorder",
     "flight_recorder_available",
     "get_default_timeout_fn",
@@ -72,6 +73,7 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "torch._C._distributed_c10d._dump_nccl_trace_json": (2, 5),
     "ProcessGroupNCCL._group_start": (2, 2),
     "torch.distributed.nn.functional defaults": (2, 0),
+    "torch.testing._internal.distributed.fake_pg": (2, 2),
 }
 
 
@@ -347,3 +349,25 @@ def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> 
     if not callable(update):
         raise _missing("DistributedDataParallel._update_process_group")
     update(group)
+
+
+def init_stand_in_group(rank: int, world_size: int, init: Callable[..., Any] | None = None) -> None:
+    """Makes a stand-in default group of ``world_size`` with this process as ``rank``: torch's
+    ``fake`` backend (``torch.testing._internal.distributed.fake_pg``), whose collectives return at
+    once and move nothing. What a framework sets up on it (DDP's constructor broadcasts, a barrier)
+    talks to nobody; the rank and size it reads are the real ones.
+
+    Args:
+        rank: this process's rank.
+        world_size: the world's size.
+        init: torch's ``init_process_group`` (default ``torch.distributed.init_process_group``).
+
+    Raises:
+        TorchCompatError: this torch has no fake backend.
+    """
+    _gate("torch.testing._internal.distributed.fake_pg")
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:
+        raise _missing("torch.testing._internal.distributed.fake_pg", exc) from None
+    (init or dist.init_process_group)("fake", store=FakeStore(), rank=rank, world_size=world_size)

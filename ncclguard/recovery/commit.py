@@ -272,7 +272,6 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         read=read,
         members=lambda v: Members((), True),
         early=early if known is not None else None,
-        watch=(lambda: bool(known())) if known is not None else None,
     )
 
 

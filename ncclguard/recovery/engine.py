@@ -51,12 +51,14 @@ from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
+from ncclguard.recovery import stand_in
 from ncclguard.recovery.bound import StepBound
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.fence import arm_left_behind_fence
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
-from ncclguard.recovery.rejoin import rejoin_world, restart_count
+from ncclguard.recovery.rejoin import rejoin_world
+from ncclguard.recovery.restarts import restart_count
 from ncclguard.recovery.step_state import StepState
 from ncclguard.watching.actions import exit_now
 
@@ -338,8 +340,9 @@ class Recovery:
             RebuildFailed: no rebuild admitted this process within ``rebuild_timeout``.
             HealFailed: the state did not arrive.
         """
-        if not (self.options.heal and restart_count() > 0) or (dist.is_available() and dist.is_initialized()):
+        if not (self.options.heal and restart_count() > 0) or (dist.is_initialized() and not stand_in.active()):
             return None
+        stand_in.leave()  # what the framework set up on it is built again on the joined world
         rejoin_world(timeout=self.options.rebuild_timeout_s).raise_for_error()
         healed = heal_from_peer(
             self.adapter.get_module(),

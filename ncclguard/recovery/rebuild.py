@@ -32,6 +32,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.errors import RebuildFailed, StoreUnreachable
+from ncclguard.recovery import stand_in
 from ncclguard.recovery.meeting import Meeting, meet
 from ncclguard.recovery.protocol import (
     Arrival,
@@ -419,7 +420,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             )
         handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
         try:
-            dist.init_process_group(
+            stand_in.torch_init_process_group(
                 world.backend,
                 store=dist.PrefixStore(world_prefix(new.generation), world.store),
                 rank=new_rank,

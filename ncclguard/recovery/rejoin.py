@@ -27,6 +27,7 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
+from ncclguard.recovery import stand_in
 from ncclguard.recovery.meeting import meet
 from ncclguard.recovery.protocol import (
     MAX_RECORD_BYTES,
@@ -40,32 +41,15 @@ from ncclguard.recovery.protocol import (
     world_prefix,
 )
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
+from ncclguard.recovery.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import world_record_key
 from ncclguard.world import World, announce
 
 __all__ = ["RESTART_COUNT_VAR", "read_world_record", "rejoin_world", "restart_count"]
 
-# Set by a launcher that restarts one rank alone: 0 (or unset) in a rank's first process, n in its
-# n-th restart (ncclguard.testing.launch.spawn(restarts=...) sets it).
-RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
-
 _lock = threading.Lock()
 _POLL_S = 0.05  # how often a waiting newcomer looks at the store: a few requests a second
-
-
-def restart_count() -> int:
-    """This process's restart number: 0 in a rank's first process, n in its n-th restart
-    (``NCCLGUARD_RESTART_COUNT``, set by ``ncclguard.testing.launch.spawn(restarts=...)`` or by a
-    wrapper that restarts one rank alone: docs/recovery.md "Healing a restarted rank").
-
-    Raises:
-        ValueError: the variable is set but is not a non-negative integer.
-    """
-    raw = os.environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
-    if not raw.isdigit():
-        raise ValueError(f"{RESTART_COUNT_VAR}={raw!r} is not a non-negative integer (the restart number)")
-    return int(raw)
 
 
 def read_world_record(store: dist.Store) -> WorldRecord | None:
@@ -292,7 +276,7 @@ def _build(
     announce(new)
     handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
     try:
-        dist.init_process_group(
+        stand_in.torch_init_process_group(
             new_rec.backend,
             store=dist.PrefixStore(world_prefix(target), store),
             rank=rank_map[slot],

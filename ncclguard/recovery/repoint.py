@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 
-__all__ = ["repoint_ddp", "repoint_sampler", "unwrapped"]
+__all__ = ["repoint_ddp", "repoint_sampler", "rewrapped_ddp", "unwrapped"]
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -50,6 +50,33 @@ def repoint_ddp(model: torch.nn.Module) -> bool:
         return False
     compat.ddp_update_process_group(model, group)
     return True
+
+
+def rewrapped_ddp(model: DistributedDataParallel) -> DistributedDataParallel:
+    """A new ``DistributedDataParallel`` of ``model``'s module on the current default group, with
+    ``model``'s settings.
+
+    After a rebuild that admitted restarted ranks, every rank of the new world wraps its module
+    again: a wrapper re-pointed in place keeps the gradient buckets it rebuilt after its first step,
+    where a restarted rank's wrapper has the initial ones, and DDP reduces bucket by bucket. New
+    wrappers start from the same layout everywhere (the constructor's, from the parameters' order).
+
+    Args:
+        model: the old wrapper (on the abandoned group, or on a restarted rank's stand-in).
+
+    Returns:
+        The new wrapper (its constructor broadcasts rank 0's parameters and buffers).
+    """
+    return DistributedDataParallel(
+        model.module,
+        device_ids=model.device_ids,
+        output_device=model.output_device,
+        broadcast_buffers=model.broadcast_buffers,
+        find_unused_parameters=model.find_unused_parameters,
+        bucket_cap_mb=model.bucket_bytes_cap / (1024 * 1024),
+        gradient_as_bucket_view=model.gradient_as_bucket_view,
+        static_graph=model.static_graph,
+    )
 
 
 def repoint_sampler(loader: Any, rank: int, size: int) -> list[str]:

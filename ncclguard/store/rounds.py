@@ -44,6 +44,7 @@ T = TypeVar("T")
 
 # Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
 GRACE_S = 1.0
+MAX_SLEEP_S = 0.5  # the longest sleep between two looks at a round's outcome (with an early rule)
 
 
 def wait_for(store: dist.Store, key: str, timeout_s: float) -> bool:
@@ -143,11 +144,9 @@ class Rule(Generic[T]):
         members: the members the outcome names.
         keep_outcome: the last member out leaves the outcome in the store.
         early: while a rank waits, the outcome to settle before the deadline, or None to wait on
-            (a commit settles at once when the ranks missing are known dead); asked every ``poll_s``.
-        watch: asked once as a rank starts to wait: whether ``early`` could settle anything (a
-            commit: whether any death was posted). No: a single wait to the deadline, no polling.
-            None: always poll.
-        poll_s: how often ``early`` is asked.
+            (a commit settles at once when the ranks missing are known dead). Asked every
+            ``poll_s`` at first, less often the longer the wait.
+        poll_s: how often ``early`` is asked at first.
     """
 
     everyone: Callable[[], str]
@@ -156,7 +155,6 @@ class Rule(Generic[T]):
     members: Callable[[T], Members]
     keep_outcome: bool = False
     early: Callable[[Peek], str | None] | None = None
-    watch: Callable[[], bool] | None = None
     poll_s: float = 0.1
 
 
@@ -182,18 +180,25 @@ def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float
     """The outcome once another rank settles it; else, past the deadline or as soon as ``rule.early``
     has one, the outcome this rank settles (compare-and-set: the first settlement stands)."""
     peek = Peek(store, keys, size)
-    if rule.early is None or not (rule.watch is None or rule.watch()):
-        # Nothing could settle it early: one wait to the deadline (torch 2.13's TCPStore client logs
-        # two warning lines for each wait that times out, so waits are not sliced).
+    if rule.early is None:
         if wait_for(store, keys.outcome, deadline - time.monotonic()):
             return bytes(store.get(keys.outcome))
-    while time.monotonic() < deadline:
-        outcome = rule.early(peek) if rule.early is not None else None
-        if outcome is not None:
-            return bytes(store.compare_set(keys.outcome, "", outcome))
+        return bytes(store.compare_set(keys.outcome, "", rule.given_up(peek)))
+    # Polled with check: a wait that times out logs two warning lines in torch 2.13's TCPStore
+    # client, and a wait in slices would log them at every slice. The sleeps grow with the time
+    # waited (a quarter of it, 1 ms to MAX_SLEEP_S): the outcome is seen at most a quarter late, in
+    # a few dozen requests a minute; ``early`` is asked every ``poll_s`` at first, then less often.
+    start = time.monotonic()
+    ask_at = start
+    while (now := time.monotonic()) < deadline:
         if store.check([keys.outcome]):
             return bytes(store.get(keys.outcome))
-        time.sleep(max(min(rule.poll_s, deadline - time.monotonic()), 0.0))
+        if now >= ask_at:
+            outcome = rule.early(peek)
+            if outcome is not None:
+                return bytes(store.compare_set(keys.outcome, "", outcome))
+            ask_at = now + min(rule.poll_s + (now - start) / 10, MAX_SLEEP_S * 4)
+        time.sleep(max(min((now - start) / 4, MAX_SLEEP_S, deadline - now), 0.001))
     return bytes(store.compare_set(keys.outcome, "", rule.given_up(peek)))
 
 

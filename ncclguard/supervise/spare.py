@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ncclguard.recovery.restarts import RESTART_COUNT_VAR
+
 __all__ = ["Target", "main", "target_of"]
 
-RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
 MAX_LINE = 4096
 # What every rank of a training script imports, and takes seconds: torch; torch._dynamo, which the
 # first optimizer a script makes imports (torch/optim/optimizer.py, through torch._compile), and
@@ -96,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"ncclguard.supervise.spare: an unreadable word from the supervisor: {line[:200]!r}\n")
         return 2
     os.environ[RESTART_COUNT_VAR] = str(restart)
+    from ncclguard.recovery import stand_in
+
+    stand_in.install()  # imported before the count was known: init_process_group stands in from now on
     _run(target)
     return 0
 

@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ncclguard.recovery.restarts import RESTART_COUNT_VAR
 from ncclguard.store.deaths import DeathPoster
 
 __all__ = [
@@ -38,10 +39,6 @@ __all__ = [
     "spawn",
     "under_launcher",
 ]
-
-# Set in a restarted rank's environment: 1 in its first restart, 2 in its second, ... (0 in a
-# rank's first process); ncclguard.restart_count() reads it.
-RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
 
 
 @dataclass

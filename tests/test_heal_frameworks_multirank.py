@@ -1,0 +1,47 @@
+"""A killed rank heals inside the frameworks, with their defaults: 3 gloo ranks under torchrun, each
+under its supervisor with a warm spare. Rank side: tests/workers/heal_frameworks_worker.py."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS, K = 6, 3
+SUPERVISE = ["--restarts=1", "--warm-spare"]
+
+
+def killed_and_healed(job, final_generation: int = 1) -> None:
+    """What every framework's run must show: the kill, the restart from the spare, the heal, the
+    redo of step K on every rank, and every rank ending on the same parameters."""
+    assert "exited -9; restart 1 of 1" in job.output and "restart 1: the warm spare (pid " in job.output
+    for r in range(3):
+        assert job[r]["world"] == [r, 3, final_generation]
+        assert job[r]["params_equal_across_ranks"] is True
+    assert job[1]["life"] == 1 and job[0]["life"] == job[2]["life"] == 0
+
+
+@pytest.fixture(scope="module")
+def accelerate_job():
+    # 6 steps, a SIGKILL, a restart from a warm spare, a 3 s step bound: about 40 s here.
+    return run_ranks("heal_frameworks_worker", 3, "accelerate", supervise=SUPERVISE, timeout_s=300)
+
+
+def test_a_killed_rank_heals_inside_an_accelerate_loop(accelerate_job):
+    killed_and_healed(accelerate_job)
+    for r in (0, 2):
+        res = accelerate_job[r]
+        # Step K failed on the survivors (the commit settled on the death notice), was redone in
+        # generation 1 with the restarted rank healed, and the rest ran there.
+        assert res["results"][K] == [K, True, 2, 1, True]
+        assert [s[:4] for s in res["results"]] == [[s, True, 1, 0] for s in range(K)] + [[K, True, 2, 1]] + [
+            [s, True, 1, 1] for s in range(K + 1, STEPS)
+        ]
+        assert res["recoveries"] == [[K, 2, 1, [1]]]
+        assert res["healed"] is None and res["resume_step"] is None
+        assert res["optimizer_equal_across_ranks"] is True
+    back = accelerate_job[1]
+    assert back["resume_step"] == K and back["healed"] == [True, "receiver", K]
+    assert [s[:4] for s in back["results"]] == [[s, True, 1, 1] for s in range(K, STEPS)]
+    assert back["optimizer_equal_across_ranks"] is True

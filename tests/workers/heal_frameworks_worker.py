@@ -1,0 +1,108 @@
+"""Rank side of tests/test_heal_frameworks_multirank.py: a killed rank, restarted by its supervisor
+(``python -m ncclguard.supervise --restarts 1 --warm-spare``) under torchrun, heals inside a
+framework. Usage: ``heal_frameworks_worker.py accelerate|hf|lightning``.
+
+Every rank trains STEPS steps with the framework's defaults; at step K launch rank 1 SIGKILLs
+itself. Its supervisor posts the death (the survivors' commit settles without waiting for it) and
+a warm spare runs this script again with ``NCCLGUARD_RESTART_COUNT=1``: the framework makes its
+process group (a stand-in until the join), the recovery's join point joins the survivors' rebuild
+and receives a live peer's state, and every rank redoes step K. At the end the ranks compare their
+parameters (and, where the framework has them, the optimizer's state) bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import rankkit
+import torch
+import torch.distributed as dist
+from rankkit import put
+
+import ncclguard
+
+OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
+ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
+LIFE = ncclguard.restart_count()
+STEPS, K, VICTIM = 6, 3, 1
+BOUND_S = 3.0  # collective_timeout: a survivor gloo leaves waiting fails its step by then
+REJOIN_S = 120.0  # hang guard: the survivors' rebuild waits this long for the restarted rank
+rankkit.rank = lambda: ME
+
+
+def die_here(step: int, results: list[Any]) -> None:
+    """Launch rank 1's first life dies at step K: its results so far are saved first."""
+    if step == K and ME == VICTIM and LIFE == 0:
+        put("results", results)
+        put("life", LIFE)
+        (OUT / f"life0-rank{ME}.json").write_text(json.dumps(rankkit._results, default=str))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + ME)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 1, generator=g, dtype=torch.float64)
+
+
+def flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def equal_across_ranks(mine: torch.Tensor) -> bool:
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def optimizer_state(opt: Any) -> torch.Tensor:
+    parts = [v for s in opt.state_dict()["state"].values() for k, v in sorted(s.items()) if torch.is_tensor(v)]
+    return flat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def accelerate() -> None:
+    from accelerate import Accelerator
+
+    from ncclguard.integrations.accelerate import recovering_step
+
+    accelerator = Accelerator(cpu=True)  # makes the process group (a restarted rank's: a stand-in)
+    torch.manual_seed(7)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    model, opt = accelerator.prepare(module, torch.optim.Adam(module.parameters(), lr=0.05))
+    stepper = recovering_step(
+        accelerator, model, opt, heal=True, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=REJOIN_S
+    )
+    results: list[Any] = []
+    for step in range(stepper.resume_step or 0, STEPS):
+        x, y = batch(step)
+
+        def step_fn(m: torch.nn.Module, step: int = step, x: Any = x, y: Any = y) -> None:
+            die_here(step, results)
+            accelerator.backward(torch.nn.functional.mse_loss(m(x), y))
+
+        res = stepper(step_fn, step=step)
+        results.append([step, res.ok, res.attempts, res.generation, any(c.early for c in res.commits)])
+    healed = stepper.healed
+    put("results", results)
+    put("life", LIFE)
+    put("resume_step", stepper.resume_step)
+    put("healed", None if healed is None else [healed.ok, healed.role, healed.step])
+    put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in stepper.recoveries])
+    put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    put("params_equal_across_ranks", equal_across_ranks(flat(module.parameters())))
+    put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(opt)))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    {"accelerate": accelerate}[sys.argv[1]]()
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    main()
