@@ -196,6 +196,8 @@ def guard_trainer(
     commit_timeout: float | timedelta | None = None,
     rebuild_timeout: float | timedelta = 60.0,
     max_attempts: int = 3,
+    heal: bool = False,
+    heal_timeout: float | timedelta = 60.0,
     left_out: LeftOut = "exit",
 ) -> Trainer:
     """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
@@ -220,6 +222,12 @@ def guard_trainer(
         rebuild_timeout: with ``recover``, seconds (or a timedelta) each rebuild waits for them.
         max_attempts: with ``recover``, times a step runs at most; past it every rank raises
             :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
+        heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
+            --restarts``) comes back: its ``TrainingArguments`` stand in for the world until
+            ``trainer.train()`` joins the survivors and receives a live peer's model, optimizer,
+            scheduler, Trainer state and generators; then every rank enters the training loop again
+            at the step the join redoes, through the Trainer's own resume path. Pass it on every rank.
+        heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``trainer.train()``).
 
@@ -246,6 +254,8 @@ def guard_trainer(
         commit_timeout=commit_timeout,
         rebuild_timeout=rebuild_timeout,
         max_attempts=max_attempts,
+        heal=heal,
+        heal_timeout=heal_timeout,
         left_out=left_out,
     )
     callback = NcclGuardCallback(watchdog=watchdog)
@@ -267,8 +277,9 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
     if not isinstance(recover, bool):
         raise TypeError(f"recover must be a bool, got {recover!r}")
     if not recover:
-        if options["allow_shrink"]:
-            raise ValueError("allow_shrink needs recover=True: without it no step is redone, on any world")
+        for name in ("allow_shrink", "heal"):
+            if options[name]:
+                raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         return None
     checked = recovery_options(**options)
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:

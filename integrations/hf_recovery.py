@@ -34,16 +34,26 @@ and the batch size). A rank left out exits 0 (the engine's left-out policy).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
+import json
+import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ncclguard._log import log
-from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Transaction
+from ncclguard.recovery import stand_in
+from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
+from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
+from ncclguard.recovery.restarts import restart_count
+from ncclguard.recovery.step_state import generators_to_send, restore_sent_generators
 
 from .accelerate_recovery import follow_world
 
@@ -83,6 +93,9 @@ class TrainerRecovery(Adapter):
         self._given: list[torch.Tensor] = []  # the losses returned for this step's micro-batches
         self._redone: list[torch.Tensor] = []
         self._reshard: tuple[int, int] | None = None  # (rank, size) for the next epoch's data loader
+        self._resume: dict[str, Any] | None = None  # the state train() resumes from after a join
+        if options.heal:
+            self._install_resume(trainer)
 
     @property
     def recoveries(self) -> list[Recovered]:
@@ -101,6 +114,7 @@ class TrainerRecovery(Adapter):
             self._model = model
             self._tx = self.engine.begin(number=self.trainer.state.global_step)
             self._micro, self._given = [], []
+            self._resume = None  # the resume (if any) is done: later checkpoints load as the Trainer's own
         sync = bool(self.trainer.accelerator.sync_gradients)
         grad_sync = bool(getattr(model, "require_backward_grad_sync", True))
         self._micro.append(_Micro(copy.copy(inputs), num_items_in_batch, sync, grad_sync))
@@ -109,8 +123,8 @@ class TrainerRecovery(Adapter):
         if not sync:
             return loss
         try:
-            res = self._tx.settle(lambda: self._redo(model)).raise_for_error()
-            if res.attempts == 1:
+            self._tx.settle(lambda: self._redo(model)).raise_for_error()
+            if not self._redone:  # committed as it ran (a step entered again after a join too)
                 return loss
             self._replace_losses(self._redone)
             return self._redone[-1]
@@ -138,7 +152,15 @@ class TrainerRecovery(Adapter):
             self._model.zero_grad(set_to_none=True)
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
-        """The Trainer's DDP wrapper pointed at the new group; Accelerate's state follows the world."""
+        """The Trainer's DDP wrapper pointed at the new group; Accelerate's state follows the world.
+
+        Raises:
+            Reenter: restarted ranks joined (``heal=True``): they start ``train()`` at this step, so
+                every rank enters the Trainer's loop again there (see :meth:`_train`).
+        """
+        if rebuilt.joined_ranks and self.engine.options.heal:
+            self._resume = self.heal_extra()
+            raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
         if self._model is not None:
             repoint_ddp(self._model)
         if follow_world(rebuilt.rank, rebuilt.world_size) or rebuilt.missing_ranks:
@@ -149,6 +171,80 @@ class TrainerRecovery(Adapter):
     def log(self, record: Recovered) -> None:
         """``trainer.log`` on every rank, as the Trainer logs; it adds the step and the epoch."""
         self.trainer.log(dict(record.metrics()))
+
+    def heal_extra(self) -> dict[str, Any]:
+        """What a restarted rank's Trainer resumes from, beside the model and the optimizer: the
+        Trainer's state (JSON), the LR scheduler's, and the generators as the step found them."""
+        scheduler = self.trainer.lr_scheduler
+        kept = self._tx.kept if self._tx is not None else None
+        return {
+            "trainer_state": json.dumps(dataclasses.asdict(self.trainer.state)),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "generators": generators_to_send(kept) if kept is not None else None,
+        }
+
+    def on_healed(self, result: HealResult) -> None:
+        """Keeps what the live peer sent: ``train()`` resumes from it."""
+        if not isinstance(result.extra, dict):
+            raise ValueError("the live peer sent no Trainer state to resume from (heal=True on every rank?)")
+        self._resume = result.extra
+
+    # --- joining and entering the loop again (heal=True) ------------------------------------------
+
+    def _install_resume(self, trainer: Any) -> None:
+        """Wraps ``train`` and the Trainer's checkpoint loaders on the instance: a restarted rank
+        joins in ``train()``, and every rank enters the loop again at the step a join redoes,
+        through the Trainer's own resume path (it positions the data, the step and the epoch) fed
+        from memory (:meth:`_train`)."""
+        self.original_train = trainer.train
+        trainer.train = self._train
+        for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
+            setattr(trainer, name, self._loader(name, getattr(trainer, name)))
+
+    def _loader(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self._resume is None or checkpoint != self._resume_dir():
+                return original(checkpoint, *args, **kwargs)
+            if name == "_load_optimizer_and_scheduler" and self._resume.get("scheduler") is not None:
+                self.trainer.lr_scheduler.load_state_dict(self._resume["scheduler"])
+            elif name == "_load_rng_state" and self._resume.get("generators") is not None:
+                restore_sent_generators(self._resume["generators"])
+            # The model and the optimizer are in place already: the survivors' as the step found
+            # them, a restarted rank's from the heal. The scaler: none on CPU.
+            return None
+
+        load.__doc__ = f"Trainer.{name}, fed from memory when train() resumes at a join (ncclguard)"
+        return load
+
+    def _resume_dir(self) -> str:
+        """Where the Trainer's state of a resume is written (its resume path reads it from a file):
+        inside the run's output_dir, one directory per launch rank."""
+        return str(Path(self.trainer.args.output_dir) / ".ncclguard-resume" / f"rank{os.environ.get('RANK', '0')}")
+
+    def _train(self, *args: Any, **kwargs: Any) -> Any:
+        """``trainer.train()``: on a restarted rank, joins first; on every rank, enters the loop
+        again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`)."""
+        bound = inspect.signature(self.original_train).bind(*args, **kwargs)
+        if restart_count() > 0 and stand_in.active():
+            if self.trainer.optimizer is None:  # made now, so that the heal fills it; the Trainer keeps it
+                self.trainer.create_optimizer()
+            self.engine.join_if_restarted()
+        while True:
+            if self._resume is not None:
+                path = Path(self._resume_dir())
+                path.mkdir(parents=True, exist_ok=True)
+                (path / "trainer_state.json").write_text(self._resume["trainer_state"])
+                bound.arguments["resume_from_checkpoint"] = str(path)
+            try:
+                return self.original_train(*bound.args, **bound.kwargs)
+            except Reenter as why:
+                log.warning("guard_trainer: %s; every rank enters the training loop again at the step it redoes", why)
+                self._model = None
+                trainer = self.trainer
+                # As a new process has them: the model unwrapped (Accelerate wraps it again on the
+                # new group) and the optimizer itself (Accelerate wraps it again too).
+                trainer.model_wrapped = trainer.model
+                trainer.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
     # --- the redo ------------------------------------------------------------------------------------
 

@@ -45,3 +45,28 @@ def test_a_killed_rank_heals_inside_an_accelerate_loop(accelerate_job):
     assert back["resume_step"] == K and back["healed"] == [True, "receiver", K]
     assert [s[:4] for s in back["results"]] == [[s, True, 1, 1] for s in range(K, STEPS)]
     assert back["optimizer_equal_across_ranks"] is True
+
+
+@pytest.fixture(scope="module")
+def hf_job():
+    # The warm spare imports transformers too. 6 steps of a tiny BERT, a SIGKILL: about 60 s here.
+    supervise = [*SUPERVISE, "--preload=transformers"]
+    return run_ranks("heal_frameworks_worker", 3, "hf", supervise=supervise, timeout_s=400)
+
+
+def test_a_killed_rank_heals_inside_the_hf_trainer_with_its_defaults(hf_job):
+    killed_and_healed(hf_job)
+    for r in range(3):
+        res = hf_job[r]
+        assert res["global_step"] == STEPS
+        assert res["optimizer_equal_across_ranks"] is True
+        # One (gathered) loss per step, the redone step K once, as a run without a fault; the
+        # restarted rank's history up to K came with the Trainer's state in the heal.
+        assert [s for s, _ in res["losses"]] == list(range(1, STEPS + 1))
+        assert res["losses"] == hf_job[0]["losses"]
+    assert hf_job[0]["lr"] == hf_job[1]["lr"] == hf_job[2]["lr"]  # the scheduler was healed too
+    for r in (0, 2):
+        assert hf_job[r]["recoveries"] == [[K, 2, 1, [1]]]
+        (logged,) = hf_job[r]["logged"]
+        assert logged["ncclguard_recover_generation"] == 1 and logged["ncclguard_recover_attempts"] == 2
+    assert hf_job[1]["recoveries"] == []  # its first step was the others' redo

@@ -66,6 +66,7 @@ __all__ = [
     "Adapter",
     "LeftOut",
     "Recovered",
+    "Reenter",
     "Recovery",
     "RecoveryOptions",
     "StepResult",
@@ -244,6 +245,26 @@ class WorldEvent:
     step: int
 
 
+class Reenter(Exception):
+    """Raised by an adapter's :meth:`Adapter.rewrap` when its framework's loop must be entered again
+    at the failed step on every rank (a restarted rank joined: it starts there, so the survivors
+    start there too, and their collectives meet). The engine keeps the step's transaction, which
+    the next :meth:`Recovery.begin` for it goes on with."""
+
+
+@dataclass
+class _Carried:
+    """A transaction left by :class:`Reenter`, for the next one of the same step to go on with."""
+
+    number: int
+    attempt: int
+    commits: list[CommitResult]
+    clock: _Clock
+    joined: list[int]
+    healed: HealResult | None
+    start: float
+
+
 class _Clock:
     """Seconds spent per phase of a transaction (:attr:`Recovered.timings`)."""
 
@@ -301,6 +322,15 @@ class Adapter(abc.ABC):
         """Logs a recovered step to the framework's trackers (the engine logs it to ncclguard's)."""
         return None
 
+    def heal_extra(self) -> Any:
+        """On a live rank: what a restarted rank needs besides the module and the optimizer (a
+        trainer's state, a scheduler's): tensors and JSON values, sent with the heal."""
+        return None
+
+    def on_healed(self, result: HealResult) -> None:
+        """On a restarted rank: takes what :meth:`heal_extra` sent (``result.extra``)."""
+        return None
+
 
 class Recovery:
     """The engine: owns every transaction of one training loop on this rank (see the module doc).
@@ -326,6 +356,7 @@ class Recovery:
         self._callbacks: list[Callable[[WorldEvent], None]] = []
         self._open: Transaction[Any] | None = None
         self._redo_next = False  # a restarted process's first step is the survivors' redo
+        self._carried: _Carried | None = None  # a step left by Reenter
         self.left = False  # this rank was left out (with left_out="raise"): no further step
 
     def join_if_restarted(self) -> HealResult | None:
@@ -351,6 +382,7 @@ class Recovery:
             chunk_bytes=self.options.heal_chunk_bytes,
         ).raise_for_error()
         self.applied, self._redo_next = healed.step or 0, True
+        self.adapter.on_healed(healed)
         return healed
 
     def on_change(self, fn: Callable[[WorldEvent], None]) -> Callable[[], None]:
@@ -389,7 +421,10 @@ class Recovery:
             step if step is not None else number
         )  # the heartbeat's step and the straggler windows' count; a redo is the same step
         arm_left_behind_fence()
-        tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next)
+        carried, self._carried = self._carried, None
+        if carried is not None and carried.number != (number if number is not None else step):
+            carried = None  # a different step: the one left by Reenter is not coming back
+        tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next, carried=carried)
         self._open, self._redo_next = tx, False
         self.bound.arm()
         return tx
@@ -444,6 +479,7 @@ class Recovery:
             step=step,
             timeout=self.options.heal_timeout_s,
             chunk_bytes=self.options.heal_chunk_bytes,
+            extra=self.adapter.heal_extra(),
         )
 
 
@@ -453,19 +489,29 @@ class Transaction(Generic[T]):
     Attributes:
         step: the caller's step number, or None.
         number: how the step is named (see :meth:`Recovery.begin`).
+        kept: the step's snapshot (buffers and generators as the step found them).
         failure: this rank's failure in the current attempt (an exception caught by :meth:`run`).
         output: what the last :meth:`run` returned.
     """
 
-    def __init__(self, engine: Recovery, step: int | None, number: int | None = None, redo: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Recovery,
+        step: int | None,
+        number: int | None = None,
+        redo: bool = False,
+        carried: _Carried | None = None,
+    ) -> None:
         self.engine, self.step = engine, step
         self.number = number if number is not None else step if step is not None else engine.applied
-        self._redo = redo  # the survivors' redo: its first commit passes no step=, as theirs
+        # A redo (the survivors' after Reenter, a restarted rank's first step): no step= at its commit.
+        self._redo = redo or carried is not None
+        self._carried = carried
         self.failure: BaseException | None = None
         self.output: T | None = None
-        self._start = time.monotonic()
+        self._start = carried.start if carried is not None else time.monotonic()
         adapter = engine.adapter
-        self._kept = StepState.take(adapter.get_module())
+        self.kept = StepState.take(adapter.get_module())
         self._extra = adapter.keep()
         self._closed = False
 
@@ -511,13 +557,16 @@ class Transaction(Generic[T]):
             The :class:`StepResult`; truthy when the step may be applied.
         """
         engine, opts, adapter, number = self.engine, self.engine.options, self.engine.adapter, self.number
-        commits: list[CommitResult] = []
-        rebuilds, healed, joined = 0, None, list[int]()
+        carried = self._carried
+        commits: list[CommitResult] = list(carried.commits) if carried else []
+        joined = list(carried.joined) if carried else []
+        healed = carried.healed if carried else None
+        rebuilds, first = (1, carried.attempt + 1) if carried else (0, 1)
         error: NcclGuardError | None = None
-        clock = _Clock(self._start)
-        clock.lap("attempt")  # the first attempt ran before the commit
+        clock = carried.clock if carried else _Clock(self._start)
+        clock.lap("redo" if carried else "attempt")  # this attempt ran before the commit
         try:
-            for attempt in range(1, opts.max_attempts + 1):
+            for attempt in range(first, opts.max_attempts + 1):
                 # A redo passes no step=: the first attempt's commit already checked it.
                 checked = self.step if attempt == 1 and not self._redo else None
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
@@ -538,7 +587,7 @@ class Transaction(Generic[T]):
                     rebuilds += 1
                     if not rebuilt:
                         return self._result(False, attempt, rebuilds, commits, rebuilt.error, healed)
-                self._kept.restore(adapter.get_module())
+                self.kept.restore(adapter.get_module())
                 adapter.restore(self._extra)
                 if rebuilt is not None:
                     healed = engine.heal_joined(rebuilt, number) or healed
@@ -546,7 +595,12 @@ class Transaction(Generic[T]):
                     if healed is not None and not healed:
                         return self._result(False, attempt, rebuilds, commits, healed.error, healed)
                     joined += rebuilt.joined_ranks
-                    adapter.rewrap(rebuilt)
+                    try:
+                        adapter.rewrap(rebuilt)
+                    except Reenter:
+                        clock.lap("rewrap")
+                        engine._carried = _Carried(number, attempt, commits, clock, joined, healed, self._start)
+                        raise
                     clock.lap("rewrap")
                 log.warning(
                     "%s: redoing step %d in world generation %d (%d ranks), attempt %d",

@@ -59,6 +59,8 @@ class Header(BaseModel):
         tensors: the manifest, module tensors first (``module_tensors`` of them), then the
             optimizer's, in the order their bytes are sent.
         optimizer: the optimizer's ``state_dict`` as tagged JSON (:func:`_to_json`), or None.
+        extra: what the framework's adapter sends besides (a trainer's state, a scheduler's, the
+            generators), as tagged JSON whose tensors follow the optimizer's, or None.
         step: the step the receivers should run next (the one the others redo), or None.
         error: why the source sends nothing (every rank then stops), or None.
     """
@@ -69,6 +71,7 @@ class Header(BaseModel):
     tensors: list[TensorEntry] = Field(default_factory=list)
     module_tensors: int = Field(default=0, ge=0)
     optimizer: Any = None
+    extra: Any = None
     step: int | None = None
     chunk_bytes: int = Field(default=DEFAULT_CHUNK_BYTES, ge=1)
     error: str | None = Field(default=None, max_length=4096)
@@ -85,6 +88,7 @@ class HealResult:
         source: the rank that sent (None when nothing was healed).
         receivers: the ranks that received (sorted).
         step: the step the source said to run next (what a receiver redoes), or None.
+        extra: on a receiver, what the source's ``extra`` held (tensors in place), or None.
         bytes: bytes of tensor data moved.
         chunks: broadcasts of tensor data.
         elapsed_s: seconds from entry to return.
@@ -96,6 +100,7 @@ class HealResult:
     source: int | None = None
     receivers: list[int] = field(default_factory=list)
     step: int | None = None
+    extra: Any = None
     bytes: int = 0
     chunks: int = 0
     elapsed_s: float = 0.0
@@ -173,14 +178,17 @@ def _nbytes(e: TensorEntry) -> int:
 
 
 def _header(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None, chunk: int
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None, chunk: int, extra: Any = None
 ) -> tuple[Header, list[torch.Tensor]]:
     named = _module_tensors(module)
     sent = [t.detach() for _, t in named]
     opt_tensors: list[torch.Tensor] = []
     opt_json = _to_json(optimizer.state_dict(), opt_tensors, "state_dict") if optimizer is not None else None
+    extra_json = _to_json(extra, opt_tensors, "extra") if extra is not None else None  # its tensors follow
     entries = [_entry(n, t) for n, t in named] + [_entry(f"o:{i}", t) for i, t in enumerate(opt_tensors)]
-    header = Header(tensors=entries, module_tensors=len(named), optimizer=opt_json, step=step, chunk_bytes=chunk)
+    header = Header(
+        tensors=entries, module_tensors=len(named), optimizer=opt_json, extra=extra_json, step=step, chunk_bytes=chunk
+    )
     return header, sent + [t.detach() for t in opt_tensors]
 
 
@@ -243,6 +251,7 @@ def heal_from_peer(
     timeout: float | timedelta = 60.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_bytes: int | None = None,
+    extra: Any = None,
 ) -> HealResult:
     """Copies the module's parameters and buffers and the optimizer's state from a live rank to
     the ranks that joined at the last rebuild (restarted processes); call it on every rank.
@@ -263,6 +272,9 @@ def heal_from_peer(
         chunk_bytes: bytes of tensor data per broadcast, at most.
         max_bytes: a receiver refuses a transfer larger than this; default 8 times its own
             module's bytes plus 1 MiB (an optimizer such as Adam holds 2 to 3 times the module).
+        extra: on the source, more state to send: tensors and JSON values (None, bool, int,
+            float, str, lists, tuples, dicts), never pickled; receivers find it in
+            :attr:`HealResult.extra` (a framework's adapter sends its trainer's state this way).
 
     Returns:
         A :class:`HealResult`, truthy when every receiver applied the source's state. Falsy with
@@ -306,7 +318,7 @@ def heal_from_peer(
     result = HealResult(False, role, source, wanted)
     deadline = start + timeout_s
     try:
-        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, result)
+        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, result, extra)
         result.ok = True
     except HealFailed as exc:
         result.error = exc
@@ -337,6 +349,7 @@ def _heal(
     limit: int,
     deadline: float,
     result: HealResult,
+    extra: Any = None,
 ) -> None:
     # 1. The header: its length, then its bytes. Every rank checks the length against the same bound.
     header: Header | None = None
@@ -344,7 +357,7 @@ def _heal(
     raw = b""
     if me == source:
         try:
-            header, sent = _header(module, optimizer, step, chunk_bytes)
+            header, sent = _header(module, optimizer, step, chunk_bytes, extra)
         except HealFailed as exc:
             header = Header(error=str(exc)[:4096])
         raw = header.model_dump_json().encode()
@@ -401,6 +414,11 @@ def _heal(
     result.bytes = total
     if me in receivers:
         _apply(module, optimizer, header, staged)
+        if header.extra is not None:
+            try:
+                result.extra = _from_json(header.extra, staged[header.module_tensors :])
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise HealFailed(f"the source's extra state cannot be read ({exc})") from exc
 
 
 def _scatter(view: torch.Tensor, offset: int, targets: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepState"]
+__all__ = ["StepState", "generators_to_send", "restore_sent_generators"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,43 @@ class StepState:
             import numpy
 
             numpy.random.set_state(self.np_rng)
+
+
+def generators_to_send(state: StepState) -> dict[str, Any]:
+    """The generator states of ``state`` as tensors and JSON values (what a heal can carry).
+
+    Args:
+        state: a step's snapshot.
+
+    Returns:
+        A dict for :func:`restore_sent_generators`.
+    """
+    sent: dict[str, Any] = {"cpu": state.cpu_rng, "cuda": list(state.cuda_rng), "py": state.py_rng}
+    if state.np_rng is not None:
+        name, keys, pos, has_gauss, cached = state.np_rng
+        sent["np"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return sent
+
+
+def restore_sent_generators(sent: dict[str, Any]) -> None:
+    """Sets every generator from what :func:`generators_to_send` made (on another process).
+
+    Raises:
+        ValueError, TypeError, KeyError: ``sent`` is not of that shape.
+    """
+    torch.set_rng_state(sent["cpu"])
+    if sent.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(sent["cuda"]))
+    py = sent.get("py")
+    if py is not None:
+        version, internal, gauss = py
+        random.setstate((version, tuple(internal), gauss))
+    np_state = sent.get("np")
+    if np_state is not None:
+        import numpy
+
+        name, keys, pos, has_gauss, cached = np_state
+        numpy.random.set_state((name, keys.numpy().astype(numpy.uint32), pos, has_gauss, cached))
 
 
 def _numpy_state() -> Any:

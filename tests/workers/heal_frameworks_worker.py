@@ -98,9 +98,56 @@ def accelerate() -> None:
     put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(opt)))
 
 
+def hf() -> None:
+    from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    class Killer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            die_here(state.global_step, [])
+
+    args = TrainingArguments(  # HF's defaults, on the CPU with gloo: ddp_timeout stays 1,800 s
+        output_dir=str(OUT / "hf"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=Dataset(96, seed=96), callbacks=[Killer()])
+    guard_trainer(
+        trainer,
+        recover=True,
+        heal=True,
+        watchdog=False,
+        collective_timeout=BOUND_S,
+        commit_timeout=60,
+        rebuild_timeout=REJOIN_S,
+    )
+    trainer.train()
+    recovery = find_guard(trainer).recovery
+    put("life", LIFE)
+    put("global_step", trainer.state.global_step)
+    put("losses", [[e["step"], e["loss"]] for e in trainer.state.log_history if "loss" in e])
+    put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in recovery.recoveries])
+    put("logged", [e for e in trainer.state.log_history if "ncclguard_recover_s" in e])
+    put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    put("params_equal_across_ranks", equal_across_ranks(flat(trainer.model.parameters())))
+    put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(trainer.optimizer)))
+    put("lr", trainer.lr_scheduler.get_last_lr())
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    {"accelerate": accelerate}[sys.argv[1]]()
+    {"accelerate": accelerate, "hf": hf}[sys.argv[1]]()
     rankkit.done()
 
 
