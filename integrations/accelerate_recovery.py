@@ -157,7 +157,11 @@ class AcceleratorRecoveringStep(RecoveringStep):
             models[:] = [self.wrapper if m is old else m for m in models]
         else:
             repoint_ddp(old)
-        follow_world(dist.get_rank(), dist.get_world_size())
+        rank, size = dist.get_rank(), dist.get_world_size()
+        follow_world(rank, size)
+        if getattr(self, "healed", None) is not None:  # this process joined: its stand-in said rank 0 of 1
+            for loader in self.accelerator._dataloaders:  # prepared before the join, not iterated yet
+                repoint_sampler(loader, rank, size)
         return self.wrapper
 
     def log(self, record: Recovered) -> None:

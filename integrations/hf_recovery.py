@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.recovery import stand_in
@@ -229,6 +230,7 @@ class TrainerRecovery(Adapter):
             if self.trainer.optimizer is None:  # made now, so that the heal fills it; the Trainer keeps it
                 self.trainer.create_optimizer()
             self.engine.join_if_restarted()
+            follow_world(dist.get_rank(), dist.get_world_size())  # the stand-in said rank 0 of 1
         while True:
             if self._resume is not None:
                 path = Path(self._resume_dir())

@@ -80,6 +80,13 @@ class NcclGuardCallback(Callback):
             rank. None: ``should_commit``'s default.
         rebuild_timeout: with ``recover``, seconds (or a timedelta) a rebuild waits for every rank.
         max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
+        heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
+            --restarts``) comes back: its strategy stands in for the world until the fit loop
+            starts, where it joins the survivors and receives a live peer's module, optimizer, LR
+            schedulers, fit-loop state and generators; then every rank enters the fit loop again
+            at the step the join redoes (Lightning's own resume logic; a data loader that is not
+            resumable starts its epoch again, as Lightning warns). Pass it on every rank.
+        heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``fit``).
 
@@ -105,6 +112,8 @@ class NcclGuardCallback(Callback):
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         max_attempts: int = 3,
+        heal: bool = False,
+        heal_timeout: float | timedelta = 60.0,
         left_out: LeftOut = "exit",
     ) -> None:
         if not isinstance(recover, bool):
@@ -115,10 +124,13 @@ class NcclGuardCallback(Callback):
             rebuild_timeout=rebuild_timeout,
             allow_shrink=allow_shrink,
             max_attempts=max_attempts,
+            heal=heal,
+            heal_timeout=heal_timeout,
             left_out=left_out,
         )
-        if allow_shrink and not recover:
-            raise ValueError("allow_shrink needs recover=True: without it no step is redone, on any world")
+        for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
+            if flag and not recover:
+                raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         self.recovery = StepRecovery(options, self._log_recovery) if recover else None
         self.recoveries: list[Recovered] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
@@ -148,6 +160,8 @@ class NcclGuardCallback(Callback):
         if self.recovery is not None and stage == "fit":
             check_recoverable(trainer, pl_module)
             self._wrap(trainer.strategy, "optimizer_step", self.recovery.optimizer_step(trainer))
+            if self.recovery.engine.options.heal:
+                self._wrap(trainer.fit_loop, "run", self.recovery.fit_loop_run(trainer))
         if self.eval_timeout_s is not None and stage in ("fit", "validate"):
             loop = trainer.fit_loop.epoch_loop.val_loop if stage == "fit" else trainer.validate_loop
             if not callable(getattr(loop, "run", None)):
@@ -180,8 +194,16 @@ class NcclGuardCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """The train phase goes on with the next step's number (see the module doc)."""
+        """The train phase goes on with the next step's number (see the module doc); with
+        ``heal=True``, the fit loop's state is kept (a join resumes from it)."""
         self._open("train", phase("train", step=trainer.global_step))
+        if self.recovery is not None and self.recovery.engine.options.heal:
+            self.recovery.keep_loops(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With ``heal=True``, the fit loop's state before the first batch is kept."""
+        if self.recovery is not None and self.recovery.engine.options.heal and trainer.global_step == 0:
+            self.recovery.keep_loops(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Closes the train phase."""

@@ -29,8 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions
+from ncclguard._log import log
+from ncclguard.recovery import stand_in
+from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
+from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.restarts import restart_count
+from ncclguard.recovery.step_state import generators_to_send, restore_sent_generators
 
 __all__ = ["StepRecovery", "check_recoverable"]
 
@@ -113,6 +118,9 @@ class StepRecovery(Adapter):
         self.on_recovered = on_recovered
         self.engine = Recovery(self, options)
         self.trainer: Any = None
+        self._tx: Transaction[Any] | None = None
+        self._loops: dict[str, Any] | None = None  # the fit loop's state at the last batch's end
+        self._resume: dict[str, Any] | None = None  # what the fit loop resumes from after a join
 
     def optimizer_step(self, trainer: Any) -> Callable[..., Any]:
         """The wrapper of ``trainer.strategy.optimizer_step`` (set by the callback as an instance attribute)."""
@@ -120,12 +128,87 @@ class StepRecovery(Adapter):
         original = trainer.strategy.optimizer_step
 
         def optimizer_step(optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-            tx = self.engine.begin(trainer.global_step)
+            tx = self._tx = self.engine.begin(trainer.global_step)
             tx.run(closure)  # training_step, zero_grad, backward: DDP's gradient all_reduce
-            res = tx.settle(closure).raise_for_error()
+            try:
+                res = tx.settle(closure).raise_for_error()
+            finally:
+                self._tx = None
             return original(optimizer, lambda done=res.output: done, model, **kwargs)  # computed above
 
         return optimizer_step
+
+    # ------------------------------------------------------------------------ joining (heal=True)
+
+    def keep_loops(self, trainer: Any) -> None:
+        """The fit loop's state at a batch's end (the callback's ``on_train_batch_end``, and at
+        train start): where Lightning's own mid-epoch checkpoints are taken, so its resume logic
+        reads it as one. A join resumes every rank from it."""
+        self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
+
+    def fit_loop_run(self, trainer: Any) -> Callable[[], Any]:
+        """The wrapper of ``trainer.fit_loop.run`` (set in the callback's ``setup``): on a restarted
+        rank, the join; on every rank, the fit loop entered again at a step that restarted ranks
+        joined (:class:`~ncclguard.recovery.engine.Reenter`), from the same state."""
+        self.trainer = trainer
+        original = trainer.fit_loop.run
+
+        def run() -> Any:
+            if restart_count() > 0 and stand_in.active():
+                self.engine.join_if_restarted()
+                self._resume_from()
+            while True:
+                try:
+                    return original()
+                except Reenter as why:
+                    log.warning("NcclGuardCallback: %s; every rank enters the fit loop again", why)
+                    self._resume_from()
+
+        return run
+
+    def _resume_from(self) -> None:
+        """Puts the fit loop, the LR schedulers and the generators where the join's step starts, and
+        wraps the module in DDP anew on the joined world (the same on every rank)."""
+        assert self._resume is not None  # set by the heal (restarted rank) or by rewrap (survivors)
+        resume, self._resume = self._resume, None
+        trainer = self.trainer
+        loop = trainer.fit_loop
+        # The training data is set up again, as in a new process: FitLoop.setup_data skips a loop
+        # that has a loader (and its barrier with it), and a restarted rank's has none yet.
+        if loop._data_fetcher is not None:
+            loop._data_fetcher.teardown()
+            loop._data_fetcher = None
+        loop._combined_loader = None
+        if resume.get("loops") is not None:
+            loop.load_state_dict(resume["loops"])
+        for config, state in zip(trainer.lr_scheduler_configs, resume.get("schedulers") or [], strict=False):
+            config.scheduler.load_state_dict(state)
+        if resume.get("generators") is not None:
+            restore_sent_generators(resume["generators"])
+        self._setup_model_again()
+
+    def _setup_model_again(self) -> None:
+        strategy = self.trainer.strategy
+        # The old wrapper goes first, while the reaper still holds the abandoned groups.
+        strategy.model = strategy.lightning_module
+        strategy.model = strategy._setup_model(strategy.lightning_module)
+        strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
+
+    def heal_extra(self) -> dict[str, Any]:
+        """The fit loop's state at the last batch's end, the LR schedulers' and the generators as
+        the step found them: what a restarted rank's fit loop resumes from."""
+        kept = self._tx.kept if self._tx is not None else None
+        return {
+            "loops": self._loops,
+            "schedulers": [config.scheduler.state_dict() for config in self.trainer.lr_scheduler_configs],
+            "generators": generators_to_send(kept) if kept is not None else None,
+        }
+
+    def on_healed(self, result: HealResult) -> None:
+        """Keeps what the live peer sent: the fit loop resumes from it."""
+        if not isinstance(result.extra, dict):
+            raise ValueError("the live peer sent no fit-loop state to resume from (heal=True on every rank?)")
+        self._resume = result.extra
 
     # ------------------------------------------------------------------------ the adapter's part
 
@@ -151,12 +234,16 @@ class StepRecovery(Adapter):
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The strategy's DDP wrapper made again on the new group; after a shrink, Lightning's rank
-        and world size read the new world."""
-        strategy = self.trainer.strategy
-        # The old wrapper goes first, while the reaper still holds the abandoned groups.
-        strategy.model = strategy.lightning_module
-        strategy.model = strategy._setup_model(strategy.lightning_module)
-        strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
+        and world size read the new world.
+
+        Raises:
+            Reenter: restarted ranks joined (``heal=True``): they start the fit loop at this step,
+                so every rank enters it again there (:meth:`fit_loop_run`).
+        """
+        if rebuilt.joined_ranks and self.engine.options.heal:
+            self._resume = self.heal_extra()
+            raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
+        self._setup_model_again()
         if rebuilt.missing_ranks:  # a shrink renumbered the ranks
             self._renumber()
 

@@ -351,15 +351,14 @@ def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> 
     update(group)
 
 
-def init_stand_in_group(rank: int, world_size: int, init: Callable[..., Any] | None = None) -> None:
-    """Makes a stand-in default group of ``world_size`` with this process as ``rank``: torch's
-    ``fake`` backend (``torch.testing._internal.distributed.fake_pg``), whose collectives return at
-    once and move nothing. What a framework sets up on it (DDP's constructor broadcasts, a barrier)
-    talks to nobody; the rank and size it reads are the real ones.
+def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:
+    """Makes a stand-in default group: a world of one on torch's ``fake`` backend
+    (``torch.testing._internal.distributed.fake_pg``), whose collectives return at once and move
+    nothing. In a world of one every collective is self-consistent: a broadcast of objects from
+    rank 0 returns the caller's own (Lightning's ``strategy.broadcast`` at setup), a gather its own
+    value, DDP's constructor finds nothing to sync; no device is needed.
 
     Args:
-        rank: this process's rank.
-        world_size: the world's size.
         init: torch's ``init_process_group`` (default ``torch.distributed.init_process_group``).
 
     Raises:
@@ -370,4 +369,4 @@ def init_stand_in_group(rank: int, world_size: int, init: Callable[..., Any] | N
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as exc:
         raise _missing("torch.testing._internal.distributed.fake_pg", exc) from None
-    (init or dist.init_process_group)("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    (init or dist.init_process_group)("fake", store=FakeStore(), rank=0, world_size=1)

@@ -70,3 +70,22 @@ def test_a_killed_rank_heals_inside_the_hf_trainer_with_its_defaults(hf_job):
         (logged,) = hf_job[r]["logged"]
         assert logged["ncclguard_recover_generation"] == 1 and logged["ncclguard_recover_attempts"] == 2
     assert hf_job[1]["recoveries"] == []  # its first step was the others' redo
+
+
+@pytest.fixture(scope="module")
+def lightning_job():
+    # The warm spare imports Lightning too. 6 steps, a SIGKILL: about 60 s here.
+    supervise = [*SUPERVISE, "--preload=lightning.pytorch"]
+    return run_ranks("heal_frameworks_worker", 3, "lightning", supervise=supervise, timeout_s=400)
+
+
+def test_a_killed_rank_heals_inside_a_lightning_fit_with_its_defaults(lightning_job):
+    killed_and_healed(lightning_job)
+    for r in range(3):
+        res = lightning_job[r]
+        assert res["global_step"] == STEPS
+        assert res["optimizer_equal_across_ranks"] is True
+        assert res["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)  # the scheduler stepped once a step
+    for r in (0, 2):
+        assert lightning_job[r]["recoveries"] == [[K, 2, 1, [1]]]
+    assert lightning_job[1]["recoveries"] == []

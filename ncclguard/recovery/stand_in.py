@@ -5,8 +5,12 @@ A process restarted after its rank died (``NCCLGUARD_RESTART_COUNT`` above 0, se
 a later one. But frameworks make a process group as they start (HF's ``TrainingArguments`` through
 Accelerate, Lightning's strategy, ``Accelerator()``), and build on it: DDP's constructor broadcasts,
 ``main_process_first`` holds a barrier. So in such a process ``init_process_group`` makes a
-stand-in: torch's ``fake`` backend (:func:`ncclguard._torch_compat.init_stand_in_group`), with the
-rank and the size the launcher gave, whose collectives return at once and talk to nobody.
+stand-in: a world of one on torch's ``fake`` backend (:func:`ncclguard._torch_compat.init_stand_in_group`),
+whose collectives return at once, talk to nobody and are self-consistent (an object broadcast
+from rank 0 returns the caller's own: Lightning broadcasts its log directory at setup). Until the
+join, ``dist.get_rank()`` and ``dist.get_world_size()`` say 0 and 1; frameworks that read their rank
+from the launcher's environment (Lightning) see the real ones, and Accelerate's state is made to
+follow the joined world at the join (``follow_world``).
 
 The adapter's join point drops the stand-in and joins the survivors' next rebuild
 (:func:`~ncclguard.recovery.rejoin.rejoin_world`), then receives a live peer's state: the
@@ -67,32 +71,20 @@ def leave() -> None:
     _STAND_IN.active = False
 
 
-def _argument(bound: inspect.BoundArguments, name: str, env: str) -> int:
-    value = bound.arguments.get(name, -1)
-    if isinstance(value, int) and value >= 0:
-        return value
-    raw = os.environ.get(env, "")
-    if not raw.isdigit():
-        raise ValueError(f"a restarted rank needs {env} (or {name}=) to stand in for its world, got {raw!r}")
-    return int(raw)
-
-
 def _stand_in(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         if restart_count() == 0 or dist.is_initialized():
             return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        rank, size = _argument(bound, "rank", "RANK"), _argument(bound, "world_size", "WORLD_SIZE")
-        compat.init_stand_in_group(rank, size, init=original)
+        signature.bind(*args, **kwargs)  # torch's own argument errors, as without the stand-in
+        compat.init_stand_in_group(init=original)
         _STAND_IN.active = True
         log.warning(
-            "restarted rank %d (restart %d): init_process_group made a stand-in world of %d; the rank joins the "
-            "survivors' world at its recovery's join point",
-            rank,
+            "restarted launch rank %s (restart %d): init_process_group made a stand-in world of one; the rank "
+            "joins the survivors' world at its recovery's join point",
+            os.environ.get("RANK", "?"),
             restart_count(),
-            size,
         )
         return None
 

@@ -145,9 +145,69 @@ def hf() -> None:
     put("lr", trainer.lr_scheduler.get_last_lr())
 
 
+def lightning() -> None:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ncclguard.integrations.lightning import NcclGuardCallback
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 8),
+                torch.nn.BatchNorm1d(8),
+                torch.nn.Tanh(),
+                torch.nn.Dropout(0.3),
+                torch.nn.Linear(8, 1),
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            die_here(self.trainer.global_step, [])
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * STEPS * 4, 4, generator=gen)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=4)
+    guard = NcclGuardCallback(
+        watchdog=False,
+        recover=True,
+        heal=True,
+        collective_timeout=BOUND_S,
+        commit_timeout=60,
+        rebuild_timeout=REJOIN_S,
+    )
+    model = Net()
+    trainer = Trainer(  # Lightning's defaults: the DDP strategy on gloo for devices=3 on the CPU
+        accelerator="cpu",
+        devices=3,
+        max_steps=STEPS,
+        callbacks=[guard],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    put("life", LIFE)
+    put("global_step", trainer.global_step)
+    put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in guard.recoveries])
+    put("lr", trainer.optimizers[0].param_groups[0]["lr"])
+    put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    put("params_equal_across_ranks", equal_across_ranks(flat(model.parameters())))
+    put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(trainer.optimizers[0])))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    {"accelerate": accelerate, "hf": hf}[sys.argv[1]]()
+    {"accelerate": accelerate, "hf": hf, "lightning": lightning}[sys.argv[1]]()
     rankkit.done()
 
 
