@@ -282,6 +282,11 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
                 raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         return None
     checked = recovery_options(**options)
+    if getattr(trainer.args, "torch_compile", False):
+        raise ValueError(
+            "recover=True re-points the Trainer's DDP wrapper after a rebuild; with torch_compile=True the Trainer "
+            "wraps it in a compiled module whose graphs may hold the old world. Set torch_compile=False, or recover=False"
+        )
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ValueError(
             "recover=True redoes steps of a DDP model only; this Trainer uses "

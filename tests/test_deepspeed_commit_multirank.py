@@ -42,6 +42,9 @@ def test_a_failed_step_ends_in_a_checkpoint_and_exit_75_on_every_rank(jobs):
     for r in (0, 1):
         assert failed[r]["global_steps_before_failed_step"] == K
         assert "not_exited" not in failed[r]
+        assert failed[r]["ddp_adapter_refused"].startswith(
+            "RecoveringStep cannot wrap this module again after a rebuild: it is a DeepSpeed engine"
+        )
     assert (ckpt / "latest").read_text() == f"global_step{K}"
     files = sorted(p.name for p in (ckpt / f"global_step{K}").iterdir())
     assert files == [

@@ -48,6 +48,19 @@ def test_bad_input_is_refused(parts):
         RecoveringStep(module, opt, wrap=ncclguard.FSDP2())
     with pytest.raises(TypeError, match="record_ddp needs a DistributedDataParallel model, got Sequential"):
         ncclguard.record_ddp(module)
+    # Models the adapter cannot wrap again on a rebuilt world: refused with what to pass instead.
+    with pytest.raises(ValueError, match="torch.compile'd module.*pass the module before torch.compile"):
+        RecoveringStep(torch.compile(module), opt)
+
+
+def test_a_deepspeed_engine_and_fsdp1_are_refused_with_the_adapter_to_use() -> None:
+    from ncclguard.recovery.recovering import cannot_rewrap
+
+    DeepSpeedEngine = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    FullyShardedDataParallel = type("FullyShardedDataParallel", (torch.nn.Module,), {})
+    assert "CommittedEngineStep" in cannot_rewrap(DeepSpeedEngine())
+    assert "wrap=ncclguard.FSDP2" in cannot_rewrap(FullyShardedDataParallel())
+    assert cannot_rewrap(torch.nn.Linear(2, 2)) is None
 
 
 def test_a_failed_attempt_is_redone_from_the_same_state(parts):

@@ -50,7 +50,34 @@ from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
 from ncclguard.recovery.rebuild import RebuildResult
 
-__all__ = ["RecoveringStep", "StepResult"]
+__all__ = ["RecoveringStep", "StepResult", "cannot_rewrap"]
+
+
+def cannot_rewrap(module: torch.nn.Module) -> str | None:
+    """Why a module cannot be wrapped again on a rebuilt world by this adapter, or None.
+
+    Args:
+        module: what the caller passed as the module to train.
+
+    Returns:
+        The reason and what to pass instead, or None when it can.
+    """
+    kind = type(module)
+    if kind.__name__ == "DeepSpeedEngine" or kind.__module__.startswith("deepspeed"):
+        return (
+            "it is a DeepSpeed engine, which keeps process groups of the world it was built in; use "
+            "ncclguard.integrations.deepspeed.CommittedEngineStep (commit, then checkpoint and exit 75)"
+        )
+    if kind.__name__ == "FullyShardedDataParallel":
+        return "it is an FSDP1 FullyShardedDataParallel; pass the unwrapped module with wrap=ncclguard.FSDP2(...)"
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return "it is a DistributedDataParallel already; pass the module it wraps (model.module)"
+    if kind.__name__ == "OptimizedModule":  # torch.compile's wrapper (torch._dynamo.eval_frame)
+        return (
+            "it is a torch.compile'd module, whose graphs may hold the old world; pass the module before "
+            "torch.compile, and compile inside wrap= if you need it"
+        )
+    return None
 
 
 class RecoveringStep(Adapter):
@@ -88,7 +115,8 @@ class RecoveringStep(Adapter):
         healed: the restarted process's :class:`~ncclguard.recovery.heal.HealResult`, or None.
 
     Raises:
-        TypeError, ValueError: bad arguments.
+        TypeError, ValueError: bad arguments, or a module this adapter cannot wrap again (a DeepSpeed
+            engine, FSDP1, a DDP wrapper, a compiled module), with what to pass instead.
         RebuildFailed: a restarted process found no rebuild to join within ``rebuild_timeout``.
         HealFailed: a restarted process did not get the state.
     """
@@ -113,6 +141,9 @@ class RecoveringStep(Adapter):
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
+        why = cannot_rewrap(module)
+        if why is not None:
+            raise ValueError(f"RecoveringStep cannot wrap this module again after a rebuild: {why}")
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
             raise TypeError(f"RecoveringStep needs an optimizer (step, zero_grad), got {type(optimizer).__name__}")
         if wrap is not None and not (callable(wrap) or isinstance(wrap, FSDP2)):

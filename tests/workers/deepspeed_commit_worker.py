@@ -23,6 +23,7 @@ import rankkit
 import torch
 from rankkit import put
 
+import ncclguard
 from ncclguard.integrations.deepspeed import CommittedEngineStep
 
 BOUND_STEP_S = 3.0  # ZeRO reduces on DeepSpeed's clone of the world group: the bound covers it
@@ -72,6 +73,10 @@ def step_fn(step: int, rank: int, stall: bool = False):
 
 def fail(ckpt: str, rank: int) -> None:
     eng = engine()
+    try:  # the DDP adapter given a DeepSpeed engine: refused before any step, with the adapter to use
+        ncclguard.RecoveringStep(eng, eng.optimizer)
+    except ValueError as exc:
+        put("ddp_adapter_refused", str(exc))
     stepper = CommittedEngineStep(
         eng, checkpoint_dir=ckpt, collective_timeout=BOUND_STEP_S, commit_timeout=30, rebuild_timeout=30
     )
