@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery import stand_in
 from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.restarts import restart_count
+from ncclguard.recovery.internals.step_state import generators_to_send, restore_sent_generators
 from ncclguard.recovery.rebuild import RebuildResult
-from ncclguard.recovery.restarts import restart_count
-from ncclguard.recovery.step_state import generators_to_send, restore_sent_generators
 
 __all__ = ["StepRecovery", "check_recoverable"]
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import ncclguard
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery.commit_protocol import (
+from ncclguard.recovery.internals.commit_protocol import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitVerdict,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import ncclguard
 from ncclguard.errors import HealFailed, StoreUnreachable
 from ncclguard.recovery.heal import Header, _check, _from_json, _header, _to_json
-from ncclguard.recovery.protocol import Arrival, Verdict, WorldRecord, check_arrivals
+from ncclguard.recovery.internals.protocol import Arrival, Verdict, WorldRecord, check_arrivals
 from ncclguard.recovery.rejoin import _live_attempt, read_world_record
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import MeetingKeys, world_record_key

@@ -112,7 +112,7 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
 
 
 def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() -> None:
-    from ncclguard.recovery.step_state import StepState
+    from ncclguard.recovery.internals.step_state import StepState
 
     torch.manual_seed(3)
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()

@@ -3,7 +3,7 @@ ranks' next rebuild.
 
 The survivors notice the death (their step fails: gloo says "Connection closed by peer"), their
 commit fails and they call :func:`~ncclguard.recovery.rebuild.rebuild_world`. The restarted process
-reads the job's current world from the store (:class:`~ncclguard.recovery.protocol.WorldRecord`;
+reads the job's current world from the store (:class:`~ncclguard.recovery.internals.protocol.WorldRecord`;
 none yet: generation 0, ranks ``0..WORLD_SIZE-1``), finds the rank its launch rank holds there,
 and arrives at the survivors' meeting as that rank, flagged ``rejoined``. The meeting then sees
 everyone and the new world has the old size and the old numbering (the newcomer in its old
@@ -27,9 +27,9 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
-from ncclguard.recovery import stand_in
-from ncclguard.recovery.meeting import meet
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.meeting import meet
+from ncclguard.recovery.internals.protocol import (
     MAX_RECORD_BYTES,
     MAX_VERDICT_BYTES,
     Arrival,
@@ -40,8 +40,8 @@ from ncclguard.recovery.protocol import (
     handshake_timeout,
     world_prefix,
 )
+from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
-from ncclguard.recovery.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import world_record_key
 from ncclguard.world import World, announce

@@ -11,7 +11,7 @@ training process group is left as it was. Per attempt, on every rank:
    deadline ``timeout_s``: the SIGALRM guard ends Python-level stalls (the default
    ``deadline_guard``; another per-call deadline mechanism plugs in through that option),
    and collectives that name no group go to a side gloo group whose timeout follows the deadline
-   (:mod:`ncclguard.recovery.eval_group`), so a blocked ``dist.all_reduce`` gives up by the
+   (:mod:`ncclguard.evaluation.side_group`), so a blocked ``dist.all_reduce`` gives up by the
    deadline and kills only that side group.
 3. An :class:`EvalSums` result is all-reduced by the guard with ``safe_all_reduce`` on the side group.
 4. The ranks agree through the store (``ncclguard.collectives.rendezvous.exchange``) on the outcome: all use
@@ -49,8 +49,8 @@ from ncclguard.collectives.groups import GroupInfo, group_info
 from ncclguard.collectives.rendezvous import exchange, next_round
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import EvaluationFailed, StoreUnreachable
-from ncclguard.recovery.eval_group import EvalGroup, deadline_timeout, routed_default_group
-from ncclguard.recovery.modes import eval_mode
+from ncclguard.evaluation.modes import eval_mode
+from ncclguard.evaluation.side_group import EvalGroup, deadline_timeout, routed_default_group
 from ncclguard.sigalrm import sigalrm_timeout
 
 __all__ = [

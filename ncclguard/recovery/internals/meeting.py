@@ -28,7 +28,7 @@ from torch.distributed import DistStoreError
 
 from ncclguard._log import log
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals.protocol import (
     MAX_ARRIVAL_BYTES,
     MAX_VERDICT_BYTES,
     Arrival,
