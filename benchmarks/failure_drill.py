@@ -22,6 +22,12 @@ Runs (each one torchrun launch of 3 ranks on this host, the same model, data and
   ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
   restarts every rank, and they go on from the last checkpoint.
 
+``--framework hf`` runs ``clean``, ``stall``, ``kill`` and ``spare`` through the HF Trainer
+instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_cpu=True``,
+``ddp_backend="gloo"``; ``ddp_timeout`` stays 1,800 s), ``guard_trainer(trainer, recover=True,
+heal=...)``, the same model (its forward returns ``{"loss": ...}``) and one sample per row of the
+loop's batches; the faults come from a ``TrainerCallback``'s ``on_step_begin``.
+
 Each step sleeps ``--step-s`` (its compute) besides a tiny float64 model's forward and backward.
 Measured per run, on rank 0, from the first step's start (the first launch's, for ``restart``) to
 the last step's end: throughput (steps/s), step efficiency (steps committed / steps attempted,
@@ -30,6 +36,7 @@ redone and rolled-back steps counted as attempted), and a SHA-256 of the final p
 Usage:
     python benchmarks/failure_drill.py --short                 # ~1 min: clean, stall, restart
     python benchmarks/failure_drill.py --steps 800 --every 60 --json benchmarks/results/failure_drill.json
+    python benchmarks/failure_drill.py --framework hf --modes clean kill spare stall --steps 2100 --every 60
 """
 
 from __future__ import annotations
@@ -246,6 +253,120 @@ def rank_recovering(args: argparse.Namespace) -> None:
     _end()
 
 
+def rank_hf(args: argparse.Namespace) -> None:
+    """A rank of ``--framework hf``: the HF Trainer with its defaults, guarded by ``guard_trainer``."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import ncclguard
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    kill = args.mode in ("kill", "spare")
+    restarted = ncclguard.restart_count() > 0
+    start_file = out / "t0.txt"
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _model()
+
+        def forward(self, x: Any, y: Any) -> dict[str, Any]:
+            time.sleep(args.step_s)  # the step's compute
+            return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
+
+    class Rows(torch.utils.data.Dataset):
+        """Row ``i`` of the loop drill's batches, one sample each (the Trainer shards and batches them)."""
+
+        def __len__(self) -> int:
+            return args.steps * 8 * NPROC
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            x, y = _batch(i // 8, 0)
+            return {"x": x[i % 8], "y": y[i % 8]}
+
+    state: dict[str, Any] = {"faults": None}
+
+    class Drill(TrainerCallback):
+        def on_train_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
+            if state["faults"] is not None:  # the loop entered again after a heal: nothing new
+                return
+            if not restarted:  # a restarted process makes no collective the survivors do not make
+                dist.barrier()
+                if me == 0:
+                    _save_text(start_file, repr(time.time()))
+                dist.barrier()
+            t0 = float(start_file.read_text())
+            state["t0"] = t0
+            done = len(list(out.glob("fault-*.done")))
+            begun = max(done, int((time.time() - t0) // args.every)) if restarted else 0
+            state["faults"] = Faults(args.mode, args.every, t0, begun)
+            if restarted:
+                joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, "healed_at": time.time()}
+                _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
+
+        def on_step_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
+            faults = state["faults"]
+            i = faults.due(time.time())
+            if i is None or faults.victim(i) != me:
+                return
+            if kill:  # marked first (with the time): the restarted process does not repeat it
+                _save_text(out / f"fault-{i}.done", f"{me} {time.time()!r}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(args.stall_s)
+
+    targs = TrainingArguments(  # HF's defaults, on the CPU with gloo (ddp_timeout stays 1,800 s)
+        output_dir=str(out / "hf"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=Net(), args=targs, train_dataset=Rows(), callbacks=[Drill()])
+    guard_trainer(
+        trainer,
+        recover=True,
+        heal=kill,
+        watchdog=dict(**WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False),
+        collective_timeout=args.group_timeout,
+        commit_timeout=args.commit_timeout,
+        rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
+    )
+    trainer.train()
+    t1 = time.time()
+    recoveries = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
+    module = trainer.model.body
+    digest, flat = _digest(module)
+    everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    _save(
+        out,
+        me,
+        {
+            "mode": args.mode,
+            "framework": "hf",
+            "steps": args.steps,
+            "committed": args.steps,
+            "attempted": args.steps + sum(r.attempts - 1 for r in recoveries),
+            "train_s": t1 - state["t0"],
+            "faults": state["faults"].i,
+            "recoveries": [
+                {"step": r.step, "attempts": r.attempts, "s": round(r.elapsed_s, 3), **r.timings} for r in recoveries
+            ],
+            "digest": digest,
+            "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
+            "world_size": dist.get_world_size(),
+            "global_step": trainer.state.global_step,
+            "restarted": restarted,
+        },
+    )
+    _end()
+
+
 def rank_restart(args: argparse.Namespace) -> None:
     """A rank of the ``restart`` baseline: plain DDP, a checkpoint every ``ckpt_every`` steps; a
     stall past the group timeout makes the all_reduce raise and torchrun restart every rank."""
@@ -347,12 +468,14 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--steps", str(args.steps), "--every", str(args.every), "--step-s", str(args.step_s)),
         *("--stall-s", str(args.stall_s), "--group-timeout", str(args.group_timeout)),
         *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(args.ckpt_every)),
-        *("--out", str(out)),
+        *("--out", str(out), "--framework", args.framework),
     ]
     restarts = ["--max-restarts", "100"] if mode == "restart" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
     if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
+        if mode == "spare" and args.framework == "hf":
+            spare += ["--preload=transformers"]  # the spare imports what the script does
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -403,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--short", action="store_true", help="the CI form: 60 steps, a stall every 6 s, ~1 min")
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
+    p.add_argument(
+        "--framework",
+        choices=("loop", "hf"),
+        default="loop",
+        help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True)",
+    )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
@@ -430,7 +559,10 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         args.mode = args.rank_mode
-        (rank_restart if args.mode == "restart" else rank_recovering)(args)
+        if args.framework == "hf":
+            rank_hf(args)
+        else:
+            (rank_restart if args.mode == "restart" else rank_recovering)(args)
         return 0
     if args.short:
         args.steps, args.every, args.ckpt_every = 60, 6.0, 20
@@ -439,7 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
         )
-    modes = args.modes or (["clean", "stall", "restart"] if args.short else list(MODES))
+    default = ["clean", "stall", "kill", "spare"] if args.framework == "hf" else list(MODES)
+    modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
+    if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
+        p.error("--framework hf runs clean, stall, kill and spare")
     if "stall" in modes and "clean" not in modes:
         p.error("the stall run is checked against the clean run: add clean to --modes")
     load0 = os.getloadavg()
