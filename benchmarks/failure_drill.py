@@ -87,23 +87,42 @@ def _digest(module: Any) -> tuple[str, Any]:
 
 
 class Faults:
-    """Fault ``i`` is due ``(i + 1) * every`` seconds after the first step; its victim (a launch
-    rank) acts on it at the start of its next step. Every rank counts the faults on its own clock."""
+    """Fault ``i`` falls due ``every`` seconds after fault ``i - 1`` was injected and ``every``
+    seconds after its victim last came out of a recovery (a redone step committed, or, in a
+    restarted process, its join), whichever is later; fault 0, ``every`` seconds after the first
+    step. Its victim (a launch rank: 2, then 1, then 2, ...) injects it at the start of its next
+    step and marks it first (``fault-<i>.done``, with the time). Every rank reads the marks, so the
+    ranks agree on the next fault whoever restarted meanwhile, and a fault never falls due while
+    the last one is being recovered from: a restart slower than ``every`` on a loaded host does
+    not set off a chain of overdue faults."""
 
-    def __init__(self, mode: str, every: float, t0: float, done: int = 0) -> None:
-        self.mode, self.every, self.t0, self.i = mode, every, t0, done
+    def __init__(self, mode: str, every: float, t0: float, out: Path, me: int) -> None:
+        self.mode, self.every, self.t0, self.out, self.me = mode, every, t0, out, me
+        self.recovered_at = t0
+
+    def recovered(self, now: float) -> None:
+        """This rank came out of a recovery now."""
+        self.recovered_at = now
 
     def victim(self, i: int) -> int:
         if self.mode == "stuck":
             return 2 if i == 0 else 1
         return 2 if i % 2 == 0 else 1
 
-    def due(self, now: float) -> int | None:
-        """The fault this rank's clock says is due now (counted as done), or None."""
-        if self.mode in ("clean",) or now < self.t0 + (self.i + 1) * self.every:
+    def marks(self) -> list[float]:
+        """When each fault injected so far was injected."""
+        return [float(p.read_text().split()[1]) for p in self.out.glob("fault-*.done")]
+
+    def take(self, now: float) -> int | None:
+        """The fault this rank injects now (already marked), or None."""
+        if self.mode == "clean":
             return None
-        self.i += 1
-        return self.i - 1
+        marks = self.marks()
+        i = len(marks)
+        if now < max([*marks, self.recovered_at]) + self.every or self.victim(i) != self.me:
+            return None
+        _save_text(self.out / f"fault-{i}.done", f"{self.me} {now!r}")
+        return i
 
 
 def _deadline(group_timeout: float) -> None:
@@ -188,8 +207,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
             _save_text(start_file, repr(time.time()))
         dist.barrier()
     t0 = float(start_file.read_text())
-    done = len(list(out.glob("fault-*.done")))
-    faults = Faults(args.mode, args.every, t0, max(done, int((time.time() - t0) // args.every)) if restarted else 0)
+    faults = Faults(args.mode, args.every, t0, out, me)
+    if restarted:
+        faults.recovered(time.time())
     attempted, recoveries, healed = 0, [], 0
     for step in range(stepper.resume_step or 0, args.steps):
         x, y = _batch(step, me)
@@ -198,10 +218,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
         def step_fn(model: Any, x: Any = x, y: Any = y, first: list[bool] = first) -> None:
             if first[0]:
                 first[0] = False
-                i = faults.due(time.time())
-                if i is not None and faults.victim(i) == me:
-                    if kill:  # marked first (with the time): the restarted process does not repeat it
-                        _save_text(out / f"fault-{i}.done", f"{me} {time.time()!r}")
+                i = faults.take(time.time())  # marked first: the restarted process does not repeat it
+                if i is not None:
+                    if kill:
                         os.kill(os.getpid(), signal.SIGKILL)
                     if args.mode == "stuck" and i == 0:
                         while True:  # stuck for good: the watchdog's fence rung ends this process
@@ -214,6 +233,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         attempted += res.attempts
         healed += bool(res.healed)
         if res.attempts > 1:
+            faults.recovered(time.time())
             rec = stepper.recoveries[-1]  # where the recovery's seconds went (Recovered.timings)
             recoveries.append(
                 {
@@ -240,7 +260,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
             "committed": args.steps,
             "attempted": attempted,
             "train_s": t1 - t0,
-            "faults": faults.i,
+            "faults": len(faults.marks()),
             "recoveries": recoveries,
             "digest": digest,
             "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
@@ -290,7 +310,8 @@ def rank_hf(args: argparse.Namespace) -> None:
 
     class Drill(TrainerCallback):
         def on_train_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
-            if state["faults"] is not None:  # the loop entered again after a heal: nothing new
+            if state["faults"] is not None:  # the loop entered again after a heal: recovered
+                state["faults"].recovered(time.time())
                 return
             if not restarted:  # a restarted process makes no collective the survivors do not make
                 dist.barrier()
@@ -299,20 +320,21 @@ def rank_hf(args: argparse.Namespace) -> None:
                 dist.barrier()
             t0 = float(start_file.read_text())
             state["t0"] = t0
-            done = len(list(out.glob("fault-*.done")))
-            begun = max(done, int((time.time() - t0) // args.every)) if restarted else 0
-            state["faults"] = Faults(args.mode, args.every, t0, begun)
+            state["faults"] = Faults(args.mode, args.every, t0, out, me)
+            state["seen"] = 0
             if restarted:
+                state["faults"].recovered(time.time())
                 joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, "healed_at": time.time()}
                 _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
 
         def on_step_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
-            faults = state["faults"]
-            i = faults.due(time.time())
-            if i is None or faults.victim(i) != me:
+            done = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
+            if len(done) > state["seen"]:  # a step was redone since the last look
+                state["seen"] = len(done)
+                state["faults"].recovered(time.time())
+            if state["faults"].take(time.time()) is None:  # marked first: a restart does not repeat it
                 return
-            if kill:  # marked first (with the time): the restarted process does not repeat it
-                _save_text(out / f"fault-{i}.done", f"{me} {time.time()!r}")
+            if kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(args.stall_s)
 
@@ -353,7 +375,7 @@ def rank_hf(args: argparse.Namespace) -> None:
             "committed": args.steps,
             "attempted": args.steps + sum(r.attempts - 1 for r in recoveries),
             "train_s": t1 - state["t0"],
-            "faults": state["faults"].i,
+            "faults": len(state["faults"].marks()),
             "recoveries": [
                 {"step": r.step, "attempts": r.attempts, "s": round(r.elapsed_s, 3), **r.timings} for r in recoveries
             ],
@@ -391,15 +413,12 @@ def rank_restart(args: argparse.Namespace) -> None:
         start_file.write_text(repr(time.time()))
     dist.barrier()
     t0 = float(start_file.read_text())
-    done = len(list(out.glob("fault-*.done")))
-    # Faults that fell due while the job was down restarting hit no process: skipped (else a
-    # restart longer than --every would meet an overdue fault at once, again and again).
-    faults = Faults("stall", args.every, t0, max(done, int((time.time() - t0) // args.every)))
+    # A fault falls due --every seconds after the last one was injected, so a restarted job never
+    # meets an overdue one at once (the marks, on disk, outlive the restarts).
+    faults = Faults("stall", args.every, t0, out, me)
     attempts = (out / "attempts.txt").open("a")
     for step in range(start, args.steps):
-        i = faults.due(time.time())
-        if i is not None and faults.victim(i) == me:
-            (out / f"fault-{i}.done").touch()  # before the stall: a restarted job does not repeat it
+        if faults.take(time.time()) is not None:  # marked first: a restarted job does not repeat it
             time.sleep(args.stall_s)
         opt.zero_grad(set_to_none=True)
         x, y = _batch(step, me)
@@ -427,7 +446,7 @@ def rank_restart(args: argparse.Namespace) -> None:
             "committed": args.steps,
             "attempted": attempted,
             "train_s": t1 - t0,
-            "faults": faults.i,
+            "faults": len(faults.marks()),
             "restarts": restarts,
             "digest": digest,
             "world_size": dist.get_world_size(),
@@ -508,10 +527,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res["steps_per_s"] = res["steps"] / res["train_s"]
     res["efficiency"] = res["committed"] / res["attempted"]
     res["torchrun_rc"] = rc
-    # kill and restart: a fault that fell due while its victim was down restarting hit nobody, so
-    # the faults injected are the victims' marks, not the count rank 0's clock says were due.
-    marks = len(list(out.glob("fault-*.done")))
-    res["faults_injected"] = marks if mode in ("kill", "spare", "restart") else res["faults"]
+    res["faults_injected"] = len(list(out.glob("fault-*.done")))  # the victims' marks
     if mode in ("kill", "spare"):  # from the kill to the new process's script, and to its heal
         joins = [json.loads(p.read_text()) for p in sorted(out.glob("joined-*.json"))]
         res["restarts"] = [

@@ -132,3 +132,18 @@ def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() ->
     assert (random.random(), numpy.random.rand()) == drawn
     with pytest.raises(ValueError):  # another module's buffers do not fit
         kept.restore(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.multirank
+def test_a_step_the_frameworks_loop_runs_again_starts_without_the_failed_attempts_gradients() -> None:
+    from harness import run_ranks
+
+    job = run_ranks("engine_worker", 1, "reenter", launcher="spawn", timeout_s=120)
+    res = job[0]
+    assert res["grad_after_the_failed_attempt"] == [[1.0, 1.0]]
+    assert res["raised"] == "Reenter: the framework's loop runs the next attempt"
+    # Without this, the HF Trainer's redo after a heal summed the survivors' failed local backward
+    # into its gradients: equal across ranks, not equal to a fault-free run (the failure drill).
+    assert res["grads_when_the_loop_goes_on"] is True
+    assert res["next_attempt"] == [True, 2, 1, [[1.0, 1.0]]]
+    assert res["recovered"] == [[0, 2, 1]]

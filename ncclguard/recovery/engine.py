@@ -589,6 +589,10 @@ class Transaction(Generic[T]):
                         return self._result(False, attempt, rebuilds, commits, rebuilt.error, healed)
                 self.kept.restore(adapter.get_module())
                 adapter.restore(self._extra)
+                # Before the heal and the re-wrap: after Reenter the framework's own loop runs the
+                # next attempt, and a failed attempt's local gradients (its backward ran, its
+                # all_reduce did not) would be summed into it.
+                adapter.zero_grad()
                 if rebuilt is not None:
                     healed = engine.heal_joined(rebuilt, number) or healed
                     clock.lap("heal")
@@ -612,7 +616,6 @@ class Transaction(Generic[T]):
                 )
                 engine.bound.arm()
                 self.failure = None
-                adapter.zero_grad()
                 self.run(redo)
                 clock.lap("redo")
             return self._result(False, len(commits), rebuilds, commits, error, healed)
