@@ -53,7 +53,7 @@ from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, unwrapped
 from ncclguard.recovery.internals.restarts import restart_count
-from ncclguard.recovery.internals.step_state import generators_to_send, restore_sent_generators
+from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.rebuild import RebuildResult
 
 from .accelerate_recovery import follow_world
@@ -207,7 +207,7 @@ class TrainerRecovery(Adapter):
             if self._resume is None or checkpoint != self._resume_dir():
                 return original(checkpoint, *args, **kwargs)
             if name == "_load_optimizer_and_scheduler" and self._resume.get("scheduler") is not None:
-                self.trainer.lr_scheduler.load_state_dict(self._resume["scheduler"])
+                load_scheduler(self.trainer.lr_scheduler, self._resume["scheduler"])
             elif name == "_load_rng_state" and self._resume.get("generators") is not None:
                 restore_sent_generators(self._resume["generators"])
             # The model and the optimizer are in place already: the survivors' as the step found

@@ -147,3 +147,24 @@ def test_a_step_the_frameworks_loop_runs_again_starts_without_the_failed_attempt
     assert res["grads_when_the_loop_goes_on"] is True
     assert res["next_attempt"] == [True, 2, 1, [[1.0, 1.0]]]
     assert res["recovered"] == [[0, 2, 1]]
+
+
+def test_a_scheduler_loaded_from_memory_puts_its_rate_back_into_the_optimizer() -> None:
+    from ncclguard.recovery.internals.step_state import load_scheduler
+
+    module = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(module.parameters(), lr=5e-5)
+    linear = lambda k: 1 - k / 60  # noqa: E731 - the HF Trainer's default schedule, 60 steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear)
+    for _ in range(43):
+        opt.step()
+        sched.step()
+    saved, rate = sched.state_dict(), opt.param_groups[0]["lr"]
+    assert rate == pytest.approx(5e-5 * (1 - 43 / 60))
+    # A scheduler made anew (the HF Trainer's loop entered again) writes the schedule's first rate.
+    again = torch.optim.lr_scheduler.LambdaLR(opt, linear)
+    assert opt.param_groups[0]["lr"] == 5e-5
+    again.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 5e-5  # torch's load restores the counters only
+    load_scheduler(again, saved)
+    assert opt.param_groups[0]["lr"] == rate and again.last_epoch == 43
