@@ -494,7 +494,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
         if mode == "spare" and args.framework == "hf":
-            spare += ["--preload=transformers"]  # the spare imports what the script does
+            spare += ["--preload=transformers.trainer"]  # the spare imports what the script does (Trainer is lazy)
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -4,7 +4,6 @@ world of one. The multi-rank cases on real gloo ranks: tests/test_commit_multira
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 import ncclguard
 from ncclguard.collectives.groups import GroupInfo
+from ncclguard.deadlines import Deadline
 from ncclguard.recovery import commit as commit_mod
 from ncclguard.recovery.internals.commit_protocol import (
     MAX_PROBLEMS,
@@ -213,7 +213,7 @@ def _thread_ranks(
         info = GroupInfo(group=None, name="t", rank=r, size=size, backend="gloo", store=store)  # type: ignore[arg-type]
         for n in range(rounds):
             statement = stmt(r, group="t", group_size=size, step=n)
-            out[r] = commit_mod._settle(info, 0, n, statement, time.monotonic() + timeout_s, timeout_s)
+            out[r] = commit_mod._settle(info, 0, n, statement, Deadline.within(timeout_s), timeout_s)
             settled.set()
             done.wait(30)  # every rank is out of round n: the store's key count is read between rounds
             if r == 0 and keys is not None:
