@@ -30,6 +30,7 @@ from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.analysis import assemble
 from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE, write_json
 from ncclguard.incidents.model import (
+    BackendEntry,
     FenceNote,
     Finding,
     Heartbeat,
@@ -41,6 +42,7 @@ from ncclguard.incidents.model import (
     RankDump,
     Statement,
     StoreFinding,
+    TrackSpan,
 )
 from ncclguard.incidents.pictures import draw_later
 from ncclguard.incidents.render import render
@@ -99,6 +101,8 @@ class Case:
     merge_deadline: float = 0.0
     merged: bool = False
     ladder: LadderState = field(default_factory=LadderState)
+    track: list[TrackSpan] = field(default_factory=list)  # where the main thread was (the pictures)
+    backend: list[BackendEntry] = field(default_factory=list)  # torch's flight recorder (the pictures)
 
     @property
     def ref(self) -> IncidentRef:
@@ -116,6 +120,8 @@ class Case:
             watchdog=watchdog,
             ladder=list(ladder),
             actions=[s.entry() for s in self.ladder.steps],
+            track=self.track,
+            backend=self.backend,
         )
 
     def record(self) -> dict[str, Any]:
@@ -246,6 +252,8 @@ class IncidentDesk:
         raiser: carries the ``raise`` rung into the main thread (None without one).
         statement: this rank's statement now.
         cond: notified whenever an incident changes (``Watchdog.wait_for_incident`` waits on it).
+        story: what this rank did lately, for the pictures (:mod:`ncclguard.watching.story`): the
+            main thread's track and torch's flight-recorder entries; None: neither.
     """
 
     def __init__(
@@ -257,9 +265,10 @@ class IncidentDesk:
         raiser: MainThreadRaiser | None,
         statement: Callable[[], Statement],
         cond: threading.Condition,
+        story: Callable[[], tuple[list[TrackSpan], list[BackendEntry]]] | None = None,
     ) -> None:
         self.config, self.state, self.liveness, self.ladder = config, state, liveness, ladder
-        self.raiser, self.statement, self.cond = raiser, statement, cond
+        self.raiser, self.statement, self.cond, self.story = raiser, statement, cond, story
         self.rank, self.world_size = state.rank, state.world_size
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
@@ -388,6 +397,11 @@ class IncidentDesk:
             self.state.threads(),
             self.state.records(),
         )
+        if self.story is not None:
+            try:
+                case.track, case.backend = self.story()
+            except Exception:  # noqa: BLE001 - the pictures' material must never cost the dump
+                log.exception("watchdog: incident %s: no track or flight-recorder entries for the pictures", doc.id)
         now = time.monotonic()
         self.ladder.start(case.ladder, now, lambda action, step: self._act(case, action, step))
         self.write_dump(case)

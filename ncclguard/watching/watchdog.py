@@ -40,7 +40,7 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.files import INCIDENT_FILE
-from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord, Statement
+from ncclguard.incidents.model import BackendEntry, BackendOp, IncidentKind, OpRecord, Statement, TrackSpan
 from ncclguard.recording.flight import recorder
 from ncclguard.watching import detect
 from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
@@ -50,6 +50,7 @@ from ncclguard.watching.liveness import Liveness, SeqClock
 from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.snapshot import RECENT, RankState, WorldArrivals, backend_ops
+from ncclguard.watching.story import MainThreadTrack, backend_entries
 from ncclguard.watching.straggler import from_config
 from ncclguard.watching.views import Views
 from ncclguard.world import World, WorldChange, current_world, subscribe
@@ -145,6 +146,7 @@ class Watchdog:
         self._retired: list[Any] = []  # cases of earlier worlds' desks, oldest first
         self._announced = _Announced()
         self._unsubscribe: Any = None
+        self._track = MainThreadTrack(threading.main_thread().ident)  # where the main thread was (the pictures)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -167,6 +169,7 @@ class Watchdog:
             _running.watchdog = self
         self._raiser = MainThreadRaiser(self._signum, lambda key: self._state.completed(key)) if needs_handler else None
         self._desk, self._retired, self._announced = None, [], _Announced()  # a restarted watchdog starts afresh
+        self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
         self._enter(current_world())
         if cfg.instrument:
@@ -228,7 +231,9 @@ class Watchdog:
         self._backend = BackendWatch(self.rank, self._state, self._liveness, cfg.hang_timeout_s, cfg.heartbeat_s)
         self._slow_store = False
         old = self._desk
-        desk = IncidentDesk(cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond)
+        desk = IncidentDesk(
+            cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond, self._story
+        )
         take_over(desk, old, world, cfg.session)
         if old is not None:
             with self._cond:
@@ -314,6 +319,7 @@ class Watchdog:
             try:
                 now = time.monotonic()
                 recorder.sweep()
+                self._track.sample()
                 if self._beat:  # a straggler window closes at the first tick past its end
                     self._straggle.tick()
                 if now >= next_beat:
@@ -337,6 +343,9 @@ class Watchdog:
             self._stop.wait(poll)
         if self._desk.store is not None:
             self._desk.store.close()  # its helper thread ends with the watchdog
+
+    def _story(self) -> tuple[list[TrackSpan], list[BackendEntry]]:
+        return self._track.spans(), backend_entries()
 
     def _statement(self) -> Statement:
         st = self._state.statement(self._beat, self._liveness.views(time.monotonic()))
