@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard import instrument, recorder, uninstrument
+from ncclguard.recording.flight import recorder
+from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.watching.liveness import SeqClock
 from ncclguard.watching.snapshot import RECENT, RankState, backend_ops
 

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ncclguard import CollectiveTimeout, sigalrm_timeout
+from ncclguard import sigalrm_timeout
+from ncclguard.errors import CollectiveTimeout
 
 OUT = Path(__file__).resolve().parent / "results" / "sigalrm_lateness.json"
 

@@ -21,7 +21,8 @@ try:
 except ImportError:
     from ncclguard.diagnosis.instrument import _spec, _wrap
 import ncclguard
-from ncclguard import phase, recorder
+from ncclguard import phase
+from ncclguard.recording.flight import recorder
 
 
 def _noop(*a, **k):

@@ -1,104 +1,68 @@
-"""ncclguard: collectives that never hang, and reports that name the rank that stalled."""
+"""ncclguard: distributed PyTorch jobs that stop dying in silent hangs.
 
-from ncclguard.collectives.all_reduce import CollectiveResult, safe_all_reduce
-from ncclguard.collectives.barrier import BarrierResult, safe_barrier
-from ncclguard.config import Config, configure, get_config
-from ncclguard.env.hierarchy import TimeoutHierarchy
-from ncclguard.env.pginit import ProcessGroupInit, init_process_group
-from ncclguard.errors import (
-    BarrierFailed,
-    BarrierTimeout,
-    BenchCallFailed,
-    CollectiveError,
-    CollectiveFailed,
-    CollectiveMismatch,
-    CollectiveTimeout,
-    CommitFailed,
-    DeadlineExceeded,
-    DecodeError,
-    EvaluationFailed,
-    GroupFailed,
-    HealFailed,
-    MemoryRefused,
-    NcclGuardError,
-    NoRoute,
-    RebuildFailed,
-    StoreRefused,
-    StoreTimeout,
-    StoreUnreachable,
-    TorchCompatError,
-)
-from ncclguard.recording.ddp import record_ddp
-from ncclguard.recording.flight import FlightRecord, recorder
-from ncclguard.recording.instrument import instrument, uninstrument
-from ncclguard.recording.phase import current_phase, phase
+Without a line of code: ``ncclguard run --nproc-per-node 8 train.py`` (torchrun with the watchdog on
+in every rank), or ``NCCLGUARD_AUTO=1`` under a plain ``torchrun`` or ``srun``. In code, the face is
+twenty names, by what they are for:
+
+- watch and name the culprit: :func:`start_watchdog`, :class:`WatchdogConfig`, :func:`current_watchdog`,
+  :func:`phase`, :func:`mark_step`;
+- collectives that return by a deadline: :func:`safe_all_reduce`, :func:`safe_barrier`,
+  :func:`sigalrm_timeout`, :func:`configure`, :func:`init_process_group`;
+- an evaluation that cannot hang the job: :func:`guarded_evaluate`;
+- recovery: :func:`should_commit`, :class:`RecoveringStep`, :class:`FSDP2`, :func:`rebuild_world`,
+  :func:`rejoin_world`, :func:`heal_from_peer`, :func:`restart_count`;
+- what calls return and raise: :class:`Result` (every result: ``ok``, ``error``, ``elapsed_s``,
+  truthy when ok, ``raise_for_error()``), :class:`NcclGuardError` (every error; the hierarchy is in
+  :mod:`ncclguard.errors`).
+
+Names this package exported before (the other errors, the result classes, the recorder, ...) still
+import from here for one release, with a ``DeprecationWarning`` that names their module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from ncclguard.collectives.all_reduce import safe_all_reduce
+from ncclguard.collectives.barrier import safe_barrier
+from ncclguard.config import configure
+from ncclguard.env.pginit import init_process_group
+from ncclguard.errors import NcclGuardError
+from ncclguard.recording.phase import phase
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery import (
     FSDP2,
-    CommitResult,
-    HealResult,
-    RebuildResult,
     RecoveringStep,
-    StepResult,
     heal_from_peer,
     rebuild_world,
     rejoin_world,
     restart_count,
     should_commit,
 )
+from ncclguard.recovery.evaluation import guarded_evaluate
+from ncclguard.results import Result
 from ncclguard.sigalrm import sigalrm_timeout
-from ncclguard.watching.watchdog import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
+from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.watchdog import current_watchdog, start_watchdog
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BarrierFailed",
-    "BarrierResult",
-    "BarrierTimeout",
-    "BenchCallFailed",
-    "CollectiveError",
-    "CollectiveFailed",
-    "CollectiveMismatch",
-    "CollectiveResult",
-    "CollectiveTimeout",
-    "CommitFailed",
-    "CommitResult",
-    "Config",
-    "DeadlineExceeded",
-    "DecodeError",
-    "EvaluationFailed",
     "FSDP2",
-    "FlightRecord",
-    "GroupFailed",
-    "HealFailed",
-    "HealResult",
-    "MemoryRefused",
     "NcclGuardError",
-    "NoRoute",
-    "ProcessGroupInit",
-    "RebuildFailed",
-    "RebuildResult",
     "RecoveringStep",
-    "StepResult",
-    "StoreRefused",
-    "StoreTimeout",
-    "StoreUnreachable",
-    "TimeoutHierarchy",
-    "TorchCompatError",
-    "Watchdog",
+    "Result",
     "WatchdogConfig",
     "configure",
-    "current_phase",
     "current_watchdog",
-    "get_config",
+    "guarded_evaluate",
     "heal_from_peer",
     "init_process_group",
-    "instrument",
     "mark_step",
     "phase",
     "rebuild_world",
-    "record_ddp",
-    "recorder",
     "rejoin_world",
     "restart_count",
     "safe_all_reduce",
@@ -106,5 +70,66 @@ __all__ = [
     "should_commit",
     "sigalrm_timeout",
     "start_watchdog",
-    "uninstrument",
 ]
+
+_ERRORS = "ncclguard.errors"
+# Names exported before the face shrank, each with its module: importable from here for one
+# release (0.1.x), with a DeprecationWarning; import them from their module.
+DEPRECATED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "BarrierFailed",
+            "BarrierTimeout",
+            "BenchCallFailed",
+            "CollectiveError",
+            "CollectiveFailed",
+            "CollectiveMismatch",
+            "CollectiveTimeout",
+            "CommitFailed",
+            "DeadlineExceeded",
+            "DecodeError",
+            "EvaluationFailed",
+            "GroupFailed",
+            "HealFailed",
+            "MemoryRefused",
+            "NoRoute",
+            "RebuildFailed",
+            "StoreRefused",
+            "StoreTimeout",
+            "StoreUnreachable",
+            "TorchCompatError",
+        ),
+        _ERRORS,
+    ),
+    "BarrierResult": "ncclguard.collectives.barrier",
+    "CollectiveResult": "ncclguard.collectives.all_reduce",
+    "CommitResult": "ncclguard.recovery.commit",
+    "Config": "ncclguard.config",
+    "FlightRecord": "ncclguard.recording.flight",
+    "HealResult": "ncclguard.recovery.heal",
+    "ProcessGroupInit": "ncclguard.env.pginit",
+    "RebuildResult": "ncclguard.recovery.rebuild",
+    "StepResult": "ncclguard.recovery.engine",
+    "TimeoutHierarchy": "ncclguard.env.hierarchy",
+    "Watchdog": "ncclguard.watching.watchdog",
+    "current_phase": "ncclguard.recording.phase",
+    "get_config": "ncclguard.config",
+    "instrument": "ncclguard.recording.instrument",
+    "record_ddp": "ncclguard.recording.ddp",
+    "recorder": "ncclguard.recording.flight",
+    "uninstrument": "ncclguard.recording.instrument",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """An old name of the face, with a DeprecationWarning that says where it lives now."""
+    module = DEPRECATED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ncclguard' has no attribute {name!r}")
+    warnings.warn(
+        f"ncclguard.{name} leaves the package's face in the next release: import it from {module} "
+        f"(from {module} import {name})",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

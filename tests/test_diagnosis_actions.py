@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ncclguard import Watchdog
 from ncclguard.errors import CollectiveTimeout
 from ncclguard.incidents.model import IncidentDoc, IncidentKind, MergedNote, OpRecord
 from ncclguard.recording.flight import recorder
@@ -36,6 +35,7 @@ from ncclguard.watching.actions import (
     build_ladder,
 )
 from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.watchdog import Watchdog
 
 DOC = IncidentDoc(
     kind=IncidentKind.HANG, reason="rank 0 waited", id="x-001", created=time.time(), group="0", seq=7, op="barrier"

@@ -61,7 +61,8 @@ def test_on_nccl_an_op_held_open_reads_open_and_python_issued_ops_are_joined_to_
     """torch's NCCL recorder against ncclguard's join (watching/torchfr.py): DDP's bucket all_reduces
     come from the autograd device thread and join nothing; an all_reduce queued behind a sleep kernel
     reads open, joined to its Python call, then completed."""
-    from ncclguard import instrument, recorder, uninstrument
+    from ncclguard.recording.flight import recorder
+    from ncclguard.recording.instrument import instrument, uninstrument
     from ncclguard.watching import torchfr
     from ncclguard.watching.snapshot import op_record
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ncclguard import CollectiveTimeout, DeadlineExceeded, NcclGuardError, sigalrm_timeout
+from ncclguard import NcclGuardError, sigalrm_timeout
+from ncclguard.errors import CollectiveTimeout, DeadlineExceeded
 
 # How late past its deadline an interruption may come here: a hang guard, not the 50 ms.
 # benchmarks/sigalrm_lateness.py measures the lateness (at most 24.5 and 26 ms over 40 busy loops
