@@ -2,7 +2,7 @@
 
 ``fixtures/torch_fr_gloo_stacks_rank0.json`` is rank 0's ``_dump_fr_trace_json`` and ncclguard
 records at the end of a run of tests/workers/stacks_worker.py (torch 2.13.0+cpu, gloo, 2 ranks):
-a healthy call of each stack, then one desync each. tests/test_diagnosis_stacks_multirank.py checks
+a healthy call of each stack, then one desync each. tests/test_watching_stacks_multirank.py checks
 the same join on the dump of every run.
 """
 

@@ -3,7 +3,7 @@
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so multi-rank NCCL runs cannot be
 tested on a one-GPU machine; this checks that what the watchdog reads from torch (the backend's
 sequence number per group, the newest flight-recorder entry and its completion) has the shape
-ncclguard parses. Skipped without CUDA and NCCL. ``python tests/test_diagnosis_nccl.py OUT``
+ncclguard parses. Skipped without CUDA and NCCL. ``python tests/test_watching_nccl.py OUT``
 also writes the raw recorder dump to OUT for inspection.
 """
 
@@ -81,7 +81,7 @@ def test_on_nccl_an_op_held_open_reads_open_and_python_issued_ops_are_joined_to_
         dist.all_reduce(torch.ones(1024, device="cuda"))  # MARK: held open
         held = backend_ops(RankState.backend_seq() or {}, [op_record(r) for r in recorder.records()])[name]
         assert held.completed is False and held.name == "nccl:all_reduce" and held.record is not None
-        assert held.record.site.endswith(f"test_diagnosis_nccl.py:{_line('held open')}")
+        assert held.record.site.endswith(f"test_watching_nccl.py:{_line('held open')}")
         torch.cuda.synchronize()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # NCCL's watchdog thread retires the entry

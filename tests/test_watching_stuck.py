@@ -1,6 +1,6 @@
 """A stuck transport told apart from a desync by the backend's numbers alone, and reports that carry
 both numberings where Python issued the op: the merge and the text, on synthetic statements (the
-detectors are tests/test_diagnosis_detect.py; real ranks, tests/test_diagnosis_stuck_multirank.py)."""
+detectors are tests/test_watching_detect.py; real ranks, tests/test_watching_stuck_multirank.py)."""
 
 from __future__ import annotations
 
