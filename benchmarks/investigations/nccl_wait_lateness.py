@@ -89,7 +89,7 @@ def main(iters, sleep_us, path):
             f"{n:<45} median {res[n]['median_us']:>8} µs  p90 {res[n]['p90_us']:>8}  p99 {res[n]['p99_us']:>8}  min {res[n]['min_us']:>7}"
         )
     doc = {
-        "command": f"python benchmarks/nccl_wait_lateness.py {iters} {sleep_us}",
+        "command": f"python benchmarks/investigations/nccl_wait_lateness.py {iters} {sleep_us}",
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),

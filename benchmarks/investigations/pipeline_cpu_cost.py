@@ -7,9 +7,11 @@ PYTHONPATH, so an old and a new tree can be run interleaved (the ratio of the tw
 on a shared machine)::
 
     for i in 1 2 3; do
-      PYTHONPATH=/work/base python benchmarks/pipeline_cpu_cost.py
-      PYTHONPATH=/work/wt-pipeline python benchmarks/pipeline_cpu_cost.py
+      PYTHONPATH=OLD_TREE python benchmarks/investigations/pipeline_cpu_cost.py
+      PYTHONPATH=NEW_TREE python benchmarks/investigations/pipeline_cpu_cost.py
     done
+
+(OLD_TREE and NEW_TREE: two checkouts of this repository, at the commits to compare.)
 """
 
 import json

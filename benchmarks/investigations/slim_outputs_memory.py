@@ -2,8 +2,8 @@
 
 Usage (CPU, a few minutes for the mid-size config on 2 cores):
 
-    .venv/bin/python benchmarks/slim_outputs_memory.py                   # tiny and mid
-    .venv/bin/python benchmarks/slim_outputs_memory.py --configs tiny    # seconds
+    .venv/bin/python benchmarks/investigations/slim_outputs_memory.py                   # tiny and mid
+    .venv/bin/python benchmarks/investigations/slim_outputs_memory.py --configs tiny    # seconds
 
 The model is ncclguard's Qwen2.5-VL classifier with ``config.output_hidden_states=True`` (a
 config that asks for hidden states, so the unslimmed forward returns them) on a synthetic batch
@@ -35,13 +35,13 @@ from rich.table import Table
 from torch.distributed._tools.mem_tracker import MemTracker
 
 # The synthetic Qwen2.5-VL data and the reference trainer are test fixtures (tests/workers).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "workers"))
 
 from qwen2_5_vl_synthetic import image_tokens, mid_config, synthetic_batch, tiny_config
 
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
 
-RESULTS = Path(__file__).parent / "results" / "slim_outputs_memory.json"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "slim_outputs_memory.json"
 # (config, batch, filler text tokens, image grid in patches): sequence = text + image tokens + 5.
 SETUPS: dict[str, dict[str, Any]] = {
     "tiny": {"config": tiny_config, "batch": 8, "text": 187, "grid": (1, 16, 16)},
@@ -154,7 +154,7 @@ def main() -> None:
         console.print(f"measuring {name} ...")
         rows.append(run_setup(name))
     doc = {
-        "command": "benchmarks/slim_outputs_memory.py --configs " + " ".join(args.configs),
+        "command": "benchmarks/investigations/slim_outputs_memory.py --configs " + " ".join(args.configs),
         "machine": {
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,

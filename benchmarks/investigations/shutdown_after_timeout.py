@@ -2,7 +2,7 @@
 
 Rank 1 stalls for STALL seconds; rank 0's safe_all_reduce gives up after 1 s, then rank 0 exits
 normally (or after destroy_process_group / ProcessGroup.abort). The gloo group's own timeout is
-30 s. Usage: python benchmarks/shutdown_after_timeout.py [plain|destroy|abort] [STALL]
+30 s. Usage: python benchmarks/investigations/shutdown_after_timeout.py [plain|destroy|abort] [STALL]
 Result on the 2-core CI machine (torch 2.13.0): with STALL=12, rank 0 exits when rank 1 does
 (13.8-16.7 s) in all three modes; with STALL=70, after 31.8 s: the group's own timeout.
 """

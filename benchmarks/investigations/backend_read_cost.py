@@ -16,7 +16,7 @@ one, with 1, 8 and 32 process groups:
 The verdict takes each case's least-disturbed timing (the minimum of the repeats, as Python's
 timeit documentation recommends for repeat()); medians are shown too.
 
-Usage: python benchmarks/backend_read_cost.py [--calls N] [--repeat R] [--json PATH]
+Usage: python benchmarks/investigations/backend_read_cost.py [--calls N] [--repeat R] [--json PATH]
 """
 
 from __future__ import annotations

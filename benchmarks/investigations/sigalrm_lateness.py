@@ -1,6 +1,6 @@
 """How late :func:`ncclguard.sigalrm_timeout` interrupts Python code past its deadline.
 
-    .venv/bin/python benchmarks/sigalrm_lateness.py [--trials 50] [--json benchmarks/results/sigalrm_lateness.json]
+    .venv/bin/python benchmarks/investigations/sigalrm_lateness.py [--trials 50] [--json benchmarks/results/sigalrm_lateness.json]
 
 The issue's figure: a Python loop is interrupted within 50 ms of its deadline. ``tests/test_sigalrm.py``
 used to assert it on every call; on a loaded 2-core CI machine a time slice can be longer than
@@ -28,7 +28,7 @@ from pathlib import Path
 from ncclguard import sigalrm_timeout
 from ncclguard.errors import CollectiveTimeout
 
-OUT = Path(__file__).resolve().parent / "results" / "sigalrm_lateness.json"
+OUT = Path(__file__).resolve().parent.parent / "results" / "sigalrm_lateness.json"
 
 
 def spin(seconds: float = 10.0) -> None:
@@ -92,7 +92,7 @@ def main() -> None:
     load_before = os.getloadavg()
     cases = {"spin": late_spin, "sleep": late_sleep, "nested": late_nested}
     out = {
-        "command": f"python benchmarks/sigalrm_lateness.py --trials {args.trials}",
+        "command": f"python benchmarks/investigations/sigalrm_lateness.py --trials {args.trials}",
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

@@ -4,9 +4,11 @@ A short form of recording_cost.py's ablation that runs against any tree first on
 (the old layout's ncclguard.diagnosis.instrument too), for interleaved old/new runs::
 
     for i in 1 2 3; do
-      PYTHONPATH=/work/base python benchmarks/wrapper_cpu_cost.py
-      PYTHONPATH=/work/wt-pipeline python benchmarks/wrapper_cpu_cost.py
+      PYTHONPATH=OLD_TREE python benchmarks/investigations/wrapper_cpu_cost.py
+      PYTHONPATH=NEW_TREE python benchmarks/investigations/wrapper_cpu_cost.py
     done
+
+(OLD_TREE and NEW_TREE: two checkouts of this repository, at the commits to compare.)
 """
 
 import json

@@ -1,7 +1,7 @@
 """rebuild_world on a world-of-one NCCL group (needs one GPU): abandon, rebuild, all_reduce on CUDA.
 
 NCCL refuses two ranks on one GPU, so this is the multi-rank-free check of the NCCL path.
-``python benchmarks/rebuild_nccl_world_of_one.py > result.json``
+``python benchmarks/investigations/rebuild_nccl_world_of_one.py > result.json``
 """
 
 import json
