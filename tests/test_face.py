@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -109,3 +112,28 @@ def test_every_result_class_shares_the_base() -> None:
     good = BarrierResult(ok=True, missing_ranks=[], elapsed_s=0.1)
     assert good and good.raise_for_error() is good
     assert not hasattr(CollectiveResult(True, "all_reduce(SUM)", 1, 4, 1, 1, 0.1), "__dict__")  # still slotted
+
+
+def test_importing_the_face_imports_nothing_heavy() -> None:
+    """A name is imported when first used: ``import ncclguard`` alone imports neither torch nor
+    pydantic (a rank under ``ncclguard run`` imports only the watchdog's modules); a restarted
+    rank's import still makes init_process_group its stand-in (recovery/stand_in.py)."""
+    code = (
+        "import sys, ncclguard\n"
+        "print(sorted(m for m in ('torch', 'pydantic', 'ncclguard.recovery') if m in sys.modules))\n"
+        "ncclguard.NcclGuardError\n"
+        "print('torch' in sys.modules, 'ncclguard.errors' in sys.modules, ncclguard.results.__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("NCCLGUARD_AUTO", "NCCLGUARD_RESTART_COUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines() == ["[]", "False True ncclguard.results"], out.stderr
+    code = "import ncclguard, torch.distributed as d\nprint(d.init_process_group.__module__)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "NCCLGUARD_RESTART_COUNT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "ncclguard.recovery.stand_in"
