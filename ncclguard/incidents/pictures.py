@@ -307,10 +307,13 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float | None = None) -> Non
             y0, h = row(lane, "main thread")
             spans = tl.spans.get(r, [])
             for i, span in enumerate(spans):
-                if span.end < lo:
+                # Spans are sampled at the watchdog's ticks: the thread moved on somewhere between
+                # a span's last tick and the next one's first; drawn up to the next span, no gap.
+                end = spans[i + 1].start if i + 1 < len(spans) else span.end
+                if end < lo:
                     continue
                 start = max(span.start, lo)
-                width = max(span.end - start, window / 1500)
+                width = max(end - start, window / 1500)
                 last_of_culprit = r in tl.culprits and i == len(spans) - 1  # where the culprit is
                 edge, lw = ("tab:red", 2.0) if last_of_culprit else ("0.6", 1.0)
                 ax.broken_barh(
