@@ -125,6 +125,8 @@ def _short_op(inflight: str | None, seconds: float | None) -> str:
 
 def _group_cells(g: RankGroup, wide: bool, ranks_w: int) -> list[str]:
     state = g.state + (" slow" if g.slow else "")
+    # A script without phases still says where it is: the main thread's file and line.
+    phase = g.phase or (f"at {os.path.basename(g.site)}" if g.site else "-")
     step = "-" if g.step is None else str(g.step)
     incidents = " ".join(f"#{n}" for n in g.incidents) or "-"
     if wide:
@@ -133,7 +135,7 @@ def _group_cells(g: RankGroup, wide: bool, ranks_w: int) -> list[str]:
             _fit(g.ranks, ranks_w, 2),
             str(g.count),
             state,
-            g.phase or "-",
+            phase,
             step,
             _seqs(g.last_seq),
             _seqs(g.backend_seq),
@@ -143,7 +145,7 @@ def _group_cells(g: RankGroup, wide: bool, ranks_w: int) -> list[str]:
             incidents,
         ]
     inflight = _short_op(g.inflight, g.inflight_s)
-    return [_fit(g.ranks, ranks_w, 2), str(g.count), state, g.phase or "-", step, inflight, incidents]
+    return [_fit(g.ranks, ranks_w, 2), str(g.count), state, phase, step, inflight, incidents]
 
 
 _WIDE_COLUMNS = (
