@@ -84,6 +84,12 @@ def test_bad_usage_says_what_to_change(argv: list[str], message: str, capsys: py
     assert f"ncclguard run: {info.value}" in capsys.readouterr().err
 
 
+def test_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--ncclguard-help"]) == 0
+    out = capsys.readouterr().out
+    assert "--ncclguard-hang-timeout-s VALUE" in out and "--ncclguard-restarts N" in out and "torchrun --help" in out
+
+
 def test_the_pth_line_imports_the_hook_only_when_the_variable_is_set() -> None:
     """Unset, the line costs a look-up in os.environ and imports nothing; set, it imports the
     hook (a few standard modules), and neither torch nor ncclguard until c10d loads."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,25 @@ def _option(field: str) -> str:
     return PREFIX + field.replace("_", "-")
 
 
+def _field_help() -> dict[str, str]:
+    """Each WatchdogConfig field's line of help: its description, else its entry under the class
+    docstring's ``Attributes:`` (the first sentence)."""
+    out: dict[str, str] = {}
+    current = None
+    for line in (WatchdogConfig.__doc__ or "").split("Attributes:", 1)[-1].splitlines():
+        head, sep, text = line.strip().partition(": ")
+        if sep and head in WatchdogConfig.model_fields and line.startswith(" " * 8) and not line.startswith(" " * 12):
+            current, out[head] = head, text
+        elif current is not None and line.startswith(" " * 12):
+            out[current] += " " + line.strip()
+        else:
+            current = None
+    for name, info in WatchdogConfig.model_fields.items():
+        text = (info.description or out.get(name) or f"WatchdogConfig.{name}").split(". ")[0].rstrip(".")
+        out[name] = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text).replace("``", "")
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     """The ``--ncclguard-*`` options: one per WatchdogConfig field, and the supervisor's."""
     ap = argparse.ArgumentParser(
@@ -60,9 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ncclguard-help", action="help", help="show the --ncclguard-* options and exit")
     group = ap.add_argument_group("the watchdog's settings (each sets NCCLGUARD_WATCHDOG_<FIELD> for the ranks)")
+    helps = _field_help()
     for name, info in WatchdogConfig.model_fields.items():
-        text = (info.description or "").replace("%", "%%")
-        group.add_argument(_option(name), dest=f"wd_{name}", metavar="VALUE", help=text or f"WatchdogConfig.{name}")
+        default = "" if info.default is None or "default" in helps[name] else f" (default {info.default})"
+        text = f"{helps[name]}{default}".replace("%", "%%")
+        group.add_argument(_option(name), dest=f"wd_{name}", metavar="VALUE", help=text)
     sup = ap.add_argument_group("restarting a rank alone (python -m ncclguard.supervise; docs/recovery.md)")
     sup.add_argument(
         "--ncclguard-restarts", type=int, metavar="N", help="run every rank under its supervisor: N restarts at most"
@@ -233,7 +255,7 @@ def launch(job: Launch) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """``ncclguard run``'s command line; returns the job's exit status (2: bad usage)."""
-    if list(argv[:1]) in (["-h"], ["--help"]):
+    if list(argv[:1]) in (["-h"], ["--help"]) or "--ncclguard-help" in argv:
         _parser().print_help()
         print("\ntorchrun's options: torchrun --help")
         return 0
