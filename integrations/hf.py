@@ -15,7 +15,7 @@ uses (transformers 5.x; docs/integrations.md has the table):
   callbacks that follow it, where uploads usually run), and ``trainer.log`` (phase ``log``,
   covering the ``on_log`` callbacks, i.e. every ``report_to`` backend).
 - With ``eval_timeout_s``, ``trainer.evaluate`` runs inside
-  :func:`~ncclguard.recovery.evaluation.guarded_evaluate`: it completes on every rank or is
+  :func:`~ncclguard.evaluation.guard.guarded_evaluate`: it completes on every rank or is
   skipped on every rank by the deadline. A skip is logged through ``trainer.log`` as
   ``<prefix>_evaluation_failed`` (``eval_evaluation_failed``: it reaches ``state.log_history``,
   and the ``report_to`` integrations that rewrite ``eval_x`` as ``eval/x`` show
@@ -40,8 +40,8 @@ import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
-from ncclguard.recovery.evaluation import EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip

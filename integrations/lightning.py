@@ -17,7 +17,7 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
 - With ``eval_timeout_s``: Lightning has no hook around a validation run either, so the
   callback wraps the ``run`` of the trainer's validation loop (``trainer.fit_loop.epoch_loop
   .val_loop`` for ``fit``, also used by the sanity check; ``trainer.validate_loop`` for
-  ``validate``) with :func:`~ncclguard.recovery.evaluation.guarded_evaluate`: it completes on
+  ``validate``) with :func:`~ncclguard.evaluation.guard.guarded_evaluate`: it completes on
   every rank or is skipped on every rank by the deadline. A skip is logged to every logger as
   ``eval/evaluation_failed`` and put in ``trainer.callback_metrics``; the loop state a skipped
   run leaves behind is reset so that training and the next validation go on.
@@ -46,8 +46,8 @@ import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered, recovery_options
-from ncclguard.recovery.evaluation import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_recovery import StepRecovery, check_recoverable

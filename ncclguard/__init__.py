@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the names are imported when first used (see _FACE below)
     from ncclguard.config import configure
     from ncclguard.env.pginit import init_process_group
     from ncclguard.errors import NcclGuardError
+    from ncclguard.evaluation.guard import guarded_evaluate
     from ncclguard.recording.phase import phase
     from ncclguard.recording.steps import mark_step
     from ncclguard.recovery import (
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # the names are imported when first used (see _FACE below)
         restart_count,
         should_commit,
     )
-    from ncclguard.recovery.evaluation import guarded_evaluate
     from ncclguard.results import Result
     from ncclguard.sigalrm import sigalrm_timeout
     from ncclguard.watching.settings import WatchdogConfig
@@ -85,7 +85,7 @@ _FACE: dict[str, str] = {
     "WatchdogConfig": "ncclguard.watching.settings",
     "configure": "ncclguard.config",
     "current_watchdog": "ncclguard.watching.watchdog",
-    "guarded_evaluate": "ncclguard.recovery.evaluation",
+    "guarded_evaluate": "ncclguard.evaluation.guard",
     "heal_from_peer": "ncclguard.recovery",
     "init_process_group": "ncclguard.env.pginit",
     "mark_step": "ncclguard.recording.steps",
@@ -101,10 +101,10 @@ _FACE: dict[str, str] = {
 }
 
 # A rank restarted alone by its supervisor must not make the job's first world again: importing
-# ncclguard makes its init_process_group a stand-in (recovery/stand_in.py, which reads the same
-# variable, recovery/restarts.py's RESTART_COUNT_VAR). Everywhere else nothing is imported here.
+# ncclguard makes its init_process_group a stand-in (recovery/internals/stand_in.py, which reads the same
+# variable, recovery/internals/restarts.py's RESTART_COUNT_VAR). Everywhere else nothing is imported here.
 if os.environ.get("NCCLGUARD_RESTART_COUNT", "0").strip() not in ("", "0"):
-    importlib.import_module("ncclguard.recovery.stand_in")
+    importlib.import_module("ncclguard.recovery.internals.stand_in")
 
 _ERRORS = "ncclguard.errors"
 # Names exported before the face shrank, each with its module: importable from here for one

@@ -17,7 +17,7 @@ from ncclguard.collectives.groups import GroupInfo
 from ncclguard.errors import CommitFailed
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery.commit_protocol import (
+from ncclguard.recovery.internals.commit_protocol import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitVerdict,

@@ -11,7 +11,7 @@ import pytest
 import ncclguard
 from ncclguard import errors
 from ncclguard.errors import CollectiveTimeout, DeadlineExceeded, EvaluationFailed, RebuildFailed
-from ncclguard.recovery.evaluation import EvalReport, guarded_evaluate, last_report
+from ncclguard.evaluation.guard import EvalReport, guarded_evaluate, last_report
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -52,7 +52,7 @@ def test_the_face_is_twenty_names_a_user_calls() -> None:
         "sigalrm_timeout",
         "start_watchdog",
     ]
-    from ncclguard.recovery.evaluation import guarded_evaluate
+    from ncclguard.evaluation.guard import guarded_evaluate
 
     assert ncclguard.guarded_evaluate is guarded_evaluate  # the evaluation guard is in the face
     with warnings.catch_warnings():
@@ -91,9 +91,9 @@ def test_every_result_class_shares_the_base() -> None:
     from ncclguard.collectives.all_reduce import CollectiveResult
     from ncclguard.collectives.barrier import BarrierResult
     from ncclguard.errors import BarrierTimeout
+    from ncclguard.evaluation.guard import EvalReport
     from ncclguard.recovery.commit import CommitResult
     from ncclguard.recovery.engine import StepResult
-    from ncclguard.recovery.evaluation import EvalReport
     from ncclguard.recovery.heal import HealResult
     from ncclguard.recovery.rebuild import RebuildResult
 
@@ -117,7 +117,7 @@ def test_every_result_class_shares_the_base() -> None:
 def test_importing_the_face_imports_nothing_heavy() -> None:
     """A name is imported when first used: ``import ncclguard`` alone imports neither torch nor
     pydantic (a rank under ``ncclguard run`` imports only the watchdog's modules); a restarted
-    rank's import still makes init_process_group its stand-in (recovery/stand_in.py)."""
+    rank's import still makes init_process_group its stand-in (recovery/internals/stand_in.py)."""
     code = (
         "import sys, ncclguard\n"
         "print(sorted(m for m in ('torch', 'pydantic', 'ncclguard.recovery') if m in sys.modules))\n"
@@ -136,4 +136,4 @@ def test_importing_the_face_imports_nothing_heavy() -> None:
         timeout=120,
         check=True,
     )
-    assert out.stdout.strip() == "ncclguard.recovery.stand_in"
+    assert out.stdout.strip() == "ncclguard.recovery.internals.stand_in"

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from ncclguard import rebuild_world
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation, on_rebuild
-from ncclguard.recovery.meeting import Meeting, meet
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals.meeting import Meeting, meet
+from ncclguard.recovery.internals.protocol import (
     MAX_ARRIVAL_BYTES,
     Arrival,
     MeetingKeys,
@@ -30,7 +30,7 @@ from ncclguard.recovery.protocol import (
     validate_arguments,
     world_prefix,
 )
-from ncclguard.recovery.reaper import Reaper
+from ncclguard.recovery.internals.reaper import Reaper
 from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
 
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.collectives.rendezvous import exchange
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreTimeout
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Statement
 from ncclguard.recording.flight import recorder
@@ -566,7 +567,7 @@ def test_a_round_reads_a_hostile_arrival_as_missing(clients, lines, blob):
     evil.set(f"ncclguard/{name}/r1", blob)
     evil.add(f"ncclguard/{name}/n", 1)
     before = len(lines.messages)
-    result = exchange(info, name, {"x": 1}, time.monotonic() + 2.0)
+    result = exchange(info, name, {"x": 1}, Deadline.within(2.0))
     assert result.missing == [1] and not result.ok and result.payloads == {0: {"x": 1}}
     (line,) = lines.messages[before:]
     assert f"round {name!r}: rank 1 wrote" in line

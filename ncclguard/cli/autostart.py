@@ -9,7 +9,7 @@ command that shows the job live.
 
 The watchdog started here gives way: a script that calls :func:`ncclguard.start_watchdog` itself
 stops it and runs its own, so a rank never has two. A restarted rank's stand-in world (a world of
-one on torch's ``fake`` backend, :mod:`ncclguard.recovery.stand_in`) gets none: the watchdog starts
+one on torch's ``fake`` backend, :mod:`ncclguard.recovery.internals.stand_in`) gets none: the watchdog starts
 when the rank joins the real world, which makes its group through ``init_process_group`` too.
 """
 

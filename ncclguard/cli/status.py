@@ -25,7 +25,6 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from ncclguard._naming import rank_ranges
@@ -66,15 +65,13 @@ def connect(addr: str, timeout: float) -> Any:
         StoreTimeout, StoreUnreachable: no answer within ``timeout``.
         RuntimeError: torch's own connect error (``DistNetworkError``, ``DistStoreError``).
     """
-    import torch.distributed as dist
+    from ncclguard.store.clients import connect
 
     host, _, port = addr.rpartition(":")
     # A refused connection fails at once here, without torch's retries and C++ log lines.
     with socket.create_connection((host, int(port)), timeout=timeout):
         pass
-    return BoundedCalls(addr, timeout, 0.0).run(
-        lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-    )
+    return BoundedCalls(addr, timeout, 0.0).run(connect, host, int(port), timeout)
 
 
 def _seqs(seqs: dict[str, int] | None) -> str:

@@ -25,9 +25,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from ncclguard._log import log
+from ncclguard.deadlines import Deadline
 
 __all__ = ["Reaper", "reaper"]
 
@@ -82,15 +84,14 @@ class Reaper:
         with self._lock:
             return len(self._held) + self._releasing
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Waits until every object was released, at most ``timeout`` seconds; True when idle."""
-        deadline = time.monotonic() + timeout
+    def wait_idle(self, timeout: float | timedelta | Deadline) -> bool:
+        """Waits until every object was released, until ``timeout`` (seconds, or a deadline); True when idle."""
+        deadline = Deadline.after(timeout)
         with self._lock:
             while self._held or self._releasing or self._thread is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline.passed():
                     return False
-                self._lock.wait(left)
+                self._lock.wait(deadline.left())
         return True
 
     def _run(self) -> None:

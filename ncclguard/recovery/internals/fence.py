@@ -23,12 +23,10 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
-from ncclguard.errors import DecodeError, StoreUnreachable
-from ncclguard.store.bounded import bounded_store_call
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
 from ncclguard.store.clients import store_for_this_thread
-from ncclguard.store.codec import decode
-from ncclguard.store.keys import world_record_key
-from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
+from ncclguard.store.world_record import WorldRecord, read_world_record
 from ncclguard.watching.actions import exit_now
 from ncclguard.watching.left_behind import LeftBehind, arm
 from ncclguard.watching.watchdog import current_watchdog
@@ -81,14 +79,10 @@ class _Monitor:
 
 
 def _read(store: dist.Store) -> WorldRecord | None:
-    key = world_record_key()
+    deadline = Deadline.within(STORE_BOUND_S)
     try:
-        mine = store_for_this_thread(store, time.monotonic() + STORE_BOUND_S)
-        raw = bounded_store_call(
-            mine, lambda: bytes(mine.get(key)) if mine.check([key]) else None, STORE_BOUND_S, "the world record"
-        )
-        return None if raw is None else decode(WorldRecord, raw, f"the world record under {key!r}", MAX_RECORD_BYTES)
-    except (StoreUnreachable, DecodeError, RuntimeError, dist.DistStoreError) as exc:
+        return read_world_record(store_for_this_thread(store, deadline), deadline)
+    except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
         log.debug("left-behind fence: the world record is unreadable now (%s)", exc)
         return None
 

@@ -27,7 +27,6 @@ How (torch 2.13, checked by tests/test_deepspeed_eval_multirank.py):
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._torch_compat import routed_default_group
+from ncclguard.deadlines import Deadline
 
 __all__ = ["TIMEOUT_REFRESH_S", "EvalGroup", "routed_default_group", "deadline_timeout"]
 
@@ -45,8 +45,8 @@ _MIN_TIMEOUT = timedelta(milliseconds=1)
 
 
 @contextmanager
-def deadline_timeout(group: dist.ProcessGroup, deadline: float) -> Iterator[None]:
-    """Keeps ``group``'s default timeout equal to the time left before ``deadline`` (monotonic).
+def deadline_timeout(group: dist.ProcessGroup, deadline: Deadline) -> Iterator[None]:
+    """Keeps ``group``'s default timeout equal to the time left before ``deadline``.
 
     Ops started inside the block give up at the deadline; afterwards the timeout stays small, so
     a stray op on the group fails fast instead of hanging.
@@ -54,12 +54,12 @@ def deadline_timeout(group: dist.ProcessGroup, deadline: float) -> Iterator[None
     stop = threading.Event()
 
     def refresh() -> None:
-        compat.set_group_timeout(group, max(timedelta(seconds=deadline - time.monotonic()), _MIN_TIMEOUT))
+        compat.set_group_timeout(group, deadline.as_timedelta(_MIN_TIMEOUT.total_seconds()))
 
     def loop() -> None:
         while not stop.wait(TIMEOUT_REFRESH_S):
             refresh()
-            if time.monotonic() >= deadline:
+            if deadline.passed():
                 return
 
     refresh()

@@ -11,7 +11,7 @@ training process group is left as it was. Per attempt, on every rank:
    deadline ``timeout_s``: the SIGALRM guard ends Python-level stalls (the default
    ``deadline_guard``; another per-call deadline mechanism plugs in through that option),
    and collectives that name no group go to a side gloo group whose timeout follows the deadline
-   (:mod:`ncclguard.recovery.eval_group`), so a blocked ``dist.all_reduce`` gives up by the
+   (:mod:`ncclguard.evaluation.side_group`), so a blocked ``dist.all_reduce`` gives up by the
    deadline and kills only that side group.
 3. An :class:`EvalSums` result is all-reduced by the guard with ``safe_all_reduce`` on the side group.
 4. The ranks agree through the store (``ncclguard.collectives.rendezvous.exchange``) on the outcome: all use
@@ -47,10 +47,10 @@ from ncclguard.collectives.all_reduce import safe_all_reduce
 from ncclguard.collectives.barrier import safe_barrier
 from ncclguard.collectives.groups import GroupInfo, group_info
 from ncclguard.collectives.rendezvous import exchange, next_round
-from ncclguard.deadlines import to_seconds
+from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import EvaluationFailed, StoreUnreachable
-from ncclguard.recovery.eval_group import EvalGroup, deadline_timeout, routed_default_group
-from ncclguard.recovery.modes import eval_mode
+from ncclguard.evaluation.modes import eval_mode
+from ncclguard.evaluation.side_group import EvalGroup, deadline_timeout, routed_default_group
 from ncclguard.results import Result
 from ncclguard.sigalrm import sigalrm_timeout
 
@@ -295,19 +295,19 @@ def _attempt(
 ) -> tuple[bool, Any, str, list[int]]:
     """One attempt. Returns (ok on every rank, value, agreed reason, failed global ranks)."""
     if world is None or world.size == 1:
-        value, error = _run_local(eval_fn, opts, None, time.monotonic() + opts.timeout_s, local_error)
+        value, error = _run_local(eval_fn, opts, None, Deadline.within(opts.timeout_s), local_error)
         return error is None, value, error or "", [] if error is None else [0]
 
     barrier = safe_barrier(opts.timeout_s)
     if not barrier:
         late = [world.global_rank(world.rank)] if barrier.late else []  # this rank is the missing one
         return False, None, f"barrier before the evaluation failed: {barrier.error}", barrier.missing_ranks or late
-    deadline = time.monotonic() + opts.timeout_s
+    deadline = Deadline.within(opts.timeout_s)
     evals = _eval_groups.setdefault(world.group, EvalGroup())
     value, error = _run_local(eval_fn, opts, evals, deadline, local_error)
     try:
         verdict = exchange(
-            world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error}, deadline + opts.grace
+            world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error}, deadline.plus(opts.grace)
         )
     except StoreUnreachable as exc:
         evals.discard()
@@ -327,7 +327,7 @@ def _attempt(
 
 
 def _run_local(
-    eval_fn: Callable[[], Any], opts: GuardOptions, evals: EvalGroup | None, deadline: float, local_error: str | None
+    eval_fn: Callable[[], Any], opts: GuardOptions, evals: EvalGroup | None, deadline: Deadline, local_error: str | None
 ) -> tuple[Any, str | None]:
     """Runs eval_fn on this rank under the deadline. Returns (value, None) or (None, error text)."""
     if local_error is not None:
@@ -340,7 +340,7 @@ def _run_local(
         # The SIGALRM guard is innermost so that its exception can never land in the code that
         # restores the default group or stops the timeout thread.
         with deadline_timeout(group, deadline), routed_default_group(group):
-            with opts.deadline_guard(max(deadline - time.monotonic(), 1e-3)):
+            with opts.deadline_guard(max(deadline.left(), 1e-3)):
                 value = eval_fn()
         return _finish(value, group, deadline), None
     except Exception as exc:  # noqa: BLE001 - any failure of eval_fn becomes this rank's verdict
@@ -363,14 +363,13 @@ def _describe(exc: BaseException) -> str:
     return text[:500]
 
 
-def _finish(value: Any, group: dist.ProcessGroup | None, deadline: float) -> Any:
+def _finish(value: Any, group: dist.ProcessGroup | None, deadline: Deadline) -> Any:
     """Reduces an EvalSums over the side group; any other value is returned as it is."""
     if not isinstance(value, EvalSums):
         return value
     sums = torch.tensor([value.loss_sum, value.correct, value.count], dtype=torch.float64)
     if group is not None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if deadline.passed():
             raise TimeoutError("no time left before the deadline to reduce the evaluation's sums")
         # No explicit timeout: the side group's own timeout follows the deadline (deadline_timeout),
         # and the default deadline is capped below it, so the reduction gives up before the deadline.

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.recovery.restarts import restart_count
+from ncclguard.recovery.internals.restarts import restart_count
 
 __all__ = ["active", "install", "leave", "torch_init_process_group"]
 

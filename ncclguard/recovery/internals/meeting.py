@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 from ncclguard._log import log
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals.protocol import (
     MAX_ARRIVAL_BYTES,
     MAX_VERDICT_BYTES,
     Arrival,
@@ -88,14 +89,14 @@ def _rule(keys: MeetingKeys, size: int, allow_shrink: bool) -> Rule[Verdict]:
     )
 
 
-def meet(store: dist.Store, me: Arrival, attempt: int, deadline: float) -> Meeting:
+def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Meeting:
     """Runs one attempt of the meeting toward generation ``me.generation + 1``.
 
     Args:
         store: the job's store (the same server on every rank).
         me: this rank's arrival.
         attempt: this rank's count of earlier attempts toward that generation.
-        deadline: ``time.monotonic()`` value after which the ranks not there are given up.
+        deadline: when the ranks not there are given up.
 
     Returns:
         The meeting as this rank saw it.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepState", "generators_to_send", "restore_sent_generators"]
+__all__ = ["StepState", "generators_to_send", "load_scheduler", "restore_sent_generators"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,24 @@ def _numpy_state() -> Any:
     except ImportError:  # pragma: no cover - numpy is a core dependency
         return None
     return numpy.random.get_state()
+
+
+def load_scheduler(scheduler: Any, state: dict[str, Any]) -> None:
+    """Loads an LR scheduler's state and puts the learning rates it was at back into its optimizer.
+
+    A scheduler's ``load_state_dict`` restores its counters, not the optimizer's ``lr``; a scheduler
+    made anew (the HF Trainer's, when its loop is entered again after a join) has just written the
+    schedule's first rate there. A checkpoint resume loads the optimizer's state too, which carries
+    the rates; a resume fed from memory keeps the optimizer as it is, so the rates are set here.
+
+    Args:
+        scheduler: a torch LR scheduler, or Accelerate's wrapper of one.
+        state: what its ``state_dict()`` gave.
+    """
+    scheduler.load_state_dict(state)
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps one
+    optimizer, rates = getattr(inner, "optimizer", None), getattr(inner, "_last_lr", None)
+    if optimizer is None or not isinstance(rates, list) or len(rates) != len(optimizer.param_groups):
+        return
+    for group, lr in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
