@@ -38,12 +38,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 import torch.distributed as dist
 
-from ncclguard import Watchdog, WatchdogConfig, phase
+from ncclguard import WatchdogConfig, phase
 from ncclguard import start_watchdog as _start_watchdog
 from ncclguard._log import log
 from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.evaluation.guard import FAILED_METRIC, GuardOptions, last_report
 from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
+from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate_recovery import AcceleratorRecoveringStep, follow_world, recovering_step
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config

@@ -44,10 +44,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
+from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered, recovery_options
+from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_recovery import StepRecovery, check_recoverable
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config

@@ -8,13 +8,17 @@ import torch
 import torch.distributed as dist
 
 import ncclguard
-from ncclguard import RecoveringStep, StepResult
+from ncclguard import RecoveringStep
+from ncclguard.errors import CommitFailed
+from ncclguard.recording.ddp import record_ddp
+from ncclguard.recording.flight import recorder
+from ncclguard.recovery.engine import StepResult
 
 
 @pytest.fixture
 def parts():
     assert not dist.is_initialized()
-    ncclguard.recorder.clear()
+    recorder.clear()
     ncclguard.should_commit()  # earlier tests' problems are counted already
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
@@ -47,7 +51,7 @@ def test_bad_input_is_refused(parts):
     with pytest.raises(RuntimeError, match="initialized process group"):
         RecoveringStep(module, opt, wrap=ncclguard.FSDP2())
     with pytest.raises(TypeError, match="record_ddp needs a DistributedDataParallel model, got Sequential"):
-        ncclguard.record_ddp(module)
+        record_ddp(module)
     # Models the adapter cannot wrap again on a rebuilt world: refused with what to pass instead.
     with pytest.raises(ValueError, match="torch.compile'd module.*pass the module before torch.compile"):
         RecoveringStep(torch.compile(module), opt)
@@ -106,7 +110,7 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
 
     res = RecoveringStep(module, opt, max_attempts=2)(step_fn)
     assert not res and res.attempts == 2 and [c.ok for c in res.commits] == [False, False]
-    with pytest.raises(ncclguard.CommitFailed, match="loss is nan"):
+    with pytest.raises(CommitFailed, match="loss is nan"):
         res.raise_for_error()
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # never stepped
 

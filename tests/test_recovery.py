@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ncclguard import RebuildResult, rebuild_world
+from ncclguard import rebuild_world
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation, on_rebuild
@@ -32,7 +32,7 @@ from ncclguard.recovery.internals.protocol import (
     world_prefix,
 )
 from ncclguard.recovery.internals.reaper import Reaper
-from ncclguard.recovery.rebuild import _forget_generation
+from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
 
 
 def arrival(rank: int, size: int = 3, **over: object) -> Arrival:

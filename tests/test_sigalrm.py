@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from ncclguard import CollectiveTimeout, DeadlineExceeded, NcclGuardError, sigalrm_timeout
+from ncclguard import NcclGuardError, sigalrm_timeout
+from ncclguard.errors import CollectiveTimeout, DeadlineExceeded
 
 # How late past its deadline an interruption may come here: a hang guard, not the 50 ms.
-# benchmarks/sigalrm_lateness.py measures the lateness (at most 24.5 and 26 ms over 40 busy loops
+# benchmarks/investigations/sigalrm_lateness.py measures the lateness (at most 24.5 and 26 ms over 40 busy loops
 # at load averages 5.8 and 7.7 on 2 cores, results/sigalrm_lateness.json); 0.15 s is over 5x that and keeps
 # every nested deadline below apart (0.1 s, 0.2 s, 0.3 s, 0.6 s).
 LATE_S = 0.15

@@ -51,6 +51,7 @@ from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import EvaluationFailed, StoreUnreachable
 from ncclguard.evaluation.modes import eval_mode
 from ncclguard.evaluation.side_group import EvalGroup, deadline_timeout, routed_default_group
+from ncclguard.results import Result
 from ncclguard.sigalrm import sigalrm_timeout
 
 __all__ = [
@@ -80,7 +81,7 @@ class EvalSums:
 
 
 @dataclass
-class EvalReport:
+class EvalReport(Result):
     """What the last guarded evaluation did on this rank; truthy when it succeeded.
 
     Attributes:
@@ -100,19 +101,6 @@ class EvalReport:
     failed_ranks: list[int] = field(default_factory=list)
     elapsed_s: float = 0.0
     error: EvaluationFailed | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> EvalReport:
-        """Returns this report, or raises its ``error`` when the evaluation was skipped.
-
-        Raises:
-            EvaluationFailed: every attempt failed.
-        """
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 def python_deadline_guard(seconds: float) -> AbstractContextManager[None]:

@@ -48,6 +48,7 @@ from ncclguard.recovery.internals.commit_protocol import (
     decide,
     verdict_limit,
 )
+from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.deaths import read_deaths
@@ -64,7 +65,7 @@ __all__ = ["CommitResult", "committed_step", "should_commit"]
 
 
 @dataclass
-class CommitResult:
+class CommitResult(Result):
     """The verdict of one step's commit on this rank; truthy when the step may be applied.
 
     Attributes:
@@ -89,15 +90,6 @@ class CommitResult:
     elapsed_s: float = 0.0
     error: CommitFailed | None = None
     early: bool = False
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> CommitResult:
-        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class _Commits:

@@ -60,6 +60,7 @@ from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.rejoin import rejoin_world
+from ncclguard.results import Result
 from ncclguard.watching.actions import exit_now
 
 __all__ = [
@@ -190,7 +191,7 @@ class Recovered:
 
 
 @dataclass
-class StepResult(Generic[T]):
+class StepResult(Result, Generic[T]):
     """One step's transaction on this rank; truthy when the step may be applied (it committed).
 
     Attributes:
@@ -216,9 +217,6 @@ class StepResult(Generic[T]):
     elapsed_s: float = 0.0
     error: NcclGuardError | None = None
     healed: HealResult | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

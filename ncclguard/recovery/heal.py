@@ -33,6 +33,7 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import HealFailed
+from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
 from ncclguard.world import current_world
 
@@ -78,7 +79,7 @@ class Header(BaseModel):
 
 
 @dataclass
-class HealResult:
+class HealResult(Result):
     """One heal as this rank took part in it; truthy when every receiver has the source's state.
 
     Attributes:
@@ -105,15 +106,6 @@ class HealResult:
     chunks: int = 0
     elapsed_s: float = 0.0
     error: HealFailed | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> HealResult:
-        """Raises :attr:`error` if the heal failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 # --- the optimizer's state as JSON: every container tagged, tensors by index, nothing pickled ---

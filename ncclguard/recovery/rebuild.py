@@ -44,6 +44,7 @@ from ncclguard.recovery.internals.protocol import (
     world_prefix,
 )
 from ncclguard.recovery.internals.reaper import reaper
+from ncclguard.results import Result
 from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix
 from ncclguard.store.world_record import write_world_record
@@ -53,7 +54,7 @@ __all__ = ["RebuildResult", "generation", "on_rebuild", "origin_rank", "rebuild_
 
 
 @dataclass
-class RebuildResult:
+class RebuildResult(Result):
     """The outcome of :func:`rebuild_world` on this rank; truthy when this rank is in a new world.
 
     Attributes:
@@ -83,15 +84,6 @@ class RebuildResult:
     late: bool = False
     error: RebuildFailed | None = None
     joined_ranks: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> RebuildResult:
-        """Raises :attr:`error` if the rebuild failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class _Attempts:

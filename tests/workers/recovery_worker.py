@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from rankkit import kill, put, skip_collective
 
-from ncclguard import GroupFailed, rebuild_world, recorder, safe_all_reduce, safe_barrier
 from ncclguard import _torch_compat as compat
+from ncclguard import rebuild_world, safe_all_reduce, safe_barrier
+from ncclguard.errors import GroupFailed
+from ncclguard.recording.flight import recorder
 from ncclguard.recovery import generation, on_rebuild, reaper
 from ncclguard.recovery.internals.protocol import MeetingKeys
 
