@@ -224,7 +224,7 @@ def guard_trainer(
         max_attempts: with ``recover``, times a step runs at most; past it every rank raises
             :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
         heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --restarts``) comes back: its ``TrainingArguments`` stand in for the world until
+            --ncclguard-restarts``) comes back: its ``TrainingArguments`` stand in for the world until
             ``trainer.train()`` joins the survivors and receives a live peer's model, optimizer,
             scheduler, Trainer state and generators; then every rank enters the training loop again
             at the step the join redoes, through the Trainer's own resume path. Pass it on every rank.

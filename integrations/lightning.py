@@ -82,7 +82,7 @@ class NcclGuardCallback(Callback):
         rebuild_timeout: with ``recover``, seconds (or a timedelta) a rebuild waits for every rank.
         max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
         heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --restarts``) comes back: its strategy stands in for the world until the fit loop
+            --ncclguard-restarts``) comes back: its strategy stands in for the world until the fit loop
             starts, where it joins the survivors and receives a live peer's module, optimizer, LR
             schedulers, fit-loop state and generators; then every rank enters the fit loop again
             at the step the join redoes (Lightning's own resume logic; a data loader that is not

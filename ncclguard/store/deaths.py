@@ -3,7 +3,7 @@
 A rank killed outright (SIGKILL, the OOM killer, a segfault) never reaches its commit, and the
 survivors' commit would wait its whole bound for its statement (9.1 s of every kill in the failure
 drill before this). The process that supervises the rank (:mod:`ncclguard.supervise`, the
-``--restarts`` option of ``ncclguard run``; :func:`ncclguard.testing.launch.spawn`) sees the death
+``--ncclguard-restarts`` option of ``ncclguard run``; :func:`ncclguard.testing.launch.spawn`) sees the death
 the moment it happens and posts a :class:`DeathNotice`; a commit waiting for that rank reads it and
 settles at once (:mod:`ncclguard.recovery.commit`).
 
