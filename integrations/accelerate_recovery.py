@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard import _torch_compat as compat
-from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered
 from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
+from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut
+from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.world import current_world
 
@@ -86,7 +87,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
     Attributes:
         recoveries: every step that was redone on a rebuilt world, oldest first
-            (:class:`~ncclguard.recovery.engine.Recovered`; ``.metrics()`` gives what was logged).
+            (:class:`~ncclguard.recovery.records.Recovered`; ``.metrics()`` gives what was logged).
 
     Raises:
         TypeError: not an Accelerator, a model or an optimizer.

@@ -36,7 +36,8 @@ import torch
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.recovery.commit import CommitResult
-from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, Adapter, Recovery, recovery_options
+from ncclguard.recovery.engine import Adapter, Recovery
+from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.watching.actions import exit_now
 

@@ -41,7 +41,7 @@ import torch
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
-from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip

@@ -48,13 +48,15 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
+from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, unwrapped
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
+from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.records import Recovered
 
 from .accelerate_recovery import follow_world
 
@@ -76,7 +78,7 @@ class TrainerRecovery(Adapter):
 
     Args:
         trainer: the ``transformers.Trainer``.
-        options: the engine's options (:func:`~ncclguard.recovery.engine.recovery_options`).
+        options: the engine's options (:func:`~ncclguard.recovery.options.recovery_options`).
 
     Attributes:
         engine: the recovery engine (its ``recoveries`` list the steps redone).

@@ -47,7 +47,8 @@ import torch
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
-from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered, recovery_options
+from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.records import Recovered
 from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_recovery import StepRecovery, check_recoverable

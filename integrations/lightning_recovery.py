@@ -30,12 +30,14 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
+from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
+from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.records import Recovered
 
 __all__ = ["StepRecovery", "check_recoverable"]
 
@@ -104,8 +106,8 @@ class StepRecovery(Adapter):
     """Wraps ``strategy.optimizer_step`` so that each step is a transaction of the engine.
 
     Args:
-        options: the engine's options (:func:`~ncclguard.recovery.engine.recovery_options`).
-        on_recovered: called with the trainer and each :class:`~ncclguard.recovery.engine.Recovered`
+        options: the engine's options (:func:`~ncclguard.recovery.options.recovery_options`).
+        on_recovered: called with the trainer and each :class:`~ncclguard.recovery.records.Recovered`
             step (the callback logs it to Lightning's loggers).
 
     Attributes:

@@ -6,7 +6,7 @@ request. The result classes add what their call knows (the chunks of an all_redu
 ranks of a barrier, the verdict of a commit): :class:`~ncclguard.collectives.all_reduce.CollectiveResult`,
 :class:`~ncclguard.collectives.barrier.BarrierResult`, :class:`~ncclguard.recovery.commit.CommitResult`,
 :class:`~ncclguard.recovery.rebuild.RebuildResult`, :class:`~ncclguard.recovery.heal.HealResult`,
-:class:`~ncclguard.recovery.engine.StepResult`, :class:`~ncclguard.evaluation.guard.EvalReport`.
+:class:`~ncclguard.recovery.records.StepResult`, :class:`~ncclguard.evaluation.guard.EvalReport`.
 
 Example::
 

@@ -93,9 +93,9 @@ def test_every_result_class_shares_the_base() -> None:
     from ncclguard.errors import BarrierTimeout
     from ncclguard.evaluation.guard import EvalReport
     from ncclguard.recovery.commit import CommitResult
-    from ncclguard.recovery.engine import StepResult
     from ncclguard.recovery.heal import HealResult
     from ncclguard.recovery.rebuild import RebuildResult
+    from ncclguard.recovery.records import StepResult
 
     classes = [CollectiveResult, BarrierResult, CommitResult, StepResult, EvalReport, HealResult, RebuildResult]
     for cls in classes:

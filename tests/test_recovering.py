@@ -12,7 +12,7 @@ from ncclguard import RecoveringStep
 from ncclguard.errors import CommitFailed
 from ncclguard.recording.ddp import record_ddp
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery.engine import StepResult
+from ncclguard.recovery.records import StepResult
 
 
 @pytest.fixture

@@ -39,208 +39,31 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Generic, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard._naming import rank_ranges
-from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery.commit import CommitResult, should_commit
-from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
+from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.bound import StepBound
 from ncclguard.recovery.internals.fence import arm_left_behind_fence
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
+from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
+from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
 from ncclguard.recovery.rejoin import rejoin_world
-from ncclguard.results import Result
 from ncclguard.watching.actions import exit_now
 
-__all__ = [
-    "Adapter",
-    "LeftOut",
-    "Recovered",
-    "Reenter",
-    "Recovery",
-    "RecoveryOptions",
-    "StepResult",
-    "Transaction",
-    "WorldEvent",
-    "recovery_options",
-]
+__all__ = ["Adapter", "Recovery", "Reenter", "Transaction"]
 
 T = TypeVar("T")
-LeftOut = Literal["exit", "raise"]
-
-DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # well below NCCL's 10 min and HF's 30 min, far above a healthy op
-
-
-@dataclass(frozen=True)
-class RecoveryOptions:
-    """The engine's settings, checked once (:func:`recovery_options`).
-
-    Attributes:
-        collective_timeout_s: how long a collective inside a step waits for its peers before the
-            step fails on this rank (the step bound); None leaves the groups' timeouts alone.
-        commit_timeout_s: how long a commit waits for every rank; None: ``should_commit``'s
-            default (below the group's timeout in force).
-        rebuild_timeout_s: how long a rebuild waits for every rank (with ``heal``: a killed rank's
-            restart, its imports and its setup).
-        allow_shrink: rebuild without the ranks that did not come (the same on every rank).
-        max_attempts: times a step runs at most.
-        heal: admit restarted ranks and send them a live peer's state.
-        heal_timeout_s: seconds for one state transfer.
-        heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
-        left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
-    """
-
-    collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
-    commit_timeout_s: float | None = None
-    rebuild_timeout_s: float = 60.0
-    allow_shrink: bool = False
-    max_attempts: int = 3
-    heal: bool = False
-    heal_timeout_s: float = 60.0
-    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    left_out: LeftOut = "exit"
-
-
-def recovery_options(
-    *,
-    collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    commit_timeout: float | timedelta | None = None,
-    rebuild_timeout: float | timedelta = 60.0,
-    allow_shrink: bool = False,
-    max_attempts: int = 3,
-    heal: bool = False,
-    heal_timeout: float | timedelta = 60.0,
-    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    left_out: LeftOut = "exit",
-) -> RecoveryOptions:
-    """Checks the engine's arguments (every adapter takes these names) and returns the options.
-
-    Raises:
-        TypeError, ValueError: a bad value, with what to pass instead; before any communication.
-    """
-    for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
-    if isinstance(heal_chunk_bytes, bool) or not isinstance(heal_chunk_bytes, int) or heal_chunk_bytes < 1:
-        raise ValueError(f"heal_chunk_bytes must be a positive int, got {heal_chunk_bytes!r}")
-    if left_out not in ("exit", "raise"):
-        raise ValueError(f"left_out must be 'exit' or 'raise', got {left_out!r}")
-    bound = None if collective_timeout is None else to_seconds(collective_timeout, "collective_timeout")
-    commit = None if commit_timeout is None else to_seconds(commit_timeout, "commit_timeout")
-    return RecoveryOptions(
-        collective_timeout_s=bound,
-        commit_timeout_s=commit,
-        rebuild_timeout_s=to_seconds(rebuild_timeout, "rebuild_timeout"),
-        allow_shrink=allow_shrink,
-        max_attempts=max_attempts,
-        heal=heal,
-        heal_timeout_s=to_seconds(heal_timeout, "heal_timeout"),
-        heal_chunk_bytes=heal_chunk_bytes,
-        left_out=left_out,
-    )
-
-
-@dataclass(frozen=True)
-class Recovered:
-    """A step that failed and was applied after a redo on a rebuilt world, as this rank saw it.
-
-    Attributes:
-        step: the caller's step number (the count of steps applied when it passes none).
-        attempts: times the step ran (2 after one failure).
-        generation: the world generation it was applied in.
-        world_size: that world's size.
-        failed_ranks: the ranks the failed commits named (their worlds' numbering).
-        healed_ranks: the restarted ranks healed at its rebuilds (the new world's numbering).
-        elapsed_s: seconds from the first attempt's start to the commit that was ok.
-        timings: where those seconds went, summed over the attempts: ``attempt`` (the first
-            attempt, its collectives' wait for the failed rank included), ``commit``, ``rebuild``
-            (with a restarted rank: waiting for its process to come), ``heal``, ``rewrap``, ``redo``.
-    """
-
-    step: int
-    attempts: int
-    generation: int
-    world_size: int
-    failed_ranks: list[int]
-    healed_ranks: list[int]
-    elapsed_s: float
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def metrics(self) -> dict[str, Any]:
-        """The ``ncclguard_recover_*`` values every adapter logs (one builder for all of them)."""
-        return {
-            "ncclguard_recover_s": round(self.elapsed_s, 4),
-            "ncclguard_recover_generation": self.generation,
-            "ncclguard_recover_world_size": self.world_size,
-            "ncclguard_recover_attempts": self.attempts,
-            "ncclguard_recover_failed_ranks": rank_ranges(self.failed_ranks) if self.failed_ranks else "",
-        }
-
-
-@dataclass
-class StepResult(Result, Generic[T]):
-    """One step's transaction on this rank; truthy when the step may be applied (it committed).
-
-    Attributes:
-        ok: the step committed on every rank.
-        attempts: times the step ran (1 without a failure).
-        generation: the world generation it ended in.
-        rebuilds: rebuilds it took.
-        output: what the step returned in the last attempt (None if it raised).
-        commits: every attempt's commit.
-        elapsed_s: seconds from the transaction's start to its end.
-        error: why the step may not be applied (:class:`~ncclguard.errors.CommitFailed` after the
-            last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt,
-            :class:`~ncclguard.errors.HealFailed` when restarted ranks joined and were not healed).
-        healed: this rank's part in healing the restarted ranks that joined (None when none did).
-    """
-
-    ok: bool
-    attempts: int
-    generation: int
-    rebuilds: int = 0
-    output: T | None = None
-    commits: list[CommitResult] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    error: NcclGuardError | None = None
-    healed: HealResult | None = None
-
-    def raise_for_error(self) -> StepResult[T]:
-        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        if not self.ok:
-            raise CommitFailed(f"the step was not applied after {self.attempts} attempt(s)")
-        return self
-
-
-@dataclass(frozen=True)
-class WorldEvent:
-    """What an ``on_change`` callback is told.
-
-    Attributes:
-        kind: ``"rebuilt"`` (this rank is in the new world; before the redo), or ``"left_out"``
-            (the others went on without this rank; before it exits or raises).
-        result: the rebuild's result.
-        step: the step being redone.
-    """
-
-    kind: Literal["rebuilt", "left_out"]
-    result: RebuildResult
-    step: int
 
 
 class Reenter(Exception):

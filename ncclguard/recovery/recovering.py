@@ -37,18 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard.recovery.engine import (
-    DEFAULT_COLLECTIVE_TIMEOUT_S,
-    Adapter,
-    LeftOut,
-    Recovered,
-    Recovery,
-    StepResult,
-    recovery_options,
-)
+from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
+from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.records import Recovered, StepResult
 
 __all__ = ["RecoveringStep", "StepResult", "cannot_rewrap"]
 
@@ -227,7 +221,7 @@ class RecoveringStep(Adapter):
             step: your loop's step number, checked by :func:`~ncclguard.should_commit` on every rank.
 
         Returns:
-            A :class:`~ncclguard.recovery.engine.StepResult`, truthy when the step was applied on
+            A :class:`~ncclguard.recovery.records.StepResult`, truthy when the step was applied on
             every rank.
 
         Raises:

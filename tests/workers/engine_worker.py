@@ -15,7 +15,8 @@ import torch
 from rankkit import put
 
 from ncclguard.errors import NcclGuardError
-from ncclguard.recovery.engine import Adapter, Recovery, Reenter, recovery_options
+from ncclguard.recovery.engine import Adapter, Recovery, Reenter
+from ncclguard.recovery.options import recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 
 

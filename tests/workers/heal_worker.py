@@ -27,7 +27,7 @@ from rankkit import put
 
 import ncclguard
 from ncclguard import RecoveringStep
-from ncclguard.recovery.engine import StepResult
+from ncclguard.recovery.records import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # results go by launch rank, whatever the world
 ME = int(os.environ["RANK"])

@@ -28,7 +28,7 @@ from ncclguard import FSDP2, RecoveringStep
 from ncclguard.recording.ddp import record_ddp
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery import WorldEvent
-from ncclguard.recovery.engine import StepResult
+from ncclguard.recovery.records import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 

@@ -1,0 +1,108 @@
+"""What the recovery engine tells its caller: a step's :class:`StepResult`, the :class:`Recovered`
+record of a step applied after a redo, and the :class:`WorldEvent` an ``on_change`` callback gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from ncclguard._naming import rank_ranges
+from ncclguard.errors import CommitFailed, NcclGuardError
+from ncclguard.recovery.commit import CommitResult
+from ncclguard.recovery.heal import HealResult
+from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.results import Result
+
+__all__ = ["Recovered", "StepResult", "WorldEvent"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A step that failed and was applied after a redo on a rebuilt world, as this rank saw it.
+
+    Attributes:
+        step: the caller's step number (the count of steps applied when it passes none).
+        attempts: times the step ran (2 after one failure).
+        generation: the world generation it was applied in.
+        world_size: that world's size.
+        failed_ranks: the ranks the failed commits named (their worlds' numbering).
+        healed_ranks: the restarted ranks healed at its rebuilds (the new world's numbering).
+        elapsed_s: seconds from the first attempt's start to the commit that was ok.
+        timings: where those seconds went, summed over the attempts: ``attempt`` (the first
+            attempt, its collectives' wait for the failed rank included), ``commit``, ``rebuild``
+            (with a restarted rank: waiting for its process to come), ``heal``, ``rewrap``, ``redo``.
+    """
+
+    step: int
+    attempts: int
+    generation: int
+    world_size: int
+    failed_ranks: list[int]
+    healed_ranks: list[int]
+    elapsed_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, Any]:
+        """The ``ncclguard_recover_*`` values every adapter logs (one builder for all of them)."""
+        return {
+            "ncclguard_recover_s": round(self.elapsed_s, 4),
+            "ncclguard_recover_generation": self.generation,
+            "ncclguard_recover_world_size": self.world_size,
+            "ncclguard_recover_attempts": self.attempts,
+            "ncclguard_recover_failed_ranks": rank_ranges(self.failed_ranks) if self.failed_ranks else "",
+        }
+
+
+@dataclass
+class StepResult(Result, Generic[T]):
+    """One step's transaction on this rank; truthy when the step may be applied (it committed).
+
+    Attributes:
+        ok: the step committed on every rank.
+        attempts: times the step ran (1 without a failure).
+        generation: the world generation it ended in.
+        rebuilds: rebuilds it took.
+        output: what the step returned in the last attempt (None if it raised).
+        commits: every attempt's commit.
+        elapsed_s: seconds from the transaction's start to its end.
+        error: why the step may not be applied (:class:`~ncclguard.errors.CommitFailed` after the
+            last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt,
+            :class:`~ncclguard.errors.HealFailed` when restarted ranks joined and were not healed).
+        healed: this rank's part in healing the restarted ranks that joined (None when none did).
+    """
+
+    ok: bool
+    attempts: int
+    generation: int
+    rebuilds: int = 0
+    output: T | None = None
+    commits: list[CommitResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    error: NcclGuardError | None = None
+    healed: HealResult | None = None
+
+    def raise_for_error(self) -> StepResult[T]:
+        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
+        if self.error is not None:
+            raise self.error
+        if not self.ok:
+            raise CommitFailed(f"the step was not applied after {self.attempts} attempt(s)")
+        return self
+
+
+@dataclass(frozen=True)
+class WorldEvent:
+    """What an ``on_change`` callback is told.
+
+    Attributes:
+        kind: ``"rebuilt"`` (this rank is in the new world; before the redo), or ``"left_out"``
+            (the others went on without this rank; before it exits or raises).
+        result: the rebuild's result.
+        step: the step being redone.
+    """
+
+    kind: Literal["rebuilt", "left_out"]
+    result: RebuildResult
+    step: int
