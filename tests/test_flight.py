@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import configure, current_phase, instrument, phase, uninstrument
+from ncclguard.recording import sites
 from ncclguard.recording.flight import FlightRecorder, recorder
 from ncclguard.recording.instrument import INSTRUMENTED_OPS, is_instrumented
 from ncclguard.recording.phase import main_thread_phase
+from ncclguard.recording.record import LASTI, WHERE
 from ncclguard.recording.sites import call_site
 
 HERE = __file__
@@ -235,9 +237,11 @@ def test_the_site_is_resolved_when_read_and_names_the_line_f_lineno_gives(world_
         lines.append(line() - 4)  # the line the call starts on: what f_lineno says during it
     first, second = recorder.records()
     # Kept as code and offset until read: no file:line is built on the call's path.
-    assert first._site is None and first._code is sys._getframe().f_code
+    raw = recorder.raw()[0]
+    assert raw[WHERE] is sys._getframe().f_code and isinstance(raw[LASTI], int)
+    assert (raw[WHERE], raw[LASTI]) not in sites._sites
     assert [first.site, second.site] == [f"{HERE}:{lines[0]}"] * 2
-    assert first._site == f"{HERE}:{lines[0]}"  # resolved once, then kept
+    assert sites._sites[(raw[WHERE], raw[LASTI])] == f"{HERE}:{lines[0]}"  # resolved once, then kept
     assert first.to_dict()["site"] == first.site
 
 
