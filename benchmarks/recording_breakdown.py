@@ -285,6 +285,16 @@ def new_rows(original: Callable[..., Any] = _noop) -> dict[str, Callable[[Any], 
     return rows
 
 
+def compiled_row(original: Callable[..., Any] = _noop) -> dict[str, Callable[[Any], Any]]:
+    """The same body compiled (``_hotpath``, what instrument() installs where it was built)."""
+    from ncclguard.recording import instrument as ins
+
+    if getattr(ins, "_hotpath", None) is None:
+        return {}
+    spec = ins._spec("all_reduce", dist.all_reduce)
+    return {"compiled whole": ins._wrap(spec, original, like=dist.all_reduce, compiled=True)}
+
+
 def _deep(depth: int, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn`` called through ``depth`` frames whose code claims a torch file (as under DeepSpeed)."""
     ns: dict[str, Any] = {"leaf": fn}
@@ -305,7 +315,11 @@ def all_rows(deep: int) -> dict[str, Callable[[Any], Any]]:
     rows[f"deep{deep} bare no-op"] = _deep(deep, _noop)
     rows[f"deep{deep} e0c72fd whole"] = _deep(deep, list(main.values())[-1])
     if new:
-        rows[f"deep{deep} new whole"] = _deep(deep, list(new.values())[-1])
+        rows[f"deep{deep} new whole"] = _deep(deep, new["+ close"])
+    compiled = compiled_row()
+    rows |= compiled
+    if compiled:
+        rows[f"deep{deep} compiled whole"] = _deep(deep, compiled["compiled whole"])
     return rows
 
 
@@ -337,6 +351,7 @@ def gloo_pairs(pairs: int) -> dict[str, list[float]]:
     real = dist.all_reduce.__dict__.get("__ncclguard_original__", dist.all_reduce)
     rows = {f"e0c72fd {k}": v for k, v in main_rows(real).items()}
     rows |= {f"new {k}": v for k, v in new_rows(real).items()}
+    rows |= compiled_row(real)
     t = torch.ones(1)
     until = time.monotonic() + 2.0  # a fresh gloo group's first calls run in a slower regime
     while time.monotonic() < until:
@@ -478,6 +493,22 @@ def main() -> int:
             print(f"({total_ir / total_ns:.1f} instructions per CPU ns over the whole wrapper)")
         doc[design] = {"parts": table, "whole_cpu_ns": total_ns, "whole_instructions": total_ir}
         doc[design] |= {"deep_cpu_ns": deep_ns, "deep_instructions": deep_ir, "deep_frames": args.deep}
+    if "compiled whole" in cpu:
+        d = args.deep
+        c_ns = statistics.median(a - b for a, b in zip(cpu["compiled whole"], cpu["bare no-op"], strict=True))
+        c_deep = statistics.median(
+            a - b for a, b in zip(cpu[f"deep{d} compiled whole"], cpu[f"deep{d} bare no-op"], strict=True)
+        )
+        c_ir = None if ir is None else ir["compiled whole"] - ir["bare no-op"]
+        c_deep_ir = None if ir is None else ir[f"deep{d} compiled whole"] - ir[f"deep{d} bare no-op"]
+        print("\ncompiled (ncclguard/recording/_hotpath.c, the same body in C: what instrument() installs)")
+        print(f"{'whole, caller right above':70s} {c_ns:7.0f} {'':13s} {'' if c_ir is None else f'{c_ir:7.0f}'}")
+        print(
+            f"{f'whole, caller {d} framework frames up':70s} {c_deep:7.0f} {'':13s} "
+            f"{'' if c_deep_ir is None else f'{c_deep_ir:7.0f}'}"
+        )
+        doc["compiled"] = {"whole_cpu_ns": c_ns, "whole_instructions": c_ir, "deep_cpu_ns": c_deep}
+        doc["compiled"]["deep_instructions"] = c_deep_ir
     if args.gloo:
         load2 = os.getloadavg()[0]
         pairs = gloo_pairs(args.gloo)
@@ -486,7 +517,7 @@ def main() -> int:
             f"\naround a real 1-element gloo all_reduce (world of one): median of {args.gloo} pairs (row - plain), us"
         )
         doc["gloo"] = {"pairs": args.gloo, "load_1min": [load2, load3], "rows": {}}
-        for design in ("e0c72fd", "new"):
+        for design in ("e0c72fd", "new", "compiled"):
             names = [k for k in pairs if k.startswith(design + " ")]
             above = 0.0
             for k in names:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import configure, current_phase, instrument, phase, uninstrument
+from ncclguard.recording import instrument as ins
 from ncclguard.recording import sites
 from ncclguard.recording.flight import FlightRecorder, recorder
 from ncclguard.recording.instrument import INSTRUMENTED_OPS, is_instrumented
@@ -38,8 +39,15 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def fresh():
+@pytest.fixture(params=["compiled", "generated"])
+def fresh(request, monkeypatch):
+    """A cleared recorder; instrument() installs the compiled wrapper (_hotpath.c) or the generated
+    Python one: every test that instruments runs with both."""
+    if request.param == "compiled" and ins._hotpath is None:
+        pytest.skip("the compiled wrapper is not built in this install (setup.py builds it with a C compiler)")
+    if request.param == "generated":
+        monkeypatch.setattr(ins, "_hotpath", None)
+    uninstrument()
     recorder.clear()
     yield recorder
     uninstrument()
@@ -300,3 +308,10 @@ def test_frames_of_every_part_of_ncclguard_are_library_frames(where):
     exec(compile("def issue(site):\n    return site(1)\n", path, "exec"), ns)
     site, line = ns["issue"](call_site), sys._getframe().f_lineno
     assert site == f"{__file__}:{line}"
+
+
+def test_instrument_installs_the_compiled_wrapper_where_it_is_built(fresh):
+    instrument(["all_reduce"])
+    compiled = ins._hotpath is not None
+    assert isinstance(dist.all_reduce, ins._hotpath.Wrapper if compiled else type(line))
+    assert dist.all_reduce.__wrapped__ is dist.all_reduce.__ncclguard_original__

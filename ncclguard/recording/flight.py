@@ -26,9 +26,9 @@ list, dict or deque, so a reader sees it whole or not at all:
 - a ring slot is a reference: when the ring wraps, the oldest record is dropped as a whole and a
   reader's copy keeps it alive; a record is never rewritten for another op, so an op finishing
   after its record left the ring writes into its own list, not a newer op's;
-- the counters (:class:`_Count`) are written by the issuing thread, except ``done_other`` (ops
-  finished by another thread: a sweep, a DDP hook's future), which only :meth:`finish` writes,
-  under a lock, so the two never lose each other's updates.
+- the counters (``Count``) are written by the issuing thread, except ``C_OTHER`` (ops finished
+  by another thread: a sweep, a DDP hook's future), which only :meth:`finish` writes, under a
+  lock, so the two never lose each other's updates.
 
 Two doors in: :meth:`FlightRecorder.start` / :meth:`~FlightRecorder.finish` for any caller, and
 the hot path's :meth:`~FlightRecorder.open_fast` / :meth:`~FlightRecorder.close_ok` (``safe_all_reduce``);
@@ -80,19 +80,16 @@ _time = time.time
 _getframe = sys._getframe
 
 
-class _Count:
-    """One counter (a group's collectives, or its send/recv): the last number issued, the highest
-    completed by the issuing thread (``done``) and by any other (``done_other``, under the lock)."""
+# A counter (a group's collectives, or its send/recv) is a list of three ints, so that the
+# generated wrappers and the compiled one (_hotpath.c) update it by index: the last number issued,
+# the highest completed by the issuing thread, and the highest completed by any other (finish(),
+# under its lock). Completed is the larger of the two.
+C_SEQ, C_DONE, C_OTHER = 0, 1, 2
+Count = list[int]
 
-    __slots__ = ("seq", "done", "done_other")
 
-    def __init__(self) -> None:
-        self.seq = 0
-        self.done = 0
-        self.done_other = 0
-
-    def completed(self) -> int:
-        return self.done if self.done >= self.done_other else self.done_other
+def _completed(c: Count) -> int:
+    return c[C_DONE] if c[C_DONE] >= c[C_OTHER] else c[C_OTHER]
 
 
 class FlightRecorder:
@@ -109,8 +106,8 @@ class FlightRecorder:
         self.ring: deque[Raw] = deque(maxlen=kept)
         # Counters by group name, collectives and send/recv apart. Wrappers bind these dicts:
         # they are cleared in place, never replaced.
-        self.counts: dict[str, _Count] = {}
-        self.p2p_counts: dict[str, _Count] = {}
+        self.counts: dict[str, Count] = {}
+        self.p2p_counts: dict[str, Count] = {}
         # Per thread ident: its innermost open record (records opened by start() inside it are
         # chained through their PREV slot). While a thread has one, instrument()'s wrappers do not
         # record again (safe_all_reduce's chunks). A dict keyed by ident: cheaper than threading.local.
@@ -142,12 +139,12 @@ class FlightRecorder:
         """True while the calling thread is inside a recorded collective (nested calls are not recorded)."""
         return _get_ident() in self.open
 
-    def count(self, group: str, p2p: bool = False) -> _Count:
+    def count(self, group: str, p2p: bool = False) -> Count:
         """The counter of ``group`` (its send/recv's with ``p2p``), made on first use."""
         counts = self.p2p_counts if p2p else self.counts
         c = counts.get(group)
         if c is None:
-            c = counts.setdefault(group, _Count())
+            c = counts.setdefault(group, [0, 0, 0])
         return c
 
     def start(
@@ -176,7 +173,7 @@ class FlightRecorder:
         """
         tid = _get_ident()
         c = self.count(group, peer is not None)
-        c.seq = seq = c.seq + 1
+        c[C_SEQ] = seq = c[C_SEQ] + 1
         phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
         where: Any = site
         lasti = -1
@@ -225,7 +222,7 @@ class FlightRecorder:
         if tid in opened:
             return None
         c = (self.p2p_counts if peer is not None else self.counts).get(group) or self.count(group, peer is not None)
-        c.seq = seq = c.seq + 1
+        c[C_SEQ] = seq = c[C_SEQ] + 1
         frame = user_frame(_getframe(2))  # the caller's caller: the caller is a library frame
         phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
         if frame is None:
@@ -269,8 +266,8 @@ class FlightRecorder:
             del opened[tid]
             rec[END] = _time()
             c = (self.p2p_counts if rec[PEER] is not None else self.counts).get(rec[GROUP])
-            if c is not None and rec[SEQ] > c.done:
-                c.done = rec[SEQ]
+            if c is not None and rec[SEQ] > c[C_DONE]:
+                c[C_DONE] = rec[SEQ]
             return
         self.finish(rec)
 
@@ -312,8 +309,8 @@ class FlightRecorder:
         c = (self.p2p_counts if r[PEER] is not None else self.counts).get(r[GROUP])
         if c is not None:
             with self._finish_lock:  # another thread's finish may race this one (see the module doc)
-                if r[SEQ] > c.done_other:  # async ops may complete out of order
-                    c.done_other = r[SEQ]
+                if r[SEQ] > c[C_OTHER]:  # async ops may complete out of order
+                    c[C_OTHER] = r[SEQ]
 
     @staticmethod
     def progress(rec: FlightRecord | Raw, chunks_done: int, chunks: int, bytes_done: int) -> None:
@@ -375,14 +372,14 @@ class FlightRecorder:
 
     def last_seq(self) -> dict[str, int]:
         """The last sequence number issued, per group (``"<group>:p2p"`` for send/recv)."""
-        out = {g: c.seq for g, c in list(self.counts.items()) if c.seq}
-        out.update({seq_key(g, True): c.seq for g, c in list(self.p2p_counts.items()) if c.seq})
+        out = {g: c[C_SEQ] for g, c in list(self.counts.items()) if c[C_SEQ]}
+        out.update({seq_key(g, True): c[C_SEQ] for g, c in list(self.p2p_counts.items()) if c[C_SEQ]})
         return out
 
     def last_completed(self) -> dict[str, int]:
         """The highest sequence number completed, per group."""
-        out = {g: c.completed() for g, c in list(self.counts.items()) if c.completed()}
-        out.update({seq_key(g, True): c.completed() for g, c in list(self.p2p_counts.items()) if c.completed()})
+        out = {g: _completed(c) for g, c in list(self.counts.items()) if _completed(c)}
+        out.update({seq_key(g, True): _completed(c) for g, c in list(self.p2p_counts.items()) if _completed(c)})
         return out
 
     def raw(self, last: int | None = None) -> list[Raw]:

@@ -15,6 +15,7 @@ A call made while the thread is already inside a recorded collective (the chunks
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 import threading
@@ -22,7 +23,8 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,12 @@ world = compat.world()  # torch's _World: default_pg (the group None stands for)
 # torch does, _counter_of sees it and points every wrapper, _wrappers, at the new one).
 _names: list[dict[Any, str]] = [world.pg_names]
 _wrappers: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+# The compiled wrapper (setup.py builds it where a C compiler is); None: the generated one serves.
+_hotpath: ModuleType | None
+try:
+    _hotpath = importlib.import_module("ncclguard.recording._hotpath")
+except ImportError:  # pragma: no cover - depends on the install
+    _hotpath = None
 
 
 def _describe(data: Any) -> tuple[int, Any]:
@@ -135,8 +143,8 @@ def recorded({params}):
         _count = counts[_name]  # @counter
     except (KeyError, TypeError):  # first use of the group, or a group torch does not know  # @counter
         _name, _count = counter_of(_pg, counts)  # @counter
-    _seq = _count.seq + 1  # @counter
-    _count.seq = _seq  # @counter
+    _seq = _count[0] + 1  # C_SEQ  # @counter
+    _count[0] = _seq  # @counter
     _name, _seq = "?", 0  # !counter
     _frame = getframe(1)  # @site
     _code = _frame.f_code  # @site
@@ -170,8 +178,8 @@ def recorded({params}):
     except KeyError:  # cleared meanwhile (a world change)  # @open
         pass  # @open
     _rec[7] = time()  # END, the outcome: completed  # @close
-    if _seq > _count.done:  # @close
-        _count.done = _seq  # @close
+    if _seq > _count[1]:  # C_DONE  # @close
+        _count[1] = _seq  # @close
     return _out
 """
 _PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -200,8 +208,9 @@ def _counter_of(pg: Any, counts: dict[str, Any]) -> tuple[str, Any]:
         name = None
     if name is not None and world.pg_names is not _names[0]:
         _names[0] = world.pg_names  # torch replaced its dict: the wrappers read the new one
-        for fn in list(_wrappers):
-            fn.__globals__["pg_names"] = _names[0]
+        for fn in list(_wrappers):  # the generated ones; the compiled ones read _names[0]
+            if hasattr(fn, "__globals__"):
+                fn.__globals__["pg_names"] = _names[0]
     p2p = counts is recorder.p2p_counts
     return (name or "?"), recorder.count(name or "?", p2p)
 
@@ -211,13 +220,30 @@ def _wrap(
     original: Callable[..., Any],
     like: Callable[..., Any] | None = None,
     parts: tuple[str, ...] = PARTS,
+    compiled: bool | None = None,
 ) -> Callable[..., Any]:
     """The recording wrapper of ``original``: same parameters, same defaults (the very objects).
-    ``like``: the function whose parameters to take instead (the benchmarks wrap a no-op);
-    ``parts``: the parts of the body to keep (all; the breakdown measures fewer)."""
-    params = list(inspect.signature(like or original).parameters.values())
+
+    Args:
+        spec: where the op's arguments sit.
+        original: the function to call.
+        like: the function whose parameters to take instead (the benchmarks wrap a no-op).
+        parts: the parts of the body to keep (all; the breakdown measures fewer).
+        compiled: the compiled wrapper (``_hotpath``), the generated Python one (False), or the
+            compiled one where it was built (None). Only the whole body has a compiled form.
+
+    Raises:
+        RuntimeError: the op's signature is one the wrapper cannot mirror, or ``compiled=True``
+            without a compiled wrapper.
+    """
+    signature = inspect.signature(like or original)
+    params = list(signature.parameters.values())
     if not all(p.kind in _PLAIN for p in params) or any(p.name.startswith("_") for p in params):
         raise RuntimeError(f"torch.distributed.{spec.name} has a signature instrument() cannot mirror: {params}")
+    if compiled is None:
+        compiled = _hotpath is not None and parts == PARTS
+    if compiled and (_hotpath is None or parts != PARTS):
+        raise RuntimeError("the compiled recording wrapper is not built here (or cannot cut parts)")
     # Everything the wrapper needs is bound here, once: it runs on every collective.
     namespace: dict[str, Any] = {
         "original": original,
@@ -232,6 +258,7 @@ def _wrap(
         "tensor_type": torch.Tensor,
         "world": world,
         "pg_names": _names[0],
+        "names": _names,
         "get_ident": threading.get_ident,
         "getframe": sys._getframe,
         "user_files": user_files,
@@ -243,6 +270,45 @@ def _wrap(
     clash = [p.name for p in params if p.name in namespace]
     if clash:
         raise RuntimeError(f"torch.distributed.{spec.name}'s parameters {clash} clash with instrument()'s names")
+    if compiled:
+        assert _hotpath is not None
+        recorded: Any = _hotpath.Wrapper(original, namespace["kind"], _compiled_spec(spec, params), namespace)
+        recorded.__signature__ = signature
+    else:
+        recorded = _generated(spec, params, namespace, parts)
+    recorded = functools.wraps(original)(recorded)
+    recorded.__ncclguard_original__ = original
+    _wrappers.add(recorded)
+    return cast(Callable[..., Any], recorded)
+
+
+def _compiled_spec(spec: _Spec, params: list[inspect.Parameter]) -> dict[str, Any]:
+    """Where the compiled wrapper finds each argument: (position, name, default) or None."""
+
+    def entry(where: tuple[int, str] | None) -> tuple[int, str, Any] | None:
+        if where is None:
+            return None
+        default = params[where[0]].default
+        return (where[0], where[1], None if default is inspect.Parameter.empty else default)
+
+    return {
+        "data": entry(spec.data),
+        "group": entry(spec.group),
+        "op": entry(spec.op),
+        "async_op": entry(spec.async_op),
+        "peer": entry(spec.peer),
+        "always_async": spec.name in _ALWAYS_ASYNC,
+        "p2p": spec.peer is not None,
+        "names": tuple(p.name for p in params),
+        "required": tuple(i for i, p in enumerate(params) if p.default is inspect.Parameter.empty),
+        "positional": sum(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params),
+    }
+
+
+def _generated(
+    spec: _Spec, params: list[inspect.Parameter], namespace: dict[str, Any], parts: tuple[str, ...]
+) -> Callable[..., Any]:
+    """The Python wrapper: _BODY with the op's own parameter list, compiled once."""
     heads, args = [], []
     star = False
     for i, p in enumerate(params):
@@ -267,10 +333,7 @@ def _wrap(
         peer=f"(-1 if {peer} is None else {peer})" if peer is not None else "None",
     )
     exec(compile(source, f"<ncclguard.instrument:{spec.name}>", "exec"), namespace)
-    recorded = functools.wraps(original)(namespace["recorded"])
-    recorded.__ncclguard_original__ = original  # type: ignore[attr-defined]
-    _wrappers.add(recorded)
-    return recorded
+    return cast(Callable[..., Any], namespace["recorded"])
 
 
 def instrument(ops: tuple[str, ...] | list[str] | None = None) -> list[str]:
