@@ -351,3 +351,38 @@ def test_a_send_numbers_apart_and_names_its_peer_in_both_wrappers(world_of_one, 
     got = [(r.op, r.seq, r.peer, r.async_op) for r in recorder.records()]
     assert got == [("send", 1, 1, False), ("send", 2, 2, False), ("send", 3, -1, False)]
     assert recorder.last_seq() == {f"{world_of_one}:p2p": 3}
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_call_that_records_itself_goes_through_either_door_alike(compiled):
+    """recorder.doors(): open_fast/close_ok, compiled or not (safe_all_reduce records through them)."""
+    if compiled and ins._hotpath is None:
+        pytest.skip("the compiled hot path is not built in this install")
+    rec = FlightRecorder(size=3)
+    open_, close = rec.doors(compiled=compiled)
+
+    def library_call(numel: int) -> list[Any] | None:  # stands in for safe_all_reduce: its caller is the site
+        return open_("all_reduce(SUM)", "g", numel, torch.float32)
+
+    with phase("eval", batch=2):
+        first = library_call(8)
+        site = f"{HERE}:{line() - 1}"
+        assert library_call(9) is None  # nested: this thread is inside a recorded call
+        close(None)
+        close(first)
+        second = library_call(10)
+    rec.finish(second, RuntimeError("peer closed"))
+    rec.clear()
+    third = library_call(11)
+    rec.clear()  # a world change while the call is in flight: it closes into nothing
+    close(third)
+    assert [(r.seq, r.numel, r.state, r.error) for r in [FlightRecord.of(first), FlightRecord.of(second)]] == [
+        (1, 8, "completed", None),
+        (2, 10, "failed", "peer closed"),
+    ]
+    assert (FlightRecord.of(first).site, FlightRecord.of(first).phase, FlightRecord.of(first).dtype) == (
+        site,
+        "eval batch=2",
+        "float32",
+    )
+    assert FlightRecord.of(third).state == "completed" and rec.records() == [] and rec.open == {}

@@ -144,23 +144,21 @@ binds(Wrapper *self, Py_ssize_t nargs, PyObject *kwnames)
 
 /* Closes `rec` as the Python wrapper's tail does; returns 0, or -1 with an exception set. */
 static int
-close_sync(Wrapper *self, PyObject *rec, PyObject *tid, PyObject *count, long long seq, int *finished)
+close_sync(PyObject *opened, PyObject *finish, PyObject *rec, PyObject *tid, PyObject *count, long long seq)
 {
-    *finished = 0;
-    PyObject *top = PyDict_GetItemWithError(self->opened, tid);
+    PyObject *top = PyDict_GetItemWithError(opened, tid);
     if (top == rec) {
-        if (PyDict_DelItem(self->opened, tid) < 0) {
+        if (PyDict_DelItem(opened, tid) < 0) {
             if (!PyErr_ExceptionMatches(PyExc_KeyError))
                 return -1;
             PyErr_Clear();
         }
     }
     else if (top != NULL) { /* a record start()ed inside this call and left open */
-        PyObject *res = PyObject_CallOneArg(self->finish, rec);
+        PyObject *res = PyObject_CallOneArg(finish, rec);
         if (res == NULL)
             return -1;
         Py_DECREF(res);
-        *finished = 1;
         return 0;
     }
     else if (PyErr_Occurred()) {
@@ -181,6 +179,72 @@ close_sync(Wrapper *self, PyObject *rec, PyObject *tid, PyObject *count, long lo
             return -1;
     }
     return 0;
+}
+
+/* The user's site of `frame`: its code and offset when its file is a user file, else those of the
+ * first user frame above it (sites.user_frame, in Python), else None and -1. New references. */
+static int
+site_of(PyFrameObject *frame, PyObject *user_files, PyObject *user_frame, PyObject **code, PyObject **lasti)
+{
+    *code = NULL;
+    *lasti = NULL;
+    if (frame != NULL) {
+        PyCodeObject *c = PyFrame_GetCode(frame);
+        int mine = PySet_Contains(user_files, c->co_filename);
+        if (mine < 0) {
+            Py_DECREF(c);
+            return -1;
+        }
+        if (mine) {
+            *code = (PyObject *)c;
+            *lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
+        }
+        else {
+            Py_DECREF(c);
+            PyObject *user = PyObject_CallOneArg(user_frame, (PyObject *)frame);
+            if (user == NULL)
+                return -1;
+            if (user != Py_None) {
+                *code = (PyObject *)PyFrame_GetCode((PyFrameObject *)user);
+                *lasti = PyLong_FromLong(PyFrame_GetLasti((PyFrameObject *)user));
+            }
+            Py_DECREF(user);
+        }
+    }
+    if (*code == NULL) {
+        *code = Py_NewRef(Py_None);
+        *lasti = PyLong_FromLong(-1);
+    }
+    return *lasti == NULL ? -1 : 0;
+}
+
+/* The calling thread's phase path: the main thread's track, read directly, or current_phase(). */
+static PyObject *
+phase_of(PyObject *main, PyObject *current_phase, PyObject *tid)
+{
+    PyObject *main_ident = PyObject_GetAttr(main, s_ident);
+    if (main_ident == NULL)
+        return NULL;
+    int is_main = PyObject_RichCompareBool(main_ident, tid, Py_EQ);
+    Py_DECREF(main_ident);
+    if (is_main < 0)
+        return NULL;
+    return is_main ? PyObject_GetAttr(main, s_path) : PyObject_CallNoArgs(current_phase);
+}
+
+/* Appends `rec` to recorder.ring (read each time: resize() replaces it) and makes it the thread's open record. */
+static int
+publish(PyObject *recorder, PyObject *opened, PyObject *tid, PyObject *rec)
+{
+    PyObject *ring = PyObject_GetAttr(recorder, s_ring);
+    if (ring == NULL)
+        return -1;
+    PyObject *appended = PyObject_CallMethodOneArg(ring, s_append, rec);
+    Py_DECREF(ring);
+    if (appended == NULL)
+        return -1;
+    Py_DECREF(appended);
+    return PyDict_SetItem(opened, tid, rec);
 }
 
 static PyObject *
@@ -277,52 +341,14 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
         goto fail;
 
     /* site: the caller's frame, or the first user frame above it */
-    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the Python frame that called us */
-    if (frame != NULL) {
-        PyCodeObject *c = PyFrame_GetCode(frame);
-        int mine = PySet_Contains(self->user_files, c->co_filename);
-        if (mine < 0) {
-            Py_DECREF(c);
-            goto fail;
-        }
-        if (mine) {
-            code = (PyObject *)c;
-            lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
-        }
-        else {
-            Py_DECREF(c);
-            PyObject *user = PyObject_CallOneArg(self->user_frame, (PyObject *)frame);
-            if (user == NULL)
-                goto fail;
-            if (user == Py_None) {
-                Py_DECREF(user);
-            }
-            else {
-                code = (PyObject *)PyFrame_GetCode((PyFrameObject *)user);
-                lasti = PyLong_FromLong(PyFrame_GetLasti((PyFrameObject *)user));
-                Py_DECREF(user);
-            }
-        }
-    }
-    if (code == NULL) {
-        code = Py_NewRef(Py_None);
-        lasti = PyLong_FromLong(-1);
-    }
-    if (lasti == NULL)
+    if (site_of(PyEval_GetFrame(), self->user_files, self->user_frame, &code, &lasti) < 0)
         goto fail;
 
     /* time, phase */
     start = PyFloat_FromDouble(now_s());
     if (start == NULL)
         goto fail;
-    PyObject *main_ident = PyObject_GetAttr(self->main, s_ident);
-    if (main_ident == NULL)
-        goto fail;
-    int is_main = PyObject_RichCompareBool(main_ident, tid, Py_EQ);
-    Py_DECREF(main_ident);
-    if (is_main < 0)
-        goto fail;
-    phase = is_main ? PyObject_GetAttr(self->main, s_path) : PyObject_CallNoArgs(self->current_phase);
+    phase = phase_of(self->main, self->current_phase, tid);
     if (phase == NULL)
         goto fail;
 
@@ -364,16 +390,8 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
     for (int i = R_ERROR; i < R_SLOTS; i++)
         PyList_SET_ITEM(rec, i, Py_NewRef(Py_None));
 
-    /* the ring (read each call: resize() replaces it), then this thread's open record */
-    PyObject *ring = PyObject_GetAttr(self->recorder, s_ring);
-    if (ring == NULL)
-        goto fail;
-    PyObject *appended = PyObject_CallMethodOneArg(ring, s_append, rec);
-    Py_DECREF(ring);
-    if (appended == NULL)
-        goto fail;
-    Py_DECREF(appended);
-    if (PyDict_SetItem(self->opened, tid, rec) < 0)
+    /* the ring, then this thread's open record */
+    if (publish(self->recorder, self->opened, tid, rec) < 0)
         goto fail;
 
     /* the call itself, arguments as they came */
@@ -404,8 +422,7 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
         Py_DECREF(res);
     }
     else {
-        int finished;
-        if (close_sync(self, rec, tid, count, seq, &finished) < 0)
+        if (close_sync(self->opened, self->finish, rec, tid, count, seq) < 0)
             goto fail_out;
     }
     Py_DECREF(tid);
@@ -650,6 +667,216 @@ static PyTypeObject WrapperType = {
     .tp_getset = wrapper_getset,
 };
 
+/* ---------------------------------------------------------------------------------------------
+ * Opener: FlightRecorder.open_fast/close_ok for code that records its own call (safe_all_reduce),
+ * the same steps as flight.py's Python methods, which stay the reference and the fallback. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *recorder, *opened, *counts, *count, *user_files, *user_frame, *main, *current_phase, *finish;
+} Opener;
+
+static PyObject *
+opener_open(Opener *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    /* open(op, group, numel, dtype): the raw record, or None inside a recorded call of this thread. */
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "open(op, group, numel, dtype)");
+        return NULL;
+    }
+    PyObject *op = args[0], *group = args[1], *numel = args[2], *dtype = args[3];
+    PyObject *tid = NULL, *count = NULL, *seqobj = NULL, *code = NULL, *lasti = NULL, *start = NULL;
+    PyObject *phase = NULL, *rec = NULL, *back = NULL;
+    tid = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (tid == NULL)
+        return NULL;
+    int nested = PyDict_Contains(self->opened, tid);
+    if (nested != 0) {
+        Py_DECREF(tid);
+        return nested < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    count = PyDict_GetItemWithError(self->counts, group);
+    if (count != NULL)
+        Py_INCREF(count);
+    else if (PyErr_Occurred() || (count = PyObject_CallOneArg(self->count, group)) == NULL)
+        goto fail;
+    if (!PyList_CheckExact(count) || PyList_GET_SIZE(count) < 3) {
+        PyErr_SetString(PyExc_TypeError, "ncclguard: a counter is a list of three ints");
+        goto fail;
+    }
+    long long seq = PyLong_AsLongLong(PyList_GET_ITEM(count, C_SEQ));
+    if (seq == -1 && PyErr_Occurred())
+        goto fail;
+    seqobj = PyLong_FromLongLong(seq + 1);
+    if (seqobj == NULL || PyList_SetItem(count, C_SEQ, Py_NewRef(seqobj)) < 0)
+        goto fail;
+    /* the caller is a library frame (safe_all_reduce): the site is its caller's, or above */
+    PyFrameObject *caller = PyEval_GetFrame();
+    back = caller == NULL ? NULL : (PyObject *)PyFrame_GetBack(caller);
+    if (site_of((PyFrameObject *)back, self->user_files, self->user_frame, &code, &lasti) < 0)
+        goto fail;
+    start = PyFloat_FromDouble(now_s());
+    if (start == NULL)
+        goto fail;
+    phase = phase_of(self->main, self->current_phase, tid);
+    if (phase == NULL)
+        goto fail;
+    rec = PyList_New(R_SLOTS);
+    if (rec == NULL)
+        goto fail;
+    PyObject *items[R_SLOTS] = {seqobj, op, Py_None, group, numel, dtype, start, Py_None, phase, code, lasti,
+                                tid, Py_False, Py_None, Py_None, Py_None, Py_None, Py_None};
+    for (int i = 0; i < R_SLOTS; i++)
+        PyList_SET_ITEM(rec, i, Py_NewRef(items[i]));
+    if (publish(self->recorder, self->opened, tid, rec) < 0)
+        goto fail;
+    Py_DECREF(tid);
+    Py_DECREF(count);
+    Py_DECREF(seqobj);
+    Py_DECREF(code);
+    Py_DECREF(lasti);
+    Py_DECREF(start);
+    Py_DECREF(phase);
+    Py_XDECREF(back);
+    return rec;
+fail:
+    Py_XDECREF(tid);
+    Py_XDECREF(count);
+    Py_XDECREF(seqobj);
+    Py_XDECREF(code);
+    Py_XDECREF(lasti);
+    Py_XDECREF(start);
+    Py_XDECREF(phase);
+    Py_XDECREF(rec);
+    Py_XDECREF(back);
+    return NULL;
+}
+
+static PyObject *
+opener_close(Opener *self, PyObject *rec)
+{
+    /* close(rec): completed, as FlightRecorder.close_ok; None (a nested op's record): nothing. */
+    if (rec == Py_None)
+        Py_RETURN_NONE;
+    if (!PyList_CheckExact(rec) || PyList_GET_SIZE(rec) != R_SLOTS) {
+        PyErr_SetString(PyExc_TypeError, "close() takes a raw record");
+        return NULL;
+    }
+    PyObject *tid = PyList_GET_ITEM(rec, R_THREAD);
+    PyObject *top = PyDict_GetItemWithError(self->opened, tid);
+    if (top == NULL && PyErr_Occurred())
+        return NULL;
+    if (top != rec || PyList_GET_ITEM(rec, R_PREV) != Py_None || PyList_GET_ITEM(rec, R_END) != Py_None ||
+        PyList_GET_ITEM(rec, R_PEER) != Py_None)
+        return PyObject_CallOneArg(self->finish, rec); /* any other case: the Python way */
+    PyObject *count = PyDict_GetItemWithError(self->counts, PyList_GET_ITEM(rec, R_GROUP));
+    if (count == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_CallOneArg(self->finish, rec);
+    }
+    Py_INCREF(count);
+    Py_INCREF(tid);
+    long long seq = PyLong_AsLongLong(PyList_GET_ITEM(rec, R_SEQ));
+    int rc = (seq == -1 && PyErr_Occurred()) ? -1 : close_sync(self->opened, self->finish, rec, tid, count, seq);
+    Py_DECREF(count);
+    Py_DECREF(tid);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+opener_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    /* Opener(namespace): recorder, opened, counts, count, user_files, user_frame, main, current_phase, finish */
+    PyObject *ns;
+    static char *kwlist[] = {"namespace", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kwlist, &PyDict_Type, &ns))
+        return NULL;
+    Opener *self = (Opener *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+#define NS(field, key)                               \
+    if ((self->field = ns_get(ns, key)) == NULL) \
+        goto fail;
+    NS(recorder, "recorder")
+    NS(opened, "opened")
+    NS(counts, "counts")
+    NS(count, "count")
+    NS(user_files, "user_files")
+    NS(user_frame, "user_frame")
+    NS(main, "main")
+    NS(current_phase, "current_phase")
+    NS(finish, "finish")
+#undef NS
+    if (!PyDict_Check(self->opened) || !PyDict_Check(self->counts) || !PyAnySet_Check(self->user_files)) {
+        PyErr_SetString(PyExc_TypeError, "ncclguard: the opener's namespace has the wrong types");
+        goto fail;
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+opener_traverse(Opener *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->opened);
+    Py_VISIT(self->counts);
+    Py_VISIT(self->count);
+    Py_VISIT(self->user_files);
+    Py_VISIT(self->user_frame);
+    Py_VISIT(self->main);
+    Py_VISIT(self->current_phase);
+    Py_VISIT(self->finish);
+    return 0;
+}
+
+static int
+opener_clear(Opener *self)
+{
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->opened);
+    Py_CLEAR(self->counts);
+    Py_CLEAR(self->count);
+    Py_CLEAR(self->user_files);
+    Py_CLEAR(self->user_frame);
+    Py_CLEAR(self->main);
+    Py_CLEAR(self->current_phase);
+    Py_CLEAR(self->finish);
+    return 0;
+}
+
+static void
+opener_dealloc(Opener *self)
+{
+    PyObject_GC_UnTrack(self);
+    opener_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef opener_methods[] = {
+    {"open", (PyCFunction)(void (*)(void))opener_open, METH_FASTCALL,
+     "open(op, group, numel, dtype): the raw record of the caller's collective, or None when nested."},
+    {"close", (PyCFunction)opener_close, METH_O, "close(rec): closes it as completed."},
+    {NULL},
+};
+
+static PyTypeObject OpenerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ncclguard.recording._hotpath.Opener",
+    .tp_basicsize = sizeof(Opener),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "FlightRecorder.open_fast/close_ok compiled, for safe_all_reduce (see flight.py).",
+    .tp_new = opener_new,
+    .tp_dealloc = (destructor)opener_dealloc,
+    .tp_traverse = (traverseproc)opener_traverse,
+    .tp_clear = (inquiry)opener_clear,
+    .tp_methods = opener_methods,
+};
+
 static struct PyModuleDef hotpath_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ncclguard.recording._hotpath",
@@ -671,12 +898,13 @@ PyInit__hotpath(void)
     INTERN(s_ident, "ident")
     INTERN(s_path, "path")
 #undef INTERN
-    if (PyType_Ready(&WrapperType) < 0)
+    if (PyType_Ready(&WrapperType) < 0 || PyType_Ready(&OpenerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Wrapper", (PyObject *)&WrapperType) < 0) {
+    if (PyModule_AddObjectRef(m, "Wrapper", (PyObject *)&WrapperType) < 0 ||
+        PyModule_AddObjectRef(m, "Opener", (PyObject *)&OpenerType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -38,10 +38,13 @@ touches a record's slots.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from ncclguard import _torch_compat as compat
@@ -65,7 +68,7 @@ from ncclguard.recording.record import (
     new_raw,
     seq_key,
 )
-from ncclguard.recording.sites import user_frame
+from ncclguard.recording.sites import user_files, user_frame
 from ncclguard.world import WorldChange, subscribe
 
 __all__ = [
@@ -78,6 +81,15 @@ __all__ = [
 _get_ident = threading.get_ident
 _time = time.time
 _getframe = sys._getframe
+
+# The compiled hot path (recording/_hotpath.c, built by setup.py where a C compiler is): the
+# recording wrapper instrument() installs and the doors safe_all_reduce opens records through.
+# None: the Python code here and in instrument.py does it all, the same way.
+hotpath: ModuleType | None
+try:
+    hotpath = importlib.import_module("ncclguard.recording._hotpath")
+except ImportError:  # pragma: no cover - depends on the install
+    hotpath = None
 
 
 # A counter (a group's collectives, or its send/recv) is a list of three ints, so that the
@@ -253,6 +265,37 @@ class FlightRecorder:
         self.ring.append(r)
         opened[tid] = r
         return r
+
+    def doors(self, compiled: bool | None = None) -> tuple[Callable[..., Raw | None], Callable[[Raw | None], Any]]:
+        """``(open, close)``: :meth:`open_fast` and :meth:`close_ok` for code that records its own
+        call (``safe_all_reduce``), compiled where the hot path was built (the same steps in C),
+        else these methods. ``open(op, group, numel, dtype)``; ``close(rec)``.
+
+        Args:
+            compiled: the compiled doors (True), the methods (False), or the compiled ones where built.
+
+        Raises:
+            RuntimeError: ``compiled=True`` where the hot path was not built.
+        """
+        if compiled is None:
+            compiled = hotpath is not None
+        if not compiled:
+            return self.open_fast, self.close_ok
+        if hotpath is None:
+            raise RuntimeError("the compiled hot path is not built here")
+        namespace = {
+            "recorder": self,
+            "opened": self.open,
+            "counts": self.counts,
+            "count": self.count,
+            "user_files": user_files,
+            "user_frame": user_frame,
+            "main": _MAIN_PHASES,
+            "current_phase": current_phase,
+            "finish": self.finish,
+        }
+        opener = hotpath.Opener(namespace)
+        return opener.open, opener.close
 
     def close_ok(self, rec: Raw | None) -> None:
         """Closes ``rec`` (from :meth:`open_fast`) as completed: :meth:`finish` without an error,

@@ -15,7 +15,6 @@ A call made while the thread is already inside a recorded collective (the chunks
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
 import threading
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import _torch_compat as compat
-from ncclguard.recording.flight import recorder
+from ncclguard.recording.flight import hotpath, recorder
 from ncclguard.recording.phase import MAIN, current_phase
 from ncclguard.recording.record import OpKind
 from ncclguard.recording.sites import user_files, user_frame
@@ -70,11 +69,7 @@ world = compat.world()  # torch's _World: default_pg (the group None stands for)
 _names: list[dict[Any, str]] = [world.pg_names]
 _wrappers: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 # The compiled wrapper (setup.py builds it where a C compiler is); None: the generated one serves.
-_hotpath: ModuleType | None
-try:
-    _hotpath = importlib.import_module("ncclguard.recording._hotpath")
-except ImportError:  # pragma: no cover - depends on the install
-    _hotpath = None
+_hotpath: ModuleType | None = hotpath
 
 
 def _describe(data: Any) -> tuple[int, Any]:
