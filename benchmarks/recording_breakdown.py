@@ -278,9 +278,10 @@ def new_rows(original: Callable[..., Any] = _noop) -> dict[str, Callable[[Any], 
     if parts is None:
         return {}
     spec = ins._spec("all_reduce", dist.all_reduce)
-    rows = {"+ wrapper": ins._wrap(spec, original, like=dist.all_reduce, parts=())}
+    rows = {"+ wrapper": ins._wrap(spec, original, like=dist.all_reduce, parts=(), compiled=False)}
     rows |= {
-        "+ " + p: ins._wrap(spec, original, like=dist.all_reduce, parts=parts[: k + 1]) for k, p in enumerate(parts)
+        "+ " + p: ins._wrap(spec, original, like=dist.all_reduce, parts=parts[: k + 1], compiled=False)
+        for k, p in enumerate(parts)
     }
     return rows
 

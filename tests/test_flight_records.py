@@ -385,4 +385,38 @@ def test_a_call_that_records_itself_goes_through_either_door_alike(compiled):
         "eval batch=2",
         "float32",
     )
-    assert FlightRecord.of(third).state == "completed" and rec.records() == [] and rec.open == {}
+    assert FlightRecord.of(third).state == "completed" and rec.records() == [] and rec.opened == {}
+
+
+def test_group_none_is_the_default_group_at_the_time_of_the_call(world_of_one, wrappers):
+    """The wrappers read torch's default group on every call (no cache to go stale): while the
+    default group is routed to another one (an evaluation group does this), records name that one."""
+    from ncclguard import _torch_compat as compat
+
+    other = dist.new_group([0], backend="gloo")
+    instrument()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    with compat.routed_default_group(other):
+        dist.all_reduce(t)
+    dist.all_reduce(t, group=other)
+    assert [(r.group, r.seq) for r in recorder.records()] == [
+        (world_of_one, 1),
+        (other.group_name, 1),
+        (other.group_name, 2),
+    ]
+
+
+def test_the_site_is_the_users_line_above_the_frameworks_frames(world_of_one, wrappers):
+    """Six frames of torch's file between the user and the collective (as DeepSpeed's are): the
+    first call classifies the file (sites.user_frame), the next ones walk it as known."""
+    instrument()
+    ns: dict[str, Any] = {"dist": dist}
+    src = "def f0(t):\n    return dist.all_reduce(t)\n"
+    src += "".join(f"def f{i}(t):\n    return f{i - 1}(t)\n" for i in range(1, 6))
+    exec(compile(src, dist.distributed_c10d.__file__, "exec"), ns)
+    t = torch.ones(1)
+    for _ in range(3):
+        ns["f5"](t)
+        site = f"{HERE}:{line() - 1}"
+    assert [r.site for r in recorder.records()] == [site] * 3

@@ -6,7 +6,7 @@
  * times slower than in a warm loop (benchmarks/recording_breakdown.py --gloo). This one forwards
  * the caller's arguments untouched (vectorcall: no tuple, no dict) and writes the same record: the
  * same list, the same slots (record.py), the same counters (flight.py: a list of three ints), the
- * same per-thread open records (recorder.open), the same slow paths, which it calls in Python
+ * same per-thread open records (recorder.opened), the same slow paths, which it calls in Python
  * (instrument._counter_of, sites.user_frame, recorder.finish/attach, phase.current_phase).
  * tests/test_flight.py runs every recording test through both wrappers and compares their records.
  *
@@ -34,7 +34,7 @@ enum { R_SEQ, R_OP, R_REDOP, R_GROUP, R_NUMEL, R_DTYPE, R_START, R_END, R_PHASE,
 /* Counter slots: flight.py's C_SEQ, C_DONE. */
 enum { C_SEQ = 0, C_DONE = 1 };
 
-static PyObject *s_numel, *s_dtype, *s_default_pg, *s_ring, *s_append, *s_ident, *s_path;
+static PyObject *s_numel, *s_dtype, *s_default_pg, *s__default_pg, *s_ring, *s_append, *s_ident, *s_path;
 
 /* An argument of the op: its position and name (-1/NULL: the op has no such parameter). */
 typedef struct {
@@ -57,7 +57,7 @@ typedef struct {
     int always_async;
     int p2p;
     /* Shared with the Python wrappers (instrument._wrap's namespace). */
-    PyObject *recorder, *opened, *counts, *names, *world, *user_files;
+    PyObject *recorder, *opened, *counts, *names, *world, *world_attrs, *user_files, *is_framework;
     PyObject *counter_of, *user_frame, *describe, *finish, *attach, *main, *current_phase;
     PyObject *tensor_type;
 } Wrapper;
@@ -182,26 +182,40 @@ close_sync(PyObject *opened, PyObject *finish, PyObject *rec, PyObject *tid, PyO
 }
 
 /* The user's site of `frame`: its code and offset when its file is a user file, else those of the
- * first user frame above it (sites.user_frame, in Python), else None and -1. New references. */
+ * first user frame above it, else None and -1. New references. The walk over frames whose files
+ * sites.py already knows for library files (_is_framework[file] is True, the frames of torch and
+ * DeepSpeed between their collective and the user) is done here; at a file it does not know yet it
+ * hands over to sites.user_frame, which classifies it. */
 static int
-site_of(PyFrameObject *frame, PyObject *user_files, PyObject *user_frame, PyObject **code, PyObject **lasti)
+site_of(PyFrameObject *frame, PyObject *user_files, PyObject *is_framework, PyObject *user_frame, PyObject **code,
+        PyObject **lasti)
 {
     *code = NULL;
     *lasti = NULL;
-    if (frame != NULL) {
-        PyCodeObject *c = PyFrame_GetCode(frame);
+    PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
+    for (int depth = 0; f != NULL && depth < 1024; depth++) {
+        PyCodeObject *c = PyFrame_GetCode(f);
         int mine = PySet_Contains(user_files, c->co_filename);
         if (mine < 0) {
             Py_DECREF(c);
+            Py_DECREF(f);
             return -1;
         }
         if (mine) {
             *code = (PyObject *)c;
-            *lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
+            *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+            Py_DECREF(f);
+            return *lasti == NULL ? -1 : 0;
         }
-        else {
-            Py_DECREF(c);
-            PyObject *user = PyObject_CallOneArg(user_frame, (PyObject *)frame);
+        PyObject *known = PyDict_GetItemWithError(is_framework, c->co_filename); /* borrowed */
+        Py_DECREF(c);
+        if (known == NULL && PyErr_Occurred()) {
+            Py_DECREF(f);
+            return -1;
+        }
+        if (known != Py_True) { /* a file not seen yet: sites.py decides, and walks on from here */
+            PyObject *user = PyObject_CallOneArg(user_frame, (PyObject *)f);
+            Py_DECREF(f);
             if (user == NULL)
                 return -1;
             if (user != Py_None) {
@@ -209,8 +223,14 @@ site_of(PyFrameObject *frame, PyObject *user_files, PyObject *user_frame, PyObje
                 *lasti = PyLong_FromLong(PyFrame_GetLasti((PyFrameObject *)user));
             }
             Py_DECREF(user);
+            f = NULL;
+            break;
         }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
     }
+    Py_XDECREF(f);
     if (*code == NULL) {
         *code = Py_NewRef(Py_None);
         *lasti = PyLong_FromLong(-1);
@@ -303,8 +323,14 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
 
     /* counter: the group's name through torch's pg_names, then its counter */
     PyObject *group = arg_of(&self->group, args, nargs, kwnames);
-    if (group == NULL || group == Py_None)
-        pg = PyObject_GetAttr(self->world, s_default_pg);
+    if (group == NULL || group == Py_None) {
+        /* torch's default group: _World's attribute (compat.world_attributes), else its property */
+        pg = PyDict_GetItemWithError(self->world_attrs, s__default_pg);
+        if (pg != NULL)
+            Py_INCREF(pg);
+        else if (!PyErr_Occurred())
+            pg = PyObject_GetAttr(self->world, s_default_pg);
+    }
     else
         pg = Py_NewRef(group);
     if (pg == NULL)
@@ -341,7 +367,7 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
         goto fail;
 
     /* site: the caller's frame, or the first user frame above it */
-    if (site_of(PyEval_GetFrame(), self->user_files, self->user_frame, &code, &lasti) < 0)
+    if (site_of(PyEval_GetFrame(), self->user_files, self->is_framework, self->user_frame, &code, &lasti) < 0)
         goto fail;
 
     /* time, phase */
@@ -548,7 +574,9 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     NS(counts, "counts")
     NS(names, "names")
     NS(world, "world")
+    NS(world_attrs, "world_attributes")
     NS(user_files, "user_files")
+    NS(is_framework, "is_framework")
     NS(counter_of, "counter_of")
     NS(user_frame, "user_frame")
     NS(describe, "describe")
@@ -559,6 +587,7 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     NS(tensor_type, "tensor_type")
 #undef NS
     if (!PyDict_Check(self->opened) || !PyDict_Check(self->counts) || !PyList_Check(self->names) ||
+        !PyDict_Check(self->world_attrs) || !PyDict_Check(self->is_framework) ||
         PyList_GET_SIZE(self->names) != 1 || !PyAnySet_Check(self->user_files) || !PyType_Check(self->tensor_type)) {
         PyErr_SetString(PyExc_TypeError, "ncclguard: the wrapper's namespace has the wrong types");
         goto fail;
@@ -587,7 +616,9 @@ wrapper_traverse(Wrapper *self, visitproc visit, void *arg)
     Py_VISIT(self->counts);
     Py_VISIT(self->names);
     Py_VISIT(self->world);
+    Py_VISIT(self->world_attrs);
     Py_VISIT(self->user_files);
+    Py_VISIT(self->is_framework);
     Py_VISIT(self->counter_of);
     Py_VISIT(self->user_frame);
     Py_VISIT(self->describe);
@@ -617,7 +648,9 @@ wrapper_clear(Wrapper *self)
     Py_CLEAR(self->counts);
     Py_CLEAR(self->names);
     Py_CLEAR(self->world);
+    Py_CLEAR(self->world_attrs);
     Py_CLEAR(self->user_files);
+    Py_CLEAR(self->is_framework);
     Py_CLEAR(self->counter_of);
     Py_CLEAR(self->user_frame);
     Py_CLEAR(self->describe);
@@ -673,7 +706,8 @@ static PyTypeObject WrapperType = {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *recorder, *opened, *counts, *count, *user_files, *user_frame, *main, *current_phase, *finish;
+    PyObject *recorder, *opened, *counts, *count, *user_files, *is_framework, *user_frame, *main, *current_phase,
+        *finish;
 } Opener;
 
 static PyObject *
@@ -713,7 +747,7 @@ opener_open(Opener *self, PyObject *const *args, Py_ssize_t nargs)
     /* the caller is a library frame (safe_all_reduce): the site is its caller's, or above */
     PyFrameObject *caller = PyEval_GetFrame();
     back = caller == NULL ? NULL : (PyObject *)PyFrame_GetBack(caller);
-    if (site_of((PyFrameObject *)back, self->user_files, self->user_frame, &code, &lasti) < 0)
+    if (site_of((PyFrameObject *)back, self->user_files, self->is_framework, self->user_frame, &code, &lasti) < 0)
         goto fail;
     start = PyFloat_FromDouble(now_s());
     if (start == NULL)
@@ -789,7 +823,8 @@ opener_close(Opener *self, PyObject *rec)
 static PyObject *
 opener_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    /* Opener(namespace): recorder, opened, counts, count, user_files, user_frame, main, current_phase, finish */
+    /* Opener(namespace): recorder, opened, counts, count, user_files, is_framework, user_frame, main,
+     * current_phase, finish */
     PyObject *ns;
     static char *kwlist[] = {"namespace", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kwlist, &PyDict_Type, &ns))
@@ -805,12 +840,14 @@ opener_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     NS(counts, "counts")
     NS(count, "count")
     NS(user_files, "user_files")
+    NS(is_framework, "is_framework")
     NS(user_frame, "user_frame")
     NS(main, "main")
     NS(current_phase, "current_phase")
     NS(finish, "finish")
 #undef NS
-    if (!PyDict_Check(self->opened) || !PyDict_Check(self->counts) || !PyAnySet_Check(self->user_files)) {
+    if (!PyDict_Check(self->opened) || !PyDict_Check(self->counts) || !PyAnySet_Check(self->user_files) ||
+        !PyDict_Check(self->is_framework)) {
         PyErr_SetString(PyExc_TypeError, "ncclguard: the opener's namespace has the wrong types");
         goto fail;
     }
@@ -828,6 +865,7 @@ opener_traverse(Opener *self, visitproc visit, void *arg)
     Py_VISIT(self->counts);
     Py_VISIT(self->count);
     Py_VISIT(self->user_files);
+    Py_VISIT(self->is_framework);
     Py_VISIT(self->user_frame);
     Py_VISIT(self->main);
     Py_VISIT(self->current_phase);
@@ -843,6 +881,7 @@ opener_clear(Opener *self)
     Py_CLEAR(self->counts);
     Py_CLEAR(self->count);
     Py_CLEAR(self->user_files);
+    Py_CLEAR(self->is_framework);
     Py_CLEAR(self->user_frame);
     Py_CLEAR(self->main);
     Py_CLEAR(self->current_phase);
@@ -893,6 +932,7 @@ PyInit__hotpath(void)
     INTERN(s_numel, "numel")
     INTERN(s_dtype, "dtype")
     INTERN(s_default_pg, "default_pg")
+    INTERN(s__default_pg, "_default_pg")
     INTERN(s_ring, "ring")
     INTERN(s_append, "append")
     INTERN(s_ident, "ident")

@@ -49,6 +49,7 @@ from typing import Any
 
 from ncclguard import _torch_compat as compat
 from ncclguard.config import get_config
+from ncclguard.recording import sites
 from ncclguard.recording.phase import MAIN as _MAIN_PHASES
 from ncclguard.recording.phase import current_phase
 from ncclguard.recording.record import (
@@ -123,7 +124,7 @@ class FlightRecorder:
         # Per thread ident: its innermost open record (records opened by start() inside it are
         # chained through their PREV slot). While a thread has one, instrument()'s wrappers do not
         # record again (safe_all_reduce's chunks). A dict keyed by ident: cheaper than threading.local.
-        self.open: dict[int, Raw] = {}
+        self.opened: dict[int, Raw] = {}
         # Records of ops going on without their thread (async ops with their Work, hand-offs): id -> record.
         self.pending: dict[int, Raw] = {}
         self._finish_lock = threading.Lock()  # finish() only: never taken on the hot path
@@ -149,7 +150,7 @@ class FlightRecorder:
 
     def busy(self) -> bool:
         """True while the calling thread is inside a recorded collective (nested calls are not recorded)."""
-        return _get_ident() in self.open
+        return _get_ident() in self.opened
 
     def count(self, group: str, p2p: bool = False) -> Count:
         """The counter of ``group`` (its send/recv's with ``p2p``), made on first use."""
@@ -197,8 +198,8 @@ class FlightRecorder:
                 where, lasti = frame.f_code, frame.f_lasti
         r = new_raw(seq, op, group, numel, dtype, _time(), phase, where, lasti, tid, async_op, peer)
         self.ring.append(r)
-        r[PREV] = self.open.get(tid)  # start() may open inside another open record (a stack)
-        self.open[tid] = r
+        r[PREV] = self.opened.get(tid)  # start() may open inside another open record (a stack)
+        self.opened[tid] = r
         return FlightRecord.of(r)
 
     def open_fast(
@@ -230,7 +231,7 @@ class FlightRecorder:
             call (safe_all_reduce's chunks) and is not counted again.
         """
         tid = _get_ident()
-        opened = self.open
+        opened = self.opened
         if tid in opened:
             return None
         c = (self.p2p_counts if peer is not None else self.counts).get(group) or self.count(group, peer is not None)
@@ -285,10 +286,11 @@ class FlightRecorder:
             raise RuntimeError("the compiled hot path is not built here")
         namespace = {
             "recorder": self,
-            "opened": self.open,
+            "opened": self.opened,
             "counts": self.counts,
             "count": self.count,
             "user_files": user_files,
+            "is_framework": sites._is_framework,
             "user_frame": user_frame,
             "main": _MAIN_PHASES,
             "current_phase": current_phase,
@@ -303,7 +305,7 @@ class FlightRecorder:
         op's): nothing."""
         if rec is None:
             return
-        opened = self.open
+        opened = self.opened
         tid = rec[THREAD]
         if opened.get(tid) is rec and rec[PREV] is None and rec[END] is None:
             del opened[tid]
@@ -317,12 +319,12 @@ class FlightRecorder:
     def _unopen(self, r: Raw) -> None:
         """Takes ``r`` off its thread's open records (wherever it is in the chain)."""
         tid = r[THREAD]
-        top = self.open.get(tid)
+        top = self.opened.get(tid)
         if top is r:
             if r[PREV] is None:
-                self.open.pop(tid, None)
+                self.opened.pop(tid, None)
             else:
-                self.open[tid] = r[PREV]
+                self.opened[tid] = r[PREV]
         else:
             node = top
             while node is not None and node[PREV] is not r:
@@ -365,7 +367,7 @@ class FlightRecorder:
     def progress_here(self, chunks_done: int, chunks: int, bytes_done: int) -> None:
         """:meth:`progress` of the record the calling thread has open (the chunked call it is
         in); nothing when it has none. For the chunk loop, which does not hold the record."""
-        r = self.open.get(_get_ident())
+        r = self.opened.get(_get_ident())
         if r is not None:
             r[PROGRESS] = (chunks_done, chunks, bytes_done)
 
@@ -405,7 +407,7 @@ class FlightRecorder:
     def inflight(self) -> list[FlightRecord]:
         """Records started and not finished, oldest first."""
         found: dict[int, Raw] = dict(self.pending)
-        for top in list(self.open.values()):
+        for top in list(self.opened.values()):
             node: Raw | None = top
             while node is not None:
                 found[id(node)] = node
@@ -440,7 +442,7 @@ class FlightRecorder:
         self.counts.clear()
         self.p2p_counts.clear()
         self.pending.clear()
-        self.open.clear()
+        self.opened.clear()
 
     def follow_world(self, change: WorldChange) -> None:
         """Starts the new world's numbering: forgets the old world's records and counters (its

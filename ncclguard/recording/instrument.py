@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import _torch_compat as compat
+from ncclguard.recording import sites
 from ncclguard.recording.flight import hotpath, recorder
 from ncclguard.recording.phase import MAIN, current_phase
 from ncclguard.recording.record import OpKind
@@ -64,6 +65,7 @@ _lock = threading.Lock()
 # name -> the original function, for as long as the wrappers are installed.
 _originals: dict[str, Callable[..., Any]] = {}
 world = compat.world()  # torch's _World: default_pg (the group None stands for) and pg_names
+_world_attributes = compat.world_attributes()  # its __dict__: "_default_pg", without the property
 # torch's group -> name dict, which the wrappers read directly (torch 2.13 never replaces it; if a
 # torch does, _counter_of sees it and points every wrapper, _wrappers, at the new one).
 _names: list[dict[Any, str]] = [world.pg_names]
@@ -132,12 +134,12 @@ def recorded({params}):
     else:  # @describe
         _numel, _dtype = describe(_data)  # @describe
     _numel, _dtype = 0, ""  # !describe
-    _pg = group if group is not None else world.default_pg  # @counter
     try:  # @counter
-        _name = pg_names[_pg]  # @counter
+        # group=None is torch's default group: _World's attribute, read without its property
+        _name = pg_names[group if group is not None else world_attributes["_default_pg"]]  # @counter
         _count = counts[_name]  # @counter
     except (KeyError, TypeError):  # first use of the group, or a group torch does not know  # @counter
-        _name, _count = counter_of(_pg, counts)  # @counter
+        _name, _count = counter_of(group, counts)  # @counter
     _seq = _count[0] + 1  # C_SEQ  # @counter
     _count[0] = _seq  # @counter
     _name, _seq = "?", 0  # !counter
@@ -197,6 +199,8 @@ def _cut(source: str, parts: tuple[str, ...]) -> str:
 def _counter_of(pg: Any, counts: dict[str, Any]) -> tuple[str, Any]:
     """The slow path of a wrapper's counter: the group's name read through torch's ``_World``
     (``"?"``: no group, or one torch does not know), and its counter, made on first use."""
+    if pg is None:
+        pg = world.default_pg
     try:
         name = world.pg_names.get(pg) if pg is not None else None
     except TypeError:  # an unhashable group: torch refuses it itself
@@ -245,18 +249,20 @@ def _wrap(
         "kind": OpKind(spec.name, spec.op is not None),
         "describe": _describe,
         "recorder": recorder,
-        "opened": recorder.open,
+        "opened": recorder.opened,
         "counts": recorder.p2p_counts if spec.peer is not None else recorder.counts,
         "counter_of": _counter_of,
         "finish": recorder.finish,
         "attach": recorder.attach,
         "tensor_type": torch.Tensor,
         "world": world,
+        "world_attributes": _world_attributes,
         "pg_names": _names[0],
         "names": _names,
         "get_ident": threading.get_ident,
         "getframe": sys._getframe,
         "user_files": user_files,
+        "is_framework": sites._is_framework,
         "user_frame": user_frame,
         "time": time.time,
         "main": MAIN,
