@@ -87,7 +87,7 @@ def _rank(iters: int) -> None:
         return None
 
     def without_recorder() -> None:
-        # The recorder's doors as safe_all_reduce binds them (recorder.doors(); before issue 29 it
+        # The recorder's doors as safe_all_reduce binds them (flight.doors(); before issue 29 it
         # called recorder.open_fast/close_ok, so a tree without the doors gets a no-op recorder).
         doors = getattr(ar, "_open_record", None) is not None
         saved = (ar._open_record, ar._close_record) if doors else ar.recorder

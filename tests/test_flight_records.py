@@ -22,7 +22,7 @@ from ncclguard import instrument, phase, uninstrument
 from ncclguard.incidents import files
 from ncclguard.incidents.model import OpRecord
 from ncclguard.recording import instrument as ins
-from ncclguard.recording.flight import FlightRecorder, recorder
+from ncclguard.recording.flight import FlightRecorder, doors, recorder
 from ncclguard.recording.record import FlightRecord
 from ncclguard.watching.snapshot import RankState
 
@@ -355,11 +355,11 @@ def test_a_send_numbers_apart_and_names_its_peer_in_both_wrappers(world_of_one, 
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_call_that_records_itself_goes_through_either_door_alike(compiled):
-    """recorder.doors(): open_fast/close_ok, compiled or not (safe_all_reduce records through them)."""
+    """flight.doors(): open_fast/close_ok, compiled or not (safe_all_reduce records through them)."""
     if compiled and ins._hotpath is None:
         pytest.skip("the compiled hot path is not built in this install")
     rec = FlightRecorder(size=3)
-    open_, close = rec.doors(compiled=compiled)
+    open_, close = doors(rec, compiled=compiled)
 
     def library_call(numel: int) -> list[Any] | None:  # stands in for safe_all_reduce: its caller is the site
         return open_("all_reduce(SUM)", "g", numel, torch.float32)

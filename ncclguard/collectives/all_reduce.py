@@ -40,7 +40,7 @@ from ncclguard.collectives.wire import (
 from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
 from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
-from ncclguard.recording.flight import recorder
+from ncclguard.recording.flight import doors, recorder
 
 __all__ = [
     "CollectiveResult",
@@ -60,7 +60,7 @@ _TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument(
 _REUSE_WAIT_S = 1e-3
 # The recorder's doors for a call that records itself (recorder.open_fast/close_ok, compiled where
 # the hot path was built): open(op, group, numel, dtype) -> record or None; close(record).
-_open_record, _close_record = recorder.doors()
+_open_record, _close_record = doors(recorder)
 
 
 @dataclass(slots=True)

@@ -75,6 +75,7 @@ from ncclguard.world import WorldChange, subscribe
 __all__ = [
     "FlightRecord",
     "FlightRecorder",
+    "doors",
     "recorder",
     "seq_key",
 ]
@@ -105,7 +106,50 @@ def _completed(c: Count) -> int:
     return c[C_DONE] if c[C_DONE] >= c[C_OTHER] else c[C_OTHER]
 
 
-class FlightRecorder:
+class _Reading:
+    """What the readers of a recorder ask (the watchdog's thread, reports): its records and counters.
+    Each answer is built from copies taken in one step each (see the module doc)."""
+
+    ring: deque[Raw]
+    counts: dict[str, Count]
+    p2p_counts: dict[str, Count]
+    opened: dict[int, Raw]
+    pending: dict[int, Raw]
+
+    def inflight(self) -> list[FlightRecord]:
+        """Records started and not finished, oldest first."""
+        found: dict[int, Raw] = dict(self.pending)
+        for top in list(self.opened.values()):
+            node: Raw | None = top
+            while node is not None:
+                found[id(node)] = node
+                node = node[PREV]
+        opened = [r for r in found.values() if r[END] is None]
+        return [FlightRecord.of(r) for r in sorted(opened, key=lambda r: r[START])]
+
+    def last_seq(self) -> dict[str, int]:
+        """The last sequence number issued, per group (``"<group>:p2p"`` for send/recv)."""
+        out = {g: c[C_SEQ] for g, c in list(self.counts.items()) if c[C_SEQ]}
+        out.update({seq_key(g, True): c[C_SEQ] for g, c in list(self.p2p_counts.items()) if c[C_SEQ]})
+        return out
+
+    def last_completed(self) -> dict[str, int]:
+        """The highest sequence number completed, per group."""
+        out = {g: _completed(c) for g, c in list(self.counts.items()) if _completed(c)}
+        out.update({seq_key(g, True): _completed(c) for g, c in list(self.p2p_counts.items()) if _completed(c)})
+        return out
+
+    def raw(self, last: int | None = None) -> list[Raw]:
+        """A copy of the ring's raw records (or its newest ``last``), oldest first."""
+        recs = list(self.ring)  # one C call under the GIL: whole records, none half-appended
+        return recs[-last:] if last else recs
+
+    def records(self, last: int | None = None) -> list[FlightRecord]:
+        """The records kept (or the newest ``last``), oldest first, as views read live."""
+        return [FlightRecord.of(r) for r in self.raw(last)]
+
+
+class FlightRecorder(_Reading):
     """A bounded ring of flight records with a sequence counter per group.
 
     Args:
@@ -267,38 +311,6 @@ class FlightRecorder:
         opened[tid] = r
         return r
 
-    def doors(self, compiled: bool | None = None) -> tuple[Callable[..., Raw | None], Callable[[Raw | None], Any]]:
-        """``(open, close)``: :meth:`open_fast` and :meth:`close_ok` for code that records its own
-        call (``safe_all_reduce``), compiled where the hot path was built (the same steps in C),
-        else these methods. ``open(op, group, numel, dtype)``; ``close(rec)``.
-
-        Args:
-            compiled: the compiled doors (True), the methods (False), or the compiled ones where built.
-
-        Raises:
-            RuntimeError: ``compiled=True`` where the hot path was not built.
-        """
-        if compiled is None:
-            compiled = hotpath is not None
-        if not compiled:
-            return self.open_fast, self.close_ok
-        if hotpath is None:
-            raise RuntimeError("the compiled hot path is not built here")
-        namespace = {
-            "recorder": self,
-            "opened": self.opened,
-            "counts": self.counts,
-            "count": self.count,
-            "user_files": user_files,
-            "is_framework": sites._is_framework,
-            "user_frame": user_frame,
-            "main": _MAIN_PHASES,
-            "current_phase": current_phase,
-            "finish": self.finish,
-        }
-        opener = hotpath.Opener(namespace)
-        return opener.open, opener.close
-
     def close_ok(self, rec: Raw | None) -> None:
         """Closes ``rec`` (from :meth:`open_fast`) as completed: :meth:`finish` without an error,
         its usual case (the innermost open record of its thread) in a few steps. None (a nested
@@ -404,38 +416,6 @@ class FlightRecorder:
                 exc = err
             self.finish(r, exc)
 
-    def inflight(self) -> list[FlightRecord]:
-        """Records started and not finished, oldest first."""
-        found: dict[int, Raw] = dict(self.pending)
-        for top in list(self.opened.values()):
-            node: Raw | None = top
-            while node is not None:
-                found[id(node)] = node
-                node = node[PREV]
-        opened = [r for r in found.values() if r[END] is None]
-        return [FlightRecord.of(r) for r in sorted(opened, key=lambda r: r[START])]
-
-    def last_seq(self) -> dict[str, int]:
-        """The last sequence number issued, per group (``"<group>:p2p"`` for send/recv)."""
-        out = {g: c[C_SEQ] for g, c in list(self.counts.items()) if c[C_SEQ]}
-        out.update({seq_key(g, True): c[C_SEQ] for g, c in list(self.p2p_counts.items()) if c[C_SEQ]})
-        return out
-
-    def last_completed(self) -> dict[str, int]:
-        """The highest sequence number completed, per group."""
-        out = {g: _completed(c) for g, c in list(self.counts.items()) if _completed(c)}
-        out.update({seq_key(g, True): _completed(c) for g, c in list(self.p2p_counts.items()) if _completed(c)})
-        return out
-
-    def raw(self, last: int | None = None) -> list[Raw]:
-        """A copy of the ring's raw records (or its newest ``last``), oldest first."""
-        recs = list(self.ring)  # one C call under the GIL: whole records, none half-appended
-        return recs[-last:] if last else recs
-
-    def records(self, last: int | None = None) -> list[FlightRecord]:
-        """The records kept (or the newest ``last``), oldest first, as views read live."""
-        return [FlightRecord.of(r) for r in self.raw(last)]
-
     def clear(self) -> None:
         """Forgets every record and counter (a fresh process group starts counting again)."""
         self.ring.clear()
@@ -453,6 +433,42 @@ class FlightRecorder:
         """
         if change.new is not change.old:
             self.clear()
+
+
+def doors(
+    rec: FlightRecorder, compiled: bool | None = None
+) -> tuple[Callable[..., Raw | None], Callable[[Raw | None], Any]]:
+    """``(open, close)``: ``rec``'s :meth:`~FlightRecorder.open_fast` and :meth:`~FlightRecorder.close_ok`,
+    for code that records its own call (``safe_all_reduce``), compiled where the hot path was built
+    (the same steps in C), else those methods. ``open(op, group, numel, dtype)``; ``close(record)``.
+
+    Args:
+        rec: the recorder.
+        compiled: the compiled doors (True), the methods (False), or the compiled ones where built.
+
+    Raises:
+        RuntimeError: ``compiled=True`` where the hot path was not built.
+    """
+    if compiled is None:
+        compiled = hotpath is not None
+    if not compiled:
+        return rec.open_fast, rec.close_ok
+    if hotpath is None:
+        raise RuntimeError("the compiled hot path is not built here")
+    namespace = {
+        "recorder": rec,
+        "opened": rec.opened,
+        "counts": rec.counts,
+        "count": rec.count,
+        "user_files": user_files,
+        "is_framework": sites._is_framework,
+        "user_frame": user_frame,
+        "main": _MAIN_PHASES,
+        "current_phase": current_phase,
+        "finish": rec.finish,
+    }
+    opener = hotpath.Opener(namespace)
+    return opener.open, opener.close
 
 
 recorder = FlightRecorder()
