@@ -53,7 +53,10 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 # Bound once for the hot path (attribute lookups on torch's modules cost there).
 _monotonic = time.monotonic
-_world = compat.world()  # torch's _World: default_pg is the group that None stands for
+# torch's _World's attributes: "_default_pg" is the group that None stands for (its property
+# default_pg, read without the property's Python call; a torch without the key finds no plan here
+# and takes plan_for's way, which reads the property).
+_world_attributes = compat.world_attributes()
 _TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument() replaces dist.all_reduce)
 # A call waits with its whole deadline (a cached timedelta) when it spent less than this of it
 # before the wait: the wait then overruns the deadline by less than this.
@@ -152,7 +155,8 @@ def safe_all_reduce(
     start = _monotonic()
     # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
-        plan = _plans.hot.by_group.get(_world.default_pg if group is None else group)
+        key: Any = _world_attributes.get("_default_pg") if group is None else group
+        plan = _plans.hot.by_group.get(key)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
         plan = None
     if plan is None:
