@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +67,16 @@ def _worker(args: argparse.Namespace) -> int:
     from ncclguard import _torch_compat as compat
 
     torch.set_num_threads(1)
+    under_callgrind = args.callgrind_child
+
+    def callgrind(command: str) -> None:
+        """Tells callgrind (this process runs under it) to zero (-z) or dump (-d) its counts, or to
+        start instrumenting (-i on), and waits until it did."""
+        if under_callgrind:
+            ctl = subprocess.Popen(["callgrind_control", *command.split(), str(os.getpid())], stdout=subprocess.DEVNULL)
+            while ctl.poll() is None:
+                time.sleep(0.001)
+
     ncclguard.instrument()  # before DeepSpeed binds its gather and reduce-scatter (see the module doc)
     deepspeed.init_distributed(dist_backend="gloo")
     ncclguard.uninstrument()
@@ -116,6 +127,7 @@ def _worker(args: argparse.Namespace) -> int:
     for _ in range(args.warmup):
         step(i)
         i += 1
+    callgrind("-i on")
     out = []
     for r in range(args.rounds):
         for mode in order(r):
@@ -129,6 +141,7 @@ def _worker(args: argparse.Namespace) -> int:
                 with ncclguard.phase("train", step=i) if on else contextlib.nullcontext():
                     step(i)
                 i += 1
+            callgrind("-z")  # from here to the dump: this block's timed steps, every thread of the process
             b0, c0, p0 = backend_ops(), recorded(), time.process_time()
             times = []
             for _ in range(args.steps):
@@ -138,6 +151,7 @@ def _worker(args: argparse.Namespace) -> int:
                 times.append(time.perf_counter() - t0)
                 i += 1
             cpu = time.process_time() - p0
+            callgrind("-d")
             rec, ran = recorded() - c0, backend_ops() - b0
             if on:
                 wd = ncclguard.current_watchdog()
@@ -147,8 +161,25 @@ def _worker(args: argparse.Namespace) -> int:
                 ncclguard.uninstrument()
             rebind()
             out.append({"round": r, "mode": mode, "step_s": times, "cpu_s": cpu, "recorded": rec, "backend": ran})
+    idle = []
+    for r in range(args.idle_rounds):  # training paused: the watchdog's whole cost is the process's CPU
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            dist.barrier()
+            if on:
+                ncclguard.instrument()
+                ncclguard.start_watchdog(hang_timeout_s=120.0, incident_dir=incident_dir, action="report")
+                time.sleep(1.0)  # connected and past its first beat before the clock starts
+            p0, t0 = time.process_time(), time.perf_counter()
+            time.sleep(args.idle_s)
+            idle.append({"on": on, "cpu_s": time.process_time() - p0, "wall_s": time.perf_counter() - t0})
+            if on:
+                wd = ncclguard.current_watchdog()
+                if wd is not None:
+                    wd.stop()
+                ncclguard.uninstrument()
     dist.barrier()
-    print("RESULT " + json.dumps({"rank": rank, "blocks": out, "ncclguard": ncclguard.__file__}), flush=True)
+    doc = {"rank": rank, "blocks": out, "idle": idle, "ncclguard": ncclguard.__file__}
+    print("RESULT " + json.dumps(doc), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -182,7 +213,14 @@ def analyse(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         vals = [r[key] for r in per_round]
         return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
+    # The watchdog runs on the clock: its CPU per second with training paused, over one core per
+    # rank, is its share of a CPU-bound step (both ranks' extra CPU over their idle baseline).
+    idle_on = [sum(b["cpu_s"] / b["wall_s"] for b in r["idle"] if b["on"]) for r in ranks]
+    idle_off = [sum(b["cpu_s"] / b["wall_s"] for b in r["idle"] if not b["on"]) for r in ranks]
+    n_idle = max(1, len([b for b in ranks[0]["idle"] if b["on"]]))
+    watchdog_share = sum(on - off for on, off in zip(idle_on, idle_off, strict=True)) / n_idle / len(ranks)
     return {
+        "watchdog_cpu_share": watchdog_share if ranks[0]["idle"] else None,
         "rounds": per_round,
         "on/off": summary("on/off"),
         "off2/off": summary("off2/off"),
@@ -194,6 +232,31 @@ def analyse(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
+def instructions(cg_dir: str, blocks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Rank 0's instructions per step of each mode (the median over its blocks) from callgrind's
+    dumps, one per block in the blocks' order and per thread (``cg.out.<n>-<thread>``): the main
+    thread's (the training loop and the recording), and every thread's. The watchdog's thread runs
+    on the clock, and under valgrind a step lasts about 50 times longer: its share here is not its
+    share of a native step (benchmarks/watchdog_cost.py measures that)."""
+    by_dump: dict[int, dict[int, int]] = {}
+    for path in Path(cg_dir).glob("cg.out.*-*"):
+        n, thread = path.name.removeprefix("cg.out.").split("-")
+        line = next(x for x in path.read_text().splitlines() if x.startswith(("summary:", "totals:")))
+        by_dump.setdefault(int(n), {})[int(thread)] = int(line.split()[1])
+    if sorted(by_dump) != list(range(1, len(blocks) + 1)):
+        raise SystemExit(f"callgrind: dumps {sorted(by_dump)} for {len(blocks)} blocks in {cg_dir}")
+    main: dict[str, list[float]] = {m: [] for m in MODES}
+    every: dict[str, list[float]] = {m: [] for m in MODES}
+    for k, block in enumerate(blocks, 1):
+        main[block["mode"]].append(by_dump[k].get(1, 0) / steps)
+        every[block["mode"]].append(sum(by_dump[k].values()) / steps)
+    out: dict[str, Any] = {}
+    for name, per in (("main_thread", main), ("all_threads", every)):
+        med = {m: statistics.median(v) for m, v in per.items()}
+        out[name] = {**med, "on/off": med["on"] / med["off"], "off2/off": med["off2"] / med["off"]}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6, help="rounds of one block per mode (default 6)")
@@ -203,19 +266,36 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=48, help="Linear+GELU blocks, each its own parameter group")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
+    ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of each idle block (training paused)")
+    ap.add_argument("--idle-rounds", type=int, default=2, help="rounds of an idle block without and with ncclguard")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="count rank 0's instructions per step in each block under valgrind (exact under any load; slow)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--callgrind-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--callgrind-out", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
+        if args.callgrind_out and os.environ.get("RANK") == "0" and not args.callgrind_child:
+            # rank 0 runs again under callgrind (the same environment: its rank, the store's address)
+            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+            cmd.append(f"--callgrind-out-file={args.callgrind_out}")
+            os.execvp("valgrind", [*cmd, sys.executable, *sys.argv, "--callgrind-child"])
         return _worker(args)
     if min(args.rounds, args.steps, args.layers, args.dim, args.batch) < 1 or args.settle < 0 or args.warmup < 0:
         ap.error("--rounds, --steps, --layers, --dim and --batch must be >= 1; --settle, --warmup >= 0")
     from ncclguard.testing.launch import spawn
 
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    for name in ("rounds", "steps", "settle", "warmup", "layers", "dim", "batch"):
-        argv += [f"--{name}", str(getattr(args, name))]
+    for name in ("rounds", "steps", "settle", "warmup", "layers", "dim", "batch", "idle_s", "idle_rounds"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cg_dir = tempfile.mkdtemp(prefix="ncclguard-zero3-cg-") if args.callgrind else None
+    if cg_dir is not None:
+        argv += ["--callgrind-out", os.path.join(cg_dir, "cg.out")]
     load0 = os.getloadavg()
     res = spawn(argv, 2, timeout_s=args.timeout_s, env={"OMP_NUM_THREADS": "1"})
     load1 = os.getloadavg()
@@ -225,6 +305,8 @@ def main() -> int:
     if sorted(found) != [0, 1]:
         raise SystemExit(f"expected a RESULT line from ranks 0 and 1, got {sorted(found)}\n{res.output()[-4000:]}")
     got = analyse([found[0], found[1]], args.steps)
+    if cg_dir is not None:
+        got["instructions"] = instructions(cg_dir, found[0]["blocks"], args.steps)
     on, floor, cpu = got["on/off"], got["off2/off"], got["on/off cpu"]
     print(
         f"ZeRO-3, 2 gloo ranks, {args.layers} parameter groups of {args.dim}x{args.dim}; ncclguard: {found[0]['ncclguard']}"
@@ -244,6 +326,18 @@ def main() -> int:
         f"median {floor['median']:.4f} ({floor['min']:.4f}..{floor['max']:.4f}); CPU on/off {cpu['median']:.4f} "
         f"({cpu['min']:.4f}..{cpu['max']:.4f})"
     )
+    if got["watchdog_cpu_share"] is not None:
+        print(
+            f"the watchdog, training paused: {got['watchdog_cpu_share'] * 100:.3f}% of a core per rank "
+            f"(extra process CPU per second, {args.idle_rounds} x {args.idle_s:g} s each way)"
+        )
+    if cg_dir is not None:
+        for name, ins in got["instructions"].items():
+            print(
+                f"rank 0's instructions per step, {name.replace('_', ' ')} (callgrind): off {ins['off']:,.0f}, "
+                f"off2 {ins['off2']:,.0f}, on {ins['on']:,.0f}; on/off {ins['on/off']:.4f}, off2/off {ins['off2/off']:.4f}"
+            )
+        print("(under valgrind: the wall-clock figures above are valgrind's; read the instructions)")
     print(f"1-min load {load0[0]:.2f} -> {load1[0]:.2f}, {res.wall_s:.0f} s, {os.cpu_count()} cores")
     if args.json:
         doc = {
