@@ -28,6 +28,18 @@
 #error "ncclguard's compiled recorder needs Python 3.11 (PyFrame_GetLasti); the Python one is used"
 #endif
 
+/* On 3.11, the walk to the user's frame reads the interpreter's frames directly, so that it makes
+ * no frame object for the frames it passes (under DeepSpeed 14 to 39 of them per collective: each
+ * made and freed costs more than all the rest of a record). The layout is 3.11's
+ * (internal/pycore_frame.h); other versions take the public API (PyFrame_GetBack, which makes
+ * them). tests/test_flight_records.py checks both walks' sites against f_lineno's. */
+#if PY_VERSION_HEX < 0x030C0000
+#define NCCLGUARD_INTERPRETER_FRAMES 1
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#endif
+
 /* Record slots: keep in step with ncclguard/recording/record.py. */
 enum { R_SEQ, R_OP, R_REDOP, R_GROUP, R_NUMEL, R_DTYPE, R_START, R_END, R_PHASE, R_WHERE, R_LASTI,
        R_THREAD, R_ASYNC, R_PEER, R_ERROR, R_PROGRESS, R_WORK, R_PREV, R_SLOTS };
@@ -238,6 +250,37 @@ site_of(PyFrameObject *frame, PyObject *user_files, PyObject *is_framework, PyOb
     return *lasti == NULL ? -1 : 0;
 }
 
+#ifdef NCCLGUARD_INTERPRETER_FRAMES
+/* site_of without frame objects, from the calling thread's current frame (`skip` complete frames
+ * skipped first): 1 with `code` and `lasti` set (None and -1 when no user frame is above), 0 when
+ * it met a file sites.py has not classified yet (the caller then takes site_of's way), -1 on error. */
+static int
+site_from_here(int skip, PyObject *is_framework, PyObject **code, PyObject **lasti)
+{
+    _PyInterpreterFrame *f = PyThreadState_Get()->cframe->current_frame;
+    int passed = 0;
+    for (int depth = 0; f != NULL && depth < 4096; depth++, f = f->previous) {
+        if (_PyFrame_IsIncomplete(f) || passed++ < skip)
+            continue;
+        /* sites._is_framework: True for a library file, False for a user's (one lookup for both) */
+        PyObject *known = PyDict_GetItemWithError(is_framework, f->f_code->co_filename); /* borrowed */
+        if (known == NULL && PyErr_Occurred())
+            return -1;
+        if (known == Py_False) {
+            int at = _PyInterpreterFrame_LASTI(f); /* in code units; frame.f_lasti is in bytes */
+            *code = Py_NewRef((PyObject *)f->f_code);
+            *lasti = PyLong_FromLong(at < 0 ? -1 : at * (long)sizeof(_Py_CODEUNIT));
+            return *lasti == NULL ? -1 : 1;
+        }
+        if (known != Py_True)
+            return 0;
+    }
+    *code = Py_NewRef(Py_None);
+    *lasti = PyLong_FromLong(-1);
+    return *lasti == NULL ? -1 : 1;
+}
+#endif
+
 /* The calling thread's phase path: the main thread's track, read directly, or current_phase(). */
 static PyObject *
 phase_of(PyObject *main, PyObject *current_phase, PyObject *tid)
@@ -367,7 +410,14 @@ wrapper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
         goto fail;
 
     /* site: the caller's frame, or the first user frame above it */
-    if (site_of(PyEval_GetFrame(), self->user_files, self->is_framework, self->user_frame, &code, &lasti) < 0)
+    int found = 0;
+#ifdef NCCLGUARD_INTERPRETER_FRAMES
+    found = site_from_here(0, self->is_framework, &code, &lasti);
+    if (found < 0)
+        goto fail;
+#endif
+    if (!found &&
+        site_of(PyEval_GetFrame(), self->user_files, self->is_framework, self->user_frame, &code, &lasti) < 0)
         goto fail;
 
     /* time, phase */
@@ -745,10 +795,19 @@ opener_open(Opener *self, PyObject *const *args, Py_ssize_t nargs)
     if (seqobj == NULL || PyList_SetItem(count, C_SEQ, Py_NewRef(seqobj)) < 0)
         goto fail;
     /* the caller is a library frame (safe_all_reduce): the site is its caller's, or above */
-    PyFrameObject *caller = PyEval_GetFrame();
-    back = caller == NULL ? NULL : (PyObject *)PyFrame_GetBack(caller);
-    if (site_of((PyFrameObject *)back, self->user_files, self->is_framework, self->user_frame, &code, &lasti) < 0)
+    int found = 0;
+#ifdef NCCLGUARD_INTERPRETER_FRAMES
+    found = site_from_here(1, self->is_framework, &code, &lasti);
+    if (found < 0)
         goto fail;
+#endif
+    if (!found) {
+        PyFrameObject *caller = PyEval_GetFrame();
+        back = caller == NULL ? NULL : (PyObject *)PyFrame_GetBack(caller);
+        if (site_of((PyFrameObject *)back, self->user_files, self->is_framework, self->user_frame, &code, &lasti) <
+            0)
+            goto fail;
+    }
     start = PyFloat_FromDouble(now_s());
     if (start == NULL)
         goto fail;
