@@ -346,7 +346,9 @@ def instrument(ops: tuple[str, ...] | list[str] | None = None) -> list[str]:
     """Wraps the public ``torch.distributed`` collectives so each call is flight-recorded.
 
     Idempotent: instrumenting twice wraps once. Call it right after ``init_process_group`` and
-    before ``deepspeed.initialize`` or any ``from torch.distributed import ...``.
+    before ``deepspeed.init_distributed`` (DeepSpeed binds ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` when its communication backend starts) or any
+    ``from torch.distributed import ...``.
 
     Args:
         ops: names to wrap (default: all of :data:`INSTRUMENTED_OPS` this torch has).
