@@ -30,10 +30,14 @@ list, dict or deque, so a reader sees it whole or not at all:
   by another thread: a sweep, a DDP hook's future), which only :meth:`finish` writes, under a
   lock, so the two never lose each other's updates.
 
+The compiled hot path (``_hotpath.c``) holds the GIL through each of these steps as well, so the
+same holds for the records it writes.
+
 Two doors in: :meth:`FlightRecorder.start` / :meth:`~FlightRecorder.finish` for any caller, and
-the hot path's :meth:`~FlightRecorder.open_fast` / :meth:`~FlightRecorder.close_ok` (``safe_all_reduce``);
-``instrument()``'s generated wrappers write the same list inline. Nothing outside ``recording/``
-touches a record's slots.
+the hot path's :meth:`~FlightRecorder.open_fast` / :meth:`~FlightRecorder.close_ok`, which
+``safe_all_reduce`` takes through :func:`doors` (compiled where built); ``instrument()``'s wrappers,
+compiled or generated, write the same list inline. Nothing outside ``recording/`` touches a
+record's slots.
 """
 
 from __future__ import annotations
