@@ -158,22 +158,36 @@ def gloo_costs(pairs: int) -> dict[str, float]:
 
 
 def ablation(calls: int = 100_000, repeat: int = 7) -> dict[str, float]:
-    """The generated wrapper cut after each piece of its body, around a no-op in a warm loop:
+    """The generated wrapper built up part by part (``instrument.PARTS``; a tree without them, the
+    one before issue 29, is cut at two points of its body instead), around a no-op in a warm loop:
     thread CPU ns per call over the bare no-op (median of ``repeat``). A diagnosis of where the
-    recording time goes, not an API: it compiles truncated copies of ``instrument._BODY``."""
+    recording time goes, not an API (benchmarks/recording_breakdown.py has the long form)."""
     from ncclguard.recording import instrument as ins
 
     t = torch.ones(1)
-    body = ins._BODY
-    tail = "    return original({call})\n"
-    head = body.split("    _data = {data}")[0]
-    cuts = {
-        "wrapper + call only": head + tail,
-        "+ numel, dtype, op, async": body.split("    _pg = group")[0] + tail,
-        # The recorder's part cannot be cut in two: a record opened and never closed makes the
-        # next call a nested one, which records nothing.
-        "+ group name, open_fast, close_ok (all)": body,
-    }
+    spec = _spec("all_reduce", dist.all_reduce)
+    parts = getattr(ins, "PARTS", None)
+    wrappers: dict[str, Callable[..., Any]] = {}
+    if parts is not None:
+        wrappers["wrapper + call only"] = ins._wrap(spec, _noop, like=dist.all_reduce, parts=())
+        for k, part in enumerate(parts):
+            wrappers[f"+ {part}"] = ins._wrap(spec, _noop, like=dist.all_reduce, parts=parts[: k + 1])
+    else:
+        body = ins._BODY
+        tail = "    return original({call})\n"
+        cuts = {
+            "wrapper + call only": body.split("    _data = {data}")[0] + tail,
+            "+ numel, dtype, op, async": body.split("    _pg = group")[0] + tail,
+            # The recorder's part cannot be cut in two: a record opened and never closed makes the
+            # next call a nested one, which records nothing.
+            "+ group name, open_fast, close_ok (all)": body,
+        }
+        try:
+            for name, cut in cuts.items():
+                ins._BODY = cut
+                wrappers[name] = _wrap(spec, _noop, like=dist.all_reduce)
+        finally:
+            ins._BODY = body
 
     def loop(fn: Callable[..., Any]) -> float:
         begin = time.thread_time()
@@ -184,13 +198,10 @@ def ablation(calls: int = 100_000, repeat: int = 7) -> dict[str, float]:
     base = min(loop(_noop) for _ in range(5))
     out = {}
     try:
-        for name, cut in cuts.items():
-            ins._BODY = cut
-            wrapped = _wrap(_spec("all_reduce", dist.all_reduce), _noop, like=dist.all_reduce)
+        for name, wrapped in wrappers.items():
             recorder.clear()
             out[name] = round(statistics.median(loop(wrapped) - base for _ in range(repeat)))
     finally:
-        ins._BODY = body
         recorder.clear()
     return out
 

@@ -41,7 +41,6 @@ def _rank(iters: int) -> None:
     from ncclguard.collectives import all_reduce as ar
     from ncclguard.collectives.plan import CallShape, GroupPlan, plan_for
     from ncclguard.config import get_config
-    from ncclguard.recording import flight
 
     dist.init_process_group("gloo")
     t = torch.ones(1)
@@ -81,18 +80,47 @@ def _rank(iters: int) -> None:
         def finish(self, *args: object, **kwargs: object) -> None:
             return None
 
+    def _no_open(*args: object) -> None:
+        return None
+
+    def _no_close(rec: object) -> None:
+        return None
+
     def without_recorder() -> None:
-        ar.recorder = _NoRecorder()  # type: ignore[assignment]
+        # The recorder's doors as safe_all_reduce binds them (flight.doors(); before issue 29 it
+        # called recorder.open_fast/close_ok, so a tree without the doors gets a no-op recorder).
+        doors = getattr(ar, "_open_record", None) is not None
+        saved = (ar._open_record, ar._close_record) if doors else ar.recorder
+        if doors:
+            ar._open_record, ar._close_record = _no_open, _no_close
+        else:
+            ar.recorder = _NoRecorder()  # type: ignore[assignment]
         try:
             ar.safe_all_reduce(t)
         finally:
-            ar.recorder = flight.recorder
+            if doors:
+                ar._open_record, ar._close_record = saved  # type: ignore[misc]
+            else:
+                ar.recorder = saved  # type: ignore[assignment]
+
+    def bookkeeping_first() -> None:
+        # The same work as with_bookkeeping, all of it before the issue: the thread then goes
+        # straight from the issue into the wait, as a plain blocking call does.
+        start = time.monotonic()
+        plan, shape = checked()
+        base, counter = plan.count.current
+        _number = (base, next(counter))
+        timeout_s = plan.default_timeout(shape, start)
+        wait_for = plan.whole_wait(timeout_s)
+        dist.all_reduce(t, op=shape.wire_op, group=plan.group, async_op=True).wait(timeout=wait_for)
+        ar.CollectiveResult(True, shape.opname, shape.numel, shape.nbytes, 1, shape.numel, time.monotonic() - start)
 
     cases = {
         "dist.all_reduce(t)": lambda: dist.all_reduce(t),
         "async_op=True + wait(timeout)": lambda: dist.all_reduce(t, async_op=True).wait(timeout=wait),
         "+ plan and shape lookup": with_checks,
         "+ number, default deadline, result": with_bookkeeping,
+        "the same, all before the issue": bookkeeping_first,
         "safe_all_reduce(t), recorder a no-op": without_recorder,
         "safe_all_reduce(t)": lambda: ar.safe_all_reduce(t),
     }

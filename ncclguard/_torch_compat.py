@@ -48,6 +48,7 @@ __all__ = [
     "set_group_timeout",
     "work_error",
     "world",
+    "world_attributes",
 ]
 
 
@@ -115,6 +116,14 @@ def world() -> Any:
     Read-only use; callers on the hot path bind it once.
     """
     return _c10d_attr("_world")
+
+
+def world_attributes() -> dict[str, Any]:
+    """The live ``__dict__`` of torch's ``_World`` (read-only use): ``"_default_pg"`` holds the group
+    ``group=None`` stands for, what the property ``default_pg`` returns, read there by the recording
+    wrappers without the property's Python call on every collective. A torch without that key makes
+    them fall back to the property."""
+    return vars(world())
 
 
 def default_group() -> dist.ProcessGroup:

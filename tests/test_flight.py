@@ -16,9 +16,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ncclguard import configure, phase
+from ncclguard.recording import instrument as ins
+from ncclguard.recording import sites
 from ncclguard.recording.flight import FlightRecorder, recorder
 from ncclguard.recording.instrument import INSTRUMENTED_OPS, instrument, is_instrumented, uninstrument
 from ncclguard.recording.phase import current_phase, main_thread_phase
+from ncclguard.recording.record import LASTI, WHERE
 from ncclguard.recording.sites import call_site
 
 HERE = __file__
@@ -36,8 +39,15 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def fresh():
+@pytest.fixture(params=["compiled", "generated"])
+def fresh(request, monkeypatch):
+    """A cleared recorder; instrument() installs the compiled wrapper (_hotpath.c) or the generated
+    Python one: every test that instruments runs with both."""
+    if request.param == "compiled" and ins._hotpath is None:
+        pytest.skip("the compiled wrapper is not built in this install (setup.py builds it with a C compiler)")
+    if request.param == "generated":
+        monkeypatch.setattr(ins, "_hotpath", None)
+    uninstrument()
     recorder.clear()
     yield recorder
     uninstrument()
@@ -235,9 +245,11 @@ def test_the_site_is_resolved_when_read_and_names_the_line_f_lineno_gives(world_
         lines.append(line() - 4)  # the line the call starts on: what f_lineno says during it
     first, second = recorder.records()
     # Kept as code and offset until read: no file:line is built on the call's path.
-    assert first._site is None and first._code is sys._getframe().f_code
+    raw = recorder.raw()[0]
+    assert raw[WHERE] is sys._getframe().f_code and isinstance(raw[LASTI], int)
+    assert (raw[WHERE], raw[LASTI]) not in sites._sites
     assert [first.site, second.site] == [f"{HERE}:{lines[0]}"] * 2
-    assert first._site == f"{HERE}:{lines[0]}"  # resolved once, then kept
+    assert sites._sites[(raw[WHERE], raw[LASTI])] == f"{HERE}:{lines[0]}"  # resolved once, then kept
     assert first.to_dict()["site"] == first.site
 
 
@@ -296,3 +308,10 @@ def test_frames_of_every_part_of_ncclguard_are_library_frames(where):
     exec(compile("def issue(site):\n    return site(1)\n", path, "exec"), ns)
     site, line = ns["issue"](call_site), sys._getframe().f_lineno
     assert site == f"{__file__}:{line}"
+
+
+def test_instrument_installs_the_compiled_wrapper_where_it_is_built(fresh):
+    instrument(["all_reduce"])
+    compiled = ins._hotpath is not None
+    assert isinstance(dist.all_reduce, ins._hotpath.Wrapper if compiled else type(line))
+    assert dist.all_reduce.__wrapped__ is dist.all_reduce.__ncclguard_original__

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import REDUCE_OP_NAMES
+from ncclguard.collectives import groups as _groups
 from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
@@ -39,7 +40,7 @@ from ncclguard.collectives.wire import (
 from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
 from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
-from ncclguard.recording.flight import recorder
+from ncclguard.recording.flight import doors, recorder
 from ncclguard.results import Result
 
 __all__ = [
@@ -53,11 +54,17 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 # Bound once for the hot path (attribute lookups on torch's modules cost there).
 _monotonic = time.monotonic
-_world = compat.world()  # torch's _World: default_pg is the group that None stands for
+# torch's _World's attributes: "_default_pg" is the group that None stands for (its property
+# default_pg, read without the property's Python call; a torch without the key finds no plan here
+# and takes plan_for's way, which reads the property).
+_world_attributes = compat.world_attributes()
 _TORCH_ALL_REDUCE = dist.all_reduce  # torch's own, bound at import (instrument() replaces dist.all_reduce)
 # A call waits with its whole deadline (a cached timedelta) when it spent less than this of it
 # before the wait: the wait then overruns the deadline by less than this.
 _REUSE_WAIT_S = 1e-3
+# The recorder's doors for a call that records itself (recorder.open_fast/close_ok, compiled where
+# the hot path was built): open(op, group, numel, dtype) -> record or None; close(record).
+_open_record, _close_record = doors(recorder)
 
 
 @dataclass(slots=True)
@@ -140,7 +147,8 @@ def safe_all_reduce(
     start = _monotonic()
     # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
-        plan = _plans.hot.by_group.get(_world.default_pg if group is None else group)
+        key: Any = _world_attributes.get("_default_pg") if group is None else group
+        plan = _plans.hot.by_group.get(key)
     except (TypeError, AttributeError):  # an unhashable group (group_info explains), or no _world yet
         plan = None
     if plan is None:
@@ -161,7 +169,7 @@ def safe_all_reduce(
     except (TypeError, ValueError):
         _number(plan, tag)  # a refused call takes its number too (see ncclguard.collectives.calls)
         raise
-    failed = failure_of(plan.group)
+    failed = failure_of(plan.group) if _groups.hot.table.marked else None
     if failed is not None:
         _number(plan, tag)
         refused = GroupFailed(f"group {plan.name!r} failed earlier ({failed}); make a new group to go on")
@@ -174,7 +182,8 @@ def safe_all_reduce(
     # dist.all_reduce (instrument()'s would record the op itself unless our record is open).
     if direct and not check and dist.all_reduce is _TORCH_ALL_REDUCE:
         try:
-            work = _TORCH_ALL_REDUCE(tensor, op=shape.wire_op, group=plan.group, async_op=True)
+            # Positional: keywords cost torch's decorator a dict on every call.
+            work = _TORCH_ALL_REDUCE(tensor, shape.wire_op, plan.group, True)
         except Exception as exc:  # noqa: BLE001 - a backend error becomes a result
             failure = WireFailure(0, exc, _monotonic())
     # The call's number: the Call object (its round name) is made only when a round needs it.
@@ -185,7 +194,7 @@ def safe_all_reduce(
         n = next(counter)
     else:
         call = begin_call(plan.info, "all_reduce", tag)
-    rec = recorder.open_fast(shape.opname, plan.name, shape.numel, shape.dtype)
+    rec = _open_record(shape.opname, plan.name, shape.numel, shape.dtype)
     try:
         if timeout_s is None:
             timeout_s = plan.default_timeout(shape, start)
@@ -223,7 +232,7 @@ def safe_all_reduce(
             recorder.finish(rec, f"interrupted: {exc!r}")
         raise
     if error is None:
-        recorder.close_ok(rec)
+        _close_record(rec)
         return CollectiveResult(
             True, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start
         )

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard.errors import TorchCompatError
-from ncclguard.world import Slot, World, current_world
+from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
 __all__ = [
     "GroupInfo",
@@ -125,9 +125,32 @@ class GroupTable:
     def __init__(self, world: World) -> None:
         self.lock = threading.Lock()
         self.failed: weakref.WeakKeyDictionary[dist.ProcessGroup, Exception] = weakref.WeakKeyDictionary()
+        # True once any group was marked: until then a safe call asks nothing of ``failed`` (its
+        # emptiness is a WeakKeyDictionary method call; this is one attribute read).
+        self.marked = False
 
 
 GROUPS: Slot[GroupTable] = Slot("groups", GroupTable)
+
+
+class _Hot:
+    """The current world's table as the hot path reads it (``hot.table.marked``), re-pointed by
+    subscription when the world changes, as ``plan.hot`` is."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: GroupTable) -> None:
+        self.table = table
+
+
+hot = _Hot(current_world().get(GROUPS))
+
+
+def _follow_world(change: WorldChange) -> None:
+    hot.table = change.new.get(GROUPS)
+
+
+subscribe(_follow_world)
 
 
 def _table() -> GroupTable:
@@ -139,6 +162,7 @@ def mark_failed(group: dist.ProcessGroup, reason: Exception) -> None:
     table = _table()
     with table.lock:
         table.failed.setdefault(group, reason)
+        table.marked = True
 
 
 def failure_of(group: dist.ProcessGroup) -> Exception | None:

@@ -1,10 +1,8 @@
-"""The flight recorder: a per-process ring buffer of the collectives this rank issued.
+"""The flight recorder: a per-process ring of the collectives this rank issued.
 
 Each record holds a sequence number per group, the op, size, dtype, group, times, state, the
 phase and the user's call site. ``safe_*`` calls are always recorded; ``ncclguard.instrument()``
-records the plain ``torch.distributed`` calls too. Recording is a few attribute writes and a
-short frame walk; the call site is kept as a code object and an offset and becomes ``file:line``
-only when read (benchmarks/recording_cost.py measures the cost).
+records the plain ``torch.distributed`` calls too.
 
 Sequence numbers count per group and per process, so the n-th collective of one rank meets the
 n-th of the others: a rank whose number is lower than its peers' is somewhere else. Point-to-point
@@ -13,207 +11,171 @@ by design. The numbering is per world: the recorder forgets its records and coun
 world is announced (:func:`ncclguard.world.announce`, after ``rebuild_world``), because the new
 world's ranks all count from 1 again.
 
+What a record costs (issue 29; ``benchmarks/recording_breakdown.py`` measures it part by part): a
+record is one list built in one step (:mod:`ncclguard.recording.record`), holding what the call has
+at hand, unformatted, and appended to a ``deque`` whose ``maxlen`` drops the oldest. There is no
+lock on the path. Threads: one thread issues a group's collectives (torch needs that order
+anyway) and writes its records; the watchdog's thread reads them (and closes async ones in
+:meth:`FlightRecorder.sweep`). Under the GIL each step below is one bytecode-level operation on a
+list, dict or deque, so a reader sees it whole or not at all:
+
+- a record is built completely before it is appended: the ring never holds half a record, and a
+  copy of the ring (``list(deque)``, one C call) holds whole records;
+- after that only single slots change: ``ERROR`` before ``END`` (a reader reads ``END`` first, so
+  a failed record never reads as completed), ``PROGRESS`` as one tuple;
+- a ring slot is a reference: when the ring wraps, the oldest record is dropped as a whole and a
+  reader's copy keeps it alive; a record is never rewritten for another op, so an op finishing
+  after its record left the ring writes into its own list, not a newer op's;
+- the counters (``Count``) are written by the issuing thread, except ``C_OTHER`` (ops finished
+  by another thread: a sweep, a DDP hook's future), which only :meth:`finish` writes, under a
+  lock, so the two never lose each other's updates.
+
+The compiled hot path (``_hotpath.c``) holds the GIL through each of these steps as well, so the
+same holds for the records it writes.
+
 Two doors in: :meth:`FlightRecorder.start` / :meth:`~FlightRecorder.finish` for any caller, and
 the hot path's :meth:`~FlightRecorder.open_fast` / :meth:`~FlightRecorder.close_ok`, which
-``instrument()``'s generated wrappers and ``safe_all_reduce`` call on every collective: the same
-record in fewer steps, so nothing outside this module touches the recorder's fields.
+``safe_all_reduce`` takes through :func:`doors` (compiled where built); ``instrument()``'s wrappers,
+compiled or generated, write the same list inline. Nothing outside ``recording/`` touches a
+record's slots.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import sys
 import threading
 import time
 from collections import deque
-from types import CodeType
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from ncclguard import _torch_compat as compat
 from ncclguard.config import get_config
+from ncclguard.recording import sites
 from ncclguard.recording.phase import MAIN as _MAIN_PHASES
 from ncclguard.recording.phase import current_phase
-from ncclguard.recording.sites import code_site, user_frame
+from ncclguard.recording.record import (
+    END,
+    ERROR,
+    GROUP,
+    PEER,
+    PREV,
+    PROGRESS,
+    SEQ,
+    START,
+    THREAD,
+    WORK,
+    FlightRecord,
+    OpKind,
+    Raw,
+    new_raw,
+    seq_key,
+)
+from ncclguard.recording.sites import user_files, user_frame
 from ncclguard.world import WorldChange, subscribe
 
 __all__ = [
     "FlightRecord",
     "FlightRecorder",
+    "doors",
     "recorder",
     "seq_key",
 ]
 
 _get_ident = threading.get_ident
 _time = time.time
-_user_frame = user_frame
 _getframe = sys._getframe
-_new_record = object.__new__
+
+# The compiled hot path (recording/_hotpath.c, built by setup.py where a C compiler is): the
+# recording wrapper instrument() installs and the doors safe_all_reduce opens records through.
+# None: the Python code here and in instrument.py does it all, the same way.
+hotpath: ModuleType | None
+try:
+    hotpath = importlib.import_module("ncclguard.recording._hotpath")
+except ImportError:  # pragma: no cover - depends on the install
+    hotpath = None
 
 
-class FlightRecord:
-    """One collective as this rank saw it.
-
-    Attributes:
-        seq: its number in ``group`` (point-to-point ops: in ``"<group>:p2p"``), from 1.
-        op: the operation, e.g. ``"all_reduce(SUM)"`` or ``"broadcast"``.
-        group: the process group's name (``"0"`` is the world group).
-        numel: elements of the input tensor(s); 0 for a barrier.
-        dtype: e.g. ``"float32"``; ``""`` without a tensor.
-        start: ``time.time()`` when it was issued.
-        state: ``started``, ``completed`` or ``failed``.
-        end: ``time.time()`` when it finished (async ops: when the completion was noticed).
-        phase: the issuing thread's phase path.
-        site: the user's ``file:line`` that issued it (resolved on first read, see below).
-        error: the failure, as text.
-        async_op: issued with ``async_op=True`` (or isend/irecv): the caller did not block in it.
-        peer: the other rank of a send/recv.
-        thread: ``threading.get_ident()`` of the issuing thread.
-        chunks_done: chunks of a chunked call completed so far (0: not chunked, or none yet).
-        chunks: chunks of the call (0 until the first chunk completes; see :meth:`FlightRecorder.progress`).
-        bytes_done: bytes of the call reduced so far.
-
-    The recorder keeps the call site as the user frame's code object and instruction offset and
-    turns them into ``file:line`` only when :attr:`site` is read (a report, a heartbeat): a
-    frame's ``f_lineno`` and the formatting cost more than the rest of the record together.
-    """
-
-    __slots__ = (
-        "seq",
-        "op",
-        "group",
-        "numel",
-        "dtype",
-        "start",
-        "state",
-        "end",
-        "phase",
-        "_site",
-        "_code",
-        "_lasti",
-        "error",
-        "async_op",
-        "peer",
-        "thread",
-        "work",
-        "chunks_done",
-        "chunks",
-        "bytes_done",
-    )
-
-    def __init__(
-        self,
-        seq: int,
-        op: str,
-        group: str,
-        numel: int,
-        dtype: str,
-        start: float,
-        state: str = "started",
-        end: float | None = None,
-        phase: str = "",
-        site: str | None = "",
-        error: str | None = None,
-        async_op: bool = False,
-        peer: int | None = None,
-        thread: int = 0,
-        code: CodeType | None = None,
-        lasti: int = -1,
-    ) -> None:
-        self.seq = seq
-        self.op = op
-        self.group = group
-        self.numel = numel
-        self.dtype = dtype
-        self.start = start
-        self.state = state
-        self.end = end
-        self.phase = phase
-        self._site = site  # None: not resolved yet (see _code)
-        self._code = code  # the user frame's code and offset, for the site; None: no user frame
-        self._lasti = lasti
-        self.error = error
-        self.async_op = async_op
-        self.peer = peer
-        self.thread = thread
-        self.work: Any = None  # the async op's Work; never serialised
-        self.chunks_done = 0
-        self.chunks = 0
-        self.bytes_done = 0
-
-    @property
-    def site(self) -> str:
-        """The user's ``file:line`` that issued the op, ``"?"`` without one."""
-        site = self._site
-        if site is None:
-            code = self._code
-            site = self._site = "?" if code is None else code_site(code, self._lasti)
-        return site
-
-    @site.setter
-    def site(self, value: str) -> None:
-        self._site = value
-
-    def __repr__(self) -> str:
-        return f"FlightRecord({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FlightRecord) and self.to_dict() == other.to_dict()
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value (as the dataclass was)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as plain JSON data (without the Work handle)."""
-        return {
-            "seq": self.seq,
-            "op": self.op,
-            "group": self.group,
-            "numel": self.numel,
-            "dtype": self.dtype,
-            "start": self.start,
-            "state": self.state,
-            "end": self.end,
-            "phase": self.phase,
-            "site": self.site,
-            "error": self.error,
-            "async_op": self.async_op,
-            "peer": self.peer,
-            "thread": self.thread,
-            # Read bytes before chunks: the main thread writes chunks first, so a reader racing it
-            # sees chunks_done at most one chunk ahead of bytes_done, never behind.
-            "bytes_done": self.bytes_done,
-            "chunks_done": self.chunks_done,
-            "chunks": self.chunks,
-        }
+# A counter (a group's collectives, or its send/recv) is a list of three ints, so that the
+# generated wrappers and the compiled one (_hotpath.c) update it by index: the last number issued,
+# the highest completed by the issuing thread, and the highest completed by any other (finish(),
+# under its lock). Completed is the larger of the two.
+C_SEQ, C_DONE, C_OTHER = 0, 1, 2
+Count = list[int]
 
 
-def seq_key(group: str, p2p: bool) -> str:
-    """The counter a record is numbered in: the group, or ``"<group>:p2p"`` for send/recv."""
-    return f"{group}:p2p" if p2p else group
+def _completed(c: Count) -> int:
+    return c[C_DONE] if c[C_DONE] >= c[C_OTHER] else c[C_OTHER]
 
 
-class FlightRecorder:
-    """A bounded ring of :class:`FlightRecord` with a sequence counter per group.
+class _Reading:
+    """What the readers of a recorder ask (the watchdog's thread, reports): its records and counters.
+    Each answer is built from copies taken in one step each (see the module doc)."""
 
-    The hot path (:meth:`start`, :meth:`finish`) takes no lock: each of its steps is a single
-    operation on a dict, a deque or a list, atomic under the GIL, and the numbering of a group
-    is owned by the one thread that issues its collectives (torch requires that order anyway).
+    ring: deque[Raw]
+    counts: dict[str, Count]
+    p2p_counts: dict[str, Count]
+    opened: dict[int, Raw]
+    pending: dict[int, Raw]
+
+    def inflight(self) -> list[FlightRecord]:
+        """Records started and not finished, oldest first."""
+        found: dict[int, Raw] = dict(self.pending)
+        for top in list(self.opened.values()):
+            node: Raw | None = top
+            while node is not None:
+                found[id(node)] = node
+                node = node[PREV]
+        opened = [r for r in found.values() if r[END] is None]
+        return [FlightRecord.of(r) for r in sorted(opened, key=lambda r: r[START])]
+
+    def last_seq(self) -> dict[str, int]:
+        """The last sequence number issued, per group (``"<group>:p2p"`` for send/recv)."""
+        out = {g: c[C_SEQ] for g, c in list(self.counts.items()) if c[C_SEQ]}
+        out.update({seq_key(g, True): c[C_SEQ] for g, c in list(self.p2p_counts.items()) if c[C_SEQ]})
+        return out
+
+    def last_completed(self) -> dict[str, int]:
+        """The highest sequence number completed, per group."""
+        out = {g: _completed(c) for g, c in list(self.counts.items()) if _completed(c)}
+        out.update({seq_key(g, True): _completed(c) for g, c in list(self.p2p_counts.items()) if _completed(c)})
+        return out
+
+    def raw(self, last: int | None = None) -> list[Raw]:
+        """A copy of the ring's raw records (or its newest ``last``), oldest first."""
+        recs = list(self.ring)  # one C call under the GIL: whole records, none half-appended
+        return recs[-last:] if last else recs
+
+    def records(self, last: int | None = None) -> list[FlightRecord]:
+        """The records kept (or the newest ``last``), oldest first, as views read live."""
+        return [FlightRecord.of(r) for r in self.raw(last)]
+
+
+class FlightRecorder(_Reading):
+    """A bounded ring of flight records with a sequence counter per group.
 
     Args:
         size: records kept (the oldest are dropped); default ``Config.flight_records`` (2000).
     """
 
     def __init__(self, size: int | None = None) -> None:
-        self._records: deque[FlightRecord] = deque(
-            maxlen=self._check_size(size if size is not None else get_config().flight_records)
-        )
-        self._seq: dict[str, int] = {}
-        self._done: dict[str, int] = {}
-        # Async records waiting for their Work to complete (sync ones are in _open): id -> record.
-        self._async: dict[int, FlightRecord] = {}
-        # Per thread ident: records opened by start() and not yet finished or handed to attach().
-        # They are this thread's ops in flight; while one is open, instrument()'s wrappers do not
+        kept = self._check_size(size if size is not None else get_config().flight_records)
+        # The ring: instrument()'s wrappers append to ``recorder.ring`` (read on every call, so that
+        # resize(), which replaces it, takes effect at once).
+        self.ring: deque[Raw] = deque(maxlen=kept)
+        # Counters by group name, collectives and send/recv apart. Wrappers bind these dicts:
+        # they are cleared in place, never replaced.
+        self.counts: dict[str, Count] = {}
+        self.p2p_counts: dict[str, Count] = {}
+        # Per thread ident: its innermost open record (records opened by start() inside it are
+        # chained through their PREV slot). While a thread has one, instrument()'s wrappers do not
         # record again (safe_all_reduce's chunks). A dict keyed by ident: cheaper than threading.local.
-        self._open: dict[int, list[FlightRecord]] = {}
+        self.opened: dict[int, Raw] = {}
+        # Records of ops going on without their thread (async ops with their Work, hand-offs): id -> record.
+        self.pending: dict[int, Raw] = {}
+        self._finish_lock = threading.Lock()  # finish() only: never taken on the hot path
 
     @staticmethod
     def _check_size(size: Any) -> int:
@@ -224,7 +186,7 @@ class FlightRecorder:
     @property
     def size(self) -> int:
         """Records kept."""
-        return self._records.maxlen or 0
+        return self.ring.maxlen or 0
 
     def resize(self, size: int) -> None:
         """Keeps the newest ``size`` records from now on.
@@ -232,11 +194,19 @@ class FlightRecorder:
         Raises:
             ValueError: ``size`` is not a positive int.
         """
-        self._records = deque(self._records, maxlen=self._check_size(size))
+        self.ring = deque(self.ring, maxlen=self._check_size(size))
 
     def busy(self) -> bool:
         """True while the calling thread is inside a recorded collective (nested calls are not recorded)."""
-        return bool(self._open.get(_get_ident()))
+        return _get_ident() in self.opened
+
+    def count(self, group: str, p2p: bool = False) -> Count:
+        """The counter of ``group`` (its send/recv's with ``p2p``), made on first use."""
+        counts = self.p2p_counts if p2p else self.counts
+        c = counts.get(group)
+        if c is None:
+            c = counts.setdefault(group, [0, 0, 0])
+        return c
 
     def start(
         self,
@@ -263,181 +233,183 @@ class FlightRecorder:
             The record; pass it to :meth:`finish` (or :meth:`attach` for an async op).
         """
         tid = _get_ident()
-        key = group if peer is None else group + ":p2p"
-        seq = self._seq.get(key, 0) + 1
-        self._seq[key] = seq
+        c = self.count(group, peer is not None)
+        c[C_SEQ] = seq = c[C_SEQ] + 1
         phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
-        code, lasti = None, -1
+        where: Any = site
+        lasti = -1
         if site is None:
             # The user's frame, found now (the stack is gone later); its line is looked up when
             # the site is read (FlightRecord.site): f_lineno costs more than the whole walk.
-            frame = _user_frame(_getframe(2))
-            if frame is None:
-                site = "?"
-            else:
-                code, lasti = frame.f_code, frame.f_lasti
-        rec = FlightRecord(
-            seq, op, group, numel, dtype, _time(), "started", None, phase, site, None, async_op, peer, tid, code, lasti
-        )
-        self._records.append(rec)
-        opened = self._open.get(tid)
-        if opened is None:
-            opened = self._open[tid] = []
-        opened.append(rec)
-        return rec
+            frame = user_frame(_getframe(1))
+            if frame is not None:
+                where, lasti = frame.f_code, frame.f_lasti
+        r = new_raw(seq, op, group, numel, dtype, _time(), phase, where, lasti, tid, async_op, peer)
+        self.ring.append(r)
+        r[PREV] = self.opened.get(tid)  # start() may open inside another open record (a stack)
+        self.opened[tid] = r
+        return FlightRecord.of(r)
 
     def open_fast(
         self,
-        op: str,
+        op: str | OpKind,
         group: str,
         numel: int,
-        dtype: str,
+        dtype: Any,
         async_op: bool = False,
         peer: int | None = None,
-    ) -> FlightRecord | None:
+    ) -> Raw | None:
         """Opens a record for a collective the calling thread is about to issue (the hot path).
 
-        :meth:`start` for the code that runs on every collective (``instrument()``'s wrappers,
-        ``safe_all_reduce``): positional arguments, the call site always looked for (from the
-        caller's caller up), and no record for a nested op.
+        :meth:`start` for code that runs on every collective (``safe_all_reduce``): the call site
+        always looked for (from the caller's caller up), no record for a nested op, and the raw
+        record returned (no view made).
 
         Args:
-            op: the operation's name.
+            op: the operation's name (or kind).
             group: the process group's name.
             numel: elements moved (input side).
-            dtype: the tensor's dtype without ``torch.``.
+            dtype: the tensor's dtype (a ``torch.dtype`` or its name).
             async_op: the caller does not block in the op.
             peer: the other rank of a point-to-point op (numbers it in ``"<group>:p2p"``).
 
         Returns:
-            The record, to close with :meth:`close_ok`, :meth:`finish` or :meth:`attach`; None
+            The raw record, to close with :meth:`close_ok`, :meth:`finish` or :meth:`attach`; None
             while the calling thread is inside a recorded call already: the op is part of that
             call (safe_all_reduce's chunks) and is not counted again.
         """
         tid = _get_ident()
-        opened = self._open.get(tid)
-        if opened:
+        opened = self.opened
+        if tid in opened:
             return None
-        key = group if peer is None else group + ":p2p"
-        seq = self._seq.get(key, 0) + 1
-        self._seq[key] = seq
-        # The user's frame above the caller (a wrapper, safe_all_reduce), kept as code and offset.
-        frame = _user_frame(_getframe(2))
-        # Built field by field: binding __init__'s 16 arguments costs more than these stores,
-        # and this runs on every collective. Keep in step with FlightRecord.__init__.
-        rec = _new_record(FlightRecord)
-        rec.seq = seq
-        rec.op = op
-        rec.group = group
-        rec.numel = numel
-        rec.dtype = dtype
-        rec.start = _time()
-        rec.state = "started"
-        rec.end = None
-        rec.phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
-        rec.error = None
-        rec.async_op = async_op
-        rec.peer = peer
-        rec.thread = tid
-        rec.work = None
-        rec.chunks_done = rec.chunks = rec.bytes_done = 0
+        c = (self.p2p_counts if peer is not None else self.counts).get(group) or self.count(group, peer is not None)
+        c[C_SEQ] = seq = c[C_SEQ] + 1
+        frame = user_frame(_getframe(2))  # the caller's caller: the caller is a library frame
+        phase = _MAIN_PHASES.path if tid == _MAIN_PHASES.ident else current_phase()
         if frame is None:
-            rec._site, rec._code, rec._lasti = "?", None, -1
+            code, lasti = None, -1
         else:
-            rec._site, rec._code, rec._lasti = None, frame.f_code, frame.f_lasti
-        self._records.append(rec)
-        if opened is None:
-            self._open[tid] = [rec]
-        else:
-            opened.append(rec)
-        return rec
+            code, lasti = frame.f_code, frame.f_lasti
+        # The layout of record.new_raw, inline (one call less on every collective).
+        r = [
+            seq,
+            op,
+            None,
+            group,
+            numel,
+            dtype,
+            _time(),
+            None,
+            phase,
+            code,
+            lasti,
+            tid,
+            async_op,
+            peer,
+            None,
+            None,
+            None,
+            None,
+        ]
+        self.ring.append(r)
+        opened[tid] = r
+        return r
 
-    def close_ok(self, rec: FlightRecord | None) -> None:
-        """Closes ``rec`` as completed: :meth:`finish` without an error, its usual case (the
-        innermost open record of its thread) in a few steps. None (a nested op's): nothing."""
+    def close_ok(self, rec: Raw | None) -> None:
+        """Closes ``rec`` (from :meth:`open_fast`) as completed: :meth:`finish` without an error,
+        its usual case (the innermost open record of its thread) in a few steps. None (a nested
+        op's): nothing."""
         if rec is None:
             return
-        stack = self._open.get(rec.thread)
-        if stack and stack[-1] is rec and rec.state == "started":
-            stack.pop()
-            rec.end = _time()
-            rec.state = "completed"
-            key = rec.group if rec.peer is None else rec.group + ":p2p"
-            if rec.seq > self._done.get(key, 0):  # async ops may complete out of order
-                self._done[key] = rec.seq
+        opened = self.opened
+        tid = rec[THREAD]
+        if opened.get(tid) is rec and rec[PREV] is None and rec[END] is None:
+            del opened[tid]
+            rec[END] = _time()
+            c = (self.p2p_counts if rec[PEER] is not None else self.counts).get(rec[GROUP])
+            if c is not None and rec[SEQ] > c[C_DONE]:
+                c[C_DONE] = rec[SEQ]
             return
         self.finish(rec)
 
-    def _close(self, rec: FlightRecord) -> None:
-        stack = self._open.get(rec.thread)
-        if stack:
-            if stack[-1] is rec:
-                stack.pop()
+    def _unopen(self, r: Raw) -> None:
+        """Takes ``r`` off its thread's open records (wherever it is in the chain)."""
+        tid = r[THREAD]
+        top = self.opened.get(tid)
+        if top is r:
+            if r[PREV] is None:
+                self.opened.pop(tid, None)
             else:
-                with contextlib.suppress(ValueError):
-                    stack.remove(rec)
+                self.opened[tid] = r[PREV]
+        else:
+            node = top
+            while node is not None and node[PREV] is not r:
+                node = node[PREV]
+            if node is not None:
+                node[PREV] = r[PREV]
+        r[PREV] = None
 
-    def finish(self, rec: FlightRecord, error: BaseException | str | None = None) -> None:
-        """Closes ``rec`` as completed, or as failed with ``error``."""
-        stack = self._open.get(rec.thread)  # the issuing thread's: the one that finishes a sync op
-        if stack and stack[-1] is rec:  # the usual case, inline: this runs on every collective
-            stack.pop()
-        elif stack:
-            self._close(rec)
-        if rec.state != "started":
+    def finish(self, rec: FlightRecord | Raw, error: BaseException | str | None = None) -> None:
+        """Closes ``rec`` as completed, or as failed with ``error``.
+
+        Args:
+            rec: the record (from :meth:`start`, or raw from :meth:`open_fast`).
+            error: why it failed; None: it completed.
+        """
+        r = rec._r if isinstance(rec, FlightRecord) else rec
+        self._unopen(r)
+        if r[END] is not None:
             return
-        rec.end = _time()
-        rec.work = None
-        self._async.pop(id(rec), None)  # an async op's, or one handed off
+        self.pending.pop(id(r), None)  # an async op's, or one handed off
+        r[WORK] = None
         if error is not None:
-            rec.state = "failed"
-            rec.error = (str(error) or type(error).__name__)[:500]
+            r[ERROR] = (str(error) or type(error).__name__)[:500]
+            r[END] = _time()  # after ERROR: a reader that sees END reads the final ERROR
             return
-        rec.state = "completed"
-        key = rec.group if rec.peer is None else rec.group + ":p2p"
-        if rec.seq > self._done.get(key, 0):  # async ops may complete out of order
-            self._done[key] = rec.seq
+        r[END] = _time()
+        c = (self.p2p_counts if r[PEER] is not None else self.counts).get(r[GROUP])
+        if c is not None:
+            with self._finish_lock:  # another thread's finish may race this one (see the module doc)
+                if r[SEQ] > c[C_OTHER]:  # async ops may complete out of order
+                    c[C_OTHER] = r[SEQ]
 
     @staticmethod
-    def progress(rec: FlightRecord, chunks_done: int, chunks: int, bytes_done: int) -> None:
+    def progress(rec: FlightRecord | Raw, chunks_done: int, chunks: int, bytes_done: int) -> None:
         """Notes that ``chunks_done`` of the ``chunks`` chunks of ``rec`` completed, ``bytes_done``
-        bytes in all. Three attribute writes, no lock: the watchdog reads them into the heartbeat
-        (a read racing a write may see ``chunks_done`` one chunk ahead of ``bytes_done``)."""
-        rec.chunks = chunks
-        rec.chunks_done = chunks_done
-        rec.bytes_done = bytes_done
+        bytes in all: one store of one tuple, so a reader sees the three of one moment."""
+        r = rec._r if isinstance(rec, FlightRecord) else rec
+        r[PROGRESS] = (chunks_done, chunks, bytes_done)
 
     def progress_here(self, chunks_done: int, chunks: int, bytes_done: int) -> None:
         """:meth:`progress` of the record the calling thread has open (the chunked call it is
         in); nothing when it has none. For the chunk loop, which does not hold the record."""
-        opened = self._open.get(_get_ident())
-        if opened:
-            rec = opened[-1]
-            rec.chunks = chunks
-            rec.chunks_done = chunks_done
-            rec.bytes_done = bytes_done
+        r = self.opened.get(_get_ident())
+        if r is not None:
+            r[PROGRESS] = (chunks_done, chunks, bytes_done)
 
-    def attach(self, rec: FlightRecord, work: Any) -> None:
+    def attach(self, rec: FlightRecord | Raw, work: Any) -> None:
         """Hands an async op's ``Work`` to ``rec``: it stays in flight until the work completes
         (noticed by :meth:`sweep`), and the calling thread is free again."""
-        self._close(rec)
+        r = rec._r if isinstance(rec, FlightRecord) else rec
         if work is None:  # a rank outside the group gets no Work; nothing is in flight
-            self.finish(rec)
+            self.finish(r)
             return
-        rec.work = work
-        self._async[id(rec)] = rec
+        r[WORK] = work
+        self.pending[id(r)] = r  # before it leaves the open records: inflight() always finds it
+        self._unopen(r)
 
-    def hand_off(self, rec: FlightRecord) -> None:
+    def hand_off(self, rec: FlightRecord | Raw) -> None:
         """The op of ``rec`` goes on without the calling thread (a future will finish it): it
         leaves the thread's open records, so later ops of the thread are recorded, and stays in
         flight until :meth:`finish`."""
-        self._close(rec)
-        self._async[id(rec)] = rec
+        r = rec._r if isinstance(rec, FlightRecord) else rec
+        self.pending[id(r)] = r
+        self._unopen(r)
 
     def sweep(self) -> None:
         """Finishes the async records whose Work has completed (the watchdog calls this)."""
-        for rec in list(self._async.values()):
-            work = rec.work
+        for r in list(self.pending.values()):
+            work = r[WORK]
             if work is None:
                 continue
             try:
@@ -446,33 +418,15 @@ class FlightRecorder:
                 exc = compat.work_error(work)
             except Exception as err:  # noqa: BLE001 - a broken Work is a failed op
                 exc = err
-            self.finish(rec, exc)
-
-    def inflight(self) -> list[FlightRecord]:
-        """Records started and not finished, oldest first."""
-        opened = [r for stack in list(self._open.values()) for r in list(stack)]
-        return sorted((r for r in opened + list(self._async.values()) if r.state == "started"), key=lambda r: r.start)
-
-    def last_seq(self) -> dict[str, int]:
-        """The last sequence number issued, per group (``"<group>:p2p"`` for send/recv)."""
-        return dict(self._seq)
-
-    def last_completed(self) -> dict[str, int]:
-        """The highest sequence number completed, per group."""
-        return dict(self._done)
-
-    def records(self, last: int | None = None) -> list[FlightRecord]:
-        """A copy of the ring (or its newest ``last`` records), oldest first."""
-        recs = list(self._records)
-        return recs[-last:] if last else recs
+            self.finish(r, exc)
 
     def clear(self) -> None:
         """Forgets every record and counter (a fresh process group starts counting again)."""
-        self._records.clear()
-        self._seq.clear()
-        self._done.clear()
-        self._async.clear()
-        self._open.clear()
+        self.ring.clear()
+        self.counts.clear()
+        self.p2p_counts.clear()
+        self.pending.clear()
+        self.opened.clear()
 
     def follow_world(self, change: WorldChange) -> None:
         """Starts the new world's numbering: forgets the old world's records and counters (its
@@ -483,6 +437,42 @@ class FlightRecorder:
         """
         if change.new is not change.old:
             self.clear()
+
+
+def doors(
+    rec: FlightRecorder, compiled: bool | None = None
+) -> tuple[Callable[..., Raw | None], Callable[[Raw | None], Any]]:
+    """``(open, close)``: ``rec``'s :meth:`~FlightRecorder.open_fast` and :meth:`~FlightRecorder.close_ok`,
+    for code that records its own call (``safe_all_reduce``), compiled where the hot path was built
+    (the same steps in C), else those methods. ``open(op, group, numel, dtype)``; ``close(record)``.
+
+    Args:
+        rec: the recorder.
+        compiled: the compiled doors (True), the methods (False), or the compiled ones where built.
+
+    Raises:
+        RuntimeError: ``compiled=True`` where the hot path was not built.
+    """
+    if compiled is None:
+        compiled = hotpath is not None
+    if not compiled:
+        return rec.open_fast, rec.close_ok
+    if hotpath is None:
+        raise RuntimeError("the compiled hot path is not built here")
+    namespace = {
+        "recorder": rec,
+        "opened": rec.opened,
+        "counts": rec.counts,
+        "count": rec.count,
+        "user_files": user_files,
+        "is_framework": sites._is_framework,
+        "user_frame": user_frame,
+        "main": _MAIN_PHASES,
+        "current_phase": current_phase,
+        "finish": rec.finish,
+    }
+    opener = hotpath.Opener(namespace)
+    return opener.open, opener.close
 
 
 recorder = FlightRecorder()

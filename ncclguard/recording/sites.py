@@ -20,7 +20,7 @@ import threading
 import traceback
 from types import CodeType, FrameType
 
-__all__ = ["call_site", "code_site", "format_stack", "frame_site", "user_frame"]
+__all__ = ["call_site", "code_site", "format_stack", "frame_site", "user_files", "user_frame"]
 
 # Frames from these packages are skipped when looking for the user's call site. Prefixes are
 # the packages' real directories, so a checkout that happens to be named "ncclguard" still counts.
@@ -50,6 +50,9 @@ _INDUCTOR_CACHE = _inductor_cache_dir()
 _skip_prefixes_cache: list[tuple[int, tuple[str, ...]]] = [(-1, ())]
 # co_filename -> "is this a framework file?"; filenames are few, so the cache stays small.
 _is_framework: dict[str, bool] = {}
+# The files found to be the user's: the recording wrappers' first test of their caller's frame (a
+# set's ``in``, no call), before the walk. Emptied with _is_framework when the frameworks change.
+user_files: set[str] = set()
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -75,6 +78,7 @@ def _skip_prefixes() -> tuple[str, ...]:
         prefixes = tuple(d if d.endswith(".py") else os.path.join(d, "") for d in dirs)
         if prefixes != _skip_prefixes_cache[0][1]:
             _is_framework.clear()
+            user_files.clear()
         _skip_prefixes_cache[0] = (len(sys.modules), prefixes)
     return _skip_prefixes_cache[0][1]
 
@@ -91,6 +95,7 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
         if skip is None:
             skip = known[path] = (path.startswith(prefixes) and not path.startswith(_APP_DIRS)) or path.startswith("<")
         if not skip:
+            user_files.add(path)
             return frame
         frame = frame.f_back
     return None
