@@ -174,10 +174,12 @@ def fresh_windows(beats: Mapping[int, Heartbeat], own: StragglerWindow) -> dict[
 
 
 def _arrival_map(w: StragglerWindow) -> dict[int, float]:
-    """A window's arrivals by backend number (the first of a number repeated: garbage is not trusted)."""
+    """A window's arrivals by backend number (the first of a number repeated: garbage is not trusted),
+    on the reference rank's clock: less the rank's clock offset where it tells one (see ``clocks``)."""
+    shift = w.clock_offset_s or 0.0
     out: dict[int, float] = {}
     for seq, at in w.arrivals:
-        out.setdefault(seq, at)
+        out.setdefault(seq, at - shift)
     return out
 
 
@@ -234,6 +236,8 @@ def from_arrivals(
             delay = min(span, w.arrivals_run_delay_s * span / own_span)  # measured over its own arrivals' span
         update: dict[str, object] = {"length_s": span, "compute_s": span - wait, "wait_s": wait}
         update |= {"ops": len(common) - 1, "transfer_ops": 0, "op_wait_s": 0.0, "run_delay_s": delay}
+        if w.input_s is not None:  # the input pipeline's time at its window's rate over the span
+            update["input_s"] = min(span, w.input_s * span / w.length_s)
         return w.model_copy(update={**update, "op": w.backend_op or w.op})
 
     return derived(own, mine), {r: derived(peers[r], m) for r, m in maps.items()}

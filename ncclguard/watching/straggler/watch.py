@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Protocol, TypeVar
@@ -15,9 +16,14 @@ from ncclguard.incidents.model import MAX_ARRIVALS, Heartbeat, StragglerWindow
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.steps import StepMarks, steps
+from ncclguard.store.keys import Keys
 from ncclguard.watching.detect import Detection
+from ncclguard.watching.protocol import store_addr
 from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.straggler.clocks import ClockTicker
 from ncclguard.watching.straggler.evidence import StragglerTracker
+from ncclguard.watching.straggler.inputs import inputs, time_dataloaders
+from ncclguard.watching.straggler.links import LinkMeter
 from ncclguard.watching.straggler.measure import MIN_OPS, delay_at, fresh_windows, measure, run_delay
 
 __all__ = ["DELAY_SAMPLES", "ArrivalSource", "StragglerWatch", "from_config"]
@@ -56,6 +62,7 @@ class StragglerWatch:
         backend: the world group's backend, read when a window's records hold fewer than
             :data:`MIN_OPS` ops while the backend ran more (its arrivals, :func:`from_arrivals`);
             None: records only.
+        links: read this process's TCP connections at each window (:class:`LinkMeter`).
     """
 
     def __init__(
@@ -70,8 +77,15 @@ class StragglerWatch:
         marks: StepMarks = steps,
         thread: int | None = None,
         backend: ArrivalSource | None = None,
+        links: bool = False,
     ) -> None:
         self.window_s, self.enabled, self.marks, self.backend = window_s, enabled, marks, backend
+        self.inputs_timed = enabled and time_dataloaders()
+        self.inputs_at = inputs.seconds
+        self.links = LinkMeter() if enabled and links else None
+        if self.links is not None:
+            self.links.read()  # the counters the first window counts from
+        self.clock: ClockTicker | None = None  # this rank's clock offset (from_config starts it)
         self.seq = backend.seq() if backend is not None and enabled else None
         self.thread = thread if thread is not None else threading.main_thread().ident
         self.native = next((t.native_id for t in threading.enumerate() if t.ident == self.thread), None)
@@ -113,6 +127,12 @@ class StragglerWatch:
         ran = None if seq is None or before is None else seq - before  # collectives the backend ran
         if win is not None and win.ops < MIN_OPS and ran is not None and ran >= MIN_OPS + 1:
             win = self._with_arrivals(win, self.start, end)
+        spent, self.inputs_at = inputs.seconds - self.inputs_at, inputs.seconds
+        if win is not None:
+            update: dict[str, object] = {"input_s": min(spent, win.length_s) if self.inputs_timed else None}
+            update["clock_offset_s"] = None if self.clock is None else self.clock.estimate
+            update["links"] = self.links.read() if self.links is not None else []
+            win = win.model_copy(update=update)
         self.delay, self.start, self.seq = delay, end, seq
         self.window = win if win is not None else self.window
 
@@ -164,8 +184,13 @@ class StragglerWatch:
 
 
 def from_config(rank: int, cfg: WatchdogConfig, backend: ArrivalSource | None = None) -> StragglerWatch:
-    """A :class:`StragglerWatch` with the ``straggler_*`` settings of ``cfg`` (``backend``: see it)."""
-    return StragglerWatch(
+    """A :class:`StragglerWatch` with the ``straggler_*`` settings of ``cfg`` (``backend``: see it).
+
+    On a live world of two ranks or more (``backend`` given), it also reads this process's TCP
+    connections at each window and measures this rank's clock offset from rank 0's through the store
+    (:class:`ClockTicker`, a thread of its own that ends with the thread calling this, or with the watch).
+    """
+    watch = StragglerWatch(
         rank,
         cfg.straggler_window,
         cfg.straggler_threshold,
@@ -174,4 +199,29 @@ def from_config(rank: int, cfg: WatchdogConfig, backend: ArrivalSource | None = 
         cfg.straggler_link_threshold,
         cfg.straggler,
         backend=backend,
+        links=backend is not None,
     )
+    if cfg.straggler and backend is not None:
+        _start_clock(watch, rank, cfg)
+    return watch
+
+
+def _start_clock(watch: StragglerWatch, rank: int, cfg: WatchdogConfig) -> None:
+    import torch.distributed as dist
+
+    from ncclguard.world import current_world
+
+    addr = store_addr(cfg.store_addr)
+    if addr is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    prefix = f"{Keys.from_env(cfg.session, current_world().generation).ns}/straggler-clock"
+    owner, ref = threading.current_thread(), weakref.ref(watch)
+
+    def alive() -> bool:
+        # The ticker ends with the watchdog's thread, or once its watch is replaced (a new world).
+        current = ref()
+        return owner.is_alive() and current is not None and current.clock is ticker
+
+    ticker = ClockTicker(addr, prefix, rank == 0, max(1.0, cfg.straggler_window / 2), alive)
+    watch.clock = ticker
+    ticker.start()
