@@ -21,7 +21,9 @@ The plan (JSON):
   change nothing here;
 - ``clock_offsets``: ``{rank: seconds}``: that rank's wall clock runs ahead by so much: its
   ``time.time()`` and the arrivals torch's recorder gives it are shifted (a host whose clock is off);
-- ``stop_after_incidents``: stop once so many straggler incidents are merged (0: run to the end).
+- ``stop_after_incidents``: stop once so many straggler incidents are merged (0: run to the end);
+- ``records_from_s``: from then on (at a step every rank takes from the store) a ``ddp`` loop calls a
+  Python all_reduce instead of DDP (ncclguard's records time it): one launch checks both paths.
 
 Each rank writes (``rankkit``): the common start ``t0`` (true clock), ``step_s``, every step's start
 (true clock, seconds from ``t0``), every window it closed, its incidents and its clock offset estimate.
@@ -156,6 +158,9 @@ def main() -> None:
     step_s: float | None = None
     stop_at: int | None = None
     step = 0
+    switch_at: int | None = None  # the step from which a ddp loop is a records loop
+    switch_s = plan.get("records_from_s")
+    ddp_records: int | None = None  # ncclguard's records of the ddp part (none: DDP issues from C++)
     while stop_at is None or step < stop_at:
         now = TRUE_TIME() - start
         starts.append(round(now, 5))
@@ -184,18 +189,30 @@ def main() -> None:
                 store.compare_set("drill/stop_at", "", str(step + 20))  # the first writer wins
             if store.check(["drill/stop_at"]):
                 stop_at = int(store.get("drill/stop_at"))
+        if mode == "ddp" and switch_s is not None and switch_at is None:
+            if rank == 0 and now >= switch_s:
+                store.compare_set("drill/records_at", "", str(step + 10))
+            if store.check(["drill/records_at"]):
+                switch_at = int(store.get("drill/records_at"))
+        ddp_now = mode == "ddp" and (switch_at is None or step < switch_at)
+        if mode == "ddp" and not ddp_now and ddp_records is None:
+            ddp_records = len([r for r in wd._state.records() if r.start >= start])
+            put("records_from_s", now)
         next(loader)
         mark_step(step)
         with phase("train", step=step):
             spend(plan["model_s"], a, rep)
             extra(state["extra_model"], a)
-            if mode == "ddp":
+            if ddp_now:
                 opt.zero_grad()
                 model(x).square().mean().backward()  # DDP's bucket all_reduce, issued from C++
                 opt.step()
             else:
                 dist.all_reduce(torch.ones(elements))
         step += 1
+    if mode == "ddp" and ddp_records is None:
+        ddp_records = len([r for r in wd._state.records() if r.start >= start])
+    put("ddp_python_ops", ddp_records)
     put("t0", start)
     put("step_s", step_s)
     put("starts", starts)

@@ -75,7 +75,7 @@ class ClockTicker(threading.Thread):
         reference: True on the rank whose clock the others are measured against.
         period: seconds between ticks (the first :data:`_FAST_TICKS` come faster).
         alive: the thread ends once this says False (the watch that started it is gone).
-        clock: the wall clock (``time.time``; a test gives a skewed one).
+        clock: the wall clock (default ``time.time()``, looked up at each reading).
     """
 
     def __init__(
@@ -85,11 +85,12 @@ class ClockTicker(threading.Thread):
         reference: bool,
         period: float,
         alive: Callable[[], bool],
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(name="ncclguard-clock", daemon=True)
         self.addr, self.prefix, self.reference, self.period = addr, prefix, reference, period
-        self.alive, self.clock = alive, clock
+        self.alive = alive
+        self.clock = clock if clock is not None else lambda: time.time()
         self.offsets = OffsetFilter()
         self.ticks = 0  # ticks given (reference) or received
 
