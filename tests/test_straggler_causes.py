@@ -397,3 +397,31 @@ def test_links_slow_in_turn_are_noise_not_a_culprit() -> None:
         wins = lockstep([1.0, 1.0, 1.0], 0.3, 10.0, n, 10.0 * (n + 1))
         wins = [w.model_copy(update={"links": samples.get(hosts[r], [])}) for r, w in enumerate(wins)]
         assert tracker.feed(wins[0], {1: wins[1], 2: wins[2]}) is None
+
+
+def test_a_window_in_which_a_rank_straggles_says_nothing_of_the_links() -> None:
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    samples = star_samples(ring(3, 2, 400 * MB, 40 * MB))
+    for computes in ([1.3, 1.0, 1.0], [1.0, 1.0, 1.3]):  # the slow rank judging itself, or a peer of it
+        wins = lockstep(computes, 0.3, 10.0, 0, 10.0)
+        wins = [w.model_copy(update={"links": samples.get(hosts[r], [])}) for r, w in enumerate(wins)]
+        a = assess(wins[0], {1: wins[1], 2: wins[2]}, 1.15, 0.05, 0.1, baseline_compute_per_op=1.0)
+        assert a is not None and a.straggling and not a.link_slow and a.slow_links is None
+    healthy = lockstep([1.0, 1.0, 1.0], 0.3, 10.0, 0, 10.0)
+    healthy = [w.model_copy(update={"links": samples.get(hosts[r], [])}) for r, w in enumerate(healthy)]
+    b = assess(healthy[0], {1: healthy[1], 2: healthy[2]}, 1.15, 0.05)
+    assert b is not None and not b.straggling and b.link_slow and b.slow_links is not None
+
+
+def test_a_transfer_halfway_to_the_threshold_stays_out_of_the_baseline() -> None:
+    tracker = defaults()
+    found = []
+    for n in range(12):  # 0.2 s an op for 3 windows, then 1.7x for 6 (under the 2x threshold), then 2.2x
+        transfer = 0.2 if n < 3 else (0.34 if n < 9 else 0.44)
+        own, *peers = lockstep([1.0, 1.0], transfer, 10.0, n, 10.0 * (n + 1))
+        found.append(tracker.feed(own, {1: peers[0]}))
+    assert tracker.baseline == pytest.approx(0.2)  # the 1.7x windows never entered it
+    assert [n for n, d in enumerate(found) if d is not None] == [10]
+    det = found[10]
+    assert det is not None and det.straggler is not None and det.straggler.cause == "link"
+    assert det.straggler.slowdown == pytest.approx(2.2, rel=1e-3)
