@@ -119,7 +119,10 @@ def launch(star: Any, plan: dict[str, Any], noise: Noise, port: int, keep: Path,
     load = os.getloadavg()
     failed = [r for r in ranks if r.returncode != 0]
     if failed:
-        raise SystemExit(f"{name}: a rank failed:\n" + "\n".join(r.stderr[-4000:] for r in failed))
+        tail = "\n".join(r.stderr[-3000:] for r in failed)
+        (keep / f"{name}.failed.txt").parent.mkdir(parents=True, exist_ok=True)
+        (keep / f"{name}.failed.txt").write_text(tail)
+        return {"name": name, "plan": plan, "failed": tail[-1500:], "load": [round(x, 2) for x in load]}
     data = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(len(star.hosts))}
     docs = []
     for d in sorted(p for p in (out / "incidents").iterdir() if p.is_dir()) if (out / "incidents").exists() else []:
@@ -155,8 +158,12 @@ def score(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, 
             (i, d) for i, d in enumerate(result["incidents"]) if t0 + e["start"] <= d["created"] <= t0 + e["end"] + w
         ]
         hit = [(i, d) for i, d in inside if named(d, e)]
-        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False) if e["start"] + w <= a < e["end"]]
-        slowed = statistics.median(gaps) / step_s if gaps and step_s else None
+        # The step's slowdown as measured: its median in the episode (past its first window) over its
+        # median in the three healthy windows before it (the host's load moves the step time).
+        pairs = list(zip(starts, starts[1:], strict=False))
+        gaps = [b - a for a, b in pairs if e["start"] + w <= a < e["end"]]
+        before = [b - a for a, b in pairs if e["start"] - 3 * w <= a < e["start"]] or [step_s]
+        slowed = statistics.median(gaps) / statistics.median(before) if gaps and before[0] else None
         out = {**e, "slowdown_measured": None if slowed is None else round(slowed, 3), "detected": bool(hit)}
         if hit:
             i, d = hit[0]
@@ -255,7 +262,9 @@ def main() -> None:
             dur = min(args.healthy_launch_s, max(60.0, healthy_left))
             plan = {**base, "duration_s": dur, "episodes": []}
             results.append(launch(star, plan, noise, port + k, keep, f"healthy{k}"))
-            print(f"healthy{k}: {len(results[-1]['incidents'])} incidents, load {results[-1]['load']}", flush=True)
+            print(
+                f"healthy{k}: {len(results[-1].get('incidents', []))} incidents, load {results[-1]['load']}", flush=True
+            )
             healthy_left -= dur
             k += 1
         for j in range(0, len(cells), args.per_launch):
@@ -267,23 +276,29 @@ def main() -> None:
                 t = end + args.pause_windows * w
             plan = {**base, "duration_s": t, "episodes": episodes, "lead_s": 8 * w}
             results.append(launch(star, plan, noise, port + k, keep, f"drill{k}"))
-            print(f"drill{k}: {len(results[-1]['incidents'])} incidents, load {results[-1]['load']}", flush=True)
+            print(
+                f"drill{k}: {len(results[-1].get('incidents', []))} incidents, load {results[-1]['load']}", flush=True
+            )
             k += 1
     finally:
         remove_star(star)
     outcomes, false, healthy_s, loads = [], [], 0.0, []
     for r in results:
+        loads.append(r["load"][0])
+        if "failed" in r:
+            continue
         o, f, h = score(r)
         outcomes += o
         false += [{**x, "launch": r["name"]} for x in f]
         healthy_s += h
-        loads.append(r["load"][0])
     summary = {
         "command": "python benchmarks/straggler_drill.py " + " ".join(sys.argv[1:]),
         "cpus": os.cpu_count(),
         "wall_min": round((time.time() - t_begin) / 60, 1),
         "load_1min_at_launch_ends": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
         "healthy_minutes": round(healthy_s / 60, 1),
+        "launches": len(results),
+        "failed_launches": [{"name": r["name"], "tail": r["failed"]} for r in results if "failed" in r],
         "false_incidents": [f for f in false if not f["repeat"]],
         "repeated_incidents": [f for f in false if f["repeat"]],
         "table": table(outcomes),

@@ -137,14 +137,17 @@ def main() -> None:
         x = torch.randn(2, side)
     state = {"extra_model": 0.0, "extra_input": 0.0}
     loader = iter(DataLoader(Batches(plan["input_s"], lambda: state["extra_input"], a, rep), batch_size=None))
-    wd = start_watchdog(
-        heartbeat_s=plan.get("heartbeat_s", 0.5),
-        hang_timeout_s=120,
-        action="raise",  # a straggler incident must stop at report all the same
-        straggler_window_s=plan["window_s"],
-        incident_dir=OUT / "incidents",
-        **plan.get("watchdog", {}),
-    )
+    settings = {
+        "heartbeat_s": plan.get("heartbeat_s", 0.5),
+        "hang_timeout_s": 120,
+        # Not a test of peer liveness: a loaded host (and a slowed link) can hold a heartbeat back
+        # for seconds, which at 6 beats of 0.5 s made a drill launch raise a `lost` incident.
+        "peer_timeout_s": 30,
+        "action": "raise",  # a straggler incident must stop at report all the same
+        "straggler_window_s": plan["window_s"],
+        "incident_dir": OUT / "incidents",
+    }
+    wd = start_watchdog(**{**settings, **plan.get("watchdog", {})})
     window_log = rankkit.WindowLog(wd)
     t0 = torch.tensor([TRUE_TIME() + 1.0], dtype=torch.float64)
     dist.broadcast(t0, 0)  # the common start, on rank 0's (true) clock: one host here
