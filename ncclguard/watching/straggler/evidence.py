@@ -62,7 +62,7 @@ class StragglerTracker:
 
         Returns:
             The straggler incident to raise: a cause that held ``windows`` windows in a row, unless
-            the same cause and culprit was raised and has not been gone ``windows`` windows since.
+            the same cause and culprit was raised and has not been gone ``2 * windows`` windows since.
         """
         per_op = statistics.median(self.per_op) if self.per_op else None
         bases = {k: statistics.median(v) for k, v in self.link_rates.items() if v}
@@ -87,7 +87,7 @@ class StragglerTracker:
                 self.link_run = []  # another link than the window before: noise, not a culprit yet
         self.link_run = [*self.link_run, found][-self.windows :] if found.link_slow else []
         self._learn(found, own)
-        hosts = self._hosts(own, {**peers, self.rank: own})
+        hosts = self._hosts({**peers, self.rank: own})
         made = None
         if len(self.compute_run) >= self.windows:
             made = self._raise(self._compute(self.compute_run))
@@ -115,12 +115,12 @@ class StragglerTracker:
             # recovered, the healthy transfer read 2x that baseline, a false slow link).
             self.transfers.append(ev.op_wait_s)
             self.per_op.append(own.compute_s / own.ops)
-        if not found.link_slow:
+        if not found.link_slow and not found.straggling:
             for k, (moved, busy) in (found.rates or {}).items():
                 self.link_rates.setdefault(k, deque(maxlen=BASELINE_WINDOWS)).append(moved / busy)
 
     @staticmethod
-    def _hosts(own: StragglerWindow, windows: Mapping[int, StragglerWindow]) -> dict[str, set[int]]:
+    def _hosts(windows: Mapping[int, StragglerWindow]) -> dict[str, set[int]]:
         """The ranks at each address, as their own links tell (a link's source is its sender's address)."""
         out: dict[str, set[int]] = {}
         for rank, w in windows.items():
@@ -131,7 +131,7 @@ class StragglerTracker:
     def _raise(self, det: Detection) -> Detection | None:
         key = det.signature
         if key in self.quiet:
-            return None  # raised already, and not gone ``windows`` windows since: the same incident
+            return None  # raised already, and not gone 2 * windows windows since: the same incident
         self.fired[key] = self.fired.get(key, 0) + 1
         self.quiet[key] = 0
         return Detection(
