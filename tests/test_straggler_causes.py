@@ -283,11 +283,12 @@ def test_the_offset_is_the_least_sample() -> None:
 def test_clock_offsets_are_measured_through_a_real_store() -> None:
     port = _free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    alive = threading.Event()
-    alive.set()
-    ref = ClockTicker(f"127.0.0.1:{port}", "t/clock", True, 0.2, alive.is_set)
-    ahead = ClockTicker(f"127.0.0.1:{port}", "t/clock", False, 0.2, alive.is_set, clock=lambda: time.time() + 0.05)
-    same = ClockTicker(f"127.0.0.1:{port}", "t/clock", False, 0.2, alive.is_set)
+    ticking, waiting = threading.Event(), threading.Event()
+    ticking.set()
+    waiting.set()
+    ref = ClockTicker(f"127.0.0.1:{port}", "t/clock", True, 0.2, ticking.is_set)
+    ahead = ClockTicker(f"127.0.0.1:{port}", "t/clock", False, 0.2, waiting.is_set, clock=lambda: time.time() + 0.05)
+    same = ClockTicker(f"127.0.0.1:{port}", "t/clock", False, 0.2, waiting.is_set)
     try:
         for t in (ref, ahead, same):
             t.start()
@@ -299,9 +300,11 @@ def test_clock_offsets_are_measured_through_a_real_store() -> None:
         assert ahead.estimate == pytest.approx(0.05, abs=0.005)  # the least of 6 or more samples
         assert same.estimate == pytest.approx(0.0, abs=0.005)
     finally:
-        alive.clear()
-        for t in (ref, ahead, same):
+        waiting.clear()  # the waiters end at the next tick, which the reference still gives
+        for t in (ahead, same):
             t.join(60)
+        ticking.clear()
+        ref.join(60)
         del server
     assert not any(t.is_alive() for t in (ref, ahead, same))
 
