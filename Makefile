@@ -15,7 +15,7 @@ install: $(STAMP)
 # torch: keep one that is already importable (system site packages are visible); otherwise take
 # the CPU build torch==2.13.0 (a bare `torch` would pull several GB of CUDA packages).
 # deepspeed builds from source against that torch, so it is installed without build isolation.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -36,8 +36,8 @@ test: $(STAMP)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ncclguard integrations tests benchmarks docs/examples
-	$(VENV)/bin/ruff format --check ncclguard integrations tests benchmarks docs/examples
+	$(VENV)/bin/ruff check ncclguard integrations autostart setup.py tests benchmarks docs/examples
+	$(VENV)/bin/ruff format --check ncclguard integrations autostart setup.py tests benchmarks docs/examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -36,8 +36,9 @@ def _rank(numel: int, iters: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ncclguard import get_config, safe_all_reduce
+    from ncclguard import safe_all_reduce
     from ncclguard.collectives.chunking import chunk_bounds
+    from ncclguard.config import get_config
 
     dist.init_process_group("gloo")
     t = torch.ones(numel)

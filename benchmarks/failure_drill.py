@@ -22,6 +22,12 @@ Runs (each one torchrun launch of 3 ranks on this host, the same model, data and
   ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
   restarts every rank, and they go on from the last checkpoint.
 
+``--framework hf`` runs ``clean``, ``stall``, ``kill`` and ``spare`` through the HF Trainer
+instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_cpu=True``,
+``ddp_backend="gloo"``; ``ddp_timeout`` stays 1,800 s), ``guard_trainer(trainer, recover=True,
+heal=...)``, the same model (its forward returns ``{"loss": ...}``) and one sample per row of the
+loop's batches; the faults come from a ``TrainerCallback``'s ``on_step_begin``.
+
 Each step sleeps ``--step-s`` (its compute) besides a tiny float64 model's forward and backward.
 Measured per run, on rank 0, from the first step's start (the first launch's, for ``restart``) to
 the last step's end: throughput (steps/s), step efficiency (steps committed / steps attempted,
@@ -30,6 +36,7 @@ redone and rolled-back steps counted as attempted), and a SHA-256 of the final p
 Usage:
     python benchmarks/failure_drill.py --short                 # ~1 min: clean, stall, restart
     python benchmarks/failure_drill.py --steps 800 --every 60 --json benchmarks/results/failure_drill.json
+    python benchmarks/failure_drill.py --framework hf --modes clean kill spare stall --steps 2100 --every 60
 """
 
 from __future__ import annotations
@@ -80,23 +87,42 @@ def _digest(module: Any) -> tuple[str, Any]:
 
 
 class Faults:
-    """Fault ``i`` is due ``(i + 1) * every`` seconds after the first step; its victim (a launch
-    rank) acts on it at the start of its next step. Every rank counts the faults on its own clock."""
+    """Fault ``i`` falls due ``every`` seconds after fault ``i - 1`` was injected and ``every``
+    seconds after its victim last came out of a recovery (a redone step committed, or, in a
+    restarted process, its join), whichever is later; fault 0, ``every`` seconds after the first
+    step. Its victim (a launch rank: 2, then 1, then 2, ...) injects it at the start of its next
+    step and marks it first (``fault-<i>.done``, with the time). Every rank reads the marks, so the
+    ranks agree on the next fault whoever restarted meanwhile, and a fault never falls due while
+    the last one is being recovered from: a restart slower than ``every`` on a loaded host does
+    not set off a chain of overdue faults."""
 
-    def __init__(self, mode: str, every: float, t0: float, done: int = 0) -> None:
-        self.mode, self.every, self.t0, self.i = mode, every, t0, done
+    def __init__(self, mode: str, every: float, t0: float, out: Path, me: int) -> None:
+        self.mode, self.every, self.t0, self.out, self.me = mode, every, t0, out, me
+        self.recovered_at = t0
+
+    def recovered(self, now: float) -> None:
+        """This rank came out of a recovery now."""
+        self.recovered_at = now
 
     def victim(self, i: int) -> int:
         if self.mode == "stuck":
             return 2 if i == 0 else 1
         return 2 if i % 2 == 0 else 1
 
-    def due(self, now: float) -> int | None:
-        """The fault this rank's clock says is due now (counted as done), or None."""
-        if self.mode in ("clean",) or now < self.t0 + (self.i + 1) * self.every:
+    def marks(self) -> list[float]:
+        """When each fault injected so far was injected."""
+        return [float(p.read_text().split()[1]) for p in self.out.glob("fault-*.done")]
+
+    def take(self, now: float) -> int | None:
+        """The fault this rank injects now (already marked), or None."""
+        if self.mode == "clean":
             return None
-        self.i += 1
-        return self.i - 1
+        marks = self.marks()
+        i = len(marks)
+        if now < max([*marks, self.recovered_at]) + self.every or self.victim(i) != self.me:
+            return None
+        _save_text(self.out / f"fault-{i}.done", f"{self.me} {now!r}")
+        return i
 
 
 def _deadline(group_timeout: float) -> None:
@@ -181,8 +207,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
             _save_text(start_file, repr(time.time()))
         dist.barrier()
     t0 = float(start_file.read_text())
-    done = len(list(out.glob("fault-*.done")))
-    faults = Faults(args.mode, args.every, t0, max(done, int((time.time() - t0) // args.every)) if restarted else 0)
+    faults = Faults(args.mode, args.every, t0, out, me)
+    if restarted:
+        faults.recovered(time.time())
     attempted, recoveries, healed = 0, [], 0
     for step in range(stepper.resume_step or 0, args.steps):
         x, y = _batch(step, me)
@@ -191,10 +218,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
         def step_fn(model: Any, x: Any = x, y: Any = y, first: list[bool] = first) -> None:
             if first[0]:
                 first[0] = False
-                i = faults.due(time.time())
-                if i is not None and faults.victim(i) == me:
-                    if kill:  # marked first (with the time): the restarted process does not repeat it
-                        _save_text(out / f"fault-{i}.done", f"{me} {time.time()!r}")
+                i = faults.take(time.time())  # marked first: the restarted process does not repeat it
+                if i is not None:
+                    if kill:
                         os.kill(os.getpid(), signal.SIGKILL)
                     if args.mode == "stuck" and i == 0:
                         while True:  # stuck for good: the watchdog's fence rung ends this process
@@ -207,6 +233,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         attempted += res.attempts
         healed += bool(res.healed)
         if res.attempts > 1:
+            faults.recovered(time.time())
             rec = stepper.recoveries[-1]  # where the recovery's seconds went (Recovered.timings)
             recoveries.append(
                 {
@@ -233,13 +260,129 @@ def rank_recovering(args: argparse.Namespace) -> None:
             "committed": args.steps,
             "attempted": attempted,
             "train_s": t1 - t0,
-            "faults": faults.i,
+            "faults": len(faults.marks()),
             "recoveries": recoveries,
             "digest": digest,
             "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
             "world_size": dist.get_world_size(),
             "generation": res.generation,
             "healed": healed,
+            "restarted": restarted,
+        },
+    )
+    _end()
+
+
+def rank_hf(args: argparse.Namespace) -> None:
+    """A rank of ``--framework hf``: the HF Trainer with its defaults, guarded by ``guard_trainer``."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import ncclguard
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    kill = args.mode in ("kill", "spare")
+    restarted = ncclguard.restart_count() > 0
+    start_file = out / "t0.txt"
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _model()
+
+        def forward(self, x: Any, y: Any) -> dict[str, Any]:
+            time.sleep(args.step_s)  # the step's compute
+            return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
+
+    class Rows(torch.utils.data.Dataset):
+        """Row ``i`` of the loop drill's batches, one sample each (the Trainer shards and batches them)."""
+
+        def __len__(self) -> int:
+            return args.steps * 8 * NPROC
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            x, y = _batch(i // 8, 0)
+            return {"x": x[i % 8], "y": y[i % 8]}
+
+    state: dict[str, Any] = {"faults": None}
+
+    class Drill(TrainerCallback):
+        def on_train_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
+            if state["faults"] is not None:  # the loop entered again after a heal: recovered
+                state["faults"].recovered(time.time())
+                return
+            if not restarted:  # a restarted process makes no collective the survivors do not make
+                dist.barrier()
+                if me == 0:
+                    _save_text(start_file, repr(time.time()))
+                dist.barrier()
+            t0 = float(start_file.read_text())
+            state["t0"] = t0
+            state["faults"] = Faults(args.mode, args.every, t0, out, me)
+            state["seen"] = 0
+            if restarted:
+                state["faults"].recovered(time.time())
+                joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, "healed_at": time.time()}
+                _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
+
+        def on_step_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
+            done = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
+            if len(done) > state["seen"]:  # a step was redone since the last look
+                state["seen"] = len(done)
+                state["faults"].recovered(time.time())
+            if state["faults"].take(time.time()) is None:  # marked first: a restart does not repeat it
+                return
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(args.stall_s)
+
+    targs = TrainingArguments(  # HF's defaults, on the CPU with gloo (ddp_timeout stays 1,800 s)
+        output_dir=str(out / "hf"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=Net(), args=targs, train_dataset=Rows(), callbacks=[Drill()])
+    guard_trainer(
+        trainer,
+        recover=True,
+        heal=kill,
+        watchdog=dict(**WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False),
+        collective_timeout=args.group_timeout,
+        commit_timeout=args.commit_timeout,
+        rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
+    )
+    trainer.train()
+    t1 = time.time()
+    recoveries = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
+    module = trainer.model.body
+    digest, flat = _digest(module)
+    everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    _save(
+        out,
+        me,
+        {
+            "mode": args.mode,
+            "framework": "hf",
+            "steps": args.steps,
+            "committed": args.steps,
+            "attempted": args.steps + sum(r.attempts - 1 for r in recoveries),
+            "train_s": t1 - state["t0"],
+            "faults": len(state["faults"].marks()),
+            "recoveries": [
+                {"step": r.step, "attempts": r.attempts, "s": round(r.elapsed_s, 3), **r.timings} for r in recoveries
+            ],
+            "digest": digest,
+            "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
+            "world_size": dist.get_world_size(),
+            "global_step": trainer.state.global_step,
             "restarted": restarted,
         },
     )
@@ -270,15 +413,12 @@ def rank_restart(args: argparse.Namespace) -> None:
         start_file.write_text(repr(time.time()))
     dist.barrier()
     t0 = float(start_file.read_text())
-    done = len(list(out.glob("fault-*.done")))
-    # Faults that fell due while the job was down restarting hit no process: skipped (else a
-    # restart longer than --every would meet an overdue fault at once, again and again).
-    faults = Faults("stall", args.every, t0, max(done, int((time.time() - t0) // args.every)))
+    # A fault falls due --every seconds after the last one was injected, so a restarted job never
+    # meets an overdue one at once (the marks, on disk, outlive the restarts).
+    faults = Faults("stall", args.every, t0, out, me)
     attempts = (out / "attempts.txt").open("a")
     for step in range(start, args.steps):
-        i = faults.due(time.time())
-        if i is not None and faults.victim(i) == me:
-            (out / f"fault-{i}.done").touch()  # before the stall: a restarted job does not repeat it
+        if faults.take(time.time()) is not None:  # marked first: a restarted job does not repeat it
             time.sleep(args.stall_s)
         opt.zero_grad(set_to_none=True)
         x, y = _batch(step, me)
@@ -306,7 +446,7 @@ def rank_restart(args: argparse.Namespace) -> None:
             "committed": args.steps,
             "attempted": attempted,
             "train_s": t1 - t0,
-            "faults": faults.i,
+            "faults": len(faults.marks()),
             "restarts": restarts,
             "digest": digest,
             "world_size": dist.get_world_size(),
@@ -347,12 +487,14 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--steps", str(args.steps), "--every", str(args.every), "--step-s", str(args.step_s)),
         *("--stall-s", str(args.stall_s), "--group-timeout", str(args.group_timeout)),
         *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(args.ckpt_every)),
-        *("--out", str(out)),
+        *("--out", str(out), "--framework", args.framework),
     ]
     restarts = ["--max-restarts", "100"] if mode == "restart" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
     if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
+        if mode == "spare" and args.framework == "hf":
+            spare += ["--preload=transformers.trainer"]  # the spare imports what the script does (Trainer is lazy)
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -385,10 +527,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res["steps_per_s"] = res["steps"] / res["train_s"]
     res["efficiency"] = res["committed"] / res["attempted"]
     res["torchrun_rc"] = rc
-    # kill and restart: a fault that fell due while its victim was down restarting hit nobody, so
-    # the faults injected are the victims' marks, not the count rank 0's clock says were due.
-    marks = len(list(out.glob("fault-*.done")))
-    res["faults_injected"] = marks if mode in ("kill", "spare", "restart") else res["faults"]
+    res["faults_injected"] = len(list(out.glob("fault-*.done")))  # the victims' marks
     if mode in ("kill", "spare"):  # from the kill to the new process's script, and to its heal
         joins = [json.loads(p.read_text()) for p in sorted(out.glob("joined-*.json"))]
         res["restarts"] = [
@@ -403,6 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--short", action="store_true", help="the CI form: 60 steps, a stall every 6 s, ~1 min")
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
+    p.add_argument(
+        "--framework",
+        choices=("loop", "hf"),
+        default="loop",
+        help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True)",
+    )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
@@ -430,7 +575,10 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         args.mode = args.rank_mode
-        (rank_restart if args.mode == "restart" else rank_recovering)(args)
+        if args.framework == "hf":
+            rank_hf(args)
+        else:
+            (rank_restart if args.mode == "restart" else rank_recovering)(args)
         return 0
     if args.short:
         args.steps, args.every, args.ckpt_every = 60, 6.0, 20
@@ -439,7 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
         )
-    modes = args.modes or (["clean", "stall", "restart"] if args.short else list(MODES))
+    default = ["clean", "stall", "kill", "spare"] if args.framework == "hf" else list(MODES)
+    modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
+    if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
+        p.error("--framework hf runs clean, stall, kill and spare")
     if "stall" in modes and "clean" not in modes:
         p.error("the stall run is checked against the clean run: add clean to --modes")
     load0 = os.getloadavg()

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard import instrument, phase, recorder, uninstrument
-from ncclguard.recording.instrument import _spec, _wrap
+from ncclguard import phase
+from ncclguard.recording.flight import recorder
+from ncclguard.recording.instrument import _spec, _wrap, instrument, uninstrument
 
 BUDGET_US = 1.5
 

@@ -83,7 +83,8 @@ def hook_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from ncclguard import mark_step, phase, recorder
+    from ncclguard import mark_step, phase
+    from ncclguard.recording.flight import recorder
     from ncclguard.recording.instrument import _spec, _wrap
     from ncclguard.watching.straggler.inputs import inputs
 

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 import ncclguard
-from ncclguard.recording.instrument import is_instrumented
+from ncclguard.recording.flight import recorder
+from ncclguard.recording.instrument import instrument, is_instrumented, uninstrument
 
 WATCHDOG_THREAD = "ncclguard-watchdog"  # the name Watchdog gives its thread
 
@@ -172,7 +173,7 @@ def thread_cpu_s(t: threading.Thread | None) -> float | None:
 
 def recorded_calls() -> int:
     """Collectives the flight recorder has numbered so far (all groups)."""
-    return sum(ncclguard.recorder.last_seq().values())
+    return sum(recorder.last_seq().values())
 
 
 def run_block(
@@ -183,7 +184,7 @@ def run_block(
     gc.collect()  # what the last block left for the collector is not charged to this one
     dist.barrier()  # every rank begins the block together (untimed)
     if hb is not None:
-        ncclguard.instrument()
+        instrument()
         ncclguard.start_watchdog(
             heartbeat_s=hb, hang_timeout_s=args.hang_timeout_s, incident_dir=incident_dir, action="report"
         )
@@ -217,7 +218,7 @@ def run_block(
         assert wd is not None, "the watchdog stopped during the block"
         incidents = len(wd.incidents)
         wd.stop()
-        ncclguard.uninstrument()
+        uninstrument()
     return {
         "mode": mode,
         "wall_s": wall,
@@ -241,7 +242,7 @@ def idle_block(mode: str, seconds: float, args: argparse.Namespace, incident_dir
     hb = float(mode[2:]) if mode.startswith("wd") else None
     dist.barrier()
     if hb is not None:
-        ncclguard.instrument()
+        instrument()
         ncclguard.start_watchdog(
             heartbeat_s=hb, hang_timeout_s=args.hang_timeout_s, incident_dir=incident_dir, action="report"
         )
@@ -254,7 +255,7 @@ def idle_block(mode: str, seconds: float, args: argparse.Namespace, incident_dir
         wd = ncclguard.current_watchdog()
         assert wd is not None, "the watchdog stopped during the idle block"
         wd.stop()
-        ncclguard.uninstrument()
+        uninstrument()
     return {
         "mode": mode,
         "wall_s": wall,

@@ -26,7 +26,7 @@ resident memory of all the ranks together.
 
 The latencies (``raised_after_s``, ``on_disk_after_s`` from the desync's start, per size and run)
 are also gathered under ``"latency"`` with their min, median and max against the bound.
-``tests/test_diagnosis_scale.py`` runs this protocol at 64 and 256 ranks but asserts only who is
+``tests/test_watching_scale.py`` runs this protocol at 64 and 256 ranks but asserts only who is
 named and a generous hang guard; its figures are measured here, under the test's settings::
 
     python benchmarks/watchdog_scale.py --ranks 64 256 --procs 2 --heartbeat 2 --hang 4 --warm 4 \

@@ -4,7 +4,7 @@ Accelerate users own their loop, so there is nothing to hook: the loop calls
 :func:`guarded_evaluate` where it evaluates, and :func:`start_watchdog` once after the
 ``Accelerator`` is built (its state has joined the process group by then).
 
-- :func:`guarded_evaluate` is the guard of :mod:`ncclguard.recovery.evaluation` (one guard,
+- :func:`guarded_evaluate` is the guard of :mod:`ncclguard.evaluation.guard` (one guard,
   not a second one) around a user's evaluation: every rank uses its result or every rank skips it,
   by the deadline. ``accelerator.gather_for_metrics``, ``gather``, ``reduce`` and
   ``gather_object`` inside it call ``torch.distributed`` with no group, so they run on the guard's
@@ -38,12 +38,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 import torch.distributed as dist
 
-from ncclguard import Watchdog, WatchdogConfig, phase
+from ncclguard import WatchdogConfig, phase
 from ncclguard import start_watchdog as _start_watchdog
 from ncclguard._log import log
 from ncclguard.collectives.groups import group_timeout_s
-from ncclguard.recovery.evaluation import FAILED_METRIC, GuardOptions, last_report
-from ncclguard.recovery.evaluation import guarded_evaluate as _guarded_evaluate
+from ncclguard.evaluation.guard import FAILED_METRIC, GuardOptions, last_report
+from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
+from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate_recovery import AcceleratorRecoveringStep, follow_world, recovering_step
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
@@ -167,7 +168,7 @@ def guarded_evaluate(
         retries: further attempts after a failed one.
         shrink: called before each retry on every rank (e.g. halve the evaluation batch).
         **options: ``grace_s`` and ``deadline_guard`` of
-            :class:`~ncclguard.recovery.evaluation.GuardOptions`.
+            :class:`~ncclguard.evaluation.guard.GuardOptions`.
 
     Returns:
         ``eval_fn``'s result, or ``fallback`` when every rank skipped it. :func:`last_skip`

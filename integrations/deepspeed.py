@@ -3,7 +3,7 @@
 The seeds' job died at its first evaluation: one rank was still evaluating while the others
 waited for it in a collective, until NCCL's 10-minute watchdog killed the job. The guard that
 prevents it, :func:`guarded_evaluate`, is framework-neutral and lives in
-:mod:`ncclguard.recovery.evaluation` (the HF Trainer, Accelerate and Lightning integrations use
+:mod:`ncclguard.evaluation.guard` (the HF Trainer, Accelerate and Lightning integrations use
 it too); its names are re-exported here, so ``from ncclguard.integrations.deepspeed import
 guarded_evaluate`` keeps working. What is DeepSpeed-shaped is :func:`patch_trainer`, which wraps a
 trainer whose ``model`` is the engine.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ncclguard.recovery.evaluation import (
+from ncclguard.evaluation.guard import (
     FAILED_METRIC,
     EvalReport,
     EvalSums,

@@ -15,7 +15,7 @@ uses (transformers 5.x; docs/integrations.md has the table):
   callbacks that follow it, where uploads usually run), and ``trainer.log`` (phase ``log``,
   covering the ``on_log`` callbacks, i.e. every ``report_to`` backend).
 - With ``eval_timeout_s``, ``trainer.evaluate`` runs inside
-  :func:`~ncclguard.recovery.evaluation.guarded_evaluate`: it completes on every rank or is
+  :func:`~ncclguard.evaluation.guard.guarded_evaluate`: it completes on every rank or is
   skipped on every rank by the deadline. A skip is logged through ``trainer.log`` as
   ``<prefix>_evaluation_failed`` (``eval_evaluation_failed``: it reaches ``state.log_history``,
   and the ``report_to`` integrations that rewrite ``eval_x`` as ``eval/x`` show
@@ -38,10 +38,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
+from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
-from ncclguard.recovery.evaluation import EvalReport, GuardOptions, guarded_evaluate, last_report
+from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip
 from .hf_recovery import TrainerRecovery
@@ -223,7 +224,7 @@ def guard_trainer(
         max_attempts: with ``recover``, times a step runs at most; past it every rank raises
             :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
         heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --restarts``) comes back: its ``TrainingArguments`` stand in for the world until
+            --ncclguard-restarts``) comes back: its ``TrainingArguments`` stand in for the world until
             ``trainer.train()`` joins the survivors and receives a live peer's model, optimizer,
             scheduler, Trainer state and generators; then every rank enters the training loop again
             at the step the join redoes, through the Trainer's own resume path. Pass it on every rank.

@@ -17,7 +17,7 @@ of its last ``training_step``, before the clipping and before anything is applie
    clips, steps the optimizer and the LR scheduler once, as it would without ncclguard.
 3. Not ok: the engine rebuilds the world; this adapter points the Trainer's DDP wrapper (the same
    object everywhere: the loop's ``model``, ``trainer.model_wrapped``, ``accelerator._models``) at
-   the new group in place (:func:`~ncclguard.recovery.repoint.repoint_ddp`); the engine puts the
+   the new group in place (:func:`~ncclguard.recovery.internals.repoint.repoint_ddp`); the engine puts the
    buffers and the generators back; the recorded micro-batches run again with their ``no_sync``
    state, and the step commits again. The loss the Trainer had summed for the failed attempt's
    earlier micro-batches is replaced by the redo's.
@@ -48,13 +48,13 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery import stand_in
 from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, unwrapped
+from ncclguard.recovery.internals.restarts import restart_count
+from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.rebuild import RebuildResult
-from ncclguard.recovery.repoint import repoint_ddp, repoint_sampler, unwrapped
-from ncclguard.recovery.restarts import restart_count
-from ncclguard.recovery.step_state import generators_to_send, restore_sent_generators
 
 from .accelerate_recovery import follow_world
 
@@ -207,7 +207,7 @@ class TrainerRecovery(Adapter):
             if self._resume is None or checkpoint != self._resume_dir():
                 return original(checkpoint, *args, **kwargs)
             if name == "_load_optimizer_and_scheduler" and self._resume.get("scheduler") is not None:
-                self.trainer.lr_scheduler.load_state_dict(self._resume["scheduler"])
+                load_scheduler(self.trainer.lr_scheduler, self._resume["scheduler"])
             elif name == "_load_rng_state" and self._resume.get("generators") is not None:
                 restore_sent_generators(self._resume["generators"])
             # The model and the optimizer are in place already: the survivors' as the step found

@@ -17,7 +17,7 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
 - With ``eval_timeout_s``: Lightning has no hook around a validation run either, so the
   callback wraps the ``run`` of the trainer's validation loop (``trainer.fit_loop.epoch_loop
   .val_loop`` for ``fit``, also used by the sanity check; ``trainer.validate_loop`` for
-  ``validate``) with :func:`~ncclguard.recovery.evaluation.guarded_evaluate`: it completes on
+  ``validate``) with :func:`~ncclguard.evaluation.guard.guarded_evaluate`: it completes on
   every rank or is skipped on every rank by the deadline. A skip is logged to every logger as
   ``eval/evaluation_failed`` and put in ``trainer.callback_metrics``; the loop state a skipped
   run leaves behind is reset so that training and the next validation go on.
@@ -44,10 +44,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ncclguard import Watchdog, WatchdogConfig, current_watchdog, phase, start_watchdog
+from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
+from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.engine import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, Recovered, recovery_options
-from ncclguard.recovery.evaluation import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
+from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_recovery import StepRecovery, check_recoverable
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
@@ -81,7 +82,7 @@ class NcclGuardCallback(Callback):
         rebuild_timeout: with ``recover``, seconds (or a timedelta) a rebuild waits for every rank.
         max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
         heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --restarts``) comes back: its strategy stands in for the world until the fit loop
+            --ncclguard-restarts``) comes back: its strategy stands in for the world until the fit loop
             starts, where it joins the survivors and receives a live peer's module, optimizer, LR
             schedulers, fit-loop state and generators; then every rank enters the fit loop again
             at the step the join redoes (Lightning's own resume logic; a data loader that is not

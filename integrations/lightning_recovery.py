@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery import stand_in
 from ncclguard.recovery.engine import Adapter, Recovered, Recovery, RecoveryOptions, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.restarts import restart_count
+from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.rebuild import RebuildResult
-from ncclguard.recovery.restarts import restart_count
-from ncclguard.recovery.step_state import generators_to_send, restore_sent_generators
 
 __all__ = ["StepRecovery", "check_recoverable"]
 
@@ -182,7 +182,7 @@ class StepRecovery(Adapter):
         if resume.get("loops") is not None:
             loop.load_state_dict(resume["loops"])
         for config, state in zip(trainer.lr_scheduler_configs, resume.get("schedulers") or [], strict=False):
-            config.scheduler.load_state_dict(state)
+            load_scheduler(config.scheduler, state)
         if resume.get("generators") is not None:
             restore_sent_generators(resume["generators"])
         self._setup_model_again()

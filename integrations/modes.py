@@ -1,5 +1,5 @@
-"""eval_mode, now :mod:`ncclguard.recovery.modes`; kept so old imports work."""
+"""eval_mode, now :mod:`ncclguard.evaluation.modes`; kept so old imports work."""
 
-from ncclguard.recovery.modes import eval_mode
+from ncclguard.evaluation.modes import eval_mode
 
 __all__ = ["eval_mode"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ncclguard import WatchdogConfig
 from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, timeout_problems, trainer_timeout_notes
-from ncclguard.recovery.evaluation import EvalReport
+from ncclguard.evaluation.guard import EvalReport
 
 __all__ = [
     "HF_DDP_TIMEOUT_DEFAULT_S",

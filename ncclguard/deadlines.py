@@ -1,14 +1,23 @@
-"""Deadlines: how long one collective may take, by the policy chosen in :class:`ncclguard.Config`,
-and how it nests inside the group's own timeout (ours must fire first, so that we can report)."""
+"""Deadlines: the one type every wait takes (:class:`Deadline`), how long one collective may take by
+the policy chosen in :class:`ncclguard.Config`, and how that nests inside the group's own timeout
+(ours must fire first, so that we can report).
+
+Time travels one way through the library: a user passes a timeout as seconds or a ``timedelta``;
+the function that receives it turns it into a :class:`Deadline` once, and every wait below takes
+that deadline, so the time left shrinks as the calls go and no layer starts its own full timeout
+again.
+"""
 
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 from ncclguard.config import Config, get_config
 
 __all__ = [
+    "Deadline",
     "adaptive_timeout",
     "bandwidth_timeout",
     "check_below_group_timeout",
@@ -35,6 +44,90 @@ def to_seconds(value: float | timedelta, name: str = "timeout") -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{name} must be a positive duration, got {value!r}; pass e.g. {name}=30 (seconds)")
     return seconds
+
+
+class Deadline:
+    """An instant of ``time.monotonic()`` by which a wait must end.
+
+    Args:
+        at: the instant, on the monotonic clock.
+
+    Attributes:
+        at: the instant.
+
+    Raises:
+        ValueError: ``at`` is not a finite number.
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError(f"a Deadline is a finite time.monotonic() instant, got {at!r}")
+        self.at = float(at)
+
+    @classmethod
+    def after(cls, timeout: float | timedelta | Deadline, name: str = "timeout") -> Deadline:
+        """The deadline ``timeout`` from now; a Deadline is returned as it is.
+
+        Args:
+            timeout: positive seconds, a ``timedelta``, or a Deadline (passed through).
+            name: the argument's name, for the error.
+
+        Returns:
+            The deadline.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a positive, finite duration.
+        """
+        if isinstance(timeout, Deadline):
+            return timeout
+        return cls(time.monotonic() + to_seconds(timeout, name))
+
+    @classmethod
+    def within(cls, seconds: float) -> Deadline:
+        """The deadline ``seconds`` from now, for bounds the library computes (0 or less: now).
+
+        Args:
+            seconds: the time left, in seconds.
+
+        Returns:
+            The deadline.
+        """
+        return cls(time.monotonic() + max(float(seconds), 0.0))
+
+    def left(self) -> float:
+        """Seconds left (0.0 once passed)."""
+        return max(self.at - time.monotonic(), 0.0)
+
+    def passed(self) -> bool:
+        """True once the instant has passed."""
+        return time.monotonic() >= self.at
+
+    def plus(self, seconds: float) -> Deadline:
+        """This deadline moved ``seconds`` later (a grace for the clean-up after a round)."""
+        return Deadline(self.at + seconds)
+
+    def sooner(self, seconds: float) -> Deadline:
+        """The earlier of this deadline and ``seconds`` from now (one call's bound inside a longer wait)."""
+        return Deadline(min(self.at, time.monotonic() + max(seconds, 0.0)))
+
+    def as_timedelta(self, floor_s: float = 0.001) -> timedelta:
+        """The time left as a ``timedelta``, at least ``floor_s`` (a zero timeout means "the store's
+        default" to torch's stores, the opposite of "now")."""
+        return timedelta(seconds=max(self.left(), floor_s))
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleeps ``seconds``, or until the deadline if that comes first.
+
+        Returns:
+            True while the deadline has not passed.
+        """
+        time.sleep(max(min(seconds, self.at - time.monotonic()), 0.0))
+        return not self.passed()
+
+    def __repr__(self) -> str:
+        return f"Deadline(left={self.at - time.monotonic():.3f}s)"
 
 
 def size_timeout(numel: int, config: Config | None = None) -> float:

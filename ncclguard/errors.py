@@ -2,7 +2,7 @@
 
 Each result (:class:`~ncclguard.CollectiveResult`, :class:`~ncclguard.BarrierResult`,
 :class:`~ncclguard.RebuildResult`, the guarded evaluation's
-:class:`~ncclguard.recovery.evaluation.EvalReport`) has ``ok``, ``error`` (one of these
+:class:`~ncclguard.evaluation.guard.EvalReport`) has ``ok``, ``error`` (one of these
 exceptions, or None), is truthy when ``ok``, and has ``raise_for_error()``.
 """
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
 
@@ -26,23 +27,23 @@ class FrozenStore:
 
 def test_a_call_that_answers_returns_its_value_and_its_errors():
     store = object()
-    assert bounded_store_call(store, lambda: 41 + 1, 1.0) == 42
+    assert bounded_store_call(store, lambda: 41 + 1, Deadline.within(1.0)) == 42
     with pytest.raises(KeyError, match="nope"):
-        bounded_store_call(store, lambda: {}["nope"], 1.0)
+        bounded_store_call(store, lambda: {}["nope"], Deadline.within(1.0))
 
 
 def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
     store = FrozenStore()
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="did not answer within 0.3"):
-        bounded_store_call(store, lambda: store.add("k", 1), 0.3, "round 'x'")
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(0.3), "round 'x'")
     assert 0.3 <= time.monotonic() - t0 < 1.5  # after the deadline; a hang guard (5x) above it
     # While the first call is stuck, the next is refused without another blocked thread.
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
-        bounded_store_call(store, lambda: store.add("k", 1), 5.0)
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0))
     assert time.monotonic() - t0 < 1.0 and store.calls == 1  # at once: not the 5 s it was given
     # Once the stuck call returns, the store is used again.
     store.release.set()
     time.sleep(0.05)
-    assert bounded_store_call(store, lambda: store.add("k", 7), 1.0) == 7
+    assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(1.0)) == 7

@@ -13,6 +13,7 @@ import ncclguard
 from ncclguard.collectives.chunking import chunk_bounds, chunk_count, logical_views
 from ncclguard.config import Config, configure, get_config
 from ncclguard.deadlines import adaptive_timeout, size_timeout, to_seconds
+from ncclguard.errors import CollectiveFailed, CollectiveMismatch, CollectiveTimeout, GroupFailed
 
 
 @pytest.mark.parametrize(
@@ -133,17 +134,17 @@ def test_bad_input_without_process_group():
 def test_errors_form_one_hierarchy():
     from ncclguard.errors import CollectiveError
 
-    assert issubclass(ncclguard.CollectiveTimeout, TimeoutError)
-    for cls in (ncclguard.CollectiveTimeout, ncclguard.CollectiveFailed, ncclguard.CollectiveMismatch):
+    assert issubclass(CollectiveTimeout, TimeoutError)
+    for cls in (CollectiveTimeout, CollectiveFailed, CollectiveMismatch):
         assert issubclass(cls, CollectiveError) and issubclass(cls, ncclguard.NcclGuardError)
-    assert issubclass(ncclguard.GroupFailed, ncclguard.NcclGuardError)
+    assert issubclass(GroupFailed, ncclguard.NcclGuardError)
     from ncclguard.errors import BarrierFailed, BarrierTimeout, StoreUnreachable
 
     # A barrier's failures are collective errors too, so one except clause catches both calls.
-    assert issubclass(BarrierTimeout, ncclguard.CollectiveTimeout) and issubclass(BarrierTimeout, TimeoutError)
-    assert issubclass(BarrierFailed, ncclguard.CollectiveFailed)
+    assert issubclass(BarrierTimeout, CollectiveTimeout) and issubclass(BarrierTimeout, TimeoutError)
+    assert issubclass(BarrierFailed, CollectiveFailed)
     assert issubclass(StoreUnreachable, ncclguard.NcclGuardError)
-    e = ncclguard.CollectiveTimeout("x", op="all_reduce(SUM)", numel=3, missing_ranks=[2], chunk=(1, 4))
+    e = CollectiveTimeout("x", op="all_reduce(SUM)", numel=3, missing_ranks=[2], chunk=(1, 4))
     assert e.to_dict()["missing_ranks"] == [2] and e.to_dict()["chunk"] == [1, 4]
 
 

@@ -18,6 +18,7 @@ from ncclguard.collectives import rendezvous
 from ncclguard.collectives.barrier import BarrierResult
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.collectives.rendezvous import MAX_ARRIVAL_BYTES, exchange, known_hosts, read_present
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import BarrierTimeout, CollectiveError, NcclGuardError, StoreUnreachable
 
 
@@ -29,7 +30,7 @@ def _together(infos: list[GroupInfo], round_name: str, timeout_s: float = 5.0) -
     results: list[rendezvous.RoundResult | None] = [None] * len(infos)
 
     def run(i: int) -> None:
-        results[i] = exchange(infos[i], round_name, {"rank": i}, time.monotonic() + timeout_s)
+        results[i] = exchange(infos[i], round_name, {"rank": i}, Deadline.within(timeout_s))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(infos))]
     for t in threads:
@@ -55,11 +56,11 @@ def test_absent_rank_is_missing_on_time_and_late_when_it_comes():
     store = dist.HashStore()
     infos = _ranks(store)
     t0 = time.monotonic()
-    first = exchange(infos[0], "r/late", {"x": 1}, t0 + 0.3)
+    first = exchange(infos[0], "r/late", {"x": 1}, Deadline(t0 + 0.3))
     assert 0.29 <= time.monotonic() - t0 < 1.5  # the store's wait counts whole milliseconds
     assert not first.ok and first.missing == [1] and not first.late
     t0 = time.monotonic()
-    second = exchange(infos[1], "r/late", {"x": 2}, time.monotonic() + 5)
+    second = exchange(infos[1], "r/late", {"x": 2}, Deadline.within(5))
     assert time.monotonic() - t0 < 1.5  # the verdict was settled: no waiting (its deadline is 5 s)
     assert not second.ok and second.late and second.payloads == {0: {"x": 1}, 1: {"x": 2}}
 
@@ -81,7 +82,7 @@ def test_a_peer_writing_garbage_is_ignored_and_logged(blob, phrase, caplog):
     store.set("ncclguard/r/bad/r1", blob)
     store.add("ncclguard/r/bad/n", 1)
     with caplog.at_level(logging.ERROR, logger="ncclguard"):
-        res = exchange(infos[0], "r/bad", {"x": 1}, time.monotonic() + 5)
+        res = exchange(infos[0], "r/bad", {"x": 1}, Deadline.within(5))
     assert not res.ok and res.missing == [1] and res.payloads == {0: {"x": 1}}
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # one line, no more
     assert "rank 1" in line and phrase in line, line
@@ -108,7 +109,7 @@ class _DeadStore:
 def test_store_that_does_not_answer_raises_store_unreachable():
     info = _ranks(_DeadStore())[0]  # type: ignore[arg-type]
     with pytest.raises(StoreUnreachable, match="did not answer during round 'r/dead'"):
-        exchange(info, "r/dead", {}, time.monotonic() + 1)
+        exchange(info, "r/dead", {}, Deadline.within(1))
     # One class, importable from where it used to live too.
     assert rendezvous.StoreUnreachable is StoreUnreachable and issubclass(StoreUnreachable, NcclGuardError)
     assert issubclass(StoreUnreachable, RuntimeError)

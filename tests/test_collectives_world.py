@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ncclguard import recorder, safe_all_reduce
+from ncclguard import safe_all_reduce
 from ncclguard import world as world_module
 from ncclguard.collectives import plan as plans
 from ncclguard.collectives.wire import retained_atomic_bytes
+from ncclguard.recording.flight import recorder
 from ncclguard.world import World, announce, current_world
 
 

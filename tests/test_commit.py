@@ -4,7 +4,6 @@ world of one. The multi-rank cases on real gloo ranks: tests/test_commit_multira
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -14,8 +13,11 @@ from hypothesis import strategies as st
 
 import ncclguard
 from ncclguard.collectives.groups import GroupInfo
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import CommitFailed
+from ncclguard.recording.flight import recorder
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery.commit_protocol import (
+from ncclguard.recovery.internals.commit_protocol import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitVerdict,
@@ -25,6 +27,7 @@ from ncclguard.recovery.commit_protocol import (
     verdict_limit,
 )
 from ncclguard.store.codec import decode, encode
+from ncclguard.watching.watchdog import Watchdog
 
 
 def stmt(rank: int, seq: int | None = 10, **kw) -> Statement:
@@ -166,7 +169,7 @@ def test_commit_keys_are_per_group_generation_and_step():
 def fresh():
     """A world of one whose earlier problems (other tests' failed records) are counted already."""
     assert not dist.is_initialized()
-    ncclguard.recorder.clear()
+    recorder.clear()
     ncclguard.should_commit()
 
 
@@ -177,14 +180,14 @@ def test_a_world_of_one_commits_unless_something_failed_here(fresh):
     assert not res
     assert res.failed_ranks == [0]
     assert res.reasons == {0: ["the caller reported: ValueError: loss is nan"]}
-    with pytest.raises(ncclguard.CommitFailed, match="may not be applied") as info:
+    with pytest.raises(CommitFailed, match="may not be applied") as info:
         res.raise_for_error()
     assert info.value.failed_ranks == [0] and info.value.step == res.step
 
 
 def test_a_failed_recorded_call_fails_the_next_commit_only(fresh):
-    rec = ncclguard.recorder.start("all_reduce(SUM)", "7", 4, "float32")
-    ncclguard.recorder.finish(rec, "peer closed")
+    rec = recorder.start("all_reduce(SUM)", "7", 4, "float32")
+    recorder.finish(rec, "peer closed")
     res = ncclguard.should_commit()
     assert res.reasons == {0: ["all_reduce(SUM) on group '7' (call 1) failed: peer closed"]}
     assert ncclguard.should_commit().ok is True  # counted since the last commit only
@@ -213,7 +216,7 @@ def _thread_ranks(
         info = GroupInfo(group=None, name="t", rank=r, size=size, backend="gloo", store=store)  # type: ignore[arg-type]
         for n in range(rounds):
             statement = stmt(r, group="t", group_size=size, step=n)
-            out[r] = commit_mod._settle(info, 0, n, statement, time.monotonic() + timeout_s, timeout_s)
+            out[r] = commit_mod._settle(info, 0, n, statement, Deadline.within(timeout_s), timeout_s)
             settled.set()
             done.wait(30)  # every rank is out of round n: the store's key count is read between rounds
             if r == 0 and keys is not None:
@@ -247,17 +250,17 @@ def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_la
 def test_an_incident_the_watchdog_raised_fails_the_next_commit_only(fresh, tmp_path):
     """A world of one with a real watchdog: a synthetic op left in flight past the hang timeout is
     an incident; the next commit names it, the one after is clean again."""
-    wd = ncclguard.Watchdog(heartbeat_s=0.1, hang_timeout_s=0.3, incident_dir=tmp_path, action="report")
-    rec = ncclguard.recorder.start("all_reduce(SUM)", "commit-test", 4, "float32", site="/job/t.py:1")
+    wd = Watchdog(heartbeat_s=0.1, hang_timeout_s=0.3, incident_dir=tmp_path, action="report")
+    rec = recorder.start("all_reduce(SUM)", "commit-test", 4, "float32", site="/job/t.py:1")
     try:
         wd.start()
         (inc,) = wd.wait_for_incident(30, settled=True)  # hang guard: the incident comes after ~0.4 s
-        ncclguard.recorder.finish(rec)
+        recorder.finish(rec)
         res = ncclguard.should_commit()
         assert not res
         assert res.reasons == {0: [f"the watchdog raised incident {inc['id']} (hang)"]}
         assert ncclguard.should_commit().ok is True
     finally:
-        ncclguard.recorder.finish(rec)
+        recorder.finish(rec)
         wd.stop()
-        ncclguard.recorder.clear()
+        recorder.clear()

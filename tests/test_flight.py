@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ncclguard import configure, current_phase, instrument, phase, uninstrument
+from ncclguard import configure, phase
 from ncclguard.recording.flight import FlightRecorder, recorder
-from ncclguard.recording.instrument import INSTRUMENTED_OPS, is_instrumented
-from ncclguard.recording.phase import main_thread_phase
+from ncclguard.recording.instrument import INSTRUMENTED_OPS, instrument, is_instrumented, uninstrument
+from ncclguard.recording.phase import current_phase, main_thread_phase
 from ncclguard.recording.sites import call_site
 
 HERE = __file__

@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 
 import ncclguard
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
 from ncclguard.recovery.heal import Header, _check, _from_json, _header, _to_json
-from ncclguard.recovery.protocol import Arrival, Verdict, WorldRecord, check_arrivals
-from ncclguard.recovery.rejoin import _live_attempt, read_world_record
+from ncclguard.recovery.internals.protocol import Arrival, Verdict, WorldRecord, check_arrivals
+from ncclguard.recovery.rejoin import _live_attempt
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import MeetingKeys, world_record_key
+from ncclguard.store.world_record import read_world_record
 from ncclguard.testing.launch import spawn
 
 # A rank that prints its life, and dies by SIGKILL while its restart count is below DIE_UNTIL.
@@ -215,17 +217,18 @@ def test_heal_and_rejoin_refuse_bad_input_before_any_communication(monkeypatch):
 
 def test_the_world_record_and_the_live_attempt_on_a_real_store():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    assert read_world_record(store) is None
+    deadline = Deadline.within(30)
+    assert read_world_record(store, deadline) is None
     rec = WorldRecord(generation=2, origins=[0, 2, 3], backend="gloo", timeout_s=6.0)
     store.set(world_record_key(), encode(rec))
-    assert read_world_record(store) == rec and rec.rank_of(2) == 1 and rec.rank_of(1) is None
-    assert _live_attempt(store, 3) == (0, None)
+    assert read_world_record(store, deadline) == rec and rec.rank_of(2) == 1 and rec.rank_of(1) is None
+    assert _live_attempt(store, 3, deadline) == (0, None)
     failed = Verdict(arrived=[0, 2], ok=False, shrunk=True)
     store.set(MeetingKeys(3, 0).verdict, encode(failed))
-    assert _live_attempt(store, 3) == (1, failed)
+    assert _live_attempt(store, 3, deadline) == (1, failed)
     store.set(world_record_key(), "x" * 100 + "{")
     with pytest.raises(StoreUnreachable, match="the job's world record cannot be read"):
-        read_world_record(store)
+        read_world_record(store, deadline)
 
 
 def test_a_rejoined_arrival_takes_the_worlds_backend_and_never_objects_to_a_shrink():

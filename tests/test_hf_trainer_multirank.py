@@ -19,6 +19,7 @@ from harness import run_ranks
 
 import ncclguard
 from ncclguard.integrations.hf import NcclGuardCallback, find_guard, guard_trainer, timeout_warnings
+from ncclguard.recording.phase import current_phase
 
 # The DeepSpeed launch's guard (420 s, below) is over pytest-timeout's 300 s default.
 pytestmark = pytest.mark.timeout(500)
@@ -232,10 +233,10 @@ def test_alone_phases_and_the_watchdog_run_from_train_begin_to_end(tmp_path, cap
 
     class Probe(TrainerCallback):
         def on_prediction_step(self, args, state, control, **kw):
-            seen.append(("eval", ncclguard.current_phase(), ncclguard.current_watchdog() is not None))
+            seen.append(("eval", current_phase(), ncclguard.current_watchdog() is not None))
 
         def on_save(self, args, state, control, **kw):
-            seen.append(("save", ncclguard.current_phase(), ncclguard.current_watchdog() is not None))
+            seen.append(("save", current_phase(), ncclguard.current_watchdog() is not None))
 
     trainer = tiny_trainer(tmp_path, [Probe()], ddp_timeout=60)
     guard_trainer(trainer, eval_timeout_s=30, watchdog={"heartbeat_s": 0.2, "hang_timeout_s": 90})
@@ -247,7 +248,7 @@ def test_alone_phases_and_the_watchdog_run_from_train_begin_to_end(tmp_path, cap
     assert any("watchdog hang timeout (90 s)" in r.getMessage() for r in caplog.records)
     guard = find_guard(trainer)
     assert isinstance(guard, NcclGuardCallback) and guard.watchdog is None
-    assert ncclguard.current_watchdog() is None and ncclguard.current_phase() == ""
+    assert ncclguard.current_watchdog() is None and current_phase() == ""
     assert guard.last_eval_report.ok and guard.skipped == []
     assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2, 4]
 
@@ -282,7 +283,7 @@ def test_the_callback_alone_labels_training_steps_and_uses_a_running_watchdog(tm
     seen: list[tuple[str, object]] = []
     trainer = tiny_trainer(tmp_path, eval_strategy="no", save_strategy="no", max_steps=2)
     trainer.model.register_forward_pre_hook(
-        lambda module, args: seen.append((ncclguard.current_phase(), ncclguard.current_watchdog()))
+        lambda module, args: seen.append((current_phase(), ncclguard.current_watchdog()))
     )
     mine = ncclguard.start_watchdog(heartbeat_s=0.2, hang_timeout_s=5)
     try:
@@ -293,6 +294,6 @@ def test_the_callback_alone_labels_training_steps_and_uses_a_running_watchdog(tm
         assert {id(w) for _, w in seen} == {id(mine)}  # used, not replaced
         assert callback.watchdog is None and ncclguard.current_watchdog() is mine  # left running
         assert "evaluate" not in vars(trainer)  # the callback alone wraps nothing
-        assert ncclguard.current_phase() == ""
+        assert current_phase() == ""
     finally:
         mine.stop()

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ncclguard import WatchdogConfig
 from ncclguard.integrations.lightning import NcclGuardCallback, timeout_problems, watchdog_config
+from ncclguard.recording.phase import current_phase
 
 HANG_S = 1.5  # as in the worker
 EVAL_TIMEOUT_S = 2.0
@@ -180,11 +181,11 @@ def fit_alone(callback: NcclGuardCallback, seen: list) -> object:
             self.net = torch.nn.Linear(2, 1)
 
         def training_step(self, batch, batch_idx):
-            seen.append((ncclguard.current_phase(), ncclguard.current_watchdog()))
+            seen.append((current_phase(), ncclguard.current_watchdog()))
             return self.net(batch[0]).sum()
 
         def validation_step(self, batch, batch_idx):
-            seen.append((ncclguard.current_phase(), ncclguard.current_watchdog()))
+            seen.append((current_phase(), ncclguard.current_watchdog()))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -220,7 +221,7 @@ def test_alone_the_watchdog_runs_from_setup_to_teardown_and_the_wrapping_is_undo
     assert "save_checkpoint" not in vars(trainer)
     assert "run" not in vars(trainer.fit_loop.epoch_loop.val_loop)
     assert callback.last_eval_report.ok and callback.skipped == []
-    assert ncclguard.current_phase() == ""
+    assert current_phase() == ""
 
 
 def test_alone_a_watchdog_started_by_the_user_is_used_and_left_running(tmp_path):

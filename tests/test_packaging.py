@@ -26,6 +26,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_holds_the_package_and_the_integrations_once(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
+    # The start-up hook of ncclguard run / NCCLGUARD_AUTO: its .pth at the top of site-packages.
+    assert "ncclguard-autostart.pth" in names and "ncclguard_autostart.py" in names
+    pth = zipfile.ZipFile(wheel).read("ncclguard-autostart.pth").decode()
+    assert pth == (REPO / "autostart" / "ncclguard-autostart.pth").read_text()
     assert "ncclguard/integrations/deepspeed.py" in names
     assert "ncclguard/integrations/__init__.py" in names
     assert "ncclguard/py.typed" in names

@@ -8,13 +8,17 @@ import torch
 import torch.distributed as dist
 
 import ncclguard
-from ncclguard import RecoveringStep, StepResult
+from ncclguard import RecoveringStep
+from ncclguard.errors import CommitFailed
+from ncclguard.recording.ddp import record_ddp
+from ncclguard.recording.flight import recorder
+from ncclguard.recovery.engine import StepResult
 
 
 @pytest.fixture
 def parts():
     assert not dist.is_initialized()
-    ncclguard.recorder.clear()
+    recorder.clear()
     ncclguard.should_commit()  # earlier tests' problems are counted already
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
@@ -47,7 +51,7 @@ def test_bad_input_is_refused(parts):
     with pytest.raises(RuntimeError, match="initialized process group"):
         RecoveringStep(module, opt, wrap=ncclguard.FSDP2())
     with pytest.raises(TypeError, match="record_ddp needs a DistributedDataParallel model, got Sequential"):
-        ncclguard.record_ddp(module)
+        record_ddp(module)
     # Models the adapter cannot wrap again on a rebuilt world: refused with what to pass instead.
     with pytest.raises(ValueError, match="torch.compile'd module.*pass the module before torch.compile"):
         RecoveringStep(torch.compile(module), opt)
@@ -106,13 +110,13 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
 
     res = RecoveringStep(module, opt, max_attempts=2)(step_fn)
     assert not res and res.attempts == 2 and [c.ok for c in res.commits] == [False, False]
-    with pytest.raises(ncclguard.CommitFailed, match="loss is nan"):
+    with pytest.raises(CommitFailed, match="loss is nan"):
         res.raise_for_error()
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # never stepped
 
 
 def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() -> None:
-    from ncclguard.recovery.step_state import StepState
+    from ncclguard.recovery.internals.step_state import StepState
 
     torch.manual_seed(3)
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
@@ -132,3 +136,39 @@ def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() ->
     assert (random.random(), numpy.random.rand()) == drawn
     with pytest.raises(ValueError):  # another module's buffers do not fit
         kept.restore(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.multirank
+def test_a_step_the_frameworks_loop_runs_again_starts_without_the_failed_attempts_gradients() -> None:
+    from harness import run_ranks
+
+    job = run_ranks("engine_worker", 1, "reenter", launcher="spawn", timeout_s=120)
+    res = job[0]
+    assert res["grad_after_the_failed_attempt"] == [[1.0, 1.0]]
+    assert res["raised"] == "Reenter: the framework's loop runs the next attempt"
+    # Without this, the HF Trainer's redo after a heal summed the survivors' failed local backward
+    # into its gradients: equal across ranks, not equal to a fault-free run (the failure drill).
+    assert res["grads_when_the_loop_goes_on"] is True
+    assert res["next_attempt"] == [True, 2, 1, [[1.0, 1.0]]]
+    assert res["recovered"] == [[0, 2, 1]]
+
+
+def test_a_scheduler_loaded_from_memory_puts_its_rate_back_into_the_optimizer() -> None:
+    from ncclguard.recovery.internals.step_state import load_scheduler
+
+    module = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(module.parameters(), lr=5e-5)
+    linear = lambda k: 1 - k / 60  # noqa: E731 - the HF Trainer's default schedule, 60 steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear)
+    for _ in range(43):
+        opt.step()
+        sched.step()
+    saved, rate = sched.state_dict(), opt.param_groups[0]["lr"]
+    assert rate == pytest.approx(5e-5 * (1 - 43 / 60))
+    # A scheduler made anew (the HF Trainer's loop entered again) writes the schedule's first rate.
+    again = torch.optim.lr_scheduler.LambdaLR(opt, linear)
+    assert opt.param_groups[0]["lr"] == 5e-5
+    again.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 5e-5  # torch's load restores the counters only
+    load_scheduler(again, saved)
+    assert opt.param_groups[0]["lr"] == rate and again.last_epoch == 43

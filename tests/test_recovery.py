@@ -13,11 +13,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ncclguard import RebuildResult, rebuild_world
+from ncclguard import rebuild_world
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation, on_rebuild
-from ncclguard.recovery.meeting import Meeting, meet
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals.meeting import Meeting, meet
+from ncclguard.recovery.internals.protocol import (
     MAX_ARRIVAL_BYTES,
     Arrival,
     MeetingKeys,
@@ -30,8 +31,8 @@ from ncclguard.recovery.protocol import (
     validate_arguments,
     world_prefix,
 )
-from ncclguard.recovery.reaper import Reaper
-from ncclguard.recovery.rebuild import _forget_generation
+from ncclguard.recovery.internals.reaper import Reaper
+from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
 
 
 def arrival(rank: int, size: int = 3, **over: object) -> Arrival:
@@ -126,7 +127,7 @@ def run_meeting(store: dist.Store, ranks: dict[int, tuple[float, bool]], size: i
         time.sleep(delay)
         try:
             me = arrival(rank, size, allow_shrink=shrink)
-            out[rank] = meet(store, me, attempt, time.monotonic() + 1.0)
+            out[rank] = meet(store, me, attempt, Deadline.within(1.0))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             out[rank] = exc
 
@@ -190,14 +191,14 @@ def test_an_unreadable_verdict_is_refused():
     store = dist.HashStore()
     store.set(MeetingKeys(1, 0).verdict, b"\x80\x04not json")
     with pytest.raises(StoreUnreachable, match="cannot be read"):
-        meet(store, arrival(0), 0, time.monotonic() + 1)
+        meet(store, arrival(0), 0, Deadline.within(1))
 
 
 def test_forget_generation_deletes_only_that_prefix():
     store = dist.HashStore()
     for key in ("ncclguard/world/g1/0//cpu//rank_0", "ncclguard/world/g1/x", "ncclguard/world/g10/x", "other"):
         store.set(key, "1")
-    assert _forget_generation(store, 1) == 2
+    assert _forget_generation(store, 1, Deadline.within(30)) == 2
     assert sorted(store.list_keys()) == ["ncclguard/world/g10/x", "other"]
 
 

@@ -4,15 +4,18 @@ thread per store client and thread, and the key schema per generation."""
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store import bounded
 from ncclguard.store.bounded import bounded_store_call, helper_for
@@ -20,6 +23,8 @@ from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.keys import Keys, MeetingKeys, RoundKeys, round_keys, world_prefix
 from ncclguard.store.rounds import Members, Peek, Rule, Settled, read_present, settle_round
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------- codec
 
@@ -184,7 +189,7 @@ def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
     keys = RoundKeys("test/all")
 
     def rank(r: int) -> Settled[str]:
-        return settle_round(store, keys, r, 3, f"from {r}", time.monotonic() + 10, majority_rule(3), "round 'all'")
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(10), majority_rule(3), "round 'all'")
 
     out = run_ranks(rank, {0: 0.0, 1: 0.05, 2: 0.1})
     for r in range(3):
@@ -201,7 +206,7 @@ def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
     rule = majority_rule(3)
 
     def rank(r: int) -> Settled[str]:
-        return settle_round(store, keys, r, 3, f"from {r}", time.monotonic() + 0.3, rule, "round 'late'")
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(0.3), rule, "round 'late'")
 
     t0 = time.monotonic()
     first = run_ranks(rank, {0: 0.0, 1: 0.0})
@@ -225,7 +230,7 @@ def test_the_outcome_is_settled_once_when_several_ranks_give_up():
     def rank(r: int) -> Settled[str]:
         # Each rank would settle its own words; compare-and-set keeps the first.
         rule = majority_rule(4, tag=f"by {r}")
-        return settle_round(store, keys, r, 4, "x", time.monotonic() + 0.2 + 0.1 * r, rule, "round 'once'")
+        return settle_round(store, keys, r, 4, "x", Deadline.within(0.2 + 0.1 * r), rule, "round 'once'")
 
     out = run_ranks(rank, {0: 0.0, 1: 0.0, 2: 0.0})
     outcomes = {out[r].outcome for r in range(3)}
@@ -257,7 +262,7 @@ def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
     )
 
     def rank(r: int) -> Settled[str]:
-        return settle_round(store, keys, r, 3, f"from {r}", time.monotonic() + 60, rule, "round 'early'")
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(60), rule, "round 'early'")
 
     def die() -> None:
         time.sleep(0.3)
@@ -302,7 +307,7 @@ def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
     )
 
     def rank(r: int) -> Settled[list[int]]:
-        return settle_round(store, keys, r, 3, f"{r}", time.monotonic() + 0.3, rule, "meeting")
+        return settle_round(store, keys, r, 3, f"{r}", Deadline.within(0.3), rule, "meeting")
 
     out = run_ranks(rank, {0: 0.0, 2: 0.0})
     assert out[0].outcome == out[2].outcome == [0, 2]
@@ -319,7 +324,7 @@ def test_a_round_over_tcp_with_a_client_per_thread():
     keys = RoundKeys("test/tcp")
 
     def rank(r: int) -> tuple[Settled[str], bool]:
-        deadline = time.monotonic() + 10
+        deadline = Deadline.within(10)
         mine = store_for_this_thread(client, deadline)
         assert store_for_this_thread(client, deadline) is mine  # made once per thread
         return settle_round(mine, keys, r, 2, f"{r}", deadline, majority_rule(2), "round 'tcp'"), mine is client
@@ -329,7 +334,7 @@ def test_a_round_over_tcp_with_a_client_per_thread():
         settled, shared = out[r]
         assert settled.outcome == "ok" and settled.arrivals == {0: b"0", 1: b"1"} and not shared
     assert not server.check([keys.count, keys.outcome])
-    assert store_for_this_thread(client, time.monotonic() + 1) is client  # the main thread's is the store
+    assert store_for_this_thread(client, Deadline.within(1)) is client  # the main thread's is the store
 
 
 def test_a_rule_that_raises_ends_the_round_with_its_error():
@@ -341,7 +346,7 @@ def test_a_rule_that_raises_ends_the_round_with_its_error():
 
     rule = Rule(everyone=lambda: "ok", given_up=lambda p: "t", read=read, members=lambda o: Members([0], True))
     with pytest.raises(StoreUnreachable, match="cannot read b'garbage'"):
-        settle_round(store, RoundKeys("test/bad"), 0, 2, "x", time.monotonic() + 5, rule, "round 'bad'")
+        settle_round(store, RoundKeys("test/bad"), 0, 2, "x", Deadline.within(5), rule, "round 'bad'")
 
 
 # ----------------------------------------------------------------- bounded calls
@@ -369,32 +374,34 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
     rule = majority_rule(2)
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="^round 'frozen': the store did not answer within"):
-        settle_round(store, RoundKeys("f"), 0, 2, "x", time.monotonic() + 0.2, rule, "round 'frozen'", grace_s=0.2)  # type: ignore[arg-type]
+        settle_round(store, RoundKeys("f"), 0, 2, "x", Deadline.within(0.2), rule, "round 'frozen'", grace_s=0.2)  # type: ignore[arg-type]
     assert 0.4 <= time.monotonic() - t0 < 3.0
     # While that call is stuck, a call on the same store fails at once, from this thread or another.
-    errors = run_ranks(lambda r: bounded_store_call(store, lambda: store.add("k", 1), 5.0), {0: 0.0})
+    errors = run_ranks(lambda r: bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0)), {0: 0.0})
     assert isinstance(errors[0], StoreUnreachable) and "has not returned" in str(errors[0])
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
-        bounded_store_call(store, lambda: store.add("k", 1), 5.0)
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0))
     assert time.monotonic() - t0 < 1.0 and store.calls == 1
     store.release.set()
-    deadline = time.monotonic() + 5
+    deadline = Deadline.within(5)
     while True:  # until the stuck call has returned
         try:
-            assert bounded_store_call(store, lambda: store.add("k", 7), 5.0) == 7
+            assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(5.0)) == 7
             break
         except StoreUnreachable:
-            assert time.monotonic() < deadline
+            assert not deadline.passed()
             time.sleep(0.01)
 
 
 def test_calls_on_one_store_share_one_helper_thread_per_calling_thread():
     store = dist.HashStore()
-    here = {bounded_store_call(store, threading.get_ident, 5.0) for _ in range(5)}
+    here = {bounded_store_call(store, threading.get_ident, Deadline.within(5.0)) for _ in range(5)}
     assert len(here) == 1 and threading.get_ident() not in here
     assert helper_for(store) is helper_for(store)
-    there = run_ranks(lambda r: (bounded_store_call(store, threading.get_ident, 5.0), helper_for(store)), {0: 0.0})
+    there = run_ranks(
+        lambda r: (bounded_store_call(store, threading.get_ident, Deadline.within(5.0)), helper_for(store)), {0: 0.0}
+    )
     assert there[0][0] not in here and there[0][1] is not helper_for(store)
     assert bounded.IDLE_EXIT_S > 0
 
@@ -408,3 +415,90 @@ def test_peek_counts_and_lists_the_arrivals_present():
     peek = Peek(store, keys, 4)
     assert peek.count() == 2 and peek.present() == [0, 2]
     assert read_present(store, [keys.arrival(r) for r in range(4)]) == {keys.arrival(0): b"y", keys.arrival(2): b"x"}
+
+
+# ----------------------------------------------------------------- one store service, one deadline
+
+STORE_METHODS = {
+    "set",
+    "get",
+    "add",
+    "wait",
+    "check",
+    "multi_get",
+    "multi_set",
+    "compare_set",
+    "delete_key",
+    "list_keys",
+    "num_keys",
+    "clone",
+}
+
+
+def store_traffic_outside_the_store_layer(root: Path) -> list[str]:
+    """Every call of a store method on something named ``*store*``, and every ``TCPStore(...)``, in
+    the library outside ``ncclguard/store/`` (``file:line: code``)."""
+    found = []
+    for path in sorted([*(root / "ncclguard").rglob("*.py"), *(root / "integrations").rglob("*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("ncclguard/store/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            receiver = ast.unparse(node.func.value)
+            if (node.func.attr in STORE_METHODS and "store" in receiver.lower()) or node.func.attr == "TCPStore":
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_every_store_exchange_goes_through_the_store_layer(tmp_path: Path) -> None:
+    assert store_traffic_outside_the_store_layer(REPO) == []
+    # The check can fail: a planted offender is found.
+    planted = tmp_path / "ncclguard" / "recovery"
+    planted.mkdir(parents=True)
+    (planted / "bad.py").write_text("def f(world):\n    return world.store.get('k')\n")
+    (tmp_path / "integrations").mkdir()
+    assert store_traffic_outside_the_store_layer(tmp_path) == ["ncclguard/recovery/bad.py:2: world.store.get('k')"]
+
+
+def test_a_deadline_is_one_instant_that_every_wait_shares() -> None:
+    d = Deadline.after(timedelta(seconds=30))
+    assert Deadline.after(d) is d  # passed through, never restarted
+    assert 29 < d.left() <= 30 and not d.passed()
+    assert d.sooner(1.0).left() <= 1.0 and d.sooner(60).at == d.at
+    assert d.plus(2.0).at == d.at + 2.0
+    assert d.as_timedelta() <= timedelta(seconds=30)
+    gone = Deadline.within(-5)
+    assert gone.passed() and gone.left() == 0.0 and gone.as_timedelta() == timedelta(milliseconds=1)
+    t0 = time.monotonic()
+    assert gone.sleep(10) is False and time.monotonic() - t0 < 5  # no sleep past the deadline (hang guard)
+    for bad in (0, -1, float("nan"), "3"):
+        with pytest.raises((TypeError, ValueError)):
+            Deadline.after(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite"):
+        Deadline(float("inf"))
+
+
+def test_values_poll_and_delete_on_a_real_store() -> None:
+    from ncclguard.store.values import delete_keys, delete_prefix, poll_value, read_value, write_value
+
+    store = dist.HashStore()
+    deadline = Deadline.within(30)
+    assert read_value(store, "v", Point, 100, deadline, "a point") is None
+    write_value(store, "v", Point(x=1.0), deadline, "a point")
+    assert read_value(store, "v", Point, 100, deadline, "a point") == Point(x=1.0)
+    # A poll waits for the value it accepts: written by another thread a moment later.
+    later = threading.Timer(0.2, lambda: write_value(store, "v", Point(x=2.0), Deadline.within(5), "a point"))
+    later.start()
+    assert poll_value(store, "v", Point, 100, deadline, "a point", accept=lambda p: p.x == 2.0) == Point(x=2.0)
+    later.join()
+    assert poll_value(store, "v", Point, 100, Deadline.within(0.1), "a point", accept=lambda p: p.x > 9) is None
+    store.set("x/1", "a")
+    store.set("x/2", "b")
+    assert delete_prefix(store, "x/", deadline, "x") == 2 and not store.check(["x/1"])
+    delete_keys(store, ["v", "missing"], deadline, "v")
+    assert not store.check(["v"])
+    store.set("v", "{not json")
+    with pytest.raises(DecodeError):
+        read_value(store, "v", Point, 100, deadline, "a point")

@@ -19,12 +19,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ncclguard.cli import main
-from ncclguard.cli.status import EXIT_CODES
+from ncclguard.cli.status import _WIDE_COLUMNS, EXIT_CODES, show
 from ncclguard.incidents.files import load
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRecord
 from ncclguard.incidents.pictures import chrome_trace, timeline
 from ncclguard.store.keys import Keys, index_key
-from ncclguard.watching.status import CHUNK, StatusReader, WatchIndex, read_index, read_status
+from ncclguard.watching.status import (
+    CHUNK,
+    IncidentRow,
+    JobStatus,
+    RankGroup,
+    StatusReader,
+    WatchIndex,
+    read_index,
+    read_status,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "incidents_v1" / "20261122-090619-001"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -448,3 +457,117 @@ def test_without_the_extras_the_commands_say_what_to_install(tmp_path, capsys, m
         "[rank ?] watchdog: metrics are off: the watchdog's metrics need prometheus_client: pip install 'ncclguard[metrics]'"
     ]
     assert views.metrics is None and list(tmp_path.iterdir()) == []
+
+
+def job_status() -> JobStatus:
+    """A job of 1,024 ranks in a desync: long rank lists, phases, an op in flight, an open incident."""
+    now = time.time()
+    idx = index("main", 1024, run="3f9c2a7e-41b2-4d0e-9a55-0c1b2d3e4f50")
+    group = {"state": "ok", "slow": False, "incidents": [], "inflight": None, "inflight_s": None}
+
+    def g(**kw) -> RankGroup:
+        return RankGroup.model_validate({**group, **kw})
+
+    groups = [
+        g(
+            ranks="0-6,8-99,102-511,513-899,901-1023",
+            count=1019,
+            phase="train step=1201",
+            step=1201,
+            last_seq={"0": 56730, "1": 812},
+            backend_seq={"0": 113460, "1": 812},
+            inflight="all_reduce(SUM) #56731 on 0",
+            inflight_s=312.4,
+            age_s=(0.4, 4.9),
+            score=(0.93, 1.0),
+            incidents=[1],
+        ),
+        g(
+            ranks="7",
+            count=1,
+            state="missing",
+            phase="",
+            step=None,
+            last_seq={},
+            backend_seq=None,
+            age_s=None,
+            score=None,
+        ),
+        g(
+            ranks="100-101",
+            count=2,
+            phase="eval batch=37 > generate",
+            step=1201,
+            last_seq={"0": 56730},
+            backend_seq={"0": 113459},
+            age_s=(1.0, 1.2),
+            score=(0.97, 0.99),
+            incidents=[1],
+        ),
+    ]
+    reason = "ranks 0-99,102-1023 waiting in all_reduce(SUM) #56731 for 312.4 s; ranks 100-101 in phase eval batch=37 > generate at eval.py:88"
+    incident = IncidentRow(
+        n=1,
+        id="20261124-101500-001",
+        kind="desync",
+        reason=reason,
+        by=0,
+        created=now,
+        report="node-000:/scratch/job/ncclguard-incidents/20261124-101500-001",
+    )
+    return JobStatus(
+        store="10.0.0.1:29500",
+        health="incident",
+        reasons=["no heartbeat: ranks 7", "incident 1 open"],
+        read_at=now,
+        requests=33,
+        index=idx,
+        groups=groups,
+        ranks=[],
+        incident_count=1,
+        incidents=[incident],
+    )
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_status_reads_at_80_and_at_200_columns(width: int, capsys) -> None:
+    show(job_status(), 40, width=width)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= width, "\n".join(lines)
+    head = lines.index(next(line for line in lines if line.startswith("ranks ")))
+    columns = lines[head].split("  ")
+    columns = [c.strip() for c in columns if c.strip()]
+    inc_head = lines.index("incidents (1 in this generation, newest shown)")
+    table = lines[head + 1 : inc_head]
+    if width == 80:  # the short table: fewer, shorter columns; the long rank list on two lines
+        assert columns == ["ranks", "n", "state", "phase", "step", "in flight", "inc"]
+        assert table == [
+            "0-6,8-99,         1019  ok       train step=1201    1201  312s all_reduce…  #1",
+            "102-511,513-899…",
+            "7                 1     missing  -                  -     -                 -",
+            "100-101           2     ok       eval batch=37 > …  1201  -                 #1",
+        ]
+        assert lines[1:3] == [
+            "store 10.0.0.1:29500  session main",
+            "run 3f9c2a7e-41b2-4d0e-9a55-0c1b2d3e4f50  restart 0",
+        ]
+        reason = lines[inc_head + 2 : inc_head + 4]  # two lines, no more
+        assert reason[0].startswith("1  desync  open   0   ranks 0-99,102-1023 waiting in") and reason[1].endswith("…")
+        assert lines[inc_head + 4] == "#1 report: node-000:/scratch/job/ncclguard-incidents/20261124-101500-001"
+    else:  # every column, one line per group
+        assert columns == list(_WIDE_COLUMNS)
+        assert [line.split()[0] for line in table] == ["0-6,8-99,102-511,513-899,901-1023", "7", "100-101"]
+        assert "all_reduce(SUM) #56731 on 0 (312.4 s)" in table[0] and "0:#56730 1:#812" in table[0]
+        assert lines[1] == "store 10.0.0.1:29500  session main  run 3f9c2a7e-41b2-4d0e-9a55-0c1b2d3e4f50  restart 0"
+        assert "20261124-101500-001  desync  open   0   ranks 0-99" in lines[inc_head + 2]
+    assert lines[-1].startswith("read at ")
+
+
+def test_the_status_command_fits_the_terminal(server, capsys, monkeypatch) -> None:
+    fill(server, "narrow", 1024, time.time(), skip=(7,), r100={"phase": "eval", "step": 11})
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["status", "--store", f"127.0.0.1:{server.port}", "--session", "narrow"]) == EXIT_CODES["suspect"]
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80 and len(lines) < 20, "\n".join(lines)
+    (header,) = [line.split() for line in lines if line.startswith("ranks ")]
+    assert header == ["ranks", "n", "state", "phase", "step", "in", "flight", "inc"]

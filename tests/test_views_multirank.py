@@ -175,10 +175,13 @@ def test_status_metrics_and_pictures_of_a_live_job(tmp_path, capsys):
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(tracks) == [0, 1] and tracks[1].startswith("rank 1 (")
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = [e for e in events if e["ph"] == "X" and e["tid"] == 0]  # the collectives' thread
     for r in (0, 1):
         ts = [e["ts"] for e in spans if e["pid"] == r]
         assert len(ts) >= 6 and ts == sorted(ts)
+        # and where the main thread was, and torch's own records of the ops
+        assert [e for e in events if e["ph"] == "X" and e["pid"] == r and e["tid"] == 1]
+        assert [e for e in events if e["ph"] in ("i", "X") and e["pid"] == r and e["tid"] == 2]
     open_on_0 = [e for e in spans if e["pid"] == 0 and e["args"]["open"]]
     assert [e["args"]["phase"] for e in open_on_0] == ["sync"]
     assert [e["name"] for e in events if e["ph"] == "i" and e["s"] == "g"][0].startswith(

@@ -11,10 +11,10 @@ import pytest
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from ncclguard import Watchdog, WatchdogConfig, current_watchdog, start_watchdog
+from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.recording.instrument import is_instrumented
 from ncclguard.watching.settings import LADDERS
-from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE
+from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE, Watchdog
 
 
 def test_defaults_and_derived_values():

@@ -65,7 +65,8 @@ def main() -> int:
         server.set(index.keys.heartbeat(r), hb.model_dump_json())
     cmd = [sys.executable, "-m", "ncclguard", "status", "--store", f"127.0.0.1:{server.port}"]
     print("$ python -m ncclguard status --store", cmd[-1])
-    done = subprocess.run(cmd, env={**os.environ, "COLUMNS": "118"}, capture_output=True, text=True, check=False)
+    width = os.environ.get("COLUMNS", "80")  # the screen the command lays itself out for
+    done = subprocess.run(cmd, env={**os.environ, "COLUMNS": width}, capture_output=True, text=True, check=False)
     print(done.stdout + f"(exit status {done.returncode})")
     return 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import time
 from typing import Any
 
 import psutil
@@ -20,6 +19,7 @@ from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import group_info
 from ncclguard.collectives.rendezvous import exchange, next_round
 from ncclguard.config import get_config
+from ncclguard.deadlines import Deadline
 
 __all__ = ["describe_rank", "describe_job"]
 
@@ -71,7 +71,7 @@ def describe_job(device: torch.device, backend: str) -> dict[str, Any]:
     info = group_info()
     ranks: dict[int, Any] = {0: describe_rank(device)}
     if info is not None and info.size > 1:
-        rnd = exchange(info, next_round(info, "bench-env"), describe_rank(device), time.monotonic() + 60)
+        rnd = exchange(info, next_round(info, "bench-env"), describe_rank(device), Deadline.within(60))
         if not rnd.ok:
             raise RuntimeError(f"ranks {rnd.missing} did not describe themselves within 60 s")
         ranks = dict(sorted(rnd.payloads.items()))

@@ -28,6 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ncclguard._naming import rank_ranges
+from ncclguard.deadlines import Deadline
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
 from ncclguard.env.hierarchy import TimeoutHierarchy
 from ncclguard.env.netenv import NetPlan, detect
@@ -272,7 +273,7 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
         "env": {n: os.environ[n] for n in COMPARED_VARIABLES if n in os.environ and n not in init.applied},
         "warnings": len(report["warnings"]),
     }
-    result = exchange(info, next_round(info, "doctor"), payload, deadline=time.monotonic() + timeout_s)
+    result = exchange(info, next_round(info, "doctor"), payload, deadline=Deadline.within(timeout_s))
     disagreements = compare_ranks(result.payloads)
     if not result.ok:
         disagreements.insert(0, f"ranks {rank_ranges(result.missing)} did not answer within {timeout_s:g} s")

@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also draw a timeline of the last seconds (matplotlib, 'plot' extra)",
     )
     parser.add_argument(
-        "--seconds", type=float, default=10.0, metavar="S", help="the plot's window before the report (default 10)"
+        "--seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the plot's window before the report (default: from when the story started, at least 10)",
     )
 
 
@@ -76,7 +80,7 @@ def _list(root: Path) -> int:
 
 def _pictures(incident: Incident, where: Path, args: argparse.Namespace) -> int:
     """Writes ``--trace`` and ``--plot``; 0, or 2 when one cannot be written."""
-    if args.seconds <= 0:
+    if args.seconds is not None and args.seconds <= 0:
         print("--seconds must be > 0")
         return 2
     tl = timeline(incident, where)

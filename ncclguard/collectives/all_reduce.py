@@ -40,6 +40,7 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
 from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
 from ncclguard.recording.flight import recorder
+from ncclguard.results import Result
 
 __all__ = [
     "CollectiveResult",
@@ -60,7 +61,7 @@ _REUSE_WAIT_S = 1e-3
 
 
 @dataclass(slots=True)
-class CollectiveResult:
+class CollectiveResult(Result):
     """The outcome of a safe collective; truthy when it completed on this rank.
 
     Attributes:
@@ -84,15 +85,6 @@ class CollectiveResult:
     reduced_numel: int
     elapsed_s: float
     error: NcclGuardError | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> CollectiveResult:
-        """Raises :attr:`error` if the call failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 def forget_group_infos() -> None:

@@ -13,6 +13,7 @@ from ncclguard.collectives.groups import group_info, group_timeout_s
 from ncclguard.config import get_config
 from ncclguard.deadlines import default_deadline, to_seconds
 from ncclguard.errors import BarrierFailed, BarrierTimeout, CollectiveError, CollectiveMismatch, StoreUnreachable
+from ncclguard.results import Result
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -21,7 +22,7 @@ __all__ = ["BarrierResult", "safe_barrier"]
 
 
 @dataclass
-class BarrierResult:
+class BarrierResult(Result):
     """The outcome of :func:`safe_barrier`; truthy when every rank arrived.
 
     Attributes:
@@ -40,15 +41,6 @@ class BarrierResult:
     late: bool = False
     elapsed_s: float = 0.0
     error: CollectiveError | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> BarrierResult:
-        """Raises :attr:`error` if the barrier failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 def safe_barrier(

@@ -43,6 +43,7 @@ from ncclguard.collectives.rendezvous import (
     take_number,
 )
 from ncclguard.config import get_config
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 
 __all__ = ["Call", "CallPrint", "Meeting", "begin_call", "call_site", "compare_prints", "meet", "postmortem"]
@@ -230,7 +231,7 @@ def meet(call: Call, mine: dict[str, Any], deadline: float) -> Meeting:
         StoreUnreachable: the store did not answer.
     """
     info = call.info
-    rnd = exchange(info, call.round, mine, deadline)
+    rnd = exchange(info, call.round, mine, Deadline(deadline))
     sent = {info.global_rank(r): p for r, p in sorted(rnd.payloads.items())}
     parsed = {r: _parse(p) for r, p in sent.items()}
     mismatch, note = compare_prints(parsed)
@@ -287,7 +288,7 @@ def postmortem(call: Call, give_up_at: float) -> Postmortem:
     mine = CallPrint(kind=call.kind, site=call.site)
     grace = min(get_config().postmortem_grace_s, give_up_at - time.monotonic())
     try:
-        rnd = exchange(info, f"{call.round}/pm", mine.model_dump(), time.monotonic() + max(grace, 0.0))
+        rnd = exchange(info, f"{call.round}/pm", mine.model_dump(), Deadline.within(grace))
     except StoreUnreachable as exc:
         return Postmortem(None, {}, store_error=str(exc))
     elsewhere = {}

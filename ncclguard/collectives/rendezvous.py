@@ -37,6 +37,7 @@ from torch.distributed import DistStoreError
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import GroupInfo
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
@@ -241,14 +242,14 @@ def _rule(size: int) -> Rule[str]:
     )
 
 
-def exchange(info: GroupInfo, name: str, payload: Any, deadline: float) -> RoundResult:
+def exchange(info: GroupInfo, name: str, payload: Any, deadline: Deadline) -> RoundResult:
     """Runs one round: publishes ``payload`` and collects the others' until ``deadline``.
 
     Args:
         info: the group (its store carries the round).
         name: the round's name, the same on every rank (see :func:`next_round`).
         payload: JSON-serialisable data for the other ranks.
-        deadline: ``time.monotonic()`` value after which the round is given up.
+        deadline: when the round is given up.
 
     Returns:
         The round's outcome, the same on every rank that took part.

@@ -75,7 +75,26 @@ def whereabouts(rank: int, view: Heartbeat | None, exclude: tuple[str, int] | No
         if exclude is None or (rec.group, rec.seq) != exclude:
             inflight = rec
             break
-    return Whereabouts(rank=rank, phase=view.phase, site=view.site, inflight=inflight, host=view.host, pid=view.pid)
+    func = site_function(view.stack, view.site) if isinstance(view, Statement) else ""
+    return Whereabouts(
+        rank=rank, phase=view.phase, site=view.site, func=func, inflight=inflight, host=view.host, pid=view.pid
+    )
+
+
+def site_function(stack: Sequence[str], site: str) -> str:
+    """The function at ``site`` (``file:line``) in ``stack`` (``"file:line in func: code"`` lines,
+    innermost last); ``""`` when no frame of the stack is there."""
+    head = f"{site} in "
+    for line in reversed(stack):
+        if line.startswith(head):
+            return line[len(head) :].split(":", 1)[0].strip()
+    # The stack is read a moment after the site: the frame may have moved to another line since.
+    path = site.rpartition(":")[0]
+    for line in reversed(stack):
+        where, sep, rest = line.partition(" in ")
+        if sep and where.rpartition(":")[0] == path:
+            return rest.split(":", 1)[0].strip()
+    return ""
 
 
 class _Findings:

@@ -65,10 +65,18 @@ def _op_text(rec: _OpLike, with_group: bool = True) -> str:
     return f"{rec.op} {number}{rec.seq}{group}"
 
 
+def _func_text(func: str) -> str:
+    """``"evaluate()"`` for a function, ``""`` for none or module-level code (``<module>``)."""
+    return f"{func}()" if func and not func.startswith("<") else ""
+
+
 def _now_text(where: Whereabouts, lead: str = "now in") -> str:
     rec = where.inflight
     if rec is not None:
         return f"{lead} {_op_text(rec)} ({_phase_text(rec.phase)}) at {_short_site(rec.site)}"
+    func = _func_text(where.func)
+    if func and not where.phase:  # a script without phases: its function says where it is
+        return f"{lead} {func} at {_short_site(where.site)} (no phase set)"
     return f"{lead} {_phase_text(where.phase)} at {_short_site(where.site)}"
 
 
@@ -196,7 +204,8 @@ def _culprit_lines(incident: Incident, block: list[Culprit], stack_lines: int) -
             f"      in {_op_text(rec)}: {rec.numel} x {rec.dtype or 'no data'}, {_phase_text(rec.phase)}, "
             f"issued at {rec.site}" + (f"; {progress}" if progress else "")
         )
-    out.append(f"      {_phase_text(c.phase)}, main thread at {c.site}")
+    func = _func_text(c.func)
+    out.append(f"      {_phase_text(c.phase)}, main thread " + (f"in {func} at {c.site}" if func else f"at {c.site}"))
     view = incident.ranks.get(str(c.rank))
     stack = view.stack if isinstance(view, StatementView) else []
     if stack and stack_lines > 0:
@@ -350,7 +359,9 @@ def _advice(incident: Incident) -> list[str]:
         c, who = block[0], ranks_text(b.rank for b in block)
         if c.why is CulpritReason.BEHIND:
             tips.append(
-                f"{who}: elsewhere while the others wait; read what the code does at {c.site} "
+                f"{who}: elsewhere while the others wait; read what the code does at {c.site}"
+                + (f" in {_func_text(c.func)}" if _func_text(c.func) else "")
+                + " "
                 f"({_phase_text(c.phase)}). Usual causes: uneven evaluation shards, rank-0-only work "
                 "(checkpoints, logging), a data stall, generate() without synced ranks, a collective inside an "
                 "`if rank == ...`."

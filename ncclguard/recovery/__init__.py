@@ -4,7 +4,7 @@ from ncclguard.recovery.commit import CommitResult, committed_step, should_commi
 from ncclguard.recovery.engine import Adapter, Recovered, Recovery, StepResult, WorldEvent, recovery_options
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult, heal_from_peer
-from ncclguard.recovery.reaper import reaper
+from ncclguard.recovery.internals.reaper import reaper
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
 from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.recovery.rejoin import rejoin_world, restart_count

@@ -1,7 +1,7 @@
 """should_commit: every rank agrees, once per step, whether the step may be applied.
 
 Call it on every rank after backward and before ``optimizer.step()``. Each rank states what it saw
-since its last commit (:class:`~ncclguard.recovery.commit_protocol.Statement`): a failed or timed
+since its last commit (:class:`~ncclguard.recovery.internals.commit_protocol.Statement`): a failed or timed
 out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
 of a ``safe_*`` call), an incident the watchdog raised, what the caller reports, and the backend's
 sequence number on the group. One settle-once round in the group's store
@@ -33,10 +33,10 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s
 from ncclguard.config import get_config
-from ncclguard.deadlines import default_deadline, to_seconds
+from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery.commit_protocol import (
+from ncclguard.recovery.internals.commit_protocol import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
     MAX_PROBLEMS,
@@ -48,11 +48,12 @@ from ncclguard.recovery.commit_protocol import (
     decide,
     verdict_limit,
 )
-from ncclguard.store.bounded import bounded_store_call
+from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.deaths import read_deaths
-from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, read_present, settle_round
+from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, settle_round
+from ncclguard.store.values import delete_keys
 from ncclguard.watching.metrics import count_commit
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
@@ -64,7 +65,7 @@ __all__ = ["CommitResult", "committed_step", "should_commit"]
 
 
 @dataclass
-class CommitResult:
+class CommitResult(Result):
     """The verdict of one step's commit on this rank; truthy when the step may be applied.
 
     Attributes:
@@ -89,15 +90,6 @@ class CommitResult:
     elapsed_s: float = 0.0
     error: CommitFailed | None = None
     early: bool = False
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> CommitResult:
-        """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class _Commits:
@@ -223,6 +215,7 @@ def _p2p_groups() -> list[str]:
 def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitVerdict]:
     keys = commit_keys(info.name, generation, step)
     size = info.size
+    statements = Peek(store, keys, size)  # the settling rank reads them; nobody else does
 
     known = _known_dead(store, info, size)
 
@@ -237,14 +230,11 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         return out
 
     def everyone() -> str:
-        wanted = [keys.arrival(r) for r in range(size)]
-        raw = dict(zip(range(size), store.multi_get(wanted), strict=True))
-        return encode(decide(statements_of(raw), size, step, timeout_s))
+        return encode(decide(statements_of(statements.arrivals(complete=True)), size, step, timeout_s))
 
     def given_up(peek: Peek) -> str:
-        raw = read_present(store, [keys.arrival(r) for r in range(size)])
         dead = known() if known is not None else None
-        return encode(decide(statements_of({keys.rank_of(k): v for k, v in raw.items()}), size, step, timeout_s, dead))
+        return encode(decide(statements_of(peek.arrivals()), size, step, timeout_s, dead))
 
     def read(raw: bytes) -> CommitVerdict:
         try:
@@ -260,9 +250,8 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         present = peek.present()
         if any(r not in present for r in range(size) if r not in dead):
             return None  # a live rank is still on its way
-        raw = read_present(store, [keys.arrival(r) for r in present])
-        statements = statements_of({keys.rank_of(k): v for k, v in raw.items()})
-        return encode(decide(statements, size, step, timeout_s, dead, early=True))
+        said = statements_of(peek.arrivals(present))
+        return encode(decide(said, size, step, timeout_s, dead, early=True))
 
     # No members: only the settling rank reads the statements, and the keys stay until the next
     # round that every rank reached (see _forget), so a late rank still finds the verdict.
@@ -376,7 +365,7 @@ def should_commit(
                 p2p_groups=_p2p_groups(),
                 problems=problems,
             )
-            verdict, late = _settle(info, world.generation, n, statement, start + timeout_s, timeout_s)
+            verdict, late = _settle(info, world.generation, n, statement, Deadline(start + timeout_s), timeout_s)
         if verdict.ok:
             state.committed = n
         count_commit(verdict.ok)
@@ -386,7 +375,7 @@ def should_commit(
 
 
 def _settle(
-    info: GroupInfo, generation: int, n: int, statement: Statement, deadline: float, timeout_s: float
+    info: GroupInfo, generation: int, n: int, statement: Statement, deadline: Deadline, timeout_s: float
 ) -> tuple[CommitVerdict, bool]:
     """Runs the commit round; returns the settled verdict and whether this rank came late."""
     try:
@@ -407,11 +396,11 @@ def _settle(
         raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
     verdict = settled.outcome
     if n > 0 and len(verdict.arrived) == info.size:
-        _forget(store, info, generation, n - 1, max(deadline - time.monotonic(), 0.0) + GRACE_S)
+        _forget(store, info, generation, n - 1, deadline.plus(GRACE_S))
     return verdict, info.rank not in verdict.arrived
 
 
-def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, bound_s: float) -> None:
+def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, deadline: Deadline) -> None:
     """Deletes round ``n``'s keys, once round ``n + 1`` was settled with every rank in it: every
     rank has left round ``n`` then. Each rank deletes its own statement, rank 0 the rest, after
     its round, so the deletes are spread over the ranks and off the settling rank's path. Bounded
@@ -419,13 +408,8 @@ def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, bound_s
     shorter than the store's answer under load would leave the store refused to the next round."""
     keys = commit_keys(info.name, generation, n)
     mine = [keys.arrival(info.rank), *((keys.count, keys.gone, keys.outcome) if info.rank == 0 else ())]
-
-    def delete() -> None:
-        for key in mine:
-            store.delete_key(key)
-
     try:  # bounded: a store whose host is cut off never answers
-        bounded_store_call(store, delete, bound_s, f"clean-up of commit {n}")
+        delete_keys(store, mine, deadline, f"clean-up of commit {n}")
     except (DistStoreError, RuntimeError) as exc:  # the verdict stands; the keys only stay
         log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
 

@@ -4,8 +4,8 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
 :meth:`Transaction.settle`):
 
 1. **begin**: the step's snapshot (the module's buffers and every random generator,
-   :class:`~ncclguard.recovery.step_state.StepState`, plus what the adapter keeps), the step
-   mark, and the step bound (:mod:`ncclguard.recovery.bound`): a collective of this step waits
+   :class:`~ncclguard.recovery.internals.step_state.StepState`, plus what the adapter keeps), the step
+   mark, and the step bound (:mod:`ncclguard.recovery.internals.bound`): a collective of this step waits
    for its peers at most ``collective_timeout`` seconds, whatever timeout the framework left on
    the group;
 2. **run**: forward and backward; an exception is this rank's failure, stated at the commit and
@@ -51,15 +51,16 @@ from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import to_seconds
 from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
-from ncclguard.recovery import stand_in
-from ncclguard.recovery.bound import StepBound
 from ncclguard.recovery.commit import CommitResult, should_commit
-from ncclguard.recovery.fence import arm_left_behind_fence
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult, heal_from_peer
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.bound import StepBound
+from ncclguard.recovery.internals.fence import arm_left_behind_fence
+from ncclguard.recovery.internals.restarts import restart_count
+from ncclguard.recovery.internals.step_state import StepState
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.rejoin import rejoin_world
-from ncclguard.recovery.restarts import restart_count
-from ncclguard.recovery.step_state import StepState
+from ncclguard.results import Result
 from ncclguard.watching.actions import exit_now
 
 __all__ = [
@@ -190,7 +191,7 @@ class Recovered:
 
 
 @dataclass
-class StepResult(Generic[T]):
+class StepResult(Result, Generic[T]):
     """One step's transaction on this rank; truthy when the step may be applied (it committed).
 
     Attributes:
@@ -216,9 +217,6 @@ class StepResult(Generic[T]):
     elapsed_s: float = 0.0
     error: NcclGuardError | None = None
     healed: HealResult | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""
@@ -589,6 +587,10 @@ class Transaction(Generic[T]):
                         return self._result(False, attempt, rebuilds, commits, rebuilt.error, healed)
                 self.kept.restore(adapter.get_module())
                 adapter.restore(self._extra)
+                # Before the heal and the re-wrap: after Reenter the framework's own loop runs the
+                # next attempt, and a failed attempt's local gradients (its backward ran, its
+                # all_reduce did not) would be summed into it.
+                adapter.zero_grad()
                 if rebuilt is not None:
                     healed = engine.heal_joined(rebuilt, number) or healed
                     clock.lap("heal")
@@ -612,7 +614,6 @@ class Transaction(Generic[T]):
                 )
                 engine.bound.arm()
                 self.failure = None
-                adapter.zero_grad()
                 self.run(redo)
                 clock.lap("redo")
             return self._result(False, len(commits), rebuilds, commits, error, healed)

@@ -31,8 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
-from ncclguard.deadlines import to_seconds
+from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import HealFailed
+from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
 from ncclguard.world import current_world
 
@@ -78,7 +79,7 @@ class Header(BaseModel):
 
 
 @dataclass
-class HealResult:
+class HealResult(Result):
     """One heal as this rank took part in it; truthy when every receiver has the source's state.
 
     Attributes:
@@ -105,15 +106,6 @@ class HealResult:
     chunks: int = 0
     elapsed_s: float = 0.0
     error: HealFailed | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> HealResult:
-        """Raises :attr:`error` if the heal failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 # --- the optimizer's state as JSON: every container tagged, tensors by index, nothing pickled ---
@@ -222,17 +214,16 @@ def _check(header: Header, module: torch.nn.Module, optimizer: torch.optim.Optim
     return None
 
 
-def _wait(work: Any, deadline: float, what: str) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
+def _wait(work: Any, deadline: Deadline, what: str) -> None:
+    if deadline.passed():
         raise HealFailed(f"the heal's deadline passed before {what}")
     try:
-        work.wait(timeout=timedelta(seconds=left))
+        work.wait(timeout=deadline.as_timedelta())
     except Exception as exc:
         raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _broadcast(t: torch.Tensor, src: int, deadline: float, what: str) -> None:
+def _broadcast(t: torch.Tensor, src: int, deadline: Deadline, what: str) -> None:
     _wait(dist.broadcast(t, src=src, async_op=True), deadline, what)
 
 
@@ -316,7 +307,7 @@ def heal_from_peer(
         else 8 * sum(t.numel() * t.element_size() for _, t in _module_tensors(module)) + (1 << 20)
     )
     result = HealResult(False, role, source, wanted)
-    deadline = start + timeout_s
+    deadline = Deadline(start + timeout_s)
     try:
         _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, result, extra)
         result.ok = True
@@ -347,7 +338,7 @@ def _heal(
     step: int | None,
     chunk_bytes: int,
     limit: int,
-    deadline: float,
+    deadline: Deadline,
     result: HealResult,
     extra: Any = None,
 ) -> None:

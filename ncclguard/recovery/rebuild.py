@@ -4,11 +4,11 @@ new one in the same process, so training goes on without a restart.
 Steps (docs/recovery.md has the long form):
 
 1. the arguments are checked, before any communication;
-2. the ranks meet in the job's store (:mod:`ncclguard.recovery.meeting`); without every rank
+2. the ranks meet in the job's store (:mod:`ncclguard.recovery.internals.meeting`); without every rank
    there (and without ``allow_shrink``) the call returns a falsy result and nothing changes;
 3. every group of the old world is abandoned: torch forgets them (``destroy_process_group``, which
    does not wait while ncclguard still holds the groups) and the reaper releases them off this
-   thread (:mod:`ncclguard.recovery.reaper`), so no rank ever waits on a dead or stalled peer;
+   thread (:mod:`ncclguard.recovery.internals.reaper`), so no rank ever waits on a dead or stalled peer;
 4. a new :class:`~ncclguard.world.World` is announced: the members renumbered densely, every
    part's per-world state (failure marks, round counts, flight records) fresh, and the subscribers
    (the watchdog) told; a new default group of the same backend is built on a fresh prefix of the
@@ -31,10 +31,11 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import RebuildFailed, StoreUnreachable
-from ncclguard.recovery import stand_in
-from ncclguard.recovery.meeting import Meeting, meet
-from ncclguard.recovery.protocol import (
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.meeting import Meeting, meet
+from ncclguard.recovery.internals.protocol import (
     Arrival,
     WorldRecord,
     dense_rank_map,
@@ -42,18 +43,18 @@ from ncclguard.recovery.protocol import (
     validate_arguments,
     world_prefix,
 )
-from ncclguard.recovery.reaper import reaper
-from ncclguard.store.bounded import bounded_store_call
-from ncclguard.store.codec import encode
-from ncclguard.store.deaths import death_count
-from ncclguard.store.keys import world_record_key
+from ncclguard.recovery.internals.reaper import reaper
+from ncclguard.results import Result
+from ncclguard.store.deaths import deaths_so_far
+from ncclguard.store.values import delete_prefix
+from ncclguard.store.world_record import write_world_record
 from ncclguard.world import Slot, World, announce, current_world
 
-__all__ = ["RebuildResult", "generation", "on_rebuild", "origin_rank", "rebuild_world", "write_world_record"]
+__all__ = ["RebuildResult", "generation", "on_rebuild", "origin_rank", "rebuild_world"]
 
 
 @dataclass
-class RebuildResult:
+class RebuildResult(Result):
     """The outcome of :func:`rebuild_world` on this rank; truthy when this rank is in a new world.
 
     Attributes:
@@ -83,15 +84,6 @@ class RebuildResult:
     late: bool = False
     error: RebuildFailed | None = None
     joined_ranks: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def raise_for_error(self) -> RebuildResult:
-        """Raises :attr:`error` if the rebuild failed; returns self otherwise (for chaining)."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class _Attempts:
@@ -126,26 +118,21 @@ def origin_rank() -> int | None:
     return _ORIGIN.rank
 
 
-def write_world_record(store: dist.Store, record: WorldRecord) -> None:
+def _record_world(store: dist.Store, record: WorldRecord, deadline: Deadline) -> None:
     """Records ``record`` as the job's current world, for a restarted process to find its place
-    (:func:`ncclguard.rejoin_world`). A failure is logged: only a later rejoin needs it.
-
-    Args:
-        store: the job's store (unprefixed).
-        record: the world now in force.
-    """
+    (:func:`ncclguard.rejoin_world`). A failure is logged: only a later rejoin needs it."""
     try:
-        store.set(world_record_key(), encode(record))
-    except (RuntimeError, dist.DistStoreError) as exc:
+        write_world_record(store, record, deadline)
+    except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
         log.warning("rebuild_world: the job's world record could not be written (%s)", exc)
 
 
-def deaths_before(store: dist.Store, deadline: float) -> int:
+def deaths_before(store: dist.Store, deadline: Deadline) -> int:
     """The job's death notices posted so far (:mod:`ncclguard.store.deaths`): a world being made
     counts from here, since only later deaths can be of its members. 0 when the store does not say
     in time (a later commit then waits for a dead member's bound, as without a notice)."""
     try:
-        return bounded_store_call(store, lambda: death_count(store), max(deadline - time.monotonic(), 1.0), "deaths")
+        return deaths_so_far(store, Deadline.within(max(deadline.left(), 1.0)))
     except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
         log.info("rebuild_world: the death count is unreadable (%s); commits will wait for a dead member", exc)
         return 0
@@ -268,18 +255,14 @@ def _abandon(world: World) -> None:
     del abandoned
 
 
-def _forget_generation(store: dist.Store, gen: int) -> int:
+def _forget_generation(store: dist.Store, gen: int, deadline: Deadline) -> int:
     """Deletes the keys torch and ncclguard wrote under generation ``gen``'s prefix (every member
     has left it), so that rebuilds do not grow the store. Returns the count deleted."""
-    prefix = world_prefix(gen) + "/"
     try:
-        keys = [k for k in store.list_keys() if k.startswith(prefix)]
-        for key in keys:
-            store.delete_key(key)
+        return delete_prefix(store, world_prefix(gen) + "/", deadline, f"the keys of generation {gen}")
     except (RuntimeError, AttributeError) as exc:  # a store without list_keys: the keys stay
         log.info("rebuild_world: the keys of generation %d stay in the store (%s)", gen, exc)
         return 0
-    return len(keys)
 
 
 def _failed(world: World, start: float, missing: list[int], error: str, late: bool = False) -> RebuildResult:
@@ -354,7 +337,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
         assert world.rank is not None and world.size is not None and world.backend is not None
         assert world.store is not None  # _current_world raises without one
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = Deadline(start + timeout_s)
         me = Arrival(
             rank=world.rank,
             world_size=world.size,
@@ -412,13 +395,14 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             # The lowest-numbered survivor records the world, before the handshake: a restarted
             # process in it reads it to connect, and a later one to find its place.
             timeout_s = world.timeout.total_seconds() if world.timeout is not None else 600.0
-            write_world_record(
+            _record_world(
                 world.store,
                 WorldRecord(
                     generation=new.generation, origins=list(origins), backend=world.backend, timeout_s=timeout_s
                 ),
+                Deadline.within(max(deadline.left(), 1.0)),
             )
-        handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
+        handshake_s = handshake_timeout(timeout_s, deadline.left())
         try:
             stand_in.torch_init_process_group(
                 world.backend,
@@ -443,7 +427,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             compat.set_group_timeout(pg, world.timeout)
         del pg
         if new_rank == 0 and world.generation >= 1:
-            _forget_generation(world.store, world.generation)
+            _forget_generation(world.store, world.generation, Deadline.within(max(deadline.left(), 1.0)))
         result = RebuildResult(
             ok=True,
             generation=new.generation,

@@ -3,7 +3,7 @@ ranks' next rebuild.
 
 The survivors notice the death (their step fails: gloo says "Connection closed by peer"), their
 commit fails and they call :func:`~ncclguard.recovery.rebuild.rebuild_world`. The restarted process
-reads the job's current world from the store (:class:`~ncclguard.recovery.protocol.WorldRecord`;
+reads the job's current world from the store (:class:`~ncclguard.recovery.internals.protocol.WorldRecord`;
 none yet: generation 0, ranks ``0..WORLD_SIZE-1``), finds the rank its launch rank holds there,
 and arrives at the survivors' meeting as that rank, flagged ``rejoined``. The meeting then sees
 everyone and the new world has the old size and the old numbering (the newcomer in its old
@@ -25,12 +25,11 @@ from torch.distributed import DistStoreError
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
-from ncclguard.deadlines import to_seconds
+from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
-from ncclguard.recovery import stand_in
-from ncclguard.recovery.meeting import meet
-from ncclguard.recovery.protocol import (
-    MAX_RECORD_BYTES,
+from ncclguard.recovery.internals import stand_in
+from ncclguard.recovery.internals.meeting import meet
+from ncclguard.recovery.internals.protocol import (
     MAX_VERDICT_BYTES,
     Arrival,
     MeetingKeys,
@@ -40,66 +39,41 @@ from ncclguard.recovery.protocol import (
     handshake_timeout,
     world_prefix,
 )
+from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
-from ncclguard.recovery.restarts import RESTART_COUNT_VAR, restart_count
-from ncclguard.store.codec import decode
-from ncclguard.store.keys import world_record_key
+from ncclguard.store.clients import connect, job_address
+from ncclguard.store.values import read_value
+from ncclguard.store.world_record import read_world_record, wait_world_record
 from ncclguard.world import World, announce
 
-__all__ = ["RESTART_COUNT_VAR", "read_world_record", "rejoin_world", "restart_count"]
+__all__ = ["RESTART_COUNT_VAR", "rejoin_world", "restart_count"]
 
 _lock = threading.Lock()
-_POLL_S = 0.05  # how often a waiting newcomer looks at the store: a few requests a second
-
-
-def read_world_record(store: dist.Store) -> WorldRecord | None:
-    """The job's current world as the store records it, or None before the first rebuild.
-
-    Raises:
-        StoreUnreachable: the record is there but cannot be read (over its size bound, not JSON,
-            not a record).
-    """
-    key = world_record_key()
-    if not store.check([key]):
-        return None
-    try:
-        return decode(WorldRecord, bytes(store.get(key)), f"the world record under {key!r}", MAX_RECORD_BYTES)
-    except DecodeError as exc:
-        raise StoreUnreachable(f"the job's world record cannot be read: {exc}") from exc
 
 
 def _connect(timeout_s: float) -> dist.Store:
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not addr or not port.isdigit():
+    address = job_address()
+    if address is None:
         raise ValueError(
             "rejoin_world needs the job's store: pass store=, or run under a launcher that sets MASTER_ADDR and "
-            f"MASTER_PORT (got MASTER_ADDR={addr!r}, MASTER_PORT={port!r})"
+            f"MASTER_PORT (got MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r})"
         )
-    return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return connect(*address, timeout_s)
 
 
-def _live_attempt(store: dist.Store, generation: int) -> tuple[int, Verdict | None]:
+def _live_attempt(store: dist.Store, generation: int, deadline: Deadline) -> tuple[int, Verdict | None]:
     """The first attempt toward ``generation`` with no verdict yet, and the last settled verdict."""
     attempt, last = 0, None
-    while store.check([MeetingKeys(generation, attempt).verdict]):
-        raw = bytes(store.get(MeetingKeys(generation, attempt).verdict))
+    while True:
+        key = MeetingKeys(generation, attempt).verdict
         try:
-            last = decode(Verdict, raw, "a rebuild verdict", MAX_VERDICT_BYTES)
+            found = read_value(store, key, Verdict, MAX_VERDICT_BYTES, deadline, "a rebuild verdict")
         except DecodeError as exc:
             raise StoreUnreachable(f"a rebuild verdict of generation {generation} cannot be read: {exc}") from exc
-        attempt += 1
-    return attempt, last
-
-
-def _record_after(store: dist.Store, generation: int, deadline: float) -> WorldRecord | None:
-    """Waits for the record of a generation at least ``generation`` (None at the deadline)."""
-    while True:
-        rec = read_world_record(store)
-        if rec is not None and rec.generation >= generation:
-            return rec
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(_POLL_S)
+        if found is None:
+            return attempt, last
+        last, attempt = found, attempt + 1
 
 
 def _failure(start: float, message: str, missing: list[int] | None = None, late: bool = False) -> RebuildResult:
@@ -171,7 +145,7 @@ def rejoin_world(
         raise RuntimeError("rejoin_world is already running in another thread of this process")
     try:
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = Deadline(start + timeout_s)
         if store is None:
             store = _connect(timeout_s)
         try:
@@ -183,11 +157,11 @@ def rejoin_world(
 
 
 def _rejoin(
-    store: dist.Store, origin: int, backend: str, start: float, deadline: float, timeout_s: float
+    store: dist.Store, origin: int, backend: str, start: float, deadline: Deadline, timeout_s: float
 ) -> RebuildResult:
     size_env = os.environ.get("WORLD_SIZE", "")
     while True:
-        rec = read_world_record(store)
+        rec = read_world_record(store, deadline)
         if rec is None:  # the job's first world: the launch numbering
             if not size_env.isdigit() or int(size_env) < 1:
                 raise ValueError(f"rejoin_world needs WORLD_SIZE before the first rebuild (got {size_env!r})")
@@ -201,10 +175,10 @@ def _rejoin(
                 "exit 0 and let the job finish without it",
             )
         target = rec.generation + 1
-        attempt, settled = _live_attempt(store, target)
+        attempt, settled = _live_attempt(store, target, deadline)
         if settled is not None and settled.ok:
             # That generation was agreed without this process: wait for its record, then meet next.
-            if _record_after(store, target, deadline) is None:
+            if wait_world_record(store, target, deadline) is None:
                 return _failure(start, f"generation {target} was agreed without this rank and never recorded")
             continue
         me = Arrival(
@@ -230,7 +204,7 @@ def _rejoin(
             return _build(
                 store, rec, meeting.verdict.arrived, meeting.arrivals, slot, origin, start, deadline, timeout_s
             )
-        if time.monotonic() >= deadline:
+        if deadline.passed():
             missing = meeting.verdict.missing(len(rec.origins))
             return _failure(
                 start,
@@ -250,13 +224,13 @@ def _build(
     slot: int,
     origin: int,
     start: float,
-    deadline: float,
+    deadline: Deadline,
     timeout_s: float,
 ) -> RebuildResult:
     rank_map = dense_rank_map(members)
     joined = [rank_map[r] for r in members if arrivals[r].rejoined]
     target = rec.generation + 1
-    new_rec = _record_after(store, target, deadline)  # the survivors record it before connecting
+    new_rec = wait_world_record(store, target, deadline)  # the survivors record it before connecting
     if new_rec is None or new_rec.generation != target:
         return _failure(start, f"the survivors did not record generation {target} by the deadline")
     new = World(
@@ -274,7 +248,7 @@ def _build(
     )
     _ORIGIN.rank = origin
     announce(new)
-    handshake_s = handshake_timeout(timeout_s, deadline - time.monotonic())
+    handshake_s = handshake_timeout(timeout_s, deadline.left())
     try:
         stand_in.torch_init_process_group(
             new_rec.backend,

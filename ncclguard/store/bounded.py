@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 
 __all__ = ["IDLE_EXIT_S", "Helper", "bounded_store_call", "helper_for", "no_answer", "run_into", "still_stuck"]
@@ -131,12 +132,12 @@ class Helper:
         """
         return self._thread is None and not self.busy()
 
-    def call(self, fn: Callable[[], T], timeout_s: float, what: str = "store call") -> T:
-        """``fn()`` on the helper thread; its value within ``timeout_s`` seconds (1 ms at least).
+    def call(self, fn: Callable[[], T], deadline: Deadline, what: str = "store call") -> T:
+        """``fn()`` on the helper thread; its value by ``deadline`` (1 ms is given at least).
 
         Args:
             fn: the call, e.g. ``lambda: store.add(key, 1)``.
-            timeout_s: seconds to wait at most.
+            deadline: when to stop waiting for it.
             what: how to name the call in the error.
 
         Returns:
@@ -159,7 +160,7 @@ class Helper:
                 )
                 self._thread.start()
             self._jobs.put((fn, box, done))
-        if not done.wait(max(timeout_s, 0.001)):
+        if not done.wait(max(deadline.left(), 0.001)):
             with self._lock:  # the blocked thread is left to its call; the next call gets a new one
                 self._thread, self._jobs = None, queue.SimpleQueue()
             raise no_answer(what, time.monotonic() - start)
@@ -217,14 +218,14 @@ def helper_for(store: object) -> Helper:
     return helper
 
 
-def bounded_store_call(store: object, fn: Callable[[], T], timeout_s: float, what: str = "store call") -> T:
-    """Runs ``fn()`` (a call on ``store``) and returns its result within ``timeout_s`` seconds, on
-    the calling thread's :class:`Helper` for ``store``.
+def bounded_store_call(store: object, fn: Callable[[], T], deadline: Deadline, what: str = "store call") -> T:
+    """Runs ``fn()`` (a call on ``store``) and returns its result by ``deadline``, on the calling
+    thread's :class:`Helper` for ``store``.
 
     Args:
         store: the store ``fn`` talks to; the key under which a stuck call is remembered.
         fn: the call, e.g. ``lambda: store.add(key, 1)``.
-        timeout_s: seconds to wait at most (at least 1 ms is given).
+        deadline: when to stop waiting for it (at least 1 ms is given).
         what: how to name the call in the error.
 
     Returns:
@@ -238,7 +239,7 @@ def bounded_store_call(store: object, fn: Callable[[], T], timeout_s: float, wha
         raise still_stuck(what)
     helper = helper_for(store)
     try:
-        return helper.call(fn, timeout_s, what)
+        return helper.call(fn, deadline, what)
     except StoreUnreachable:
         if helper.busy():  # missed its deadline: refuse the other threads' calls on this store too
             with _lock:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreRefused, StoreTimeout, StoreUnreachable
 from ncclguard.store.bounded import Helper
 
@@ -118,7 +119,7 @@ class BoundedCalls:
 
         self._adopt()
         try:
-            value = self._helper.call(lambda: fn(*args), self.timeout, "watchdog store call")
+            value = self._helper.call(lambda: fn(*args), Deadline.within(self.timeout), "watchdog store call")
         except DistNetworkError as exc:  # broken pipe, connection reset/refused
             if self._reconnect():  # the server lives: it refused this one request
                 raise StoreRefused(

@@ -3,7 +3,7 @@
 A rank killed outright (SIGKILL, the OOM killer, a segfault) never reaches its commit, and the
 survivors' commit would wait its whole bound for its statement (9.1 s of every kill in the failure
 drill before this). The process that supervises the rank (:mod:`ncclguard.supervise`, the
-``--restarts`` option of ``ncclguard run``; :func:`ncclguard.testing.launch.spawn`) sees the death
+``--ncclguard-restarts`` option of ``ncclguard run``; :func:`ncclguard.testing.launch.spawn`) sees the death
 the moment it happens and posts a :class:`DeathNotice`; a commit waiting for that rank reads it and
 settles at once (:mod:`ncclguard.recovery.commit`).
 
@@ -21,13 +21,14 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import connect
 from ncclguard.store.codec import DecodeError, decode, encode
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "DeathNotice",
     "DeathPoster",
     "death_count",
+    "deaths_so_far",
     "notice_now",
     "post_death",
     "read_deaths",
@@ -105,6 +107,23 @@ def death_count(store: dist.Store, restart: str | None = None) -> int:
     return int(store.add(f"{_prefix(restart)}/n", 0))
 
 
+def deaths_so_far(store: dist.Store, deadline: Deadline) -> int:
+    """:func:`death_count`, bounded by ``deadline``.
+
+    Args:
+        store: the job's store.
+        deadline: when to stop waiting for the store.
+
+    Returns:
+        The count.
+
+    Raises:
+        StoreUnreachable: no answer by ``deadline``.
+        RuntimeError, DistStoreError: the store failed.
+    """
+    return bounded_store_call(store, lambda: death_count(store), deadline, "the death count")
+
+
 def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tuple[int, list[DeathNotice]]:
     """The notices after the first ``seen``; a count read but no new notice costs one store call.
 
@@ -173,21 +192,15 @@ class DeathPoster:
         with self._lock:
             if self._store is None and self._addr and self._port.isdigit() and self._listening():
                 try:
-                    self._store = dist.TCPStore(
-                        self._addr,
-                        int(self._port),
-                        is_master=False,
-                        timeout=timedelta(seconds=self._bound_s),
-                        wait_for_workers=False,
-                    )
+                    self._store = connect(self._addr, int(self._port), self._bound_s)
                 except (RuntimeError, dist.DistStoreError):
                     self._store = None
             return self._store
 
     def _look(self) -> None:
-        deadline = time.monotonic() + self._connect_s
-        while self._connected() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+        deadline = Deadline.within(self._connect_s)
+        while self._connected() is None and deadline.sleep(0.5):
+            pass
 
     def post(self, origin: int, pid: int, returncode: int, life: int) -> str | None:
         """Posts that launch rank ``origin``'s process ``pid`` ended with ``returncode``.
@@ -206,7 +219,9 @@ class DeathPoster:
             return f"no store at {self._addr}:{self._port} to post the death of launch rank {origin} to"
         notice = notice_now(origin, pid, returncode, life, socket.gethostname())
         try:
-            bounded_store_call(store, lambda: post_death(store, notice, self._restart), self._bound_s, "death notice")
+            bounded_store_call(
+                store, lambda: post_death(store, notice, self._restart), Deadline.within(self._bound_s), "death notice"
+            )
         except (StoreUnreachable, RuntimeError) as exc:
             return f"the death of launch rank {origin} was not posted: {exc}"
         return None

@@ -2,7 +2,7 @@
 
 This is the one protocol behind the collectives' rounds (:func:`ncclguard.collectives.rendezvous.exchange`:
 safe_barrier, the fingerprint check of safe_all_reduce, the integrations' agreements) and the
-recovery meeting (:func:`ncclguard.recovery.meeting.meet`). It never touches a communicator, so it
+recovery meeting (:func:`ncclguard.recovery.internals.meeting.meet`). It never touches a communicator, so it
 works on a group whose NCCL or gloo communicator is broken. For a round with keys ``K``
 (:class:`~ncclguard.store.keys.RoundKeys`) among ``size`` ranks:
 
@@ -29,12 +29,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Generic, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import DistStoreError
 
+from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.keys import RoundKeys
 
@@ -47,13 +47,14 @@ GRACE_S = 1.0
 MAX_SLEEP_S = 0.5  # the longest sleep between two looks at a round's outcome (with an early rule)
 
 
-def wait_for(store: dist.Store, key: str, timeout_s: float) -> bool:
-    """Waits until ``key`` exists in ``store``, ``timeout_s`` seconds at most.
+def wait_for(store: dist.Store, key: str, deadline: Deadline) -> bool:
+    """Waits until ``key`` exists in ``store``, until ``deadline`` at most.
 
     Args:
         store: the store.
         key: the key.
-        timeout_s: seconds (a millisecond at least: a zero timedelta would mean the store's default).
+        deadline: when to stop waiting (a millisecond is given at least: a zero timedelta would
+            mean the store's default).
 
     Returns:
         True when the key exists, False when the wait timed out.
@@ -62,18 +63,19 @@ def wait_for(store: dist.Store, key: str, timeout_s: float) -> bool:
         RuntimeError: the store failed otherwise (connection refused or reset).
     """
     try:
-        store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+        store.wait([key], deadline.as_timedelta())
         return True
     except DistStoreError:
         return False
 
 
 def read_present(store: dist.Store, keys: Sequence[str]) -> dict[str, bytes]:
-    """Reads those of ``keys`` that exist: one ``check`` per key, then one ``multi_get``.
+    """Reads those of ``keys`` that exist: one ``check`` of them all (true when every one exists, the
+    usual case), else one ``check`` per key; then one ``multi_get``.
 
     ``multi_get`` fails (or waits) as a whole on a missing key, hence the checks. The caller makes
     sure no key it checked can be deleted before the read (in a round: only the last member out
-    deletes).
+    deletes). Unbounded: call it inside a bounded call (:func:`~ncclguard.store.bounded.bounded_store_call`).
 
     Args:
         store: the store.
@@ -82,7 +84,10 @@ def read_present(store: dist.Store, keys: Sequence[str]) -> dict[str, bytes]:
     Returns:
         The raw values by key, for the keys present.
     """
-    present = [k for k in keys if store.check([k])]
+    if keys and store.check(list(keys)):
+        present = list(keys)
+    else:
+        present = [k for k in keys if store.check([k])]
     if not present:
         return {}
     return dict(zip(present, store.multi_get(present), strict=True))
@@ -116,6 +121,22 @@ class Peek:
         """
         keys = [self._keys.arrival(r) for r in range(self._size)]
         return sorted(self._keys.rank_of(k) for k in read_present(self._store, keys))
+
+    def arrivals(self, ranks: Sequence[int] | None = None, *, complete: bool = False) -> dict[int, bytes]:
+        """The raw arrivals of ``ranks`` (default: every rank) that are in the store now.
+
+        Args:
+            ranks: whose arrivals to read.
+            complete: every one of them is known to be there (one ``multi_get``, no checks).
+
+        Returns:
+            The raw arrivals by rank.
+        """
+        wanted = list(range(self._size)) if ranks is None else list(ranks)
+        keys = [self._keys.arrival(r) for r in wanted]
+        if complete:
+            return dict(zip(wanted, self._store.multi_get(keys), strict=True))
+        return {self._keys.rank_of(k): v for k, v in read_present(self._store, keys).items()}
 
 
 @dataclass(frozen=True)
@@ -176,12 +197,12 @@ class Settled(Generic[T]):
     elapsed_s: float
 
 
-def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float, rule: Rule[T]) -> bytes:
+def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: Deadline, rule: Rule[T]) -> bytes:
     """The outcome once another rank settles it; else, past the deadline or as soon as ``rule.early``
     has one, the outcome this rank settles (compare-and-set: the first settlement stands)."""
     peek = Peek(store, keys, size)
     if rule.early is None:
-        if wait_for(store, keys.outcome, deadline - time.monotonic()):
+        if wait_for(store, keys.outcome, deadline):
             return bytes(store.get(keys.outcome))
         return bytes(store.compare_set(keys.outcome, "", rule.given_up(peek)))
     # Polled with check: a wait that times out logs two warning lines in torch 2.13's TCPStore
@@ -190,7 +211,7 @@ def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float
     # a few dozen requests a minute; ``early`` is asked every ``poll_s`` at first, then less often.
     start = time.monotonic()
     ask_at = start
-    while (now := time.monotonic()) < deadline:
+    while (now := time.monotonic()) < deadline.at:
         if store.check([keys.outcome]):
             return bytes(store.get(keys.outcome))
         if now >= ask_at:
@@ -198,7 +219,7 @@ def _wait_outcome(store: dist.Store, keys: RoundKeys, size: int, deadline: float
             if outcome is not None:
                 return bytes(store.compare_set(keys.outcome, "", outcome))
             ask_at = now + min(rule.poll_s + (now - start) / 10, MAX_SLEEP_S * 4)
-        time.sleep(max(min((now - start) / 4, MAX_SLEEP_S, deadline - now), 0.001))
+        deadline.sleep(max(min((now - start) / 4, MAX_SLEEP_S), 0.001))
     return bytes(store.compare_set(keys.outcome, "", rule.given_up(peek)))
 
 
@@ -208,7 +229,7 @@ def settle_round(
     rank: int,
     size: int,
     arrival: str,
-    deadline: float,
+    deadline: Deadline,
     rule: Rule[T],
     what: str,
     grace_s: float = GRACE_S,
@@ -221,7 +242,7 @@ def settle_round(
         rank: this rank, in ``0..size-1``.
         size: the number of ranks of the round.
         arrival: what this rank publishes (JSON text; see :func:`ncclguard.store.codec.encode`).
-        deadline: ``time.monotonic()`` value after which the ranks not there are given up.
+        deadline: when the ranks not there are given up.
         rule: how the outcome is settled and read.
         what: how to name the round in a timeout error (``round 'barrier/g/3'``).
         grace_s: seconds past ``deadline`` left for settling, reading and cleaning up.
@@ -258,4 +279,4 @@ def settle_round(
                 store.delete_key(key)
         return Settled(outcome, number, arrivals, time.monotonic() - start)
 
-    return bounded_store_call(store, body, max(deadline - time.monotonic(), 0.0) + grace_s, what)
+    return bounded_store_call(store, body, deadline.plus(grace_s), what)

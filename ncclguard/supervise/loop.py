@@ -7,7 +7,7 @@ and the other ranks are left alone::
 
     torchrun --nproc-per-node=4 -m ncclguard.supervise --restarts 3 --warm-spare -- python train.py
 
-(``ncclguard run --restarts 3`` does this for you.) When the rank's process ends by a signal or a
+(``ncclguard run --ncclguard-restarts 3`` does this for you.) When the rank's process ends by a signal or a
 non-zero status, the supervisor
 
 1. posts a death notice in the job's store (:mod:`ncclguard.store.deaths`): the survivors' commit

@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ncclguard.recovery.restarts import RESTART_COUNT_VAR
+from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR
 from ncclguard.store.deaths import DeathPoster
 
 __all__ = [

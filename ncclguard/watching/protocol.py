@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -32,8 +31,10 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.incidents.model import FenceNote, Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.store.calls import BoundedCalls, StoreRefused
+from ncclguard.store.clients import connect
 from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
 from ncclguard.store.keys import Keys, world_record_key
+from ncclguard.store.rounds import read_present
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 
 __all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
@@ -131,12 +132,8 @@ class WatchdogStore:
         Raises:
             StoreTimeout, StoreUnreachable: the server did not answer.
         """
-        import torch.distributed as dist
-
         host, _, port = addr.rpartition(":")
-        client = BoundedCalls(addr, timeout, 0.0).run(  # a failed connect is final
-            lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-        )
+        client = BoundedCalls(addr, timeout, 0.0).run(connect, host, int(port), timeout)  # a failed connect is final
         return cls(client, keys, timeout, gone_after)
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -193,11 +190,8 @@ class WatchdogStore:
         are missing is each checked (``multi_get`` waits for a missing key instead of failing)."""
 
         def read() -> list[tuple[int, bytes]]:
-            if keys and self.store.check(list(keys)):
-                present = list(range(len(keys)))
-            else:
-                present = [i for i, k in enumerate(keys) if self.store.check([k])]
-            return list(zip(present, self.store.multi_get([keys[i] for i in present]), strict=True)) if present else []
+            found = read_present(self.store, keys)
+            return [(i, found[k]) for i, k in enumerate(keys) if k in found]
 
         return list(self.calls.run(read))
 

@@ -113,6 +113,7 @@ class RankRow(BaseModel):
     state: RankState
     age_s: float | None = None
     phase: str = ""
+    site: str = ""  # the main thread's file:line (shown where no phase is set)
     step: int | None = None
     straggler_score: float | None = None
     last_seq: dict[str, int] = Field(default_factory=dict)
@@ -134,6 +135,7 @@ class RankGroup(BaseModel):
     phase: str
     step: int | None
     slow: bool
+    site: str = ""  # where no phase is set: the main thread's file:line (its members agree on it)
     last_seq: dict[str, int]
     backend_seq: dict[str, int] | None
     inflight: str | None
@@ -244,6 +246,7 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         state=state,
         age_s=round(age, 3),
         phase=hb.phase,
+        site="" if hb.phase else hb.site,
         step=hb.step,
         straggler_score=hb.straggler_score,
         last_seq=hb.last_seq,
@@ -260,7 +263,8 @@ def _span(values: list[float]) -> tuple[float, float] | None:
 
 
 def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
-    """Groups ranks whose state, phase, step, numbers per group, op in flight and slowness agree;
+    """Groups ranks whose state, phase (or, without one, main-thread site), step, numbers per group,
+    op in flight and slowness agree;
     heartbeat ages, scores and times in the op become ranges. Groups come in order of their first rank.
 
     Args:
@@ -274,13 +278,13 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
         slow = r.straggler_score is not None and r.straggler_score < SLOW_SCORE
         backend = tuple(sorted(r.backend_seq.items())) if r.backend_seq is not None else None
         seqs = tuple(sorted(r.last_seq.items()))
-        return (r.state, r.phase, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
+        return (r.state, r.phase, r.site, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
 
     buckets: dict[tuple[Any, ...], list[RankRow]] = {}
     for r in sorted(rows, key=lambda r: r.rank):
         buckets.setdefault(key(r), []).append(r)
     out = []
-    for (state, phase, step, slow, _, _, inflight, incidents), members in buckets.items():
+    for (state, phase, site, step, slow, _, _, inflight, incidents), members in buckets.items():
         first = members[0]
         times = [m.inflight_s for m in members if m.inflight_s is not None]
         out.append(
@@ -289,6 +293,7 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
                 count=len(members),
                 state=state,
                 phase=phase,
+                site=site,
                 step=step,
                 slow=slow,
                 last_seq=first.last_seq,

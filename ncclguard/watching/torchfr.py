@@ -122,7 +122,7 @@ def parse_dump(text: str | bytes) -> Dump:
 
 def parse_newest(text: str | bytes, groups: Iterable[str]) -> Dump:
     """Like :func:`parse_dump`, keeping only the newest entry of each of ``groups``: the watchdog's
-    read when it suspects a hang, which parses two entries rather than 2000 (benchmarks/backend_read_cost.py).
+    read when it suspects a hang, which parses two entries rather than 2000 (benchmarks/investigations/backend_read_cost.py).
 
     Raises:
         ValueError: as :func:`parse_dump`.

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-from ncclguard import recorder, safe_all_reduce, safe_barrier
+from ncclguard import safe_all_reduce, safe_barrier
 from ncclguard.collectives.all_reduce import CollectiveResult
 from ncclguard.collectives.barrier import BarrierResult
+from ncclguard.recording.flight import recorder
 
 
 def barrier_at_a(**kw: Any) -> BarrierResult:

@@ -10,13 +10,9 @@ import torch
 import torch.distributed as dist
 from rankkit import leave, put, stall
 
-from ncclguard import (
-    CollectiveMismatch,
-    recorder,
-    safe_all_reduce,
-    safe_barrier,
-)
-from ncclguard.errors import CollectiveError
+from ncclguard import safe_all_reduce, safe_barrier
+from ncclguard.errors import CollectiveError, CollectiveMismatch
+from ncclguard.recording.flight import recorder
 
 R = dist.ReduceOp
 OPS = {"SUM": R.SUM, "MIN": R.MIN, "MAX": R.MAX, "PRODUCT": R.PRODUCT, "AVG": R.AVG}

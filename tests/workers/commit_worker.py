@@ -25,7 +25,10 @@ import torch.distributed as dist
 from rankkit import put, skip_collective
 
 import ncclguard
-from ncclguard import CommitFailed, CommitResult, GroupFailed, rebuild_world, safe_all_reduce, should_commit
+from ncclguard import rebuild_world, safe_all_reduce, should_commit
+from ncclguard.errors import CommitFailed, GroupFailed
+from ncclguard.recording.instrument import instrument
+from ncclguard.recovery.commit import CommitResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
@@ -140,7 +143,7 @@ def agree() -> None:
     put("d_after", fields(should_commit(timeout=30)))
 
     # (e) a send on the default group, recorded (instrument), then an extra op on another group.
-    ncclguard.instrument()
+    instrument()
     sub = dist.new_group([0, 1, 2])
     dist.all_reduce(torch.ones(1), group=sub)
     t = torch.ones(2)

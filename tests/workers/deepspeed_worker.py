@@ -27,6 +27,7 @@ from rankkit import put, stall
 from reference_trainer import ListMonitor, ReferenceTrainer, ds_config
 from torch.distributed import distributed_c10d as c10d
 
+from ncclguard.deadlines import Deadline
 from ncclguard.integrations.deepspeed import FAILED_METRIC, guarded_evaluate, patch_trainer, unpatch_trainer
 from ncclguard.integrations.eval_group import deadline_timeout, routed_default_group
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
@@ -178,7 +179,7 @@ def eval_group_checks(rank: int) -> dict:
     # The group was made with a 30 s timeout; an op started 0.5 s before a 1.5 s deadline must
     # give up at the deadline, not 30 s later. Rank 1 never joins it.
     start = time.monotonic()
-    with deadline_timeout(side, start + 1.5):
+    with deadline_timeout(side, Deadline(start + 1.5)):
         if rank == 0:
             time.sleep(0.5)
             try:

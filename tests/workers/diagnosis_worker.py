@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 from rankkit import kill, put, skip_collective
 
-from ncclguard import CollectiveTimeout, phase, recorder, safe_barrier, sigalrm_timeout, start_watchdog
+from ncclguard import phase, safe_barrier, sigalrm_timeout, start_watchdog
+from ncclguard.errors import CollectiveTimeout
 from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.recording.flight import recorder
 from ncclguard.watching.actions import Action, ActionContext, IncidentRef, Outcome
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])

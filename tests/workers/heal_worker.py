@@ -26,7 +26,8 @@ import torch.distributed as dist
 from rankkit import put
 
 import ncclguard
-from ncclguard import RecoveringStep, StepResult
+from ncclguard import RecoveringStep
+from ncclguard.recovery.engine import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # results go by launch rank, whatever the world
 ME = int(os.environ["RANK"])

@@ -30,6 +30,7 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 import ncclguard
 from ncclguard.integrations.hf import find_guard, guard_trainer
+from ncclguard.recording.phase import current_phase
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 HEARTBEAT_S, HANG_S = 0.3, 1.5
@@ -116,7 +117,7 @@ class Probe(TrainerCallback):
 
     def forward_hook(self, module, args) -> None:
         if module.training:
-            self.phases["train_forward"].append(ncclguard.current_phase())
+            self.phases["train_forward"].append(current_phase())
 
     def on_step_begin(self, args, state, control, **kw):
         self.watchdog_running.append(ncclguard.current_watchdog() is not None)
@@ -124,13 +125,13 @@ class Probe(TrainerCallback):
         self.loaders.append([type(r).__name__ for r in refs])
 
     def on_prediction_step(self, args, state, control, **kw):
-        self.phases["eval"].append(ncclguard.current_phase())
+        self.phases["eval"].append(current_phase())
 
     def on_save(self, args, state, control, **kw):
-        self.phases["save"].append(ncclguard.current_phase())
+        self.phases["save"].append(current_phase())
 
     def on_log(self, args, state, control, logs=None, **kw):
-        self.phases["log"].append(ncclguard.current_phase())
+        self.phases["log"].append(current_phase())
         if logs and "eval_evaluation_failed" in logs:
             self.skip_logged.append(time.time())
 

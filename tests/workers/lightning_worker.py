@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ncclguard
 from ncclguard.integrations.lightning import NcclGuardCallback
+from ncclguard.recording.phase import current_phase
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 HEARTBEAT_S = 0.3
@@ -119,7 +120,7 @@ class Probe(Callback):
         self.watchdog_running.append(ncclguard.current_watchdog() is not None)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self.phases.append(ncclguard.current_phase())
+        self.phases.append(current_phase())
 
     def on_fit_end(self, trainer, pl_module) -> None:  # before the callbacks' teardown
         watchdog = ncclguard.current_watchdog()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rankkit import put
 
 import ncclguard
+from ncclguard.collectives.all_reduce import CollectiveResult
 from ncclguard.errors import StoreTimeout
 from ncclguard.watching.protocol import Keys, WatchdogStore
 
@@ -38,7 +39,7 @@ def _start() -> int:
     return rank
 
 
-def _big_call(numel: int, chunk_numel: int, timeout: float) -> tuple[torch.Tensor, ncclguard.CollectiveResult, float]:
+def _big_call(numel: int, chunk_numel: int, timeout: float) -> tuple[torch.Tensor, CollectiveResult, float]:
     rank = dist.get_rank()
     t = torch.full((numel,), float(rank + 1))
     (OUT / f"started.rank{rank}").write_text(str(time.time()))

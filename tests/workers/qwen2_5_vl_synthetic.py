@@ -1,6 +1,6 @@
 """Qwen2.5-VL configs that build without downloads, and a learnable synthetic image+text task.
 
-Used by the tests, the example under docs/examples/ and benchmarks/slim_outputs_memory.py. The
+Used by the tests, the example under docs/examples/ and benchmarks/investigations/slim_outputs_memory.py. The
 configs keep every token id inside the (small) vocabulary, which the stock config does not.
 """
 

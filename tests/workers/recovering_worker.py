@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-import ncclguard
-from ncclguard import FSDP2, RecoveringStep, StepResult
+from ncclguard import FSDP2, RecoveringStep
+from ncclguard.recording.ddp import record_ddp
+from ncclguard.recording.flight import recorder
 from ncclguard.recovery import WorldEvent
+from ncclguard.recovery.engine import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
@@ -79,7 +81,7 @@ def recorded_ddp(module: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(module)
-    ncclguard.record_ddp(model)  # DDP's bucket all-reduces in the flight recorder
+    record_ddp(model)  # DDP's bucket all-reduces in the flight recorder
     return model
 
 
@@ -214,8 +216,8 @@ def shrink() -> None:
         put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
         put("final", [dist.get_rank(), dist.get_world_size()])
         # The recorder keeps generation 1's records: the redone step 2, then steps 3 and 4.
-        put("ddp_records", [[r.site, r.state, r.async_op] for r in ncclguard.recorder.records()])
-        put("ddp_inflight", len(ncclguard.recorder.inflight()))
+        put("ddp_records", [[r.site, r.state, r.async_op] for r in recorder.records()])
+        put("ddp_inflight", len(recorder.inflight()))
         # A single-process reference: steps before K average 3 ranks' gradients, from K on 2 ranks'.
         put("max_diff_to_reference", float((mine - reference_shrunk()).abs().max()))
         rankkit.save()

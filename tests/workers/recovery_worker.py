@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from rankkit import kill, put, skip_collective
 
-from ncclguard import GroupFailed, rebuild_world, recorder, safe_all_reduce, safe_barrier
 from ncclguard import _torch_compat as compat
+from ncclguard import rebuild_world, safe_all_reduce, safe_barrier
+from ncclguard.errors import GroupFailed
+from ncclguard.recording.flight import recorder
 from ncclguard.recovery import generation, on_rebuild, reaper
-from ncclguard.recovery.protocol import MeetingKeys
+from ncclguard.recovery.internals.protocol import MeetingKeys
 
 # A rebuild renumbers ranks: the faults and the result files go by the rank the launcher gave.
 rankkit.rank = lambda: int(os.environ["RANK"])

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_diagnosis_stacks_multirank.py: one desync per way of issuing a collective.
+"""Rank side of tests/test_watching_stacks_multirank.py: one desync per way of issuing a collective.
 
 2 ranks (torchrun, gloo), watchdog action report. For each stack, in order: plain
 ``dist.all_reduce``, a functional ``all_reduce``, a DTensor ``redistribute``, DDP forward and
@@ -31,8 +31,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ncclguard import _torch_compat as compat
-from ncclguard import phase, recorder, safe_barrier, start_watchdog
+from ncclguard import phase, safe_barrier, start_watchdog
 from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.recording.flight import recorder
 from ncclguard.watching import torchfr
 from ncclguard.watching.snapshot import RankState, op_record
 

@@ -14,8 +14,10 @@ filter). Measured on this machine: two waiters were released 0.15 ms and 0.23 ms
 the round trip of a ``check`` 0.02-0.15 ms.
 
 :class:`OffsetFilter` is pure; :class:`ClockTicker` is the thread (one store client of its own, so the
-watchdog's calls never queue behind a wait). A tick that does not come within its bound (the reference
-gone) is not waited for again: the ticker polls the reference's counter, without waiting, until it moves.
+watchdog's calls never queue behind a wait; every call through the store layer's bounded calls, each
+reading of the clock taken on the thread that made the call, as it returned). A tick that does not
+come within its bound (the reference gone) is not waited for again: the ticker polls the reference's
+counter, without waiting, until it moves.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from datetime import timedelta
 from typing import Any
 
 from ncclguard._log import log
+from ncclguard.deadlines import Deadline
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import connect
 
 __all__ = ["SAMPLES", "ClockTicker", "OffsetFilter"]
 
 SAMPLES = 8  # the samples the estimate is the least of
 _FAST_TICKS = 4  # the first ticks come every half second, so that the first windows are corrected
+_CALL_S = 10.0  # the bound of one store call of the ticker (a wait: its own bound and this)
 
 
 class OffsetFilter:
@@ -57,13 +63,17 @@ class OffsetFilter:
 
 
 def _round_trip(client: Any, key: str) -> float:
-    """The least of 3 round trips to the store (a ``check``), in seconds."""
-    best = float("inf")
-    for _ in range(3):
+    """The least of 3 round trips to the store (a ``check``, timed on the thread that makes it), in seconds."""
+
+    def timed() -> float:
         t0 = time.perf_counter()
         client.check([key])
-        best = min(best, time.perf_counter() - t0)
-    return best
+        return time.perf_counter() - t0
+
+    return min(
+        bounded_store_call(client, timed, Deadline.within(_CALL_S), "the straggler clock's round trip")
+        for _ in range(3)
+    )
 
 
 class ClockTicker(threading.Thread):
@@ -101,10 +111,8 @@ class ClockTicker(threading.Thread):
 
     def run(self) -> None:
         try:
-            import torch.distributed as dist
-
             host, _, port = self.addr.rpartition(":")
-            client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+            client = connect(host, int(port), 30.0)
             half = _round_trip(client, f"{self.prefix}/rtt") / 2
             if self.reference:
                 self._give(client, half)
@@ -117,34 +125,45 @@ class ClockTicker(threading.Thread):
     def _pause(self) -> float:
         return 0.5 if self.ticks < _FAST_TICKS else self.period
 
+    def _call(self, client: Any, fn: Callable[[], Any], bound: float = _CALL_S) -> Any:
+        return bounded_store_call(client, fn, Deadline.within(bound), "the straggler clock")
+
     def _give(self, client: Any, half: float) -> None:
         while self.alive():
-            at = self.clock()
-            client.set(f"{self.prefix}/{self.ticks}", repr(at + half))
-            client.set(f"{self.prefix}/last", str(self.ticks))
-            if self.ticks >= SAMPLES:
-                client.delete_key(f"{self.prefix}/{self.ticks - SAMPLES}")
+
+            def give(tick: int = self.ticks) -> None:
+                client.set(f"{self.prefix}/{tick}", repr(self.clock() + half))  # read just before the set
+                client.set(f"{self.prefix}/last", str(tick))
+                if tick >= SAMPLES:
+                    client.delete_key(f"{self.prefix}/{tick - SAMPLES}")
+
+            self._call(client, give)
             self.ticks += 1
             time.sleep(self._pause())
 
     def _last(self, client: Any) -> int:
         key = f"{self.prefix}/last"
-        return int(client.get(key)) if client.check([key]) else -1
+        return int(self._call(client, lambda: client.get(key) if client.check([key]) else b"-1"))
 
     def _take(self, client: Any, half: float) -> None:
         following = self._last(client) + 1  # the next tick to wait for
+        bound = max(30.0, 3 * self.period)
         while self.alive():
-            key = f"{self.prefix}/{following}"
+
+            def released(key: str = f"{self.prefix}/{following}") -> tuple[float, float]:
+                client.wait([key], timedelta(seconds=bound))
+                at = self.clock()  # as the store released this thread
+                return at, float(client.get(key))
+
             try:
-                client.wait([key], timedelta(seconds=max(30.0, 3 * self.period)))
+                at, reference = self._call(client, released, bound + _CALL_S)
             except Exception:  # noqa: BLE001 - the reference did not tick in time: poll, do not wait again
                 last = self._last(client)
                 while self.alive() and self._last(client) == last:
                     time.sleep(self.period)
                 following = self._last(client) + 1
                 continue
-            released = self.clock()
-            self.offsets.add(released, half, float(client.get(key)))
+            self.offsets.add(at, half, reference)
             self.ticks += 1
             following += 1
             last = self._last(client)

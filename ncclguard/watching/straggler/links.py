@@ -23,7 +23,7 @@ import socket
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
-from ncclguard.incidents.model import MAX_LINKS, LinkSample
+from ncclguard.incidents.straggler_model import MAX_LINKS, LinkSample
 
 __all__ = [
     "LINK_MIN_BYTES",

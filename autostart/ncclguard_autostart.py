@@ -1,0 +1,163 @@
+"""ncclguard switched on without a line of the training script changed: the part that runs at start-up.
+
+``ncclguard-autostart.pth`` (installed at the top of site-packages) imports this module, in every
+Python process, only when ``NCCLGUARD_AUTO`` is set; unset, the ``.pth`` line costs one look-up in
+``os.environ`` and nothing is imported. :func:`boot` then
+
+- turns torch's flight recorder on (``TORCH_FR_BUFFER_SIZE=2000`` unless the job set it), and
+- waits for ``torch.distributed.distributed_c10d`` to load (an import hook: nothing of torch or
+  ncclguard is imported here) and wraps its ``init_process_group`` as soon as the module has run,
+  before ``torch.distributed``, ``torch.distributed.device_mesh`` or any other module binds the name;
+  every way a process group is made ends there: ``init_process_group``, ``init_device_mesh``, the
+  HF Trainer and Accelerate, Lightning, DeepSpeed's ``init_distributed``.
+
+Right after the default group is made, the wrapper calls :func:`ncclguard.cli.autostart.started`,
+which starts the watchdog (settings from ``NCCLGUARD_WATCHDOG_*``) and prints, on rank 0, the line
+to run ``python -m ncclguard status``. ``python -m ncclguard run`` sets the variable for its ranks;
+``NCCLGUARD_AUTO=1 torchrun ...`` or ``srun`` with the variable exported does the same.
+
+This module is top-level (not ``ncclguard.*``) because importing anything under ``ncclguard``
+imports the package's face, and with it torch: at interpreter start-up that would cost seconds in
+every process and import torch before the script's own environment settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["ENV_VAR", "boot", "enabled", "patch"]
+
+ENV_VAR = "NCCLGUARD_AUTO"
+_C10D = "torch.distributed.distributed_c10d"
+# Modules that bind c10d's init_process_group by name when they load after it: their copy is
+# replaced too when the hook is installed late (c10d already loaded).
+_BINDERS = ("torch.distributed", "torch.distributed.device_mesh")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def enabled(environ: Any = None) -> bool:
+    """True when ``NCCLGUARD_AUTO`` asks for ncclguard (set, and not 0, false, no or off)."""
+    env = os.environ if environ is None else environ
+    return str(env.get(ENV_VAR, "")).strip().lower() not in _OFF
+
+
+class _Booted:
+    """What :func:`boot` did in this process (it runs once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = False
+
+
+_BOOTED = _Booted()
+
+
+class _ChainedLoader(importlib.abc.Loader):
+    """Runs the real loader, then ``after(module)``; the module keeps the real loader as its own."""
+
+    def __init__(self, real: Any, after: Callable[[ModuleType], object]) -> None:
+        self.real, self.after = real, after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Tracebacks (linecache) and inspect read source through the module's loader: the real one.
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.real
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.real
+        self.real.exec_module(module)
+        self.after(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands c10d's spec back with a loader that patches it once it has run."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _C10D:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _ChainedLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _after_init(backend_made: bool) -> None:
+    if not backend_made:
+        return
+    try:
+        from ncclguard.cli import autostart
+
+        autostart.started()
+    except Exception:  # the job must go on without ncclguard rather than die of it
+        logging.getLogger("ncclguard").exception("ncclguard: could not start the watchdog; the job goes on without it")
+
+
+def patch(c10d: ModuleType) -> bool:
+    """Wraps ``c10d.init_process_group`` (and the copies bound from it) so that the watchdog starts
+    right after the default group is made; idempotent.
+
+    Args:
+        c10d: ``torch.distributed.distributed_c10d``.
+
+    Returns:
+        True when the wrapper is in place.
+    """
+    original = getattr(c10d, "init_process_group", None)
+    if original is None:
+        return False
+    if getattr(original, "__ncclguard_auto__", False):
+        return True
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        _after_init(bool(getattr(c10d, "is_initialized", lambda: False)()))
+        return out
+
+    init_process_group.__ncclguard_auto__ = True  # type: ignore[attr-defined]
+    c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
+    for name in _BINDERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "init_process_group", None) is original:
+            module.init_process_group = init_process_group  # type: ignore[attr-defined]
+    return True
+
+
+def boot() -> bool:
+    """Switches ncclguard on in this process when ``NCCLGUARD_AUTO`` asks for it (see the module doc).
+
+    Returns:
+        True when it is on (now or before).
+    """
+    if not enabled():
+        return False
+    with _BOOTED.lock:
+        if _BOOTED.done:
+            return True
+        _BOOTED.done = True
+        # torch reads it when a process group is made; 2000 entries is torch's own default in 2.13.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        c10d = sys.modules.get(_C10D)
+        if c10d is not None:
+            patch(c10d)
+        else:
+            sys.meta_path.insert(0, _Finder())
+    return True

@@ -1,0 +1,396 @@
+"""guarded_evaluate: an evaluation that can fail without taking the training job down.
+
+The seeds' job died at its first evaluation: one rank was still evaluating while the others
+waited for it in a collective, until NCCL's 10-minute watchdog killed the job. Here an
+evaluation either completes on every rank or is skipped on every rank, by a deadline, and the
+training process group is left as it was. Per attempt, on every rank:
+
+1. ``safe_barrier`` on the world group (store based): a rank that is not there makes every
+   rank skip this attempt.
+2. ``eval_fn`` runs in eval mode (engine and wrapped model, restored afterwards) under the
+   deadline ``timeout_s``: the SIGALRM guard ends Python-level stalls (the default
+   ``deadline_guard``; another per-call deadline mechanism plugs in through that option),
+   and collectives that name no group go to a side gloo group whose timeout follows the deadline
+   (:mod:`ncclguard.evaluation.side_group`), so a blocked ``dist.all_reduce`` gives up by the
+   deadline and kills only that side group.
+3. An :class:`EvalSums` result is all-reduced by the guard with ``safe_all_reduce`` on the side group.
+4. The ranks agree through the store (``ncclguard.collectives.rendezvous.exchange``) on the outcome: all use
+   their result or all skip it. A rank that comes late learns the verdict at once.
+5. On an agreed failure the side group is discarded (the next attempt builds a new one), and
+   after ``retries`` further attempts, each after ``shrink()``, ``monitor.log_metrics`` gets
+   ``eval/evaluation_failed`` and the fallback is returned.
+
+Nothing here imports a framework: the engine is used as the ``torch.nn.Module`` it is, so a plain
+model, a DDP wrapper or a DeepSpeed engine works the same. The integrations
+(:mod:`ncclguard.integrations.deepspeed`, ``hf``, ``accelerate``, ``lightning``) wrap this one
+guard. docs/integrations.md lists the limits (NCCL, ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from ncclguard._log import log
+from ncclguard.collectives.all_reduce import safe_all_reduce
+from ncclguard.collectives.barrier import safe_barrier
+from ncclguard.collectives.groups import GroupInfo, group_info
+from ncclguard.collectives.rendezvous import exchange, next_round
+from ncclguard.deadlines import Deadline, to_seconds
+from ncclguard.errors import EvaluationFailed, StoreUnreachable
+from ncclguard.evaluation.modes import eval_mode
+from ncclguard.evaluation.side_group import EvalGroup, deadline_timeout, routed_default_group
+from ncclguard.results import Result
+from ncclguard.sigalrm import sigalrm_timeout
+
+__all__ = [
+    "FAILED_METRIC",
+    "EvalSums",
+    "EvalReport",
+    "GuardOptions",
+    "guarded_evaluate",
+    "last_report",
+    "python_deadline_guard",
+    "run_guarded",
+]
+
+FAILED_METRIC = "eval/evaluation_failed"
+
+
+@dataclass(frozen=True)
+class EvalSums:
+    """Per-rank sums an ``eval_fn`` may return instead of final metrics; the guard reduces them.
+
+    The guard returns ``(loss_sum / count, correct / count)`` over all ranks.
+    """
+
+    loss_sum: float
+    correct: float
+    count: float
+
+
+@dataclass
+class EvalReport(Result):
+    """What the last guarded evaluation did on this rank; truthy when it succeeded.
+
+    Attributes:
+        ok: an attempt succeeded on every rank.
+        value: what was returned (the result, or the fallback).
+        attempts: attempts made (1 + retries used).
+        reasons: why each failed attempt failed, as agreed (one entry per failed attempt).
+        failed_ranks: global ranks that failed or were missing in the last failed attempt.
+        elapsed_s: seconds in the whole call.
+        error: an :class:`~ncclguard.errors.EvaluationFailed` when every attempt failed, else None.
+    """
+
+    ok: bool
+    value: Any
+    attempts: int = 0
+    reasons: list[str] = field(default_factory=list)
+    failed_ranks: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    error: EvaluationFailed | None = None
+
+
+def python_deadline_guard(seconds: float) -> AbstractContextManager[None]:
+    """The default ``deadline_guard``: SIGALRM in the main thread, nothing elsewhere.
+
+    SIGALRM ends Python-level stalls only (a slow loop, a sleep); a blocked C++ call returns
+    first. Collectives on the default group are bounded by the side group's timeout instead.
+
+    Args:
+        seconds: the deadline, from entry.
+
+    Returns:
+        :func:`ncclguard.sigalrm_timeout` (which raises :class:`~ncclguard.errors.DeadlineExceeded`
+        at the deadline) in the main thread; a context manager that does nothing elsewhere.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return sigalrm_timeout(seconds, f"the evaluation ran past its {seconds:.3g} s deadline")
+    log.warning("guarded_evaluate outside the main thread: no SIGALRM guard, only collective timeouts bound it")
+    return nullcontext()
+
+
+class GuardOptions(BaseModel):
+    """Options of :func:`guarded_evaluate` (and the integrations' ``patch_trainer``), validated once.
+
+    Attributes:
+        timeout_s: deadline of one attempt's evaluation, and of its barrier (seconds or timedelta).
+        monitor: an object with ``log_metrics(dict, step)``; told about a failed evaluation.
+        fallback: returned when every attempt failed.
+        retries: further attempts after a failed one.
+        shrink: called (no arguments, on every rank) before each retry, e.g. to halve the batch.
+        grace_s: how long after the deadline the ranks wait for each other's verdict; default
+            ``max(2, timeout_s / 20)``.
+        deadline_guard: ``seconds -> context manager`` that ends the evaluation at its deadline;
+            default :func:`python_deadline_guard`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", frozen=True)
+
+    timeout_s: float
+    monitor: Any = None
+    fallback: Any = (0.0, 0.0)
+    retries: StrictInt = Field(0, ge=0, le=100)
+    shrink: Callable[[], Any] | None = None
+    grace_s: float | None = Field(None, gt=0)
+    deadline_guard: Callable[[float], AbstractContextManager[Any]] = python_deadline_guard
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> float:
+        return to_seconds(value, "timeout_s")
+
+    @field_validator("monitor")
+    @classmethod
+    def _has_log_metrics(cls, value: Any) -> Any:
+        if value is not None and not callable(getattr(value, "log_metrics", None)):
+            raise ValueError(f"monitor must have a log_metrics(metrics: dict, step) method, got {type(value).__name__}")
+        return value
+
+    @property
+    def grace(self) -> float:
+        """Seconds past the deadline to wait for the verdict."""
+        return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
+
+
+_eval_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, EvalGroup] = weakref.WeakKeyDictionary()
+
+
+class _LastReport:
+    """Holds the last report of this process (one holder, mutated; no module global rebound)."""
+
+    __slots__ = ("report",)
+
+    def __init__(self) -> None:
+        self.report: EvalReport | None = None
+
+
+_last = _LastReport()
+
+
+def last_report() -> EvalReport | None:
+    """The report of the last guarded evaluation on this process, or None.
+
+    Returns:
+        The :class:`EvalReport` of the last :func:`guarded_evaluate` (or integration built on
+        it) that returned here, or None before the first one.
+    """
+    return _last.report
+
+
+def guarded_evaluate(
+    engine: torch.nn.Module,
+    eval_fn: Callable[[], Any],
+    *,
+    timeout_s: float | timedelta,
+    step: int | None = None,
+    monitor: Any = None,
+    fallback: Any = (0.0, 0.0),
+    retries: int = 0,
+    shrink: Callable[[], Any] | None = None,
+    **options: Any,
+) -> Any:
+    """Runs ``eval_fn`` on every rank with a deadline; all ranks use its result or all skip it.
+
+    Call it on every rank at the same point of training, like any collective.
+
+    Args:
+        engine: the DeepSpeed engine (or any ``torch.nn.Module``) being evaluated; it and the
+            model it wraps are in eval mode during ``eval_fn`` and get their modes back after.
+        eval_fn: the evaluation, no arguments; returns the metrics (e.g. ``(loss, accuracy)``)
+            or an :class:`EvalSums` for the guard to reduce. It may call ``torch.distributed``
+            collectives with ``group=None``: they run on a side group bounded by the deadline.
+        timeout_s: deadline of each attempt (seconds or timedelta).
+        step: the training step, for the monitor.
+        monitor: ``log_metrics(dict, step)`` receives ``eval/evaluation_failed`` on failure.
+        fallback: returned when every attempt failed.
+        retries: further attempts after a failed one.
+        shrink: called before each retry on every rank (e.g. halve the evaluation batch).
+        **options: ``grace_s`` and ``deadline_guard`` of :class:`GuardOptions`.
+
+    Returns:
+        ``eval_fn``'s result (reduced, for :class:`EvalSums`), or ``fallback``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (before any rank waits on another).
+    """
+    if not callable(eval_fn):
+        raise TypeError(f"eval_fn must be callable with no arguments, got {type(eval_fn).__name__}")
+    if not isinstance(engine, torch.nn.Module):
+        raise TypeError(f"engine must be a DeepSpeed engine or a torch.nn.Module, got {type(engine).__name__}")
+    opts = GuardOptions(
+        timeout_s=timeout_s, monitor=monitor, fallback=fallback, retries=retries, shrink=shrink, **options
+    )
+    return run_guarded(engine, eval_fn, opts, step)
+
+
+def run_guarded(engine: torch.nn.Module, eval_fn: Callable[[], Any], opts: GuardOptions, step: int | None) -> Any:
+    """:func:`guarded_evaluate` with validated options (for integrations that hold a
+    :class:`GuardOptions`, e.g. a patched trainer's ``evaluate``).
+
+    Args:
+        engine: the module to hold in eval mode during ``eval_fn``.
+        eval_fn: the evaluation, no arguments.
+        opts: the options.
+        step: the training step, for the monitor.
+
+    Returns:
+        ``eval_fn``'s result (reduced, for :class:`EvalSums`), or ``opts.fallback``;
+        :func:`last_report` describes the call.
+    """
+    start = time.monotonic()
+    world = group_info(None)
+    report = EvalReport(ok=False, value=opts.fallback)
+    with eval_mode(engine):
+        for attempt in range(opts.retries + 1):
+            report.attempts = attempt + 1
+            shrink_error = _shrink(opts) if attempt else None
+            ok, value, reason, failed = _attempt(world, eval_fn, opts, shrink_error)
+            if ok:
+                report.ok, report.value = True, value
+                break
+            report.reasons.append(f"attempt {attempt + 1}: {reason}")
+            report.failed_ranks = failed
+            log.warning("guarded evaluation, attempt %d of %d failed: %s", attempt + 1, opts.retries + 1, reason)
+    report.elapsed_s = time.monotonic() - start
+    if not report.ok:
+        report.error = EvaluationFailed(
+            f"the evaluation was skipped on every rank after {report.attempts} attempt(s): "
+            + (report.reasons[-1] if report.reasons else "no reason given"),
+            reasons=report.reasons,
+            failed_ranks=report.failed_ranks,
+        )
+    _last.report = report
+    if not report.ok:
+        _tell_monitor(opts.monitor, report, step)
+    return report.value
+
+
+def _shrink(opts: GuardOptions) -> str | None:
+    """Calls ``shrink``; an error is returned, not raised, so this rank still takes part in the attempt."""
+    if opts.shrink is None:
+        return None
+    try:
+        opts.shrink()
+    except Exception as exc:  # noqa: BLE001 - a user's shrink() may raise anything; the attempt goes on
+        log.exception("shrink() failed")
+        return f"shrink() failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _attempt(
+    world: GroupInfo | None, eval_fn: Callable[[], Any], opts: GuardOptions, local_error: str | None
+) -> tuple[bool, Any, str, list[int]]:
+    """One attempt. Returns (ok on every rank, value, agreed reason, failed global ranks)."""
+    if world is None or world.size == 1:
+        value, error = _run_local(eval_fn, opts, None, Deadline.within(opts.timeout_s), local_error)
+        return error is None, value, error or "", [] if error is None else [0]
+
+    barrier = safe_barrier(opts.timeout_s)
+    if not barrier:
+        late = [world.global_rank(world.rank)] if barrier.late else []  # this rank is the missing one
+        return False, None, f"barrier before the evaluation failed: {barrier.error}", barrier.missing_ranks or late
+    deadline = Deadline.within(opts.timeout_s)
+    evals = _eval_groups.setdefault(world.group, EvalGroup())
+    value, error = _run_local(eval_fn, opts, evals, deadline, local_error)
+    try:
+        verdict = exchange(
+            world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error}, deadline.plus(opts.grace)
+        )
+    except StoreUnreachable as exc:
+        evals.discard()
+        return False, None, f"could not agree on the outcome: {exc}", []
+    failed = {r: p["error"] for r, p in verdict.payloads.items() if not p["ok"]}
+    if verdict.ok and not failed:
+        return True, value, "", []
+    evals.discard()
+    missing = [world.global_rank(r) for r in verdict.missing]
+    parts = [f"rank {world.global_rank(r)}: {e}" for r, e in sorted(failed.items())]
+    if missing:
+        parts.append(f"ranks {missing} gave no verdict within {opts.grace:g} s of the deadline")
+    elif verdict.late:
+        parts.append("this rank gave its verdict after the others had given up")
+    ranks = sorted({world.global_rank(r) for r in failed} | set(missing))
+    return False, None, "; ".join(parts), ranks
+
+
+def _run_local(
+    eval_fn: Callable[[], Any], opts: GuardOptions, evals: EvalGroup | None, deadline: Deadline, local_error: str | None
+) -> tuple[Any, str | None]:
+    """Runs eval_fn on this rank under the deadline. Returns (value, None) or (None, error text)."""
+    if local_error is not None:
+        return None, local_error
+    try:
+        if evals is None:
+            with opts.deadline_guard(opts.timeout_s):
+                return _finish(eval_fn(), None, deadline), None
+        group = evals.get(opts.timeout_s)
+        # The SIGALRM guard is innermost so that its exception can never land in the code that
+        # restores the default group or stops the timeout thread.
+        with deadline_timeout(group, deadline), routed_default_group(group):
+            with opts.deadline_guard(max(deadline.left(), 1e-3)):
+                value = eval_fn()
+        return _finish(value, group, deadline), None
+    except Exception as exc:  # noqa: BLE001 - any failure of eval_fn becomes this rank's verdict
+        reason = _describe(exc)
+        log.warning("evaluation failed on this rank: %s", reason)
+        return None, reason
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the report; names the exception the deadline interrupted, if any.
+
+    When a collective gives up at the deadline, the SIGALRM guard's exception is raised while
+    the collective's error propagates: the latter (its context) says where the rank was waiting.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    inner = exc.__cause__ or exc.__context__
+    if inner is not None:
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        text += f" (during {type(inner).__name__}: {first})"
+    return text[:500]
+
+
+def _finish(value: Any, group: dist.ProcessGroup | None, deadline: Deadline) -> Any:
+    """Reduces an EvalSums over the side group; any other value is returned as it is."""
+    if not isinstance(value, EvalSums):
+        return value
+    sums = torch.tensor([value.loss_sum, value.correct, value.count], dtype=torch.float64)
+    if group is not None:
+        if deadline.passed():
+            raise TimeoutError("no time left before the deadline to reduce the evaluation's sums")
+        # No explicit timeout: the side group's own timeout follows the deadline (deadline_timeout),
+        # and the default deadline is capped below it, so the reduction gives up before the deadline.
+        # (An explicit `remaining` could round above the group's timeout, which torch keeps in ms.)
+        safe_all_reduce(sums, dist.ReduceOp.SUM, group).raise_for_error()
+    loss_sum, correct, count = sums.tolist()
+    if not count > 0 or not math.isfinite(loss_sum):
+        raise ValueError(f"no usable evaluation result: loss_sum={loss_sum}, count={count}")
+    return loss_sum / count, correct / count
+
+
+def _tell_monitor(monitor: Any, report: EvalReport, step: int | None) -> None:
+    """Sends ``eval/evaluation_failed`` to the monitor; its failure is logged, never raised."""
+    if not callable(getattr(monitor, "log_metrics", None)):
+        return
+    metrics = {
+        FAILED_METRIC: 1.0,
+        "eval/attempts": float(report.attempts),
+        "eval/failure_reason": report.reasons[-1] if report.reasons else "",
+    }
+    try:
+        monitor.log_metrics(metrics, step)
+    except Exception:  # noqa: BLE001 - a monitor must never take training down
+        log.exception("monitor.log_metrics failed while reporting a failed evaluation")

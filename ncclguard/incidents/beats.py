@@ -1,0 +1,132 @@
+"""What the watchdog publishes and exchanges: heartbeats, statements, incidents as raised, notes."""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field
+
+from ncclguard.incidents.base import IncidentKind, Model, OpRecord
+from ncclguard.incidents.straggler_model import StragglerReport, StragglerWindow
+
+__all__ = [
+    "ActionEntry",
+    "BackendOp",
+    "FenceNote",
+    "Heartbeat",
+    "IncidentDoc",
+    "MergedNote",
+    "PeerView",
+    "Statement",
+]
+
+
+class Heartbeat(Model):
+    """What a rank publishes every ``heartbeat_s``."""
+
+    rank: int
+    host: str
+    pid: int
+    beat: int
+    time: float
+    phase: str
+    site: str
+    last_seq: dict[str, int]
+    last_completed: dict[str, int]
+    inflight: list[OpRecord]
+    blocked_in: OpRecord | None = None
+    backend_seq: dict[str, int] | None = None  # the backend's sequence number per group, where read
+    backend_still: dict[str, float] | None = None  # seconds each of those numbers had stood still
+    step: int | None = None  # the training step the rank is in, where its loop marks steps
+    straggler_score: float | None = None  # 1.0: as fast as the fastest peer; lower is slower
+    window: StragglerWindow | None = None  # the last straggler window closed (docs/stragglers.md)
+
+
+class BackendOp(Model):
+    """An op as torch's own flight recorder saw it, whoever issued it (Python or C++)."""
+
+    seq: int  # the rank's backend sequence number in the group when read
+    name: str  # profiling_name, e.g. "gloo:all_reduce"
+    sizes: list[list[int]] = Field(default_factory=list)
+    dtypes: list[str] = Field(default_factory=list)  # torch's scalar type names, e.g. "Float"
+    created: float = 0.0  # time.time() when the backend enqueued it
+    state: str = ""  # gloo: always "scheduled"; NCCL: scheduled, started, completed
+    completed: bool | None = None  # by the recorder's per-group status (gloo too); None: unknown
+    record: OpRecord | None = None  # ncclguard's record of the Python call that issued it, if one did
+
+
+class PeerView(Model):
+    """How a rank sees one of the peers it watches."""
+
+    age_s: float
+    stale: bool
+    seen: bool
+
+
+class Statement(Heartbeat):
+    """What a rank says about itself when it handles an incident: a heartbeat and more."""
+
+    world_size: int = 0
+    stack: list[str] = Field(default_factory=list)
+    recent: list[OpRecord] = Field(default_factory=list)
+    groups: dict[str, list[int]] = Field(default_factory=dict)
+    peers: dict[str, PeerView] = Field(default_factory=dict)
+    backend_ops: dict[str, BackendOp] = Field(default_factory=dict)  # per group: the newest backend op
+
+
+class IncidentDoc(Model):
+    """An incident as raised (the store's ``incident/<n>`` value, and ``incident`` in the files)."""
+
+    kind: IncidentKind
+    reason: str
+    id: str
+    by: int = -1
+    created: float = 0.0
+    n: int = 0  # its number in the store; negative for a rank's local incidents
+    signature: str = ""  # what makes two ranks' detections the same incident ("hang/0/15")
+    group: str | None = None  # hang: the op's group and number
+    seq: int | None = None
+    op: str | None = None
+    ranks: list[int] | None = None  # lost: the ranks that stopped beating
+    store_text: str | None = None  # store: what went wrong, for the report
+    generation: int = 0  # the world's generation (0 until a rebuild); ranks are numbered in it
+    # The rebuild that made this generation: previous generation's rank -> this one's ("2": 1);
+    # None in generation 0.
+    rank_map: dict[str, int] | None = None
+    left_out: list[int] | None = None  # previous generation's ranks not in this one
+    straggler: StragglerReport | None = None  # straggler: who, how much slower, the evidence
+
+    @property
+    def op_key(self) -> tuple[str, int] | None:
+        """``(group, seq)`` of the op that raised a hang incident; None for other kinds."""
+        if self.kind is IncidentKind.HANG and self.group is not None and self.seq is not None:
+            return self.group, self.seq
+        return None
+
+
+class MergedNote(Model):
+    """What the merging rank leaves in the store: where the report is, and whom it names."""
+
+    host: str
+    dir: str
+    summary: str
+    culprits: list[int] = Field(default_factory=list, max_length=65536)  # the ``fence`` rung reads it
+
+
+class FenceNote(Model):
+    """What a rank's ``fence`` rung leaves in the store before the rank exits 0."""
+
+    rank: int
+    host: str
+    pid: int
+    incident: str  # the incident's id
+    time: float
+
+
+class ActionEntry(Model):
+    """One rung of the action ladder as taken (``report``, ``raise``, ..., or ``resolved``)."""
+
+    model_config = ConfigDict(extra="allow")  # an action's own details (exit code, groups aborted)
+
+    rung: str
+    time: float
+    done: bool
+    why: str | None = None

@@ -1,0 +1,93 @@
+"""The watchdog and the worlds it watches: this rank's place in a world, the desk's store connection,
+and a new world (after a rebuild) followed by the watchdog's own thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ncclguard._log import log
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.watching.desk import IncidentDesk
+from ncclguard.watching.protocol import Keys, WatchdogStore, store_addr
+from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.world import World, WorldChange
+
+__all__ = ["Announced", "connect", "rank_and_size", "take_over"]
+
+
+class Announced:
+    """The newest world announced and not yet followed: the subscriber (the announcing thread) puts
+    it, the watchdog's thread takes it at its next tick (it alone touches the per-world members)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._world: World | None = None
+
+    def put(self, change: WorldChange) -> None:
+        with self._lock:
+            self._world = change.new
+
+    def take(self) -> World | None:
+        if self._world is None:  # the common case, every tick: no lock
+            return None
+        with self._lock:
+            world, self._world = self._world, None
+        return world
+
+
+# given: Any, as Watchdog's store (a c10d Store, or a proxy or test double with its methods).
+def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None, generation: int = 0) -> None:
+    """Gives ``desk`` its store: ``given``, else a new client of the job's store; none in a world
+    of one, or when the store cannot be reached (then incidents are handled on each rank alone)."""
+    keys = Keys.from_env(cfg.session, generation=generation)
+    if given is not None:
+        desk.store = WatchdogStore(given, keys, cfg.store_timeout, cfg.peer_timeout)
+        return
+    addr = store_addr(cfg.store_addr)
+    if addr is None or world_size <= 1:
+        log.info("watchdog: no store (world of %d); incidents are handled on this rank only", world_size)
+        return
+    try:
+        store = WatchdogStore.connect(addr, keys, cfg.store_timeout, cfg.peer_timeout)
+        desk.seen_count = store.incident_count()
+    except Exception as exc:  # noqa: BLE001 - any failure to connect leaves the rank on its own
+        desk.store_lost = True
+        log.error(
+            "watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
+            addr,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+        return
+    desk.store, desk.store_addr = store, addr
+
+
+def rank_and_size(world: World) -> tuple[int, int]:
+    """This rank and the size of ``world``: its own once rebuilt, else torch's, else torchrun's."""
+    import torch.distributed as dist
+
+    if world.rank is not None and world.size is not None:
+        return world.rank, world.size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, session: str) -> None:
+    """Makes ``desk`` the desk of ``world``: its incidents say the generation and the renumbering,
+    and it takes ``old``'s store connection (if any) over, keyed for this generation."""
+    desk.world = {
+        "generation": world.generation,
+        "rank_map": {str(k): v for k, v in world.rank_map.items()} if world.generation else None,
+        "left_out": list(world.left_out) if world.generation else None,
+    }
+    if old is None:
+        return
+    desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
+    if desk.store is not None:
+        desk.store.keys = Keys.from_env(session, generation=world.generation)
+        try:
+            desk.seen_count = desk.store.incident_count()
+        except (StoreTimeout, StoreUnreachable):
+            desk.seen_count = 0  # a fresh generation's counter starts at 0 anyway
