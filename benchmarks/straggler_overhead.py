@@ -6,9 +6,11 @@ and the side by side is kept as a cross-check:
 
 (a) **The training thread's hooks**, by a microbenchmark of many repetitions in this process: what the
     loop runs because of ncclguard, per step: ``mark_step()``, ``phase("train", step=i)`` entered and
-    left, and the recording of each collective issued from Python (the wrapper ``instrument()`` puts
+    left, the recording of each collective issued from Python (the wrapper ``instrument()`` puts
     on ``dist.all_reduce``, which ``start_watchdog()`` turns on, minus the bare call: ncclguard's
-    ``recording_cost.py`` method). Per repeat the wrapped minus the plain time; the median of repeats.
+    ``recording_cost.py`` method), and the timing of one batch from a torch DataLoader (the wrapper
+    straggler detection puts on its iterator's ``__next__``, around a call that does nothing). Per
+    repeat the wrapped minus the plain time; the median of repeats.
 (b) **The watchdog's threads**, in the DDP run: the CPU time of every ``ncclguard-*`` thread of each
     rank (its POSIX thread clock) over the ``on`` blocks, per step. Through the GIL such a thread can
     take from the training thread at most the CPU it runs, so this bounds its share of a step. The
@@ -84,6 +86,7 @@ def hook_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
     from ncclguard import mark_step, phase
     from ncclguard.recording.flight import recorder
     from ncclguard.recording.instrument import _spec, _wrap
+    from ncclguard.watching.straggler.inputs import inputs
 
     def noop(*args: Any, **kwargs: Any) -> None:
         return None
@@ -103,10 +106,17 @@ def hook_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
         with phase("train", step=step[0]):
             pass
 
+    def batch(self: Any) -> None:  # a DataLoader iterator's own __next__, doing nothing
+        return None
+
+    def timed_batch(self: Any) -> Any:  # what time_dataloaders() makes of it (inputs.py)
+        return inputs.timed(lambda: batch(self))
+
     cases: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "mark_step": (marked, counted),
         "phase_enter_exit": (phased, lambda: None),
         "recorded_collective": (lambda: wrapped_ar(t), lambda: noop(t)),
+        "dataloader_batch_timed": (lambda: timed_batch(t), lambda: batch(t)),
     }
     out: dict[str, dict[str, float]] = {}
     with phase("train", step=1):
@@ -255,6 +265,7 @@ def analyse(
     calls_per_step = 0 if ddp_only else 1
     hooks_us = hooks["mark_step"]["median_us"] + hooks["phase_enter_exit"]["median_us"]
     hooks_us += calls_per_step * hooks["recorded_collective"]["median_us"]
+    hooks_us += hooks["dataloader_batch_timed"]["median_us"]  # one batch a step, as a loop over a DataLoader
     parent = [b for b in r0 if b["parent_cpu_s"] is not None]
     parent_extra = None
     if parent:  # the store's server: its CPU per step in `on` blocks over `off` blocks

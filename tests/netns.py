@@ -1,9 +1,16 @@
-"""Two hosts on one machine, for the tests: network namespaces joined by a veth pair.
+"""Hosts on one machine, for the tests: network namespaces joined by veth pairs.
 
-Namespace A holds 198.18.0.1/30, namespace B 198.18.0.2/30 (198.18.0.0/15 is the benchmarking
-range of RFC 2544; these addresses exist only inside the two namespaces, which have no other
-interface than loopback, so nothing can leave them). ``pair`` is a module-scoped fixture: import
-it into a test module to use it. Everything made is removed at the end.
+``pair``: two hosts joined by one veth pair. Namespace A holds 198.18.0.1/30, namespace B
+198.18.0.2/30 (198.18.0.0/15 is the benchmarking range of RFC 2544; these addresses exist only inside
+the namespaces, which have no other interface than loopback, so nothing can leave them).
+
+``star``: three hosts on a switch: host ``i`` holds 198.18.1.<i+1>/24 on a veth whose other end is a
+port of a bridge in a fourth namespace (the switch), so that each host has a link of its own that a
+test can slow down (``tc`` on both of its ends: :func:`slow_host`) while the others keep theirs.
+:func:`make_star` and :func:`remove_star` make and remove one outside pytest (the straggler drill).
+
+Both are module-scoped fixtures: import them into a test module to use them. Everything made is
+removed at the end.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +88,83 @@ def pair():
         for ns in (p.ns_a, p.ns_b):
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)  # takes the veth pair with it
+
+
+@dataclass(frozen=True)
+class Star:
+    hosts: tuple[str, ...]  # the hosts' namespaces, host i at STAR_ADDRS[i]
+    switch: str  # the bridge's namespace
+    host_ifs: tuple[str, ...]  # each host's end of its link (in its namespace)
+    switch_ifs: tuple[str, ...]  # the switch's end of each host's link (in the switch's namespace)
+
+
+STAR_ADDRS = tuple(f"198.18.1.{i + 1}" for i in range(8))
+
+
+def make_star(tag: str, hosts: int = 3) -> Star:
+    """Makes ``hosts`` host namespaces and a switch (a bridge in a namespace of its own), one veth
+    pair from each host to the switch; ``tag`` names them (short: interface names hold 15 characters)."""
+    star = Star(
+        hosts=tuple(f"{tag}-h{i}" for i in range(hosts)),
+        switch=f"{tag}-sw",
+        host_ifs=tuple(f"{tag}h{i}"[:15] for i in range(hosts)),
+        switch_ifs=tuple(f"{tag}s{i}"[:15] for i in range(hosts)),
+    )
+    try:
+        for ns in (star.switch, *star.hosts):
+            _ip("netns", "add", ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+        _ip("link", "add", "br0", "type", "bridge", ns=star.switch)
+        _ip("link", "set", "br0", "up", ns=star.switch)
+        for i, ns in enumerate(star.hosts):
+            h, sw = star.host_ifs[i], star.switch_ifs[i]
+            _ip("link", "add", h, "netns", ns, "type", "veth", "peer", "name", sw, "netns", star.switch)
+            _ip("addr", "add", f"{STAR_ADDRS[i]}/24", "dev", h, ns=ns)
+            _ip("link", "set", h, "up", ns=ns)
+            _ip("link", "set", sw, "master", "br0", ns=star.switch)
+            _ip("link", "set", sw, "up", ns=star.switch)
+    except BaseException:
+        remove_star(star)
+        raise
+    return star
+
+
+def remove_star(star: Star) -> None:
+    """Ends what is left running in the star's namespaces and removes them (their veths go with them)."""
+    for ns in (*star.hosts, star.switch):
+        if _ip("netns", "pids", ns, check=False).returncode == 0:
+            _kill_inside(ns)
+        _ip("netns", "del", ns, check=False)
+
+
+def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20, check=check
+    )
+
+
+def slow_host(star: Star, host: int, rate: str) -> None:
+    """Rate-limits host ``host``'s link both ways (``tc ... tbf`` on its end and on the switch's end)."""
+    for ns, ifname in ((star.hosts[host], star.host_ifs[host]), (star.switch, star.switch_ifs[host])):
+        _tc(ns, "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "100ms")
+
+
+def unslow_host(star: Star, host: int) -> None:
+    """Takes the rate limit of :func:`slow_host` off."""
+    for ns, ifname in ((star.hosts[host], star.host_ifs[host]), (star.switch, star.switch_ifs[host])):
+        _tc(ns, "qdisc", "del", "dev", ifname, "root", check=False)
+
+
+@pytest.fixture(scope="module")
+def star():
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    made = make_star(f"ncs{os.getpid() % 100000}")
+    try:
+        yield made
+    finally:
+        remove_star(made)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -161,3 +246,24 @@ def run_two_ranks(
         ],
         timeout_s,
     )
+
+
+def run_star_ranks(
+    star: Star, argv: list[str], out: Path, port: int, timeout_s: float, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
+    """Runs ``argv`` as rank ``i`` on host ``i`` of ``star`` (rank 0's host holds the store), a world of
+    ``len(star.hosts)``; each rank writes its results under ``out``; all are killed past ``timeout_s``."""
+    n = len(star.hosts)
+    common = dict(
+        WORLD_SIZE=str(n),
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR=STAR_ADDRS[0],
+        MASTER_PORT=str(port),
+        NCCLGUARD_TEST_OUT=str(out),
+        OMP_NUM_THREADS="1",
+        **(env or {}),
+    )
+    runs: Sequence[tuple[str, list[str], dict[str, str]]] = [
+        (ns, argv, _env(RANK=str(i), LOCAL_RANK="0", GROUP_RANK=str(i), **common)) for i, ns in enumerate(star.hosts)
+    ]
+    return _run_in(list(runs), timeout_s)

@@ -151,7 +151,7 @@ def test_defaults_fire_on_a_20_percent_compute_slowdown_within_3_windows() -> No
     hits = [d for d in found if d is not None]
     assert len(hits) == 1 and found.index(hits[0]) <= 2
     det = hits[0]
-    assert det.kind is IncidentKind.STRAGGLER and det.signature == "straggler/compute/0"
+    assert det.kind is IncidentKind.STRAGGLER and det.signature == "straggler/compute/0/1"  # the first episode
     assert det.straggler is not None
     assert (det.straggler.rank, det.straggler.cause) == (0, "compute")
     assert det.straggler.slowdown == pytest.approx(1.2, rel=1e-3)
@@ -205,7 +205,7 @@ def test_a_slow_link_is_told_apart_from_a_compute_straggler() -> None:
     assert found[:4] == [None] * 4
     det = found[4]
     assert det is not None and det.straggler is not None and found[5] is None
-    assert (det.signature, det.straggler.cause, det.straggler.ranks) == ("straggler/link", "link", [0, 1])
+    assert (det.signature, det.straggler.cause, det.straggler.ranks) == ("straggler/link/1", "link", [0, 1])
     assert det.straggler.slowdown == pytest.approx(2.5, rel=1e-3)
     assert "the transfer itself in all_reduce" in det.straggler.where
 
@@ -234,7 +234,7 @@ def test_a_slow_link_seen_through_a_load_burst_is_still_reported_once_the_burst_
     assert found[:7] == [None] * 7
     det = found[7]
     assert det is not None and det.straggler is not None
-    assert (det.signature, det.straggler.cause) == ("straggler/link", "link")
+    assert (det.signature, det.straggler.cause) == ("straggler/link/1", "link")
     assert det.straggler.slowdown == pytest.approx(2.5, rel=1e-3)
 
 

@@ -26,7 +26,10 @@ File format version 2 (``format_version: 2``) is version 1 plus:
 - rank dumps may carry ``track`` (where the main thread was: its phase or function, as spans) and
   ``backend`` (the newest entries of torch's flight recorder, whoever issued them: DDP's bucket
   all_reduces, FSDP's all_gathers), which the incident's pictures draw; whereabouts may carry
-  ``func``, the function of the main thread's call site.
+  ``func``, the function of the main thread's call site;
+- straggler windows may carry ``input_s``, ``clock_offset_s`` and ``links``, their evidence
+  ``input_frac``, ``peers_input_frac``, ``clock_offset_s`` and ``links``, straggler reports cause
+  ``input`` and a ``culprit`` (docs/stragglers.md).
 
 The model is split by role: :mod:`~ncclguard.incidents.base` (the enums, a flight record),
 :mod:`~ncclguard.incidents.beats` (what the watchdog publishes), :mod:`~ncclguard.incidents.findings`

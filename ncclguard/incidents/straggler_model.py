@@ -8,12 +8,22 @@ from pydantic import Field
 
 from ncclguard.incidents.base import Model
 
-__all__ = ["MAX_ARRIVALS", "Arrival", "StragglerReport", "StragglerWindow", "WindowEvidence"]
+__all__ = ["MAX_ARRIVALS", "MAX_LINKS", "Arrival", "LinkSample", "StragglerReport", "StragglerWindow", "WindowEvidence"]
 
 
 # A collective's backend number and the time.time() a rank reached it (torch's time_created_ns).
 Arrival = tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]]
 MAX_ARRIVALS = 32  # arrivals a window carries: about 1 KB of the heartbeat
+# A TCP connection's traffic over a window, from the sender's side (Linux TCP_INFO): its local and
+# peer addresses, the bytes the peer acknowledged, and the seconds it had data in flight less the
+# time the receiver's window held it back (docs/stragglers.md, "Links").
+LinkSample = tuple[
+    Annotated[str, Field(max_length=64)],
+    Annotated[str, Field(max_length=64)],
+    Annotated[float, Field(ge=0, allow_inf_nan=False)],
+    Annotated[float, Field(ge=0, allow_inf_nan=False)],
+]
+MAX_LINKS = 8  # link samples a window carries, the busiest first
 
 
 class StragglerWindow(Model):
@@ -46,6 +56,12 @@ class StragglerWindow(Model):
     # The main thread's run delay between its first and last arrival (the span the arrivals judge),
     # from the watchdog's samples at each tick; None where not sampled.
     arrivals_run_delay_s: float | None = Field(None, ge=0)
+    # The main thread's time in the input pipeline (a DataLoader's next batch), None where not timed;
+    # this rank's wall clock less the reference rank's, as the store's notifications measure it;
+    # its TCP connections' traffic (none where they are not TCP, or the OS does not tell).
+    input_s: float | None = Field(None, ge=0)
+    clock_offset_s: float | None = Field(None, allow_inf_nan=False)
+    links: list[LinkSample] = Field(default_factory=list, max_length=MAX_LINKS)
 
 
 class WindowEvidence(Model):
@@ -72,14 +88,22 @@ class WindowEvidence(Model):
     # issued from C++ included), over ``common_ops`` ops every rank compared holds.
     source: Literal["records", "backend"] = "records"
     common_ops: int | None = None
+    # The shares of the window spent in the input pipeline, its own and its peers' median (None
+    # where a rank compared does not time it); the clock offset taken out of its arrivals; every
+    # link compared (source, destination, bytes, busy seconds).
+    input_frac: float | None = None
+    peers_input_frac: float | None = None
+    clock_offset_s: float | None = None
+    links: list[LinkSample] = Field(default_factory=list, max_length=64)
 
 
 class StragglerReport(Model):
     """What a ``straggler`` incident says: who, how much slower, where the time goes, and the evidence."""
 
-    rank: int  # the slow rank (compute), or the rank that raised it (link)
-    cause: Literal["compute", "link"]
+    rank: int  # the slow rank (compute, input), or the rank that raised it (link)
+    cause: Literal["compute", "link", "input"]
     slowdown: float  # compute: its compute over its peers'; link: the transfer over its baseline
     where: str  # one line: "compute in phase 'train step=3'", "the transfer itself in all_reduce"
     ranks: list[int] = Field(default_factory=list, max_length=1024)  # link: the ranks whose transfers slowed
+    culprit: str = Field("", max_length=200)  # one line: "rank 2", "host 198.18.1.3", "the link a <-> b"
     windows: list[WindowEvidence] = Field(default_factory=list, max_length=100)
