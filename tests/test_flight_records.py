@@ -18,11 +18,12 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ncclguard import instrument, phase, uninstrument
+from ncclguard import phase
 from ncclguard.incidents import files
 from ncclguard.incidents.model import OpRecord
 from ncclguard.recording import instrument as ins
 from ncclguard.recording.flight import FlightRecorder, doors, recorder
+from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.record import FlightRecord
 from ncclguard.watching.snapshot import RankState
 
