@@ -65,6 +65,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     import ncclguard
     from ncclguard import _torch_compat as compat
+    from ncclguard.recording.instrument import instrument, uninstrument
 
     torch.set_num_threads(1)
     under_callgrind = args.callgrind_child
@@ -77,9 +78,9 @@ def _worker(args: argparse.Namespace) -> int:
             while ctl.poll() is None:
                 time.sleep(0.001)
 
-    ncclguard.instrument()  # before DeepSpeed binds its gather and reduce-scatter (see the module doc)
+    instrument()  # before DeepSpeed binds its gather and reduce-scatter (see the module doc)
     deepspeed.init_distributed(dist_backend="gloo")
-    ncclguard.uninstrument()
+    uninstrument()
     rank, world = dist.get_rank(), dist.get_world_size()
     cdb = deepspeed.comm.comm.cdb
 
@@ -134,7 +135,7 @@ def _worker(args: argparse.Namespace) -> int:
             on = mode == "on"
             dist.barrier()
             if on:
-                ncclguard.instrument()
+                instrument()
                 ncclguard.start_watchdog(hang_timeout_s=120.0, incident_dir=incident_dir, action="report")
             rebind()
             for _ in range(args.settle):
@@ -158,7 +159,7 @@ def _worker(args: argparse.Namespace) -> int:
                 if wd is None:
                     raise RuntimeError("the watchdog stopped during the block")
                 wd.stop()
-                ncclguard.uninstrument()
+                uninstrument()
             rebind()
             out.append({"round": r, "mode": mode, "step_s": times, "cpu_s": cpu, "recorded": rec, "backend": ran})
     idle = []
@@ -166,7 +167,7 @@ def _worker(args: argparse.Namespace) -> int:
         for on in (False, True) if r % 2 == 0 else (True, False):
             dist.barrier()
             if on:
-                ncclguard.instrument()
+                instrument()
                 ncclguard.start_watchdog(hang_timeout_s=120.0, incident_dir=incident_dir, action="report")
                 time.sleep(1.0)  # connected and past its first beat before the clock starts
             p0, t0 = time.process_time(), time.perf_counter()
@@ -176,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
                 wd = ncclguard.current_watchdog()
                 if wd is not None:
                     wd.stop()
-                ncclguard.uninstrument()
+                uninstrument()
     dist.barrier()
     doc = {"rank": rank, "blocks": out, "idle": idle, "ncclguard": ncclguard.__file__}
     print("RESULT " + json.dumps(doc), flush=True)
