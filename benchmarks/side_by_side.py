@@ -40,6 +40,20 @@ def _run(cmd: list[str], tree: Path, timeout_s: float) -> None:
         raise SystemExit(f"{cmd} in {tree} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def _commit(tree: Path) -> str:
+    """The tree's commit, which names it without a path of this machine (``git describe``'s form)."""
+    proc = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def _command(trees: dict[str, str]) -> str:
+    """This run's command line, each tree's path replaced by its name in capitals."""
+    words = [Path(sys.executable).name, *sys.argv]
+    for name, path in trees.items():
+        words = [w.replace(f"{name}={path}", f"{name}={name.upper()}_TREE") for w in words]
+    return " ".join(words)
+
+
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -135,7 +149,7 @@ def main() -> int:
             loads = [x["load_1min"] for x in rows]
             print(f"{what:9s} {name:6s} {cells}; load {min(loads):.2f}..{max(loads):.2f}")
     if args.json:
-        doc = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "trees": trees, "runs": runs}
+        doc = {"command": _command(trees), "trees": {name: _commit(path) for name, path in paths.items()}, "runs": runs}
         doc["summary"] = summary
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -179,7 +179,7 @@ def _worker(args: argparse.Namespace) -> int:
                     wd.stop()
                 uninstrument()
     dist.barrier()
-    doc = {"rank": rank, "blocks": out, "idle": idle, "ncclguard": ncclguard.__file__}
+    doc = {"rank": rank, "blocks": out, "idle": idle, "ncclguard": str(Path(ncclguard.__file__).parent.parent.name)}
     print("RESULT " + json.dumps(doc), flush=True)
     dist.destroy_process_group()
     return 0
