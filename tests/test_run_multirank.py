@@ -79,11 +79,13 @@ class Launch:
 
 
 def results(output: str) -> dict[int, dict]:
+    """Each rank's ``RESULT {json}``, wherever it is: the ranks share torchrun's output, and two
+    ranks' lines have been seen run together on one line."""
     found = {}
-    for line in output.splitlines():
-        if line.startswith("RESULT "):
-            got = json.loads(line[len("RESULT ") :])
-            found[got["rank"]] = got
+    decoder = json.JSONDecoder()
+    for part in output.split("RESULT ")[1:]:
+        got, _ = decoder.raw_decode(part)
+        found[got["rank"]] = got
     return found
 
 

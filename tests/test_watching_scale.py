@@ -24,9 +24,11 @@ pytestmark = pytest.mark.multirank  # worker processes, tens of seconds
 
 HEARTBEAT_S = 2.0
 HANG_S = 4.0
-# Hang guard on the report: over 3x the 8.4 s a loaded CI run took at 256 ranks (the bound of the
-# benchmark, hang_timeout_s + 2 * heartbeat_s, is 8 s); must stay under HANG_S + max_report_wait.
-REPORT_GUARD_S = 30.0
+# Hang guard on the report, not a latency: a CI run beside the straggler launches wrote the 256-rank
+# report (right, naming the culprit alone) after 31.9 s, its 320 simulated ranks starved of CPU (the
+# bound of the benchmark, hang_timeout_s + 2 * heartbeat_s, is 8 s); must stay under HANG_S +
+# max_report_wait.
+REPORT_GUARD_S = 60.0
 # The per-rank request rate at 256 ranks over that at 64: equal by the protocol (watch_peers = 16
 # peers read per beat, one counter read per tick; measured 1.00 at 256 and 0.92 at 1,024 ranks,
 # benchmarks/results/watchdog_scale.json). Reading every peer would make it 4x; 2x leaves a loaded
@@ -56,7 +58,7 @@ def runs():
         warm=2 * HEARTBEAT_S,
         window=4 * HEARTBEAT_S,
         connect_timeout=120.0,
-        max_report_wait=40.0,  # the search for the report gives up at HANG_S + this, past REPORT_GUARD_S
+        max_report_wait=70.0,  # the search for the report gives up at HANG_S + this, past REPORT_GUARD_S
         max_wait=120.0,
     )
     # Both sizes at once, each with its own server and worker processes: most of a run is waiting

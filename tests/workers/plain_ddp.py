@@ -53,7 +53,9 @@ def main() -> int:
         if step == 1 and rank == args.slow_rank:
             evaluate(model, args.eval_s)  # the others wait in step 2's all_reduce meanwhile
     watchdogs = [t.name for t in threading.enumerate() if t.name == "ncclguard-watchdog"]
-    print("RESULT " + json.dumps({"rank": rank, "watchdog_threads": len(watchdogs)}), flush=True)
+    # One write with its newline: the ranks share torchrun's output (print writes the line and its end apart).
+    sys.stdout.write("RESULT " + json.dumps({"rank": rank, "watchdog_threads": len(watchdogs)}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     return args.exit_code
 
