@@ -19,6 +19,24 @@ settings.register_profile("loaded", deadline=None, suppress_health_check=[Health
 settings.load_profile("loaded")
 
 
+@pytest.fixture(params=["compiled", "generated"])
+def wrapper_kind(request, monkeypatch):
+    """instrument() installs the compiled wrapper (_hotpath.c) or the generated Python one, the
+    recorder cleared before and after: a test that takes this fixture runs with both."""
+    from ncclguard.recording import instrument as ins
+    from ncclguard.recording.flight import recorder
+
+    if request.param == "compiled" and ins._hotpath is None:
+        pytest.skip("the compiled wrapper is not built in this install (setup.py builds it with a C compiler)")
+    if request.param == "generated":
+        monkeypatch.setattr(ins, "_hotpath", None)
+    ins.uninstrument()
+    recorder.clear()
+    yield request.param
+    ins.uninstrument()
+    recorder.clear()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_config():
     """Each test starts from the configuration in force before it, whatever it configured."""

@@ -39,19 +39,11 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.fixture(params=["compiled", "generated"])
-def fresh(request, monkeypatch):
+@pytest.fixture
+def fresh(wrapper_kind):
     """A cleared recorder; instrument() installs the compiled wrapper (_hotpath.c) or the generated
     Python one: every test that instruments runs with both."""
-    if request.param == "compiled" and ins._hotpath is None:
-        pytest.skip("the compiled wrapper is not built in this install (setup.py builds it with a C compiler)")
-    if request.param == "generated":
-        monkeypatch.setattr(ins, "_hotpath", None)
-    uninstrument()
-    recorder.clear()
-    yield recorder
-    uninstrument()
-    recorder.clear()
+    return recorder
 
 
 # ----------------------------------------------------------------------------- the recorder

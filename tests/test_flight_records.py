@@ -43,18 +43,10 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.fixture(params=["compiled", "generated"])
-def wrappers(request, monkeypatch):
+@pytest.fixture
+def wrappers(wrapper_kind):
     """instrument() installs the compiled wrapper or the generated one; the recorder starts empty."""
-    if request.param == "compiled" and ins._hotpath is None:
-        pytest.skip("the compiled wrapper is not built in this install (setup.py builds it with a C compiler)")
-    if request.param == "generated":
-        monkeypatch.setattr(ins, "_hotpath", None)
-    uninstrument()
-    recorder.clear()
-    yield request.param
-    uninstrument()
-    recorder.clear()
+    return wrapper_kind
 
 
 def chunked_call(group: str, numel: int) -> list[Any] | None:

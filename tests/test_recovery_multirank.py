@@ -64,7 +64,7 @@ def test_after_a_timeout_the_world_is_rebuilt_and_everything_works(timeout_job):
         assert (rebuilt["generation"], rebuilt["rank"], rebuilt["world_size"]) == (1, rank, 3)
         assert rebuilt["rank_map"] == {"0": 0, "1": 1, "2": 2}
         assert rebuilt["missing"] == [] and rebuilt["error"] is None
-        assert rebuilt["elapsed"] < 10
+        assert rebuilt["elapsed"] < 10  # hang guard: a rebuild with every rank alive takes milliseconds
         assert r["generation"] == 1
         assert r["recorder_after"] == {"records": 0, "seq": {}}  # the abandoned ops are forgotten
         assert r["new_timeout_s"] == 20.0  # the old world's collective timeout, not the handshake's
@@ -128,7 +128,8 @@ def test_a_rank_that_does_not_call_is_named_and_a_late_one_is_told(absent_job):
         assert "ranks [2] did not reach rebuild_world within 2 s" in r["absent"]["error"]
         assert r["unchanged"] == {"same_group": True, "world": 3}
     late = absent_job[2]["absent"]
-    assert late["ok"] is False and late["late"] is True and late["elapsed"] < 0.5
+    # At once, not at its own 5 s timeout: half of it is the hang guard (milliseconds measured).
+    assert late["ok"] is False and late["late"] is True and late["elapsed"] < 2.5
     assert "gave up waiting for ranks 2" in late["error"]
     # Every rank calls again: the attempts line up and the world of 3 is rebuilt.
     for rank in range(3):

@@ -193,7 +193,8 @@ def eval_group_checks(rank: int) -> dict:
     dist.barrier()  # the world group is untouched by the side group's failure
     res["world_ok_after"] = True
 
-    # Why the refresh thread: lowering the timeout of a group does not reach an op in flight.
+    # Why the refresh thread: lowering the timeout of a group does not reach an op in flight. The
+    # patch of a live group's timeout is what this check is about (torch's behaviour), not a setting.
     fixed = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
     start = time.monotonic()
     if rank == 0:
