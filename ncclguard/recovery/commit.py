@@ -61,7 +61,7 @@ from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 if TYPE_CHECKING:
     from ncclguard.collectives.groups import GroupInfo
 
-__all__ = ["CommitResult", "committed_step", "should_commit"]
+__all__ = ["CommitResult", "committed_step", "note_point_to_point", "should_commit"]
 
 
 @dataclass
@@ -204,9 +204,28 @@ def _other_sequences(info: GroupInfo) -> dict[str, int]:
     return found
 
 
+_P2P: Slot[set[str]] = Slot("groups declared point-to-point", lambda world: set[str]())
+
+
+def note_point_to_point(group: dist.ProcessGroup) -> None:
+    """Declares a group of this world whose ranks run point-to-point ops that the flight recorder
+    does not see (the snapshots' side group): its sequence numbers differ between healthy ranks,
+    and the commit does not compare them.
+
+    Args:
+        group: a process group of the current world.
+    """
+    name = compat.group_names().get(group)
+    if name is not None:
+        current_world().get(_P2P).add(name)
+
+
 def _p2p_groups() -> list[str]:
-    """The groups on which the flight recorder saw point-to-point ops (see Statement.p2p_groups)."""
-    names = sorted(k.removesuffix(":p2p") for k in recorder.last_seq() if k.endswith(":p2p"))
+    """The groups on which the flight recorder saw point-to-point ops, and those declared so
+    (:func:`note_point_to_point`; see Statement.p2p_groups)."""
+    seen = {k.removesuffix(":p2p") for k in recorder.last_seq() if k.endswith(":p2p")}
+    declared: set[str] = current_world().get(_P2P)
+    names = sorted(seen | declared)
     # Past the bounds, say every group ("*"): a comparison left out is safer than a healthy rank named.
     fits = len(names) <= MAX_GROUPS and all(len(n) <= MAX_GROUP_NAME_CHARS for n in names)
     return names if fits else ["*"]

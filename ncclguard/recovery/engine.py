@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.errors import CommitFailed, NcclGuardError, RebuildFailed
+from ncclguard.errors import CommitFailed, HealFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.heal import HealResult, heal_from_peer
@@ -59,6 +59,9 @@ from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
 from ncclguard.recovery.rejoin import rejoin_world
+from ncclguard.recovery.snapshots.keeper import Keeper
+from ncclguard.recovery.snapshots.restore import Restored, restore
+from ncclguard.recovery.snapshots.state import StateCodec
 from ncclguard.watching.actions import exit_now
 
 __all__ = ["Adapter", "Recovery", "Reenter", "Transaction"]
@@ -82,7 +85,7 @@ class _Carried:
     commits: list[CommitResult]
     clock: _Clock
     joined: list[int]
-    healed: HealResult | None
+    healed: HealResult | Restored | None
     start: float
 
 
@@ -152,6 +155,19 @@ class Adapter(abc.ABC):
         """On a restarted rank: takes what :meth:`heal_extra` sent (``result.extra``)."""
         return None
 
+    def state_codec(self) -> StateCodec | None:
+        """How to take this rank's own state out of the model and put it back, for a model whose
+        ranks hold different state (FSDP2's shards, DeepSpeed ZeRO's partitions): with ``heal``,
+        the engine then keeps snapshots replicated on a buddy rank and restores a restarted rank
+        from them (:mod:`ncclguard.recovery.snapshots`). None (the default): every rank holds the
+        same state, and a live peer sends it whole (:func:`~ncclguard.recovery.heal.heal_from_peer`)."""
+        return None
+
+    def wrap_joined(self) -> None:
+        """On a restarted rank with sharded state, after it joined the world and before the
+        restore: builds what holds the state on the joined world (FSDP2 shards the module)."""
+        return None
+
 
 class Recovery:
     """The engine: owns every transaction of one training loop on this rank (see the module doc).
@@ -179,8 +195,13 @@ class Recovery:
         self._redo_next = False  # a restarted process's first step is the survivors' redo
         self._carried: _Carried | None = None  # a step left by Reenter
         self.left = False  # this rank was left out (with left_out="raise"): no further step
+        codec = adapter.state_codec() if options.heal else None
+        # Sharded state: snapshots of this rank's own state, replicated on a buddy (no disk).
+        self.keeper: Keeper | None = (
+            Keeper(codec, every=options.snapshot_every, timeout_s=options.heal_timeout_s) if codec is not None else None
+        )
 
-    def join_if_restarted(self) -> HealResult | None:
+    def join_if_restarted(self) -> HealResult | Restored | None:
         """In a process restarted after its rank died, with ``heal`` on: joins the survivors' next
         rebuild (:func:`~ncclguard.recovery.rejoin.rejoin_world`) and receives the module's and the
         optimizer's state from a live peer. Elsewhere, nothing.
@@ -196,6 +217,11 @@ class Recovery:
             return None
         stand_in.leave()  # what the framework set up on it is built again on the joined world
         rejoin_world(timeout=self.options.rebuild_timeout_s).raise_for_error()
+        if self.keeper is not None:
+            self.adapter.wrap_joined()
+            restored = restore(self.keeper, None, self.options.heal_timeout_s).raise_for_error()
+            self.applied, self._redo_next = restored.step or 0, True
+            return restored
         healed = heal_from_peer(
             self.adapter.get_module(),
             self.adapter.get_optimizer(),
@@ -247,8 +273,24 @@ class Recovery:
             carried = None  # a different step: the one left by Reenter is not coming back
         tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next, carried=carried)
         self._open, self._redo_next = tx, False
+        if self.keeper is not None:
+            self._snapshot(tx)
         self.bound.arm()
         return tx
+
+    def _snapshot(self, tx: Transaction[Any]) -> None:
+        """Takes the step's snapshot when one is due. A redo takes none: the others are inside
+        their transaction's redo then, not at a step boundary."""
+        keeper = self.keeper
+        assert keeper is not None
+        keeper.note_begin()
+        if tx._redo or not keeper.due(tx.number) or not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
+            keeper.take(tx.number, tx.kept)
+        except HealFailed as exc:  # a peer died during the swap: this step fails on every rank
+            log.warning("%s: step %d's snapshot failed: %s", self.adapter.name, tx.number, exc)
+            tx.failure = exc
 
     # --------------------------------------------------------------- what a failed commit sets off
 
@@ -290,9 +332,10 @@ class Recovery:
         """Sends the state as the step found it to the restarted ranks the rebuild admitted.
 
         Returns:
-            The heal's result, or None when nobody joined or ``heal`` is off.
+            The heal's result, or None when nobody joined or ``heal`` is off (or the state is
+            sharded: :meth:`restore_joined` after the re-wrap).
         """
-        if not (self.options.heal and rebuilt.joined_ranks):
+        if not (self.options.heal and rebuilt.joined_ranks) or self.keeper is not None:
             return None
         return heal_from_peer(
             self.adapter.get_module(),
@@ -302,6 +345,20 @@ class Recovery:
             chunk_bytes=self.options.heal_chunk_bytes,
             extra=self.adapter.heal_extra(),
         )
+
+    def restore_joined(self, rebuilt: RebuildResult, step: int) -> Restored | None:
+        """Sharded state: brings every rank back to one snapshot, the restarted ranks from their
+        buddies' replicas (after the re-wrap).
+
+        Returns:
+            The restore's result, or None when nobody joined or the state is not sharded.
+        """
+        if self.keeper is None or not rebuilt.joined_ranks:
+            return None
+        restored = restore(self.keeper, step, self.options.heal_timeout_s)
+        if restored.rolled_back:
+            self._redo_next = True  # the loop goes back to the snapshot's step, a redo everywhere
+        return restored
 
 
 class Transaction(Generic[T]):
@@ -427,6 +484,21 @@ class Transaction(Generic[T]):
                         engine._carried = _Carried(number, attempt, commits, clock, joined, healed, self._start)
                         raise
                     clock.lap("rewrap")
+                    restored = engine.restore_joined(rebuilt, number)
+                    if restored is not None:
+                        clock.lap("heal")
+                        healed = restored
+                        if not restored:
+                            return self._result(False, attempt, rebuilds, commits, restored.error, healed)
+                        if restored.rolled_back:
+                            log.warning(
+                                "%s: every rank went back to step %s; the loop runs again from there",
+                                adapter.name,
+                                restored.step,
+                            )
+                            back = self._result(False, attempt, rebuilds, commits, None, healed)
+                            back.rewound_to = restored.step
+                            return back
                 log.warning(
                     "%s: redoing step %d in world generation %d (%d ranks), attempt %d",
                     adapter.name,
@@ -471,7 +543,7 @@ class Transaction(Generic[T]):
         rebuilds: int,
         commits: list[CommitResult],
         error: NcclGuardError | None,
-        healed: HealResult | None,
+        healed: HealResult | Restored | None,
     ) -> StepResult[T]:
         return StepResult(
             ok,

@@ -39,6 +39,8 @@ class RecoveryOptions:
         heal_timeout_s: seconds for one state transfer.
         heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
+        snapshot_every: sharded state with ``heal``: a snapshot every this many steps; None: as
+            often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
     """
 
     collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -50,6 +52,7 @@ class RecoveryOptions:
     heal_timeout_s: float = 60.0
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     left_out: LeftOut = "exit"
+    snapshot_every: int | None = None
 
 
 def recovery_options(
@@ -63,6 +66,7 @@ def recovery_options(
     heal_timeout: float | timedelta = 60.0,
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     left_out: LeftOut = "exit",
+    snapshot_every: int | None = None,
 ) -> RecoveryOptions:
     """Checks the engine's arguments (every adapter takes these names) and returns the options.
 
@@ -76,6 +80,12 @@ def recovery_options(
         raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
     if isinstance(heal_chunk_bytes, bool) or not isinstance(heal_chunk_bytes, int) or heal_chunk_bytes < 1:
         raise ValueError(f"heal_chunk_bytes must be a positive int, got {heal_chunk_bytes!r}")
+    if snapshot_every is not None and (
+        isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
+    ):
+        raise ValueError(
+            f"snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {snapshot_every!r}"
+        )
     if left_out not in ("exit", "raise"):
         raise ValueError(f"left_out must be 'exit' or 'raise', got {left_out!r}")
     bound = None if collective_timeout is None else to_seconds(collective_timeout, "collective_timeout")
@@ -90,4 +100,5 @@ def recovery_options(
         heal_timeout_s=to_seconds(heal_timeout, "heal_timeout"),
         heal_chunk_bytes=heal_chunk_bytes,
         left_out=left_out,
+        snapshot_every=snapshot_every,
     )

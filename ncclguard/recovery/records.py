@@ -11,6 +11,7 @@ from ncclguard.errors import CommitFailed, NcclGuardError
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.results import Result
 
 __all__ = ["Recovered", "StepResult", "WorldEvent"]
@@ -70,7 +71,11 @@ class StepResult(Result, Generic[T]):
         error: why the step may not be applied (:class:`~ncclguard.errors.CommitFailed` after the
             last attempt, :class:`~ncclguard.errors.RebuildFailed` when no world could be rebuilt,
             :class:`~ncclguard.errors.HealFailed` when restarted ranks joined and were not healed).
-        healed: this rank's part in healing the restarted ranks that joined (None when none did).
+        healed: this rank's part in healing the restarted ranks that joined (None when none did):
+            a :class:`~ncclguard.recovery.heal.HealResult` (a replicated model), or a
+            :class:`~ncclguard.recovery.snapshots.restore.Restored` (sharded state, from snapshots).
+        rewound_to: the snapshot's step every rank went back to when it is older than this step
+            (falsy result): the loop must run again from there (``RecoveringStep.steps`` does).
     """
 
     ok: bool
@@ -81,7 +86,8 @@ class StepResult(Result, Generic[T]):
     commits: list[CommitResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     error: NcclGuardError | None = None
-    healed: HealResult | None = None
+    healed: HealResult | Restored | None = None
+    rewound_to: int | None = None
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

@@ -30,7 +30,7 @@ it a stand-in until the join (docs/recovery.md, "A killed rank heals").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +43,8 @@ from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered, StepResult
+from ncclguard.recovery.snapshots.restore import Restored
+from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
 
 __all__ = ["RecoveringStep", "StepResult", "cannot_rewrap"]
 
@@ -102,6 +104,8 @@ class RecoveringStep(Adapter):
         heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
         left_out: ``"exit"`` (status 0, the default) or ``"raise"`` for a rank the others went
             on without.
+        snapshot_every: with FSDP2 and ``heal``: a snapshot of each rank's shards every this many
+            steps; None (the default) as often as keeps them under 2% of the step time.
 
     Attributes:
         engine: the recovery engine (its ``recoveries`` list the steps redone).
@@ -132,6 +136,7 @@ class RecoveringStep(Adapter):
         heal_timeout: float | timedelta = 60.0,
         heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         left_out: LeftOut = "exit",
+        snapshot_every: int | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -152,19 +157,21 @@ class RecoveringStep(Adapter):
             heal_timeout=heal_timeout,
             heal_chunk_bytes=heal_chunk_bytes,
             left_out=left_out,
+            snapshot_every=snapshot_every,
         )
         if allow_shrink and isinstance(wrap, FSDP2):
             raise ValueError(
                 "allow_shrink=True cannot go with FSDP2: a rank left out takes its shards with it (FSDP2 keeps "
                 "no replica); use allow_shrink=False, or DDP"
             )
-        if heal and isinstance(wrap, FSDP2):
-            raise ValueError("heal=True is for DDP: FSDP2's shards are not sent to a restarted rank; use heal=False")
         self.module, self.optimizer, self._wrap = module, optimizer, wrap
+        self._model: torch.nn.Module | None = None
+        self._rewind: int | None = None
         self.engine = Recovery(self, options)
-        self.healed: HealResult | None = self.engine.join_if_restarted()
+        self.healed: HealResult | Restored | None = self.engine.join_if_restarted()
         self.resume_step: int | None = self.healed.step if self.healed is not None else None
-        self._model: torch.nn.Module | None = self._wrapped()
+        if self._model is None:  # a restarted rank with sharded state wrapped on joining
+            self._model = self._wrapped()
 
     # ------------------------------------------------------------------------ the adapter's part
 
@@ -175,6 +182,17 @@ class RecoveringStep(Adapter):
     def get_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer."""
         return self.optimizer
+
+    def state_codec(self) -> StateCodec | None:
+        """FSDP2: each rank's shards, kept in snapshots replicated on a buddy; DDP: None (a live
+        peer holds the whole state)."""
+        if not isinstance(self._wrap, FSDP2):
+            return None
+        return ModuleState(lambda: self.module, lambda: self.optimizer)
+
+    def wrap_joined(self) -> None:
+        """A restarted rank with FSDP2: shards its fresh module on the joined world before the restore."""
+        self._model = self._wrapped()
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The model wrapped again on the new world (FSDP2: a new module, holding this rank's shards)."""
@@ -236,4 +254,29 @@ class RecoveringStep(Adapter):
         res = tx.settle(lambda: step_fn(self.model))
         if res:
             self.optimizer.step()
+        elif res.rewound_to is not None:
+            self._rewind = res.rewound_to
         return res
+
+    def steps(self, stop: int, start: int = 0) -> Iterator[int]:
+        """Your loop's step numbers, from ``start`` (a restarted process: from the step it was
+        restored at) to ``stop`` (excluded), going back when a restore from snapshots brought every
+        rank back to an older step::
+
+            for step in stepper.steps(total):
+                stepper(lambda model: loss_fn(model(batch(step))).backward(), step=step)
+
+        Args:
+            stop: the step to stop before.
+            start: the first step of a process that was not restarted.
+
+        Yields:
+            Step numbers.
+        """
+        step = self.resume_step if self.resume_step is not None else start
+        while step < stop:
+            yield step
+            if self._rewind is not None:
+                step, self._rewind = self._rewind, None
+            else:
+                step += 1

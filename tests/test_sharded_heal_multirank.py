@@ -1,0 +1,101 @@
+"""Sharded state survives a lost rank: FSDP2 ranks killed and restored from the in-memory snapshots
+their buddies hold, bit-equal to a fault-free run, on real gloo ranks under ncclguard's launcher
+with a restart policy. Rank side: tests/workers/sharded_heal_worker.py."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS, K, BASE = 6, 3, 6  # the worker's: the faulty run's steps are BASE + step, the kill at step K
+
+
+@pytest.fixture(scope="module")
+def kill_job():
+    # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart that imports torch again, a rollback.
+    return run_ranks("sharded_heal_worker", 3, "kill", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def host_job():
+    return run_ranks("sharded_heal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+
+
+def clean(step: int, generation: int) -> dict:
+    return {"step": step, "ok": True, "attempts": 1, "generation": generation, "rewound_to": None, "error": None}
+
+
+def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(kill_job):
+    assert [(r.rank, r.count, r.returncode) for r in kill_job.restarts] == [(1, 1, -9)]
+    # A snapshot every 2 steps from BASE: the newest at the kill (step BASE+K) is of step BASE+K-1.
+    back = BASE + K - 1
+    for r, role in ((0, "survivor"), (2, "holder")):  # rank 1's replica is on rank 2 (one host: the next rank)
+        res = kill_job[r]
+        assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        steps = res["results"]
+        assert steps[:K] == [clean(BASE + s, 0) for s in range(K)]
+        assert steps[K] == {
+            "step": BASE + K,
+            "ok": False,
+            "attempts": 1,
+            "generation": 1,
+            "rewound_to": back,  # every rank went back to the snapshot, the loop with it
+            "error": None,
+            "restored": {"ok": True, "role": role, "step": back, "rolled_back": True, "holders": {"1": 2}},
+        }
+        assert steps[K + 1 :] == [clean(s, 1) for s in range(back, BASE + STEPS)]
+    res = kill_job[1]
+    assert (res["life"], res["resume_step"]) == (1, back)
+    assert res["restored"] == {"ok": True, "role": "receiver", "step": back, "rolled_back": False, "holders": {"1": 2}}
+    assert res["results"] == [clean(s, 1) for s in range(back, BASE + STEPS)]
+    for r in range(3):
+        assert kill_job[r]["final"] == [r, 3, 1]
+        assert kill_job[r]["every"] == 2
+        assert kill_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
+
+
+def test_a_snapshot_that_does_not_fit_the_module_is_refused_on_every_rank_and_nothing_is_copied(kill_job):
+    for r, role in ((0, "survivor"), (1, "receiver"), (2, "holder")):
+        refused = kill_job[r]["refused"]
+        assert (refused["ok"], refused["role"], refused["refused_ranks"]) == (False, role, [1])
+        assert refused["error"].startswith(f"rank(s) 1 refused the snapshot of step {BASE + STEPS - 1}")
+    assert "the snapshot's tensors do not name this module's" in kill_job[1]["refused"]["error"]
+    assert kill_job[1]["untouched"] is True
+
+
+def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_job):
+    assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
+    holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1
+    for r in (0, 1):
+        res = host_job[r]
+        assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        assert res["results"][:K] == [clean(BASE + s, 0) for s in range(K)]
+        # A snapshot every step: the survivors' live state is the snapshot of step BASE+K; they redo it.
+        assert res["results"][K] == {
+            "step": BASE + K,
+            "ok": True,
+            "attempts": 2,
+            "generation": 1,
+            "rewound_to": None,
+            "error": None,
+            "restored": {"ok": True, "role": "holder", "step": BASE + K, "rolled_back": False, "holders": holders},
+        }
+        assert res["results"][K + 1 :] == [clean(s, 1) for s in range(BASE + K + 1, BASE + STEPS)]
+    for r in (2, 3):
+        res = host_job[r]
+        assert (res["life"], res["resume_step"]) == (1, BASE + K)
+        assert res["restored"] == {
+            "ok": True,
+            "role": "receiver",
+            "step": BASE + K,
+            "rolled_back": False,
+            "holders": holders,
+        }
+        assert res["results"][0]["step"] == BASE + K and res["results"][0]["ok"] is True
+        assert res["results"][1:] == [clean(s, 1) for s in range(BASE + K + 1, BASE + STEPS)]
+    for r in range(4):
+        assert host_job[r]["final"] == [r, 4, 1]
+        assert host_job[r]["every"] == 1
+        assert host_job[r]["equal_to_reference"] is True

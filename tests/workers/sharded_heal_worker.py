@@ -1,0 +1,183 @@
+"""Rank side of tests/test_sharded_heal_multirank.py: FSDP2 ranks killed and restored from the
+snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1).
+
+``kill`` (3 ranks, one host, a snapshot every 2 steps): a fault-free run of STEPS steps through
+``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run in which rank 1
+SIGKILLs itself at step K. The newest snapshot is of step K-1: the survivors go back to it (a
+rollback, the loop's ``stepper.steps()`` goes back too), the restarted rank gets its shards from its
+buddy (rank 2), and every rank ends bit-equal to the reference. Then a replica that does not fit
+rank 1's module is refused on every rank, before anything is copied.
+
+``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
+sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
+at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
+every rank redoes step K (the survivors' live state is that snapshot: no rollback).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import rankkit
+import torch
+import torch.distributed as dist
+from rankkit import put
+
+import ncclguard
+from ncclguard import FSDP2, RecoveringStep
+from ncclguard.recovery.records import StepResult
+from ncclguard.recovery.snapshots.keeper import Keeper
+from ncclguard.recovery.snapshots.restore import Restored, restore
+from ncclguard.recovery.snapshots.state import ModuleState
+
+SCENARIO = sys.argv[1]
+ME = int(os.environ["RANK"])
+rankkit.rank = lambda: ME  # results go by launch rank, whatever the world
+if SCENARIO == "host":
+    os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
+LIFE = ncclguard.restart_count()
+KILLED = {"kill": [1], "host": [2, 3]}[SCENARIO]
+EVERY = {"kill": 2, "host": 1}[SCENARIO]
+STEPS, K = 6, 3
+BASE = STEPS  # the faulty run's step numbers follow the reference run's
+
+GROUP_TIMEOUT_S = 60.0
+BOUND_STEP_S = 3.0  # the step bound: a survivor waiting on a live peer's data gives up then
+COMMIT_S = 30.0  # hang guards: the launcher's death notice settles the commit at once
+REBUILD_S = 90.0  # the restarted processes import torch again (20 s seen on a loaded host)
+HEAL_S = 60.0
+
+
+def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(7)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).double()
+    return module, torch.optim.Adam(module.parameters(), lr=0.05, betas=(0.8, 0.95))
+
+
+def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + ME)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 1, generator=g, dtype=torch.float64)
+
+
+def summary(step: int, res: StepResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "step": step,
+        "ok": res.ok,
+        "attempts": res.attempts,
+        "generation": res.generation,
+        "rewound_to": res.rewound_to,
+        "error": type(res.error).__name__ if res.error is not None else None,
+    }
+    if isinstance(res.healed, Restored):
+        out["restored"] = described(res.healed)
+    return out
+
+
+def described(r: Restored) -> dict[str, Any]:
+    return {"ok": r.ok, "role": r.role, "step": r.step, "rolled_back": r.rolled_back, "holders": r.holders}
+
+
+def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str, Any]]]:
+    module, opt = make()
+    stepper = RecoveringStep(
+        module,
+        opt,
+        wrap=FSDP2(shard_layers),
+        collective_timeout=BOUND_STEP_S,
+        commit_timeout=COMMIT_S,
+        rebuild_timeout=REBUILD_S,
+        heal=True,
+        heal_timeout=HEAL_S,
+        snapshot_every=EVERY,
+    )
+    results: list[dict[str, Any]] = []
+    for step in stepper.steps(base + STEPS, start=base):
+        x, y = batch(step - base)
+
+        def step_fn(model: torch.nn.Module, step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            if step - base == kill_at and ME in KILLED and LIFE == 0:
+                put("results", results)
+                rankkit.kill(ME)
+            noise = torch.rand(x.shape, dtype=x.dtype) * 1e-3  # differs if the generators were not restored
+            torch.nn.functional.mse_loss(model(x + noise), y).backward()
+
+        res = stepper(step_fn, step=step)
+        results.append(summary(step, res))
+        if not res and res.rewound_to is None:
+            break
+    return stepper, results
+
+
+def full_state(stepper: RecoveringStep) -> torch.Tensor:
+    """The full parameters and Adam's full state, gathered over the current world."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t: Any) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    tensors = [full(p.detach()) for p in stepper.model.parameters()]
+    for p in stepper.model.parameters():
+        held = stepper.optimizer.state[p]
+        tensors += [full(held["exp_avg"]), full(held["exp_avg_sq"]), held["step"]]
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+def refused(stepper: RecoveringStep) -> None:
+    """Rank 1 is given its replica again, into a module of another shape: every rank refuses."""
+    assert stepper.engine.keeper is not None
+    if ME == 1:
+        other = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1)).double()
+        before = [t.detach().clone() for t in other.parameters()]
+        keeper = Keeper(ModuleState(lambda: other, None))
+        res = restore(keeper, None, HEAL_S, receivers=[1])
+        put("untouched", all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True)))
+    else:
+        keeper = stepper.engine.keeper
+        res = restore(keeper, keeper.own[-1].step, HEAL_S, receivers=[1])
+    put(
+        "refused",
+        {**described(res), "error": str(res.error), "refused_ranks": getattr(res.error, "refused_ranks", None)},
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    put("life", LIFE)
+    if LIFE == 0:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        ref, ref_results = train(kill_at=None, base=0)
+        put("reference_results", ref_results)
+        reference = full_state(ref)
+    stepper, results = train(kill_at=K, base=BASE)
+    put("results", results)
+    put("resume_step", stepper.resume_step)
+    if isinstance(stepper.healed, Restored):
+        put("restored", described(stepper.healed))
+    mine = full_state(stepper)
+    ref_t = reference if LIFE == 0 and ME == 0 else torch.zeros_like(mine)
+    dist.broadcast(ref_t, src=0)  # a restarted rank never ran the reference: rank 0's copy
+    put("equal_to_reference", torch.equal(mine, ref_t))
+    put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    put("every", stepper.engine.keeper.k if stepper.engine.keeper is not None else None)
+    if SCENARIO == "kill":
+        refused(stepper)
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    main()
