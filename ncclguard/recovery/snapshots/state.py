@@ -76,11 +76,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dt is not None and isinstance(t, dt) else t  # type: ignore[attr-defined]
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _describe(t: torch.Tensor) -> dict[str, Any]:
     """What a tensor must look like to take this state: local shape and dtype, and for a DTensor its
     global shape and placements (the shard layout)."""
     local = _local(t)
-    out: dict[str, Any] = {"dtype": str(local.dtype), "shape": list(local.shape)}
+    out: dict[str, Any] = {"dtype": _dtype_name(local), "shape": list(local.shape)}
     if local is not t:
         out["global"] = list(t.shape)
         out["placements"] = [str(p) for p in t.placements]  # type: ignore[attr-defined]
@@ -159,7 +163,7 @@ class ModuleState(StateCodec):
             if theirs[name] != want:
                 return f"{name[2:]} is {_shown(theirs[name])} in the snapshot and {_shown(want)} here"
             t = state.tensors.get(name)
-            if t is None or [str(t.dtype), list(t.shape)] != [want["dtype"], want["shape"]]:
+            if t is None or [_dtype_name(t), list(t.shape)] != [want["dtype"], want["shape"]]:
                 return f"{name[2:]}: the snapshot's data does not match its own description"
         optimizer = self._optimizer() if self._optimizer is not None else None
         if (optimizer is None) != ("optimizer" not in state.meta):
