@@ -22,6 +22,12 @@ Runs (each one torchrun launch of 3 ranks on this host, the same model, data and
   ``--max-restarts``: on a stall past the group timeout the ranks' all_reduce raises, torchrun
   restarts every rank, and they go on from the last checkpoint.
 
+``--framework fsdp2`` runs ``clean``, ``nosnap``, ``kill`` and ``spare`` with the module sharded by
+FSDP2 (``RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True)``, Adam): each rank's shards are kept
+in in-memory snapshots replicated on a buddy rank, a killed rank is restored from its buddy, and
+every rank goes back to the snapshot's step (``stepper.steps()``); ``nosnap`` is ``clean`` without
+snapshots (``heal=False``), the side-by-side cost of taking them.
+
 ``--framework hf`` runs ``clean``, ``stall``, ``kill`` and ``spare`` through the HF Trainer
 instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_cpu=True``,
 ``ddp_backend="gloo"``; ``ddp_timeout`` stays 1,800 s), ``guard_trainer(trainer, recover=True,
@@ -37,6 +43,7 @@ Usage:
     python benchmarks/failure_drill.py --short                 # ~1 min: clean, stall, restart
     python benchmarks/failure_drill.py --steps 800 --every 60 --json benchmarks/results/failure_drill.json
     python benchmarks/failure_drill.py --framework hf --modes clean kill spare stall --steps 2100 --every 60
+    python benchmarks/failure_drill.py --framework fsdp2 --modes clean nosnap kill spare --steps 2100 --every 60
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
-MODES = ("clean", "stall", "stuck", "kill", "spare", "restart")
+MODES = ("clean", "nosnap", "stall", "stuck", "kill", "spare", "restart")
 NPROC = 3
 # The watchdog of the recovering runs: a hang after 2 s, the fence 6 s after the abort rung (so a
 # stall of a few seconds is redone, never fenced), heartbeats every 0.5 s.
@@ -79,10 +86,21 @@ def _batch(step: int, launch_rank: int) -> tuple[Any, Any]:
     return torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64)
 
 
+def _shard(module: Any, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module:
+        if hasattr(layer, "weight"):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def _digest(module: Any) -> tuple[str, Any]:
     import torch
 
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    # FSDP2's parameters are DTensors: the digest is of the full parameters, the same on every rank.
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in full])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), flat
 
 
@@ -115,7 +133,7 @@ class Faults:
 
     def take(self, now: float) -> int | None:
         """The fault this rank injects now (already marked), or None."""
-        if self.mode == "clean":
+        if self.mode in ("clean", "nosnap"):
             return None
         marks = self.marks()
         i = len(marks)
@@ -168,6 +186,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
 
     out, me = Path(args.out), int(os.environ["RANK"])
     kill = args.mode in ("kill", "spare")
+    fsdp2 = args.framework == "fsdp2"
     restarted = ncclguard.restart_count() > 0  # a killed rank restarted by its supervisor: it rejoins, no init
     if not restarted:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -177,16 +196,18 @@ def rank_recovering(args: argparse.Namespace) -> None:
     stepper_at = time.time()
     stepper = ncclguard.RecoveringStep(
         module,
-        torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
+        torch.optim.Adam(module.parameters(), lr=1e-3)
+        if fsdp2
+        else torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
         # One bucket layout from the first step on: a re-wrapped DDP otherwise starts from its
         # initial layout, and the ring all-reduce sums some elements in another order (last bit).
-        wrap=lambda m: DistributedDataParallel(m, find_unused_parameters=True),
+        wrap=ncclguard.FSDP2(_shard) if fsdp2 else lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         collective_timeout=args.group_timeout,  # the step bound; the group keeps its own 120 s
         commit_timeout=args.commit_timeout,
         # A killed rank's restart imports torch again before it rejoins: seconds on a loaded host.
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         allow_shrink=args.mode == "stuck",
-        heal=kill,
+        heal=kill or (fsdp2 and args.mode != "nosnap"),  # FSDP2: snapshots, restored from a buddy
     )
     # After the stepper: a restarted process has its process group only once it has rejoined.
     ncclguard.start_watchdog(
@@ -211,7 +232,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
     if restarted:
         faults.recovered(time.time())
     attempted, recoveries, healed = 0, [], 0
-    for step in range(stepper.resume_step or 0, args.steps):
+    for step in stepper.steps(args.steps):  # goes back when every rank went back to a snapshot
         x, y = _batch(step, me)
         first = [True]
 
@@ -232,6 +253,10 @@ def rank_recovering(args: argparse.Namespace) -> None:
         res = stepper(step_fn, step=step)
         attempted += res.attempts
         healed += bool(res.healed)
+        if res.rewound_to is not None:  # the loop goes back: this attempt and the steps since count
+            recoveries.append({"step": step, "rewound_to": res.rewound_to, "s": round(res.elapsed_s, 3)})
+            faults.recovered(time.time())
+            continue
         if res.attempts > 1:
             faults.recovered(time.time())
             rec = stepper.recoveries[-1]  # where the recovery's seconds went (Recovered.timings)
@@ -248,7 +273,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         if not res:
             raise SystemExit(f"step {step} was not applied: {res.error}")
     t1 = time.time()
-    digest, flat = _digest(module)
+    digest, flat = _digest(stepper.model if fsdp2 else module)
     everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
     _save(
@@ -284,6 +309,7 @@ def rank_hf(args: argparse.Namespace) -> None:
 
     out, me = Path(args.out), int(os.environ["RANK"])
     kill = args.mode in ("kill", "spare")
+    fsdp2 = args.framework == "fsdp2"
     restarted = ncclguard.restart_count() > 0
     start_file = out / "t0.txt"
 
@@ -544,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
     p.add_argument(
         "--framework",
-        choices=("loop", "hf"),
+        choices=("loop", "hf", "fsdp2"),
         default="loop",
-        help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True)",
+        help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True); "
+        "fsdp2: the loop with FSDP2 and snapshots",
     )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
@@ -587,10 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
         )
-    default = ["clean", "stall", "kill", "spare"] if args.framework == "hf" else list(MODES)
+    default = {"hf": ["clean", "stall", "kill", "spare"], "fsdp2": ["clean", "nosnap", "kill", "spare"]}.get(
+        args.framework, [m for m in MODES if m != "nosnap"]
+    )
     modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
     if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
         p.error("--framework hf runs clean, stall, kill and spare")
+    if args.framework == "fsdp2" and not set(modes) <= {"clean", "nosnap", "stall", "kill", "spare"}:
+        p.error("--framework fsdp2 runs clean, nosnap, stall, kill and spare")
+    if "nosnap" in modes and args.framework != "fsdp2":
+        p.error("nosnap is --framework fsdp2's clean run without snapshots")
     if "stall" in modes and "clean" not in modes:
         p.error("the stall run is checked against the clean run: add clean to --modes")
     load0 = os.getloadavg()
@@ -619,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     clean = ok.get("clean")
     if "stall" in ok and clean is not None:
         summary["stall_bit_equal_to_clean"] = runs["stall"]["digest"] == clean["digest"]
-    for mode in ("kill", "spare"):
+    if "nosnap" in ok and clean is not None:  # snapshots on (clean) against off (nosnap), one sitting
+        summary["snapshot_cost_share"] = ok["nosnap"]["steps_per_s"] / clean["steps_per_s"] - 1
+    for mode in ("kill", "spare", "nosnap"):
         if mode in ok and clean is not None:
             summary[f"{mode}_bit_equal_to_clean"] = runs[mode]["digest"] == clean["digest"]
     if "stall" in ok and "restart" in ok:

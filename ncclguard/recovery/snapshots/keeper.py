@@ -92,7 +92,8 @@ class Keeper:
     force: bool = True  # the first step, and the first after a restore, always take one
     _last_begin: float | None = None
     _step_time: float | None = None
-    _cost: float = 0.0
+    _cost: float = 0.0  # the last take's seconds
+    _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
     _told: bool = False
 
     def note_begin(self) -> None:
@@ -135,7 +136,9 @@ class Keeper:
         for src, replica in got.items():
             self.replicas[src] = [*self.replicas.get(src, [])[-1:], replica]
         self._cost = time.monotonic() - start
-        self._agree_k(step, side)
+        # A forced take (the first, or the first in a new world) also waits for slow peers and makes
+        # the side group: it says nothing of what a take costs, so it asks for the K in force.
+        self._agree_k(step, side, self.k if self.force else None)
         self.force = False
         if not self._told:
             self._told = True
@@ -146,8 +149,13 @@ class Keeper:
                 side.buddy[me], self._cost,
             )  # fmt: skip
 
-    def _agree_k(self, step: int, side: SideGroup) -> None:
-        want = self.every if self.every is not None else self._wanted_k()
+    def _agree_k(self, step: int, side: SideGroup, keep: int | None) -> None:
+        if self.every is not None:
+            want = self.every
+        else:
+            if keep is None:
+                self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
+            want = keep if keep is not None else self._wanted_k()
         k = torch.tensor([want], dtype=torch.int64)
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group)
         if int(k.item()) != self.k:
@@ -156,9 +164,10 @@ class Keeper:
         self.next_due = step + self.k
 
     def _wanted_k(self) -> int:
-        if self._step_time is None or self._cost <= 0:
+        cost = self._take_cost if self._take_cost is not None else self._cost
+        if self._step_time is None or cost <= 0:
             return 1
-        return max(1, min(MAX_EVERY, math.ceil(self._cost / (self.budget * self._step_time))))
+        return max(1, min(MAX_EVERY, math.ceil(cost / (self.budget * self._step_time))))
 
     def holdings(self, size: int) -> list[int]:
         """What this rank holds, for the restore's agreement: its own snapshots' steps (two
