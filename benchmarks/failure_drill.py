@@ -309,7 +309,6 @@ def rank_hf(args: argparse.Namespace) -> None:
 
     out, me = Path(args.out), int(os.environ["RANK"])
     kill = args.mode in ("kill", "spare")
-    fsdp2 = args.framework == "fsdp2"
     restarted = ncclguard.restart_count() > 0
     start_file = out / "t0.txt"
 
