@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
+from ncclguard.recovery.internals.step_state import load_scheduler
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered, StepResult
@@ -89,6 +90,8 @@ class RecoveringStep(Adapter):
             the last bit (see docs/recovery.md). For FSDP2,
             :class:`~ncclguard.recovery.fsdp2.FSDP2` (it shards the module, and after a rebuild
             shards it again from the shards each rank holds).
+        scheduler: your LR scheduler, if any (you step it): with FSDP2 and ``heal`` its state goes
+            into the snapshots, so a restored rank and a rollback find its rate and count as they were.
         collective_timeout: seconds (or a timedelta) a collective inside a step waits for its
             peers before the step fails (the step bound, whatever the group's own timeout);
             None leaves the group's timeout alone.
@@ -127,6 +130,7 @@ class RecoveringStep(Adapter):
         optimizer: torch.optim.Optimizer,
         *,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | FSDP2 | None = None,
+        scheduler: Any = None,
         collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
@@ -164,7 +168,11 @@ class RecoveringStep(Adapter):
                 "allow_shrink=True cannot go with FSDP2: a rank left out takes its shards with it (FSDP2 keeps "
                 "no replica); use allow_shrink=False, or DDP"
             )
-        self.module, self.optimizer, self._wrap = module, optimizer, wrap
+        if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+            raise TypeError(
+                f"scheduler must be an LR scheduler (state_dict/load_state_dict), got {type(scheduler).__name__}"
+            )
+        self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
         self._model: torch.nn.Module | None = None
         self._rewind: int | None = None
         self.engine = Recovery(self, options)
@@ -188,7 +196,15 @@ class RecoveringStep(Adapter):
         peer holds the whole state)."""
         if not isinstance(self._wrap, FSDP2):
             return None
-        return ModuleState(lambda: self.module, lambda: self.optimizer)
+        sched = self.scheduler
+        if sched is None:
+            return ModuleState(lambda: self.module, lambda: self.optimizer)
+        return ModuleState(
+            lambda: self.module,
+            lambda: self.optimizer,
+            extra=sched.state_dict,
+            restore_extra=lambda state: load_scheduler(sched, state),
+        )
 
     def wrap_joined(self) -> None:
         """A restarted rank with FSDP2: shards its fresh module on the joined world before the restore."""

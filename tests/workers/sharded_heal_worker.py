@@ -5,7 +5,8 @@ snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard'
 ``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run in which rank 1
 SIGKILLs itself at step K. The newest snapshot is of step K-1: the survivors go back to it (a
 rollback, the loop's ``stepper.steps()`` goes back too), the restarted rank gets its shards from its
-buddy (rank 2), and every rank ends bit-equal to the reference. Then a replica that does not fit
+buddy (rank 2), and every rank ends bit-equal to the reference (an LR scheduler the loop steps
+is in the snapshots: its rate halves every 2 steps). Then a replica that does not fit
 rank 1's module is refused on every rank, before anything is copied.
 
 ``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
@@ -94,10 +95,12 @@ def described(r: Restored) -> dict[str, Any]:
 
 def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # stepped by the loop, kept by the snapshots
     stepper = RecoveringStep(
         module,
         opt,
         wrap=FSDP2(shard_layers),
+        scheduler=sched,
         collective_timeout=BOUND_STEP_S,
         commit_timeout=COMMIT_S,
         rebuild_timeout=REBUILD_S,
@@ -117,6 +120,8 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
             torch.nn.functional.mse_loss(model(x + noise), y).backward()
 
         res = stepper(step_fn, step=step)
+        if res:
+            sched.step()
         results.append(summary(step, res))
         if not res and res.rewound_to is None:
             break
