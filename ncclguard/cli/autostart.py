@@ -15,14 +15,21 @@ when the rank joins the real world, which makes its group through ``init_process
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from typing import Any
+from urllib.parse import urlsplit
 
 from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
+from ncclguard.env.hostview import prepare_sockets
+from ncclguard.env.sockets import SocketPlan
+from ncclguard.errors import BadInterface
 from ncclguard.watching.protocol import store_addr
 from ncclguard.watching.watchdog import Watchdog, current_watchdog
 
-__all__ = ["started", "status_line"]
+__all__ = ["before_init", "plan_line", "started", "status_line"]
 
 
 class _Said:
@@ -31,9 +38,57 @@ class _Said:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.done = False
+        self.plan_done = False
 
 
 _SAID = _Said()
+
+
+def plan_line(plan: SocketPlan, rank: str | None, host: str) -> str:
+    """The line a rank prints when the network plan set or kept an interface: what, and why.
+
+    Args:
+        plan: the socket plan applied.
+        rank: the rank (``RANK``), if known.
+        host: this host's name.
+    """
+    return (
+        f"ncclguard: rank {rank or '?'} on {host}: network plan to reach MASTER_ADDR {plan.master}: "
+        f"{'; '.join(plan.lines())}. (off: NCCLGUARD_NET_PLAN=0, or ncclguard run --ncclguard-no-net-plan)"
+    )
+
+
+def before_init(backend: Any, init_method: Any) -> SocketPlan | None:
+    """Applies the network plan right before the default group is made (the start-up hook calls it).
+
+    Args:
+        backend: the backend asked for (``fake``: a restarted rank's stand-in, left alone).
+        init_method: the ``init_method`` asked for (the host of ``tcp://HOST:PORT`` is the master).
+
+    Returns:
+        The plan applied, or None (a stand-in, or the plan could not be made: the job goes on).
+
+    Raises:
+        BadInterface: the user's interface does not exist or has no route to the master.
+    """
+    if str(backend) == "fake":
+        return None
+    master = (
+        urlsplit(init_method).hostname if isinstance(init_method, str) and init_method.startswith("tcp://") else None
+    )
+    try:
+        plan = prepare_sockets(master_addr=master)
+    except BadInterface:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- a plan that cannot be made must not stop the job: torch's defaults apply
+        log.warning("network plan not applied (%s: %s); torch's defaults apply", type(exc).__name__, exc)
+        return None
+    with _SAID.lock:
+        if not _SAID.plan_done and any(c.action in ("set", "kept") for c in plan.choices):
+            _SAID.plan_done = True
+            # Printed, once per rank: the job's environment changed without the user asking.
+            print(plan_line(plan, os.environ.get("RANK"), HOSTNAME), file=sys.stderr, flush=True)
+    return plan
 
 
 def status_line(watchdog: Watchdog, world_size: int) -> str:
