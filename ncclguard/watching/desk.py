@@ -101,6 +101,9 @@ class IncidentDesk(Merger):
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
         self.store_lost = False
+        # A node's first rank logs every merged verdict, and copies the report where the directory is
+        # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
+        self.node_leader = os.environ.get("LOCAL_RANK") == "0"
         self.cases: list[Case] = []
         self.seen_count = 0
         # The world this desk raises incidents in: its generation and the rebuild that made it.
@@ -269,9 +272,11 @@ class IncidentDesk(Merger):
     def progress(self) -> None:
         """Merges what is ready to merge and climbs the ladders."""
         for case in list(self.cases):
-            if case.ladder.settled:
-                continue
             try:
+                if not case.merger and not case.followed and self.node_leader:
+                    case.followed = self.follow(case)  # whatever the ladder does meanwhile
+                if case.ladder.settled:
+                    continue
                 if case.merger and not case.merged and not self.merge(case):
                     continue  # still waiting for statements; the ladder waits for the merge
                 self._climb(case)
