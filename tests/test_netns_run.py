@@ -33,22 +33,6 @@ SCRIPT = [str(REPO / "docs" / "examples" / "ddp_hang.py"), "--steps", "8", "--ev
 MERGED = r"incident (\S+) merged[^\n]*rank {r} last completed #\d+, now in evaluate\(\) at ddp_hang\.py:\d+"
 
 
-@pytest.fixture(scope="module")
-def hosts(pair):
-    """The pair, with the hostname resolving to 127.0.1.1 inside both namespaces."""
-    made = []
-    for ns in (pair.ns_a, pair.ns_b):
-        folder = Path("/etc/netns") / ns
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
-        made.append(folder)
-    try:
-        yield pair
-    finally:
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def _node(launcher: list[str], rank: int, port: int, tail: list[str]) -> list[str]:
     nodes = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", ADDR_A, "--master-port", str(port)]
     return [*launcher, *nodes, "--monitor-interval", "0.1", *tail]

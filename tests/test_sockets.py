@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ncclguard.cli import main
-from ncclguard.cli.autostart import before_init, plan_line
+from ncclguard.cli.autostart import before_init, peer_gone_line, plan_line
 from ncclguard.cli.run import plan
 from ncclguard.env.hostview import check_interfaces, parse_ip_routes, parse_proc_routes, plan_sockets, prepare_sockets
 from ncclguard.env.sockets import (
@@ -24,6 +24,7 @@ from ncclguard.env.sockets import (
     reaches,
 )
 from ncclguard.errors import BadInterface
+from ncclguard.incidents.model import Heartbeat
 
 # Host B of the issue: the hostname resolves to 127.0.1.1, one veth to the master's subnet.
 HOST_B = HostView(
@@ -180,3 +181,34 @@ def test_this_host_plan_and_the_early_refusal(monkeypatch: pytest.MonkeyPatch, t
     line = plan_line(_plan({}, HOST_B, "198.18.0.1", "veth0"), "3", "vm")
     assert line.startswith("ncclguard: rank 3 on vm: network plan to reach MASTER_ADDR 198.18.0.1: GLOO_SOCKET_IFNAME=")
     assert line.endswith("(off: NCCLGUARD_NET_PLAN=0, or ncclguard run --ncclguard-no-net-plan)")
+
+
+def test_gloos_lost_peer_errors_name_the_host() -> None:
+    beats = {
+        r: Heartbeat(
+            rank=r,
+            host="nodeB",
+            address="198.18.0.2",
+            pid=1,
+            beat=1,
+            time=0.0,
+            phase="",
+            site="",
+            last_seq={},
+            last_completed={},
+            inflight=[],
+        )
+        for r in (2, 3)
+    }
+    closed = "[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [198.18.0.2]:55496. This is typically"
+    assert peer_gone_line(closed, 0, beats, "198.18.0.1") == (
+        "ncclguard: rank 0: the host at 198.18.0.2 (nodeB: ranks 2-3) is gone: its processes died or its link is "
+        "down; this rank's collective failed on it (gloo's error above)"
+    )
+    reset = "[/gloo/transport/tcp/pair.cc:537] Read error [198.18.0.1]:54146: Connection reset by peer. This is"
+    line = peer_gone_line(reset, 2, beats, "198.18.0.1")
+    assert line == (
+        "ncclguard: rank 2: the host at 198.18.0.1, the host of the job's store (MASTER_ADDR), is gone: its processes "
+        "died or its link is down; this rank's collective failed on it (gloo's error above)"
+    )
+    assert peer_gone_line("Timed out waiting 1800000ms for recv operation to complete", 0, beats, None) is None

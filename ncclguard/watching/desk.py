@@ -161,8 +161,9 @@ class IncidentDesk(Merger):
             or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         )
         text = (
-            f"the rendezvous store at {addr} stopped answering ({exc}); it lives in rank 0's process under a plain "
-            "launcher and in the agent under torchrun, so that process is probably gone"
+            f"the rendezvous store at {addr} stopped answering ({exc}); {store_host_text(addr, self.liveness)}: it "
+            "lives in rank 0's process under a plain launcher and in the agent under torchrun, so that process or "
+            "its host is gone (or the link to it is cut)"
         )
         log.error("watchdog: %s; handling incidents on this rank only from now on", text)
         self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
@@ -325,3 +326,14 @@ class IncidentDesk(Merger):
         if result in ("resolved", "stepped"):
             self.write_dump(case)
         self._notify()
+
+
+def store_host_text(addr: str, liveness: Liveness) -> str:
+    """``the store's host 10.0.0.1 (node0, ranks 0-7 as last seen)``: the host of ``addr`` and the
+    watched ranks whose last heartbeat came from it."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    beats = liveness.heartbeats()
+    there = sorted(r for r, hb in beats.items() if hb.address == host)
+    names = sorted({hb.host for r, hb in beats.items() if r in there})
+    known = f" ({', '.join(names)}, {'rank' if len(there) == 1 else 'ranks'} {rank_ranges(there)} as last seen)"
+    return f"the store's host is {host}{known if there else ''}"
