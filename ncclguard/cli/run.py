@@ -14,9 +14,8 @@ Options:
 - ``--ncclguard-restarts N`` (with ``--ncclguard-warm-spare``, ``--ncclguard-preload MOD``): every rank
   runs under its supervisor (``python -m ncclguard.supervise``), which restarts it alone when it dies,
   up to N times (docs/recovery.md);
-- ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (by default each
-  rank sets the interface that routes to ``MASTER_ADDR`` where the default would bind a loopback or
-  unroutable address, and an interface the user named is checked here first: docs/environment.md);
+- ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (default: the
+  ranks' network plan, an interface the user named checked here first; docs/environment.md);
 - everything else is torchrun's, passed through unchanged (``--ncclguard-*`` options are read up to
   the script; what follows the script is the script's).
 
@@ -101,11 +100,8 @@ def _parser() -> argparse.ArgumentParser:
         "--ncclguard-preload", action="append", default=[], metavar="MOD", help="a module the spare imports too"
     )
     net = ap.add_argument_group("the network plan (docs/environment.md)")
-    net.add_argument(
-        "--ncclguard-no-net-plan",
-        action="store_true",
-        help="leave GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME alone (sets NCCLGUARD_NET_PLAN=0 for the ranks)",
-    )
+    off = "leave GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME alone (sets NCCLGUARD_NET_PLAN=0 for the ranks)"
+    net.add_argument("--ncclguard-no-net-plan", action="store_true", help=off)
     return ap
 
 
@@ -180,8 +176,7 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
 
     Raises:
         ValueError: an unknown ``--ncclguard-*`` option, a bad setting (with the environment's
-            ``NCCLGUARD_WATCHDOG_*``), no script, or a GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME that names
-            no interface of this host or one with no route to the master (``BadInterface``).
+            ``NCCLGUARD_WATCHDOG_*``), no script, or a user's interface that cannot reach the master.
         SystemExit: torchrun's parser refused its arguments (it printed why).
     """
     if not argv:
@@ -201,7 +196,7 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     torchrun = get_args_parser().parse_args(theirs)
     if ns.ncclguard_no_net_plan:
         env[NET_PLAN_VAR] = "0"
-    else:  # the user's own interface is checked here, before any rank starts (BadInterface)
+    else:  # the user's own interface is checked before any rank starts (BadInterface)
         check_interfaces(torchrun.rdzv_endpoint or torchrun.master_addr)
     if ns.ncclguard_restarts is not None:
         _supervise(torchrun, ns)

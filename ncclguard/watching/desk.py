@@ -59,7 +59,7 @@ from ncclguard.watching.cases import (
     write_report,
 )
 from ncclguard.watching.detect import Detection
-from ncclguard.watching.liveness import Liveness
+from ncclguard.watching.liveness import Liveness, store_host_text
 from ncclguard.watching.merging import Merger
 from ncclguard.watching.protocol import StoreRefused, WatchdogStore
 from ncclguard.watching.settings import WatchdogConfig
@@ -326,14 +326,3 @@ class IncidentDesk(Merger):
         if result in ("resolved", "stepped"):
             self.write_dump(case)
         self._notify()
-
-
-def store_host_text(addr: str, liveness: Liveness) -> str:
-    """``the store's host 10.0.0.1 (node0, ranks 0-7 as last seen)``: the host of ``addr`` and the
-    watched ranks whose last heartbeat came from it."""
-    host = addr.rsplit(":", 1)[0].strip("[]")
-    beats = liveness.heartbeats()
-    there = sorted(r for r, hb in beats.items() if hb.address == host)
-    names = sorted({hb.host for r, hb in beats.items() if r in there})
-    known = f" ({', '.join(names)}, {'rank' if len(there) == 1 else 'ranks'} {rank_ranges(there)} as last seen)"
-    return f"the store's host is {host}{known if there else ''}"
