@@ -83,7 +83,8 @@ def _strike(hosts, port: int, extra: list[str], strike, survivors: list[int], bo
 def test_a_host_killed_whole_is_named(hosts):
     (a, _), status, took = _strike(hosts, 29520, [], lambda: _kill_inside(hosts.ns_b), [0], 60)
     assert status[0] != 0 and took[0] < 60  # hang guard: 2 s measured here
-    assert f"Connection closed by peer [{ADDR_B}]" in a
+    # gloo's own words vary ("Connection closed by peer [ADDR]", "Read error [ADDR]:PORT: Connection reset
+    # by peer"); ncclguard's line after them names the host either way.
     assert re.search(rf"ncclguard: rank 0: the host at {re.escape(ADDR_B)} \(\S+: rank 1\) is gone", a), a[-3000:]
 
 

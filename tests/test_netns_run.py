@@ -29,7 +29,7 @@ from ncclguard.cli import main
 pytestmark = pytest.mark.multirank
 
 HANG = ["--ncclguard-hang-timeout-s", "4", "--ncclguard-heartbeat-s", "1"]
-SCRIPT = [str(REPO / "docs" / "examples" / "ddp_hang.py"), "--steps", "8", "--eval-after", "3", "--eval-s", "10"]
+SCRIPT = [str(REPO / "docs" / "examples" / "ddp_hang.py"), "--steps", "8", "--eval-after", "3", "--eval-s", "8"]
 MERGED = r"incident (\S+) merged[^\n]*rank {r} last completed #\d+, now in evaluate\(\) at ddp_hang\.py:\d+"
 
 

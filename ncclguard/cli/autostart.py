@@ -132,7 +132,8 @@ def _hook(watchdog: Watchdog, rank: int) -> None:
     def explain(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(kind, exc, tb)
         try:
-            line = peer_gone_line(str(exc), rank, watchdog.peer_heartbeats(), os.environ.get("MASTER_ADDR"))
+            beats = (current_watchdog() or watchdog).peer_heartbeats()  # the world's watchdog now
+            line = peer_gone_line(str(exc), rank, beats, os.environ.get("MASTER_ADDR"))
         except Exception:  # noqa: BLE001 - the hook of a dying process must not fail in its turn
             line = None
         if line:
