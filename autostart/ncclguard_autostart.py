@@ -11,7 +11,9 @@ Python process, only when ``NCCLGUARD_AUTO`` is set; unset, the ``.pth`` line co
   every way a process group is made ends there: ``init_process_group``, ``init_device_mesh``, the
   HF Trainer and Accelerate, Lightning, DeepSpeed's ``init_distributed``.
 
-Right after the default group is made, the wrapper calls :func:`ncclguard.cli.autostart.started`,
+Right before the default group is made, the wrapper applies the network plan
+(:func:`ncclguard.cli.autostart.before_init`: the interface that routes to ``MASTER_ADDR``, where the
+default would bind a loopback or unroutable address). Right after, it calls :func:`ncclguard.cli.autostart.started`,
 which starts the watchdog (settings from ``NCCLGUARD_WATCHDOG_*``) and prints, on rank 0, the line
 to run ``python -m ncclguard status``. ``python -m ncclguard run`` sets the variable for its ranks;
 ``NCCLGUARD_AUTO=1 torchrun ...`` or ``srun`` with the variable exported does the same.
@@ -99,6 +101,19 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _before_init(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Applies the network plan (the interface that routes to MASTER_ADDR) before the group is made;
+    an interface the user named that cannot work stops the rank here, with the routes that exist."""
+    backend = kwargs.get("backend", args[0] if args else None)
+    init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+    try:
+        from ncclguard.cli import autostart
+    except Exception:  # the job must go on without ncclguard rather than die of it
+        logging.getLogger("ncclguard").exception("ncclguard: could not load; the job goes on without it")
+        return
+    autostart.before_init(backend, init_method)
+
+
 def _after_init(backend_made: bool) -> None:
     if not backend_made:
         return
@@ -128,6 +143,7 @@ def patch(c10d: ModuleType) -> bool:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        _before_init(args, kwargs)
         out = original(*args, **kwargs)
         _after_init(bool(getattr(c10d, "is_initialized", lambda: False)()))
         return out

@@ -5,6 +5,8 @@ One place, so that a fingerprint, a flight record and a report spell a dtype or 
 
 from __future__ import annotations
 
+import functools
+import os
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -12,9 +14,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HOSTNAME", "REDUCE_OP_NAMES", "dtype_name", "rank_ranges"]
+__all__ = ["HOSTNAME", "REDUCE_OP_NAMES", "address_toward", "dtype_name", "node_address", "node_name", "rank_ranges"]
 
 HOSTNAME: str = socket.gethostname()
+
+
+@functools.lru_cache(maxsize=16)
+def address_toward(peer: str) -> str | None:
+    """This host's source address toward ``peer`` (an address or hostname), or None.
+
+    A UDP socket's ``connect`` only asks the kernel for the route: no packet is sent. Two hosts that
+    share a hostname (containers, namespaces, ``localhost`` images) still differ here.
+    """
+    try:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM):
+            with socket.socket(family, kind, proto) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0])
+    except OSError:
+        return None
+    return None
+
+
+def node_address() -> str | None:
+    """This host's address toward the job's master (``MASTER_ADDR``), or None without one."""
+    master = os.environ.get("MASTER_ADDR", "").strip().strip("[]")
+    return address_toward(master) if master else None
+
+
+def node_name(host: str, address: str | None) -> str:
+    """How reports name a host: ``node7``, or ``node7 (10.0.0.7)`` when its address is known."""
+    return f"{host} ({address})" if address else host
+
 
 REDUCE_OP_NAMES: dict[Any, str] = {
     dist.ReduceOp.SUM: "SUM",

@@ -29,6 +29,7 @@ __all__ = [
     "CommitFailed",
     "HealFailed",
     "NoRoute",
+    "BadInterface",
     "MemoryRefused",
     "BenchCallFailed",
 ]
@@ -235,6 +236,11 @@ class HealFailed(NcclGuardError):
 
 class NoRoute(NcclGuardError, LookupError):
     """The kernel has no route to the address (``Network is unreachable``)."""
+
+
+class BadInterface(NcclGuardError, ValueError):
+    """A socket interface the user named (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``) does not exist
+    on this host or has no route to ``MASTER_ADDR``; the message lists the routes that do exist."""
 
 
 class MemoryRefused(NcclGuardError, ValueError):

@@ -11,7 +11,7 @@ from ncclguard.config import configure, get_config
 # live in tests/workers, importable by top-level name, as the ranks import them.
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
-from netns import pair  # noqa: F401 - the two-host fixture of the netns tests
+from netns import hosts, pair  # noqa: F401 - the two-host fixtures of the netns tests
 
 # A loaded CI machine generates examples slowly now and then: hypothesis's "too slow" health check
 # (and per-example deadline) would fail a test by chance, not for what it checks.

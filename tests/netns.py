@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -88,6 +89,23 @@ def pair():
         for ns in (p.ns_a, p.ns_b):
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)  # takes the veth pair with it
+
+
+@pytest.fixture(scope="module")
+def hosts(pair):
+    """The pair, with this machine's hostname resolving to 127.0.1.1 inside both namespaces (``ip netns
+    exec`` reads /etc/netns/<ns>/hosts over /etc/hosts), as wherever /etc/hosts maps it to loopback."""
+    made = []
+    for ns in (pair.ns_a, pair.ns_b):
+        folder = Path("/etc/netns") / ns
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
+        made.append(folder)
+    try:
+        yield pair
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ncclguard.cli.doctor import compare_ranks
 from ncclguard.env.envvars import DEPRECATED, IGNORED
 
 REPO = Path(__file__).parent.parent
-REPORT_KEYS = {"host", "rank", "plan", "variables", "timeouts", "versions", "warnings", "ok"}
+REPORT_KEYS = {"host", "rank", "plan", "sockets", "variables", "timeouts", "versions", "warnings", "ok"}
 # Variables the tests decide on; anything of the runner's environment among them is removed.
 CONTROLLED = [
     *IGNORED,
@@ -66,6 +66,14 @@ def test_json_names_every_variable_the_seeds_set(env, capsys):
     assert rc == 1 and report["ok"] is False
     assert set(report) == REPORT_KEYS
     assert (report["plan"]["interface"], report["plan"]["target_source"]) == ("lo", "argument")
+    # The socket plan a rank would apply at start (the same function): the user's NCCL interface kept
+    # (lo reaches a loopback master), gloo's default left (it binds loopback, which is where the master is).
+    sockets = report["sockets"]
+    assert (sockets["master"], sockets["interface"], sockets["refusal"]) == ("127.0.0.1", "lo", None)
+    assert [(c["variable"], c["action"], c["value"]) for c in sockets["choices"]] == [
+        ("GLOO_SOCKET_IFNAME", "left", None),
+        ("NCCL_SOCKET_IFNAME", "kept", "lo"),
+    ]
     rows = {v["name"]: (v["value"], v["recommended"], v["status"]) for v in report["variables"]}
     assert rows == {
         "NCCL_SOCKET_IFNAME": ("lo", "=lo", "set by user"),

@@ -17,7 +17,7 @@ from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Stateme
 from ncclguard.watching.actions import Ladder, build_ladder
 from ncclguard.watching.desk import IncidentDesk, blocked_in
 from ncclguard.watching.detect import Detection
-from ncclguard.watching.liveness import Liveness
+from ncclguard.watching.liveness import Liveness, store_host_text
 from ncclguard.watching.protocol import Keys, WatchdogStore
 from ncclguard.watching.settings import WatchdogConfig
 from ncclguard.watching.snapshot import RankState
@@ -181,7 +181,8 @@ def test_a_store_that_is_gone_turns_into_a_local_store_incident(tmp_path):
     inc = json.loads((case.dir / "incident.json").read_text())
     assert [f["kind"] for f in inc["findings"]] == ["store"] and inc["culprits"] == []
     assert inc["summary"].startswith(
-        "the rendezvous store at 10.0.0.1:29500 stopped answering (DistNetworkError: Connection reset by peer)"
+        "the rendezvous store at 10.0.0.1:29500 stopped answering (DistNetworkError: Connection reset by peer); "
+        "the store's host is 10.0.0.1: it lives in rank 0's process"
     )
     # timeline.png (with matplotlib) comes from a thread of its own: not part of what is checked here.
     written = sorted(p.name for p in case.dir.iterdir() if not p.name.startswith(".") and p.name != "timeline.png")
@@ -224,3 +225,26 @@ def test_a_backend_desync_resolves_once_the_rank_moves_past_its_number(tmp_path)
     assert blocked_in(d[1].cases[0].doc, d[1].state) is None  # behind: not in the op
     d[0].state.seqs["0"] = 10  # type: ignore[attr-defined]
     assert d[0].resolved(case) and d[2].resolved(d[2].cases[0])  # the other ranks learn it through the store
+
+
+def test_the_stores_host_is_named_with_the_ranks_last_seen_there():
+    liveness = Liveness(3, 4, 3, 6.0, 6.0)
+    beats = {
+        r: Heartbeat(
+            rank=r,
+            host=host,
+            address=addr,
+            pid=1,
+            beat=1,
+            time=0.0,
+            phase="",
+            site="",
+            last_seq={},
+            last_completed={},
+            inflight=[],
+        )
+        for r, host, addr in ((0, "node0", "10.0.0.1"), (1, "node0", "10.0.0.1"), (2, "node1", "10.0.0.2"))
+    }
+    liveness.observe(beats, 0.0)
+    assert store_host_text("10.0.0.1:29500", liveness) == "the store's host is 10.0.0.1 (node0, ranks 0-1 as last seen)"
+    assert store_host_text("[fd00::9]:29500", liveness) == "the store's host is fd00::9"

@@ -56,6 +56,12 @@ def test_peers_that_went_stale_make_one_incident():
         IncidentKind.PEERS_LOST, "no heartbeat from rank 3 for 6.5 s, rank 5 for 7.0 s", "lost/3", ranks=(3, 5)
     )
     assert d.op_key is None
+    # Each lost rank named with its host where its last beat told it (hosts may share a name: the address).
+    named = find_lost({5: 7.04, 3: 6.5}, {3: "nodeB (198.18.0.2)"})
+    assert (
+        named is not None
+        and named.reason == "no heartbeat from rank 3 on nodeB (198.18.0.2) for 6.5 s, rank 5 for 7.0 s"
+    )
 
 
 def test_completed_reads_the_newest_record_of_the_op_and_failed_is_not_completed():

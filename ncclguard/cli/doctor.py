@@ -31,7 +31,9 @@ from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
 from ncclguard.env.hierarchy import TimeoutHierarchy
+from ncclguard.env.hostview import plan_sockets
 from ncclguard.env.netenv import NetPlan, detect
+from ncclguard.env.sockets import SocketPlan
 from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, trainer_timeout_notes
 from ncclguard.env.versions import library_versions
 from ncclguard.testing.launch import under_launcher
@@ -204,13 +206,17 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: a value the doctor cannot use (master address, TrainingArguments file).
     """
     plan = detect(args.master_addr)
+    sockets = plan_sockets(net=plan)  # the same plan ncclguard run, NCCLGUARD_AUTO and init_process_group apply
     variables = audit(plan.environment, extra=SHOWN_WHEN_SET)
     hierarchy, problems, notes = _timeouts(args)
     warnings = list(plan.warnings) + [f"timeouts: {p}" for p in problems]
+    if sockets.refusal is not None:
+        warnings.append(f"refused at start: {sockets.refusal}")
     return {
         "host": plan.hostname,
         "rank": int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None,
         "plan": plan.model_dump(mode="json"),
+        "sockets": sockets.model_dump(mode="json"),
         "variables": [v.model_dump() for v in variables],
         "timeouts": {"rows": hierarchy.rows(), "problems": problems, "notes": notes},
         "versions": library_versions(),
@@ -309,6 +315,14 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
     else:
         net.add_row("InfiniBand", "none (/sys/class/infiniband is empty)")
     console.print(net)
+
+    sockets = SocketPlan.model_validate(report["sockets"])
+    st = Table(title="network plan: what a rank sets at start (off: NCCLGUARD_NET_PLAN=0)")
+    for col in ("variable", "action", "value", "why"):
+        st.add_column(col)
+    for c in sockets.choices:
+        st.add_row(c.variable, c.action, escape(c.value or "-"), escape(c.why))
+    console.print(st)
 
     var = Table(title="environment variables")
     for col in ("variable", "current", "recommended", "status", "note"):

@@ -14,6 +14,8 @@ Options:
 - ``--ncclguard-restarts N`` (with ``--ncclguard-warm-spare``, ``--ncclguard-preload MOD``): every rank
   runs under its supervisor (``python -m ncclguard.supervise``), which restarts it alone when it dies,
   up to N times (docs/recovery.md);
+- ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (default: the
+  ranks' network plan, an interface the user named checked here first; docs/environment.md);
 - everything else is torchrun's, passed through unchanged (``--ncclguard-*`` options are read up to
   the script; what follows the script is the script's).
 
@@ -35,6 +37,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ncclguard.env.hostview import check_interfaces
+from ncclguard.env.sockets import NET_PLAN_VAR
 from ncclguard.watching.settings import WatchdogConfig
 
 __all__ = ["AUTO_VAR", "Launch", "add_arguments", "launch", "main", "plan", "run"]
@@ -95,10 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     sup.add_argument(
         "--ncclguard-preload", action="append", default=[], metavar="MOD", help="a module the spare imports too"
     )
+    net = ap.add_argument_group("the network plan (docs/environment.md)")
+    off = "leave GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME alone (sets NCCLGUARD_NET_PLAN=0 for the ranks)"
+    net.add_argument("--ncclguard-no-net-plan", action="store_true", help=off)
     return ap
 
 
-_FLAGS = ("--ncclguard-help", "--ncclguard-warm-spare")  # the options that take no value
+_FLAGS = ("--ncclguard-help", "--ncclguard-warm-spare", "--ncclguard-no-net-plan")  # the options that take no value
 
 
 def _names() -> list[str]:
@@ -169,7 +176,7 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
 
     Raises:
         ValueError: an unknown ``--ncclguard-*`` option, a bad setting (with the environment's
-            ``NCCLGUARD_WATCHDOG_*``), or no script.
+            ``NCCLGUARD_WATCHDOG_*``), no script, or a user's interface that cannot reach the master.
         SystemExit: torchrun's parser refused its arguments (it printed why).
     """
     if not argv:
@@ -187,6 +194,10 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     from torch.distributed.run import get_args_parser
 
     torchrun = get_args_parser().parse_args(theirs)
+    if ns.ncclguard_no_net_plan:
+        env[NET_PLAN_VAR] = "0"
+    else:  # the user's own interface is checked before any rank starts (BadInterface)
+        check_interfaces(torchrun.rdzv_endpoint or torchrun.master_addr)
     if ns.ncclguard_restarts is not None:
         _supervise(torchrun, ns)
     elif ns.ncclguard_warm_spare or ns.ncclguard_preload:

@@ -25,7 +25,9 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.deadlines import to_seconds
 from ncclguard.env.hierarchy import group_timeout_s
+from ncclguard.env.hostview import prepare_sockets
 from ncclguard.env.netenv import NetPlan, apply, detect
+from ncclguard.env.sockets import GLOO_VAR, NCCL_VAR, SocketPlan
 from ncclguard.errors import TorchCompatError
 
 __all__ = ["ProcessGroupInit", "init_process_group", "restore_default_timeout"]
@@ -38,6 +40,8 @@ class ProcessGroupInit(BaseModel):
         backend: the world group's backend.
         timeout_s: the world group's timeout, read back from the live group.
         plan: the network plan detected (None with ``apply_env=False``).
+        sockets: the socket plan applied: which interface gloo and NCCL bind, and why
+            (:mod:`ncclguard.env.sockets`; None with ``apply_env=False``).
         applied: the variables set from the plan (the user's own are never in it).
         subgroups_inherit: later groups made without ``timeout=`` get ``timeout_s``.
     """
@@ -47,6 +51,7 @@ class ProcessGroupInit(BaseModel):
     backend: str
     timeout_s: float | None
     plan: NetPlan | None
+    sockets: SocketPlan | None = None
     applied: dict[str, str]
     subgroups_inherit: bool
 
@@ -132,8 +137,11 @@ def init_process_group(
         timeout: the world group's timeout, in seconds or as a timedelta (None: torch's default).
         master_addr: the peer to route to (default: the host of a ``tcp://`` init_method, else
             ``MASTER_ADDR``, else the default route).
-        apply_env: detect and apply the plan (False: leave the environment alone).
-        override: let the plan replace variables the user set.
+        apply_env: detect and apply the plan (False: leave the environment alone). The socket
+            interfaces are set only where the default would bind a loopback or unroutable address
+            (:func:`ncclguard.env.sockets.decide`); ``NCCLGUARD_NET_PLAN=0`` leaves them alone.
+        override: let the plan replace the other variables the user set (the socket interfaces the
+            user set are always kept, and checked).
         inherit_timeout: later groups created without ``timeout=`` get this group's timeout.
         **kwargs: passed on to torch (``init_method``, ``rank``, ``world_size``, ``store``, ...).
 
@@ -142,16 +150,24 @@ def init_process_group(
 
     Raises:
         TypeError, ValueError: a bad ``timeout`` or master address (before anything is changed).
+        BadInterface: an interface the user named does not exist or has no route to the master
+            (before anything is changed).
         Whatever torch's init_process_group raises.
     """
     seconds = None if timeout is None else to_seconds(timeout)
     plan: NetPlan | None = None
+    sockets: SocketPlan | None = None
     applied: dict[str, str] = {}
     if apply_env:
         plan = detect(master_addr if master_addr is not None else _peer_of(kwargs.get("init_method")))
         for warning in plan.warnings:
             log.warning("%s", warning)
-        applied = apply(plan, override=override)
+        sockets = prepare_sockets(net=plan)
+        applied = sockets.to_set()
+        # The socket interfaces are the socket plan's alone: where it leaves the default, so does this.
+        socket_vars = (GLOO_VAR, NCCL_VAR, "NCCL_SOCKET_FAMILY")
+        rest = {k: v for k, v in plan.environment.items() if k not in socket_vars}
+        applied.update(apply(plan.model_copy(update={"environment": rest}), override=override))
     if seconds is not None:
         kwargs["timeout"] = timedelta(seconds=seconds)
     dist.init_process_group(backend=backend, **kwargs)
@@ -168,5 +184,10 @@ def init_process_group(
         ", subgroups inherit the timeout" if inherits else "",
     )
     return ProcessGroupInit(
-        backend=str(dist.get_backend()), timeout_s=in_force, plan=plan, applied=applied, subgroups_inherit=inherits
+        backend=str(dist.get_backend()),
+        timeout_s=in_force,
+        plan=plan,
+        sockets=sockets,
+        applied=applied,
+        subgroups_inherit=inherits,
     )

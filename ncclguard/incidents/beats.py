@@ -26,6 +26,7 @@ class Heartbeat(Model):
     host: str
     pid: int
     beat: int
+    address: str | None = None  # this host's address toward the master: tells apart hosts of one name
     time: float
     phase: str
     site: str
@@ -108,6 +109,8 @@ class MergedNote(Model):
     host: str
     dir: str
     summary: str
+    rank: int | None = None  # the rank that merged
+    address: str | None = None  # its host's address toward the master (hosts may share a name)
     culprits: list[int] = Field(default_factory=list, max_length=65536)  # the ``fence`` rung reads it
 
 

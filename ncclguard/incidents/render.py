@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from ncclguard._naming import rank_ranges
+from ncclguard._naming import node_name, rank_ranges
 from ncclguard.incidents.model import (
     Culprit,
     CulpritReason,
@@ -330,8 +330,22 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
     out.append("WHAT TO DO")
     out.extend(f"  - {line}" for line in _advice(incident))
     out.append("")
-    out.append("Per-rank dumps (all threads' stacks, flight records, heartbeats): rank<r>.json next to this file.")
+    out.extend(_dump_lines(incident))
     return "\n".join(out) + "\n"
+
+
+def _dump_lines(incident: Incident) -> list[str]:
+    """Where each rank's dump is: next to this file, in the incident directory of the rank's host."""
+    head = "Per-rank dumps (all threads' stacks, flight records, heartbeats): rank<r>.json"
+    hosts: dict[str, list[int]] = {}
+    for r, view in incident.ranks.items():
+        host = getattr(view, "host", None)
+        if host and view.source == "statement":  # a rank that spoke wrote its dump on its own host
+            hosts.setdefault(node_name(host, getattr(view, "address", None)), []).append(int(r))
+    if len(hosts) < 2:
+        return [f"{head} next to this file."]
+    where = "; ".join(f"{ranks_text(rs)} on {h}" for h, rs in sorted(hosts.items(), key=lambda kv: min(kv[1])))
+    return [f"{head} in this incident's directory on each rank's host (unless the directory is shared): {where}."]
 
 
 def generation_text(doc: IncidentDoc) -> str | None:

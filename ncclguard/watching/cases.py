@@ -75,6 +75,7 @@ class Case:
     merger: bool = False
     merge_deadline: float = 0.0
     merged: bool = False
+    followed: bool = False  # a node's first rank: the merged verdict logged (and copied) here
     ladder: LadderState = field(default_factory=LadderState)
     track: list[TrackSpan] = field(default_factory=list)  # where the main thread was (the pictures)
     backend: list[BackendEntry] = field(default_factory=list)  # torch's flight recorder (the pictures)

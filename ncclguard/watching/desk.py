@@ -59,7 +59,7 @@ from ncclguard.watching.cases import (
     write_report,
 )
 from ncclguard.watching.detect import Detection
-from ncclguard.watching.liveness import Liveness
+from ncclguard.watching.liveness import Liveness, store_host_text
 from ncclguard.watching.merging import Merger
 from ncclguard.watching.protocol import StoreRefused, WatchdogStore
 from ncclguard.watching.settings import WatchdogConfig
@@ -101,6 +101,9 @@ class IncidentDesk(Merger):
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
         self.store_lost = False
+        # A node's first rank logs every merged verdict, and copies the report where the directory is
+        # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
+        self.node_leader = os.environ.get("LOCAL_RANK") == "0"
         self.cases: list[Case] = []
         self.seen_count = 0
         # The world this desk raises incidents in: its generation and the rebuild that made it.
@@ -158,8 +161,9 @@ class IncidentDesk(Merger):
             or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         )
         text = (
-            f"the rendezvous store at {addr} stopped answering ({exc}); it lives in rank 0's process under a plain "
-            "launcher and in the agent under torchrun, so that process is probably gone"
+            f"the rendezvous store at {addr} stopped answering ({exc}); {store_host_text(addr, self.liveness)}: it "
+            "lives in rank 0's process under a plain launcher and in the agent under torchrun, so that process or "
+            "its host is gone (or the link to it is cut)"
         )
         log.error("watchdog: %s; handling incidents on this rank only from now on", text)
         self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
@@ -269,9 +273,11 @@ class IncidentDesk(Merger):
     def progress(self) -> None:
         """Merges what is ready to merge and climbs the ladders."""
         for case in list(self.cases):
-            if case.ladder.settled:
-                continue
             try:
+                if not case.merger and not case.followed and self.node_leader:
+                    case.followed = self.follow(case)  # whatever the ladder does meanwhile
+                if case.ladder.settled:
+                    continue
                 if case.merger and not case.merged and not self.merge(case):
                     continue  # still waiting for statements; the ladder waits for the merge
                 self._climb(case)

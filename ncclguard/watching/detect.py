@@ -110,11 +110,15 @@ def find_hangs(
     return out
 
 
-def find_lost(newly_stale: Mapping[int, float]) -> Detection | None:
-    """One incident for the peers that just went stale (with seconds since their last beat)."""
+def find_lost(newly_stale: Mapping[int, float], hosts: Mapping[int, str] | None = None) -> Detection | None:
+    """One incident for the peers that just went stale (with seconds since their last beat), each
+    named with its host where ``hosts`` (rank -> ``node7 (10.0.0.7)``, from its last beat) knows it."""
     if not newly_stale:
         return None
-    ages = ", ".join(f"rank {r} for {newly_stale[r]:.1f} s" for r in sorted(newly_stale))
+    where = hosts or {}
+    ages = ", ".join(
+        f"rank {r}{f' on {where[r]}' if r in where else ''} for {newly_stale[r]:.1f} s" for r in sorted(newly_stale)
+    )
     return Detection(
         IncidentKind.PEERS_LOST,
         f"no heartbeat from {ages}",

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ncclguard._naming import rank_ranges
 from ncclguard.incidents.model import Heartbeat, PeerView
 from ncclguard.watching.detect import SeqView
 
-__all__ = ["Liveness", "PeerState", "SeqClock", "watched_peers"]
+__all__ = ["Liveness", "PeerState", "SeqClock", "store_host_text", "watched_peers"]
 
 
 def watched_peers(rank: int, world_size: int, watch_peers: int) -> list[int]:
@@ -137,3 +138,14 @@ class Liveness:
     def heartbeats(self) -> dict[int, Heartbeat]:
         """The last heartbeat seen of each watched peer that has beaten."""
         return {r: p.heartbeat for r, p in self.peers.items() if p.heartbeat is not None}
+
+
+def store_host_text(addr: str, liveness: Liveness) -> str:
+    """``the store's host 10.0.0.1 (node0, ranks 0-7 as last seen)``: the host of ``addr`` and the
+    watched ranks whose last heartbeat came from it."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    beats = liveness.heartbeats()
+    there = sorted(r for r, hb in beats.items() if hb.address == host)
+    names = sorted({hb.host for r, hb in beats.items() if r in there})
+    known = f" ({', '.join(names)}, {'rank' if len(there) == 1 else 'ranks'} {rank_ranges(there)} as last seen)"
+    return f"the store's host is {host}{known if there else ''}"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from ncclguard._naming import HOSTNAME
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME, node_address, node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.analysis import assemble
+from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE
 from ncclguard.incidents.model import (
     Finding,
     Heartbeat,
@@ -94,7 +96,60 @@ class Merger:
         if self.store is not None and not case.local:
             with contextlib.suppress(StoreTimeout, StoreUnreachable):
                 culprits = sorted({c.rank for c in incident.culprits})
-                note = MergedNote(host=HOSTNAME, dir=str(case.dir), summary=incident.summary, culprits=culprits)
+                note = MergedNote(
+                    host=HOSTNAME,
+                    address=node_address(),
+                    rank=self.rank,
+                    dir=str(case.dir),
+                    summary=incident.summary,
+                    culprits=culprits,
+                )
                 self.store.put_merged(doc.n, note)
         self._notify()
+        return True
+
+    def follow(self, case: Case) -> bool:
+        """On a node's first rank that did not merge: once the merger's note is in the store, logs the
+        merged verdict here, and writes the merged report into this host's incident directory when it
+        is not there (a directory that is not shared), from the same statements.
+
+        Returns:
+            True when done (or nothing is left to wait for); False to look again next tick.
+        """
+        if self.store is None or case.local:
+            return True
+        try:
+            note = self.store.read_merged(case.doc.n)
+        except StoreTimeout:
+            return False
+        if note is None:  # the merger has until its merge_wait; then a little more for its files
+            return time.monotonic() > case.merge_deadline + self.config.merge_wait + 2 * self.config.heartbeat_s
+        if (note.host, note.address) == (HOSTNAME, node_address()):
+            return True  # merged on this host: its merger logged it here
+        copied = ""
+        if not (case.dir / INCIDENT_FILE).exists():
+            ranks = list(range(self.world_size))
+            statements, heartbeats = self.store.read_statements(case.doc.n, ranks), self.store.read_heartbeats(ranks)
+            stale = stale_from_statements(self.liveness.stale(time.monotonic()), statements)
+            incident = assemble(
+                case.doc,
+                statements,
+                heartbeats,
+                {r: a for r, a in stale.items() if r not in statements},
+                self.world_size,
+                merged_by=note.rank if note.rank is not None else self.rank,
+                waiting_after_s=self.config.heartbeat_s,
+            )
+            write_report(case, incident, announce=False, plot=self.config.incident_plot)
+            copied = f"; the same report here: {case.dir / SUMMARY_FILE}"
+        where = node_name(note.host, note.address)
+        log.error(
+            "watchdog: incident %s merged by rank %s on %s: %s; its report there: %s%s",
+            case.doc.id,
+            "?" if note.rank is None else note.rank,
+            where,
+            note.summary,
+            f"{note.dir}/{SUMMARY_FILE}",
+            copied,
+        )
         return True

@@ -17,7 +17,7 @@ from types import FrameType
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard._naming import HOSTNAME
+from ncclguard._naming import HOSTNAME, node_address
 from ncclguard.errors import TorchCompatError
 from ncclguard.incidents.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
 from ncclguard.recording.flight import FlightRecord, recorder
@@ -179,6 +179,7 @@ class RankState:
         return Heartbeat(
             rank=self.rank,
             host=HOSTNAME,
+            address=node_address(),
             pid=self.pid,
             beat=beat,
             time=time.time(),

@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 from ncclguard._log import log
+from ncclguard._naming import node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.model import BackendEntry, IncidentKind, Statement, TrackSpan
+from ncclguard.incidents.model import BackendEntry, Heartbeat, IncidentKind, Statement, TrackSpan
 from ncclguard.recording.flight import recorder
 from ncclguard.watching import detect
 from ncclguard.watching.backend_watch import BackendWatch
@@ -60,6 +61,11 @@ class Ticks:
     @property
     def incidents(self) -> list[dict[str, Any]]:
         raise NotImplementedError  # the Watchdog's
+
+    def peer_heartbeats(self) -> dict[int, Heartbeat]:
+        """The last heartbeat of each watched peer (its host and address among them); empty before start."""
+        liveness = getattr(self, "_liveness", None)
+        return liveness.heartbeats() if liveness is not None else {}
 
     def _run(self) -> None:
         cfg = self.config
@@ -153,7 +159,8 @@ class Ticks:
     def _check_peers(self, desk: IncidentDesk) -> None:
         if desk.store is None:
             return  # without a store no beat can arrive: silence says nothing about the peers
-        lost = detect.find_lost(self._liveness.newly_stale(time.monotonic()))
+        hosts = {r: node_name(hb.host, hb.address) for r, hb in self._liveness.heartbeats().items()}
+        lost = detect.find_lost(self._liveness.newly_stale(time.monotonic()), hosts)
         if lost is None:
             return
         log.error("watchdog: peer lost: %s", lost.reason)
