@@ -14,8 +14,10 @@ parts: ``runtime/zero/stage_1_and_2.py`` ``state_dict``/``_load_legacy_checkpoin
   the parameters (``fp16_partitioned_groups_flat[i]``, of which every ``param.ds_tensor`` is a
   view), the optimizer's state, and the whole data of the parameters gathered at capture (the
   persistent ones, below ``stage3_param_persistence_threshold``), so that none is re-gathered.
-- Both: the engine's counters, the LR scheduler's ``state_dict``, the optimizer's hyperparameters
-  (the scheduler writes ``lr`` there), the loss scaler's numbers.
+- Both: the module's buffers (ZeRO partitions parameters only: each rank keeps its own buffers,
+  e.g. BatchNorm's running statistics of its own batches), the engine's counters, the LR
+  scheduler's ``state_dict``, the optimizer's hyperparameters (the scheduler writes ``lr`` there),
+  the loss scaler's numbers.
 The RNG states and the data position are the caller's (they are not the engine's).
 """
 
@@ -105,6 +107,10 @@ class DeepSpeedState:
         """The module's parameters by name (ZeRO-3 ones carry ``ds_*`` attributes)."""
         return list(self.engine.module.named_parameters())
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers by name, as ``buffer.<name>``."""
+        return {f"buffer.{name}": buf for name, buf in self.engine.module.named_buffers()}
+
     def _layout(self) -> dict[str, Any]:
         """What must match for a capture to fit: JSON, computed with no collective."""
         group = self.opt.dp_process_group
@@ -135,7 +141,7 @@ class DeepSpeedState:
                 f"DeepSpeedState.capture: micro step {eng.micro_steps} is inside a gradient accumulation window "
                 f"of {eng.gradient_accumulation_steps()}; capture after engine.step() closed the window"
             )
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = self._buffers()
         for i, (master, flat) in enumerate(self._groups()):
             tensors[f"master.{i}"] = master
             tensors[f"flat.{i}"] = flat
@@ -198,7 +204,7 @@ class DeepSpeedState:
     def _check_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """The tensors' names, shapes and dtypes against this engine's (the layout already matched)."""
         problems: list[str] = []
-        expected: dict[str, torch.Tensor] = {}
+        expected: dict[str, torch.Tensor] = self._buffers()
         for n, (master, flat) in enumerate(self._groups()):
             expected[f"master.{n}"], expected[f"flat.{n}"] = master, flat
         params = dict(self._params())
@@ -245,6 +251,8 @@ class DeepSpeedState:
             master.copy_(tensors[f"master.{i}"])
             flat.copy_(tensors[f"flat.{i}"])
             self._apply_optimizer_state(i, master, tensors, meta["optimizer_scalars"][i])
+        for name, buf in self._buffers().items():
+            buf.copy_(tensors[name])
         if self.stage == 3:
             self._apply_zero3_params(tensors)
         for group, saved in zip(self.opt.param_groups, meta["param_groups"], strict=True):

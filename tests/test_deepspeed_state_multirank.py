@@ -51,17 +51,21 @@ def test_the_capture_holds_the_rank_s_own_partition_and_json_meta(job, stage):
         assert meta["counters"] == {"global_steps": 2, "global_samples": 16, "micro_steps": 2, "skipped_steps": 0}
         assert meta["lr_scheduler"] == {"last_batch_iteration": 1}
         assert meta["param_groups"][0]["betas"] == [0.9, 0.999]
-        # 6*16+16+16+1 = 129 elements: ZeRO 1/2 hold all of them (132, aligned) and their half of the
-        # fp32 master; ZeRO-3 holds its partition only (65), and the persistent parameters whole.
-        part = 66 if stage < 3 else 65
+        # 6*16+16 + 16+16 (BatchNorm) + 16+1 = 161 elements: ZeRO 1/2 hold all of them (164, aligned)
+        # and their half of the fp32 master; ZeRO-3 its partition only (81: each parameter split in
+        # two, padded), and the persistent parameters whole.
+        part = 82 if stage < 3 else 81
         assert tensors["master.0"] == [[part], "torch.float32"]
-        assert tensors["flat.0"] == [[132 if stage < 3 else 65], "torch.float32"]
+        assert tensors["flat.0"] == [[164 if stage < 3 else 81], "torch.float32"]
+        assert tensors["buffer.1.running_mean"] == tensors["buffer.1.running_var"] == [[16], "torch.float32"]
+        assert tensors["buffer.1.num_batches_tracked"] == [[], "torch.int64"]
         assert tensors["optimizer.0.exp_avg"] == tensors["optimizer.0.exp_avg_sq"] == [[part], "torch.float32"]
         assert tensors["optimizer.0.step"] == [[], "torch.float32"]
         whole = sorted(k for k in tensors if k.startswith("module."))
-        assert whole == ([] if stage < 3 else ["module.0.bias", "module.2.bias", "module.2.weight"])
+        persistent = ["0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+        assert whole == ([] if stage < 3 else sorted(f"module.{n}" for n in persistent))
         if stage == 3:  # 0.weight (96 elements) is over the persistence threshold: partitioned at apply
-            assert z(job, r, stage, "gathered_at_apply") == ["0.bias", "2.weight", "2.bias"]
+            assert z(job, r, stage, "gathered_at_apply") == persistent
 
 
 @pytest.mark.multirank
@@ -71,7 +75,9 @@ def test_a_capture_of_another_shape_or_rank_is_refused_before_anything_is_copied
         assert z(job, r, stage, "other_shape") == (
             "parameter 0.bias: shape [16] in the capture, [17] here; "
             "parameter 0.weight: shape [16, 6] in the capture, [17, 6] here; "
-            "parameter 2.weight: shape [1, 16] in the capture, [1, 17] here"
+            "parameter 1.bias: shape [16] in the capture, [17] here; "
+            "parameter 1.weight: shape [16] in the capture, [17] here; "
+            "parameter 3.weight: shape [1, 16] in the capture, [1, 17] here"
         )
         assert z(job, r, stage, "other_rank") == f"dp_rank: the capture has {1 - r}, this engine {r}"
         assert z(job, r, stage, "other_rank_apply_error") == (
@@ -80,7 +86,7 @@ def test_a_capture_of_another_shape_or_rank_is_refused_before_anything_is_copied
         )
         assert "other_rank_applied" not in job[r]
         assert z(job, r, stage, "unchanged_after_refusal") is True
-        part = 66 if stage < 3 else 65
+        part = 82 if stage < 3 else 81
         assert (
             z(job, r, stage, "wrong_dtype")
             == f"master.0: [{part}] torch.float64 in the capture, [{part}] torch.float32 here"

@@ -32,7 +32,10 @@ K, M = 2, 3
 
 def engine(stage: int, seed: int, hidden: int = 16, accumulation: int = 1) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    # BatchNorm: buffers of each rank's own (running statistics of its own batches)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+    )
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accumulation,
@@ -65,7 +68,7 @@ def train(eng: deepspeed.DeepSpeedEngine, steps: range, rank: int) -> dict:
         partitioned = [p for p in partitioned if p.ds_status.name != "AVAILABLE"]
         with deepspeed.zero.GatheredParameters(partitioned):
             h = hashlib.sha256()
-            for name, p in eng.module.named_parameters():
+            for name, p in [*eng.module.named_parameters(), *eng.module.named_buffers()]:
                 h.update(name.encode() + p.detach().contiguous().numpy().tobytes())
             digests.append(h.hexdigest())
     return {"losses": losses, "digests": digests, "global_steps": eng.global_steps}
