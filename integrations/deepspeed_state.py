@@ -94,6 +94,10 @@ class DeepSpeedState:
                 "DeepSpeedState: hpZ (zero_hpz_partition_size > 1) keeps secondary partitions; set it to 1"
             )
         self.opt = opt
+        # Read once: the engine keeps its group for life, and a capture must still work after the
+        # group died (a failed step: rebuild_world destroyed it, the state is still here).
+        group = opt.dp_process_group
+        self.dp_world_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
 
     # -- the layout -----------------------------------------------------------------------------
 
@@ -112,14 +116,13 @@ class DeepSpeedState:
         return {f"buffer.{name}": buf for name, buf in self.engine.module.named_buffers()}
 
     def _layout(self) -> dict[str, Any]:
-        """What must match for a capture to fit: JSON, computed with no collective."""
-        group = self.opt.dp_process_group
+        """What must match for a capture to fit: JSON, computed with no collective and no live group."""
         shapes = [[n, list(getattr(p, "ds_shape", p.shape))] for n, p in self._params()]
         return {
             "framework": "deepspeed",
             "zero_stage": self.stage,
-            "dp_world_size": dist.get_world_size(group),
-            "dp_rank": dist.get_rank(group),
+            "dp_world_size": self.dp_world_size,
+            "dp_rank": self.dp_rank,
             "params": shapes,
             "groups": [[m.numel(), f.numel(), str(m.dtype), str(f.dtype)] for m, f in self._groups()],
         }
