@@ -1,5 +1,5 @@
 """DeepSpeedState on real DeepSpeed ZeRO 1, 2 and 3 engines: 2 gloo ranks on CPU under torchrun, one
-launch for the three stages (rank side: tests/workers/deepspeed_state_worker.py).
+launch for the three stages, in fp32 and bf16 (rank side: tests/workers/deepspeed_state_worker.py).
 
 A capture applied back continues bit for bit (losses and the gathered full parameters), in the live
 engine and in a fresh one built in the same process; a capture from an engine of another shape or
@@ -23,8 +23,8 @@ def job():
     return run_ranks("deepspeed_state_worker", 2, ",".join(map(str, STAGES)), timeout_s=240)
 
 
-def z(job, rank: int, stage: int, key: str):
-    return job[rank][f"z{stage}.{key}"]
+def z(job, rank: int, stage: int, key: str, prefix: str = ""):
+    return job[rank][f"{prefix}z{stage}.{key}"]
 
 
 @pytest.mark.multirank
@@ -40,6 +40,19 @@ def test_a_capture_applied_back_continues_bit_equal_in_the_live_and_in_a_fresh_e
         assert len(set(first_k["digests"])) == 2
         assert z(job, r, stage, "from_start") == first_k  # the capture before any step, applied late
     assert z(job, 0, stage, "first")["losses"] != z(job, 1, stage, "first")["losses"]  # own data per rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", STAGES)
+def test_in_bf16_too(job, stage):
+    for r in (0, 1):
+        tensors = z(job, r, stage, "tensors", "bf16.")
+        assert tensors["flat.0"][1] == "torch.bfloat16"  # the parameters, low precision
+        assert tensors["master.0"][1] == tensors["optimizer.0.exp_avg"][1] == "torch.float32"
+        first = z(job, r, stage, "first", "bf16.")
+        assert len(set(first["digests"])) == 3
+        assert z(job, r, stage, "again", "bf16.") == first
+        assert z(job, r, stage, "fresh", "bf16.") == first
 
 
 @pytest.mark.multirank

@@ -8,6 +8,7 @@ Per stage (results under ``z<stage>.``):
   parameters); ``apply(cap)`` and the same M steps again: the records must be equal bit for bit;
 - ``apply(cap0)`` on the trained engine and K steps: equal to the first K;
 - a FRESH engine (another seed) built in the same process, ``apply(cap)``, the M steps: equal;
+- the same in bf16 (results under ``bf16.z<stage>.``);
 - ``check`` of a capture from an engine of another shape, and of the other rank's capture (its
   tensors all-gathered, its meta through the store as JSON): refused, and ``apply`` raises
   before copying anything (the engine's state is unchanged, bit for bit).
@@ -30,12 +31,14 @@ from ncclguard.integrations.deepspeed_state import DeepSpeedState, OwnState
 K, M = 2, 3
 
 
-def engine(stage: int, seed: int, hidden: int = 16, accumulation: int = 1) -> deepspeed.DeepSpeedEngine:
+def engine(
+    stage: int, seed: int, hidden: int = 16, accumulation: int = 1, bf16: bool = False
+) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(seed)
-    # BatchNorm: buffers of each rank's own (running statistics of its own batches)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(6, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
-    )
+    # BatchNorm: buffers of each rank's own (running statistics of its own batches). Under bf16
+    # DeepSpeed casts the parameters and not the buffers, which BatchNorm refuses: LayerNorm there.
+    norm = torch.nn.LayerNorm(hidden) if bf16 else torch.nn.BatchNorm1d(hidden)
+    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accumulation,
@@ -47,6 +50,7 @@ def engine(stage: int, seed: int, hidden: int = 16, accumulation: int = 1) -> de
         # 0.weight (96 elements) stays partitioned, the smaller ones are persistent (gathered for good)
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20},
         "steps_per_print": 1_000_000,
+        "bf16": {"enabled": bf16},
     }
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return eng
@@ -58,7 +62,8 @@ def train(eng: deepspeed.DeepSpeedEngine, steps: range, rank: int) -> dict:
     for s in steps:
         g = torch.Generator().manual_seed(100 * s + rank)
         x = torch.randn(4, 6, generator=g)
-        loss = torch.nn.functional.mse_loss(eng(x), x.sum(1, keepdim=True).tanh())
+        out = eng(x.bfloat16() if eng.bfloat16_enabled() else x).float()
+        loss = torch.nn.functional.mse_loss(out, x.sum(1, keepdim=True).tanh())
         eng.backward(loss)
         eng.step()
         losses.append(float(loss.detach()))
@@ -69,7 +74,7 @@ def train(eng: deepspeed.DeepSpeedEngine, steps: range, rank: int) -> dict:
         with deepspeed.zero.GatheredParameters(partitioned):
             h = hashlib.sha256()
             for name, p in [*eng.module.named_parameters(), *eng.module.named_buffers()]:
-                h.update(name.encode() + p.detach().contiguous().numpy().tobytes())
+                h.update(name.encode() + p.detach().float().contiguous().numpy().tobytes())
             digests.append(h.hexdigest())
     return {"losses": losses, "digests": digests, "global_steps": eng.global_steps}
 
@@ -143,6 +148,22 @@ def run_stage(stage: int, rank: int) -> None:
     refusals(stage, rank, eng, cap)
 
 
+def run_bf16(stage: int, rank: int) -> None:
+    """Mixed precision: bf16 parameters (the flat), fp32 master weights and optimizer state."""
+    eng = engine(stage, seed=0, bf16=True)
+    state = DeepSpeedState(eng)
+    train(eng, range(K), rank)
+    cap = copied(state.capture())
+    put(f"bf16.z{stage}.tensors", {k: [list(v.shape), str(v.dtype)] for k, v in cap.tensors.items()})
+    first = train(eng, range(K, K + M), rank)
+    state.apply(cap)
+    put(f"bf16.z{stage}.first", first)
+    put(f"bf16.z{stage}.again", train(eng, range(K, K + M), rank))
+    fresh = engine(stage, seed=123, bf16=True)
+    DeepSpeedState(fresh).apply(cap)
+    put(f"bf16.z{stage}.fresh", train(fresh, range(K, K + M), rank))
+
+
 def mid_window() -> None:
     """A capture inside a gradient accumulation window is refused (the window's gradients are not state)."""
     eng = engine(2, seed=0, accumulation=2)
@@ -160,6 +181,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for stage in (int(s) for s in sys.argv[1].split(",")):
         run_stage(stage, rank)
+        run_bf16(stage, rank)
     mid_window()
     dist.barrier()
     dist.destroy_process_group()
