@@ -55,7 +55,7 @@ from ncclguard.watching.actions import exit_now
 
 from .deepspeed_state import DeepSpeedState
 
-__all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult"]
+__all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult", "release_deepspeed_groups"]
 
 EX_TEMPFAIL = 75  # sysexits.h: a temporary failure; launchers restart on a non-zero status
 

@@ -179,14 +179,17 @@ class DeepSpeedState:
         Returns:
             The differences, named (stage, world size, rank, parameters, partitions, tensors), or None.
         """
-        if not isinstance(state, OwnState):
-            return f"not an OwnState: {type(state).__name__}"
-        layout, meta, problems = self._layout(), state.meta, []
+        if not isinstance(state, OwnState) or not isinstance(state.meta, dict) or not isinstance(state.tensors, dict):
+            return f"not an OwnState of a dict of tensors and a dict of JSON values: {type(state).__name__}"
+        layout, meta = self._layout(), state.meta
+        problems = self._check_meta_form(meta)
+        if problems:
+            return "; ".join(problems)
         for key in ("framework", "zero_stage", "dp_world_size", "dp_rank"):
             if meta.get(key) != layout[key]:
                 problems.append(f"{key}: the capture has {meta.get(key)!r}, this engine {layout[key]!r}")
         ours = {n: list(s) for n, s in layout["params"]}
-        theirs = {n: list(s) for n, s in meta.get("params", [])}
+        theirs = {n: list(s) for n, s in meta["params"]}
         for name in sorted(ours.keys() ^ theirs.keys()):
             problems.append(f"parameter {name}: {'missing from the capture' if name in ours else 'not in this engine'}")
         for name in sorted(ours.keys() & theirs.keys()):
@@ -196,13 +199,36 @@ class DeepSpeedState:
             problems.append(
                 f"partition layout (numel, dtypes per group): capture {meta.get('groups')}, here {layout['groups']}"
             )
-        if meta.get("counters") is None or set(meta["counters"]) != set(COUNTERS):
-            problems.append(f"counters: expected {list(COUNTERS)}")
         if (meta.get("lr_scheduler") is None) != (self.engine.lr_scheduler is None):
             problems.append("lr_scheduler: one of the capture and this engine has none")
         if not problems:
             problems += self._check_tensors(state.tensors)
         return "; ".join(problems) or None
+
+    def _check_meta_form(self, meta: dict[str, Any]) -> list[str]:
+        """The meta's form, so that ``apply`` cannot fail half-way on it (a replica from a peer)."""
+        groups, problems = len(self.opt.param_groups), []
+        params = meta.get("params")
+        if not (isinstance(params, list) and all(isinstance(p, list) and len(p) == 2 for p in params)):
+            problems.append("params: not a list of [name, shape]")
+        counters = meta.get("counters")
+        if not (isinstance(counters, dict) and set(counters) == set(COUNTERS)):
+            problems.append(f"counters: expected {list(COUNTERS)}")
+        elif not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
+            problems.append("counters: not all ints")
+        for key, want in (("param_groups", groups), ("optimizer_scalars", len(self._groups()))):
+            value = meta.get(key)
+            if not (isinstance(value, list) and len(value) == want and all(isinstance(v, dict) for v in value)):
+                problems.append(f"{key}: expected a list of {want} dicts")
+        scaler = meta.get("loss_scaler")
+        if not isinstance(scaler, dict) or not set(scaler) <= set(vars(self.opt.loss_scaler)):
+            problems.append(
+                f"loss_scaler: expected a dict of the loss scaler's fields {sorted(vars(self.opt.loss_scaler))}"
+            )
+        scheduler = meta.get("lr_scheduler")
+        if scheduler is not None and not isinstance(scheduler, dict):
+            problems.append("lr_scheduler: not a dict")
+        return problems
 
     def _check_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """The tensors' names, shapes and dtypes against this engine's (the layout already matched)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-from ncclguard.integrations.deepspeed_state import DeepSpeedState
+from ncclguard.integrations.deepspeed import DeepSpeedState
 
 pytestmark = pytest.mark.timeout(600)
 STAGES = (1, 2, 3)
@@ -99,6 +99,10 @@ def test_a_capture_of_another_shape_or_rank_is_refused_before_anything_is_copied
         )
         assert "other_rank_applied" not in job[r]
         assert z(job, r, stage, "unchanged_after_refusal") is True
+        assert z(job, r, stage, "malformed") == (
+            "params: not a list of [name, shape]; param_groups: expected a list of 1 dicts; "
+            "loss_scaler: expected a dict of the loss scaler's fields ['cur_scale', 'dynamic']"
+        )
         part = 82 if stage < 3 else 81
         assert (
             z(job, r, stage, "wrong_dtype")

@@ -122,6 +122,9 @@ def refusals(stage: int, rank: int, eng: deepspeed.DeepSpeedEngine, cap: OwnStat
     put(f"z{stage}.unchanged_after_refusal", state_digest(state) == before)
     wrong_dtype = OwnState({**cap.tensors, "master.0": cap.tensors["master.0"].double()}, cap.meta)
     put(f"z{stage}.wrong_dtype", state.check(wrong_dtype))
+    # A malformed meta (a replica from a peer): refused before anything is copied
+    malformed = {**cap.meta, "params": "x", "loss_scaler": {"__class__": 1}, "param_groups": []}
+    put(f"z{stage}.malformed", state.check(OwnState(cap.tensors, malformed)))
 
 
 def run_stage(stage: int, rank: int) -> None:
