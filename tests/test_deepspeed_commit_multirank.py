@@ -63,6 +63,26 @@ def test_with_rebuild_engine_a_failed_step_is_redone_in_process_on_a_new_engine_
 
 
 @pytest.mark.multirank
+def test_with_rebuild_engine_a_killed_rank_ends_the_survivor_with_75_and_no_checkpoint(tmp_path):
+    # Rank 1 is killed at step 2: no world without it (no shrink), and rank 0's partition alone is
+    # no checkpoint. 12 s alone here (5 s commit and rebuild timeouts); hang guard well over 3x.
+    job = run_ranks(
+        "deepspeed_commit_worker",
+        2,
+        "memory-kill",
+        str(tmp_path),
+        launcher="spawn",
+        timeout_s=240,
+        expect_rc={0: EX_TEMPFAIL, 1: -9},
+    )
+    assert job[0]["global_steps_before_failed_step"] == K and "not_exited" not in job[0]
+    assert "ranks [1] did not reach rebuild_world within 5 s" in job.output
+    assert "Exiting 75; the launcher restarts from your last checkpoint" in job.output
+    assert "a new engine in world generation" not in job.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.multirank
 def test_a_failed_step_ends_in_a_checkpoint_and_exit_75_on_every_rank(jobs):
     failed, _, ckpt = jobs
     assert failed.returncodes == {0: 75, 1: 75}  # also required by run_ranks

@@ -2,7 +2,7 @@
 ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), a step's collectives bounded at 3 s by the
 stepper's ``collective_timeout`` (DeepSpeed's groups keep their own timeouts).
 
-Usage: ``deepspeed_commit_worker.py fail|resume|memory CKPT_DIR [STAGES]``.
+Usage: ``deepspeed_commit_worker.py fail|resume|memory|memory-kill CKPT_DIR [STAGES]``.
 
 - ``fail``: steps 0-1 commit and apply; at step 2 rank 1 stalls 9 s (3x the timeout) before its
   forward, so rank 0 times out in ZeRO's gradient reduction. The commit fails on both ranks;
@@ -13,6 +13,8 @@ Usage: ``deepspeed_commit_worker.py fail|resume|memory CKPT_DIR [STAGES]``.
   stall at step 2 is recovered in process (a new engine from another seed, given the old one's
   state) and steps 0-4 end bit-equal to an engine that trained them without a fault; nothing is
   written to CKPT_DIR.
+- ``memory-kill``: ZeRO-2 with ``rebuild_engine``, rank 1 killed (SIGKILL) at step 2: no world can be
+  rebuilt without it, so rank 0 exits 75 without a checkpoint (its partition alone is no checkpoint).
 """
 
 from __future__ import annotations
@@ -163,6 +165,29 @@ def memory(ckpt: str, rank: int, stages: str) -> None:
     rankkit.done()
 
 
+def memory_kill(ckpt: str, rank: int) -> None:
+    stepper = CommittedEngineStep(
+        engine(),
+        checkpoint_dir=ckpt,
+        rebuild_engine=engine,
+        collective_timeout=BOUND_STEP_S,
+        commit_timeout=5,
+        rebuild_timeout=5,
+    )
+    for s in range(K):
+        stepper(step_fn(s, rank), step=s)
+    put("global_steps_before_failed_step", stepper.engine.global_steps)
+    rankkit.save()  # rank 0 ends in the step below with status 75 (os._exit); rank 1 dies in it
+
+    def killed(eng: deepspeed.DeepSpeedEngine) -> float:
+        rankkit.kill(1)
+        return step_fn(K, rank)(eng)
+
+    stepper(killed, step=K)
+    put("not_exited", True)  # never reached: the test would see it
+    rankkit.done()
+
+
 def main() -> None:
     mode, ckpt = sys.argv[1], sys.argv[2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -170,6 +195,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     if mode == "memory":
         memory(ckpt, rank, sys.argv[3])
+    if mode == "memory-kill":
+        memory_kill(ckpt, rank)
     {"fail": fail, "resume": resume}[mode](ckpt, rank)
 
 
