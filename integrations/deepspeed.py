@@ -11,7 +11,10 @@ trainer whose ``model`` is the engine.
 Nothing here imports DeepSpeed: the engine is used as the ``torch.nn.Module`` it is.
 
 :class:`~ncclguard.integrations.deepspeed_commit.CommittedEngineStep` (re-exported here) commits
-every training step on every rank; a failed one ends in ``engine.save_checkpoint`` and exit 75.
+every training step on every rank; a failed one is redone in process on a new engine (with
+``rebuild_engine``) or ends in ``engine.save_checkpoint`` and exit 75.
+:class:`~ncclguard.integrations.deepspeed_state.DeepSpeedState` (re-exported here) takes one rank's
+ZeRO state out of an engine and puts it back, in memory.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ from ncclguard.evaluation.guard import (
 )
 
 from .deepspeed_commit import EX_TEMPFAIL, CommittedEngineStep, EngineStepResult
+from .deepspeed_state import DeepSpeedState, OwnState
 
 __all__ = [
     "EX_TEMPFAIL",
     "CommittedEngineStep",
+    "DeepSpeedState",
     "EngineStepResult",
+    "OwnState",
     "FAILED_METRIC",
     "EvalSums",
     "EvalReport",

@@ -1,7 +1,8 @@
 """CommittedEngineStep: the recovery engine's adapter for DeepSpeed. Every rank agrees on each step;
-a failed one ends in a checkpoint and exit status 75, so that the launcher restarts the job from it.
+a failed one is redone in process on a new engine when you pass ``rebuild_engine`` (no disk), and
+otherwise ends in a checkpoint and exit status 75, so that the launcher restarts the job from it.
 
-Why not a redo in process, as for plain DDP and Lightning: a DeepSpeed engine keeps the groups
+Why the engine is built anew rather than re-pointed: a DeepSpeed engine keeps the groups
 of the world it was built in, and its ZeRO optimizer keeps state laid out for them. Read in the
 installed DeepSpeed (0.19.8; docs/recovery.md "### DeepSpeed" cites the lines): the engine takes
 its data-parallel group once (``runtime/engine.py``, ``self.data_parallel_group =
@@ -12,6 +13,16 @@ stores that group per parameter group with the partition count (``runtime/zero/s
 in flight (``ipg_buckets``, ``params_already_reduced``, ``averaged_gradients``). Re-pointing all
 of that after a rebuild means writing a dozen private attributes of one DeepSpeed version and
 resetting a half-reduced backward by hand; nothing checks it, so it is not done.
+
+The redo in process (``rebuild_engine``): a failed commit means ``optimizer.step()`` ran on no
+rank, so the old engine still holds the state of the last committed step. After the rebuild each
+rank takes it from the old engine (:class:`~ncclguard.integrations.deepspeed_state.DeepSpeedState`,
+no collective), drops DeepSpeed's cached clone of the old world group (``deepspeed.utils.groups``,
+``_release_process_group_references``: ``rebuild_world`` destroyed the groups with torch's call, which
+leaves DeepSpeed's cache in place), builds a new engine with ``rebuild_engine()`` (a new module of the
+same architecture: a ZeRO-3 module already converted keeps the old group in every parameter's
+``ds_process_group``), puts the state in, and redoes the step. Measured in
+benchmarks/investigations/deepspeed_rebuild_in_process.py; docs/integrations.md has the figures.
 
 What is safe: ``engine.save_checkpoint`` runs its collectives (two barriers and, with tag
 validation, two all_reduces) through ``deepspeed.comm`` with no group, that is on torch's default
@@ -35,13 +46,16 @@ import torch
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
+from ncclguard.errors import RebuildFailed
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.watching.actions import exit_now
 
-__all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult"]
+from .deepspeed_state import DeepSpeedState
+
+__all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult", "release_deepspeed_groups"]
 
 EX_TEMPFAIL = 75  # sysexits.h: a temporary failure; launchers restart on a non-zero status
 
@@ -61,11 +75,13 @@ class EngineStepResult:
 
 class CommittedEngineStep(Adapter):
     """Runs DeepSpeed steps that every rank commits before ``engine.step()``; on a failed commit:
-    rebuild, ``engine.save_checkpoint(checkpoint_dir)``, exit 75.
+    with ``rebuild_engine``, rebuild the world and redo the step in process on a new engine (no
+    disk); without it, or when that fails, rebuild, ``engine.save_checkpoint(checkpoint_dir)``, exit 75.
 
-    ``stepper = CommittedEngineStep(engine, checkpoint_dir="/ckpt")``, then per step
-    ``stepper(lambda e: e.backward(e(**batch).loss), step=step)``. On restart, load it with
-    ``engine.load_checkpoint(checkpoint_dir)`` and go on from ``engine.global_steps``.
+    ``stepper = CommittedEngineStep(engine, checkpoint_dir="/ckpt", rebuild_engine=make_engine)``, then
+    per step ``stepper(lambda e: e.backward(e(**batch).loss), step=step)``: ``step_fn`` gets the engine
+    to use, and after a recovery that is a new one (``stepper.engine``). On a restart from disk, load
+    the checkpoint with ``engine.load_checkpoint(checkpoint_dir)`` and go on from ``engine.global_steps``.
 
     Args:
         engine: the ``deepspeed.DeepSpeedEngine``, with ``gradient_accumulation_steps() == 1``.
@@ -76,9 +92,15 @@ class CommittedEngineStep(Adapter):
         commit_timeout: seconds (or a timedelta) each commit waits for every rank.
         rebuild_timeout: seconds (or a timedelta) the rebuild before the save waits for every rank.
         exit_code: the status to exit with (75, EX_TEMPFAIL).
+        rebuild_engine: builds a new engine on the current world, as you built the first (a new
+            module of the same architecture, ``deepspeed.initialize`` with the same config; ZeRO 1,
+            2 or 3); it is called on every rank after a rebuild, and its random draws do not move
+            the step's generators. None: no redo in process.
+        max_attempts: times a step runs at most with ``rebuild_engine`` (at least 2).
 
     Raises:
-        TypeError, ValueError: not an engine, gradient accumulation, a bad directory or timeout.
+        TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
+            ``rebuild_engine``, or an engine whose state ``DeepSpeedState`` cannot take.
     """
 
     name = "CommittedEngineStep"
@@ -92,6 +114,8 @@ class CommittedEngineStep(Adapter):
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         exit_code: int = EX_TEMPFAIL,
+        rebuild_engine: Callable[[], Any] | None = None,
+        max_attempts: int = 2,
     ) -> None:
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
             if not callable(getattr(engine, name, None)):
@@ -109,14 +133,25 @@ class CommittedEngineStep(Adapter):
             raise ValueError(f"checkpoint_dir must be a directory path, got {checkpoint_dir!r}")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an int from 1 to 255 (a restart needs a failure), got {exit_code!r}")
-        # One attempt: a DeepSpeed step is not redone in process (see the module doc).
+        if rebuild_engine is not None and not callable(rebuild_engine):
+            raise TypeError(f"rebuild_engine must build and return a new engine, got {type(rebuild_engine).__name__}")
+        if rebuild_engine is not None and (
+            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2
+        ):
+            raise ValueError(
+                f"max_attempts must be an int of at least 2 with rebuild_engine (a redo), got {max_attempts!r}"
+            )
+        # Without rebuild_engine one attempt: the failed step ends in a checkpoint (see the module doc).
         options = recovery_options(
             collective_timeout=collective_timeout,
             commit_timeout=commit_timeout,
             rebuild_timeout=rebuild_timeout,
-            max_attempts=1,
+            max_attempts=1 if rebuild_engine is None else max_attempts,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
+        self.rebuild_engine = rebuild_engine
+        # Made now, on the live world: it refuses, before any step, an engine whose state it cannot take.
+        self.state = None if rebuild_engine is None else DeepSpeedState(engine)
         self.recovery = Recovery(self, options)
 
     def get_module(self) -> torch.nn.Module:
@@ -124,8 +159,29 @@ class CommittedEngineStep(Adapter):
         return self.engine.module
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
-        """Nothing: the engine is not re-wrapped, it is saved and the process exits."""
-        return None
+        """With ``rebuild_engine``: a new engine on the rebuilt world, given the old one's state (the
+        last committed step's: ``optimizer.step()`` ran on no rank). Without: nothing (no redo).
+
+        Raises:
+            ValueError: the new engine cannot take the old one's state (another shape, stage, world).
+        """
+        if self.rebuild_engine is None or self.state is None:
+            return
+        state = self.state.capture()  # the live tensors, no collective: the old engine is dropped after
+        release_deepspeed_groups()
+        # The redo must draw the random numbers the failed attempt drew: the new module's
+        # initialisation draws from the same generators, so they are put back after it.
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            new = self.rebuild_engine()
+        self.state = DeepSpeedState(new)
+        self.state.apply(state)
+        self.engine = new
+        log.warning(
+            "CommittedEngineStep: a new engine in world generation %d holds the state of global step %d",
+            rebuilt.generation,
+            new.global_steps,
+        )
 
     def __call__(self, step_fn: Callable[[Any], Any], *, step: int | None = None) -> EngineStepResult:
         """Runs ``step_fn(engine)`` (forward and ``engine.backward``), commits, and steps the engine.
@@ -147,11 +203,18 @@ class CommittedEngineStep(Adapter):
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
         tx = self.recovery.begin(step)
-        output = tx.run(lambda: step_fn(self.engine))
-        res = tx.settle(None)
+        tx.run(lambda: step_fn(self.engine))
+        res = tx.settle(None if self.rebuild_engine is None else lambda: step_fn(self.engine))
         if res:
             self.engine.step()
-            return EngineStepResult(output, res.commits[-1])
+            return EngineStepResult(res.output, res.commits[-1])
+        if isinstance(res.error, RebuildFailed):  # a rank is missing: no complete checkpoint can be written
+            log.error(
+                "CommittedEngineStep: %s. Exiting %d; the launcher restarts from your last checkpoint",
+                res.error,
+                self.exit_code,
+            )
+            exit_now(self.exit_code)  # no interpreter shutdown: see the doc above
         self.checkpoint_and_exit(res.commits[-1], tx.number)
 
     def checkpoint_and_exit(self, res: CommitResult, step: int) -> NoReturn:
@@ -196,3 +259,26 @@ class CommittedEngineStep(Adapter):
             self.exit_code,
         )
         exit_now(self.exit_code)  # no interpreter shutdown: see __call__
+
+
+def release_deepspeed_groups() -> None:
+    """Drops DeepSpeed's cached groups of the old world (its clone of the world group above all), so
+    that ``deepspeed.initialize`` on the rebuilt world makes them anew. ``rebuild_world`` destroys the
+    groups with torch's call; DeepSpeed's own ``deepspeed.comm.destroy_process_group`` would release them
+    with ``deepspeed.utils.groups._release_process_group_references`` (0.19), called here.
+
+    Raises:
+        RuntimeError: this DeepSpeed has neither that function nor the ``_WORLD_GROUP`` cache.
+    """
+    from deepspeed.utils import groups  # only with a DeepSpeed engine at hand
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if callable(release):
+        release(None)
+    elif hasattr(groups, "_WORLD_GROUP"):  # older DeepSpeed: the world clone is the cache that matters
+        groups._WORLD_GROUP = None
+    else:
+        raise RuntimeError(
+            "CommittedEngineStep: this DeepSpeed keeps its groups where ncclguard does not know to release "
+            "them; pass no rebuild_engine (a failed step then ends in a checkpoint)"
+        )

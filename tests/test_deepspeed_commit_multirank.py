@@ -4,6 +4,8 @@ tests/workers/deepspeed_commit_worker.py.
 
 A failed step ends in ``engine.save_checkpoint`` and exit 75 on every rank; a restart loads the
 checkpoint (the state before the failed step) and ends bit-equal to a run without the fault.
+With ``rebuild_engine`` (ZeRO-2 and ZeRO-3, under torchrun: nothing exits) the failed step is redone
+in process on a new engine, with no disk, and the run ends bit-equal to one without the fault.
 """
 
 from __future__ import annotations
@@ -33,6 +35,51 @@ def jobs(tmp_path_factory):
     )
     resumed = run_ranks("deepspeed_commit_worker", 2, "resume", str(ckpt), launcher="spawn", timeout_s=240)
     return failed, resumed, ckpt
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ds-none")
+    # Two stages, each a 9 s stall, a 3 s timeout, the rebuild and a new engine: 25 s alone here.
+    return run_ranks("deepspeed_commit_worker", 2, "memory", str(ckpt), "2,3", timeout_s=240)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_rebuild_engine_a_failed_step_is_redone_in_process_on_a_new_engine_bit_equal(memory, stage):
+    for r in (0, 1):
+        res = memory[r]
+        (recovered,) = res[f"z{stage}.recoveries"]  # one failed step, recovered once
+        assert recovered["ncclguard_recover_attempts"] == 2
+        assert recovered["ncclguard_recover_generation"] == (1 if stage == 2 else 2)
+        assert recovered["ncclguard_recover_failed_ranks"] == "0-1"
+        assert res[f"z{stage}.new_engine"] is True  # built by rebuild_engine, from another seed
+        assert res[f"z{stage}.global_steps"] == STEPS
+        assert res[f"z{stage}.losses"] == res[f"z{stage}.reference_losses"]  # dropout included
+        assert res[f"z{stage}.digest"] == res[f"z{stage}.reference_digest"]  # full parameters and buffers
+        assert res["checkpoint_files"] == []  # no disk
+    assert memory[0][f"z{stage}.losses"] != memory[1][f"z{stage}.losses"]  # each rank its own batches
+    assert "a new engine in world generation" in memory.output
+
+
+@pytest.mark.multirank
+def test_with_rebuild_engine_a_killed_rank_ends_the_survivor_with_75_and_no_checkpoint(tmp_path):
+    # Rank 1 is killed at step 2: no world without it (no shrink), and rank 0's partition alone is
+    # no checkpoint. 12 s alone here (5 s commit and rebuild timeouts); hang guard well over 3x.
+    job = run_ranks(
+        "deepspeed_commit_worker",
+        2,
+        "memory-kill",
+        str(tmp_path),
+        launcher="spawn",
+        timeout_s=240,
+        expect_rc={0: EX_TEMPFAIL, 1: -9},
+    )
+    assert job[0]["global_steps_before_failed_step"] == K and "not_exited" not in job[0]
+    assert "ranks [1] did not reach rebuild_world within 5 s" in job.output
+    assert "Exiting 75; the launcher restarts from your last checkpoint" in job.output
+    assert "a new engine in world generation" not in job.output
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.multirank
@@ -94,6 +141,9 @@ class Engine:
         (Engine(1), {"checkpoint_dir": ""}, ValueError, "checkpoint_dir must be a directory path"),
         (Engine(1), {"checkpoint_dir": "/x", "exit_code": 0}, ValueError, "exit_code must be an int from 1 to 255"),
         (Engine(1), {"checkpoint_dir": "/x", "commit_timeout": -1}, ValueError, "commit_timeout"),
+        (Engine(1), {"checkpoint_dir": "/x", "rebuild_engine": 3}, TypeError, "rebuild_engine must build"),
+        (Engine(1), {"checkpoint_dir": "/x", "rebuild_engine": Engine, "max_attempts": 1}, ValueError, "at least 2"),
+        (Engine(1), {"checkpoint_dir": "/x", "rebuild_engine": Engine}, TypeError, "DeepSpeedState needs a DeepSpeed"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_step(engine, kwargs, error, text):

@@ -2,13 +2,19 @@
 ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), a step's collectives bounded at 3 s by the
 stepper's ``collective_timeout`` (DeepSpeed's groups keep their own timeouts).
 
-Usage: ``deepspeed_commit_worker.py fail|resume CKPT_DIR``.
+Usage: ``deepspeed_commit_worker.py fail|resume|memory|memory-kill CKPT_DIR [STAGES]``.
 
 - ``fail``: steps 0-1 commit and apply; at step 2 rank 1 stalls 9 s (3x the timeout) before its
   forward, so rank 0 times out in ZeRO's gradient reduction. The commit fails on both ranks;
   both save a checkpoint in CKPT_DIR and exit 75 (the results are written before step 2).
 - ``resume``: what a restart does: a new engine loads CKPT_DIR and trains steps 2-4; then a
   second engine trains steps 0-4 without a fault, for comparison bit for bit.
+- ``memory``: per ZeRO stage in STAGES (e.g. ``2,3``), the stepper has ``rebuild_engine``: the same
+  stall at step 2 is recovered in process (a new engine from another seed, given the old one's
+  state) and steps 0-4 end bit-equal to an engine that trained them without a fault; nothing is
+  written to CKPT_DIR.
+- ``memory-kill``: ZeRO-2 with ``rebuild_engine``, rank 1 killed (SIGKILL) at step 2: no world can be
+  rebuilt without it, so rank 0 exits 75 without a checkpoint (its partition alone is no checkpoint).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import logging
 import sys
 import time
+from pathlib import Path
 
 import deepspeed
 import rankkit
@@ -25,20 +32,24 @@ from rankkit import put
 
 import ncclguard
 from ncclguard.integrations.deepspeed import CommittedEngineStep
+from ncclguard.recovery.rebuild import generation
 
 BOUND_STEP_S = 3.0  # ZeRO reduces on DeepSpeed's clone of the world group: the bound covers it
 STALL_S = 9.0
 STEPS, K = 5, 2
 
 
-def engine() -> deepspeed.DeepSpeedEngine:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+def engine(stage: int = 2, seed: int = 0, dropout: float = 0.0) -> deepspeed.DeepSpeedEngine:
+    torch.manual_seed(seed)
+    # Dropout (memory mode): the redo must draw what the failed attempt drew, whatever the new engine's
+    # initialisation drew meanwhile
+    drop = [torch.nn.Dropout(dropout)] if dropout else []
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), *drop, torch.nn.Tanh(), torch.nn.Linear(16, 1))
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20},
         "steps_per_print": 1_000_000,
     }
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -59,9 +70,16 @@ def digest(eng: deepspeed.DeepSpeedEngine) -> str:
     return h.hexdigest()
 
 
-def step_fn(step: int, rank: int, stall: bool = False):
+def gathered_digest(eng: deepspeed.DeepSpeedEngine) -> str:
+    """The digest of the full parameters (ZeRO-3: gathered; the persistent ones are whole already)."""
+    partitioned = [p for p in eng.module.parameters() if getattr(p, "ds_status", None) is not None]
+    with deepspeed.zero.GatheredParameters([p for p in partitioned if p.ds_status.name != "AVAILABLE"]):
+        return digest(eng)
+
+
+def step_fn(step: int, rank: int, stall: bool | list[bool] = False):
     def run(eng: deepspeed.DeepSpeedEngine) -> float:
-        if stall:
+        if stall is True or (isinstance(stall, list) and stall and stall.pop()):  # a list: the first attempt only
             time.sleep(STALL_S)
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(eng(x), y)
@@ -110,11 +128,75 @@ def resume(ckpt: str, rank: int) -> None:
     rankkit.done()
 
 
+def memory(ckpt: str, rank: int, stages: str) -> None:
+    for stage in map(int, stages.split(",")):
+        first = engine(stage, dropout=0.25)
+        built: list[deepspeed.DeepSpeedEngine] = []
+
+        def rebuild(stage: int = stage, built: list = built) -> deepspeed.DeepSpeedEngine:
+            built.append(engine(stage, seed=123, dropout=0.25))  # another seed: all must come from the old engine
+            return built[-1]
+
+        stepper = CommittedEngineStep(
+            first,
+            checkpoint_dir=ckpt,
+            rebuild_engine=rebuild,
+            collective_timeout=BOUND_STEP_S,
+            commit_timeout=30,
+            rebuild_timeout=30,
+        )
+        # step= grows across the stages (should_commit checks it per world)
+        stall = {s: [rank == 1 and s == K] for s in range(STEPS)}  # the first attempt of step K only
+        losses = [stepper(step_fn(s, rank, stall=stall[s]), step=10 * stage + s).output for s in range(STEPS)]
+        put(f"z{stage}.losses", losses)
+        put(f"z{stage}.digest", gathered_digest(stepper.engine))
+        put(f"z{stage}.global_steps", stepper.engine.global_steps)
+        put(f"z{stage}.new_engine", stepper.engine is not first and built == [stepper.engine])
+        put(f"z{stage}.recoveries", [{**r.metrics(), "timings": r.timings} for r in stepper.recovery.recoveries])
+        reference = engine(stage, dropout=0.25)
+        ref_losses = []
+        for s in range(STEPS):
+            ref_losses.append(step_fn(s, rank)(reference))
+            reference.step()
+        put(f"z{stage}.reference_losses", ref_losses)
+        put(f"z{stage}.reference_digest", gathered_digest(reference))
+    put("generation", generation())
+    put("checkpoint_files", sorted(str(p) for p in Path(ckpt).rglob("*")))
+    rankkit.done()
+
+
+def memory_kill(ckpt: str, rank: int) -> None:
+    stepper = CommittedEngineStep(
+        engine(),
+        checkpoint_dir=ckpt,
+        rebuild_engine=engine,
+        collective_timeout=BOUND_STEP_S,
+        commit_timeout=5,
+        rebuild_timeout=5,
+    )
+    for s in range(K):
+        stepper(step_fn(s, rank), step=s)
+    put("global_steps_before_failed_step", stepper.engine.global_steps)
+    rankkit.save()  # rank 0 ends in the step below with status 75 (os._exit); rank 1 dies in it
+
+    def killed(eng: deepspeed.DeepSpeedEngine) -> float:
+        rankkit.kill(1)
+        return step_fn(K, rank)(eng)
+
+    stepper(killed, step=K)
+    put("not_exited", True)  # never reached: the test would see it
+    rankkit.done()
+
+
 def main() -> None:
     mode, ckpt = sys.argv[1], sys.argv[2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = rankkit.init(timeout_s=60)  # the groups keep 60 s; a step's collectives get the 3 s bound
     deepspeed.init_distributed(dist_backend="gloo")
+    if mode == "memory":
+        memory(ckpt, rank, sys.argv[3])
+    if mode == "memory-kill":
+        memory_kill(ckpt, rank)
     {"fail": fail, "resume": resume}[mode](ckpt, rank)
 
 
