@@ -36,6 +36,7 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
+from ncclguard.recovery.preempt import stop_requested
 from ncclguard.recovery.internals.commit_protocol import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
@@ -79,6 +80,8 @@ class CommitResult(Result):
             posted their death, :mod:`ncclguard.store.deaths`), so nobody waited for them.
         elapsed_s: seconds from entry to return.
         error: a :class:`~ncclguard.errors.CommitFailed` when not ``ok``, else None.
+        stop: a rank was asked to stop (SIGTERM): every rank stops after this step
+            (:mod:`ncclguard.recovery.preempt`); the same on every rank.
     """
 
     ok: bool
@@ -90,6 +93,7 @@ class CommitResult(Result):
     elapsed_s: float = 0.0
     error: CommitFailed | None = None
     early: bool = False
+    stop: bool = False
 
 
 class _Commits:
@@ -348,7 +352,8 @@ def should_commit(
         if step is not None:
             state.user_step = step
         if info is None:  # a world of one: no one to agree with
-            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed={0: problems} if problems else {})
+            failed = {0: problems} if problems else {}
+            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
         else:
             if timeout_s is None:
@@ -364,6 +369,7 @@ def should_commit(
                 other_seqs=_other_sequences(info),
                 p2p_groups=_p2p_groups(),
                 problems=problems,
+                stop=stop_requested(),
             )
             verdict, late = _settle(info, world.generation, n, statement, Deadline(start + timeout_s), timeout_s)
         if verdict.ok:
@@ -440,4 +446,5 @@ def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: floa
         elapsed_s=elapsed_s,
         error=error,
         early=verdict.early,
+        stop=verdict.stop,
     )

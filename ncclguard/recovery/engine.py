@@ -40,6 +40,7 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -56,6 +57,7 @@ from ncclguard.recovery.internals.fence import arm_left_behind_fence
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
 from ncclguard.recovery.options import RecoveryOptions
+from ncclguard.recovery.preempt import install_handler, stop_now
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
 from ncclguard.recovery.rejoin import rejoin_world
@@ -152,6 +154,22 @@ class Adapter(abc.ABC):
         """On a restarted rank: takes what :meth:`heal_extra` sent (``result.extra``)."""
         return None
 
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """On every rank, after a stop every rank agreed on (SIGTERM): writes the newest state in
+        the framework's own checkpoint format under ``directory`` (:mod:`ncclguard.recovery.preempt`).
+
+        Args:
+            directory: the preemption directory (it exists).
+            step: the number of the last step applied.
+
+        Returns:
+            The checkpoint to give the framework's resume call.
+
+        Raises:
+            NotImplementedError: this adapter has no writer (the stop goes on; nothing is written).
+        """
+        raise NotImplementedError(f"{self.name} has no checkpoint writer for a preemption")
+
 
 class Recovery:
     """The engine: owns every transaction of one training loop on this rank (see the module doc).
@@ -179,6 +197,8 @@ class Recovery:
         self._redo_next = False  # a restarted process's first step is the survivors' redo
         self._carried: _Carried | None = None  # a step left by Reenter
         self.left = False  # this rank was left out (with left_out="raise"): no further step
+        self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
+        install_handler()
 
     def join_if_restarted(self) -> HealResult | None:
         """In a process restarted after its rank died, with ``heal`` on: joins the survivors' next
@@ -238,6 +258,8 @@ class Recovery:
             )
         if self._open is not None:  # one left open by an exception that escaped its caller
             self._open.close()
+        if self.stop_after is not None:  # the step the stop was agreed at is applied: write and exit
+            stop_now(self.adapter, self.options.preempt_dir, self.stop_after)
         mark_step(
             step if step is not None else number
         )  # the heartbeat's step and the straggler windows' count; a redo is the same step
@@ -395,6 +417,8 @@ class Transaction(Generic[T]):
                 clock.lap("commit")
                 if res:
                     engine.applied += 1
+                    if res.stop:
+                        engine.stop_after = number
                     if attempt > 1:
                         self._recovered(number, attempt, commits, joined, clock.laps)
                     return self._result(True, attempt, rebuilds, commits, None, healed)

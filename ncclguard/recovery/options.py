@@ -8,12 +8,15 @@ each one bounds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES
+from ncclguard.recovery.preempt import check_preempt_dir
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LeftOut", "RecoveryOptions", "recovery_options"]
 
@@ -39,6 +42,9 @@ class RecoveryOptions:
         heal_timeout_s: seconds for one state transfer.
         heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
+        preempt_dir: where every rank writes its framework's checkpoint when the job is told to
+            stop (SIGTERM; :mod:`ncclguard.recovery.preempt`): the option, else the variable
+            ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
     """
 
     collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -50,6 +56,7 @@ class RecoveryOptions:
     heal_timeout_s: float = 60.0
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     left_out: LeftOut = "exit"
+    preempt_dir: Path | None = None
 
 
 def recovery_options(
@@ -63,6 +70,7 @@ def recovery_options(
     heal_timeout: float | timedelta = 60.0,
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     left_out: LeftOut = "exit",
+    preempt_dir: str | os.PathLike[str] | None = None,
 ) -> RecoveryOptions:
     """Checks the engine's arguments (every adapter takes these names) and returns the options.
 
@@ -90,4 +98,5 @@ def recovery_options(
         heal_timeout_s=to_seconds(heal_timeout, "heal_timeout"),
         heal_chunk_bytes=heal_chunk_bytes,
         left_out=left_out,
+        preempt_dir=check_preempt_dir(preempt_dir),
     )

@@ -30,8 +30,10 @@ it a stand-in until the join (docs/recovery.md, "A killed rank heals").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.preempt import save_dcp
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered, StepResult
 
@@ -102,6 +105,10 @@ class RecoveringStep(Adapter):
         heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
         left_out: ``"exit"`` (status 0, the default) or ``"raise"`` for a rank the others went
             on without.
+        preempt_dir: where, on SIGTERM, every rank writes the model and the optimizer with
+            ``torch.distributed.checkpoint`` (``<preempt_dir>/step-<N>``) after the step every rank
+            agreed to stop at; default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md,
+            "Preemption").
 
     Attributes:
         engine: the recovery engine (its ``recoveries`` list the steps redone).
@@ -132,6 +139,7 @@ class RecoveringStep(Adapter):
         heal_timeout: float | timedelta = 60.0,
         heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         left_out: LeftOut = "exit",
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -152,6 +160,7 @@ class RecoveringStep(Adapter):
             heal_timeout=heal_timeout,
             heal_chunk_bytes=heal_chunk_bytes,
             left_out=left_out,
+            preempt_dir=preempt_dir,
         )
         if allow_shrink and isinstance(wrap, FSDP2):
             raise ValueError(
@@ -186,6 +195,11 @@ class RecoveringStep(Adapter):
             self._model = self.module
         else:
             self._model = self._wrapped()
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """The model and the optimizer in DCP, at ``directory/step-<step>`` (load it with
+        ``dcp.load`` and ``set_state_dict``; docs/recovery.md, "Preemption")."""
+        return save_dcp(self.model, self.optimizer, directory / f"step-{step}", step)
 
     def _wrapped(self) -> torch.nn.Module:
         if isinstance(self._wrap, FSDP2):
