@@ -204,7 +204,7 @@ def test_ncclguard_run_sets_the_variable_and_passes_the_grace_to_each_supervisor
     )
     assert job.env[preempt.PREEMPT_DIR_VAR] == str(tmp_path / "ck")
     assert job.torchrun.training_script_args[:4] == ["--restarts", "1", "--stop-grace", "3.0"]
-    with pytest.raises(ValueError, match="go with --ncclguard-restarts"):
+    with pytest.raises(ValueError, match="goes with --ncclguard-restarts"):
         plan(["--ncclguard-stop-grace", "3", "t.py"], tmp_path)
     with pytest.raises(ValueError, match="must be above 0"):
         plan(["--ncclguard-restarts", "1", "--ncclguard-stop-grace", "0", "t.py"], tmp_path)

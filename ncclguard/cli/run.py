@@ -213,10 +213,10 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     torchrun = get_args_parser().parse_args(theirs)
     if ns.ncclguard_restarts is not None:
         _supervise(torchrun, ns)
-    elif ns.ncclguard_warm_spare or ns.ncclguard_preload or ns.ncclguard_stop_grace is not None:
-        raise ValueError(
-            "--ncclguard-warm-spare, --ncclguard-preload and --ncclguard-stop-grace go with --ncclguard-restarts N"
-        )
+    elif ns.ncclguard_warm_spare or ns.ncclguard_preload:
+        raise ValueError("--ncclguard-warm-spare and --ncclguard-preload go with --ncclguard-restarts N")
+    elif ns.ncclguard_stop_grace is not None:
+        raise ValueError("--ncclguard-stop-grace goes with --ncclguard-restarts N (it is each supervisor's)")
     return Launch(torchrun, env, config, ns.ncclguard_restarts is not None)
 
 
