@@ -36,7 +36,6 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery.preempt import stop_requested
 from ncclguard.recovery.internals.commit_protocol import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
@@ -49,6 +48,7 @@ from ncclguard.recovery.internals.commit_protocol import (
     decide,
     verdict_limit,
 )
+from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode

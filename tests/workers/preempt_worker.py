@@ -108,7 +108,7 @@ def loop() -> None:
     stepper = ncclguard.RecoveringStep(module, opt, wrap=wrap, collective_timeout=30.0)
     for step in range(NO_END):
         x, y = batch(step)
-        res = stepper(lambda model: torch.nn.functional.mse_loss(model(x), y).backward(), step=step)
+        res = stepper(lambda model, x=x, y=y: torch.nn.functional.mse_loss(model(x), y).backward(), step=step)
         res.raise_for_error()
         record(stepper.module, opt, step)
         time.sleep(STEP_SLEEP_S)
