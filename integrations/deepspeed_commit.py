@@ -76,6 +76,9 @@ class CommittedEngineStep(Adapter):
         commit_timeout: seconds (or a timedelta) each commit waits for every rank.
         rebuild_timeout: seconds (or a timedelta) the rebuild before the save waits for every rank.
         exit_code: the status to exit with (75, EX_TEMPFAIL).
+        preempt_dir: where, on SIGTERM, every rank writes ``engine.save_checkpoint(preempt_dir)``
+            after the step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
+            default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory or timeout.
@@ -92,6 +95,7 @@ class CommittedEngineStep(Adapter):
         commit_timeout: float | timedelta | None = None,
         rebuild_timeout: float | timedelta = 60.0,
         exit_code: int = EX_TEMPFAIL,
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
             if not callable(getattr(engine, name, None)):
@@ -115,6 +119,7 @@ class CommittedEngineStep(Adapter):
             commit_timeout=commit_timeout,
             rebuild_timeout=rebuild_timeout,
             max_attempts=1,
+            preempt_dir=preempt_dir,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
         self.recovery = Recovery(self, options)
@@ -126,6 +131,17 @@ class CommittedEngineStep(Adapter):
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """Nothing: the engine is not re-wrapped, it is saved and the process exits."""
         return None
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """DeepSpeed's own checkpoint after a preemption stop: ``engine.save_checkpoint(directory)``
+        with the tag ``global_step<N>`` (and its ``latest`` file), on every rank.
+
+        Returns:
+            The tag's directory (``engine.load_checkpoint(directory)`` loads it).
+        """
+        tag = f"global_step{self.engine.global_steps}"
+        self.engine.save_checkpoint(str(directory), tag=tag)
+        return directory / tag
 
     def __call__(self, step_fn: Callable[[Any], Any], *, step: int | None = None) -> EngineStepResult:
         """Runs ``step_fn(engine)`` (forward and ``engine.backward``), commits, and steps the engine.

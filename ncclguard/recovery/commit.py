@@ -324,7 +324,8 @@ def should_commit(
             step fails on every rank, with this rank named.
 
     Returns:
-        A :class:`CommitResult`, truthy when the step may be applied on every rank.
+        A :class:`CommitResult`, truthy when the step may be applied on every rank; its ``stop``
+        says a rank was asked to stop (SIGTERM under a recovery engine), the same on every rank.
 
     Raises:
         TypeError, ValueError: bad arguments, a ``step`` not above the last one, or a group of an

@@ -29,6 +29,11 @@ callbacks, logs why at critical level and exits with status 0: torchrun leaves a
 0 alone, so the job ends when the others finish. With ``left_out="raise"`` it raises
 :class:`~ncclguard.errors.RebuildFailed` (``late=True``) for code that wants to act first.
 
+Preemption (:mod:`ncclguard.recovery.preempt`): the engine installs a SIGTERM handler that only notes
+the request; the next commit carries it to every rank (``CommitResult.stop``), the step is applied,
+and at the next :meth:`Recovery.begin` every rank writes :meth:`Adapter.save_checkpoint` to the
+preemption directory and exits 143.
+
 A rank stuck for good inside a step never reaches the rebuild at all. While an engine runs, the
 left-behind fence (:mod:`ncclguard.watching.left_behind`) is on, whatever the watchdog's ladder:
 such a rank exits 0 once the world record shows the others went on without it.

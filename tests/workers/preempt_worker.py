@@ -1,6 +1,6 @@
 """Rank side of tests/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
 
-``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2 or hf; PHASE: train or resume):
+``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf or deepspeed; PHASE: train or resume):
 
 - train: trains until stopped (no step limit in sight). After every applied step each rank writes
   its local state (parameters and optimizer state, the shards under FSDP2) to ``OUT/state-<rank>.pt``
@@ -9,7 +9,7 @@
   ``NCCLGUARD_PREEMPT_DIR`` (the launch sets it).
 - resume: a new launch builds the same model and optimizer and loads the checkpoint named in
   ``PREEMPTED.json`` with the framework's own resume call (``dcp.load`` + ``set_state_dict``;
-  ``trainer.train(resume_from_checkpoint=...)``), then writes ``OUT/resumed-<rank>.json``: whether
+  ``trainer.train(resume_from_checkpoint=...)``; ``engine.load_checkpoint``), then writes ``OUT/resumed-<rank>.json``: whether
   every tensor equals the one recorded at the stop, bit for bit, and the step it resumed at.
 """
 
@@ -40,14 +40,16 @@ def local(t: Any) -> Any:
 
 
 def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """This rank's parameters and optimizer state, by name, as plain tensors."""
+    """This rank's parameters and optimizer state (the optimizer's own parameters too: ZeRO's fp32
+    partitions), by name or by place, as plain tensors."""
     params = {name: local(p) for name, p in module.named_parameters()}
-    names = {id(p): name for name, p in module.named_parameters()}
     state = {}
-    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer
-    for p, s in inner.state.items():
-        for key, value in s.items():
-            state[f"{names[id(p)]}.{key}"] = local(value)
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and DeepSpeed's wrappers
+    for g, group in enumerate(inner.param_groups):
+        for i, p in enumerate(group["params"]):
+            state[f"{g}.{i}"] = local(p)
+            for key, value in inner.state.get(p, {}).items():
+                state[f"{g}.{i}.{key}"] = local(value)
     return {"params": params, "optim": state}
 
 
@@ -136,6 +138,40 @@ def resume_loop() -> None:
     compare(module, opt, int(state["ncclguard"]["step"]))
 
 
+def engine() -> Any:
+    import deepspeed
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 1_000_000,
+    }
+    model = tiny()
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return eng
+
+
+def deepspeed_loop(phase: str) -> None:
+    """DeepSpeed ZeRO-2 under CommittedEngineStep; resumed with engine.load_checkpoint."""
+    from ncclguard.integrations.deepspeed import CommittedEngineStep
+
+    eng = engine()
+    if phase == "resume":
+        path, _ = eng.load_checkpoint(os.environ["NCCLGUARD_PREEMPT_DIR"])
+        assert path is not None, "engine.load_checkpoint found no checkpoint"
+        compare(eng.module, eng.optimizer, eng.global_steps)
+        return
+    stepper = CommittedEngineStep(eng, checkpoint_dir=str(OUT / "failed"), collective_timeout=30.0)
+    for step in range(NO_END):
+        x, y = batch(step)
+        stepper(lambda e, x=x, y=y: e.backward(torch.nn.functional.mse_loss(e(x), y)), step=step)
+        record(eng.module, eng.optimizer, eng.global_steps)
+        time.sleep(STEP_SLEEP_S)
+
+
 def trainer(phase: str) -> Any:
     os.environ.setdefault("NCCLGUARD_TEST_OUT", str(OUT))  # hf_worker reads it at import
     from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
@@ -193,7 +229,12 @@ def main() -> None:
             t.train(resume_from_checkpoint=marker["path"])
         return
     dist.init_process_group("gloo")
-    if PHASE == "train":
+    if STACK == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed_loop(PHASE)
+    elif PHASE == "train":
         loop()
     else:
         resume_loop()
