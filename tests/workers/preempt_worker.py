@@ -1,6 +1,6 @@
 """Rank side of tests/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
 
-``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf or deepspeed; PHASE: train or resume):
+``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, deepspeed or accelerate; PHASE: train or resume):
 
 - train: trains until stopped (no step limit in sight). After every applied step each rank writes
   its local state (parameters and optimizer state, the shards under FSDP2) to ``OUT/state-<rank>.pt``
@@ -9,7 +9,7 @@
   ``NCCLGUARD_PREEMPT_DIR`` (the launch sets it).
 - resume: a new launch builds the same model and optimizer and loads the checkpoint named in
   ``PREEMPTED.json`` with the framework's own resume call (``dcp.load`` + ``set_state_dict``;
-  ``trainer.train(resume_from_checkpoint=...)``; ``engine.load_checkpoint``), then writes ``OUT/resumed-<rank>.json``: whether
+  ``trainer.train(resume_from_checkpoint=...)``; ``engine.load_checkpoint``; ``accelerator.load_state``), then writes ``OUT/resumed-<rank>.json``: whether
   every tensor equals the one recorded at the stop, bit for bit, and the step it resumed at.
 """
 
@@ -172,6 +172,28 @@ def deepspeed_loop(phase: str) -> None:
         time.sleep(STEP_SLEEP_S)
 
 
+def accelerate_loop(phase: str) -> None:
+    """An Accelerate loop under recovering_step; resumed with accelerator.load_state."""
+    from accelerate import Accelerator
+
+    from ncclguard.integrations.accelerate import recovering_step
+
+    acc = Accelerator(cpu=True)
+    module = tiny()
+    model, opt = acc.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    if phase == "resume":
+        marker = json.loads((Path(os.environ["NCCLGUARD_PREEMPT_DIR"]) / "PREEMPTED.json").read_text())
+        acc.load_state(marker["path"])
+        compare(module, opt, marker["step"])
+        return
+    stepper = recovering_step(acc, model, opt, collective_timeout=30.0)
+    for step in range(NO_END):
+        x, y = batch(step)
+        stepper(lambda m, x=x, y=y: acc.backward(torch.nn.functional.mse_loss(m(x), y)), step=step).raise_for_error()
+        record(module, opt, step)
+        time.sleep(STEP_SLEEP_S)
+
+
 def trainer(phase: str) -> Any:
     os.environ.setdefault("NCCLGUARD_TEST_OUT", str(OUT))  # hf_worker reads it at import
     from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
@@ -219,6 +241,9 @@ def trainer(phase: str) -> Any:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if STACK == "accelerate":
+        accelerate_loop(PHASE)
+        return
     if STACK == "hf":
         t = trainer(PHASE)
         if PHASE == "train":
