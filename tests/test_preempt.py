@@ -21,11 +21,13 @@ from ncclguard.cli.run import PREEMPT_DIR_VAR as RUN_VAR
 from ncclguard.cli.run import plan
 from ncclguard.recovery import engine as engine_module
 from ncclguard.recovery import preempt
+from ncclguard.recovery.commit import _COMMITS
 from ncclguard.recovery.engine import Adapter
 from ncclguard.recovery.internals.commit_protocol import CommitVerdict, Statement, decide
 from ncclguard.recovery.options import recovery_options
 from ncclguard.store.codec import decode, encode
 from ncclguard.supervise.loop import STOPPED_STATUSES, stopped
+from ncclguard.world import current_world
 
 # Hang guard for a supervisor's process: it imports torch (~2 s here, ~10 s on a loaded machine).
 PROC_GUARD_S = 60.0
@@ -91,6 +93,7 @@ def test_the_directory_comes_from_the_option_else_the_variable_and_a_file_is_ref
 HANDLER = """
 import json, os, signal, threading
 from ncclguard.recovery import preempt
+from ncclguard.recovery.commit import _COMMITS
 seen = []
 signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
 other = []
@@ -172,6 +175,8 @@ def test_recovering_step_stops_at_the_next_step_after_the_agreed_one_with_a_dcp_
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     codes: list[int] = []
+    # This process's world of one keeps the last step= any earlier test committed: start afresh.
+    monkeypatch.setattr(current_world().get(_COMMITS), "user_step", None)
     monkeypatch.setattr(engine_module, "stop_now", lambda a, d, s: preempt.stop_now(a, d, s, end=codes.append))
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 2)
