@@ -230,19 +230,22 @@ def _supervise(code: str, *extra: str) -> subprocess.Popen[str]:
 
 
 def test_a_supervisor_told_to_stop_forwards_kills_after_the_grace_and_never_restarts():
-    # Three supervisors at once: a plain script (forwarded), one that ignores SIGTERM (SIGKILL after
-    # the grace), and one whose rank SIGTERMs itself with the supervisor untouched (not restarted).
-    plain, deaf, self_term = _supervise(SLEEPER), _supervise(DEAF, "--stop-grace", "0.5"), _supervise(SELF_TERM)
-    for proc in (plain, deaf):
+    # Four supervisors at once: a plain script (SIGTERM forwarded), the same sent SIGINT, one that
+    # ignores SIGTERM (SIGKILL after the grace), and one whose rank SIGTERMs itself with the
+    # supervisor untouched (not restarted).
+    plain, interrupted = _supervise(SLEEPER), _supervise(SLEEPER)
+    deaf, self_term = _supervise(DEAF, "--stop-grace", "0.5"), _supervise(SELF_TERM)
+    for proc in (plain, interrupted, deaf):
         assert proc.stdout is not None and proc.stdout.readline() == "up\n"  # the rank runs
     start = time.monotonic()
     for proc in (plain, deaf):
         proc.send_signal(signal.SIGTERM)
-    outs = {
-        name: p.communicate(timeout=PROC_GUARD_S) for name, p in (("plain", plain), ("deaf", deaf), ("self", self_term))
-    }
+    interrupted.send_signal(signal.SIGINT)
+    procs = {"plain": plain, "interrupted": interrupted, "deaf": deaf, "self": self_term}
+    outs = {name: p.communicate(timeout=PROC_GUARD_S) for name, p in procs.items()}
     took = time.monotonic() - start
     assert plain.returncode == 143 and self_term.returncode == 143
+    assert interrupted.returncode == 128 + signal.SIGINT  # the rank's KeyboardInterrupt, not restarted
     assert deaf.returncode == 128 + signal.SIGKILL
     assert took < PROC_GUARD_S / 2  # a hang guard; the grace is 0.5 s
     for name, (_, err) in outs.items():
