@@ -253,3 +253,19 @@ def test_a_supervisor_told_to_stop_forwards_kills_after_the_grace_and_never_rest
         assert "told to stop, it stays down" in err, (name, err)
     assert "did not end within 0.5 s of the stop; SIGKILL" in outs["deaf"][1]
     assert "exited -15 after its own stop" in outs["self"][1]
+
+
+def test_guard_trainer_takes_the_directory_only_with_recover(tmp_path):
+    from test_hf_trainer_multirank import tiny_trainer
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    trainer = tiny_trainer(tmp_path)
+    with pytest.raises(ValueError, match="preempt_dir needs recover=True"):
+        guard_trainer(trainer, preempt_dir=tmp_path / "ck")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        guard_trainer(trainer, recover=True, preempt_dir=tmp_path / "f")
+    assert find_guard(trainer) is None  # nothing half-done
+    guard_trainer(trainer, recover=True, watchdog=False, preempt_dir=tmp_path / "ck")
+    assert find_guard(trainer).recovery.engine.options.preempt_dir == tmp_path / "ck"
