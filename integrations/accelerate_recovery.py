@@ -25,7 +25,9 @@ on without exits with status 0 (the engine's left-out policy).
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 try:
@@ -84,6 +86,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
             restarted by its supervisor joins the survivors here (its ``Accelerator()`` stood in
             for the world until then) and receives a live peer's module and optimizer state; the
             loop then starts at :attr:`resume_step`.
+        preempt_dir: where, on SIGTERM, every rank writes ``accelerator.save_state`` (``step-<N>``)
+            after the step every rank agreed to stop at (resume: ``accelerator.load_state(path)``);
+            default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
 
     Attributes:
         recoveries: every step that was redone on a rebuilt world, oldest first
@@ -113,6 +118,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
         heal: bool = False,
         heal_timeout: float | timedelta = 60.0,
         left_out: LeftOut = "exit",
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -144,7 +150,15 @@ class AcceleratorRecoveringStep(RecoveringStep):
             heal=heal,
             heal_timeout=heal_timeout,
             left_out=left_out,
+            preempt_dir=preempt_dir,
         )
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """Accelerate's own state after a preemption stop: ``accelerator.save_state(directory/step-<N>)``
+        (models, optimizers, schedulers, generators, samplers) on every rank."""
+        path = directory / f"step-{step}"
+        self.accelerator.save_state(str(path))
+        return path
 
     def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:
         # At construction (nothing to do, unless this process just joined: its wrapper was built on
@@ -196,7 +210,7 @@ def recovering_step(
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
         **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
-            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``.
+            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``.
 
     Returns:
         An :class:`AcceleratorRecoveringStep`.

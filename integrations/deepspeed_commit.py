@@ -97,6 +97,9 @@ class CommittedEngineStep(Adapter):
             2 or 3); it is called on every rank after a rebuild, and its random draws do not move
             the step's generators. None: no redo in process.
         max_attempts: times a step runs at most with ``rebuild_engine`` (at least 2).
+        preempt_dir: where, on SIGTERM, every rank writes ``engine.save_checkpoint(preempt_dir)``
+            after the step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
+            default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
@@ -116,6 +119,7 @@ class CommittedEngineStep(Adapter):
         exit_code: int = EX_TEMPFAIL,
         rebuild_engine: Callable[[], Any] | None = None,
         max_attempts: int = 2,
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
             if not callable(getattr(engine, name, None)):
@@ -147,6 +151,7 @@ class CommittedEngineStep(Adapter):
             commit_timeout=commit_timeout,
             rebuild_timeout=rebuild_timeout,
             max_attempts=1 if rebuild_engine is None else max_attempts,
+            preempt_dir=preempt_dir,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
         self.rebuild_engine = rebuild_engine
@@ -182,6 +187,17 @@ class CommittedEngineStep(Adapter):
             rebuilt.generation,
             new.global_steps,
         )
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """DeepSpeed's own checkpoint after a preemption stop: ``engine.save_checkpoint(directory)``
+        with the tag ``global_step<N>`` (and its ``latest`` file), on every rank.
+
+        Returns:
+            The tag's directory (``engine.load_checkpoint(directory)`` loads it).
+        """
+        tag = f"global_step{self.engine.global_steps}"
+        self.engine.save_checkpoint(str(directory), tag=tag)
+        return directory / tag
 
     def __call__(self, step_fn: Callable[[Any], Any], *, step: int | None = None) -> EngineStepResult:
         """Runs ``step_fn(engine)`` (forward and ``engine.backward``), commits, and steps the engine.

@@ -26,6 +26,7 @@ uses (transformers 5.x; docs/integrations.md has the table):
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -200,6 +201,7 @@ def guard_trainer(
     heal: bool = False,
     heal_timeout: float | timedelta = 60.0,
     left_out: LeftOut = "exit",
+    preempt_dir: str | os.PathLike[str] | None = None,
 ) -> Trainer:
     """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
     with ``recover=True``, a training step that fails is redone on a rebuilt world.
@@ -231,6 +233,10 @@ def guard_trainer(
         heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``trainer.train()``).
+        preempt_dir: with ``recover``, where every rank writes the Trainer's own ``checkpoint-N``
+            when the job is told to stop (SIGTERM), after the step every rank agreed to stop at;
+            default the variable ``NCCLGUARD_PREEMPT_DIR``. Resume with
+            ``trainer.train(resume_from_checkpoint=...)`` (docs/recovery.md, "Preemption").
 
     Returns:
         ``trainer``, guarded (:func:`find_guard` gives its callback).
@@ -258,6 +264,7 @@ def guard_trainer(
         heal=heal,
         heal_timeout=heal_timeout,
         left_out=left_out,
+        preempt_dir=preempt_dir,
     )
     callback = NcclGuardCallback(watchdog=watchdog)
     callback.eval_timeout_s = opts.timeout_s if opts is not None else None
@@ -281,6 +288,8 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
         for name in ("allow_shrink", "heal"):
             if options[name]:
                 raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
+        if options["preempt_dir"] is not None:
+            raise ValueError("preempt_dir needs recover=True: without it no step is committed, so no stop is agreed")
         return None
     checked = recovery_options(**options)
     if getattr(trainer.args, "torch_compile", False):

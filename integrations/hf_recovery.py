@@ -186,6 +186,19 @@ class TrainerRecovery(Adapter):
             "generators": generators_to_send(kept) if kept is not None else None,
         }
 
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """The Trainer's own ``checkpoint-<global_step>`` under ``directory`` (model, optimizer,
+        scheduler, generators, Trainer state), written by the Trainer's ``_save_checkpoint``: resume
+        with ``trainer.train(resume_from_checkpoint=...)``. Nothing is pushed to the Hub."""
+        trainer, args = self.trainer, self.trainer.args
+        kept = (args.output_dir, args.push_to_hub)
+        args.output_dir, args.push_to_hub = str(directory), False  # the preemption directory only
+        try:
+            trainer._save_checkpoint(self._model if self._model is not None else trainer.model_wrapped, trial=None)
+        finally:
+            args.output_dir, args.push_to_hub = kept
+        return directory / f"checkpoint-{trainer.state.global_step}"
+
     def on_healed(self, result: HealResult) -> None:
         """Keeps what the live peer sent: ``train()`` resumes from it."""
         if not isinstance(result.extra, dict):

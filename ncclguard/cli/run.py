@@ -16,12 +16,21 @@ Options:
   up to N times (docs/recovery.md);
 - ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (default: the
   ranks' network plan, an interface the user named checked here first; docs/environment.md);
+  up to N times (docs/recovery.md); ``--ncclguard-stop-grace S``: the seconds a supervised rank has
+  to end after SIGTERM before it is SIGKILLed (default 8);
+- ``--ncclguard-preempt-dir DIR``: sets ``NCCLGUARD_PREEMPT_DIR`` for the ranks, where a recovery
+  engine writes the framework's checkpoint when the job is told to stop (docs/recovery.md, "Preemption");
 - everything else is torchrun's, passed through unchanged (``--ncclguard-*`` options are read up to
   the script; what follows the script is the script's).
 
 torchrun runs in this process (``torch.distributed.run``'s own parser and ``run()``), so that the
 exit status is the script's own: that of the first rank that failed (128 + N for a rank killed by
 signal N), 0 when every rank succeeded. torchrun's own command exits 1 on any failure.
+
+SIGTERM or SIGINT to this process (Slurm's preemption, ``scancel``, a spot notice) is torchrun's:
+its agent sends the signal to every worker's session and waits up to 30 s before SIGKILL. Under
+``--ncclguard-restarts`` each supervisor stops its rank without a restart (SIGKILL after the stop
+grace), and the command exits 128 + the signal (143 for SIGTERM): preempted (docs/run.md).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from ncclguard.watching.settings import WatchdogConfig
 
 __all__ = ["AUTO_VAR", "Launch", "add_arguments", "launch", "main", "plan", "run"]
 
+PREEMPT_DIR_VAR = "NCCLGUARD_PREEMPT_DIR"  # ncclguard.recovery.preempt reads it (not imported: torch-free)
 AUTO_VAR = "NCCLGUARD_AUTO"  # the start-up hook's switch (autostart/ncclguard_autostart.py reads it)
 PREFIX = "--ncclguard-"
 _SUPERVISOR = "ncclguard.supervise"
@@ -99,6 +109,18 @@ def _parser() -> argparse.ArgumentParser:
     sup.add_argument(
         "--ncclguard-preload", action="append", default=[], metavar="MOD", help="a module the spare imports too"
     )
+    sup.add_argument(
+        "--ncclguard-stop-grace",
+        type=float,
+        metavar="S",
+        help="seconds a supervised rank has to end after SIGTERM, then SIGKILL (default 8)",
+    )
+    pre = ap.add_argument_group("preemption (docs/recovery.md)")
+    pre.add_argument(
+        "--ncclguard-preempt-dir",
+        metavar="DIR",
+        help="sets NCCLGUARD_PREEMPT_DIR: where a recovery engine writes its checkpoint on SIGTERM",
+    )
     net = ap.add_argument_group("the network plan (docs/environment.md)")
     off = "leave GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME alone (sets NCCLGUARD_NET_PLAN=0 for the ranks)"
     net.add_argument("--ncclguard-no-net-plan", action="store_true", help=off)
@@ -110,7 +132,8 @@ _FLAGS = ("--ncclguard-help", "--ncclguard-warm-spare", "--ncclguard-no-net-plan
 
 def _names() -> list[str]:
     """Every ``--ncclguard-*`` option."""
-    return [*_FLAGS, "--ncclguard-restarts", "--ncclguard-preload", *map(_option, WatchdogConfig.model_fields)]
+    mine = ["--ncclguard-restarts", "--ncclguard-preload", "--ncclguard-stop-grace", "--ncclguard-preempt-dir"]
+    return [*_FLAGS, *mine, *map(_option, WatchdogConfig.model_fields)]
 
 
 class Launch:
@@ -191,6 +214,8 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     given["incident_dir"] = str((cwd or Path.cwd()) / config.incident_dir.expanduser())
     config = config.model_copy(update={"incident_dir": Path(given["incident_dir"])})
     env = {AUTO_VAR: "1", **{f"NCCLGUARD_WATCHDOG_{name.upper()}": value for name, value in given.items()}}
+    if ns.ncclguard_preempt_dir is not None:
+        env[PREEMPT_DIR_VAR] = str(_preempt_dir(ns.ncclguard_preempt_dir, cwd or Path.cwd()))
     from torch.distributed.run import get_args_parser
 
     torchrun = get_args_parser().parse_args(theirs)
@@ -202,6 +227,8 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
         _supervise(torchrun, ns)
     elif ns.ncclguard_warm_spare or ns.ncclguard_preload:
         raise ValueError("--ncclguard-warm-spare and --ncclguard-preload go with --ncclguard-restarts N")
+    elif ns.ncclguard_stop_grace is not None:
+        raise ValueError("--ncclguard-stop-grace goes with --ncclguard-restarts N (it is each supervisor's)")
     return Launch(torchrun, env, config, ns.ncclguard_restarts is not None)
 
 
@@ -213,6 +240,16 @@ def _config(given: dict[str, Any]) -> WatchdogConfig:
     except ValidationError as exc:
         lines = [f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
         raise ValueError("bad watchdog setting: " + "; ".join(lines)) from None
+
+
+def _preempt_dir(value: str, cwd: Path) -> Path:
+    """The preemption directory, absolute (every rank writes in one place); refused when a file."""
+    if not value:
+        raise ValueError("--ncclguard-preempt-dir is empty; name the directory a preempted job writes to")
+    path = cwd / Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--ncclguard-preempt-dir {value!r} is a file; name a directory (made if missing)")
+    return path
 
 
 def _supervise(torchrun: argparse.Namespace, ns: argparse.Namespace) -> None:
@@ -228,6 +265,10 @@ def _supervise(torchrun: argparse.Namespace, ns: argparse.Namespace) -> None:
         cmd = [sys.executable, *(["-m"] if torchrun.module else []), *script]
     sup = ["--restarts", str(ns.ncclguard_restarts)]
     sup += ["--warm-spare"] if ns.ncclguard_warm_spare else []
+    if ns.ncclguard_stop_grace is not None:
+        if not ns.ncclguard_stop_grace > 0:
+            raise ValueError(f"--ncclguard-stop-grace must be above 0 seconds, got {ns.ncclguard_stop_grace}")
+        sup += ["--stop-grace", str(ns.ncclguard_stop_grace)]
     for module in ns.ncclguard_preload:
         sup += ["--preload", module]
     torchrun.module, torchrun.no_python = True, False
@@ -260,6 +301,8 @@ def launch(job: Launch) -> int:
         print(exc.format_msg(), file=sys.stderr)
         return status_of(exc.get_first_failure()[1])
     except SignalException as exc:
+        # torchrun's agent stopped every worker first (SIGTERM to their sessions, SIGKILL after 30 s).
+        print(f"ncclguard run: stopped by signal {int(exc.sigval)} (preempted); every rank ended", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
 

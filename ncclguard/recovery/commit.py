@@ -48,6 +48,7 @@ from ncclguard.recovery.internals.commit_protocol import (
     decide,
     verdict_limit,
 )
+from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
@@ -79,6 +80,8 @@ class CommitResult(Result):
             posted their death, :mod:`ncclguard.store.deaths`), so nobody waited for them.
         elapsed_s: seconds from entry to return.
         error: a :class:`~ncclguard.errors.CommitFailed` when not ``ok``, else None.
+        stop: a rank was asked to stop (SIGTERM): every rank stops after this step
+            (:mod:`ncclguard.recovery.preempt`); the same on every rank.
     """
 
     ok: bool
@@ -90,6 +93,7 @@ class CommitResult(Result):
     elapsed_s: float = 0.0
     error: CommitFailed | None = None
     early: bool = False
+    stop: bool = False
 
 
 class _Commits:
@@ -339,7 +343,8 @@ def should_commit(
             step fails on every rank, with this rank named.
 
     Returns:
-        A :class:`CommitResult`, truthy when the step may be applied on every rank.
+        A :class:`CommitResult`, truthy when the step may be applied on every rank; its ``stop``
+        says a rank was asked to stop (SIGTERM under a recovery engine), the same on every rank.
 
     Raises:
         TypeError, ValueError: bad arguments, a ``step`` not above the last one, or a group of an
@@ -367,7 +372,8 @@ def should_commit(
         if step is not None:
             state.user_step = step
         if info is None:  # a world of one: no one to agree with
-            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed={0: problems} if problems else {})
+            failed = {0: problems} if problems else {}
+            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
         else:
             if timeout_s is None:
@@ -383,6 +389,7 @@ def should_commit(
                 other_seqs=_other_sequences(info),
                 p2p_groups=_p2p_groups(),
                 problems=problems,
+                stop=stop_requested(),
             )
             verdict, late = _settle(info, world.generation, n, statement, Deadline(start + timeout_s), timeout_s)
         if verdict.ok:
@@ -459,4 +466,5 @@ def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: floa
         elapsed_s=elapsed_s,
         error=error,
         early=verdict.early,
+        stop=verdict.stop,
     )

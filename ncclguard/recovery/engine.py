@@ -29,6 +29,11 @@ callbacks, logs why at critical level and exits with status 0: torchrun leaves a
 0 alone, so the job ends when the others finish. With ``left_out="raise"`` it raises
 :class:`~ncclguard.errors.RebuildFailed` (``late=True``) for code that wants to act first.
 
+Preemption (:mod:`ncclguard.recovery.preempt`): the engine installs a SIGTERM handler that only notes
+the request; the next commit carries it to every rank (``CommitResult.stop``), the step is applied,
+and at the next :meth:`Recovery.begin` every rank writes :meth:`Adapter.save_checkpoint` to the
+preemption directory and exits 143.
+
 A rank stuck for good inside a step never reaches the rebuild at all. While an engine runs, the
 left-behind fence (:mod:`ncclguard.watching.left_behind`) is on, whatever the watchdog's ladder:
 such a rank exits 0 once the world record shows the others went on without it.
@@ -40,6 +45,7 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -56,6 +62,7 @@ from ncclguard.recovery.internals.fence import arm_left_behind_fence
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
 from ncclguard.recovery.options import RecoveryOptions
+from ncclguard.recovery.preempt import install_handler, stop_now
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
 from ncclguard.recovery.rejoin import rejoin_world
@@ -168,6 +175,22 @@ class Adapter(abc.ABC):
         restore: builds what holds the state on the joined world (FSDP2 shards the module)."""
         return None
 
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """On every rank, after a stop every rank agreed on (SIGTERM): writes the newest state in
+        the framework's own checkpoint format under ``directory`` (:mod:`ncclguard.recovery.preempt`).
+
+        Args:
+            directory: the preemption directory (it exists).
+            step: the number of the last step applied.
+
+        Returns:
+            The checkpoint to give the framework's resume call.
+
+        Raises:
+            NotImplementedError: this adapter has no writer (the stop goes on; nothing is written).
+        """
+        raise NotImplementedError(f"{self.name} has no checkpoint writer for a preemption")
+
 
 class Recovery:
     """The engine: owns every transaction of one training loop on this rank (see the module doc).
@@ -200,6 +223,8 @@ class Recovery:
         self.keeper: Keeper | None = (
             Keeper(codec, every=options.snapshot_every, timeout_s=options.heal_timeout_s) if codec is not None else None
         )
+        self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
+        install_handler()
 
     def join_if_restarted(self) -> HealResult | Restored | None:
         """In a process restarted after its rank died, with ``heal`` on: joins the survivors' next
@@ -264,6 +289,8 @@ class Recovery:
             )
         if self._open is not None:  # one left open by an exception that escaped its caller
             self._open.close()
+        if self.stop_after is not None:  # the step the stop was agreed at is applied: write and exit
+            stop_now(self.adapter, self.options.preempt_dir, self.stop_after)
         mark_step(
             step if step is not None else number
         )  # the heartbeat's step and the straggler windows' count; a redo is the same step
@@ -452,6 +479,8 @@ class Transaction(Generic[T]):
                 clock.lap("commit")
                 if res:
                     engine.applied += 1
+                    if res.stop:
+                        engine.stop_after = number
                     if attempt > 1:
                         self._recovered(number, attempt, commits, joined, clock.laps)
                     return self._result(True, attempt, rebuilds, commits, None, healed)

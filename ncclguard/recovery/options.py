@@ -8,12 +8,15 @@ each one bounds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES
+from ncclguard.recovery.preempt import check_preempt_dir
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LeftOut", "RecoveryOptions", "recovery_options"]
 
@@ -41,6 +44,9 @@ class RecoveryOptions:
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
         snapshot_every: sharded state with ``heal``: a snapshot every this many steps; None: as
             often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
+        preempt_dir: where every rank writes its framework's checkpoint when the job is told to
+            stop (SIGTERM; :mod:`ncclguard.recovery.preempt`): the option, else the variable
+            ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
     """
 
     collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -53,6 +59,7 @@ class RecoveryOptions:
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     left_out: LeftOut = "exit"
     snapshot_every: int | None = None
+    preempt_dir: Path | None = None
 
 
 def recovery_options(
@@ -67,6 +74,7 @@ def recovery_options(
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     left_out: LeftOut = "exit",
     snapshot_every: int | None = None,
+    preempt_dir: str | os.PathLike[str] | None = None,
 ) -> RecoveryOptions:
     """Checks the engine's arguments (every adapter takes these names) and returns the options.
 
@@ -101,4 +109,5 @@ def recovery_options(
         heal_chunk_bytes=heal_chunk_bytes,
         left_out=left_out,
         snapshot_every=snapshot_every,
+        preempt_dir=check_preempt_dir(preempt_dir),
     )

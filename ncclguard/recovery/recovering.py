@@ -30,8 +30,10 @@ it a stand-in until the join (docs/recovery.md, "A killed rank heals").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
 from ncclguard.recovery.internals.step_state import load_scheduler
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.preempt import save_dcp
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.restore import Restored
@@ -109,6 +112,10 @@ class RecoveringStep(Adapter):
             on without.
         snapshot_every: with FSDP2 and ``heal``: a snapshot of each rank's shards every this many
             steps; None (the default) as often as keeps them under 2% of the step time.
+        preempt_dir: where, on SIGTERM, every rank writes the model and the optimizer with
+            ``torch.distributed.checkpoint`` (``<preempt_dir>/step-<N>``) after the step every rank
+            agreed to stop at; default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md,
+            "Preemption").
 
     Attributes:
         engine: the recovery engine (its ``recoveries`` list the steps redone).
@@ -141,6 +148,7 @@ class RecoveringStep(Adapter):
         heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         left_out: LeftOut = "exit",
         snapshot_every: int | None = None,
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -162,6 +170,7 @@ class RecoveringStep(Adapter):
             heal_chunk_bytes=heal_chunk_bytes,
             left_out=left_out,
             snapshot_every=snapshot_every,
+            preempt_dir=preempt_dir,
         )
         if allow_shrink and isinstance(wrap, FSDP2):
             raise ValueError(
@@ -220,6 +229,11 @@ class RecoveringStep(Adapter):
             self._model = self.module
         else:
             self._model = self._wrapped()
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """The model and the optimizer in DCP, at ``directory/step-<step>`` (load it with
+        ``dcp.load`` and ``set_state_dict``; docs/recovery.md, "Preemption")."""
+        return save_dcp(self.model, self.optimizer, directory / f"step-{step}", step)
 
     def _wrapped(self) -> torch.nn.Module:
         if isinstance(self._wrap, FSDP2):

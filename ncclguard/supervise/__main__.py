@@ -1,4 +1,4 @@
-"""``python -m ncclguard.supervise [--restarts N] [--warm-spare] [--preload MOD] [--backoff S] -- CMD ...``"""
+"""``python -m ncclguard.supervise [--restarts N] [--warm-spare] [--preload MOD] [--backoff S] [--stop-grace S] -- CMD ...``"""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ncclguard.supervise.loop import run_rank
+from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S, run_rank
 
 
 def main(args: Sequence[str] | None = None) -> int:
@@ -23,11 +23,24 @@ def main(args: Sequence[str] | None = None) -> int:
         help="keep a standby process that has imported torch, to take a dead rank's place (about 0.3 GB of memory)",
     )
     ap.add_argument("--preload", action="append", default=[], help="a module the spare imports too (repeatable)")
+    ap.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE_S,
+        help=f"seconds the rank has to end after SIGTERM/SIGINT, then SIGKILL (default {DEFAULT_STOP_GRACE_S:g})",
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the rank's command")
     ns = ap.parse_args(args)
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
     try:
-        return run_rank(cmd, ns.restarts, backoff_s=ns.backoff, warm_spare=ns.warm_spare, preload=ns.preload)
+        return run_rank(
+            cmd,
+            ns.restarts,
+            backoff_s=ns.backoff,
+            warm_spare=ns.warm_spare,
+            preload=ns.preload,
+            stop_grace_s=ns.stop_grace,
+        )
     except ValueError as exc:
         ap.error(str(exc))
     return 2  # unreachable: ap.error exits

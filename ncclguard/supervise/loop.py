@@ -19,7 +19,15 @@ non-zero status, the supervisor
    new spare is started for the next death.
 
 It exits with the last run's status (128 + the signal for a run killed by one), so a rank that
-keeps dying still ends the job. SIGTERM and SIGINT sent to it go to the running process.
+keeps dying still ends the job.
+
+**Told to stop.** SIGTERM and SIGINT sent to the supervisor (torchrun's agent sends its workers'
+sessions the signal it got: Slurm's preemption, ``scancel``, a spot notice) go to the running
+process, the warm spare is let go, and no restart follows: the rank has ``stop_grace_s`` seconds
+(default 8, inside a 10 s bound) to end, then it is SIGKILLed. A rank that ended by SIGTERM or
+SIGINT, or exited 143 (128 + SIGTERM: the recovery engine's status after a preemption stop,
+:mod:`ncclguard.recovery.preempt`), is not restarted either, whoever signalled it. The supervisor
+then exits with the rank's status, or 128 + the signal when the rank exited 0.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +45,17 @@ from typing import Any
 from ncclguard.store.deaths import DeathPoster
 from ncclguard.supervise.spare import RESTART_COUNT_VAR, target_of
 
-__all__ = ["RESTART_COUNT_VAR", "Supervisor", "run_rank"]
+__all__ = ["DEFAULT_STOP_GRACE_S", "RESTART_COUNT_VAR", "STOPPED_STATUSES", "Supervisor", "run_rank", "stopped"]
+
+DEFAULT_STOP_GRACE_S = 8.0  # a rank told to stop ends within this, so the job ends within 10 s
+# How a rank told to stop ends: killed by SIGTERM or SIGINT (Popen's negative codes), or exited
+# 128 + SIGTERM, the status ncclguard.recovery.preempt.PREEMPTED_STATUS gives after its checkpoint.
+STOPPED_STATUSES = (-int(signal.SIGTERM), -int(signal.SIGINT), 128 + int(signal.SIGTERM))
+
+
+def stopped(returncode: int) -> bool:
+    """Whether a rank's exit status (``Popen.returncode``) says it was told to stop: never restarted."""
+    return returncode in STOPPED_STATUSES
 
 
 def _say(text: str) -> None:
@@ -89,9 +108,10 @@ class Supervisor:
         warm_spare: keep a standby process ready (a Python command: ``python script ...`` or
             ``python -m module ...``).
         preload: modules the spare imports beyond torch and ncclguard (``transformers``, ...).
+        stop_grace_s: seconds a rank has to end after the supervisor is told to stop, before SIGKILL.
 
     Raises:
-        ValueError: an empty command or a negative ``restarts``.
+        ValueError: an empty command, a negative ``restarts`` or a ``stop_grace_s`` not above 0.
     """
 
     def __init__(
@@ -102,6 +122,7 @@ class Supervisor:
         backoff_s: float = 0.0,
         warm_spare: bool = False,
         preload: Sequence[str] = (),
+        stop_grace_s: float = DEFAULT_STOP_GRACE_S,
     ) -> None:
         if not argv:
             raise ValueError("the supervisor needs the rank's command after --")
@@ -111,7 +132,11 @@ class Supervisor:
             raise ValueError(
                 f"--warm-spare needs a Python command (python SCRIPT ... or python -m MODULE ...), got {list(argv)[:3]}"
             )
+        if isinstance(stop_grace_s, bool) or not isinstance(stop_grace_s, int | float) or not stop_grace_s > 0:
+            raise ValueError(f"the stop grace must be a number of seconds above 0, got {stop_grace_s!r}")
         self.argv, self.restarts, self.backoff_s = list(argv), restarts, backoff_s
+        self.stop_grace_s = float(stop_grace_s)
+        self.stopping: int | None = None  # the signal that told this supervisor to stop
         self.warm_spare, self.preload = warm_spare, list(preload)
         self.env = dict(os.environ)
         self.child: subprocess.Popen[Any] | None = None
@@ -145,8 +170,28 @@ class Supervisor:
             self.spare = _Spare(self.argv, self._env(None), self.preload)
 
     def _forward(self, signum: int, _frame: object) -> None:
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
+        first = self.stopping is None
+        if first:
+            self.stopping = signum
+        self._tell(signum, timer=first)
+
+    def _tell(self, signum: int, timer: bool) -> None:
+        """Sends the running process ``signum``; with ``timer``, SIGKILLs it after the grace."""
+        child = self.child
+        if child is None:
+            return
+        if child.poll() is None:
+            child.send_signal(signum)
+        if timer:
+            # A timer thread: the main thread may be blocked in wait(), which a handler cannot end.
+            killer = threading.Timer(self.stop_grace_s, self._kill, (child,))
+            killer.daemon = True
+            killer.start()
+
+    def _kill(self, child: subprocess.Popen[Any]) -> None:
+        if child.poll() is None:
+            _say(f"the rank (pid {child.pid}) did not end within {self.stop_grace_s:g} s of the stop; SIGKILL")
+            child.kill()
 
     def run(self) -> int:
         """Runs the rank to its end; returns the last run's status as a shell gives it."""
@@ -161,6 +206,8 @@ class Supervisor:
                 rc = self.child.wait()
                 self.lives.append(rc)
                 status = 128 - rc if rc < 0 else rc
+                if self.stopping is not None or stopped(rc):
+                    return self._stopped(rc, status)
                 if rc != 0 and poster is not None and origin is not None:  # the last death too
                     why_not = poster.post(origin, self.child.pid, rc, count)
                     if why_not is not None:
@@ -170,15 +217,32 @@ class Supervisor:
                 count += 1
                 _say(f"the rank (pid {self.child.pid}) exited {rc}; restart {count} of {self.restarts}")
                 self.child = self._start(count)
+                if self.stopping is not None:  # told to stop while it started: it goes the same way
+                    self._tell(self.stopping, timer=True)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.spare is not None:
                 self.spare.discard()
 
+    def _stopped(self, rc: int, status: int) -> int:
+        """The status after a stop: the rank's, or 128 + the signal the supervisor got if it exited 0."""
+        assert self.child is not None  # the run that just ended
+        why = f"signal {self.stopping}" if self.stopping is not None else "its own stop"
+        _say(f"the rank (pid {self.child.pid}) exited {rc} after {why}: told to stop, it stays down")
+        if status == 0 and self.stopping is not None:
+            return 128 + self.stopping
+        return status
+
 
 def run_rank(
-    argv: Sequence[str], restarts: int, *, backoff_s: float = 0.0, warm_spare: bool = False, preload: Sequence[str] = ()
+    argv: Sequence[str],
+    restarts: int,
+    *,
+    backoff_s: float = 0.0,
+    warm_spare: bool = False,
+    preload: Sequence[str] = (),
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S,
 ) -> int:
     """Runs ``argv`` under a :class:`Supervisor`; returns the last run's exit status.
 
@@ -188,8 +252,12 @@ def run_rank(
         backoff_s: seconds to wait before a cold restart.
         warm_spare: keep a standby process ready.
         preload: modules the spare imports.
+        stop_grace_s: seconds a rank has to end after a stop, before SIGKILL.
 
     Returns:
         The status (128 + N for a run killed by signal N).
     """
-    return Supervisor(argv, restarts, backoff_s=backoff_s, warm_spare=warm_spare, preload=preload).run()
+    sup = Supervisor(
+        argv, restarts, backoff_s=backoff_s, warm_spare=warm_spare, preload=preload, stop_grace_s=stop_grace_s
+    )
+    return sup.run()

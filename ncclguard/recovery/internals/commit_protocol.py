@@ -57,6 +57,7 @@ class Statement(BaseModel):
             counts a send or recv in the sequence number of the two ranks it joins only, so those
             numbers differ between healthy ranks and are not compared. ``"*"``: every group.
         problems: what went wrong on this rank since its last commit (empty: a clean step).
+        stop: this rank was asked to stop (SIGTERM; :mod:`ncclguard.recovery.preempt`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,6 +72,7 @@ class Statement(BaseModel):
     other_seqs: dict[GroupName, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, max_length=MAX_GROUPS)
     p2p_groups: list[GroupName] = Field(default_factory=list, max_length=MAX_GROUPS)
     problems: list[str] = Field(default_factory=list, max_length=MAX_PROBLEMS)
+    stop: bool = False
 
 
 class CommitVerdict(BaseModel):
@@ -82,6 +84,7 @@ class CommitVerdict(BaseModel):
         arrived: the ranks whose statement was in the store when it was settled (sorted).
         failed: why each failed rank failed (rank -> reasons); empty when ``ok``.
         early: settled before the deadline, the ranks missing being known dead.
+        stop: a rank whose statement arrived was asked to stop: every rank stops after this step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +94,7 @@ class CommitVerdict(BaseModel):
     arrived: list[int]
     failed: dict[int, list[str]] = Field(default_factory=dict)
     early: bool = False
+    stop: bool = False
 
 
 def verdict_limit(size: int) -> int:
@@ -242,4 +246,7 @@ def decide(
     if len(readable) > 1:
         _disagreements(readable, failed)
     arrived = sorted(r for r in statements if 0 <= r < size)
-    return CommitVerdict(ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())), early=early)
+    stop = any(s.stop for s in readable.values())  # one rank asked: all stop at the same step
+    return CommitVerdict(
+        ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())), early=early, stop=stop
+    )
