@@ -36,7 +36,7 @@ process): the ranks exit 75 without one and the launcher restarts from the last 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,8 +49,10 @@ from ncclguard._log import log
 from ncclguard.errors import RebuildFailed
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
+from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.watching.actions import exit_now
 
 from .deepspeed_state import DeepSpeedState
@@ -67,10 +69,16 @@ class EngineStepResult:
     Attributes:
         output: what ``step_fn`` returned.
         commit: the step's commit.
+        rewound_to: with ``heal``, the snapshot's step every rank went back to (the step was not
+            applied; the result is falsy): go on from there (``stepper.steps()`` does).
     """
 
     output: Any
     commit: CommitResult
+    rewound_to: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.rewound_to is None
 
 
 class CommittedEngineStep(Adapter):
@@ -120,7 +128,18 @@ class CommittedEngineStep(Adapter):
         rebuild_engine: Callable[[], Any] | None = None,
         max_attempts: int = 2,
         preempt_dir: str | os.PathLike[str] | None = None,
+        heal: bool = False,
+        heal_timeout: float | timedelta = 60.0,
+        snapshot_every: int | None = None,
     ) -> None:
+        if heal is True and rebuild_engine is None:
+            raise ValueError(
+                "heal=True needs rebuild_engine: a restarted rank and the survivors build a new engine on the "
+                "joined world, and the restarted rank's partitions come from its buddy's snapshot"
+            )
+        self._joining = heal is True and engine is None and restart_count() > 0
+        if self._joining:  # a restarted process builds its engine once it has joined the survivors' world
+            engine = _Pending()
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
             if not callable(getattr(engine, name, None)):
                 raise TypeError(
@@ -152,12 +171,42 @@ class CommittedEngineStep(Adapter):
             rebuild_timeout=rebuild_timeout,
             max_attempts=1 if rebuild_engine is None else max_attempts,
             preempt_dir=preempt_dir,
+            heal=heal,
+            heal_timeout=heal_timeout,
+            snapshot_every=snapshot_every,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
-        self.rebuild_engine = rebuild_engine
+        self.rebuild_engine, self._heal = rebuild_engine, heal
         # Made now, on the live world: it refuses, before any step, an engine whose state it cannot take.
-        self.state = None if rebuild_engine is None else DeepSpeedState(engine)
+        self.state = None if rebuild_engine is None or self._joining else DeepSpeedState(engine)
         self.recovery = Recovery(self, options)
+        joined = self.recovery.join_if_restarted()
+        self.resume_step: int | None = joined.step if joined is not None else None
+
+    def state_codec(self) -> StateCodec | None:
+        """With ``heal``: the current engine's own ZeRO state (:class:`DeepSpeedState`), which the
+        engine keeps in snapshots replicated on a buddy rank."""
+        return _CurrentState(self) if self.recovery_heal else None
+
+    @property
+    def recovery_heal(self) -> bool:
+        """Whether a killed rank is restored from its buddy's snapshot (``heal=True``)."""
+        return self.rebuild_engine is not None and self._heal
+
+    def wrap_joined(self) -> None:
+        """A restarted process, joined to the survivors' world: builds its engine there (with the
+        survivors, who build theirs in :meth:`rewrap`: ``deepspeed.initialize`` broadcasts)."""
+        assert self.rebuild_engine is not None
+        release_deepspeed_groups()
+        number_parameters_afresh()
+        self.engine = self.rebuild_engine()
+        self.state = DeepSpeedState(self.engine)
+
+    def steps(self, stop: int, start: int = 0) -> Iterator[int]:
+        """Your loop's step numbers, from ``start`` (a restarted process: from the step it was
+        restored at) to ``stop``, going back when a restore brought every rank back to an older
+        step (:meth:`~ncclguard.recovery.engine.Recovery.steps`)."""
+        return self.recovery.steps(stop, start)
 
     def get_module(self) -> torch.nn.Module:
         """The engine's module."""
@@ -174,6 +223,7 @@ class CommittedEngineStep(Adapter):
             return
         state = self.state.capture()  # the live tensors, no collective: the old engine is dropped after
         release_deepspeed_groups()
+        number_parameters_afresh()
         # The redo must draw the random numbers the failed attempt drew: the new module's
         # initialisation draws from the same generators, so they are put back after it.
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
@@ -224,6 +274,8 @@ class CommittedEngineStep(Adapter):
         if res:
             self.engine.step()
             return EngineStepResult(res.output, res.commits[-1])
+        if res.rewound_to is not None:  # every rank went back to a snapshot: the loop goes back too (steps())
+            return EngineStepResult(None, res.commits[-1], rewound_to=res.rewound_to)
         if isinstance(res.error, RebuildFailed):  # a rank is missing: no complete checkpoint can be written
             log.error(
                 "CommittedEngineStep: %s. Exiting %d; the launcher restarts from your last checkpoint",
@@ -275,6 +327,60 @@ class CommittedEngineStep(Adapter):
             self.exit_code,
         )
         exit_now(self.exit_code)  # no interpreter shutdown: see __call__
+
+
+class _Pending:
+    """The engine of a restarted process before it joins: built by ``rebuild_engine`` at the join."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("backward", "step", "save_checkpoint"):
+            return lambda *a, **k: None
+        if name == "gradient_accumulation_steps":
+            return lambda: 1
+        raise AttributeError(f"the engine is built when this restarted process joins ({name})")
+
+
+class _CurrentState(StateCodec):
+    """The snapshots' view of whichever engine the stepper holds now (a rebuild makes a new one)."""
+
+    def __init__(self, stepper: CommittedEngineStep) -> None:
+        self.stepper = stepper
+
+    def _state(self) -> DeepSpeedState:
+        assert self.stepper.state is not None
+        return self.stepper.state
+
+    def capture(self) -> OwnState:
+        return self._state().capture()
+
+    def check(self, state: OwnState) -> str | None:
+        return self._state().check(state)
+
+    def apply(self, state: OwnState) -> None:
+        self._state().apply(state)
+
+
+def number_parameters_afresh() -> None:
+    """Restarts ZeRO-3's numbering of parameters and modules before an engine is built on a new world.
+
+    ZeRO-3 numbers the parameters it converts and the modules it registers with process-wide
+    counters (DeepSpeed 0.19: ``partition_parameters.Init.param_id``, and the mutable default
+    ``count`` of ``DeepSpeedZeRoOffload._register_deepspeed_module``), then checks on its first
+    forward that every rank fetched the same numbers (``assert_ints_same_as_other_ranks``). A
+    restarted process counts from 0 while the survivors' counts went on over the engines they built:
+    every rank starts both at 0 again, so the new engines number alike.
+    """
+    try:
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+        from deepspeed.runtime.zero.partition_parameters import Init
+    except ImportError:  # pragma: no cover - a DeepSpeed without ZeRO-3 numbers nothing
+        return
+    Init.param_id = 0
+    defaults = getattr(DeepSpeedZeRoOffload._register_deepspeed_module, "__defaults__", None)
+    if defaults and isinstance(defaults[0], list) and defaults[0]:
+        defaults[0][0] = 0
+    else:
+        log.warning("CommittedEngineStep: this DeepSpeed numbers its modules elsewhere; a restarted rank may disagree")
 
 
 def release_deepspeed_groups() -> None:

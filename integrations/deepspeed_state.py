@@ -24,24 +24,17 @@ The RNG states and the data position are the caller's (they are not the engine's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ncclguard.recovery.snapshots.state import OwnState, StateCodec
+
 __all__ = ["DeepSpeedState", "OwnState"]
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 _JSON_SCALARS = (bool, int, float, str, type(None))
-
-
-@dataclass
-class OwnState:
-    """One rank's own state: tensors by a stable name, and JSON values."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +53,7 @@ def _like(current: Any, value: Any) -> Any:
     return tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
 
 
-class DeepSpeedState:
+class DeepSpeedState(StateCodec):
     """Captures, checks and applies one rank's own state of a DeepSpeed ZeRO 1, 2 or 3 engine.
 
     Args:

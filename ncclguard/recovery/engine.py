@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -218,6 +218,8 @@ class Recovery:
         self._redo_next = False  # a restarted process's first step is the survivors' redo
         self._carried: _Carried | None = None  # a step left by Reenter
         self.left = False  # this rank was left out (with left_out="raise"): no further step
+        self.resume_step: int | None = None  # a restarted process: the step it joined at
+        self.rewind_to: int | None = None  # every rank went back to this snapshot's step: the loop too
         codec = adapter.state_codec() if options.heal else None
         # Sharded state: snapshots of this rank's own state, replicated on a buddy (no disk).
         self.keeper: Keeper | None = (
@@ -245,7 +247,7 @@ class Recovery:
         if self.keeper is not None:
             self.adapter.wrap_joined()
             restored = restore(self.keeper, None, self.options.heal_timeout_s).raise_for_error()
-            self.applied, self._redo_next = restored.step or 0, True
+            self.applied, self._redo_next, self.resume_step = restored.step or 0, True, restored.step
             return restored
         healed = heal_from_peer(
             self.adapter.get_module(),
@@ -253,9 +255,25 @@ class Recovery:
             timeout=self.options.heal_timeout_s,
             chunk_bytes=self.options.heal_chunk_bytes,
         ).raise_for_error()
-        self.applied, self._redo_next = healed.step or 0, True
+        self.applied, self._redo_next, self.resume_step = healed.step or 0, True, healed.step
         self.adapter.on_healed(healed)
         return healed
+
+    def steps(self, stop: int, start: int = 0) -> Iterator[int]:
+        """A loop's step numbers, from ``start`` (a restarted process: from the step it joined at)
+        to ``stop`` (excluded), going back when a restore from snapshots brought every rank back
+        to an older step (:attr:`rewind_to`).
+
+        Yields:
+            Step numbers.
+        """
+        step = self.resume_step if self.resume_step is not None else start
+        while step < stop:
+            yield step
+            if self.rewind_to is not None:
+                step, self.rewind_to = self.rewind_to, None
+            else:
+                step += 1
 
     def on_change(self, fn: Callable[[WorldEvent], None]) -> Callable[[], None]:
         """Registers ``fn(event)``, called on this rank when a rebuild put it in a new world (before
@@ -526,7 +544,7 @@ class Transaction(Generic[T]):
                                 restored.step,
                             )
                             back = self._result(False, attempt, rebuilds, commits, None, healed)
-                            back.rewound_to = restored.step
+                            back.rewound_to = engine.rewind_to = restored.step
                             return back
                 log.warning(
                     "%s: redoing step %d in world generation %d (%d ranks), attempt %d",

@@ -183,7 +183,6 @@ class RecoveringStep(Adapter):
             )
         self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
         self._model: torch.nn.Module | None = None
-        self._rewind: int | None = None
         self.engine = Recovery(self, options)
         self.healed: HealResult | Restored | None = self.engine.join_if_restarted()
         self.resume_step: int | None = self.healed.step if self.healed is not None else None
@@ -284,14 +283,12 @@ class RecoveringStep(Adapter):
         res = tx.settle(lambda: step_fn(self.model))
         if res:
             self.optimizer.step()
-        elif res.rewound_to is not None:
-            self._rewind = res.rewound_to
         return res
 
     def steps(self, stop: int, start: int = 0) -> Iterator[int]:
         """Your loop's step numbers, from ``start`` (a restarted process: from the step it was
         restored at) to ``stop`` (excluded), going back when a restore from snapshots brought every
-        rank back to an older step::
+        rank back to an older step (:meth:`~ncclguard.recovery.engine.Recovery.steps`)::
 
             for step in stepper.steps(total):
                 stepper(lambda model: loss_fn(model(batch(step))).backward(), step=step)
@@ -303,10 +300,4 @@ class RecoveringStep(Adapter):
         Yields:
             Step numbers.
         """
-        step = self.resume_step if self.resume_step is not None else start
-        while step < stop:
-            yield step
-            if self._rewind is not None:
-                step, self._rewind = self._rewind, None
-            else:
-                step += 1
+        return self.engine.steps(stop, start)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,13 +98,21 @@ def choose(holdings: list[list[int]], receivers: list[int]) -> tuple[int, dict[i
     )
 
 
-def _apply(keeper: Keeper, state: OwnState) -> None:
+def _split(state: OwnState) -> tuple[OwnState, Any]:
+    """The codec's part of a snapshot, and its generators (the keeper adds them to every snapshot)."""
+    tensors = {k: t for k, t in state.tensors.items() if not k.startswith("g:")}
+    meta = {k: v for k, v in state.meta.items() if k != "generators"}
+    gens = [
+        t.clone() for k, t in state.tensors.items() if k.startswith("g:")
+    ]  # views of the buffer crash set_rng_state
+    return OwnState(tensors, meta), (state.meta.get("generators"), gens)
+
+
+def _apply(keeper: Keeper, state: OwnState, generators: Any) -> None:
     keeper.codec.apply(state)
-    if "generators" in state.meta:
-        gens = [
-            state.tensors[k].clone() for k in state.tensors if k.startswith("g:")
-        ]  # views of the buffer crash set_rng_state
-        restore_sent_generators(_from_json(state.meta["generators"], gens))
+    sent, gens = generators
+    if sent is not None:
+        restore_sent_generators(_from_json(sent, gens))
 
 
 def restore(keeper: Keeper, current: int | None, timeout_s: float, receivers: list[int] | None = None) -> Restored:
@@ -169,15 +178,15 @@ def _restore(
             got = receive(h, side, deadline, limit)
             result.bytes = got.manifest.nbytes
     # Every rank checks what it would apply, and all learn who refused before anything is copied.
-    refusal, state = None, None
+    refusal, state, generators = None, None, None
     try:
         if got is not None:
-            state = unpack(got)
+            state, generators = _split(unpack(got))
             if got.manifest.rank != me:
                 refusal = f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
         elif current != step:
             own = keeper.own_at(step)
-            state = unpack(own) if own is not None else None
+            state, generators = _split(unpack(own)) if own is not None else (None, None)
         refusal = refusal or (keeper.codec.check(state) if state is not None else None)
     except HealFailed as exc:
         refusal = str(exc)
@@ -191,5 +200,5 @@ def _restore(
             refused_ranks=refused,
         )
     if state is not None:
-        _apply(keeper, state)
+        _apply(keeper, state, generators)
         result.rolled_back = got is None

@@ -1,0 +1,42 @@
+"""A DeepSpeed ZeRO-3 rank killed and restored from its buddy's in-memory snapshot, bit-equal to a
+fault-free run, on 3 real gloo ranks under ncclguard's launcher. Rank side:
+tests/workers/deepspeed_heal_worker.py."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS, K, BASE = 6, 3, 6
+
+
+@pytest.fixture(scope="module")
+def job():
+    # Two runs of 6 ZeRO-3 steps on 3 ranks, a SIGKILL, a restart that imports torch and DeepSpeed
+    # again, a rollback: 40-90 s here. Hang guard: 420 s.
+    return run_ranks("deepspeed_heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=420)
+
+
+def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(job):
+    assert [(r.rank, r.count, r.returncode) for r in job.restarts] == [(1, 1, -9)]
+    back = BASE + K - 1  # a snapshot every 2 steps from BASE: the newest at the kill is of step BASE+K-1
+    after = [{"step": s, "applied": True, "rewound_to": None, "generation": 1} for s in range(back, BASE + STEPS)]
+    for r in (0, 2):
+        res = job[r]
+        assert res["reference_results"] == [
+            {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
+        ]
+        assert res["results"][:K] == [
+            {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
+        ]
+        assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
+        assert res["results"][K + 1 :] == after
+    assert (job[1]["life"], job[1]["resume_step"]) == (1, back)
+    assert job[1]["results"] == after
+    reference = job[0]["reference"]
+    for r in range(3):
+        assert job[r]["generation"] == 1
+        assert job[r]["global_steps"] == STEPS  # DeepSpeed's own count, restored with the partitions
+        assert job[r]["digest"] == reference  # the full (gathered) parameters, bit for bit

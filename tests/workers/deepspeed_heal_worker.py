@@ -1,0 +1,88 @@
+"""Rank side of tests/test_deepspeed_heal_multirank.py: a DeepSpeed ZeRO-3 rank killed and restored
+from the in-memory snapshot its buddy holds, 3 gloo ranks under ncclguard's launcher (restarts=1).
+
+Every rank's first life trains STEPS steps through ``CommittedEngineStep(engine,
+rebuild_engine=engine, heal=True, snapshot_every=2)`` without a fault (the reference, its full
+parameters' digest), then the same steps from a fresh engine with rank 1 SIGKILLing itself at step
+K. Its restarted process passes no engine: the stepper joins the survivors' world, builds its engine
+there with the survivors (who build theirs anew too) and takes its ZeRO partitions from its buddy's
+replica (rank 2). The newest snapshot is of step K-1: every rank goes back to it and the loop with
+it (``stepper.steps()``). All end with the reference's parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import deepspeed
+import rankkit
+import torch
+from deepspeed_commit_worker import batch, engine, gathered_digest
+from rankkit import put
+
+import ncclguard
+from ncclguard.integrations.deepspeed import CommittedEngineStep
+from ncclguard.recovery.rebuild import generation
+
+ME = int(os.environ["RANK"])
+rankkit.rank = lambda: ME  # results go by launch rank
+LIFE = ncclguard.restart_count()
+STEPS, K = 6, 3
+BASE = STEPS  # the faulty run's step numbers follow the reference's (the commit's count grows)
+
+
+def make() -> deepspeed.DeepSpeedEngine:
+    return engine(stage=3)
+
+
+def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dict]]:
+    stepper = CommittedEngineStep(
+        make() if LIFE == 0 else None,  # a restarted process builds its engine on the joined world
+        checkpoint_dir=os.environ["NCCLGUARD_TEST_OUT"],
+        rebuild_engine=make,
+        collective_timeout=3.0,
+        commit_timeout=30,
+        rebuild_timeout=90,  # the restarted process imports torch and DeepSpeed again
+        heal=True,
+        heal_timeout=60,
+        snapshot_every=2,
+    )
+    results: list[dict] = []
+    for step in stepper.steps(base + STEPS, start=base):
+
+        def step_fn(eng: deepspeed.DeepSpeedEngine, step: int = step) -> float:
+            if step - base == kill_at and ME == 1 and LIFE == 0:
+                put("results", results)
+                rankkit.kill(1)
+            x, y = batch(step - base, ME)
+            loss = torch.nn.functional.mse_loss(eng(x), y)
+            eng.backward(loss)
+            return float(loss.detach())
+
+        res = stepper(step_fn, step=step)
+        results.append({"step": step, "applied": bool(res), "rewound_to": res.rewound_to, "generation": generation()})
+    return stepper, results
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    put("life", LIFE)
+    if LIFE == 0:
+        rankkit.init(timeout_s=60)
+        deepspeed.init_distributed(dist_backend="gloo")
+        ref, ref_results = train(None, 0)
+        put("reference_results", ref_results)
+        put("reference", gathered_digest(ref.engine))
+    stepper, results = train(K, BASE)
+    put("results", results)
+    put("resume_step", stepper.resume_step)
+    put("global_steps", stepper.engine.global_steps)
+    put("digest", gathered_digest(stepper.engine))
+    put("generation", generation())
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    main()
