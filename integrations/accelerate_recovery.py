@@ -135,7 +135,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
         if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 f"recovering_step re-points a DistributedDataParallel model after a rebuild; this one is "
-                f"{type(model).__name__} (DeepSpeed and FSDP engines keep groups ncclguard cannot re-point)"
+                f"{type(model).__name__} (DeepSpeed and FSDP engines keep groups ncclguard cannot re-point inside "
+                "Accelerate yet)"
+                "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
             )
         self.accelerator, self.wrapper = accelerator, model
         super().__init__(

@@ -301,7 +301,8 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
         raise ValueError(
             "recover=True redoes steps of a DDP model only; this Trainer uses "
             f"{'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'}, whose engine keeps process groups "
-            "ncclguard cannot re-point (docs/recovery.md)"
+            "ncclguard cannot re-point inside the Trainer's loop yet (docs/recovery.md)"
+            "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
         )
     return TrainerRecovery(trainer, checked)
 

@@ -55,6 +55,7 @@ def check_recoverable(trainer: Any, pl_module: Any) -> None:
         raise ValueError(
             f"NcclGuardCallback(recover=True) redoes steps under the DDP strategy only, got {type(strategy).__name__}; "
             "use strategy='ddp' (DDPStrategy), or recover=False"
+            "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
         )
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
