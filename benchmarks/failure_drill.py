@@ -28,6 +28,10 @@ in in-memory snapshots replicated on a buddy rank, a killed rank is restored fro
 every rank goes back to the snapshot's step (``stepper.steps()``); ``nosnap`` is ``clean`` without
 snapshots (``heal=False``), the side-by-side cost of taking them.
 
+``--framework deepspeed`` runs the same four as ``fsdp2`` with a DeepSpeed ZeRO-3 engine
+(``CommittedEngineStep(rebuild_engine=..., heal=True)``): a killed rank's partitions come from its
+buddy, every rank builds its engine again in process, and the loop goes back to the snapshot.
+
 ``--framework hf`` runs ``clean``, ``stall``, ``kill`` and ``spare`` through the HF Trainer
 instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_cpu=True``,
 ``ddp_backend="gloo"``; ``ddp_timeout`` stays 1,800 s), ``guard_trainer(trainer, recover=True,
@@ -44,6 +48,7 @@ Usage:
     python benchmarks/failure_drill.py --steps 800 --every 60 --json benchmarks/results/failure_drill.json
     python benchmarks/failure_drill.py --framework hf --modes clean kill spare stall --steps 2100 --every 60
     python benchmarks/failure_drill.py --framework fsdp2 --modes clean nosnap kill spare --steps 2100 --every 60
+    python benchmarks/failure_drill.py --framework deepspeed --modes clean nosnap kill spare --steps 2100 --every 60
 """
 
 from __future__ import annotations
@@ -298,6 +303,98 @@ def rank_recovering(args: argparse.Namespace) -> None:
     _end()
 
 
+def rank_deepspeed(args: argparse.Namespace) -> None:
+    """A rank of ``--framework deepspeed``: ZeRO-3 through ``CommittedEngineStep(rebuild_engine=...,
+    heal=True)`` (``nosnap``: ``heal=False``), the loop's data from the step number."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import ncclguard
+    from ncclguard.integrations.deepspeed import CommittedEngineStep
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    kill = args.mode in ("kill", "spare")
+    restarted = ncclguard.restart_count() > 0
+    if not restarted:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        deepspeed.init_distributed(dist_backend="gloo")
+
+    def make() -> Any:
+        module = _model().float()
+        config = {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": 3},
+            "steps_per_print": 1_000_000,
+        }
+        return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
+
+    stepper = CommittedEngineStep(
+        None if restarted else make(),
+        checkpoint_dir=str(out / "ckpt"),
+        rebuild_engine=make,
+        collective_timeout=args.group_timeout,
+        commit_timeout=args.commit_timeout,
+        rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
+        heal=args.mode != "nosnap",
+    )
+    start_file = out / "t0.txt"
+    if restarted:
+        joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, "healed_at": time.time()}
+        _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
+    else:
+        dist.barrier()
+        if me == 0:
+            _save_text(start_file, repr(time.time()))
+        dist.barrier()
+    t0 = float(start_file.read_text())
+    faults = Faults(args.mode, args.every, t0, out, me)
+    if restarted:
+        faults.recovered(time.time())
+    attempted, recoveries = 0, []
+    for step in stepper.steps(args.steps):
+        x, y = _batch(step, me)
+        first = [True]
+
+        def step_fn(eng: Any, x: Any = x, y: Any = y, first: list[bool] = first) -> None:
+            if first[0]:
+                first[0] = False
+                if faults.take(time.time()) is not None and kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(args.step_s)  # the step's compute
+            eng.backward(torch.nn.functional.mse_loss(eng(x.float()), y.float()))
+
+        res = stepper(step_fn, step=step)
+        attempted += 1
+        if res.rewound_to is not None:
+            recoveries.append({"step": step, "rewound_to": res.rewound_to})
+            faults.recovered(time.time())
+    t1 = time.time()
+    params = list(stepper.engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        flat = torch.cat([p.detach().reshape(-1).double() for p in params])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    _save(
+        out,
+        me,
+        {
+            "mode": args.mode,
+            "steps": args.steps,
+            "committed": args.steps,
+            "attempted": attempted,
+            "train_s": t1 - t0,
+            "faults": len(faults.marks()),
+            "recoveries": recoveries,
+            "digest": digest,
+            "world_size": dist.get_world_size(),
+            "restarted": restarted,
+        },
+    )
+    _end()
+
+
 def rank_hf(args: argparse.Namespace) -> None:
     """A rank of ``--framework hf``: the HF Trainer with its defaults, guarded by ``guard_trainer``."""
     import torch
@@ -518,6 +615,8 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
     if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
+        if mode == "spare" and args.framework == "deepspeed":
+            spare += ["--preload=deepspeed"]  # the spare imports what the script does
         if mode == "spare" and args.framework == "hf":
             spare += ["--preload=transformers.trainer"]  # the spare imports what the script does (Trainer is lazy)
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
@@ -569,10 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
     p.add_argument(
         "--framework",
-        choices=("loop", "hf", "fsdp2"),
+        choices=("loop", "hf", "fsdp2", "deepspeed"),
         default="loop",
         help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True); "
-        "fsdp2: the loop with FSDP2 and snapshots",
+        "fsdp2: the loop with FSDP2 and snapshots; deepspeed: a ZeRO-3 loop with snapshots",
     )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
@@ -603,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         args.mode = args.rank_mode
         if args.framework == "hf":
             rank_hf(args)
+        elif args.framework == "deepspeed":
+            rank_deepspeed(args)
         else:
             (rank_restart if args.mode == "restart" else rank_recovering)(args)
         return 0
@@ -613,16 +714,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
         )
-    default = {"hf": ["clean", "stall", "kill", "spare"], "fsdp2": ["clean", "nosnap", "kill", "spare"]}.get(
+    sharded = ["clean", "nosnap", "kill", "spare"]
+    default = {"hf": ["clean", "stall", "kill", "spare"], "fsdp2": sharded, "deepspeed": sharded}.get(
         args.framework, [m for m in MODES if m != "nosnap"]
     )
     modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
     if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
         p.error("--framework hf runs clean, stall, kill and spare")
-    if args.framework == "fsdp2" and not set(modes) <= {"clean", "nosnap", "stall", "kill", "spare"}:
-        p.error("--framework fsdp2 runs clean, nosnap, stall, kill and spare")
-    if "nosnap" in modes and args.framework != "fsdp2":
-        p.error("nosnap is --framework fsdp2's clean run without snapshots")
+    if args.framework in ("fsdp2", "deepspeed") and not set(modes) <= {"clean", "nosnap", "kill", "spare"}:
+        p.error(f"--framework {args.framework} runs clean, nosnap, kill and spare")
+    if "nosnap" in modes and args.framework not in ("fsdp2", "deepspeed"):
+        p.error("nosnap is the clean run without snapshots of --framework fsdp2 or deepspeed")
     if "stall" in modes and "clean" not in modes:
         p.error("the stall run is checked against the clean run: add clean to --modes")
     load0 = os.getloadavg()
