@@ -182,6 +182,29 @@ def _end() -> None:
     os._exit(0)  # a gloo group that timed out may still hold an abandoned op: no destructor waits
 
 
+def _start(args: argparse.Namespace, out: Path, me: int, restarted: bool, **stamps: float) -> tuple[float, Faults]:
+    """The run's clock and its faults: the ranks of the first launch start together (rank 0 writes
+    the start); a restarted process notes when it took the dead rank's place and was healed."""
+    import torch.distributed as dist
+
+    import ncclguard
+
+    start_file = out / "t0.txt"
+    if restarted:
+        joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, **stamps, "healed_at": time.time()}
+        _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
+    else:  # a restarted process must make no collective the survivors do not make
+        dist.barrier()  # every rank ready (ranks of a loaded host start seconds apart)
+        if me == 0:
+            _save_text(start_file, repr(time.time()))
+        dist.barrier()
+    t0 = float(start_file.read_text())
+    faults = Faults(args.mode, args.every, t0, out, me)
+    if restarted:
+        faults.recovered(time.time())
+    return t0, faults
+
+
 def rank_recovering(args: argparse.Namespace) -> None:
     """A rank of ``clean``, ``stall`` or ``stuck``."""
     import torch
@@ -218,24 +241,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
     ncclguard.start_watchdog(
         **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
     )
-    start_file = out / "t0.txt"
-    if restarted:  # when this process took the dead rank's place, and when it was healed
-        joined = {
-            "kill_at": _kill_time(out, me),
-            "script_at": args.script_at,
-            "stepper_at": stepper_at,
-            "healed_at": time.time(),
-        }
-        _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
-    else:  # a restarted process must make no collective the survivors do not make
-        dist.barrier()  # every rank ready (ranks of a loaded host start seconds apart)
-        if me == 0:
-            _save_text(start_file, repr(time.time()))
-        dist.barrier()
-    t0 = float(start_file.read_text())
-    faults = Faults(args.mode, args.every, t0, out, me)
-    if restarted:
-        faults.recovered(time.time())
+    t0, faults = _start(args, out, me, restarted, stepper_at=stepper_at)
     attempted, recoveries, healed = 0, [], 0
     for step in stepper.steps(args.steps):  # goes back when every rank went back to a snapshot
         x, y = _batch(step, me)
@@ -340,19 +346,7 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         heal=args.mode != "nosnap",
     )
-    start_file = out / "t0.txt"
-    if restarted:
-        joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, "healed_at": time.time()}
-        _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
-    else:
-        dist.barrier()
-        if me == 0:
-            _save_text(start_file, repr(time.time()))
-        dist.barrier()
-    t0 = float(start_file.read_text())
-    faults = Faults(args.mode, args.every, t0, out, me)
-    if restarted:
-        faults.recovered(time.time())
+    t0, faults = _start(args, out, me, restarted)
     attempted, recoveries = 0, []
     for step in stepper.steps(args.steps):
         x, y = _batch(step, me)

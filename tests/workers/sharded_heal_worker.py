@@ -27,6 +27,7 @@ import rankkit
 import torch
 import torch.distributed as dist
 from rankkit import put
+from recovering_worker import full_state, shard_layers  # the FSDP2 layout and its gathered state
 
 import ncclguard
 from ncclguard import FSDP2, RecoveringStep
@@ -59,15 +60,6 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     ).double()
     return module, torch.optim.Adam(module.parameters(), lr=0.05, betas=(0.8, 0.95))
-
-
-def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in module:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,20 +118,6 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
         if not res and res.rewound_to is None:
             break
     return stepper, results
-
-
-def full_state(stepper: RecoveringStep) -> torch.Tensor:
-    """The full parameters and Adam's full state, gathered over the current world."""
-    from torch.distributed.tensor import DTensor
-
-    def full(t: Any) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    tensors = [full(p.detach()) for p in stepper.model.parameters()]
-    for p in stepper.model.parameters():
-        held = stepper.optimizer.state[p]
-        tensors += [full(held["exp_avg"]), full(held["exp_avg_sq"]), held["step"]]
-    return torch.cat([t.reshape(-1).double() for t in tensors])
 
 
 def refused(stepper: RecoveringStep) -> None:

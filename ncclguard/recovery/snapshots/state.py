@@ -81,8 +81,8 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _describe(t: torch.Tensor) -> dict[str, Any]:
-    """What a tensor must look like to take this state: local shape and dtype, and for a DTensor its
-    global shape and placements (the shard layout)."""
+    """What a tensor must look like to take this state: local shape and dtype, and for a DTensor
+    its whole shape and placements (the shard layout)."""
     local = _local(t)
     out: dict[str, Any] = {"dtype": _dtype_name(local), "shape": list(local.shape)}
     if local is not t:
