@@ -55,6 +55,7 @@ from ncclguard.recovery.internals.bound import StepBound
 from ncclguard.recovery.internals.fence import arm_left_behind_fence
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
+from ncclguard.recovery.internals.timing import StepTiming
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
@@ -172,6 +173,7 @@ class Recovery:
             raise TypeError(f"options must come from recovery_options(), got {type(options).__name__}")
         self.adapter, self.options = adapter, options
         self.bound = StepBound(options.collective_timeout_s)
+        self.timing = StepTiming(options.collective_timeout_s, adapter.name)  # learned bound, verdict
         self.recoveries: list[Recovered] = []
         self.applied = 0
         self._callbacks: list[Callable[[WorldEvent], None]] = []
@@ -248,6 +250,7 @@ class Recovery:
         tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next, carried=carried)
         self._open, self._redo_next = tx, False
         self.bound.arm()
+        self.timing.begins()
         return tx
 
     # --------------------------------------------------------------- what a failed commit sets off
@@ -335,6 +338,7 @@ class Transaction(Generic[T]):
         self.kept = StepState.take(adapter.get_module())
         self._extra = adapter.keep()
         self._closed = False
+        self._clean = False  # committed at its first attempt (the learned bound counts it)
 
     def run(self, fn: Callable[[], T]) -> T | None:
         """Runs ``fn`` (forward and backward); an exception becomes this rank's failure.
@@ -363,6 +367,7 @@ class Transaction(Generic[T]):
         if not self._closed:
             self._closed = True
             self.engine.bound.disarm()
+            self.engine.timing.ends(self._clean)
             if self.engine._open is self:
                 self.engine._open = None
 
@@ -436,6 +441,7 @@ class Transaction(Generic[T]):
                     attempt + 1,
                 )
                 engine.bound.arm()
+                engine.timing.redo()
                 self.failure = None
                 self.run(redo)
                 clock.lap("redo")
@@ -473,6 +479,7 @@ class Transaction(Generic[T]):
         error: NcclGuardError | None,
         healed: HealResult | None,
     ) -> StepResult[T]:
+        self._clean = ok and attempts == 1
         return StepResult(
             ok,
             attempts,

@@ -24,6 +24,7 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching import detect, torchfr
+from ncclguard.watching.progress import own_sample
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
 
@@ -176,6 +177,7 @@ class RankState:
     def heartbeat(self, beat: int) -> Heartbeat:
         """What this rank publishes now (its ``beat``-th heartbeat)."""
         inflight = self.inflight()
+        cpu, io = own_sample()
         return Heartbeat(
             rank=self.rank,
             host=HOSTNAME,
@@ -189,6 +191,8 @@ class RankState:
             inflight=inflight,
             blocked_in=detect.blocked_in(inflight, self.main_ident),
             backend_seq=self.backend_seq(),
+            main_cpu_s=cpu,
+            io_bytes=io,
         )
 
     def statement(self, beat: int, peers: Mapping[str, PeerView]) -> Statement:

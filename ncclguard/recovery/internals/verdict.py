@@ -1,0 +1,339 @@
+"""The verdict drives the engine: a step whose peers wait for a *stuck* rank fails now, not at the bound.
+
+gloo fixes an op's timeout when the op starts, so the step bound (``collective_timeout``, the hard
+cap) cannot be shortened once a step waits; and a short bound would fail the step of every rank
+that waits for a peer that is slow but moving (a long save). Instead, while a step of the engine
+runs, a thread (``ncclguard-verdict``) looks every :data:`POLL_S` seconds:
+
+1. once the step has run past the *judge* bound (learned from the job's step intervals,
+   :mod:`ncclguard.watching.learned`; :data:`DEFAULT_JUDGE_S` before the warm-up;
+   ``NCCLGUARD_STUCK_AFTER_S`` set by the user wins, ``off`` turns this off), it names the
+   ranks that are behind: the watched peers (the watchdog's heartbeats) whose world-group
+   backend sequence number is below this rank's;
+2. it judges each from its progress evidence (:mod:`ncclguard.watching.progress`: ops, stack,
+   main-thread CPU, I/O, stopped); a rank that is moving is reported (once per step, at
+   warning level, with the evidence) and left alone; only a *stuck* one is acted on;
+3. acting, on a waiting rank: a death notice for the stuck rank in the job's store (the commit
+   and the rebuild meeting settle without waiting their bounds for it, as for a killed rank),
+   and, for a stuck rank on this host, this process's TCP connections to it are shut down: gloo's
+   op in flight ends at once ("Connection closed by peer"), the commit fails, the engine rebuilds
+   (without it with ``allow_shrink``);
+4. on the stuck rank itself, where its threads still run (asleep in Python, blocked in a lock):
+   its peers wait in an op it never reached and its own main thread shows no progress, so it
+   exits with status 0 (as the watchdog's fence), which ends its peers' op on any host.
+
+Without a watchdog (``ncclguard run`` and ``NCCLGUARD_AUTO`` start one) nothing is judged and the
+step bound alone holds. A stuck rank on another host whose threads cannot run (SIGSTOP, the GIL
+held in C code) is not reached by step 3's shutdown: the hard cap holds for it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard import _torch_compat as compat
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable, TorchCompatError
+from ncclguard.incidents.model import Heartbeat
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.deaths import STUCK_RC, notice_now, post_death
+from ncclguard.watching.actions import exit_now
+from ncclguard.watching.progress import Judgment, Progress, Sample, own_sample, sample_process
+from ncclguard.watching.watchdog import current_watchdog
+from ncclguard.world import current_world
+
+__all__ = [
+    "DEFAULT_JUDGE_S",
+    "POLL_S",
+    "STUCK_AFTER_VAR",
+    "Seen",
+    "VerdictDriver",
+    "cut_connections",
+    "job_store",
+    "judge_after",
+    "world_seq",
+]
+
+POLL_S = 1.0
+DEFAULT_JUDGE_S = 30.0  # before the warm-up: a stuck rank still needs stuck evidence to be acted on
+STUCK_AFTER_VAR = "NCCLGUARD_STUCK_AFTER_S"
+STORE_BOUND_S = 5.0
+
+
+def judge_after() -> float | None:
+    """The user's judge bound from ``NCCLGUARD_STUCK_AFTER_S``: seconds, None when unset; 0 for ``off``.
+
+    Raises:
+        ValueError: a value that is neither ``off`` nor a positive number of seconds.
+    """
+    raw = os.environ.get(STUCK_AFTER_VAR, "").strip()
+    if not raw:
+        return None
+    if raw.lower() == "off":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 < value < float("inf")):
+        raise ValueError(f"{STUCK_AFTER_VAR} must be a positive number of seconds or 'off', got {raw!r}")
+    return value
+
+
+def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, int] | None:
+    """The world group's name and this rank's backend sequence number in it, or None."""
+    try:
+        pg = compat.default_group()
+        name = (names or compat.group_names())[pg]
+        return name, compat.sequence_number(pg)
+    except (TorchCompatError, RuntimeError, KeyError, ValueError):
+        return None
+
+
+def cut_connections(pid: int) -> int:
+    """Shuts down this process's TCP connections to process ``pid`` (on this host).
+
+    Returns:
+        How many were shut down.
+    """
+    import psutil
+
+    try:
+        theirs = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr}
+        mine = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.fd >= 0]
+    except (psutil.Error, OSError) as exc:
+        log.warning("verdict: cannot read the connections to pid %d (%s)", pid, exc)
+        return 0
+    n = 0
+    for c in mine:
+        if (c.raddr.ip, c.raddr.port) not in theirs:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(c.fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)  # the socket itself, not the dup alone: gloo's pair sees it
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
+@dataclass
+class Seen:
+    """One step's look at the peers: their progress, what was said and done about each."""
+
+    started: float
+    still_s: float
+    peers: dict[int, Progress] = field(default_factory=dict)
+    beats: dict[int, int] = field(default_factory=dict)
+    own: Progress | None = None
+    reported: set[int] = field(default_factory=set)
+    acted: set[int] = field(default_factory=set)
+
+
+class VerdictDriver:
+    """The ``ncclguard-verdict`` thread of one recovery engine (see the module doc).
+
+    Args:
+        judge_s: returns the judge bound now (the learned one, or the user's).
+        name: how logs name the engine's adapter.
+    """
+
+    def __init__(self, judge_s: Any, name: str) -> None:
+        self.judge_s, self.name = judge_s, name
+        self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
+        self._cond = threading.Condition()
+        self._seen: Seen | None = None
+        self._thread: threading.Thread | None = None
+        self._procs: dict[int, Heartbeat] = {}  # the last heartbeat seen of each launch rank
+
+    def arm(self) -> None:
+        """A step (or its redo) starts: looks afresh (a rebuild renumbers the ranks)."""
+        judge = self.judge_s()
+        if not judge:
+            return
+        hb = _heartbeat_s()
+        with self._cond:
+            self._seen = Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def disarm(self) -> None:
+        """The step is over: nothing is judged until the next one."""
+        with self._cond:
+            self._seen = None
+
+    def _run(self) -> None:
+        idle = 0.0
+        while idle < 60.0:  # the thread ends after a minute without a step
+            with self._cond:
+                self._cond.wait(POLL_S)
+                seen = self._seen
+            if seen is None:
+                idle += POLL_S
+                continue
+            idle = 0.0
+            try:
+                self._look(seen)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: a look failed; going on")
+        with self._cond:
+            self._thread = None
+
+    def _look(self, seen: Seen) -> None:
+        wd = current_watchdog()
+        world = current_world()
+        if wd is None or not dist.is_initialized():
+            return
+        gen, beats = wd.peer_beats()
+        mine = world_seq()
+        if gen != world.generation or mine is None:
+            return  # the watchdog has not followed the new world yet
+        now = time.monotonic()
+        cpu, io = own_sample()
+        if seen.own is None:
+            seen.own = Progress(seen.still_s)
+        seen.own.observe(Sample(now, "self", ops=mine[1], cpu_s=cpu, io_bytes=io))
+        for r, (hb, age) in beats.items():
+            self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
+            self._sample(seen, r, hb, age, now)
+        silent = self._silent(seen, world, set(beats), now)
+        if now - seen.started < self.judge_s():
+            return
+        group, seq = mine
+        behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
+        ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
+        if ahead and not behind:
+            self._self_check(seen, ahead, now)
+        if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
+            behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
+        for r, hb in behind.items():
+            if r not in seen.acted:
+                self._judge(seen, r, hb, seen.peers[r].judge(now), now)
+
+    def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
+        """Members on this host with no heartbeat in this world yet (one stopped right after a
+        rebuild), sampled from /proc by the process their last heartbeat named."""
+        out = {}
+        me = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            hb = self._procs.get(world.origin(r))
+            if r == me or r in beating or hb is None or hb.host != HOSTNAME:
+                continue
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                seen.peers.setdefault(r, Progress(seen.still_s)).observe(sample)
+                out[r] = hb
+        return out
+
+    def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
+        prog = seen.peers.setdefault(r, Progress(seen.still_s))
+        here = hb.host == HOSTNAME
+        if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
+            seen.beats[r] = hb.beat
+            ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+            # On this host /proc gives its CPU and I/O (every look); a beat gives its ops and stack.
+            cpu, io = (None, None) if here else (hb.main_cpu_s, hb.io_bytes)
+            prog.observe(Sample(max(now - age, prog.last_at or 0.0), "heartbeat", ops, hb.site, cpu, io))
+        if here:  # read from /proc between beats, and when its beats stop
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                prog.observe(sample)
+
+    def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
+        assert seen.own is not None
+        j = seen.own.judge(now)
+        if j.state != "stuck":
+            return
+        me = dist.get_rank()  # the world's rank is not known to the World in generation 0
+        posted = self._post_death(current_world(), me, os.getpid(), HOSTNAME)
+        self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
+        log.critical(
+            "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
+            "exiting with status 0 so that they rebuild without it",
+            self.name,
+            ahead,
+            j.evidence,
+        )
+        exit_now(0)
+
+    def _judge(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float) -> None:
+        if j.state == "moving":
+            if r not in seen.reported:
+                seen.reported.add(r)
+                self._event("busy", r, j, site=hb.site)
+                log.warning(
+                    "%s: verdict: rank %d is behind (at %s) but moving (%s); no action until the step bound",
+                    self.name,
+                    r,
+                    hb.site,
+                    j.evidence,
+                )
+            return
+        if j.state != "stuck":
+            return
+        seen.acted.add(r)
+        world = current_world()
+        posted = self._post_death(world, r, hb.pid, hb.host)
+        cut = cut_connections(hb.pid) if hb.host == HOSTNAME else 0
+        self._event("acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3))
+        log.error(
+            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; its death is posted%s, the step fails now",
+            self.name,
+            r,
+            hb.pid,
+            hb.host,
+            hb.site,
+            j.evidence,
+            f" and {cut} connection(s) to it are shut down" if cut else "",
+        )
+
+    def _post_death(self, world: Any, r: int, pid: int, host: str) -> bool:
+        deadline = Deadline.within(STORE_BOUND_S)
+        try:
+            job = job_store()
+            if job is None:
+                raise ValueError("no store")
+            store = store_for_this_thread(job, deadline)
+            notice = notice_now(world.origin(r), pid, STUCK_RC, 0, host)
+            bounded_store_call(store, lambda: post_death(_job(store), notice), deadline, "a stuck rank's death notice")
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError, ValueError) as exc:
+            log.warning("verdict: could not post rank %d's death notice (%s)", r, exc)
+            return False
+        return True
+
+    def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
+        self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
+
+
+def _job(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def job_store() -> dist.Store | None:
+    """The job's store, unprefixed: the current world's, or the default group's in generation 0."""
+    store = current_world().store
+    if store is not None:
+        return store
+    try:
+        return _job(compat.default_store()) if dist.is_available() and dist.is_initialized() else None
+    except (TorchCompatError, RuntimeError, ValueError):
+        return None
+
+
+def _heartbeat_s() -> float:
+    wd = current_watchdog()
+    return wd.config.heartbeat_s if wd is not None else 5.0
