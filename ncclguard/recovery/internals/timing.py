@@ -3,7 +3,8 @@
 Each :class:`~ncclguard.recovery.engine.Recovery` has one :class:`StepTiming`. It measures the
 interval from one step's start to the next (a step that needed a recovery, and the one after it,
 are not counted: a rebuild is no measure of the job), learns the judge bound from them
-(:mod:`ncclguard.watching.learned`, capped at half the step bound, the hard cap), logs each change,
+(:mod:`ncclguard.watching.learned`, capped at half the step bound, the hard cap; off when that is
+below the floor: the step bound then acts first), logs each change,
 and carries what it learned in the job's store (:mod:`ncclguard.store.learned`): a rebuilt world
 keeps its engine and its learner, and a restarted process reads it at its first step. The user's
 ``NCCLGUARD_STUCK_AFTER_S`` wins over the learned bound (``off`` turns the verdict off).
@@ -52,8 +53,11 @@ class StepTiming:
         self._loaded = False
 
     def judge_s(self) -> float:
-        """The judge bound now: the user's, else the learned one (0: the verdict is off)."""
-        return self.user_s if self.user_s is not None else self.learner.bound("step")
+        """The judge bound now: the user's, else the learned one (0: the verdict is off, also when
+        the step bound is so short that it acts before any judgment could: below twice the floor)."""
+        if self.user_s is not None:
+            return self.user_s
+        return self.learner.bound("step") if self.learner.cap_s >= FLOOR_S else 0.0
 
     def begins(self) -> None:
         """A step's first attempt starts: counts the interval since the last one, arms the verdict."""

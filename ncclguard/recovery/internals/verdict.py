@@ -272,12 +272,15 @@ class VerdictDriver:
         if j.state == "moving":
             if r not in seen.reported:
                 seen.reported.add(r)
-                self._event("busy", r, j, site=hb.site)
+                behind = round(now - seen.started, 3)
+                self._event("busy", r, j, site=hb.site, behind_s=behind)
                 log.warning(
-                    "%s: verdict: rank %d is behind (at %s) but moving (%s); no action until the step bound",
+                    "%s: verdict: rank %d is behind (at %s, this step %.1f s old) but moving (%s); no action "
+                    "until the step bound",
                     self.name,
                     r,
                     hb.site,
+                    behind,
                     j.evidence,
                 )
             return
