@@ -37,18 +37,20 @@ class StepTiming:
     Args:
         hard_cap_s: the step bound (``collective_timeout``), None when off.
         name: how logs name the engine's adapter.
+        exits: the engine's left-out policy is ``"exit"``: a rank its peers judged stuck exits 0
+            once it runs again.
 
     Raises:
         ValueError: ``NCCLGUARD_STUCK_AFTER_S`` is set to something that is not seconds or ``off``.
     """
 
-    def __init__(self, hard_cap_s: float | None, name: str) -> None:
+    def __init__(self, hard_cap_s: float | None, name: str, exits: bool = True) -> None:
         self.user_s = judge_after()
         self.hard_cap_s = hard_cap_s
         cap = (hard_cap_s if hard_cap_s is not None else NO_CAP_S) / 2
         self.learner = Learner(min(DEFAULT_JUDGE_S, cap), floor_s=min(FLOOR_S, cap), cap_s=cap)
         self.name = name
-        self.driver = VerdictDriver(self.judge_s, name)
+        self.driver = VerdictDriver(self.judge_s, name, exits)
         self._last: float | None = None  # the start of the last step counted from
         self._loaded = False
 

@@ -46,7 +46,7 @@ from ncclguard.errors import StoreUnreachable, TorchCompatError
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
-from ncclguard.store.deaths import STUCK_RC, notice_now, post_death
+from ncclguard.store.deaths import STUCK_RC, notice_now, post_death, read_deaths
 from ncclguard.watching.actions import exit_now
 from ncclguard.watching.progress import Judgment, Progress, Sample, own_sample, sample_process
 from ncclguard.watching.watchdog import current_watchdog
@@ -146,10 +146,12 @@ class VerdictDriver:
     Args:
         judge_s: returns the judge bound now (the learned one, or the user's).
         name: how logs name the engine's adapter.
+        exits: a rank its peers judged stuck exits 0 once it runs again (the left-out policy ``"exit"``).
     """
 
-    def __init__(self, judge_s: Any, name: str) -> None:
-        self.judge_s, self.name = judge_s, name
+    def __init__(self, judge_s: Any, name: str, exits: bool = True) -> None:
+        self.judge_s, self.name, self.exits = judge_s, name, exits
+        self._asked = 0.0  # when the store was last asked whether the peers judged this rank stuck
         self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
         self._cond = threading.Condition()
         self._seen: Seen | None = None
@@ -211,6 +213,7 @@ class VerdictDriver:
         silent = self._silent(seen, world, set(beats), now)
         if now - seen.started < self.judge_s():
             return
+        self._judged_by_peers(world, now)
         group, seq = mine
         behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
         ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
@@ -240,6 +243,8 @@ class VerdictDriver:
     def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
         prog = seen.peers.setdefault(r, Progress(seen.still_s))
         here = hb.host == HOSTNAME
+        # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
+        age = max(age, time.time() - hb.time)
         if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
             seen.beats[r] = hb.beat
             ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
@@ -250,6 +255,31 @@ class VerdictDriver:
             sample = sample_process(hb.pid, now)
             if sample is not None:
                 prog.observe(sample)
+
+    def _judged_by_peers(self, world: Any, now: float) -> None:
+        """Exits 0 when the peers posted this process's death as stuck (it was SIGSTOPped, then
+        continued): they went on without it, and its own rebuild would only come late."""
+        if not self.exits or now - self._asked < 2 * POLL_S:
+            return
+        self._asked = now
+        job, deadline = job_store(), Deadline.within(STORE_BOUND_S)
+        if job is None:
+            return
+        try:
+            store = store_for_this_thread(job, deadline)
+            _, notices = bounded_store_call(
+                store, lambda: read_deaths(_job(store), world.deaths_seen), deadline, "the death notices"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            log.debug("verdict: the death notices are unreadable now (%s)", exc)
+            return
+        me = world.origin(dist.get_rank())
+        if any(n.returncode == STUCK_RC and n.origin == me and n.pid == os.getpid() for n in notices):
+            log.critical(
+                "%s: verdict: the peers judged this rank stuck and went on without it; exiting with status 0",
+                self.name,
+            )
+            exit_now(0)
 
     def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
         assert seen.own is not None
