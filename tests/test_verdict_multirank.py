@@ -78,3 +78,24 @@ def test_a_busy_rank_is_reported_never_acted_on_and_the_run_ends_on_its_full_wor
     assert "cpu" in busy[0]["evidence"] or "stack" in busy[0]["evidence"]
     # The busy step's 15 s interval raised the learned bound: 5 x 15 s, at most half the 300 s step bound.
     assert 70.0 <= busy_job[0]["judge_s"] <= 150.0
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
+    # About 26 s here (the rank asleep acted on ~10 s into its step). Hang guard 240 s, under the
+    # 300 s step bound.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("verdict_worker", 3, "hf", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_good(hf_job):
+    """guard_trainer(trainer, recover=True, allow_shrink=True) and TrainingArguments' defaults
+    (ddp_timeout 1,800 s): the verdict reaches the HF adapter through the one engine."""
+    for r in (0, 1):
+        res = hf_job[r]
+        assert res["global_step"] == 16 and res["final"] == [r, 2, 1]
+        [rec] = res["recoveries"]
+        assert rec["step"] == 12 and rec["world_size"] == 2 and rec["s"] < 100, rec
+        assert res["judge_s"] == 10.0
+        assert all(e["rank"] == 2 and e["state"] == "stuck" for e in res["events"]), res["events"]
+        assert "nothing moved" in " ".join(e["evidence"] for e in res["events"]) or not res["events"]

@@ -143,7 +143,7 @@ class Learner:
         st.counts[kind] = st.counts.get(kind, 0) + 1
         st.longest_s[kind] = max(st.longest_s.get(kind, 0.0), seconds)
         after = self.bound(kind)
-        if after == before:
+        if abs(after - before) <= 0.01 * before:  # a change under 1% is not worth a log line
             return None
         why = self._clamped(st.longest_s[kind] * self.safety)[1]
         return Change(kind, before, after, f"{why}, after {st.counts[kind]} intervals")

@@ -9,6 +9,10 @@ ASLEEP launch rank 2 sleeps in Python for good; ranks 0-1 go on as a world of 2.
 launch rank 1 stops itself (SIGSTOP); rank 0 goes on alone and, once done, lets it continue
 (SIGCONT): it finds itself left out and exits 0.
 
+``hf`` (3 ranks): the HF Trainer with ``TrainingArguments``' defaults and ``guard_trainer(trainer,
+recover=True, allow_shrink=True)``: at global step ASLEEP launch rank 2 sleeps for good in the
+model's forward; ranks 0-1 finish HF_STEPS steps as a world of 2.
+
 ``busy`` (2 ranks): WARM healthy steps, then at step BUSY rank 1 computes in Python for BUSY_S
 seconds (its stack and CPU time move): reported, no action; the run ends on its 2 ranks.
 """
@@ -99,5 +103,59 @@ def main(mode: str) -> None:
     rankkit.done()
 
 
+HF_STEPS = 16
+
+
+def hf() -> None:
+    from hf_worker import Dataset, tiny_bert
+    from transformers import Trainer, TrainingArguments
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    me = int(os.environ["RANK"])
+    out = os.environ["NCCLGUARD_TEST_OUT"]
+    torch.manual_seed(0)
+    model = tiny_bert()
+    holder: dict[str, Trainer] = {}
+
+    def asleep(_module: torch.nn.Module, _inputs: object) -> None:
+        if me == 2 and holder["t"].state.global_step == ASLEEP:
+            put("stall_at", time.time())
+            rankkit.save()
+            while True:  # asleep in Python for good
+                time.sleep(0.1)
+
+    model.register_forward_pre_hook(asleep)
+    args = TrainingArguments(
+        output_dir=f"{out}/hf",
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=HF_STEPS,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    t = holder["t"] = Trainer(model=model, args=args, train_dataset=Dataset(96, seed=1))
+    guard_trainer(t, recover=True, allow_shrink=True)  # nothing else: every timeout at its default
+    put("pid", os.getpid())
+    rankkit.save()
+    t0 = time.time()
+    t.train()
+    engine = find_guard(t).recovery.engine  # type: ignore[union-attr]
+    put("global_step", t.state.global_step)
+    put("recoveries", [{"step": r.step, "s": r.elapsed_s, "world_size": r.world_size} for r in engine.recoveries])
+    put("events", engine.timing.driver.events)
+    put("judge_s", engine.timing.judge_s())
+    put("train_s", round(time.time() - t0, 3))
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.done()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1]) if sys.argv[1] in ("stuck", "busy") else sys.exit(f"unknown scenario {sys.argv[1]}")
+    if sys.argv[1] == "hf":
+        hf()
+    else:
+        main(sys.argv[1]) if sys.argv[1] in ("stuck", "busy") else sys.exit(f"unknown scenario {sys.argv[1]}")
