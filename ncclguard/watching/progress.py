@@ -25,12 +25,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CPU_SHARE", "IO_BYTES", "Judgment", "Progress", "Sample", "own_sample", "sample_process"]
+from ncclguard.world import Slot
+
+__all__ = ["CPU_SHARE", "IO_BYTES", "JUDGED", "Judgment", "Progress", "Sample", "own_sample", "sample_process"]
 
 CPU_SHARE = 0.05  # a main thread using more than 5% of a core is busy (a sleep loop uses ~0.02%)
 IO_BYTES = 1 << 20  # more than 1 MiB read or written counts (a rank's own incident dump is less)
 
 State = Literal["moving", "stuck", "unknown"]
+
+# The verdict's last judgment of each rank this one waits for ("2": "stuck: nothing moved ..."), in
+# this world's numbering: the recovery engine writes it, the heartbeat carries it (status shows it).
+JUDGED: Slot[dict[str, str]] = Slot("judged", lambda world: {})
+MAX_JUDGED_CHARS = 160
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching import detect, torchfr
-from ncclguard.watching.progress import own_sample
+from ncclguard.watching.progress import JUDGED, own_sample
+from ncclguard.world import current_world
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
 
@@ -178,6 +179,8 @@ class RankState:
         """What this rank publishes now (its ``beat``-th heartbeat)."""
         inflight = self.inflight()
         cpu, io = own_sample()
+        said = current_world().get(JUDGED)
+        judged = {str(k): str(v) for k, v in list(said.items())}  # a copy: the verdict's thread writes it
         return Heartbeat(
             rank=self.rank,
             host=HOSTNAME,
@@ -193,6 +196,7 @@ class RankState:
             backend_seq=self.backend_seq(),
             main_cpu_s=cpu,
             io_bytes=io,
+            judged=judged or None,
         )
 
     def statement(self, beat: int, peers: Mapping[str, PeerView]) -> Statement:

@@ -48,7 +48,15 @@ from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.deaths import STUCK_RC, notice_now, post_death, read_deaths
 from ncclguard.watching.actions import exit_now
-from ncclguard.watching.progress import Judgment, Progress, Sample, own_sample, sample_process
+from ncclguard.watching.progress import (
+    JUDGED,
+    MAX_JUDGED_CHARS,
+    Judgment,
+    Progress,
+    Sample,
+    own_sample,
+    sample_process,
+)
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import current_world
 
@@ -175,6 +183,7 @@ class VerdictDriver:
         """The step is over: nothing is judged until the next one."""
         with self._cond:
             self._seen = None
+        current_world().get(JUDGED).clear()
 
     def _run(self) -> None:
         idle = 0.0
@@ -299,6 +308,9 @@ class VerdictDriver:
         exit_now(0)
 
     def _judge(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float) -> None:
+        if j.state != "unknown":  # what the heartbeat carries and `ncclguard status` shows
+            text = f"{j.state}: {j.evidence}; at {hb.site}, its peers waiting {now - seen.started:.0f} s"
+            current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
         if j.state == "moving":
             if r not in seen.reported:
                 seen.reported.add(r)
