@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ncclguard.recovery.internals.verdict import STUCK_AFTER_VAR, judge_after
+from ncclguard.recovery.internals.levers import STUCK_AFTER_VAR, judge_after
 from ncclguard.watching.learned import FLOOR_S, SAFETY, WARMUP, LearnedState, Learner, parse_state
 from ncclguard.watching.progress import Progress, Sample, own_sample, sample_process
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery.internals.verdict import DEFAULT_JUDGE_S, VerdictDriver, job_store, judge_after
+from ncclguard.recovery.internals.levers import DEFAULT_JUDGE_S, job_store, judge_after
+from ncclguard.recovery.internals.verdict import VerdictDriver
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.learned import read_learned, write_learned
 from ncclguard.watching.learned import FLOOR_S, Learner, parse_state

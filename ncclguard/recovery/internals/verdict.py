@@ -1,36 +1,20 @@
 """The verdict drives the engine: a step whose peers wait for a *stuck* rank fails now, not at the bound.
 
-gloo fixes an op's timeout when the op starts, so the step bound (``collective_timeout``, the hard
-cap) cannot be shortened once a step waits; and a short bound would fail the step of every rank
-that waits for a peer that is slow but moving (a long save). Instead, while a step of the engine
-runs, a thread (``ncclguard-verdict``) looks every :data:`POLL_S` seconds:
-
-1. once the step has run past the *judge* bound (learned from the job's step intervals,
-   :mod:`ncclguard.watching.learned`; :data:`DEFAULT_JUDGE_S` before the warm-up;
-   ``NCCLGUARD_STUCK_AFTER_S`` set by the user wins, ``off`` turns this off), it names the
-   ranks that are behind: the watched peers (the watchdog's heartbeats) whose world-group
-   backend sequence number is below this rank's;
-2. it judges each from its progress evidence (:mod:`ncclguard.watching.progress`: ops, stack,
-   main-thread CPU, I/O, stopped); a rank that is moving is reported (once per step, at
-   warning level, with the evidence) and left alone; only a *stuck* one is acted on;
-3. acting, on a waiting rank: a death notice for the stuck rank in the job's store (the commit
-   and the rebuild meeting settle without waiting their bounds for it, as for a killed rank),
-   and, for a stuck rank on this host, this process's TCP connections to it are shut down: gloo's
-   op in flight ends at once ("Connection closed by peer"), the commit fails, the engine rebuilds
-   (without it with ``allow_shrink``);
-4. on the stuck rank itself, where its threads still run (asleep in Python, blocked in a lock):
-   its peers wait in an op it never reached and its own main thread shows no progress, so it
-   exits with status 0 (as the watchdog's fence), which ends its peers' op on any host.
-
-Without a watchdog (``ncclguard run`` and ``NCCLGUARD_AUTO`` start one) nothing is judged and the
-step bound alone holds. A stuck rank on another host whose threads cannot run (SIGSTOP, the GIL
-held in C code) is not reached by step 3's shutdown: the hard cap holds for it.
+gloo fixes an op's timeout when the op starts, and a short bound would fail every rank waiting for a
+peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdict``) looks every
+:data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery.internals.timing`)
+it judges the watched peers behind this rank (a lower world-group backend sequence number) from
+their progress (:mod:`ncclguard.watching.progress`). A moving one is reported once per step; a stuck
+one gets a death notice (``STUCK_RC``: the commit and the rebuild meeting settle without it) and,
+on this host, this process's connections to it are shut down (its op ends at once). A stuck rank
+whose threads run (asleep in Python, in a lock) judges itself and exits 0; one its peers judged
+stuck exits 0 once it runs again (SIGCONT). Without a watchdog nothing is judged; a stuck rank on
+another host whose threads cannot run is left to the step bound, the hard cap (docs/recovery.md).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,12 +22,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import StoreUnreachable, TorchCompatError
+from ncclguard.errors import StoreUnreachable
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery.internals.levers import (
+    DEFAULT_JUDGE_S,
+    STUCK_AFTER_VAR,
+    cut_connections,
+    job_store,
+    judge_after,
+    unprefixed,
+    world_seq,
+)
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.deaths import STUCK_RC, notice_now, post_death, read_deaths
@@ -60,79 +52,10 @@ from ncclguard.watching.progress import (
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import current_world
 
-__all__ = [
-    "DEFAULT_JUDGE_S",
-    "POLL_S",
-    "STUCK_AFTER_VAR",
-    "Seen",
-    "VerdictDriver",
-    "cut_connections",
-    "job_store",
-    "judge_after",
-    "world_seq",
-]
+__all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
 
 POLL_S = 1.0
-DEFAULT_JUDGE_S = 30.0  # before the warm-up: a stuck rank still needs stuck evidence to be acted on
-STUCK_AFTER_VAR = "NCCLGUARD_STUCK_AFTER_S"
 STORE_BOUND_S = 5.0
-
-
-def judge_after() -> float | None:
-    """The user's judge bound from ``NCCLGUARD_STUCK_AFTER_S``: seconds, None when unset; 0 for ``off``.
-
-    Raises:
-        ValueError: a value that is neither ``off`` nor a positive number of seconds.
-    """
-    raw = os.environ.get(STUCK_AFTER_VAR, "").strip()
-    if not raw:
-        return None
-    if raw.lower() == "off":
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (0 < value < float("inf")):
-        raise ValueError(f"{STUCK_AFTER_VAR} must be a positive number of seconds or 'off', got {raw!r}")
-    return value
-
-
-def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, int] | None:
-    """The world group's name and this rank's backend sequence number in it, or None."""
-    try:
-        pg = compat.default_group()
-        name = (names or compat.group_names())[pg]
-        return name, compat.sequence_number(pg)
-    except (TorchCompatError, RuntimeError, KeyError, ValueError):
-        return None
-
-
-def cut_connections(pid: int) -> int:
-    """Shuts down this process's TCP connections to process ``pid`` (on this host).
-
-    Returns:
-        How many were shut down.
-    """
-    import psutil
-
-    try:
-        theirs = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr}
-        mine = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.fd >= 0]
-    except (psutil.Error, OSError) as exc:
-        log.warning("verdict: cannot read the connections to pid %d (%s)", pid, exc)
-        return 0
-    n = 0
-    for c in mine:
-        if (c.raddr.ip, c.raddr.port) not in theirs:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(c.fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)  # the socket itself, not the dup alone: gloo's pair sees it
-            n += 1
-        except OSError:
-            continue
-    return n
 
 
 @dataclass
@@ -277,7 +200,7 @@ class VerdictDriver:
         try:
             store = store_for_this_thread(job, deadline)
             _, notices = bounded_store_call(
-                store, lambda: read_deaths(_job(store), world.deaths_seen), deadline, "the death notices"
+                store, lambda: read_deaths(unprefixed(store), world.deaths_seen), deadline, "the death notices"
             )
         except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
             log.debug("verdict: the death notices are unreadable now (%s)", exc)
@@ -352,7 +275,9 @@ class VerdictDriver:
                 raise ValueError("no store")
             store = store_for_this_thread(job, deadline)
             notice = notice_now(world.origin(r), pid, STUCK_RC, 0, host)
-            bounded_store_call(store, lambda: post_death(_job(store), notice), deadline, "a stuck rank's death notice")
+            bounded_store_call(
+                store, lambda: post_death(unprefixed(store), notice), deadline, "a stuck rank's death notice"
+            )
         except (StoreUnreachable, RuntimeError, dist.DistStoreError, ValueError) as exc:
             log.warning("verdict: could not post rank %d's death notice (%s)", r, exc)
             return False
@@ -360,23 +285,6 @@ class VerdictDriver:
 
     def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
         self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
-
-
-def _job(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def job_store() -> dist.Store | None:
-    """The job's store, unprefixed: the current world's, or the default group's in generation 0."""
-    store = current_world().store
-    if store is not None:
-        return store
-    try:
-        return _job(compat.default_store()) if dist.is_available() and dist.is_initialized() else None
-    except (TorchCompatError, RuntimeError, ValueError):
-        return None
 
 
 def _heartbeat_s() -> float:
