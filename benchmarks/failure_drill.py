@@ -217,11 +217,26 @@ def rank_recovering(args: argparse.Namespace) -> None:
     fsdp2 = args.framework == "fsdp2"
     restarted = ncclguard.restart_count() > 0  # a killed rank restarted by its supervisor: it rejoins, no init
     if not restarted:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        if args.defaults:
+            dist.init_process_group("gloo")  # --defaults: no timeout set anywhere (gloo's 30 min)
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     module = _model()
     from torch.nn.parallel import DistributedDataParallel
 
     stepper_at = time.time()
+    # --defaults: every timeout of the engine at its default (the step bound 300 s, the judge bound
+    # learned) and the watchdog as `ncclguard run` starts it (NCCLGUARD_AUTO, every setting default).
+    timeouts: dict[str, Any] = (
+        {}
+        if args.defaults
+        else {
+            "collective_timeout": args.group_timeout,  # the step bound; the group keeps its own 120 s
+            "commit_timeout": args.commit_timeout,
+            # A killed rank's restart imports torch again before it rejoins: seconds on a loaded host.
+            "rebuild_timeout": args.rejoin_timeout if kill else args.commit_timeout,
+        }
+    )
     stepper = ncclguard.RecoveringStep(
         module,
         torch.optim.Adam(module.parameters(), lr=1e-3)
@@ -230,17 +245,15 @@ def rank_recovering(args: argparse.Namespace) -> None:
         # One bucket layout from the first step on: a re-wrapped DDP otherwise starts from its
         # initial layout, and the ring all-reduce sums some elements in another order (last bit).
         wrap=ncclguard.FSDP2(_shard) if fsdp2 else lambda m: DistributedDataParallel(m, find_unused_parameters=True),
-        collective_timeout=args.group_timeout,  # the step bound; the group keeps its own 120 s
-        commit_timeout=args.commit_timeout,
-        # A killed rank's restart imports torch again before it rejoins: seconds on a loaded host.
-        rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         allow_shrink=args.mode == "stuck",
         heal=kill or (fsdp2 and args.mode != "nosnap"),  # FSDP2: snapshots, restored from a buddy
+        **timeouts,
     )
     # After the stepper: a restarted process has its process group only once it has rejoined.
-    ncclguard.start_watchdog(
-        **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
-    )
+    if not args.defaults:
+        ncclguard.start_watchdog(
+            **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
+        )
     t0, faults = _start(args, out, me, restarted, stepper_at=stepper_at)
     attempted, recoveries, healed = 0, [], 0
     for step in stepper.steps(args.steps):  # goes back when every rank went back to a snapshot
@@ -304,6 +317,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
             "generation": res.generation,
             "healed": healed,
             "restarted": restarted,
+            # The judge bound learned from the job, against its real step intervals (docs/recovery.md).
+            "judge_s": stepper.engine.timing.judge_s(),
+            "learned": stepper.engine.timing.learner.state.model_dump(),
         },
     )
     _end()
@@ -604,10 +620,13 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--stall-s", str(args.stall_s), "--group-timeout", str(args.group_timeout)),
         *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(args.ckpt_every)),
         *("--out", str(out), "--framework", args.framework),
+        *(["--defaults"] if args.defaults else []),
     ]
     restarts = ["--max-restarts", "100"] if mode == "restart" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
-    if mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
+    if args.defaults:  # as `ncclguard run --ncclguard-restarts 1` runs each rank
+        worker = ["-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, *worker]
+    elif mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
         if mode == "spare" and args.framework == "deepspeed":
             spare += ["--preload=deepspeed"]  # the spare imports what the script does
@@ -616,6 +635,8 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.defaults:
+        env.update(NCCLGUARD_AUTO="1", NCCLGUARD_WATCHDOG_INCIDENT_DIR=str(out / "incidents"))
     if mode == "restart":
         # torch 2.13's torchrun shares its rendezvous TCPStore server with the workers and keeps it
         # across restarts, with no per-attempt prefix on init_process_group's keys: a restarted
@@ -668,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp2: the loop with FSDP2 and snapshots; deepspeed: a ZeRO-3 loop with snapshots",
     )
     p.add_argument("--steps", type=int, default=800)
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="stuck only: no timeout set anywhere, the watchdog as `ncclguard run --ncclguard-restarts 1` starts it",
+    )
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
     p.add_argument("--stall-s", type=float, default=3.0, help="a stall; past --group-timeout")
@@ -704,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.short:
         args.steps, args.every, args.ckpt_every = 60, 6.0, 20
         args.launch_timeout = min(args.launch_timeout, 300.0)
+    if args.defaults and set(args.modes or ()) - {"clean", "stuck"}:
+        p.error("--defaults runs clean and stuck (--modes clean stuck)")
     if args.stall_s <= args.group_timeout:
         p.error(
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"

@@ -297,3 +297,42 @@ def test_gloo_cannot_shrink_on_this_torch():
     # Why rebuild_world builds a new group instead of calling torch.distributed.shrink_group,
     # which refuses a backend whose supports_shrinking is False (torch 2.13).
     assert gloo_group().supports_shrinking is False  # type: ignore[attr-defined]
+
+
+def _meet_two(store: dist.Store, deadline_s: float) -> dict[int, Meeting | BaseException]:
+    out: dict[int, Meeting | BaseException] = {}
+
+    def one(rank: int) -> None:
+        try:
+            out[rank] = meet(store, arrival(rank, 3, allow_shrink=True), 0, Deadline.within(deadline_s))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline_s + 10)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_a_meeting_settles_at_once_without_a_rank_a_verdict_judged_stuck_but_waits_for_a_killed_one():
+    from ncclguard.store.deaths import STUCK_RC, notice_now, post_death
+
+    stuck = dist.HashStore()
+    post_death(stuck, notice_now(2, 4242, STUCK_RC, 0, "here"))
+    out = _meet_two(stuck, 60.0)
+    for rank in (0, 1):
+        m = out[rank]
+        assert isinstance(m, Meeting) and m.goes_on, m
+        assert m.verdict.arrived == [0, 1] and m.verdict.shrunk
+        assert m.elapsed_s < 30.0  # settled long before its 60 s deadline (a hang guard, not a timing)
+    # A killed rank's notice: its restart may come to rejoin, so the meeting waits its deadline.
+    killed = dist.HashStore()
+    post_death(killed, notice_now(2, 4242, -9, 0, "here"))
+    out = _meet_two(killed, 1.0)
+    for rank in (0, 1):
+        m = out[rank]
+        assert isinstance(m, Meeting) and m.verdict.arrived == [0, 1]
+        assert m.elapsed_s >= 0.9

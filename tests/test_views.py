@@ -571,3 +571,23 @@ def test_the_status_command_fits_the_terminal(server, capsys, monkeypatch) -> No
     assert max(len(line) for line in lines) <= 80 and len(lines) < 20, "\n".join(lines)
     (header,) = [line.split() for line in lines if line.startswith("ranks ")]
     assert header == ["ranks", "n", "state", "phase", "step", "in", "flight", "inc"]
+
+
+def test_the_verdict_on_a_rank_waited_for_is_shown_with_its_evidence(server, capsys):
+    """The recovery engine's judgment (busy or stuck, and why) rides in the waiting rank's
+    heartbeat; status says it once per judged rank, and a judgment makes the job suspect."""
+    judged = {"r0": {"judged": {"2": "stuck: nothing moved for 10.0 s (cpu, ops); at t.py:9, its peers waiting 12 s"}}}
+    judged["r1"] = {"judged": {"2": "stuck: the process is stopped (SIGSTOP) or gone for 11.0 s; at t.py:9"}}
+    judged["r3"] = {"judged": {"1": "moving: moved 0.9 s ago: main-thread cpu +0.93 s in 1.0 s; at t.py:4"}}
+    fill(server, "judged", 4, time.time(), **judged)
+    code, out = status_json(server, "judged", capsys)
+    assert (code, out["health"]) == (EXIT_CODES["suspect"], "suspect")
+    assert out["reasons"] == [
+        "rank 1 is moving: moved 0.9 s ago: main-thread cpu +0.93 s in 1.0 s; at t.py:4 (judged by rank 3, "
+        "which waits for it)",
+        "rank 2 is stuck: nothing moved for 10.0 s (cpu, ops); at t.py:9, its peers waiting 12 s (judged by rank 0, "
+        "which waits for it)",
+    ]
+    fill(server, "judged", 4, time.time())  # the step ended: no judgment left
+    code, out = status_json(server, "judged", capsys)
+    assert (code, out["reasons"]) == (0, [])

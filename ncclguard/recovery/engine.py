@@ -61,6 +61,7 @@ from ncclguard.recovery.internals.bound import StepBound
 from ncclguard.recovery.internals.fence import arm_left_behind_fence
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.internals.step_state import StepState
+from ncclguard.recovery.internals.timing import StepTiming
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.preempt import install_handler, stop_now
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
@@ -211,6 +212,7 @@ class Recovery:
             raise TypeError(f"options must come from recovery_options(), got {type(options).__name__}")
         self.adapter, self.options = adapter, options
         self.bound = StepBound(options.collective_timeout_s)
+        self.timing = StepTiming(options.collective_timeout_s, adapter.name, options.left_out == "exit")  # verdict
         self.recoveries: list[Recovered] = []
         self.applied = 0
         self._callbacks: list[Callable[[WorldEvent], None]] = []
@@ -321,6 +323,7 @@ class Recovery:
         if self.keeper is not None:
             self._snapshot(tx)
         self.bound.arm()
+        self.timing.begins()
         return tx
 
     def _snapshot(self, tx: Transaction[Any]) -> None:
@@ -437,6 +440,7 @@ class Transaction(Generic[T]):
         self.kept = StepState.take(adapter.get_module())
         self._extra = adapter.keep()
         self._closed = False
+        self._clean = False  # committed at its first attempt (the learned bound counts it)
 
     def run(self, fn: Callable[[], T]) -> T | None:
         """Runs ``fn`` (forward and backward); an exception becomes this rank's failure.
@@ -465,6 +469,7 @@ class Transaction(Generic[T]):
         if not self._closed:
             self._closed = True
             self.engine.bound.disarm()
+            self.engine.timing.ends(self._clean)
             if self.engine._open is self:
                 self.engine._open = None
 
@@ -555,6 +560,7 @@ class Transaction(Generic[T]):
                     attempt + 1,
                 )
                 engine.bound.arm()
+                engine.timing.redo()
                 self.failure = None
                 self.run(redo)
                 clock.lap("redo")
@@ -592,6 +598,7 @@ class Transaction(Generic[T]):
         error: NcclGuardError | None,
         healed: HealResult | Restored | None,
     ) -> StepResult[T]:
+        self._clean = ok and attempts == 1
         return StepResult(
             ok,
             attempts,

@@ -33,6 +33,7 @@ from ncclguard.store.codec import DecodeError, decode, encode
 
 __all__ = [
     "MAX_NOTICE_BYTES",
+    "STUCK_RC",
     "DeathNotice",
     "DeathPoster",
     "death_count",
@@ -43,6 +44,9 @@ __all__ = [
 ]
 
 MAX_NOTICE_BYTES = 4 * 1024
+# The returncode of a notice posted by a peer's verdict for a rank judged stuck for good (it is alive,
+# SIGSTOP's number negated): the commit and the rebuild meeting settle without waiting for it.
+STUCK_RC = -19
 _MAX_READ = 256  # notices read in one call at most; the rest wait for the next poll
 
 
@@ -137,6 +141,8 @@ def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tup
         hostile value never names a rank dead).
     """
     prefix = _prefix(restart)
+    if not store.check([f"{prefix}/n"]):  # none posted: a look leaves no key behind
+        return seen, []
     count = death_count(store, restart)
     if count <= seen:
         return seen, []

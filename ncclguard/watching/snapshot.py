@@ -24,6 +24,8 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching import detect, torchfr
+from ncclguard.watching.progress import JUDGED, own_sample
+from ncclguard.world import current_world
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
 
@@ -176,6 +178,9 @@ class RankState:
     def heartbeat(self, beat: int) -> Heartbeat:
         """What this rank publishes now (its ``beat``-th heartbeat)."""
         inflight = self.inflight()
+        cpu, io = own_sample()
+        said = current_world().get(JUDGED)
+        judged = {str(k): str(v) for k, v in list(said.items())}  # a copy: the verdict's thread writes it
         return Heartbeat(
             rank=self.rank,
             host=HOSTNAME,
@@ -190,6 +195,9 @@ class RankState:
             inflight=inflight,
             blocked_in=detect.blocked_in(inflight, self.main_ident),
             backend_seq=self.backend_seq(),
+            main_cpu_s=cpu,
+            io_bytes=io,
+            judged=judged or None,
         )
 
     def statement(self, beat: int, peers: Mapping[str, PeerView]) -> Statement:

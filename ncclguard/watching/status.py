@@ -124,6 +124,7 @@ class RankRow(BaseModel):
     pid: int | None = None
     problem: str | None = None  # why a value under its key did not parse
     incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
+    judged: dict[str, str] = Field(default_factory=dict)  # the recovery engine's verdict on ranks it waits for
 
 
 class RankGroup(BaseModel):
@@ -255,6 +256,7 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         inflight_s=None if oldest is None else round(max(0.0, now - oldest.start), 3),
         host=hb.host,
         pid=hb.pid,
+        judged=hb.judged or {},
     )
 
 
@@ -360,6 +362,12 @@ def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: W
         reasons.append(
             f"in one op for over half of hang_timeout_s ({index.hang_timeout_s:g} s): ranks {rank_ranges(long)}"
         )
+    said: dict[str, tuple[int, str]] = {}
+    for r in rows:  # the recovery engine's verdict, once per rank judged (the first rank that says it)
+        for peer, text in sorted(r.judged.items()):
+            said.setdefault(peer, (r.rank, text))
+    for peer, (by, text) in sorted(said.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
+        reasons.append(f"rank {peer} is {text} (judged by rank {by}, which waits for it)")
     slow = [r.rank for r in rows if r.straggler_score is not None and r.straggler_score < SLOW_SCORE]
     if slow:
         reasons.append(f"straggler score below {SLOW_SCORE}: ranks {rank_ranges(slow)}")

@@ -42,6 +42,7 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.incidents.model import Heartbeat
 from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.backend_watch import BackendWatch
 from ncclguard.watching.desk import IncidentDesk
@@ -311,6 +312,15 @@ class Watchdog(Ticks):
                     break
                 self._cond.wait(min(left, 0.05))
         return self.incidents
+
+    def peer_beats(self) -> tuple[int, dict[int, tuple[Heartbeat, float]]]:
+        """The watched peers' last heartbeats and their ages in seconds, with the generation they are
+        of (the recovery engine's verdict, :mod:`ncclguard.recovery.internals.verdict`, reads them)."""
+        live, now = getattr(self, "_liveness", None), time.monotonic()
+        if live is None:
+            return -1, {}
+        peers = list(live.peers.items())
+        return self.generation, {r: (p.heartbeat, now - p.changed) for r, p in peers if p.heartbeat is not None}
 
     def _all_cases(self) -> list[Any]:
         return self._retired + (self._desk.cases if self._desk is not None else [])

@@ -21,6 +21,7 @@ The communicator is never touched: the meeting works however broken the old grou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -39,7 +40,9 @@ from ncclguard.recovery.internals.protocol import (
     decide,
 )
 from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.deaths import STUCK_RC, read_deaths
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
+from ncclguard.world import current_world
 
 __all__ = ["Meeting", "meet"]
 
@@ -68,7 +71,29 @@ class Meeting:
         return self.verdict.ok and not self.late and self.problem is None
 
 
-def _rule(keys: MeetingKeys, size: int, allow_shrink: bool) -> Rule[Verdict]:
+def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
+    """A reader of the ranks a peer's verdict judged stuck (their death notices carry
+    :data:`~ncclguard.store.deaths.STUCK_RC`), in this world's numbering: the meeting settles without
+    waiting its deadline for them. A killed rank's notice does not count here: its restart may rejoin."""
+    world = current_world()
+    job = store
+    while isinstance(job, dist.PrefixStore):  # the notices are in the job's store, unprefixed
+        job = job.underlying_store
+    seen, stuck = world.deaths_seen, set[int]()
+    by_origin = {world.origin(r): r for r in range(size)}
+
+    def known() -> set[int]:
+        nonlocal seen
+        seen, notices = read_deaths(job, seen)
+        stuck.update(by_origin[n.origin] for n in notices if n.returncode == STUCK_RC and n.origin in by_origin)
+        return stuck
+
+    return known
+
+
+def _rule(
+    keys: MeetingKeys, size: int, allow_shrink: bool, stuck: Callable[[], set[int]] | None = None
+) -> Rule[Verdict]:
     def read(raw: bytes) -> Verdict:
         try:
             return decode(Verdict, raw, f"the verdict under {keys.verdict!r}", MAX_VERDICT_BYTES)
@@ -78,10 +103,19 @@ def _rule(keys: MeetingKeys, size: int, allow_shrink: bool) -> Rule[Verdict]:
     def given_up(peek: Peek) -> str:
         return encode(decide(peek.present(), size, allow_shrink))
 
+    def early(peek: Peek) -> str | None:
+        assert stuck is not None
+        gone = stuck()
+        present = peek.present()
+        if not gone or any(r not in present for r in range(size) if r not in gone):
+            return None
+        return encode(decide([r for r in present if r not in gone], size, allow_shrink))
+
     return Rule(
         everyone=lambda: encode(decide(list(range(size)), size, False)),
         given_up=given_up,
         read=read,
+        early=early if stuck is not None else None,
         # Every rank in the verdict wrote its arrival before it was settled, and nobody deletes
         # before all of them have left: one multi_get finds them all.
         members=lambda verdict: Members(verdict.arrived, complete=True),
@@ -109,7 +143,14 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
     size = me.world_size
     try:
         settled = settle_round(
-            store, keys, me.rank, size, encode(me), deadline, _rule(keys, size, me.allow_shrink), "the rebuild meeting"
+            store,
+            keys,
+            me.rank,
+            size,
+            encode(me),
+            deadline,
+            _rule(keys, size, me.allow_shrink, _stuck_reader(store, size)),
+            "the rebuild meeting",
         )
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
         if isinstance(exc, StoreUnreachable):  # no answer by the deadline, or an unreadable verdict

@@ -1,0 +1,292 @@
+"""The verdict drives the engine: a step whose peers wait for a *stuck* rank fails now, not at the bound.
+
+gloo fixes an op's timeout when the op starts, and a short bound would fail every rank waiting for a
+peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdict``) looks every
+:data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery.internals.timing`)
+it judges the watched peers behind this rank (a lower world-group backend sequence number) from
+their progress (:mod:`ncclguard.watching.progress`). A moving one is reported once per step; a stuck
+one gets a death notice (``STUCK_RC``: the commit and the rebuild meeting settle without it) and,
+on this host, this process's connections to it are shut down (its op ends at once). A stuck rank
+whose threads run (asleep in Python, in a lock) judges itself and exits 0; one its peers judged
+stuck exits 0 once it runs again (SIGCONT). Without a watchdog nothing is judged; a stuck rank on
+another host whose threads cannot run is left to the step bound, the hard cap (docs/recovery.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
+from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery.internals.levers import (
+    DEFAULT_JUDGE_S,
+    STUCK_AFTER_VAR,
+    cut_connections,
+    job_store,
+    judge_after,
+    unprefixed,
+    world_seq,
+)
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.deaths import STUCK_RC, notice_now, post_death, read_deaths
+from ncclguard.watching.actions import exit_now
+from ncclguard.watching.progress import (
+    JUDGED,
+    MAX_JUDGED_CHARS,
+    Judgment,
+    Progress,
+    Sample,
+    own_sample,
+    sample_process,
+)
+from ncclguard.watching.watchdog import current_watchdog
+from ncclguard.world import current_world
+
+__all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
+
+POLL_S = 1.0
+STORE_BOUND_S = 5.0
+
+
+@dataclass
+class Seen:
+    """One step's look at the peers: their progress, what was said and done about each."""
+
+    started: float
+    still_s: float
+    peers: dict[int, Progress] = field(default_factory=dict)
+    beats: dict[int, int] = field(default_factory=dict)
+    own: Progress | None = None
+    reported: set[int] = field(default_factory=set)
+    acted: set[int] = field(default_factory=set)
+
+
+class VerdictDriver:
+    """The ``ncclguard-verdict`` thread of one recovery engine (see the module doc).
+
+    Args:
+        judge_s: returns the judge bound now (the learned one, or the user's).
+        name: how logs name the engine's adapter.
+        exits: a rank its peers judged stuck exits 0 once it runs again (the left-out policy ``"exit"``).
+    """
+
+    def __init__(self, judge_s: Any, name: str, exits: bool = True) -> None:
+        self.judge_s, self.name, self.exits = judge_s, name, exits
+        self._asked = 0.0  # when the store was last asked whether the peers judged this rank stuck
+        self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
+        self._cond = threading.Condition()
+        self._seen: Seen | None = None
+        self._thread: threading.Thread | None = None
+        self._procs: dict[int, Heartbeat] = {}  # the last heartbeat seen of each launch rank
+
+    def arm(self) -> None:
+        """A step (or its redo) starts: looks afresh (a rebuild renumbers the ranks)."""
+        judge = self.judge_s()
+        if not judge:
+            return
+        hb = _heartbeat_s()
+        with self._cond:
+            self._seen = Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def disarm(self) -> None:
+        """The step is over: nothing is judged until the next one."""
+        with self._cond:
+            self._seen = None
+        current_world().get(JUDGED).clear()
+
+    def _run(self) -> None:
+        idle = 0.0
+        while idle < 60.0:  # the thread ends after a minute without a step
+            with self._cond:
+                self._cond.wait(POLL_S)
+                seen = self._seen
+            if seen is None:
+                idle += POLL_S
+                continue
+            idle = 0.0
+            try:
+                self._look(seen)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: a look failed; going on")
+        with self._cond:
+            self._thread = None
+
+    def _look(self, seen: Seen) -> None:
+        wd = current_watchdog()
+        world = current_world()
+        if wd is None or not dist.is_initialized():
+            return
+        gen, beats = wd.peer_beats()
+        mine = world_seq()
+        if gen != world.generation or mine is None:
+            return  # the watchdog has not followed the new world yet
+        now = time.monotonic()
+        cpu, io = own_sample()
+        if seen.own is None:
+            seen.own = Progress(seen.still_s)
+        seen.own.observe(Sample(now, "self", ops=mine[1], cpu_s=cpu, io_bytes=io))
+        for r, (hb, age) in beats.items():
+            self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
+            self._sample(seen, r, hb, age, now)
+        silent = self._silent(seen, world, set(beats), now)
+        if now - seen.started < self.judge_s():
+            return
+        self._judged_by_peers(world, now)
+        group, seq = mine
+        behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
+        ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
+        if ahead and not behind:
+            self._self_check(seen, ahead, now)
+        if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
+            behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
+        for r, hb in behind.items():
+            if r not in seen.acted:
+                self._judge(seen, r, hb, seen.peers[r].judge(now), now)
+
+    def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
+        """Members on this host with no heartbeat in this world yet (one stopped right after a
+        rebuild), sampled from /proc by the process their last heartbeat named."""
+        out = {}
+        me = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            hb = self._procs.get(world.origin(r))
+            if r == me or r in beating or hb is None or hb.host != HOSTNAME:
+                continue
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                seen.peers.setdefault(r, Progress(seen.still_s)).observe(sample)
+                out[r] = hb
+        return out
+
+    def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
+        prog = seen.peers.setdefault(r, Progress(seen.still_s))
+        here = hb.host == HOSTNAME
+        # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
+        age = max(age, time.time() - hb.time)
+        if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
+            seen.beats[r] = hb.beat
+            ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+            # On this host /proc gives its CPU and I/O (every look); a beat gives its ops and stack.
+            cpu, io = (None, None) if here else (hb.main_cpu_s, hb.io_bytes)
+            prog.observe(Sample(max(now - age, prog.last_at or 0.0), "heartbeat", ops, hb.site, cpu, io))
+        if here:  # read from /proc between beats, and when its beats stop
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                prog.observe(sample)
+
+    def _judged_by_peers(self, world: Any, now: float) -> None:
+        """Exits 0 when the peers posted this process's death as stuck (it was SIGSTOPped, then
+        continued): they went on without it, and its own rebuild would only come late."""
+        if not self.exits or now - self._asked < 2 * POLL_S:
+            return
+        self._asked = now
+        job, deadline = job_store(), Deadline.within(STORE_BOUND_S)
+        if job is None:
+            return
+        try:
+            store = store_for_this_thread(job, deadline)
+            _, notices = bounded_store_call(
+                store, lambda: read_deaths(unprefixed(store), world.deaths_seen), deadline, "the death notices"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            log.debug("verdict: the death notices are unreadable now (%s)", exc)
+            return
+        me = world.origin(dist.get_rank())
+        if any(n.returncode == STUCK_RC and n.origin == me and n.pid == os.getpid() for n in notices):
+            log.critical(
+                "%s: verdict: the peers judged this rank stuck and went on without it; exiting with status 0",
+                self.name,
+            )
+            exit_now(0)
+
+    def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
+        assert seen.own is not None
+        j = seen.own.judge(now)
+        if j.state != "stuck":
+            return
+        me = dist.get_rank()  # the world's rank is not known to the World in generation 0
+        posted = self._post_death(current_world(), me, os.getpid(), HOSTNAME)
+        self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
+        log.critical(
+            "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
+            "exiting with status 0 so that they rebuild without it",
+            self.name,
+            ahead,
+            j.evidence,
+        )
+        exit_now(0)
+
+    def _judge(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float) -> None:
+        if j.state != "unknown":  # what the heartbeat carries and `ncclguard status` shows
+            text = f"{j.state}: {j.evidence}; at {hb.site}, its peers waiting {now - seen.started:.0f} s"
+            current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
+        if j.state == "moving":
+            if r not in seen.reported:
+                seen.reported.add(r)
+                behind = round(now - seen.started, 3)
+                self._event("busy", r, j, site=hb.site, behind_s=behind)
+                log.warning(
+                    "%s: verdict: rank %d is behind (at %s, this step %.1f s old) but moving (%s); no action "
+                    "until the step bound",
+                    self.name,
+                    r,
+                    hb.site,
+                    behind,
+                    j.evidence,
+                )
+            return
+        if j.state != "stuck":
+            return
+        seen.acted.add(r)
+        world = current_world()
+        posted = self._post_death(world, r, hb.pid, hb.host)
+        cut = cut_connections(hb.pid) if hb.host == HOSTNAME else 0
+        self._event("acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3))
+        log.error(
+            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; its death is posted%s, the step fails now",
+            self.name,
+            r,
+            hb.pid,
+            hb.host,
+            hb.site,
+            j.evidence,
+            f" and {cut} connection(s) to it are shut down" if cut else "",
+        )
+
+    def _post_death(self, world: Any, r: int, pid: int, host: str) -> bool:
+        deadline = Deadline.within(STORE_BOUND_S)
+        try:
+            job = job_store()
+            if job is None:
+                raise ValueError("no store")
+            store = store_for_this_thread(job, deadline)
+            notice = notice_now(world.origin(r), pid, STUCK_RC, 0, host)
+            bounded_store_call(
+                store, lambda: post_death(unprefixed(store), notice), deadline, "a stuck rank's death notice"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError, ValueError) as exc:
+            log.warning("verdict: could not post rank %d's death notice (%s)", r, exc)
+            return False
+        return True
+
+    def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
+        self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
+
+
+def _heartbeat_s() -> float:
+    wd = current_watchdog()
+    return wd.config.heartbeat_s if wd is not None else 5.0

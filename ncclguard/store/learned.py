@@ -1,0 +1,50 @@
+"""The learned timeouts in the job's store: carried across a rebuild and a supervised restart.
+
+One key, ``ncclguard/learned``, holds the JSON of :class:`ncclguard.watching.learned.LearnedState`
+(rank 0 of the current world writes it when a bound changes; every rank reads it once, when its
+recovery engine starts its first step). The value is bytes here; the reader parses it with its own
+size bound (:func:`ncclguard.watching.learned.parse_state`), never unpickles it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ncclguard.deadlines import Deadline
+from ncclguard.store.bounded import bounded_store_call
+
+__all__ = ["LEARNED_KEY", "read_learned", "write_learned"]
+
+LEARNED_KEY = "ncclguard/learned"
+
+
+def _job(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):  # the job's store, unprefixed: every world reads one key
+        store = store.underlying_store
+    return store
+
+
+def write_learned(store: dist.Store, blob: str, deadline: Deadline) -> None:
+    """Writes the learned state's JSON under :data:`LEARNED_KEY`, bounded by ``deadline``.
+
+    Raises:
+        StoreUnreachable: no answer by ``deadline``.
+        RuntimeError, DistStoreError: the store failed.
+    """
+    job = _job(store)
+    bounded_store_call(job, lambda: job.set(LEARNED_KEY, blob), deadline, "the learned timeouts")
+
+
+def read_learned(store: dist.Store, deadline: Deadline) -> bytes | None:
+    """The learned state's JSON, or None when none was written; bounded by ``deadline``.
+
+    Raises:
+        StoreUnreachable: no answer by ``deadline``.
+        RuntimeError, DistStoreError: the store failed.
+    """
+    job = _job(store)
+
+    def get() -> bytes | None:
+        return bytes(job.get(LEARNED_KEY)) if job.check([LEARNED_KEY]) else None
+
+    return bounded_store_call(job, get, deadline, "the learned timeouts")

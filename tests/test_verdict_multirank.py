@@ -1,0 +1,101 @@
+"""The verdict drives the engine, with every default: real gloo ranks under their supervisors
+(``ncclguard run --ncclguard-restarts 1``). Rank side: tests/workers/verdict_worker.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+DEFAULTS = ["--restarts=1"]  # what ncclguard run --ncclguard-restarts 1 runs each rank under
+
+
+def _env(tmp: str) -> dict[str, str]:
+    # The watchdog as ncclguard run starts it, every setting at its default but where incidents go.
+    return {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": tmp}
+
+
+@pytest.fixture(scope="module")
+def stuck_job(tmp_path_factory):
+    # Two stuck ranks, each acted on about 10-12 s after its step began (the learned floor, then
+    # 10 s without progress). Hang guard: 240 s, under the 300 s step bound that would otherwise
+    # be the first thing to end the survivors' wait.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("verdict_worker", 3, "stuck", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_a_rank_asleep_then_a_stopped_rank_are_acted_on_within_the_learned_bound(stuck_job):
+    res = stuck_job[0]
+    results = res["results"]
+    asleep, stopped = 12, 15
+    assert [r["ok"] for r in results] == [True] * 18
+    assert all(r["attempts"] == 1 and r["size"] == 3 for r in results[:asleep])
+    # Step 12: rank 2 asleep for good; redone on a world of 2. Step 15: rank 1 stopped; redone alone.
+    assert (results[asleep]["attempts"], results[asleep]["size"], results[asleep]["generation"]) == (2, 2, 1)
+    assert all(r["attempts"] == 1 and r["size"] == 2 for r in results[asleep + 1 : stopped])
+    assert (results[stopped]["attempts"], results[stopped]["size"], results[stopped]["generation"]) == (2, 1, 2)
+    assert res["final"] == [0, 1, 2]
+    # Learned after the warm-up: the floor (10 s), far below the 300 s step bound; kept across both rebuilds.
+    steps = res["steps"]
+    assert steps["0"]["judge_s"] == 30.0  # before the warm-up: the default
+    assert steps[str(asleep)]["judge_s"] == 10.0 and steps[str(stopped)]["judge_s"] == 10.0
+    assert res["judge_s"] == 10.0
+    assert json.loads(res["stored"])["counts"]["step"] >= 10
+    # The survivors went on well within the bound: each recovered step took far less than 300 s.
+    for k in (asleep, stopped):
+        assert results[k]["elapsed_s"] < 100, results[k]
+    # What decided: rank 1 (then in a world of 2) was judged stuck because its process is stopped.
+    events = res["events"]
+    acted = [e for e in events if e["what"] == "acted"]
+    assert acted, events
+    last = acted[-1]
+    assert (last["rank"], last["state"]) == (1, "stuck") and "stopped" in last["evidence"], last
+    assert last["death_notice"] is True and last["cut"] >= 1
+    assert not [e for e in events if e["what"] == "busy"]
+    # Rank 2 asleep: acted on by the survivors, by itself (exit 0), or both; nothing moved.
+    on2 = [e for e in stuck_job[1].get("events", []) if e["rank"] == 2] + [e for e in acted if e["rank"] == 2]
+    assert all(e["state"] == "stuck" for e in on2)
+
+
+@pytest.fixture(scope="module")
+def busy_job(tmp_path_factory):
+    # A 15 s busy step after the warm-up (judge bound 10 s): about 35 s here. Hang guard 200 s.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("verdict_worker", 2, "busy", timeout_s=200, supervise=DEFAULTS, env=_env(where))
+
+
+def test_a_busy_rank_is_reported_never_acted_on_and_the_run_ends_on_its_full_world(busy_job):
+    for r in (0, 1):
+        res = busy_job[r]
+        assert [(x["ok"], x["attempts"], x["size"], x["generation"]) for x in res["results"]] == [(True, 1, 2, 0)] * 14
+        assert res["final"] == [r, 2, 0]
+        assert not [e for e in res["events"] if e["what"] != "busy"], res["events"]
+    busy = [e for e in busy_job[0]["events"] if e["what"] == "busy"]
+    assert busy and busy[0]["rank"] == 1 and busy[0]["state"] == "moving", busy
+    assert "cpu" in busy[0]["evidence"] or "stack" in busy[0]["evidence"]
+    # The busy step's 15 s interval raised the learned bound: 5 x 15 s, at most half the 300 s step bound.
+    assert 70.0 <= busy_job[0]["judge_s"] <= 150.0
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
+    # About 26 s here (the rank asleep acted on ~10 s into its step). Hang guard 240 s, under the
+    # 300 s step bound.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("verdict_worker", 3, "hf", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_good(hf_job):
+    """guard_trainer(trainer, recover=True, allow_shrink=True) and TrainingArguments' defaults
+    (ddp_timeout 1,800 s): the verdict reaches the HF adapter through the one engine."""
+    for r in (0, 1):
+        res = hf_job[r]
+        assert res["global_step"] == 16 and res["final"] == [r, 2, 1]
+        [rec] = res["recoveries"]
+        assert rec["step"] == 12 and rec["world_size"] == 2 and rec["s"] < 100, rec
+        assert res["judge_s"] == 10.0
+        assert all(e["rank"] == 2 and e["state"] == "stuck" for e in res["events"]), res["events"]
+        assert "nothing moved" in " ".join(e["evidence"] for e in res["events"]) or not res["events"]
