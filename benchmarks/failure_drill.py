@@ -182,6 +182,22 @@ def _end() -> None:
     os._exit(0)  # a gloo group that timed out may still hold an abandoned op: no destructor waits
 
 
+def _record(
+    args: argparse.Namespace, attempted: int, train_s: float, faults: Faults, recoveries: list[Any], digest: str
+) -> dict[str, Any]:
+    """What every rank of a recovering run reports (the launcher reads rank 0's)."""
+    return {
+        "mode": args.mode,
+        "steps": args.steps,
+        "committed": args.steps,
+        "attempted": attempted,
+        "train_s": train_s,
+        "faults": len(faults.marks()),
+        "recoveries": recoveries,
+        "digest": digest,
+    }
+
+
 def _start(args: argparse.Namespace, out: Path, me: int, restarted: bool, **stamps: float) -> tuple[float, Faults]:
     """The run's clock and its faults: the ranks of the first launch start together (rank 0 writes
     the start); a restarted process notes when it took the dead rank's place and was healed."""
@@ -304,14 +320,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         out,
         me,
         {
-            "mode": args.mode,
-            "steps": args.steps,
-            "committed": args.steps,
-            "attempted": attempted,
-            "train_s": t1 - t0,
-            "faults": len(faults.marks()),
-            "recoveries": recoveries,
-            "digest": digest,
+            **_record(args, attempted, t1 - t0, faults, recoveries, digest),
             "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
             "world_size": dist.get_world_size(),
             "generation": res.generation,
@@ -390,14 +399,7 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         out,
         me,
         {
-            "mode": args.mode,
-            "steps": args.steps,
-            "committed": args.steps,
-            "attempted": attempted,
-            "train_s": t1 - t0,
-            "faults": len(faults.marks()),
-            "recoveries": recoveries,
-            "digest": digest,
+            **_record(args, attempted, t1 - t0, faults, recoveries, digest),
             "world_size": dist.get_world_size(),
             "restarted": restarted,
         },
