@@ -252,8 +252,8 @@ def guard_trainer(
         TypeError: ``trainer`` is not a ``transformers.Trainer``, or a bad argument type.
         ValueError, pydantic.ValidationError: a bad value, the trainer is guarded already, or
             ``recover=True`` with what cannot be recovered (FSDP; DeepSpeed without ZeRO 1-3, with
-            NVMe offload, tensor or sequence parallelism, ``allow_shrink``, gradient accumulation, or
-            a model that is neither a ``PreTrainedModel`` nor made by ``model_init``).
+            NVMe offload, tensor or sequence parallelism, ``allow_shrink``, or a model that is
+            neither a ``PreTrainedModel`` nor made by ``model_init``).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")

@@ -89,12 +89,6 @@ def deepspeed_refusal(trainer: Any, allow_shrink: bool) -> str | None:
             "restarted and healed with heal=True under ncclguard run --ncclguard-restarts), or restart from a "
             "checkpoint with DeepSpeed's universal checkpointing"
         )
-    if trainer.args.gradient_accumulation_steps != 1:
-        return (
-            f"recover=True with DeepSpeed needs gradient_accumulation_steps=1, got {trainer.args.gradient_accumulation_steps}: "
-            "under Accelerate the engine counts one micro step per optimizer step, so its state cannot be told at a "
-            "window's end. Raise per_device_train_batch_size instead"
-        )
     if trainer.model_init is None and not isinstance(trainer.model, PreTrainedModel):
         return (
             "recover=True with DeepSpeed builds the engine again on a new world from a fresh module, which ncclguard "
@@ -161,7 +155,8 @@ class DeepSpeedPart:
             ValueError: an engine whose state :class:`DeepSpeedState` cannot take.
             HealFailed: a rank refused the state (nothing was copied anywhere).
         """
-        self.state, self.engine = DeepSpeedState(engine), engine
+        # Accelerate calls engine.step() once per optimizer step (DeepSpeedEngineWrapper.backward).
+        self.state, self.engine = DeepSpeedState(engine, step_per_micro_batch=False), engine
         original = engine.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -253,10 +248,10 @@ def _resume_from(fetched: Fetched) -> tuple[dict[str, Any] | None, str | None]:
         from transformers import TrainerState
 
         TrainerState(**json.loads(text))  # what the Trainer will read: refused here if it cannot
-    except (TypeError, ValueError) as exc:
-        return None, f"the snapshot's Trainer state cannot be read: {exc}"
-    sent, gens = fetched.generators if fetched.generators is not None else (None, [])
-    generators = _from_json(sent, gens) if sent is not None else None
+        sent, gens = fetched.generators if fetched.generators is not None else (None, [])
+        generators = _from_json(sent, gens) if sent is not None else None
+    except (TypeError, ValueError, KeyError, IndexError) as exc:  # every rank must reach the agreement
+        return None, f"the snapshot's Trainer state or generators cannot be read: {exc}"
     return {"trainer_state": text, "scheduler": None, "generators": generators}, None
 
 

@@ -58,7 +58,7 @@ def test_a_killed_zero3_rank_heals_from_its_buddy_and_every_rank_ends_bit_equal(
 def test_zero_1_and_2_trainers_redo_a_failed_step_bit_equal(stages_job):
     for r in range(2):
         res = stages_job[r]
-        for stage in (1, 2):  # ZeRO-2's Trainer builds its model with model_init
+        for stage in (1, 2):  # ZeRO-2's Trainer: model_init, 2 micro-batches a step, the second raising
             assert res[f"z{stage}_digest"] == res[f"reference{stage}"]
             assert res[f"z{stage}_losses"] == res[f"reference_losses{stage}"]
             assert res[f"z{stage}_begun"] == [0, 1, 1, 2]
@@ -71,7 +71,6 @@ def test_what_cannot_be_recovered_is_refused_before_any_step(stages_job):
     assert "ZeRO stage 0" in res["refused_stage0"] and "train without deepspeed=" in res["refused_stage0"]
     assert "offload_optimizer to NVMe" in res["refused_nvme"] and "offload to cpu" in res["refused_nvme"]
     assert res["refused_shrink"].startswith("allow_shrink=True cannot go on with DeepSpeed ZeRO")
-    assert "gradient_accumulation_steps=1, got 2" in res["refused_accumulation"]
     assert "this model is a Sequential: pass Trainer(model_init=...)" in res["refused_module"]
     assert res["accepted_model_init"] == "accepted"
     # fsdp= on the CPU: Accelerate leaves FSDP off and the Trainer trains under DDP, which is recovered.

@@ -17,9 +17,9 @@ with, on the first attempt of a step only:
   with ``snapshot_every=2``) through the Trainer's resume path.
 
 ``stages`` (2 ranks): first what ``guard_trainer(recover=True)`` refuses before any step (a config
-it cannot recover, ``allow_shrink``, gradient accumulation, a model it cannot build afresh) and what
-the Trainer makes of ``fsdp=`` on the CPU; then ZeRO-1 and ZeRO-2 Trainers, each a reference run and
-a guarded run whose step 1 raises on rank 1; then a ZeRO-2 Trainer's snapshot state is offered to a
+it cannot recover, ``allow_shrink``, a model it cannot build afresh) and what the Trainer makes of
+``fsdp=`` on the CPU; then ZeRO-1 and ZeRO-2 Trainers (ZeRO-2: ``model_init`` and 2 micro-batches a
+step), each a reference run and a guarded run whose step 1 raises on rank 1; then a ZeRO-2 Trainer's snapshot state is offered to a
 ZeRO-1 engine and to a model of another shape, and refused.
 """
 
@@ -80,12 +80,20 @@ def arguments(stage: int, name: str, steps: int, **kw: Any) -> TrainingArguments
 
 
 class FaultyTrainer(Trainer):
-    """The Trainer with faults on the first attempt of some steps (``faults``: step -> (rank, what))."""
+    """The Trainer with faults on the first attempt of some steps (``faults``: step -> (rank, what,
+    the micro-batch of the step it falls in, from 1))."""
 
-    faults: dict[int, tuple[int, str]] = {}
+    faults: dict[int, tuple[int, str, int]] = {}
+    calls: dict[int, int] = {}
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        fault = self.faults.pop(self.state.global_step, None)
+        step = self.state.global_step
+        self.calls[step] = self.calls.get(step, 0) + 1
+        fault = self.faults.get(step)
+        if fault is not None and fault[2] == self.calls[step]:
+            del self.faults[step]
+        else:
+            fault = None
         if fault is not None and fault[0] == ME:
             if fault[1] == "raise":
                 raise RuntimeError(f"injected failure at step {self.state.global_step}")
@@ -128,19 +136,25 @@ def model(init: bool) -> dict[str, Any]:
     return {"model_init": tiny_bert} if init else {"model": tiny_bert()}
 
 
-def reference(stage: int, name: str, steps: int, init: bool = False) -> tuple[str, list[list[float]]]:
-    trainer = Trainer(**model(init), args=arguments(stage, name, steps), train_dataset=Dataset(96, seed=96))
+def reference(stage: int, name: str, steps: int, init: bool = False, **kw: Any) -> tuple[str, list[list[float]]]:
+    trainer = Trainer(**model(init), args=arguments(stage, name, steps, **kw), train_dataset=Dataset(96, seed=96))
     trainer.train()
     return digest(trainer), losses(trainer)
 
 
 def guarded(
-    stage: int, name: str, steps: int, faults: dict[int, tuple[int, str]], kill: bool, init: bool = False
+    stage: int,
+    name: str,
+    steps: int,
+    faults: dict[int, tuple[int, str, int]],
+    kill: bool,
+    init: bool = False,
+    **kw: Any,
 ) -> tuple[Trainer, Steps]:
     steps_seen = Steps(kill)
-    args = arguments(stage, name, steps)
+    args = arguments(stage, name, steps, **kw)
     trainer = FaultyTrainer(**model(init), args=args, train_dataset=Dataset(96, seed=96), callbacks=[steps_seen])
-    trainer.faults = dict(faults)
+    trainer.faults, trainer.calls = dict(faults), {}
     guard_trainer(
         trainer,
         recover=True,
@@ -176,7 +190,7 @@ def heal() -> None:
         ref, ref_losses = reference(3, "reference", STEPS)
         put("reference", ref)
         put("reference_losses", ref_losses)
-    faults = {RAISE: (2, "raise"), STALL: (0, "stall")}
+    faults = {RAISE: (2, "raise", 1), STALL: (0, "stall", 1)}
     trainer, seen = guarded(3, "guarded", STEPS, faults, kill=True)
     report(trainer, seen)
     put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
@@ -209,8 +223,6 @@ def setups() -> None:
         "refused_shrink",
         refused(Trainer(model=tiny_bert(), args=arguments(2, "shrink", 1), train_dataset=data), allow_shrink=True),
     )
-    gas = arguments(2, "gas", 1, gradient_accumulation_steps=2)
-    put("refused_accumulation", refused(Trainer(model=tiny_bert(), args=gas, train_dataset=data)))
     plain = torch.nn.Sequential(torch.nn.Embedding(100, 8))
     put("refused_module", refused(Trainer(model=plain, args=arguments(2, "plain", 1), train_dataset=data)))
     made = Trainer(model_init=tiny_bert, args=arguments(2, "init", 1), train_dataset=data)
@@ -221,11 +233,16 @@ def stages() -> None:
     setups()
     trainers = {}
     for stage in (1, 2):
-        init = stage == 2  # ZeRO-2's Trainer builds its model with model_init, at every train()
-        ref, ref_losses = reference(stage, f"reference{stage}", 3, init)
+        # ZeRO-2's Trainer builds its model with model_init (at every train()) and accumulates 2
+        # micro-batches a step: the raise falls in the second, after the first's backward.
+        init, gas, micro = (True, 2, 2) if stage == 2 else (False, 1, 1)
+        ref, ref_losses = reference(stage, f"reference{stage}", 3, init, gradient_accumulation_steps=gas)
         put(f"reference{stage}", ref)
         put(f"reference_losses{stage}", ref_losses)
-        trainer, seen = guarded(stage, f"guarded{stage}", 3, {RAISE: (1, "raise")}, kill=False, init=init)
+        faults = {RAISE: (1, "raise", micro)}
+        trainer, seen = guarded(
+            stage, f"guarded{stage}", 3, faults, kill=False, init=init, gradient_accumulation_steps=gas
+        )
         report(trainer, seen, prefix=f"z{stage}_")
         put(f"z{stage}_generation", ncclguard.recovery.generation())
         trainers[stage] = trainer
