@@ -29,6 +29,10 @@ rebuild: Accelerate's state (``num_processes``, ``process_index``) follows the n
 ``num_items_in_batch`` is counted again over the new world for the redo, and the training data
 loader is re-sharded at the next epoch's start (docs/recovery.md says what that means for the data
 and the batch size). A rank left out exits 0 (the engine's left-out policy).
+
+Under DeepSpeed (``TrainingArguments(deepspeed=...)``) the engine's step is held until the commit
+and a failed step is redone on a new engine, every rank entering ``train()`` again:
+:mod:`ncclguard.integrations.hf_deepspeed`.
 """
 
 from __future__ import annotations
