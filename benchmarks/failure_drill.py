@@ -38,6 +38,13 @@ instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_
 heal=...)``, the same model (its forward returns ``{"loss": ...}``) and one sample per row of the
 loop's batches; the faults come from a ``TrainerCallback``'s ``on_step_begin``.
 
+``--framework hf-deepspeed`` runs ``clean``, ``nosnap``, ``kill`` and ``spare`` through the HF Trainer
+on DeepSpeed ZeRO-3 (``TrainingArguments(deepspeed=...)`` with the usual ``"auto"`` values; the model
+made by ``model_init``), ``guard_trainer(trainer, recover=True, heal=True)``: each rank's partitions
+and the Trainer's state are kept in snapshots replicated on a buddy, a killed rank's come from its
+buddy, every rank builds its engine again inside ``train()`` and the Trainer's resume path takes
+them back to the snapshot's step; ``nosnap`` is ``clean`` with ``heal=False``.
+
 Each step sleeps ``--step-s`` (its compute) besides a tiny float64 model's forward and backward.
 Measured per run, on rank 0, from the first step's start (the first launch's, for ``restart``) to
 the last step's end: throughput (steps/s), step efficiency (steps committed / steps attempted,
@@ -49,6 +56,7 @@ Usage:
     python benchmarks/failure_drill.py --framework hf --modes clean kill spare stall --steps 2100 --every 60
     python benchmarks/failure_drill.py --framework fsdp2 --modes clean nosnap kill spare --steps 2100 --every 60
     python benchmarks/failure_drill.py --framework deepspeed --modes clean nosnap kill spare --steps 2100 --every 60
+    python benchmarks/failure_drill.py --framework hf-deepspeed --modes clean nosnap kill spare --steps 2100 --every 60
 """
 
 from __future__ import annotations
@@ -408,7 +416,8 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
 
 
 def rank_hf(args: argparse.Namespace) -> None:
-    """A rank of ``--framework hf``: the HF Trainer with its defaults, guarded by ``guard_trainer``."""
+    """A rank of ``--framework hf``: the HF Trainer with its defaults, guarded by ``guard_trainer``;
+    of ``--framework hf-deepspeed``: the same on DeepSpeed ZeRO-3, its model made by ``model_init``."""
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -420,15 +429,17 @@ def rank_hf(args: argparse.Namespace) -> None:
     kill = args.mode in ("kill", "spare")
     restarted = ncclguard.restart_count() > 0
     start_file = out / "t0.txt"
+    ds = args.framework == "hf-deepspeed"
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.body = _model()
+            self.body = _model().float() if ds else _model()
 
         def forward(self, x: Any, y: Any) -> dict[str, Any]:
             time.sleep(args.step_s)  # the step's compute
-            return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
+            dtype = next(self.body.parameters()).dtype
+            return {"loss": torch.nn.functional.mse_loss(self.body(x.to(dtype)), y.to(dtype))}
 
     class Rows(torch.utils.data.Dataset):
         """Row ``i`` of the loop drill's batches, one sample each (the Trainer shards and batches them)."""
@@ -462,6 +473,7 @@ def rank_hf(args: argparse.Namespace) -> None:
                 _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
 
         def on_step_begin(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
+            state["begun"] = state.get("begun", 0) + 1  # steps attempted: redone and rolled back ones too
             done = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
             if len(done) > state["seen"]:  # a step was redone since the last look
                 state["seen"] = len(done)
@@ -481,13 +493,19 @@ def rank_hf(args: argparse.Namespace) -> None:
         save_strategy="no",
         report_to=[],
         disable_tqdm=True,
+        deepspeed=_ZERO3_TRAINER if ds else None,
     )
-    trainer = Trainer(model=Net(), args=targs, train_dataset=Rows(), callbacks=[Drill()])
+    model = {"model_init": Net} if ds else {"model": Net()}  # ZeRO-3: the Trainer builds it again on a new world
+    trainer = Trainer(**model, args=targs, train_dataset=Rows(), callbacks=[Drill()])
     guard_trainer(
         trainer,
         recover=True,
-        heal=kill,
-        watchdog=dict(**WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False),
+        heal=(args.mode != "nosnap") if ds else kill,
+        # hf-deepspeed: no watchdog, as --framework deepspeed: the drill's 2 s hang bound is shorter than a
+        # new engine's build inside train(), and its incident would fail the redo's commit.
+        watchdog=False
+        if ds
+        else dict(**WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False),
         collective_timeout=args.group_timeout,
         commit_timeout=args.commit_timeout,
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
@@ -496,7 +514,13 @@ def rank_hf(args: argparse.Namespace) -> None:
     t1 = time.time()
     recoveries = find_guard(trainer).recovery.recoveries  # type: ignore[union-attr]
     module = trainer.model.body
-    digest, flat = _digest(module)
+    if ds:  # ZeRO-3: the digest of the full parameters, gathered for the read
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            digest, flat = _digest(module)
+    else:
+        digest, flat = _digest(module)
     everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
     _save(
@@ -504,10 +528,11 @@ def rank_hf(args: argparse.Namespace) -> None:
         me,
         {
             "mode": args.mode,
-            "framework": "hf",
+            "framework": args.framework,
             "steps": args.steps,
             "committed": args.steps,
-            "attempted": args.steps + sum(r.attempts - 1 for r in recoveries),
+            # A rollback to a snapshot re-attempts every step after it: counted where they began (rank 0).
+            "attempted": state["begun"] if ds else args.steps + sum(r.attempts - 1 for r in recoveries),
             "train_s": t1 - state["t0"],
             "faults": len(state["faults"].marks()),
             "recoveries": [
@@ -521,6 +546,14 @@ def rank_hf(args: argparse.Namespace) -> None:
         },
     )
     _end()
+
+
+_ZERO3_TRAINER = {  # the Trainer's usual ZeRO-3 config: its "auto" values come from TrainingArguments
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
 
 
 def rank_restart(args: argparse.Namespace) -> None:
@@ -632,8 +665,10 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         spare = ["--warm-spare"] if mode == "spare" else []
         if mode == "spare" and args.framework == "deepspeed":
             spare += ["--preload=deepspeed"]  # the spare imports what the script does
-        if mode == "spare" and args.framework == "hf":
+        if mode == "spare" and args.framework in ("hf", "hf-deepspeed"):
             spare += ["--preload=transformers.trainer"]  # the spare imports what the script does (Trainer is lazy)
+        if mode == "spare" and args.framework == "hf-deepspeed":
+            spare += ["--preload=deepspeed"]
         worker = ["-m", "ncclguard.supervise", "--restarts", "100", *spare, "--", sys.executable, *worker]
     cmd += ["--monitor-interval=0.1", *restarts, *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -685,10 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: clean stall stuck kill restart")
     p.add_argument(
         "--framework",
-        choices=("loop", "hf", "fsdp2", "deepspeed"),
+        choices=("loop", "hf", "fsdp2", "deepspeed", "hf-deepspeed"),
         default="loop",
         help="loop: RecoveringStep in a plain loop; hf: the HF Trainer with guard_trainer(recover=True); "
-        "fsdp2: the loop with FSDP2 and snapshots; deepspeed: a ZeRO-3 loop with snapshots",
+        "fsdp2: the loop with FSDP2 and snapshots; deepspeed: a ZeRO-3 loop with snapshots; "
+        "hf-deepspeed: the HF Trainer on ZeRO-3 with guard_trainer(recover=True, heal=True)",
     )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument(
@@ -722,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         args.mode = args.rank_mode
-        if args.framework == "hf":
+        if args.framework in ("hf", "hf-deepspeed"):
             rank_hf(args)
         elif args.framework == "deepspeed":
             rank_deepspeed(args)
@@ -739,16 +775,24 @@ def main(argv: list[str] | None = None) -> int:
             f"--stall-s ({args.stall_s}) must be past --group-timeout ({args.group_timeout}): a stall past the deadline"
         )
     sharded = ["clean", "nosnap", "kill", "spare"]
-    default = {"hf": ["clean", "stall", "kill", "spare"], "fsdp2": sharded, "deepspeed": sharded}.get(
-        args.framework, [m for m in MODES if m != "nosnap"]
-    )
+    default = {
+        "hf": ["clean", "stall", "kill", "spare"],
+        "fsdp2": sharded,
+        "deepspeed": sharded,
+        "hf-deepspeed": sharded,
+    }.get(args.framework, [m for m in MODES if m != "nosnap"])
     modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
     if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
         p.error("--framework hf runs clean, stall, kill and spare")
-    if args.framework in ("fsdp2", "deepspeed") and not set(modes) <= {"clean", "nosnap", "kill", "spare"}:
+    if args.framework in ("fsdp2", "deepspeed", "hf-deepspeed") and not set(modes) <= {
+        "clean",
+        "nosnap",
+        "kill",
+        "spare",
+    }:
         p.error(f"--framework {args.framework} runs clean, nosnap, kill and spare")
-    if "nosnap" in modes and args.framework not in ("fsdp2", "deepspeed"):
-        p.error("nosnap is the clean run without snapshots of --framework fsdp2 or deepspeed")
+    if "nosnap" in modes and args.framework not in ("fsdp2", "deepspeed", "hf-deepspeed"):
+        p.error("nosnap is the clean run without snapshots of --framework fsdp2, deepspeed or hf-deepspeed")
     if "stall" in modes and "clean" not in modes:
         p.error("the stall run is checked against the clean run: add clean to --modes")
     load0 = os.getloadavg()

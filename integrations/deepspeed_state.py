@@ -58,16 +58,22 @@ class DeepSpeedState(StateCodec):
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` with ZeRO stage 1, 2 or 3.
+        step_per_micro_batch: ``engine.step()`` is called after every micro-batch, as in DeepSpeed's
+            own loop, so ``micro_steps`` tells a window's end. False where the caller sets the
+            boundary and steps once per window (Accelerate's ``DeepSpeedEngineWrapper``, the HF
+            Trainer): ``micro_steps`` then counts windows, and the state between two steps is a
+            window's end (the gradients accumulated so far are not part of the state).
 
     Raises:
         TypeError: not a DeepSpeed engine.
         ValueError: a setup whose state lives elsewhere (ZeRO stage 0, NVMe offload, hpZ).
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, step_per_micro_batch: bool = True) -> None:
         if not callable(getattr(engine, "zero_optimization_stage", None)):
             raise TypeError(f"DeepSpeedState needs a DeepSpeed engine, got {type(engine).__name__}")
         self.engine, self.stage = engine, int(engine.zero_optimization_stage())
+        self.step_per_micro_batch = step_per_micro_batch
         opt = engine.optimizer
         needs = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups"}
         if self.stage not in (1, 2, 3):
@@ -132,7 +138,7 @@ class DeepSpeedState(StateCodec):
             ValueError: in the middle of a gradient accumulation window (capture at a step boundary).
         """
         eng = self.engine
-        if eng.micro_steps % eng.gradient_accumulation_steps() != 0:
+        if self.step_per_micro_batch and eng.micro_steps % eng.gradient_accumulation_steps() != 0:
             raise ValueError(
                 f"DeepSpeedState.capture: micro step {eng.micro_steps} is inside a gradient accumulation window "
                 f"of {eng.gradient_accumulation_steps()}; capture after engine.step() closed the window"

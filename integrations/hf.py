@@ -46,6 +46,7 @@ from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, re
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip
+from .hf_deepspeed import deepspeed_refusal
 from .hf_recovery import TrainerRecovery
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems
 from .shared import watchdog_config as _watchdog_config
@@ -202,6 +203,7 @@ def guard_trainer(
     heal_timeout: float | timedelta = 60.0,
     left_out: LeftOut = "exit",
     preempt_dir: str | os.PathLike[str] | None = None,
+    snapshot_every: int | None = None,
 ) -> Trainer:
     """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
     with ``recover=True``, a training step that fails is redone on a rebuilt world.
@@ -214,9 +216,10 @@ def guard_trainer(
         eval_timeout_s: deadline of one evaluation (seconds or timedelta); None leaves it unguarded.
         retries: further attempts after a failed evaluation.
         watchdog: a ``WatchdogConfig``, a dict of its fields, None (defaults) or False (none).
-        recover: commit every optimizer step on every rank, and redo a failed one (DDP only):
+        recover: commit every optimizer step on every rank, and redo a failed one (DDP, or DeepSpeed
+            ZeRO 1, 2 or 3: the step redone on a new engine, :mod:`ncclguard.integrations.hf_deepspeed`):
             the recovery engine's adapter for the Trainer (:mod:`ncclguard.integrations.hf_recovery`).
-        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
+        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild (DDP only).
         collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
             training step waits for its peers before the step fails, whatever ``ddp_timeout``
             left on the group (1,800 s by default); None leaves the group's timeout alone.
@@ -229,7 +232,9 @@ def guard_trainer(
             --ncclguard-restarts``) comes back: its ``TrainingArguments`` stand in for the world until
             ``trainer.train()`` joins the survivors and receives a live peer's model, optimizer,
             scheduler, Trainer state and generators; then every rank enters the training loop again
-            at the step the join redoes, through the Trainer's own resume path. Pass it on every rank.
+            at the step the join redoes, through the Trainer's own resume path. Under DeepSpeed
+            each rank's ZeRO state is kept in snapshots replicated on a buddy rank: the restarted
+            rank's comes from its buddy, and every rank goes back to the snapshot's step. Pass it on every rank.
         heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``trainer.train()``).
@@ -237,6 +242,8 @@ def guard_trainer(
             when the job is told to stop (SIGTERM), after the step every rank agreed to stop at;
             default the variable ``NCCLGUARD_PREEMPT_DIR``. Resume with
             ``trainer.train(resume_from_checkpoint=...)`` (docs/recovery.md, "Preemption").
+        snapshot_every: with ``heal`` under DeepSpeed, a snapshot every this many optimizer steps;
+            None: as often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
 
     Returns:
         ``trainer``, guarded (:func:`find_guard` gives its callback).
@@ -244,7 +251,9 @@ def guard_trainer(
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``, or a bad argument type.
         ValueError, pydantic.ValidationError: a bad value, the trainer is guarded already, or
-            ``recover=True`` with DeepSpeed or FSDP (only DDP is re-pointed after a rebuild).
+            ``recover=True`` with what cannot be recovered (FSDP; DeepSpeed without ZeRO 1-3, with
+            NVMe offload, tensor or sequence parallelism, ``allow_shrink``, or a model that is
+            neither a ``PreTrainedModel`` nor made by ``model_init``).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
@@ -265,6 +274,7 @@ def guard_trainer(
         heal_timeout=heal_timeout,
         left_out=left_out,
         preempt_dir=preempt_dir,
+        snapshot_every=snapshot_every,
     )
     callback = NcclGuardCallback(watchdog=watchdog)
     callback.eval_timeout_s = opts.timeout_s if opts is not None else None
@@ -290,6 +300,8 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
                 raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         if options["preempt_dir"] is not None:
             raise ValueError("preempt_dir needs recover=True: without it no step is committed, so no stop is agreed")
+        if options["snapshot_every"] is not None:
+            raise ValueError("snapshot_every needs recover=True and heal=True: snapshots are kept for a heal")
         return None
     checked = recovery_options(**options)
     if getattr(trainer.args, "torch_compile", False):
@@ -297,13 +309,25 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
             "recover=True re-points the Trainer's DDP wrapper after a rebuild; with torch_compile=True the Trainer "
             "wraps it in a compiled module whose graphs may hold the old world. Set torch_compile=False, or recover=False"
         )
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+    if trainer.is_fsdp_enabled:
         raise ValueError(
-            "recover=True redoes steps of a DDP model only; this Trainer uses "
-            f"{'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'}, whose engine keeps process groups "
-            "ncclguard cannot re-point inside the Trainer's loop yet (docs/recovery.md)"
-            "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
+            "recover=True cannot recover the Trainer's FSDP: Accelerate wraps the model in FSDP only on GPU-like "
+            "devices (accelerate/state.py sets DistributedType.FSDP for multi-GPU types only), so ncclguard has no "
+            "way to run and test its redo here, and its shards are not re-pointed. For sharded state that heals "
+            "from memory, train FSDP2 in a loop of your own with ncclguard.RecoveringStep(model, optimizer, "
+            "wrap=ncclguard.FSDP2(...), heal=True), or use the Trainer with deepspeed= (ZeRO 1, 2 or 3), which "
+            "recover=True and heal=True cover (docs/recovery.md)"
         )
+    if getattr(trainer.args, "fsdp", None) and not trainer.is_fsdp_enabled:
+        log.warning(
+            "guard_trainer: TrainingArguments(fsdp=...) is not in force here (Accelerate applies FSDP on GPU-like "
+            "devices only): the Trainer trains under %s, and recover=True recovers that",
+            trainer.accelerator.distributed_type,
+        )
+    if trainer.is_deepspeed_enabled:
+        problem = deepspeed_refusal(trainer, options["allow_shrink"])
+        if problem is not None:
+            raise ValueError(problem)
     return TrainerRecovery(trainer, checked)
 
 
@@ -316,11 +340,14 @@ def _recovering(recovery: TrainerRecovery) -> Callable[..., Any]:
 
 
 def _check_recoverable(trainer: Trainer) -> None:
-    """At train begin: the model the Trainer trains is DDP-wrapped, or there is one process."""
+    """At train begin: the model the Trainer trains is DDP-wrapped or a DeepSpeed engine, or there is
+    one process."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = trainer.model_wrapped
     if isinstance(wrapped, DistributedDataParallel) or trainer.args.world_size <= 1:
+        return
+    if trainer.is_deepspeed_enabled and callable(getattr(wrapped, "zero_optimization_stage", None)):
         return
     raise ValueError(
         f"recover=True needs the Trainer's model in DistributedDataParallel; it is {type(wrapped).__name__} "

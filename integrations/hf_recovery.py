@@ -29,6 +29,10 @@ rebuild: Accelerate's state (``num_processes``, ``process_index``) follows the n
 ``num_items_in_batch`` is counted again over the new world for the redo, and the training data
 loader is re-sharded at the next epoch's start (docs/recovery.md says what that means for the data
 and the batch size). A rank left out exits 0 (the engine's left-out policy).
+
+Under DeepSpeed (``TrainingArguments(deepspeed=...)``) the engine's step is held until the commit
+and a failed step is redone on a new engine, every rank entering ``train()`` again:
+:mod:`ncclguard.integrations.hf_deepspeed`.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ from ncclguard.recovery.internals.step_state import generators_to_send, load_sch
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
+from ncclguard.recovery.snapshots.state import StateCodec
 
 from .accelerate_recovery import follow_world
+from .hf_deepspeed import DeepSpeedPart, TrainerStateCodec
 
 __all__ = ["TrainerRecovery"]
 
@@ -89,15 +95,19 @@ class TrainerRecovery(Adapter):
     def __init__(self, trainer: Any, options: RecoveryOptions) -> None:
         self.trainer = trainer
         self.original = trainer.training_step
+        self._tx: Transaction[Any] | None = None
+        # DeepSpeed: the engine's step is held until the commit; a redo builds a new engine (hf_deepspeed).
+        self._ds = DeepSpeedPart(trainer, lambda: self._tx is not None) if trainer.is_deepspeed_enabled else None
+        self.restores_in_loop = self._ds is not None
+        self._joined = False  # the rebuild that sent every rank into train() again admitted restarted ranks
         self.engine = Recovery(self, options)
         self._model: torch.nn.Module | None = None
-        self._tx: Transaction[Any] | None = None
         self._micro: list[_Micro] = []
         self._given: list[torch.Tensor] = []  # the losses returned for this step's micro-batches
         self._redone: list[torch.Tensor] = []
         self._reshard: tuple[int, int] | None = None  # (rank, size) for the next epoch's data loader
         self._resume: dict[str, Any] | None = None  # the state train() resumes from after a join
-        if options.heal:
+        if options.heal or self._ds is not None:
             self._install_resume(trainer)
 
     @property
@@ -115,9 +125,13 @@ class TrainerRecovery(Adapter):
         """
         if self._tx is None:  # the step's first micro-batch: the transaction opens
             self._model = model
+            if self._resume is not None and self._resume.get("generators") is not None:
+                # Here, not in the Trainer's _load_rng_state: the loop draws between the two
+                # (a data loader's base seed at an epoch's start), and the step found them here.
+                restore_sent_generators(self._resume["generators"])
+            self._resume = None  # the resume (if any) is done: later checkpoints load as the Trainer's own
             self._tx = self.engine.begin(number=self.trainer.state.global_step)
             self._micro, self._given = [], []
-            self._resume = None  # the resume (if any) is done: later checkpoints load as the Trainer's own
         sync = bool(self.trainer.accelerator.sync_gradients)
         grad_sync = bool(getattr(model, "require_backward_grad_sync", True))
         self._micro.append(_Micro(copy.copy(inputs), num_items_in_batch, sync, grad_sync))
@@ -127,12 +141,16 @@ class TrainerRecovery(Adapter):
             return loss
         try:
             self._tx.settle(lambda: self._redo(model)).raise_for_error()
+            if self._ds is not None:
+                self._ds.apply_held()  # the engine's step, held from the last micro-batch's backward
             if not self._redone:  # committed as it ran (a step entered again after a join too)
                 return loss
             self._replace_losses(self._redone)
             return self._redone[-1]
         finally:
             self._tx, self._micro, self._given, self._redone = None, [], [], []
+            if self._ds is not None:
+                self._ds.drop_held()
 
     def _attempt(self, model: torch.nn.Module, inputs: Any, num_items: Any) -> torch.Tensor:
         assert self._tx is not None  # open from the step's first micro-batch to its settlement
@@ -142,16 +160,20 @@ class TrainerRecovery(Adapter):
     # --- the adapter's part --------------------------------------------------------------------------
 
     def get_module(self) -> torch.nn.Module:
-        """The Trainer's model, unwrapped."""
-        return unwrapped(self._model if self._model is not None else self.trainer.model_wrapped)
+        """The Trainer's model, unwrapped (DDP's or DeepSpeed's module)."""
+        model = self._model if self._model is not None else self.trainer.model_wrapped
+        if self._ds is not None:
+            return getattr(model, "module", model)
+        return unwrapped(model)
 
     def get_optimizer(self) -> Any:
         """The Trainer's optimizer."""
         return self.trainer.optimizer
 
     def zero_grad(self) -> None:
-        """As ``model.zero_grad()`` left the gradients before the step."""
-        if self._model is not None:
+        """As ``model.zero_grad()`` left the gradients before the step (DeepSpeed: nothing, the
+        failed step's engine is not used again)."""
+        if self._model is not None and self._ds is None:
             self._model.zero_grad(set_to_none=True)
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
@@ -159,8 +181,16 @@ class TrainerRecovery(Adapter):
 
         Raises:
             Reenter: restarted ranks joined (``heal=True``): they start ``train()`` at this step, so
-                every rank enters the Trainer's loop again there (see :meth:`_train`).
+                every rank enters the Trainer's loop again there (see :meth:`_train`). Under
+                DeepSpeed, always: the Trainer builds a new engine on the new world there.
         """
+        if self._ds is not None:
+            follow_world(rebuilt.rank, rebuilt.world_size)
+            self._joined = bool(rebuilt.joined_ranks) and self.engine.options.heal
+            if not self._joined:  # every rank alive: the next engine gets this rank's state as the step found it
+                self._ds.keep_for_next_engine()
+                self._resume = self.heal_extra()
+            raise Reenter(f"a new DeepSpeed engine on world generation {rebuilt.generation}")
         if rebuilt.joined_ranks and self.engine.options.heal:
             self._resume = self.heal_extra()
             raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
@@ -174,6 +204,11 @@ class TrainerRecovery(Adapter):
     def log(self, record: Recovered) -> None:
         """``trainer.log`` on every rank, as the Trainer logs; it adds the step and the epoch."""
         self.trainer.log(dict(record.metrics()))
+
+    def state_codec(self) -> StateCodec | None:
+        """DeepSpeed: each rank's own ZeRO state and the Trainer's state, kept in snapshots replicated
+        on a buddy rank (``heal=True``). DDP: None (a live peer sends the whole state)."""
+        return TrainerStateCodec(self._ds) if self._ds is not None else None
 
     def heal_extra(self) -> dict[str, Any]:
         """What a restarted rank's Trainer resumes from, beside the model and the optimizer: the
@@ -216,6 +251,23 @@ class TrainerRecovery(Adapter):
         trainer.train = self._train
         for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
             setattr(trainer, name, self._loader(name, getattr(trainer, name)))
+        if self._ds is not None:
+            trainer._prepare_for_training = self._preparing(trainer._prepare_for_training)
+
+    def _preparing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``Trainer._prepare_for_training`` under DeepSpeed: builds the engine as the Trainer does;
+        a resume from memory skips DeepSpeed's checkpoint loader (there is no file), and the state
+        kept for the new engine goes in once it is built (:meth:`DeepSpeedPart.adopt`)."""
+
+        def prepare(max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any = None) -> Any:
+            ours = self._resume is not None and resume_from_checkpoint == self._resume_dir()
+            out = original(max_steps, train_dataloader, None if ours else resume_from_checkpoint)
+            assert self._ds is not None  # installed for DeepSpeed only
+            self._ds.adopt(self.trainer.model_wrapped, self.engine)
+            return out
+
+        prepare.__doc__ = "Trainer._prepare_for_training; the engine it builds is adopted by ncclguard"
+        return prepare
 
     def _loader(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def load(checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -223,10 +275,9 @@ class TrainerRecovery(Adapter):
                 return original(checkpoint, *args, **kwargs)
             if name == "_load_optimizer_and_scheduler" and self._resume.get("scheduler") is not None:
                 load_scheduler(self.trainer.lr_scheduler, self._resume["scheduler"])
-            elif name == "_load_rng_state" and self._resume.get("generators") is not None:
-                restore_sent_generators(self._resume["generators"])
             # The model and the optimizer are in place already: the survivors' as the step found
-            # them, a restarted rank's from the heal. The scaler: none on CPU.
+            # them, a restarted rank's from the heal (DeepSpeed: put in the new engine, _preparing).
+            # The generators: at the step's first micro-batch (training_step). The scaler: none on CPU.
             return None
 
         load.__doc__ = f"Trainer.{name}, fed from memory when train() resumes at a join (ncclguard)"
@@ -242,10 +293,12 @@ class TrainerRecovery(Adapter):
         again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`)."""
         bound = inspect.signature(self.original_train).bind(*args, **kwargs)
         if restart_count() > 0 and stand_in.active():
-            if self.trainer.optimizer is None:  # made now, so that the heal fills it; the Trainer keeps it
+            if self.trainer.optimizer is None and self._ds is None:  # made now, so that the heal fills it
                 self.trainer.create_optimizer()
             self.engine.join_if_restarted()
             follow_world(dist.get_rank(), dist.get_world_size())  # the stand-in said rank 0 of 1
+            if self._ds is not None:  # its partitions come from its buddy's snapshot, with the others'
+                self._resume = self._ds.enter_again(self.engine, joined=True)
         while True:
             if self._resume is not None:
                 path = Path(self._resume_dir())
@@ -258,6 +311,10 @@ class TrainerRecovery(Adapter):
                 log.warning("guard_trainer: %s; every rank enters the training loop again at the step it redoes", why)
                 self._model = None
                 trainer = self.trainer
+                if self._ds is not None:  # a fresh module for the new engine, and the snapshot's state
+                    resume = self._ds.enter_again(self.engine, joined=self._joined)
+                    self._resume = resume if resume is not None else self._resume
+                    continue
                 # As a new process has them: the model unwrapped (Accelerate wraps it again on the
                 # new group) and the optimizer itself (Accelerate wraps it again too).
                 trainer.model_wrapped = trainer.model

@@ -107,3 +107,18 @@ def test_recovering_step_refuses_an_accelerator_that_accumulates_and_what_is_not
         recovering_step(object(), module, opt)
     with pytest.raises(ValueError, match="accumulates gradients over 2 micro-batches"):
         recovering_step(Accelerator(cpu=True, gradient_accumulation_steps=2), module, opt)
+
+
+def test_an_fsdp_trainer_is_refused_naming_what_to_use_instead(tmp_path):
+    """Accelerate applies the Trainer's FSDP only on GPU-like devices (accelerate/state.py); on this
+    CPU machine ``fsdp=`` is not in force (tests/test_hf_deepspeed_multirank.py reads it). So the one
+    flag Accelerate's state would set on a GPU stands in for it here, on a real Trainer."""
+    trainer = tiny_trainer(tmp_path)
+    trainer.is_fsdp_enabled = True
+    with pytest.raises(ValueError) as refused:
+        guard_trainer(trainer, recover=True, watchdog=False)
+    text = str(refused.value)
+    assert text.startswith("recover=True cannot recover the Trainer's FSDP: Accelerate wraps the model in FSDP only")
+    assert "ncclguard.RecoveringStep(model, optimizer, wrap=ncclguard.FSDP2(...), heal=True)" in text
+    assert "the Trainer with deepspeed= (ZeRO 1, 2 or 3)" in text
+    assert find_guard(trainer) is None and "training_step" not in vars(trainer)  # refused before any wrapping

@@ -1,13 +1,15 @@
 """SIGTERM to a supervised job, on real gloo ranks: every process gone, no restart, the checkpoint on
 disk in the framework's own format, and a new launch resumes from it with the framework's own call.
 
-Five jobs at once, each ``ncclguard run --ncclguard-restarts 2 --nproc-per-node 2`` on
+Six jobs at once, each ``ncclguard run --ncclguard-restarts 2 --nproc-per-node 2`` on
 tests/workers/preempt_worker.py, with ``NCCLGUARD_PREEMPT_DIR`` set:
 
 - ``ddp``: ``RecoveringStep`` with its default DDP wrap (DCP checkpoint; ``dcp.load`` + ``set_state_dict``);
 - ``fsdp2``: ``RecoveringStep(wrap=ncclguard.FSDP2(...))`` (DCP, each rank's shards);
 - ``hf``: the HF Trainer under ``guard_trainer(recover=True)`` (the Trainer's ``checkpoint-N``;
   ``trainer.train(resume_from_checkpoint=...)``);
+- ``hf-deepspeed``: the HF Trainer on DeepSpeed ZeRO-3 under ``guard_trainer(recover=True)`` (the
+  Trainer's ``checkpoint-N`` with DeepSpeed's own checkpoint inside; ``trainer.train(resume_from_checkpoint=...)``);
 - ``deepspeed``: DeepSpeed ZeRO-2 under ``CommittedEngineStep`` (``engine.save_checkpoint``;
   ``engine.load_checkpoint``);
 - ``accelerate``: an Accelerate loop under ``recovering_step`` (``accelerator.save_state``;
@@ -38,7 +40,7 @@ from harness import _kill_job
 pytestmark = pytest.mark.multirank
 WORKERS = Path(__file__).parent / "workers"
 WORKER = str(WORKERS / "preempt_worker.py")
-STACKS = ("ddp", "fsdp2", "hf", "deepspeed", "accelerate")
+STACKS = ("ddp", "fsdp2", "hf", "hf-deepspeed", "deepspeed", "accelerate")
 ONE_SUPERVISOR = "ddp"  # this job's SIGTERM goes to rank 1's supervisor only
 # Hang guards on a loaded 2-core machine: three jobs start (torch, transformers) in 20-60 s.
 START_GUARD_S = 240.0
@@ -194,6 +196,12 @@ def test_the_checkpoint_is_on_disk_in_the_frameworks_format_and_resumes_bit_equa
             p.name for p in path.iterdir()
         }
         extra: list[str] = []
+    elif stack == "hf-deepspeed":
+        assert path.name == f"checkpoint-{marker['step'] + 1}"
+        tag = f"global_step{marker['step'] + 1}"  # DeepSpeed's checkpoint, which the Trainer's resume loads
+        assert {"trainer_state.json", "latest", tag} <= {p.name for p in path.iterdir()}
+        assert (path / "latest").read_text() == tag and len(list((path / tag).glob("*optim_states.pt"))) == 2
+        extra = []
     elif stack == "deepspeed":
         assert path.name == f"global_step{marker['step'] + 1}"  # the engine counts steps done
         assert (job.ckpt / "latest").read_text() == path.name  # what engine.load_checkpoint(dir) reads

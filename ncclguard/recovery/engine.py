@@ -68,7 +68,7 @@ from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
 from ncclguard.recovery.rejoin import rejoin_world
 from ncclguard.recovery.snapshots.keeper import Keeper
-from ncclguard.recovery.snapshots.restore import Restored, restore
+from ncclguard.recovery.snapshots.restore import Fetched, Restored, fetch, put_back, restore
 from ncclguard.recovery.snapshots.state import StateCodec
 from ncclguard.watching.actions import exit_now
 
@@ -122,6 +122,11 @@ class Adapter(abc.ABC):
     """
 
     name = "recovery"
+    #: True when the framework builds the model that holds sharded state only as its own loop starts
+    #: (the HF Trainer builds its DeepSpeed engine inside ``train()``): a restarted rank then joins
+    #: without a restore, and the adapter restores in two halves, :meth:`Recovery.fetch_snapshot`
+    #: before the loop (the step, the replicas) and :meth:`Recovery.put_snapshot_back` once the model is built.
+    restores_in_loop = False
 
     @abc.abstractmethod
     def get_module(self) -> torch.nn.Module:
@@ -248,6 +253,8 @@ class Recovery:
         rejoin_world(timeout=self.options.rebuild_timeout_s).raise_for_error()
         if self.keeper is not None:
             self.adapter.wrap_joined()
+            if self.adapter.restores_in_loop:
+                return None  # the adapter restores once its loop has built the model
             restored = restore(self.keeper, None, self.options.heal_timeout_s).raise_for_error()
             self.applied, self._redo_next, self.resume_step = restored.step or 0, True, restored.step
             return restored
@@ -260,6 +267,41 @@ class Recovery:
         self.applied, self._redo_next, self.resume_step = healed.step or 0, True, healed.step
         self.adapter.on_healed(healed)
         return healed
+
+    def fetch_snapshot(self, limit: int | None = None) -> Fetched | None:
+        """The first half of a restore for an adapter that :attr:`~Adapter.restores_in_loop`: every
+        rank agrees on the snapshot's step and the restarted ranks receive their replicas
+        (:func:`~ncclguard.recovery.snapshots.restore.fetch`); every rank calls it, before the loop.
+
+        Args:
+            limit: the most bytes a restarted rank takes (its model is not built yet).
+
+        Returns:
+            What this rank puts back (:meth:`put_snapshot_back`), or None when nobody joined or
+            there are no snapshots (``heal`` off).
+        """
+        if self.keeper is None:
+            return None
+        return fetch(self.keeper, None, self.options.heal_timeout_s, limit=limit)
+
+    def put_snapshot_back(self, fetched: Fetched) -> Restored:
+        """The second half: once the model is built, every rank checks and applies what
+        :meth:`fetch_snapshot` gave it, and the engine goes on from the snapshot's step: the next
+        transaction is that step's redo on every rank.
+
+        Returns:
+            The :class:`~ncclguard.recovery.snapshots.restore.Restored` (falsy: nothing applied anywhere).
+        """
+        assert self.keeper is not None  # fetched comes from fetch_snapshot
+        restored = put_back(self.keeper.codec, fetched, self.options.heal_timeout_s)
+        self.keeper.force = True  # the receivers hold nothing to replicate yet
+        if restored and restored.step is not None:
+            self._redo_next = True
+            if restored.role == "receiver":
+                self.applied, self.resume_step = restored.step, restored.step
+            if self._carried is not None:  # the survivors' failed step goes on as the redo of the snapshot's
+                self._carried.number = restored.step
+        return restored
 
     def steps(self, stop: int, start: int = 0) -> Iterator[int]:
         """A loop's step numbers, from ``start`` (a restarted process: from the step it joined at)

@@ -1,6 +1,7 @@
 """Rank side of tests/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
 
-``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, deepspeed or accelerate; PHASE: train or resume):
+``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, hf-deepspeed, deepspeed or accelerate;
+PHASE: train or resume; hf-deepspeed is the HF Trainer on DeepSpeed ZeRO-3):
 
 - train: trains until stopped (no step limit in sight). After every applied step each rank writes
   its local state (parameters and optimizer state, the shards under FSDP2) to ``OUT/state-<rank>.pt``
@@ -41,7 +42,16 @@ def local(t: Any) -> Any:
 
 def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """This rank's parameters and optimizer state (the optimizer's own parameters too: ZeRO's fp32
-    partitions), by name or by place, as plain tensors."""
+    partitions), by name or by place, as plain tensors; of a DeepSpeed engine (the Trainer's on ZeRO-3,
+    whose module holds no whole parameter), its own partitions as DeepSpeedState takes them."""
+    if callable(getattr(module, "zero_optimization_stage", None)):  # a DeepSpeed engine: its own ZeRO state
+        from ncclguard.integrations.deepspeed_state import DeepSpeedState
+
+        own = DeepSpeedState(module).capture().tensors
+        return {
+            "params": {k: local(t) for k, t in own.items() if not k.startswith("optimizer.")},
+            "optim": {k: local(t) for k, t in own.items() if k.startswith("optimizer.")},
+        }
     params = {name: local(p) for name, p in module.named_parameters()}
     state = {}
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and DeepSpeed's wrappers
@@ -194,6 +204,14 @@ def accelerate_loop(phase: str) -> None:
         time.sleep(STEP_SLEEP_S)
 
 
+DEEPSPEED = {  # the Trainer's usual ZeRO-3 config, its values filled from TrainingArguments
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
 def trainer(phase: str) -> Any:
     os.environ.setdefault("NCCLGUARD_TEST_OUT", str(OUT))  # hf_worker reads it at import
     from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
@@ -208,13 +226,16 @@ def trainer(phase: str) -> Any:
 
         def on_step_end(self, args, state, control, **kw):
             if phase == "train":
-                record(self.trainer.model, self.trainer.optimizer, state.global_step)
+                record(self.model(), self.trainer.optimizer, state.global_step)
                 time.sleep(STEP_SLEEP_S)
 
         def on_step_begin(self, args, state, control, **kw):
             if phase == "resume" and not self.compared:  # the checkpoint is loaded; no step ran yet
                 self.compared = True
-                compare(self.trainer.model, self.trainer.optimizer, state.global_step)
+                compare(self.model(), self.trainer.optimizer, state.global_step)
+
+        def model(self) -> Any:
+            return self.trainer.model_wrapped if STACK == "hf-deepspeed" else self.trainer.model
 
     args = TrainingArguments(
         output_dir=str(OUT / f"hf-{phase}"),
@@ -229,6 +250,7 @@ def trainer(phase: str) -> Any:
         report_to=[],
         disable_tqdm=True,
         seed=0,
+        deepspeed=DEEPSPEED if STACK == "hf-deepspeed" else None,
     )
     torch.manual_seed(0)
     probe = Record()
@@ -244,7 +266,7 @@ def main() -> None:
     if STACK == "accelerate":
         accelerate_loop(PHASE)
         return
-    if STACK == "hf":
+    if STACK in ("hf", "hf-deepspeed"):
         t = trainer(PHASE)
         if PHASE == "train":
             t.train()

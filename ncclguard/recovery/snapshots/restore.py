@@ -11,6 +11,12 @@ a restarted rank after wrapping its fresh one):
    every rank learns, in one all_reduce, who refused: then everyone stops, nothing applied anywhere;
 3. the receivers apply the replica; a survivor whose live state is newer than ``S`` applies its own
    snapshot of ``S`` (a rollback: its loop goes back to ``S``).
+
+A framework that builds the model holding the state only as its loop starts (the HF Trainer builds
+its DeepSpeed engine inside ``train()``, after it has read the state it resumes from) takes the two
+halves apart: :func:`fetch` (1 and the transfers of 2, each rank unpacking what it will put in) before
+the loop, :func:`put_back` (the check, the ranks' answer, 3) once the model is built. :func:`agree`
+is the ranks' answer alone.
 """
 
 from __future__ import annotations
@@ -31,11 +37,11 @@ from ncclguard.recovery.internals.step_state import restore_sent_generators
 from ncclguard.recovery.snapshots.exchange import _wait, receive, send
 from ncclguard.recovery.snapshots.keeper import Keeper, side_group
 from ncclguard.recovery.snapshots.packing import Snapshot, unpack
-from ncclguard.recovery.snapshots.state import OwnState
+from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.results import Result
 from ncclguard.world import current_world
 
-__all__ = ["Restored", "choose", "restore"]
+__all__ = ["Fetched", "Restored", "agree", "choose", "fetch", "put_back", "restore"]
 
 
 @dataclass
@@ -108,13 +114,6 @@ def _split(state: OwnState) -> tuple[OwnState, Any]:
     return OwnState(tensors, meta), (state.meta.get("generators"), gens)
 
 
-def _apply(keeper: Keeper, state: OwnState, generators: Any) -> None:
-    keeper.codec.apply(state)
-    sent, gens = generators
-    if sent is not None:
-        restore_sent_generators(_from_json(sent, gens))
-
-
 def restore(keeper: Keeper, current: int | None, timeout_s: float, receivers: list[int] | None = None) -> Restored:
     """Brings every rank of the world to one snapshot's step (see the module doc); every rank calls it.
 
@@ -129,20 +128,117 @@ def restore(keeper: Keeper, current: int | None, timeout_s: float, receivers: li
         fits or a receiver refused (nothing applied anywhere) or a transfer failed.
     """
     start, deadline = time.monotonic(), Deadline.after(timeout_s)
+    fetched = _fetch(keeper, current, deadline, receivers, None)
+    if fetched is None:
+        return Restored(True, "none")
+    return _put_back(keeper, keeper.codec, fetched, deadline, start)
+
+
+@dataclass
+class Fetched:
+    """One rank's part of a restore once the step is agreed and the replicas sent (:func:`fetch`).
+
+    Attributes:
+        step: the snapshot's step every rank goes back to (None when the choice failed).
+        holders: who sent each receiver its replica.
+        receivers: the ranks that received (sorted).
+        role: ``"receiver"``, ``"holder"`` or ``"survivor"``.
+        state: the codec's part of what this rank puts in place (its replica, or its own snapshot
+            of ``step``), or None (its live state is at ``step`` already).
+        generators: the generators of that snapshot, for
+            :func:`~ncclguard.recovery.internals.step_state.restore_sent_generators` (None: none).
+        rolled_back: this survivor goes back from a newer live state to ``step``.
+        bytes: bytes this rank sent or received.
+        refusal: why this rank cannot take ``state`` so far (a bad replica), or None.
+        error: a fetch that failed on this rank (no step, a transfer), or None.
+    """
+
+    step: int | None
+    holders: dict[int, int]
+    receivers: list[int]
+    role: str
+    state: OwnState | None = None
+    generators: Any = None
+    rolled_back: bool = False
+    bytes: int = 0
+    refusal: str | None = None
+    error: HealFailed | None = None
+
+
+def fetch(
+    keeper: Keeper,
+    current: int | None,
+    timeout_s: float,
+    receivers: list[int] | None = None,
+    limit: int | None = None,
+) -> Fetched | None:
+    """The first half of :func:`restore`, for a framework that builds the model holding the state
+    only later (the HF Trainer builds its DeepSpeed engine when its loop starts): every rank agrees
+    on the step, the holders send the replicas, and each rank unpacks what it is to put in place.
+    Nothing is applied; :func:`put_back` does that once the model is built. Every rank calls it.
+
+    Args:
+        keeper: this loop's snapshots.
+        current: the step whose start this rank's live state is; None when it has none to keep
+            (a restarted rank, or a survivor whose model is built anew: it takes its own snapshot).
+        timeout_s: bound of the transfers.
+        receivers: the ranks that receive; default the world's ``joined``.
+        limit: the most bytes a receiver takes; default twice its model's own state (the codec's
+            capture, which needs the model built).
+
+    Returns:
+        A :class:`Fetched` (its ``error`` says a failure on this rank), or None when nobody joined.
+    """
+    return _fetch(keeper, current, Deadline.after(timeout_s), receivers, limit)
+
+
+def put_back(codec: StateCodec, fetched: Fetched, timeout_s: float) -> Restored:
+    """The second half of :func:`restore`: every rank checks what :func:`fetch` gave it against its
+    model (``codec``), all learn who refused, and only then does each put its state in place.
+
+    Args:
+        codec: the model's codec, built on the world the state goes into.
+        fetched: this rank's :func:`fetch`.
+        timeout_s: bound of the ranks' answer.
+
+    Returns:
+        A :class:`Restored`, falsy with a :class:`~ncclguard.errors.HealFailed` when any rank
+        refused or failed before (nothing applied anywhere).
+    """
+    return _put_back(None, codec, fetched, Deadline.after(timeout_s), time.monotonic())
+
+
+def _fetch(
+    keeper: Keeper, current: int | None, deadline: Deadline, receivers: list[int] | None, limit: int | None
+) -> Fetched | None:
     size, me = dist.get_world_size(), dist.get_rank()
     wanted = sorted(current_world().joined if receivers is None else set(receivers))
     if not wanted:
-        return Restored(True, "none")
-    result = Restored(False, "receiver" if me in wanted else "survivor", receivers=wanted)
+        return None
+    fetched = Fetched(None, {}, wanted, "receiver" if me in wanted else "survivor")
     try:
-        _restore(keeper, current, me, size, wanted, deadline, result)
-        result.ok = True
+        _agree_and_send(keeper, current, me, size, deadline, fetched, limit)
+    except HealFailed as exc:
+        fetched.error = exc
+    return fetched
+
+
+def _put_back(keeper: Keeper | None, codec: StateCodec, fetched: Fetched, deadline: Deadline, start: float) -> Restored:
+    me = dist.get_rank()
+    result = Restored(False, fetched.role, fetched.step, receivers=fetched.receivers, holders=fetched.holders)
+    result.bytes = fetched.bytes
+    try:
+        if fetched.error is not None and keeper is not None:
+            raise fetched.error  # restore(): a rank whose transfer failed says so alone, as before
+        _check_and_apply(codec, fetched, me, dist.get_world_size(), deadline)
+        result.ok, result.rolled_back = True, fetched.rolled_back
     except HealFailed as exc:
         result.error = exc
         log.error("snapshots: the restore failed: %s", exc)
     result.elapsed_s = time.monotonic() - start
-    keeper.force = True  # the receivers hold nothing to replicate yet, and their sources' replicas are gone
-    if result.ok:
+    if keeper is not None:
+        keeper.force = True  # the receivers hold nothing to replicate yet, and their sources' replicas are gone
+    if result.ok and fetched.receivers:  # a state carried to a new model alone is its caller's to log
         log.warning(
             "snapshots: every rank is back at step %s (rank %d %s, %d bytes, %.3f s; replicas from %s)",
             result.step, me, result.role + (", rolled back" if result.rolled_back else ""), result.bytes,
@@ -151,12 +247,13 @@ def restore(keeper: Keeper, current: int | None, timeout_s: float, receivers: li
     return result
 
 
-def _restore(
-    keeper: Keeper, current: int | None, me: int, size: int, wanted: list[int], deadline: Deadline, result: Restored
+def _agree_and_send(
+    keeper: Keeper, current: int | None, me: int, size: int, deadline: Deadline, fetched: Fetched, limit: int | None
 ) -> None:
     # On the world's side group: the transfers involve some ranks only, and the default group's
     # sequence numbers must stay equal on every rank (the next commit compares them).
     side = side_group().group
+    wanted = fetched.receivers
     mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (2 + 2 * size), dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
     _wait([dist.all_gather(everyone, mine, group=side, async_op=True)], deadline, "the snapshots' holdings")
@@ -164,41 +261,74 @@ def _restore(
     if isinstance(chosen, str):
         raise HealFailed(chosen)
     step, holders = chosen
-    result.step, result.holders = step, holders
+    fetched.step, fetched.holders = step, holders
     got: Snapshot | None = None
     for j, h in holders.items():
         if me == h:
             replica = keeper.replica_at(j, step)
             assert replica is not None  # choose() saw this rank hold it
-            result.role, result.bytes = "holder", result.bytes + replica.manifest.nbytes
+            fetched.role, fetched.bytes = "holder", fetched.bytes + replica.manifest.nbytes
             send(replica, j, side, deadline)
         elif me == j:
-            fresh = keeper.codec.capture().tensors.values()  # the fresh model's own size bounds what it takes
-            limit = 2 * sum(t.numel() * t.element_size() for t in fresh) + (1 << 20)
+            if limit is None:
+                fresh = keeper.codec.capture().tensors.values()  # the fresh model's own size bounds what it takes
+                limit = 2 * sum(t.numel() * t.element_size() for t in fresh) + (1 << 20)
             got = receive(h, side, deadline, limit)
-            result.bytes = got.manifest.nbytes
-    # Every rank checks what it would apply, and all learn who refused before anything is copied.
-    refusal, state, generators = None, None, None
+            fetched.bytes = got.manifest.nbytes
     try:
         if got is not None:
-            state, generators = _split(unpack(got))
+            fetched.state, fetched.generators = _split(unpack(got))
             if got.manifest.rank != me:
-                refusal = f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
+                fetched.refusal = f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
         elif current != step:
             own = keeper.own_at(step)
-            state, generators = _split(unpack(own)) if own is not None else (None, None)
-        refusal = refusal or (keeper.codec.check(state) if state is not None else None)
+            if own is not None:
+                fetched.state, fetched.generators = _split(unpack(own))
+                fetched.rolled_back = True
+            else:
+                fetched.refusal = f"this rank holds no snapshot of its own at step {step}"
     except HealFailed as exc:
-        refusal = str(exc)
+        fetched.refusal = str(exc)
+
+
+def _check_and_apply(codec: StateCodec, fetched: Fetched, me: int, size: int, deadline: Deadline) -> None:
+    # Every rank checks what it would apply, and all learn who refused before anything is copied.
+    refusal = str(fetched.error) if fetched.error is not None else fetched.refusal
+    try:
+        if refusal is None and fetched.state is not None:
+            refusal = codec.check(fetched.state)
+    except Exception as exc:  # noqa: BLE001 - a check that cannot read the state refuses it
+        refusal = f"{type(exc).__name__}: {exc}"
+    _agree(refusal, f"the snapshot of step {fetched.step}", me, size, deadline)
+    if fetched.state is not None:
+        codec.apply(fetched.state)
+        sent, gens = fetched.generators if fetched.generators is not None else (None, [])
+        if sent is not None:
+            restore_sent_generators(_from_json(sent, gens))
+
+
+def agree(refusal: str | None, what: str, timeout_s: float) -> None:
+    """Every rank of the world says whether it refuses ``what``, on the snapshots' side group; if
+    any does, every rank raises the same error (nothing is to be applied anywhere). Every rank calls it.
+
+    Args:
+        refusal: why this rank refuses, or None.
+        what: what is agreed on, for the error.
+        timeout_s: bound of the exchange.
+
+    Raises:
+        HealFailed: a rank refused (its reason when it is this one), or the exchange failed.
+    """
+    _agree(refusal, what, dist.get_rank(), dist.get_world_size(), Deadline.after(timeout_s))
+
+
+def _agree(refusal: str | None, what: str, me: int, size: int, deadline: Deadline) -> None:
     flags = torch.zeros(size, dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
-    _wait([dist.all_reduce(flags, group=side, async_op=True)], deadline, "the ranks' answer")
+    _wait([dist.all_reduce(flags, group=side_group().group, async_op=True)], deadline, "the ranks' answer")
     refused = [r for r in range(size) if flags[r]]
     if refused:
         raise HealFailed(
-            f"rank(s) {rank_ranges(refused)} refused the snapshot of step {step}" + (f": {refusal}" if refusal else ""),
+            f"rank(s) {rank_ranges(refused)} refused {what}" + (f": {refusal}" if refusal else ""),
             refused_ranks=refused,
         )
-    if state is not None:
-        _apply(keeper, state, generators)
-        result.rolled_back = got is None

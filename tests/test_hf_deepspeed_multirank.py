@@ -1,0 +1,90 @@
+"""The HF Trainer on DeepSpeed ZeRO under ``guard_trainer(recover=True, heal=True)``, on real gloo
+ranks under torchrun: a failed step redone on a new engine, a killed rank healed from its buddy's
+in-memory snapshot, every rank bit-equal to a run without a fault. Rank side:
+tests/workers/hf_deepspeed_worker.py (it says what each launch does)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+# The heal launch's guard (480 s, below) is over pytest-timeout's 300 s default.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
+
+STEPS, RAISE, STALL, KILL = 8, 1, 2, 5
+BACK = KILL - 1  # snapshot_every=2: the newest snapshot every rank holds at the kill is of step KILL-1
+
+
+@pytest.fixture(scope="module")
+def heal_job():
+    # Two ZeRO-3 runs of 8 steps on 3 ranks: a raise and an 8 s stall each redone on a new engine
+    # (a 3 s step bound), a SIGKILL and a cold restart that imports torch, transformers and DeepSpeed
+    # again: 45 s on a quiet machine. Hang guard: 480 s.
+    return run_ranks("hf_deepspeed_worker", 3, "heal", supervise=["--restarts=1"], timeout_s=480)
+
+
+@pytest.fixture(scope="module")
+def stages_job():
+    # The refusals, then ZeRO-1 and ZeRO-2: 3 steps each, twice, a redo each: 20 s on a quiet machine.
+    return run_ranks("hf_deepspeed_worker", 2, "stages", timeout_s=300)
+
+
+def test_a_killed_zero3_rank_heals_from_its_buddy_and_every_rank_ends_bit_equal(heal_job):
+    assert "exited -9; restart 1 of 1" in heal_job.output
+    reference, ref_losses = heal_job[0]["reference"], heal_job[0]["reference_losses"]
+    assert len(ref_losses) == STEPS
+    for r in range(3):
+        res = heal_job[r]
+        assert res["world"] == [r, 3, 3]  # three rebuilds: the raise, the stall, the kill
+        assert res["digest"] == reference  # the full gathered parameters, bit for bit
+        assert res["losses"] == ref_losses  # one logged loss per step, each the fault-free run's
+        assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
+        # Each recovery in the Trainer's log (the attempts it took); the restarted rank's log up to
+        # step BACK came with the Trainer's state in its snapshot, so it holds the first two.
+        assert res["logged"] == ([2, 2] if r == 1 else [2, 2, 2])
+    assert (heal_job[0]["life"], heal_job[1]["life"], heal_job[2]["life"]) == (0, 1, 0)
+    for r in (0, 2):
+        # Steps RAISE and STALL entered twice (the redo on a new engine); the kill at step KILL
+        # sent every rank back to the snapshot of step BACK, through the Trainer's resume path.
+        assert heal_job[r]["begun"] == [0, 1, 1, 2, 2, 3, 4, 5, 4, 5, 6, 7]
+        assert heal_job[r]["recoveries"] == [[RAISE, 2, 1, []], [STALL, 2, 2, []], [BACK, 2, 3, [1]]]
+    victim = heal_job[1]
+    assert victim["begun"] == list(range(BACK, STEPS))  # the restarted process starts at the snapshot's step
+    assert victim["recoveries"] == []  # its first step was the others' redo
+    assert "snapshots: every rank is back at step 4 (rank 1 receiver" in heal_job.output
+    assert "(rank 2 holder, rolled back" in heal_job.output  # rank 1's buddy sent its replica
+
+
+def test_zero_1_and_2_trainers_redo_a_failed_step_bit_equal(stages_job):
+    for r in range(2):
+        res = stages_job[r]
+        for stage in (1, 2):  # ZeRO-2's Trainer: model_init, 2 micro-batches a step, the second raising
+            assert res[f"z{stage}_digest"] == res[f"reference{stage}"]
+            assert res[f"z{stage}_losses"] == res[f"reference_losses{stage}"]
+            assert res[f"z{stage}_begun"] == [0, 1, 1, 2]
+            assert res[f"z{stage}_recoveries"] == [[1, 2, stage, []]]
+            assert res[f"z{stage}_global_step"] == res[f"z{stage}_global_steps"] == 3
+
+
+def test_what_cannot_be_recovered_is_refused_before_any_step(stages_job):
+    res = stages_job[0]
+    assert "ZeRO stage 0" in res["refused_stage0"] and "train without deepspeed=" in res["refused_stage0"]
+    assert "offload_optimizer to NVMe" in res["refused_nvme"] and "offload to cpu" in res["refused_nvme"]
+    assert res["refused_shrink"].startswith("allow_shrink=True cannot go on with DeepSpeed ZeRO")
+    assert "this model is a Sequential: pass Trainer(model_init=...)" in res["refused_module"]
+    assert res["accepted_model_init"] == "accepted"
+    # fsdp= on the CPU: Accelerate leaves FSDP off and the Trainer trains under DDP, which is recovered.
+    assert res["fsdp_on_cpu"] == [False, "DistributedType.MULTI_CPU", "accepted"]
+    assert "TrainingArguments(fsdp=...) is not in force here" in stages_job.output
+
+
+def test_a_snapshot_of_another_model_is_refused_and_nothing_is_copied(stages_job):
+    for r in range(2):
+        res = stages_job[r]
+        assert res["stage_refusal"] == "zero_stage: the capture has 2, this engine 1"
+        assert res["apply_refused"].startswith("DeepSpeedState.apply: the capture does not fit this engine: zero_stage")
+        assert res["unchanged_after_refusal"] is True
+        assert (
+            "parameter bert.embeddings.word_embeddings.weight: shape [100, 32] in the capture, [100, 64] here"
+            in (res["shape_refusal"])
+        )
