@@ -72,8 +72,9 @@ class NcclGuardCallback(Callback):
             (defaults) or False (no watchdog). A watchdog already running in the process is used
             as it is and left running.
         recover: commit every training step on every rank and redo a failed one on a rebuilt
-            world (DDP strategy, automatic optimization, ``accumulate_grad_batches=1``): the
-            recovery engine's adapter for Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
+            world (DDP strategy, automatic optimization; with ``accumulate_grad_batches`` the step
+            is the window of micro-batches, all redone): the recovery engine's adapter for
+            Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
         allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
         collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
             training step waits for its peers before the step fails, whatever timeout the strategy
@@ -162,6 +163,8 @@ class NcclGuardCallback(Callback):
         if self.recovery is not None and stage == "fit":
             check_recoverable(trainer, pl_module)
             self._wrap(trainer.strategy, "optimizer_step", self.recovery.optimizer_step(trainer))
+            automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+            self._wrap(automatic, "run", self.recovery.automatic_run(trainer))
             if self.recovery.engine.options.heal:
                 self._wrap(trainer.fit_loop, "run", self.recovery.fit_loop_run(trainer))
         if self.eval_timeout_s is not None and stage in ("fit", "validate"):

@@ -15,15 +15,27 @@ wrapper again on the new group, the module's buffers, the generators, the zero_g
 counters and the values logged by the failed attempt are put back, and the closure runs again on
 the same batch. The LR schedulers step after ``optimizer_step`` returns, in Lightning's loop: once.
 
+Gradient accumulation (``accumulate_grad_batches=N``): Lightning's automatic optimization runs
+``AutomaticOptimization.run`` once per micro-batch; on all but the last micro-batch of a window it
+runs the closure itself inside ``_block_parallel_sync_behavior`` (DDP's ``no_sync``) and steps no
+optimizer, on the last it calls ``strategy.optimizer_step`` (``loops/optimization/automatic.py``,
+``run``; the window's end is ``fit_loop._should_accumulate()``, ``loops/training_epoch_loop.py``).
+So ``run`` is wrapped too: the window's first micro-batch opens the transaction (the buffers, the
+generators, the logged values as the window found them), each micro-batch is recorded (its batch,
+its index, whether it ran without gradient sync), an exception in one is this rank's failure (the
+window's later micro-batches are not computed), and the commit is at the last one's
+``optimizer_step``. A redo runs every micro-batch of the window again on the rebuilt world, each
+under the sync behaviour it had, the first one's ``zero_grad`` included.
+
 Refused when the callback is set up (a ``ValueError`` before any step): a strategy other than
-plain DDP, gradient accumulation (the earlier micro-batches of the window cannot be redone), and
-manual optimization (the user's code steps the optimizer).
+plain DDP, and manual optimization (the user's code steps the optimizer).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +58,7 @@ def check_recoverable(trainer: Any, pl_module: Any) -> None:
     """Refuses what a redo cannot handle exactly, before any step runs.
 
     Raises:
-        ValueError: not plain DDP, gradient accumulation, or manual optimization.
+        ValueError: not plain DDP, or manual optimization.
     """
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
@@ -56,12 +68,6 @@ def check_recoverable(trainer: Any, pl_module: Any) -> None:
             f"NcclGuardCallback(recover=True) redoes steps under the DDP strategy only, got {type(strategy).__name__}; "
             "use strategy='ddp' (DDPStrategy), or recover=False"
             "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"NcclGuardCallback(recover=True) cannot redo a step with accumulate_grad_batches="
-            f"{trainer.accumulate_grad_batches}: the earlier micro-batches of the window are gone by the optimizer "
-            "step. Use accumulate_grad_batches=1 (a larger batch instead), or recover=False"
         )
     if not pl_module.automatic_optimization:
         raise ValueError(
@@ -103,6 +109,16 @@ class _Kept:
                     setattr(self.results[key], name, value)
 
 
+@dataclass
+class _Micro:
+    """One micro-batch of the current window, as Lightning's ``AutomaticOptimization.run`` got it."""
+
+    optimizer: Any
+    batch_idx: int
+    kwargs: Any  # the hooks' kwargs: the batch, its index
+    blocked: bool  # run inside the strategy's block_backward_sync (DDP's no_sync)
+
+
 class StepRecovery(Adapter):
     """Wraps ``strategy.optimizer_step`` so that each step is a transaction of the engine.
 
@@ -122,31 +138,69 @@ class StepRecovery(Adapter):
         self.engine = Recovery(self, options)
         self.trainer: Any = None
         self._tx: Transaction[Any] | None = None
-        self._loops: dict[str, Any] | None = None  # the fit loop's state at the last batch's end
+        self._window: list[_Micro] = []  # the micro-batches of the open transaction
+        self._loops: dict[str, Any] | None = None  # the fit loop's state at the last window's end
         self._resume: dict[str, Any] | None = None  # what the fit loop resumes from after a join
 
     def optimizer_step(self, trainer: Any) -> Callable[..., Any]:
-        """The wrapper of ``trainer.strategy.optimizer_step`` (set by the callback as an instance attribute)."""
+        """The wrapper of ``trainer.strategy.optimizer_step`` (set by the callback as an instance attribute):
+        the window's last micro-batch, then the commit."""
         self.trainer = trainer
         original = trainer.strategy.optimizer_step
 
         def optimizer_step(optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-            tx = self._tx = self.engine.begin(trainer.global_step)
+            tx = self._tx if self._tx is not None else self.engine.begin(trainer.global_step)
+            self._tx = tx
             tx.run(closure)  # training_step, zero_grad, backward: DDP's gradient all_reduce
             try:
-                res = tx.settle(closure).raise_for_error()
+                res = tx.settle(lambda: self._replay(closure)).raise_for_error()
             finally:
-                self._tx = None
+                self._tx, self._window = None, []
             return original(optimizer, lambda done=res.output: done, model, **kwargs)  # computed above
 
         return optimizer_step
 
+    def automatic_run(self, trainer: Any) -> Callable[..., Any]:
+        """The wrapper of ``fit_loop.epoch_loop.automatic_optimization.run`` (one call per micro-batch):
+        the window's first micro-batch opens the transaction, each is recorded, and one that
+        accumulates (no optimizer step) runs inside the transaction (see the module doc)."""
+        self.trainer = trainer
+        original = trainer.fit_loop.epoch_loop.automatic_optimization.run
+
+        def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+            blocked = not trainer.strategy.handles_gradient_accumulation and trainer.fit_loop._should_accumulate()
+            if self._tx is None:
+                self._tx, self._window = self.engine.begin(trainer.global_step), []
+            # A shallow copy: the loop's dict is its own, the batch is the one training_step was given.
+            self._window.append(_Micro(optimizer, batch_idx, copy.copy(kwargs), blocked))
+            if not blocked:  # the window's last: optimizer_step (wrapped above) runs it and commits
+                return original(optimizer, batch_idx, kwargs)
+            out = self._tx.run(lambda: original(optimizer, batch_idx, kwargs))
+            return out if out is not None else {}  # what run returns for a step without a loss
+
+        return run
+
+    def _replay(self, closure: Callable[[], Any]) -> Any:
+        """The redo: every micro-batch of the window again, each under the gradient sync it had, the
+        last through Lightning's own closure (its result is what the optimizer step is given)."""
+        from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+
+        trainer = self.trainer
+        automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+        for micro in self._window[:-1]:
+            again = automatic._make_closure(micro.kwargs, micro.optimizer, micro.batch_idx)
+            with _block_parallel_sync_behavior(trainer.strategy, block=micro.blocked):
+                again()
+        return closure()
+
     # ------------------------------------------------------------------------ joining (heal=True)
 
     def keep_loops(self, trainer: Any) -> None:
-        """The fit loop's state at a batch's end (the callback's ``on_train_batch_end``, and at
-        train start): where Lightning's own mid-epoch checkpoints are taken, so its resume logic
-        reads it as one. A join resumes every rank from it."""
+        """The fit loop's state at a window's end (the callback's ``on_train_batch_end`` after an
+        optimizer step, and at train start): where Lightning's own mid-epoch checkpoints are taken,
+        so its resume logic reads it as one. A join resumes every rank from it."""
+        if trainer.fit_loop._should_accumulate():
+            return  # inside a window: a join resumes at the window's start
         self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
 
     def fit_loop_run(self, trainer: Any) -> Callable[[], Any]:
