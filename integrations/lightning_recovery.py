@@ -87,6 +87,9 @@ class _Kept:
     buffers and the generators are the engine's snapshot)."""
 
     def __init__(self, trainer: Any) -> None:
+        # DDP's buffer-sync flag (the next forward broadcasts the buffers): a failed attempt's forwards
+        # change it on some ranks only; the wrapper made again on the new world gets it back.
+        self.forward_sync = getattr(trainer.strategy.model, "require_forward_param_sync", None)
         self.progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
         self.progress_state = copy.deepcopy(self.progress.state_dict())
         # The values training_step logged this epoch (self.log): their accumulated state, by
@@ -139,6 +142,7 @@ class StepRecovery(Adapter):
         self.trainer: Any = None
         self._tx: Transaction[Any] | None = None
         self._window: list[_Micro] = []  # the micro-batches of the open transaction
+        self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
         self._loops: dict[str, Any] | None = None  # the fit loop's state at the last window's end
         self._resume: dict[str, Any] | None = None  # what the fit loop resumes from after a join
 
@@ -288,6 +292,7 @@ class StepRecovery(Adapter):
     def restore(self, kept: _Kept) -> None:
         """Puts them back before the redo."""
         kept.restore()
+        self._forward_sync = kept.forward_sync
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The strategy's DDP wrapper made again on the new group; after a shrink, Lightning's rank
@@ -301,6 +306,8 @@ class StepRecovery(Adapter):
             self._resume = self.heal_extra()
             raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
         self._setup_model_again()
+        if self._forward_sync is not None and hasattr(self.trainer.strategy.model, "require_forward_param_sync"):
+            self.trainer.strategy.model.require_forward_param_sync = self._forward_sync
         if rebuilt.missing_ranks:  # a shrink renumbered the ranks
             self._renumber()
 

@@ -94,16 +94,3 @@ def test_repoint_sampler_reshards_a_distributed_sampler_and_a_batch_sampler_shar
 
 def test_repoint_ddp_leaves_what_is_not_ddp_alone():
     assert repoint_ddp(torch.nn.Linear(2, 2)) is False
-
-
-def test_recovering_step_refuses_an_accelerator_that_accumulates_and_what_is_not_an_accelerator():
-    from accelerate import Accelerator
-
-    from ncclguard.integrations.accelerate import recovering_step
-
-    module = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="must be an accelerate.Accelerator"):
-        recovering_step(object(), module, opt)
-    with pytest.raises(ValueError, match="accumulates gradients over 2 micro-batches"):
-        recovering_step(Accelerator(cpu=True, gradient_accumulation_steps=2), module, opt)
