@@ -46,28 +46,69 @@ from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.restarts import restart_count
-from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
+from ncclguard.recovery.internals.step_state import (
+    StepState,
+    generators_to_send,
+    load_scheduler,
+    restore_sent_generators,
+)
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
+from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
+
+from .lightning_sharded import ShardedLightning, check_model_parallel
 
 __all__ = ["StepRecovery", "check_recoverable"]
 
 
-def check_recoverable(trainer: Any, pl_module: Any) -> None:
+def _skip_batches(fetcher: Any, count: int) -> None:
+    """Draws ``count`` batches from the fetcher's loader and drops them; Lightning's counters stay as
+    the loaded loop state says (a fetcher that prefetched keeps as many batches ahead)."""
+    for _ in range(count):
+        try:
+            if getattr(fetcher, "batches", None):
+                fetcher.batches.pop(0)
+                fetcher.batches.append(next(fetcher.iterator))
+            else:
+                next(fetcher.iterator)
+        except StopIteration:
+            return
+
+
+def check_recoverable(trainer: Any, pl_module: Any, *, allow_shrink: bool = False) -> None:
     """Refuses what a redo cannot handle exactly, before any step runs.
 
+    Args:
+        trainer: the trainer, its strategy's environment set up (the callback's ``setup``).
+        pl_module: the LightningModule.
+        allow_shrink: the callback's option (refused with FSDP2: a lost rank's shards have no replica).
+
     Raises:
-        ValueError: not plain DDP, or manual optimization.
+        ValueError: a strategy other than DDP or ModelParallelStrategy (FSDP2), tensor parallelism,
+            a shrink with FSDP2, or manual optimization.
     """
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     strategy = trainer.strategy
-    if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, ModelParallelStrategy):
+        check_model_parallel(strategy, allow_shrink)
+    elif isinstance(strategy, FSDPStrategy | DeepSpeedStrategy):
         raise ValueError(
-            f"NcclGuardCallback(recover=True) redoes steps under the DDP strategy only, got {type(strategy).__name__}; "
-            "use strategy='ddp' (DDPStrategy), or recover=False"
-            "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
+            f"NcclGuardCallback(recover=True) does not redo steps under {type(strategy).__name__}: Lightning 2.6 "
+            "runs it on CUDA GPUs only (FSDPStrategy: 'requires a GPU accelerator', trainer/connectors/"
+            "accelerator_connector.py; DeepSpeedStrategy: 'only supported on CUDA GPUs', strategies/deepspeed.py "
+            "setup_environment), so its recovery could not be built and tested. For sharded state use "
+            "ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) with fully_shard in "
+            "configure_model (FSDP2: a killed rank comes back from its buddy's snapshot with heal=True); for "
+            "DeepSpeed ZeRO, a loop of your own with ncclguard.integrations.deepspeed.CommittedEngineStep(..., "
+            "rebuild_engine=..., heal=True) (docs/recovery.md); or recover=False"
+        )
+    elif not isinstance(strategy, DDPStrategy):
+        raise ValueError(
+            f"NcclGuardCallback(recover=True) redoes steps under the DDP strategy or ModelParallelStrategy (FSDP2) "
+            f"only, got {type(strategy).__name__}; use strategy='ddp' (DDPStrategy), ModelParallelStrategy, or "
+            "recover=False"
         )
     if not pl_module.automatic_optimization:
         raise ValueError(
@@ -138,6 +179,7 @@ class StepRecovery(Adapter):
 
     def __init__(self, options: RecoveryOptions, on_recovered: Callable[[Any, Recovered], None]) -> None:
         self.on_recovered = on_recovered
+        self._sharded: ShardedLightning | None = None  # ModelParallelStrategy (FSDP2): set in the callback's setup
         self.engine = Recovery(self, options)
         self.trainer: Any = None
         self._tx: Transaction[Any] | None = None
@@ -145,6 +187,23 @@ class StepRecovery(Adapter):
         self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
         self._loops: dict[str, Any] | None = None  # the fit loop's state at the last window's end
         self._resume: dict[str, Any] | None = None  # what the fit loop resumes from after a join
+
+    def use_sharded(self, trainer: Any, pl_module: Any) -> None:
+        """ModelParallelStrategy (FSDP2): keeps the module's skeletons (before ``configure_model`` shards
+        it), and makes the engine again so that, with ``heal``, it keeps snapshots of each rank's shards
+        replicated on a buddy (:meth:`state_codec`)."""
+        self.trainer = trainer
+        self._sharded = ShardedLightning(trainer, pl_module)
+        self.engine = Recovery(self, self.engine.options)
+
+    def check_sharded(self) -> None:
+        """When fit starts (after ``configure_model``): can a rebuilt world shard the module again?
+
+        Raises:
+            ValueError: see :meth:`~ncclguard.integrations.lightning_sharded.ShardedLightning.check`.
+        """
+        if self._sharded is not None:
+            self._sharded.check()
 
     def optimizer_step(self, trainer: Any) -> Callable[..., Any]:
         """The wrapper of ``trainer.strategy.optimizer_step`` (set by the callback as an instance attribute):
@@ -157,9 +216,12 @@ class StepRecovery(Adapter):
             self._tx = tx
             tx.run(closure)  # training_step, zero_grad, backward: DDP's gradient all_reduce
             try:
-                res = tx.settle(lambda: self._replay(closure)).raise_for_error()
+                res = tx.settle(lambda: self._replay(closure))
             finally:
                 self._tx, self._window = None, []
+            if res.rewound_to is not None:  # every rank went back to a snapshot: its step, in the fit loop
+                raise Reenter(f"every rank went back to step {res.rewound_to}'s snapshot")
+            res.raise_for_error()
             return original(optimizer, lambda done=res.output: done, model, **kwargs)  # computed above
 
         return optimizer_step
@@ -228,9 +290,10 @@ class StepRecovery(Adapter):
         return run
 
     def _resume_from(self) -> None:
-        """Puts the fit loop, the LR schedulers and the generators where the join's step starts, and
-        wraps the module in DDP anew on the joined world (the same on every rank)."""
-        assert self._resume is not None  # set by the heal (restarted rank) or by rewrap (survivors)
+        """Puts the fit loop, the LR schedulers and the generators where the join's step starts, wraps
+        the module in DDP anew on the joined world (FSDP2: sharded again already), and sets the
+        training data up again at the loop's position (the same on every rank)."""
+        assert self._resume is not None  # set by the heal or the restore (restarted rank) or by rewrap (survivors)
         resume, self._resume = self._resume, None
         trainer = self.trainer
         loop = trainer.fit_loop
@@ -247,8 +310,37 @@ class StepRecovery(Adapter):
         if resume.get("generators") is not None:
             restore_sent_generators(resume["generators"])
         self._setup_model_again()
+        self._data_again(loop)
+
+    @staticmethod
+    def _data_again(loop: Any) -> None:
+        """The training data at the loaded loop's position: Lightning restores a loader that has a
+        state (``state_dict``/``load_state_dict``) itself; any other starts its epoch again, so its
+        batches up to the position are drawn and dropped, as a run without the fault drew them (a
+        loader whose order is fixed by its sampler's seed and epoch: Lightning's DistributedSampler).
+        Setting the data up draws from torch's generator (the loader iterator's base seed): the
+        generators are left as the step found them."""
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+        from lightning.fabric.utilities.types import _Stateful
+
+        position = loop.epoch_loop.batch_progress.current.ready  # batches drawn this epoch
+        generators = StepState.take(torch.nn.Module())
+        try:
+            loop.setup_data()
+            combined, fetcher = loop._combined_loader, loop._data_fetcher
+            if combined is None or fetcher is None:
+                return
+            for loader in combined.flattened:  # before the first batch is drawn, as the epoch's start does
+                _set_sampler_epoch(loader, loop.epoch_progress.current.processed)
+            if all(isinstance(loader, _Stateful) for loader in combined.flattened):
+                return
+            _skip_batches(fetcher, position)
+        finally:
+            generators.restore_generators()
 
     def _setup_model_again(self) -> None:
+        if self._sharded is not None:
+            return  # FSDP2: sharded again on the joined world by rewrap or wrap_joined
         strategy = self.trainer.strategy
         # The old wrapper goes first, while the reaper still holds the abandoned groups.
         strategy.model = strategy.lightning_module
@@ -294,14 +386,51 @@ class StepRecovery(Adapter):
         kept.restore()
         self._forward_sync = kept.forward_sync
 
+    def state_codec(self) -> StateCodec | None:
+        """FSDP2 (ModelParallelStrategy): each rank's shards, the optimizer's, the fit loop's state and
+        the LR schedulers', kept in snapshots replicated on a buddy; DDP: None (a live peer sends the
+        whole state)."""
+        if self._sharded is None:
+            return None
+        return ModuleState(
+            lambda: self.trainer.strategy.lightning_module,
+            self.get_optimizer,
+            extra=self._snapshot_extra,
+            restore_extra=self._from_snapshot,
+        )
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        # At a step's start: the fit loop as the last window left it, the schedulers before this step.
+        return {
+            "loops": self._loops,
+            "schedulers": [config.scheduler.state_dict() for config in self.trainer.lr_scheduler_configs],
+        }
+
+    def _from_snapshot(self, extra: Any) -> None:
+        # The restore puts the generators back itself; the fit loop resumes from the rest.
+        if not isinstance(extra, dict):
+            raise ValueError("the snapshot holds no fit-loop state to resume from")
+        self._resume = {"loops": extra.get("loops"), "schedulers": extra.get("schedulers")}
+
+    def wrap_joined(self) -> None:
+        """A restarted rank (FSDP2): shards its fresh module on the joined world before the restore."""
+        assert self._sharded is not None  # only called with a state codec
+        self._sharded.reshard(copy_shards=False)
+
     def rewrap(self, rebuilt: RebuildResult) -> None:
-        """The strategy's DDP wrapper made again on the new group; after a shrink, Lightning's rank
-        and world size read the new world.
+        """The strategy's DDP wrapper made again on the new group (FSDP2: the module sharded again,
+        each rank keeping its shards); after a shrink, Lightning's rank and world size read the new
+        world.
 
         Raises:
-            Reenter: restarted ranks joined (``heal=True``): they start the fit loop at this step,
-                so every rank enters it again there (:meth:`fit_loop_run`).
+            Reenter: restarted ranks joined (``heal=True``) under DDP: they start the fit loop at this
+                step, so every rank enters it again there (:meth:`fit_loop_run`). Under FSDP2 the
+                restore from snapshots comes first; the optimizer step's wrapper re-enters if it
+                brought every rank back to an older step.
         """
+        if self._sharded is not None:
+            self._sharded.reshard(copy_shards=True)
+            return
         if rebuilt.joined_ranks and self.engine.options.heal:
             self._resume = self.heal_extra()
             raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
