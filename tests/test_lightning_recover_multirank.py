@@ -203,7 +203,9 @@ def test_a_strategy_other_than_ddp_is_refused_in_setup_before_the_first_step():
 
     model = tiny()
     fit = trainer(devices=1, callbacks=[NcclGuardCallback(watchdog=False, recover=True)])
-    with pytest.raises(ValueError, match="under the DDP strategy only, got SingleDeviceStrategy"):
+    with pytest.raises(
+        ValueError, match="under the DDP strategy or ModelParallelStrategy \\(FSDP2\\) only, got SingleDeviceStrategy"
+    ):
         fit.fit(model, DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2))
     assert model.steps == 0
 
