@@ -91,8 +91,11 @@ class NcclGuardCallback(Callback):
             --ncclguard-restarts``) comes back: its strategy stands in for the world until the fit loop
             starts, where it joins the survivors and receives a live peer's module, optimizer, LR
             schedulers, fit-loop state and generators; then every rank enters the fit loop again
-            at the step the join redoes (Lightning's own resume logic; a data loader that is not
-            resumable starts its epoch again, as Lightning warns). Pass it on every rank.
+            at the step the join redoes (Lightning's own resume logic; a data loader without a
+            ``state_dict`` starts its epoch again and its batches up to the loop's position are drawn
+            and dropped). Under ``ModelParallelStrategy`` (FSDP2) each rank's shards come from
+            snapshots replicated on a buddy rank instead, and every rank goes back to the newest
+            snapshot's step. Pass it on every rank.
         heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``fit``).
