@@ -33,6 +33,7 @@ its snapshot is restored.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -94,7 +95,8 @@ class ShardedLightning:
         self.params: dict[str, torch.Tensor] = {}  # the live parameters by name (the shards the optimizer holds)
 
     @property
-    def module(self) -> torch.nn.Module:
+    def module(self) -> Any:
+        """The LightningModule (typed loosely: Lightning's ``_device_mesh`` and ``_modules`` are set on it)."""
         return self.trainer.strategy.lightning_module
 
     def check(self) -> None:
@@ -115,7 +117,7 @@ class ShardedLightning:
                 "itself, which cannot be sharded again in place after a rebuild; shard its submodules (each "
                 "layer, then the model they are in), as Lightning's FSDP2 examples do"
             )
-        live = dict(lm.named_parameters())
+        live: dict[str, torch.Tensor] = dict(lm.named_parameters())
         made_late = sorted({n.split(".")[0] for n, p in live.items() if _is_dtensor(p)} - set(self.skeletons))
         if made_late:
             raise ValueError(
@@ -176,7 +178,7 @@ class ShardedLightning:
         for child in fresh.values():
             child.to_empty(device=strategy.root_device)
         lm._modules.update(fresh)
-        new = dict(lm.named_parameters())
+        new: dict[str, torch.Tensor] = dict(lm.named_parameters())
         if copy_shards:
             _copy_into(self.params, new, old_children, fresh)
         for optimizer in self.trainer.optimizers:
@@ -189,7 +191,7 @@ def _has_dtensor(module: torch.nn.Module) -> bool:
     return any(_is_dtensor(p) for p in module.parameters())
 
 
-def _differ(live: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> str | None:
+def _differ(live: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Tensor]) -> str | None:
     """Why the fresh copies' parameters are not laid out as the live ones, or None."""
     children = {n.split(".")[0] for n in fresh}
     wanted = {n: p for n, p in live.items() if n.split(".")[0] in children}
@@ -210,10 +212,10 @@ def _differ(live: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> st
 
 
 def _copy_into(
-    old: dict[str, torch.Tensor],
-    new: dict[str, torch.Tensor],
-    old_children: dict[str, torch.nn.Module],
-    fresh: dict[str, torch.nn.Module],
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    old_children: Mapping[str, torch.nn.Module],
+    fresh: Mapping[str, torch.nn.Module],
 ) -> None:
     """This rank's shards (and the children's buffers) from the old parameters into the new ones."""
     with torch.no_grad():
@@ -252,5 +254,5 @@ def install_stand_in_mesh() -> bool:
         return original(data_parallel_size, tensor_parallel_size, world_size, device)
 
     setattr(setup_device_mesh, _MESH_PATCH, True)
-    model_parallel._setup_device_mesh = setup_device_mesh  # type: ignore[attr-defined]
+    model_parallel._setup_device_mesh = setup_device_mesh
     return True

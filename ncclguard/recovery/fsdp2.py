@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -169,7 +169,7 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.nn.Parameter]) -> None:
+def repoint_optimizer(optimizer: torch.optim.Optimizer, new_of: Mapping[int, torch.Tensor]) -> None:
     """Points ``optimizer`` at new parameters, its sharded state at each new parameter's mesh.
 
     Args:
@@ -182,7 +182,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.
     """
     from torch.distributed.tensor import DTensor
 
-    def moved(value: Any, param: torch.nn.Parameter) -> Any:
+    def moved(value: Any, param: torch.Tensor) -> Any:
         if isinstance(value, DTensor) and isinstance(param, DTensor):
             return DTensor.from_local(
                 value.to_local(),
