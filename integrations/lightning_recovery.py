@@ -27,8 +27,15 @@ window's later micro-batches are not computed), and the commit is at the last on
 ``optimizer_step``. A redo runs every micro-batch of the window again on the rebuilt world, each
 under the sync behaviour it had, the first one's ``zero_grad`` included.
 
-Refused when the callback is set up (a ``ValueError`` before any step): a strategy other than
-plain DDP, and manual optimization (the user's code steps the optimizer).
+``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``): after a rebuild the module is
+sharded again on the new world instead of re-wrapped in DDP, and with ``heal`` each rank's shards go
+into snapshots replicated on a buddy; a restore that takes every rank back to an older snapshot
+enters the fit loop again there (:mod:`ncclguard.integrations.lightning_sharded`).
+
+Refused when the callback is set up (a ``ValueError`` before any step): a strategy other than DDP
+or ``ModelParallelStrategy`` (Lightning's FSDP1 and DeepSpeed strategies: CUDA only in Lightning,
+so untested here), tensor parallelism or a shrink with FSDP2, and manual optimization (the user's
+code steps the optimizer).
 """
 
 from __future__ import annotations
