@@ -28,7 +28,7 @@ SUPERVISE = ["--restarts=1", "--warm-spare", "--preload=lightning.pytorch"]
 
 @pytest.fixture(scope="module")
 def job():
-    # A refused fit, a reference fit, then a fit with a 9 s stall and a SIGKILL: 50-56 s here at load 8.
+    # A refused fit, a reference fit, then a fit with a 9 s stall and a SIGKILL: 50-95 s here, loaded (3 runs).
     return run_ranks("lightning_sharded_worker", 3, supervise=SUPERVISE, timeout_s=400)
 
 
