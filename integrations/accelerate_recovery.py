@@ -21,11 +21,34 @@ use the model ``step_fn`` is given, or ``stepper.model``, not the one ``prepare`
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
 ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`. A rank the others went
 on without exits with status 0 (the engine's left-out policy).
+
+With ``Accelerator(gradient_accumulation_steps=N)`` the loop calls the stepper once per micro-batch,
+as it would enter ``accelerator.accumulate(model)`` once per micro-batch, and passes the micro-batch
+as an argument (it is kept for a redo)::
+
+    def micro_step(model, batch):
+        accelerator.backward(loss_fn(model(batch["x"]), batch["y"]))
+
+    for step, batch in enumerate(loader):
+        res = stepper(micro_step, batch, step=step)
+        if res.pending:
+            continue              # a micro-batch of the window: nothing applied yet
+        scheduler.step()          # once per optimizer step
+
+Each call runs ``step_fn(model, *inputs)`` inside ``accelerator.accumulate(model)`` (Accelerate
+decides ``sync_gradients`` and puts DDP's ``no_sync`` on all but the window's last micro-batch). The
+window's first call opens the transaction, each call is recorded (its function, its inputs, its
+``sync_gradients`` and ``no_sync`` state), and the call where ``accelerator.sync_gradients`` is True
+commits: ok, the optimizer steps once; not ok, the world is rebuilt and every micro-batch of the
+window runs again with the state it had. The calls before return a result with ``pending=True``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +56,7 @@ from typing import Any
 try:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ncclguard.integrations.accelerate needs accelerate: pip install 'ncclguard[hf]'") from exc
 
@@ -41,9 +65,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard import _torch_compat as compat
+from ncclguard.recovery.engine import Transaction
 from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut
-from ncclguard.recovery.records import Recovered
+from ncclguard.recovery.rebuild import generation
+from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.world import current_world
 
@@ -74,11 +100,41 @@ def follow_world(rank: int, size: int) -> bool:
     return changed
 
 
+@dataclass
+class _Micro:
+    """One micro-batch of the open window, as the loop gave it to the stepper."""
+
+    step_fn: Callable[..., Any]
+    inputs: tuple[Any, ...]
+    sync_gradients: bool  # Accelerate's flag for this micro-batch (True on the window's last)
+    grad_sync: bool  # False when it ran under no_sync
+    bound: dict[str, int]  # the ids of what step_fn reads from outside (closure cells, globals) when recorded
+
+
+def _bound_names(fn: Callable[..., Any]) -> dict[str, int]:
+    """The identity of each value ``fn`` reads from its closure or its module's globals, by name."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    out: dict[str, int] = {}
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
+        try:
+            out[name] = id(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    glob = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in glob and name not in out:
+            out[name] = id(glob[name])
+    return out
+
+
 class AcceleratorRecoveringStep(RecoveringStep):
     """:class:`RecoveringStep` for a model and optimizer that ``accelerator.prepare`` returned.
 
     Args:
-        accelerator: the loop's ``Accelerator`` (``gradient_accumulation_steps`` must be 1: see Raises).
+        accelerator: the loop's ``Accelerator``; with ``gradient_accumulation_steps`` above 1, call
+            the stepper once per micro-batch (see the module doc).
         model: the prepared model (a ``DistributedDataParallel`` under several processes).
         optimizer: the prepared optimizer.
         collective_timeout, commit_timeout, rebuild_timeout, allow_shrink, max_attempts, heal,
@@ -96,12 +152,10 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
     Raises:
         TypeError: not an Accelerator, a model or an optimizer.
-        ValueError: the Accelerator accumulates gradients (``gradient_accumulation_steps`` > 1):
-            its ``accumulate()`` skips ``optimizer.step`` and ``zero_grad`` on all but the last
-            micro-batch, so a step of this class would be a micro-batch. Run the micro-batches of
-            one optimizer step inside ``step_fn`` instead (``with model.no_sync():`` for all but
-            the last), with the Accelerator's accumulation at 1. Also: a DeepSpeed or FSDP model
-            (only DDP is re-pointed).
+        ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed); Accelerate's FSDP plugin
+            (on the CPU Accelerate drops it and trains DDP: ``accelerate/state.py`` sets
+            ``DistributedType.FSDP`` only for GPU-like devices); ``heal=True`` with gradient
+            accumulation.
     """
 
     def __init__(
@@ -126,12 +180,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
             raise TypeError(
                 f"model must be the torch.nn.Module accelerator.prepare returned, got {type(model).__name__}"
             )
-        if accelerator.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"the Accelerator accumulates gradients over {accelerator.gradient_accumulation_steps} micro-batches; "
-                "a recovering step is one optimizer step: build the Accelerator with gradient_accumulation_steps=1 and "
-                "run the micro-batches inside step_fn (with model.no_sync() for all but the last)"
-            )
+        refused = _refused(accelerator, heal)
+        if refused is not None:
+            raise ValueError(refused)
         if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 f"recovering_step re-points a DistributedDataParallel model after a rebuild; this one is "
@@ -140,6 +191,8 @@ class AcceleratorRecoveringStep(RecoveringStep):
                 "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
             )
         self.accelerator, self.wrapper = accelerator, model
+        self._window: list[_Micro] = []  # the micro-batches of the open window (gradient accumulation)
+        self._window_tx: Transaction[Any] | None = None
         super().__init__(
             unwrapped(model),
             optimizer,
@@ -154,6 +207,80 @@ class AcceleratorRecoveringStep(RecoveringStep):
             left_out=left_out,
             preempt_dir=preempt_dir,
         )
+
+    def __call__(self, step_fn: Callable[..., Any], *inputs: Any, step: int | None = None) -> StepResult[Any]:
+        """Runs one step, or with gradient accumulation one micro-batch (see the module doc).
+
+        Args:
+            step_fn: ``step_fn(model, *inputs)`` runs forward and backward (``accelerator.backward``);
+                it must not step or zero the optimizer. Called again with the same inputs to redo.
+            *inputs: what ``step_fn`` is given after the model (the micro-batch); kept for a redo.
+            step: your loop's step number (with accumulation: the window's first micro-batch's is
+                checked by the commit; it must grow).
+
+        Returns:
+            The window's :class:`~ncclguard.recovery.records.StepResult` on the micro-batch that
+            commits (without accumulation: every call); before it, a truthy result with ``pending=True``.
+
+        Raises:
+            TypeError: ``step_fn`` is not callable.
+            ValueError: a recorded micro-batch's ``step_fn`` reads a variable that has changed since
+                (a lambda over the loop's ``batch``): its redo would compute another micro-batch.
+            RebuildFailed: this rank was left out, with ``left_out="raise"``.
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
+        if self.accelerator.gradient_accumulation_steps == 1:
+            return super().__call__(lambda model: step_fn(model, *inputs), step=step)
+        with self.accelerator.accumulate(self.model):  # Accelerate's sync_gradients and no_sync
+            sync = bool(self.accelerator.sync_gradients)
+            if self._window_tx is None:
+                self._window_tx, self._window = self.engine.begin(step), []
+                self.zero_grad()
+            tx = self._window_tx
+            grad_sync = bool(getattr(self.model, "require_backward_grad_sync", True))
+            self._window.append(_Micro(step_fn, inputs, sync, grad_sync, _bound_names(step_fn)))
+            tx.run(lambda: step_fn(self.model, *inputs))
+        if not sync:
+            return StepResult(True, 1, generation(), output=tx.output, pending=True)
+        self._window_tx = None
+        try:
+            self._check_window()
+            res = tx.settle(self._replay)
+        finally:
+            tx.close()  # settle closes it too; this is for a window refused by the check
+            self._window = []
+        if res:
+            self.optimizer.step()
+        return res
+
+    def _check_window(self) -> None:
+        for i, micro in enumerate(self._window[:-1]):
+            changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
+            if changed:
+                raise ValueError(
+                    f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
+                    "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
+                    "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
+                )
+
+    def _replay(self) -> Any:
+        """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had."""
+        state = self.accelerator.gradient_state
+        out = None
+        try:
+            for micro in self._window:
+                state._set_sync_gradients(micro.sync_gradients)
+                with nullcontext() if micro.grad_sync else self.accelerator.no_sync(self.model):
+                    out = micro.step_fn(self.model, *micro.inputs)
+        finally:
+            state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
+        return out
+
+    def zero_grad(self) -> None:
+        """The module's gradients to None (the prepared optimizer's ``zero_grad`` does nothing while
+        Accelerate accumulates)."""
+        self.module.zero_grad(set_to_none=True)
 
     def save_checkpoint(self, directory: Path, step: int) -> Path:
         """Accelerate's own state after a preemption stop: ``accelerator.save_state(directory/step-<N>)``
@@ -197,6 +324,33 @@ class AcceleratorRecoveringStep(RecoveringStep):
         if not dist.is_initialized():
             return []
         return [d for dl in loaders for d in repoint_sampler(dl, dist.get_rank(), dist.get_world_size())]
+
+
+def _refused(accelerator: Accelerator, heal: bool) -> str | None:
+    """Why this Accelerator's setup cannot be recovered by this class, and what to use instead, or None."""
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        where = (
+            "Accelerate wrapped the model in FSDP"
+            if fsdp
+            else f"Accelerate was given its FSDP plugin, and on {accelerator.distributed_type.value} it dropped it "
+            "and wraps the model in DDP (accelerate/state.py sets DistributedType.FSDP only for GPU-like devices)"
+        )
+        return (
+            f"recovering_step cannot recover Accelerate's FSDP plugin: {where}, and ncclguard does not rebuild the "
+            "groups of an FSDP model Accelerate prepared. Build the Accelerator without the plugin (DDP, recovered "
+            "here), or shard the module yourself with ncclguard.RecoveringStep(module, optimizer, "
+            "wrap=ncclguard.FSDP2(shard), heal=True), which restores a killed rank from its buddy's in-memory "
+            "snapshot (docs/recovery.md, Sharded state)"
+        )
+    if heal and accelerator.gradient_accumulation_steps != 1:
+        return (
+            f"heal=True cannot go with gradient_accumulation_steps={accelerator.gradient_accumulation_steps}: a "
+            "restarted process's Accelerator counts micro-batches from zero and holds none of the window the "
+            "survivors redo. Use heal=False (a failed window is still redone on a rebuilt world), or "
+            "gradient_accumulation_steps=1 with the window's micro-batches inside step_fn"
+        )
+    return None
 
 
 def recovering_step(

@@ -37,6 +37,7 @@ from typing import Any
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ncclguard.integrations.lightning needs Lightning 2.x (lightning.pytorch): pip install 'ncclguard[lightning]'"
@@ -47,11 +48,13 @@ import torch
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
+from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.records import Recovered
 from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_recovery import StepRecovery, check_recoverable
+from .lightning_sharded import install_stand_in_mesh
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
 
 __all__ = ["NcclGuardCallback", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
@@ -72,8 +75,10 @@ class NcclGuardCallback(Callback):
             (defaults) or False (no watchdog). A watchdog already running in the process is used
             as it is and left running.
         recover: commit every training step on every rank and redo a failed one on a rebuilt
-            world (DDP strategy, automatic optimization, ``accumulate_grad_batches=1``): the
-            recovery engine's adapter for Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
+            world (the DDP strategy, or ``ModelParallelStrategy`` with FSDP2 applied in
+            ``configure_model``; automatic optimization; with ``accumulate_grad_batches`` the step
+            is the window of micro-batches, all redone): the recovery engine's adapter for
+            Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
         allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
         collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
             training step waits for its peers before the step fails, whatever timeout the strategy
@@ -86,11 +91,18 @@ class NcclGuardCallback(Callback):
             --ncclguard-restarts``) comes back: its strategy stands in for the world until the fit loop
             starts, where it joins the survivors and receives a live peer's module, optimizer, LR
             schedulers, fit-loop state and generators; then every rank enters the fit loop again
-            at the step the join redoes (Lightning's own resume logic; a data loader that is not
-            resumable starts its epoch again, as Lightning warns). Pass it on every rank.
+            at the step the join redoes (Lightning's own resume logic; a data loader without a
+            ``state_dict`` starts its epoch again and its batches up to the loop's position are drawn
+            and dropped). Under ``ModelParallelStrategy`` (FSDP2) each rank's shards come from
+            snapshots replicated on a buddy rank instead, and every rank goes back to the newest
+            snapshot's step. Pass it on every rank.
         heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
         left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
             (status 0) or ``"raise"`` (``RebuildFailed`` out of ``fit``).
+        snapshot_every: with ``heal`` under ``ModelParallelStrategy`` (FSDP2): a snapshot of each
+            rank's shards every this many steps, replicated on a buddy rank; None (the default) as
+            often as keeps them under 2% of the step time. A killed rank's restart takes every rank
+            back to the newest snapshot.
 
     Raises:
         TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s`` or ``watchdog``
@@ -117,6 +129,7 @@ class NcclGuardCallback(Callback):
         heal: bool = False,
         heal_timeout: float | timedelta = 60.0,
         left_out: LeftOut = "exit",
+        snapshot_every: int | None = None,
     ) -> None:
         if not isinstance(recover, bool):
             raise TypeError(f"NcclGuardCallback's recover must be a bool, got {recover!r}")
@@ -129,11 +142,14 @@ class NcclGuardCallback(Callback):
             heal=heal,
             heal_timeout=heal_timeout,
             left_out=left_out,
+            snapshot_every=snapshot_every,
         )
         for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
             if flag and not recover:
                 raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         self.recovery = StepRecovery(options, self._log_recovery) if recover else None
+        if heal and restart_count() > 0:  # before the strategy makes its device mesh on the stand-in world
+            install_stand_in_mesh()
         self.recoveries: list[Recovered] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
         self.watchdog_config = watchdog_config(watchdog)
@@ -160,8 +176,12 @@ class NcclGuardCallback(Callback):
                 self.watchdog = start_watchdog(self.watchdog_config)
         self._wrap(trainer, "save_checkpoint", self._saving(trainer))
         if self.recovery is not None and stage == "fit":
-            check_recoverable(trainer, pl_module)
+            check_recoverable(trainer, pl_module, allow_shrink=self.recovery.engine.options.allow_shrink)
+            if isinstance(trainer.strategy, ModelParallelStrategy):
+                self.recovery.use_sharded(trainer, pl_module)  # before configure_model shards the module
             self._wrap(trainer.strategy, "optimizer_step", self.recovery.optimizer_step(trainer))
+            automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+            self._wrap(automatic, "run", self.recovery.automatic_run(trainer))
             if self.recovery.engine.options.heal:
                 self._wrap(trainer.fit_loop, "run", self.recovery.fit_loop_run(trainer))
         if self.eval_timeout_s is not None and stage in ("fit", "validate"):
@@ -201,6 +221,12 @@ class NcclGuardCallback(Callback):
         self._open("train", phase("train", step=trainer.global_step))
         if self.recovery is not None and self.recovery.engine.options.heal:
             self.recovery.keep_loops(trainer)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With ``recover`` under ModelParallelStrategy: checks, before any step, that a rebuilt world
+        can shard the module again (``configure_model`` has run)."""
+        if self.recovery is not None:
+            self.recovery.check_sharded()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """With ``heal=True``, the fit loop's state before the first batch is kept."""

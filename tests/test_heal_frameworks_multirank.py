@@ -86,6 +86,11 @@ def test_a_killed_rank_heals_inside_a_lightning_fit_with_its_defaults(lightning_
         assert res["global_step"] == STEPS
         assert res["optimizer_equal_across_ranks"] is True
         assert res["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)  # the scheduler stepped once a step
+        # Each training_step had its step's batch: after the join too, where the fit loop is entered
+        # again and the loader starts its epoch again (its batches up to step K drawn and dropped).
+        assert all(ok for _, ok in res["batches"])
     for r in (0, 2):
         assert lightning_job[r]["recoveries"] == [[K, 2, 1, [1]]]
+        assert [s for s, _ in lightning_job[r]["batches"]] == list(range(K + 1)) + list(range(K, STEPS))
     assert lightning_job[1]["recoveries"] == []
+    assert [s for s, _ in lightning_job[1]["batches"]] == list(range(K, STEPS))

@@ -96,19 +96,6 @@ def test_repoint_ddp_leaves_what_is_not_ddp_alone():
     assert repoint_ddp(torch.nn.Linear(2, 2)) is False
 
 
-def test_recovering_step_refuses_an_accelerator_that_accumulates_and_what_is_not_an_accelerator():
-    from accelerate import Accelerator
-
-    from ncclguard.integrations.accelerate import recovering_step
-
-    module = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="must be an accelerate.Accelerator"):
-        recovering_step(object(), module, opt)
-    with pytest.raises(ValueError, match="accumulates gradients over 2 micro-batches"):
-        recovering_step(Accelerator(cpu=True, gradient_accumulation_steps=2), module, opt)
-
-
 def test_an_fsdp_trainer_is_refused_naming_what_to_use_instead(tmp_path):
     """Accelerate applies the Trainer's FSDP only on GPU-like devices (accelerate/state.py); on this
     CPU machine ``fsdp=`` is not in force (tests/test_hf_deepspeed_multirank.py reads it). So the one

@@ -5,8 +5,10 @@ group keeps the strategy's 60 s). Rank side: tests/workers/lightning_recover_wor
 ``redo``: a plain Lightning fit, then the same fit with a stall (rank 2, 9 s) at step 2 and an
 exception (rank 1) at step 4: both steps are redone on every rank on a rebuilt world, and the run
 ends bit-equal to the plain one. ``shrink``: with ``allow_shrink=True`` rank 2 is stuck for good
-at step 2; ranks 0-1 finish as a world of 2, rank 2 is left out and exits 0. The argument checks
-run without ranks.
+at step 2; ranks 0-1 finish as a world of 2, rank 2 is left out and exits 0. ``accumulate``: with
+``accumulate_grad_batches=3``, a stall in a window's first micro-batch and an exception in another's
+second (both under DDP's ``no_sync``): each whole window is redone, bit-equal to the plain fit with
+the same accumulation. The argument checks run without ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def redo():
 def shrink():
     # 3 s timeout, 8 s commit, 8 s rebuild, then rank 2 wakes and leaves: 60 s here at load 3.
     return run_ranks("lightning_recover_worker", 3, "shrink", timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def accumulate():
+    # Two fits of 6 windows of 3 micro-batches, a 9 s stall and a 3 s timeout: 35 s here alone.
+    return run_ranks("lightning_recover_worker", 3, "accumulate", timeout_s=240)
 
 
 def metric_rows(job, name: str) -> list[dict[str, str]]:
@@ -101,6 +109,38 @@ def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
     ]
 
 
+@pytest.mark.multirank
+def test_with_gradient_accumulation_the_whole_window_is_redone_and_the_run_ends_bit_equal(accumulate):
+    windows = [[s, m] for s in range(STEPS) for m in range(3)]
+    for r in range(3):
+        res = accumulate[r]
+        ref, got = res["reference"], res["faulty"]
+        assert [x[:2] for x in ref["micro_seen"]] == windows
+        # Step 2: its 3 micro-batches in generation 0 (rank 2 slept in the first), then all 3 again in
+        # generation 1. Step 4: rank 1 raised in the second, so its third never ran; all 3 again in generation 2.
+        first_try_4 = [[4, 0, 1], [4, 1, 1]] + ([] if r == 1 else [[4, 2, 1]])
+        assert got["micro_seen"] == (
+            [[s, m, 0] for s in range(3) for m in range(3)]
+            + [[2, m, 1] for m in range(3)]
+            + [[3, m, 1] for m in range(3)]
+            + first_try_4
+            + [[s, m, 2] for s in (4, 5) for m in range(3)]
+        )
+        assert [(x["step"], x["attempts"], x["generation"], x["world_size"]) for x in got["recoveries"]] == [
+            (2, 2, 1, 3),
+            (4, 2, 2, 3),
+        ]
+        assert got["recoveries"][0]["elapsed_s"] >= 9.0  # the redo waited for the stalled rank
+        assert got["global_step"] == ref["global_step"] == STEPS
+        assert got["before_optimizer_step"] == ref["before_optimizer_step"] == STEPS  # one step per window
+        assert got["lr"] == ref["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)
+        assert got["train_loss_epoch"] == ref["train_loss_epoch"]  # the failed windows' logged losses are out
+        assert res["params_equal_to_reference"] is True  # bit for bit: every micro-batch's gradient redone
+        assert res["buffers_equal_to_reference"] is True
+        assert res["equal_across_ranks"] is True
+        assert res["final"] == [r, 3, 2]
+
+
 # --- without ranks ----------------------------------------------------------------------------------
 
 
@@ -163,15 +203,16 @@ def test_a_strategy_other_than_ddp_is_refused_in_setup_before_the_first_step():
 
     model = tiny()
     fit = trainer(devices=1, callbacks=[NcclGuardCallback(watchdog=False, recover=True)])
-    with pytest.raises(ValueError, match="under the DDP strategy only, got SingleDeviceStrategy"):
+    with pytest.raises(
+        ValueError, match="under the DDP strategy or ModelParallelStrategy \\(FSDP2\\) only, got SingleDeviceStrategy"
+    ):
         fit.fit(model, DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2))
     assert model.steps == 0
 
 
-def test_gradient_accumulation_and_manual_optimization_are_refused():
+def test_manual_optimization_is_refused_and_gradient_accumulation_is_accepted():
     # Checked on a DDP trainer that is built but not fitting: no process group in this process.
-    with pytest.raises(ValueError, match="accumulate_grad_batches=2: the earlier micro-batches"):
-        check_recoverable(trainer(devices=1, strategy="ddp", accumulate_grad_batches=2), tiny())
     with pytest.raises(ValueError, match="automatic_optimization=False"):
         check_recoverable(trainer(devices=1, strategy="ddp"), tiny(manual=True))
     check_recoverable(trainer(devices=1, strategy="ddp"), tiny())  # what recover=True accepts
+    check_recoverable(trainer(devices=1, strategy="ddp", accumulate_grad_batches=2), tiny())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.world import current_world
 
-__all__ = ["FSDP2"]
+__all__ = ["FSDP2", "repoint_optimizer"]
 
 ShardFn = Callable[[torch.nn.Module, Any], Any]
 
@@ -108,7 +108,7 @@ class FSDP2:
         mesh = self._mesh()
         self._shard(module, mesh)
         sharded = list(module.named_parameters())
-        _repoint(optimizer, {id(p_old): p_new for (_, p_old), (_, p_new) in zip(plain, sharded, strict=True)}, mesh)
+        repoint_optimizer(optimizer, {id(p_old): p_new for (_, p_old), (_, p_new) in zip(plain, sharded, strict=True)})
         return module
 
     def again(self, old: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
@@ -158,7 +158,7 @@ class FSDP2:
                 dst.copy_(src)
             for b_new, b_old in zip(new.buffers(), old.buffers(), strict=True):
                 b_new.copy_(b_old)
-        _repoint(optimizer, {id(p_old): p_new for (_, p_old), (_, p_new) in zip(olds, news, strict=True)}, mesh)
+        repoint_optimizer(optimizer, {id(p_old): p_new for (_, p_old), (_, p_new) in zip(olds, news, strict=True)})
         log.info("FSDP2: resharded %d parameter(s) on world generation %d", len(news), world.generation)
         return new
 
@@ -169,20 +169,35 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _repoint(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.nn.Parameter], mesh: Any) -> None:
-    """Points ``optimizer`` at the new parameters, its sharded state at the new mesh."""
+def repoint_optimizer(optimizer: torch.optim.Optimizer, new_of: Mapping[int, torch.Tensor]) -> None:
+    """Points ``optimizer`` at new parameters, its sharded state at each new parameter's mesh.
+
+    Args:
+        optimizer: its parameters and state are replaced in place (the object stays: schedulers and
+            frameworks keep their references).
+        new_of: the new parameter of each old one, by the old one's ``id``.
+
+    Raises:
+        KeyError: a parameter of the optimizer has no new one.
+    """
     from torch.distributed.tensor import DTensor
 
-    def moved(value: Any) -> Any:
-        if isinstance(value, DTensor):
+    def moved(value: Any, param: torch.Tensor) -> Any:
+        if isinstance(value, DTensor) and isinstance(param, DTensor):
             return DTensor.from_local(
-                value.to_local(), mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+                value.to_local(),
+                param.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
             )
         return value
 
     state: defaultdict[Any, Any] = defaultdict(dict)
     for p_old, held in optimizer.state.items():
-        state[new_of[id(p_old)]] = {k: moved(v) for k, v in held.items()}
+        p_new = new_of[id(p_old)]
+        state[p_new] = {k: moved(v, p_new) for k, v in held.items()}
     for group in optimizer.param_groups:
         group["params"] = [new_of[id(p)] for p in group["params"]]
     optimizer.state = state

@@ -76,6 +76,9 @@ class StepResult(Result, Generic[T]):
             :class:`~ncclguard.recovery.snapshots.restore.Restored` (sharded state, from snapshots).
         rewound_to: the snapshot's step every rank went back to when it is older than this step
             (falsy result): the loop must run again from there (``RecoveringStep.steps`` does).
+        pending: a micro-batch of a gradient-accumulation window that commits at the window's last
+            micro-batch: recorded, nothing settled or applied yet (truthy; the window's last result
+            is the verdict).
     """
 
     ok: bool
@@ -88,6 +91,7 @@ class StepResult(Result, Generic[T]):
     error: NcclGuardError | None = None
     healed: HealResult | Restored | None = None
     rewound_to: int | None = None
+    pending: bool = False
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

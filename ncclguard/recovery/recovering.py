@@ -183,6 +183,7 @@ class RecoveringStep(Adapter):
             )
         self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
         self._model: torch.nn.Module | None = None
+        self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
         self.engine = Recovery(self, options)
         self.healed: HealResult | Restored | None = self.engine.join_if_restarted()
         self.resume_step: int | None = self.healed.step if self.healed is not None else None
@@ -214,6 +215,23 @@ class RecoveringStep(Adapter):
             restore_extra=lambda state: load_scheduler(sched, state),
         )
 
+    def keep(self) -> bool | None:
+        """DDP's ``require_forward_param_sync`` as the step found it: whether the next forward
+        broadcasts the buffers. A failed attempt's forwards change it on some ranks only (a rank
+        that raised before its forward, a micro-batch under ``no_sync``), and a redo whose ranks
+        disagree on it runs different collectives."""
+        self._forward_sync = getattr(self._model, "require_forward_param_sync", None)
+        return self._forward_sync
+
+    def restore(self, kept: bool | None) -> None:
+        """Puts DDP's flag back before the redo (and :meth:`rewrap` on a new wrapper)."""
+        self._forward_sync = kept
+        self._put_forward_sync()
+
+    def _put_forward_sync(self) -> None:
+        if self._forward_sync is not None and hasattr(self._model, "require_forward_param_sync"):
+            self._model.require_forward_param_sync = self._forward_sync  # type: ignore[union-attr]
+
     def wrap_joined(self) -> None:
         """A restarted rank with FSDP2: shards its fresh module on the joined world before the restore."""
         self._model = self._wrapped()
@@ -228,6 +246,8 @@ class RecoveringStep(Adapter):
             self._model = self.module
         else:
             self._model = self._wrapped()
+            if not rebuilt.joined_ranks:  # a restarted rank's wrapper is new: every rank's starts as its does
+                self._put_forward_sync()
 
     def save_checkpoint(self, directory: Path, step: int) -> Path:
         """The model and the optimizer in DCP, at ``directory/step-<step>`` (load it with

@@ -147,7 +147,7 @@ def hf() -> None:
 
 def lightning() -> None:
     from lightning.pytorch import LightningModule, Trainer
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ncclguard.integrations.lightning import NcclGuardCallback
 
@@ -164,8 +164,10 @@ def lightning() -> None:
             )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            die_here(self.trainer.global_step, [])
+            step = self.trainer.global_step
+            die_here(step, [])
             x, y = batch
+            batches.append([step, torch.equal(x, xs[order[4 * step : 4 * step + 4]])])
             return torch.nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
@@ -174,8 +176,12 @@ def lightning() -> None:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(3 * STEPS * 4, 4, generator=gen)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=4)
+    xs = torch.randn(3 * STEPS * 4, 4, generator=gen)
+    data = DataLoader(TensorDataset(xs, xs.sum(1, keepdim=True).tanh()), batch_size=4)
+    batches: list[list[Any]] = []  # [step, the batch is the one of this step] of each training_step
+    # Lightning's own sampler for a training loader: DistributedSampler(shuffle=True, seed=0), epoch 0
+    # (lightning/pytorch/trainer/connectors/data_connector.py, _get_distributed_sampler).
+    order = list(DistributedSampler(TensorDataset(xs), num_replicas=3, rank=ME, shuffle=True, seed=0))
     guard = NcclGuardCallback(
         watchdog=False,
         recover=True,
@@ -200,6 +206,7 @@ def lightning() -> None:
     put("global_step", trainer.global_step)
     put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in guard.recoveries])
     put("lr", trainer.optimizers[0].param_groups[0]["lr"])
+    put("batches", batches)
     put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
     put("params_equal_across_ranks", equal_across_ranks(flat(model.parameters())))
     put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(trainer.optimizers[0])))

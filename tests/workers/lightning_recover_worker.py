@@ -2,7 +2,7 @@
 real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (the strategy's group timeout
 60 s, never lowered by hand; the callback's ``collective_timeout`` bounds a step's collectives at 3 s).
 
-Usage: ``lightning_recover_worker.py redo|shrink``. A tiny model with BatchNorm (buffers DDP
+Usage: ``lightning_recover_worker.py redo|shrink|accumulate``. A tiny model with BatchNorm (buffers DDP
 broadcasts) and Dropout (the RNG), SGD with momentum and a StepLR scheduler, 6 steps; Lightning
 inserts its DistributedSampler.
 
@@ -13,6 +13,11 @@ inserts its DistributedSampler.
   bit-equal to the reference.
 - ``shrink``: ``recover=True, allow_shrink=True``; at step 2 rank 2 is stuck until ranks 0-1 are
   done. They go on as a world of 2; rank 2 then finds itself left out and exits 0.
+- ``accumulate``: as ``redo`` with ``accumulate_grad_batches=3`` (a step is a window of 3
+  micro-batches, the first two under DDP's ``no_sync``): at step 2 rank 2 stalls 9 s in the
+  window's first micro-batch (no collective in it: the others wait at the third's gradient
+  all_reduce), at step 4 rank 1 raises in the second. Every rank redoes the whole window of both
+  steps on a rebuilt world and ends bit-equal to the plain fit with the same accumulation.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ STEPS = 6
 
 
 class Net(LightningModule):
-    def __init__(self, faults: dict[int, str]) -> None:
+    def __init__(self, faults: dict[int, str], accumulate: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
@@ -56,16 +61,20 @@ class Net(LightningModule):
             torch.nn.Dropout(0.3),
             torch.nn.Linear(8, 1),
         )
-        self.faults = faults
+        self.faults = faults  # by step, or (accumulate > 1) by step * accumulate + micro-batch
+        self.accumulate = accumulate
         self.tries: dict[int, int] = {}
         self.seen: list[list[int]] = []  # [step, generation, world size] of each training_step run
+        self.micro_seen: list[list[int]] = []  # [step, micro-batch, generation] of each run
 
     def training_step(self, batch, batch_idx):
-        step = self.trainer.global_step
-        self.tries[step] = self.tries.get(step, 0) + 1
+        step, micro = self.trainer.global_step, batch_idx % self.accumulate
+        where = step if self.accumulate == 1 else step * self.accumulate + micro
+        self.tries[where] = self.tries.get(where, 0) + 1
         self.seen.append([step, generation(), dist.get_world_size()])
-        if self.tries[step] == 1:
-            fault = self.faults.get(step)
+        self.micro_seen.append([step, micro, generation()])
+        if self.tries[where] == 1:
+            fault = self.faults.get(where)
             if fault == "stall":
                 time.sleep(STALL_S)
             elif fault == "raise":
@@ -102,9 +111,9 @@ def stuck_until_survivors_done() -> None:
     rankkit.save()  # the engine's left-out policy ends this rank with status 0; torchrun's status 0 shows it
 
 
-def data() -> DataLoader:
+def data(accumulate: int = 1) -> DataLoader:
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(3 * STEPS * 4, 4, generator=gen)
+    x = torch.randn(3 * STEPS * accumulate * 4, 4, generator=gen)
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=4)
 
 
@@ -112,8 +121,10 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([torch.zeros(0, dtype=torch.float64)] + [t.detach().reshape(-1).double() for t in tensors])
 
 
-def fit(name: str, faults: dict[int, str], callback: NcclGuardCallback | None) -> tuple[Net, Trainer, Counts]:
-    model, counts = Net(faults), Counts()
+def fit(
+    name: str, faults: dict[int, str], callback: NcclGuardCallback | None, accumulate: int = 1
+) -> tuple[Net, Trainer, Counts]:
+    model, counts = Net(faults, accumulate), Counts()
     trainer = Trainer(
         accelerator="cpu",
         devices=3,
@@ -122,6 +133,7 @@ def fit(name: str, faults: dict[int, str], callback: NcclGuardCallback | None) -
         # reduces in the same order as the old one and the runs can be compared bit for bit.
         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), find_unused_parameters=True),
         max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[c for c in (callback, counts) if c is not None],
@@ -130,7 +142,7 @@ def fit(name: str, faults: dict[int, str], callback: NcclGuardCallback | None) -
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, data())
+    trainer.fit(model, data(accumulate))
     return model, trainer, counts
 
 
@@ -140,6 +152,7 @@ def results(model: Net, trainer: Trainer, counts: Counts, guard: NcclGuardCallba
         "before_optimizer_step": counts.before_optimizer_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "seen": model.seen,
+        "micro_seen": model.micro_seen,
         "train_loss_epoch": float(trainer.callback_metrics["train_loss_epoch"]),
         "recoveries": [asdict(r) for r in guard.recoveries] if guard is not None else None,
         "recover_metrics": {
@@ -173,6 +186,24 @@ def redo() -> None:
     rankkit.done()
 
 
+def accumulate() -> None:
+    acc = 3
+    reference, ref_trainer, ref_counts = fit("reference", {}, None, acc)
+    put("reference", results(reference, ref_trainer, ref_counts, None))
+    guard = NcclGuardCallback(
+        watchdog=False, recover=True, collective_timeout=BOUND_STEP_S, commit_timeout=30, rebuild_timeout=30
+    )
+    # Step 2's first micro-batch (no_sync) on rank 2, step 4's second (no_sync) on rank 1.
+    faults = {2 * acc + 0: "stall"} if ME == 2 else {4 * acc + 1: "raise"} if ME == 1 else {}
+    model, trainer, counts = fit("accumulate", faults, guard, acc)
+    put("faulty", results(model, trainer, counts, guard))
+    put("params_equal_to_reference", torch.equal(flat(model.parameters()), flat(reference.parameters())))
+    put("buffers_equal_to_reference", torch.equal(flat(model.buffers()), flat(reference.buffers())))
+    put("equal_across_ranks", equal_across_ranks(flat(model.parameters())))
+    put("final", [dist.get_rank(), dist.get_world_size(), generation()])
+    rankkit.done()
+
+
 def shrink() -> None:
     guard = NcclGuardCallback(
         watchdog=False,
@@ -194,4 +225,4 @@ def shrink() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    {"redo": redo, "shrink": shrink}[sys.argv[1]]()
+    {"redo": redo, "shrink": shrink, "accumulate": accumulate}[sys.argv[1]]()
