@@ -15,6 +15,20 @@ from harness import run_ranks
 ACC, WINDOWS = 3, 6
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's state is one per process (``AcceleratorState``, ``GradientState``: shared dicts), and
+    an Accelerator made earlier in this process (another test file's Trainer, in the same pytest worker)
+    keeps its accumulation settings: ``GradientState`` reads its plugin only once. Reset before and after."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="module")
 def job():
     # Two loops of 6 windows, a 9 s stall, a 3 s bound twice: 40 s here alone. Hang guard: over 3x that.
@@ -82,7 +96,7 @@ def batches() -> list[torch.Tensor]:
     return [torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(6)]
 
 
-def test_with_accumulation_the_optimizer_steps_once_per_window_as_in_accelerates_own_loop():
+def test_with_accumulation_the_optimizer_steps_once_per_window_as_in_accelerates_own_loop(fresh_accelerate):
     from accelerate import Accelerator
 
     from ncclguard.integrations.accelerate import recovering_step
@@ -108,7 +122,7 @@ def test_with_accumulation_the_optimizer_steps_once_per_window_as_in_accelerates
     assert not torch.equal(module.weight, tiny()[0].weight)  # it trained
 
 
-def test_a_lambda_over_the_loops_batch_is_refused_before_the_window_commits():
+def test_a_lambda_over_the_loops_batch_is_refused_before_the_window_commits(fresh_accelerate):
     from accelerate import Accelerator
 
     from ncclguard.integrations.accelerate import recovering_step
@@ -124,7 +138,7 @@ def test_a_lambda_over_the_loops_batch_is_refused_before_the_window_commits():
     assert torch.equal(module.weight, before)  # nothing applied
 
 
-def test_heal_with_accumulation_and_what_is_not_an_accelerator_are_refused():
+def test_heal_with_accumulation_and_what_is_not_an_accelerator_are_refused(fresh_accelerate):
     from accelerate import Accelerator
 
     from ncclguard.integrations.accelerate import recovering_step
