@@ -1,0 +1,172 @@
+"""The supervisor's eye on its rank: its progress from ``/proc``, and what the waiting ranks ask of it.
+
+A rank stuck on another host whose threads cannot run (SIGSTOP, the GIL held in C) publishes
+nothing, and its peers cannot cut their connections to it from there: they ask its supervisor
+(:mod:`ncclguard.store.asks`). The supervisor runs on the rank's host and is not stuck. Every
+:data:`POLL_S` it samples its rank's process (:func:`ncclguard.watching.progress.sample_process`:
+stopped or not, main-thread CPU time, I/O) and reads the one key of asks about its rank (one store
+call, bounded). On an ask about its process:
+
+- ``unknown`` (the peers cannot tell): it judges from its samples (:class:`~ncclguard.watching.progress.Progress`,
+  the asker's window). Stuck: it ends the process with SIGKILL (its sockets close, so the peers'
+  gloo op fails at once); moving: it answers so, and the process is left alone;
+- ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
+  not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself).
+
+:class:`Ended` says what the supervisor does next (:mod:`ncclguard.supervise.loop`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
+from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_answer, read_ask
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.watching.progress import Progress, sample_process
+
+__all__ = ["POLL_S", "STUCK_GRACE_S", "Ended", "StuckWatch"]
+
+POLL_S = 1.0  # how often the supervisor samples its rank and reads the asks about it
+STUCK_GRACE_S = 3.0  # a rank its peers judged stuck may exit 0 by itself this long (its verdict looks every 2 s)
+STORE_BOUND_S = 2.0
+DEFAULT_STILL_S = 10.0  # the window before any ask names one (the verdict's floor)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A process the supervisor ended because it was stuck.
+
+    Attributes:
+        pid: the process.
+        judged: who judged it: ``"peers"`` (their death notice is posted) or ``"supervisor"``.
+        evidence: what decided, in words.
+        heal: the engine heals a restarted rank (from the ask).
+    """
+
+    pid: int
+    judged: str
+    evidence: str
+    heal: bool
+
+
+class StuckWatch:
+    """Samples the rank's process and acts on the asks about it (see the module doc).
+
+    Args:
+        origin: the rank's launch rank (``RANK``).
+        store: returns the job's store client, or None while there is none.
+        say: how the supervisor writes a line (its standard error).
+    """
+
+    def __init__(self, origin: int, store: Any, say: Any) -> None:
+        self.origin, self._store, self._say = origin, store, say
+        self._restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self._pid: int | None = None  # the process sampled (the rank's, from the first ask naming it)
+        self._prog = Progress(DEFAULT_STILL_S)
+        self._stuck_seen: float | None = None  # when a ``stuck`` ask about the current process was first read
+        self._answered: set[float] = set()  # the asks (by their ``at``) answered ``moving``
+        self._unread = False  # the last read failed (said once)
+
+    def follow(self, proc: subprocess.Popen[Any]) -> None:
+        """A new process runs the rank: its samples start afresh."""
+        self._pid, self._prog, self._stuck_seen = proc.pid, Progress(DEFAULT_STILL_S), None
+
+    def look(self, proc: subprocess.Popen[Any]) -> Ended | None:
+        """One poll: samples the process, reads the asks, ends the process when it is stuck.
+
+        Args:
+            proc: the rank's running process.
+
+        Returns:
+            What was ended (the process has been sent SIGKILL), or None.
+        """
+        now = time.monotonic()
+        if self._pid is None:
+            self._pid = proc.pid
+        sample = sample_process(self._pid, now)
+        if sample is not None:
+            self._prog.observe(sample)
+        ask = self._read()
+        if ask is None or not self._about(ask, proc):
+            return None
+        if ask.pid != self._pid:  # the rank runs under a wrapper: sample the process the peers named
+            self._pid, self._prog = ask.pid, Progress(ask.still_s)
+            return None
+        if ask.judged == "stuck":
+            self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
+            if now - self._stuck_seen < STUCK_GRACE_S:
+                return None
+            return self._end(proc, ask, "peers", f"its peers judged it stuck (asked by launch rank {ask.asker})")
+        self._prog.still_s = ask.still_s
+        j = self._prog.judge(now)
+        if j.state == "stuck":
+            return self._end(proc, ask, "supervisor", j.evidence)
+        if j.state == "moving" and ask.at not in self._answered:
+            self._answered.add(ask.at)
+            self._say(f"launch rank {self.origin} (pid {ask.pid}) is behind but moving ({j.evidence}); left alone")
+            self.answer(JudgeAnswer(origin=self.origin, pid=ask.pid, state="moving", evidence=j.evidence[:300],
+                                    host=socket.gethostname(), at=time.time()))  # fmt: skip
+        return None
+
+    def answer(self, ans: JudgeAnswer) -> None:
+        """Posts ``ans`` for the asking ranks (bounded; a failure is said, nothing more)."""
+        store = self._store()
+        if store is None:
+            return
+        try:
+            bounded_store_call(
+                store, lambda: post_answer(store, ans, self._restart), Deadline.within(STORE_BOUND_S), "an answer"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            self._say(f"the answer about launch rank {self.origin} was not posted: {exc}")
+
+    def _about(self, ask: JudgeAsk, proc: subprocess.Popen[Any]) -> bool:
+        """The ask names this rank's process, or one it started (a wrapper's child)."""
+        if ask.origin != self.origin:
+            return False
+        if ask.pid == proc.pid:
+            return True
+        import psutil
+
+        try:
+            return ask.pid in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.Error:
+            return False
+
+    def _read(self) -> JudgeAsk | None:
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            ask = bounded_store_call(
+                store, lambda: read_ask(store, self.origin, self._restart), Deadline.within(STORE_BOUND_S), "the asks"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            if not self._unread:
+                self._say(f"the asks about launch rank {self.origin} are unreadable now ({exc}); trying every poll")
+            self._unread = True
+            return None
+        self._unread = False
+        return ask
+
+    def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str) -> Ended:
+        self._say(
+            f"launch rank {self.origin} (pid {ask.pid}, at {ask.site or '?'}) is stuck: {evidence}; SIGKILL, "
+            "so that the ranks waiting for it go on at once"
+        )
+        for pid in {ask.pid, proc.pid}:  # the rank, and the wrapper that runs it if any
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return Ended(ask.pid, judged, evidence, ask.heal)
