@@ -50,13 +50,13 @@ class Ended:
         pid: the process.
         judged: who judged it: ``"peers"`` (their death notice is posted) or ``"supervisor"``.
         evidence: what decided, in words.
-        heal: the engine heals a restarted rank (from the ask).
+        restart: the rank is restarted (the engine heals, said in the ask, and a restart is left).
     """
 
     pid: int
     judged: str
     evidence: str
-    heal: bool
+    restart: bool
 
 
 class StuckWatch:
@@ -81,11 +81,12 @@ class StuckWatch:
         """A new process runs the rank: its samples start afresh."""
         self._pid, self._prog, self._stuck_seen = proc.pid, Progress(DEFAULT_STILL_S), None
 
-    def look(self, proc: subprocess.Popen[Any]) -> Ended | None:
+    def look(self, proc: subprocess.Popen[Any], can_restart: bool) -> Ended | None:
         """One poll: samples the process, reads the asks, ends the process when it is stuck.
 
         Args:
             proc: the rank's running process.
+            can_restart: a restart is left.
 
         Returns:
             What was ended (the process has been sent SIGKILL), or None.
@@ -106,11 +107,11 @@ class StuckWatch:
             self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
             if now - self._stuck_seen < STUCK_GRACE_S:
                 return None
-            return self._end(proc, ask, "peers", f"its peers judged it stuck (asked by launch rank {ask.asker})")
+            return self._end(proc, ask, "peers", f"its peers judged it stuck (asked by launch rank {ask.asker})", False)
         self._prog.still_s = ask.still_s
         j = self._prog.judge(now)
         if j.state == "stuck":
-            return self._end(proc, ask, "supervisor", j.evidence)
+            return self._end(proc, ask, "supervisor", j.evidence, ask.heal and can_restart)
         if j.state == "moving" and ask.at not in self._answered:
             self._answered.add(ask.at)
             self._say(f"launch rank {self.origin} (pid {ask.pid}) is behind but moving ({j.evidence}); left alone")
@@ -159,7 +160,19 @@ class StuckWatch:
         self._unread = False
         return ask
 
-    def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str) -> Ended:
+    def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool) -> Ended:
+        # The answer first: the asking ranks' op fails the moment the process dies, and they read it then.
+        self.answer(
+            JudgeAnswer(
+                origin=self.origin,
+                pid=ask.pid,
+                state="stuck",
+                evidence=evidence[:300],
+                restarted=restart,
+                host=socket.gethostname(),
+                at=time.time(),
+            )
+        )
         self._say(
             f"launch rank {self.origin} (pid {ask.pid}, at {ask.site or '?'}) is stuck: {evidence}; SIGKILL, "
             "so that the ranks waiting for it go on at once"
@@ -169,4 +182,4 @@ class StuckWatch:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        return Ended(ask.pid, judged, evidence, ask.heal)
+        return Ended(ask.pid, judged, evidence, restart)

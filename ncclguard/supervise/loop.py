@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,7 +52,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ncclguard.store.asks import JudgeAnswer
 from ncclguard.store.deaths import STUCK_RC, DeathPoster
 from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
 from ncclguard.supervise.spare import RESTART_COUNT_VAR, target_of
@@ -217,14 +215,13 @@ class Supervisor:
             count = 0
             self.child = self._start(0)
             while True:
-                rc, ended = self._wait(watch)
+                rc, ended = self._wait(watch, count < self.restarts)
                 self.lives.append(rc)
                 status = 128 - rc if rc < 0 else rc
                 if self.stopping is not None or stopped(rc):
                     return self._stopped(rc, status)
-                if ended is not None and watch is not None:
-                    restart = ended.judged == "supervisor" and ended.heal and count < self.restarts
-                    if not self._after_stuck(ended, restart, poster, watch, origin, count):
+                if ended is not None:
+                    if not self._after_stuck(ended, poster, origin, count):
                         return 0
                 elif rc != 0 and poster is not None and origin is not None:  # the last death too
                     why_not = poster.post(origin, self.child.pid, rc, count)
@@ -243,7 +240,7 @@ class Supervisor:
             if self.spare is not None:
                 self.spare.discard()
 
-    def _wait(self, watch: StuckWatch | None) -> tuple[int, Ended | None]:
+    def _wait(self, watch: StuckWatch | None, can_restart: bool) -> tuple[int, Ended | None]:
         """Waits for the running process to end, looking at it every poll; returns its status and,
         when the supervisor ended it as stuck, what it ended."""
         assert self.child is not None
@@ -257,32 +254,19 @@ class Supervisor:
                 pass
             if self.stopping is not None:
                 continue  # told to stop: the stop's own timer ends it
-            ended = watch.look(self.child)
+            ended = watch.look(self.child, can_restart)
             if ended is not None:
                 return self.child.wait(), ended
 
-    def _after_stuck(
-        self, ended: Ended, restart: bool, poster: DeathPoster | None, watch: StuckWatch, origin: int | None, life: int
-    ) -> bool:
+    def _after_stuck(self, ended: Ended, poster: DeathPoster | None, origin: int | None, life: int) -> bool:
         """After this supervisor ended its rank as stuck: posts its death where its peers have not
-        (a restart-to-come as a kill, else ``STUCK_RC``: they go on without it at once) and the
-        answer. Returns whether the rank is restarted (it rejoins and is healed)."""
-        assert origin is not None
-        if ended.judged == "supervisor" and poster is not None:
+        (a restart-to-come as a kill, else ``STUCK_RC``: they go on without it at once). Returns
+        whether the rank is restarted (it rejoins and is healed)."""
+        restart = ended.restart
+        if ended.judged == "supervisor" and poster is not None and origin is not None:
             why_not = poster.post(origin, ended.pid, -int(signal.SIGKILL) if restart else STUCK_RC, life)
             if why_not is not None:
                 _say(why_not)
-        watch.answer(
-            JudgeAnswer(
-                origin=origin,
-                pid=ended.pid,
-                state="stuck",
-                evidence=ended.evidence[:300],
-                restarted=restart,
-                host=socket.gethostname(),
-                at=time.time(),
-            )
-        )
         if not restart:
             why = (
                 "its peers went on without it"

@@ -127,7 +127,8 @@ class Ticks:
             phase_kind(hb.phase) for hb in self._liveness.heartbeats().values()
         }
         seqs = self._state.backend_seq()
-        self.hang.tick(now, sum(seqs.values()) if seqs else None, kinds, len(desk.cases))
+        if self.hang.tick(now, sum(seqs.values()) if seqs else None, kinds, len(desk.cases)) and desk.store is not None:
+            self.hang.save(desk.store, self._origin())  # now, not at the next beat: a rank may die before it
         self._hang_s = self._backend.hang_timeout_s = self.hang.bound(kinds)
 
     def _story(self) -> tuple[list[TrackSpan], list[BackendEntry]]:

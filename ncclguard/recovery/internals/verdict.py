@@ -70,7 +70,7 @@ class Seen:
     own: Progress | None = None
     reported: set[int] = field(default_factory=set)
     acted: set[int] = field(default_factory=set)
-    asked: dict[int, int] = field(default_factory=dict)  # rank -> the pid its supervisor was asked about
+    asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
 
 
 class VerdictDriver:
@@ -99,16 +99,18 @@ class VerdictDriver:
             return
         hb = _heartbeat_s()
         with self._cond:
-            self._seen = Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            before, self._seen = self._seen, Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+        self._settle(before)
 
     def disarm(self) -> None:
         """The step is over: nothing is judged until the next one."""
         with self._cond:
-            self._seen = None
+            before, self._seen = self._seen, None
+        self._settle(before)
         current_world().get(JUDGED).clear()
 
     def _run(self) -> None:
@@ -272,7 +274,7 @@ class VerdictDriver:
                 continue
             origin = world.origin(r)
             if r not in seen.asked:
-                seen.asked[r] = hb.pid
+                seen.asked[r] = (hb.pid, origin, hb.site)
                 posted = ask_supervisor(origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank()))
                 j = Judgment("unknown", round(age, 3), f"no heartbeat for {age:.1f} s, on another host")
                 self._event("asked", r, j, site=hb.site, posted=posted, waited_s=round(now - seen.started, 3))
@@ -287,19 +289,37 @@ class VerdictDriver:
                     age,
                 )
                 continue
-            ans = supervisor_answer(origin)
-            if ans is None or ans.pid != seen.asked[r] or (ans.state == "moving" and r in seen.reported):
-                continue
-            j = Judgment(ans.state, 0.0, f"its supervisor on {ans.host}: {ans.evidence}")
+            self._answered(seen, r, now)
+
+    def _answered(self, seen: Seen, r: int, now: float, settling: bool = False) -> None:
+        """Reads the answer of the supervisor asked about rank ``r``, and reports it once."""
+        pid, origin, site = seen.asked[r]
+        ans = supervisor_answer(origin)
+        if ans is None or ans.pid != pid or r in seen.acted or (ans.state == "moving" and r in seen.reported):
+            return
+        j = Judgment(ans.state, 0.0, f"its supervisor on {ans.host}: {ans.evidence}")
+        if not settling:  # the world is still the one this rank was numbered in
             current_world().get(JUDGED)[str(r)] = f"{ans.state}: {j.evidence}"[:MAX_JUDGED_CHARS]
-            if ans.state == "moving":
-                seen.reported.add(r)
-                self._event("busy", r, j, site=hb.site, behind_s=round(now - seen.started, 3))
-                log.warning("%s: verdict: rank %d is behind but moving (%s); no action", self.name, r, j.evidence)
-            else:
-                seen.acted.add(r)
-                self._event("ended", r, j, site=hb.site, restarted=ans.restarted, waited_s=round(now - seen.started, 3))
-                log.error("%s: verdict: rank %d was stuck and its supervisor ended it (%s)", self.name, r, j.evidence)
+        if ans.state == "moving":
+            seen.reported.add(r)
+            self._event("busy", r, j, site=site, behind_s=round(now - seen.started, 3))
+            log.warning("%s: verdict: rank %d is behind but moving (%s); no action", self.name, r, j.evidence)
+        else:
+            seen.acted.add(r)
+            self._event("ended", r, j, site=site, restarted=ans.restarted, waited_s=round(now - seen.started, 3))
+            log.error("%s: verdict: rank %d was stuck and its supervisor ended it (%s)", self.name, r, j.evidence)
+
+    def _settle(self, seen: Seen | None) -> None:
+        """A step's look ends (its op failed when a supervisor ended the rank, or it committed): the
+        answers to its asks are read once more, so that what was decided is reported. The supervisor
+        answers before it ends the process, so the answer is there when the op fails."""
+        if seen is None:
+            return
+        for r in [r for r in seen.asked if r not in seen.acted]:
+            try:
+                self._answered(seen, r, time.monotonic(), settling=True)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: reading a supervisor's answer failed; going on")
 
     def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
         self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
