@@ -11,7 +11,9 @@ launch rank 1 stops itself (SIGSTOP); rank 0 goes on alone and, once done, lets 
 
 ``hf`` (3 ranks): the HF Trainer with ``TrainingArguments``' defaults and ``guard_trainer(trainer,
 recover=True, allow_shrink=True)``: at global step ASLEEP launch rank 2 sleeps for good in the
-model's forward; ranks 0-1 finish HF_STEPS steps as a world of 2.
+model's forward; ranks 0-1 finish HF_STEPS steps as a world of 2. Then, in the same processes, an
+Accelerate loop through ``recovering_step(..., allow_shrink=True)``: at its step ACC_ASLEEP launch
+rank 1 sleeps for good and rank 0 finishes alone.
 
 ``busy`` (2 ranks): WARM healthy steps, then at step BUSY rank 1 computes in Python for BUSY_S
 seconds (its stack and CPU time move): reported, no action; the run ends on its 2 ranks.
@@ -232,6 +234,55 @@ def hf() -> None:
     put("judge_s", engine.timing.judge_s())
     put("train_s", round(time.time() - t0, 3))
     put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.save()
+    accelerate_after(me)
+
+
+ACC_ASLEEP, ACC_STEPS = 3, 6
+
+
+def accelerate_after(me: int) -> None:
+    """After the Trainer, in the same processes (ranks 0-1, a world of 2): an Accelerate loop through
+    ``recovering_step(accelerator, model, opt, allow_shrink=True)``, nothing else set. At its step
+    ACC_ASLEEP launch rank 1 sleeps for good; rank 0 finishes alone. Its engine is new: its judge
+    bound comes from the job's store, learned by the Trainer's engine (no warm-up of its own)."""
+    from accelerate import Accelerator
+
+    from ncclguard.integrations.accelerate import recovering_step
+
+    accelerator = Accelerator(cpu=True)  # the Trainer's state: this world of 2
+    module = make_module()
+    model, opt = accelerator.prepare(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    stepper = recovering_step(accelerator, model, opt, allow_shrink=True)  # every timeout at its default
+    timing = stepper.engine.timing
+    results, judge = [], []
+    for step in range(ACC_STEPS):
+        x, y = batch(step, me)
+
+        def step_fn(m: torch.nn.Module, step: int = step, x=x, y=y) -> None:
+            if me == 1 and step == ACC_ASLEEP:
+                put("accelerate_stall_at", time.time())
+                rankkit.save()
+                while True:  # asleep in Python for good
+                    time.sleep(0.1)
+            accelerator.backward(torch.nn.functional.mse_loss(m(x), y))
+
+        t0 = time.time()
+        res = stepper(step_fn, step=step)
+        judge.append(timing.judge_s())
+        results.append({**summary(res), "size": dist.get_world_size(), "elapsed_s": round(time.time() - t0, 3)})
+        if not res:
+            break
+    put(
+        "accelerate",
+        {
+            "results": results,
+            "judge_s": judge,
+            "events": timing.driver.events,
+            "processes": [accelerator.num_processes, accelerator.process_index],
+            "final": [dist.get_rank(), dist.get_world_size(), current_world().generation],
+        },
+    )
     rankkit.done()
 
 
