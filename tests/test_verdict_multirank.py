@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from harness import run_ranks
@@ -62,7 +63,8 @@ def test_a_rank_asleep_then_a_stopped_rank_are_acted_on_within_the_learned_bound
 
 @pytest.fixture(scope="module")
 def busy_job(tmp_path_factory):
-    # A 15 s busy step after the warm-up (judge bound 10 s): about 35 s here. Hang guard 200 s.
+    # Steps of 1 s, then a 15 s busy step after the warm-ups (judge and hang bounds 10 s): about 50 s
+    # here. Hang guard 200 s.
     where = str(tmp_path_factory.mktemp("incidents"))
     return run_ranks("verdict_worker", 2, "busy", timeout_s=200, supervise=DEFAULTS, env=_env(where))
 
@@ -78,6 +80,15 @@ def test_a_busy_rank_is_reported_never_acted_on_and_the_run_ends_on_its_full_wor
     assert "cpu" in busy[0]["evidence"] or "stack" in busy[0]["evidence"]
     # The busy step's 15 s interval raised the learned bound: 5 x 15 s, at most half the 300 s step bound.
     assert 70.0 <= busy_job[0]["judge_s"] <= 150.0
+    # The watchdog's hang bound, learned at 10 s (the steps set no phase), was used: rank 0 reported
+    # the 15 s wait about 10 s into it, not at the 300 s it held before. Reported only, the incident
+    # failed no step (every step above committed at its first attempt).
+    hang = busy_job[0]["hang"]
+    assert hang["hang_s"] == 10.0 and hang["state"]["counts"]["unphased"] >= 10
+    found = [re.search(r"(?:stood|waited) (\d+\.\d) s", i["reason"]) for i in busy_job[0]["incidents"]]
+    stood = [float(m.group(1)) for m in found if m]
+    assert stood and all(10.0 <= x < 15.0 for x in stood), busy_job[0]["incidents"]
+    assert all([a["rung"] for a in i["actions"]] == ["report"] for i in busy_job[0]["incidents"])
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go
 WARM = 12  # steps before the first fault: past the warm-up (10 intervals)
 ASLEEP, STOPPED, STEPS = 12, 15, 18
 BUSY, BUSY_S, BUSY_STEPS = 12, 15.0, 14
+BUSY_STEP_S = 1.0  # busy: each step's work, so that the watchdog's hang bound warms up (10 intervals at 0.5 s ticks)
 # 14 steps of REMOTE_STEP_S before the first fault: the hang bound's warm-up (10 intervals) at the
 # watchdog's 0.5 s ticks, with room to spare on a loaded machine.
 REMOTE_STEP_S, REMOTE_ASLEEP, REMOTE_STOPPED, REMOTE_STEPS = 1.0, 14, 17, 20
@@ -85,6 +86,8 @@ def main(mode: str) -> None:
                 put("stall_at", time.time())
                 rankkit.save()
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if mode == "busy":
+                time.sleep(BUSY_STEP_S)
             if mode == "busy" and me == 1 and step == BUSY:
                 busy_for(BUSY_S)
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -104,6 +107,16 @@ def main(mode: str) -> None:
     put("judge_s", timing.judge_s())
     put("learned", timing.learner.state.model_dump())
     put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    if mode == "busy":
+        put("hang", _learned())
+        from ncclguard.watching.watchdog import current_watchdog
+
+        wd = current_watchdog()
+        assert wd is not None
+        put(
+            "incidents",
+            [{"kind": i["kind"], "reason": i["doc"]["reason"], "actions": i["actions"]} for i in wd.incidents],
+        )
     if mode == "stuck":
         # The learned state in the job's store, as a restarted process reads it.
         from ncclguard.store.learned import LEARNED_KEY
