@@ -165,3 +165,16 @@ def test_a_heartbeat_carries_the_bound():
 @pytest.mark.parametrize("path,kind", [("save step=4", "save"), ("x" * 100, "x" * 40), ("train > ", "train")])
 def test_phase_kinds(path, kind):
     assert phase_kind(path) == kind
+
+
+def test_a_ladder_that_acts_keeps_the_configured_bound(monkeypatch):
+    """Rungs past ``report`` act on a hang without progress evidence: a busy rank must not meet them after
+    a learned 10 s, so with such a ladder hang_timeout_s holds; the default ladder (report) learns."""
+    from ncclguard.watching.watchdog import Watchdog
+
+    monkeypatch.delenv(HANG_VAR, raising=False)
+    monkeypatch.delenv("NCCLGUARD_WATCHDOG_ACTION", raising=False)
+    assert Watchdog().hang.fixed is False
+    for action in ("raise", "abort", "fence", "exit"):
+        assert Watchdog(action=action).hang.fixed is True, action
+    assert Watchdog(hang_timeout_s=60).hang.fixed is True

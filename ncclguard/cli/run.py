@@ -323,7 +323,7 @@ def main(argv: Sequence[str]) -> int:
     restarts = " under ncclguard.supervise" if job.supervised else ""
     print(
         f"ncclguard run: torchrun with ncclguard on in every rank{restarts} (hang after {cfg.hang_timeout_s:g} s"
-        f"{'' if hang_given(cfg.model_fields_set) else ' until learned per phase from the job'}, "
+        f"{'' if hang_given(cfg.model_fields_set) or cfg.action != 'report' else ' until learned per phase from the job'}, "
         f"incidents in {cfg.incident_dir})",
         file=sys.stderr,
         flush=True,

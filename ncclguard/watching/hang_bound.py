@@ -2,7 +2,9 @@
 
 A fixed ``hang_timeout_s`` (300 s) is the same for a 0.1 s step and a 20 s one. Unless the user set it
 (``WatchdogConfig(hang_timeout_s=...)``, ``NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S``,
-``--ncclguard-hang-timeout-s``: then that value holds, always), the bound is learned from what the
+``--ncclguard-hang-timeout-s``: then that value holds, always), or the ladder acts (a rung past
+``report``: raise, abort, fence, exit, your own; they act on a hang without progress evidence, so a
+busy rank must not meet them early: ``hang_timeout_s`` holds), the bound is learned from what the
 job shows, with :class:`~ncclguard.watching.learned.Learner` (the one the engine's judge bound uses):
 
 - **What is measured**: the intervals between moves of this rank's backend sequence numbers (every

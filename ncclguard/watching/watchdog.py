@@ -142,8 +142,10 @@ class Watchdog(Ticks):
         self.config = config
         self.ladder = Ladder(build_ladder(config.action, actions, config.fence_after), config.escalate_after_s)
         self._left = LeftBehind(config.fence_after) if "fence" in self.ladder.names else None  # left_behind.py
-        # The hang bound in force: learned per phase from the job unless the user set it (hang_bound.py).
-        self.hang = HangBound(config.hang_timeout_s, config.heartbeat_s, given(config.model_fields_set))
+        # The hang bound in force: learned per phase from the job unless the user set it, or the ladder
+        # acts (its rungs act on a hang without progress evidence: a busy rank must not meet them early).
+        fixed = given(config.model_fields_set) or self.ladder.names != ("report",)
+        self.hang = HangBound(config.hang_timeout_s, config.heartbeat_s, fixed)
         self._hang_s = config.hang_timeout_s
         self._given_store = store
         self._stop = threading.Event()
