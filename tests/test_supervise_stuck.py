@@ -115,3 +115,30 @@ def test_the_supervisor_ends_its_stuck_rank_restarts_it_to_heal_leaves_a_busy_on
     assert "exiting 0, no restart" in err and "restart 1 of 2" in err
     for pid in (pid0, pid1):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_rank_its_peers_judged_stuck_is_ended_after_a_grace_and_never_restarted(tmp_path):
+    """The peers judged it stuck, posted its death and went on (an ask ``judged="stuck"``): a rank that
+    cannot exit by itself (stopped) is ended once the grace is over, with no restart even though the
+    engine heals and a restart is left, and no second notice."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+    argv = [sys.executable, "-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, "-c", RANK]
+    sup = subprocess.Popen([*argv, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
+        _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)
+        _ask(server, pid0, heal=True, judged="stuck")
+        rc = sup.wait(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+        err = sup.communicate(timeout=30)[1]
+    assert rc == 0, err
+    ans = _answer(server, pid0)
+    assert ans is not None and (ans.state, ans.restarted) == ("stuck", False)
+    assert "its peers judged it stuck (asked by launch rank 0)" in ans.evidence
+    assert "its peers went on without it: exiting 0, no restart" in err
+    assert sorted(p.name for p in tmp_path.glob("pid*")) == ["pid0"]
+    assert read_deaths(server, 0) == (0, [])  # the peers post it (STUCK_RC); the supervisor adds nothing
