@@ -143,9 +143,16 @@ def test_status_judges_a_long_op_against_the_ranks_own_bound():
     from ncclguard.watching.status import RankRow, WatchIndex, _verdict
 
     index = WatchIndex(
-        run_id="r", restart="0", session="main", generation=0, world_size=2, heartbeat_s=5.0,
-        peer_timeout_s=30.0, hang_timeout_s=300.0, written=0.0,
-    )  # fmt: skip
+        run_id="r",
+        restart="0",
+        session="main",
+        generation=0,
+        world_size=2,
+        heartbeat_s=5.0,
+        peer_timeout_s=30.0,
+        hang_timeout_s=300.0,
+        written=0.0,
+    )
     rows = [
         RankRow(rank=0, state="ok", inflight_s=8.0, hang_bound_s=10.0),  # over half of its learned 10 s
         RankRow(rank=1, state="ok", inflight_s=8.0),  # no bound in its heartbeat: the index's 300 s
@@ -156,9 +163,18 @@ def test_status_judges_a_long_op_against_the_ranks_own_bound():
 
 def test_a_heartbeat_carries_the_bound():
     hb = Heartbeat(
-        rank=0, host="h", pid=1, beat=1, time=0.0, phase="", site="", last_seq={}, last_completed={},
-        inflight=[], hang_bound_s=10.0,
-    )  # fmt: skip
+        rank=0,
+        host="h",
+        pid=1,
+        beat=1,
+        time=0.0,
+        phase="",
+        site="",
+        last_seq={},
+        last_completed={},
+        inflight=[],
+        hang_bound_s=10.0,
+    )
     assert Heartbeat.model_validate_json(hb.model_dump_json()).hang_bound_s == 10.0
 
 

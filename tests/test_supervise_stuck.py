@@ -79,6 +79,8 @@ def supervised(tmp_path_factory):
         # 3. Then stopped, heal off (a restart is still left): ended, posted as stuck, no restart, exit 0.
         (out / "stop").write_text("")
         _wait_for("life 1 stopped", lambda: psutil.Process(pid1).status() == psutil.STATUS_STOPPED)
+        time.sleep(3.0)  # past the 2 s window: the ask answered "moving" is settled, never acted on later
+        seen["old_ask_settled"] = psutil.Process(pid1).status() == psutil.STATUS_STOPPED
         _ask(server, pid1, heal=False)
         seen["rc"] = sup.wait(timeout=60)
         seen["last"] = _answer(server, pid1)
@@ -100,6 +102,7 @@ def test_the_supervisor_ends_its_stuck_rank_restarts_it_to_heal_leaves_a_busy_on
     assert "stopped" in first.evidence
     busy = seen["busy"]
     assert busy.state == "moving" and "cpu" in busy.evidence and seen["busy_alive"], busy
+    assert seen["old_ask_settled"] is True
     last = seen["last"]
     assert (last.state, last.restarted) == ("stuck", False), last
     assert seen["rc"] == 0, err

@@ -13,6 +13,10 @@ call, bounded). On an ask about its process:
 - ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
   not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself).
 
+Each ask is settled once (answered moving, or the process ended), never acted on later, and one not
+settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
+must not be ended on an old ask.
+
 :class:`Ended` says what the supervisor does next (:mod:`ncclguard.supervise.loop`).
 """
 
@@ -40,6 +44,7 @@ POLL_S = 1.0  # how often the supervisor samples its rank and reads the asks abo
 STUCK_GRACE_S = 3.0  # a rank its peers judged stuck may exit 0 by itself this long (its verdict looks every 2 s)
 STORE_BOUND_S = 2.0
 DEFAULT_STILL_S = 10.0  # the window before any ask names one (the verdict's floor)
+ASK_TTL_S = 120.0  # an ask not settled this long after it was first read is stale: its step is long over
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class StuckWatch:
         self._pid: int | None = None  # the process sampled (the rank's, from the first ask naming it)
         self._prog = Progress(DEFAULT_STILL_S)
         self._stuck_seen: float | None = None  # when a ``stuck`` ask about the current process was first read
-        self._answered: set[float] = set()  # the asks (by their ``at``) answered ``moving``
+        self._first_read: dict[float, float] = {}  # each ask (by its ``at``) -> when it was first read here
+        self._settled: set[float] = set()  # the asks answered: an ask is acted on once, never later
         self._unread = False  # the last read failed (said once)
 
     def follow(self, proc: subprocess.Popen[Any]) -> None:
@@ -98,8 +104,10 @@ class StuckWatch:
         if sample is not None:
             self._prog.observe(sample)
         ask = self._read()
-        if ask is None or not self._about(ask, proc):
+        if ask is None or ask.at in self._settled or not self._about(ask, proc):
             return None
+        if now - self._first_read.setdefault(ask.at, now) > ASK_TTL_S:
+            return None  # stale: the ranks that asked went on long ago
         if ask.pid != self._pid:  # the rank runs under a wrapper: sample the process the peers named
             self._pid, self._prog = ask.pid, Progress(ask.still_s)
             return None
@@ -112,15 +120,27 @@ class StuckWatch:
         j = self._prog.judge(now)
         if j.state == "stuck":
             return self._end(proc, ask, "supervisor", j.evidence, ask.heal and can_restart)
-        if j.state == "moving" and ask.at not in self._answered:
-            self._answered.add(ask.at)
+        # Answered once: a later stillness (a healthy wait, once its peers got their op) is no reason to
+        # act on this ask. A process stopped now is no answer yet: the window tells once it has passed.
+        if j.state == "moving" and not self._prog.stopped:
+            self._settled.add(ask.at)
             self._say(f"launch rank {self.origin} (pid {ask.pid}) is behind but moving ({j.evidence}); left alone")
-            self.answer(JudgeAnswer(origin=self.origin, pid=ask.pid, state="moving", evidence=j.evidence[:300],
-                                    host=socket.gethostname(), at=time.time()))  # fmt: skip
+            self._answer(ask.pid, "moving", j.evidence, False)
         return None
 
-    def answer(self, ans: JudgeAnswer) -> None:
-        """Posts ``ans`` for the asking ranks (bounded; a failure is said, nothing more)."""
+    def _answer(self, pid: int, state: str, evidence: str, restarted: bool) -> None:
+        """Posts the answer about process ``pid`` for the asking ranks (bounded; a failure is said, nothing more)."""
+        ans = JudgeAnswer.model_validate(
+            {
+                "origin": self.origin,
+                "pid": pid,
+                "state": state,
+                "evidence": evidence[:300],
+                "restarted": restarted,
+                "host": socket.gethostname(),
+                "at": time.time(),
+            }
+        )
         store = self._store()
         if store is None:
             return
@@ -162,17 +182,8 @@ class StuckWatch:
 
     def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool) -> Ended:
         # The answer first: the asking ranks' op fails the moment the process dies, and they read it then.
-        self.answer(
-            JudgeAnswer(
-                origin=self.origin,
-                pid=ask.pid,
-                state="stuck",
-                evidence=evidence[:300],
-                restarted=restart,
-                host=socket.gethostname(),
-                at=time.time(),
-            )
-        )
+        self._settled.add(ask.at)
+        self._answer(ask.pid, "stuck", evidence, restart)
         self._say(
             f"launch rank {self.origin} (pid {ask.pid}, at {ask.site or '?'}) is stuck: {evidence}; SIGKILL, "
             "so that the ranks waiting for it go on at once"
