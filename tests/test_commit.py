@@ -27,6 +27,7 @@ from ncclguard.recovery.internals.commit_protocol import (
     verdict_limit,
 )
 from ncclguard.store.codec import decode, encode
+from ncclguard.watching.actions import Action, Outcome
 from ncclguard.watching.watchdog import Watchdog
 
 
@@ -247,19 +248,34 @@ def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_la
     assert counts[1] == counts[2] == counts[3] == counts[0]
 
 
-def test_an_incident_the_watchdog_raised_fails_the_next_commit_only(fresh, tmp_path):
+class _Note(Action):
+    """A rung of the user's own that acts (here: notes that it ran)."""
+
+    name = "note"
+    wait_s = 0.05
+
+    def __call__(self, incident, ctx) -> Outcome:
+        return Outcome(done=True)
+
+
+@pytest.mark.parametrize("ladder", [["report"], ["report", _Note()]])
+def test_an_incident_fails_the_next_commit_only_when_its_ladder_acted(fresh, tmp_path, ladder):
     """A world of one with a real watchdog: a synthetic op left in flight past the hang timeout is
-    an incident; the next commit names it, the one after is clean again."""
-    wd = Watchdog(heartbeat_s=0.1, hang_timeout_s=0.3, incident_dir=tmp_path, action="report")
+    an incident. Reported only (a busy rank past a learned hang bound), it fails nothing; when a rung
+    past ``report`` acted, the next commit names it and the one after is clean again."""
+    wd = Watchdog(heartbeat_s=0.1, hang_timeout_s=0.3, incident_dir=tmp_path, actions=ladder)
     rec = recorder.start("all_reduce(SUM)", "commit-test", 4, "float32", site="/job/t.py:1")
     try:
         wd.start()
         (inc,) = wd.wait_for_incident(30, settled=True)  # hang guard: the incident comes after ~0.4 s
         recorder.finish(rec)
         res = ncclguard.should_commit()
-        assert not res
-        assert res.reasons == {0: [f"the watchdog raised incident {inc['id']} (hang)"]}
-        assert ncclguard.should_commit().ok is True
+        if len(ladder) == 1:
+            assert res.ok is True and [a["rung"] for a in inc["actions"]] == ["report"]
+        else:
+            assert not res
+            assert res.reasons == {0: [f"the watchdog raised incident {inc['id']} (hang) and took note"]}
+            assert ncclguard.should_commit().ok is True
     finally:
         recorder.finish(rec)
         wd.stop()

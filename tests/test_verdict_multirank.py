@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from harness import run_ranks
@@ -62,7 +63,8 @@ def test_a_rank_asleep_then_a_stopped_rank_are_acted_on_within_the_learned_bound
 
 @pytest.fixture(scope="module")
 def busy_job(tmp_path_factory):
-    # A 15 s busy step after the warm-up (judge bound 10 s): about 35 s here. Hang guard 200 s.
+    # Steps of 1 s, then a 15 s busy step after the warm-ups (judge and hang bounds 10 s): about 50 s
+    # here. Hang guard 200 s.
     where = str(tmp_path_factory.mktemp("incidents"))
     return run_ranks("verdict_worker", 2, "busy", timeout_s=200, supervise=DEFAULTS, env=_env(where))
 
@@ -78,12 +80,21 @@ def test_a_busy_rank_is_reported_never_acted_on_and_the_run_ends_on_its_full_wor
     assert "cpu" in busy[0]["evidence"] or "stack" in busy[0]["evidence"]
     # The busy step's 15 s interval raised the learned bound: 5 x 15 s, at most half the 300 s step bound.
     assert 70.0 <= busy_job[0]["judge_s"] <= 150.0
+    # The watchdog's hang bound, learned at 10 s (the steps set no phase), was used: rank 0 reported
+    # the 15 s wait about 10 s into it, not at the 300 s it held before. Reported only, the incident
+    # failed no step (every step above committed at its first attempt).
+    hang = busy_job[0]["hang"]
+    assert hang["hang_s"] == 10.0 and hang["state"]["counts"]["unphased"] >= 10
+    found = [re.search(r"(?:stood|waited) (\d+\.\d) s", i["reason"]) for i in busy_job[0]["incidents"]]
+    stood = [float(m.group(1)) for m in found if m]
+    assert stood and all(10.0 <= x < 15.0 for x in stood), busy_job[0]["incidents"]
+    assert all([a["rung"] for a in i["actions"]] == ["report"] for i in busy_job[0]["incidents"])
 
 
 @pytest.fixture(scope="module")
 def hf_job(tmp_path_factory):
-    # About 26 s here (the rank asleep acted on ~10 s into its step). Hang guard 240 s, under the
-    # 300 s step bound.
+    # About 26 s here for the Trainer (the rank asleep acted on ~10 s into its step), then about 15 s
+    # for the Accelerate loop. Hang guard 240 s, under the 300 s step bound.
     where = str(tmp_path_factory.mktemp("incidents"))
     return run_ranks("verdict_worker", 3, "hf", timeout_s=240, supervise=DEFAULTS, env=_env(where))
 
@@ -99,3 +110,20 @@ def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_goo
         assert res["judge_s"] == 10.0
         assert all(e["rank"] == 2 and e["state"] == "stuck" for e in res["events"]), res["events"]
         assert "nothing moved" in " ".join(e["evidence"] for e in res["events"]) or not res["events"]
+
+
+def test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for_good(hf_job):
+    """The verdict reaches the Accelerate adapter (recovering_step, a RecoveringStep of its own):
+    after the Trainer, ranks 0-1 run an Accelerate loop; launch rank 1 sleeps for good at its step 3."""
+    acc = hf_job[0]["accelerate"]
+    results = acc["results"]
+    assert [(x["ok"], x["attempts"], x["size"]) for x in results] == [(True, 1, 2)] * 3 + [(True, 2, 1)] + [
+        (True, 1, 1)
+    ] * 2
+    assert results[3]["elapsed_s"] < 100, results[3]  # the verdict, not the 300 s step bound
+    assert acc["final"] == [0, 1, 2] and acc["processes"] == [1, 0]  # Accelerate follows the shrink
+    # A new engine: its judge bound came from the job's store (the Trainer's engine learned it), no warm-up.
+    assert acc["judge_s"] == [10.0] * 6
+    events = acc["events"]
+    assert all(e["rank"] == 1 and e["state"] == "stuck" for e in events), events
+    assert "accelerate_stall_at" in hf_job[1]

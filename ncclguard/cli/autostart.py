@@ -159,7 +159,8 @@ def status_line(watchdog: Watchdog, world_size: int) -> str:
     if cfg.session != "main":
         live += f" --session {cfg.session}"
     return (
-        f"ncclguard: watching {world_size} rank(s): hang after {cfg.hang_timeout_s:g} s, ladder "
+        f"ncclguard: watching {world_size} rank(s): hang after {cfg.hang_timeout_s:g} s"
+        f"{'' if watchdog.hang.fixed else ' until learned per phase from the job'}, ladder "
         f"{'/'.join(watchdog.ladder.names)}, incidents in {cfg.incident_dir.resolve()}; live view: {live}"
     )
 

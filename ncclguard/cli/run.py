@@ -48,6 +48,7 @@ from pydantic import ValidationError
 
 from ncclguard.env.hostview import check_interfaces
 from ncclguard.env.sockets import NET_PLAN_VAR
+from ncclguard.watching.hang_bound import given as hang_given
 from ncclguard.watching.settings import WatchdogConfig
 
 __all__ = ["AUTO_VAR", "Launch", "add_arguments", "launch", "main", "plan", "run"]
@@ -321,7 +322,8 @@ def main(argv: Sequence[str]) -> int:
     cfg = job.config
     restarts = " under ncclguard.supervise" if job.supervised else ""
     print(
-        f"ncclguard run: torchrun with ncclguard on in every rank{restarts} (hang after {cfg.hang_timeout_s:g} s, "
+        f"ncclguard run: torchrun with ncclguard on in every rank{restarts} (hang after {cfg.hang_timeout_s:g} s"
+        f"{'' if hang_given(cfg.model_fields_set) or cfg.action != 'report' else ' until learned per phase from the job'}, "
         f"incidents in {cfg.incident_dir})",
         file=sys.stderr,
         flush=True,

@@ -43,6 +43,8 @@ class Heartbeat(Model):
     io_bytes: int | None = None  # the process's storage bytes read and written (progress evidence)
     # The recovery engine's verdict on the ranks this one waits for: rank -> "stuck: ..." / "moving: ...".
     judged: dict[str, str] | None = Field(None, max_length=64)
+    # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/hang_bound.py).
+    hang_bound_s: float | None = None
 
 
 class BackendOp(Model):

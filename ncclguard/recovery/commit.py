@@ -3,8 +3,8 @@
 Call it on every rank after backward and before ``optimizer.step()``. Each rank states what it saw
 since its last commit (:class:`~ncclguard.recovery.internals.commit_protocol.Statement`): a failed or timed
 out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
-of a ``safe_*`` call), an incident the watchdog raised, what the caller reports, and the backend's
-sequence number on the group. One settle-once round in the group's store
+of a ``safe_*`` call), an incident the watchdog raised whose ladder acted (past ``report``), what
+the caller reports, and the backend's sequence number on the group. One settle-once round in the group's store
 (:func:`ncclguard.store.rounds.settle_round`) settles the verdict by compare-and-set: the rank
 that completes the round (or, past the deadline, the first to give up waiting) decides it from the
 statements present, and every rank, a late one included, reads that same verdict. The round never
@@ -160,6 +160,9 @@ def _live_group(group: dist.ProcessGroup | None) -> GroupInfo | None:
     return group_info(group)
 
 
+PASSIVE = ("report", "resolved")  # the ladder's entries that change nothing in the step
+
+
 def _problems(info: GroupInfo | None, since: float, failure: str | BaseException | None) -> list[str]:
     """What went wrong on this rank since ``since``, in words (at most MAX_PROBLEMS)."""
     found: list[str] = []
@@ -178,8 +181,13 @@ def _problems(info: GroupInfo | None, since: float, failure: str | BaseException
     watchdog = current_watchdog()
     if watchdog is not None:
         for incident in watchdog.incidents:
-            if float(incident.get("doc", {}).get("created", 0.0)) >= since:
-                found.append(f"the watchdog raised incident {incident['id']} ({incident['kind']})")
+            # Only a rung that acted (raise, abort, fence, exit, your own) can have touched the step:
+            # an incident that was only reported (a busy rank past a learned hang bound) fails nothing.
+            acted = [a["rung"] for a in incident.get("actions", []) if a.get("done") and a.get("rung") not in PASSIVE]
+            if acted and float(incident.get("doc", {}).get("created", 0.0)) >= since:
+                found.append(
+                    f"the watchdog raised incident {incident['id']} ({incident['kind']}) and took {', '.join(acted)}"
+                )
     if len(found) > MAX_PROBLEMS:
         found[MAX_PROBLEMS - 1 :] = [f"and {len(found) - MAX_PROBLEMS + 1} more problem(s)"]
     return [clip(p) for p in found]

@@ -217,7 +217,9 @@ class Recovery:
             raise TypeError(f"options must come from recovery_options(), got {type(options).__name__}")
         self.adapter, self.options = adapter, options
         self.bound = StepBound(options.collective_timeout_s)
-        self.timing = StepTiming(options.collective_timeout_s, adapter.name, options.left_out == "exit")  # verdict
+        self.timing = StepTiming(  # the verdict
+            options.collective_timeout_s, adapter.name, options.left_out == "exit", heals=options.heal
+        )
         self.recoveries: list[Recovered] = []
         self.applied = 0
         self._callbacks: list[Callable[[WorldEvent], None]] = []

@@ -208,6 +208,10 @@ class DeathPoster:
         while self._connected() is None and deadline.sleep(0.5):
             pass
 
+    def store(self) -> dist.Store | None:
+        """The client of the job's store, or None while there is none (the supervisor reads its asks on it)."""
+        return self._connected()
+
     def post(self, origin: int, pid: int, returncode: int, life: int) -> str | None:
         """Posts that launch rank ``origin``'s process ``pid`` ended with ``returncode``.
 

@@ -1,9 +1,11 @@
 """The learned timeouts in the job's store: carried across a rebuild and a supervised restart.
 
-One key, ``ncclguard/learned``, holds the JSON of :class:`ncclguard.watching.learned.LearnedState`
-(rank 0 of the current world writes it when a bound changes; every rank reads it once, when its
-recovery engine starts its first step). The value is bytes here; the reader parses it with its own
-size bound (:func:`ncclguard.watching.learned.parse_state`), never unpickles it.
+``ncclguard/learned`` holds the JSON of :class:`ncclguard.watching.learned.LearnedState` of the engine's
+judge bound (rank 0 of the current world writes it when a bound changes; every rank reads it once,
+when its recovery engine starts its first step). ``ncclguard/learned/hang/<launch rank>`` holds each
+rank's watchdog's hang bounds (:mod:`ncclguard.watching.hang_bound`: written by that rank when one
+changes, read by a restarted process of the same launch rank). The value is bytes here; the reader
+parses it with its own size bound (:func:`ncclguard.watching.learned.parse_state`), never unpickles it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import torch.distributed as dist
 from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
 
-__all__ = ["LEARNED_KEY", "read_learned", "write_learned"]
+__all__ = ["LEARNED_KEY", "hang_key", "read_learned", "write_learned"]
 
 LEARNED_KEY = "ncclguard/learned"
+
+
+def hang_key(origin: int) -> str:
+    """The key of launch rank ``origin``'s learned hang bounds."""
+    return f"{LEARNED_KEY}/hang/{origin}"
 
 
 def _job(store: dist.Store) -> dist.Store:

@@ -21,6 +21,16 @@ non-zero status, the supervisor
 It exits with the last run's status (128 + the signal for a run killed by one), so a rank that
 keeps dying still ends the job.
 
+**A stuck rank.** Every second it also samples its rank's process from ``/proc`` and reads the
+waiting ranks' asks about it (:mod:`ncclguard.supervise.judge`): a rank on another host whose
+threads cannot run (SIGSTOP, the GIL held in C) can be judged and ended only here. A process it
+judges stuck (or that its peers judged stuck and that did not exit by itself) gets SIGKILL: its
+sockets close, so the waiting ranks' op fails at once. Then, when the engine heals (``heal=True``,
+said in the ask) and a restart is left, the rank is restarted as after a kill: it rejoins in its old
+place and a live peer heals it. Otherwise its death is posted as stuck (``STUCK_RC``: the waiting
+ranks' rebuild settles without waiting for it) and the supervisor exits 0 without a restart, as the
+rank itself would have (a non-zero status would make torchrun's agent end every other rank).
+
 **Told to stop.** SIGTERM and SIGINT sent to the supervisor (torchrun's agent sends its workers'
 sessions the signal it got: Slurm's preemption, ``scancel``, a spot notice) go to the running
 process, the warm spare is let go, and no restart follows: the rank has ``stop_grace_s`` seconds
@@ -42,7 +52,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ncclguard.store.deaths import DeathPoster
+from ncclguard.store.deaths import STUCK_RC, DeathPoster
+from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
 from ncclguard.supervise.spare import RESTART_COUNT_VAR, target_of
 
 __all__ = ["DEFAULT_STOP_GRACE_S", "RESTART_COUNT_VAR", "STOPPED_STATUSES", "Supervisor", "run_rank", "stopped"]
@@ -198,21 +209,25 @@ class Supervisor:
         raw = self.env.get("RANK", "")
         origin = int(raw) if raw.isdigit() else None
         poster = DeathPoster(self.env) if origin is not None else None
+        watch = StuckWatch(origin, poster.store, _say) if poster is not None and origin is not None else None
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             count = 0
             self.child = self._start(0)
             while True:
-                rc = self.child.wait()
+                rc, ended = self._wait(watch, count < self.restarts)
                 self.lives.append(rc)
                 status = 128 - rc if rc < 0 else rc
                 if self.stopping is not None or stopped(rc):
                     return self._stopped(rc, status)
-                if rc != 0 and poster is not None and origin is not None:  # the last death too
+                if ended is not None:
+                    if not self._after_stuck(ended, poster, origin, count):
+                        return 0
+                elif rc != 0 and poster is not None and origin is not None:  # the last death too
                     why_not = poster.post(origin, self.child.pid, rc, count)
                     if why_not is not None:
                         _say(why_not)
-                if rc == 0 or count >= self.restarts:
+                if ended is None and (rc == 0 or count >= self.restarts):
                     return status
                 count += 1
                 _say(f"the rank (pid {self.child.pid}) exited {rc}; restart {count} of {self.restarts}")
@@ -224,6 +239,42 @@ class Supervisor:
                 signal.signal(sig, handler)
             if self.spare is not None:
                 self.spare.discard()
+
+    def _wait(self, watch: StuckWatch | None, can_restart: bool) -> tuple[int, Ended | None]:
+        """Waits for the running process to end, looking at it every poll; returns its status and,
+        when the supervisor ended it as stuck, what it ended."""
+        assert self.child is not None
+        if watch is None:
+            return self.child.wait(), None
+        watch.follow(self.child)
+        while True:
+            try:
+                return self.child.wait(timeout=POLL_S), None
+            except subprocess.TimeoutExpired:
+                pass
+            if self.stopping is not None:
+                continue  # told to stop: the stop's own timer ends it
+            ended = watch.look(self.child, can_restart)
+            if ended is not None:
+                return self.child.wait(), ended
+
+    def _after_stuck(self, ended: Ended, poster: DeathPoster | None, origin: int | None, life: int) -> bool:
+        """After this supervisor ended its rank as stuck: posts its death where its peers have not
+        (a restart-to-come as a kill, else ``STUCK_RC``: they go on without it at once). Returns
+        whether the rank is restarted (it rejoins and is healed)."""
+        restart = ended.restart
+        if ended.judged == "supervisor" and poster is not None and origin is not None:
+            why_not = poster.post(origin, ended.pid, -int(signal.SIGKILL) if restart else STUCK_RC, life)
+            if why_not is not None:
+                _say(why_not)
+        if not restart:
+            why = (
+                "its peers went on without it"
+                if ended.judged == "peers"
+                else "it is not healed (heal=False) or has no restart left"
+            )
+            _say(f"the rank (pid {ended.pid}) was ended as stuck and {why}: exiting 0, no restart")
+        return restart
 
     def _stopped(self, rc: int, status: int) -> int:
         """The status after a stop: the rank's, or 128 + the signal the supervisor got if it exited 0."""

@@ -119,6 +119,12 @@ class Learner:
             return self.default_s
         return self._clamped(self.state.longest_s.get(kind, 0.0) * self.safety)[0]
 
+    def explain(self, kind: str = "step") -> tuple[float, str]:
+        """The bound of ``kind`` now and why, in words (the default, a clamp, or the factor)."""
+        if not self.learned(kind):
+            return self.default_s, f"the default until {self.warmup} intervals"
+        return self._clamped(self.state.longest_s.get(kind, 0.0) * self.safety)
+
     def _clamped(self, raw: float) -> tuple[float, str]:
         if raw < self.floor_s:
             return self.floor_s, f"clamped up to the floor {self.floor_s:g} s from {raw:.3g} s"

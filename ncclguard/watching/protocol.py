@@ -344,6 +344,16 @@ class WatchdogStore:
         got = self._read_present([key])
         return self._parse(WorldRecord, got[0][1], key) if got else None
 
+    def put_learned(self, key: str, blob: str) -> None:
+        """Sets what this rank learned (:mod:`ncclguard.watching.hang_bound`) under ``key``, outside
+        the watchdog's namespace: a restarted process of the same launch rank reads it."""
+        self._call("set", key, blob)
+
+    def read_learned(self, key: str) -> bytes | None:
+        """The value under ``key``, or None; the caller parses it with its size bound."""
+        got = self._read_present([key])
+        return bytes(got[0][1]) if got else None
+
     def mark_resolved(self, n: int) -> None:
         self._call("set", self.keys.resolved(n), "1")
 

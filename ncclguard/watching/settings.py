@@ -34,8 +34,11 @@ class WatchdogConfig(BaseSettings):
 
     Attributes:
         heartbeat_s: how often this rank publishes its state.
-        hang_timeout_s: an op in flight this long is a hang. Keep it below the process group's
-            timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job.
+        hang_timeout_s: an op in flight this long is a hang (unset, with the ``report`` ladder:
+            learned per phase from the job, never above this default; set, or a ladder that acts:
+            always this value). Keep it below the process group's
+            timeout (NCCL default 600 s) so the watchdog reports before the backend kills the job
+            (:mod:`ncclguard.watching.hang_bound`).
         peer_timeout_s: a peer whose heartbeat has not changed this long is lost (default 6 beats).
         action: the top rung of the ladder: report, raise, abort, fence or exit (the rungs of each:
             :data:`LADDERS`; a ladder of your own: ``Watchdog(actions=[...])``, see

@@ -125,6 +125,7 @@ class RankRow(BaseModel):
     problem: str | None = None  # why a value under its key did not parse
     incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
     judged: dict[str, str] = Field(default_factory=dict)  # the recovery engine's verdict on ranks it waits for
+    hang_bound_s: float | None = None  # the hang bound its watchdog holds now (learned per phase unless set)
 
 
 class RankGroup(BaseModel):
@@ -257,6 +258,7 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         host=hb.host,
         pid=hb.pid,
         judged=hb.judged or {},
+        hang_bound_s=hb.hang_bound_s,
     )
 
 
@@ -357,10 +359,12 @@ def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: W
         ranks = [r.rank for r in rows if r.state == state]
         if ranks:
             reasons.append(f"{words}: ranks {rank_ranges(ranks)}")
-    long = [r.rank for r in rows if r.inflight_s is not None and r.inflight_s > index.hang_timeout_s / 2]
+    long = [r for r in rows if r.inflight_s is not None and r.inflight_s > (r.hang_bound_s or index.hang_timeout_s) / 2]
     if long:
+        bounds = sorted({r.hang_bound_s or index.hang_timeout_s for r in long})
+        span = f"{bounds[0]:g} s" if len(bounds) == 1 else f"{bounds[0]:g}-{bounds[-1]:g} s"
         reasons.append(
-            f"in one op for over half of hang_timeout_s ({index.hang_timeout_s:g} s): ranks {rank_ranges(long)}"
+            f"in one op for over half of its hang bound ({span}): ranks {rank_ranges([r.rank for r in long])}"
         )
     said: dict[str, tuple[int, str]] = {}
     for r in rows:  # the recovery engine's verdict, once per rank judged (the first rank that says it)

@@ -8,6 +8,7 @@ are in :mod:`ncclguard.watching.watchdog`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -17,9 +18,11 @@ from ncclguard._naming import node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import BackendEntry, Heartbeat, IncidentKind, Statement, TrackSpan
 from ncclguard.recording.flight import recorder
+from ncclguard.recording.phase import main_thread_phase
 from ncclguard.watching import detect
 from ncclguard.watching.backend_watch import BackendWatch
 from ncclguard.watching.desk import IncidentDesk
+from ncclguard.watching.hang_bound import HangBound, phase_kind
 from ncclguard.watching.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.watching.liveness import Liveness
 from ncclguard.watching.settings import WatchdogConfig
@@ -54,6 +57,8 @@ class Ticks:
     _reported_ops: set[tuple[str, int]]
     _slow_store: bool
     _straggle: Any
+    hang: HangBound
+    _hang_s: float
 
     def _enter(self, world: World) -> None:
         raise NotImplementedError  # the Watchdog's
@@ -72,6 +77,8 @@ class Ticks:
         assert self._desk is not None
         poll = min(cfg.heartbeat_s / 5, 0.5)
         connect(self._desk, self.config, self.world_size, self._given_store, self.generation)
+        if self._desk.store is not None:
+            self.hang.load(self._desk.store, self._origin())  # a restarted process goes on from its predecessor's
         next_beat = 0.0
         views = Views(cfg)  # the status index and the metrics, once per beat
         while not self._stop.is_set():
@@ -86,6 +93,7 @@ class Ticks:
                 self._track.sample()
                 if self._beat:  # a straggler window closes at the first tick past its end
                     self._straggle.tick()
+                self._learn_hang(desk, now)
                 if now >= next_beat:
                     next_beat = now + cfg.heartbeat_s
                     self._publish(desk)
@@ -108,6 +116,21 @@ class Ticks:
         if self._desk.store is not None:
             self._desk.store.close()  # its helper thread ends with the watchdog
 
+    def _origin(self) -> int:
+        """This process's launch rank (``RANK``): the key of what it learned, the same after a rebuild."""
+        raw = os.environ.get("RANK", "")
+        return int(raw) if raw.isdigit() else self.rank
+
+    def _learn_hang(self, desk: IncidentDesk, now: float) -> None:
+        """Feeds the hang bound this tick's numbers and phases, and sets the bound in force."""
+        kinds = {phase_kind(main_thread_phase())} | {
+            phase_kind(hb.phase) for hb in self._liveness.heartbeats().values()
+        }
+        seqs = self._state.backend_seq()
+        if self.hang.tick(now, sum(seqs.values()) if seqs else None, kinds, len(desk.cases)) and desk.store is not None:
+            self.hang.save(desk.store, self._origin())  # now, not at the next beat: a rank may die before it
+        self._hang_s = self._backend.hang_timeout_s = self.hang.bound(kinds)
+
     def _story(self) -> tuple[list[TrackSpan], list[BackendEntry]]:
         return self._track.spans(), backend_entries()
 
@@ -126,12 +149,15 @@ class Ticks:
         hb = self._straggle.on_beat(self._state.heartbeat(self._beat))
         now = time.monotonic()
         self._backend.own_seqs.update(hb.backend_seq, now)
+        update: dict[str, Any] = {"hang_bound_s": round(self._hang_s, 3)}
         if hb.backend_seq is not None:
-            hb = hb.model_copy(update={"backend_still": self._backend.own_seqs.still(now)})
+            update["backend_still"] = self._backend.own_seqs.still(now)
+        hb = hb.model_copy(update=update)
         try:
             desk.store.publish_heartbeat(hb)
         except StoreTimeout:
             pass  # slow store: the next beat tries again
+        self.hang.save(desk.store, self._origin())
 
     def _watch(self, desk: IncidentDesk) -> None:
         if desk.store is None or not self._liveness.watched:
@@ -146,7 +172,7 @@ class Ticks:
 
     def _check_hang(self, desk: IncidentDesk) -> None:
         inflight = self._state.inflight()
-        found = detect.find_hangs(self.rank, inflight, time.time(), self.config.hang_timeout_s, self._reported_ops)
+        found = detect.find_hangs(self.rank, inflight, time.time(), self._hang_s, self._reported_ops)
         for hang in found:
             assert hang.op_key is not None
             self._reported_ops.add(hang.op_key)

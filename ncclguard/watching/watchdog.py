@@ -46,6 +46,7 @@ from ncclguard.incidents.model import Heartbeat
 from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.backend_watch import BackendWatch
 from ncclguard.watching.desk import IncidentDesk
+from ncclguard.watching.hang_bound import HangBound, given
 from ncclguard.watching.left_behind import LeftBehind
 from ncclguard.watching.liveness import Liveness
 from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
@@ -141,6 +142,11 @@ class Watchdog(Ticks):
         self.config = config
         self.ladder = Ladder(build_ladder(config.action, actions, config.fence_after), config.escalate_after_s)
         self._left = LeftBehind(config.fence_after) if "fence" in self.ladder.names else None  # left_behind.py
+        # The hang bound in force: learned per phase from the job unless the user set it, or the ladder
+        # acts (its rungs act on a hang without progress evidence: a busy rank must not meet them early).
+        fixed = given(config.model_fields_set) or self.ladder.names != ("report",)
+        self.hang = HangBound(config.hang_timeout_s, config.heartbeat_s, fixed)
+        self._hang_s = config.hang_timeout_s
         self._given_store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -200,9 +206,10 @@ class Watchdog(Ticks):
         self._thread = threading.Thread(target=self._run, name="ncclguard-watchdog", daemon=True)
         self._thread.start()
         log.info(
-            "watchdog started: heartbeat %.3g s, hang after %.3g s, peers lost after %.3g s, ladder %s, incidents in %s",
+            "watchdog started: heartbeat %.3g s, hang after %.3g s%s, peers lost after %.3g s, ladder %s, incidents in %s",
             cfg.heartbeat_s,
             cfg.hang_timeout_s,
+            "" if self.hang.fixed else f" (learned per phase, {self.hang.learner.floor_s:g}-{cfg.hang_timeout_s:g} s)",
             cfg.peer_timeout,
             "/".join(self.ladder.names),
             cfg.incident_dir,
@@ -243,7 +250,8 @@ class Watchdog(Ticks):
         self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
         self._beat = 0
         self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
-        self._backend = BackendWatch(self.rank, self._state, self._liveness, cfg.hang_timeout_s, cfg.heartbeat_s)
+        self._backend = BackendWatch(self.rank, self._state, self._liveness, self._hang_s, cfg.heartbeat_s)
+        self.hang.new_world()  # what was learned stays: the numbers of the new world start again
         self._slow_store = False
         old = self._desk
         desk = IncidentDesk(
@@ -321,6 +329,11 @@ class Watchdog(Ticks):
             return -1, {}
         peers = list(live.peers.items())
         return self.generation, {r: (p.heartbeat, now - p.changed) for r, p in peers if p.heartbeat is not None}
+
+    def hang_bound_s(self) -> float:
+        """The hang bound in force now: the user's ``hang_timeout_s``, or the one learned for the
+        phases this rank and its watched peers are in (:mod:`ncclguard.watching.hang_bound`)."""
+        return self._hang_s
 
     def _all_cases(self) -> list[Any]:
         return self._retired + (self._desk.cases if self._desk is not None else [])

@@ -40,18 +40,20 @@ class StepTiming:
         name: how logs name the engine's adapter.
         exits: the engine's left-out policy is ``"exit"``: a rank its peers judged stuck exits 0
             once it runs again.
+        heals: the engine heals restarted ranks (``heal=True``): said in an ask to a stuck rank's
+            supervisor, which then restarts it.
 
     Raises:
         ValueError: ``NCCLGUARD_STUCK_AFTER_S`` is set to something that is not seconds or ``off``.
     """
 
-    def __init__(self, hard_cap_s: float | None, name: str, exits: bool = True) -> None:
+    def __init__(self, hard_cap_s: float | None, name: str, exits: bool = True, heals: bool = False) -> None:
         self.user_s = judge_after()
         self.hard_cap_s = hard_cap_s
         cap = (hard_cap_s if hard_cap_s is not None else NO_CAP_S) / 2
         self.learner = Learner(min(DEFAULT_JUDGE_S, cap), floor_s=min(FLOOR_S, cap), cap_s=cap)
         self.name = name
-        self.driver = VerdictDriver(self.judge_s, name, exits)
+        self.driver = VerdictDriver(self.judge_s, name, exits, heals)
         self._last: float | None = None  # the start of the last step counted from
         self._loaded = False
 

@@ -8,8 +8,12 @@ their progress (:mod:`ncclguard.watching.progress`). A moving one is reported on
 one gets a death notice (``STUCK_RC``: the commit and the rebuild meeting settle without it) and,
 on this host, this process's connections to it are shut down (its op ends at once). A stuck rank
 whose threads run (asleep in Python, in a lock) judges itself and exits 0; one its peers judged
-stuck exits 0 once it runs again (SIGCONT). Without a watchdog nothing is judged; a stuck rank on
-another host whose threads cannot run is left to the step bound, the hard cap (docs/recovery.md).
+stuck exits 0 once it runs again (SIGCONT), and its supervisor, if any, ends it. A peer behind on
+another host with no heartbeat for two periods past the bound (SIGSTOPped, the GIL held in C) cannot
+be judged nor cut from here: its supervisor is asked (:mod:`ncclguard.store.asks`), judges it from
+``/proc`` on its host and ends it when stuck (:mod:`ncclguard.supervise.judge`); its sockets close and
+the op here fails at once. Without a watchdog nothing is judged; without a supervisor such a rank is
+left to the step bound, the hard cap (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -24,21 +28,19 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
-from ncclguard.deadlines import Deadline
-from ncclguard.errors import StoreUnreachable
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recovery.internals.levers import (
     DEFAULT_JUDGE_S,
     STUCK_AFTER_VAR,
+    ask_supervisor,
     cut_connections,
-    job_store,
     judge_after,
-    unprefixed,
+    on_this_host,
+    post_stuck_death,
+    stuck_notices,
+    supervisor_answer,
     world_seq,
 )
-from ncclguard.store.bounded import bounded_store_call
-from ncclguard.store.clients import store_for_this_thread
-from ncclguard.store.deaths import STUCK_RC, notice_now, post_death, read_deaths
 from ncclguard.watching.actions import exit_now
 from ncclguard.watching.progress import (
     JUDGED,
@@ -55,7 +57,6 @@ from ncclguard.world import current_world
 __all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
 
 POLL_S = 1.0
-STORE_BOUND_S = 5.0
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Seen:
     own: Progress | None = None
     reported: set[int] = field(default_factory=set)
     acted: set[int] = field(default_factory=set)
+    asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
 
 
 class VerdictDriver:
@@ -78,10 +80,11 @@ class VerdictDriver:
         judge_s: returns the judge bound now (the learned one, or the user's).
         name: how logs name the engine's adapter.
         exits: a rank its peers judged stuck exits 0 once it runs again (the left-out policy ``"exit"``).
+        heals: the engine heals restarted ranks: a supervisor that ends its stuck rank restarts it.
     """
 
-    def __init__(self, judge_s: Any, name: str, exits: bool = True) -> None:
-        self.judge_s, self.name, self.exits = judge_s, name, exits
+    def __init__(self, judge_s: Any, name: str, exits: bool = True, heals: bool = False) -> None:
+        self.judge_s, self.name, self.exits, self.heals = judge_s, name, exits, heals
         self._asked = 0.0  # when the store was last asked whether the peers judged this rank stuck
         self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
         self._cond = threading.Condition()
@@ -96,16 +99,18 @@ class VerdictDriver:
             return
         hb = _heartbeat_s()
         with self._cond:
-            self._seen = Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            before, self._seen = self._seen, Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+        self._settle(before)
 
     def disarm(self) -> None:
         """The step is over: nothing is judged until the next one."""
         with self._cond:
-            self._seen = None
+            before, self._seen = self._seen, None
+        self._settle(before)
         current_world().get(JUDGED).clear()
 
     def _run(self) -> None:
@@ -156,6 +161,7 @@ class VerdictDriver:
         for r, hb in behind.items():
             if r not in seen.acted:
                 self._judge(seen, r, hb, seen.peers[r].judge(now), now)
+        self._ask_remote(seen, world, {r: (hb, beats[r][1]) for r, hb in behind.items() if r in beats}, now)
 
     def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
         """Members on this host with no heartbeat in this world yet (one stopped right after a
@@ -164,7 +170,7 @@ class VerdictDriver:
         me = dist.get_rank()
         for r in range(dist.get_world_size()):
             hb = self._procs.get(world.origin(r))
-            if r == me or r in beating or hb is None or hb.host != HOSTNAME:
+            if r == me or r in beating or hb is None or not on_this_host(hb):
                 continue
             sample = sample_process(hb.pid, now)
             if sample is not None:
@@ -174,7 +180,7 @@ class VerdictDriver:
 
     def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
         prog = seen.peers.setdefault(r, Progress(seen.still_s))
-        here = hb.host == HOSTNAME
+        here = on_this_host(hb)
         # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
         age = max(age, time.time() - hb.time)
         if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
@@ -194,19 +200,9 @@ class VerdictDriver:
         if not self.exits or now - self._asked < 2 * POLL_S:
             return
         self._asked = now
-        job, deadline = job_store(), Deadline.within(STORE_BOUND_S)
-        if job is None:
-            return
-        try:
-            store = store_for_this_thread(job, deadline)
-            _, notices = bounded_store_call(
-                store, lambda: read_deaths(unprefixed(store), world.deaths_seen), deadline, "the death notices"
-            )
-        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
-            log.debug("verdict: the death notices are unreadable now (%s)", exc)
-            return
+        notices = stuck_notices(world)
         me = world.origin(dist.get_rank())
-        if any(n.returncode == STUCK_RC and n.origin == me and n.pid == os.getpid() for n in notices):
+        if any(n.origin == me and n.pid == os.getpid() for n in notices):
             log.critical(
                 "%s: verdict: the peers judged this rank stuck and went on without it; exiting with status 0",
                 self.name,
@@ -219,7 +215,7 @@ class VerdictDriver:
         if j.state != "stuck":
             return
         me = dist.get_rank()  # the world's rank is not known to the World in generation 0
-        posted = self._post_death(current_world(), me, os.getpid(), HOSTNAME)
+        posted = post_stuck_death(current_world(), me, os.getpid(), HOSTNAME)
         self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
         log.critical(
             "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
@@ -253,8 +249,10 @@ class VerdictDriver:
             return
         seen.acted.add(r)
         world = current_world()
-        posted = self._post_death(world, r, hb.pid, hb.host)
-        cut = cut_connections(hb.pid) if hb.host == HOSTNAME else 0
+        posted = post_stuck_death(world, r, hb.pid, hb.host)
+        # Its supervisor, if any, ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
+        ask_supervisor(world.origin(r), hb, "stuck", self.heals, seen.still_s, world.origin(dist.get_rank()))
+        cut = cut_connections(hb.pid) if on_this_host(hb) else 0
         self._event("acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3))
         log.error(
             "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; its death is posted%s, the step fails now",
@@ -267,21 +265,61 @@ class VerdictDriver:
             f" and {cut} connection(s) to it are shut down" if cut else "",
         )
 
-    def _post_death(self, world: Any, r: int, pid: int, host: str) -> bool:
-        deadline = Deadline.within(STORE_BOUND_S)
-        try:
-            job = job_store()
-            if job is None:
-                raise ValueError("no store")
-            store = store_for_this_thread(job, deadline)
-            notice = notice_now(world.origin(r), pid, STUCK_RC, 0, host)
-            bounded_store_call(
-                store, lambda: post_death(unprefixed(store), notice), deadline, "a stuck rank's death notice"
-            )
-        except (StoreUnreachable, RuntimeError, dist.DistStoreError, ValueError) as exc:
-            log.warning("verdict: could not post rank %d's death notice (%s)", r, exc)
-            return False
-        return True
+    def _ask_remote(self, seen: Seen, world: Any, behind: dict[int, tuple[Heartbeat, float]], now: float) -> None:
+        """Peers behind on another host with no beat for two periods: neither their heartbeats nor
+        this host's ``/proc`` can judge them, so their supervisor is asked, once per step; its answer
+        is reported (a busy rank stays a report; a stuck one was ended there)."""
+        for r, (hb, age) in behind.items():
+            if on_this_host(hb) or r in seen.acted or (r not in seen.asked and age < 2 * _heartbeat_s()):
+                continue
+            origin = world.origin(r)
+            if r not in seen.asked:
+                seen.asked[r] = (hb.pid, origin, hb.site)
+                posted = ask_supervisor(origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank()))
+                j = Judgment("unknown", round(age, 3), f"no heartbeat for {age:.1f} s, on another host")
+                self._event("asked", r, j, site=hb.site, posted=posted, waited_s=round(now - seen.started, 3))
+                log.warning(
+                    "%s: verdict: rank %d (pid %d on %s, at %s) is behind with no heartbeat for %.1f s; its "
+                    "supervisor is asked to judge it",
+                    self.name,
+                    r,
+                    hb.pid,
+                    hb.host,
+                    hb.site,
+                    age,
+                )
+                continue
+            self._answered(seen, r, now)
+
+    def _answered(self, seen: Seen, r: int, now: float, settling: bool = False) -> None:
+        """Reads the answer of the supervisor asked about rank ``r``, and reports it once."""
+        pid, origin, site = seen.asked[r]
+        ans = supervisor_answer(origin)
+        if ans is None or ans.pid != pid or r in seen.acted or (ans.state == "moving" and r in seen.reported):
+            return
+        j = Judgment(ans.state, 0.0, f"its supervisor on {ans.host}: {ans.evidence}")
+        if not settling:  # the world is still the one this rank was numbered in
+            current_world().get(JUDGED)[str(r)] = f"{ans.state}: {j.evidence}"[:MAX_JUDGED_CHARS]
+        if ans.state == "moving":
+            seen.reported.add(r)
+            self._event("busy", r, j, site=site, behind_s=round(now - seen.started, 3))
+            log.warning("%s: verdict: rank %d is behind but moving (%s); no action", self.name, r, j.evidence)
+        else:
+            seen.acted.add(r)
+            self._event("ended", r, j, site=site, restarted=ans.restarted, waited_s=round(now - seen.started, 3))
+            log.error("%s: verdict: rank %d was stuck and its supervisor ended it (%s)", self.name, r, j.evidence)
+
+    def _settle(self, seen: Seen | None) -> None:
+        """A step's look ends (its op failed when a supervisor ended the rank, or it committed): the
+        answers to its asks are read once more, so that what was decided is reported. The supervisor
+        answers before it ends the process, so the answer is there when the op fails."""
+        if seen is None:
+            return
+        for r in [r for r in seen.asked if r not in seen.acted]:
+            try:
+                self._answered(seen, r, time.monotonic(), settling=True)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: reading a supervisor's answer failed; going on")
 
     def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
         self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})

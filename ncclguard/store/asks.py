@@ -1,0 +1,147 @@
+"""Asking a rank's supervisor to judge and end it: the verdict's reach into another host.
+
+A waiting rank's verdict (:mod:`ncclguard.recovery.internals.verdict`) judges a peer from what
+reaches it: the peer's heartbeats, and ``/proc`` where the peer runs on the same host. A peer on
+another host that is SIGSTOPped, or whose main thread holds the GIL in C, publishes nothing: from
+there it is ``unknown`` for good, and its connections cannot be cut from there. Its supervisor
+(:mod:`ncclguard.supervise`) runs on its host and is not stuck, so the verdict asks it, under
+``ncclguard/ask/<restart>/<origin>`` (``<restart>``: ``TORCHELASTIC_RESTART_COUNT``, as for the
+death notices; ``<origin>``: the rank's launch rank):
+
+- ``judged="unknown"``: the peers cannot tell; the supervisor judges its process from ``/proc`` and
+  ends it (SIGKILL) when it is stuck;
+- ``judged="stuck"``: the peers judged it stuck and posted its death (``STUCK_RC``); the supervisor
+  ends it if it has not exited by itself within a grace.
+
+The supervisor answers under ``ncclguard/answer/<restart>/<origin>`` (:class:`JudgeAnswer`), so the
+asking ranks can say what was decided (a busy rank stays a report). Nothing is deleted: an ask names
+the process it is about (``pid``), and a restarted process has another. Values are JSON read with a
+size bound (:mod:`ncclguard.store.codec`); callers bound each call
+(:func:`~ncclguard.store.bounded.bounded_store_call`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard.store.codec import DecodeError, decode, encode
+
+__all__ = ["MAX_ASK_BYTES", "JudgeAnswer", "JudgeAsk", "post_answer", "post_ask", "read_answer", "read_ask"]
+
+MAX_ASK_BYTES = 2 * 1024
+
+
+class JudgeAsk(BaseModel):
+    """What the waiting ranks ask of a rank's supervisor.
+
+    Attributes:
+        origin: the rank's launch rank (``RANK`` of its process).
+        pid: the process the ask is about (from its last heartbeat).
+        judged: ``"unknown"``: judge it; ``"stuck"``: its peers judged it stuck and went on without it.
+        heal: the engine heals a restarted rank (``heal=True``): a process ended on an ``unknown`` ask
+            may be restarted to rejoin.
+        still_s: how long its progress must stand still before it is stuck (the verdict's window).
+        asker: the launch rank that asked.
+        site: where its last heartbeat placed its main thread.
+        at: ``time.time()`` on the asker's host.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    origin: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    judged: Literal["unknown", "stuck"]
+    heal: bool = False
+    still_s: float = Field(gt=0, le=3600)
+    asker: int = Field(ge=0)
+    site: str = Field("", max_length=300)
+    at: float
+
+
+class JudgeAnswer(BaseModel):
+    """What a supervisor decided about its rank's process.
+
+    Attributes:
+        origin: the rank's launch rank.
+        pid: the process judged.
+        state: ``"moving"`` (left alone), ``"stuck"`` (ended).
+        evidence: what decided, in words.
+        restarted: a stuck process was ended and its rank restarted (to rejoin and be healed).
+        host: the supervisor's host.
+        at: ``time.time()`` on that host.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    origin: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    state: Literal["moving", "stuck"]
+    evidence: str = Field(max_length=300)
+    restarted: bool = False
+    host: str = Field(max_length=255)
+    at: float
+
+
+def _key(kind: str, origin: int, restart: str | None) -> str:
+    if restart is None:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"ncclguard/{kind}/{restart}/{origin}"
+
+
+def _read(store: dist.Store, key: str, model: type[JudgeAsk] | type[JudgeAnswer]) -> JudgeAsk | JudgeAnswer | None:
+    if not store.check([key]):  # a look leaves no key behind
+        return None
+    try:
+        return decode(model, bytes(store.get(key)), f"the value under {key!r}", MAX_ASK_BYTES)
+    except DecodeError:
+        return None  # a hostile or torn value never ends a process
+
+
+def post_ask(store: dist.Store, ask: JudgeAsk, restart: str | None = None) -> None:
+    """Writes ``ask`` for the supervisor of launch rank ``ask.origin`` (two store calls at most).
+
+    Args:
+        store: the job's store (unprefixed).
+        ask: the ask.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    store.set(_key("ask", ask.origin, restart), encode(ask))
+
+
+def read_ask(store: dist.Store, origin: int, restart: str | None = None) -> JudgeAsk | None:
+    """The last ask about launch rank ``origin``, or None (none, or unreadable); one store call when none.
+
+    Args:
+        store: the job's store (unprefixed).
+        origin: the launch rank.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    got = _read(store, _key("ask", origin, restart), JudgeAsk)
+    return got if isinstance(got, JudgeAsk) else None
+
+
+def post_answer(store: dist.Store, answer: JudgeAnswer, restart: str | None = None) -> None:
+    """Writes a supervisor's ``answer`` about launch rank ``answer.origin``.
+
+    Args:
+        store: the job's store (unprefixed).
+        answer: the answer.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    store.set(_key("answer", answer.origin, restart), encode(answer))
+
+
+def read_answer(store: dist.Store, origin: int, restart: str | None = None) -> JudgeAnswer | None:
+    """The last answer about launch rank ``origin``, or None.
+
+    Args:
+        store: the job's store (unprefixed).
+        origin: the launch rank.
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    got = _read(store, _key("answer", origin, restart), JudgeAnswer)
+    return got if isinstance(got, JudgeAnswer) else None

@@ -1,0 +1,196 @@
+"""The supervisor's eye on its rank: its progress from ``/proc``, and what the waiting ranks ask of it.
+
+A rank stuck on another host whose threads cannot run (SIGSTOP, the GIL held in C) publishes
+nothing, and its peers cannot cut their connections to it from there: they ask its supervisor
+(:mod:`ncclguard.store.asks`). The supervisor runs on the rank's host and is not stuck. Every
+:data:`POLL_S` it samples its rank's process (:func:`ncclguard.watching.progress.sample_process`:
+stopped or not, main-thread CPU time, I/O) and reads the one key of asks about its rank (one store
+call, bounded). On an ask about its process:
+
+- ``unknown`` (the peers cannot tell): it judges from its samples (:class:`~ncclguard.watching.progress.Progress`,
+  the asker's window). Stuck: it ends the process with SIGKILL (its sockets close, so the peers'
+  gloo op fails at once); moving: it answers so, and the process is left alone;
+- ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
+  not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself).
+
+Each ask is settled once (answered moving, or the process ended), never acted on later, and one not
+settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
+must not be ended on an old ask.
+
+:class:`Ended` says what the supervisor does next (:mod:`ncclguard.supervise.loop`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
+from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_answer, read_ask
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.watching.progress import Progress, sample_process
+
+__all__ = ["POLL_S", "STUCK_GRACE_S", "Ended", "StuckWatch"]
+
+POLL_S = 1.0  # how often the supervisor samples its rank and reads the asks about it
+STUCK_GRACE_S = 3.0  # a rank its peers judged stuck may exit 0 by itself this long (its verdict looks every 2 s)
+STORE_BOUND_S = 2.0
+DEFAULT_STILL_S = 10.0  # the window before any ask names one (the verdict's floor)
+ASK_TTL_S = 120.0  # an ask not settled this long after it was first read is stale: its step is long over
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A process the supervisor ended because it was stuck.
+
+    Attributes:
+        pid: the process.
+        judged: who judged it: ``"peers"`` (their death notice is posted) or ``"supervisor"``.
+        evidence: what decided, in words.
+        restart: the rank is restarted (the engine heals, said in the ask, and a restart is left).
+    """
+
+    pid: int
+    judged: str
+    evidence: str
+    restart: bool
+
+
+class StuckWatch:
+    """Samples the rank's process and acts on the asks about it (see the module doc).
+
+    Args:
+        origin: the rank's launch rank (``RANK``).
+        store: returns the job's store client, or None while there is none.
+        say: how the supervisor writes a line (its standard error).
+    """
+
+    def __init__(self, origin: int, store: Any, say: Any) -> None:
+        self.origin, self._store, self._say = origin, store, say
+        self._restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self._pid: int | None = None  # the process sampled (the rank's, from the first ask naming it)
+        self._prog = Progress(DEFAULT_STILL_S)
+        self._stuck_seen: float | None = None  # when a ``stuck`` ask about the current process was first read
+        self._first_read: dict[float, float] = {}  # each ask (by its ``at``) -> when it was first read here
+        self._settled: set[float] = set()  # the asks answered: an ask is acted on once, never later
+        self._unread = False  # the last read failed (said once)
+
+    def follow(self, proc: subprocess.Popen[Any]) -> None:
+        """A new process runs the rank: its samples start afresh."""
+        self._pid, self._prog, self._stuck_seen = proc.pid, Progress(DEFAULT_STILL_S), None
+
+    def look(self, proc: subprocess.Popen[Any], can_restart: bool) -> Ended | None:
+        """One poll: samples the process, reads the asks, ends the process when it is stuck.
+
+        Args:
+            proc: the rank's running process.
+            can_restart: a restart is left.
+
+        Returns:
+            What was ended (the process has been sent SIGKILL), or None.
+        """
+        now = time.monotonic()
+        if self._pid is None:
+            self._pid = proc.pid
+        sample = sample_process(self._pid, now)
+        if sample is not None:
+            self._prog.observe(sample)
+        ask = self._read()
+        if ask is None or ask.at in self._settled or not self._about(ask, proc):
+            return None
+        if now - self._first_read.setdefault(ask.at, now) > ASK_TTL_S:
+            return None  # stale: the ranks that asked went on long ago
+        if ask.pid != self._pid:  # the rank runs under a wrapper: sample the process the peers named
+            self._pid, self._prog = ask.pid, Progress(ask.still_s)
+            return None
+        if ask.judged == "stuck":
+            self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
+            if now - self._stuck_seen < STUCK_GRACE_S:
+                return None
+            return self._end(proc, ask, "peers", f"its peers judged it stuck (asked by launch rank {ask.asker})", False)
+        self._prog.still_s = ask.still_s
+        j = self._prog.judge(now)
+        if j.state == "stuck":
+            return self._end(proc, ask, "supervisor", j.evidence, ask.heal and can_restart)
+        # Answered once: a later stillness (a healthy wait, once its peers got their op) is no reason to
+        # act on this ask. A process stopped now is no answer yet: the window tells once it has passed.
+        if j.state == "moving" and not self._prog.stopped:
+            self._settled.add(ask.at)
+            self._say(f"launch rank {self.origin} (pid {ask.pid}) is behind but moving ({j.evidence}); left alone")
+            self._answer(ask.pid, "moving", j.evidence, False)
+        return None
+
+    def _answer(self, pid: int, state: str, evidence: str, restarted: bool) -> None:
+        """Posts the answer about process ``pid`` for the asking ranks (bounded; a failure is said, nothing more)."""
+        ans = JudgeAnswer.model_validate(
+            {
+                "origin": self.origin,
+                "pid": pid,
+                "state": state,
+                "evidence": evidence[:300],
+                "restarted": restarted,
+                "host": socket.gethostname(),
+                "at": time.time(),
+            }
+        )
+        store = self._store()
+        if store is None:
+            return
+        try:
+            bounded_store_call(
+                store, lambda: post_answer(store, ans, self._restart), Deadline.within(STORE_BOUND_S), "an answer"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            self._say(f"the answer about launch rank {self.origin} was not posted: {exc}")
+
+    def _about(self, ask: JudgeAsk, proc: subprocess.Popen[Any]) -> bool:
+        """The ask names this rank's process, or one it started (a wrapper's child)."""
+        if ask.origin != self.origin:
+            return False
+        if ask.pid == proc.pid:
+            return True
+        import psutil
+
+        try:
+            return ask.pid in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.Error:
+            return False
+
+    def _read(self) -> JudgeAsk | None:
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            ask = bounded_store_call(
+                store, lambda: read_ask(store, self.origin, self._restart), Deadline.within(STORE_BOUND_S), "the asks"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
+            if not self._unread:
+                self._say(f"the asks about launch rank {self.origin} are unreadable now ({exc}); trying every poll")
+            self._unread = True
+            return None
+        self._unread = False
+        return ask
+
+    def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool) -> Ended:
+        # The answer first: the asking ranks' op fails the moment the process dies, and they read it then.
+        self._settled.add(ask.at)
+        self._answer(ask.pid, "stuck", evidence, restart)
+        self._say(
+            f"launch rank {self.origin} (pid {ask.pid}, at {ask.site or '?'}) is stuck: {evidence}; SIGKILL, "
+            "so that the ranks waiting for it go on at once"
+        )
+        for pid in {ask.pid, proc.pid}:  # the rank, and the wrapper that runs it if any
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return Ended(ask.pid, judged, evidence, restart)
