@@ -76,6 +76,9 @@ class StepResult(Result, Generic[T]):
             :class:`~ncclguard.recovery.snapshots.restore.Restored` (sharded state, from snapshots).
         rewound_to: the snapshot's step every rank went back to when it is older than this step
             (falsy result): the loop must run again from there (``RecoveringStep.steps`` does).
+        timings: with ``rewound_to``, where the seconds of the failed step went, as
+            :attr:`Recovered.timings` (no :class:`Recovered` is made: the step was not applied);
+            empty otherwise.
     """
 
     ok: bool
@@ -88,6 +91,7 @@ class StepResult(Result, Generic[T]):
     error: NcclGuardError | None = None
     healed: HealResult | Restored | None = None
     rewound_to: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

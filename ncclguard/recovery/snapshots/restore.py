@@ -51,6 +51,9 @@ class Restored(Result):
         holders: who sent each receiver its replica.
         bytes: bytes this rank sent or received.
         elapsed_s: seconds from entry to return.
+        timings: where those seconds went on this rank: ``agree`` (the holdings gathered, the
+            step chosen), ``fetch`` (the replicas sent and received), ``check`` (each rank's check
+            and the answer every rank learns), ``apply`` (the state put back).
         error: a :class:`~ncclguard.errors.HealFailed` when not ``ok``.
     """
 
@@ -63,6 +66,7 @@ class Restored(Result):
     bytes: int = 0
     elapsed_s: float = 0.0
     error: HealFailed | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def choose(holdings: list[list[int]], receivers: list[int]) -> tuple[int, dict[int, int]] | str:
@@ -157,6 +161,13 @@ def _restore(
     # On the world's side group: the transfers involve some ranks only, and the default group's
     # sequence numbers must stay equal on every rank (the next commit compares them).
     side = side_group().group
+    last = [time.monotonic()]
+
+    def lap(name: str) -> None:
+        now = time.monotonic()
+        result.timings[name] = round(now - last[0], 4)
+        last[0] = now
+
     mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (2 + 2 * size), dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
     _wait([dist.all_gather(everyone, mine, group=side, async_op=True)], deadline, "the snapshots' holdings")
@@ -165,6 +176,7 @@ def _restore(
         raise HealFailed(chosen)
     step, holders = chosen
     result.step, result.holders = step, holders
+    lap("agree")
     got: Snapshot | None = None
     for j, h in holders.items():
         if me == h:
@@ -177,6 +189,7 @@ def _restore(
             limit = 2 * sum(t.numel() * t.element_size() for t in fresh) + (1 << 20)
             got = receive(h, side, deadline, limit)
             result.bytes = got.manifest.nbytes
+    lap("fetch")
     # Every rank checks what it would apply, and all learn who refused before anything is copied.
     refusal, state, generators = None, None, None
     try:
@@ -194,6 +207,7 @@ def _restore(
     flags[me] = 1 if refusal is not None else 0
     _wait([dist.all_reduce(flags, group=side, async_op=True)], deadline, "the ranks' answer")
     refused = [r for r in range(size) if flags[r]]
+    lap("check")
     if refused:
         raise HealFailed(
             f"rank(s) {rank_ranges(refused)} refused the snapshot of step {step}" + (f": {refusal}" if refusal else ""),
@@ -202,3 +216,4 @@ def _restore(
     if state is not None:
         _apply(keeper, state, generators)
         result.rolled_back = got is None
+    lap("apply")
