@@ -300,6 +300,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         wrap=ncclguard.FSDP2(_shard) if fsdp2 else lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         allow_shrink=args.mode == "stuck",
         heal=kill or (fsdp2 and args.mode != "nosnap"),  # FSDP2: snapshots, restored from a buddy
+        **({"snapshot_every": args.snapshot_every, "snapshot_overlap": not args.no_overlap} if fsdp2 else {}),
         **timeouts,
     )
     # After the stepper: a restarted process has its process group only once it has rejoined.
@@ -393,6 +394,8 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         commit_timeout=args.commit_timeout,
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         heal=args.mode != "nosnap",
+        snapshot_every=args.snapshot_every,
+        snapshot_overlap=not args.no_overlap,
     )
     t0, faults = _start(args, out, me, restarted, stepper.healed, stepper_at=stepper_at)
     attempted, costs = 0, Costs(out)
@@ -418,7 +421,7 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         if len(stepper.recovery.recoveries) > done:  # the step was redone: its failed attempts count too
             rec = stepper.recovery.recoveries[-1]
             attempted += rec.attempts - 1
-            costs.redone(step, rec, None, early=None)  # the engine keeps the failed commit to itself
+            costs.redone(step, rec, res.restored, early=None)  # the engine keeps the failed commit to itself
             faults.recovered(time.time())
         costs.applied(step)
     t1 = time.time()
@@ -684,6 +687,8 @@ def _memory(keeper: Any) -> dict[str, Any] | None:
         "own": own,
         "replicas": replicas,
         "every": keeper.k,
+        "takes": keeper.takes,
+        "spent_s": round(keeper.spent_s, 4),  # what the loop paid for them (Keeper.spent_s)
     }
 
 
@@ -1008,6 +1013,8 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(ckpt_every)),
         *("--out", str(out), "--framework", args.framework),
         *(["--defaults"] if args.defaults else []),
+        *(["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every is not None else []),
+        *(["--no-overlap"] if args.no_overlap else []),
     ]
     restarts = ["--max-restarts", "100"] if mode in ("restart", "disk") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -1104,7 +1111,8 @@ def _print_parts(mode: str, r: dict[str, Any]) -> None:
     for rank, m in r.get("memory_per_rank", {}).items():
         print(
             f"  {mode} rank {rank}: snapshots every {m['every']} step(s), own {m['own_bytes']} B, "
-            f"replicas {m['replica_bytes']} B (of ranks {sorted(m['replicas'])})",
+            f"replicas {m['replica_bytes']} B (of ranks {sorted(m['replicas'])}); "
+            f"{m['takes']} taken, {1000 * m['spent_s'] / max(m['takes'], 1):.2f} ms each paid by the loop",
             flush=True,
         )
 
@@ -1159,6 +1167,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ckpt-every", type=int, help="restart and disk baselines: steps between checkpoints (default 50; disk 100)"
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        help="fsdp2, deepspeed: a snapshot every this many steps (default: the engine's K)",
+    )
+    p.add_argument("--no-overlap", action="store_true", help="fsdp2, deepspeed: swap snapshots at the step boundary")
     p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")

@@ -116,6 +116,13 @@ class CommittedEngineStep(Adapter):
         preempt_dir: where, on SIGTERM, every rank writes ``engine.save_checkpoint(preempt_dir)``
             after the step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
             default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
+        heal: a killed rank, restarted, joins the survivors and takes its partitions from its
+            buddy's in-memory snapshot (needs ``rebuild_engine``).
+        heal_timeout: seconds (or a timedelta) each snapshot swap and a restore wait at most.
+        snapshot_every: with ``heal``, a snapshot every this many steps; None: as often as keeps
+            them under 2% of the step time.
+        snapshot_overlap: with ``heal``, swap each snapshot with the buddy while the next step
+            computes (the default), or at the step boundary (False).
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
@@ -139,6 +146,7 @@ class CommittedEngineStep(Adapter):
         heal: bool = False,
         heal_timeout: float | timedelta = 60.0,
         snapshot_every: int | None = None,
+        snapshot_overlap: bool = True,
     ) -> None:
         if heal is True and rebuild_engine is None:
             raise ValueError(
@@ -182,6 +190,7 @@ class CommittedEngineStep(Adapter):
             heal=heal,
             heal_timeout=heal_timeout,
             snapshot_every=snapshot_every,
+            snapshot_overlap=snapshot_overlap,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
         self.rebuild_engine, self._heal = rebuild_engine, heal

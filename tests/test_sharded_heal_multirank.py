@@ -65,6 +65,8 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
     for r in range(3):
         assert kill_job[r]["final"] == [r, 3, 1]
         assert kill_job[r]["every"] == 2
+        if r != 1:  # the reference run: a snapshot at steps 0, 2 and 4, and the seconds the loop paid for them
+            assert kill_job[r]["reference_takes"] == [3, True]
         assert kill_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
 
 
@@ -86,6 +88,7 @@ def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_
     for r in (0, 1):
         res = host_job[r]
         assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        assert res["reference_takes"] == [STEPS, True]  # one a step, and the seconds the loop paid for them
         assert res["results"][:K] == [clean(BASE + s, 0) for s in range(K)]
         # A snapshot every step: the survivors' live state is the snapshot of step BASE+K; they redo it.
         assert res["results"][K] == {
