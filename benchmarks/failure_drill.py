@@ -300,7 +300,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         wrap=ncclguard.FSDP2(_shard) if fsdp2 else lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         allow_shrink=args.mode == "stuck",
         heal=kill or (fsdp2 and args.mode != "nosnap"),  # FSDP2: snapshots, restored from a buddy
-        **({"snapshot_every": args.snapshot_every, "snapshot_overlap": not args.no_overlap} if fsdp2 else {}),
+        **({"snapshot_every": args.snapshot_every} if fsdp2 else {}),
         **timeouts,
     )
     # After the stepper: a restarted process has its process group only once it has rejoined.
@@ -395,7 +395,6 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         heal=args.mode != "nosnap",
         snapshot_every=args.snapshot_every,
-        snapshot_overlap=not args.no_overlap,
     )
     t0, faults = _start(args, out, me, restarted, stepper.healed, stepper_at=stepper_at)
     attempted, costs = 0, Costs(out)
@@ -688,7 +687,7 @@ def _memory(keeper: Any) -> dict[str, Any] | None:
         "replicas": replicas,
         "every": keeper.k,
         "takes": keeper.takes,
-        "spent_s": round(keeper.spent_s, 4),  # what the loop paid for them (Keeper.spent_s)
+        "spent_s": round(keeper.spent_s, 4),  # what the steps paid for them (Keeper.spent_s)
     }
 
 
@@ -1014,7 +1013,6 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--out", str(out), "--framework", args.framework),
         *(["--defaults"] if args.defaults else []),
         *(["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every is not None else []),
-        *(["--no-overlap"] if args.no_overlap else []),
     ]
     restarts = ["--max-restarts", "100"] if mode in ("restart", "disk") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -1172,7 +1170,6 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="fsdp2, deepspeed: a snapshot every this many steps (default: the engine's K)",
     )
-    p.add_argument("--no-overlap", action="store_true", help="fsdp2, deepspeed: swap snapshots at the step boundary")
     p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")

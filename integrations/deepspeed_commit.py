@@ -121,8 +121,6 @@ class CommittedEngineStep(Adapter):
         heal_timeout: seconds (or a timedelta) each snapshot swap and a restore wait at most.
         snapshot_every: with ``heal``, a snapshot every this many steps; None: as often as keeps
             them under 2% of the step time.
-        snapshot_overlap: with ``heal``, swap each snapshot with the buddy while the next step
-            computes (the default), or at the step boundary (False).
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
@@ -146,7 +144,6 @@ class CommittedEngineStep(Adapter):
         heal: bool = False,
         heal_timeout: float | timedelta = 60.0,
         snapshot_every: int | None = None,
-        snapshot_overlap: bool = True,
     ) -> None:
         if heal is True and rebuild_engine is None:
             raise ValueError(
@@ -190,7 +187,6 @@ class CommittedEngineStep(Adapter):
             heal=heal,
             heal_timeout=heal_timeout,
             snapshot_every=snapshot_every,
-            snapshot_overlap=snapshot_overlap,
         )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
         self.rebuild_engine, self._heal = rebuild_engine, heal

@@ -138,12 +138,6 @@ def test_the_keeper_takes_one_as_often_as_keeps_it_under_its_budget() -> None:
 
 def test_snapshot_every_is_checked_before_anything_runs() -> None:
     assert recovery_options(snapshot_every=3).snapshot_every == 3
-    assert (
-        recovery_options().snapshot_overlap is True
-        and recovery_options(snapshot_overlap=False).snapshot_overlap is False
-    )
-    with pytest.raises(TypeError, match="snapshot_overlap must be True or False, got 1"):
-        recovery_options(snapshot_overlap=1)  # type: ignore[arg-type]
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="snapshot_every must be None"):
             recovery_options(snapshot_every=bad)  # type: ignore[arg-type]

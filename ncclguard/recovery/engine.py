@@ -225,11 +225,7 @@ class Recovery:
         codec = adapter.state_codec() if options.heal else None
         # Sharded state: snapshots of this rank's own state, replicated on a buddy (no disk).
         self.keeper: Keeper | None = (
-            Keeper(
-                codec, every=options.snapshot_every, timeout_s=options.heal_timeout_s, overlap=options.snapshot_overlap
-            )
-            if codec is not None
-            else None
+            Keeper(codec, every=options.snapshot_every, timeout_s=options.heal_timeout_s) if codec is not None else None
         )
         self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
         install_handler()
@@ -331,23 +327,18 @@ class Recovery:
         return tx
 
     def _snapshot(self, tx: Transaction[Any]) -> None:
-        """Settles the last snapshot's swap, and takes the step's snapshot when one is due. A redo
-        takes none: the others are inside their transaction's redo then, not at a step boundary."""
+        """Takes the step's snapshot when one is due. A redo takes none: the others are inside
+        their transaction's redo then, not at a step boundary."""
         keeper = self.keeper
         assert keeper is not None
-        try:
-            keeper.settle()  # the swap of the last snapshot, on its way while the step before ran
-        except HealFailed as exc:  # a peer died during the swap: this step fails on every rank
-            log.warning("%s: the snapshot swap before step %d failed: %s", self.adapter.name, tx.number, exc)
-            tx.failure = exc
         keeper.note_begin()
         if tx._redo or not keeper.due(tx.number) or not (dist.is_available() and dist.is_initialized()):
             return
-        try:  # taken even after a failed settle: every rank makes the take's collective (K) at a due step
+        try:
             keeper.take(tx.number, tx.kept)
         except HealFailed as exc:  # a peer died during the swap: this step fails on every rank
             log.warning("%s: step %d's snapshot failed: %s", self.adapter.name, tx.number, exc)
-            tx.failure = tx.failure or exc
+            tx.failure = exc
 
     # --------------------------------------------------------------- what a failed commit sets off
 

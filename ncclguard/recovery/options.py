@@ -44,9 +44,6 @@ class RecoveryOptions:
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
         snapshot_every: sharded state with ``heal``: a snapshot every this many steps; None: as
             often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
-        snapshot_overlap: the swap of a snapshot with the buddies runs while the next step computes
-            (True, the default); False: at the step boundary, so that the newest snapshot is
-            replicated before the step runs (a rank lost during a step then costs no older one).
         preempt_dir: where every rank writes its framework's checkpoint when the job is told to
             stop (SIGTERM; :mod:`ncclguard.recovery.preempt`): the option, else the variable
             ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
@@ -62,7 +59,6 @@ class RecoveryOptions:
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     left_out: LeftOut = "exit"
     snapshot_every: int | None = None
-    snapshot_overlap: bool = True
     preempt_dir: Path | None = None
 
 
@@ -79,14 +75,13 @@ def recovery_options(
     left_out: LeftOut = "exit",
     snapshot_every: int | None = None,
     preempt_dir: str | os.PathLike[str] | None = None,
-    snapshot_overlap: bool = True,
 ) -> RecoveryOptions:
     """Checks the engine's arguments (every adapter takes these names) and returns the options.
 
     Raises:
         TypeError, ValueError: a bad value, with what to pass instead; before any communication.
     """
-    for name, flag in (("allow_shrink", allow_shrink), ("heal", heal), ("snapshot_overlap", snapshot_overlap)):
+    for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
@@ -114,6 +109,5 @@ def recovery_options(
         heal_chunk_bytes=heal_chunk_bytes,
         left_out=left_out,
         snapshot_every=snapshot_every,
-        snapshot_overlap=snapshot_overlap,
         preempt_dir=check_preempt_dir(preempt_dir),
     )

@@ -112,8 +112,6 @@ class RecoveringStep(Adapter):
             on without.
         snapshot_every: with FSDP2 and ``heal``: a snapshot of each rank's shards every this many
             steps; None (the default) as often as keeps them under 2% of the step time.
-        snapshot_overlap: with FSDP2 and ``heal``: swap each snapshot with the buddy while the next
-            step computes (the default), or at the step boundary (False).
         preempt_dir: where, on SIGTERM, every rank writes the model and the optimizer with
             ``torch.distributed.checkpoint`` (``<preempt_dir>/step-<N>``) after the step every rank
             agreed to stop at; default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md,
@@ -151,7 +149,6 @@ class RecoveringStep(Adapter):
         left_out: LeftOut = "exit",
         snapshot_every: int | None = None,
         preempt_dir: str | os.PathLike[str] | None = None,
-        snapshot_overlap: bool = True,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -174,7 +171,6 @@ class RecoveringStep(Adapter):
             left_out=left_out,
             snapshot_every=snapshot_every,
             preempt_dir=preempt_dir,
-            snapshot_overlap=snapshot_overlap,
         )
         if allow_shrink and isinstance(wrap, FSDP2):
             raise ValueError(

@@ -3,16 +3,15 @@ snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard'
 
 ``kill`` (3 ranks, one host, a snapshot every 2 steps): a fault-free run of STEPS steps through
 ``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run in which rank 1
-SIGKILLs itself at step K. The newest snapshot is of step K-1, its swap overlapped with that step and
-settled at the start of step K: the survivors go back to it (a
+SIGKILLs itself at step K. The newest snapshot is of step K-1: the survivors go back to it (a
 rollback, the loop's ``stepper.steps()`` goes back too), the restarted rank gets its shards from its
 buddy (rank 2), and every rank ends bit-equal to the reference (an LR scheduler the loop steps
 is in the snapshots: its rate halves every 2 steps). Then a replica that does not fit
 rank 1's module is refused on every rank, before anything is copied.
 
 ``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
-sets it per node; a snapshot every step, swapped at the step boundary: ``snapshot_overlap=False``):
-ranks 2 and 3, the whole second host, SIGKILL themselves at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
+sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
+at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
 every rank redoes step K (the survivors' live state is that snapshot: no rollback).
 """
 
@@ -108,9 +107,6 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
         heal=True,
         heal_timeout=HEAL_S,
         snapshot_every=EVERY,
-        # host: a snapshot every step and the kill in the next one: the swap at the boundary makes the
-        # newest one replicated before the step runs; kill: overlapped, settled at the step after it.
-        snapshot_overlap=SCENARIO != "host",
     )
     results: list[dict[str, Any]] = []
     for step in stepper.steps(base + STEPS, start=base):

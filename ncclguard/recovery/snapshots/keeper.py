@@ -8,24 +8,16 @@ world: it sends its own to its buddy and receives the replicas of the ranks whos
 before: while the newest is on its way, the one before is the last that every rank is known to
 hold, and a restore may have to go back to it.
 
-The swap overlaps the step (``overlap=True``, the default): the capture sees the step boundary's
-state, then the sends and receives run on a thread of this rank while the step computes, and the
-next step's start settles them (:meth:`Keeper.settle`). A replica counts (:meth:`Keeper.holdings`)
-only once it has arrived whole, so a restore uses only snapshots that are complete where they are
-held; a rank lost while its newest swap is on its way is restored from the one before. The first
-take of a world (which makes the side group) and the first after a restore swap at the boundary.
-
 ``K``: with ``every=None`` each take measures its own cost against the step time seen since the
 last one and asks for the smallest ``K`` that keeps snapshots under ``budget`` (2%) of the step
-time; the ranks agree on the largest ``K`` asked (one all_reduce on the side group, at the boundary),
-so that they take their snapshots at the same steps. A ``K`` set by hand is agreed once, at the first
-take of a world.
+time; the ranks agree on the largest ``K`` asked (one all_reduce on the side group), so that they
+take their snapshots at the same steps. A ``K`` set by hand is agreed once, at the first take of a
+world: the takes after make no collective but the swap.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +27,6 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.internals.step_state import StepState, generators_to_send
@@ -71,27 +62,6 @@ def _side_group(world: World) -> SideGroup:
 SIDE: Slot[SideGroup] = Slot("snapshot side group", _side_group)
 
 
-@dataclass
-class _Swap:
-    """A swap on its way on a thread of this rank: what it receives, or why it failed."""
-
-    step: int
-    generation: int
-    deadline: Deadline
-    cost: float = 0.0  # the take's seconds at the boundary
-    got: dict[int, Snapshot] | None = None
-    error: HealFailed | None = None
-    thread: threading.Thread | None = None
-
-    def run(self, snap: Snapshot, dst: int, srcs: list[int], group: Any, limit: int, olds: dict[int, Any]) -> None:
-        try:
-            self.got = swap(snap, dst, srcs, group, self.deadline, limit, olds)
-        except HealFailed as exc:
-            self.error = exc
-        except Exception as exc:  # noqa: BLE001 - whatever gloo raises, the swap failed: the settle says so
-            self.error = HealFailed(f"the snapshot swap of step {self.step} failed: {type(exc).__name__}: {exc}")
-
-
 def side_group() -> SideGroup:
     """The current world's side group for snapshots (made on first use: every rank must ask at once)."""
     side = current_world().get(SIDE)
@@ -110,22 +80,19 @@ class Keeper:
         every: take a snapshot every this many steps; None: chosen to cost at most ``budget``.
         budget: the share of the step time snapshots may cost when ``every`` is None.
         timeout_s: the bound of one swap with the buddies.
-        overlap: swap on a thread while the step computes (see the module doc); False: at the boundary.
 
     Attributes:
         own: this rank's own snapshots, oldest first (at most 2).
         replicas: the replicas it keeps, by source rank, oldest first (at most 2 each).
         k: snapshots are taken every ``k`` steps (agreed by every rank).
         takes: snapshots taken so far (forced ones included).
-        spent_s: seconds the training loop spent on them: the takes at the step boundary and the
-            waits for a swap on its way (what a step pays; the swap's own time overlaps the step).
+        spent_s: seconds the training loop spent taking them (what the steps paid for them).
     """
 
     codec: StateCodec
     every: int | None = None
     budget: float = 0.02
     timeout_s: float = 60.0
-    overlap: bool = True
     own: list[Snapshot] = field(default_factory=list)  # oldest first, at most 2
     replicas: dict[int, list[Snapshot]] = field(default_factory=dict)  # by source rank, oldest first
     k: int = 1
@@ -138,8 +105,6 @@ class Keeper:
     _cost: float = 0.0  # the last take's seconds
     _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
     _told: bool = False
-    _swap: _Swap | None = None  # on its way (overlap)
-    _last_cost: float | None = None  # the last overlapped take's seconds, its settle included
 
     def note_begin(self) -> None:
         """Marks a step's start: the step time is measured between two of them, less the takes."""
@@ -154,8 +119,7 @@ class Keeper:
         return self.force or self.next_due is None or step >= self.next_due
 
     def take(self, step: int, kept: StepState) -> None:
-        """Takes this rank's snapshot of ``step`` and swaps it with the buddies (every rank at once):
-        at the boundary when forced or without ``overlap``, else on a thread (:meth:`settle`).
+        """Takes this rank's snapshot of ``step`` and swaps it with the buddies (every rank at once).
 
         Args:
             step: the step whose start the state is.
@@ -165,52 +129,8 @@ class Keeper:
             HealFailed: a swap failed or missed its deadline (the newest complete snapshots stay).
         """
         start = time.monotonic()
-        self.settle()
         side = side_group()
         me = dist.get_rank()
-        snap = self._pack(step, kept, me)
-        srcs = sources(side.buddy, me)
-        limit = 4 * snap.manifest.nbytes + (1 << 20)  # ranks' shards differ a little in size
-        olds = {s: self.replicas[s][0].payload for s in srcs if len(self.replicas.get(s, [])) == 2}
-        for src in olds:  # received into while the swap runs: it no longer holds that replica
-            self.replicas[src] = self.replicas[src][-1:]
-        deadline = Deadline.after(self.timeout_s)
-        forced = self.force
-        if forced or not self.overlap:
-            self._keep(swap(snap, side.buddy[me], srcs, side.group, deadline, limit, olds))
-            self._cost = time.monotonic() - start
-            # A forced take (the first, or the first in a new world) also waits for slow peers and
-            # makes the side group: it says nothing of what a take costs, so it asks for the K in force.
-            self._agree_k(step, side, self.k if forced else None, self._cost)
-        else:
-            # K at the boundary, where every rank is, from the takes before (this swap's cost is
-            # known once it is settled); then the swap on its thread.
-            self._agree_k(step, side, None, self._last_cost)
-            pending = _Swap(step, current_world().generation, deadline)
-            pending.thread = threading.Thread(
-                target=pending.run,
-                args=(snap, side.buddy[me], srcs, side.group, limit, olds),
-                name="ncclguard-snapshot-swap",
-                daemon=True,
-            )
-            pending.thread.start()
-            self._swap = pending
-            self._cost = pending.cost = time.monotonic() - start
-        self.force = False
-        self.takes += 1
-        self.spent_s += self._cost
-        if not self._told:
-            self._told = True
-            held = sum(r[-1].manifest.nbytes for s, r in self.replicas.items() if s in srcs)
-            log.warning(
-                "snapshots: rank %d keeps its own state (%.1f MiB) twice and replicas of rank(s) %s twice: "
-                "%.1f MiB of host memory; its replica goes to rank %d; one take costs %.3f s",
-                me, snap.manifest.nbytes / 2**20, srcs, 2 * (snap.manifest.nbytes + held) / 2**20,
-                side.buddy[me], self._cost,
-            )  # fmt: skip
-
-    def _pack(self, step: int, kept: StepState, me: int) -> Snapshot:
-        """This rank's state at the boundary, with its generators, packed as its newest own snapshot."""
         state = self.codec.capture()
         found: list[torch.Tensor] = []
         state.meta["generators"] = _to_json(generators_to_send(kept), found, "generators")
@@ -219,56 +139,42 @@ class Keeper:
         reuse = self.own[0].payload if len(self.own) == 2 else None
         snap = pack(state, step, me, reuse)
         self.own = [*self.own[-1:], snap]
-        return snap
-
-    def settle(self) -> None:
-        """Waits for the swap on its way (the engine calls it at each step's start) and keeps the
-        replicas it received. A swap of an older world is not waited for: kept if it is done,
-        dropped otherwise (a restore after a rebuild uses what is complete).
-
-        Raises:
-            HealFailed: the swap of this world failed or missed its deadline (its replicas are not kept).
-        """
-        pending, self._swap = self._swap, None
-        if pending is None or pending.thread is None:
-            return
-        start = time.monotonic()
-        same = pending.generation == current_world().generation
-        pending.thread.join(timeout=pending.deadline.left() + 1.0 if same else 0.0)
-        waited = time.monotonic() - start
-        self._cost += waited  # paid at a step's start: not step time
-        self.spent_s += waited
-        self._last_cost = pending.cost + waited
-        if pending.thread.is_alive() or pending.error is not None:
-            why = pending.error or HealFailed(f"the snapshot swap of step {pending.step} missed its deadline")
-            if same:
-                raise why
-            log.info("snapshots: the swap of step %d, in an older world, is not kept: %s", pending.step, why)
-            return
-        assert pending.got is not None
-        self._keep(pending.got)
-
-    def _keep(self, got: dict[int, Snapshot]) -> None:
+        srcs = sources(side.buddy, me)
+        limit = 4 * snap.manifest.nbytes + (1 << 20)  # ranks' shards differ a little in size
+        olds = {s: self.replicas[s][0].payload for s in srcs if len(self.replicas.get(s, [])) == 2}
+        got = swap(snap, side.buddy[me], srcs, side.group, Deadline.after(self.timeout_s), limit, olds)
         for src, replica in got.items():
             self.replicas[src] = [*self.replicas.get(src, [])[-1:], replica]
+        self._cost = time.monotonic() - start
+        # A forced take (the first, or the first in a new world) also waits for slow peers and makes
+        # the side group: it says nothing of what a take costs, so it asks for the K in force.
+        self._agree_k(step, side, self.k if self.force else None)
+        self.force = False
+        self.takes += 1
+        self.spent_s += time.monotonic() - start
+        if not self._told:
+            self._told = True
+            log.warning(
+                "snapshots: rank %d keeps its own state (%.1f MiB) twice and replicas of rank(s) %s twice: "
+                "%.1f MiB of host memory; its replica goes to rank %d; one take costs %.3f s",
+                me, snap.manifest.nbytes / 2**20, srcs, 2 * (snap.manifest.nbytes + sum(r.manifest.nbytes for r in got.values())) / 2**20,
+                side.buddy[me], self._cost,
+            )  # fmt: skip
 
-    def _agree_k(self, step: int, side: SideGroup, keep: int | None, cost: float | None) -> None:
+    def _agree_k(self, step: int, side: SideGroup, keep: int | None) -> None:
         if self.every is not None and keep is None:
             self.next_due = step + self.k  # set by hand: agreed at the first take of this world
             return
         if self.every is not None:
             want = self.every
         else:
-            if keep is None and cost is not None:
-                self._take_cost = cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * cost
+            if keep is None:
+                self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
             want = keep if keep is not None else self._wanted_k()
         k = torch.tensor([want], dtype=torch.int64)
         # Bounded: a rank that died since the last take fails this step, it does not hang it.
-        _wait(
-            [dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group, async_op=True)],
-            Deadline.after(self.timeout_s),
-            "the ranks' K",
-        )
+        work = dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group, async_op=True)
+        _wait([work], Deadline.after(self.timeout_s), "the ranks' agreement on K")
         if int(k.item()) != self.k:
             log.info("snapshots: every %d step(s) from step %d (one take %.3f s)", int(k.item()), step, self._cost)
         self.k = int(k.item())
@@ -303,7 +209,6 @@ class Keeper:
 
     def forget(self) -> None:
         """Drops every snapshot (a world whose numbering changed: they no longer fit its ranks)."""
-        self._swap = None  # its thread ends by itself: what it receives is dropped
         self.own.clear()
         self.replicas.clear()
         self.force = True

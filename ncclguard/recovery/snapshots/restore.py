@@ -161,10 +161,6 @@ def _restore(
     # On the world's side group: the transfers involve some ranks only, and the default group's
     # sequence numbers must stay equal on every rank (the next commit compares them).
     side = side_group().group
-    try:
-        keeper.settle()  # a swap on its way: what it received whole counts in the holdings
-    except HealFailed as exc:
-        log.info("snapshots: the last swap is not kept: %s", exc)
     last = [time.monotonic()]
 
     def lap(name: str) -> None:
