@@ -32,6 +32,25 @@ snapshots (``heal=False``), the side-by-side cost of taking them.
 (``CommittedEngineStep(rebuild_engine=..., heal=True)``): a killed rank's partitions come from its
 buddy, every rank builds its engine again in process, and the loop goes back to the snapshot.
 
+Sharded state, issue 35 (``--framework fsdp2`` or ``deepspeed``):
+
+- ``clean4`` and ``host``: 4 ranks on 2 simulated hosts of 2 (``GROUP_RANK`` = launch rank // 2, as
+  ``torchrun --nnodes 2`` sets it; the snapshots' placement puts host 1's replicas on host 0 and
+  back). ``clean4`` has no fault; in ``host`` both ranks of host 1 are SIGKILLed at once every
+  ``--every`` seconds (default 120: rank 2 kills rank 3, then itself), restarted by their
+  supervisors and restored from their buddies on host 0; measured against ``clean4``, bit-equal to it;
+- ``disk``: the baseline without ncclguard's in-memory heal: the plain sharded loop (FSDP2 and
+  Adam, or the ZeRO-3 engine) with a checkpoint in the framework's own format (DCP, or
+  ``engine.save_checkpoint``) every ``--ckpt-every`` steps (default 100) under the run's own
+  directory; a kill (rank 2, then 1, ...) ends the whole job as torchrun does, torchrun
+  (``--max-restarts``) starts every rank again, and they resume from the newest checkpoint: the
+  steps since are lost and redone. Measured against ``clean``.
+
+Every sharded run reports each rank's snapshot memory (bytes of its own snapshots and of the
+replicas it keeps, from their manifests) and, for each kill, its cost by part (``kill_parts``: the
+engine's timings on rank 0 and the restarted processes' stamps; ``disk_parts``: the kill to the
+new processes, their start, the checkpoint's load, the lost steps redone).
+
 ``--framework hf`` runs ``clean``, ``stall``, ``kill`` and ``spare`` through the HF Trainer
 instead of a loop of ``RecoveringStep``: ``TrainingArguments``' defaults (``use_cpu=True``,
 ``ddp_backend="gloo"``; ``ddp_timeout`` stays 1,800 s), ``guard_trainer(trainer, recover=True,
@@ -57,6 +76,8 @@ Usage:
     python benchmarks/failure_drill.py --framework fsdp2 --modes clean nosnap kill spare --steps 2100 --every 60
     python benchmarks/failure_drill.py --framework deepspeed --modes clean nosnap kill spare --steps 2100 --every 60
     python benchmarks/failure_drill.py --framework hf-deepspeed --modes clean nosnap kill spare --steps 2100 --every 60
+    python benchmarks/failure_drill.py --framework fsdp2 --modes clean4 host --steps 2400 --every 120
+    python benchmarks/failure_drill.py --framework fsdp2 --modes clean kill disk --steps 1500 --every 60
 """
 
 from __future__ import annotations
@@ -65,6 +86,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,8 +97,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
-MODES = ("clean", "nosnap", "stall", "stuck", "kill", "spare", "restart")
+MODES = ("clean", "nosnap", "stall", "stuck", "kill", "spare", "restart", "clean4", "host", "disk")
+SHARDED_MODES = ("clean", "nosnap", "kill", "spare", "clean4", "host", "disk")
 NPROC = 3
+HOST_RANKS = 2  # --modes host: 4 ranks on 2 simulated hosts of 2
 # The watchdog of the recovering runs: a hang after 2 s, the fence 6 s after the abort rung (so a
 # stall of a few seconds is redone, never fenced), heartbeats every 0.5 s.
 WATCHDOG = {"heartbeat_s": 0.5, "hang_timeout_s": 2.0, "escalate_after_s": 1.0, "fence_after_s": 6.0}
@@ -138,6 +162,8 @@ class Faults:
     def victim(self, i: int) -> int:
         if self.mode == "stuck":
             return 2 if i == 0 else 1
+        if self.mode == "host":  # the first rank of host 1 (ranks 2 and 3) kills its host
+            return 2
         return 2 if i % 2 == 0 else 1
 
     def marks(self) -> list[float]:
@@ -146,7 +172,7 @@ class Faults:
 
     def take(self, now: float) -> int | None:
         """The fault this rank injects now (already marked), or None."""
-        if self.mode in ("clean", "nosnap"):
+        if self.mode in ("clean", "nosnap", "clean4"):
             return None
         marks = self.marks()
         i = len(marks)
@@ -206,16 +232,26 @@ def _record(
     }
 
 
-def _start(args: argparse.Namespace, out: Path, me: int, restarted: bool, **stamps: float) -> tuple[float, Faults]:
+def _start(
+    args: argparse.Namespace, out: Path, me: int, restarted: bool, healed: Any = None, **stamps: float
+) -> tuple[float, Faults]:
     """The run's clock and its faults: the ranks of the first launch start together (rank 0 writes
-    the start); a restarted process notes when it took the dead rank's place and was healed."""
+    the start); a restarted process notes when it took the dead rank's place and was healed (and,
+    restored from a snapshot, its ``Restored``: bytes and timings)."""
     import torch.distributed as dist
 
     import ncclguard
 
     start_file = out / "t0.txt"
     if restarted:
-        joined = {"kill_at": _kill_time(out, me), "script_at": args.script_at, **stamps, "healed_at": time.time()}
+        joined = {
+            "kill_at": _kill_time(out, _victim_of(args.mode, me)),
+            "fault": len(list(out.glob("fault-*.done"))) - 1,
+            "script_at": args.script_at,
+            **stamps,
+            "healed_at": time.time(),
+            "restored": _restored(healed),
+        }
         _save_text(out / f"joined-{me}-{ncclguard.restart_count()}.json", json.dumps(joined))
     else:  # a restarted process must make no collective the survivors do not make
         dist.barrier()  # every rank ready (ranks of a loaded host start seconds apart)
@@ -230,15 +266,16 @@ def _start(args: argparse.Namespace, out: Path, me: int, restarted: bool, **stam
 
 
 def rank_recovering(args: argparse.Namespace) -> None:
-    """A rank of ``clean``, ``stall`` or ``stuck``."""
+    """A rank of ``clean``, ``stall`` or ``stuck``, or of ``--framework fsdp2``'s recovering runs."""
     import torch
     import torch.distributed as dist
 
     import ncclguard
 
     out, me = Path(args.out), int(os.environ["RANK"])
-    kill = args.mode in ("kill", "spare")
+    kill = args.mode in ("kill", "spare", "host")
     fsdp2 = args.framework == "fsdp2"
+    _simulate_hosts(args.mode, out, me)
     restarted = ncclguard.restart_count() > 0  # a killed rank restarted by its supervisor: it rejoins, no init
     if not restarted:
         if args.defaults:
@@ -271,6 +308,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
         wrap=ncclguard.FSDP2(_shard) if fsdp2 else lambda m: DistributedDataParallel(m, find_unused_parameters=True),
         allow_shrink=args.mode == "stuck",
         heal=kill or (fsdp2 and args.mode != "nosnap"),  # FSDP2: snapshots, restored from a buddy
+        **({"snapshot_every": args.snapshot_every} if fsdp2 else {}),
         **timeouts,
     )
     # After the stepper: a restarted process has its process group only once it has rejoined.
@@ -278,8 +316,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
         ncclguard.start_watchdog(
             **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
         )
-    t0, faults = _start(args, out, me, restarted, stepper_at=stepper_at)
-    attempted, recoveries, healed = 0, [], 0
+    t0, faults = _start(args, out, me, restarted, stepper.healed, stepper_at=stepper_at)
+    attempted, healed = 0, 0
+    costs = Costs(out)
     for step in stepper.steps(args.steps):  # goes back when every rank went back to a snapshot
         x, y = _batch(step, me)
         first = [True]
@@ -290,7 +329,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
                 i = faults.take(time.time())  # marked first: the restarted process does not repeat it
                 if i is not None:
                     if kill:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        _kill(args.mode, out, me)
                     if args.mode == "stuck" and i == 0:
                         while True:  # stuck for good: the watchdog's fence rung ends this process
                             time.sleep(0.1)
@@ -302,24 +341,17 @@ def rank_recovering(args: argparse.Namespace) -> None:
         attempted += res.attempts
         healed += bool(res.healed)
         if res.rewound_to is not None:  # the loop goes back: this attempt and the steps since count
-            recoveries.append({"step": step, "rewound_to": res.rewound_to, "s": round(res.elapsed_s, 3)})
+            costs.rewound(step, res.rewound_to, res.elapsed_s, res.timings, res.healed)
             faults.recovered(time.time())
             continue
         if res.attempts > 1:
             faults.recovered(time.time())
             rec = stepper.recoveries[-1]  # where the recovery's seconds went (Recovered.timings)
-            recoveries.append(
-                {
-                    "step": step,
-                    "attempts": res.attempts,
-                    "s": round(res.elapsed_s, 3),
-                    "early": res.commits[0].early,  # the failed commit settled on a death notice
-                    "healed": rec.healed_ranks,
-                    **rec.timings,
-                }
-            )
+            # the failed commit settled on a death notice: early
+            costs.redone(step, rec, res.healed, early=res.commits[0].early)
         if not res:
             raise SystemExit(f"step {step} was not applied: {res.error}")
+        costs.applied(step)
     t1 = time.time()
     digest, flat = _digest(stepper.model if fsdp2 else module)
     everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
@@ -328,8 +360,9 @@ def rank_recovering(args: argparse.Namespace) -> None:
         out,
         me,
         {
-            **_record(args, attempted, t1 - t0, faults, recoveries, digest),
+            **_record(args, attempted, t1 - t0, faults, costs.records, digest),
             "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
+            "memory": _memory(stepper.engine.keeper),
             "world_size": dist.get_world_size(),
             "generation": res.generation,
             "healed": healed,
@@ -353,34 +386,26 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
     from ncclguard.integrations.deepspeed import CommittedEngineStep
 
     out, me = Path(args.out), int(os.environ["RANK"])
-    kill = args.mode in ("kill", "spare")
+    kill = args.mode in ("kill", "spare", "host")
+    _simulate_hosts(args.mode, out, me)
     restarted = ncclguard.restart_count() > 0
     if not restarted:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
         deepspeed.init_distributed(dist_backend="gloo")
 
-    def make() -> Any:
-        module = _model().float()
-        config = {
-            "train_micro_batch_size_per_gpu": 8,
-            "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "zero_optimization": {"stage": 3},
-            "steps_per_print": 1_000_000,
-        }
-        return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
-
+    stepper_at = time.time()
     stepper = CommittedEngineStep(
-        None if restarted else make(),
+        None if restarted else _zero3_engine(),
         checkpoint_dir=str(out / "ckpt"),
-        rebuild_engine=make,
+        rebuild_engine=_zero3_engine,
         collective_timeout=args.group_timeout,
         commit_timeout=args.commit_timeout,
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
         heal=args.mode != "nosnap",
+        snapshot_every=args.snapshot_every,
     )
-    t0, faults = _start(args, out, me, restarted)
-    attempted, recoveries = 0, []
+    t0, faults = _start(args, out, me, restarted, stepper.healed, stepper_at=stepper_at)
+    attempted, costs = 0, Costs(out)
     for step in stepper.steps(args.steps):
         x, y = _batch(step, me)
         first = [True]
@@ -389,15 +414,23 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
             if first[0]:
                 first[0] = False
                 if faults.take(time.time()) is not None and kill:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    _kill(args.mode, out, me)
             time.sleep(args.step_s)  # the step's compute
             eng.backward(torch.nn.functional.mse_loss(eng(x.float()), y.float()))
 
+        done = len(stepper.recovery.recoveries)
         res = stepper(step_fn, step=step)
         attempted += 1
         if res.rewound_to is not None:
-            recoveries.append({"step": step, "rewound_to": res.rewound_to})
+            costs.rewound(step, res.rewound_to, sum(res.timings.values()), res.timings, res.restored)
             faults.recovered(time.time())
+            continue
+        if len(stepper.recovery.recoveries) > done:  # the step was redone: its failed attempts count too
+            rec = stepper.recovery.recoveries[-1]
+            attempted += rec.attempts - 1
+            costs.redone(step, rec, res.restored, early=None)  # the engine keeps the failed commit to itself
+            faults.recovered(time.time())
+        costs.applied(step)
     t1 = time.time()
     params = list(stepper.engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
@@ -407,7 +440,8 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
         out,
         me,
         {
-            **_record(args, attempted, t1 - t0, faults, recoveries, digest),
+            **_record(args, attempted, t1 - t0, faults, costs.records, digest),
+            "memory": _memory(stepper.recovery.keeper),
             "world_size": dist.get_world_size(),
             "restarted": restarted,
         },
@@ -622,6 +656,360 @@ def rank_restart(args: argparse.Namespace) -> None:
     _end()
 
 
+# ------------------------------------- sharded state: a host lost, restart from disk, the cost by part
+
+
+def _simulate_hosts(mode: str, out: Path, me: int) -> None:
+    """``host`` and ``clean4``: 4 ranks on 2 simulated hosts of 2, as ``torchrun --nnodes 2`` places them (its
+    ``GROUP_RANK``, which the snapshots' placement reads: host 1's replicas go to host 0 and back).
+    Every rank of a killing mode notes its pid, for a host peer that must kill it."""
+    if mode in ("host", "clean4"):
+        os.environ["GROUP_RANK"] = str(me // HOST_RANKS)
+    if mode in ("kill", "spare", "host"):
+        import psutil
+
+        _save_text(out / f"pid-{me}.txt", f"{os.getpid()} {psutil.Process().create_time()!r}")
+
+
+def _victim_of(mode: str, me: int) -> int:
+    """The launch rank whose fault mark says when ``me`` was killed (a host's first rank marks it)."""
+    return me - me % HOST_RANKS if mode == "host" else me
+
+
+def _kill(mode: str, out: Path, me: int) -> None:
+    """The fault of ``kill``, ``spare`` and ``host``: SIGKILL this process; ``host``: its host
+    peers first, by the pid each noted (checked against the process's start time, so that a pid
+    the system reused is never killed), then itself: the whole simulated host at once."""
+    import psutil
+
+    if mode == "host":
+        first = _victim_of(mode, me)
+        for peer in range(first, first + HOST_RANKS):
+            if peer == me:
+                continue
+            pid, started = (out / f"pid-{peer}.txt").read_text().split()
+            try:
+                proc = psutil.Process(int(pid))
+                if proc.create_time() == float(started):
+                    proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _restored(res: Any) -> dict[str, Any] | None:
+    """A ``Restored``'s bytes and timings (None for a heal of a replicated model, or none)."""
+    from ncclguard.recovery.snapshots.restore import Restored
+
+    if not isinstance(res, Restored):
+        return None
+    return {"role": res.role, "step": res.step, "bytes": res.bytes, "s": round(res.elapsed_s, 4), **res.timings}
+
+
+def _memory(keeper: Any) -> dict[str, Any] | None:
+    """The host memory this rank's snapshots hold at the end: its own (two) and the replicas it
+    keeps for its sources (two each), in bytes, from the snapshots' manifests."""
+    if keeper is None:
+        return None
+    own = [s.manifest.nbytes for s in keeper.own]
+    replicas = {src: [s.manifest.nbytes for s in held] for src, held in keeper.replicas.items()}
+    return {
+        "own_bytes": sum(own),
+        "replica_bytes": sum(sum(v) for v in replicas.values()),
+        "own": own,
+        "replicas": replicas,
+        "every": keeper.k,
+        "takes": keeper.takes,
+        "spent_s": round(keeper.spent_s, 4),  # what the steps paid for them (Keeper.spent_s)
+    }
+
+
+class Costs:
+    """What each recovery cost on this rank, by part, for the drill's report.
+
+    A recovery that redid the failed step (the newest snapshot was of that step) is the engine's
+    ``Recovered`` record; one that went back to an older snapshot (a rollback) is the failed step's
+    ``timings`` and its ``Restored``, and its ``redo`` is measured here: from the rollback to the
+    failed step applied again (the steps since the snapshot and the failed one, redone)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.records: list[dict[str, Any]] = []
+        self._back: tuple[dict[str, Any], int, float] | None = None
+
+    def _fault(self) -> int:
+        return len(list(self.out.glob("fault-*.done"))) - 1
+
+    def redone(self, step: int, rec: Any, restored: Any, early: bool | None) -> None:
+        """A step applied after a redo (``rec``: its ``Recovered``)."""
+        self.records.append(
+            {
+                "fault": self._fault(),
+                "step": step,
+                "attempts": rec.attempts,
+                "s": round(rec.elapsed_s, 3),
+                "early": early,
+                "healed": rec.healed_ranks,
+                **rec.timings,
+                "restore": _restored(restored),
+            }
+        )
+
+    def rewound(self, step: int, back: int, elapsed_s: float, timings: dict[str, float], restored: Any) -> None:
+        """Every rank went back to the snapshot of step ``back``: the loop runs again from there."""
+        rec = {
+            "fault": self._fault(),
+            "step": step,
+            "rewound_to": back,
+            "s": round(elapsed_s, 3),
+            **timings,
+            "restore": _restored(restored),
+        }
+        self.records.append(rec)
+        self._back = (rec, step, time.monotonic())
+
+    def applied(self, step: int) -> None:
+        """A step applied: a rollback's redo ends when its failed step is applied again."""
+        if self._back is not None and step >= self._back[1]:
+            rec, _, since = self._back
+            rec["redo"] = round(time.monotonic() - since, 4)
+            self._back = None
+
+
+def _zero3_engine() -> Any:
+    """The DeepSpeed drills' engine: the drill's model in fp32, ZeRO-3, AdamW (torch's), on the
+    current world (``rebuild_engine`` builds it again after a rebuild)."""
+    import deepspeed
+
+    module = _model().float()
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 1_000_000,
+    }
+    return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
+
+
+class _DiskFSDP2:
+    """``disk`` for FSDP2: the drill's sharded module and Adam, no ncclguard; checkpoints in DCP
+    (``torch.distributed.checkpoint`` with ``get_state_dict``/``set_state_dict``)."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.module = _model()
+        _shard(self.module, init_device_mesh("cpu", (dist.get_world_size(),)))
+        self.opt = torch.optim.Adam(self.module.parameters(), lr=1e-3)
+
+    def step(self, x: Any, y: Any) -> None:
+        import torch
+
+        self.opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(self.module(x), y).backward()
+        self.opt.step()
+
+    def save(self, directory: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.opt)
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(directory / f"step{step}"))
+
+    def load(self, directory: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optim = get_state_dict(self.module, self.opt)  # the layout to load into
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=str(directory / f"step{step}"))
+        set_state_dict(self.module, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def digest(self) -> str:
+        return _digest(self.module)[0]
+
+
+class _DiskZeRO3:
+    """``disk`` for DeepSpeed: the drill's ZeRO-3 engine, no ncclguard; checkpoints with
+    ``engine.save_checkpoint`` and ``engine.load_checkpoint`` (DeepSpeed's own format)."""
+
+    def __init__(self) -> None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.engine = _zero3_engine()
+
+    def step(self, x: Any, y: Any) -> None:
+        import torch
+
+        self.engine.backward(torch.nn.functional.mse_loss(self.engine(x.float()), y.float()))
+        self.engine.step()
+
+    def save(self, directory: Path, step: int) -> None:
+        self.engine.save_checkpoint(str(directory), tag=f"step{step}")
+
+    def load(self, directory: Path, step: int) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory), tag=f"step{step}")
+        if path is None:
+            raise SystemExit(f"DeepSpeed found no checkpoint step{step} in {directory}")
+
+    def digest(self) -> str:
+        import deepspeed
+        import torch
+
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            flat = torch.cat([p.detach().reshape(-1).double() for p in params])
+        return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _disk_checkpoint(job: Any, ckpt: Path, step: int, me: int, saves: Any) -> None:
+    """Every rank saves the state after ``step`` steps; once every rank's part is written, rank 0
+    points ``latest.txt`` at it and keeps the two newest (a kill during a save leaves the one before)."""
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    job.save(ckpt, step)
+    dist.barrier()
+    if me == 0:
+        _save_text(ckpt / "latest.txt", str(step))
+        for old in sorted(ckpt.glob("step*"), key=lambda d: int(d.name[4:]))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        saves.write(f"{step} {time.monotonic() - start!r}\n")
+        saves.flush()
+
+
+def _disk_resume(out: Path, launch: int) -> tuple[int, int | None]:
+    """Where a launch starts (the step of the newest complete checkpoint, 0 without one) and, after
+    a kill, the step that kill interrupted (its victim wrote it)."""
+    latest = out / "ckpt" / "latest.txt"
+    start = int(latest.read_text()) if latest.exists() else 0
+    killed = out / f"fault-{launch - 1}.step"
+    return start, int(killed.read_text()) if launch and killed.exists() else None
+
+
+def rank_disk(args: argparse.Namespace) -> None:
+    """A rank of ``disk``: the restart-from-disk baseline of the sharded stacks, without ncclguard.
+
+    The same model, data and steps as ``clean``; a checkpoint in the framework's own format every
+    ``--ckpt-every`` steps (DCP for FSDP2, ``engine.save_checkpoint`` for DeepSpeed) under the run's
+    own directory. A kill (rank 2, then 1, ... SIGKILLs itself at a step's start) ends the whole job
+    as torchrun does (its agent stops every worker), torchrun (``--max-restarts``) starts every rank
+    again, and they resume from the newest checkpoint: the steps since it are lost and redone. Rank
+    0 notes each launch's stamps (``launch-<n>.json``) for the cost of a kill by part."""
+    import torch.distributed as dist
+
+    out, me = Path(args.out), int(os.environ["RANK"])
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ckpt = out / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    job = _DiskZeRO3() if args.framework == "deepspeed" else _DiskFSDP2()
+    ready_at = time.time()
+    start, killed = _disk_resume(out, launch)
+    if start:
+        job.load(ckpt, start)
+    loaded_at = time.time()
+    stamps: dict[str, Any] = {"script_at": args.script_at, "ready_at": ready_at, "loaded_at": loaded_at}
+    stamps.update(launch=launch, from_step=start, killed_step=killed)
+    dist.barrier()  # every rank ready (ranks of a loaded host start seconds apart)
+    start_file = out / "t0.txt"
+    if me == 0:
+        _save_text(out / f"launch-{launch}.json", json.dumps(stamps))
+        if not start_file.exists():
+            _save_text(start_file, repr(time.time()))
+    dist.barrier()
+    t0 = float(start_file.read_text())
+    faults = Faults("disk", args.every, t0, out, me)
+    if launch:
+        faults.recovered(loaded_at)
+    attempts, saves = (out / "attempts.txt").open("a"), (out / "saves.txt").open("a")
+    for step in range(start, args.steps):
+        i = faults.take(time.time())  # marked first: the next launch does not repeat it
+        if i is not None:
+            _save_text(out / f"fault-{i}.step", str(step))
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = _batch(step, me)
+        time.sleep(args.step_s)  # the step's compute
+        job.step(x, y)
+        if me == 0:
+            attempts.write(f"{step}\n")
+            attempts.flush()
+            if step == killed:  # the lost steps and the interrupted one are redone
+                stamps["redone_at"] = time.time()
+                _save_text(out / f"launch-{launch}.json", json.dumps(stamps))
+        if (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            _disk_checkpoint(job, ckpt, step + 1, me, saves)
+    t1 = time.time()
+    digest = job.digest()
+    attempts.close()
+    faults_n = len(faults.marks())
+    # Attempted: every step applied (a redone one again) and the step each kill interrupted.
+    attempted = len((out / "attempts.txt").read_text().split()) + faults_n
+    record = {"mode": "disk", "steps": args.steps, "committed": args.steps, "attempted": attempted}
+    record.update(train_s=t1 - t0, faults=faults_n, restarts=launch, digest=digest)
+    _save(out, me, {**record, "world_size": dist.get_world_size(), "ckpt_every": args.ckpt_every})
+    _end()
+
+
+def kill_parts(res: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """The cost of each kill by part, in seconds, from rank 0's records (the engine's timings) and
+    the restarted processes' stamps (``joined-*.json``): ``detect`` (the failed attempt and its
+    commit: the step's start to every rank knowing), ``rebuild`` (the new world: waiting for the
+    restarted process to start and join), ``restore`` (rank 0's part of the restore) and ``rewrap``,
+    ``redo`` (the failed step again, and after a rollback the steps since the snapshot);
+    ``process_start`` (the kill to the restarted process's first line), ``ready`` (to its imports
+    done, its model made: it asks to join), ``joined`` (the kill to it restored), ``fetch`` (on the restarted rank: the holdings agreed and its replica received)."""
+    joins = [json.loads(p.read_text()) for p in sorted(out.glob("joined-*.json"))]
+    parts = []
+    for rec in res.get("recoveries", []):
+        mine = [j for j in joins if j.get("fault") == rec.get("fault") and j.get("kill_at") is not None]
+        got = [j["restored"] for j in mine if j.get("restored")]
+        part = {"fault": rec.get("fault"), "step": rec["step"], "rewound_to": rec.get("rewound_to")}
+        part["detect"] = round(rec.get("attempt", 0.0) + rec.get("commit", 0.0), 4)
+        part.update({k: rec.get(k) for k in ("rebuild", "rewrap", "redo")}, restore=rec.get("heal"))
+        part["process_start"] = max((round(j["script_at"] - j["kill_at"], 3) for j in mine), default=None)
+        part["ready"] = max((round(j["stepper_at"] - j["kill_at"], 3) for j in mine), default=None)
+        part["joined"] = max((round(j["healed_at"] - j["kill_at"], 3) for j in mine), default=None)
+        part["fetch"] = max((round(g.get("agree", 0.0) + g.get("fetch", 0.0), 4) for g in got), default=None)
+        part["fetch_bytes"] = sum(g["bytes"] for g in got)
+        part["total"] = round(sum(part[k] or 0.0 for k in ("detect", "rebuild", "restore", "rewrap", "redo")), 3)
+        parts.append(part)
+    return parts
+
+
+def disk_parts(out: Path) -> dict[str, Any]:
+    """The cost of each kill of ``disk`` by part, in seconds, from the victims' marks and each
+    launch's stamps: ``relaunch`` (the kill to the new processes' first line: torchrun's agent sees
+    the death, stops every worker, starts them all again), ``start`` (imports, the group, the model
+    or engine built), ``load`` (the checkpoint), ``redo`` (the steps since the checkpoint, lost,
+    and the interrupted one); and what the checkpoints cost (``saves``, their seconds on rank 0)."""
+    parts = []
+    for n in range(1, 1 + len(list(out.glob("fault-*.done")))):
+        path = out / f"launch-{n}.json"
+        if not path.exists():
+            continue
+        stamp = json.loads(path.read_text())
+        kill_at = float((out / f"fault-{n - 1}.done").read_text().split()[1])
+        part = {"fault": n - 1, "killed_step": stamp["killed_step"], "from_step": stamp["from_step"]}
+        part["lost_steps"] = (stamp["killed_step"] or 0) - stamp["from_step"]
+        part["relaunch"] = round(stamp["script_at"] - kill_at, 3)
+        part["start"] = round(stamp["ready_at"] - stamp["script_at"], 3)
+        part["load"] = round(stamp["loaded_at"] - stamp["ready_at"], 3)
+        part["redo"] = round(stamp["redone_at"] - stamp["loaded_at"], 3) if "redone_at" in stamp else None
+        part["total"] = round(stamp["redone_at"] - kill_at, 3) if "redone_at" in stamp else None
+        parts.append(part)
+    saves = [float(line.split()[1]) for line in (out / "saves.txt").read_text().split("\n") if line.strip()]
+    return {"kills": parts, "saves": len(saves), "save_s": round(sum(saves), 3)}
+
+
+def _part_line(part: dict[str, Any], names: tuple[str, ...]) -> str:
+    return ", ".join(f"{k} {part[k]:.3f}" if isinstance(part.get(k), float) else f"{k} {part.get(k)}" for k in names)
+
+
 # ------------------------------------------------------------------------------------ the driver
 
 
@@ -647,21 +1035,23 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One torchrun launch of ``mode``; rank 0's result with the launch's wall time."""
     out = root / mode
     out.mkdir(parents=True)
+    nproc, every, ckpt_every = _settings(mode, args)
     worker = [
         str(HERE),
         "--rank-mode",
         mode,
-        *("--steps", str(args.steps), "--every", str(args.every), "--step-s", str(args.step_s)),
+        *("--steps", str(args.steps), "--every", str(every), "--step-s", str(args.step_s)),
         *("--stall-s", str(args.stall_s), "--group-timeout", str(args.group_timeout)),
-        *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(args.ckpt_every)),
+        *("--commit-timeout", str(args.commit_timeout), "--ckpt-every", str(ckpt_every)),
         *("--out", str(out), "--framework", args.framework),
         *(["--defaults"] if args.defaults else []),
+        *(["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every is not None else []),
     ]
-    restarts = ["--max-restarts", "100"] if mode == "restart" else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
+    restarts = ["--max-restarts", "100"] if mode in ("restart", "disk") else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     if args.defaults:  # as `ncclguard run --ncclguard-restarts 1` runs each rank
         worker = ["-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, *worker]
-    elif mode in ("kill", "spare"):  # each rank under its supervisor: the agent never sees it die
+    elif mode in ("kill", "spare", "host"):  # each rank under its supervisor: the agent never sees it die
         spare = ["--warm-spare"] if mode == "spare" else []
         if mode == "spare" and args.framework == "deepspeed":
             spare += ["--preload=deepspeed"]  # the spare imports what the script does
@@ -674,7 +1064,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.defaults:
         env.update(NCCLGUARD_AUTO="1", NCCLGUARD_WATCHDOG_INCIDENT_DIR=str(out / "incidents"))
-    if mode == "restart":
+    if mode in ("restart", "disk"):
         # torch 2.13's torchrun shares its rendezvous TCPStore server with the workers and keeps it
         # across restarts, with no per-attempt prefix on init_process_group's keys: a restarted
         # worker can read the previous attempt's gloo addresses ("connectFullMesh ... Connection
@@ -704,14 +1094,77 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res["efficiency"] = res["committed"] / res["attempted"]
     res["torchrun_rc"] = rc
     res["faults_injected"] = len(list(out.glob("fault-*.done")))  # the victims' marks
-    if mode in ("kill", "spare"):  # from the kill to the new process's script, and to its heal
+    if mode in ("kill", "spare", "host"):  # from the kill to the new process's script, and to its heal
         joins = [json.loads(p.read_text()) for p in sorted(out.glob("joined-*.json"))]
         res["restarts"] = [
             {"script_s": round(j["script_at"] - j["kill_at"], 3), "healed_s": round(j["healed_at"] - j["kill_at"], 3)}
             for j in joins
             if j.get("kill_at") is not None
         ]
+    if args.framework in ("fsdp2", "deepspeed"):
+        _sharded_results(mode, res, out)
     return res
+
+
+def _settings(mode: str, args: argparse.Namespace) -> tuple[int, float, int]:
+    """A launch's ranks, seconds between faults and steps between checkpoints: ``host`` and
+    ``clean4`` run 4 ranks (2 simulated hosts) and lose a host every 120 s unless ``--every`` says;
+    ``disk`` checkpoints every 100 steps, the DDP ``restart`` baseline every 50, unless ``--ckpt-every`` says."""
+    nproc = 2 * HOST_RANKS if mode in ("host", "clean4") else NPROC
+    every = args.every if args.every is not None else 120.0 if mode == "host" else 60.0
+    ckpt_every = args.ckpt_every if args.ckpt_every is not None else 100 if mode == "disk" else 50
+    return nproc, every, ckpt_every
+
+
+def _sharded_results(mode: str, res: dict[str, Any], out: Path) -> None:
+    """Adds the sharded drills' parts to a launch's result: every rank's snapshot memory (by launch
+    rank), and the cost of each kill by part (:func:`kill_parts`, :func:`disk_parts`)."""
+    ranks = {p.stem[4:]: json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    mem = {r: ranks[r]["memory"] for r in sorted(ranks, key=int) if ranks[r].get("memory") is not None}
+    if mem:
+        res["memory_per_rank"] = mem
+        res["memory_max_bytes"] = max(m["own_bytes"] + m["replica_bytes"] for m in mem.values())
+    if mode in ("kill", "spare", "host"):
+        res["kill_parts"] = kill_parts(res, out)
+    if mode == "disk":
+        res["disk_parts"] = disk_parts(out)
+
+
+def _print_parts(mode: str, r: dict[str, Any]) -> None:
+    """Prints the cost of each kill by part and the snapshots' memory per rank (sharded drills)."""
+    kill = ("detect", "rebuild", "restore", "rewrap", "redo", "total", "process_start", "ready", "fetch", "fetch_bytes")
+    for part in r.get("kill_parts", []):
+        print(f"  {mode} kill {part['fault']} at step {part['step']}: {_part_line(part, kill)}", flush=True)
+    disk = r.get("disk_parts")
+    if disk is not None:
+        names = ("lost_steps", "relaunch", "start", "load", "redo", "total")
+        for part in disk["kills"]:
+            print(f"  disk kill {part['fault']} at step {part['killed_step']}: {_part_line(part, names)}", flush=True)
+        print(f"  disk: {disk['saves']} checkpoint(s) saved, {disk['save_s']} s on rank 0", flush=True)
+    for rank, m in r.get("memory_per_rank", {}).items():
+        print(
+            f"  {mode} rank {rank}: snapshots every {m['every']} step(s), own {m['own_bytes']} B, "
+            f"replicas {m['replica_bytes']} B (of ranks {sorted(m['replicas'])}); "
+            f"{m['takes']} taken, {1000 * m['spent_s'] / max(m['takes'], 1):.2f} ms each paid by the loop",
+            flush=True,
+        )
+
+
+def _sharded_summary(ok: dict[str, Any], summary: dict[str, Any]) -> None:
+    """The sharded drills' verdicts: ``host`` against the clean 4-rank run (``clean4``), ``disk``
+    against ``clean``, and the in-memory heal against the restart from disk."""
+    clean, clean4 = ok.get("clean"), ok.get("clean4")
+    for mode in ("host", "clean4"):
+        if mode in ok and clean4 is not None:
+            ok[mode]["throughput_vs_clean"] = ok[mode]["steps_per_s"] / clean4["steps_per_s"]
+    if "host" in ok and clean4 is not None:
+        summary["host_bit_equal_to_clean4"] = ok["host"]["digest"] == clean4["digest"]
+        summary["host_throughput_vs_clean4"] = ok["host"]["throughput_vs_clean"]
+    if "disk" in ok and clean is not None:
+        summary["disk_bit_equal_to_clean"] = ok["disk"]["digest"] == clean["digest"]
+        summary["disk_throughput_vs_clean"] = ok["disk"]["throughput_vs_clean"]
+    if "disk" in ok and "kill" in ok:
+        summary["kill_vs_disk_throughput"] = ok["kill"]["steps_per_s"] / ok["disk"]["steps_per_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stuck only: no timeout set anywhere, the watchdog as `ncclguard run --ncclguard-restarts 1` starts it",
     )
-    p.add_argument("--every", type=float, default=60.0, help="seconds between faults")
+    p.add_argument("--every", type=float, help="seconds between faults (default 60; 120 for --modes host)")
     p.add_argument("--step-s", type=float, default=0.1, help="each step's compute (a sleep)")
     p.add_argument("--stall-s", type=float, default=3.0, help="a stall; past --group-timeout")
     p.add_argument(
@@ -745,7 +1198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rejoin-timeout", type=float, default=90.0, help="kill: the survivors' rebuild waits this for the restart"
     )
-    p.add_argument("--ckpt-every", type=int, default=50, help="restart baseline: steps between checkpoints")
+    p.add_argument(
+        "--ckpt-every", type=int, help="restart and disk baselines: steps between checkpoints (default 50; disk 100)"
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        help="fsdp2, deepspeed: a snapshot every this many steps (default: the engine's K)",
+    )
     p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")
@@ -758,7 +1218,9 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         args.mode = args.rank_mode
-        if args.framework in ("hf", "hf-deepspeed"):
+        if args.mode == "disk":
+            rank_disk(args)
+        elif args.framework in ("hf", "hf-deepspeed"):
             rank_hf(args)
         elif args.framework == "deepspeed":
             rank_deepspeed(args)
@@ -780,17 +1242,18 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp2": sharded,
         "deepspeed": sharded,
         "hf-deepspeed": sharded,
-    }.get(args.framework, [m for m in MODES if m != "nosnap"])
+    }.get(args.framework, [m for m in MODES if m != "nosnap" and m not in ("clean4", "host", "disk")])
     modes = args.modes or (["clean", "stall", "restart"] if args.short and args.framework == "loop" else default)
     if args.framework == "hf" and not set(modes) <= {"clean", "stall", "kill", "spare"}:
         p.error("--framework hf runs clean, stall, kill and spare")
-    if args.framework in ("fsdp2", "deepspeed", "hf-deepspeed") and not set(modes) <= {
-        "clean",
-        "nosnap",
-        "kill",
-        "spare",
-    }:
-        p.error(f"--framework {args.framework} runs clean, nosnap, kill and spare")
+    if args.framework == "hf-deepspeed" and not set(modes) <= set(sharded):
+        p.error("--framework hf-deepspeed runs clean, nosnap, kill and spare")
+    if args.framework in ("fsdp2", "deepspeed") and not set(modes) <= set(SHARDED_MODES):
+        p.error(f"--framework {args.framework} runs {', '.join(SHARDED_MODES)}")
+    if set(modes) & {"clean4", "host", "disk"} and args.framework not in ("fsdp2", "deepspeed"):
+        p.error("clean4, host and disk are drills of --framework fsdp2 or deepspeed")
+    if "host" in modes and "clean4" not in modes:
+        p.error("the host run (4 ranks) is measured against the clean 4-rank run: add clean4 to --modes")
     if "nosnap" in modes and args.framework not in ("fsdp2", "deepspeed", "hf-deepspeed"):
         p.error("nosnap is the clean run without snapshots of --framework fsdp2, deepspeed or hf-deepspeed")
     if "stall" in modes and "clean" not in modes:
@@ -812,10 +1275,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['committed']}/{r['attempted']}), {r['faults_injected']} fault(s) injected, wall {r['launch_wall_s']} s",
                 flush=True,
             )
+            _print_parts(mode, r)
     clean = runs.get("clean")
     summary: dict[str, Any] = {}
-    for r in runs.values():
-        if "steps_per_s" in r and clean is not None:
+    for mode, r in runs.items():
+        if "steps_per_s" in r and clean is not None and mode not in ("host", "clean4"):
             r["throughput_vs_clean"] = r["steps_per_s"] / clean["steps_per_s"]
     ok = {m: r for m, r in runs.items() if "steps_per_s" in r}
     clean = ok.get("clean")
@@ -828,6 +1292,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"{mode}_bit_equal_to_clean"] = runs[mode]["digest"] == clean["digest"]
     if "stall" in ok and "restart" in ok:
         summary["stall_vs_restart_throughput"] = runs["stall"]["steps_per_s"] / runs["restart"]["steps_per_s"]
+    _sharded_summary(ok, summary)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": {k: v for k, v in vars(args).items() if k not in ("rank_mode", "out", "json", "workdir")},

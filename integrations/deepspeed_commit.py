@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -49,9 +49,11 @@ from ncclguard._log import log
 from ncclguard.errors import RebuildFailed
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
+from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.watching.actions import exit_now
 
@@ -71,11 +73,17 @@ class EngineStepResult:
         commit: the step's commit.
         rewound_to: with ``heal``, the snapshot's step every rank went back to (the step was not
             applied; the result is falsy): go on from there (``stepper.steps()`` does).
+        timings: with ``rewound_to``, where the failed step's seconds went (the engine's
+            ``StepResult.timings``: attempt, commit, rebuild, rewrap, heal).
+        restored: this rank's part in a restore from snapshots during the step (its bytes and
+            timings; the redo's seconds are in ``stepper.recovery.recoveries``), or None.
     """
 
     output: Any
     commit: CommitResult
     rewound_to: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    restored: Restored | None = None
 
     def __bool__(self) -> bool:
         return self.rewound_to is None
@@ -108,6 +116,11 @@ class CommittedEngineStep(Adapter):
         preempt_dir: where, on SIGTERM, every rank writes ``engine.save_checkpoint(preempt_dir)``
             after the step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
             default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
+        heal: a killed rank, restarted, joins the survivors and takes its partitions from its
+            buddy's in-memory snapshot (needs ``rebuild_engine``).
+        heal_timeout: seconds (or a timedelta) each snapshot swap and a restore wait at most.
+        snapshot_every: with ``heal``, a snapshot every this many steps; None: as often as keeps
+            them under 2% of the step time.
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
@@ -181,6 +194,8 @@ class CommittedEngineStep(Adapter):
         self.state = None if rebuild_engine is None or self._joining else DeepSpeedState(engine)
         self.recovery = Recovery(self, options)
         joined = self.recovery.join_if_restarted()
+        # A restarted process: how it was restored (its bytes and timings), and where it goes on.
+        self.healed: HealResult | Restored | None = joined
         self.resume_step: int | None = joined.step if joined is not None else None
 
     def state_codec(self) -> StateCodec | None:
@@ -271,11 +286,12 @@ class CommittedEngineStep(Adapter):
         tx = self.recovery.begin(step)
         tx.run(lambda: step_fn(self.engine))
         res = tx.settle(None if self.rebuild_engine is None else lambda: step_fn(self.engine))
+        restored = res.healed if isinstance(res.healed, Restored) else None
         if res:
             self.engine.step()
-            return EngineStepResult(res.output, res.commits[-1])
+            return EngineStepResult(res.output, res.commits[-1], restored=restored)
         if res.rewound_to is not None:  # every rank went back to a snapshot: the loop goes back too (steps())
-            return EngineStepResult(None, res.commits[-1], rewound_to=res.rewound_to)
+            return EngineStepResult(None, res.commits[-1], res.rewound_to, res.timings, restored)
         if isinstance(res.error, RebuildFailed):  # a rank is missing: no complete checkpoint can be written
             log.error(
                 "CommittedEngineStep: %s. Exiting %d; the launcher restarts from your last checkpoint",

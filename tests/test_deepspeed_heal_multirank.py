@@ -33,7 +33,17 @@ def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
         ]
         assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
         assert res["results"][K + 1 :] == after
+    phases = ["agree", "apply", "check", "fetch"]  # Restored.timings
+    for r, role in ((0, "survivor"), (2, "holder")):  # rank 1's replica is on rank 2 (one host: the next rank)
+        assert job[r]["rewind"] == {
+            "timings": ["attempt", "commit", "heal", "rebuild", "rewrap"],  # EngineStepResult.timings
+            "role": role,
+            "restore": phases,
+        }
+        assert job[r]["healed"] is None
     assert (job[1]["life"], job[1]["resume_step"]) == (1, back)
+    healed = job[1]["healed"]
+    assert (healed["role"], healed["step"], healed["restore"]) == ("receiver", back, phases) and healed["bytes"] > 0
     assert job[1]["results"] == after
     reference = job[0]["reference"]
     for r in range(3):

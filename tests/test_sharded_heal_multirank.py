@@ -27,10 +27,19 @@ def clean(step: int, generation: int) -> dict:
     return {"step": step, "ok": True, "attempts": 1, "generation": generation, "rewound_to": None, "error": None}
 
 
+PHASES = ["agree", "apply", "check", "fetch"]  # Restored.timings
+
+
+def restore_parts(nbytes: int) -> dict:
+    return {"names": PHASES, "within": True, "bytes": nbytes}
+
+
 def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(kill_job):
     assert [(r.rank, r.count, r.returncode) for r in kill_job.restarts] == [(1, 1, -9)]
     # A snapshot every 2 steps from BASE: the newest at the kill (step BASE+K) is of step BASE+K-1.
     back = BASE + K - 1
+    sent = kill_job[1]["restore_parts"]["bytes"]  # rank 1's replica, as rank 2 sent it and rank 1 received it
+    assert sent > 0 and kill_job[1]["restore_parts"] == restore_parts(sent)
     for r, role in ((0, "survivor"), (2, "holder")):  # rank 1's replica is on rank 2 (one host: the next rank)
         res = kill_job[r]
         assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
@@ -44,6 +53,9 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
             "rewound_to": back,  # every rank went back to the snapshot, the loop with it
             "error": None,
             "restored": {"ok": True, "role": role, "step": back, "rolled_back": True, "holders": {"1": 2}},
+            "restore_parts": restore_parts(sent if role == "holder" else 0),
+            # where the rolled-back step's seconds went (StepResult.timings)
+            "timings": ["attempt", "commit", "heal", "rebuild", "rewrap"],
         }
         assert steps[K + 1 :] == [clean(s, 1) for s in range(back, BASE + STEPS)]
     res = kill_job[1]
@@ -53,6 +65,8 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
     for r in range(3):
         assert kill_job[r]["final"] == [r, 3, 1]
         assert kill_job[r]["every"] == 2
+        if r != 1:  # the reference run: a snapshot at steps 0, 2 and 4, and the seconds the loop paid for them
+            assert kill_job[r]["reference_takes"] == [3, True]
         assert kill_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
 
 
@@ -68,9 +82,13 @@ def test_a_snapshot_that_does_not_fit_the_module_is_refused_on_every_rank_and_no
 def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_job):
     assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
     holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1
+    for r in (2, 3):
+        got = host_job[r]["restore_parts"]["bytes"]
+        assert got > 0 and host_job[r]["restore_parts"] == restore_parts(got)
     for r in (0, 1):
         res = host_job[r]
         assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        assert res["reference_takes"] == [STEPS, True]  # one a step, and the seconds the loop paid for them
         assert res["results"][:K] == [clean(BASE + s, 0) for s in range(K)]
         # A snapshot every step: the survivors' live state is the snapshot of step BASE+K; they redo it.
         assert res["results"][K] == {
@@ -81,6 +99,8 @@ def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_
             "rewound_to": None,
             "error": None,
             "restored": {"ok": True, "role": "holder", "step": BASE + K, "rolled_back": False, "holders": holders},
+            # each holder sent its source's replica: the bytes its receiver got
+            "restore_parts": restore_parts(host_job[r + 2]["restore_parts"]["bytes"]),
         }
         assert res["results"][K + 1 :] == [clean(s, 1) for s in range(BASE + K + 1, BASE + STEPS)]
     for r in (2, 3):

@@ -594,6 +594,7 @@ class Transaction(Generic[T]):
                             )
                             back = self._result(False, attempt, rebuilds, commits, None, healed)
                             back.rewound_to = engine.rewind_to = restored.step
+                            back.timings = {k: round(v, 4) for k, v in clock.laps.items()}
                             return back
                 log.warning(
                     "%s: redoing step %d in world generation %d (%d ranks), attempt %d",

@@ -79,6 +79,9 @@ class StepResult(Result, Generic[T]):
         pending: a micro-batch of a gradient-accumulation window that commits at the window's last
             micro-batch: recorded, nothing settled or applied yet (truthy; the window's last result
             is the verdict).
+        timings: with ``rewound_to``, where the seconds of the failed step went, as
+            :attr:`Recovered.timings` (no :class:`Recovered` is made: the step was not applied);
+            empty otherwise.
     """
 
     ok: bool
@@ -92,6 +95,7 @@ class StepResult(Result, Generic[T]):
     healed: HealResult | Restored | None = None
     rewound_to: int | None = None
     pending: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

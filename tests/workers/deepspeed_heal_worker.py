@@ -63,6 +63,9 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
 
         res = stepper(step_fn, step=step)
         results.append({"step": step, "applied": bool(res), "rewound_to": res.rewound_to, "generation": generation()})
+        if res.rewound_to is not None:  # where the rolled-back step's seconds went, and this rank's restore
+            r = res.restored
+            put("rewind", {"timings": sorted(res.timings), "role": r and r.role, "restore": r and sorted(r.timings)})
     return stepper, results
 
 
@@ -78,6 +81,11 @@ def main() -> None:
     stepper, results = train(K, BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)
+    healed = stepper.healed  # a restarted process: how it was restored
+    put(
+        "healed",
+        healed and {"role": healed.role, "step": healed.step, "bytes": healed.bytes, "restore": sorted(healed.timings)},
+    )
     put("global_steps", stepper.engine.global_steps)
     put("digest", gathered_digest(stepper.engine))
     put("generation", generation())

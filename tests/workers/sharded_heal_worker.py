@@ -78,11 +78,19 @@ def summary(step: int, res: StepResult) -> dict[str, Any]:
     }
     if isinstance(res.healed, Restored):
         out["restored"] = described(res.healed)
+        out["restore_parts"] = parts(res.healed)
+    if res.rewound_to is not None:  # where the rolled-back step's seconds went
+        out["timings"] = sorted(res.timings)
     return out
 
 
 def described(r: Restored) -> dict[str, Any]:
     return {"ok": r.ok, "role": r.role, "step": r.step, "rolled_back": r.rolled_back, "holders": r.holders}
+
+
+def parts(r: Restored) -> dict[str, Any]:
+    """The restore's timings: its phases, and whether they add up to no more than the whole."""
+    return {"names": sorted(r.timings), "within": sum(r.timings.values()) <= r.elapsed_s + 1e-3, "bytes": r.bytes}
 
 
 def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str, Any]]]:
@@ -146,11 +154,14 @@ def main() -> None:
         ref, ref_results = train(kill_at=None, base=0)
         put("reference_results", ref_results)
         reference = full_state(ref)
+        assert ref.engine.keeper is not None
+        put("reference_takes", [ref.engine.keeper.takes, ref.engine.keeper.spent_s > 0])  # what snapshots cost the loop
     stepper, results = train(kill_at=K, base=BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)
     if isinstance(stepper.healed, Restored):
         put("restored", described(stepper.healed))
+        put("restore_parts", parts(stepper.healed))
     mine = full_state(stepper)
     ref_t = reference if LIFE == 0 and ME == 0 else torch.zeros_like(mine)
     dist.broadcast(ref_t, src=0)  # a restarted rank never ran the reference: rank 0's copy

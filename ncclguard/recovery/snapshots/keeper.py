@@ -11,7 +11,8 @@ hold, and a restore may have to go back to it.
 ``K``: with ``every=None`` each take measures its own cost against the step time seen since the
 last one and asks for the smallest ``K`` that keeps snapshots under ``budget`` (2%) of the step
 time; the ranks agree on the largest ``K`` asked (one all_reduce on the side group), so that they
-take their snapshots at the same steps.
+take their snapshots at the same steps. A ``K`` set by hand is agreed once, at the first take of a
+world: the takes after make no collective but the swap.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.internals.step_state import StepState, generators_to_send
-from ncclguard.recovery.snapshots.exchange import swap
+from ncclguard.recovery.snapshots.exchange import _wait, swap
 from ncclguard.recovery.snapshots.packing import Snapshot, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
@@ -79,6 +80,13 @@ class Keeper:
         every: take a snapshot every this many steps; None: chosen to cost at most ``budget``.
         budget: the share of the step time snapshots may cost when ``every`` is None.
         timeout_s: the bound of one swap with the buddies.
+
+    Attributes:
+        own: this rank's own snapshots, oldest first (at most 2).
+        replicas: the replicas it keeps, by source rank, oldest first (at most 2 each).
+        k: snapshots are taken every ``k`` steps (agreed by every rank).
+        takes: snapshots taken so far (forced ones included).
+        spent_s: seconds the training loop spent taking them (what the steps paid for them).
     """
 
     codec: StateCodec
@@ -90,6 +98,8 @@ class Keeper:
     k: int = 1
     next_due: int | None = None
     force: bool = True  # the first step, and the first after a restore, always take one
+    takes: int = 0
+    spent_s: float = 0.0
     _last_begin: float | None = None
     _step_time: float | None = None
     _cost: float = 0.0  # the last take's seconds
@@ -140,6 +150,8 @@ class Keeper:
         # the side group: it says nothing of what a take costs, so it asks for the K in force.
         self._agree_k(step, side, self.k if self.force else None)
         self.force = False
+        self.takes += 1
+        self.spent_s += time.monotonic() - start
         if not self._told:
             self._told = True
             log.warning(
@@ -150,6 +162,9 @@ class Keeper:
             )  # fmt: skip
 
     def _agree_k(self, step: int, side: SideGroup, keep: int | None) -> None:
+        if self.every is not None and keep is None:
+            self.next_due = step + self.k  # set by hand: agreed at the first take of this world
+            return
         if self.every is not None:
             want = self.every
         else:
@@ -157,7 +172,9 @@ class Keeper:
                 self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
             want = keep if keep is not None else self._wanted_k()
         k = torch.tensor([want], dtype=torch.int64)
-        dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group)
+        # Bounded: a rank that died since the last take fails this step, it does not hang it.
+        work = dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group, async_op=True)
+        _wait([work], Deadline.after(self.timeout_s), "the ranks' agreement on K")
         if int(k.item()) != self.k:
             log.info("snapshots: every %d step(s) from step %d (one take %.3f s)", int(k.item()), step, self._cost)
         self.k = int(k.item())

@@ -58,6 +58,9 @@ class Restored(Result):
         bytes: bytes this rank sent or received.
         elapsed_s: seconds from entry to return.
         error: a :class:`~ncclguard.errors.HealFailed` when not ``ok``.
+        timings: where those seconds went on this rank: ``agree`` (the holdings gathered, the
+            step chosen), ``fetch`` (the replicas sent and received, unpacked), ``check`` (each
+            rank's check and the answer every rank learns), ``apply`` (the state put back).
     """
 
     ok: bool
@@ -69,6 +72,7 @@ class Restored(Result):
     bytes: int = 0
     elapsed_s: float = 0.0
     error: HealFailed | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def choose(holdings: list[list[int]], receivers: list[int]) -> tuple[int, dict[int, int]] | str:
@@ -151,6 +155,7 @@ class Fetched:
         bytes: bytes this rank sent or received.
         refusal: why this rank cannot take ``state`` so far (a bad replica), or None.
         error: a fetch that failed on this rank (no step, a transfer), or None.
+        timings: seconds of its parts on this rank, ``agree`` and ``fetch`` (see :class:`Restored`).
     """
 
     step: int | None
@@ -163,6 +168,7 @@ class Fetched:
     bytes: int = 0
     refusal: str | None = None
     error: HealFailed | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def fetch(
@@ -226,11 +232,11 @@ def _fetch(
 def _put_back(keeper: Keeper | None, codec: StateCodec, fetched: Fetched, deadline: Deadline, start: float) -> Restored:
     me = dist.get_rank()
     result = Restored(False, fetched.role, fetched.step, receivers=fetched.receivers, holders=fetched.holders)
-    result.bytes = fetched.bytes
+    result.bytes, result.timings = fetched.bytes, dict(fetched.timings)
     try:
         if fetched.error is not None and keeper is not None:
             raise fetched.error  # restore(): a rank whose transfer failed says so alone, as before
-        _check_and_apply(codec, fetched, me, dist.get_world_size(), deadline)
+        _check_and_apply(codec, fetched, me, dist.get_world_size(), deadline, result.timings)
         result.ok, result.rolled_back = True, fetched.rolled_back
     except HealFailed as exc:
         result.error = exc
@@ -254,6 +260,7 @@ def _agree_and_send(
     # sequence numbers must stay equal on every rank (the next commit compares them).
     side = side_group().group
     wanted = fetched.receivers
+    lap = _Laps(fetched.timings)
     mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (2 + 2 * size), dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
     _wait([dist.all_gather(everyone, mine, group=side, async_op=True)], deadline, "the snapshots' holdings")
@@ -262,6 +269,7 @@ def _agree_and_send(
         raise HealFailed(chosen)
     step, holders = chosen
     fetched.step, fetched.holders = step, holders
+    lap("agree")
     got: Snapshot | None = None
     for j, h in holders.items():
         if me == h:
@@ -289,22 +297,42 @@ def _agree_and_send(
                 fetched.refusal = f"this rank holds no snapshot of its own at step {step}"
     except HealFailed as exc:
         fetched.refusal = str(exc)
+    lap("fetch")
 
 
-def _check_and_apply(codec: StateCodec, fetched: Fetched, me: int, size: int, deadline: Deadline) -> None:
+def _check_and_apply(
+    codec: StateCodec, fetched: Fetched, me: int, size: int, deadline: Deadline, timings: dict[str, float]
+) -> None:
     # Every rank checks what it would apply, and all learn who refused before anything is copied.
+    lap = _Laps(timings)
     refusal = str(fetched.error) if fetched.error is not None else fetched.refusal
     try:
         if refusal is None and fetched.state is not None:
             refusal = codec.check(fetched.state)
     except Exception as exc:  # noqa: BLE001 - a check that cannot read the state refuses it
         refusal = f"{type(exc).__name__}: {exc}"
-    _agree(refusal, f"the snapshot of step {fetched.step}", me, size, deadline)
+    try:
+        _agree(refusal, f"the snapshot of step {fetched.step}", me, size, deadline)
+    finally:
+        lap("check")
     if fetched.state is not None:
         codec.apply(fetched.state)
         sent, gens = fetched.generators if fetched.generators is not None else (None, [])
         if sent is not None:
             restore_sent_generators(_from_json(sent, gens))
+    lap("apply")
+
+
+class _Laps:
+    """Writes the seconds since its last call (or its making) under a part's name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.last = into, time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.into[name] = round(now - self.last, 4)
+        self.last = now
 
 
 def agree(refusal: str | None, what: str, timeout_s: float) -> None:
