@@ -174,7 +174,7 @@ class NcclGuardCallback(Callback):
                 log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
             else:
                 self.watchdog = start_watchdog(self.watchdog_config)
-        self._wrap(trainer, "save_checkpoint", self._saving(trainer))
+        self._wrap(trainer, "save_checkpoint", _saving(trainer))
         if self.recovery is not None and stage == "fit":
             check_recoverable(trainer, pl_module, allow_shrink=self.recovery.engine.options.allow_shrink)
             if isinstance(trainer.strategy, ModelParallelStrategy):
@@ -297,15 +297,6 @@ class NcclGuardCallback(Callback):
             if name in vars(owner):
                 delattr(owner, name)  # the class's method shows through again
 
-    def _saving(self, trainer: Trainer) -> Callable[..., Any]:
-        original = trainer.save_checkpoint
-
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            with phase("save", step=trainer.global_step):
-                return original(*args, **kwargs)
-
-        return save_checkpoint
-
     def _guarded_run(self, trainer: Trainer, pl_module: LightningModule, loop: Any) -> Callable[[], Any]:
         original = loop.run
         timeout_s = self.eval_timeout_s
@@ -348,11 +339,7 @@ class NcclGuardCallback(Callback):
         )
         metrics = {FAILED_METRIC: 1.0, "eval/attempts": float(report.attempts if report is not None else 1)}
         trainer.callback_metrics[FAILED_METRIC] = torch.tensor(1.0)
-        for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only
-            try:
-                logger.log_metrics(metrics, step=step)
-            except Exception:  # noqa: BLE001 - a logger must never take training down
-                log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)
+        _to_loggers(trainer, metrics, step)
 
     def _log_recovery(self, trainer: Trainer, rec: Recovered) -> None:
         self.recoveries.append(rec)
@@ -370,8 +357,24 @@ class NcclGuardCallback(Callback):
         metrics = {k: float(v) for k, v in rec.metrics().items() if isinstance(v, int | float)}
         for key, value in metrics.items():
             trainer.callback_metrics[key] = torch.tensor(value)
-        for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only
-            try:
-                logger.log_metrics(metrics, step=rec.step)
-            except Exception:  # noqa: BLE001 - a logger must never take training down
-                log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)
+        _to_loggers(trainer, metrics, rec.step)
+
+
+def _to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    """Logs ``metrics`` to every logger of the trainer; a logger that fails is logged, never raised."""
+    for logger in trainer.loggers:  # Lightning's loggers write on global rank 0 only
+        try:
+            logger.log_metrics(metrics, step=step)
+        except Exception:  # noqa: BLE001 - a logger must never take training down
+            log.exception("NcclGuardCallback: %s.log_metrics failed", type(logger).__name__)
+
+
+def _saving(trainer: Trainer) -> Callable[..., Any]:
+    """``trainer.save_checkpoint`` inside phase ``save step=<n>`` (no Lightning hook spans a save)."""
+    original = trainer.save_checkpoint
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        with phase("save", step=trainer.global_step):
+            return original(*args, **kwargs)
+
+    return save_checkpoint
