@@ -377,3 +377,15 @@ def test_lightning_sigterm_is_the_engines_during_fit_and_stops_after_the_step_wi
     assert seen["resumed"] == {"step": 3, "stepped": 3, "tensors": 8, "equal": True}  # 2 params, AdamW's 3 each
     # A fit that ends: SIGTERM back to what held it before fit (the engine's), the wrappers gone.
     assert seen["after"] == {"handler_back": True, "engine_handler": True, "wrappers_left": [], "step": 5}
+
+
+def test_the_lightning_callback_takes_the_directory_only_with_recover(tmp_path):
+    from ncclguard.integrations.lightning import NcclGuardCallback
+
+    with pytest.raises(ValueError, match="preempt_dir needs recover=True"):
+        NcclGuardCallback(watchdog=False, preempt_dir=tmp_path / "ck")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        NcclGuardCallback(recover=True, watchdog=False, preempt_dir=tmp_path / "f")
+    callback = NcclGuardCallback(recover=True, watchdog=False, preempt_dir=tmp_path / "ck")
+    assert callback.recovery is not None and callback.recovery.engine.options.preempt_dir == tmp_path / "ck"
