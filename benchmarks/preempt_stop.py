@@ -2,8 +2,9 @@
 every process of the job (the launcher, the supervisors, the ranks) is gone.
 
 Runs tests/workers/preempt_worker.py (2 gloo ranks; RecoveringStep with DDP or FSDP2, the HF
-Trainer, DeepSpeed ZeRO-2), waits until every rank applied 3 steps, sends SIGTERM to the launcher,
-and prints the seconds until the last pid is gone, the exit status and the checkpoint written::
+Trainer, DeepSpeed ZeRO-2, a Lightning Trainer under NcclGuardCallback(recover=True)), waits until
+every rank applied 3 steps, sends SIGTERM to the launcher, and prints the seconds until the last
+pid is gone, the exit status and the checkpoint written::
 
     .venv/bin/python benchmarks/preempt_stop.py --stack ddp --runs 3
 
@@ -58,7 +59,7 @@ def one(stack: str, root: Path) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", choices=("ddp", "fsdp2", "hf", "deepspeed"), default="ddp")
+    ap.add_argument("--stack", choices=("ddp", "fsdp2", "hf", "deepspeed", "lightning"), default="ddp")
     ap.add_argument("--runs", type=int, default=3)
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,11 +25,14 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
   each step before the optimizer steps, and a failed step is redone on a rebuilt world
   (:mod:`ncclguard.integrations.lightning_recovery`). Each recovery is logged to every logger as
   ``ncclguard_recover_s``, ``ncclguard_recover_attempts``, ``ncclguard_recover_generation``,
-  ``ncclguard_recover_world_size`` (the keys every adapter logs).
+  ``ncclguard_recover_world_size`` (the keys every adapter logs). SIGTERM then stops every rank at
+  one agreed step with Lightning's own checkpoint (``preempt_dir=``; Lightning's SIGTERM handler
+  is set aside during ``fit``: :mod:`ncclguard.integrations.lightning_preempt`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -53,6 +56,7 @@ from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, re
 from ncclguard.recovery.records import Recovered
 from ncclguard.watching.watchdog import Watchdog
 
+from .lightning_preempt import preempt_wrappers
 from .lightning_recovery import StepRecovery, check_recoverable
 from .lightning_sharded import install_stand_in_mesh
 from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
@@ -103,6 +107,8 @@ class NcclGuardCallback(Callback):
             rank's shards every this many steps, replicated on a buddy rank; None (the default) as
             often as keeps them under 2% of the step time. A killed rank's restart takes every rank
             back to the newest snapshot.
+        preempt_dir: with ``recover``, where every rank writes Lightning's checkpoint when the job is
+            told to stop (SIGTERM; else ``NCCLGUARD_PREEMPT_DIR``; :mod:`.lightning_preempt`).
 
     Raises:
         TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s`` or ``watchdog``
@@ -130,6 +136,7 @@ class NcclGuardCallback(Callback):
         heal_timeout: float | timedelta = 60.0,
         left_out: LeftOut = "exit",
         snapshot_every: int | None = None,
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(recover, bool):
             raise TypeError(f"NcclGuardCallback's recover must be a bool, got {recover!r}")
@@ -143,8 +150,9 @@ class NcclGuardCallback(Callback):
             heal_timeout=heal_timeout,
             left_out=left_out,
             snapshot_every=snapshot_every,
+            preempt_dir=preempt_dir,
         )
-        for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
+        for name, flag in (("allow_shrink", allow_shrink), ("heal", heal), ("preempt_dir", preempt_dir is not None)):
             if flag and not recover:
                 raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
         self.recovery = StepRecovery(options, self._log_recovery) if recover else None
@@ -184,6 +192,8 @@ class NcclGuardCallback(Callback):
             self._wrap(automatic, "run", self.recovery.automatic_run(trainer))
             if self.recovery.engine.options.heal:
                 self._wrap(trainer.fit_loop, "run", self.recovery.fit_loop_run(trainer))
+            for owner, name, wrapper in preempt_wrappers(trainer, self.recovery):  # SIGTERM: the engine's
+                self._wrap(owner, name, wrapper)
         if self.eval_timeout_s is not None and stage in ("fit", "validate"):
             loop = trainer.fit_loop.epoch_loop.val_loop if stage == "fit" else trainer.validate_loop
             if not callable(getattr(loop, "run", None)):
@@ -343,21 +353,26 @@ class NcclGuardCallback(Callback):
 
     def _log_recovery(self, trainer: Trainer, rec: Recovered) -> None:
         self.recoveries.append(rec)
-        log.warning(
-            "NcclGuardCallback: step %d redone and applied in world generation %d (%d ranks) after %d attempt(s), "
-            "%.2f s; failed ranks %s",
-            rec.step,
-            rec.generation,
-            rec.world_size,
-            rec.attempts,
-            rec.elapsed_s,
-            rec.failed_ranks,
-        )
-        # The engine's ncclguard_recover_* values; Lightning's loggers take numbers only.
-        metrics = {k: float(v) for k, v in rec.metrics().items() if isinstance(v, int | float)}
-        for key, value in metrics.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
-        _to_loggers(trainer, metrics, rec.step)
+        _log_recovered(trainer, rec)
+
+
+def _log_recovered(trainer: Trainer, rec: Recovered) -> None:
+    """Logs a redone step to ncclguard's log and to every logger of the trainer."""
+    log.warning(
+        "NcclGuardCallback: step %d redone and applied in world generation %d (%d ranks) after %d attempt(s), "
+        "%.2f s; failed ranks %s",
+        rec.step,
+        rec.generation,
+        rec.world_size,
+        rec.attempts,
+        rec.elapsed_s,
+        rec.failed_ranks,
+    )
+    # The engine's ncclguard_recover_* values; Lightning's loggers take numbers only.
+    metrics = {k: float(v) for k, v in rec.metrics().items() if isinstance(v, int | float)}
+    for key, value in metrics.items():
+        trainer.callback_metrics[key] = torch.tensor(value)
+    _to_loggers(trainer, metrics, rec.step)
 
 
 def _to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:

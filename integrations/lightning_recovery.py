@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
 
+from .lightning_preempt import save_lightning
 from .lightning_sharded import ShardedLightning, check_model_parallel
 
 __all__ = ["StepRecovery", "check_recoverable"]
@@ -446,6 +448,10 @@ class StepRecovery(Adapter):
             self.trainer.strategy.model.require_forward_param_sync = self._forward_sync
         if rebuilt.missing_ranks:  # a shrink renumbered the ranks
             self._renumber()
+
+    def save_checkpoint(self, directory: Path, step: int) -> Path:
+        """Lightning's own checkpoint, by ``trainer.save_checkpoint`` (:func:`.lightning_preempt.save_lightning`)."""
+        return save_lightning(self.trainer, directory, sharded=self._sharded is not None)
 
     def log(self, record: Recovered) -> None:
         """Hands the record to the callback, which logs it to Lightning's loggers."""

@@ -269,3 +269,123 @@ def test_guard_trainer_takes_the_directory_only_with_recover(tmp_path):
     assert find_guard(trainer) is None  # nothing half-done
     guard_trainer(trainer, recover=True, watchdog=False, preempt_dir=tmp_path / "ck")
     assert find_guard(trainer).recovery.engine.options.preempt_dir == tmp_path / "ck"
+
+
+LIGHTNING = """
+import json, os, signal, sys
+from pathlib import Path
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from ncclguard.integrations.lightning import NcclGuardCallback
+from ncclguard.recovery import preempt
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+seen = {}
+
+class Net(LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 2)
+        self.term_at = None
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen[self.tag] = {"received_sigterm": self.trainer.received_sigterm, "noted": preempt.stop_requested(),
+                              "handler": type(signal.getsignal(signal.SIGTERM)).__name__}
+            print(json.dumps(seen), flush=True)
+        return self.net(batch[0]).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g)), batch_size=4)
+
+class Probe(Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        opt = trainer.optimizers[0]
+        state = [v for p in pl_module.parameters() for v in (p, *opt.state[p].values())]
+        torch.save([t.detach().clone() for t in state], OUT / f"state-{MODE}.pt")
+    def on_train_start(self, trainer, pl_module):
+        if MODE == "resume":
+            opt, want = trainer.optimizers[0], torch.load(OUT / "state-recover.pt", weights_only=True)
+            have = [v for p in pl_module.parameters() for v in (p, *opt.state[p].values())]
+            seen["resumed"] = {"step": trainer.global_step, "stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                               "tensors": len(have),
+                               "equal": len(want) == len(have) and all(torch.equal(a, b) for a, b in zip(want, have))}
+
+def fit(tag, callbacks, max_steps, term_at=None, ckpt=None):
+    net = Net()
+    net.tag, net.term_at = tag, term_at
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"),
+                      max_steps=max_steps, callbacks=[Probe(), *callbacks], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(OUT / tag))
+    trainer.fit(net, ckpt_path=ckpt)
+    return trainer
+
+if MODE == "recover":
+    try:  # no recover=True: Lightning's own handler and its SIGTERMException, unchanged
+        fit("plain", [NcclGuardCallback(watchdog=False)], 100, term_at=1)
+    except SystemExit as exc:
+        seen["plain_exit"] = type(exc).__name__
+    print(json.dumps(seen), flush=True)
+    fit("recover", [NcclGuardCallback(recover=True, watchdog=False, preempt_dir=OUT / "ck")], 100, term_at=2)
+    print("not stopped", flush=True)
+else:
+    guard = NcclGuardCallback(recover=True, watchdog=False)
+    before = signal.getsignal(signal.SIGTERM)
+    marker = json.loads((OUT / "ck" / preempt.MARKER).read_text())
+    trainer = fit("resume", [guard], marker["step"] + 3, term_at=-1, ckpt=marker["path"])
+    seen["after"] = {"handler_back": signal.getsignal(signal.SIGTERM) is before, "engine_handler": before is preempt._handler,
+                     "wrappers_left": sorted(vars(trainer._signal_connector).keys() & {"register_signal_handlers", "teardown"}),
+                     "step": trainer.global_step}
+    print(json.dumps(seen), flush=True)
+"""
+
+
+def _lightning(mode: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.pop(preempt.PREEMPT_DIR_VAR, None)
+    argv = [sys.executable, "-c", LIGHTNING, mode, str(out)]
+    return subprocess.run(argv, env=env, cwd=out, capture_output=True, text=True, timeout=4 * PROC_GUARD_S)
+
+
+def test_lightning_sigterm_is_the_engines_during_fit_and_stops_after_the_step_with_a_resumable_ckpt(tmp_path):
+    # A world of one (DDP strategy, gloo), SIGTERM to the process itself inside training_step.
+    stopped_run = _lightning("recover", tmp_path)
+    assert stopped_run.returncode == preempt.PREEMPTED_STATUS, stopped_run.stderr[-4000:]
+    seen = json.loads(stopped_run.stdout.splitlines()[-1])
+    # Without recover=True: Lightning's composed handler took the signal and its loop raised at the batch's end.
+    assert seen["plain"] == {"received_sigterm": True, "noted": False, "handler": "_HandlersCompose"}
+    assert seen["plain_exit"] == "SIGTERMException"
+    # With it: the engine's handler only noted the request; Lightning never learned of it.
+    assert seen["recover"] == {"received_sigterm": False, "noted": True, "handler": "function"}
+    assert "not stopped" not in stopped_run.stdout
+    marker = json.loads((tmp_path / "ck" / preempt.MARKER).read_text())
+    assert marker == {"adapter": "NcclGuardCallback", "path": str(tmp_path / "ck" / "epoch=0-step=3.ckpt"), "step": 2,
+                      "world_size": 1}  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["PREEMPTED.json", "epoch=0-step=3.ckpt"]
+    resumed = _lightning("resume", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    seen = json.loads(resumed.stdout.splitlines()[-1])
+    # Lightning's resume finds the step applied, its logging counter not counted twice, every tensor equal.
+    assert seen["resumed"] == {"step": 3, "stepped": 3, "tensors": 8, "equal": True}  # 2 params, AdamW's 3 each
+    # A fit that ends: SIGTERM back to what held it before fit (the engine's), the wrappers gone.
+    assert seen["after"] == {"handler_back": True, "engine_handler": True, "wrappers_left": [], "step": 5}
+
+
+def test_the_lightning_callback_takes_the_directory_only_with_recover(tmp_path):
+    from ncclguard.integrations.lightning import NcclGuardCallback
+
+    with pytest.raises(ValueError, match="preempt_dir needs recover=True"):
+        NcclGuardCallback(watchdog=False, preempt_dir=tmp_path / "ck")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        NcclGuardCallback(recover=True, watchdog=False, preempt_dir=tmp_path / "f")
+    callback = NcclGuardCallback(recover=True, watchdog=False, preempt_dir=tmp_path / "ck")
+    assert callback.recovery is not None and callback.recovery.engine.options.preempt_dir == tmp_path / "ck"

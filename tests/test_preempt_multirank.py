@@ -1,7 +1,7 @@
 """SIGTERM to a supervised job, on real gloo ranks: every process gone, no restart, the checkpoint on
 disk in the framework's own format, and a new launch resumes from it with the framework's own call.
 
-Six jobs at once, each ``ncclguard run --ncclguard-restarts 2 --nproc-per-node 2`` on
+Seven jobs at once, each ``ncclguard run --ncclguard-restarts 2 --nproc-per-node 2`` on
 tests/workers/preempt_worker.py, with ``NCCLGUARD_PREEMPT_DIR`` set:
 
 - ``ddp``: ``RecoveringStep`` with its default DDP wrap (DCP checkpoint; ``dcp.load`` + ``set_state_dict``);
@@ -13,7 +13,9 @@ tests/workers/preempt_worker.py, with ``NCCLGUARD_PREEMPT_DIR`` set:
 - ``deepspeed``: DeepSpeed ZeRO-2 under ``CommittedEngineStep`` (``engine.save_checkpoint``;
   ``engine.load_checkpoint``);
 - ``accelerate``: an Accelerate loop under ``recovering_step`` (``accelerator.save_state``;
-  ``accelerator.load_state``).
+  ``accelerator.load_state``);
+- ``lightning``: a Lightning Trainer with the DDP strategy under ``NcclGuardCallback(recover=True)``
+  (``trainer.save_checkpoint``'s ``.ckpt``; ``trainer.fit(model, ckpt_path=...)``).
 
 Once every rank has applied a few steps, the test sends SIGTERM to the launcher's process (as Slurm
 and ``scancel`` do), or, for ``ddp``, to rank 1's supervisor alone (rank 0 learns the stop from the
@@ -40,7 +42,7 @@ from harness import _kill_job
 pytestmark = pytest.mark.multirank
 WORKERS = Path(__file__).parent / "workers"
 WORKER = str(WORKERS / "preempt_worker.py")
-STACKS = ("ddp", "fsdp2", "hf", "hf-deepspeed", "deepspeed", "accelerate")
+STACKS = ("ddp", "fsdp2", "hf", "hf-deepspeed", "deepspeed", "accelerate", "lightning")
 ONE_SUPERVISOR = "ddp"  # this job's SIGTERM goes to rank 1's supervisor only
 # Hang guards on a loaded 2-core machine: three jobs start (torch, transformers) in 20-60 s.
 START_GUARD_S = 240.0
@@ -206,6 +208,9 @@ def test_the_checkpoint_is_on_disk_in_the_frameworks_format_and_resumes_bit_equa
         assert path.name == f"global_step{marker['step'] + 1}"  # the engine counts steps done
         assert (job.ckpt / "latest").read_text() == path.name  # what engine.load_checkpoint(dir) reads
         extra = ["latest", "zero_to_fp32.py", "zero_to_torch.py"]  # DeepSpeed's own, beside its checkpoints
+    elif stack == "lightning":  # Lightning's own name and file, counting the steps done
+        assert path.name == f"epoch=0-step={marker['step'] + 1}.ckpt" and path.is_file()
+        extra = []
     elif stack == "accelerate":
         assert path.name == f"step-{marker['step']}"
         assert {"model.safetensors", "optimizer.bin"} <= {p.name for p in path.iterdir()}

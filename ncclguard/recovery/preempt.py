@@ -45,11 +45,13 @@ __all__ = [
     "PREEMPT_DIR_VAR",
     "PreemptMarker",
     "check_preempt_dir",
+    "give_sigterm_back",
     "install_handler",
     "request_stop",
     "save_dcp",
     "stop_now",
     "stop_requested",
+    "take_sigterm",
 ]
 
 PREEMPT_DIR_VAR = "NCCLGUARD_PREEMPT_DIR"
@@ -126,6 +128,32 @@ def install_handler() -> bool:
     _REQUESTS.previous = signal.signal(signal.SIGTERM, _handler)
     _REQUESTS.installed = True
     return True
+
+
+def take_sigterm() -> Any:
+    """Puts the noting handler back on SIGTERM over one a framework set after the engine's (Lightning's
+    signal connector sets its own when ``fit`` starts), without chaining to that one.
+
+    Returns:
+        The handler replaced, for the caller to give back; None when none was replaced (the engine's
+        handler is not installed, or this is not the main thread, where Python lets none be set).
+    """
+    if not _REQUESTS.installed or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _handler)
+
+
+def give_sigterm_back(handler: Any) -> None:
+    """Gives SIGTERM back to ``handler`` (what :func:`take_sigterm` returned) if the noting handler
+    still holds it; a handler set since then is left alone.
+
+    Args:
+        handler: the handler to put back (None: nothing to do).
+    """
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _handler:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def check_preempt_dir(value: str | os.PathLike[str] | None) -> Path | None:

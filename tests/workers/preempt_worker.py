@@ -1,7 +1,8 @@
 """Rank side of tests/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
 
-``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, hf-deepspeed, deepspeed or accelerate;
-PHASE: train or resume; hf-deepspeed is the HF Trainer on DeepSpeed ZeRO-3):
+``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, hf-deepspeed, deepspeed, accelerate or
+lightning; PHASE: train or resume; hf-deepspeed is the HF Trainer on DeepSpeed ZeRO-3, lightning a Lightning
+Trainer with the DDP strategy under ``NcclGuardCallback(recover=True)``):
 
 - train: trains until stopped (no step limit in sight). After every applied step each rank writes
   its local state (parameters and optimizer state, the shards under FSDP2) to ``OUT/state-<rank>.pt``
@@ -10,7 +11,8 @@ PHASE: train or resume; hf-deepspeed is the HF Trainer on DeepSpeed ZeRO-3):
   ``NCCLGUARD_PREEMPT_DIR`` (the launch sets it).
 - resume: a new launch builds the same model and optimizer and loads the checkpoint named in
   ``PREEMPTED.json`` with the framework's own resume call (``dcp.load`` + ``set_state_dict``;
-  ``trainer.train(resume_from_checkpoint=...)``; ``engine.load_checkpoint``; ``accelerator.load_state``), then writes ``OUT/resumed-<rank>.json``: whether
+  ``trainer.train(resume_from_checkpoint=...)``; ``engine.load_checkpoint``; ``accelerator.load_state``;
+  ``trainer.fit(model, ckpt_path=...)``), then writes ``OUT/resumed-<rank>.json``: whether
   every tensor equals the one recorded at the stop, bit for bit, and the step it resumed at.
 """
 
@@ -261,10 +263,78 @@ def trainer(phase: str) -> Any:
     return t
 
 
+class Samples(torch.utils.data.Dataset):
+    """Sample ``i``, the same in every launch (an epoch longer than the job)."""
+
+    def __len__(self) -> int:
+        return NO_END * 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=gen), torch.randn(4, generator=gen)
+
+
+def lightning(phase: str) -> None:
+    """A Lightning Trainer (DDP) under NcclGuardCallback(recover=True); resumed with
+    ``trainer.fit(model, ckpt_path=...)``, plain Lightning, its state compared before any step."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ncclguard.integrations.lightning import NcclGuardCallback
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(Samples(), batch_size=4)
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if phase == "train":  # the step is applied: the state a stop after it must write
+                record(pl_module, trainer.optimizers[0], trainer.global_step)
+                time.sleep(STEP_SLEEP_S)
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if phase == "resume":  # the checkpoint is loaded; no step ran yet
+                compare(pl_module, trainer.optimizers[0], trainer.global_step)
+
+    callbacks: list[Any] = [Probe()]
+    marker: dict[str, Any] = {}
+    if phase == "train":
+        callbacks.append(NcclGuardCallback(recover=True, collective_timeout=30.0, watchdog=False))
+    else:
+        marker = json.loads((Path(os.environ["NCCLGUARD_PREEMPT_DIR"]) / "PREEMPTED.json").read_text())
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=NO_END if phase == "train" else marker["step"] + 3,  # resume: two steps past the checkpoint's
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(OUT / f"lightning-{phase}"),
+    )
+    torch.manual_seed(0)
+    trainer.fit(Net(), ckpt_path=marker.get("path"))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if STACK == "accelerate":
         accelerate_loop(PHASE)
+        return
+    if STACK == "lightning":
+        lightning(PHASE)
         return
     if STACK in ("hf", "hf-deepspeed"):
         t = trainer(PHASE)
