@@ -467,4 +467,4 @@ class StepRecovery(Adapter):
         # WORLD_SIZE from the launch's environment, which a shrink does not change.
         env.global_rank = dist.get_rank
         env.world_size = dist.get_world_size
-        rank_zero_only.rank = fabric_rank_zero_only.rank = dist.get_rank()  # type: ignore[attr-defined]
+        rank_zero_only.rank = fabric_rank_zero_only.rank = dist.get_rank()
