@@ -152,7 +152,8 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
     Raises:
         TypeError: not an Accelerator, a model or an optimizer.
-        ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed); Accelerate's FSDP plugin
+        ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed; with the DeepSpeed plugin
+            :func:`recovering_step` returns the DeepSpeed stepper); Accelerate's FSDP plugin
             (on the CPU Accelerate drops it and trains DDP: ``accelerate/state.py`` sets
             ``DistributedType.FSDP`` only for GPU-like devices); ``heal=True`` with gradient
             accumulation.
@@ -328,6 +329,12 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
 def _refused(accelerator: Accelerator, heal: bool) -> str | None:
     """Why this Accelerator's setup cannot be recovered by this class, and what to use instead, or None."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return (
+            "AcceleratorRecoveringStep re-points DDP; this Accelerator has the DeepSpeed plugin: call "
+            "recovering_step(accelerator, model, optimizer, ...), which returns the DeepSpeed stepper "
+            "(ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep)"
+        )
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         where = (
@@ -358,7 +365,7 @@ def recovering_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     **options: Any,
-) -> AcceleratorRecoveringStep:
+) -> Any:
     """A recovering step for an Accelerate loop (see the module doc).
 
     Args:
@@ -366,12 +373,18 @@ def recovering_step(
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
         **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
-            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``.
+            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``; with the DeepSpeed
+            plugin also ``rebuild`` and ``snapshot_every``.
 
     Returns:
-        An :class:`AcceleratorRecoveringStep`.
+        An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
+        :class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`.
 
     Raises:
-        TypeError, ValueError: see :class:`AcceleratorRecoveringStep`.
+        TypeError, ValueError: see those classes.
     """
+    if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from .accelerate_deepspeed import AcceleratorDeepSpeedStep
+
+        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, **options)
     return AcceleratorRecoveringStep(accelerator, model, optimizer, **options)
