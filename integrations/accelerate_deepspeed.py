@@ -244,7 +244,8 @@ class AcceleratorDeepSpeedStep(Adapter):
         if prepared:
             self._adopt(model, optimizer, self._prepared_scheduler())  # refuses what DeepSpeedState cannot take
         elif not (heal and restart_count() > 0 and stand_in.active()):
-            self._adopt(*accelerator.prepare(model, optimizer), self._prepared_scheduler())
+            engine, prepared_optimizer = accelerator.prepare(model, optimizer)
+            self._adopt(engine, prepared_optimizer, self._prepared_scheduler())
         # else: a restarted process, whose world is a stand-in of one until the join (ZeRO-3's zero.Init
         # refuses to partition on it): its engine is prepared once it joined (wrap_joined).
         self.recovery = Recovery(self, options)
