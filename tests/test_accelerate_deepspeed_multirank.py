@@ -65,6 +65,10 @@ def test_zero2_a_failed_step_is_redone_bit_equal_and_its_preemption_checkpoint_r
         assert res["z2_results"] == [[0, True, 1, None, 2], [1, True, 2, None, 3], [2, True, 1, None, 3]]
         # accelerator.save_state wrote step-3; a step moved the weights; load_state brought them back.
         assert res["z2_resume"] == ["step-3", True, True]
+    assert job[0]["refused_scheduler"].startswith(
+        "recovering_step with the DeepSpeed plugin cannot carry a LambdaLR that Accelerate steps outside the engine"
+    )
+    assert 'the config\'s "scheduler" section or with DummyScheduler' in job[0]["refused_scheduler"]
 
 
 # --- what is refused, in process: no process group, no prepare, no step ---------------------------

@@ -14,8 +14,9 @@ start, the same steps through the stepper, with faults on a step's first attempt
   The newest snapshot every rank holds is of step BACK (``snapshot_every=2``): every rank goes back
   to it and the loop with it (``stepper.steps()``).
 
-Then, every rank alive, ZeRO-2 (cheap): a reference of 3 steps and a guarded run whose step 1
-raises on rank 0, then ``stepper.save_checkpoint`` (``accelerator.save_state``, what a preemption
+Then, every rank alive, ZeRO-2 (cheap): a torch LambdaLR that Accelerate steps outside the engine
+offered to the stepper (refused); a reference of 3 steps and a guarded run (given the engine
+``prepare`` returned) whose step 1 raises on rank 0, then ``stepper.save_checkpoint`` (``accelerator.save_state``, what a preemption
 writes) loaded back with ``accelerator.load_state`` after one more step.
 """
 
@@ -116,18 +117,20 @@ def reference(stage: int, steps: int) -> tuple[str, list[float], list[float]]:
 
 
 def guarded(
-    stage: int, steps: int, faults: dict[int, str], base: int = 0, **options: Any
+    stage: int, steps: int, faults: dict[int, str], base: int = 0, prepared: bool = False, **options: Any
 ) -> tuple[Any, list[Any], list[float]]:
     """The same steps through ``recovering_step``, numbered from ``base`` (the commit's step numbers
-    grow for the whole process); ``faults``: step -> "raise" on this rank, or "kill"."""
+    grow for the whole process); ``faults``: step -> "raise" on this rank, or "kill". ``prepared``:
+    the stepper is given what ``accelerator.prepare`` returned, not the model to prepare."""
     from ncclguard.integrations.accelerate import recovering_step
 
     acc = accelerator(stage)
     torch.manual_seed(1)
     # Given unprepared, the stepper prepares them: in a restarted process only once it joined the
     # survivors (ZeRO-3 cannot be built on the stand-in world of one it has until then).
+    given = acc.prepare(*build()) if prepared else build()
     stepper = recovering_step(
-        acc, *build(), rebuild=build, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=120, **options
+        acc, *given, rebuild=build, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=120, **options
     )
     results: list[Any] = []
     losses: dict[int, float] = {}
@@ -172,10 +175,34 @@ def zero3() -> None:
     put("world", [dist.get_rank(), dist.get_world_size(), generation()])
 
 
+def scheduler_outside_the_engine() -> str:
+    """What the stepper says to a torch LR scheduler Accelerate steps outside the engine."""
+    from ncclguard.integrations.accelerate import recovering_step
+
+    cfg = {k: v for k, v in config(2).items() if k not in ("optimizer", "scheduler")}
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    module = torch.nn.Linear(6, 1)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    engine, opt, sched = acc.prepare(module, opt, sched)
+    try:
+        recovering_step(acc, engine, opt, rebuild=lambda: (module, opt, sched))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def zero2() -> None:
+    put("refused_scheduler", scheduler_outside_the_engine())
     digest, losses, _ = reference(2, 3)
     put("z2_reference", digest)
-    stepper, results, z2_losses = guarded(2, 3, {1: "raise"} if ME == 0 else {}, base=STEPS)
+    stepper, results, z2_losses = guarded(2, 3, {1: "raise"} if ME == 0 else {}, base=STEPS, prepared=True)
     put("z2_digest", gathered_digest(stepper.model))
     put("z2_results", results)
     put("z2_losses_equal", z2_losses == losses)
