@@ -54,15 +54,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ncclguard._log import log
-from ncclguard.recovery.engine import Adapter, Recovery
+from ncclguard.recovery.engine import Adapter, Recovery, Transaction
 from ncclguard.recovery.internals import stand_in
 from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
-from ncclguard.recovery.rebuild import RebuildResult
+from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 
-from .accelerate_recovery import follow_world
+from .accelerate_recovery import _bound_names, _Micro, check_window, follow_world, replay_window
 from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
 from .deepspeed_state import DeepSpeedState
 
@@ -71,13 +71,14 @@ __all__ = ["AcceleratorDeepSpeedStep", "deepspeed_plugin_refusal"]
 Built = tuple[Any, ...]  # what rebuild() returns: (module, optimizer) or (module, optimizer, scheduler)
 
 
-def deepspeed_plugin_refusal(accelerator: Accelerator, allow_shrink: bool) -> str | None:
+def deepspeed_plugin_refusal(accelerator: Accelerator, allow_shrink: bool, heal: bool = False) -> str | None:
     """Why ``recovering_step`` cannot recover this Accelerator's DeepSpeed setup, or None; read from the
     DeepSpeed config and the Accelerator before any step.
 
     Args:
         accelerator: an ``Accelerator`` with ``DistributedType.DEEPSPEED``.
         allow_shrink: the ``allow_shrink`` asked for.
+        heal: the ``heal`` asked for.
 
     Returns:
         One sentence naming what cannot be recovered and what to use instead, or None.
@@ -110,12 +111,11 @@ def deepspeed_plugin_refusal(accelerator: Accelerator, allow_shrink: bool) -> st
     # "auto" takes the Accelerator's; a number in the config wins over it at prepare (accelerator.py).
     gas = config.get("gradient_accumulation_steps", "auto")
     gas = accelerator.gradient_accumulation_steps if gas == "auto" else gas
-    if gas != 1:
+    if heal and gas != 1:
         return (
-            f"recovering_step with the DeepSpeed plugin needs gradient_accumulation_steps=1, got "
-            f"{gas}: a window's micro-batches are not redone on a new engine yet. "
-            "Raise train_micro_batch_size_per_gpu (or run the micro-batches inside step_fn), or train with the HF "
-            "Trainer and deepspeed= under guard_trainer(trainer, recover=True, heal=True), which redoes whole windows"
+            f"heal=True with the DeepSpeed plugin needs gradient_accumulation_steps=1, got {gas}: a restore in the "
+            "middle of accumulation windows is not tested. Use heal=False (a failed window is still redone whole "
+            "on a new engine), or gradient_accumulation_steps=1 with a larger train_micro_batch_size_per_gpu"
         )
     return None
 
@@ -207,7 +207,7 @@ class AcceleratorDeepSpeedStep(Adapter):
     ) -> None:
         if not isinstance(accelerator, Accelerator) or accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise TypeError("AcceleratorDeepSpeedStep needs an accelerate.Accelerator with the DeepSpeed plugin")
-        refused = deepspeed_plugin_refusal(accelerator, allow_shrink)
+        refused = deepspeed_plugin_refusal(accelerator, allow_shrink, heal)
         if refused is not None:
             raise ValueError(refused)
         prepared = callable(getattr(model, "zero_optimization_stage", None))
@@ -240,6 +240,8 @@ class AcceleratorDeepSpeedStep(Adapter):
         self.scheduler: Any = None
         self._step: Callable[[], Any] | None = None  # the engine's own step, held while a step is open
         self._open = False
+        self._window: list[_Micro] = []  # the micro-batches of the open window (gradient accumulation)
+        self._window_tx: Transaction[Any] | None = None
         self.state: DeepSpeedState | None = None
         if prepared:
             self._adopt(model, optimizer, self._prepared_scheduler())  # refuses what DeepSpeedState cannot take
@@ -370,33 +372,76 @@ class AcceleratorDeepSpeedStep(Adapter):
     def __call__(self, step_fn: Callable[..., Any], *inputs: Any, step: int | None = None) -> StepResult[Any]:
         """Runs ``step_fn(engine, *inputs)`` (forward and ``accelerator.backward``), commits on every rank,
         and steps the engine; on a failed commit, a new engine on a rebuilt world and the step again.
+        With gradient accumulation, one micro-batch: see :meth:`_micro_batch`.
 
         Args:
             step_fn: forward and backward on the engine it is given; called again with the same inputs
                 to redo the step (on a new engine).
             *inputs: what ``step_fn`` is given after the engine (the batch).
-            step: your loop's step number, checked on every rank by the commit.
+            step: your loop's step number, checked on every rank by the commit (with accumulation: the
+                window's first micro-batch's).
 
         Returns:
             A :class:`~ncclguard.recovery.records.StepResult`: truthy when the step was applied on every
-            rank; falsy with ``rewound_to`` when every rank went back to a snapshot (``steps()`` follows).
+            rank; falsy with ``rewound_to`` when every rank went back to a snapshot (``steps()`` follows);
+            with accumulation, before the window's last micro-batch, truthy with ``pending=True``.
 
         Raises:
             TypeError: ``step_fn`` is not callable.
+            ValueError: with accumulation, a recorded micro-batch's ``step_fn`` reads a variable that changed
+                since it ran (its redo would compute another micro-batch).
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")
+        if self.accelerator.gradient_accumulation_steps != 1:
+            return self._micro_batch(step_fn, inputs, step)
         tx = self.recovery.begin(step)
+        return self._settle(tx, lambda: step_fn(self.model, *inputs), lambda: step_fn(self.model, *inputs))
+
+    def _settle(self, tx: Transaction[Any], run: Callable[[], Any], redo: Callable[[], Any]) -> StepResult[Any]:
+        """The attempt (``run``, None: already run), the commit and the redo with the engine's ``step``
+        held; the step applied once every rank committed."""
         self._open = True
         try:
-            tx.run(lambda: step_fn(self.model, *inputs))
-            res = tx.settle(lambda: step_fn(self.model, *inputs))
+            tx.run(run)
+            res = tx.settle(redo)
         finally:
             self._open = False
+            tx.close()
         if res:
             assert self._step is not None  # set by _adopt
             self._step()
         return res
+
+    def _micro_batch(self, step_fn: Callable[..., Any], inputs: tuple[Any, ...], step: int | None) -> StepResult[Any]:
+        """One micro-batch inside ``accelerator.accumulate`` (Accelerate decides ``sync_gradients``; the
+        engine steps on the window's last). The window's first opens the transaction, each is recorded,
+        the last commits; a failed window runs again whole on the new engine, each micro-batch with the
+        ``sync_gradients`` it had (as the DDP stepper does: :func:`replay_window`)."""
+        acc = self.accelerator
+        with acc.accumulate(self.model):
+            sync = bool(acc.sync_gradients)
+            if self._window_tx is None:
+                self._window_tx, self._window = self.recovery.begin(step), []
+            tx = self._window_tx
+            grad_sync = not getattr(self.model, "inside_no_sync_ctxt", False)  # ZeRO-1's no_sync
+            self._window.append(_Micro(step_fn, inputs, sync, grad_sync, _bound_names(step_fn)))
+            self._open = True
+            try:
+                tx.run(lambda: step_fn(self.model, *inputs))
+            finally:
+                self._open = False
+        if not sync:
+            return StepResult(True, 1, generation(), output=tx.output, pending=True)
+        self._window_tx, window = None, self._window
+        try:
+            check_window(window)
+        except ValueError:
+            tx.close()
+            raise
+        finally:
+            self._window = []
+        return self._settle(tx, lambda: tx.output, lambda: replay_window(acc, window, lambda: self.model))
 
 
 class _Current(StateCodec):

@@ -129,6 +129,45 @@ def _bound_names(fn: Callable[..., Any]) -> dict[str, int]:
     return out
 
 
+def check_window(window: list[_Micro]) -> None:
+    """Refuses a window whose redo would compute other micro-batches.
+
+    Raises:
+        ValueError: a recorded micro-batch's ``step_fn`` reads a variable that changed since it ran.
+    """
+    for i, micro in enumerate(window[:-1]):
+        changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
+        if changed:
+            raise ValueError(
+                f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
+                "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
+                "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
+            )
+
+
+def replay_window(accelerator: Accelerator, window: list[_Micro], model: Callable[[], Any]) -> Any:
+    """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had.
+
+    Args:
+        accelerator: the loop's Accelerator.
+        window: the recorded micro-batches.
+        model: gives the model of the current world (a rebuild may have made a new one).
+
+    Returns:
+        What the last micro-batch's ``step_fn`` returned.
+    """
+    state = accelerator.gradient_state
+    out = None
+    try:
+        for micro in window:
+            state._set_sync_gradients(micro.sync_gradients)
+            with nullcontext() if micro.grad_sync else accelerator.no_sync(model()):
+                out = micro.step_fn(model(), *micro.inputs)
+    finally:
+        state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
+    return out
+
+
 class AcceleratorRecoveringStep(RecoveringStep):
     """:class:`RecoveringStep` for a model and optimizer that ``accelerator.prepare`` returned.
 
@@ -256,27 +295,10 @@ class AcceleratorRecoveringStep(RecoveringStep):
         return res
 
     def _check_window(self) -> None:
-        for i, micro in enumerate(self._window[:-1]):
-            changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
-            if changed:
-                raise ValueError(
-                    f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
-                    "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
-                    "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
-                )
+        check_window(self._window)
 
     def _replay(self) -> Any:
-        """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had."""
-        state = self.accelerator.gradient_state
-        out = None
-        try:
-            for micro in self._window:
-                state._set_sync_gradients(micro.sync_gradients)
-                with nullcontext() if micro.grad_sync else self.accelerator.no_sync(self.model):
-                    out = micro.step_fn(self.model, *micro.inputs)
-        finally:
-            state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
-        return out
+        return replay_window(self.accelerator, self._window, lambda: self.model)
 
     def zero_grad(self) -> None:
         """The module's gradients to None (the prepared optimizer's ``zero_grad`` does nothing while

@@ -57,7 +57,7 @@ def test_zero3_a_raise_is_redone_and_a_killed_rank_heals_from_its_buddy_bit_equa
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-def test_zero2_a_failed_step_is_redone_bit_equal_and_its_preemption_checkpoint_resumes(job):
+def test_zero2_and_accumulation_redo_a_failed_step_bit_equal_and_the_preemption_checkpoint_resumes(job):
     for r in range(3):
         res = job[r]
         assert res["z2_digest"] == res["z2_reference"]
@@ -65,6 +65,21 @@ def test_zero2_a_failed_step_is_redone_bit_equal_and_its_preemption_checkpoint_r
         assert res["z2_results"] == [[0, True, 1, None, 2], [1, True, 2, None, 3], [2, True, 1, None, 3]]
         # accelerator.save_state wrote step-3; a step moved the weights; load_state brought them back.
         assert res["z2_resume"] == ["step-3", True, True]
+    # ZeRO-3, gradient_accumulation_steps=2: rank 1 raised in window 1's first micro-batch; the
+    # window's second micro-batch committed it, failed, and the window ran again whole on a new engine.
+    for r in range(3):
+        res = job[r]
+        assert res["acc_results"] == [
+            [0, True, 1, None, 3, True],
+            [1, True, 1, None, 3, False],
+            [2, True, 1, None, 3, True],
+            [3, True, 2, None, 4, False],
+            [4, True, 1, None, 4, True],
+            [5, True, 1, None, 4, False],
+        ]
+        assert res["acc_digest"] == res["acc_reference"]
+        assert res["acc_losses_equal"] is True
+        assert res["acc_global_steps"] == 3  # one engine step per window
     assert job[0]["refused_scheduler"].startswith(
         "recovering_step with the DeepSpeed plugin cannot carry a LambdaLR that Accelerate steps outside the engine"
     )
@@ -124,11 +139,14 @@ def _module_and_optimizer() -> tuple[torch.nn.Module, Any]:
         (_config(), {"allow_shrink": True}, ["allow_shrink=True cannot go on with DeepSpeed ZeRO", "heal=True"]),
         (
             _config(gas=2),
-            {},
-            ["gradient_accumulation_steps=1, got 2", "guard_trainer(trainer, recover=True, heal=True)"],
+            {"heal": True},
+            [
+                "heal=True with the DeepSpeed plugin needs gradient_accumulation_steps=1, got 2",
+                "Use heal=False (a failed window is still redone whole",
+            ],
         ),
     ],
-    ids=["stage0", "nvme", "hpz", "shrink", "accumulation"],
+    ids=["stage0", "nvme", "hpz", "shrink", "heal-accumulation"],
 )
 def test_what_the_deepspeed_stepper_cannot_recover_is_refused_before_any_step(ds_accelerator, config, options, said):
     from ncclguard.integrations.accelerate import recovering_step
@@ -142,12 +160,14 @@ def test_what_the_deepspeed_stepper_cannot_recover_is_refused_before_any_step(ds
     assert not torch.distributed.is_initialized()  # refused before any process group or engine
 
 
-def test_accumulation_asked_of_the_accelerator_is_refused_too(ds_accelerator):
+def test_heal_with_accumulation_asked_of_the_accelerator_is_refused_too(ds_accelerator):
     from ncclguard.integrations.accelerate import recovering_step
 
     acc = ds_accelerator(_config(gas="auto"), gradient_accumulation_steps=3)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=1, got 3"):
-        recovering_step(acc, *_module_and_optimizer(), rebuild=_module_and_optimizer)
+    with pytest.raises(
+        ValueError, match="heal=True with the DeepSpeed plugin needs gradient_accumulation_steps=1, got 3"
+    ):
+        recovering_step(acc, *_module_and_optimizer(), rebuild=_module_and_optimizer, heal=True)
 
 
 def test_a_model_ncclguard_cannot_build_afresh_needs_rebuild(ds_accelerator):

@@ -18,6 +18,10 @@ Then, every rank alive, ZeRO-2 (cheap): a torch LambdaLR that Accelerate steps o
 offered to the stepper (refused); a reference of 3 steps and a guarded run (given the engine
 ``prepare`` returned) whose step 1 raises on rank 0, then ``stepper.save_checkpoint`` (``accelerator.save_state``, what a preemption
 writes) loaded back with ``accelerator.load_state`` after one more step.
+
+Last, ZeRO-3 with ``gradient_accumulation_steps=2``: Accelerate's own loop (``accelerator.accumulate``)
+as the reference, then the stepper called once per micro-batch, rank 1 raising in window 1's first
+micro-batch: the window is redone whole on a new engine.
 """
 
 from __future__ import annotations
@@ -47,10 +51,10 @@ BOUND_S = 3.0
 rankkit.rank = lambda: ME
 
 
-def config(stage: int) -> dict[str, Any]:
+def config(stage: int, gas: int = 1) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "scheduler": {
             "type": "WarmupLR",
@@ -61,7 +65,7 @@ def config(stage: int) -> dict[str, Any]:
     }
 
 
-def accelerator(stage: int) -> Any:
+def accelerator(stage: int, gas: int = 1) -> Any:
     """A fresh Accelerator with the DeepSpeed plugin (Accelerate's state is per process: reset first)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -69,7 +73,9 @@ def accelerator(stage: int) -> Any:
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config(stage)))
+    return Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config(stage, gas)), gradient_accumulation_steps=gas
+    )
 
 
 def build() -> tuple[torch.nn.Module, Any]:
@@ -101,30 +107,31 @@ def gathered_digest(engine: Any) -> str:
     return h.hexdigest()
 
 
-def reference(stage: int, steps: int) -> tuple[str, list[float], list[float]]:
+def reference(stage: int, steps: int, gas: int = 1) -> tuple[str, list[float], list[float]]:
     """Accelerate's own loop, no ncclguard: the run every guarded run must equal (its gathered
-    parameters' digest, this rank's losses, the learning rate at the end)."""
-    acc = accelerator(stage)
+    parameters' digest, this rank's losses, the learning rate at the end). ``steps``: micro-batches."""
+    acc = accelerator(stage, gas)
     torch.manual_seed(1)  # the generators every run starts from (Dropout draws from them)
     engine, _ = acc.prepare(*build())
     losses = []
     for step in range(steps):
         x, y = batch(step)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        acc.backward(loss)
+        with acc.accumulate(engine):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            acc.backward(loss)
         losses.append(float(loss.detach()))
     return gathered_digest(engine), losses, engine.get_lr()
 
 
 def guarded(
-    stage: int, steps: int, faults: dict[int, str], base: int = 0, prepared: bool = False, **options: Any
+    stage: int, steps: int, faults: dict[int, str], base: int = 0, prepared: bool = False, gas: int = 1, **options: Any
 ) -> tuple[Any, list[Any], list[float]]:
     """The same steps through ``recovering_step``, numbered from ``base`` (the commit's step numbers
     grow for the whole process); ``faults``: step -> "raise" on this rank, or "kill". ``prepared``:
     the stepper is given what ``accelerator.prepare`` returned, not the model to prepare."""
     from ncclguard.integrations.accelerate import recovering_step
 
-    acc = accelerator(stage)
+    acc = accelerator(stage, gas)
     torch.manual_seed(1)
     # Given unprepared, the stepper prepares them: in a restarted process only once it joined the
     # survivors (ZeRO-3 cannot be built on the stand-in world of one it has until then).
@@ -149,7 +156,8 @@ def guarded(
 
     for step in stepper.steps(base + steps, start=base):
         res = stepper(step_fn, step - base, step=step)
-        results.append([step - base, bool(res), res.attempts, res.rewound_to and res.rewound_to - base, generation()])
+        back = res.rewound_to and res.rewound_to - base
+        results.append([step - base, bool(res), res.attempts, back, generation()] + ([res.pending] if gas > 1 else []))
     return stepper, results, [losses[s] for s in sorted(losses)]
 
 
@@ -216,11 +224,24 @@ def zero2() -> None:
     put("z2_resume", [path.name, saved != moved, gathered_digest(stepper.model) == saved])
 
 
+def accumulation() -> None:
+    """ZeRO-3 with gradient_accumulation_steps=2: rank 1 raises in window 1's first micro-batch; the window
+    is redone whole on a new engine."""
+    digest, losses, lr = reference(3, 6, gas=2)
+    stepper, results, acc_losses = guarded(3, 6, {2: "raise"} if ME == 1 else {}, base=STEPS + 10, gas=2)
+    put("acc_reference", digest)
+    put("acc_digest", gathered_digest(stepper.model))
+    put("acc_results", results)
+    put("acc_losses_equal", acc_losses == losses)
+    put("acc_global_steps", stepper.model.global_steps)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     put("life", LIFE)
     zero3()
     zero2()
+    accumulation()
     rankkit.done()
 
 
