@@ -38,6 +38,15 @@ and calls ``accelerator.prepare`` again. The new engine gets:
 
 After a rebuild the engine, optimizer and scheduler the first ``prepare`` returned are dead: use the
 engine ``step_fn`` is given (``stepper.model``), ``stepper.optimizer`` and ``stepper.scheduler``.
+
+With ``gradient_accumulation_steps`` above 1 the loop calls the stepper once per micro-batch and passes
+the micro-batch as an argument, as with DDP (:mod:`~ncclguard.integrations.accelerate_recovery`): each
+call enters ``accelerator.accumulate``, the window's last commits, and a failed window runs again whole
+on the new engine. ``heal=True`` with accumulation is refused (a restore between windows is not tested).
+
+Refused at construction, before any communication: :func:`deepspeed_plugin_refusal`, a model
+ncclguard cannot build afresh without ``rebuild``, a torch LR scheduler Accelerate steps outside the
+engine (its state is not the engine's), an engine :class:`DeepSpeedState` cannot take.
 """
 
 from __future__ import annotations
