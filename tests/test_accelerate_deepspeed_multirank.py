@@ -1,7 +1,8 @@
 """An Accelerate loop with the DeepSpeed plugin under ``recovering_step(..., rebuild=..., heal=True)``:
 on 3 real gloo ranks under ncclguard's launcher, a failed ZeRO-3 step redone on a new engine, a killed
 rank restored from its buddy's in-memory snapshot, every rank bit-equal to Accelerate's own loop
-without a fault; ZeRO-2 redone and its preemption checkpoint resumed. Rank side:
+without a fault; ZeRO-2 redone and its preemption checkpoint resumed; a ZeRO-3 accumulation window
+redone whole. Rank side:
 tests/workers/accelerate_deepspeed_worker.py. What is refused is checked in process, before any step."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ BACK = KILL - 1
 @pytest.fixture(scope="module")
 def job():
     # Two ZeRO-3 runs of 7 steps on 3 ranks (a raise redone, a SIGKILL, a restart that imports torch,
-    # Accelerate and DeepSpeed again, a rollback), then two ZeRO-2 runs of 3 steps. Hang guard: 420 s.
+    # Accelerate and DeepSpeed again, a rollback), two ZeRO-2 runs of 3 steps, two ZeRO-3 runs of 2
+    # accumulation windows of a tiny BERT: 41-72 s here (the last figures with the machine loaded,
+    # worker's "seconds": about 36 s, 5 s, 14 s). Hang guard: 420 s.
     return run_ranks("accelerate_deepspeed_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=420)
 
 
@@ -74,12 +77,10 @@ def test_zero2_and_accumulation_redo_a_failed_step_bit_equal_and_the_preemption_
             [1, True, 1, None, 3, False],
             [2, True, 1, None, 3, True],
             [3, True, 2, None, 4, False],
-            [4, True, 1, None, 4, True],
-            [5, True, 1, None, 4, False],
         ]
         assert res["acc_digest"] == res["acc_reference"]
         assert res["acc_losses_equal"] is True
-        assert res["acc_global_steps"] == 3  # one engine step per window
+        assert res["acc_global_steps"] == 2  # one engine step per window
     assert job[0]["refused_scheduler"].startswith(
         "recovering_step with the DeepSpeed plugin cannot carry a LambdaLR that Accelerate steps outside the engine"
     )

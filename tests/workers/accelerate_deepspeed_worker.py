@@ -19,9 +19,10 @@ offered to the stepper (refused); a reference of 3 steps and a guarded run (give
 ``prepare`` returned) whose step 1 raises on rank 0, then ``stepper.save_checkpoint`` (``accelerator.save_state``, what a preemption
 writes) loaded back with ``accelerator.load_state`` after one more step.
 
-Last, ZeRO-3 with ``gradient_accumulation_steps=2``: Accelerate's own loop (``accelerator.accumulate``)
-as the reference, then the stepper called once per micro-batch, rank 1 raising in window 1's first
-micro-batch: the window is redone whole on a new engine.
+Last, ZeRO-3 with ``gradient_accumulation_steps=2`` on a tiny BERT (a PreTrainedModel: no ``rebuild=``,
+the stepper builds it afresh from its config): Accelerate's own loop (``accelerator.accumulate``) as the
+reference, then the stepper called once per micro-batch, rank 1 raising in window 1's first
+micro-batch of 2 windows: the window is redone whole on a new engine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,27 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(1, keepdim=True).tanh()
 
 
+def mlp_loss(engine: Any, step: int) -> torch.Tensor:
+    x, y = batch(step)
+    return torch.nn.functional.mse_loss(engine(x), y)
+
+
+def build_bert() -> tuple[torch.nn.Module, Any]:
+    """A tiny BERT classifier (a PreTrainedModel: the stepper builds it afresh itself, no rebuild=)."""
+    from accelerate.utils import DummyOptim
+    from hf_worker import tiny_bert
+
+    torch.manual_seed(0)
+    module = tiny_bert()
+    return module, DummyOptim(module.parameters())
+
+
+def bert_loss(engine: Any, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + ME)
+    ids = torch.randint(0, 100, (4, 16), generator=g)
+    return engine(input_ids=ids, labels=(ids[:, 0] > 50).long()).loss
+
+
 def gathered_digest(engine: Any) -> str:
     """The digest of the full parameters (ZeRO-3: gathered for the read)."""
     import deepspeed
@@ -107,44 +130,54 @@ def gathered_digest(engine: Any) -> str:
     return h.hexdigest()
 
 
-def reference(stage: int, steps: int, gas: int = 1) -> tuple[str, list[float], list[float]]:
+def reference(
+    stage: int, steps: int, gas: int = 1, make: Any = build, loss_of: Any = mlp_loss
+) -> tuple[str, list[float], list[float]]:
     """Accelerate's own loop, no ncclguard: the run every guarded run must equal (its gathered
     parameters' digest, this rank's losses, the learning rate at the end). ``steps``: micro-batches."""
     acc = accelerator(stage, gas)
     torch.manual_seed(1)  # the generators every run starts from (Dropout draws from them)
-    engine, _ = acc.prepare(*build())
+    engine, _ = acc.prepare(*make())
     losses = []
     for step in range(steps):
-        x, y = batch(step)
         with acc.accumulate(engine):
-            loss = torch.nn.functional.mse_loss(engine(x), y)
+            loss = loss_of(engine, step)
             acc.backward(loss)
         losses.append(float(loss.detach()))
     return gathered_digest(engine), losses, engine.get_lr()
 
 
 def guarded(
-    stage: int, steps: int, faults: dict[int, str], base: int = 0, prepared: bool = False, gas: int = 1, **options: Any
+    stage: int,
+    steps: int,
+    faults: dict[int, str],
+    base: int = 0,
+    prepared: bool = False,
+    gas: int = 1,
+    make: Any = build,
+    loss_of: Any = mlp_loss,
+    **options: Any,
 ) -> tuple[Any, list[Any], list[float]]:
     """The same steps through ``recovering_step``, numbered from ``base`` (the commit's step numbers
     grow for the whole process); ``faults``: step -> "raise" on this rank, or "kill". ``prepared``:
-    the stepper is given what ``accelerator.prepare`` returned, not the model to prepare."""
+    the stepper is given what ``accelerator.prepare`` returned, not the model to prepare. ``make``:
+    builds the model and optimizer (and is the stepper's ``rebuild`` unless ``options`` say otherwise)."""
     from ncclguard.integrations.accelerate import recovering_step
 
     acc = accelerator(stage, gas)
     torch.manual_seed(1)
     # Given unprepared, the stepper prepares them: in a restarted process only once it joined the
     # survivors (ZeRO-3 cannot be built on the stand-in world of one it has until then).
-    given = acc.prepare(*build()) if prepared else build()
+    given = acc.prepare(*make()) if prepared else make()
+    options.setdefault("rebuild", make)
     stepper = recovering_step(
-        acc, *given, rebuild=build, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=120, **options
+        acc, *given, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=120, **options
     )
     results: list[Any] = []
     losses: dict[int, float] = {}
 
     def step_fn(engine: Any, step: int) -> None:
-        x, y = batch(step)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        loss = loss_of(engine, step)
         fault = faults.pop(step, None)
         if fault == "kill":
             put("results", results)
@@ -225,10 +258,12 @@ def zero2() -> None:
 
 
 def accumulation() -> None:
-    """ZeRO-3 with gradient_accumulation_steps=2: rank 1 raises in window 1's first micro-batch; the window
-    is redone whole on a new engine."""
-    digest, losses, lr = reference(3, 6, gas=2)
-    stepper, results, acc_losses = guarded(3, 6, {2: "raise"} if ME == 1 else {}, base=STEPS + 10, gas=2)
+    """ZeRO-3 with gradient_accumulation_steps=2, a tiny BERT the stepper builds afresh itself (no
+    rebuild=): rank 1 raises in window 1's first micro-batch; the window is redone whole on a new engine."""
+    bert = {"make": build_bert, "loss_of": bert_loss}
+    digest, losses, _ = reference(3, 4, gas=2, **bert)
+    faults = {2: "raise"} if ME == 1 else {}
+    stepper, results, acc_losses = guarded(3, 4, faults, base=STEPS + 10, gas=2, rebuild=None, **bert)
     put("acc_reference", digest)
     put("acc_digest", gathered_digest(stepper.model))
     put("acc_results", results)
@@ -239,9 +274,12 @@ def accumulation() -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     put("life", LIFE)
-    zero3()
-    zero2()
-    accumulation()
+    seconds = {}
+    for part in (zero3, zero2, accumulation):
+        start = time.monotonic()
+        part()
+        seconds[part.__name__] = round(time.monotonic() - start, 1)
+    put("seconds", seconds)  # where the launch's time goes (read, not asserted)
     rankkit.done()
 
 
