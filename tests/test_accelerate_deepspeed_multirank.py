@@ -21,7 +21,7 @@ BACK = KILL - 1
 def job():
     # Two ZeRO-3 runs of 7 steps on 3 ranks (a raise redone, a SIGKILL, a restart that imports torch,
     # Accelerate and DeepSpeed again, a rollback), two ZeRO-2 runs of 3 steps, two ZeRO-3 runs of 2
-    # accumulation windows of a tiny BERT: 41-72 s here (the last figures with the machine loaded,
+    # accumulation windows of a tiny BERT: 48-72 s here under a load of 3-4 (two cores;
     # worker's "seconds": about 36 s, 5 s, 14 s). Hang guard: 420 s.
     return run_ranks("accelerate_deepspeed_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=420)
 
