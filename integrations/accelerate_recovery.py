@@ -129,6 +129,45 @@ def _bound_names(fn: Callable[..., Any]) -> dict[str, int]:
     return out
 
 
+def check_window(window: list[_Micro]) -> None:
+    """Refuses a window whose redo would compute other micro-batches.
+
+    Raises:
+        ValueError: a recorded micro-batch's ``step_fn`` reads a variable that changed since it ran.
+    """
+    for i, micro in enumerate(window[:-1]):
+        changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
+        if changed:
+            raise ValueError(
+                f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
+                "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
+                "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
+            )
+
+
+def replay_window(accelerator: Accelerator, window: list[_Micro], model: Callable[[], Any]) -> Any:
+    """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had.
+
+    Args:
+        accelerator: the loop's Accelerator.
+        window: the recorded micro-batches.
+        model: gives the model of the current world (a rebuild may have made a new one).
+
+    Returns:
+        What the last micro-batch's ``step_fn`` returned.
+    """
+    state = accelerator.gradient_state
+    out = None
+    try:
+        for micro in window:
+            state._set_sync_gradients(micro.sync_gradients)
+            with nullcontext() if micro.grad_sync else accelerator.no_sync(model()):
+                out = micro.step_fn(model(), *micro.inputs)
+    finally:
+        state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
+    return out
+
+
 class AcceleratorRecoveringStep(RecoveringStep):
     """:class:`RecoveringStep` for a model and optimizer that ``accelerator.prepare`` returned.
 
@@ -152,7 +191,8 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
     Raises:
         TypeError: not an Accelerator, a model or an optimizer.
-        ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed); Accelerate's FSDP plugin
+        ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed; with the DeepSpeed plugin
+            :func:`recovering_step` returns the DeepSpeed stepper); Accelerate's FSDP plugin
             (on the CPU Accelerate drops it and trains DDP: ``accelerate/state.py`` sets
             ``DistributedType.FSDP`` only for GPU-like devices); ``heal=True`` with gradient
             accumulation.
@@ -255,27 +295,10 @@ class AcceleratorRecoveringStep(RecoveringStep):
         return res
 
     def _check_window(self) -> None:
-        for i, micro in enumerate(self._window[:-1]):
-            changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
-            if changed:
-                raise ValueError(
-                    f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
-                    "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
-                    "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
-                )
+        check_window(self._window)
 
     def _replay(self) -> Any:
-        """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had."""
-        state = self.accelerator.gradient_state
-        out = None
-        try:
-            for micro in self._window:
-                state._set_sync_gradients(micro.sync_gradients)
-                with nullcontext() if micro.grad_sync else self.accelerator.no_sync(self.model):
-                    out = micro.step_fn(self.model, *micro.inputs)
-        finally:
-            state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
-        return out
+        return replay_window(self.accelerator, self._window, lambda: self.model)
 
     def zero_grad(self) -> None:
         """The module's gradients to None (the prepared optimizer's ``zero_grad`` does nothing while
@@ -328,6 +351,12 @@ class AcceleratorRecoveringStep(RecoveringStep):
 
 def _refused(accelerator: Accelerator, heal: bool) -> str | None:
     """Why this Accelerator's setup cannot be recovered by this class, and what to use instead, or None."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return (
+            "AcceleratorRecoveringStep re-points DDP; this Accelerator has the DeepSpeed plugin: call "
+            "recovering_step(accelerator, model, optimizer, ...), which returns the DeepSpeed stepper "
+            "(ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep)"
+        )
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         where = (
@@ -358,7 +387,7 @@ def recovering_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     **options: Any,
-) -> AcceleratorRecoveringStep:
+) -> Any:
     """A recovering step for an Accelerate loop (see the module doc).
 
     Args:
@@ -366,12 +395,18 @@ def recovering_step(
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
         **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
-            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``.
+            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``; with the DeepSpeed
+            plugin also ``rebuild`` and ``snapshot_every``.
 
     Returns:
-        An :class:`AcceleratorRecoveringStep`.
+        An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
+        :class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`.
 
     Raises:
-        TypeError, ValueError: see :class:`AcceleratorRecoveringStep`.
+        TypeError, ValueError: see those classes.
     """
+    if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from .accelerate_deepspeed import AcceleratorDeepSpeedStep
+
+        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, **options)
     return AcceleratorRecoveringStep(accelerator, model, optimizer, **options)
