@@ -44,11 +44,3 @@ def _fresh_config():
     yield
     configure(**saved)
     logging.getLogger("ncclguard").handlers.clear()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Multi-rank files first (a stable sort: each file's tests stay in their order). ``make test``
-    hands whole files to its workers in this order (``--dist loadfile --no-loadscope-reorder``): a
-    long launch handed out last would leave the other workers idle while it runs."""
-    heavy = {item.path for item in items if item.get_closest_marker("multirank")}
-    items.sort(key=lambda item: 0 if item.path in heavy else 1)
