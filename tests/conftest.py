@@ -3,9 +3,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 from ncclguard.config import configure, get_config
+from ncclguard.world import World, announce
 
 # Worker scripts and the fixtures they share (the reference trainer, synthetic Qwen2.5-VL data)
 # live in tests/workers, importable by top-level name, as the ranks import them.
@@ -44,3 +46,8 @@ def _fresh_config():
     yield
     configure(**saved)
     logging.getLogger("ncclguard").handlers.clear()
+    if not dist.is_initialized():
+        # A world of one without a process group is never rebuilt, so nothing else clears its
+        # per-world state (the commits' step numbers): each in-process test starts in a fresh one,
+        # announced as a rebuild would, so that every subscriber follows it.
+        announce(World())
