@@ -26,13 +26,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import connect
+from ncclguard.store.clock_samples import await_tick, last_tick, post_tick, round_trip
 
 __all__ = ["SAMPLES", "ClockTicker", "OffsetFilter"]
 
@@ -63,17 +62,8 @@ class OffsetFilter:
 
 
 def _round_trip(client: Any, key: str) -> float:
-    """The least of 3 round trips to the store (a ``check``, timed on the thread that makes it), in seconds."""
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        client.check([key])
-        return time.perf_counter() - t0
-
-    return min(
-        bounded_store_call(client, timed, Deadline.within(_CALL_S), "the straggler clock's round trip")
-        for _ in range(3)
-    )
+    """The least of 3 round trips to the store, in seconds."""
+    return min(round_trip(client, key, Deadline.within(_CALL_S)) for _ in range(3))
 
 
 class ClockTicker(threading.Thread):
@@ -125,38 +115,23 @@ class ClockTicker(threading.Thread):
     def _pause(self) -> float:
         return 0.5 if self.ticks < _FAST_TICKS else self.period
 
-    def _call(self, client: Any, fn: Callable[[], Any], bound: float = _CALL_S) -> Any:
-        return bounded_store_call(client, fn, Deadline.within(bound), "the straggler clock")
-
     def _give(self, client: Any, half: float) -> None:
         while self.alive():
-
-            def give(tick: int = self.ticks) -> None:
-                client.set(f"{self.prefix}/{tick}", repr(self.clock() + half))  # read just before the set
-                client.set(f"{self.prefix}/last", str(tick))
-                if tick >= SAMPLES:
-                    client.delete_key(f"{self.prefix}/{tick - SAMPLES}")
-
-            self._call(client, give)
+            post_tick(client, self.prefix, self.ticks, lambda: self.clock() + half, SAMPLES, Deadline.within(_CALL_S))
             self.ticks += 1
             time.sleep(self._pause())
 
     def _last(self, client: Any) -> int:
-        key = f"{self.prefix}/last"
-        return int(self._call(client, lambda: client.get(key) if client.check([key]) else b"-1"))
+        return last_tick(client, self.prefix, Deadline.within(_CALL_S))
 
     def _take(self, client: Any, half: float) -> None:
         following = self._last(client) + 1  # the next tick to wait for
         bound = max(30.0, 3 * self.period)
         while self.alive():
-
-            def released(key: str = f"{self.prefix}/{following}") -> tuple[float, float]:
-                client.wait([key], timedelta(seconds=bound))
-                at = self.clock()  # as the store released this thread
-                return at, float(client.get(key))
-
             try:
-                at, reference = self._call(client, released, bound + _CALL_S)
+                at, reference = await_tick(
+                    client, self.prefix, following, bound, self.clock, Deadline.within(bound + _CALL_S)
+                )
             except Exception:  # noqa: BLE001 - the reference did not tick in time: poll, do not wait again
                 last = self._last(client)
                 while self.alive() and self._last(client) == last:
