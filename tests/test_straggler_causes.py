@@ -77,7 +77,10 @@ def test_without_every_ranks_input_time_the_cause_is_compute() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    slow=st.floats(1.2, 3.0),
+    # From 1.22: the detector's threshold is 1.15, and a rank 20.1% slow, 3% fast by jitter, against
+    # a peer 3% slow measures (0.97 + 0.201) / 1.03 = 1.137 (hypothesis found it). 1.22 stays above 1.15
+    # under the worst jitter: (0.97 + 0.22) / 1.03 = 1.155.
+    slow=st.floats(1.22, 3.0),
     load=st.floats(0.05, 0.5),  # the healthy step's share in the data loader
     peers=st.integers(1, 16),
     into_input=st.booleans(),
