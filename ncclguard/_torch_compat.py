@@ -75,6 +75,7 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "ProcessGroupNCCL._group_start": (2, 2),
     "torch.distributed.nn.functional defaults": (2, 0),
     "torch.testing._internal.distributed.fake_pg": (2, 2),
+    "torch.utils.data.dataloader._BaseDataLoaderIter": (2, 0),
 }
 
 
@@ -379,3 +380,23 @@ def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:
     except ImportError as exc:
         raise _missing("torch.testing._internal.distributed.fake_pg", exc) from None
     (init or dist.init_process_group)("fake", store=FakeStore(), rank=0, world_size=1)
+
+
+def dataloader_iter_class() -> type:
+    """The class of every DataLoader's iterator (``torch.utils.data.dataloader._BaseDataLoaderIter``):
+    its ``__next__`` is where the main thread waits for a batch, whichever loader made it.
+
+    Returns:
+        The class itself (patching its ``__next__`` reaches single- and multi-process loaders alike).
+
+    Raises:
+        TorchCompatError: this torch has no such class.
+    """
+    api = "torch.utils.data.dataloader._BaseDataLoaderIter"
+    _gate(api)
+    from torch.utils.data import dataloader
+
+    cls = getattr(dataloader, "_BaseDataLoaderIter", None)
+    if not isinstance(cls, type) or "__next__" not in cls.__dict__:
+        raise _missing(api)
+    return cls

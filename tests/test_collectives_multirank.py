@@ -106,8 +106,8 @@ def test_barrier_names_missing_rank_on_every_waiting_rank_and_late_rank_fails_at
         assert b["raised"] == ["BarrierTimeout", True]
     late = stalls[2]["barrier"]
     assert late["ok"] is False and late["late"] is True
-    # At once, not at its own 2 s deadline: half of it is the hang guard (milliseconds measured).
-    assert late["elapsed"] < 1.0
+    # At once, not at its own 20 s deadline (milliseconds measured; the bound is a hang guard).
+    assert late["elapsed"] < 7.5
     assert late["error_type"] == "BarrierTimeout" and "arrived after the other ranks gave up" in late["error"]
     assert late["raised"] == ["BarrierTimeout", True]
     assert all(stalls[r]["barrier_sync"] for r in RANKS)

@@ -45,8 +45,9 @@ def test_side_group_takes_default_group_calls_and_restores_it(job):
 def test_side_group_op_gives_up_at_the_deadline_not_at_its_own_timeout(job):
     eg = job[0]["eval_group"]
     assert "Timed out waiting" in eg["op"]
-    # Deadline 1.5 s after start, group timeout 30 s: it must end near 1.5 s.
-    assert 1.3 <= eg["op_elapsed_s"] < 6.0
+    # Deadline 1.5 s after start, group timeout 30 s: it ends at the deadline, never before it, and
+    # long before the group's own timeout (the upper bound is a hang guard, 3x a loaded run's need).
+    assert 1.3 <= eg["op_elapsed_s"] < 10.0
 
 
 def test_lowering_a_gloo_timeout_does_not_reach_an_op_in_flight(job):

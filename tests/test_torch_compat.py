@@ -23,6 +23,7 @@ def test_every_private_api_is_gated():
         "distributed_c10d._set_pg_timeout",
         "ProcessGroup._get_sequence_number_for_group",
         "torch._C._distributed_c10d._dump_fr_trace_json",
+        "torch.utils.data.dataloader._BaseDataLoaderIter",
     }
     assert compat.TORCH_VERSION >= (2, 4)
 
@@ -127,3 +128,12 @@ def test_work_error_reads_a_completed_work_and_falls_back_where_the_binding_brea
     assert compat.work_error(ok) is None and ok.waited == 1
     bad = BrokenBinding(RuntimeError("peer closed"))
     assert str(compat.work_error(bad)) == "peer closed" and bad.waited == 1
+
+
+def test_the_dataloader_iterator_class_is_what_a_dataloader_returns_and_refused_when_gone(monkeypatch):
+    from torch.utils.data import DataLoader, dataloader
+
+    assert isinstance(iter(DataLoader(list(range(4)))), compat.dataloader_iter_class())
+    monkeypatch.delattr(dataloader, "_BaseDataLoaderIter")
+    with pytest.raises(TorchCompatError, match=r"no usable torch\.utils\.data\.dataloader\._BaseDataLoaderIter"):
+        compat.dataloader_iter_class()

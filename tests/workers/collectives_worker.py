@@ -152,12 +152,13 @@ def stalls() -> None:
     r = rankkit.init()
     # Barrier: rank 2 arrives 3.5 s late for a 2 s barrier, and never before both others gave up
     # (a fixed sleep a loaded machine could outrun). Rank 1's own deadline is 2.5 s, so it always
-    # learns rank 0's verdict before its own deadline: it was on time, not late.
+    # learns rank 0's verdict before its own deadline: it was on time, not late. Rank 2's own
+    # deadline is 20 s: told at once, it ends long before it, however loaded the machine.
     if r == 2:
         rankkit.wait_for("barrier-0", at_least_s=3.5)
         rankkit.wait_for("barrier-1")
     t0 = time.monotonic()
-    b = safe_barrier(timeout=2.5 if r == 1 else 2)
+    b = safe_barrier(timeout={1: 2.5, 2: 20}.get(r, 2))
     try:
         b.raise_for_error()
         raised = None

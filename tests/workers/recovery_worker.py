@@ -267,7 +267,7 @@ def absent() -> None:
     if r == 2:
         rankkit.wait_for("absent-0", at_least_s=3.5)
         rankkit.wait_for("absent-1")
-    res = rebuild_world(timeout=2) if r != 2 else rebuild_world(timeout=5)
+    res = rebuild_world(timeout=2) if r != 2 else rebuild_world(timeout=20)
     put("absent", {**result_fields(res), "wall": time.monotonic() - t0})
     if r != 2:
         rankkit.announce(f"absent-{r}")
@@ -302,7 +302,7 @@ def absent() -> None:
         rankkit.wait_for("left_out-0", at_least_s=4.5)  # after both shrank without it
         rankkit.wait_for("left_out-1")
         t0 = time.monotonic()
-        res = rebuild_world(timeout=5, allow_shrink=True)
+        res = rebuild_world(timeout=20, allow_shrink=True)
         put("left_out", {**result_fields(res), "wall": time.monotonic() - t0})
         job_store.set("test/rank2_done", "1")
     rankkit.done()

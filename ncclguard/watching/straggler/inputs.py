@@ -3,8 +3,8 @@
 A rank whose data loader is slow reaches each collective late, exactly as a rank whose model computes
 longer does: its peers wait for it, and its time outside collectives grows. What tells the two apart is
 where the extra time went. torch's DataLoader hands out every batch through its iterator's ``__next__``
-(``torch.utils.data.dataloader._BaseDataLoaderIter``, which the single- and multi-process iterators
-inherit), and every framework on top of it calls that (the HF Trainer, Accelerate's ``DataLoaderShard``,
+(the base iterator class that the single- and multi-process iterators inherit; reached through
+``_torch_compat.dataloader_iter_class``), and every framework on top of it calls that (the HF Trainer, Accelerate's ``DataLoaderShard``,
 Lightning's fetchers). :func:`time_dataloaders` wraps it once per process so that the main thread's
 time inside it adds up in :data:`inputs`: the batch's production with ``num_workers=0``, the wait for a
 worker's batch otherwise. A pipeline that is not a torch DataLoader says where its waits are with
@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
+from ncclguard.errors import TorchCompatError
 
 __all__ = ["InputClock", "input_wait", "inputs", "time_dataloaders", "untime_dataloaders"]
 
@@ -89,11 +91,9 @@ def time_dataloaders() -> bool:
         if _patch:
             return True
         try:
-            from torch.utils.data import dataloader
-
-            cls = dataloader._BaseDataLoaderIter  # private, but what every DataLoader's iterator is
+            cls = compat.dataloader_iter_class()
             original = cls.__dict__["__next__"]
-        except (ImportError, AttributeError, KeyError) as exc:
+        except TorchCompatError as exc:
             log.info("watchdog: straggler: the input pipeline is not timed (%s)", exc)
             return False
 
