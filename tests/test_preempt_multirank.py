@@ -158,9 +158,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     launched = {stack: Job(stack, root) for stack in STACKS}
     try:
         deadline = time.monotonic() + START_GUARD_S
-        # Each job is stopped as soon as it trains, whichever comes first: a job left training while
-        # another starts burns CPU for nothing (in launch order, the last ones trained for a minute
-        # and this launch cost 177 CPU-s, a ninth of the suite's).
+        # Each job is stopped as soon as it trains, whichever comes first: in launch order the last
+        # ones trained on until every earlier one had started and stopped (this launch alone: 103 s
+        # then, 84 s now; its CPU, 170-177 s, is mostly the 24 processes' imports).
         # Each one is then watched until every process of it is gone, or its guard (counted from its
         # own SIGTERM) has passed.
         waiting, stopped = list(launched.values()), []
