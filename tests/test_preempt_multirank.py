@@ -48,10 +48,12 @@ STACKS = ("fsdp2", "hf", "hf-deepspeed", "deepspeed", "accelerate", "lightning")
 ONE_SUPERVISOR = "fsdp2"  # this job's SIGTERM goes to rank 1's supervisor only
 # Hang guards on a loaded 2-core machine: three jobs start (torch, transformers) in 20-60 s.
 START_GUARD_S = 240.0
-# The product's bound is 10 s (the supervisor's grace is 8 s; measured here: 1-3 s, docs/recovery.md).
-# The test gives the ranks a 20 s grace, so a loaded machine cannot turn a slow save into a SIGKILL,
-# and allows 28 s: still below torchrun's own SIGKILL at 30 s, where today's job ended.
-GRACE_S, GONE_GUARD_S = 20.0, 28.0
+# The product's bound is 10 s (the supervisor's grace is 8 s; measured one job at a time: 1-3 s,
+# docs/recovery.md). Here the first jobs stop while the others still import (load average about 9 on
+# 2 cores): 3.0-12.7 s. The test gives the ranks a 20 s grace, so a loaded machine cannot turn a slow
+# save into a SIGKILL, and allows 40 s, 3x the slowest seen; that no process needed a SIGKILL, from
+# a supervisor or from torchrun (its own after 30 s), is checked on the job's output.
+GRACE_S, GONE_GUARD_S = 20.0, 40.0
 RESUME_GUARD_S = 240.0
 
 
@@ -158,17 +160,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     launched = {stack: Job(stack, root) for stack in STACKS}
     try:
         deadline = time.monotonic() + START_GUARD_S
-        # Each job is stopped as soon as it trains, whichever comes first: in launch order the last
-        # ones trained on until every earlier one had started and stopped (this launch alone: 103 s
-        # then, 84 s now; its CPU, 170-177 s, is mostly the 24 processes' imports).
-        # Each one is then watched until every process of it is gone, or its guard (counted from its
-        # own SIGTERM) has passed.
+        # Each job is stopped as soon as it trains: in launch order the last ones trained on until
+        # every earlier one had started and stopped (this launch alone: 103 s then, 84 s now; its CPU,
+        # 170-177 s, is mostly the 24 processes' imports). Each stopped job is then looked at on every
+        # pass, while the others still start, until every process of it is gone or its guard (counted
+        # from its own SIGTERM) has passed. The look was once left to the loop's condition
+        # (`waiting or any(...)`), which skips it while any job still waits to train: jobs whose
+        # processes had ended in seconds were stamped 33-36 s, when the last one trained.
         waiting, stopped = list(launched.values()), []
-        while waiting or any(not j.gone() and not j.past_guard() for j in stopped):
+        while True:
             for job in [j for j in waiting if j.training()]:
                 job.stop()
                 waiting.remove(job)
                 stopped.append(job)
+            watched = [j for j in stopped if not j.gone() and not j.past_guard()]
+            if not waiting and not watched:
+                break
             for job in waiting:
                 if job.proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(
@@ -205,6 +212,7 @@ def test_sigterm_ends_every_process_with_no_restart_and_the_job_says_preempted(j
     assert job.proc.returncode == 143, out[-6000:]  # 128 + SIGTERM: preempted
     assert "; restart" not in out, out[-6000:]
     assert "did not end within" not in out  # each rank ended by itself, no SIGKILL needed
+    assert "Unable to shutdown process" not in out  # nor torchrun's SIGKILL of a supervisor
     assert out.count("exited 143 after ") == 2 and out.count("told to stop, it stays down") == 2, out[-6000:]
     if stack != ONE_SUPERVISOR:
         assert out.count("exited 143 after signal 15") == 2, out[-6000:]
