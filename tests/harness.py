@@ -67,6 +67,17 @@ def _kill_job(proc: subprocess.Popen) -> None:
             pass
 
 
+LAUNCH_LOG = "launch.log"  # the job's whole output, in its directory
+
+
+def _failed(what: str, output: str, out_dir: Path) -> AssertionError:
+    """A launch's failure: what went wrong, the output's tail, and where the whole output is."""
+    log = out_dir / LAUNCH_LOG
+    if not log.exists():  # the spawn launcher keeps its output in memory
+        log.write_text(output)
+    return AssertionError(f"{what} (whole output: {log})\n{output[-8000:]}")
+
+
 def run_ranks(
     worker: str,
     nproc: int,
@@ -116,7 +127,9 @@ def run_ranks(
                 else ["-m", "ncclguard.supervise", *supervise, "--", sys.executable, *script]
             ),
         ]
-        with tempfile.TemporaryFile("w+") as log:
+        # The whole output stays in the job's directory: a failure message keeps only its tail, and
+        # the line that explains a rank's end (an abort's message) may come long before it.
+        with open(out_dir / LAUNCH_LOG, "w+") as log:
             proc = subprocess.Popen(
                 cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=REPO
             )
@@ -126,14 +139,12 @@ def run_ranks(
                 _kill_job(proc)
                 proc.wait()
                 log.seek(0)
-                raise AssertionError(
-                    f"{worker} {args} did not finish within {timeout_s} s\n{log.read()[-8000:]}"
-                ) from None
+                raise _failed(f"{worker} {args} did not finish within {timeout_s} s", log.read(), out_dir) from None
             log.seek(0)
             job.output = log.read()
         job.returncodes = {r: rc for r in range(nproc)}
         if rc != 0:
-            raise AssertionError(f"torchrun {worker} {args} exited {rc}\n{job.output[-8000:]}")
+            raise _failed(f"torchrun {worker} {args} exited {rc}", job.output, out_dir)
     elif launcher == "spawn":
         res = spawn(
             [sys.executable, *script],
@@ -148,12 +159,10 @@ def run_ranks(
         job.returncodes = {r.rank: r.returncode for r in res.ranks}
         job.restarts, job.lives = res.restarts, {r.rank: r.lives for r in res.ranks}
         if res.timed_out:
-            raise AssertionError(f"{worker} {args} did not finish within {timeout_s} s\n{job.output[-8000:]}")
+            raise _failed(f"{worker} {args} did not finish within {timeout_s} s", job.output, out_dir)
         want = {r: (expect_rc or {}).get(r, 0) for r in range(nproc)}
         if job.returncodes != want:
-            raise AssertionError(
-                f"{worker} {args}: exit codes {job.returncodes}, expected {want}\n{job.output[-8000:]}"
-            )
+            raise _failed(f"{worker} {args}: exit codes {job.returncodes}, expected {want}", job.output, out_dir)
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     job.wall_s = time.monotonic() - start
