@@ -109,7 +109,10 @@ def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_goo
         assert rec["step"] == 12 and rec["world_size"] == 2 and rec["s"] < 100, rec
         assert res["judge_s"] == 10.0
         assert all(e["rank"] == 2 and e["state"] == "stuck" for e in res["events"]), res["events"]
-        assert "nothing moved" in " ".join(e["evidence"] for e in res["events"]) or not res["events"]
+        # Nothing of rank 2 moved, or it had judged itself and exited 0 before this rank sampled it
+        # ("stopped (SIGSTOP) or gone": seen on a loaded fresh clone); stuck either way.
+        evidence = " ".join(e["evidence"] for e in res["events"])
+        assert not res["events"] or "nothing moved" in evidence or "or gone" in evidence, res["events"]
 
 
 def test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for_good(hf_job):
