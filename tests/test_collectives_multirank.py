@@ -106,8 +106,9 @@ def test_barrier_names_missing_rank_on_every_waiting_rank_and_late_rank_fails_at
         assert b["raised"] == ["BarrierTimeout", True]
     late = stalls[2]["barrier"]
     assert late["ok"] is False and late["late"] is True
-    # At once, not at its own 20 s deadline (milliseconds measured; the bound is a hang guard).
-    assert late["elapsed"] < 7.5
+    # At once, not at its own 20 s deadline (milliseconds measured). The bound only has to tell the
+    # two apart: 15 s leaves a loaded machine's stalls room (a store answer took over 4 s in one fresh-clone run).
+    assert late["elapsed"] < 15.0
     assert late["error_type"] == "BarrierTimeout" and "arrived after the other ranks gave up" in late["error"]
     assert late["raised"] == ["BarrierTimeout", True]
     assert all(stalls[r]["barrier_sync"] for r in RANKS)

@@ -29,6 +29,7 @@ tensor, bit for bit, with what each rank recorded after the last step it applied
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -126,9 +127,9 @@ class Job:
 
     def gone(self) -> bool:
         """Whether every process of the job has ended; when it first has, the time since SIGTERM."""
-        if self.gone_s != self.gone_s and not self.alive():  # nan: not seen gone yet
+        if math.isnan(self.gone_s) and not self.alive():  # NaN: not seen gone yet
             self.gone_s = time.monotonic() - self.start
-        return self.gone_s == self.gone_s
+        return not math.isnan(self.gone_s)
 
     def past_guard(self) -> bool:
         return time.monotonic() - self.start > GONE_GUARD_S

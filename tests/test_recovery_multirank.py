@@ -128,8 +128,9 @@ def test_a_rank_that_does_not_call_is_named_and_a_late_one_is_told(absent_job):
         assert "ranks [2] did not reach rebuild_world within 2 s" in r["absent"]["error"]
         assert r["unchanged"] == {"same_group": True, "world": 3}
     late = absent_job[2]["absent"]
-    # At once, not at its own 20 s timeout (milliseconds measured; the bound is a hang guard).
-    assert late["ok"] is False and late["late"] is True and late["elapsed"] < 7.0
+    # At once, not at its own 20 s timeout (milliseconds measured). The bound only has to tell the two
+    # apart: 15 s leaves a loaded machine's stalls room (a store answer took over 4 s in one fresh-clone run).
+    assert late["ok"] is False and late["late"] is True and late["elapsed"] < 15.0
     assert "gave up waiting for ranks 2" in late["error"]
     # Every rank calls again: the attempts line up and the world of 3 is rebuilt.
     for rank in range(3):
@@ -150,8 +151,8 @@ def test_a_rank_that_does_not_call_is_named_and_a_late_one_is_told(absent_job):
         assert_world(r["world2"], rank, 2, [0, 1])
         assert r["reaper_idle_once_rank2_left"] is True
     gone = absent_job[2]["left_out"]
-    # At once, not at its own 20 s timeout (milliseconds measured; the bound is a hang guard).
-    assert gone["ok"] is False and gone["late"] is True and gone["generation"] == 1 and gone["elapsed"] < 7.0
+    # At once, not at its own 20 s timeout (milliseconds measured; 15 s as above).
+    assert gone["ok"] is False and gone["late"] is True and gone["generation"] == 1 and gone["elapsed"] < 15.0
     assert "had gone on to generation 2 without it" in gone["error"]
 
 
