@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery.internals.commit_protocol import MAX_STATEMENT_BYTES, Statement, commit_keys, decide
+from ncclguard.recovery._commit.statements import MAX_STATEMENT_BYTES, Statement, commit_keys, decide
 from ncclguard.store.codec import decode, encode
 
 GROUP = "bench"

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard.watching import torchfr
-from ncclguard.watching.snapshot import WorldArrivals
+from ncclguard.watching.sensors import torchfr
+from ncclguard.watching.sensors.snapshot import WorldArrivals
 
 
 def per_call_ms(fn: Callable[[], Any], repeat: int) -> dict[str, float]:

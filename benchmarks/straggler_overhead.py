@@ -86,7 +86,7 @@ def hook_costs(calls: int, repeat: int) -> dict[str, dict[str, float]]:
     from ncclguard import mark_step, phase
     from ncclguard.recording.flight import recorder
     from ncclguard.recording.instrument import _spec, _wrap
-    from ncclguard.watching.straggler.inputs import inputs
+    from ncclguard.watching.sensors.straggler.inputs import inputs
 
     def noop(*args: Any, **kwargs: Any) -> None:
         return None

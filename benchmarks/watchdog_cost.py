@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ncclguard.testing.launch import spawn
-from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.base.settings import WatchdogConfig
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "watchdog_cost_worker.py"

@@ -132,7 +132,7 @@ class CountingStore:
 def sim_state_class() -> type:
     """:class:`SimState` (built after torch is imported, in the worker)."""
     from ncclguard.incidents.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
-    from ncclguard.watching.snapshot import RankState
+    from ncclguard.watching.sensors.snapshot import RankState
 
     class SimState(RankState):
         """A rank's state without a process group: its backend number follows the schedule."""
@@ -268,7 +268,7 @@ def worker(args: argparse.Namespace) -> None:
     """One process's share of the simulated ranks (``--lo`` to ``--hi``)."""
     import torch.distributed as dist
 
-    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.base.settings import WatchdogConfig
 
     tally = Tally()
     logging.getLogger("ncclguard").addHandler(tally)

@@ -63,9 +63,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ncclguard._log import log
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.engine import Adapter, Recovery, Transaction
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult

@@ -12,11 +12,11 @@
 It is :class:`~ncclguard.recovery.recovering.RecoveringStep` (the recovery engine's adapter for a
 loop of your own) with a ``wrap`` that knows the Accelerator: after a rebuild it points the wrapper
 ``accelerator.prepare`` returned (the same object, so ``accelerator._models`` and the loop's
-variable follow) at the new group (:func:`~ncclguard.recovery.internals.repoint.repoint_ddp`), and, when the
+variable follow) at the new group (:func:`~ncclguard.recovery._rebuild.repoint.repoint_ddp`), and, when the
 world changed size or this rank was renumbered, updates Accelerate's shared state
 (``num_processes``, ``process_index``: what ``accelerator.is_main_process``, ``gather`` and the
 samplers Accelerate builds later read). After a rebuild that admitted restarted ranks
-(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery.internals.repoint.rewrapped_ddp`):
+(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery._rebuild.repoint.rewrapped_ddp`):
 use the model ``step_fn`` is given, or ``stepper.model``, not the one ``prepare`` returned.
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
 ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`. A rank the others went
@@ -65,8 +65,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard import _torch_compat as compat
+from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
 from ncclguard.recovery.engine import Transaction
-from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut
 from ncclguard.recovery.rebuild import generation
 from ncclguard.recovery.records import Recovered, StepResult

@@ -47,15 +47,15 @@ import torch
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.errors import RebuildFailed
+from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.heal import HealResult
-from ncclguard.recovery.internals.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
-from ncclguard.watching.actions import exit_now
+from ncclguard.watching.ladder.actions import exit_now
 
 from .deepspeed_state import DeepSpeedState
 

@@ -17,7 +17,7 @@ of its last ``training_step``, before the clipping and before anything is applie
    clips, steps the optimizer and the LR scheduler once, as it would without ncclguard.
 3. Not ok: the engine rebuilds the world; this adapter points the Trainer's DDP wrapper (the same
    object everywhere: the loop's ``model``, ``trainer.model_wrapped``, ``accelerator._models``) at
-   the new group in place (:func:`~ncclguard.recovery.internals.repoint.repoint_ddp`); the engine puts the
+   the new group in place (:func:`~ncclguard.recovery._rebuild.repoint.repoint_ddp`); the engine puts the
    buffers and the generators back; the recorded micro-batches run again with their ``no_sync``
    state, and the step commits again. The loss the Trainer had summed for the failed attempt's
    earlier micro-batches is replaced by the redo's.
@@ -52,12 +52,12 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, unwrapped
+from ncclguard.recovery._rebuild.restarts import restart_count
+from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler, unwrapped
-from ncclguard.recovery.internals.restarts import restart_count
-from ncclguard.recovery.internals.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered

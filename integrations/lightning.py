@@ -51,7 +51,7 @@ import torch
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
-from ncclguard.recovery.internals.restarts import restart_count
+from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.records import Recovered
 from ncclguard.watching.watchdog import Watchdog

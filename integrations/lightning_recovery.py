@@ -50,16 +50,16 @@ import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
-from ncclguard.recovery.heal import HealResult
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.restarts import restart_count
-from ncclguard.recovery.internals.step_state import (
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.restarts import restart_count
+from ncclguard.recovery._step.step_state import (
     StepState,
     generators_to_send,
     load_scheduler,
     restore_sent_generators,
 )
+from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
+from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered

@@ -23,7 +23,7 @@ being sharded already, e.g. ``isinstance(self.net, FSDPModule)``, never on a fla
 fit starts, before any step, by a dry run on the meta device.
 
 A restarted rank (``heal=True``) builds its strategy on the stand-in world of one
-(:mod:`ncclguard.recovery.internals.stand_in`), where Lightning's mesh of the launch's world size
+(:mod:`ncclguard.recovery._rebuild.stand_in`), where Lightning's mesh of the launch's world size
 cannot be made ("Mesh should not be bigger than default world size"): while the stand-in is in force,
 :func:`install_stand_in_mesh` makes it a mesh of one with the same dimension names. The restarted
 rank's model is then whole (a mesh of one) until it joins; the join shards it on the real world before
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from ncclguard._log import log
+from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery.fsdp2 import repoint_optimizer
-from ncclguard.recovery.internals import stand_in
 
 __all__ = ["ShardedLightning", "check_model_parallel", "install_stand_in_mesh"]
 

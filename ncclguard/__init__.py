@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the names are imported when first used (see _FACE below)
     )
     from ncclguard.results import Result
     from ncclguard.sigalrm import sigalrm_timeout
-    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.base.settings import WatchdogConfig
     from ncclguard.watching.watchdog import current_watchdog, start_watchdog
 
 __version__ = "0.1.0"
@@ -82,7 +82,7 @@ _FACE: dict[str, str] = {
     "NcclGuardError": "ncclguard.errors",
     "RecoveringStep": "ncclguard.recovery",
     "Result": "ncclguard.results",
-    "WatchdogConfig": "ncclguard.watching.settings",
+    "WatchdogConfig": "ncclguard.watching.base.settings",
     "configure": "ncclguard.config",
     "current_watchdog": "ncclguard.watching.watchdog",
     "guarded_evaluate": "ncclguard.evaluation.guard",
@@ -101,10 +101,10 @@ _FACE: dict[str, str] = {
 }
 
 # A rank restarted alone by its supervisor must not make the job's first world again: importing
-# ncclguard makes its init_process_group a stand-in (recovery/internals/stand_in.py, which reads the same
-# variable, recovery/internals/restarts.py's RESTART_COUNT_VAR). Everywhere else nothing is imported here.
+# ncclguard makes its init_process_group a stand-in (recovery/_rebuild/stand_in.py, which reads the same
+# variable, recovery/_rebuild/restarts.py's RESTART_COUNT_VAR). Everywhere else nothing is imported here.
 if os.environ.get("NCCLGUARD_RESTART_COUNT", "0").strip() not in ("", "0"):
-    importlib.import_module("ncclguard.recovery.internals.stand_in")
+    importlib.import_module("ncclguard.recovery._rebuild.stand_in")
 
 _ERRORS = "ncclguard.errors"
 # Names exported before the face shrank, each with its module: importable from here for one

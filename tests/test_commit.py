@@ -17,7 +17,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import CommitFailed
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery.internals.commit_protocol import (
+from ncclguard.recovery._commit.statements import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitVerdict,
@@ -27,7 +27,7 @@ from ncclguard.recovery.internals.commit_protocol import (
     verdict_limit,
 )
 from ncclguard.store.codec import decode, encode
-from ncclguard.watching.actions import Action, Outcome
+from ncclguard.watching.ladder.actions import Action, Outcome
 from ncclguard.watching.watchdog import Watchdog
 
 

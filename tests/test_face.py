@@ -117,7 +117,7 @@ def test_every_result_class_shares_the_base() -> None:
 def test_importing_the_face_imports_nothing_heavy() -> None:
     """A name is imported when first used: ``import ncclguard`` alone imports neither torch nor
     pydantic (a rank under ``ncclguard run`` imports only the watchdog's modules); a restarted
-    rank's import still makes init_process_group its stand-in (recovery/internals/stand_in.py)."""
+    rank's import still makes init_process_group its stand-in (recovery/_rebuild/stand_in.py)."""
     code = (
         "import sys, ncclguard\n"
         "print(sorted(m for m in ('torch', 'pydantic', 'ncclguard.recovery') if m in sys.modules))\n"
@@ -136,4 +136,4 @@ def test_importing_the_face_imports_nothing_heavy() -> None:
         timeout=120,
         check=True,
     )
-    assert out.stdout.strip() == "ncclguard.recovery.internals.stand_in"
+    assert out.stdout.strip() == "ncclguard.recovery._rebuild.stand_in"

@@ -1,4 +1,4 @@
-"""The watchdog's hang bound learned per phase (ncclguard/watching/hang_bound.py): pure logic driven tick by
+"""The watchdog's hang bound learned per phase (ncclguard/watching/base/hang_bound.py): pure logic driven tick by
 tick as the watchdog drives it, what it keeps in a real store, what the user's setting does, and what
 ``python -m ncclguard status`` says with it. No process group."""
 
@@ -12,10 +12,10 @@ import torch.distributed as dist
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.keys import Keys
 from ncclguard.store.learned import hang_key
-from ncclguard.watching.hang_bound import HANG_VAR, UNPHASED, HangBound, given, phase_kind
-from ncclguard.watching.learned import WARMUP
-from ncclguard.watching.protocol import WatchdogStore
-from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.base.exchange import WatchdogStore
+from ncclguard.watching.base.hang_bound import HANG_VAR, UNPHASED, HangBound, given, phase_kind
+from ncclguard.watching.base.learner import WARMUP
+from ncclguard.watching.base.settings import WatchdogConfig
 
 
 class Job:
@@ -140,7 +140,8 @@ def test_what_was_learned_survives_a_restart_through_the_store_and_a_bad_value_i
 
 
 def test_status_judges_a_long_op_against_the_ranks_own_bound():
-    from ncclguard.watching.status import RankRow, WatchIndex, _verdict
+    from ncclguard.cli.status_read import RankRow, _verdict
+    from ncclguard.watching.base.index import WatchIndex
 
     index = WatchIndex(
         run_id="r",

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import ncclguard
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
+from ncclguard.recovery._rebuild.rules import Arrival, Verdict, WorldRecord, check_arrivals
 from ncclguard.recovery.heal import Header, _check, _from_json, _header, _to_json
-from ncclguard.recovery.internals.protocol import Arrival, Verdict, WorldRecord, check_arrivals
 from ncclguard.recovery.rejoin import _live_attempt
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import MeetingKeys, world_record_key

@@ -9,7 +9,7 @@ import torch
 from test_hf_trainer_multirank import tiny_trainer
 
 from ncclguard.integrations.hf import find_guard, guard_trainer
-from ncclguard.recovery.internals.repoint import repoint_ddp, repoint_sampler
+from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler
 
 
 def test_bad_recover_arguments_are_refused_before_anything_is_wrapped(tmp_path):

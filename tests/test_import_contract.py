@@ -161,7 +161,7 @@ def test_a_planted_upward_import_is_caught(tree: Path) -> None:
     target.write_text(target.read_text() + "\nfrom ncclguard.watching.watchdog import Watchdog  # planted\n")
     found = offences(tree, read_contract(ARCHITECTURE))
     assert len(found) == 1 and found[0].startswith("ncclguard/collectives/groups.py:")
-    assert "imports ncclguard.watching.watchdog of watching" in found[0]
+    assert "imports ncclguard.watching.watchdog of watchdog (layer 7)" in found[0]
 
 
 def test_a_planted_core_import_of_the_integrations_and_a_sideways_one_are_caught(tree: Path) -> None:
@@ -181,3 +181,18 @@ def test_a_module_in_no_part_is_caught(tree: Path) -> None:
     (tree / "ncclguard" / "stray").mkdir()
     (tree / "ncclguard" / "stray" / "__init__.py").write_text("")
     assert offences(tree, read_contract(ARCHITECTURE)) == ["ncclguard/stray/__init__.py: in no part of the table"]
+
+
+def test_the_watchdog_rooms_keep_their_order(tree: Path) -> None:
+    # The sensors and the ladder sit side by side (neither may import the other); the incident
+    # model may not reach up to the desk that handles incidents, though both live in incidents/.
+    sensor = tree / "ncclguard" / "watching" / "sensors" / "liveness.py"
+    sensor.write_text(sensor.read_text() + "\nfrom ncclguard.watching.ladder import actions  # planted\n")
+    model = tree / "ncclguard" / "incidents" / "model.py"
+    model.write_text(model.read_text() + "\nfrom ncclguard.incidents.handling import desk  # planted\n")
+    found = offences(tree, read_contract(ARCHITECTURE))
+    assert [f.split(":")[0] for f in found] == [
+        "ncclguard/incidents/model.py",
+        "ncclguard/watching/sensors/liveness.py",
+    ], found
+    assert "of incident handling (layer 6)" in found[0] and "of ladder (layer 5)" in found[1]

@@ -1,5 +1,5 @@
-"""The learned bounds (ncclguard/watching/learned.py) and the progress judgment
-(ncclguard/watching/progress.py): pure logic, no process."""
+"""The learned bounds (ncclguard/watching/base/learner.py) and the progress judgment
+(ncclguard/watching/sensors/progress.py): pure logic, no process."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ncclguard.recovery.internals.levers import STUCK_AFTER_VAR, judge_after
-from ncclguard.watching.learned import FLOOR_S, SAFETY, WARMUP, LearnedState, Learner, parse_state
-from ncclguard.watching.progress import Progress, Sample, own_sample, sample_process
+from ncclguard.recovery._verdict.levers import STUCK_AFTER_VAR, judge_after
+from ncclguard.watching.base.learner import FLOOR_S, SAFETY, WARMUP, LearnedState, Learner, parse_state
+from ncclguard.watching.sensors.progress import Progress, Sample, own_sample, sample_process
 
 intervals = st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=0, max_size=40)
 

@@ -21,9 +21,9 @@ from ncclguard.cli.run import PREEMPT_DIR_VAR as RUN_VAR
 from ncclguard.cli.run import plan
 from ncclguard.recovery import engine as engine_module
 from ncclguard.recovery import preempt
+from ncclguard.recovery._commit.statements import CommitVerdict, Statement, decide
 from ncclguard.recovery.commit import _COMMITS
 from ncclguard.recovery.engine import Adapter
-from ncclguard.recovery.internals.commit_protocol import CommitVerdict, Statement, decide
 from ncclguard.recovery.options import recovery_options
 from ncclguard.store.codec import decode, encode
 from ncclguard.supervise.loop import STOPPED_STATUSES, stopped

@@ -116,7 +116,7 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
 
 
 def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() -> None:
-    from ncclguard.recovery.internals.step_state import StepState
+    from ncclguard.recovery._step.step_state import StepState
 
     torch.manual_seed(3)
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
@@ -154,7 +154,7 @@ def test_a_step_the_frameworks_loop_runs_again_starts_without_the_failed_attempt
 
 
 def test_a_scheduler_loaded_from_memory_puts_its_rate_back_into_the_optimizer() -> None:
-    from ncclguard.recovery.internals.step_state import load_scheduler
+    from ncclguard.recovery._step.step_state import load_scheduler
 
     module = torch.nn.Linear(2, 1)
     opt = torch.optim.AdamW(module.parameters(), lr=5e-5)

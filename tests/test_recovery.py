@@ -17,8 +17,9 @@ from ncclguard import rebuild_world
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation, on_rebuild
-from ncclguard.recovery.internals.meeting import Meeting, meet
-from ncclguard.recovery.internals.protocol import (
+from ncclguard.recovery._rebuild.meeting import Meeting, meet
+from ncclguard.recovery._rebuild.reaper import Reaper
+from ncclguard.recovery._rebuild.rules import (
     MAX_ARRIVAL_BYTES,
     Arrival,
     MeetingKeys,
@@ -31,7 +32,6 @@ from ncclguard.recovery.internals.protocol import (
     validate_arguments,
     world_prefix,
 )
-from ncclguard.recovery.internals.reaper import Reaper
 from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
 
 

@@ -1,4 +1,4 @@
-"""Straggler detection's pure logic (ncclguard/watching/straggler.py): figures from records, the
+"""Straggler detection's pure logic (ncclguard/watching/sensors/straggler.py): figures from records, the
 assessment against peers, the run of windows that raises an incident, the settings and the heartbeat.
 
 The lockstep model used here is the physics of a synchronous collective: every rank leaves the op
@@ -21,10 +21,10 @@ from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Straggl
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.steps import StepMarks, mark_step, steps
 from ncclguard.store.codec import decode, encode
-from ncclguard.watching.protocol import LIMITS
-from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.snapshot import WorldArrivals
-from ncclguard.watching.straggler import (
+from ncclguard.watching.base.exchange import LIMITS
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.sensors.snapshot import WorldArrivals
+from ncclguard.watching.sensors.straggler import (
     StragglerTracker,
     StragglerWatch,
     assess,
@@ -323,7 +323,7 @@ def test_mark_step_counts_and_numbers_steps() -> None:
 
 
 def test_phase_names_drop_their_labels() -> None:
-    from ncclguard.watching.straggler import phase_name
+    from ncclguard.watching.sensors.straggler import phase_name
 
     assert phase_name("train step=3 > fwd layer=2") == "train > fwd"
     assert phase_name("") == ""

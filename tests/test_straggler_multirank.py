@@ -26,7 +26,7 @@ import pytest
 from harness import run_ranks
 
 from ncclguard.incidents.model import StragglerWindow
-from ncclguard.watching.straggler import assess
+from ncclguard.watching.sensors.straggler import assess
 
 pytestmark = pytest.mark.multirank
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from ncclguard.incidents.model import Heartbeat, StragglerWindow
 from ncclguard.recording.steps import StepMarks
 from ncclguard.store.keys import Keys
-from ncclguard.watching.liveness import watched_peers
-from ncclguard.watching.protocol import WatchdogStore
-from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.straggler import StragglerWatch
+from ncclguard.watching.base.exchange import WatchdogStore
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.sensors.liveness import watched_peers
+from ncclguard.watching.sensors.straggler import StragglerWatch
 
 pytestmark = pytest.mark.multirank  # tens of seconds at 1,024 ranks
 

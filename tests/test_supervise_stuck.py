@@ -1,7 +1,7 @@
 """The supervisor acts on the waiting ranks' asks about its rank (ncclguard/supervise/judge.py): a real
 supervisor process (``python -m ncclguard.supervise``), a real TCPStore, a rank's process that stops
 itself (SIGSTOP) or computes. No process group: the asks are written here as a peer's verdict writes
-them (ncclguard/recovery/internals/levers.py ``ask_supervisor``)."""
+them (ncclguard/recovery/_verdict/levers.py ``ask_supervisor``)."""
 
 from __future__ import annotations
 

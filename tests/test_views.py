@@ -20,20 +20,20 @@ from hypothesis import strategies as st
 
 from ncclguard.cli import main
 from ncclguard.cli.status import _WIDE_COLUMNS, EXIT_CODES, show
-from ncclguard.incidents.files import load
-from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRecord
-from ncclguard.incidents.pictures import chrome_trace, timeline
-from ncclguard.store.keys import Keys, index_key
-from ncclguard.watching.status import (
+from ncclguard.cli.status_read import (
     CHUNK,
     IncidentRow,
     JobStatus,
     RankGroup,
     StatusReader,
-    WatchIndex,
     read_index,
     read_status,
 )
+from ncclguard.incidents.files import load
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRecord
+from ncclguard.incidents.pictures import chrome_trace, timeline
+from ncclguard.store.keys import Keys, index_key
+from ncclguard.watching.base.index import WatchIndex
 
 FIXTURE = Path(__file__).parent / "fixtures" / "incidents_v1" / "20261122-090619-001"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -330,7 +330,7 @@ def test_metrics_names_follow_prometheus_conventions(tmp_path):
     from prometheus_client import generate_latest
 
     from ncclguard.incidents.model import PeerView
-    from ncclguard.watching.metrics import NAMES, WatchdogMetrics, count_commit
+    from ncclguard.watching.base.metrics import NAMES, WatchdogMetrics, count_commit
 
     m = WatchdogMetrics(3, tmp_path / "m-{rank}.prom")
     m.activate()
@@ -382,8 +382,8 @@ def test_watch_reads_again_until_interrupted(server, capsys, monkeypatch):
 def test_rank_0_names_the_namespace_once_per_world(server, client):
     from types import SimpleNamespace
 
-    from ncclguard.watching.protocol import WatchdogStore
-    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.base.exchange import WatchdogStore
+    from ncclguard.watching.base.settings import WatchdogConfig
     from ncclguard.watching.views import Views
 
     cfg = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=4.0, session="idx")
@@ -414,7 +414,7 @@ def test_metrics_count_waits_once_and_follow_a_rebuild():
     from types import SimpleNamespace
 
     from ncclguard.incidents.model import PeerView
-    from ncclguard.watching.metrics import WatchdogMetrics
+    from ncclguard.watching.base.metrics import WatchdogMetrics
 
     m = WatchdogMetrics(0)
     value = m.registry.get_sample_value
@@ -439,7 +439,7 @@ def test_metrics_count_waits_once_and_follow_a_rebuild():
 def test_without_the_extras_the_commands_say_what_to_install(tmp_path, capsys, monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from ncclguard.watching.settings import WatchdogConfig
+    from ncclguard.watching.base.settings import WatchdogConfig
     from ncclguard.watching.views import Views
 
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "prometheus_client"):

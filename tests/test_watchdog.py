@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.recording.instrument import is_instrumented
-from ncclguard.watching.settings import LADDERS
+from ncclguard.watching.base.settings import LADDERS
 from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE, Watchdog
 
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ncclguard.errors import CollectiveTimeout
 from ncclguard.incidents.model import IncidentDoc, IncidentKind, MergedNote, OpRecord
 from ncclguard.recording.flight import recorder
-from ncclguard.watching.actions import (
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.ladder.actions import (
     Abort,
     Action,
     ActionContext,
@@ -34,7 +35,6 @@ from ncclguard.watching.actions import (
     Report,
     build_ladder,
 )
-from ncclguard.watching.settings import WatchdogConfig
 from ncclguard.watching.watchdog import Watchdog
 
 DOC = IncidentDoc(
@@ -209,9 +209,9 @@ def test_the_fence_waits_its_own_time_and_leaves_every_rank_but_the_culprit_alon
 def test_the_fence_saves_its_rung_marks_the_rank_and_exits_0(tmp_path):
     script = f"""
 import json, pathlib
-from ncclguard.watching.actions import ActionContext, Fence, IncidentRef
+from ncclguard.watching.ladder.actions import ActionContext, Fence, IncidentRef
 from ncclguard.incidents.model import IncidentDoc, MergedNote
-from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.base.settings import WatchdogConfig
 doc = IncidentDoc(kind="hang", reason="r", id="x-003")
 save = lambda o: pathlib.Path({str(tmp_path / "saved.json")!r}).write_text(json.dumps([o.done, o.details]))
 note = MergedNote(host="h", dir="d", summary="s", culprits=[1])
@@ -228,9 +228,9 @@ raise SystemExit(9)  # not reached
 def test_exit_saves_its_rung_then_ends_the_process_with_its_code(tmp_path):
     script = f"""
 import json, pathlib, time
-from ncclguard.watching.actions import ActionContext, Exit, IncidentRef
+from ncclguard.watching.ladder.actions import ActionContext, Exit, IncidentRef
 from ncclguard.incidents.model import IncidentDoc
-from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.base.settings import WatchdogConfig
 doc = IncidentDoc(kind="hang", reason="r", id="x-002")
 save = lambda o: pathlib.Path({str(tmp_path / "saved.json")!r}).write_text(json.dumps([o.done, o.details]))
 for exit in (Exit(), Exit(9)):

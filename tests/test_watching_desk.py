@@ -13,14 +13,14 @@ import pytest
 import torch.distributed as dist
 
 from ncclguard.errors import StoreUnreachable
+from ncclguard.incidents.handling.desk import IncidentDesk, blocked_in
 from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Statement
-from ncclguard.watching.actions import Ladder, build_ladder
-from ncclguard.watching.desk import IncidentDesk, blocked_in
-from ncclguard.watching.detect import Detection
-from ncclguard.watching.liveness import Liveness, store_host_text
-from ncclguard.watching.protocol import Keys, WatchdogStore
-from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.snapshot import RankState
+from ncclguard.watching.base.exchange import Keys, WatchdogStore
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.ladder.actions import Ladder, build_ladder
+from ncclguard.watching.sensors.detect import Detection
+from ncclguard.watching.sensors.liveness import Liveness, store_host_text
+from ncclguard.watching.sensors.snapshot import RankState
 
 WORLD = 3
 

@@ -8,7 +8,7 @@ import pytest
 
 from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
 from ncclguard.recording.flight import FlightRecorder
-from ncclguard.watching.detect import (
+from ncclguard.watching.sensors.detect import (
     Detection,
     SeqView,
     Verdict,

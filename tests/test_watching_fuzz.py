@@ -1,6 +1,6 @@
 """Hostile and malformed store data (issue 12, point 3), against a REAL TCPStore.
 
-Every key of the watchdog's schema (:class:`ncclguard.watching.protocol.Keys`) gets malformed JSON,
+Every key of the watchdog's schema (:class:`ncclguard.watching.base.exchange.Keys`) gets malformed JSON,
 values over their size bound, wrong types, non-finite numbers, values under the wrong rank's key
 and path-traversal incident ids, while a real :class:`~ncclguard.watching.watchdog.Watchdog`
 (rank 0 of a world of 2; the test plays rank 1) runs against the store. Afterwards the watchdog
@@ -32,11 +32,11 @@ from ncclguard.collectives.groups import GroupInfo
 from ncclguard.collectives.rendezvous import exchange
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreTimeout
+from ncclguard.incidents.handling.desk import incident_path
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Statement
 from ncclguard.recording.flight import recorder
-from ncclguard.watching.actions import Action, ActionContext, IncidentRef, Outcome
-from ncclguard.watching.desk import incident_path
-from ncclguard.watching.protocol import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
+from ncclguard.watching.base.exchange import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
+from ncclguard.watching.ladder.actions import Action, ActionContext, IncidentRef, Outcome
 from ncclguard.watching.watchdog import Watchdog
 
 T = TypeVar("T")
@@ -172,7 +172,7 @@ def wrong_types(rank: int) -> list[bytes]:
     ]
 
 
-# A straggler window (ncclguard/watching/straggler.py) and arrivals it must never carry: torch's
+# A straggler window (ncclguard/watching/sensors/straggler.py) and arrivals it must never carry: torch's
 # flight-recorder times of a DDP-only loop, at most 32, each a backend number and a finite time.
 WINDOW = {"n": 3, "end": 40.0, "length_s": 10.0, "compute_s": 10.0, "wait_s": 0.0, "backend_op": "gloo:all_reduce"}
 HOSTILE_ARRIVALS = [

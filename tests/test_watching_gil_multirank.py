@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
-from ncclguard.watching.native import find_py_spy
+from ncclguard.watching.sensors.native import find_py_spy
 
 pytestmark = pytest.mark.multirank
 WORKER = "diagnosis_worker.py"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ncclguard.incidents.model import Heartbeat, PeerView
-from ncclguard.watching.detect import SeqView
-from ncclguard.watching.liveness import Liveness, SeqClock, watched_peers
+from ncclguard.watching.sensors.detect import SeqView
+from ncclguard.watching.sensors.liveness import Liveness, SeqClock, watched_peers
 
 
 def hb(rank: int, beat: int) -> Heartbeat:

@@ -13,7 +13,7 @@ import pytest
 from ncclguard._naming import HOSTNAME
 from ncclguard.incidents.model import Incident, IncidentDoc, IncidentKind, OutsideStack
 from ncclguard.incidents.render import render
-from ncclguard.watching.native import dump_stacks, find_py_spy, how_to_get, outside_stacks
+from ncclguard.watching.sensors.native import dump_stacks, find_py_spy, how_to_get, outside_stacks
 
 HOLDER = "import ctypes, sys\nprint('ready', flush=True)\nctypes.PyDLL(None).sleep(int(sys.argv[1]))\n"
 

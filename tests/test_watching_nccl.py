@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard.watching.snapshot import RankState, backend_ops
+from ncclguard.watching.sensors.snapshot import RankState, backend_ops
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs a CUDA GPU and NCCL"
@@ -58,13 +58,13 @@ def test_the_nccl_recorder_reads_as_the_watchdog_expects(nccl_world):
 
 
 def test_on_nccl_an_op_held_open_reads_open_and_python_issued_ops_are_joined_to_their_call(nccl_world):
-    """torch's NCCL recorder against ncclguard's join (watching/torchfr.py): DDP's bucket all_reduces
+    """torch's NCCL recorder against ncclguard's join (watching/sensors/torchfr.py): DDP's bucket all_reduces
     come from the autograd device thread and join nothing; an all_reduce queued behind a sleep kernel
     reads open, joined to its Python call, then completed."""
     from ncclguard.recording.flight import recorder
     from ncclguard.recording.instrument import instrument, uninstrument
-    from ncclguard.watching import torchfr
-    from ncclguard.watching.snapshot import op_record
+    from ncclguard.watching.sensors import torchfr
+    from ncclguard.watching.sensors.snapshot import op_record
 
     recorder.clear()
     instrument()

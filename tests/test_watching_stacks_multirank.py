@@ -18,7 +18,7 @@ import pytest
 from harness import run_ranks
 
 from ncclguard.incidents.model import OpRecord
-from ncclguard.watching import torchfr
+from ncclguard.watching.sensors import torchfr
 
 # The launch's guard (450 s, below) is over pytest-timeout's 300 s default: this module's is 600.
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]

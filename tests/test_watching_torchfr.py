@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ncclguard.incidents.model import OpRecord
-from ncclguard.watching.torchfr import (
+from ncclguard.watching.sensors.torchfr import (
     MAX_DUMP_CHARS,
     FREntry,
     entry_open,

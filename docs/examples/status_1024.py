@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.keys import index_key
-from ncclguard.watching.status import WatchIndex
+from ncclguard.watching.base.index import WatchIndex
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ command that shows the job live.
 
 The watchdog started here gives way: a script that calls :func:`ncclguard.start_watchdog` itself
 stops it and runs its own, so a rank never has two. A restarted rank's stand-in world (a world of
-one on torch's ``fake`` backend, :mod:`ncclguard.recovery.internals.stand_in`) gets none: the watchdog starts
+one on torch's ``fake`` backend, :mod:`ncclguard.recovery._rebuild.stand_in`) gets none: the watchdog starts
 when the rank joins the real world, which makes its group through ``init_process_group`` too.
 """
 
@@ -29,7 +29,7 @@ from ncclguard.env.hostview import prepare_sockets
 from ncclguard.env.sockets import SocketPlan
 from ncclguard.errors import BadInterface
 from ncclguard.incidents.model import Heartbeat
-from ncclguard.watching.protocol import store_addr
+from ncclguard.watching.base.exchange import store_addr
 from ncclguard.watching.watchdog import Watchdog, current_watchdog
 
 __all__ = ["before_init", "peer_gone_line", "plan_line", "started", "status_line"]

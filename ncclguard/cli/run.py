@@ -8,7 +8,7 @@ environment, every ``torch.distributed`` collective is recorded, torch's flight 
 
 Options:
 
-- ``--ncclguard-<field> VALUE``: any field of :class:`~ncclguard.watching.settings.WatchdogConfig`
+- ``--ncclguard-<field> VALUE``: any field of :class:`~ncclguard.watching.base.settings.WatchdogConfig`
   (``--ncclguard-hang-timeout-s 120``, ``--ncclguard-incident-dir DIR``, ``--ncclguard-action exit``);
   each sets ``NCCLGUARD_WATCHDOG_<FIELD>`` for the ranks, over the value the environment has;
 - ``--ncclguard-restarts N`` (with ``--ncclguard-warm-spare``, ``--ncclguard-preload MOD``): every rank
@@ -48,8 +48,8 @@ from pydantic import ValidationError
 
 from ncclguard.env.hostview import check_interfaces
 from ncclguard.env.sockets import NET_PLAN_VAR
-from ncclguard.watching.hang_bound import given as hang_given
-from ncclguard.watching.settings import WatchdogConfig
+from ncclguard.watching.base.hang_bound import given as hang_given
+from ncclguard.watching.base.settings import WatchdogConfig
 
 __all__ = ["AUTO_VAR", "Launch", "add_arguments", "launch", "main", "plan", "run"]
 

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ncclguard._naming import rank_ranges
+from ncclguard.cli.status_read import JobStatus, RankGroup, StatusReader, read_index, read_status
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.store.calls import BoundedCalls
-from ncclguard.watching.status import JobStatus, RankGroup, StatusReader, read_index, read_status
 
 __all__ = ["EXIT_CODES", "add_arguments", "connect", "run"]
 

@@ -39,11 +39,11 @@ class Heartbeat(Model):
     step: int | None = None  # the training step the rank is in, where its loop marks steps
     straggler_score: float | None = None  # 1.0: as fast as the fastest peer; lower is slower
     window: StragglerWindow | None = None  # the last straggler window closed (docs/stragglers.md)
-    main_cpu_s: float | None = None  # the main thread's CPU seconds (progress evidence: watching/progress.py)
+    main_cpu_s: float | None = None  # the main thread's CPU seconds (progress evidence: watching/sensors/progress.py)
     io_bytes: int | None = None  # the process's storage bytes read and written (progress evidence)
     # The recovery engine's verdict on the ranks this one waits for: rank -> "stuck: ..." / "moving: ...".
     judged: dict[str, str] | None = Field(None, max_length=64)
-    # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/hang_bound.py).
+    # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/base/hang_bound.py).
     hang_bound_s: float | None = None
 
 

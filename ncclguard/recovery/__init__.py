@@ -1,10 +1,10 @@
 """Recovery in process: a failed world group rebuilt from the live ranks, and training goes on."""
 
+from ncclguard.recovery._rebuild.reaper import reaper
 from ncclguard.recovery.commit import CommitResult, committed_step, should_commit
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult, heal_from_peer
-from ncclguard.recovery.internals.reaper import reaper
 from ncclguard.recovery.options import recovery_options
 from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
 from ncclguard.recovery.records import Recovered, StepResult, WorldEvent

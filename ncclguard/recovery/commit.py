@@ -1,7 +1,7 @@
 """should_commit: every rank agrees, once per step, whether the step may be applied.
 
 Call it on every rank after backward and before ``optimizer.step()``. Each rank states what it saw
-since its last commit (:class:`~ncclguard.recovery.internals.commit_protocol.Statement`): a failed or timed
+since its last commit (:class:`~ncclguard.recovery._commit.statements.Statement`): a failed or timed
 out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
 of a ``safe_*`` call), an incident the watchdog raised whose ladder acted (past ``report``), what
 the caller reports, and the backend's sequence number on the group. One settle-once round in the group's store
@@ -36,7 +36,7 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery.internals.commit_protocol import (
+from ncclguard.recovery._commit.statements import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
     MAX_PROBLEMS,
@@ -55,7 +55,7 @@ from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.deaths import read_deaths
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, settle_round
 from ncclguard.store.values import delete_keys
-from ncclguard.watching.metrics import count_commit
+from ncclguard.watching.base.metrics import count_commit
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 

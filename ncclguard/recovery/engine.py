@@ -4,8 +4,8 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
 :meth:`Transaction.settle`):
 
 1. **begin**: the step's snapshot (the module's buffers and every random generator,
-   :class:`~ncclguard.recovery.internals.step_state.StepState`, plus what the adapter keeps), the step
-   mark, and the step bound (:mod:`ncclguard.recovery.internals.bound`): a collective of this step waits
+   :class:`~ncclguard.recovery._step.step_state.StepState`, plus what the adapter keeps), the step
+   mark, and the step bound (:mod:`ncclguard.recovery._step.bound`): a collective of this step waits
    for its peers at most ``collective_timeout`` seconds, whatever timeout the framework left on
    the group;
 2. **run**: forward and backward; an exception is this rank's failure, stated at the commit and
@@ -35,7 +35,7 @@ and at the next :meth:`Recovery.begin` every rank writes :meth:`Adapter.save_che
 preemption directory and exits 143.
 
 A rank stuck for good inside a step never reaches the rebuild at all. While an engine runs, the
-left-behind fence (:mod:`ncclguard.watching.left_behind`) is on, whatever the watchdog's ladder:
+left-behind fence (:mod:`ncclguard.incidents.handling.left_behind`) is on, whatever the watchdog's ladder:
 such a rank exits 0 once the world record shows the others went on without it.
 """
 
@@ -54,14 +54,14 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.errors import CommitFailed, HealFailed, NcclGuardError, RebuildFailed
 from ncclguard.recording.steps import mark_step
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.restarts import restart_count
+from ncclguard.recovery._step.bound import StepBound
+from ncclguard.recovery._step.fence import arm_left_behind_fence
+from ncclguard.recovery._step.step_state import StepState
+from ncclguard.recovery._step.timing import StepTiming
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.heal import HealResult, heal_from_peer
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.bound import StepBound
-from ncclguard.recovery.internals.fence import arm_left_behind_fence
-from ncclguard.recovery.internals.restarts import restart_count
-from ncclguard.recovery.internals.step_state import StepState
-from ncclguard.recovery.internals.timing import StepTiming
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.preempt import install_handler, stop_now
 from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
@@ -70,7 +70,7 @@ from ncclguard.recovery.rejoin import rejoin_world
 from ncclguard.recovery.snapshots.keeper import Keeper
 from ncclguard.recovery.snapshots.restore import Fetched, Restored, fetch, put_back, restore
 from ncclguard.recovery.snapshots.state import StateCodec
-from ncclguard.watching.actions import exit_now
+from ncclguard.watching.ladder.actions import exit_now
 
 __all__ = ["Adapter", "Recovery", "Reenter", "Transaction"]
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
-from ncclguard.watching.actions import exit_now
+from ncclguard.watching.ladder.actions import exit_now
 
 if TYPE_CHECKING:
     from ncclguard.recovery.engine import Adapter

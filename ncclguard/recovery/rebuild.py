@@ -4,11 +4,11 @@ new one in the same process, so training goes on without a restart.
 Steps (docs/recovery.md has the long form):
 
 1. the arguments are checked, before any communication;
-2. the ranks meet in the job's store (:mod:`ncclguard.recovery.internals.meeting`); without every rank
+2. the ranks meet in the job's store (:mod:`ncclguard.recovery._rebuild.meeting`); without every rank
    there (and without ``allow_shrink``) the call returns a falsy result and nothing changes;
 3. every group of the old world is abandoned: torch forgets them (``destroy_process_group``, which
    does not wait while ncclguard still holds the groups) and the reaper releases them off this
-   thread (:mod:`ncclguard.recovery.internals.reaper`), so no rank ever waits on a dead or stalled peer;
+   thread (:mod:`ncclguard.recovery._rebuild.reaper`), so no rank ever waits on a dead or stalled peer;
 4. a new :class:`~ncclguard.world.World` is announced: the members renumbered densely, every
    part's per-world state (failure marks, round counts, flight records) fresh, and the subscribers
    (the watchdog) told; a new default group of the same backend is built on a fresh prefix of the
@@ -33,9 +33,10 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import RebuildFailed, StoreUnreachable
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.meeting import Meeting, meet
-from ncclguard.recovery.internals.protocol import (
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.meeting import Meeting, meet
+from ncclguard.recovery._rebuild.reaper import reaper
+from ncclguard.recovery._rebuild.rules import (
     Arrival,
     WorldRecord,
     dense_rank_map,
@@ -43,7 +44,6 @@ from ncclguard.recovery.internals.protocol import (
     validate_arguments,
     world_prefix,
 )
-from ncclguard.recovery.internals.reaper import reaper
 from ncclguard.results import Result
 from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ncclguard.recovery._step.step_state import load_scheduler
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
-from ncclguard.recovery.internals.step_state import load_scheduler
 from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
 from ncclguard.recovery.preempt import save_dcp
 from ncclguard.recovery.rebuild import RebuildResult

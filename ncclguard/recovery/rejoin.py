@@ -3,7 +3,7 @@ ranks' next rebuild.
 
 The survivors notice the death (their step fails: gloo says "Connection closed by peer"), their
 commit fails and they call :func:`~ncclguard.recovery.rebuild.rebuild_world`. The restarted process
-reads the job's current world from the store (:class:`~ncclguard.recovery.internals.protocol.WorldRecord`;
+reads the job's current world from the store (:class:`~ncclguard.recovery._rebuild.rules.WorldRecord`;
 none yet: generation 0, ranks ``0..WORLD_SIZE-1``), finds the rank its launch rank holds there,
 and arrives at the survivors' meeting as that rank, flagged ``rejoined``. The meeting then sees
 everyone and the new world has the old size and the old numbering (the newcomer in its old
@@ -27,9 +27,10 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
-from ncclguard.recovery.internals import stand_in
-from ncclguard.recovery.internals.meeting import meet
-from ncclguard.recovery.internals.protocol import (
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.recovery._rebuild.meeting import meet
+from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count
+from ncclguard.recovery._rebuild.rules import (
     MAX_VERDICT_BYTES,
     Arrival,
     MeetingKeys,
@@ -39,7 +40,6 @@ from ncclguard.recovery.internals.protocol import (
     handshake_timeout,
     world_prefix,
 )
-from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
 from ncclguard.store.clients import connect, job_address
 from ncclguard.store.values import read_value

@@ -1,6 +1,6 @@
 """Asking a rank's supervisor to judge and end it: the verdict's reach into another host.
 
-A waiting rank's verdict (:mod:`ncclguard.recovery.internals.verdict`) judges a peer from what
+A waiting rank's verdict (:mod:`ncclguard.recovery._verdict.verdict`) judges a peer from what
 reaches it: the peer's heartbeats, and ``/proc`` where the peer runs on the same host. A peer on
 another host that is SIGSTOPped, or whose main thread holds the GIL in C, publishes nothing: from
 there it is ``unknown`` for good, and its connections cannot be cut from there. Its supervisor

@@ -1,4 +1,4 @@
-"""The straggler clock's samples in the job's store (:mod:`ncclguard.watching.straggler.clocks`).
+"""The straggler clock's samples in the job's store (:mod:`ncclguard.watching.sensors.straggler.clocks`).
 
 The reference rank posts its clock under ``<prefix>/<tick>`` every period and the newest tick
 under ``<prefix>/last``, keeping the last ``keep`` ticks; every other rank waits for each tick and

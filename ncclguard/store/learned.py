@@ -1,11 +1,11 @@
 """The learned timeouts in the job's store: carried across a rebuild and a supervised restart.
 
-``ncclguard/learned`` holds the JSON of :class:`ncclguard.watching.learned.LearnedState` of the engine's
+``ncclguard/learned`` holds the JSON of :class:`ncclguard.watching.base.learner.LearnedState` of the engine's
 judge bound (rank 0 of the current world writes it when a bound changes; every rank reads it once,
 when its recovery engine starts its first step). ``ncclguard/learned/hang/<launch rank>`` holds each
-rank's watchdog's hang bounds (:mod:`ncclguard.watching.hang_bound`: written by that rank when one
+rank's watchdog's hang bounds (:mod:`ncclguard.watching.base.hang_bound`: written by that rank when one
 changes, read by a restarted process of the same launch rank). The value is bytes here; the reader
-parses it with its own size bound (:func:`ncclguard.watching.learned.parse_state`), never unpickles it.
+parses it with its own size bound (:func:`ncclguard.watching.base.learner.parse_state`), never unpickles it.
 """
 
 from __future__ import annotations

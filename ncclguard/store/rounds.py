@@ -2,7 +2,7 @@
 
 This is the one protocol behind the collectives' rounds (:func:`ncclguard.collectives.rendezvous.exchange`:
 safe_barrier, the fingerprint check of safe_all_reduce, the integrations' agreements) and the
-recovery meeting (:func:`ncclguard.recovery.internals.meeting.meet`). It never touches a communicator, so it
+recovery meeting (:func:`ncclguard.recovery._rebuild.meeting.meet`). It never touches a communicator, so it
 works on a group whose NCCL or gloo communicator is broken. For a round with keys ``K``
 (:class:`~ncclguard.store.keys.RoundKeys`) among ``size`` ranks:
 

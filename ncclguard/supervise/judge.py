@@ -3,11 +3,11 @@
 A rank stuck on another host whose threads cannot run (SIGSTOP, the GIL held in C) publishes
 nothing, and its peers cannot cut their connections to it from there: they ask its supervisor
 (:mod:`ncclguard.store.asks`). The supervisor runs on the rank's host and is not stuck. Every
-:data:`POLL_S` it samples its rank's process (:func:`ncclguard.watching.progress.sample_process`:
+:data:`POLL_S` it samples its rank's process (:func:`ncclguard.watching.sensors.progress.sample_process`:
 stopped or not, main-thread CPU time, I/O) and reads the one key of asks about its rank (one store
 call, bounded). On an ask about its process:
 
-- ``unknown`` (the peers cannot tell): it judges from its samples (:class:`~ncclguard.watching.progress.Progress`,
+- ``unknown`` (the peers cannot tell): it judges from its samples (:class:`~ncclguard.watching.sensors.progress.Progress`,
   the asker's window). Stuck: it ends the process with SIGKILL (its sockets close, so the peers'
   gloo op fails at once); moving: it answers so, and the process is left alone;
 - ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
@@ -36,7 +36,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_answer, read_ask
 from ncclguard.store.bounded import bounded_store_call
-from ncclguard.watching.progress import Progress, sample_process
+from ncclguard.watching.sensors.progress import Progress, sample_process
 
 __all__ = ["POLL_S", "STUCK_GRACE_S", "Ended", "StuckWatch"]
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR
+from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR
 
 __all__ = ["Target", "main", "target_of"]
 
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"ncclguard.supervise.spare: an unreadable word from the supervisor: {line[:200]!r}\n")
         return 2
     os.environ[RESTART_COUNT_VAR] = str(restart)
-    from ncclguard.recovery.internals import stand_in
+    from ncclguard.recovery._rebuild import stand_in
 
     stand_in.install()  # imported before the count was known: init_process_group stands in from now on
     _run(target)

@@ -16,19 +16,19 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard._naming import node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.handling.desk import IncidentDesk
+from ncclguard.incidents.handling.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.incidents.model import BackendEntry, Heartbeat, IncidentKind, Statement, TrackSpan
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.phase import main_thread_phase
-from ncclguard.watching import detect
-from ncclguard.watching.backend_watch import BackendWatch
-from ncclguard.watching.desk import IncidentDesk
-from ncclguard.watching.hang_bound import HangBound, phase_kind
-from ncclguard.watching.left_behind import LeftBehind, fence_if_left_behind
-from ncclguard.watching.liveness import Liveness
-from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.snapshot import RankState, WorldArrivals
-from ncclguard.watching.story import MainThreadTrack, backend_entries
-from ncclguard.watching.straggler import from_config
+from ncclguard.watching.base.hang_bound import HangBound, phase_kind
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.sensors import detect
+from ncclguard.watching.sensors.backend_watch import BackendWatch
+from ncclguard.watching.sensors.liveness import Liveness
+from ncclguard.watching.sensors.snapshot import RankState, WorldArrivals
+from ncclguard.watching.sensors.story import MainThreadTrack, backend_entries
+from ncclguard.watching.sensors.straggler import from_config
 from ncclguard.watching.views import Views
 from ncclguard.watching.worlds import Announced, connect
 from ncclguard.world import World

@@ -1,9 +1,9 @@
 """What the watchdog shows outside the job, once per beat, from its own thread.
 
 - the status index: rank 0 names its namespace under :func:`~ncclguard.store.keys.index_key` on
-  the first beat of each world (:func:`~ncclguard.watching.status.publish_index`), so that
+  the first beat of each world (:func:`~ncclguard.watching.base.index.publish_index`), so that
   ``python -m ncclguard status`` finds the heartbeats knowing only the store's address;
-- the metrics (:mod:`ncclguard.watching.metrics`), when ``metrics_port`` or ``metrics_textfile``
+- the metrics (:mod:`ncclguard.watching.base.metrics`), when ``metrics_port`` or ``metrics_textfile``
   is set.
 
 Nothing here may stop the watchdog: a failure is logged and the beat goes on.
@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ncclguard._log import log
+from ncclguard.incidents.handling.desk import IncidentDesk
 from ncclguard.recording.flight import recorder
-from ncclguard.watching.desk import IncidentDesk
-from ncclguard.watching.metrics import WatchdogMetrics, local_port
-from ncclguard.watching.settings import WatchdogConfig
-from ncclguard.watching.status import publish_index
+from ncclguard.watching.base.index import publish_index
+from ncclguard.watching.base.metrics import WatchdogMetrics, local_port
+from ncclguard.watching.base.settings import WatchdogConfig
 
 __all__ = ["Views"]
 

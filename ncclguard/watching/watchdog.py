@@ -14,19 +14,19 @@ incident when
 
 Every rank dumps its state for the incident, one merges the statements into a report naming the
 culprits apart from the victims, then every rank climbs the action ladder (report, raise, abort,
-exit, or your own :class:`~ncclguard.watching.actions.Action` rungs), giving each rung
+exit, or your own :class:`~ncclguard.watching.ladder.actions.Action` rungs), giving each rung
 ``escalate_after_s`` to clear the hang. No store call waits longer than ``store_timeout_s``;
 nothing waits on a dead peer.
 
 This module holds the watchdog's life cycle and public API; the parts it drives, each with one job:
 :mod:`~ncclguard.watching.ticks` (the thread's loop: what happens at each tick),
-:mod:`~ncclguard.watching.backend_watch` (the backend's numbers), :mod:`~ncclguard.watching.worlds`
-(the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.story`
-(where the main thread was, for the pictures), :mod:`~ncclguard.watching.protocol` (the store
-protocol), :mod:`~ncclguard.watching.liveness`
-(peer heartbeats), :mod:`~ncclguard.watching.detect` (detectors), :mod:`~ncclguard.watching.desk`
-(claim, statements, merge), :mod:`~ncclguard.watching.actions` (the ladder),
-:mod:`~ncclguard.watching.snapshot` (this rank's state), :mod:`~ncclguard.watching.settings`
+:mod:`~ncclguard.watching.sensors.backend_watch` (the backend's numbers), :mod:`~ncclguard.watching.worlds`
+(the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.sensors.story`
+(where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.exchange` (the store
+protocol), :mod:`~ncclguard.watching.sensors.liveness`
+(peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.incidents.handling.desk`
+(claim, statements, merge), :mod:`~ncclguard.watching.ladder.actions` (the ladder),
+:mod:`~ncclguard.watching.sensors.snapshot` (this rank's state), :mod:`~ncclguard.watching.base.settings`
 (:class:`WatchdogConfig`).
 """
 
@@ -42,16 +42,16 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.incidents.handling.desk import IncidentDesk
+from ncclguard.incidents.handling.left_behind import LeftBehind
 from ncclguard.incidents.model import Heartbeat
-from ncclguard.watching.actions import Action, Ladder, MainThreadRaiser, build_ladder
-from ncclguard.watching.backend_watch import BackendWatch
-from ncclguard.watching.desk import IncidentDesk
-from ncclguard.watching.hang_bound import HangBound, given
-from ncclguard.watching.left_behind import LeftBehind
-from ncclguard.watching.liveness import Liveness
-from ncclguard.watching.settings import ACTIONS, EXIT_CODE, WatchdogConfig
-from ncclguard.watching.snapshot import RankState
-from ncclguard.watching.story import MainThreadTrack
+from ncclguard.watching.base.hang_bound import HangBound, given
+from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
+from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
+from ncclguard.watching.sensors.backend_watch import BackendWatch
+from ncclguard.watching.sensors.liveness import Liveness
+from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.story import MainThreadTrack
 from ncclguard.watching.ticks import Ticks
 from ncclguard.watching.worlds import Announced, rank_and_size, take_over
 from ncclguard.world import World, current_world, subscribe
@@ -115,7 +115,7 @@ class Watchdog(Ticks):
             watchdog's threads only; every call is bounded by ``store_timeout_s``).
         actions: a ladder of your own instead of ``config.action``'s: built-in names
             (``"report"``, ``"raise"``, ``"abort"``, ``"fence"``, ``"exit"``) and
-            :class:`~ncclguard.watching.actions.Action` instances, in order (``report`` first).
+            :class:`~ncclguard.watching.ladder.actions.Action` instances, in order (``report`` first).
         **overrides: fields of :class:`WatchdogConfig` applied on top of ``config``.
 
     Raises:
@@ -323,7 +323,7 @@ class Watchdog(Ticks):
 
     def peer_beats(self) -> tuple[int, dict[int, tuple[Heartbeat, float]]]:
         """The watched peers' last heartbeats and their ages in seconds, with the generation they are
-        of (the recovery engine's verdict, :mod:`ncclguard.recovery.internals.verdict`, reads them)."""
+        of (the recovery engine's verdict, :mod:`ncclguard.recovery._verdict.verdict`, reads them)."""
         live, now = getattr(self, "_liveness", None), time.monotonic()
         if live is None:
             return -1, {}
@@ -332,7 +332,7 @@ class Watchdog(Ticks):
 
     def hang_bound_s(self) -> float:
         """The hang bound in force now: the user's ``hang_timeout_s``, or the one learned for the
-        phases this rank and its watched peers are in (:mod:`ncclguard.watching.hang_bound`)."""
+        phases this rank and its watched peers are in (:mod:`ncclguard.watching.base.hang_bound`)."""
         return self._hang_s
 
     def _all_cases(self) -> list[Any]:

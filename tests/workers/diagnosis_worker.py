@@ -32,7 +32,7 @@ from ncclguard import phase, safe_barrier, sigalrm_timeout, start_watchdog
 from ncclguard.errors import CollectiveTimeout
 from ncclguard.incidents.files import INCIDENT_FILE
 from ncclguard.recording.flight import recorder
-from ncclguard.watching.actions import Action, ActionContext, IncidentRef, Outcome
+from ncclguard.watching.ladder.actions import Action, ActionContext, IncidentRef, Outcome
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

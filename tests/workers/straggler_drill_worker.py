@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ncclguard import init_process_group, mark_step, phase, start_watchdog
 from ncclguard.incidents.files import INCIDENT_FILE
-from ncclguard.watching import snapshot
+from ncclguard.watching.sensors import snapshot
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 TRUE_TIME = time.time  # the host's own clock, whatever offset the plan gives this rank

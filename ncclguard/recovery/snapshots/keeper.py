@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
+from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
-from ncclguard.recovery.internals.step_state import StepState, generators_to_send
 from ncclguard.recovery.snapshots.exchange import _wait, swap
 from ncclguard.recovery.snapshots.packing import Snapshot, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources

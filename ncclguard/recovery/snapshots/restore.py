@@ -32,8 +32,8 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
+from ncclguard.recovery._step.step_state import restore_sent_generators
 from ncclguard.recovery.heal import _from_json
-from ncclguard.recovery.internals.step_state import restore_sent_generators
 from ncclguard.recovery.snapshots.exchange import _wait, receive, send
 from ncclguard.recovery.snapshots.keeper import Keeper, side_group
 from ncclguard.recovery.snapshots.packing import Snapshot, unpack
@@ -150,7 +150,7 @@ class Fetched:
         state: the codec's part of what this rank puts in place (its replica, or its own snapshot
             of ``step``), or None (its live state is at ``step`` already).
         generators: the generators of that snapshot, for
-            :func:`~ncclguard.recovery.internals.step_state.restore_sent_generators` (None: none).
+            :func:`~ncclguard.recovery._step.step_state.restore_sent_generators` (None: none).
         rolled_back: this survivor goes back from a newer live state to ``step``.
         bytes: bytes this rank sent or received.
         refusal: why this rank cannot take ``state`` so far (a bad replica), or None.

@@ -1,0 +1,386 @@
+"""The job's state as a reader outside it sees it: ``python -m ncclguard status``.
+
+Rank 0's watchdog names its namespace under a fixed key (:func:`~ncclguard.store.keys.index_key`,
+a :class:`WatchIndex`: run id, restart, session, generation, world size, its timeouts), once per
+world on its first beat. A reader that knows only the store's address reads that index, then every
+rank's heartbeat and the newest incidents of that namespace, and groups the ranks that agree
+(:func:`group_rows`) so that a thousand ranks fit on one screen.
+
+Reading is read-only (``check``, ``get``, ``multi_get``; never ``add``, which would create a key)
+and bounded: heartbeats are checked and read :data:`CHUNK` keys a request, a chunk with missing
+keys is split in halves until the missing ones are found, and only the newest
+:data:`MAX_INCIDENTS` incidents are read. Every value goes through the store codec under a size
+bound into a pydantic model; a value that does not fit is shown as ``bad``, never raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ncclguard._naming import rank_ranges
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote
+from ncclguard.store.calls import BoundedCalls
+from ncclguard.store.codec import decode
+from ncclguard.store.keys import Keys, index_key
+from ncclguard.watching.base.exchange import LIMITS
+from ncclguard.watching.base.index import INDEX_LIMIT, WatchIndex
+
+__all__ = [
+    "CHUNK",
+    "MAX_INCIDENTS",
+    "SLOW_SCORE",
+    "Health",
+    "IncidentRow",
+    "JobStatus",
+    "RankGroup",
+    "RankRow",
+    "StatusReader",
+    "group_rows",
+    "read_status",
+]
+
+CHUNK = 128  # keys per check and per multi_get
+MAX_INCIDENTS = 16  # the newest incidents read
+SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
+Health = Literal["healthy", "suspect", "incident"]
+RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced"]
+
+
+class RankRow(BaseModel):
+    """One rank as its heartbeat shows it."""
+
+    rank: int
+    state: RankState
+    age_s: float | None = None
+    phase: str = ""
+    site: str = ""  # the main thread's file:line (shown where no phase is set)
+    step: int | None = None
+    straggler_score: float | None = None
+    last_seq: dict[str, int] = Field(default_factory=dict)
+    backend_seq: dict[str, int] | None = None
+    inflight: str | None = None  # the oldest op in flight: "all_reduce(SUM) #12 on 0"
+    inflight_s: float | None = None
+    host: str = ""
+    pid: int | None = None
+    problem: str | None = None  # why a value under its key did not parse
+    incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
+    judged: dict[str, str] = Field(default_factory=dict)  # the recovery engine's verdict on ranks it waits for
+    hang_bound_s: float | None = None  # the hang bound its watchdog holds now (learned per phase unless set)
+
+
+class RankGroup(BaseModel):
+    """Ranks whose rows agree (all but heartbeat age, score and time in the op, shown as ranges)."""
+
+    ranks: str  # "0-511,513-1023"
+    count: int
+    state: RankState
+    phase: str
+    step: int | None
+    slow: bool
+    site: str = ""  # where no phase is set: the main thread's file:line (its members agree on it)
+    last_seq: dict[str, int]
+    backend_seq: dict[str, int] | None
+    inflight: str | None
+    age_s: tuple[float, float] | None
+    score: tuple[float, float] | None
+    inflight_s: float | None  # the longest
+    incidents: list[int] = Field(default_factory=list)
+
+
+class IncidentRow(BaseModel):
+    """One incident of the namespace."""
+
+    n: int
+    id: str = "?"
+    kind: str = "?"
+    reason: str = ""
+    by: int = -1
+    created: float = 0.0
+    open: bool = True
+    report: str | None = None  # host:dir of the merged report
+    ranks: list[int] | None = None  # a lost incident: the ranks that stopped beating
+    ranks_back: bool = False  # a lost incident whose ranks all beat again since: no longer open
+    problem: str | None = None
+
+
+class JobStatus(BaseModel):
+    """What ``python -m ncclguard status --json`` prints."""
+
+    store: str
+    health: Health
+    reasons: list[str]
+    read_at: float
+    requests: int
+    index: WatchIndex
+    groups: list[RankGroup]
+    ranks: list[RankRow]
+    incident_count: int
+    incidents: list[IncidentRow]
+
+
+class StatusReader:
+    """Read-only, counted, bounded reads of a store for the status view.
+
+    Args:
+        store: a c10d Store client (or a double with ``check``, ``get``, ``multi_get``).
+        timeout: the bound of each request.
+    """
+
+    def __init__(self, store: Any, timeout: float) -> None:  # Any: a Store or a test double
+        self._calls = BoundedCalls(store, timeout, timeout)
+        self.requests = 0
+
+    def close(self) -> None:
+        """Ends the helper thread."""
+        self._calls.close()
+
+    def _run(self, method: str, arg: Any) -> Any:
+        self.requests += 1
+        return self._calls.run(lambda: getattr(self._calls.store, method)(arg), what=method)
+
+    def present(self, keys: Sequence[str]) -> list[int]:
+        """Indices of ``keys`` that exist: a ``check`` per :data:`CHUNK` keys, halves of a chunk
+        with missing keys checked again (m missing keys cost about 2 m log2(CHUNK / m) checks)."""
+        out: list[int] = []
+
+        def walk(lo: int, hi: int) -> None:
+            if self._run("check", list(keys[lo:hi])):
+                out.extend(range(lo, hi))
+            elif hi - lo > 1:
+                mid = (lo + hi) // 2
+                walk(lo, mid)
+                walk(mid, hi)
+
+        for lo in range(0, len(keys), CHUNK):
+            walk(lo, min(lo + CHUNK, len(keys)))
+        return out
+
+    def read(self, keys: Sequence[str]) -> dict[int, bytes]:
+        """The values of ``keys`` that exist, by index: :meth:`present`, then one ``multi_get`` per
+        :data:`CHUNK` keys."""
+        idx = self.present(keys)
+        out: dict[int, bytes] = {}
+        for lo in range(0, len(idx), CHUNK):
+            part = idx[lo : lo + CHUNK]
+            for i, blob in zip(part, self._run("multi_get", [keys[i] for i in part]), strict=True):
+                out[i] = bytes(blob)
+        return out
+
+
+def _parse(model: Any, blob: bytes, key: str, limit: int) -> tuple[Any, str | None]:
+    try:
+        return decode(model, blob, key, limit), None
+    except ValueError as exc:
+        return None, str(exc).splitlines()[0][:200]
+
+
+def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float) -> RankRow:
+    if blob is None:
+        return RankRow(rank=rank, state="missing")
+    hb, problem = _parse(Heartbeat, blob, key, LIMITS[Heartbeat])
+    if hb is None or hb.rank != rank:
+        return RankRow(rank=rank, state="bad", problem=problem or f"says rank {hb.rank if hb else '?'}")
+    age = max(0.0, now - hb.time)
+    state: RankState = "ok" if age <= 3 * index.heartbeat_s else "late" if age <= index.peer_timeout_s else "stale"
+    oldest = min(hb.inflight, key=lambda r: r.start, default=None)
+    return RankRow(
+        rank=rank,
+        state=state,
+        age_s=round(age, 3),
+        phase=hb.phase,
+        site="" if hb.phase else hb.site,
+        step=hb.step,
+        straggler_score=hb.straggler_score,
+        last_seq=hb.last_seq,
+        backend_seq=hb.backend_seq,
+        inflight=None if oldest is None else f"{oldest.op} #{oldest.seq} on {oldest.group}",
+        inflight_s=None if oldest is None else round(max(0.0, now - oldest.start), 3),
+        host=hb.host,
+        pid=hb.pid,
+        judged=hb.judged or {},
+        hang_bound_s=hb.hang_bound_s,
+    )
+
+
+def _span(values: list[float]) -> tuple[float, float] | None:
+    return (min(values), max(values)) if values else None
+
+
+def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
+    """Groups ranks whose state, phase (or, without one, main-thread site), step, numbers per group,
+    op in flight and slowness agree;
+    heartbeat ages, scores and times in the op become ranges. Groups come in order of their first rank.
+
+    Args:
+        rows: one row per rank.
+
+    Returns:
+        The groups.
+    """
+
+    def key(r: RankRow) -> tuple[Any, ...]:
+        slow = r.straggler_score is not None and r.straggler_score < SLOW_SCORE
+        backend = tuple(sorted(r.backend_seq.items())) if r.backend_seq is not None else None
+        seqs = tuple(sorted(r.last_seq.items()))
+        return (r.state, r.phase, r.site, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
+
+    buckets: dict[tuple[Any, ...], list[RankRow]] = {}
+    for r in sorted(rows, key=lambda r: r.rank):
+        buckets.setdefault(key(r), []).append(r)
+    out = []
+    for (state, phase, site, step, slow, _, _, inflight, incidents), members in buckets.items():
+        first = members[0]
+        times = [m.inflight_s for m in members if m.inflight_s is not None]
+        out.append(
+            RankGroup(
+                ranks=rank_ranges(m.rank for m in members),
+                count=len(members),
+                state=state,
+                phase=phase,
+                site=site,
+                step=step,
+                slow=slow,
+                last_seq=first.last_seq,
+                backend_seq=first.backend_seq,
+                inflight=inflight,
+                age_s=_span([m.age_s for m in members if m.age_s is not None]),
+                score=_span([m.straggler_score for m in members if m.straggler_score is not None]),
+                inflight_s=max(times) if times else None,
+                incidents=list(incidents),
+            )
+        )
+    return out
+
+
+def _incidents(reader: StatusReader, keys: Keys) -> tuple[int, list[IncidentRow]]:
+    got = reader.read([keys.count])
+    raw = got.get(0, b"0")
+    count = int(raw) if raw.strip().lstrip(b"-").isdigit() and len(raw) < 19 else 0
+    numbers = list(range(max(1, count - MAX_INCIDENTS + 1), count + 1))
+    docs = reader.read([keys.incident(n) for n in numbers])
+    resolved = reader.read([keys.resolved(n) for n in numbers])
+    merged = reader.read([keys.merged(n) for n in numbers])
+    rows = []
+    for i, n in enumerate(numbers):
+        if i not in docs:
+            continue
+        doc, problem = _parse(IncidentDoc, docs[i], keys.incident(n), LIMITS[IncidentDoc])
+        if doc is None:
+            rows.append(IncidentRow(n=n, problem=problem))
+            continue
+        note, _ = _parse(MergedNote, merged[i], keys.merged(n), LIMITS[MergedNote]) if i in merged else (None, None)
+        rows.append(
+            IncidentRow(
+                n=n,
+                id=doc.id[:128],
+                kind=doc.kind.value,
+                reason=doc.reason[:500],
+                by=doc.by,
+                created=doc.created,
+                open=resolved.get(i) != b"1",
+                report=f"{note.host}:{note.dir}" if note is not None else None,
+                ranks=doc.ranks,
+            )
+        )
+    return count, rows
+
+
+def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: WatchIndex) -> tuple[Health, list[str]]:
+    reasons = []
+    opened = [i for i in incidents if i.open and i.problem is None]
+    if opened:
+        reasons.append("open incident(s): " + ", ".join(f"{i.id} ({i.kind})" for i in opened))
+    for state, words in (
+        ("missing", "no heartbeat"),
+        ("stale", "heartbeat stopped"),
+        ("bad", "unreadable heartbeat"),
+        ("fenced", "fenced by the watchdog (exited; the others rebuild without it)"),
+    ):
+        ranks = [r.rank for r in rows if r.state == state]
+        if ranks:
+            reasons.append(f"{words}: ranks {rank_ranges(ranks)}")
+    long = [r for r in rows if r.inflight_s is not None and r.inflight_s > (r.hang_bound_s or index.hang_timeout_s) / 2]
+    if long:
+        bounds = sorted({r.hang_bound_s or index.hang_timeout_s for r in long})
+        span = f"{bounds[0]:g} s" if len(bounds) == 1 else f"{bounds[0]:g}-{bounds[-1]:g} s"
+        reasons.append(
+            f"in one op for over half of its hang bound ({span}): ranks {rank_ranges([r.rank for r in long])}"
+        )
+    said: dict[str, tuple[int, str]] = {}
+    for r in rows:  # the recovery engine's verdict, once per rank judged (the first rank that says it)
+        for peer, text in sorted(r.judged.items()):
+            said.setdefault(peer, (r.rank, text))
+    for peer, (by, text) in sorted(said.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
+        reasons.append(f"rank {peer} is {text} (judged by rank {by}, which waits for it)")
+    slow = [r.rank for r in rows if r.straggler_score is not None and r.straggler_score < SLOW_SCORE]
+    if slow:
+        reasons.append(f"straggler score below {SLOW_SCORE}: ranks {rank_ranges(slow)}")
+    health: Health = "incident" if opened else "suspect" if reasons else "healthy"
+    return health, reasons
+
+
+def read_index(reader: StatusReader, session: str) -> WatchIndex | str:
+    """The session's index, or why there is none (a sentence)."""
+    key = index_key(session)
+    got = reader.read([key])
+    if 0 not in got:
+        return f"no ncclguard watchdog has named a session {session!r} in this store (no key {key})"
+    index, problem = _parse(WatchIndex, got[0], key, INDEX_LIMIT)
+    return index if index is not None else f"the value under {key} is not a watchdog index: {problem}"
+
+
+def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callable[[], float] = time.time) -> JobStatus:
+    """Reads every rank's heartbeat and the newest incidents of ``index``'s namespace.
+
+    Args:
+        reader: the bounded reader.
+        index: the namespace (:func:`read_index`).
+        store: ``host:port``, for the output.
+        now: the clock heartbeat ages are taken against (ranks' ``time.time()``).
+
+    Returns:
+        The status.
+
+    Raises:
+        StoreTimeout, StoreUnreachable: the store did not answer.
+    """
+    keys = index.keys
+    hb_keys = [keys.heartbeat(r) for r in range(index.world_size)]
+    blobs = reader.read(hb_keys)
+    t = now()
+    rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    # A fenced rank exited: its heartbeat ages. Only such ranks are looked up (none in a healthy job).
+    aging = [r.rank for r in rows if r.state in ("late", "stale")]
+    for i in reader.read([keys.fenced(r) for r in aging]):
+        rows[aging[i]].state = "fenced"  # its fence rung marked it before it exited
+    count, incidents = _incidents(reader, keys)
+    for inc in incidents:
+        if inc.open and inc.problem is None and inc.kind == IncidentKind.PEERS_LOST.value and inc.ranks:
+            # Nobody marks a lost incident resolved (no op of it completes), so status would read
+            # "incident" for the rest of the world's life. Once every rank it names beats again, on
+            # time, with a heartbeat newer than the incident, the loss is over: it is not open.
+            back = all(
+                0 <= r < len(rows) and rows[r].state == "ok" and t - (rows[r].age_s or 0.0) > inc.created
+                for r in inc.ranks
+            )
+            inc.open, inc.ranks_back = not back, back
+        if inc.open and inc.problem is None:
+            for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
+                rows[r].incidents.append(inc.n)
+    health, reasons = _verdict(rows, incidents, index)
+    return JobStatus(
+        store=store,
+        health=health,
+        reasons=reasons,
+        read_at=t,
+        requests=reader.requests,
+        index=index,
+        groups=group_rows(rows),
+        ranks=rows,
+        incident_count=count,
+        incidents=incidents,
+    )

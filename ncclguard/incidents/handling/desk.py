@@ -1,0 +1,328 @@
+"""Incidents across ranks: claim, statements, merge, and the ladder of each one.
+
+An incident is a numbered entry in the store. The first rank that detects something claims its
+signature and numbers it; every rank's watchdog that sees the number handles it: dumps the stacks
+of all its Python threads, its flight records and the heartbeats to
+``<incident_dir>/<id>/rank<r>.json`` and publishes a statement; the first rank done merges the
+statements into ``incident.json`` and ``summary.txt`` (:mod:`ncclguard.incidents.analysis`),
+waiting at most ``merge_wait`` for the others. Then every rank climbs the action ladder
+(:mod:`ncclguard.watching.ladder.actions`). Without a store (a world of one, or the store gone) a rank
+handles its incidents alone ("local" incidents, numbered below zero). Nothing is written
+outside ``incident_dir`` (:func:`incident_path`).
+
+This module raises and handles incidents and climbs their ladders; :mod:`~ncclguard.incidents.handling.cases`
+holds a case and its files, :mod:`~ncclguard.incidents.handling.merging` the merge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ncclguard._log import log
+from ncclguard._naming import rank_ranges
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.files import write_json
+from ncclguard.incidents.handling.cases import (
+    MAX_NEW_INCIDENTS,
+    Case,
+    blocked_in,
+    describe,
+    gen_tag,
+    incident_path,
+    mark_fenced,
+    merged_note,
+    past_op,
+    stale_from_statements,
+    write_report,
+)
+from ncclguard.incidents.handling.merging import Merger
+from ncclguard.incidents.model import (
+    BackendEntry,
+    Heartbeat,
+    IncidentDoc,
+    IncidentKind,
+    Statement,
+    TrackSpan,
+)
+from ncclguard.watching.base.exchange import StoreRefused, WatchdogStore
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.ladder.actions import (
+    Action,
+    ActionContext,
+    Ladder,
+    MainThreadRaiser,
+    Outcome,
+    Step,
+)
+from ncclguard.watching.sensors.detect import Detection
+from ncclguard.watching.sensors.liveness import Liveness, store_host_text
+from ncclguard.watching.sensors.snapshot import RankState
+
+__all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
+__all__ += ["mark_fenced", "merged_note", "write_report"]
+
+
+class IncidentDesk(Merger):
+    """Raises, handles and merges this rank's incidents, and climbs their ladders.
+
+    Args:
+        config: the watchdog's settings.
+        state: this rank's state.
+        liveness: the watched peers.
+        ladder: the action ladder.
+        raiser: carries the ``raise`` rung into the main thread (None without one).
+        statement: this rank's statement now.
+        cond: notified whenever an incident changes (``Watchdog.wait_for_incident`` waits on it).
+        story: what this rank did lately, for the pictures (:mod:`ncclguard.watching.sensors.story`): the
+            main thread's track and torch's flight-recorder entries; None: neither.
+    """
+
+    def __init__(
+        self,
+        config: WatchdogConfig,
+        state: RankState,
+        liveness: Liveness,
+        ladder: Ladder,
+        raiser: MainThreadRaiser | None,
+        statement: Callable[[], Statement],
+        cond: threading.Condition,
+        story: Callable[[], tuple[list[TrackSpan], list[BackendEntry]]] | None = None,
+    ) -> None:
+        self.config, self.state, self.liveness, self.ladder = config, state, liveness, ladder
+        self.raiser, self.statement, self.cond, self.story = raiser, statement, cond, story
+        self.rank, self.world_size = state.rank, state.world_size
+        self.store: WatchdogStore | None = None
+        self.store_addr: str | None = None
+        self.store_lost = False
+        # A node's first rank logs every merged verdict, and copies the report where the directory is
+        # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
+        self.node_leader = os.environ.get("LOCAL_RANK") == "0"
+        self.cases: list[Case] = []
+        self.seen_count = 0
+        # The world this desk raises incidents in: its generation and the rebuild that made it.
+        self.world: dict[str, Any] = {"generation": 0}
+        self._waiting_docs: dict[int, float] = {}
+        self._local_count = 0
+
+    def _notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------------- raising
+
+    def open(self, det: Detection) -> None:
+        """Raises ``det`` in the store (once per signature across ranks), or locally without one.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not answer.
+        """
+        if self.store is None:
+            self.open_local(det)
+            return
+        token = f"{self.rank}:{uuid.uuid4().hex[:8]}"
+        if not self.store.claim(det.signature, token):
+            return  # another rank raised it; poll() picks it up
+        try:
+            n = self.store.number_incident()
+        except StoreRefused as exc:  # the counter holds something else: no number in the store
+            log.error("watchdog: incident counter unusable (%s); handling %s on this rank only", exc, det.signature)
+            self.open_local(det)
+            return
+        created = time.time()
+        ident = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{gen_tag(self.world)}{n:03d}"
+        doc = describe(det, self.rank, n, ident, created).model_copy(update=self.world)
+        self.store.put_incident(doc)
+
+    def open_local(self, det: Detection) -> None:
+        """Handles ``det`` on this rank alone."""
+        self._local_count += 1
+        created = time.time()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
+        ident = f"{stamp}-{gen_tag(self.world)}r{self.rank}-{det.kind.value}-{self._local_count}"
+        doc = describe(det, self.rank, -self._local_count, ident, created, "local").model_copy(update=self.world)
+        self.handle(doc, local=True)
+
+    def store_gone(self, exc: BaseException) -> None:
+        """The store stopped answering: drop it and raise a local ``store`` incident (once)."""
+        if self.store_lost:
+            return
+        self.store_lost = True
+        self.store = None
+        addr = (
+            self.store_addr
+            or self.config.store_addr
+            or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        )
+        text = (
+            f"the rendezvous store at {addr} stopped answering ({exc}); {store_host_text(addr, self.liveness)}: it "
+            "lives in rank 0's process under a plain launcher and in the agent under torchrun, so that process or "
+            "its host is gone (or the link to it is cut)"
+        )
+        log.error("watchdog: %s; handling incidents on this rank only from now on", text)
+        self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
+
+    # ----------------------------------------------------------------- handling
+
+    def poll(self) -> None:
+        """Handles the incidents numbered in the store since the last poll."""
+        if self.store is None:
+            return
+        try:
+            count = self.store.incident_count()
+        except StoreTimeout:
+            return
+        if count - self.seen_count > MAX_NEW_INCIDENTS:
+            self.store.warn_once(
+                self.store.keys.count,
+                f"{self.store.keys.count} jumped from {self.seen_count} to {count}: not the watchdog's doing; skipped",
+            )
+            self.seen_count = count
+            return
+        now, skipped = time.monotonic(), []
+        for n in range(self.seen_count + 1, count + 1):  # each number's wait starts when first counted
+            self._waiting_docs.setdefault(n, now)
+        for n in range(self.seen_count + 1, count + 1):
+            if not self.store.has_incident(n):
+                if now - self._waiting_docs[n] < self.config.peer_timeout:
+                    break  # its creator is between add and set; look again next tick
+                skipped.append(n)
+            else:
+                doc = self.store.read_incident(n)
+                if doc is None:
+                    log.warning("watchdog: incident %d has no readable description; skipping it", n)
+                else:
+                    self.handle(doc, local=False)
+            self.seen_count = n
+            self._waiting_docs.pop(n, None)
+        if skipped:
+            many = len(skipped) > 1
+            what = f"incidents {rank_ranges(skipped)} were" if many else f"incident {skipped[0]} was"
+            log.warning("watchdog: %s counted but never described; skipping %s", what, "them" if many else "it")
+
+    def handle(self, doc: IncidentDoc, *, local: bool) -> None:
+        """Dumps this rank's state for incident ``doc`` and publishes its statement."""
+        cfg = self.config
+        statement = self.statement()
+        try:
+            where = incident_path(cfg.incident_dir, doc.id)
+        except (ValueError, OSError) as exc:
+            log.error("watchdog: incident %d not handled: %s", doc.n, exc)
+            return
+        # Its own (from its statement) and the watched peers' as last read: no store call, since at
+        # N ranks a fresh read on every rank at once is N * watch_peers requests; the merger reads all.
+        heartbeats = (
+            {} if local else {**self.liveness.heartbeats(), self.rank: Heartbeat.model_validate(dict(statement))}
+        )
+        case = Case(
+            doc,
+            where,
+            local,
+            statement,
+            heartbeats,
+            self.state.threads(),
+            self.state.records(),
+        )
+        if self.story is not None:
+            try:
+                case.track, case.backend = self.story()
+            except Exception:  # noqa: BLE001 - the pictures' material must never cost the dump
+                log.exception("watchdog: incident %s: no track or flight-recorder entries for the pictures", doc.id)
+        now = time.monotonic()
+        self.ladder.start(case.ladder, now, lambda action, step: self._act(case, action, step))
+        self.write_dump(case)
+        log.error(
+            "watchdog: incident %s (%s): %s; this rank's dump: %s",
+            doc.id,
+            doc.kind.value,
+            doc.reason,
+            case.dir / f"rank{self.rank}.json",
+        )
+        if local or self.store is None:
+            case.merger, case.merge_deadline = True, now
+        else:
+            try:
+                self.store.put_statement(doc.n, statement)
+                self.store.add_dumped(doc.n)
+                case.merger = self.store.claim_merger(doc.n, self.rank, self.world_size)
+                case.merge_deadline = now + cfg.merge_wait
+            except (StoreTimeout, StoreUnreachable) as exc:
+                # Nobody can collect this rank's statement: it merges what it has itself.
+                case.merger, case.merge_deadline = True, now
+                if isinstance(exc, StoreUnreachable):
+                    self.store_gone(exc)
+        with self.cond:
+            self.cases.append(case)
+            self.cond.notify_all()
+
+    def write_dump(self, case: Case) -> None:
+        try:
+            dump = case.to_dump(self.config.heartbeat_s, json.loads(self.config.model_dump_json()), self.ladder.names)
+            write_json(case.dir / f"rank{self.rank}.json", dump)
+        except OSError as exc:
+            log.error("watchdog: could not write the dump of incident %s: %s", case.doc.id, exc)
+
+    # ----------------------------------------------------------------- merging
+
+    def progress(self) -> None:
+        """Merges what is ready to merge and climbs the ladders."""
+        for case in list(self.cases):
+            try:
+                if not case.merger and not case.followed and self.node_leader:
+                    case.followed = self.follow(case)  # whatever the ladder does meanwhile
+                if case.ladder.settled:
+                    continue
+                if case.merger and not case.merged and not self.merge(case):
+                    continue  # still waiting for statements; the ladder waits for the merge
+                self._climb(case)
+            except StoreUnreachable as exc:
+                self.store_gone(exc)  # this incident goes on without the store next tick
+
+    # ----------------------------------------------------------------- the ladder
+
+    def resolved(self, case: Case) -> bool:
+        """True once the op of a hang or desync incident completed somewhere (never for lost ranks)."""
+        passed = past_op(case.doc, self.state)
+        if passed is None:
+            return False
+        if passed:
+            if not case.local and self.store is not None:
+                with contextlib.suppress(StoreTimeout, StoreUnreachable):
+                    self.store.mark_resolved(case.doc.n)
+            return True
+        if case.local or self.store is None:
+            return False
+        try:
+            return self.store.is_resolved(case.doc.n)
+        except (StoreTimeout, StoreUnreachable):
+            return False
+
+    def _act(self, case: Case, action: Action, step: Step) -> Outcome:
+        def save(outcome: Outcome) -> None:
+            step.outcome = outcome
+            self.write_dump(case)
+
+        blocked = lambda: blocked_in(case.doc, self.state)  # noqa: E731
+        ctx = ActionContext(self.config, self.rank, self.state.main_ident, self.raiser, blocked, save)
+        ctx.merged, ctx.mark_fenced = lambda: merged_note(self.store, case), lambda: mark_fenced(self.store, case)
+        return action(case.ref, ctx)
+
+    def _climb(self, case: Case) -> None:
+        state = case.ladder
+        following = self.ladder.names[state.rung + 1] if state.rung + 1 < len(self.ladder.names) else ""
+        result = self.ladder.climb(
+            state, time.monotonic(), lambda: self.resolved(case), lambda a, s: self._act(case, a, s)
+        )
+        if result == "waiting":
+            return
+        if result == "resolved":
+            log.warning("watchdog: incident %s cleared before %s", case.doc.id, following)
+        if result in ("resolved", "stepped"):
+            self.write_dump(case)
+        self._notify()

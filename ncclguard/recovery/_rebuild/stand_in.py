@@ -1,0 +1,119 @@
+"""A restarted rank's stand-in world, until it joins the survivors' world.
+
+A process restarted after its rank died (``NCCLGUARD_RESTART_COUNT`` above 0, set by its supervisor,
+``python -m ncclguard.supervise``) must not join the job's first world again: the survivors are in
+a later one. But frameworks make a process group as they start (HF's ``TrainingArguments`` through
+Accelerate, Lightning's strategy, ``Accelerator()``), and build on it: DDP's constructor broadcasts,
+``main_process_first`` holds a barrier. So in such a process ``init_process_group`` makes a
+stand-in: a world of one on torch's ``fake`` backend (:func:`ncclguard._torch_compat.init_stand_in_group`),
+whose collectives return at once, talk to nobody and are self-consistent (an object broadcast
+from rank 0 returns the caller's own: Lightning broadcasts its log directory at setup). Until the
+join, ``dist.get_rank()`` and ``dist.get_world_size()`` say 0 and 1; frameworks that read their rank
+from the launcher's environment (Lightning) see the real ones, and Accelerate's state is made to
+follow the joined world at the join (``follow_world``).
+
+The adapter's join point drops the stand-in and joins the survivors' next rebuild
+(:func:`~ncclguard.recovery.rejoin.rejoin_world`), then receives a live peer's state: the
+constructor of ``RecoveringStep`` (and Accelerate's ``recovering_step``); ``trainer.train()`` under
+``guard_trainer(recover=True, heal=True)``; Lightning's fit loop under
+``NcclGuardCallback(recover=True, heal=True)``. What was built on the stand-in (DDP) is built again.
+
+The patch is made when ncclguard is imported in a restarted process (and by the warm spare when it
+takes over: :mod:`ncclguard.supervise.spare`); elsewhere ``init_process_group`` is torch's own.
+Import ncclguard before the process group is made.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard import _torch_compat as compat
+from ncclguard._log import log
+from ncclguard.recovery._rebuild.restarts import restart_count
+
+__all__ = ["active", "install", "leave", "torch_init_process_group"]
+
+
+class _StandIn:
+    """The process's stand-in: whether it is the default group now, and torch's function."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = False
+        self.original: Callable[..., Any] | None = None
+
+
+_STAND_IN = _StandIn()
+
+
+def torch_init_process_group(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``init_process_group``, whatever the patch: what a rebuild and a rejoin make is
+    the real world."""
+    original = _STAND_IN.original or dist.init_process_group
+    return original(*args, **kwargs)
+
+
+def active() -> bool:
+    """True while the default process group is the stand-in (the rank has not joined yet)."""
+    return _STAND_IN.active and dist.is_available() and dist.is_initialized()
+
+
+def leave() -> None:
+    """Drops the stand-in group (before the join); nothing when there is none."""
+    if active():
+        dist.destroy_process_group()
+    _STAND_IN.active = False
+
+
+def _stand_in(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if restart_count() == 0 or dist.is_initialized():
+            return original(*args, **kwargs)
+        signature.bind(*args, **kwargs)  # torch's own argument errors, as without the stand-in
+        compat.init_stand_in_group(init=original)
+        _STAND_IN.active = True
+        log.warning(
+            "restarted launch rank %s (restart %d): init_process_group made a stand-in world of one; the rank "
+            "joins the survivors' world at its recovery's join point",
+            os.environ.get("RANK", "?"),
+            restart_count(),
+        )
+        return None
+
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    init_process_group.__doc__ = original.__doc__
+    return init_process_group
+
+
+def install() -> bool:
+    """Makes ``init_process_group`` a stand-in in a restarted process (see the module doc); idempotent.
+
+    Returns:
+        True when the patch is in place.
+    """
+    try:
+        if restart_count() == 0:
+            return False
+    except ValueError as exc:  # a bad NCCLGUARD_RESTART_COUNT: said here, raised where it is used
+        log.warning("%s; init_process_group is left as it is", exc)
+        return False
+    from torch.distributed import distributed_c10d
+
+    with _STAND_IN.lock:
+        if _STAND_IN.original is None:
+            _STAND_IN.original = distributed_c10d.init_process_group
+            patched = _stand_in(_STAND_IN.original)
+            dist.init_process_group = patched
+            distributed_c10d.init_process_group = patched  # code that imported the name from here
+    return True
+
+
+install()  # at import: a restarted process must not make the job's first world again

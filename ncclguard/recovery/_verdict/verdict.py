@@ -1,0 +1,330 @@
+"""The verdict drives the engine: a step whose peers wait for a *stuck* rank fails now, not at the bound.
+
+gloo fixes an op's timeout when the op starts, and a short bound would fail every rank waiting for a
+peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdict``) looks every
+:data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery._step.timing`)
+it judges the watched peers behind this rank (a lower world-group backend sequence number) from
+their progress (:mod:`ncclguard.watching.sensors.progress`). A moving one is reported once per step; a stuck
+one gets a death notice (``STUCK_RC``: the commit and the rebuild meeting settle without it) and,
+on this host, this process's connections to it are shut down (its op ends at once). A stuck rank
+whose threads run (asleep in Python, in a lock) judges itself and exits 0; one its peers judged
+stuck exits 0 once it runs again (SIGCONT), and its supervisor, if any, ends it. A peer behind on
+another host with no heartbeat for two periods past the bound (SIGSTOPped, the GIL held in C) cannot
+be judged nor cut from here: its supervisor is asked (:mod:`ncclguard.store.asks`), judges it from
+``/proc`` on its host and ends it when stuck (:mod:`ncclguard.supervise.judge`); its sockets close and
+the op here fails at once. Without a watchdog nothing is judged; without a supervisor such a rank is
+left to the step bound, the hard cap (docs/recovery.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ncclguard._log import log
+from ncclguard._naming import HOSTNAME
+from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery._verdict.levers import (
+    DEFAULT_JUDGE_S,
+    STUCK_AFTER_VAR,
+    ask_supervisor,
+    cut_connections,
+    judge_after,
+    on_this_host,
+    post_stuck_death,
+    stuck_notices,
+    supervisor_answer,
+    world_seq,
+)
+from ncclguard.watching.ladder.actions import exit_now
+from ncclguard.watching.sensors.progress import (
+    JUDGED,
+    MAX_JUDGED_CHARS,
+    Judgment,
+    Progress,
+    Sample,
+    own_sample,
+    sample_process,
+)
+from ncclguard.watching.watchdog import current_watchdog
+from ncclguard.world import current_world
+
+__all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
+
+POLL_S = 1.0
+
+
+@dataclass
+class Seen:
+    """One step's look at the peers: their progress, what was said and done about each."""
+
+    started: float
+    still_s: float
+    peers: dict[int, Progress] = field(default_factory=dict)
+    beats: dict[int, int] = field(default_factory=dict)
+    own: Progress | None = None
+    reported: set[int] = field(default_factory=set)
+    acted: set[int] = field(default_factory=set)
+    asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
+
+
+class VerdictDriver:
+    """The ``ncclguard-verdict`` thread of one recovery engine (see the module doc).
+
+    Args:
+        judge_s: returns the judge bound now (the learned one, or the user's).
+        name: how logs name the engine's adapter.
+        exits: a rank its peers judged stuck exits 0 once it runs again (the left-out policy ``"exit"``).
+        heals: the engine heals restarted ranks: a supervisor that ends its stuck rank restarts it.
+    """
+
+    def __init__(self, judge_s: Any, name: str, exits: bool = True, heals: bool = False) -> None:
+        self.judge_s, self.name, self.exits, self.heals = judge_s, name, exits, heals
+        self._asked = 0.0  # when the store was last asked whether the peers judged this rank stuck
+        self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
+        self._cond = threading.Condition()
+        self._seen: Seen | None = None
+        self._thread: threading.Thread | None = None
+        self._procs: dict[int, Heartbeat] = {}  # the last heartbeat seen of each launch rank
+
+    def arm(self) -> None:
+        """A step (or its redo) starts: looks afresh (a rebuild renumbers the ranks)."""
+        judge = self.judge_s()
+        if not judge:
+            return
+        hb = _heartbeat_s()
+        with self._cond:
+            before, self._seen = self._seen, Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        self._settle(before)
+
+    def disarm(self) -> None:
+        """The step is over: nothing is judged until the next one."""
+        with self._cond:
+            before, self._seen = self._seen, None
+        self._settle(before)
+        current_world().get(JUDGED).clear()
+
+    def _run(self) -> None:
+        idle = 0.0
+        while idle < 60.0:  # the thread ends after a minute without a step
+            with self._cond:
+                self._cond.wait(POLL_S)
+                seen = self._seen
+            if seen is None:
+                idle += POLL_S
+                continue
+            idle = 0.0
+            try:
+                self._look(seen)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: a look failed; going on")
+        with self._cond:
+            self._thread = None
+
+    def _look(self, seen: Seen) -> None:
+        wd = current_watchdog()
+        world = current_world()
+        if wd is None or not dist.is_initialized():
+            return
+        gen, beats = wd.peer_beats()
+        mine = world_seq()
+        if gen != world.generation or mine is None:
+            return  # the watchdog has not followed the new world yet
+        now = time.monotonic()
+        cpu, io = own_sample()
+        if seen.own is None:
+            seen.own = Progress(seen.still_s)
+        seen.own.observe(Sample(now, "self", ops=mine[1], cpu_s=cpu, io_bytes=io))
+        for r, (hb, age) in beats.items():
+            self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
+            self._sample(seen, r, hb, age, now)
+        silent = self._silent(seen, world, set(beats), now)
+        if now - seen.started < self.judge_s():
+            return
+        self._judged_by_peers(world, now)
+        group, seq = mine
+        behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
+        ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
+        if ahead and not behind:
+            self._self_check(seen, ahead, now)
+        if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
+            behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
+        for r, hb in behind.items():
+            if r not in seen.acted:
+                self._judge(seen, r, hb, seen.peers[r].judge(now), now)
+        self._ask_remote(seen, world, {r: (hb, beats[r][1]) for r, hb in behind.items() if r in beats}, now)
+
+    def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
+        """Members on this host with no heartbeat in this world yet (one stopped right after a
+        rebuild), sampled from /proc by the process their last heartbeat named."""
+        out = {}
+        me = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            hb = self._procs.get(world.origin(r))
+            if r == me or r in beating or hb is None or not on_this_host(hb):
+                continue
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                seen.peers.setdefault(r, Progress(seen.still_s)).observe(sample)
+                out[r] = hb
+        return out
+
+    def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
+        prog = seen.peers.setdefault(r, Progress(seen.still_s))
+        here = on_this_host(hb)
+        # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
+        age = max(age, time.time() - hb.time)
+        if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
+            seen.beats[r] = hb.beat
+            ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+            # On this host /proc gives its CPU and I/O (every look); a beat gives its ops and stack.
+            cpu, io = (None, None) if here else (hb.main_cpu_s, hb.io_bytes)
+            prog.observe(Sample(max(now - age, prog.last_at or 0.0), "heartbeat", ops, hb.site, cpu, io))
+        if here:  # read from /proc between beats, and when its beats stop
+            sample = sample_process(hb.pid, now)
+            if sample is not None:
+                prog.observe(sample)
+
+    def _judged_by_peers(self, world: Any, now: float) -> None:
+        """Exits 0 when the peers posted this process's death as stuck (it was SIGSTOPped, then
+        continued): they went on without it, and its own rebuild would only come late."""
+        if not self.exits or now - self._asked < 2 * POLL_S:
+            return
+        self._asked = now
+        notices = stuck_notices(world)
+        me = world.origin(dist.get_rank())
+        if any(n.origin == me and n.pid == os.getpid() for n in notices):
+            log.critical(
+                "%s: verdict: the peers judged this rank stuck and went on without it; exiting with status 0",
+                self.name,
+            )
+            exit_now(0)
+
+    def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
+        assert seen.own is not None
+        j = seen.own.judge(now)
+        if j.state != "stuck":
+            return
+        me = dist.get_rank()  # the world's rank is not known to the World in generation 0
+        posted = post_stuck_death(current_world(), me, os.getpid(), HOSTNAME)
+        self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
+        log.critical(
+            "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
+            "exiting with status 0 so that they rebuild without it",
+            self.name,
+            ahead,
+            j.evidence,
+        )
+        exit_now(0)
+
+    def _judge(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float) -> None:
+        if j.state != "unknown":  # what the heartbeat carries and `ncclguard status` shows
+            text = f"{j.state}: {j.evidence}; at {hb.site}, its peers waiting {now - seen.started:.0f} s"
+            current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
+        if j.state == "moving":
+            if r not in seen.reported:
+                seen.reported.add(r)
+                behind = round(now - seen.started, 3)
+                self._event("busy", r, j, site=hb.site, behind_s=behind)
+                log.warning(
+                    "%s: verdict: rank %d is behind (at %s, this step %.1f s old) but moving (%s); no action "
+                    "until the step bound",
+                    self.name,
+                    r,
+                    hb.site,
+                    behind,
+                    j.evidence,
+                )
+            return
+        if j.state != "stuck":
+            return
+        seen.acted.add(r)
+        world = current_world()
+        posted = post_stuck_death(world, r, hb.pid, hb.host)
+        # Its supervisor, if any, ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
+        ask_supervisor(world.origin(r), hb, "stuck", self.heals, seen.still_s, world.origin(dist.get_rank()))
+        cut = cut_connections(hb.pid) if on_this_host(hb) else 0
+        self._event("acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3))
+        log.error(
+            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; its death is posted%s, the step fails now",
+            self.name,
+            r,
+            hb.pid,
+            hb.host,
+            hb.site,
+            j.evidence,
+            f" and {cut} connection(s) to it are shut down" if cut else "",
+        )
+
+    def _ask_remote(self, seen: Seen, world: Any, behind: dict[int, tuple[Heartbeat, float]], now: float) -> None:
+        """Peers behind on another host with no beat for two periods: neither their heartbeats nor
+        this host's ``/proc`` can judge them, so their supervisor is asked, once per step; its answer
+        is reported (a busy rank stays a report; a stuck one was ended there)."""
+        for r, (hb, age) in behind.items():
+            if on_this_host(hb) or r in seen.acted or (r not in seen.asked and age < 2 * _heartbeat_s()):
+                continue
+            origin = world.origin(r)
+            if r not in seen.asked:
+                seen.asked[r] = (hb.pid, origin, hb.site)
+                posted = ask_supervisor(origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank()))
+                j = Judgment("unknown", round(age, 3), f"no heartbeat for {age:.1f} s, on another host")
+                self._event("asked", r, j, site=hb.site, posted=posted, waited_s=round(now - seen.started, 3))
+                log.warning(
+                    "%s: verdict: rank %d (pid %d on %s, at %s) is behind with no heartbeat for %.1f s; its "
+                    "supervisor is asked to judge it",
+                    self.name,
+                    r,
+                    hb.pid,
+                    hb.host,
+                    hb.site,
+                    age,
+                )
+                continue
+            self._answered(seen, r, now)
+
+    def _answered(self, seen: Seen, r: int, now: float, settling: bool = False) -> None:
+        """Reads the answer of the supervisor asked about rank ``r``, and reports it once."""
+        pid, origin, site = seen.asked[r]
+        ans = supervisor_answer(origin)
+        if ans is None or ans.pid != pid or r in seen.acted or (ans.state == "moving" and r in seen.reported):
+            return
+        j = Judgment(ans.state, 0.0, f"its supervisor on {ans.host}: {ans.evidence}")
+        if not settling:  # the world is still the one this rank was numbered in
+            current_world().get(JUDGED)[str(r)] = f"{ans.state}: {j.evidence}"[:MAX_JUDGED_CHARS]
+        if ans.state == "moving":
+            seen.reported.add(r)
+            self._event("busy", r, j, site=site, behind_s=round(now - seen.started, 3))
+            log.warning("%s: verdict: rank %d is behind but moving (%s); no action", self.name, r, j.evidence)
+        else:
+            seen.acted.add(r)
+            self._event("ended", r, j, site=site, restarted=ans.restarted, waited_s=round(now - seen.started, 3))
+            log.error("%s: verdict: rank %d was stuck and its supervisor ended it (%s)", self.name, r, j.evidence)
+
+    def _settle(self, seen: Seen | None) -> None:
+        """A step's look ends (its op failed when a supervisor ended the rank, or it committed): the
+        answers to its asks are read once more, so that what was decided is reported. The supervisor
+        answers before it ends the process, so the answer is there when the op fails."""
+        if seen is None:
+            return
+        for r in [r for r in seen.asked if r not in seen.acted]:
+            try:
+                self._answered(seen, r, time.monotonic(), settling=True)
+            except Exception:  # noqa: BLE001 - the verdict must never take training down
+                log.exception("verdict: reading a supervisor's answer failed; going on")
+
+    def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
+        self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
+
+
+def _heartbeat_s() -> float:
+    wd = current_watchdog()
+    return wd.config.heartbeat_s if wd is not None else 5.0
