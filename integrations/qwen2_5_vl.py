@@ -147,17 +147,7 @@ class Qwen2_5_VLForClassification(Qwen2_5_VLPreTrainedModel):
         """
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attn = output_attentions if output_attentions is not None else self.config.output_attentions
-        if (
-            _TAKES_MM_TOKEN_TYPES
-            and kwargs.get("mm_token_type_ids") is None
-            and input_ids is not None
-            and (image_grid_thw is not None or kwargs.get("video_grid_thw") is not None)
-        ):
-            # transformers 5 builds Qwen2.5-VL's 3-D rotary positions from these; the processor
-            # makes them, a hand-built batch usually lacks them.
-            kwargs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).int() + 2 * (
-                input_ids == self.config.video_token_id
-            ).int()
+        self._add_mm_token_types(kwargs, input_ids, image_grid_thw)
         if self.always_run_vision and kwargs.get("mm_encoder_outputs") is None:
             # The tower runs here, once, between the token embeddings and the text stack: the
             # backbone's own order. It gets the merged embeddings and no pixels.
@@ -181,17 +171,38 @@ class Qwen2_5_VLForClassification(Qwen2_5_VLPreTrainedModel):
         )
         pooled = self._pool(out.last_hidden_state, attention_mask, input_ids)
         logits = self.score(pooled)
-        loss = None
-        if labels is not None:
-            targets = labels.view(-1).to(logits.device)
-            loss = nn.functional.cross_entropy(logits.float().view(-1, self.num_labels), targets)
         result = SequenceClassifierOutput(
-            loss=loss,
+            loss=self._loss(logits, labels),
             logits=logits,
             hidden_states=out.hidden_states,  # None unless asked: the backbone collects only then
             attentions=out.attentions,
         )
         return result if return_dict is not False else result.to_tuple()
+
+    def _add_mm_token_types(
+        self, kwargs: dict[str, Any], input_ids: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+    ) -> None:
+        """Puts ``mm_token_type_ids`` (1 on image placeholders, 2 on video ones) in the backbone's
+        ``kwargs`` where transformers needs them and the caller gave none."""
+        if (
+            _TAKES_MM_TOKEN_TYPES
+            and kwargs.get("mm_token_type_ids") is None
+            and input_ids is not None
+            and (image_grid_thw is not None or kwargs.get("video_grid_thw") is not None)
+        ):
+            # transformers 5 builds Qwen2.5-VL's 3-D rotary positions from these; the processor
+            # makes them, a hand-built batch usually lacks them.
+            kwargs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).int() + 2 * (
+                input_ids == self.config.video_token_id
+            ).int()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The mean cross-entropy of ``logits`` against ``labels`` (computed in float32), or None
+        without labels."""
+        if labels is None:
+            return None
+        targets = labels.view(-1).to(logits.device)
+        return nn.functional.cross_entropy(logits.float().view(-1, self.num_labels), targets)
 
     def _embed_with_vision(
         self,

@@ -123,6 +123,41 @@ def measure_size(
     calls = {m: _caller(m, t, op, timeout, chunk_numel) for m in modes}
     runs = {m: ModeRun(m) for m in modes}
     token = torch.zeros(1, device=device)
+    mine = _time_modes(calls, runs, modes, device, token, iters=iters, warmup=warmup, on_iteration=on_iteration)
+    peak = PeakMemory(device)
+    peaks = _peak_bytes(calls, modes, device, token, peak)
+    kept = _kept_bytes(calls, modes, device, token, peak)
+    release_atomic_buffers()  # the check pass and the next size start from nothing kept
+    if check_data:
+        _check_modes(t, calls, runs, modes, device, token, op=op, corrupt=rank == corrupt_rank)
+    times = _gather(mine, device, world)
+    peak_by_rank = _gather(peaks, device, world)
+    kept_by_rank = _gather(kept, device, world)
+    for j, m in enumerate(modes):
+        runs[m].rank_times_s = [g[j].tolist() for g in times]
+        runs[m].rank_peak_bytes = [None if int(g[j]) < 0 else int(g[j]) for g in peak_by_rank]
+        runs[m].rank_kept_bytes = [None if int(g[j, 0]) < 0 else int(g[j, 0]) for g in kept_by_rank]
+        runs[m].rank_kept_reported_bytes = [int(g[j, 1]) for g in kept_by_rank]
+    return SizeRun(numel, numel * torch.empty((), dtype=dtype).element_size(), runs)
+
+
+def _time_modes(
+    calls: dict[str, Callable[[], int]],
+    runs: dict[str, ModeRun],
+    modes: tuple[str, ...],
+    device: torch.device,
+    token: torch.Tensor,
+    *,
+    iters: int,
+    warmup: int,
+    on_iteration: Callable[[], None],
+) -> torch.Tensor:
+    """Times ``warmup + iters`` iterations of every mode, in the rotating order (see the module doc);
+    records each mode's chunks in ``runs``.
+
+    Returns:
+        This rank's seconds per call, ``[mode, iteration]``, the warm-up left out.
+    """
     mine = torch.zeros(len(modes), iters, dtype=torch.float64)
     for it in range(warmup + iters):
         for k in range(len(modes)):
@@ -137,9 +172,21 @@ def measure_size(
             if it >= warmup:
                 mine[j, it - warmup] = elapsed
             on_iteration()
+    return mine
 
-    # Peak memory: one more call of each mode, alone, after the warm-up filled the caches.
-    peak = PeakMemory(device)
+
+def _peak_bytes(
+    calls: dict[str, Callable[[], int]],
+    modes: tuple[str, ...],
+    device: torch.device,
+    token: torch.Tensor,
+    peak: PeakMemory,
+) -> torch.Tensor:
+    """Peak memory: one more call of each mode, alone, after the warm-up filled the caches.
+
+    Returns:
+        Per mode, the peak over the use before the call in bytes (-1: not measurable here).
+    """
     peaks = torch.full((len(modes),), -1, dtype=torch.int64)
     for j, m in enumerate(modes):
         _sync(device, token)
@@ -147,9 +194,22 @@ def measure_size(
         calls[m]()
         got = peak.stop()
         peaks[j] = -1 if got is None else got
+    return peaks
 
-    # Memory kept between calls: from a state where ncclguard holds no buffer, one call of the
-    # mode, then what stays in use (measured) and what ncclguard reports it keeps.
+
+def _kept_bytes(
+    calls: dict[str, Callable[[], int]],
+    modes: tuple[str, ...],
+    device: torch.device,
+    token: torch.Tensor,
+    peak: PeakMemory,
+) -> torch.Tensor:
+    """Memory kept between calls: from a state where ncclguard holds no buffer, one call of the
+    mode, then what stays in use (measured) and what ncclguard reports it keeps.
+
+    Returns:
+        Per mode, ``[measured, reported]`` bytes (measured -1: not measurable here).
+    """
     kept = torch.full((len(modes), 2), -1, dtype=torch.int64)
     for j, m in enumerate(modes):
         _sync(device, token)
@@ -160,25 +220,29 @@ def measure_size(
         after = peak.current()
         kept[j, 0] = -1 if before is None or after is None else max(after - before, 0)
         kept[j, 1] = retained_atomic_bytes()
-    release_atomic_buffers()  # the check pass and the next size start from nothing kept
+    return kept
 
-    if check_data:
-        wrong = torch.zeros(len(modes), dtype=torch.int64, device=device)
-        for j, m in enumerate(modes):
-            check.fill(t, rank, corrupt=rank == corrupt_rank, op=op)
-            _sync(device, token)
-            calls[m]()
-            wrong[j] = check.count_wrong(t, op, world)
-        dist.all_reduce(wrong)
-        for j, m in enumerate(modes):
-            runs[m].wrong = int(wrong[j].item())
 
-    times = _gather(mine, device, world)
-    peak_by_rank = _gather(peaks, device, world)
-    kept_by_rank = _gather(kept, device, world)
+def _check_modes(
+    t: torch.Tensor,
+    calls: dict[str, Callable[[], int]],
+    runs: dict[str, ModeRun],
+    modes: tuple[str, ...],
+    device: torch.device,
+    token: torch.Tensor,
+    *,
+    op: str,
+    corrupt: bool,
+) -> None:
+    """One call of each mode on known values (wrong ones on this rank when ``corrupt``); sets each
+    mode's ``wrong`` in ``runs`` to the elements wrong, summed over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrong = torch.zeros(len(modes), dtype=torch.int64, device=device)
     for j, m in enumerate(modes):
-        runs[m].rank_times_s = [g[j].tolist() for g in times]
-        runs[m].rank_peak_bytes = [None if int(g[j]) < 0 else int(g[j]) for g in peak_by_rank]
-        runs[m].rank_kept_bytes = [None if int(g[j, 0]) < 0 else int(g[j, 0]) for g in kept_by_rank]
-        runs[m].rank_kept_reported_bytes = [int(g[j, 1]) for g in kept_by_rank]
-    return SizeRun(numel, numel * torch.empty((), dtype=dtype).element_size(), runs)
+        check.fill(t, rank, corrupt=corrupt, op=op)
+        _sync(device, token)
+        calls[m]()
+        wrong[j] = check.count_wrong(t, op, world)
+    dist.all_reduce(wrong)
+    for j, m in enumerate(modes):
+        runs[m].wrong = int(wrong[j].item())

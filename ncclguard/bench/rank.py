@@ -61,6 +61,29 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
         0, 1 (wrong values, busbw below --min-busbw, or a failed call) or 2 (refused); the same
         on every rank.
     """
+    device = _join(opts, backend)
+    if _refused(opts, device):
+        return EXIT_REFUSED
+    # Every rank goes on from here (they agreed), so describe_job may exchange with all of them.
+    environment = describe_job(device, backend)
+    numels = opts.numels()
+    runs = _measure_all(opts, device, numels)
+    if runs is None:
+        return EXIT_FAILED
+    world = dist.get_world_size()
+    rows = build_rows(runs, opts.dtype, opts.op, world)
+    summ = summary(rows, opts.min_busbw)
+    if dist.get_rank() == 0:
+        _report(opts, backend, numels, environment, rows, summ)
+    return summ["exit_code"]
+
+
+def _join(opts: BenchOptions, backend: str) -> torch.device:
+    """Joins the job's process group (this rank's GPU for nccl, else the CPU).
+
+    Returns:
+        The device the bench measures on.
+    """
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -68,12 +91,17 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
         device = torch.device("cpu")
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=opts.timeout)} if opts.timeout else {}
     dist.init_process_group(backend, **kwargs)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return device
 
+
+def _refused(opts: BenchOptions, device: torch.device) -> bool:
+    """Whether the job cannot run as asked: ``--corrupt-rank`` names no rank, or the sizes do not fit
+    on some rank's host. The ranks agree, so all refuse together; one of them says why."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     if opts.corrupt_rank is not None and opts.corrupt_rank >= world:
         if rank == 0:
             _say(f"refused: --corrupt-rank {opts.corrupt_rank} is not a rank of this {world}-rank job")
-        return EXIT_REFUSED
+        return True
     problem = _fits(opts, device)
     verdicts = _agree(problem is None, device)
     if not all(verdicts):
@@ -83,11 +111,17 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
             _say(
                 f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(verdicts) if not ok]}"
             )
-        return EXIT_REFUSED
+        return True
+    return False
 
-    environment = describe_job(device, backend)
+
+def _measure_all(opts: BenchOptions, device: torch.device, numels: list[int]) -> list[SizeRun] | None:
+    """Measures every size in ``numels``, with a progress bar on rank 0.
+
+    Returns:
+        One run per size, or None when a guarded call failed (said, then the bench stops).
+    """
     dtype = getattr(torch, opts.dtype)
-    numels = opts.numels()
     per_size = (opts.warmup + opts.iters) * len(opts.modes)
     # Only rank 0 draws the bar; the others keep a disabled one, so the loop has one shape.
     progress = Progress(
@@ -98,7 +132,7 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
-        disable=rank != 0,
+        disable=dist.get_rank() != 0,
     )
     runs: list[SizeRun] = []
     with progress:
@@ -125,23 +159,31 @@ def run_rank(opts: BenchOptions, backend: str) -> int:
                 )
             except BenchCallFailed as exc:
                 _say(f"a guarded call failed at {numel} elements, stopping: {exc}")
-                return EXIT_FAILED
+                return None
+    return runs
 
-    rows = build_rows(runs, opts.dtype, opts.op, world)
-    summ = summary(rows, opts.min_busbw)
-    if rank == 0:
-        render_table(rows, world, summ)
-        config = {**opts.model_dump(mode="json"), "numels": numels, "backend": backend, "world_size": world}
-        if opts.json_path:
-            write_json(opts.json_path, config, environment, rows, summ)
-        if opts.csv_path:
-            write_csv(opts.csv_path, rows)
-        if opts.plot_path:
-            from ncclguard.bench.plot import plot_busbw
 
-            plot_busbw(
-                opts.plot_path,
-                rows,
-                f"all_reduce {opts.dtype}, {world} ranks, {backend} ({', '.join(environment['hosts'])})",
-            )
-    return summ["exit_code"]
+def _report(
+    opts: BenchOptions,
+    backend: str,
+    numels: list[int],
+    environment: dict[str, Any],
+    rows: list[dict[str, Any]],
+    summ: dict[str, Any],
+) -> None:
+    """Rank 0's report: the table, and the JSON, CSV and plot files asked for."""
+    world = dist.get_world_size()
+    render_table(rows, world, summ)
+    config = {**opts.model_dump(mode="json"), "numels": numels, "backend": backend, "world_size": world}
+    if opts.json_path:
+        write_json(opts.json_path, config, environment, rows, summ)
+    if opts.csv_path:
+        write_csv(opts.csv_path, rows)
+    if opts.plot_path:
+        from ncclguard.bench.plot import plot_busbw
+
+        plot_busbw(
+            opts.plot_path,
+            rows,
+            f"all_reduce {opts.dtype}, {world} ranks, {backend} ({', '.join(environment['hosts'])})",
+        )

@@ -293,6 +293,22 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
 
 
 def _print_tables(report: dict[str, Any], console: Console) -> None:
+    """Prints ``report`` as tables (network, network plan, variables, timeouts, versions, and the
+    ranks when checked), then the notes and the warnings."""
+    # Each table printed as soon as it is built: a part of the report that does not read still
+    # leaves the tables before it on the screen.
+    console.print(_network_table(report))
+    console.print(_plan_table(report))
+    console.print(_variables_table(report))
+    console.print(_timeouts_table(report))
+    console.print(_versions_table(report))
+    if "ranks" in report:
+        console.print(_ranks_table(report["ranks"]))
+    _print_problems(report, console)
+
+
+def _network_table(report: dict[str, Any]) -> Table:
+    """This host's network as the doctor found it: the peer, the route, the interface, InfiniBand."""
     plan = NetPlan.model_validate(report["plan"])
     net = Table(
         title=f"network of {report['host']}" + (f" (rank {report['rank']})" if report["rank"] is not None else "")
@@ -314,16 +330,22 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
             net.add_row(f"InfiniBand {dev.name}", f"{ports} (netdev {', '.join(dev.netdevs) or '-'})")
     else:
         net.add_row("InfiniBand", "none (/sys/class/infiniband is empty)")
-    console.print(net)
+    return net
 
+
+def _plan_table(report: dict[str, Any]) -> Table:
+    """The socket variables a rank sets at start, and why."""
     sockets = SocketPlan.model_validate(report["sockets"])
     st = Table(title="network plan: what a rank sets at start (off: NCCLGUARD_NET_PLAN=0)")
     for col in ("variable", "action", "value", "why"):
         st.add_column(col)
     for c in sockets.choices:
         st.add_row(c.variable, c.action, escape(c.value or "-"), escape(c.why))
-    console.print(st)
+    return st
 
+
+def _variables_table(report: dict[str, Any]) -> Table:
+    """The environment variables: current, recommended and their status, coloured."""
     var = Table(title="environment variables")
     for col in ("variable", "current", "recommended", "status", "note"):
         var.add_column(col)
@@ -336,40 +358,49 @@ def _print_tables(report: dict[str, Any], console: Console) -> None:
             f"[{style.get(v['status'], 'red')}]{v['status']}[/]",
             escape(v["note"]),
         )
-    console.print(var)
+    return var
 
+
+def _timeouts_table(report: dict[str, Any]) -> Table:
+    """The timeout hierarchy in force, one row per timeout."""
     tt = Table(title="timeout hierarchy")
     for col in ("timeout", "seconds", "rule", "source"):
         tt.add_column(col)
     for r in report["timeouts"]["rows"]:
         tt.add_row(r["name"], "-" if r["seconds"] is None else f"{r['seconds']:g}", r["rule"], r["source"])
-    console.print(tt)
+    return tt
 
+
+def _versions_table(report: dict[str, Any]) -> Table:
+    """The versions of the libraries that matter."""
     vt = Table(title="versions")
     vt.add_column("library")
     vt.add_column("version")
     for name, version in report["versions"].items():
         vt.add_row(name, escape(version or "not available"))
-    console.print(vt)
+    return vt
 
-    if "ranks" in report:
-        ranks = report["ranks"]
-        rt = Table(
-            title=f"ranks ({ranks['world_size']}), gloo all_reduce {'ok' if ranks['all_reduce_ok'] else 'WRONG'}"
+
+def _ranks_table(ranks: dict[str, Any]) -> Table:
+    """What each rank reported, under whether the gloo all_reduce across them came out right."""
+    rt = Table(title=f"ranks ({ranks['world_size']}), gloo all_reduce {'ok' if ranks['all_reduce_ok'] else 'WRONG'}")
+    for col in ("rank", "host", "interface", "local address", "torch", "warnings"):
+        rt.add_column(col)
+    for rank, p in ranks["reports"].items():
+        rt.add_row(
+            rank,
+            p["host"],
+            str(p["plan"]["interface"]),
+            str(p["plan"]["local_address"]),
+            str(p["versions"].get("torch")),
+            str(p["warnings"]),
         )
-        for col in ("rank", "host", "interface", "local address", "torch", "warnings"):
-            rt.add_column(col)
-        for rank, p in ranks["reports"].items():
-            rt.add_row(
-                rank,
-                p["host"],
-                str(p["plan"]["interface"]),
-                str(p["plan"]["local_address"]),
-                str(p["versions"].get("torch")),
-                str(p["warnings"]),
-            )
-        console.print(rt)
+    return rt
 
+
+def _print_problems(report: dict[str, Any], console: Console) -> None:
+    """Prints the timeouts' notes, then the warnings and the ranks' disagreements, or that there is
+    nothing to change."""
     problems = report["warnings"] + report.get("ranks", {}).get("disagreements", [])
     # soft_wrap: one line per message, for grep and copy-paste; the terminal wraps it.
     for note in report["timeouts"]["notes"]:

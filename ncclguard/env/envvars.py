@@ -152,6 +152,17 @@ def env_warnings(environ: Mapping[str, str] | None = None, interfaces: Collectio
         One sentence per problem, each naming the variable and what to do.
     """
     env = os.environ if environ is None else environ
+    out = _ignored_and_deprecated(env)
+    out += _debug_level_warnings(env)
+    out += _deepspeed_timeout_warnings(env)
+    out += _nccl_error_handling_warnings(env)
+    if interfaces is not None:
+        out += _ifname_warnings(env, sorted(interfaces))
+    return out
+
+
+def _ignored_and_deprecated(env: Mapping[str, str]) -> list[str]:
+    """Variables nobody reads, and old names: renamed, or shadowed by the new one."""
     out: list[str] = []
     for name, instead in IGNORED.items():
         if name in env:
@@ -163,36 +174,51 @@ def env_warnings(environ: Mapping[str, str] | None = None, interfaces: Collectio
             out.append(f"{old} is deprecated and shadowed: {new}={env[new]} wins; remove {old}.")
         else:
             out.append(f"{old} is deprecated: rename it {new} (PyTorch still reads the old name, with a warning).")
+    return out
 
+
+def _debug_level_warnings(env: Mapping[str, str]) -> list[str]:
+    """``TORCH_DISTRIBUTED_DEBUG`` set after torch read it: torch uses another level."""
     debug = env.get("TORCH_DISTRIBUTED_DEBUG")
     level = _torch_debug_level()
     if debug is not None and level is not None and debug.strip().upper() != level:
-        out.append(
+        return [
             f"TORCH_DISTRIBUTED_DEBUG={debug} has no effect: torch read it at `import torch` and uses {level}; "
             "set it before Python starts (export it, or in the launcher's environment)."
-        )
+        ]
+    return []
 
+
+def _deepspeed_timeout_warnings(env: Mapping[str, str]) -> list[str]:
+    """``DEEPSPEED_TIMEOUT`` that breaks ``import deepspeed``, reads as seconds where it is minutes,
+    or came after deepspeed read it."""
     ds = env.get("DEEPSPEED_TIMEOUT")
-    if ds is not None:
-        if not ds.strip().isdigit():
-            out.append(
-                f"DEEPSPEED_TIMEOUT={ds} is not a whole number of minutes: `import deepspeed` fails on it "
-                "(deepspeed/constants.py calls int() on it); write e.g. DEEPSPEED_TIMEOUT=30."
-            )
-        else:
-            minutes = int(ds)
-            if minutes > 24 * 60:
-                out.append(
-                    f"DEEPSPEED_TIMEOUT={ds} means {minutes} minutes ({minutes / 60:.1f} hours): it is read in "
-                    f"minutes, not seconds; for {minutes} s write DEEPSPEED_TIMEOUT={max(1, round(minutes / 60))}."
-                )
-            in_force = _deepspeed_minutes_in_force()
-            if in_force is not None and in_force != minutes:
-                out.append(
-                    f"DEEPSPEED_TIMEOUT={ds} has no effect: deepspeed read it at import and uses {in_force:g} min; "
-                    "set it before `import deepspeed`, or pass timeout= to deepspeed.init_distributed."
-                )
+    if ds is None:
+        return []
+    if not ds.strip().isdigit():
+        return [
+            f"DEEPSPEED_TIMEOUT={ds} is not a whole number of minutes: `import deepspeed` fails on it "
+            "(deepspeed/constants.py calls int() on it); write e.g. DEEPSPEED_TIMEOUT=30."
+        ]
+    out: list[str] = []
+    minutes = int(ds)
+    if minutes > 24 * 60:
+        out.append(
+            f"DEEPSPEED_TIMEOUT={ds} means {minutes} minutes ({minutes / 60:.1f} hours): it is read in "
+            f"minutes, not seconds; for {minutes} s write DEEPSPEED_TIMEOUT={max(1, round(minutes / 60))}."
+        )
+    in_force = _deepspeed_minutes_in_force()
+    if in_force is not None and in_force != minutes:
+        out.append(
+            f"DEEPSPEED_TIMEOUT={ds} has no effect: deepspeed read it at import and uses {in_force:g} min; "
+            "set it before `import deepspeed`, or pass timeout= to deepspeed.init_distributed."
+        )
+    return out
 
+
+def _nccl_error_handling_warnings(env: Mapping[str, str]) -> list[str]:
+    """NCCL's error handling turned off, and a dump on timeout with no flight recorder to dump."""
+    out: list[str] = []
     handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING"))
     if handling is not None and handling.strip() == "0":
         out.append(
@@ -207,21 +233,24 @@ def env_warnings(environ: Mapping[str, str] | None = None, interfaces: Collectio
                 f"TORCH_NCCL_DUMP_ON_TIMEOUT is on but the flight recorder buffer is {fr_size}: there is nothing "
                 "to dump; set TORCH_FR_BUFFER_SIZE=2000."
             )
+    return out
 
-    if interfaces is not None:
-        names = sorted(interfaces)
-        spec = env.get("NCCL_SOCKET_IFNAME")
-        if spec and not nccl_ifname_matches(spec, names):
-            out.append(
-                f"NCCL_SOCKET_IFNAME={spec} matches no interface of this host ({', '.join(names)}): NCCL will fail "
-                "to find a socket interface; fix or unset it."
-            )
-        spec = env.get("GLOO_SOCKET_IFNAME")
-        if spec and not gloo_ifname_matches(spec, names):
-            out.append(
-                f"GLOO_SOCKET_IFNAME={spec} names no interface of this host ({', '.join(names)}): gloo will fail "
-                "to create its device; fix or unset it."
-            )
+
+def _ifname_warnings(env: Mapping[str, str], names: list[str]) -> list[str]:
+    """``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` that match none of this host's interfaces ``names``."""
+    out: list[str] = []
+    spec = env.get("NCCL_SOCKET_IFNAME")
+    if spec and not nccl_ifname_matches(spec, names):
+        out.append(
+            f"NCCL_SOCKET_IFNAME={spec} matches no interface of this host ({', '.join(names)}): NCCL will fail "
+            "to find a socket interface; fix or unset it."
+        )
+    spec = env.get("GLOO_SOCKET_IFNAME")
+    if spec and not gloo_ifname_matches(spec, names):
+        out.append(
+            f"GLOO_SOCKET_IFNAME={spec} names no interface of this host ({', '.join(names)}): gloo will fail "
+            "to create its device; fix or unset it."
+        )
     return out
 
 
@@ -244,90 +273,80 @@ def audit(
     applied = applied_by_ncclguard()
     level = _torch_debug_level()
     ds_minutes = _deepspeed_minutes_in_force()
-    rows: list[VariableStatus] = []
-    for name, want in recommended.items():
-        value = env.get(name)
-        alias = next((old for old, new in DEPRECATED.items() if new == name and old in env), None)
-        if value is None and alias is not None:
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=None,
-                    recommended=want,
-                    status="set by user",
-                    note=f"set through the deprecated {alias}={env[alias]}; left as is",
-                )
-            )
-        elif value is None:
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=None,
-                    recommended=want,
-                    status="unset",
-                    note="`doctor --export` prints the line to set it",
-                )
-            )
-        elif applied.get(name) == value:
-            rows.append(VariableStatus(name=name, value=value, recommended=want, status="set by ncclguard"))
-        elif value == want:
-            rows.append(VariableStatus(name=name, value=value, recommended=want, status="ok"))
-        elif name == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and value == "1" and "TORCHELASTIC_RUN_ID" in env:
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=value,
-                    recommended=want,
-                    status="set by user",
-                    note="torchrun's default when unset (1: abort communicators, tear down)",
-                )
-            )
-        else:
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=value,
-                    recommended=want,
-                    status="set by user",
-                    note="differs from the recommendation; ncclguard leaves it as is",
-                )
-            )
-    shown = set(recommended)
-    rest = sorted(({*IGNORED, *DEPRECATED, *extra} - shown) & set(env))
-    for name in rest:
-        value = env[name]
-        if name in IGNORED:
-            rows.append(
-                VariableStatus(
-                    name=name, value=value, recommended=None, status="ignored by NCCL and PyTorch", note=IGNORED[name]
-                )
-            )
-        elif name in DEPRECATED:
-            rows.append(
-                VariableStatus(
-                    name=name, value=value, recommended=None, status="deprecated", note=f"rename it {DEPRECATED[name]}"
-                )
-            )
-        elif name == "TORCH_DISTRIBUTED_DEBUG" and level is not None and value.strip().upper() != level:
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=value,
-                    recommended=None,
-                    status="no effect (read at import)",
-                    note=f"torch uses {level}; set it before Python starts",
-                )
-            )
-        elif name == "DEEPSPEED_TIMEOUT" and ds_minutes is not None and value.strip() != f"{ds_minutes:g}":
-            rows.append(
-                VariableStatus(
-                    name=name,
-                    value=value,
-                    recommended=None,
-                    status="no effect (read at import)",
-                    note=f"deepspeed uses {ds_minutes:g} min; set it before `import deepspeed`",
-                )
-            )
-        else:
-            rows.append(VariableStatus(name=name, value=value, recommended=None, status="set by user"))
+    rows = [_recommended_row(name, want, env, applied) for name, want in recommended.items()]
+    rest = sorted(({*IGNORED, *DEPRECATED, *extra} - set(recommended)) & set(env))
+    rows += [_other_row(name, env[name], level, ds_minutes) for name in rest]
     return rows
+
+
+def _recommended_row(name: str, want: str, env: Mapping[str, str], applied: Mapping[str, str]) -> VariableStatus:
+    """The row of a variable ncclguard recommends ``want`` for: unset, set by ncclguard, as
+    recommended, or set otherwise by the user (directly or through its deprecated name)."""
+    value = env.get(name)
+    alias = next((old for old, new in DEPRECATED.items() if new == name and old in env), None)
+    if value is None and alias is not None:
+        return VariableStatus(
+            name=name,
+            value=None,
+            recommended=want,
+            status="set by user",
+            note=f"set through the deprecated {alias}={env[alias]}; left as is",
+        )
+    if value is None:
+        return VariableStatus(
+            name=name,
+            value=None,
+            recommended=want,
+            status="unset",
+            note="`doctor --export` prints the line to set it",
+        )
+    if applied.get(name) == value:
+        return VariableStatus(name=name, value=value, recommended=want, status="set by ncclguard")
+    if value == want:
+        return VariableStatus(name=name, value=value, recommended=want, status="ok")
+    if name == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and value == "1" and "TORCHELASTIC_RUN_ID" in env:
+        return VariableStatus(
+            name=name,
+            value=value,
+            recommended=want,
+            status="set by user",
+            note="torchrun's default when unset (1: abort communicators, tear down)",
+        )
+    return VariableStatus(
+        name=name,
+        value=value,
+        recommended=want,
+        status="set by user",
+        note="differs from the recommendation; ncclguard leaves it as is",
+    )
+
+
+def _other_row(name: str, value: str, level: str | None, ds_minutes: float | None) -> VariableStatus:
+    """The row of a variable set that ncclguard makes no recommendation for: ignored, deprecated,
+    read at import to another value than ``value`` (torch's debug ``level``, deepspeed's
+    ``ds_minutes``), or simply set."""
+    if name in IGNORED:
+        return VariableStatus(
+            name=name, value=value, recommended=None, status="ignored by NCCL and PyTorch", note=IGNORED[name]
+        )
+    if name in DEPRECATED:
+        return VariableStatus(
+            name=name, value=value, recommended=None, status="deprecated", note=f"rename it {DEPRECATED[name]}"
+        )
+    if name == "TORCH_DISTRIBUTED_DEBUG" and level is not None and value.strip().upper() != level:
+        return VariableStatus(
+            name=name,
+            value=value,
+            recommended=None,
+            status="no effect (read at import)",
+            note=f"torch uses {level}; set it before Python starts",
+        )
+    if name == "DEEPSPEED_TIMEOUT" and ds_minutes is not None and value.strip() != f"{ds_minutes:g}":
+        return VariableStatus(
+            name=name,
+            value=value,
+            recommended=None,
+            status="no effect (read at import)",
+            note=f"deepspeed uses {ds_minutes:g} min; set it before `import deepspeed`",
+        )
+    return VariableStatus(name=name, value=value, recommended=None, status="set by user")

@@ -97,6 +97,90 @@ def _watchdog_timeouts() -> tuple[float | None, float | None, str]:
     return cfg.hang_timeout_s, cfg.peer_timeout, "WatchdogConfig (NCCLGUARD_WATCHDOG_*)"
 
 
+# The parts of TimeoutHierarchy.in_force: each fills ``values`` (the model's fields) and ``sources``
+# (where each came from, for the table) with one tier of the hierarchy.
+
+
+def _watchdog_tier(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """The watchdog's hang and peer-liveness timeouts, where known."""
+    hang, liveness, wd_source = _watchdog_timeouts()
+    if hang is not None:
+        values["watchdog_hang_s"], sources["watchdog_hang_s"] = hang, wd_source
+    if liveness is not None:
+        values["peer_liveness_s"], sources["peer_liveness_s"] = liveness, wd_source
+
+
+def _group_tier(
+    group: dist.ProcessGroup | None,
+    backend: str | None,
+    given_s: float | None,
+    given_source: str,
+    values: dict[str, Any],
+    sources: dict[str, str],
+) -> str:
+    """The process-group timeout: ``given_s``, else the live group's, else the backend's default.
+
+    Returns:
+        The backend in force (the live group's, else ``backend``, else nccl where CUDA is available,
+        else gloo).
+    """
+    live = _live_timeout_s(group)
+    live_backend = str(dist.get_backend(group)) if live is not None else None
+    chosen_backend = live_backend or backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if given_s is not None:
+        values["group_timeout_s"], sources["group_timeout_s"] = float(given_s), given_source
+    elif live is not None:
+        values["group_timeout_s"], sources["group_timeout_s"] = live, f"live {live_backend} group"
+    else:
+        values["group_timeout_s"] = backend_default_timeout_s(chosen_backend)
+        sources["group_timeout_s"] = f"{chosen_backend} default (no group yet)"
+    return chosen_backend
+
+
+def _config_tier(
+    cfg: Config,
+    heartbeat_timeout_s: float | None,
+    eval_timeout_s: float | None,
+    values: dict[str, Any],
+    sources: dict[str, str],
+) -> None:
+    """The supervisor's heartbeat timeout and the evaluation deadline: as given, else the configuration's."""
+    for field, given, name in (
+        ("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
+        ("eval_timeout_s", eval_timeout_s, "eval_deadline_s"),
+    ):
+        value = given if given is not None else getattr(cfg, name)
+        if value is not None:
+            values[field] = float(value)
+            sources[field] = "given" if given is not None else f"Config.{name}"
+
+
+def _deadline_tier(cfg: Config, op_numel: int, values: dict[str, Any], sources: dict[str, str]) -> None:
+    """ncclguard's default per-op and barrier deadlines, as a call on the group would get them:
+    capped below its timeout (``values["group_timeout_s"]``, filled first)."""
+    pg = values["group_timeout_s"]
+    policy = adaptive_timeout(op_numel, op_numel * 4, cfg)
+    values["op_deadline_s"] = default_deadline(policy, pg, cfg)
+    capped = ", capped" if values["op_deadline_s"] < policy else ""
+    sources["op_deadline_s"] = f"{cfg.timeout_policy} policy for {op_numel} float32 elements{capped} (Config)"
+    values["barrier_deadline_s"] = default_deadline(cfg.barrier_timeout_s, pg, cfg)
+    capped = " (capped)" if values["barrier_deadline_s"] < cfg.barrier_timeout_s else ""
+    sources["barrier_deadline_s"] = f"Config.barrier_timeout_s{capped}"
+
+
+def _outside_tier(env: Mapping[str, str], backend: str, values: dict[str, Any], sources: dict[str, str]) -> None:
+    """The timeouts of others: DeepSpeed's default, and NCCL's watchdog heartbeat when ``backend`` is nccl."""
+    ds, ds_source = _deepspeed_timeout(env)
+    if ds is not None:
+        values["deepspeed_timeout_s"], sources["deepspeed_timeout_s"] = ds, ds_source
+    if backend == "nccl":
+        raw = env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            values["nccl_heartbeat_s"], sources["nccl_heartbeat_s"] = float(raw), "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+        else:
+            values["nccl_heartbeat_s"], sources["nccl_heartbeat_s"] = NCCL_HEARTBEAT_DEFAULT_S, "torch default"
+
+
 class TimeoutHierarchy(BaseModel):
     """Every timeout that decides who gives up first when a rank stalls, and their order.
 
@@ -289,52 +373,12 @@ class TimeoutHierarchy(BaseModel):
         env = os.environ if environ is None else environ
         sources: dict[str, str] = {}
         values: dict[str, Any] = {}
-
-        hang, liveness, wd_source = _watchdog_timeouts()
-        if hang is not None:
-            values["watchdog_hang_s"], sources["watchdog_hang_s"] = hang, wd_source
-        if liveness is not None:
-            values["peer_liveness_s"], sources["peer_liveness_s"] = liveness, wd_source
-
-        live = _live_timeout_s(group)
-        live_backend = str(dist.get_backend(group)) if live is not None else None
-        chosen_backend = live_backend or backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if group_timeout_s is not None:
-            values["group_timeout_s"], sources["group_timeout_s"] = float(group_timeout_s), group_source
-        elif live is not None:
-            values["group_timeout_s"], sources["group_timeout_s"] = live, f"live {live_backend} group"
-        else:
-            values["group_timeout_s"] = backend_default_timeout_s(chosen_backend)
-            sources["group_timeout_s"] = f"{chosen_backend} default (no group yet)"
-
-        for field, given, name in (
-            ("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
-            ("eval_timeout_s", eval_timeout_s, "eval_deadline_s"),
-        ):
-            value = given if given is not None else getattr(cfg, name)
-            if value is not None:
-                values[field] = float(value)
-                sources[field] = "given" if given is not None else f"Config.{name}"
-        # ncclguard's default deadlines, as a call on the group would get them: capped below its timeout.
-        pg = values["group_timeout_s"]
-        policy = adaptive_timeout(op_numel, op_numel * 4, cfg)
-        values["op_deadline_s"] = default_deadline(policy, pg, cfg)
-        capped = ", capped" if values["op_deadline_s"] < policy else ""
-        sources["op_deadline_s"] = f"{cfg.timeout_policy} policy for {op_numel} float32 elements{capped} (Config)"
-        values["barrier_deadline_s"] = default_deadline(cfg.barrier_timeout_s, pg, cfg)
-        capped = " (capped)" if values["barrier_deadline_s"] < cfg.barrier_timeout_s else ""
-        sources["barrier_deadline_s"] = f"Config.barrier_timeout_s{capped}"
+        _watchdog_tier(values, sources)
+        chosen_backend = _group_tier(group, backend, group_timeout_s, group_source, values, sources)
+        _config_tier(cfg, heartbeat_timeout_s, eval_timeout_s, values, sources)
+        _deadline_tier(cfg, op_numel, values, sources)
         values["subgroup_timeouts_s"] = subgroup_timeouts_s()
-
-        ds, ds_source = _deepspeed_timeout(env)
-        if ds is not None:
-            values["deepspeed_timeout_s"], sources["deepspeed_timeout_s"] = ds, ds_source
-        if chosen_backend == "nccl":
-            raw = env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "").strip()
-            if raw.isdigit() and int(raw) > 0:
-                values["nccl_heartbeat_s"], sources["nccl_heartbeat_s"] = float(raw), "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
-            else:
-                values["nccl_heartbeat_s"], sources["nccl_heartbeat_s"] = NCCL_HEARTBEAT_DEFAULT_S, "torch default"
+        _outside_tier(env, chosen_backend, values, sources)
         values["sources"] = sources
         if validate:
             return cls(**values)

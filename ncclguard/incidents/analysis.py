@@ -222,9 +222,9 @@ def _backend_finding(
     stuck: bool = False,
 ) -> None:
     """Analyses ``group`` by the backend's sequence numbers: the ranks at the highest number wait
-    in an op the others have not issued (found by :func:`~ncclguard.watching.detect.find_backend_desync`),
+    in an op the others have not issued (found by :func:`~ncclguard.watching.sensors.detect.find_backend_desync`),
     or, for a ``stuck`` incident (``stuck``), every member there with the op open: an op that does
-    not move (a stuck transport, :func:`~ncclguard.watching.detect.find_backend_stuck`). The site is the Python call's where
+    not move (a stuck transport, :func:`~ncclguard.watching.sensors.detect.find_backend_stuck`). The site is the Python call's where
     a statement joined the op to ncclguard's record of it, else "issued from C++"."""
     seqs = {r: v.backend_seq[group] for r, v in views.items() if v.backend_seq and group in v.backend_seq}
     if not seqs:
@@ -340,29 +340,12 @@ def analyse(
         The findings, culprits, victims, stale and silent ranks, and the one-line summary.
     """
     now = time.time() if now is None else now
-    views: dict[int, Heartbeat] = {}
-    for r in range(world_size):
-        known = _view(r, statements, heartbeats)
-        if known is not None:
-            views[r] = known
+    views = _views(statements, heartbeats, world_size)
     lost = sorted(r for r in stale if r < world_size)
     silent = sorted(r for r in range(world_size) if r not in statements and r not in stale)
     acc = _Findings()
-
-    # The groups with an op stuck somewhere: the oldest op in flight per rank, with its age.
-    oldest: dict[str, dict[int, tuple[OpRecord, float]]] = {}
-    p2p_waits: list[tuple[int, OpRecord]] = []
-    for r, view in views.items():
-        if r in stale:
-            continue  # a lost rank's last heartbeat is old news: it is a culprit, not a witness
-        for rec in view.inflight:
-            if rec.peer is not None:  # send/recv: counts differ between ranks, matched by peer below
-                if view.time - rec.start >= waiting_after_s:
-                    p2p_waits.append((r, rec))
-                continue
-            mine = oldest.setdefault(rec.group, {})
-            if r not in mine or rec.seq < mine[r][0].seq:
-                mine[r] = (rec, round(view.time - rec.start, 3))
+    oldest, p2p_waits = _waiting_ops(views, stale, waiting_after_s)
+    # Analysed: the groups where an op waited long enough somewhere, and always the incident's own.
     problem = [
         g
         for g, recs in oldest.items()
@@ -375,26 +358,7 @@ def analyse(
             _backend_finding(acc, seen_group, statements, views, stale, world_size, now, stuck)
     for r, rec in sorted(p2p_waits, key=lambda w: (w[0], w[1].seq)):
         _p2p_finding(acc, r, rec, views, stale, now)
-
-    missing_lost = [r for r in lost if r not in acc.culprits]
-    if missing_lost:
-        entries = []
-        for r in missing_lost:
-            seen = views.get(r)
-            where = dict(whereabouts(r, seen))
-            by_group = dict(seen.last_completed) if seen is not None else {}
-            entries.append(
-                LostRank.model_validate({**where, "stale_s": round(stale[r], 1), "last_completed_by_group": by_group})
-            )
-            acc.culprit(
-                Whereabouts.model_validate(where),
-                CulpritReason.STOPPED_BEATING,
-                stale_s=round(stale[r], 1),
-                last_completed_by_group=by_group,
-            )
-        acc.findings.append(LostRanksFinding(ranks=entries))
-        if not acc.victims:
-            acc.victims.update(r for r in range(world_size) if r not in acc.culprits)
+    _lost_finding(acc, [r for r in lost if r not in acc.culprits], views, stale, world_size)
     if silent:
         acc.findings.append(SilentFinding(ranks=silent, note=SILENT_NOTE))
     acc.victims.difference_update(acc.culprits)
@@ -406,6 +370,69 @@ def analyse(
         silent=silent,
         summary=summary_line(acc.findings),
     )
+
+
+def _views(
+    statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat], world_size: int
+) -> dict[int, Heartbeat]:
+    """What is known of each rank of the world (its statement, else its last heartbeat), by rank."""
+    views: dict[int, Heartbeat] = {}
+    for r in range(world_size):
+        known = _view(r, statements, heartbeats)
+        if known is not None:
+            views[r] = known
+    return views
+
+
+def _waiting_ops(
+    views: Mapping[int, Heartbeat], stale: Mapping[int, float], waiting_after_s: float
+) -> tuple[dict[str, dict[int, tuple[OpRecord, float]]], list[tuple[int, OpRecord]]]:
+    """The groups with an op stuck somewhere: per group, the oldest op in flight of each rank with
+    its age; and the send/recv that waited ``waiting_after_s`` or more, with their ranks."""
+    oldest: dict[str, dict[int, tuple[OpRecord, float]]] = {}
+    p2p_waits: list[tuple[int, OpRecord]] = []
+    for r, view in views.items():
+        if r in stale:
+            continue  # a lost rank's last heartbeat is old news: it is a culprit, not a witness
+        for rec in view.inflight:
+            if rec.peer is not None:  # send/recv: counts differ between ranks, matched by peer later
+                if view.time - rec.start >= waiting_after_s:
+                    p2p_waits.append((r, rec))
+                continue
+            mine = oldest.setdefault(rec.group, {})
+            if r not in mine or rec.seq < mine[r][0].seq:
+                mine[r] = (rec, round(view.time - rec.start, 3))
+    return oldest, p2p_waits
+
+
+def _lost_finding(
+    acc: _Findings,
+    missing_lost: list[int],
+    views: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+) -> None:
+    """Names the lost ranks no other finding named culprits (they stopped beating), the rest of the
+    world their victims when no finding named any."""
+    if not missing_lost:
+        return
+    entries = []
+    for r in missing_lost:
+        seen = views.get(r)
+        where = dict(whereabouts(r, seen))
+        by_group = dict(seen.last_completed) if seen is not None else {}
+        entries.append(
+            LostRank.model_validate({**where, "stale_s": round(stale[r], 1), "last_completed_by_group": by_group})
+        )
+        acc.culprit(
+            Whereabouts.model_validate(where),
+            CulpritReason.STOPPED_BEATING,
+            stale_s=round(stale[r], 1),
+            last_completed_by_group=by_group,
+        )
+    acc.findings.append(LostRanksFinding(ranks=entries))
+    if not acc.victims:
+        acc.victims.update(r for r in range(world_size) if r not in acc.culprits)
 
 
 def _rank_view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat]) -> RankView:

@@ -168,72 +168,103 @@ def chrome_trace(tl: Timeline) -> dict[str, Any]:
     Returns:
         The trace as JSON data (``{"traceEvents": [...], ...}``).
     """
-    starts = [rec.start for recs in tl.records.values() for rec in recs]
-    starts += [s.start for spans in tl.spans.values() for s in spans]
-    starts += [e.created for entries in tl.backend.values() for e in entries]
-    t0 = min([*starts, tl.raised]) if starts or tl.raised else 0.0
-
-    def us(t: float) -> float:
-        return round((t - t0) * 1e6, 3)
-
+    t0 = _trace_t0(tl)
     events: list[dict[str, Any]] = []
     for r, recs in tl.records.items():
         spans, entries = tl.spans.get(r, []), tl.backend.get(r, [])
-        empty = "" if recs or spans or entries else " (no records)"
-        name = f"rank {r}" + (f" ({tl.hosts[r]})" if r in tl.hosts else "") + empty
-        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": name}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for tid, what in ((TID_COLLECTIVES, "collectives"), (TID_MAIN, "main thread"), (TID_BACKEND, "backend")):
-            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": what}})
-        for rec in recs:
-            end = rec.end if rec.end is not None else max(tl.report, rec.start)
-            events.append(
-                {
-                    "ph": "X",
-                    "name": rec.op,
-                    "cat": "p2p" if rec.peer is not None else "collective",
-                    "pid": r,
-                    "tid": TID_COLLECTIVES,
-                    "ts": us(rec.start),
-                    "dur": round(max(0.0, end - rec.start) * 1e6, 3),
-                    "args": {
-                        "seq": rec.seq,
-                        "group": rec.group,
-                        "numel": rec.numel,
-                        "dtype": rec.dtype,
-                        "phase": rec.phase,
-                        "site": rec.site,
-                        "state": rec.state,
-                        "open": rec.end is None,
-                    },
-                }
-            )
-        for span in spans:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": span.label,
-                    "cat": "phase" if span.phase else "function",
-                    "pid": r,
-                    "tid": TID_MAIN,
-                    "ts": us(span.start),
-                    "dur": round(max(0.0, span.end - span.start) * 1e6, 3),
-                    "args": {"phase": span.phase, "func": span.func, "site": span.site},
-                }
-            )
-        for e in entries:
-            args = {"group": e.group, "seq": e.seq, "numel": e.numel, "p2p": e.p2p, "open": e.open}
-            event = {"name": e.name, "cat": "backend", "pid": r, "tid": TID_BACKEND, "ts": us(e.created), "args": args}
-            if e.open:
-                event.update(ph="X", dur=round(max(0.0, tl.report - e.created) * 1e6, 3))
-            else:
-                event.update(ph="i", s="t")
-            events.append(event)
+        events += _rank_metadata(tl, r, empty=not (recs or spans or entries))
+        events += [_record_event(rec, r, tl.report, t0) for rec in recs]
+        events += [_span_event(span, r, t0) for span in spans]
+        events += [_backend_event(e, r, tl.report, t0) for e in entries]
         if r in tl.culprits:
-            text = f"culprit ({tl.culprits[r]})" + (f": {tl.culprit_where[r]}" if r in tl.culprit_where else "")
-            events.append({"ph": "i", "s": "p", "name": text, "pid": r, "tid": TID_MAIN, "ts": us(tl.raised)})
-    events.append({"ph": "i", "s": "g", "name": f"incident {tl.title}", "pid": 0, "tid": 0, "ts": us(tl.raised)})
+            name = _culprit_text(tl, r)
+            events.append({"ph": "i", "s": "p", "name": name, "pid": r, "tid": TID_MAIN, "ts": _us(tl.raised, t0)})
+    events.append({"ph": "i", "s": "g", "name": f"incident {tl.title}", "pid": 0, "tid": 0, "ts": _us(tl.raised, t0)})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"t0": t0, "incident": tl.title}}
+
+
+def _trace_t0(tl: Timeline) -> float:
+    """The trace's zero: the earliest record, span, backend entry or the incident itself."""
+    starts = [rec.start for recs in tl.records.values() for rec in recs]
+    starts += [s.start for spans in tl.spans.values() for s in spans]
+    starts += [e.created for entries in tl.backend.values() for e in entries]
+    return min([*starts, tl.raised]) if starts or tl.raised else 0.0
+
+
+def _us(t: float, t0: float) -> float:
+    """``t`` as the trace's microseconds from ``t0``."""
+    return round((t - t0) * 1e6, 3)
+
+
+def _dur_us(start: float, end: float) -> float:
+    """The microseconds from ``start`` to ``end``, never negative."""
+    return round(max(0.0, end - start) * 1e6, 3)
+
+
+def _culprit_text(tl: Timeline, r: int) -> str:
+    """``culprit (why): where`` of culprit rank ``r``, the same on the trace and on the picture."""
+    return f"culprit ({tl.culprits[r]})" + (f": {tl.culprit_where[r]}" if r in tl.culprit_where else "")
+
+
+def _rank_metadata(tl: Timeline, r: int, empty: bool) -> list[dict[str, Any]]:
+    """The metadata events of rank ``r``'s process: its name, its place (by rank) and its three threads."""
+    name = f"rank {r}" + (f" ({tl.hosts[r]})" if r in tl.hosts else "") + (" (no records)" if empty else "")
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": name}},
+        {"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}},
+    ]
+    for tid, what in ((TID_COLLECTIVES, "collectives"), (TID_MAIN, "main thread"), (TID_BACKEND, "backend")):
+        events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": what}})
+    return events
+
+
+def _record_event(rec: OpRecord, r: int, report: float, t0: float) -> dict[str, Any]:
+    """A complete event of one of ncclguard's records; one still open is drawn up to the report."""
+    end = rec.end if rec.end is not None else max(report, rec.start)
+    return {
+        "ph": "X",
+        "name": rec.op,
+        "cat": "p2p" if rec.peer is not None else "collective",
+        "pid": r,
+        "tid": TID_COLLECTIVES,
+        "ts": _us(rec.start, t0),
+        "dur": _dur_us(rec.start, end),
+        "args": {
+            "seq": rec.seq,
+            "group": rec.group,
+            "numel": rec.numel,
+            "dtype": rec.dtype,
+            "phase": rec.phase,
+            "site": rec.site,
+            "state": rec.state,
+            "open": rec.end is None,
+        },
+    }
+
+
+def _span_event(span: TrackSpan, r: int, t0: float) -> dict[str, Any]:
+    """A complete event on the main thread: where it was, named by phase or function."""
+    return {
+        "ph": "X",
+        "name": span.label,
+        "cat": "phase" if span.phase else "function",
+        "pid": r,
+        "tid": TID_MAIN,
+        "ts": _us(span.start, t0),
+        "dur": _dur_us(span.start, span.end),
+        "args": {"phase": span.phase, "func": span.func, "site": span.site},
+    }
+
+
+def _backend_event(e: BackendEntry, r: int, report: float, t0: float) -> dict[str, Any]:
+    """An instant event of torch's flight recorder; one still open a complete event up to the report."""
+    args = {"group": e.group, "seq": e.seq, "numel": e.numel, "p2p": e.p2p, "open": e.open}
+    event = {"name": e.name, "cat": "backend", "pid": r, "tid": TID_BACKEND, "ts": _us(e.created, t0), "args": args}
+    if e.open:
+        event.update(ph="X", dur=_dur_us(e.created, report))
+    else:
+        event.update(ph="i", s="t")
+    return event
 
 
 # Span colours: pale, one per label, the same on every rank (a stable hash of the label).
@@ -261,16 +292,34 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float | None = None) -> Non
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError("the timeline needs matplotlib: pip install 'ncclguard[plot]'") from exc
-    window = auto_window(tl) if seconds is None else seconds
     ranks = sorted(tl.records)
-    lo = tl.report - window
-    # The rows each rank gets: those some rank has something in (a DDP-only loop records no Python
-    # collective; a rank dump from an older ncclguard has no track), in this order.
-    rows = [
+    rows = _rows(tl)
+    fig = Figure(figsize=(12, min(14.0, 1.9 + (0.3 + 0.25 * len(rows)) * max(1, len(ranks)))), dpi=100)
+    FigureCanvasAgg(fig)
+    # Labels inside spans, and each row named, only when they fit.
+    c = _Canvas(fig.add_subplot(), tl, rows, auto_window(tl) if seconds is None else seconds, few=len(ranks) <= 16)
+    for lane, r in enumerate(ranks):
+        if "main thread" in rows:
+            _draw_spans(c, lane, r)
+        if "collectives" in rows:
+            _draw_records(c, lane, r)
+        if "backend" in rows:
+            _draw_backend(c, lane, r)
+        if r in tl.culprits and c.few:
+            _draw_culprit(c, lane, r)
+    c.ax.axvline(c.x(tl.raised), color="black", linestyle="--", linewidth=1)
+    _draw_axes(c, ranks)
+    _draw_legend(c)
+    fig.tight_layout()
+    _save_atomically(fig, path)
+
+
+def _rows(tl: Timeline) -> list[str]:
+    """The rows each rank gets, in this order: those some rank has something in (a DDP-only loop
+    records no Python collective; a rank dump from an older ncclguard has no track)."""
+    return [
         name
         for name, present in (
             ("main thread", any(tl.spans.values())),
@@ -279,98 +328,144 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float | None = None) -> Non
         )
         if present
     ] or ["collectives"]
-    height = 0.84 / len(rows)
-    few = len(ranks) <= 16  # labels inside spans, and each row named, only when they fit
-    fig = Figure(figsize=(12, min(14.0, 1.9 + (0.3 + 0.25 * len(rows)) * max(1, len(ranks)))), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
 
-    def x(t: float) -> float:
-        return t - tl.report
 
-    def row(lane: int, name: str) -> tuple[float, float]:
+@dataclass
+class _Canvas:
+    """What each part of the picture draws with: the axes, the timeline, its rows and the window."""
+
+    ax: Any  # matplotlib's Axes (matplotlib is optional: not imported at module level)
+    tl: Timeline
+    rows: list[str]
+    window: float  # seconds shown, ending at the report
+    few: bool  # ranks few enough for labels inside spans and every row named
+
+    @property
+    def lo(self) -> float:
+        """The earliest time shown."""
+        return self.tl.report - self.window
+
+    def x(self, t: float) -> float:
+        """``t`` on the x axis: seconds before the report."""
+        return t - self.tl.report
+
+    def row(self, lane: int, name: str) -> tuple[float, float]:
         """(bottom, height) of a row of a lane (the y axis points down)."""
-        return lane - 0.42 + rows.index(name) * height + height * 0.1, height * 0.8
+        height = 0.84 / len(self.rows)
+        return lane - 0.42 + self.rows.index(name) * height + height * 0.1, height * 0.8
 
+
+def _draw_spans(c: _Canvas, lane: int, r: int) -> None:
+    """Rank ``r``'s main thread: its spans, the culprit's last one edged in red."""
+    y0, h = c.row(lane, "main thread")
+    spans = c.tl.spans.get(r, [])
+    for i, span in enumerate(spans):
+        # Spans are sampled at the watchdog's ticks: the thread moved on somewhere between
+        # a span's last tick and the next one's first; drawn up to the next span, no gap.
+        end = spans[i + 1].start if i + 1 < len(spans) else span.end
+        if end < c.lo:
+            continue
+        start = max(span.start, c.lo)
+        width = max(end - start, c.window / 1500)
+        last_of_culprit = r in c.tl.culprits and i == len(spans) - 1  # where the culprit is
+        edge, lw = ("tab:red", 2.0) if last_of_culprit else ("0.6", 1.0)
+        c.ax.broken_barh(
+            [(c.x(start), width)], (y0, h), facecolors=_span_color(span.label), edgecolor=edge, linewidth=lw
+        )
+        if c.few and width > c.window * 0.06:
+            c.ax.text(c.x(start) + width / 2, y0 + h / 2, span.label[:40], ha="center", va="center", fontsize=7)
+
+
+def _draw_records(c: _Canvas, lane: int, r: int) -> None:
+    """Rank ``r``'s collectives: ncclguard's records, coloured done, open (up to the report) or failed."""
+    y0, h = c.row(lane, "collectives")
+    bars: dict[str, list[tuple[float, float]]] = {"done": [], "open": [], "failed": []}
+    for rec in c.tl.records[r]:
+        end = rec.end if rec.end is not None else c.tl.report
+        if end < c.lo:
+            continue
+        kind = "open" if rec.end is None else "failed" if rec.error else "done"
+        start = max(rec.start, c.lo)
+        bars[kind].append((c.x(start), max(end - start, c.window / 1500)))
+    for kind, parts in bars.items():
+        if parts:
+            c.ax.broken_barh(parts, (y0, h), facecolors=_COLORS[kind])
+
+
+def _draw_backend(c: _Canvas, lane: int, r: int) -> None:
+    """Rank ``r``'s backend: a tick per completed entry, a bar up to the report per open one."""
+    y0, h = c.row(lane, "backend")
+    done = [c.x(e.created) for e in c.tl.backend.get(r, []) if not e.open and e.created >= c.lo]
+    if done:
+        c.ax.vlines(done, y0, y0 + h, colors=_COLORS["backend"], linewidth=0.8)
+    for e in c.tl.backend.get(r, []):
+        if not e.open:
+            continue
+        start = max(e.created, c.lo)
+        c.ax.broken_barh([(c.x(start), c.tl.report - start)], (y0, h), facecolors=_COLORS["open"])
+        if c.few and c.tl.report - start > c.window * 0.12:
+            text = f"{e.name} #{e.seq} waiting"
+            c.ax.text(c.x(start) + c.window * 0.01, y0 + h / 2, text, va="center", fontsize=7, color="white")
+
+
+def _draw_culprit(c: _Canvas, lane: int, r: int) -> None:
+    """Culprit rank ``r`` named, with why and where, in red above its lane."""
+    y0, _ = c.row(lane, c.rows[0])
+    c.ax.text(
+        c.x(c.lo) + c.window * 0.005,
+        y0 - 0.01,
+        _culprit_text(c.tl, r),
+        color="tab:red",
+        fontsize=8,
+        va="bottom",
+        fontweight="bold",
+    )
+
+
+def _row_labels(c: _Canvas, ranks: list[int]) -> tuple[list[float], list[str]]:
+    """Each row's place on the y axis and its label (the rank on its first row; each row named when
+    the ranks are few)."""
     ticks: list[float] = []
     labels: list[str] = []
     for lane, r in enumerate(ranks):
-        for name in rows:
-            y0, h = row(lane, name)
+        mark = " *" if r in c.tl.culprits else ""
+        for name in c.rows:
+            y0, h = c.row(lane, name)
             ticks.append(y0 + h / 2)
-            first = name == rows[0]
-            mark = " *" if r in tl.culprits else ""
+            first = name == c.rows[0]
             labels.append(
-                (f"rank {r}{mark}  " if first else "") + name if few else (f"rank {r}{mark}" if first else "")
+                (f"rank {r}{mark}  " if first else "") + name if c.few else (f"rank {r}{mark}" if first else "")
             )
-        if "main thread" in rows:
-            y0, h = row(lane, "main thread")
-            spans = tl.spans.get(r, [])
-            for i, span in enumerate(spans):
-                # Spans are sampled at the watchdog's ticks: the thread moved on somewhere between
-                # a span's last tick and the next one's first; drawn up to the next span, no gap.
-                end = spans[i + 1].start if i + 1 < len(spans) else span.end
-                if end < lo:
-                    continue
-                start = max(span.start, lo)
-                width = max(end - start, window / 1500)
-                last_of_culprit = r in tl.culprits and i == len(spans) - 1  # where the culprit is
-                edge, lw = ("tab:red", 2.0) if last_of_culprit else ("0.6", 1.0)
-                ax.broken_barh(
-                    [(x(start), width)], (y0, h), facecolors=_span_color(span.label), edgecolor=edge, linewidth=lw
-                )
-                if few and width > window * 0.06:
-                    ax.text(x(start) + width / 2, y0 + h / 2, span.label[:40], ha="center", va="center", fontsize=7)
-        if "collectives" in rows:
-            y0, h = row(lane, "collectives")
-            bars: dict[str, list[tuple[float, float]]] = {"done": [], "open": [], "failed": []}
-            for rec in tl.records[r]:
-                end = rec.end if rec.end is not None else tl.report
-                if end < lo:
-                    continue
-                kind = "open" if rec.end is None else "failed" if rec.error else "done"
-                start = max(rec.start, lo)
-                bars[kind].append((x(start), max(end - start, window / 1500)))
-            for kind, parts in bars.items():
-                if parts:
-                    ax.broken_barh(parts, (y0, h), facecolors=_COLORS[kind])
-        if "backend" in rows:
-            y0, h = row(lane, "backend")
-            done = [x(e.created) for e in tl.backend.get(r, []) if not e.open and e.created >= lo]
-            if done:
-                ax.vlines(done, y0, y0 + h, colors=_COLORS["backend"], linewidth=0.8)
-            for e in tl.backend.get(r, []):
-                if not e.open:
-                    continue
-                start = max(e.created, lo)
-                ax.broken_barh([(x(start), tl.report - start)], (y0, h), facecolors=_COLORS["open"])
-                if few and tl.report - start > window * 0.12:
-                    text = f"{e.name} #{e.seq} waiting"
-                    ax.text(x(start) + window * 0.01, y0 + h / 2, text, va="center", fontsize=7, color="white")
-        if r in tl.culprits and few:
-            text = f"culprit ({tl.culprits[r]})" + (f": {tl.culprit_where[r]}" if r in tl.culprit_where else "")
-            y0, _ = row(lane, rows[0])
-            ax.text(
-                x(lo) + window * 0.005, y0 - 0.01, text, color="tab:red", fontsize=8, va="bottom", fontweight="bold"
-            )
-    ax.axvline(x(tl.raised), color="black", linestyle="--", linewidth=1)
+    return ticks, labels
+
+
+def _draw_axes(c: _Canvas, ranks: list[int]) -> None:
+    """The y axis (rows labelled, at most about 40 ranks of them; the culprits' in red), the limits,
+    the x label and the title."""
+    ticks, labels = _row_labels(c, ranks)
+    step = max(1, len(ranks) // 40)
+    keep = [i for i in range(len(ticks)) if (i // len(c.rows)) % step == 0]
+    c.ax.set_yticks([ticks[i] for i in keep])
+    c.ax.set_yticklabels([labels[i] for i in keep], fontsize=7 if c.few else 8)
+    for label, i in zip(c.ax.get_yticklabels(), keep, strict=True):
+        if ranks[i // len(c.rows)] in c.tl.culprits:
+            label.set_color("tab:red")
+    c.ax.set_ylim(len(ranks) - 0.5, -0.6)
+    c.ax.set_xlim(-c.window, 0)
+    c.ax.set_xlabel("seconds before the report (dashed: incident raised; red: culprit)")
+    title = c.tl.title if len(c.tl.title) <= 260 else c.tl.title[:259] + "…"
+    c.ax.set_title(title if len(title) <= 130 else title[:130] + "\n" + title[130:], fontsize=8)
+
+
+def _draw_legend(c: _Canvas) -> None:
+    """The legend, right of the axes: an entry for each row drawn."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     def has(name: str) -> int:
-        return int(name in rows)
+        return int(name in c.rows)
 
-    step = max(1, len(ranks) // 40)
-    keep = [i for i in range(len(ticks)) if (i // len(rows)) % step == 0]
-    ax.set_yticks([ticks[i] for i in keep])
-    ax.set_yticklabels([labels[i] for i in keep], fontsize=7 if few else 8)
-    for label, i in zip(ax.get_yticklabels(), keep, strict=True):
-        if ranks[i // len(rows)] in tl.culprits:
-            label.set_color("tab:red")
-    ax.set_ylim(len(ranks) - 0.5, -0.6)
-    ax.set_xlim(-window, 0)
-    ax.set_xlabel("seconds before the report (dashed: incident raised; red: culprit)")
-    title = tl.title if len(tl.title) <= 260 else tl.title[:259] + "…"
-    ax.set_title(title if len(title) <= 130 else title[:130] + "\n" + title[130:], fontsize=8)
-    ax.legend(
+    c.ax.legend(
         handles=[
             *(
                 [Patch(facecolor=_PALETTE[0], edgecolor="0.6", label="main thread: phase or function")]
@@ -392,7 +487,11 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float | None = None) -> Non
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
     )
-    fig.tight_layout()
+
+
+def _save_atomically(fig: Any, path: Path) -> None:
+    """Writes ``fig`` to ``path`` through a temporary file beside it, so that a reader never sees half
+    a picture."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
     fig.savefig(tmp)

@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ncclguard.recovery.internals.restarts import RESTART_COUNT_VAR
+from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR
 from ncclguard.store.deaths import DeathPoster
 
 __all__ = [
@@ -219,6 +219,35 @@ def spawn(
         ValueError: ``nproc`` < 1, ``timeout_s`` <= 0, ``restarts`` < 0, or ``restart_on`` holds 0
             or a non-integer.
     """
+    codes = _checked(nproc, timeout_s, restarts, restart_on)
+    base = _job_env(env, nproc)
+    start = time.monotonic()
+    ranks = [
+        _Rank(
+            rank,
+            list(argv),
+            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)},
+            cwd,
+            capture,
+        )
+        for rank in range(nproc)
+    ]
+    result = SpawnResult()
+    result.timed_out = _supervise(ranks, base, result.restarts, restarts, codes, start, start + timeout_s)
+    result.ranks = [r.finish() for r in ranks]
+    result.wall_s = time.monotonic() - start
+    return result
+
+
+def _checked(nproc: int, timeout_s: float, restarts: int, restart_on: Collection[int] | None) -> set[int] | None:
+    """Checks :func:`spawn`'s arguments.
+
+    Returns:
+        The exit codes that earn a restart, or None for any non-zero one.
+
+    Raises:
+        ValueError: as :func:`spawn` says.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if timeout_s <= 0:
@@ -230,6 +259,12 @@ def spawn(
         raise ValueError(
             f"restart_on must hold non-zero exit codes (negative for a signal, e.g. -9 for SIGKILL), got {restart_on!r}"
         )
+    return codes
+
+
+def _job_env(env: Mapping[str, str] | None, nproc: int) -> dict[str, str]:
+    """The environment every rank shares: this process's, ``env``, and torchrun's variables of a
+    one-host job of ``nproc`` ranks (a free port on loopback for the store); the rank's own come later."""
     port = free_port()
     base = {**os.environ, **(env or {})}
     base.update(
@@ -243,20 +278,25 @@ def spawn(
         OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
         PYTHONUNBUFFERED="1",
     )
-    start = time.monotonic()
-    ranks = [
-        _Rank(
-            rank,
-            list(argv),
-            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)},
-            cwd,
-            capture,
-        )
-        for rank in range(nproc)
-    ]
-    result = SpawnResult()
-    deadline = start + timeout_s
-    running = set(range(nproc))
+    return base
+
+
+def _supervise(
+    ranks: list[_Rank],
+    base: dict[str, str],
+    made: list[Restart],
+    restarts: int,
+    codes: set[int] | None,
+    start: float,
+    deadline: float,
+) -> bool:
+    """Waits for every rank to end, until ``deadline`` (``time.monotonic()``): posts each death in
+    the job's store and restarts a rank that earned it (appended to ``made``).
+
+    Returns:
+        Whether the deadline came first (ranks still running are left to :meth:`_Rank.finish`).
+    """
+    running = set(range(len(ranks)))
     deaths: DeathPoster | None = None  # made at the first death: a job where nobody dies needs none
     while running:
         for rank in sorted(running):
@@ -271,18 +311,15 @@ def spawn(
                     r.note(why_not)
             if rc != 0 and len(r.lives) < restarts and (codes is None or rc in codes):
                 r.restart(rc)
-                result.restarts.append(Restart(rank, len(r.lives), rc, time.monotonic() - start))
+                made.append(Restart(rank, len(r.lives), rc, time.monotonic() - start))
             else:
                 running.discard(rank)
         if not running:
             break
         if time.monotonic() >= deadline:
-            result.timed_out = True
-            break
+            return True
         time.sleep(0.05)  # a restart waits this long at most; polling costs nothing beside the ranks
-    result.ranks = [r.finish() for r in ranks]
-    result.wall_s = time.monotonic() - start
-    return result
+    return False
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
