@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.recovery import commit as commit_mod
-from ncclguard.recovery._commit.statements import MAX_STATEMENT_BYTES, Statement, commit_keys, decide
+from ncclguard.recovery._commit.statements import MAX_STATEMENT_BYTES, CommitStatement, commit_keys, decide
 from ncclguard.store.codec import decode, encode
 
 GROUP = "bench"
@@ -60,8 +60,8 @@ def group_name(size: int) -> str:
     return f"{GROUP}{size}"
 
 
-def statement(rank: int, size: int, n: int) -> Statement:
-    return Statement(rank=rank, step=n, generation=0, group=group_name(size), group_size=size, seq=4 * n + 2)
+def statement(rank: int, size: int, n: int) -> CommitStatement:
+    return CommitStatement(rank=rank, step=n, generation=0, group=group_name(size), group_size=size, seq=4 * n + 2)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -101,7 +101,7 @@ def settler_cpu_ms(server: dist.TCPStore, size: int) -> float:
     for _ in range(20):
         t0 = time.perf_counter()
         raw = server.multi_get(wanted)
-        found = {r: decode(Statement, b, "s", MAX_STATEMENT_BYTES) for r, b in enumerate(raw)}
+        found = {r: decode(CommitStatement, b, "s", MAX_STATEMENT_BYTES) for r, b in enumerate(raw)}
         verdict = decide(found, size, 10_000, TIMEOUT_S)
         encode(verdict)
         samples.append((time.perf_counter() - t0) * 1e3)
@@ -123,7 +123,8 @@ def serial_round_ms(server: dist.TCPStore, size: int, rounds: int) -> float:
     for n in range(rounds):
         keys = commit_keys(name, 0, n)
         blobs = [
-            encode(Statement(rank=r, step=n, generation=0, group=name, group_size=size, seq=n)) for r in range(size)
+            encode(CommitStatement(rank=r, step=n, generation=0, group=name, group_size=size, seq=n))
+            for r in range(size)
         ]
         rule = commit_mod._rule(client, info, 0, n, TIMEOUT_S)
         t0 = time.perf_counter()

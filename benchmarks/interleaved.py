@@ -2,7 +2,7 @@
 
 Every iteration runs each case once, in a rotating order, after a barrier, so noise from other
 jobs lands on all cases alike; an iteration's time is the slowest rank's (nccl-tests'
-convention, :func:`ncclguard.bench.metrics.slowest_per_iteration`).
+convention, :func:`ncclguard.bench.formulas.slowest_per_iteration`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def p50_of_slowest(cases: dict[str, Callable[[], object]], iters: int, warmup: i
     import torch
     import torch.distributed as dist
 
-    from ncclguard.bench.metrics import slowest_per_iteration
+    from ncclguard.bench.formulas import slowest_per_iteration
 
     names = list(cases)
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -37,7 +37,7 @@ def _rank(iters: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ncclguard.bench.metrics import slowest_per_iteration
+    from ncclguard.bench.formulas import slowest_per_iteration
     from ncclguard.collectives import all_reduce as ar
     from ncclguard.collectives.plan import CallShape, GroupPlan, plan_for
     from ncclguard.config import get_config

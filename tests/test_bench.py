@@ -19,11 +19,11 @@ import torch
 from harness import REPO, run_ranks
 
 from ncclguard.bench import check
+from ncclguard.bench.arguments import parse_options
+from ncclguard.bench.formulas import busbw_factor, slowest_per_iteration, summarize
 from ncclguard.bench.measure import ModeRun, SizeRun
 from ncclguard.bench.memory import MemoryRefused, ensure_fits
-from ncclguard.bench.metrics import busbw_factor, slowest_per_iteration, summarize
-from ncclguard.bench.options import parse_options
-from ncclguard.bench.report import CSV_FIELDS, build_rows, summary
+from ncclguard.bench.rows import CSV_FIELDS, build_rows, summary
 from ncclguard.bench.sizes import format_numel, parse_bytes, parse_numel, sweep_bytes
 
 MODES = ["plain", "safe", "safe-atomic"]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ncclguard.collectives.calls import CallPrint, begin_call, call_site, check_tag, compare_prints, meet
+from ncclguard.collectives.calls import CallPrint, begin_call, call_site, check_tag, compare_prints, meet_prints
 from ncclguard.collectives.groups import GroupInfo
 from ncclguard.config import configure
 from ncclguard.deadlines import check_below_group_timeout, default_deadline, group_cap_s
@@ -125,7 +125,7 @@ def _both(fns):
 
 
 def _meet_all(calls):
-    return _both([lambda c=c: meet(c, c.print(), time.monotonic() + 10) for c in calls])
+    return _both([lambda c=c: meet_prints(c, c.print(), time.monotonic() + 10) for c in calls])
 
 
 def test_one_count_for_every_kind_and_refused_calls_take_a_number():

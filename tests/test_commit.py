@@ -20,8 +20,8 @@ from ncclguard.recovery import commit as commit_mod
 from ncclguard.recovery._commit.statements import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
+    CommitStatement,
     CommitVerdict,
-    Statement,
     commit_keys,
     decide,
     verdict_limit,
@@ -31,9 +31,9 @@ from ncclguard.watching.ladder.actions import Action, Outcome
 from ncclguard.watching.watchdog import Watchdog
 
 
-def stmt(rank: int, seq: int | None = 10, **kw) -> Statement:
+def stmt(rank: int, seq: int | None = 10, **kw) -> CommitStatement:
     base = {"rank": rank, "step": 3, "generation": 0, "group": "0", "group_size": 4, "seq": seq}
-    return Statement(**{**base, **kw})
+    return CommitStatement(**{**base, **kw})
 
 
 def test_every_rank_clean_and_in_step_commits():

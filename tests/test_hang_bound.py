@@ -12,10 +12,10 @@ import torch.distributed as dist
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.keys import Keys
 from ncclguard.store.learned import hang_key
-from ncclguard.watching.base.exchange import WatchdogStore
 from ncclguard.watching.base.hang_bound import HANG_VAR, UNPHASED, HangBound, given, phase_kind
 from ncclguard.watching.base.learner import WARMUP
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import WatchdogStore
 
 
 class Job:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import ncclguard
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
-from ncclguard.recovery._rebuild.rules import Arrival, Verdict, WorldRecord, check_arrivals
+from ncclguard.recovery._rebuild.meeting_rules import Arrival, MeetingOutcome, WorldRecord, check_arrivals
 from ncclguard.recovery.heal import Header, _check, _from_json, _header, _to_json
 from ncclguard.recovery.rejoin import _live_attempt
 from ncclguard.store.codec import encode
@@ -223,7 +223,7 @@ def test_the_world_record_and_the_live_attempt_on_a_real_store():
     store.set(world_record_key(), encode(rec))
     assert read_world_record(store, deadline) == rec and rec.rank_of(2) == 1 and rec.rank_of(1) is None
     assert _live_attempt(store, 3, deadline) == (0, None)
-    failed = Verdict(arrived=[0, 2], ok=False, shrunk=True)
+    failed = MeetingOutcome(arrived=[0, 2], ok=False, shrunk=True)
     store.set(MeetingKeys(3, 0).verdict, encode(failed))
     assert _live_attempt(store, 3, deadline) == (1, failed)
     store.set(world_record_key(), "x" * 100 + "{")
@@ -236,7 +236,7 @@ def test_a_rejoined_arrival_takes_the_worlds_backend_and_never_objects_to_a_shri
         base = dict(rank=rank, world_size=4, generation=0, backend="gloo", allow_shrink=True, host="h", pid=1)
         return Arrival(**{**base, **kw})  # type: ignore[arg-type]
 
-    verdict = Verdict(arrived=[0, 1, 2], ok=True, shrunk=True)
+    verdict = MeetingOutcome(arrived=[0, 1, 2], ok=True, shrunk=True)
     rejoined = arrival(1, backend="nccl", allow_shrink=False, rejoined=True, origin=1)
     assert check_arrivals(verdict, {0: arrival(0), 1: rejoined, 2: arrival(2)}, 4) is None
     plain = arrival(1, backend="nccl")

@@ -42,7 +42,7 @@ def read_contract(doc: Path) -> list[Part]:
 
 
 def part_of(rel: str, parts: list[Part]) -> Part | None:
-    """The part a file (``ncclguard/store/calls.py``, ``integrations/hf.py``) belongs to."""
+    """The part a file (``ncclguard/store/bounded_calls.py``, ``integrations/hf.py``) belongs to."""
     rel = rel.removeprefix("ncclguard/")
     best: tuple[int, Part] | None = None
     for part in parts:

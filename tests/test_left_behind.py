@@ -16,7 +16,7 @@ from ncclguard.incidents.handling.left_behind import LeftBehind
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import world_record_key
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
-from ncclguard.watching.base.exchange import Keys, WatchdogStore
+from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
 from ncclguard.watching.watchdog import Watchdog
 
 

@@ -21,7 +21,7 @@ from ncclguard.cli.run import PREEMPT_DIR_VAR as RUN_VAR
 from ncclguard.cli.run import plan
 from ncclguard.recovery import engine as engine_module
 from ncclguard.recovery import preempt
-from ncclguard.recovery._commit.statements import CommitVerdict, Statement, decide
+from ncclguard.recovery._commit.statements import CommitStatement, CommitVerdict, decide
 from ncclguard.recovery.commit import _COMMITS
 from ncclguard.recovery.engine import Adapter
 from ncclguard.recovery.options import recovery_options
@@ -39,8 +39,8 @@ def no_request(monkeypatch):
     monkeypatch.setattr(preempt._REQUESTS, "signum", None)
 
 
-def _statement(rank: int, stop: bool = False) -> Statement:
-    return Statement(rank=rank, step=3, generation=0, group="0", group_size=3, seq=7, stop=stop)
+def _statement(rank: int, stop: bool = False) -> CommitStatement:
+    return CommitStatement(rank=rank, step=3, generation=0, group="0", group_size=3, seq=7, stop=stop)
 
 
 def test_one_rank_asking_to_stop_makes_the_verdict_stop_for_every_rank():
@@ -50,13 +50,13 @@ def test_one_rank_asking_to_stop_makes_the_verdict_stop_for_every_rank():
     verdict = decide(asked, 3, 3, 5.0)
     assert verdict.ok and verdict.stop  # the step is applied, then every rank stops
     # A failed step still carries it: the redo's commit asks again, from the same rank.
-    failing = {**asked, 2: Statement(**{**_statement(2).model_dump(), "problems": ["boom"]})}
+    failing = {**asked, 2: CommitStatement(**{**_statement(2).model_dump(), "problems": ["boom"]})}
     assert not decide(failing, 3, 3, 5.0).ok and decide(failing, 3, 3, 5.0).stop
     # Through the store's codec, and a statement from a rank that never says it (the default).
     assert decode(CommitVerdict, encode(verdict), "verdict", 4096).stop is True
     old = json.loads(encode(_statement(0)))
     old.pop("stop")
-    assert decode(Statement, json.dumps(old), "statement", 4096).stop is False
+    assert decode(CommitStatement, json.dumps(old), "statement", 4096).stop is False
 
 
 def test_should_commit_carries_this_ranks_request(no_request):

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import Qwen2_5_VLModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from ncclguard.evaluation.modes import eval_mode
 from ncclguard.integrations.deepspeed import (
     FAILED_METRIC,
     EvalSums,
@@ -35,7 +36,6 @@ from ncclguard.integrations.deepspeed import (
     patch_trainer,
     unpatch_trainer,
 )
-from ncclguard.integrations.modes import eval_mode
 from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
 
 

@@ -18,12 +18,11 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation, on_rebuild
 from ncclguard.recovery._rebuild.meeting import Meeting, meet
-from ncclguard.recovery._rebuild.reaper import Reaper
-from ncclguard.recovery._rebuild.rules import (
+from ncclguard.recovery._rebuild.meeting_rules import (
     MAX_ARRIVAL_BYTES,
     Arrival,
     MeetingKeys,
-    Verdict,
+    MeetingOutcome,
     check_arrivals,
     decide,
     dense_rank_map,
@@ -32,6 +31,7 @@ from ncclguard.recovery._rebuild.rules import (
     validate_arguments,
     world_prefix,
 )
+from ncclguard.recovery._rebuild.reaper import Reaper
 from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
 
 
@@ -45,10 +45,10 @@ def arrival(rank: int, size: int = 3, **over: object) -> Arrival:
 
 
 def test_decide_everyone_missing_and_shrink():
-    assert decide([2, 0, 1], 3, False) == Verdict(arrived=[0, 1, 2], ok=True, shrunk=False)
-    assert decide([0, 2], 3, False) == Verdict(arrived=[0, 2], ok=False, shrunk=True)
+    assert decide([2, 0, 1], 3, False) == MeetingOutcome(arrived=[0, 1, 2], ok=True, shrunk=False)
+    assert decide([0, 2], 3, False) == MeetingOutcome(arrived=[0, 2], ok=False, shrunk=True)
     assert decide([0, 2], 3, False).missing(3) == [1]
-    assert decide([0, 2], 3, True) == Verdict(arrived=[0, 2], ok=True, shrunk=True)
+    assert decide([0, 2], 3, True) == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
     assert decide([], 3, True).ok is False
     with pytest.raises(ValueError, match="outside a world of 3"):
         decide([0, 3], 3, True)
@@ -60,14 +60,14 @@ def test_dense_rank_map_keeps_order():
 
 
 def test_check_arrivals_finds_every_disagreement():
-    everyone = Verdict(arrived=[0, 1], ok=True)
+    everyone = MeetingOutcome(arrived=[0, 1], ok=True)
     assert check_arrivals(everyone, {0: arrival(0, 2), 1: arrival(1, 2)}, 2) is None
     assert "could not be read" in check_arrivals(everyone, {0: arrival(0, 2)}, 2)
     assert "another rank's key" in check_arrivals(everyone, {0: arrival(0, 2), 1: arrival(0, 2)}, 2)
     assert "backend" in check_arrivals(everyone, {0: arrival(0, 2), 1: arrival(1, 2, backend="nccl")}, 2)
     assert "world size" in check_arrivals(everyone, {0: arrival(0, 2), 1: arrival(1, 3)}, 2)
     assert "one of 3" in check_arrivals(everyone, {0: arrival(0, 2), 1: arrival(1, 2)}, 3)
-    shrunk = Verdict(arrived=[0, 1], ok=True, shrunk=True)
+    shrunk = MeetingOutcome(arrived=[0, 1], ok=True, shrunk=True)
     mixed = {0: arrival(0, allow_shrink=True), 1: arrival(1, allow_shrink=False)}
     assert "ranks [1] passed allow_shrink=False" in check_arrivals(shrunk, mixed, 3)
 
@@ -82,8 +82,8 @@ def test_parse_refuses_large_or_malformed_peer_data():
         parse(Arrival, b"\x80\x04pickle", MAX_ARRIVAL_BYTES)
     with pytest.raises(ValueError, match="not a valid Arrival"):
         parse(Arrival, good.replace('"pid":1', '"pid":1,"extra":2'), MAX_ARRIVAL_BYTES)
-    with pytest.raises(ValueError, match="not a valid Verdict"):
-        parse(Verdict, b'{"arrived": [0, "x"], "ok": true}', 1000)
+    with pytest.raises(ValueError, match="not a valid MeetingOutcome"):
+        parse(MeetingOutcome, b'{"arrived": [0, "x"], "ok": true}', 1000)
 
 
 def test_arguments_are_checked():
@@ -146,7 +146,7 @@ def test_meeting_of_everyone_agrees_and_cleans_up():
     for rank in range(3):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on and not m.late
-        assert m.verdict == Verdict(arrived=[0, 1, 2], ok=True)
+        assert m.verdict == MeetingOutcome(arrived=[0, 1, 2], ok=True)
         assert sorted(m.arrivals) == [0, 1, 2]
     assert store.list_keys() == [MeetingKeys(1, 0).verdict]  # only the verdict stays
 
@@ -172,7 +172,7 @@ def test_meeting_with_shrink_goes_on_without_the_absent_rank():
     out = run_meeting(store, {0: (0, True), 2: (0, True)})
     for rank in (0, 2):
         assert out[rank].goes_on
-        assert out[rank].verdict == Verdict(arrived=[0, 2], ok=True, shrunk=True)
+        assert out[rank].verdict == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
     left_out = run_meeting(store, {1: (0, True)})[1]
     assert left_out.late and left_out.verdict.ok and not left_out.goes_on
 

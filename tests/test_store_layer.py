@@ -134,8 +134,8 @@ def test_round_and_meeting_keys():
 
 def test_a_watchdog_store_moved_to_a_new_generation_reads_only_that_generation():
     from ncclguard.incidents.model import Heartbeat
-    from ncclguard.watching.base.exchange import Keys as OldName
-    from ncclguard.watching.base.exchange import WatchdogStore
+    from ncclguard.watching.base.watchdog_store import Keys as OldName
+    from ncclguard.watching.base.watchdog_store import WatchdogStore
 
     assert OldName is Keys  # re-exported where it used to live
     ws = WatchdogStore(dist.HashStore(), Keys("t"), 1.0, 5.0)

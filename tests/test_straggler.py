@@ -21,8 +21,8 @@ from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Straggl
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.steps import StepMarks, mark_step, steps
 from ncclguard.store.codec import decode, encode
-from ncclguard.watching.base.exchange import LIMITS
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import LIMITS
 from ncclguard.watching.sensors.snapshot import WorldArrivals
 from ncclguard.watching.sensors.straggler import (
     StragglerTracker,

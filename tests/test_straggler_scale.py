@@ -26,8 +26,8 @@ import torch.distributed as dist
 from ncclguard.incidents.model import Heartbeat, StragglerWindow
 from ncclguard.recording.steps import StepMarks
 from ncclguard.store.keys import Keys
-from ncclguard.watching.base.exchange import WatchdogStore
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import WatchdogStore
 from ncclguard.watching.sensors.liveness import watched_peers
 from ncclguard.watching.sensors.straggler import StragglerWatch
 

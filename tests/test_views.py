@@ -382,8 +382,8 @@ def test_watch_reads_again_until_interrupted(server, capsys, monkeypatch):
 def test_rank_0_names_the_namespace_once_per_world(server, client):
     from types import SimpleNamespace
 
-    from ncclguard.watching.base.exchange import WatchdogStore
     from ncclguard.watching.base.settings import WatchdogConfig
+    from ncclguard.watching.base.watchdog_store import WatchdogStore
     from ncclguard.watching.views import Views
 
     cfg = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=4.0, session="idx")

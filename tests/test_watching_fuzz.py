@@ -1,6 +1,6 @@
 """Hostile and malformed store data (issue 12, point 3), against a REAL TCPStore.
 
-Every key of the watchdog's schema (:class:`ncclguard.watching.base.exchange.Keys`) gets malformed JSON,
+Every key of the watchdog's schema (:class:`ncclguard.watching.base.watchdog_store.Keys`) gets malformed JSON,
 values over their size bound, wrong types, non-finite numbers, values under the wrong rank's key
 and path-traversal incident ids, while a real :class:`~ncclguard.watching.watchdog.Watchdog`
 (rank 0 of a world of 2; the test plays rank 1) runs against the store. Afterwards the watchdog
@@ -35,7 +35,7 @@ from ncclguard.errors import StoreTimeout
 from ncclguard.incidents.handling.desk import incident_path
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Statement
 from ncclguard.recording.flight import recorder
-from ncclguard.watching.base.exchange import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
+from ncclguard.watching.base.watchdog_store import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
 from ncclguard.watching.ladder.actions import Action, ActionContext, IncidentRef, Outcome
 from ncclguard.watching.watchdog import Watchdog
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote, OpRecord, Statement
-from ncclguard.watching.base.exchange import LIMITS, BoundedCalls, Keys, WatchdogStore, parse_value
+from ncclguard.watching.base.watchdog_store import LIMITS, BoundedCalls, Keys, WatchdogStore, parse_value
 
 
 def heartbeat(rank: int, beat: int = 1, inflight: int = 0) -> Heartbeat:

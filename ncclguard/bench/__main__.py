@@ -2,7 +2,7 @@
 
 import sys
 
-from ncclguard.bench.run import main
+from ncclguard.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

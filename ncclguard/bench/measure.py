@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ncclguard._naming import REDUCE_OP_NAMES
 from ncclguard.bench import check
+from ncclguard.bench.arguments import OPS
 from ncclguard.bench.memory import PeakMemory
-from ncclguard.bench.options import OPS
 from ncclguard.collectives.all_reduce import release_atomic_buffers, retained_atomic_bytes, safe_all_reduce
 from ncclguard.errors import BenchCallFailed
 

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ncclguard.bench.arguments import BenchOptions
 from ncclguard.bench.environment import describe_job
 from ncclguard.bench.measure import BenchCallFailed, SizeRun, measure_size
 from ncclguard.bench.memory import MemoryRefused, ensure_fits
-from ncclguard.bench.options import BenchOptions
-from ncclguard.bench.report import build_rows, render_table, summary, write_csv, write_json
+from ncclguard.bench.rows import build_rows, render_table, summary, write_csv, write_json
 from ncclguard.bench.sizes import format_bytes
 
 __all__ = ["run_rank"]

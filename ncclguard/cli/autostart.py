@@ -29,7 +29,7 @@ from ncclguard.env.hostview import prepare_sockets
 from ncclguard.env.sockets import SocketPlan
 from ncclguard.errors import BadInterface
 from ncclguard.incidents.model import Heartbeat
-from ncclguard.watching.base.exchange import store_addr
+from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.watchdog import Watchdog, current_watchdog
 
 __all__ = ["before_init", "peer_gone_line", "plan_line", "started", "status_line"]

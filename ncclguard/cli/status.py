@@ -30,7 +30,7 @@ from typing import Any
 from ncclguard._naming import rank_ranges
 from ncclguard.cli.status_read import JobStatus, RankGroup, StatusReader, read_index, read_status
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.store.calls import BoundedCalls
+from ncclguard.store.bounded_calls import BoundedCalls
 
 __all__ = ["EXIT_CODES", "add_arguments", "connect", "run"]
 

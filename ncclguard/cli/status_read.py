@@ -23,11 +23,11 @@ from pydantic import BaseModel, Field
 
 from ncclguard._naming import rank_ranges
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote
-from ncclguard.store.calls import BoundedCalls
+from ncclguard.store.bounded_calls import BoundedCalls
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import Keys, index_key
-from ncclguard.watching.base.exchange import LIMITS
 from ncclguard.watching.base.index import INDEX_LIMIT, WatchIndex
+from ncclguard.watching.base.watchdog_store import LIMITS
 
 __all__ = [
     "CHUNK",

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ncclguard._log import log
-from ncclguard.collectives.calls import begin_call, check_tag, meet, postmortem
+from ncclguard.collectives.calls import begin_call, check_tag, meet_prints, postmortem
 from ncclguard.collectives.groups import group_info, group_timeout_s
 from ncclguard.config import get_config
 from ncclguard.deadlines import default_deadline, to_seconds
@@ -84,7 +84,7 @@ def safe_barrier(
     start = time.monotonic()
     fields: dict[str, Any] = {"op": "barrier", "group": info.name}
     try:
-        met = meet(call, call.print(), start + seconds)
+        met = meet_prints(call, call.print(), start + seconds)
     except StoreUnreachable as exc:
         log.warning("safe_barrier %s: %s", call.round, exc)
         err = BarrierFailed(str(exc), elapsed_s=time.monotonic() - start, **fields)

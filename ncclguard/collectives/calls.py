@@ -46,7 +46,16 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 
-__all__ = ["Call", "CallPrint", "Meeting", "begin_call", "call_site", "compare_prints", "meet", "postmortem"]
+__all__ = [
+    "Call",
+    "CallPrint",
+    "FingerprintRound",
+    "begin_call",
+    "call_site",
+    "compare_prints",
+    "meet_prints",
+    "postmortem",
+]
 
 # What a tag may look like: it becomes part of a store key and of messages.
 _TAG = re.compile(r"^[A-Za-z0-9_.:=+-]{1,128}$")
@@ -204,7 +213,7 @@ def _note_sites(info: GroupInfo, prints: Mapping[int, CallPrint | None], note: s
 
 
 @dataclass
-class Meeting:
+class FingerprintRound:
     """What a round of fingerprints told this rank.
 
     Attributes:
@@ -224,7 +233,7 @@ class Meeting:
     mismatch: str | None
 
 
-def meet(call: Call, mine: dict[str, Any], deadline: float) -> Meeting:
+def meet_prints(call: Call, mine: dict[str, Any], deadline: float) -> FingerprintRound:
     """Runs the call's round with fingerprint ``mine`` and compares what the ranks sent.
 
     Raises:
@@ -241,7 +250,7 @@ def meet(call: Call, mine: dict[str, Any], deadline: float) -> Meeting:
     if ok and call.tag is not None:
         realign_on_tag(info, call.round)
     hosts = known_hosts(info)
-    return Meeting(
+    return FingerprintRound(
         ok=ok,
         prints={r: p if isinstance(p, dict) else {"unreadable": repr(p)[:200]} for r, p in sent.items()},
         missing=sorted(info.global_rank(r) for r in rnd.missing),

@@ -10,7 +10,7 @@ import torch
 
 from ncclguard._log import log
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.collectives.calls import Call, meet, postmortem
+from ncclguard.collectives.calls import Call, meet_prints, postmortem
 from ncclguard.collectives.completion import DeadlinePassed
 from ncclguard.collectives.groups import GroupInfo, mark_failed
 from ncclguard.collectives.wire import WireFailure
@@ -106,7 +106,7 @@ def check_fingerprints(
         chunks=[len(bounds), bounds[0][1] - bounds[0][0]],
     )
     try:
-        met = meet(call, mine, deadline)
+        met = meet_prints(call, mine, deadline)
     except StoreUnreachable as exc:
         return CollectiveFailed(f"fingerprint check failed: {exc}", elapsed_s=time.monotonic() - start, **fields)
     where = f"{fields['op']} at {call.site} on group {info.name!r}"

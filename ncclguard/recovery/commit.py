@@ -1,7 +1,7 @@
 """should_commit: every rank agrees, once per step, whether the step may be applied.
 
 Call it on every rank after backward and before ``optimizer.step()``. Each rank states what it saw
-since its last commit (:class:`~ncclguard.recovery._commit.statements.Statement`): a failed or timed
+since its last commit (:class:`~ncclguard.recovery._commit.statements.CommitStatement`): a failed or timed
 out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
 of a ``safe_*`` call), an incident the watchdog raised whose ladder acted (past ``report``), what
 the caller reports, and the backend's sequence number on the group. One settle-once round in the group's store
@@ -41,8 +41,8 @@ from ncclguard.recovery._commit.statements import (
     MAX_GROUPS,
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
+    CommitStatement,
     CommitVerdict,
-    Statement,
     clip,
     commit_keys,
     decide,
@@ -234,7 +234,7 @@ def note_point_to_point(group: dist.ProcessGroup) -> None:
 
 def _p2p_groups() -> list[str]:
     """The groups on which the flight recorder saw point-to-point ops, and those declared so
-    (:func:`note_point_to_point`; see Statement.p2p_groups)."""
+    (:func:`note_point_to_point`; see CommitStatement.p2p_groups)."""
     seen = {k.removesuffix(":p2p") for k in recorder.last_seq() if k.endswith(":p2p")}
     declared: set[str] = current_world().get(_P2P)
     names = sorted(seen | declared)
@@ -250,11 +250,11 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
 
     known = _known_dead(store, info, size)
 
-    def statements_of(raw: dict[int, bytes]) -> dict[int, Statement | None]:
-        out: dict[int, Statement | None] = {}
+    def statements_of(raw: dict[int, bytes]) -> dict[int, CommitStatement | None]:
+        out: dict[int, CommitStatement | None] = {}
         for r, blob in raw.items():
             try:
-                out[r] = decode(Statement, blob, f"rank {r}'s commit statement", MAX_STATEMENT_BYTES)
+                out[r] = decode(CommitStatement, blob, f"rank {r}'s commit statement", MAX_STATEMENT_BYTES)
             except DecodeError as exc:
                 log.error("should_commit: %s", exc)
                 out[r] = None
@@ -386,7 +386,7 @@ def should_commit(
         else:
             if timeout_s is None:
                 timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
-            statement = Statement(
+            statement = CommitStatement(
                 rank=info.rank,
                 step=n,
                 user_step=step,
@@ -409,7 +409,7 @@ def should_commit(
 
 
 def _settle(
-    info: GroupInfo, generation: int, n: int, statement: Statement, deadline: Deadline, timeout_s: float
+    info: GroupInfo, generation: int, n: int, statement: CommitStatement, deadline: Deadline, timeout_s: float
 ) -> tuple[CommitVerdict, bool]:
     """Runs the commit round; returns the settled verdict and whether this rank came late."""
     try:

@@ -35,8 +35,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import RebuildFailed, StoreUnreachable
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import Meeting, meet
-from ncclguard.recovery._rebuild.reaper import reaper
-from ncclguard.recovery._rebuild.rules import (
+from ncclguard.recovery._rebuild.meeting_rules import (
     Arrival,
     WorldRecord,
     dense_rank_map,
@@ -44,6 +43,7 @@ from ncclguard.recovery._rebuild.rules import (
     validate_arguments,
     world_prefix,
 )
+from ncclguard.recovery._rebuild.reaper import reaper
 from ncclguard.results import Result
 from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix

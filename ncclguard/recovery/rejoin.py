@@ -3,7 +3,7 @@ ranks' next rebuild.
 
 The survivors notice the death (their step fails: gloo says "Connection closed by peer"), their
 commit fails and they call :func:`~ncclguard.recovery.rebuild.rebuild_world`. The restarted process
-reads the job's current world from the store (:class:`~ncclguard.recovery._rebuild.rules.WorldRecord`;
+reads the job's current world from the store (:class:`~ncclguard.recovery._rebuild.meeting_rules.WorldRecord`;
 none yet: generation 0, ranks ``0..WORLD_SIZE-1``), finds the rank its launch rank holds there,
 and arrives at the survivors' meeting as that rank, flagged ``rejoined``. The meeting then sees
 everyone and the new world has the old size and the old numbering (the newcomer in its old
@@ -29,17 +29,17 @@ from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import meet
-from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count
-from ncclguard.recovery._rebuild.rules import (
+from ncclguard.recovery._rebuild.meeting_rules import (
     MAX_VERDICT_BYTES,
     Arrival,
     MeetingKeys,
-    Verdict,
+    MeetingOutcome,
     WorldRecord,
     dense_rank_map,
     handshake_timeout,
     world_prefix,
 )
+from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
 from ncclguard.store.clients import connect, job_address
 from ncclguard.store.values import read_value
@@ -62,13 +62,13 @@ def _connect(timeout_s: float) -> dist.Store:
     return connect(*address, timeout_s)
 
 
-def _live_attempt(store: dist.Store, generation: int, deadline: Deadline) -> tuple[int, Verdict | None]:
+def _live_attempt(store: dist.Store, generation: int, deadline: Deadline) -> tuple[int, MeetingOutcome | None]:
     """The first attempt toward ``generation`` with no verdict yet, and the last settled verdict."""
     attempt, last = 0, None
     while True:
         key = MeetingKeys(generation, attempt).verdict
         try:
-            found = read_value(store, key, Verdict, MAX_VERDICT_BYTES, deadline, "a rebuild verdict")
+            found = read_value(store, key, MeetingOutcome, MAX_VERDICT_BYTES, deadline, "a rebuild verdict")
         except DecodeError as exc:
             raise StoreUnreachable(f"a rebuild verdict of generation {generation} cannot be read: {exc}") from exc
         if found is None:

@@ -14,7 +14,7 @@ to a waiting thread costs ~30 us of CPU against ~140 us for a new thread per cal
 
 - the settle-once rounds (:mod:`ncclguard.store.rounds`, a deadline per round) through
   :func:`bounded_store_call`, which keeps one helper per store client and calling thread;
-- the watchdog (:class:`ncclguard.store.calls.BoundedCalls`), which owns one helper per client.
+- the watchdog (:class:`ncclguard.store.bounded_calls.BoundedCalls`), which owns one helper per client.
 
 A call that misses its deadline is abandoned (its thread stays blocked until the socket gives
 up); while it is still pending, later calls on the same store fail at once instead of piling up

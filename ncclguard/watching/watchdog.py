@@ -22,7 +22,7 @@ This module holds the watchdog's life cycle and public API; the parts it drives,
 :mod:`~ncclguard.watching.ticks` (the thread's loop: what happens at each tick),
 :mod:`~ncclguard.watching.sensors.backend_watch` (the backend's numbers), :mod:`~ncclguard.watching.worlds`
 (the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.sensors.story`
-(where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.exchange` (the store
+(where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.watchdog_store` (the store
 protocol), :mod:`~ncclguard.watching.sensors.liveness`
 (peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.incidents.handling.desk`
 (claim, statements, merge), :mod:`~ncclguard.watching.ladder.actions` (the ladder),

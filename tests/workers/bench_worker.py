@@ -6,11 +6,11 @@ import sys
 
 import rankkit
 
-from ncclguard.bench.options import parse_options
+from ncclguard.bench.arguments import parse_options
 from ncclguard.bench.rank import run_rank
 from ncclguard.testing.launch import under_launcher
 
-# The same path as `torchrun -m ncclguard.bench ARGS` takes (bench.run.main under a launcher),
+# The same path as `torchrun -m ncclguard.bench ARGS` takes (bench.main.main under a launcher),
 # minus its final os._exit, so the rank can save what it returned.
 rankkit.put("under_launcher", under_launcher())
 rankkit.put("rc", run_rank(parse_options(sys.argv[1:]), "gloo"))

@@ -22,7 +22,7 @@ from rankkit import put
 import ncclguard
 from ncclguard.collectives.all_reduce import CollectiveResult
 from ncclguard.errors import StoreTimeout
-from ncclguard.watching.base.exchange import Keys, WatchdogStore
+from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 

@@ -30,7 +30,7 @@ from ncclguard.incidents.model import (
 )
 from ncclguard.incidents.pictures import draw_later
 from ncclguard.incidents.render import render
-from ncclguard.watching.base.exchange import INCIDENT_ID, WatchdogStore
+from ncclguard.watching.base.watchdog_store import INCIDENT_ID, WatchdogStore
 from ncclguard.watching.ladder.actions import (
     IncidentRef,
     LadderState,
@@ -49,7 +49,7 @@ def incident_path(root: Path | str, ident: str) -> Path:
     """The directory of incident ``ident`` under ``root``, resolved.
 
     Raises:
-        ValueError: ``ident`` is not a plain name (:data:`~ncclguard.watching.base.exchange.INCIDENT_ID`),
+        ValueError: ``ident`` is not a plain name (:data:`~ncclguard.watching.base.watchdog_store.INCIDENT_ID`),
             or the directory resolves outside ``root`` (a symbolic link there pointing out).
     """
     if not INCIDENT_ID.match(ident):

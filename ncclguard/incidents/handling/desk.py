@@ -51,8 +51,8 @@ from ncclguard.incidents.model import (
     Statement,
     TrackSpan,
 )
-from ncclguard.watching.base.exchange import StoreRefused, WatchdogStore
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
 from ncclguard.watching.ladder.actions import (
     Action,
     ActionContext,

@@ -29,7 +29,7 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import FenceNote
-from ncclguard.watching.base.exchange import WatchdogStore
+from ncclguard.watching.base.watchdog_store import WatchdogStore
 from ncclguard.watching.ladder.actions import exit_now
 from ncclguard.world import current_world
 

@@ -20,8 +20,8 @@ from ncclguard.incidents.model import (
     Statement,
     StoreFinding,
 )
-from ncclguard.watching.base.exchange import StoreRefused, WatchdogStore
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.native import add_outside_stacks
 

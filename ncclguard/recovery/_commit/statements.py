@@ -1,6 +1,6 @@
 """What the ranks say at a step's commit, and the verdict settled from it: pure functions.
 
-Each rank publishes a :class:`Statement` (its step count, world generation, group, the backend's
+Each rank publishes a :class:`CommitStatement` (its step count, world generation, group, the backend's
 sequence number on the group, and what went wrong on it since its last commit); the first rank
 able to settle the round turns the statements present into one :class:`CommitVerdict` with
 :func:`decide`, and every rank reads that verdict (:mod:`ncclguard.recovery.commit`). Nothing
@@ -26,7 +26,7 @@ __all__ = [
     "MAX_REASON_CHARS",
     "MAX_STATEMENT_BYTES",
     "CommitVerdict",
-    "Statement",
+    "CommitStatement",
     "commit_keys",
     "decide",
     "verdict_limit",
@@ -40,7 +40,7 @@ GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
 
-class Statement(BaseModel):
+class CommitStatement(BaseModel):
     """One rank's account of its step.
 
     Attributes:
@@ -182,7 +182,7 @@ def _sequence_texts(group: str | None) -> tuple[Callable[[Any, str], str], Calla
     return alone, odd
 
 
-def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[str]]) -> None:
+def _disagreements(statements: Mapping[int, CommitStatement], failed: dict[int, list[str]]) -> None:
     """Adds to ``failed`` the ranks that disagree with the others on what they did."""
 
     def note(field: str, what: Callable[[Any], str], others: Callable[[Any], str]) -> None:
@@ -210,7 +210,7 @@ def _disagreements(statements: Mapping[int, Statement], failed: dict[int, list[s
 
 
 def decide(
-    statements: Mapping[int, Statement | None],
+    statements: Mapping[int, CommitStatement | None],
     size: int,
     step: int,
     timeout_s: float,

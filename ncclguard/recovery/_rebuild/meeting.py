@@ -30,12 +30,12 @@ from torch.distributed import DistStoreError
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery._rebuild.rules import (
+from ncclguard.recovery._rebuild.meeting_rules import (
     MAX_ARRIVAL_BYTES,
     MAX_VERDICT_BYTES,
     Arrival,
     MeetingKeys,
-    Verdict,
+    MeetingOutcome,
     check_arrivals,
     decide,
 )
@@ -59,7 +59,7 @@ class Meeting:
         elapsed_s: seconds spent meeting.
     """
 
-    verdict: Verdict
+    verdict: MeetingOutcome
     late: bool
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     problem: str | None = None
@@ -93,10 +93,10 @@ def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
 
 def _rule(
     keys: MeetingKeys, size: int, allow_shrink: bool, stuck: Callable[[], set[int]] | None = None
-) -> Rule[Verdict]:
-    def read(raw: bytes) -> Verdict:
+) -> Rule[MeetingOutcome]:
+    def read(raw: bytes) -> MeetingOutcome:
         try:
-            return decode(Verdict, raw, f"the verdict under {keys.verdict!r}", MAX_VERDICT_BYTES)
+            return decode(MeetingOutcome, raw, f"the verdict under {keys.verdict!r}", MAX_VERDICT_BYTES)
         except DecodeError as exc:
             raise StoreUnreachable(f"the rebuild's verdict under {keys.verdict!r} cannot be read: {exc}") from exc
 

@@ -35,8 +35,8 @@ from collections.abc import Iterable
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.store.learned import hang_key
-from ncclguard.watching.base.exchange import WatchdogStore
 from ncclguard.watching.base.learner import FLOOR_S, Change, Learner, parse_state
+from ncclguard.watching.base.watchdog_store import WatchdogStore
 
 __all__ = ["HANG_VAR", "STEP_KINDS", "UNPHASED", "HangBound", "phase_kind"]
 

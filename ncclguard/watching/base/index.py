@@ -15,7 +15,7 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.store.keys import Keys, index_key
-from ncclguard.watching.base.exchange import WatchdogStore
+from ncclguard.watching.base.watchdog_store import WatchdogStore
 
 __all__ = ["INDEX_LIMIT", "WatchIndex", "publish_index"]
 

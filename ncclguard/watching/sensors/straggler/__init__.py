@@ -28,7 +28,9 @@ See ``docs/stragglers.md``.
 """
 
 from ncclguard.watching.sensors.straggler.evidence import BASELINE_WINDOWS, StragglerTracker
-from ncclguard.watching.sensors.straggler.measure import (
+from ncclguard.watching.sensors.straggler.rules import MAX_SLOWDOWN, Assessment, assess
+from ncclguard.watching.sensors.straggler.watch import DELAY_SAMPLES, ArrivalSource, StragglerWatch, from_config
+from ncclguard.watching.sensors.straggler.window_figures import (
     LINK_MIN_NUMEL,
     MIN_OPS,
     delay_at,
@@ -38,8 +40,6 @@ from ncclguard.watching.sensors.straggler.measure import (
     phase_name,
     run_delay,
 )
-from ncclguard.watching.sensors.straggler.rules import MAX_SLOWDOWN, Assessment, assess
-from ncclguard.watching.sensors.straggler.watch import DELAY_SAMPLES, ArrivalSource, StragglerWatch, from_config
 
 __all__ = [
     "BASELINE_WINDOWS",

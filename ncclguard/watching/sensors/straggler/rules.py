@@ -24,7 +24,7 @@ from typing import Literal
 
 from ncclguard.incidents.model import StragglerWindow, WindowEvidence
 from ncclguard.watching.sensors.straggler.links import Link, link_rates, locate, one_pair, slow_links
-from ncclguard.watching.sensors.straggler.measure import MIN_OPS, from_arrivals
+from ncclguard.watching.sensors.straggler.window_figures import MIN_OPS, from_arrivals
 
 __all__ = ["INPUT_SHARE", "MAX_SLOWDOWN", "Assessment", "assess"]
 

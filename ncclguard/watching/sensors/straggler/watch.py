@@ -17,14 +17,14 @@ from ncclguard.recording.flight import recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.steps import StepMarks, steps
 from ncclguard.store.keys import Keys
-from ncclguard.watching.base.exchange import store_addr
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.straggler.clocks import ClockTicker
 from ncclguard.watching.sensors.straggler.evidence import StragglerTracker
 from ncclguard.watching.sensors.straggler.inputs import inputs, time_dataloaders
 from ncclguard.watching.sensors.straggler.links import LinkMeter
-from ncclguard.watching.sensors.straggler.measure import MIN_OPS, delay_at, fresh_windows, measure, run_delay
+from ncclguard.watching.sensors.straggler.window_figures import MIN_OPS, delay_at, fresh_windows, measure, run_delay
 
 __all__ = ["DELAY_SAMPLES", "ArrivalSource", "StragglerWatch", "from_config"]
 

@@ -24,7 +24,7 @@ __all__ = [
     "MAX_VERDICT_BYTES",
     "Arrival",
     "MeetingKeys",
-    "Verdict",
+    "MeetingOutcome",
     "WorldRecord",
     "check_arrivals",
     "decide",
@@ -70,7 +70,7 @@ class Arrival(BaseModel):
     rejoined: bool = False
 
 
-class Verdict(BaseModel):
+class MeetingOutcome(BaseModel):
     """The meeting's outcome, settled once by compare-and-set and read by every rank.
 
     Attributes:
@@ -91,7 +91,7 @@ class Verdict(BaseModel):
         return [r for r in range(world_size) if r not in there]
 
 
-def decide(arrived: list[int], world_size: int, allow_shrink: bool) -> Verdict:
+def decide(arrived: list[int], world_size: int, allow_shrink: bool) -> MeetingOutcome:
     """The verdict of a meeting given who had arrived when it was settled.
 
     Args:
@@ -106,7 +106,7 @@ def decide(arrived: list[int], world_size: int, allow_shrink: bool) -> Verdict:
     if any(r < 0 or r >= world_size for r in ranks):
         raise ValueError(f"arrived ranks {ranks} outside a world of {world_size}")
     everyone = len(ranks) == world_size
-    return Verdict(arrived=ranks, ok=everyone or (allow_shrink and bool(ranks)), shrunk=not everyone)
+    return MeetingOutcome(arrived=ranks, ok=everyone or (allow_shrink and bool(ranks)), shrunk=not everyone)
 
 
 def dense_rank_map(members: list[int]) -> dict[int, int]:
@@ -114,7 +114,7 @@ def dense_rank_map(members: list[int]) -> dict[int, int]:
     return {old: new for new, old in enumerate(sorted(members))}
 
 
-def check_arrivals(verdict: Verdict, arrivals: dict[int, Arrival], world_size: int) -> str | None:
+def check_arrivals(verdict: MeetingOutcome, arrivals: dict[int, Arrival], world_size: int) -> str | None:
     """What makes a settled meeting unusable, or None. Every member computes the same answer
     from the same arrivals, so all of them refuse together or go on together.
 

@@ -2,7 +2,7 @@
 
 - :class:`~ncclguard.store.keys.Keys` (re-exported here) builds every key the watchdog reads or
   writes (nowhere else builds one), one namespace per world generation.
-- :class:`~ncclguard.store.calls.BoundedCalls` bounds each store call by ``timeout``
+- :class:`~ncclguard.store.bounded_calls.BoundedCalls` bounds each store call by ``timeout``
   and tells a slow store from a refused request and a store that is gone.
 - :class:`WatchdogStore` is the protocol itself: typed reads and writes of heartbeats, incidents,
   statements and the merge. Every value read is decoded by the store layer's codec
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.incidents.model import FenceNote, Heartbeat, IncidentDoc, MergedNote, Statement
-from ncclguard.store.calls import BoundedCalls, StoreRefused
+from ncclguard.store.bounded_calls import BoundedCalls, StoreRefused
 from ncclguard.store.clients import connect
 from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
 from ncclguard.store.keys import Keys, world_record_key

@@ -1,6 +1,6 @@
 """From measured times to rows, and from rows to a rich table, JSON and CSV.
 
-Every derived number of a row comes from :mod:`ncclguard.bench.metrics`; the JSON keeps the raw
+Every derived number of a row comes from :mod:`ncclguard.bench.formulas`; the JSON keeps the raw
 per-rank times next to it, so anyone can recompute the row.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ncclguard.bench.formulas import FORMULAS, algbw_gbps, busbw_gbps, slowest_per_iteration, summarize
 from ncclguard.bench.measure import SizeRun
-from ncclguard.bench.metrics import FORMULAS, algbw_gbps, busbw_gbps, slowest_per_iteration, summarize
 from ncclguard.bench.sizes import format_bytes
 
 __all__ = ["build_rows", "summary", "render_table", "write_json", "write_csv", "CSV_FIELDS"]

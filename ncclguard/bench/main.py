@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ncclguard.bench.arguments import BenchOptions, parse_options
 from ncclguard.bench.memory import MemoryRefused, ensure_fits
-from ncclguard.bench.options import BenchOptions, parse_options
 from ncclguard.testing.launch import spawn, under_launcher
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
