@@ -161,7 +161,12 @@ def test_defaults_fire_on_a_20_percent_compute_slowdown_within_3_windows() -> No
 
 @settings(max_examples=200, deadline=None)
 @given(
-    slow=st.floats(1.2, 3.0),
+    # 20% slower or more in every window, noise included: a rank's +-3% can take 6% off the ratio,
+    # and at exactly the threshold the figures (sums of time stamps) land a rounding error either
+    # side of it. Found by hypothesis: slow=1.2 with one peer and no noise, and slow=1.203 with -2.3%
+    # and +2.3% in the middle window (1.148: no two windows in a row), failed alike before and after
+    # the rules were split into named parts.
+    slow=st.floats(1.2 * 1.03 / 0.97 * 1.001, 3.0),
     share=st.floats(0.3, 0.95),  # the healthy step's compute share
     peers=st.integers(1, 16),
     noise=st.lists(st.floats(-0.03, 0.03), min_size=17 * 3, max_size=17 * 3),

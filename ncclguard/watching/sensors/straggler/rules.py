@@ -18,11 +18,12 @@ Pure: figures in, an assessment out.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from ncclguard.incidents.model import StragglerWindow, WindowEvidence
+from ncclguard.incidents.straggler_model import LinkSample
 from ncclguard.watching.sensors.straggler.links import Link, link_rates, locate, one_pair, slow_links
 from ncclguard.watching.sensors.straggler.window_figures import MIN_OPS, from_arrivals
 
@@ -107,19 +108,75 @@ def assess(
         them too, on figures from :func:`from_arrivals` (evidence ``source="backend"``).
     """
     told = [own.links, *(w.links for w in peers.values())]  # every peer that tells links, whatever its ops
-    source = "records"
+    compared = _comparable(own, peers)
+    if compared is None:
+        return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
+    own, peers, source = compared
+    work = _judge_work(own, peers, threshold, min_share)
+    link = _judge_links(
+        own,
+        peers,
+        told,
+        work,
+        threshold,
+        min_share,
+        link_threshold,
+        baseline_op_wait,
+        baseline_compute_per_op,
+        link_baselines,
+    )
+    return Assessment(
+        _evidence(own, peers, source, work, link, baseline_op_wait),
+        round(max(0.0, work.score), 4),
+        work.compute_slow,
+        link.slow,
+        work.cause,
+        work.excess,
+        work.input_excess,
+        (link.slow_links or None) if link.slow else None,
+        link.rates or None,
+        work.straggling,
+    )
+
+
+def _comparable(
+    own: StragglerWindow, peers: Mapping[int, StragglerWindow]
+) -> tuple[StragglerWindow, dict[int, StragglerWindow], Literal["records", "backend"]] | None:
+    """The windows to compare (the backend's figures where the records are too few), or None."""
+    source: Literal["records", "backend"] = "records"
     if own.ops < MIN_OPS and own.arrivals:
         backend = from_arrivals(own, {r: w for r, w in peers.items() if w.ops < MIN_OPS and w.arrivals})
         if backend is not None:
             (own, peers), source = backend, "backend"
-    peers = {r: w for r, w in peers.items() if w.ops >= MIN_OPS}
-    if not peers or own.ops < MIN_OPS:
-        return None  # no steps to compare: a hang or a pause (the hang detectors' business), or no collectives
-    cf, wf = _share(own, "compute"), _share(own, "wait")
-    ref_c, ref_w = (
-        statistics.median(_share(w, "compute") for w in peers.values()),
-        statistics.median(_share(w, "wait") for w in peers.values()),
-    )
+    kept = {r: w for r, w in peers.items() if w.ops >= MIN_OPS}
+    if not kept or own.ops < MIN_OPS:
+        return None
+    return own, kept, source
+
+
+@dataclass(frozen=True)
+class _Work:
+    """The compute (and input) verdict of one window: the shares compared and what they say."""
+
+    runnable: bool  # every rank compared tells its run delay: work is compute less that delay
+    mine: float
+    ref: float
+    straggling: bool
+    slowdown: float
+    score: float
+    compute_slow: bool
+    timed_input: bool
+    in_own: float
+    in_ref: float
+    cause: Literal["compute", "input"]
+    excess: float
+    input_excess: float
+
+
+def _judge_work(
+    own: StragglerWindow, peers: Mapping[int, StragglerWindow], threshold: float, min_share: float
+) -> _Work:
+    """Whether this rank is the one its peers wait for, and whether its input pipeline is why."""
     # Compute is judged less the time the rank was runnable but got no CPU (its run delay): on a
     # loaded host the scheduler starves one rank, then another, by 20% of a window and more, which
     # is the host's doing, not more work (docs/stragglers.md). Only when every rank compared tells
@@ -134,6 +191,7 @@ def assess(
     score = min(1.0, min([*pw, mine]) / mine) if mine > 0 else 1.0
     # The physics check: its peers wait for it. Told run delays, a rank that waited for a CPU did not
     # work meanwhile either, so that time counts with its waits (1 - its work share).
+    wf, ref_w = _share(own, "wait"), statistics.median(_share(w, "wait") for w in peers.values())
     idle, ref_idle = (1.0 - mine, 1.0 - ref) if runnable else (wf, ref_w)
     compute_slow = slowdown >= threshold and mine - ref >= min_share and idle < ref_idle
     timed_input = own.input_s is not None and all(w.input_s is not None for w in peers.values())
@@ -142,6 +200,46 @@ def assess(
     cause: Literal["compute", "input"] = (
         "input" if timed_input and excess > 0 and input_excess >= INPUT_SHARE * excess else "compute"
     )
+    return _Work(
+        runnable,
+        mine,
+        ref,
+        straggling,
+        slowdown,
+        score,
+        compute_slow,
+        timed_input,
+        in_own,
+        in_ref,
+        cause,
+        excess,
+        input_excess,
+    )
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The transfer's verdict of one window: the transfer time, the links' rates, the slow ones."""
+
+    transfer: float
+    rates: dict[Link, tuple[float, float]]
+    slow_links: dict[Link, float]
+    slow: bool
+
+
+def _judge_links(
+    own: StragglerWindow,
+    peers: Mapping[int, StragglerWindow],
+    told: Sequence[Sequence[LinkSample]],  # each rank's links as its window tells them
+    work: _Work,
+    threshold: float,
+    min_share: float,
+    link_threshold: float,
+    baseline_op_wait: float | None,
+    baseline_compute_per_op: float | None,
+    link_baselines: Mapping[Link, float] | None,
+) -> _Links:
+    """Whether a link is slow: the kernel's figures of each link, else the transfer against its past."""
     timed = [w.op_wait_s for w in (own, *peers.values()) if w.transfer_ops >= MIN_OPS]
     transfer = min(timed) if timed else 0.0
     rates = link_rates(told)
@@ -169,38 +267,38 @@ def assess(
     # A window in which some rank straggles says nothing of the links: the transfer is then the
     # straggler's alone, and its late reads and CPU-starved host blur its peers' connections (a drill
     # run: a data loader 10% slower read as the link into its host, 2.7x slower).
-    link_slow = not straggling and (slower or bool(slow))
-    evidence = WindowEvidence(
+    return _Links(transfer, rates, slow, not work.straggling and (slower or bool(slow)))
+
+
+def _evidence(
+    own: StragglerWindow,
+    peers: Mapping[int, StragglerWindow],
+    source: Literal["records", "backend"],
+    work: _Work,
+    link: _Links,
+    baseline_op_wait: float | None,
+) -> WindowEvidence:
+    """What the window showed, rounded for the incident."""
+    runnable = work.runnable
+    return WindowEvidence(
         n=own.n,
         end=own.end,
-        compute_frac=round(cf, 4),
-        wait_frac=round(wf, 4),
-        peers_compute_frac=round(ref_c, 4),
-        peers_wait_frac=round(ref_w, 4),
-        slowdown=round(slowdown, 4),
+        compute_frac=round(_share(own, "compute"), 4),
+        wait_frac=round(_share(own, "wait"), 4),
+        peers_compute_frac=round(statistics.median(_share(w, "compute") for w in peers.values()), 4),
+        peers_wait_frac=round(statistics.median(_share(w, "wait") for w in peers.values()), 4),
+        slowdown=round(work.slowdown, 4),
         run_delay_frac=round((own.run_delay_s or 0.0) / own.length_s, 4) if runnable else None,
-        work_frac=round(mine, 4) if runnable else None,
-        peers_work_frac=round(ref, 4) if runnable else None,
-        op_wait_s=round(transfer, 6),
+        work_frac=round(work.mine, 4) if runnable else None,
+        peers_work_frac=round(work.ref, 4) if runnable else None,
+        op_wait_s=round(link.transfer, 6),
         baseline_op_wait_s=None if baseline_op_wait is None else round(baseline_op_wait, 6),
         phase=own.phase,
         op=own.op,
         source=source,
         common_ops=own.ops + 1 if source == "backend" else None,
-        input_frac=round(in_own, 4) if timed_input else None,
-        peers_input_frac=round(in_ref, 4) if timed_input else None,
+        input_frac=round(work.in_own, 4) if work.timed_input else None,
+        peers_input_frac=round(work.in_ref, 4) if work.timed_input else None,
         clock_offset_s=own.clock_offset_s,
-        links=[(a, b, round(m), round(t, 4)) for (a, b), (m, t) in sorted(rates.items())][:64],
-    )
-    return Assessment(
-        evidence,
-        round(max(0.0, score), 4),
-        compute_slow,
-        link_slow,
-        cause,
-        excess,
-        input_excess,
-        (slow or None) if link_slow else None,
-        rates or None,
-        straggling,
+        links=[(a, b, round(m), round(t, 4)) for (a, b), (m, t) in sorted(link.rates.items())][:64],
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ncclguard.incidents.model import Heartbeat, StragglerWindow
@@ -107,43 +108,12 @@ def measure(
     Returns:
         The figures, or None when the window covers no time.
     """
-    mine: list[_RecordLike] = []
-    reached = False
-    for rec in reversed(records):
-        if rec.thread != thread or rec.async_op or rec.start >= end:
-            continue  # another thread's, async, or begun after the window (it closes a tick late)
-        if (rec.end if rec.end is not None else end) <= start:
-            reached = True
-            break
-        mine.append(rec)
-    mine.reverse()
-    covered = start
-    if not reached and capacity is not None and len(records) >= capacity and records:
-        covered = max(start, records[0].start)
+    mine, covered = _in_window(records, start, end, thread, capacity)
     length = end - covered
     if length <= 0:
         return None
-    waits: dict[str, float] = {}
-    compute: dict[str, float] = {}
-    durations: list[float] = []
-    transfers: list[float] = []  # the durations of the ops large enough to time the link
-    cursor = covered
-    for rec in mine:
-        rec_end = min(rec.end if rec.end is not None else end, end)
-        begin = max(rec.start, covered)
-        if begin > cursor:
-            name = phase_name(rec.phase)
-            compute[name] = compute.get(name, 0.0) + begin - cursor
-        if rec_end > begin:
-            waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
-            if rec.end is not None:  # completed: an op still in flight is a wait, not yet an op
-                durations.append(rec_end - begin)
-                if rec.numel >= LINK_MIN_NUMEL:
-                    transfers.append(rec_end - begin)
-        cursor = max(cursor, rec_end)
-    if end > cursor:
-        name = phase_name(phase_now)
-        compute[name] = compute.get(name, 0.0) + end - cursor
+    split = _split_time(mine, covered, end, phase_now)
+    waits, compute, durations, transfers = split.waits, split.compute, split.durations, split.transfers
     wait = min(sum(waits.values()), length)
     return StragglerWindow(
         n=n,
@@ -159,6 +129,62 @@ def measure(
         phase=max(compute, key=lambda k: compute[k])[:200] if compute else "",
         op=max(waits, key=lambda k: waits[k])[:80] if waits else "",
     )
+
+
+def _in_window(
+    records: Sequence[_RecordLike], start: float, end: float, thread: int | None, capacity: int | None
+) -> tuple[list[_RecordLike], float]:
+    """The thread's synchronous records that overlap the window, oldest first, and where the window's
+    figures begin: ``start``, or the oldest record kept when the recorder dropped older ones."""
+    mine: list[_RecordLike] = []
+    reached = False
+    for rec in reversed(records):
+        if rec.thread != thread or rec.async_op or rec.start >= end:
+            continue  # another thread's, async, or begun after the window (it closes a tick late)
+        if (rec.end if rec.end is not None else end) <= start:
+            reached = True
+            break
+        mine.append(rec)
+    mine.reverse()
+    covered = start
+    if not reached and capacity is not None and len(records) >= capacity and records:
+        covered = max(start, records[0].start)
+    return mine, covered
+
+
+@dataclass
+class _Split:
+    """A window's time, split: waits per op, compute per phase, completed ops' durations."""
+
+    waits: dict[str, float] = field(default_factory=dict)
+    compute: dict[str, float] = field(default_factory=dict)
+    durations: list[float] = field(default_factory=list)
+    transfers: list[float] = field(default_factory=list)  # the durations of the ops large enough to time the link
+
+
+def _split_time(mine: Sequence[_RecordLike], covered: float, end: float, phase_now: str) -> _Split:
+    """The time before each op is compute in that op's phase, the op's own time a wait, and the time
+    after the last one compute in ``phase_now``."""
+    split = _Split()
+    waits, compute = split.waits, split.compute
+    cursor = covered
+    for rec in mine:
+        rec_end = min(rec.end if rec.end is not None else end, end)
+        begin = max(rec.start, covered)
+        if begin > cursor:
+            name = phase_name(rec.phase)
+            compute[name] = compute.get(name, 0.0) + begin - cursor
+        if rec_end > begin:
+            waits[rec.op] = waits.get(rec.op, 0.0) + max(0.0, rec_end - max(begin, cursor))
+            if rec.end is not None:  # completed: an op still in flight is a wait, not yet an op
+                split.durations.append(rec_end - begin)
+                if rec.numel >= LINK_MIN_NUMEL:
+                    split.transfers.append(rec_end - begin)
+        cursor = max(cursor, rec_end)
+    if end > cursor:
+        name = phase_name(phase_now)
+        compute[name] = compute.get(name, 0.0) + end - cursor
+    return split
 
 
 def fresh_windows(beats: Mapping[int, Heartbeat], own: StragglerWindow) -> dict[int, StragglerWindow]:
