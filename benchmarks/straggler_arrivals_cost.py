@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard.watching.sensors import torchfr
-from ncclguard.watching.sensors.snapshot import WorldArrivals
+from ncclguard.watching.sensors.rank_state import WorldArrivals
 
 
 def per_call_ms(fn: Callable[[], Any], repeat: int) -> dict[str, float]:

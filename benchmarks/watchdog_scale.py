@@ -132,7 +132,7 @@ class CountingStore:
 def sim_state_class() -> type:
     """:class:`SimState` (built after torch is imported, in the worker)."""
     from ncclguard.incidents.model import BackendOp, Heartbeat, OpRecord, PeerView, Statement
-    from ncclguard.watching.sensors.snapshot import RankState
+    from ncclguard.watching.sensors.rank_state import RankState
 
     class SimState(RankState):
         """A rank's state without a process group: its backend number follows the schedule."""

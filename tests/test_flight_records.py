@@ -25,7 +25,7 @@ from ncclguard.recording import instrument as ins
 from ncclguard.recording.flight import FlightRecorder, doors, recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.recording.record import FlightRecord
-from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.rank_state import RankState
 
 HERE = __file__
 CHUNK_BYTES = 4096

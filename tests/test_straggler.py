@@ -23,7 +23,7 @@ from ncclguard.recording.steps import StepMarks, mark_step, steps
 from ncclguard.store.codec import decode, encode
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import LIMITS
-from ncclguard.watching.sensors.snapshot import WorldArrivals
+from ncclguard.watching.sensors.rank_state import WorldArrivals
 from ncclguard.watching.sensors.straggler import (
     StragglerTracker,
     StragglerWatch,

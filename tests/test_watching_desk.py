@@ -20,7 +20,7 @@ from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
 from ncclguard.watching.ladder.actions import Ladder, build_ladder
 from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.liveness import Liveness, store_host_text
-from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.rank_state import RankState
 
 WORLD = 3
 

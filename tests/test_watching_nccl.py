@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
-from ncclguard.watching.sensors.snapshot import RankState, backend_ops
+from ncclguard.watching.sensors.rank_state import RankState, backend_ops
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs a CUDA GPU and NCCL"
@@ -64,7 +64,7 @@ def test_on_nccl_an_op_held_open_reads_open_and_python_issued_ops_are_joined_to_
     from ncclguard.recording.flight import recorder
     from ncclguard.recording.instrument import instrument, uninstrument
     from ncclguard.watching.sensors import torchfr
-    from ncclguard.watching.sensors.snapshot import op_record
+    from ncclguard.watching.sensors.rank_state import op_record
 
     recorder.clear()
     instrument()

@@ -40,7 +40,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.instrument import instrument, uninstrument
 from ncclguard.watching.sensors.liveness import SeqClock
-from ncclguard.watching.sensors.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.sensors.rank_state import RECENT, RankState, backend_ops
 
 BUDGET_US_PER_GROUP = 20.0
 GROUP_COUNTS = (1, 8, 32)

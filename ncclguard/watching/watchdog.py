@@ -19,14 +19,14 @@ exit, or your own :class:`~ncclguard.watching.ladder.actions.Action` rungs), giv
 nothing waits on a dead peer.
 
 This module holds the watchdog's life cycle and public API; the parts it drives, each with one job:
-:mod:`~ncclguard.watching.ticks` (the thread's loop: what happens at each tick),
+:mod:`~ncclguard.watching.loop` (the thread's loop: what happens at each tick),
 :mod:`~ncclguard.watching.sensors.backend_watch` (the backend's numbers), :mod:`~ncclguard.watching.worlds`
 (the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.sensors.story`
 (where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.watchdog_store` (the store
 protocol), :mod:`~ncclguard.watching.sensors.liveness`
 (peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.incidents.handling.desk`
 (claim, statements, merge), :mod:`~ncclguard.watching.ladder.actions` (the ladder),
-:mod:`~ncclguard.watching.sensors.snapshot` (this rank's state), :mod:`~ncclguard.watching.base.settings`
+:mod:`~ncclguard.watching.sensors.rank_state` (this rank's state), :mod:`~ncclguard.watching.base.settings`
 (:class:`WatchdogConfig`).
 """
 
@@ -50,9 +50,9 @@ from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.sensors.backend_watch import BackendWatch
 from ncclguard.watching.sensors.liveness import Liveness
-from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.rank_state import RankState
 from ncclguard.watching.sensors.story import MainThreadTrack
-from ncclguard.watching.ticks import Ticks
+from ncclguard.watching.loop import Loop
 from ncclguard.watching.worlds import Announced, rank_and_size, take_over
 from ncclguard.world import World, current_world, subscribe
 
@@ -98,7 +98,7 @@ def current_watchdog() -> Watchdog | None:
     return _running.watchdog
 
 
-class Watchdog(Ticks):
+class Watchdog(Loop):
     """One background thread per process that detects hangs, dumps and names the culprits.
 
     Use ``Watchdog(...).start()`` (or ``with Watchdog(...):``, or :func:`start_watchdog`) on every

@@ -35,7 +35,7 @@ from ncclguard import phase, safe_barrier, start_watchdog
 from ncclguard.incidents.files import INCIDENT_FILE
 from ncclguard.recording.flight import recorder
 from ncclguard.watching.sensors import torchfr
-from ncclguard.watching.sensors.snapshot import RankState, op_record
+from ncclguard.watching.sensors.rank_state import RankState, op_record
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"

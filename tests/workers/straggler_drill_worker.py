@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ncclguard import init_process_group, mark_step, phase, start_watchdog
 from ncclguard.incidents.files import INCIDENT_FILE
-from ncclguard.watching.sensors import snapshot
+from ncclguard.watching.sensors import rank_state
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 TRUE_TIME = time.time  # the host's own clock, whatever offset the plan gives this rank
@@ -106,13 +106,13 @@ class Batches(Dataset):
 def skew_clock(offset: float) -> None:
     """This process's wall clock runs ``offset`` ahead: Python's and the arrivals torch records."""
     time.time = lambda: TRUE_TIME() + offset  # type: ignore[assignment]
-    original = snapshot.WorldArrivals.arrivals
+    original = rank_state.WorldArrivals.arrivals
 
     def arrivals(self, start: float, end: float, last: int):
         op, got = original(self, start - offset, end - offset, last)
         return op, [(seq, at + offset) for seq, at in got]
 
-    snapshot.WorldArrivals.arrivals = arrivals  # type: ignore[method-assign]
+    rank_state.WorldArrivals.arrivals = arrivals  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from ncclguard.watching.ladder.actions import (
     LadderState,
 )
 from ncclguard.watching.sensors.detect import Detection
-from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.rank_state import RankState
 
 __all__ = ["Case", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
 __all__ += ["MAX_NEW_INCIDENTS", "gen_tag", "mark_fenced", "merged_note", "write_report"]

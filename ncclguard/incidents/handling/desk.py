@@ -63,7 +63,7 @@ from ncclguard.watching.ladder.actions import (
 )
 from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.liveness import Liveness, store_host_text
-from ncclguard.watching.sensors.snapshot import RankState
+from ncclguard.watching.sensors.rank_state import RankState
 
 __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
 __all__ += ["mark_fenced", "merged_note", "write_report"]

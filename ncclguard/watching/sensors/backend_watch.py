@@ -10,7 +10,7 @@ from dataclasses import replace
 from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
 from ncclguard.watching.sensors import detect
 from ncclguard.watching.sensors.liveness import Liveness, SeqClock
-from ncclguard.watching.sensors.snapshot import RECENT, RankState, backend_ops
+from ncclguard.watching.sensors.rank_state import RECENT, RankState, backend_ops
 
 __all__ = ["BackendWatch"]
 

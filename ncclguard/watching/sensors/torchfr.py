@@ -9,7 +9,7 @@ with the issuing thread and the time it was enqueued; ncclguard's recorder
 was running when the entry was created. The join runs on what both recorders already hold, when an
 incident is dumped: nothing is added to a collective's path.
 
-Pure functions of parsed data; the dump is read in :mod:`ncclguard.watching.sensors.snapshot`.
+Pure functions of parsed data; the dump is read in :mod:`ncclguard.watching.sensors.rank_state`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ DELAY_SAMPLES = 1024  # run delay samples kept, one a watchdog tick: 20 s of tic
 
 class ArrivalSource(Protocol):
     """The world group's backend as a straggler window reads it
-    (:class:`~ncclguard.watching.sensors.snapshot.WorldArrivals` on a live rank)."""
+    (:class:`~ncclguard.watching.sensors.rank_state.WorldArrivals` on a live rank)."""
 
     def seq(self) -> int | None:
         """The world group's backend sequence number, None where unknown."""

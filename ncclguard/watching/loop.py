@@ -26,17 +26,17 @@ from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.sensors import detect
 from ncclguard.watching.sensors.backend_watch import BackendWatch
 from ncclguard.watching.sensors.liveness import Liveness
-from ncclguard.watching.sensors.snapshot import RankState, WorldArrivals
+from ncclguard.watching.sensors.rank_state import RankState, WorldArrivals
 from ncclguard.watching.sensors.story import MainThreadTrack, backend_entries
 from ncclguard.watching.sensors.straggler import from_config
 from ncclguard.watching.views import Views
 from ncclguard.watching.worlds import Announced, connect
 from ncclguard.world import World
 
-__all__ = ["Ticks"]
+__all__ = ["Loop"]
 
 
-class Ticks:
+class Loop:
     """The watchdog thread's loop and what it does at each tick (see the module doc)."""
 
     # Set by the Watchdog (its __init__, start() and _enter()).
