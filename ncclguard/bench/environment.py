@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ncclguard._naming import HOSTNAME
 from ncclguard.collectives.groups import group_info
-from ncclguard.collectives.rendezvous import exchange, next_round
+from ncclguard.collectives.numbering import next_round
+from ncclguard.collectives.rendezvous import exchange
 from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline
 

@@ -261,7 +261,8 @@ def _check_ranks(report: dict[str, Any], plan_target: str | None, timeout_s: flo
     import torch.distributed as dist
 
     from ncclguard.collectives.groups import group_info
-    from ncclguard.collectives.rendezvous import exchange, next_round
+    from ncclguard.collectives.numbering import next_round
+    from ncclguard.collectives.rendezvous import exchange
     from ncclguard.env.pginit import init_process_group
 
     start = time.monotonic()

@@ -1,7 +1,7 @@
 """Which call each rank is in: the kind and call site of every safe_* call, checked in its round.
 
 Every safe_* call on a group takes the next number of one per-group count
-(:func:`~ncclguard.collectives.rendezvous.next_call`), so the n-th call of each rank meets the
+(:func:`~ncclguard.collectives.numbering.next_call`), so the n-th call of each rank meets the
 n-th call of the others, whatever its kind. The round's fingerprint carries the kind
 (``barrier``, ``all_reduce``) and the call site (``file:line`` of the first frame outside
 ncclguard), so that:
@@ -33,15 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ncclguard._log import log
 from ncclguard.collectives.groups import GroupInfo
-from ncclguard.collectives.rendezvous import (
-    call_count,
-    call_round,
-    exchange,
-    known_hosts,
-    next_call,
-    realign_on_tag,
-    take_number,
-)
+from ncclguard.collectives.numbering import call_count, call_round, next_call, realign_on_tag, take_number
+from ncclguard.collectives.rendezvous import exchange, known_hosts
 from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
@@ -131,7 +124,7 @@ class Call:
 
 
 def begin_call(info: GroupInfo, kind: str, tag: str | None = None) -> Call:
-    """Takes this rank's next call number on the group (see :func:`~ncclguard.collectives.rendezvous.next_call`)."""
+    """Takes this rank's next call number on the group (see :func:`~ncclguard.collectives.numbering.next_call`)."""
     if tag is None:
         base, n = take_number(call_count(info))
         call = Call(info, kind, base=base, n=n)

@@ -29,7 +29,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.groups import BACKEND_DEVICES, GroupInfo, group_info
-from ncclguard.collectives.rendezvous import CallCount, call_count
+from ncclguard.collectives.numbering import CallCount, call_count
 from ncclguard.config import Config, get_config
 from ncclguard.deadlines import adaptive_timeout, group_cap_s
 from ncclguard.errors import TorchCompatError

@@ -17,15 +17,13 @@ with keys below ``ncclguard/<name>`` (:func:`ncclguard.store.keys.round_keys`):
 3. each rank increments ``gone`` when it leaves; the last one deletes the round's keys, so a
    loop of rounds leaves the store small.
 
-This module keeps the per-group state (round counts, call counts, learned hostnames); the
-store work is in :mod:`ncclguard.store`.
+This module keeps the hostnames rounds teach; the rounds' and calls' numbers are in
+:mod:`ncclguard.collectives.numbering`; the store work is in :mod:`ncclguard.store`.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -54,17 +52,10 @@ __all__ = [
     "StoreUnreachable",
     "exchange",
     "known_hosts",
-    "call_count",
-    "call_round",
-    "next_call",
-    "take_number",
-    "realign_on_tag",
+    "HOSTS",
+    "LearnedHosts",
     "store_for_this_thread",
-    "next_round",
     "read_present",
-    "COUNTS",
-    "CallCount",
-    "Counts",
 ]
 
 # The largest arrival a rank accepts from a peer. Payloads are fingerprints, verdicts and
@@ -101,114 +92,20 @@ class RoundResult:
     elapsed_s: float = 0.0
 
 
-@dataclass
-class CallCount:
-    """This rank's count of safe_* calls on one group.
-
-    Attributes:
-        current: (base, counter): the round names' prefix, which a tag that every rank passed
-            changes, and the count since then. Replaced as one tuple, and ``next()`` on an
-            ``itertools.count`` is atomic, so taking a number needs no lock (the hot path).
-        tag_uses: how often each tag was used.
-    """
-
-    current: tuple[str, itertools.count] = field(default_factory=lambda: ("", itertools.count()))
-    tag_uses: dict[str, int] = field(default_factory=dict)
-
-
-class Counts:
-    """This world's round counts and the hostnames its rounds taught (one per World: a rebuilt
-    world's groups may reuse the old names, and the ranks counted the old rounds unevenly).
-
-    Attributes:
-        lock: guards the maps.
-        seqs: the next round number per (group name, round kind).
-        hosts: hostnames by group rank, per group name, learned from rounds.
-        calls: call counts by (group name, this rank's rank in it): one process is one rank, but
-            tests run ranks as threads.
-    """
+class LearnedHosts:
+    """The hostnames this world's rounds taught, by group rank, per group name (one per World: a
+    rebuilt world's groups may reuse the old names)."""
 
     def __init__(self, world: World) -> None:
-        self.lock = threading.Lock()
-        self.seqs: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
-        self.hosts: dict[str, dict[int, str]] = defaultdict(dict)
-        self.calls: dict[tuple[str, int], CallCount] = defaultdict(CallCount)
+        self.by_group: dict[str, dict[int, str]] = defaultdict(dict)
 
 
-COUNTS: Slot[Counts] = Slot("round counts", Counts)
-
-
-def _counts() -> Counts:
-    return current_world().get(COUNTS)
-
-
-def next_round(info: GroupInfo, kind: str) -> str:
-    """Returns the name of this rank's next round of ``kind`` on the group.
-
-    Every rank counts its own calls, so the n-th call of each rank meets the n-th of the others.
-    """
-    counts = _counts()
-    with counts.lock:
-        return f"{kind}/{info.name}/{next(counts.seqs[(info.name, kind)])}"
-
-
-def call_count(info: GroupInfo) -> CallCount:
-    """This rank's call count on the group in this world (one object per group name and rank; a
-    holder of it, like the hot path's group state, belongs to the same world)."""
-    counts = _counts()
-    with counts.lock:
-        return counts.calls[(info.name, info.rank)]
-
-
-def take_number(count: CallCount) -> tuple[str, int]:
-    """Takes the next number of ``count``: returns (its base, the number)."""
-    base, counter = count.current
-    return base, next(counter)
-
-
-def call_round(info: GroupInfo, base: str, n: int) -> str:
-    """The round name of call number ``n`` after ``base`` on the group."""
-    return f"call/{info.name}/{base}{n}"
-
-
-def next_call(info: GroupInfo, tag: str | None = None) -> str:
-    """Returns the round name of this rank's next safe_* call on the group.
-
-    One count for every kind of safe call, so that a barrier and an all_reduce issued as the
-    same call on different ranks meet in one round, where their fingerprints tell them apart.
-    Every call takes a number, even one refused before any communication, so that the counts of
-    the ranks stay equal when one rank's call is refused and another's is not.
-
-    Args:
-        info: the group.
-        tag: meet under this name instead (the ranks that pass the same tag meet, however many
-            calls each made before); a tag may be reused, each use is its own round.
-    """
-    if tag is None:
-        return call_round(info, *take_number(call_count(info)))
-    counts = _counts()
-    with counts.lock:
-        count = counts.calls[(info.name, info.rank)]
-        uses = count.tag_uses.get(tag, 0)
-        count.tag_uses[tag] = uses + 1
-        return f"call/{info.name}/tag/{tag}#{uses}"
-
-
-def realign_on_tag(info: GroupInfo, tag_round: str) -> None:
-    """Restarts the group's call count from a tagged round that every rank passed.
-
-    Every rank that passed the round restarts from the same point, so the counts agree again
-    however they had drifted (a rank that made a call the others did not).
-    """
-    counts = _counts()
-    with counts.lock:
-        count = counts.calls[(info.name, info.rank)]
-        count.current = (f"{tag_round.rsplit('/tag/', 1)[-1]}/", itertools.count())
+HOSTS: Slot[LearnedHosts] = Slot("hosts learned from rounds", LearnedHosts)
 
 
 def known_hosts(info: GroupInfo) -> dict[int, str]:
     """Hostnames by group rank learned from earlier rounds on this group."""
-    return dict(_counts().hosts[info.name])
+    return dict(current_world().get(HOSTS).by_group[info.name])
 
 
 def _parse(blob: bytes, rank: int, name: str) -> _Arrival | None:
@@ -281,7 +178,7 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: Deadline) -> Ro
     late = outcome != "ok" and settled.number > int(arrived_by or size)
 
     payloads: dict[int, Any] = {}
-    hosts = _counts().hosts[info.name]
+    hosts = current_world().get(HOSTS).by_group[info.name]
     for rank, blob in sorted((settled.arrivals or {}).items()):
         arrival = _parse(blob, rank, name)
         if arrival is not None:

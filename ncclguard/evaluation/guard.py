@@ -46,7 +46,8 @@ from ncclguard._log import log
 from ncclguard.collectives.all_reduce import safe_all_reduce
 from ncclguard.collectives.barrier import safe_barrier
 from ncclguard.collectives.groups import GroupInfo, group_info
-from ncclguard.collectives.rendezvous import exchange, next_round
+from ncclguard.collectives.numbering import next_round
+from ncclguard.collectives.rendezvous import exchange
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import EvaluationFailed, StoreUnreachable
 from ncclguard.evaluation.modes import eval_mode
