@@ -51,11 +51,9 @@ engine (its state is not the engine's), an engine :class:`DeepSpeedState` cannot
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -66,7 +64,7 @@ from ncclguard._log import log
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.engine import Adapter, Recovery, Transaction
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
@@ -176,12 +174,13 @@ class AcceleratorDeepSpeedStep(Adapter):
             as the loop built them before ``accelerator.prepare`` (the same architecture, the same kinds);
             its weights are overwritten and its random draws do not move the generators. Default: see
             :func:`_default_rebuild`.
-        collective_timeout, commit_timeout, rebuild_timeout, max_attempts, heal, heal_timeout, left_out,
-            snapshot_every, preempt_dir: as for :class:`~ncclguard.recovery.recovering.RecoveringStep`.
-            With ``heal=True`` a restarted process's constructor joins the survivors (its ``prepare`` ran on
-            a stand-in world), builds its engine with them and takes its partitions from its buddy's
-            snapshot; its loop starts at :attr:`resume_step` (``steps()`` does).
-        allow_shrink: refused (True): ZeRO partitions do not fit a smaller world.
+        **recovery: the recovery keywords every adapter takes, as for
+            :class:`~ncclguard.recovery.recovering.RecoveringStep`
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`). With ``heal=True`` a restarted
+            process's constructor joins the survivors (its ``prepare`` ran on a stand-in world),
+            builds its engine with them and takes its partitions from its buddy's snapshot; its loop
+            starts at :attr:`resume_step` (``steps()`` does). ``allow_shrink=True`` is refused: ZeRO
+            partitions do not fit a smaller world.
 
     Attributes:
         recovery: the recovery engine (its ``recoveries`` are the steps redone).
@@ -189,9 +188,10 @@ class AcceleratorDeepSpeedStep(Adapter):
         healed: that restore's result, or None.
 
     Raises:
-        TypeError: not an Accelerator, not the prepared engine, a ``rebuild`` that is not callable.
-        ValueError: what cannot be recovered (:func:`deepspeed_plugin_refusal`, no builder), said before any
-            communication.
+        TypeError: not an Accelerator, not the prepared engine, a ``rebuild`` that is not callable, an
+            unknown recovery keyword or a value of the wrong type.
+        ValueError: what cannot be recovered (:func:`deepspeed_plugin_refusal`, no builder), a bad recovery
+            value (``pydantic.ValidationError``), said before any communication.
     """
 
     name = "recovering_step"
@@ -203,20 +203,12 @@ class AcceleratorDeepSpeedStep(Adapter):
         optimizer: Any,
         *,
         rebuild: Callable[[], Built] | None = None,
-        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        commit_timeout: float | timedelta | None = None,
-        rebuild_timeout: float | timedelta = 60.0,
-        allow_shrink: bool = False,
-        max_attempts: int = 3,
-        heal: bool = False,
-        heal_timeout: float | timedelta = 60.0,
-        left_out: LeftOut = "exit",
-        snapshot_every: int | None = None,
-        preempt_dir: str | os.PathLike[str] | None = None,
+        **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         if not isinstance(accelerator, Accelerator) or accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise TypeError("AcceleratorDeepSpeedStep needs an accelerate.Accelerator with the DeepSpeed plugin")
-        refused = deepspeed_plugin_refusal(accelerator, allow_shrink, heal)
+        options = recovery_options(**recovery)
+        refused = deepspeed_plugin_refusal(accelerator, options.allow_shrink, options.heal)
         if refused is not None:
             raise ValueError(refused)
         prepared = callable(getattr(model, "zero_optimization_stage", None))
@@ -232,17 +224,6 @@ class AcceleratorDeepSpeedStep(Adapter):
         builder = rebuild if rebuild is not None else _default_rebuild(accelerator, model)
         if isinstance(builder, str):
             raise ValueError(builder)
-        options = recovery_options(
-            collective_timeout=collective_timeout,
-            commit_timeout=commit_timeout,
-            rebuild_timeout=rebuild_timeout,
-            max_attempts=max_attempts,
-            heal=heal,
-            heal_timeout=heal_timeout,
-            left_out=left_out,
-            snapshot_every=snapshot_every,
-            preempt_dir=preempt_dir,
-        )
         self.accelerator, self._build = accelerator, builder
         self.model: Any = None
         self.optimizer: Any = None
@@ -254,7 +235,7 @@ class AcceleratorDeepSpeedStep(Adapter):
         self.state: DeepSpeedState | None = None
         if prepared:
             self._adopt(model, optimizer, self._prepared_scheduler())  # refuses what DeepSpeedState cannot take
-        elif not (heal and restart_count() > 0 and stand_in.active()):
+        elif not (options.heal and restart_count() > 0 and stand_in.active()):
             engine, prepared_optimizer = accelerator.prepare(model, optimizer)
             self._adopt(engine, prepared_optimizer, self._prepared_scheduler())
         # else: a restarted process, whose world is a stand-in of one until the join (ZeRO-3's zero.Init

@@ -49,9 +49,8 @@ import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 try:
     from accelerate import Accelerator
@@ -67,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ncclguard import _torch_compat as compat
 from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
 from ncclguard.recovery.engine import Transaction
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut
+from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.recovering import RecoveringStep
@@ -176,21 +175,21 @@ class AcceleratorRecoveringStep(RecoveringStep):
             the stepper once per micro-batch (see the module doc).
         model: the prepared model (a ``DistributedDataParallel`` under several processes).
         optimizer: the prepared optimizer.
-        collective_timeout, commit_timeout, rebuild_timeout, allow_shrink, max_attempts, heal,
-            heal_timeout, left_out: as for :class:`RecoveringStep`. With ``heal=True`` a rank
+        **recovery: the recovery keywords every adapter takes, as for :class:`RecoveringStep`
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`). With ``heal=True`` a rank
             restarted by its supervisor joins the survivors here (its ``Accelerator()`` stood in
             for the world until then) and receives a live peer's module and optimizer state; the
-            loop then starts at :attr:`resume_step`.
-        preempt_dir: where, on SIGTERM, every rank writes ``accelerator.save_state`` (``step-<N>``)
-            after the step every rank agreed to stop at (resume: ``accelerator.load_state(path)``);
-            default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
+            loop then starts at :attr:`resume_step`. ``preempt_dir`` receives
+            ``accelerator.save_state`` (``step-<N>``) on SIGTERM, after the step every rank agreed
+            to stop at (resume: ``accelerator.load_state(path)``).
 
     Attributes:
         recoveries: every step that was redone on a rebuilt world, oldest first
             (:class:`~ncclguard.recovery.records.Recovered`; ``.metrics()`` gives what was logged).
 
     Raises:
-        TypeError: not an Accelerator, a model or an optimizer.
+        TypeError: not an Accelerator, a model or an optimizer; an unknown recovery keyword or a
+            value of the wrong type (a bad value: ``pydantic.ValidationError``, a ValueError).
         ValueError: a DeepSpeed or FSDP model (only DDP is re-pointed; with the DeepSpeed plugin
             :func:`recovering_step` returns the DeepSpeed stepper); Accelerate's FSDP plugin
             (on the CPU Accelerate drops it and trains DDP: ``accelerate/state.py`` sets
@@ -203,16 +202,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
         accelerator: Accelerator,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        *,
-        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        commit_timeout: float | timedelta | None = None,
-        rebuild_timeout: float | timedelta = 60.0,
-        allow_shrink: bool = False,
-        max_attempts: int = 3,
-        heal: bool = False,
-        heal_timeout: float | timedelta = 60.0,
-        left_out: LeftOut = "exit",
-        preempt_dir: str | os.PathLike[str] | None = None,
+        **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -220,7 +210,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
             raise TypeError(
                 f"model must be the torch.nn.Module accelerator.prepare returned, got {type(model).__name__}"
             )
-        refused = _refused(accelerator, heal)
+        # Checked here too (RecoveringStep checks them again): the refusal reads heal, and must come
+        # before the engine RecoveringStep's constructor builds talks to any rank.
+        refused = _refused(accelerator, recovery_options(**recovery).heal)
         if refused is not None:
             raise ValueError(refused)
         if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):
@@ -237,15 +229,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
             unwrapped(model),
             optimizer,
             wrap=self._repointed,
-            collective_timeout=collective_timeout,
-            commit_timeout=commit_timeout,
-            rebuild_timeout=rebuild_timeout,
-            allow_shrink=allow_shrink,
-            max_attempts=max_attempts,
-            heal=heal,
-            heal_timeout=heal_timeout,
-            left_out=left_out,
-            preempt_dir=preempt_dir,
+            **recovery,
         )
 
     def __call__(self, step_fn: Callable[..., Any], *inputs: Any, step: int | None = None) -> StepResult[Any]:
@@ -386,7 +370,9 @@ def recovering_step(
     accelerator: Accelerator,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    **options: Any,
+    *,
+    rebuild: Callable[[], Any] | None = None,
+    **recovery: Unpack[RecoveryKeywords],
 ) -> Any:
     """A recovering step for an Accelerate loop (see the module doc).
 
@@ -394,19 +380,25 @@ def recovering_step(
         accelerator: the loop's ``Accelerator``.
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
-        **options: ``collective_timeout``, ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``,
-            ``max_attempts``, ``heal``, ``heal_timeout``, ``left_out``, ``preempt_dir``; with the DeepSpeed
-            plugin also ``rebuild`` and ``snapshot_every``.
+        rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
+            (:class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`).
+        **recovery: the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`), passed on whole.
 
     Returns:
         An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
         :class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`.
 
     Raises:
-        TypeError, ValueError: see those classes.
+        TypeError, ValueError: see those classes; ``rebuild`` without the DeepSpeed plugin.
     """
     if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
         from .accelerate_deepspeed import AcceleratorDeepSpeedStep
 
-        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, **options)
-    return AcceleratorRecoveringStep(accelerator, model, optimizer, **options)
+        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, rebuild=rebuild, **recovery)
+    if rebuild is not None:
+        raise TypeError(
+            "rebuild= builds a DeepSpeed engine's module afresh; this Accelerator has no DeepSpeed plugin, and a "
+            "DDP model is re-pointed after a rebuild, not built again: leave rebuild out"
+        )
+    return AcceleratorRecoveringStep(accelerator, model, optimizer, **recovery)

@@ -38,9 +38,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Unpack
 
 import torch
 
@@ -51,7 +50,7 @@ from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.heal import HealResult
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, recovery_options
+from ncclguard.recovery.options import RecoveryKeywords, RecoveryOptions, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
@@ -89,6 +88,36 @@ class EngineStepResult:
         return self.rewound_to is None
 
 
+def _engine_options(recovery: RecoveryKeywords, redo: bool) -> RecoveryOptions:
+    """The engine's options for :class:`CommittedEngineStep`, whose attempts depend on ``rebuild_engine``.
+
+    Args:
+        recovery: the recovery keywords it was given.
+        redo: whether a failed step is redone in process (``rebuild_engine`` given).
+
+    Returns:
+        The options: without a redo one attempt (the failed step ends in a checkpoint, see the
+        module doc); with one ``max_attempts``, 2 when left out.
+
+    Raises:
+        TypeError, ValueError: a bad recovery keyword; ``max_attempts`` under 2 with a redo;
+            ``allow_shrink=True``.
+    """
+    attempts = recovery.get("max_attempts", 2)
+    if redo and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 2):
+        raise ValueError(f"max_attempts must be an int of at least 2 with rebuild_engine (a redo), got {attempts!r}")
+    keywords = recovery.copy()
+    keywords["max_attempts"] = attempts if redo else 1
+    options = recovery_options(**keywords)
+    if options.allow_shrink:
+        raise ValueError(
+            "allow_shrink=True cannot go on with DeepSpeed ZeRO: each rank's partitions are laid out for the world "
+            "size they were made in, and a smaller world cannot take them. Leave allow_shrink off (a lost rank is "
+            "restarted and healed with heal=True and rebuild_engine under ncclguard run --ncclguard-restarts)"
+        )
+    return options
+
+
 class CommittedEngineStep(Adapter):
     """Runs DeepSpeed steps that every rank commits before ``engine.step()``; on a failed commit:
     with ``rebuild_engine``, rebuild the world and redo the step in process on a new engine (no
@@ -102,29 +131,27 @@ class CommittedEngineStep(Adapter):
     Args:
         engine: the ``deepspeed.DeepSpeedEngine``, with ``gradient_accumulation_steps() == 1``.
         checkpoint_dir: where the checkpoint of a failed step goes (yours; nothing else is written).
-        collective_timeout: seconds (or a timedelta) a collective inside a step (ZeRO's gradient
-            reduction on DeepSpeed's clone of the world group) waits for its peers before the step
-            fails; None leaves the groups' timeouts alone.
-        commit_timeout: seconds (or a timedelta) each commit waits for every rank.
-        rebuild_timeout: seconds (or a timedelta) the rebuild before the save waits for every rank.
         exit_code: the status to exit with (75, EX_TEMPFAIL).
         rebuild_engine: builds a new engine on the current world, as you built the first (a new
             module of the same architecture, ``deepspeed.initialize`` with the same config; ZeRO 1,
             2 or 3); it is called on every rank after a rebuild, and its random draws do not move
             the step's generators. None: no redo in process.
-        max_attempts: times a step runs at most with ``rebuild_engine`` (at least 2).
-        preempt_dir: where, on SIGTERM, every rank writes ``engine.save_checkpoint(preempt_dir)``
-            after the step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
-            default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md, "Preemption").
-        heal: a killed rank, restarted, joins the survivors and takes its partitions from its
-            buddy's in-memory snapshot (needs ``rebuild_engine``).
-        heal_timeout: seconds (or a timedelta) each snapshot swap and a restore wait at most.
-        snapshot_every: with ``heal``, a snapshot every this many steps; None: as often as keeps
-            them under 2% of the step time.
+        **recovery: the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`; docs/recovery.md, "The
+            settings"). Here: ``collective_timeout`` bounds ZeRO's gradient reduction on
+            DeepSpeed's clone of the world group; ``rebuild_timeout`` also bounds the rebuild
+            before the save; ``max_attempts`` counts with ``rebuild_engine`` only (default 2, at
+            least 2; without it a step runs once); ``heal`` (needs ``rebuild_engine``) gives a
+            killed, restarted rank its partitions from its buddy's in-memory snapshot (every
+            ``snapshot_every`` steps), each snapshot swap and restore bounded by ``heal_timeout``;
+            ``preempt_dir`` receives ``engine.save_checkpoint(preempt_dir)`` on SIGTERM, after the
+            step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
+            ``allow_shrink=True`` is refused (ZeRO partitions do not fit a smaller world).
 
     Raises:
-        TypeError, ValueError: not an engine, gradient accumulation, a bad directory, timeout or
-            ``rebuild_engine``, or an engine whose state ``DeepSpeedState`` cannot take.
+        TypeError, ValueError: not an engine, gradient accumulation, a bad directory, recovery keyword
+            or ``rebuild_engine``, ``allow_shrink=True``, or an engine whose state ``DeepSpeedState``
+            cannot take.
     """
 
     name = "CommittedEngineStep"
@@ -134,23 +161,18 @@ class CommittedEngineStep(Adapter):
         engine: Any,
         *,
         checkpoint_dir: str | os.PathLike[str],
-        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        commit_timeout: float | timedelta | None = None,
-        rebuild_timeout: float | timedelta = 60.0,
         exit_code: int = EX_TEMPFAIL,
         rebuild_engine: Callable[[], Any] | None = None,
-        max_attempts: int = 2,
-        preempt_dir: str | os.PathLike[str] | None = None,
-        heal: bool = False,
-        heal_timeout: float | timedelta = 60.0,
-        snapshot_every: int | None = None,
+        **recovery: Unpack[RecoveryKeywords],
     ) -> None:
-        if heal is True and rebuild_engine is None:
+        options = _engine_options(recovery, rebuild_engine is not None)
+        heal = options.heal
+        if heal and rebuild_engine is None:
             raise ValueError(
                 "heal=True needs rebuild_engine: a restarted rank and the survivors build a new engine on the "
                 "joined world, and the restarted rank's partitions come from its buddy's snapshot"
             )
-        self._joining = heal is True and engine is None and restart_count() > 0
+        self._joining = heal and engine is None and restart_count() > 0
         if self._joining:  # a restarted process builds its engine once it has joined the survivors' world
             engine = _Pending()
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
@@ -171,23 +193,6 @@ class CommittedEngineStep(Adapter):
             raise ValueError(f"exit_code must be an int from 1 to 255 (a restart needs a failure), got {exit_code!r}")
         if rebuild_engine is not None and not callable(rebuild_engine):
             raise TypeError(f"rebuild_engine must build and return a new engine, got {type(rebuild_engine).__name__}")
-        if rebuild_engine is not None and (
-            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 2
-        ):
-            raise ValueError(
-                f"max_attempts must be an int of at least 2 with rebuild_engine (a redo), got {max_attempts!r}"
-            )
-        # Without rebuild_engine one attempt: the failed step ends in a checkpoint (see the module doc).
-        options = recovery_options(
-            collective_timeout=collective_timeout,
-            commit_timeout=commit_timeout,
-            rebuild_timeout=rebuild_timeout,
-            max_attempts=1 if rebuild_engine is None else max_attempts,
-            preempt_dir=preempt_dir,
-            heal=heal,
-            heal_timeout=heal_timeout,
-            snapshot_every=snapshot_every,
-        )
         self.engine, self.checkpoint_dir, self.exit_code = engine, Path(checkpoint_dir), exit_code
         self.rebuild_engine, self._heal = rebuild_engine, heal
         # Made now, on the live world: it refuses, before any step, an engine whose state it cannot take.

@@ -26,11 +26,10 @@ uses (transformers 5.x; docs/integrations.md has the table):
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -42,13 +41,13 @@ import torch
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip
 from .hf_deepspeed import deepspeed_refusal
 from .hf_recovery import TrainerRecovery
-from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems
+from .shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems
 from .shared import watchdog_config as _watchdog_config
 
 __all__ = [
@@ -194,16 +193,7 @@ def guard_trainer(
     retries: int = 0,
     watchdog: WatchdogConfig | dict[str, Any] | bool | None = None,
     recover: bool = False,
-    allow_shrink: bool = False,
-    collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    commit_timeout: float | timedelta | None = None,
-    rebuild_timeout: float | timedelta = 60.0,
-    max_attempts: int = 3,
-    heal: bool = False,
-    heal_timeout: float | timedelta = 60.0,
-    left_out: LeftOut = "exit",
-    preempt_dir: str | os.PathLike[str] | None = None,
-    snapshot_every: int | None = None,
+    **recovery: Unpack[RecoveryKeywords],
 ) -> Trainer:
     """Adds phases, the watchdog and (with ``eval_timeout_s``) a guarded evaluation to ``trainer``;
     with ``recover=True``, a training step that fails is redone on a rebuilt world.
@@ -219,91 +209,76 @@ def guard_trainer(
         recover: commit every optimizer step on every rank, and redo a failed one (DDP, or DeepSpeed
             ZeRO 1, 2 or 3: the step redone on a new engine, :mod:`ncclguard.integrations.hf_deepspeed`):
             the recovery engine's adapter for the Trainer (:mod:`ncclguard.integrations.hf_recovery`).
-        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild (DDP only).
-        collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
-            training step waits for its peers before the step fails, whatever ``ddp_timeout``
-            left on the group (1,800 s by default); None leaves the group's timeout alone.
-        commit_timeout: with ``recover``, seconds (or a timedelta) each commit waits for the
-            other ranks; default :func:`ncclguard.should_commit`'s.
-        rebuild_timeout: with ``recover``, seconds (or a timedelta) each rebuild waits for them.
-        max_attempts: with ``recover``, times a step runs at most; past it every rank raises
-            :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``.
-        heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --ncclguard-restarts``) comes back: its ``TrainingArguments`` stand in for the world until
-            ``trainer.train()`` joins the survivors and receives a live peer's model, optimizer,
-            scheduler, Trainer state and generators; then every rank enters the training loop again
-            at the step the join redoes, through the Trainer's own resume path. Under DeepSpeed
-            each rank's ZeRO state is kept in snapshots replicated on a buddy rank: the restarted
-            rank's comes from its buddy, and every rank goes back to the snapshot's step. Pass it on every rank.
-        heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
-        left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
-            (status 0) or ``"raise"`` (``RebuildFailed`` out of ``trainer.train()``).
-        preempt_dir: with ``recover``, where every rank writes the Trainer's own ``checkpoint-N``
-            when the job is told to stop (SIGTERM), after the step every rank agreed to stop at;
-            default the variable ``NCCLGUARD_PREEMPT_DIR``. Resume with
-            ``trainer.train(resume_from_checkpoint=...)`` (docs/recovery.md, "Preemption").
-        snapshot_every: with ``heal`` under DeepSpeed, a snapshot every this many optimizer steps;
-            None: as often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
+        **recovery: with ``recover``, the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`; what each bounds: docs/recovery.md,
+            "The settings"); without it, ``allow_shrink``, ``heal``, ``preempt_dir`` and
+            ``snapshot_every`` are refused. For the Trainer: ``collective_timeout`` bounds a step
+            whatever ``ddp_timeout`` left on the group (1,800 s by default); past ``max_attempts``
+            every rank raises :class:`~ncclguard.errors.CommitFailed` out of ``trainer.train()``, and
+            ``left_out="raise"`` raises ``RebuildFailed`` there; ``allow_shrink`` is DDP only. With
+            ``heal`` (on every rank) a rank killed and restarted by ``ncclguard run
+            --ncclguard-restarts`` joins the survivors in ``trainer.train()`` and receives a live peer's
+            model, optimizer, scheduler, Trainer state and generators, and every rank enters the loop
+            again at the step the join redoes (under DeepSpeed each rank's ZeRO state comes from
+            snapshots on a buddy rank, every ``snapshot_every`` optimizer steps). ``preempt_dir``
+            receives the Trainer's own ``checkpoint-N`` on SIGTERM, after the step every rank agreed
+            to stop at; resume with ``trainer.train(resume_from_checkpoint=...)``.
 
     Returns:
         ``trainer``, guarded (:func:`find_guard` gives its callback).
 
     Raises:
-        TypeError: ``trainer`` is not a ``transformers.Trainer``, or a bad argument type.
+        TypeError: ``trainer`` is not a ``transformers.Trainer``, an unknown keyword, or a bad
+            argument type.
         ValueError, pydantic.ValidationError: a bad value, the trainer is guarded already, or
             ``recover=True`` with what cannot be recovered (FSDP; DeepSpeed without ZeRO 1-3, with
             NVMe offload, tensor or sequence parallelism, ``allow_shrink``, or a model that is
             neither a ``PreTrainedModel`` nor made by ``model_init``).
     """
+    _check_unguarded(trainer)
+    opts = _eval_options(eval_timeout_s, retries)
+    steps = _recovery(trainer, recover, recovery)  # every argument is checked before anything is wrapped
+    callback = NcclGuardCallback(watchdog=watchdog)
+    callback.eval_timeout_s = opts.timeout_s if opts is not None else None
+    callback.recovery = steps
+    trainer.add_callback(callback)
+    _wrap_methods(trainer, callback, opts)
+    return trainer
+
+
+def _check_unguarded(trainer: Trainer) -> None:
+    """Refuses what is not a Trainer, and a Trainer guarded already (its methods are wrapped once)."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
     if find_guard(trainer) is not None or hasattr(trainer.evaluate, _ORIGINAL):
         raise ValueError("this trainer is guarded already (guard_trainer was called on it)")
+
+
+def _eval_options(eval_timeout_s: float | timedelta | None, retries: int) -> GuardOptions | None:
+    """The guard of each evaluation, or None when ``eval_timeout_s`` leaves it unguarded."""
     opts = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s, retries=retries)
     if opts is None and retries:
         raise ValueError("retries needs eval_timeout_s: without a deadline the evaluation is not guarded")
-    recovery = _recovery(
-        trainer,
-        recover,
-        allow_shrink=allow_shrink,
-        collective_timeout=collective_timeout,
-        commit_timeout=commit_timeout,
-        rebuild_timeout=rebuild_timeout,
-        max_attempts=max_attempts,
-        heal=heal,
-        heal_timeout=heal_timeout,
-        left_out=left_out,
-        preempt_dir=preempt_dir,
-        snapshot_every=snapshot_every,
-    )
-    callback = NcclGuardCallback(watchdog=watchdog)
-    callback.eval_timeout_s = opts.timeout_s if opts is not None else None
-    callback.recovery = recovery
-    trainer.add_callback(callback)
-    if recovery is not None:
-        _wrap(trainer, "training_step", _recovering(recovery))
+    return opts
+
+
+def _wrap_methods(trainer: Trainer, callback: NcclGuardCallback, opts: GuardOptions | None) -> None:
+    """Wraps, on the instance, what ``TrainerCallback`` has no hook before (the module doc): the
+    training step (with recovery), the evaluation, the save with its ``on_save`` callbacks, the log."""
+    if callback.recovery is not None:
+        _wrap(trainer, "training_step", _recovering(callback.recovery))
     _wrap(trainer, "evaluate", _evaluating(trainer, callback, opts))
     _wrap(trainer, "_save_checkpoint", _in_phase(trainer, trainer._save_checkpoint, "save"))
     handler = trainer.callback_handler
     _wrap(handler, "on_save", _in_phase(trainer, handler.on_save, "save"))
     _wrap(trainer, "log", _in_phase(trainer, trainer.log, "log", with_step=False))
-    return trainer
 
 
-def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecovery | None:
+def _recovery(trainer: Trainer, recover: bool, keywords: RecoveryKeywords) -> TrainerRecovery | None:
     """The step recovery ``recover=True`` asks for, its arguments checked (before anything is wrapped)."""
-    if not isinstance(recover, bool):
-        raise TypeError(f"recover must be a bool, got {recover!r}")
-    if not recover:
-        for name in ("allow_shrink", "heal"):
-            if options[name]:
-                raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
-        if options["preempt_dir"] is not None:
-            raise ValueError("preempt_dir needs recover=True: without it no step is committed, so no stop is agreed")
-        if options["snapshot_every"] is not None:
-            raise ValueError("snapshot_every needs recover=True and heal=True: snapshots are kept for a heal")
+    checked = recovery_for(recover, keywords, "guard_trainer")
+    if checked is None:
         return None
-    checked = recovery_options(**options)
     if getattr(trainer.args, "torch_compile", False):
         raise ValueError(
             "recover=True re-points the Trainer's DDP wrapper after a rebuild; with torch_compile=True the Trainer "
@@ -325,7 +300,7 @@ def _recovery(trainer: Trainer, recover: bool, **options: Any) -> TrainerRecover
             trainer.accelerator.distributed_type,
         )
     if trainer.is_deepspeed_enabled:
-        problem = deepspeed_refusal(trainer, options["allow_shrink"])
+        problem = deepspeed_refusal(trainer, checked.allow_shrink)
         if problem is not None:
             raise ValueError(problem)
     return TrainerRecovery(trainer, checked)

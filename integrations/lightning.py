@@ -32,11 +32,10 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -52,14 +51,14 @@ from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery._rebuild.restarts import restart_count
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.recovery.records import Recovered
 from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_preempt import preempt_wrappers
 from .lightning_recovery import StepRecovery, check_recoverable
 from .lightning_sharded import install_stand_in_mesh
-from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
+from .shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems, watchdog_config
 
 __all__ = ["NcclGuardCallback", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
 
@@ -83,36 +82,27 @@ class NcclGuardCallback(Callback):
             ``configure_model``; automatic optimization; with ``accumulate_grad_batches`` the step
             is the window of micro-batches, all redone): the recovery engine's adapter for
             Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
-        allow_shrink: with ``recover``, go on without ranks that do not come to the rebuild.
-        collective_timeout: with ``recover``, seconds (or a timedelta) a collective inside a
-            training step waits for its peers before the step fails, whatever timeout the strategy
-            gave the group; None leaves it alone.
-        commit_timeout: with ``recover``, seconds (or a timedelta) each commit waits for every
-            rank. None: ``should_commit``'s default.
-        rebuild_timeout: with ``recover``, seconds (or a timedelta) a rebuild waits for every rank.
-        max_attempts: with ``recover``, times a step runs at most before fit raises ``CommitFailed``.
-        heal: with ``recover``, a rank killed and restarted by its supervisor (``ncclguard run
-            --ncclguard-restarts``) comes back: its strategy stands in for the world until the fit loop
-            starts, where it joins the survivors and receives a live peer's module, optimizer, LR
-            schedulers, fit-loop state and generators; then every rank enters the fit loop again
+        **recovery: with ``recover``, the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`; what each bounds: docs/recovery.md,
+            "The settings"); without it, ``allow_shrink``, ``heal``, ``preempt_dir`` and
+            ``snapshot_every`` are refused. For Lightning: ``collective_timeout`` bounds a step
+            whatever timeout the strategy gave the group; past ``max_attempts`` fit raises
+            ``CommitFailed``, and ``left_out="raise"`` raises ``RebuildFailed`` out of ``fit``. With
+            ``heal`` (on every rank) a rank killed and restarted by ``ncclguard run
+            --ncclguard-restarts`` comes back: its strategy stands in for the world until the fit
+            loop starts, where it joins the survivors and receives a live peer's module, optimizer,
+            LR schedulers, fit-loop state and generators; then every rank enters the fit loop again
             at the step the join redoes (Lightning's own resume logic; a data loader without a
-            ``state_dict`` starts its epoch again and its batches up to the loop's position are drawn
-            and dropped). Under ``ModelParallelStrategy`` (FSDP2) each rank's shards come from
-            snapshots replicated on a buddy rank instead, and every rank goes back to the newest
-            snapshot's step. Pass it on every rank.
-        heal_timeout: with ``heal``, seconds (or a timedelta) for one state transfer.
-        left_out: with ``recover``, what a rank the others went on without does: ``"exit"``
-            (status 0) or ``"raise"`` (``RebuildFailed`` out of ``fit``).
-        snapshot_every: with ``heal`` under ``ModelParallelStrategy`` (FSDP2): a snapshot of each
-            rank's shards every this many steps, replicated on a buddy rank; None (the default) as
-            often as keeps them under 2% of the step time. A killed rank's restart takes every rank
-            back to the newest snapshot.
-        preempt_dir: with ``recover``, where every rank writes Lightning's checkpoint when the job is
-            told to stop (SIGTERM; else ``NCCLGUARD_PREEMPT_DIR``; :mod:`.lightning_preempt`).
+            ``state_dict`` starts its epoch again and its batches up to the loop's position are
+            drawn and dropped). Under ``ModelParallelStrategy`` (FSDP2) each rank's shards come
+            from snapshots replicated on a buddy rank instead (every ``snapshot_every`` steps), and
+            every rank goes back to the newest snapshot's step. ``preempt_dir`` receives
+            Lightning's checkpoint when the job is told to stop (SIGTERM;
+            :mod:`.lightning_preempt`).
 
     Raises:
-        TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s`` or ``watchdog``
-            (when the callback is built, before any rank talks to another).
+        TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s``, ``watchdog``,
+            ``recover`` or recovery keyword (when the callback is built, before any rank talks to another).
 
     Attributes:
         watchdog: the watchdog this callback started (None when it started none).
@@ -127,36 +117,12 @@ class NcclGuardCallback(Callback):
         watchdog: WatchdogConfig | dict[str, Any] | bool | None = None,
         *,
         recover: bool = False,
-        allow_shrink: bool = False,
-        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        commit_timeout: float | timedelta | None = None,
-        rebuild_timeout: float | timedelta = 60.0,
-        max_attempts: int = 3,
-        heal: bool = False,
-        heal_timeout: float | timedelta = 60.0,
-        left_out: LeftOut = "exit",
-        snapshot_every: int | None = None,
-        preempt_dir: str | os.PathLike[str] | None = None,
+        **recovery: Unpack[RecoveryKeywords],
     ) -> None:
-        if not isinstance(recover, bool):
-            raise TypeError(f"NcclGuardCallback's recover must be a bool, got {recover!r}")
-        options = recovery_options(
-            collective_timeout=collective_timeout,
-            commit_timeout=commit_timeout,
-            rebuild_timeout=rebuild_timeout,
-            allow_shrink=allow_shrink,
-            max_attempts=max_attempts,
-            heal=heal,
-            heal_timeout=heal_timeout,
-            left_out=left_out,
-            snapshot_every=snapshot_every,
-            preempt_dir=preempt_dir,
-        )
-        for name, flag in (("allow_shrink", allow_shrink), ("heal", heal), ("preempt_dir", preempt_dir is not None)):
-            if flag and not recover:
-                raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
-        self.recovery = StepRecovery(options, self._log_recovery) if recover else None
-        if heal and restart_count() > 0:  # before the strategy makes its device mesh on the stand-in world
+        options = recovery_for(recover, recovery, "NcclGuardCallback")
+        self.recovery = StepRecovery(options, self._log_recovery) if options is not None else None
+        # Before the strategy makes its device mesh on the stand-in world.
+        if options is not None and options.heal and restart_count() > 0:
             install_stand_in_mesh()
         self.recoveries: list[Recovered] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s

@@ -1,8 +1,9 @@
 """What the framework integrations (Hugging Face Trainer, Accelerate, Lightning) share.
 
-The ``watchdog`` argument each takes, and the timeout order each checks when it starts: the
-evaluation deadline and the watchdog's hang timeout must be below the process group's timeout
-(``TrainingArguments.ddp_timeout``, ``InitProcessGroupKwargs(timeout=)``,
+The ``watchdog`` argument each takes; the ``recover`` flag and the recovery keywords of the two
+callbacks (``guard_trainer``, Lightning's ``NcclGuardCallback``); and the timeout order each checks
+when it starts: the evaluation deadline and the watchdog's hang timeout must be below the process
+group's timeout (``TrainingArguments.ddp_timeout``, ``InitProcessGroupKwargs(timeout=)``,
 ``DDPStrategy(timeout=)``), or the backend ends the job before ncclguard can skip or report.
 The timeout order itself lives in :mod:`ncclguard.env.trainer` (``doctor`` uses it too); nothing
 here imports a framework.
@@ -16,11 +17,13 @@ from typing import Any
 from ncclguard import WatchdogConfig
 from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, timeout_problems, trainer_timeout_notes
 from ncclguard.evaluation.guard import EvalReport
+from ncclguard.recovery.options import RecoveryKeywords, RecoveryOptions, check_recovery_keywords, recovery_options
 
 __all__ = [
     "HF_DDP_TIMEOUT_DEFAULT_S",
     "SKIPPED",
     "SkippedEvaluation",
+    "recovery_for",
     "skip_record",
     "timeout_problems",
     "trainer_timeout_notes",
@@ -78,3 +81,36 @@ def watchdog_config(watchdog: WatchdogConfig | dict[str, Any] | bool | None) -> 
         "watchdog must be a WatchdogConfig, a dict of its fields, None (defaults) or False (none), "
         f"got {type(watchdog).__name__}"
     )
+
+
+def recovery_for(recover: bool, keywords: RecoveryKeywords, who: str) -> RecoveryOptions | None:
+    """The recovery engine's options a callback's ``recover`` flag asks for, or None without it.
+
+    Args:
+        recover: the callback's ``recover`` argument.
+        keywords: the recovery keywords it was given (:class:`~ncclguard.recovery.options.RecoveryKeywords`).
+        who: the callback's name, for the messages.
+
+    Returns:
+        The validated options with ``recover=True``; None with ``recover=False``.
+
+    Raises:
+        TypeError: ``recover`` is not a bool, an unknown keyword, or a value of the wrong type.
+        ValueError: with ``recover=False``, a keyword that asks for what only recovery does; with
+            ``recover=True``, a bad value (``pydantic.ValidationError``).
+    """
+    if not isinstance(recover, bool):
+        raise TypeError(f"{who}'s recover must be a bool, got {recover!r}")
+    if recover:
+        return recovery_options(**keywords)
+    # Without recover the values are not used, so only what would silently do nothing is refused
+    # (a plain bound, or heal=False, passed from a config shared with recovering runs, is not).
+    check_recovery_keywords(keywords)
+    for name in ("allow_shrink", "heal"):
+        if keywords.get(name):
+            raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
+    if keywords.get("preempt_dir") is not None:
+        raise ValueError("preempt_dir needs recover=True: without it no step is committed, so no stop is agreed")
+    if keywords.get("snapshot_every") is not None:
+        raise ValueError("snapshot_every needs recover=True and heal=True: snapshots are kept for a heal")
+    return None

@@ -1,33 +1,79 @@
-"""The recovery engine's settings: one set of keywords that every adapter takes, checked once.
+"""The recovery engine's settings: the keywords every adapter takes, declared once, checked once.
 
-``RecoveringStep``, ``guard_trainer(recover=True)``, ``NcclGuardCallback(recover=True)``,
-``recovering_step`` and ``CommittedEngineStep`` pass their keywords to :func:`recovery_options`,
-which refuses a bad value before any communication; docs/recovery.md ("The settings") says what
-each one bounds.
+The keywords are declared once, in :class:`RecoveryKeywords`. Every adapter takes them the same way,
+``**recovery: Unpack[RecoveryKeywords]``: ``RecoveringStep``, ``guard_trainer(recover=True)``,
+``NcclGuardCallback(recover=True)``, ``recovering_step`` (``AcceleratorRecoveringStep``,
+``AcceleratorDeepSpeedStep``) and ``CommittedEngineStep``. Each passes them to
+:func:`recovery_options`, which builds :class:`RecoveryOptions`, a frozen pydantic model validated
+where it is made (as ``WatchdogConfig`` and ``Config`` are), before any communication;
+docs/recovery.md ("The settings") says what each one bounds.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypedDict, Unpack
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ncclguard.deadlines import to_seconds
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES
 from ncclguard.recovery.preempt import check_preempt_dir
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LeftOut", "RecoveryOptions", "recovery_options"]
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "RECOVERY_KEYWORDS",
+    "LeftOut",
+    "RecoveryKeywords",
+    "RecoveryOptions",
+    "check_recovery_keywords",
+    "recovery_options",
+]
 
 LeftOut = Literal["exit", "raise"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # well below NCCL's 10 min and HF's 30 min, far above a healthy op
 
 
-@dataclass(frozen=True)
-class RecoveryOptions:
-    """The engine's settings, checked once (:func:`recovery_options`).
+class RecoveryKeywords(TypedDict, total=False):
+    """The recovery keywords, as every adapter takes them: ``**recovery: Unpack[RecoveryKeywords]``.
+
+    Each key is the alias of a :class:`RecoveryOptions` field (its attributes say what each
+    bounds); a key left out takes the field's default. Durations are seconds or a ``timedelta``.
+    """
+
+    collective_timeout: float | timedelta | None
+    commit_timeout: float | timedelta | None
+    rebuild_timeout: float | timedelta
+    allow_shrink: bool
+    max_attempts: int
+    heal: bool
+    heal_timeout: float | timedelta
+    heal_chunk_bytes: int
+    left_out: LeftOut
+    snapshot_every: int | None
+    preempt_dir: str | os.PathLike[str] | None
+
+
+# The names, in declaration order (for messages, and for the test that checks every adapter takes each).
+RECOVERY_KEYWORDS: tuple[str, ...] = tuple(RecoveryKeywords.__annotations__)
+
+
+def _is_count(value: object) -> bool:
+    """An int of at least 1; a bool is refused, though Python counts it an int (``True`` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class RecoveryOptions(BaseModel):
+    """The engine's settings, validated where they are made (:func:`recovery_options` builds them
+    from the keywords; ``RecoveryOptions(rebuild_timeout=30)`` does the same).
+
+    Each field is made from the keyword of the same name without ``_s`` (its alias): a duration
+    keyword takes seconds or a ``timedelta`` and the field holds seconds. A bad value type raises
+    TypeError; a bad value raises ``pydantic.ValidationError`` (a ValueError) with the same sentence.
 
     Attributes:
         collective_timeout_s: how long a collective inside a step waits for its peers before the
@@ -40,7 +86,8 @@ class RecoveryOptions:
         max_attempts: times a step runs at most.
         heal: admit restarted ranks and send them a live peer's state.
         heal_timeout_s: seconds for one state transfer.
-        heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
+        heal_chunk_bytes: bytes per broadcast of a live peer's state transfer, at most (sharded
+            state is restored from snapshots instead, which it does not bound).
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
         snapshot_every: sharded state with ``heal``: a snapshot every this many steps; None: as
             often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
@@ -49,65 +96,107 @@ class RecoveryOptions:
             ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
     """
 
-    collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S
-    commit_timeout_s: float | None = None
-    rebuild_timeout_s: float = 60.0
+    # Frozen: the engine and its adapters share one instance; extra="forbid": a misspelt setting
+    # is an error, not a default silently kept.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The constraints restate what the validators below check, with the sentences the user reads.
+    collective_timeout_s: float | None = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, alias="collective_timeout", gt=0)
+    commit_timeout_s: float | None = Field(None, alias="commit_timeout", gt=0)
+    rebuild_timeout_s: float = Field(60.0, alias="rebuild_timeout", gt=0)
     allow_shrink: bool = False
-    max_attempts: int = 3
+    max_attempts: int = Field(3, ge=1)
     heal: bool = False
-    heal_timeout_s: float = 60.0
-    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    heal_timeout_s: float = Field(60.0, alias="heal_timeout", gt=0)
+    heal_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1)
     left_out: LeftOut = "exit"
-    snapshot_every: int | None = None
-    preempt_dir: Path | None = None
+    snapshot_every: int | None = Field(None, ge=1)
+    # Validated when left out too: the default is read from NCCLGUARD_PREEMPT_DIR, which may name a file.
+    preempt_dir: Path | None = Field(None, validate_default=True)
+
+    @field_validator("collective_timeout_s", "commit_timeout_s", "rebuild_timeout_s", "heal_timeout_s", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any, info: ValidationInfo) -> float | None:
+        keyword = cls.model_fields[info.field_name or ""].alias or ""
+        if value is None and keyword in ("collective_timeout", "commit_timeout"):
+            return None
+        return to_seconds(value, keyword)  # TypeError, or ValueError: not a positive, finite duration
+
+    @field_validator("allow_shrink", "heal", mode="before")
+    @classmethod
+    def _flag(cls, value: Any, info: ValidationInfo) -> bool:
+        # A TypeError leaves pydantic as it is: the same error type the hand checks raised.
+        if not isinstance(value, bool):
+            raise TypeError(f"{info.field_name} must be True or False, got {value!r}")
+        return value
+
+    @field_validator("max_attempts", mode="before")
+    @classmethod
+    def _attempts(cls, value: Any) -> int:
+        if not _is_count(value):
+            raise ValueError(f"max_attempts must be an int of at least 1, got {value!r}")
+        return int(value)
+
+    @field_validator("heal_chunk_bytes", mode="before")
+    @classmethod
+    def _chunk(cls, value: Any) -> int:
+        if not _is_count(value):
+            raise ValueError(f"heal_chunk_bytes must be a positive int, got {value!r}")
+        return int(value)
+
+    @field_validator("snapshot_every", mode="before")
+    @classmethod
+    def _every(cls, value: Any) -> int | None:
+        if value is not None and not _is_count(value):
+            raise ValueError(
+                f"snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {value!r}"
+            )
+        return value if value is None else int(value)
+
+    @field_validator("left_out", mode="before")
+    @classmethod
+    def _left_out(cls, value: Any) -> str:
+        if value not in ("exit", "raise"):
+            raise ValueError(f"left_out must be 'exit' or 'raise', got {value!r}")
+        return str(value)
+
+    @field_validator("preempt_dir", mode="before")
+    @classmethod
+    def _preempt_dir(cls, value: Any) -> Path | None:
+        return check_preempt_dir(value)  # TypeError: not a path; ValueError: empty, or a file
 
 
-def recovery_options(
-    *,
-    collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    commit_timeout: float | timedelta | None = None,
-    rebuild_timeout: float | timedelta = 60.0,
-    allow_shrink: bool = False,
-    max_attempts: int = 3,
-    heal: bool = False,
-    heal_timeout: float | timedelta = 60.0,
-    heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    left_out: LeftOut = "exit",
-    snapshot_every: int | None = None,
-    preempt_dir: str | os.PathLike[str] | None = None,
-) -> RecoveryOptions:
-    """Checks the engine's arguments (every adapter takes these names) and returns the options.
+def check_recovery_keywords(keywords: Mapping[str, object]) -> None:
+    """Refuses a name that is no recovery keyword, as Python refuses an unknown keyword argument.
+
+    Args:
+        keywords: what an adapter received as ``**recovery``.
 
     Raises:
-        TypeError, ValueError: a bad value, with what to pass instead; before any communication.
+        TypeError: a name not in :data:`RECOVERY_KEYWORDS`, with the names there are.
     """
-    for name, flag in (("allow_shrink", allow_shrink), ("heal", heal)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ValueError(f"max_attempts must be an int of at least 1, got {max_attempts!r}")
-    if isinstance(heal_chunk_bytes, bool) or not isinstance(heal_chunk_bytes, int) or heal_chunk_bytes < 1:
-        raise ValueError(f"heal_chunk_bytes must be a positive int, got {heal_chunk_bytes!r}")
-    if snapshot_every is not None and (
-        isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
-    ):
-        raise ValueError(
-            f"snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {snapshot_every!r}"
+    unknown = sorted(set(keywords) - set(RECOVERY_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the recovery keywords are "
+            f"{', '.join(RECOVERY_KEYWORDS)}"
         )
-    if left_out not in ("exit", "raise"):
-        raise ValueError(f"left_out must be 'exit' or 'raise', got {left_out!r}")
-    bound = None if collective_timeout is None else to_seconds(collective_timeout, "collective_timeout")
-    commit = None if commit_timeout is None else to_seconds(commit_timeout, "commit_timeout")
-    return RecoveryOptions(
-        collective_timeout_s=bound,
-        commit_timeout_s=commit,
-        rebuild_timeout_s=to_seconds(rebuild_timeout, "rebuild_timeout"),
-        allow_shrink=allow_shrink,
-        max_attempts=max_attempts,
-        heal=heal,
-        heal_timeout_s=to_seconds(heal_timeout, "heal_timeout"),
-        heal_chunk_bytes=heal_chunk_bytes,
-        left_out=left_out,
-        snapshot_every=snapshot_every,
-        preempt_dir=check_preempt_dir(preempt_dir),
-    )
+
+
+def recovery_options(**keywords: Unpack[RecoveryKeywords]) -> RecoveryOptions:
+    """Builds the engine's options from the recovery keywords (every adapter passes its own here).
+
+    Args:
+        **keywords: the :class:`RecoveryKeywords`; one left out takes its default.
+
+    Returns:
+        The validated, frozen :class:`RecoveryOptions`.
+
+    Raises:
+        TypeError: an unknown keyword, or a value of the wrong type (a flag that is not a bool, a
+            duration that is neither a number nor a timedelta, a ``preempt_dir`` that is no path).
+        pydantic.ValidationError: a bad value (a ValueError), with what to pass instead; before any
+            communication.
+    """
+    check_recovery_keywords(keywords)
+    return RecoveryOptions(**keywords)

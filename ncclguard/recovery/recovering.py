@@ -30,11 +30,9 @@ it a stand-in until the join (docs/recovery.md, "A killed rank heals").
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -42,8 +40,8 @@ import torch.distributed as dist
 from ncclguard.recovery._step.step_state import load_scheduler
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
-from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES, HealResult
-from ncclguard.recovery.options import DEFAULT_COLLECTIVE_TIMEOUT_S, LeftOut, recovery_options
+from ncclguard.recovery.heal import HealResult
+from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.preempt import save_dcp
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered, StepResult
@@ -95,27 +93,16 @@ class RecoveringStep(Adapter):
             shards it again from the shards each rank holds).
         scheduler: your LR scheduler, if any (you step it): with FSDP2 and ``heal`` its state goes
             into the snapshots, so a restored rank and a rollback find its rate and count as they were.
-        collective_timeout: seconds (or a timedelta) a collective inside a step waits for its
-            peers before the step fails (the step bound, whatever the group's own timeout);
-            None leaves the group's timeout alone.
-        commit_timeout: seconds (or a timedelta) each commit waits for the other ranks; default
-            :func:`~ncclguard.should_commit`'s.
-        rebuild_timeout: seconds (or a timedelta) each rebuild waits for them (with ``heal``: a
-            killed rank's restart too).
-        allow_shrink: rebuild without the ranks that did not come (the same on every rank).
-        max_attempts: times a step runs at most before its result is falsy.
-        heal: in a restarted process, rejoin and receive the state; on a live rank, send it to the
-            restarted ranks a rebuild admits. Pass the same on every rank.
-        heal_timeout: seconds (or a timedelta) for one state transfer.
-        heal_chunk_bytes: bytes per broadcast of a state transfer, at most.
-        left_out: ``"exit"`` (status 0, the default) or ``"raise"`` for a rank the others went
-            on without.
-        snapshot_every: with FSDP2 and ``heal``: a snapshot of each rank's shards every this many
-            steps; None (the default) as often as keeps them under 2% of the step time.
-        preempt_dir: where, on SIGTERM, every rank writes the model and the optimizer with
+        **recovery: the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`: ``collective_timeout``,
+            ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``, ``heal``,
+            ``heal_timeout``, ``heal_chunk_bytes``, ``left_out``, ``snapshot_every``,
+            ``preempt_dir``; what each bounds: docs/recovery.md, "The settings"). Here: with
+            ``heal``, a restarted process rejoins and receives the state, and a live rank sends it
+            (pass the same on every rank); ``snapshot_every`` counts FSDP2's snapshots;
+            ``preempt_dir`` receives the model and the optimizer on SIGTERM, written with
             ``torch.distributed.checkpoint`` (``<preempt_dir>/step-<N>``) after the step every rank
-            agreed to stop at; default the variable ``NCCLGUARD_PREEMPT_DIR`` (docs/recovery.md,
-            "Preemption").
+            agreed to stop at.
 
     Attributes:
         engine: the recovery engine (its ``recoveries`` list the steps redone).
@@ -123,8 +110,9 @@ class RecoveringStep(Adapter):
         healed: the restarted process's :class:`~ncclguard.recovery.heal.HealResult`, or None.
 
     Raises:
-        TypeError, ValueError: bad arguments, or a module this adapter cannot wrap again (a DeepSpeed
-            engine, FSDP1, a DDP wrapper, a compiled module), with what to pass instead.
+        TypeError, ValueError: bad arguments (an unknown keyword; a bad recovery value raises
+            ``pydantic.ValidationError``, a ValueError), or a module this adapter cannot wrap again (a
+            DeepSpeed engine, FSDP1, a DDP wrapper, a compiled module), with what to pass instead.
         RebuildFailed: a restarted process found no rebuild to join within ``rebuild_timeout``.
         HealFailed: a restarted process did not get the state.
     """
@@ -138,17 +126,7 @@ class RecoveringStep(Adapter):
         *,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | FSDP2 | None = None,
         scheduler: Any = None,
-        collective_timeout: float | timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        commit_timeout: float | timedelta | None = None,
-        rebuild_timeout: float | timedelta = 60.0,
-        allow_shrink: bool = False,
-        max_attempts: int = 3,
-        heal: bool = False,
-        heal_timeout: float | timedelta = 60.0,
-        heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        left_out: LeftOut = "exit",
-        snapshot_every: int | None = None,
-        preempt_dir: str | os.PathLike[str] | None = None,
+        **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"RecoveringStep needs the torch.nn.Module to train, got {type(module).__name__}")
@@ -159,20 +137,8 @@ class RecoveringStep(Adapter):
             raise TypeError(f"RecoveringStep needs an optimizer (step, zero_grad), got {type(optimizer).__name__}")
         if wrap is not None and not (callable(wrap) or isinstance(wrap, FSDP2)):
             raise TypeError(f"wrap must build the wrapped model from the module, got {type(wrap).__name__}")
-        options = recovery_options(
-            collective_timeout=collective_timeout,
-            commit_timeout=commit_timeout,
-            rebuild_timeout=rebuild_timeout,
-            allow_shrink=allow_shrink,
-            max_attempts=max_attempts,
-            heal=heal,
-            heal_timeout=heal_timeout,
-            heal_chunk_bytes=heal_chunk_bytes,
-            left_out=left_out,
-            snapshot_every=snapshot_every,
-            preempt_dir=preempt_dir,
-        )
-        if allow_shrink and isinstance(wrap, FSDP2):
+        options = recovery_options(**recovery)
+        if options.allow_shrink and isinstance(wrap, FSDP2):
             raise ValueError(
                 "allow_shrink=True cannot go with FSDP2: a rank left out takes its shards with it (FSDP2 keeps "
                 "no replica); use allow_shrink=False, or DDP"
