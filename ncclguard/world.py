@@ -7,29 +7,45 @@ Each part declares its state once as a :class:`Slot` and reads it with :meth:`Wo
 state is built the first time a world is asked for it. A new world therefore starts every part
 afresh, and nothing resets another package's cache by hand.
 
-:func:`announce` makes a new world current (``rebuild_world`` calls it) and tells the
-subscribers (:func:`subscribe`): the watchdog, which then watches the new members under their
-new numbers, and whatever holds resources of the old world.
+Every change of this process's world is told through one hook, :func:`subscribe`, as one event
+type, :class:`WorldChange`, whose ``kind`` says what happened:
+
+- ``"announced"``: :func:`announce` made a new world current (``rebuild_world`` and
+  ``rejoin_world`` call it before the new group's handshake). The watchdog then watches the new
+  members under their new numbers, and whatever holds resources of the old world lets them go;
+- ``"rebuilt"``: ``rebuild_world`` finished: this rank is in the new world and its group is the
+  default (a recovery engine's redo comes next);
+- ``"left_out"``: this rank came to a rebuild after the others had settled without it: it stays
+  in the world it was in, and should end.
+
+The last two are told with :func:`notify`. A subscriber is told the kinds it asked for, by
+default ``"announced"`` alone.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_args
 
 from ncclguard._log import log
+from ncclguard.errors import NcclGuardError
 
 if TYPE_CHECKING:
     import weakref
 
     from torch.distributed import ProcessGroup, Store
 
-__all__ = ["Slot", "World", "WorldChange", "announce", "current_world", "subscribe"]
+__all__ = ["ChangeKind", "Slot", "World", "WorldChange", "announce", "current_world", "notify", "subscribe"]
 
 T = TypeVar("T")
+
+#: What a :class:`WorldChange` tells (see the module doc).
+ChangeKind = Literal["announced", "rebuilt", "left_out"]
+_KINDS: frozenset[str] = frozenset(get_args(ChangeKind))
+_ANNOUNCED: tuple[ChangeKind, ...] = ("announced",)  # what a subscriber is told by default
 
 
 class Slot(Generic[T]):
@@ -123,15 +139,35 @@ class World:
 
 @dataclass(frozen=True)
 class WorldChange:
-    """What :func:`announce` tells each subscriber.
+    """What each subscriber is told (:func:`subscribe`): one change of this process's world.
+
+    Which ranks left and which joined are the new world's: ``new.left_out`` (the old world's
+    numbering), ``new.joined`` (the new world's); ``new.rank_map`` renumbers the old ranks.
 
     Attributes:
-        old: the world before.
-        new: the world now current.
+        old: the world before (for ``"left_out"``, the world this rank stays in).
+        new: the world now current (for ``"left_out"``, the same as ``old``).
+        kind: what happened: ``"announced"``, ``"rebuilt"`` or ``"left_out"`` (the module doc).
+        step: the step a recovery engine redoes after this change (it rebuilt for it); None
+            otherwise.
+        error: with ``"left_out"``, why this rank is in no new world (a
+            :class:`~ncclguard.errors.RebuildFailed` with ``late=True``); None otherwise.
     """
 
     old: World
     new: World
+    kind: ChangeKind = "announced"
+    step: int | None = None
+    error: NcclGuardError | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Subscriber:
+    """One :func:`subscribe` call: the function and the kinds it is told (its identity is the
+    subscription, so the same function subscribed twice is told twice and unsubscribed once)."""
+
+    fn: Callable[[WorldChange], None]
+    kinds: frozenset[str]
 
 
 class _Worlds:
@@ -139,7 +175,7 @@ class _Worlds:
 
     def __init__(self) -> None:
         self.current = World()
-        self.subscribers: list[Callable[[WorldChange], None]] = []
+        self.subscribers: list[_Subscriber] = []
         self.lock = threading.Lock()
 
 
@@ -151,33 +187,43 @@ def current_world() -> World:
     return _worlds.current
 
 
-def subscribe(fn: Callable[[WorldChange], None]) -> Callable[[], None]:
-    """Calls ``fn(change)`` after each :func:`announce`, in the announcing thread.
+def subscribe(fn: Callable[[WorldChange], None], *, kinds: Collection[ChangeKind] = _ANNOUNCED) -> Callable[[], None]:
+    """Calls ``fn(change)`` on each change of this process's world of one of ``kinds``, in the
+    thread that made the change (``"announced"``: :func:`announce`; the others: :func:`notify`).
 
     Args:
         fn: the subscriber; an exception in it is logged, never raised into the announcer.
+        kinds: the kinds of :class:`WorldChange` it is told (default: the announcements alone,
+            what a part holding per-world resources follows).
 
     Returns:
-        A function that unsubscribes ``fn``.
+        A function that unsubscribes ``fn`` (calling it twice is harmless).
 
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable, or ``kinds`` is a string rather than a collection.
+        ValueError: ``kinds`` is empty or names an unknown kind.
     """
     if not callable(fn):
         raise TypeError(f"subscribe needs a callable taking a WorldChange, got {type(fn).__name__}")
+    if isinstance(kinds, str) or not isinstance(kinds, Collection):
+        raise TypeError(f"kinds must be a collection of kinds such as ('rebuilt',), got {kinds!r}")
+    wanted = frozenset(kinds)
+    if not wanted or not wanted <= _KINDS:
+        raise ValueError(f"kinds must name some of {sorted(_KINDS)}, got {sorted(map(str, kinds))}")
+    entry = _Subscriber(fn, wanted)
     with _worlds.lock:
-        _worlds.subscribers.append(fn)
+        _worlds.subscribers.append(entry)
 
     def unsubscribe() -> None:
         with _worlds.lock:
-            if fn in _worlds.subscribers:
-                _worlds.subscribers.remove(fn)
+            if entry in _worlds.subscribers:
+                _worlds.subscribers.remove(entry)
 
     return unsubscribe
 
 
 def announce(new: World) -> WorldChange:
-    """Makes ``new`` the current world and tells every subscriber.
+    """Makes ``new`` the current world and tells every subscriber of ``"announced"``.
 
     Args:
         new: the world now in force (its generation must be above the current one's, or equal
@@ -194,11 +240,40 @@ def announce(new: World) -> WorldChange:
         if new.generation < old.generation:
             raise ValueError(f"world generation {new.generation} is older than the current {old.generation}")
         _worlds.current = new
-        subscribers = list(_worlds.subscribers)
+        told = _subscribers_of("announced")  # with the swap: whoever subscribed before it is told
     change = WorldChange(old=old, new=new)
+    _tell(change, told)
+    return change
+
+
+def notify(change: WorldChange) -> None:
+    """Tells the subscribers of ``change.kind`` what happened to a world made current before
+    (``rebuild_world`` tells ``"rebuilt"`` and ``"left_out"`` this way).
+
+    Args:
+        change: the change; its kind is not ``"announced"``.
+
+    Raises:
+        ValueError: ``change`` is an announcement: only :func:`announce` makes a world current.
+    """
+    if change.kind == "announced" or change.kind not in _KINDS:
+        raise ValueError(f"notify tells a world's rebuild or its rank's leaving, got kind {change.kind!r}")
+    with _worlds.lock:
+        told = _subscribers_of(change.kind)
+    _tell(change, told)
+
+
+def _subscribers_of(kind: str) -> list[Callable[[WorldChange], None]]:
+    """The subscribers told of ``kind``, copied (the caller holds the lock)."""
+    return [s.fn for s in _worlds.subscribers if kind in s.kinds]
+
+
+def _tell(change: WorldChange, subscribers: list[Callable[[WorldChange], None]]) -> None:
+    # Called outside the lock: a subscriber may subscribe or unsubscribe without deadlocking.
     for fn in subscribers:
         try:
             fn(change)
         except Exception:  # noqa: BLE001 - the world has changed whatever a subscriber does
-            log.exception("world: the subscriber %r raised on generation %d", fn, new.generation)
-    return change
+            log.exception(
+                "world: the subscriber %r raised on generation %d (%s)", fn, change.new.generation, change.kind
+            )

@@ -93,6 +93,6 @@ def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
     assert stuck["woke_after_survivors"] is True
     assert stuck["results"][:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
     # Step K: the commit failed, the rebuild came late, and the engine's left-out policy ended the rank
-    # (status 0, checked by the harness) right after the on_change callback saved this.
+    # (status 0, checked by the harness) right after its "left_out" subscriber (world.subscribe) saved this.
     assert stuck["results"][K] == {"left_out": True, "error": "RebuildFailed", "step": K, "late": True, "generation": 0}
     assert len(stuck["results"]) == K + 1

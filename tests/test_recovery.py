@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ncclguard import rebuild_world
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery import generation, on_rebuild
+from ncclguard.recovery import generation
 from ncclguard.recovery._rebuild.meeting import Meeting, meet
 from ncclguard.recovery._rebuild.meeting_rules import (
     MAX_ARRIVAL_BYTES,
@@ -33,6 +33,7 @@ from ncclguard.recovery._rebuild.meeting_rules import (
 )
 from ncclguard.recovery._rebuild.reaper import Reaper
 from ncclguard.recovery.rebuild import RebuildResult, _forget_generation
+from ncclguard.world import WorldChange, current_world, notify, subscribe
 
 
 def arrival(rank: int, size: int = 3, **over: object) -> Arrival:
@@ -119,15 +120,20 @@ def test_keys_are_namespaced_by_generation_and_attempt():
 # ----------------------------------------------------------------- the meeting, one thread per rank
 
 
-def run_meeting(store: dist.Store, ranks: dict[int, tuple[float, bool]], size: int = 3, attempt: int = 0):
-    """Each rank: (seconds it waits before arriving, allow_shrink); deadline 1 s after it arrives."""
+def run_meeting(
+    store: dist.Store, ranks: dict[int, tuple[float, bool]], size: int = 3, attempt: int = 0, deadline_s: float = 1.0
+):
+    """Each rank: (seconds it waits before arriving, allow_shrink); deadline ``deadline_s`` after it
+    arrives. Where every rank comes, or the rank is late, a long deadline costs nothing (the meeting
+    settles when the last one arrives, a late rank reads the verdict at once): there it is 30 s, so
+    that a thread started late on a loaded machine is not taken for a rank that never came."""
     out: dict[int, Meeting | BaseException] = {}
 
     def one(rank: int, delay: float, shrink: bool) -> None:
         time.sleep(delay)
         try:
             me = arrival(rank, size, allow_shrink=shrink)
-            out[rank] = meet(store, me, attempt, Deadline.within(1.0))
+            out[rank] = meet(store, me, attempt, Deadline.within(deadline_s))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             out[rank] = exc
 
@@ -135,14 +141,14 @@ def run_meeting(store: dist.Store, ranks: dict[int, tuple[float, bool]], size: i
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(deadline_s + 10)
     assert not any(t.is_alive() for t in threads)
     return out
 
 
 def test_meeting_of_everyone_agrees_and_cleans_up():
     store = dist.HashStore()
-    out = run_meeting(store, {0: (0, False), 1: (0.05, False), 2: (0.1, False)})
+    out = run_meeting(store, {0: (0, False), 1: (0.05, False), 2: (0.1, False)}, deadline_s=30)
     for rank in range(3):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on and not m.late
@@ -160,10 +166,11 @@ def test_meeting_without_a_rank_fails_then_names_the_late_one():
         assert not out[rank].goes_on and not out[rank].late
         assert out[rank].verdict.missing(3) == [2]
     t0 = time.monotonic()
-    late = run_meeting(store, {2: (0, False)})[2]
-    assert late.late and not late.goes_on and time.monotonic() - t0 < 0.5
+    late = run_meeting(store, {2: (0, False)}, deadline_s=30)[2]
+    # At once: a hang guard far below the 30 s it was given.
+    assert late.late and not late.goes_on and time.monotonic() - t0 < 10
     # The next attempt of every rank meets in a fresh namespace.
-    again = run_meeting(store, {0: (0, False), 1: (0, False), 2: (0, False)}, attempt=1)
+    again = run_meeting(store, {0: (0, False), 1: (0, False), 2: (0, False)}, attempt=1, deadline_s=30)
     assert all(again[r].goes_on for r in range(3))
 
 
@@ -266,17 +273,20 @@ def test_rebuild_world_checks_arguments_first_and_needs_a_world():
     assert generation() == 0
 
 
-def test_on_rebuild_registers_and_unregisters():
+def test_the_rebuild_hook_registers_and_unregisters():
+    # A rebuild is told through the world's one hook (what on_rebuild was): kind "rebuilt".
     with pytest.raises(TypeError, match="callable"):
-        on_rebuild(42)  # type: ignore[arg-type]
-    from ncclguard.recovery import rebuild as module
-
-    seen: list[RebuildResult] = []
-    remove = on_rebuild(seen.append)
-    assert seen.append in module._callbacks
+        subscribe(42, kinds=("rebuilt",))  # type: ignore[arg-type]
+    seen: list[WorldChange] = []
+    remove = subscribe(seen.append, kinds=("rebuilt",))
+    world = current_world()
+    rebuilt = WorldChange(world, world, "rebuilt", step=3)
+    notify(rebuilt)
+    assert seen == [rebuilt]
     remove()
     remove()  # twice is harmless
-    assert seen.append not in module._callbacks
+    notify(rebuilt)
+    assert seen == [rebuilt]  # unregistered: not told
 
 
 def test_result_is_truthy_only_on_success():

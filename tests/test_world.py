@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from ncclguard import world as world_module
-from ncclguard.world import Slot, World, WorldChange, announce, current_world, subscribe
+from ncclguard.errors import RebuildFailed
+from ncclguard.world import Slot, World, WorldChange, announce, current_world, notify, subscribe
 
 
 @pytest.fixture
@@ -78,3 +79,40 @@ def test_an_older_generation_is_refused_and_nothing_changes(restore_world):
 def test_subscribe_refuses_what_it_cannot_call():
     with pytest.raises(TypeError, match="subscribe needs a callable taking a WorldChange, got int"):
         subscribe(3)  # type: ignore[arg-type]
+
+
+def test_a_subscriber_is_told_only_the_kinds_it_asked_for(restore_world):
+    # One hook for every change of the world: announcements (the default), a rebuild's end, and
+    # this rank left out; a part holding per-world resources asks for the announcements alone.
+    told: dict[str, list[tuple[str, int | None]]] = {"default": [], "rebuilt": [], "all": []}
+    removers = [
+        subscribe(lambda c: told["default"].append((c.kind, c.step))),
+        subscribe(lambda c: told["rebuilt"].append((c.kind, c.step)), kinds=("rebuilt",)),
+        subscribe(lambda c: told["all"].append((c.kind, c.step)), kinds=("announced", "rebuilt", "left_out")),
+    ]
+    try:
+        old = current_world()
+        new = World(generation=old.generation + 1, rank=0, size=2, rank_map={0: 0, 2: 1}, left_out=(1,))
+        announce(new)
+        notify(WorldChange(old, new, "rebuilt", step=7))
+        left = RebuildFailed("the others went on without this rank", late=True)
+        notify(WorldChange(new, new, "left_out", step=8, error=left))
+    finally:
+        for remove in removers:
+            remove()
+    assert told["default"] == [("announced", None)]
+    assert told["rebuilt"] == [("rebuilt", 7)]
+    assert told["all"] == [("announced", None), ("rebuilt", 7), ("left_out", 8)]
+    assert current_world() is new  # notify tells; only announce makes a world current
+
+
+def test_kinds_and_notify_refuse_what_they_cannot_tell():
+    with pytest.raises(TypeError, match="collection of kinds"):
+        subscribe(print, kinds="rebuilt")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kinds must name some of"):
+        subscribe(print, kinds=("rebuit",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kinds must name some of"):
+        subscribe(print, kinds=())
+    world = current_world()
+    with pytest.raises(ValueError, match="notify tells"):
+        notify(WorldChange(world, world))  # an announcement goes through announce

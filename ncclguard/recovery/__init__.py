@@ -6,8 +6,8 @@ from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.options import recovery_options
-from ncclguard.recovery.rebuild import RebuildResult, generation, on_rebuild, rebuild_world
-from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
+from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
+from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.recovery.rejoin import rejoin_world, restart_count
 
@@ -15,7 +15,6 @@ __all__ = [
     "Adapter",
     "Recovered",
     "Recovery",
-    "WorldEvent",
     "recovery_options",
     "CommitResult",
     "committed_step",
@@ -25,7 +24,6 @@ __all__ = [
     "StepResult",
     "RebuildResult",
     "generation",
-    "on_rebuild",
     "rebuild_world",
     "reaper",
     "HealResult",

@@ -384,28 +384,58 @@ def should_commit(
             verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
         else:
-            if timeout_s is None:
-                timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
-            statement = CommitStatement(
-                rank=info.rank,
-                step=n,
-                user_step=step,
-                generation=world.generation,
-                group=info.name,
-                group_size=info.size,
-                seq=_sequence(info.group, info.name),
-                other_seqs=_other_sequences(info),
-                p2p_groups=_p2p_groups(),
-                problems=problems,
-                stop=stop_requested(),
-            )
-            verdict, late = _settle(info, world.generation, n, statement, Deadline(start + timeout_s), timeout_s)
+            verdict, late = _agree(info, world.generation, n, step, problems, start, timeout_s)
         if verdict.ok:
             state.committed = n
         count_commit(verdict.ok)
     finally:
         state.lock.release()
     return _result(verdict, world.generation, late, time.monotonic() - start, info.rank if info else 0)
+
+
+def _agree(
+    info: GroupInfo,
+    generation: int,
+    n: int,
+    step: int | None,
+    problems: list[str],
+    start: float,
+    timeout_s: float | None,
+) -> tuple[CommitVerdict, bool]:
+    """This rank's statement of commit ``n`` (what it saw, where its group's sequence stands), and
+    the verdict every rank of ``info``'s group settles on.
+
+    Args:
+        info: the live group.
+        generation: the world's generation.
+        n: the commit's number in this world.
+        step: the caller's step number, or None.
+        problems: what went wrong on this rank since its last commit.
+        start: ``time.monotonic()`` at the commit's entry (its deadline counts from there).
+        timeout_s: the caller's bound, or None for the default.
+
+    Returns:
+        The settled verdict, and whether this rank came late.
+
+    Raises:
+        StoreUnreachable: the group's store did not answer.
+    """
+    if timeout_s is None:
+        timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
+    statement = CommitStatement(
+        rank=info.rank,
+        step=n,
+        user_step=step,
+        generation=generation,
+        group=info.name,
+        group_size=info.size,
+        seq=_sequence(info.group, info.name),
+        other_seqs=_other_sequences(info),
+        p2p_groups=_p2p_groups(),
+        problems=problems,
+        stop=stop_requested(),
+    )
+    return _settle(info, generation, n, statement, Deadline(start + timeout_s), timeout_s)
 
 
 def _settle(

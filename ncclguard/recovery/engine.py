@@ -24,10 +24,12 @@ Lightning's ``NcclGuardCallback(recover=True)``, Accelerate's ``recovering_step`
 ``CommittedEngineStep`` are adapters of this one engine.
 
 The left-out policy, the same everywhere: a rank that reaches the rebuild after the others went
-on without it is in no world. With ``left_out="exit"`` (the default) it runs the ``on_change``
-callbacks, logs why at critical level and exits with status 0: torchrun leaves a worker that exits
-0 alone, so the job ends when the others finish. With ``left_out="raise"`` it raises
-:class:`~ncclguard.errors.RebuildFailed` (``late=True``) for code that wants to act first.
+on without it is in no world. The world's subscribers of ``"left_out"`` are told first
+(:func:`ncclguard.world.subscribe`; the rebuild tells them, as it tells ``"rebuilt"`` with the
+step redone). With ``left_out="exit"`` (the default) it then logs why at critical level and exits
+with status 0: torchrun leaves a worker that exits 0 alone, so the job ends when the others finish.
+With ``left_out="raise"`` it raises :class:`~ncclguard.errors.RebuildFailed` (``late=True``) for
+code that wants to act first.
 
 Preemption (:mod:`ncclguard.recovery.preempt`): the engine installs a SIGTERM handler that only notes
 the request; the next commit carries it to every rank (``CommitResult.stop``), the step is applied,
@@ -64,8 +66,8 @@ from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.preempt import install_handler, stop_now
-from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_world
-from ncclguard.recovery.records import Recovered, StepResult, WorldEvent
+from ncclguard.recovery.rebuild import RebuildResult, generation, rebuild_for_step
+from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.rejoin import rejoin_world
 from ncclguard.recovery.snapshots.keeper import Keeper
 from ncclguard.recovery.snapshots.restore import Fetched, Restored, fetch, put_back, restore
@@ -95,6 +97,25 @@ class _Carried:
     joined: list[int]
     healed: HealResult | Restored | None
     start: float
+
+
+@dataclass
+class _Tally:
+    """What one step's attempts have gathered so far, for its result.
+
+    Attributes:
+        commits: every attempt's commit.
+        joined: the restarted ranks the rebuilds admitted.
+        healed: the last heal or restore (None: none yet).
+        rebuilds: rebuilds taken.
+        clock: where the seconds went.
+    """
+
+    commits: list[CommitResult]
+    joined: list[int]
+    healed: HealResult | Restored | None
+    rebuilds: int
+    clock: _Clock
 
 
 class _Clock:
@@ -222,7 +243,6 @@ class Recovery:
         )
         self.recoveries: list[Recovered] = []
         self.applied = 0
-        self._callbacks: list[Callable[[WorldEvent], None]] = []
         self._open: Transaction[Any] | None = None
         self._redo_next = False  # a restarted process's first step is the survivors' redo
         self._carried: _Carried | None = None  # a step left by Reenter
@@ -321,21 +341,6 @@ class Recovery:
             else:
                 step += 1
 
-    def on_change(self, fn: Callable[[WorldEvent], None]) -> Callable[[], None]:
-        """Registers ``fn(event)``, called on this rank when a rebuild put it in a new world (before
-        the redo) and when it is left out (before it exits or raises).
-
-        Returns:
-            A function that unregisters ``fn``.
-
-        Raises:
-            TypeError: ``fn`` is not callable.
-        """
-        if not callable(fn):
-            raise TypeError(f"on_change needs a callable taking a WorldEvent, got {type(fn).__name__}")
-        self._callbacks.append(fn)
-        return lambda: self._callbacks.remove(fn) if fn in self._callbacks else None
-
     def begin(self, step: int | None = None, *, number: int | None = None) -> Transaction[Any]:
         """Opens the transaction of one step: its snapshot, its mark, its bound.
 
@@ -386,18 +391,21 @@ class Recovery:
 
     # --------------------------------------------------------------- what a failed commit sets off
 
-    def _tell(self, event: WorldEvent) -> None:
-        for fn in list(self._callbacks):
-            try:
-                fn(event)
-            except Exception:  # noqa: BLE001 - the world changed whatever a callback does
-                log.exception("%s: the on_change callback %r raised", self.adapter.name, fn)
-
     def rebuild(self, step: int) -> RebuildResult:
-        """Rebuilds the world; applies the left-out policy to a rank the others went on without."""
-        rebuilt = rebuild_world(timeout=self.options.rebuild_timeout_s, allow_shrink=self.options.allow_shrink)
+        """Rebuilds the world for a redo of ``step``; applies the left-out policy to a rank the
+        others went on without.
+
+        The world's subscribers are told (:func:`ncclguard.world.subscribe`): ``"rebuilt"`` with
+        ``step`` before the redo, or ``"left_out"`` before this rank exits or raises.
+
+        Returns:
+            The rebuild's result (falsy: no world to redo the step in).
+
+        Raises:
+            RebuildFailed: this rank was left out and ``left_out="raise"``.
+        """
+        rebuilt = rebuild_for_step(step, timeout=self.options.rebuild_timeout_s, allow_shrink=self.options.allow_shrink)
         if rebuilt:
-            self._tell(WorldEvent("rebuilt", rebuilt, step))
             return rebuilt
         if rebuilt.late:
             self._leave(rebuilt, step)
@@ -405,7 +413,7 @@ class Recovery:
         return rebuilt
 
     def _leave(self, rebuilt: RebuildResult, step: int) -> None:
-        self._tell(WorldEvent("left_out", rebuilt, step))
+        # The subscribers of "left_out" were told by the rebuild: what is left is the policy.
         error = rebuilt.error or RebuildFailed("the others went on without this rank", late=True)
         self.left = True
         if self.options.left_out == "raise":
@@ -527,91 +535,162 @@ class Transaction(Generic[T]):
 
         Returns:
             The :class:`StepResult`; truthy when the step may be applied.
+
+        Raises:
+            Reenter: the adapter's framework must enter its loop again at this step (the
+                transaction is carried to the next :meth:`Recovery.begin` of it).
+            RebuildFailed: this rank was left out of the rebuilt world and ``left_out="raise"``.
         """
-        engine, opts, adapter, number = self.engine, self.engine.options, self.engine.adapter, self.number
-        carried = self._carried
-        commits: list[CommitResult] = list(carried.commits) if carried else []
-        joined = list(carried.joined) if carried else []
-        healed = carried.healed if carried else None
-        rebuilds, first = (1, carried.attempt + 1) if carried else (0, 1)
+        opts = self.engine.options
+        tally, first = self._tally()
         error: NcclGuardError | None = None
-        clock = carried.clock if carried else _Clock(self._start)
-        clock.lap("redo" if carried else "attempt")  # this attempt ran before the commit
         try:
             for attempt in range(first, opts.max_attempts + 1):
                 # A redo passes no step=: the first attempt's commit already checked it.
                 checked = self.step if attempt == 1 and not self._redo else None
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
-                commits.append(res)
-                clock.lap("commit")
+                tally.commits.append(res)
+                tally.clock.lap("commit")
                 if res:
-                    engine.applied += 1
-                    if res.stop:
-                        engine.stop_after = number
-                    if attempt > 1:
-                        self._recovered(number, attempt, commits, joined, clock.laps)
-                    return self._result(True, attempt, rebuilds, commits, None, healed)
-                error = res.error or CommitFailed(f"step {number}'s commit failed")
+                    return self._committed(res, attempt, tally)
+                error = res.error or CommitFailed(f"step {self.number}'s commit failed")
                 if attempt == opts.max_attempts or redo is None:
                     break
-                self.engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
-                rebuilt = engine.rebuild(number) if dist.is_available() and dist.is_initialized() else None
-                clock.lap("rebuild")
-                if rebuilt is not None:
-                    rebuilds += 1
-                    if not rebuilt:
-                        return self._result(False, attempt, rebuilds, commits, rebuilt.error, healed)
-                self.kept.restore(adapter.get_module())
-                adapter.restore(self._extra)
-                # Before the heal and the re-wrap: after Reenter the framework's own loop runs the
-                # next attempt, and a failed attempt's local gradients (its backward ran, its
-                # all_reduce did not) would be summed into it.
-                adapter.zero_grad()
-                if rebuilt is not None:
-                    healed = engine.heal_joined(rebuilt, number) or healed
-                    clock.lap("heal")
-                    if healed is not None and not healed:
-                        return self._result(False, attempt, rebuilds, commits, healed.error, healed)
-                    joined += rebuilt.joined_ranks
-                    try:
-                        adapter.rewrap(rebuilt)
-                    except Reenter:
-                        clock.lap("rewrap")
-                        engine._carried = _Carried(number, attempt, commits, clock, joined, healed, self._start)
-                        raise
-                    clock.lap("rewrap")
-                    restored = engine.restore_joined(rebuilt, number)
-                    if restored is not None:
-                        clock.lap("heal")
-                        healed = restored
-                        if not restored:
-                            return self._result(False, attempt, rebuilds, commits, restored.error, healed)
-                        if restored.rolled_back:
-                            log.warning(
-                                "%s: every rank went back to step %s; the loop runs again from there",
-                                adapter.name,
-                                restored.step,
-                            )
-                            back = self._result(False, attempt, rebuilds, commits, None, healed)
-                            back.rewound_to = engine.rewind_to = restored.step
-                            back.timings = {k: round(v, 4) for k, v in clock.laps.items()}
-                            return back
-                log.warning(
-                    "%s: redoing step %d in world generation %d (%d ranks), attempt %d",
-                    adapter.name,
-                    number,
-                    generation(),
-                    dist.get_world_size() if dist.is_initialized() else 1,
-                    attempt + 1,
-                )
-                engine.bound.arm()
-                engine.timing.redo()
-                self.failure = None
-                self.run(redo)
-                clock.lap("redo")
-            return self._result(False, len(commits), rebuilds, commits, error, healed)
+                ended = self._recover(attempt, tally)
+                if ended is not None:
+                    return ended
+                self._redo_step(redo, attempt, tally.clock)
+            return self._result(False, len(tally.commits), tally, error)
         finally:
             self.close()
+
+    def _tally(self) -> tuple[_Tally, int]:
+        """What this step's attempts have gathered (those before a :class:`Reenter` too), and the
+        number of the attempt whose commit comes next; laps the attempt that ran before it."""
+        carried = self._carried
+        if carried is None:
+            tally, first = _Tally(commits=[], joined=[], healed=None, rebuilds=0, clock=_Clock(self._start)), 1
+        else:  # the attempt before the Reenter rebuilt once
+            tally = _Tally(list(carried.commits), list(carried.joined), carried.healed, 1, carried.clock)
+            first = carried.attempt + 1
+        tally.clock.lap("redo" if carried else "attempt")  # this attempt ran before the commit
+        return tally, first
+
+    def _committed(self, res: CommitResult, attempt: int, tally: _Tally) -> StepResult[T]:
+        """The step committed: counted applied, a stop agreed at its commit noted, a redo recorded."""
+        engine = self.engine
+        engine.applied += 1
+        if res.stop:
+            engine.stop_after = self.number
+        if attempt > 1:
+            self._recovered(self.number, attempt, tally.commits, tally.joined, tally.clock.laps)
+        return self._result(True, attempt, tally, None)
+
+    def _recover(self, attempt: int, tally: _Tally) -> StepResult[T] | None:
+        """After a failed commit: rebuilds the world, puts back the state the step found, and
+        brings the restarted ranks and the model onto the new world.
+
+        Returns:
+            The step's result when it ends here (no world, a heal or a restore failed, every rank
+            went back to an older snapshot), or None: the step is redone.
+
+        Raises:
+            Reenter: the adapter's framework enters its loop again (the transaction is carried).
+            RebuildFailed: this rank was left out and ``left_out="raise"``.
+        """
+        engine = self.engine
+        engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
+        rebuilt = engine.rebuild(self.number) if dist.is_available() and dist.is_initialized() else None
+        tally.clock.lap("rebuild")
+        if rebuilt is not None:
+            tally.rebuilds += 1
+            if not rebuilt:
+                return self._result(False, attempt, tally, rebuilt.error)
+        self._put_back()
+        if rebuilt is None:  # no process group: a world of one redoes the step where it is
+            return None
+        return self._onto_new_world(rebuilt, attempt, tally)
+
+    def _put_back(self) -> None:
+        """Puts back the step's snapshot and what the adapter kept, and clears the gradients."""
+        adapter = self.engine.adapter
+        self.kept.restore(adapter.get_module())
+        adapter.restore(self._extra)
+        # Before the heal and the re-wrap: after Reenter the framework's own loop runs the
+        # next attempt, and a failed attempt's local gradients (its backward ran, its
+        # all_reduce did not) would be summed into it.
+        adapter.zero_grad()
+
+    def _onto_new_world(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | None:
+        """Heals the restarted ranks the rebuild admitted (a replicated model), re-wraps the model
+        on the new world, then restores sharded state from the snapshots.
+
+        Returns:
+            The step's result when it ends here, or None: the step is redone.
+
+        Raises:
+            Reenter: from the adapter's re-wrap; the transaction is carried to the next begin.
+        """
+        engine, number = self.engine, self.number
+        # A failed heal with none before it leaves tally.healed as it was (None), and the redo's
+        # commit settles it: kept as the engine has always done.
+        tally.healed = engine.heal_joined(rebuilt, number) or tally.healed
+        tally.clock.lap("heal")
+        if tally.healed is not None and not tally.healed:
+            return self._result(False, attempt, tally, tally.healed.error)
+        tally.joined += rebuilt.joined_ranks
+        try:
+            engine.adapter.rewrap(rebuilt)
+        except Reenter:
+            tally.clock.lap("rewrap")
+            engine._carried = _Carried(
+                number, attempt, tally.commits, tally.clock, tally.joined, tally.healed, self._start
+            )
+            raise
+        tally.clock.lap("rewrap")
+        return self._restore_sharded(rebuilt, attempt, tally)
+
+    def _restore_sharded(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | None:
+        """Sharded state: every rank back to one snapshot (:meth:`Recovery.restore_joined`).
+
+        Returns:
+            The step's result when the restore failed or went back to an older step (the loop
+            runs again from there), or None: the step is redone.
+        """
+        engine = self.engine
+        restored = engine.restore_joined(rebuilt, self.number)
+        if restored is None:
+            return None
+        tally.clock.lap("heal")
+        tally.healed = restored
+        if not restored:
+            return self._result(False, attempt, tally, restored.error)
+        if not restored.rolled_back:
+            return None
+        log.warning(
+            "%s: every rank went back to step %s; the loop runs again from there", engine.adapter.name, restored.step
+        )
+        back = self._result(False, attempt, tally, None)
+        back.rewound_to = engine.rewind_to = restored.step
+        back.timings = {k: round(v, 4) for k, v in tally.clock.laps.items()}
+        return back
+
+    def _redo_step(self, redo: Callable[[], T], attempt: int, clock: _Clock) -> None:
+        """Runs the step again on the new world (attempt ``attempt + 1``), under the step bound."""
+        engine = self.engine
+        log.warning(
+            "%s: redoing step %d in world generation %d (%d ranks), attempt %d",
+            engine.adapter.name,
+            self.number,
+            generation(),
+            dist.get_world_size() if dist.is_initialized() else 1,
+            attempt + 1,
+        )
+        engine.bound.arm()
+        engine.timing.redo()
+        self.failure = None
+        self.run(redo)
+        clock.lap("redo")
 
     def _recovered(
         self, number: int, attempts: int, commits: list[CommitResult], joined: list[int], timings: dict[str, float]
@@ -634,24 +713,16 @@ class Transaction(Generic[T]):
         except Exception:  # noqa: BLE001 - a tracker must never take training down
             log.exception("%s: logging the recovery of step %d failed", engine.adapter.name, number)
 
-    def _result(
-        self,
-        ok: bool,
-        attempts: int,
-        rebuilds: int,
-        commits: list[CommitResult],
-        error: NcclGuardError | None,
-        healed: HealResult | Restored | None,
-    ) -> StepResult[T]:
+    def _result(self, ok: bool, attempts: int, tally: _Tally, error: NcclGuardError | None) -> StepResult[T]:
         self._clean = ok and attempts == 1
         return StepResult(
             ok,
             attempts,
             generation(),
-            rebuilds,
+            tally.rebuilds,
             self.output if ok else None,
-            commits,
+            tally.commits,
             time.monotonic() - self._start,
             error,
-            healed,
+            tally.healed,
         )

@@ -276,30 +276,13 @@ def heal_from_peer(
     Raises:
         TypeError, ValueError: bad arguments, or no process group; raised before any communication.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"heal_from_peer needs the torch.nn.Module to heal, got {type(module).__name__}")
-    if optimizer is not None and not callable(getattr(optimizer, "load_state_dict", None)):
-        raise TypeError(
-            f"optimizer must be a torch optimizer (state_dict/load_state_dict), got {type(optimizer).__name__}"
-        )
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    timeout_s = to_seconds(timeout, "timeout")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("heal_from_peer runs on a process group: call it after rebuild_world / rejoin_world")
+    timeout_s = _check_arguments(module, optimizer, chunk_bytes, timeout)
     size, me = dist.get_world_size(), dist.get_rank()
-    wanted = sorted(current_world().joined if receivers is None else set(receivers))
-    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size for r in wanted):
-        raise ValueError(f"receivers must be ranks of this world of {size}, got {receivers!r}")
+    wanted = _receivers(receivers, size)
     start = time.monotonic()
     if not wanted:
         return HealResult(True, "none")
-    if source is None:
-        source = next((r for r in range(size) if r not in wanted), None)
-        if source is None:
-            raise ValueError(f"every rank of this world of {size} is a receiver: no live rank holds the state")
-    elif isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < size or source in wanted:
-        raise ValueError(f"source must be a rank of this world of {size} that does not receive, got {source!r}")
+    source = _source(source, wanted, size)
     role = "source" if me == source else "receiver" if me in wanted else "bystander"
     limit = (
         max_bytes
@@ -329,6 +312,59 @@ def heal_from_peer(
     return result
 
 
+def _check_arguments(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, chunk_bytes: int, timeout: float | timedelta
+) -> float:
+    """Refuses bad arguments, and a call without a process group, before any communication.
+
+    Returns:
+        The timeout in seconds.
+
+    Raises:
+        TypeError, ValueError: what :func:`heal_from_peer` raises for them.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"heal_from_peer needs the torch.nn.Module to heal, got {type(module).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "load_state_dict", None)):
+        raise TypeError(
+            f"optimizer must be a torch optimizer (state_dict/load_state_dict), got {type(optimizer).__name__}"
+        )
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    timeout_s = to_seconds(timeout, "timeout")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("heal_from_peer runs on a process group: call it after rebuild_world / rejoin_world")
+    return timeout_s
+
+
+def _receivers(receivers: list[int] | None, size: int) -> list[int]:
+    """The ranks that receive (sorted): ``receivers``, else the current world's restarted ones.
+
+    Raises:
+        ValueError: one is not a rank of this world of ``size``.
+    """
+    wanted = sorted(current_world().joined if receivers is None else set(receivers))
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size for r in wanted):
+        raise ValueError(f"receivers must be ranks of this world of {size}, got {receivers!r}")
+    return wanted
+
+
+def _source(source: int | None, wanted: list[int], size: int) -> int:
+    """The rank that sends: ``source``, else the lowest-numbered rank that does not receive.
+
+    Raises:
+        ValueError: every rank receives, or ``source`` is not a rank that does not receive.
+    """
+    if source is None:
+        found = next((r for r in range(size) if r not in wanted), None)
+        if found is None:
+            raise ValueError(f"every rank of this world of {size} is a receiver: no live rank holds the state")
+        return found
+    if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < size or source in wanted:
+        raise ValueError(f"source must be a rank of this world of {size} that does not receive, got {source!r}")
+    return source
+
+
 def _heal(
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -342,7 +378,45 @@ def _heal(
     result: HealResult,
     extra: Any = None,
 ) -> None:
-    # 1. The header: its length, then its bytes. Every rank checks the length against the same bound.
+    """The transfer, on every rank: the header, who refuses, the bytes, and on a receiver their
+    application (the module doc's three steps).
+
+    Raises:
+        HealFailed: the source sent nothing, a receiver refused, a collective failed or missed the
+            deadline, or the state could not be applied.
+    """
+    header, sent = _exchange_header(module, optimizer, me, source, step, chunk_bytes, deadline, extra)
+    _stop_on_refusal(header, module, optimizer, me, source, receivers, limit, deadline)
+    result.step = header.step
+    staged = _send_bytes(header, sent, me, source, me in receivers, deadline, result)
+    if me in receivers:
+        _apply(module, optimizer, header, staged)
+        if header.extra is not None:
+            try:
+                result.extra = _from_json(header.extra, staged[header.module_tensors :])
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise HealFailed(f"the source's extra state cannot be read ({exc})") from exc
+
+
+def _exchange_header(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    me: int,
+    source: int,
+    step: int | None,
+    chunk_bytes: int,
+    deadline: Deadline,
+    extra: Any,
+) -> tuple[Header, list[torch.Tensor]]:
+    """Step 1: the source's header, its length then its bytes. Every rank checks the length
+    against the same bound; a header that cannot be read becomes an error every rank sees.
+
+    Returns:
+        The header, and on the source the tensors it sends (in the manifest's order).
+
+    Raises:
+        HealFailed: a broadcast failed, or the header is over its bound.
+    """
     header: Header | None = None
     sent: list[torch.Tensor] = []
     raw = b""
@@ -364,7 +438,25 @@ def _heal(
             header = decode(Header, bytes(buf.numpy()), "the heal's header", MAX_HEADER_BYTES)
         except DecodeError as exc:
             header = Header(error=f"(seen by rank {me}) {exc}")
-    # 2. Who refuses: one all_reduce, so that every rank stops together.
+    return header, sent
+
+
+def _stop_on_refusal(
+    header: Header,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    me: int,
+    source: int,
+    receivers: list[int],
+    limit: int,
+    deadline: Deadline,
+) -> None:
+    """Step 2: who refuses, learnt in one all_reduce, so that every rank stops together before
+    anything is copied.
+
+    Raises:
+        HealFailed: the source sends nothing, or a receiver refused.
+    """
     refusal = _check(header, module, optimizer, limit) if me in receivers else None
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
@@ -376,9 +468,27 @@ def _heal(
         mine = f": {refusal}" if refusal is not None else ""
         who = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {rank_ranges(refused)}"
         raise HealFailed(f"{who} refused the source's state{mine}", refused_ranks=refused)
-    result.step = header.step
-    # 3. The bytes, chunked. Receivers stage them; nothing is applied until all have arrived.
-    staged = [torch.empty(e.shape, dtype=_dtype(e.dtype)) for e in header.tensors] if me in receivers else []
+
+
+def _send_bytes(
+    header: Header,
+    sent: list[torch.Tensor],
+    me: int,
+    source: int,
+    receives: bool,
+    deadline: Deadline,
+    result: HealResult,
+) -> list[torch.Tensor]:
+    """Step 3: the tensors' bytes, in broadcasts of at most the header's chunk size, each bounded
+    by what is left of the deadline; counted in ``result`` (``bytes``, ``chunks``).
+
+    Returns:
+        On a receiver, the staged tensors (nothing is applied until all have arrived); else [].
+
+    Raises:
+        HealFailed: a broadcast failed or missed the deadline.
+    """
+    staged = [torch.empty(e.shape, dtype=_dtype(e.dtype)) for e in header.tensors] if receives else []
     total = sum(_nbytes(e) for e in header.tensors)
     chunk = torch.empty(min(header.chunk_bytes, max(total, 1)), dtype=torch.uint8)
     targets = [t.reshape(-1).view(torch.uint8) for t in staged]
@@ -398,18 +508,12 @@ def _heal(
                 view[filled : filled + take].copy_(src_piece[src_off : src_off + take])
                 filled, src_off = filled + take, src_off + take
         _broadcast(view, source, deadline, f"chunk {result.chunks} ({offset} of {total} bytes)")
-        if me in receivers:
+        if receives:
             _scatter(view, offset, targets)
         offset += size
         result.chunks += 1
     result.bytes = total
-    if me in receivers:
-        _apply(module, optimizer, header, staged)
-        if header.extra is not None:
-            try:
-                result.extra = _from_json(header.extra, staged[header.module_tensors :])
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                raise HealFailed(f"the source's extra state cannot be read ({exc})") from exc
+    return staged
 
 
 def _scatter(view: torch.Tensor, offset: int, targets: list[torch.Tensor]) -> None:

@@ -11,8 +11,10 @@ Steps (docs/recovery.md has the long form):
    thread (:mod:`ncclguard.recovery._rebuild.reaper`), so no rank ever waits on a dead or stalled peer;
 4. a new :class:`~ncclguard.world.World` is announced: the members renumbered densely, every
    part's per-world state (failure marks, round counts, flight records) fresh, and the subscribers
-   (the watchdog) told; a new default group of the same backend is built on a fresh prefix of the
-   job's store; the callbacks of :func:`on_rebuild` run.
+   (the watchdog) told (``"announced"``); a new default group of the same backend is built on a
+   fresh prefix of the job's store, and the subscribers of ``"rebuilt"`` are told
+   (:func:`ncclguard.world.subscribe`, the one hook of a world change). A rank that came too late
+   tells those of ``"left_out"`` instead.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -48,9 +49,9 @@ from ncclguard.results import Result
 from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix
 from ncclguard.store.world_record import write_world_record
-from ncclguard.world import Slot, World, announce, current_world
+from ncclguard.world import Slot, World, WorldChange, announce, current_world, notify
 
-__all__ = ["RebuildResult", "generation", "on_rebuild", "origin_rank", "rebuild_world"]
+__all__ = ["RebuildResult", "generation", "origin_rank", "rebuild_for_step", "rebuild_world"]
 
 
 @dataclass
@@ -107,9 +108,8 @@ class _Origin:
 
 
 _ORIGIN = _Origin()
-# Callbacks of on_rebuild: the process's, whatever its world.
+# Held while this process rebuilds: one rebuild at a time, whatever its world.
 _lock = threading.Lock()
-_callbacks: list[Callable[[RebuildResult], None]] = []
 
 
 def origin_rank() -> int | None:
@@ -141,35 +141,6 @@ def deaths_before(store: dist.Store, deadline: Deadline) -> int:
 def generation() -> int:
     """The generation of this process's world: 0 until a rebuild succeeds, then 1, 2, ..."""
     return current_world().generation
-
-
-def on_rebuild(fn: Callable[[RebuildResult], None]) -> Callable[[], None]:
-    """Registers ``fn(result)``, called on this rank after each successful rebuild (in the thread
-    that called :func:`rebuild_world`, once the new group is the default).
-
-    The watchdog uses it to carry on under the new generation. An exception in ``fn`` is logged,
-    not raised: the world is rebuilt either way.
-
-    Args:
-        fn: the callback.
-
-    Returns:
-        A function that unregisters ``fn``.
-
-    Raises:
-        TypeError: ``fn`` is not callable.
-    """
-    if not callable(fn):
-        raise TypeError(f"on_rebuild needs a callable taking a RebuildResult, got {type(fn).__name__}")
-    with _lock:
-        _callbacks.append(fn)
-
-    def remove() -> None:
-        with _lock:
-            if fn in _callbacks:
-                _callbacks.remove(fn)
-
-    return remove
 
 
 def _job_store(store: dist.Store) -> dist.Store:
@@ -310,7 +281,9 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
     ``dist.get_rank()``, ``dist.get_world_size()``, plain collectives and ``safe_*`` all use
     the new group. Everything built on the old one must be made again: DDP wrappers (re-wrap;
     DDP broadcasts the parameters of the new rank 0), subgroups (``new_group``) and groups held
-    by frameworks (see docs/recovery.md).
+    by frameworks (see docs/recovery.md). The world's subscribers
+    (:func:`ncclguard.world.subscribe`) are told ``"announced"`` before the new group's
+    handshake, ``"rebuilt"`` once it is the default, or ``"left_out"`` when this rank came late.
 
     Args:
         timeout: seconds (or a timedelta) to wait for the other ranks at the meeting.
@@ -329,132 +302,213 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
             communication.
         RuntimeError: another thread of this process is already rebuilding.
     """
+    return rebuild_for_step(None, timeout=timeout, allow_shrink=allow_shrink)
+
+
+def rebuild_for_step(
+    step: int | None, *, timeout: float | timedelta = 60.0, allow_shrink: bool = False
+) -> RebuildResult:
+    """:func:`rebuild_world` for a recovery engine: the same rebuild, and the subscribers'
+    :class:`~ncclguard.world.WorldChange` names the step the new world redoes.
+
+    Args:
+        step: the step redone after this rebuild (``WorldChange.step``), or None.
+        timeout: as :func:`rebuild_world`'s.
+        allow_shrink: as :func:`rebuild_world`'s.
+
+    Returns:
+        The :class:`RebuildResult`, as :func:`rebuild_world` returns it.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or no process group to rebuild; raised before any
+            communication.
+        RuntimeError: another thread of this process is already rebuilding.
+    """
     timeout_s = validate_arguments(timeout, allow_shrink)
     if not _lock.acquire(blocking=False):
         raise RuntimeError("rebuild_world is already running in another thread of this process; call it once per rank")
     try:
         world = _current_world()
-        assert world.rank is not None and world.size is not None and world.backend is not None
-        assert world.store is not None  # _current_world raises without one
-        start = time.monotonic()
-        deadline = Deadline(start + timeout_s)
-        me = Arrival(
-            rank=world.rank,
-            world_size=world.size,
-            generation=world.generation,
-            backend=world.backend,
-            allow_shrink=allow_shrink,
-            host=HOSTNAME,
-            pid=os.getpid(),
-            origin=_ORIGIN.rank if _ORIGIN.rank is not None else world.rank,
-        )
-        attempts = world.get(_ATTEMPTS)
-        attempt = attempts.n
-        attempts.n += 1  # late or not, the next call of every rank meets in the next attempt
-        try:
-            meeting = meet(world.store, me, attempt, deadline)
-        except StoreUnreachable as exc:
-            return _failed(
-                world,
-                start,
-                [],
-                f"{exc}. The store lives in torchrun's agent, or (other launchers) in rank 0's process: "
-                "without it no rank can rebuild; checkpoint and exit 75",
-            )
-        if not meeting.goes_on:
-            if meeting.late and meeting.verdict.ok:
-                world.left_behind = True  # told here: the caller handles it, the watchdog need not fence
-            missing, error = _verdict_error(world, meeting, timeout_s)
-            return _failed(world, start, missing, error, late=meeting.late)
-
-        members = meeting.verdict.arrived
-        rank_map = dense_rank_map(members)
-        missing = meeting.verdict.missing(world.size)
-        _abandon(world)
-        # From here the old world is gone: the new one is current even if its handshake fails, so
-        # a later call meets as its members, and the subscribers (the watchdog) follow it now.
-        new_rank, new_size = rank_map[world.rank], len(members)
-        arrivals = meeting.arrivals
-        joined = [rank_map[r] for r in members if arrivals[r].rejoined]
-        origins = tuple(a.origin if a.origin is not None else r for r, a in sorted(arrivals.items()))
-        new = World(
-            generation=world.generation + 1,
-            rank=new_rank,
-            size=new_size,
-            rank_map=rank_map,
-            left_out=tuple(missing),
-            joined=tuple(joined),
-            origins=origins,
-            deaths_seen=deaths_before(world.store, deadline),
-            backend=world.backend,
-            store=world.store,
-            timeout=world.timeout,
-        )
-        announce(new)
-        if new_rank == min((r for r in range(new_size) if r not in joined), default=-1):
-            # The lowest-numbered survivor records the world, before the handshake: a restarted
-            # process in it reads it to connect, and a later one to find its place.
-            timeout_s = world.timeout.total_seconds() if world.timeout is not None else 600.0
-            _record_world(
-                world.store,
-                WorldRecord(
-                    generation=new.generation, origins=list(origins), backend=world.backend, timeout_s=timeout_s
-                ),
-                Deadline.within(max(deadline.left(), 1.0)),
-            )
-        handshake_s = handshake_timeout(timeout_s, deadline.left())
-        try:
-            stand_in.torch_init_process_group(
-                world.backend,
-                store=dist.PrefixStore(world_prefix(new.generation), world.store),
-                rank=new_rank,
-                world_size=new_size,
-                timeout=timedelta(seconds=handshake_s),
-            )
-        except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
-            return _failed(
-                new,
-                start,
-                missing,
-                f"the new group of generation {new.generation} could not be built within {handshake_s:g} s "
-                f"({exc}); a member may have died meanwhile: call rebuild_world again (allow_shrink=True to "
-                "go on without it)",
-            )
-        pg = compat.default_group()
-        new.group = weakref.ref(pg)
-        # The handshake bound is not the collectives' bound: they get the old world's.
-        if world.timeout is not None:
-            compat.set_group_timeout(pg, world.timeout)
-        del pg
-        if new_rank == 0 and world.generation >= 1:
-            _forget_generation(world.store, world.generation, Deadline.within(max(deadline.left(), 1.0)))
-        result = RebuildResult(
-            ok=True,
-            generation=new.generation,
-            rank=new_rank,
-            world_size=new_size,
-            rank_map=rank_map,
-            missing_ranks=missing,
-            elapsed_s=time.monotonic() - start,
-            joined_ranks=joined,
-        )
-        callbacks = list(_callbacks)
+        result, now = _rebuild(world, timeout_s, allow_shrink)
     finally:
         _lock.release()
-    log.warning(
-        "rebuild_world: generation %d, rank %d of %d (was %d of %d)%s, in %.3f s",
-        result.generation,
-        result.rank,
-        result.world_size,
-        world.rank,
-        world.size,
-        (f", without ranks {rank_ranges(missing)}" if missing else "")
-        + (f", restarted ranks {rank_ranges(joined)} joined" if joined else ""),
-        result.elapsed_s,
-    )
-    for fn in callbacks:
-        try:
-            fn(result)
-        except Exception:  # noqa: BLE001 - the world is rebuilt whatever a callback does
-            log.exception("rebuild_world: the on_rebuild callback %r raised", fn)
+    # Outside the lock: a subscriber may read the world, or even rebuild again.
+    _tell(world, now, result, step)
     return result
+
+
+def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[RebuildResult, World]:
+    """The rebuild of ``world``, under the process's rebuild lock: the meeting, then the new world.
+
+    Returns:
+        The result, and the world this rank is in now (the new one once it was announced, even
+        when its handshake failed).
+    """
+    assert world.rank is not None and world.size is not None and world.backend is not None
+    assert world.store is not None  # _current_world raises without one
+    start = time.monotonic()
+    deadline = Deadline(start + timeout_s)
+    me = _arrival(world, allow_shrink)
+    attempts = world.get(_ATTEMPTS)
+    attempt = attempts.n
+    attempts.n += 1  # late or not, the next call of every rank meets in the next attempt
+    try:
+        meeting = meet(world.store, me, attempt, deadline)
+    except StoreUnreachable as exc:
+        return _failed(
+            world,
+            start,
+            [],
+            f"{exc}. The store lives in torchrun's agent, or (other launchers) in rank 0's process: "
+            "without it no rank can rebuild; checkpoint and exit 75",
+        ), world
+    if not meeting.goes_on:
+        if meeting.late and meeting.verdict.ok:
+            world.left_behind = True  # told here: the caller handles it, the watchdog need not fence
+        missing, error = _verdict_error(world, meeting, timeout_s)
+        return _failed(world, start, missing, error, late=meeting.late), world
+
+    rank_map = dense_rank_map(meeting.verdict.arrived)
+    missing = meeting.verdict.missing(world.size)
+    _abandon(world)
+    # From here the old world is gone: the new one is current even if its handshake fails, so
+    # a later call meets as its members, and the subscribers (the watchdog) follow it now.
+    new = _next_world(world, meeting, rank_map, missing, deadline)
+    announce(new)
+    recorded = _record_new_world(world, new, deadline)
+    # The rank that recorded the world bounds its handshake from the record's timeout (the world's
+    # collective timeout), the others from the caller's: kept as it was before this was split.
+    handshake_s = handshake_timeout(recorded.timeout_s if recorded is not None else timeout_s, deadline.left())
+    problem = _build_group(world, new, handshake_s)
+    if problem is not None:
+        return _failed(new, start, missing, problem), new
+    if new.rank == 0 and world.generation >= 1:
+        _forget_generation(world.store, world.generation, Deadline.within(max(deadline.left(), 1.0)))
+    return RebuildResult(
+        ok=True,
+        generation=new.generation,
+        rank=rank_map[world.rank],
+        world_size=len(rank_map),
+        rank_map=rank_map,
+        missing_ranks=missing,
+        elapsed_s=time.monotonic() - start,
+        joined_ranks=list(new.joined),
+    ), new
+
+
+def _arrival(world: World, allow_shrink: bool) -> Arrival:
+    """What this rank says of itself at the meeting (its launch rank too, for a restart to find)."""
+    assert world.rank is not None and world.size is not None and world.backend is not None
+    return Arrival(
+        rank=world.rank,
+        world_size=world.size,
+        generation=world.generation,
+        backend=world.backend,
+        allow_shrink=allow_shrink,
+        host=HOSTNAME,
+        pid=os.getpid(),
+        origin=_ORIGIN.rank if _ORIGIN.rank is not None else world.rank,
+    )
+
+
+def _next_world(
+    world: World, meeting: Meeting, rank_map: dict[int, int], missing: list[int], deadline: Deadline
+) -> World:
+    """The world the meeting agreed on: its members renumbered densely, the restarted ones named.
+
+    Args:
+        world: the old world (abandoned by now).
+        meeting: the meeting that goes on.
+        rank_map: old rank to new, for every member.
+        missing: the old ranks left out.
+        deadline: bounds the read of the job's death count.
+
+    Returns:
+        The next :class:`~ncclguard.world.World` (not announced yet; its group not built).
+    """
+    assert world.rank is not None and world.store is not None
+    arrivals = meeting.arrivals
+    return World(
+        generation=world.generation + 1,
+        rank=rank_map[world.rank],
+        size=len(rank_map),
+        rank_map=rank_map,
+        left_out=tuple(missing),
+        joined=tuple(rank_map[r] for r in meeting.verdict.arrived if arrivals[r].rejoined),
+        origins=tuple(a.origin if a.origin is not None else r for r, a in sorted(arrivals.items())),
+        deaths_seen=deaths_before(world.store, deadline),
+        backend=world.backend,
+        store=world.store,
+        timeout=world.timeout,
+    )
+
+
+def _record_new_world(world: World, new: World, deadline: Deadline) -> WorldRecord | None:
+    """On the lowest-numbered survivor, records ``new`` as the job's world, before the handshake:
+    a restarted process in it reads the record to connect, and a later one to find its place.
+
+    Returns:
+        The record written (or tried: a failure is only logged), or None on every other rank.
+    """
+    assert new.size is not None and world.store is not None and world.backend is not None
+    if new.rank != min((r for r in range(new.size) if r not in new.joined), default=-1):
+        return None
+    record = WorldRecord(
+        generation=new.generation,
+        origins=list(new.origins),
+        backend=world.backend,
+        timeout_s=world.timeout.total_seconds() if world.timeout is not None else 600.0,
+    )
+    _record_world(world.store, record, Deadline.within(max(deadline.left(), 1.0)))
+    return record
+
+
+def _build_group(world: World, new: World, handshake_s: float) -> str | None:
+    """Builds ``new``'s default group (the handshake, bounded by ``handshake_s``), with the old
+    world's collective timeout.
+
+    Returns:
+        Why it could not be built, or None once it is the default group.
+    """
+    assert world.backend is not None and world.store is not None and new.rank is not None and new.size is not None
+    try:
+        stand_in.torch_init_process_group(
+            world.backend,
+            store=dist.PrefixStore(world_prefix(new.generation), world.store),
+            rank=new.rank,
+            world_size=new.size,
+            timeout=timedelta(seconds=handshake_s),
+        )
+    except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
+        return (
+            f"the new group of generation {new.generation} could not be built within {handshake_s:g} s "
+            f"({exc}); a member may have died meanwhile: call rebuild_world again (allow_shrink=True to "
+            "go on without it)"
+        )
+    pg = compat.default_group()
+    new.group = weakref.ref(pg)
+    # The handshake bound is not the collectives' bound: they get the old world's.
+    if world.timeout is not None:
+        compat.set_group_timeout(pg, world.timeout)
+    del pg
+    return None
+
+
+def _tell(old: World, now: World, result: RebuildResult, step: int | None) -> None:
+    """Logs a rebuild that put this rank in a new world and tells the world's subscribers:
+    ``"rebuilt"`` then, ``"left_out"`` when this rank came after the others had settled."""
+    if result:
+        log.warning(
+            "rebuild_world: generation %d, rank %d of %d (was %d of %d)%s, in %.3f s",
+            result.generation,
+            result.rank,
+            result.world_size,
+            old.rank,
+            old.size,
+            (f", without ranks {rank_ranges(result.missing_ranks)}" if result.missing_ranks else "")
+            + (f", restarted ranks {rank_ranges(result.joined_ranks)} joined" if result.joined_ranks else ""),
+            result.elapsed_s,
+        )
+        notify(WorldChange(old, now, "rebuilt", step=step))
+    elif result.late:
+        notify(WorldChange(now, now, "left_out", step=step, error=result.error))

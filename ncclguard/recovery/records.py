@@ -1,20 +1,20 @@
-"""What the recovery engine tells its caller: a step's :class:`StepResult`, the :class:`Recovered`
-record of a step applied after a redo, and the :class:`WorldEvent` an ``on_change`` callback gets."""
+"""What the recovery engine tells its caller: a step's :class:`StepResult` and the :class:`Recovered`
+record of a step applied after a redo. (A change of world, a rebuild or this rank left out, is told
+through the world's one hook: :func:`ncclguard.world.subscribe`.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ncclguard._naming import rank_ranges
 from ncclguard.errors import CommitFailed, NcclGuardError
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.heal import HealResult
-from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.results import Result
 
-__all__ = ["Recovered", "StepResult", "WorldEvent"]
+__all__ = ["Recovered", "StepResult"]
 
 T = TypeVar("T")
 
@@ -104,19 +104,3 @@ class StepResult(Result, Generic[T]):
         if not self.ok:
             raise CommitFailed(f"the step was not applied after {self.attempts} attempt(s)")
         return self
-
-
-@dataclass(frozen=True)
-class WorldEvent:
-    """What an ``on_change`` callback is told.
-
-    Attributes:
-        kind: ``"rebuilt"`` (this rank is in the new world; before the redo), or ``"left_out"``
-            (the others went on without this rank; before it exits or raises).
-        result: the rebuild's result.
-        step: the step being redone.
-    """
-
-    kind: Literal["rebuilt", "left_out"]
-    result: RebuildResult
-    step: int

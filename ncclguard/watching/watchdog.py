@@ -48,11 +48,11 @@ from ncclguard.incidents.model import Heartbeat
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
+from ncclguard.watching.loop import Loop
 from ncclguard.watching.sensors.backend_watch import BackendWatch
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.rank_state import RankState
 from ncclguard.watching.sensors.story import MainThreadTrack
-from ncclguard.watching.loop import Loop
 from ncclguard.watching.worlds import Announced, rank_and_size, take_over
 from ncclguard.world import World, current_world, subscribe
 

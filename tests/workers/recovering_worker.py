@@ -27,8 +27,8 @@ from rankkit import put
 from ncclguard import FSDP2, RecoveringStep
 from ncclguard.recording.ddp import record_ddp
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery import WorldEvent
 from ncclguard.recovery.records import StepResult
+from ncclguard.world import WorldChange, subscribe
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
@@ -64,8 +64,9 @@ def summary(res: StepResult) -> dict[str, Any]:
     }
 
 
-def event_of(event: WorldEvent) -> dict[str, Any]:
-    return {"step": event.step, "late": event.result.late, "generation": event.result.generation}
+def event_of(change: WorldChange) -> dict[str, Any]:
+    # "left_out": the rebuild's error says late; the world this rank stays in is its generation.
+    return {"step": change.step, "late": getattr(change.error, "late", None), "generation": change.new.generation}
 
 
 def shard_layers(module: torch.nn.Module, mesh: Any) -> None:
@@ -108,11 +109,22 @@ def train(
     me = int(os.environ["RANK"])
     results: list[dict[str, Any]] = []
 
-    def left_out(event: WorldEvent) -> None:  # the engine exits this rank (status 0) right after
-        put("results", [*results, {"left_out": True, "error": type(event.result.error).__name__, **event_of(event)}])
+    def left_out(change: WorldChange) -> None:  # the engine exits this rank (status 0) right after
+        put("results", [*results, {"left_out": True, "error": type(change.error).__name__, **event_of(change)}])
         rankkit.save()
 
-    stepper.engine.on_change(lambda e: left_out(e) if e.kind == "left_out" else None)
+    # The world's one hook, for this run only (a process trains twice: the reference, then the run).
+    unsubscribe = subscribe(left_out, kinds=("left_out",))
+    try:
+        _steps(stepper, results, me, stall_at, stall, base)
+    finally:
+        unsubscribe()
+    return stepper, results
+
+
+def _steps(
+    stepper: RecoveringStep, results: list[dict[str, Any]], me: int, stall_at: int | None, stall: Any, base: int
+) -> None:
     for step in range(STEPS):
         x, y = batch(step, me)
         tries = []
@@ -131,7 +143,6 @@ def train(
         results.append({**summary(res), "world_sizes": tries})
         if not res:
             break
-    return stepper, results
 
 
 def full_state(stepper: RecoveringStep) -> torch.Tensor:

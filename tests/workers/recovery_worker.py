@@ -18,8 +18,9 @@ from ncclguard import _torch_compat as compat
 from ncclguard import rebuild_world, safe_all_reduce, safe_barrier
 from ncclguard.errors import GroupFailed
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery import generation, on_rebuild, reaper
+from ncclguard.recovery import generation, reaper
 from ncclguard.recovery._rebuild.meeting_rules import MeetingKeys
+from ncclguard.world import subscribe
 
 # A rebuild renumbers ranks: the faults and the result files go by the rank the launcher gave.
 rankkit.rank = lambda: int(os.environ["RANK"])
@@ -165,7 +166,9 @@ def timeout_and_loop() -> None:
         del res, again
     old = weakref.ref(dist.distributed_c10d._get_default_group())
     seen: list[tuple[int, int, bool]] = []
-    on_rebuild(lambda res: seen.append((res.generation, res.world_size, dist.get_world_size() == res.world_size)))
+    subscribe(
+        lambda c: seen.append((c.new.generation, c.new.size, dist.get_world_size() == c.new.size)), kinds=("rebuilt",)
+    )
     result = rebuild_world(timeout=10)
     put("rebuild", result_fields(result))
     put("generation", generation())
