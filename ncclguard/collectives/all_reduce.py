@@ -139,13 +139,11 @@ def safe_all_reduce(
         TypeError, ValueError: bad input (a timeout at or above the group's own timeout
             included), raised on the calling rank before any communication.
     """
-    # One pipeline for every call: the group's plan; the call's shape (input checked once per
-    # shape); the deadline; the failure mark; the wire (issued first when nothing has to precede
-    # it, so the call's number, its record and its default deadline are made while the backend
-    # works); the fingerprint check when asked; the record closed; the result. What does not
-    # change between calls is computed once, in the plan (ncclguard.collectives.plan).
+    # Every call is admitted the same way: the group's plan (its cache hit inline: one frame less
+    # on every call), the call's shape (input checked once per shape), its deadline, the failure
+    # mark; then it takes _issue_first (one op that nothing has to precede) or _guarded. What does
+    # not change between calls is computed once, in the plan (ncclguard.collectives.plan).
     start = _monotonic()
-    # The plan, as plan_for finds it (its cache hit inline: one frame less on every call).
     try:
         key: Any = _world_attributes.get("_default_pg") if group is None else group
         plan = _plans.hot.by_group.get(key)
@@ -171,21 +169,78 @@ def safe_all_reduce(
         raise
     failed = failure_of(plan.group) if _groups.hot.table.marked else None
     if failed is not None:
-        _number(plan, tag)
-        refused = GroupFailed(f"group {plan.name!r} failed earlier ({failed}); make a new group to go on")
-        return CollectiveResult(False, shape.opname, shape.numel, shape.nbytes, 1, 0, _monotonic() - start, refused)
+        return _refused(plan, shape, tag, failed, start)
     check = verify or tag is not None or (verify is None and shape.verify_default)
     direct = shape.direct and not atomic and tensor.is_contiguous()
-    work: Any = None
+    if direct and not check and dist.all_reduce is _TORCH_ALL_REDUCE:  # not instrumented: see _issue_first
+        return _issue_first(plan, tensor, shape, start, timeout_s)
+    return _guarded(plan, tensor, op, shape, start, timeout_s, check, direct, atomic, tag)
+
+
+def _issue_first(
+    plan: GroupPlan, tensor: torch.Tensor, shape: CallShape, start: float, timeout_s: float | None
+) -> CollectiveResult:
+    """The hot path: one op on the tensor itself (one chunk, contiguous, not atomic) that nothing
+    has to precede: no fingerprint round, no tag, no wrapper of dist.all_reduce (instrument()'s
+    would record the op itself unless our record is open). Issued before anything else, so the
+    call's number, its record and its default deadline are made while the backend works."""
     failure: WireFailure | None = None
-    # Issued first when nothing has to precede it: no fingerprint round, and no wrapper of
-    # dist.all_reduce (instrument()'s would record the op itself unless our record is open).
-    if direct and not check and dist.all_reduce is _TORCH_ALL_REDUCE:
-        try:
-            # Positional: keywords cost torch's decorator a dict on every call.
-            work = _TORCH_ALL_REDUCE(tensor, shape.wire_op, plan.group, True)
-        except Exception as exc:  # noqa: BLE001 - a backend error becomes a result
-            failure = WireFailure(0, exc, _monotonic())
+    try:
+        # Positional: keywords cost torch's decorator a dict on every call.
+        work: Any = _TORCH_ALL_REDUCE(tensor, shape.wire_op, plan.group, True)
+    except Exception as exc:  # noqa: BLE001 - a backend error becomes a result
+        work, failure = None, WireFailure(0, exc, _monotonic())
+    base, counter = plan.count.current  # the call's number; its Call object only for an error
+    n = next(counter)
+    rec = _open_record(shape.opname, plan.name, shape.numel, shape.dtype)
+    try:
+        if timeout_s is None:
+            timeout_s = plan.default_timeout(shape, start)
+        reduced = 0
+        if failure is None:  # _one_op's wait, inline: a frame and a tuple less on every call
+            try:
+                # Under a millisecond spent: wait with the whole deadline (a cached timedelta).
+                wait = plan.whole_wait(timeout_s) if _monotonic() - start < _REUSE_WAIT_S else None
+                wait_work(work, start + timeout_s, plan.backend, plan.group, wait)
+            except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+                failure = WireFailure(0, exc, _monotonic())
+            else:
+                reduced = shape.numel
+                if shape.avg_by_hand:  # the backend has no AVG: it summed
+                    with torch.no_grad():
+                        tensor.div_(plan.info.size)
+        error: CollectiveError | None = None
+        if failure is not None:
+            call = Call(plan.info, "all_reduce", base=base, n=n)
+            error = wire_error(call, failure, shape.chunks, start, timeout_s, plan.timeout_s(), _fields(plan, shape))
+    except BaseException as exc:  # KeyboardInterrupt too: an open record would read as a hang
+        if rec is not None:
+            recorder.finish(rec, f"interrupted: {exc!r}")
+        raise
+    if error is None:
+        _close_record(rec)
+        return CollectiveResult(
+            True, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start
+        )
+    return _failed(plan, shape, rec, reduced, error, start)
+
+
+def _guarded(
+    plan: GroupPlan,
+    tensor: torch.Tensor,
+    op: Any,
+    shape: CallShape,
+    start: float,
+    timeout_s: float | None,
+    check: bool,
+    direct: bool,
+    atomic: bool,
+    tag: str | None,
+) -> CollectiveResult:
+    """Every other call: numbered (by its tag, when it has one) and recorded before anything moves;
+    the fingerprint check when asked; then the wire: one op on the tensor itself (through
+    dist.all_reduce, whose instrument() wrapper then sees our open record) or run_chunks (several
+    chunks, ``atomic``, or a non-contiguous tensor)."""
     # The call's number: the Call object (its round name) is made only when a round needs it.
     call: Call | None = None
     base, n = "", 0
@@ -200,6 +255,7 @@ def safe_all_reduce(
             timeout_s = plan.default_timeout(shape, start)
         error: CollectiveError | None = None
         reduced = 0
+        failure: WireFailure | None = None
         if check:
             call = call or Call(plan.info, "all_reduce", base=base, n=n)
             error = check_fingerprints(
@@ -207,21 +263,9 @@ def safe_all_reduce(
             )
             if error is not None:
                 log.warning("%s", error)
-        if error is None and failure is None:
+        if error is None:
             if direct:  # one op, the tensor itself on the wire, none of the chunk machinery
-                try:
-                    if work is None:
-                        work = dist.all_reduce(tensor, op=shape.wire_op, group=plan.group, async_op=True)
-                    # Under a millisecond spent: wait with the whole deadline (a cached timedelta).
-                    wait = plan.whole_wait(timeout_s) if _monotonic() - start < _REUSE_WAIT_S else None
-                    wait_work(work, start + timeout_s, plan.backend, plan.group, wait)
-                except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
-                    failure = WireFailure(0, exc, _monotonic())
-                else:
-                    reduced = shape.numel
-                    if shape.avg_by_hand:  # the backend has no AVG: it summed
-                        with torch.no_grad():
-                            tensor.div_(plan.info.size)
+                reduced, failure = _one_op(plan, tensor, shape, start, timeout_s)
             else:
                 reduced, failure = run_chunks(plan.info, tensor, shape, start + timeout_s, atomic)
         if failure is not None:
@@ -236,6 +280,42 @@ def safe_all_reduce(
         return CollectiveResult(
             True, shape.opname, shape.numel, shape.nbytes, shape.chunks, reduced, _monotonic() - start
         )
+    return _failed(plan, shape, rec, reduced, error, start)
+
+
+def _one_op(
+    plan: GroupPlan, tensor: torch.Tensor, shape: CallShape, start: float, timeout_s: float
+) -> tuple[int, WireFailure | None]:
+    """Issues one op on the tensor itself through ``dist.all_reduce`` (an instrument() wrapper then
+    sees our open record) and waits for it. _issue_first has the same wait inline: keep the two in step.
+
+    Returns:
+        (elements reduced, None), or (0, the failure): every backend error becomes a result.
+    """
+    try:
+        work = dist.all_reduce(tensor, op=shape.wire_op, group=plan.group, async_op=True)
+        # Under a millisecond spent: wait with the whole deadline (a cached timedelta).
+        wait = plan.whole_wait(timeout_s) if _monotonic() - start < _REUSE_WAIT_S else None
+        wait_work(work, start + timeout_s, plan.backend, plan.group, wait)
+    except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
+        return 0, WireFailure(0, exc, _monotonic())
+    if shape.avg_by_hand:  # the backend has no AVG: it summed
+        with torch.no_grad():
+            tensor.div_(plan.info.size)
+    return shape.numel, None
+
+
+def _refused(plan: GroupPlan, shape: CallShape, tag: str | None, failed: Exception, start: float) -> CollectiveResult:
+    """A call on a group marked failed: it takes its number, and nothing moves."""
+    _number(plan, tag)
+    refused = GroupFailed(f"group {plan.name!r} failed earlier ({failed}); make a new group to go on")
+    return CollectiveResult(False, shape.opname, shape.numel, shape.nbytes, 1, 0, _monotonic() - start, refused)
+
+
+def _failed(
+    plan: GroupPlan, shape: CallShape, rec: list[Any] | None, reduced: int, error: CollectiveError, start: float
+) -> CollectiveResult:
+    """A failed call's record finished with its error, and its result."""
     if rec is not None:
         recorder.finish(rec, error)
     return CollectiveResult(

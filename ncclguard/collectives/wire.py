@@ -41,6 +41,8 @@ __all__ = [
 
 # How early a timed wait may return and still count as ours (timer granularity).
 CLOCK_SLACK_S = 2e-3
+# Bound once: wait_work is on safe_all_reduce's hot path, where the module attribute lookup costs.
+_monotonic = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def wait_work(
         DeadlinePassed: the deadline passed first.
         Exception: the backend's error (a peer closed the connection, the backend's own timeout).
     """
-    remaining = deadline - time.monotonic()
+    remaining = deadline - _monotonic()
     if remaining <= 0:
         raise DeadlinePassed("deadline passed")
     if backend == "nccl":
@@ -93,7 +95,7 @@ def wait_work(
     except Exception as exc:
         # gloo reports the end of our wait and its own timeout alike ("Timed out"): the clock
         # tells them apart. A wait that ended at our deadline is ours.
-        if time.monotonic() >= deadline - CLOCK_SLACK_S:
+        if _monotonic() >= deadline - CLOCK_SLACK_S:
             raise DeadlinePassed(f"deadline passed ({exc})") from exc
         raise
 
@@ -112,6 +114,7 @@ class _PrivateBuffers:
         self._free: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Checks out a flat buffer of at least ``numel`` elements: the kept one, or a new one."""
         with self._lock:
             buf = self._free.pop((dtype, device), None)
         if buf is None or buf.numel() < numel:
@@ -119,12 +122,14 @@ class _PrivateBuffers:
         return buf
 
     def give_back(self, buf: torch.Tensor) -> None:
+        """Keeps ``buf`` for the next call (a call that succeeded), unless a larger one is kept."""
         with self._lock:
             kept = self._free.get((buf.dtype, buf.device))
             if kept is None or kept.numel() < buf.numel():
                 self._free[(buf.dtype, buf.device)] = buf
 
     def release(self) -> None:
+        """Drops the kept buffers."""
         with self._lock:
             self._free.clear()
 
@@ -175,6 +180,69 @@ def _copy_range(dst: torch.Tensor, src: torch.Tensor, a: int, b: int, *, into_fl
         off += v.numel()
 
 
+class _ChunkRun:
+    """One run_chunks call's chunks: where they travel (a view of the tensor itself, a private copy
+    or a staging ring; see run_chunks), issuing one, completing the oldest, publishing a private copy.
+    """
+
+    def __init__(self, info: GroupInfo, tensor: torch.Tensor, shape: CallShape, deadline: float, atomic: bool) -> None:
+        self.info, self.tensor, self.shape, self.deadline = info, tensor, shape, deadline
+        self.bounds = bounds = shape.bounds
+        self.max_inflight = get_config().max_inflight
+        self.chunk = bounds[0][1] - bounds[0][0]
+        self.in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
+        self.buffers = buffers = current_world().get(_BUFFERS) if atomic else None
+        self.private = buffers.take(shape.numel, tensor.dtype, tensor.device) if buffers is not None else None
+        self.staging: list[torch.Tensor] | None = [] if self.in_place is None and self.private is None else None
+        self.inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
+        self.reduced = 0  # leading elements reduced in the tensor
+
+    def issue(self, i: int) -> None:
+        """Issues chunk ``i``: copied into its buffer first unless it travels in place."""
+        a, b = self.bounds[i]
+        tensor = self.tensor
+        if self.in_place is not None:
+            buf = self.in_place[a:b]
+        else:
+            if self.private is not None:
+                buf = self.private[a:b]
+            else:
+                staging, max_inflight = self.staging, self.max_inflight
+                assert staging is not None
+                if len(staging) < max_inflight:
+                    staging.append(torch.empty(self.chunk, dtype=tensor.dtype, device=tensor.device))
+                buf = staging[i % max_inflight][: b - a]
+            _copy_range(buf, tensor, a, b, into_flat=True)
+        work = dist.all_reduce(buf, op=self.shape.wire_op, group=self.info.group, async_op=True)
+        self.inflight.append((i, work, buf))
+
+    def complete(self) -> None:
+        """Waits for the oldest chunk in flight by the deadline, then finishes it (AVG's division,
+        the copy back from the staging ring) and beats the record's heartbeat.
+
+        Raises:
+            DeadlinePassed: the deadline passed first.
+            Exception: the backend's error.
+        """
+        info, tensor, bounds = self.info, self.tensor, self.bounds
+        i, work, buf = self.inflight[0]
+        wait_work(work, self.deadline, info.backend, info.group)
+        self.inflight.popleft()
+        if self.shape.avg_by_hand:
+            buf.div_(info.size)
+        if self.staging is not None:
+            _copy_range(buf, tensor, *bounds[i], into_flat=False)
+        self.reduced = bounds[i][1]
+        recorder.progress_here(i + 1, len(bounds), self.reduced * tensor.element_size())  # heartbeat: chunk i of n
+
+    def publish(self) -> None:
+        """Atomic: copies the private copy into the tensor, every chunk completed, and gives the
+        buffer back for the next call."""
+        if self.private is not None and self.buffers is not None:
+            self.tensor.copy_(self.private[: self.shape.numel].view(self.tensor.shape))
+            self.buffers.give_back(self.private)
+
+
 def run_chunks(
     info: GroupInfo,
     tensor: torch.Tensor,
@@ -199,65 +267,23 @@ def run_chunks(
         (leading elements reduced, the failure) on failure; with ``atomic`` the count is 0 and
         ``tensor`` is untouched.
     """
-    wire_op = shape.wire_op
-    avg_by_hand = shape.avg_by_hand
-    bounds = shape.bounds
-    numel = shape.numel
-    # Where each chunk travels: a view of the tensor itself (contiguous, not atomic), a slice of a
-    # private copy published only at the end (atomic), or a small staging ring (non-contiguous).
-    max_inflight = get_config().max_inflight
-    chunk = bounds[0][1] - bounds[0][0]
-    in_place = tensor.view(-1) if tensor.is_contiguous() and not atomic else None
-    buffers = current_world().get(_BUFFERS) if atomic else None
-    private = buffers.take(numel, tensor.dtype, tensor.device) if buffers is not None else None
-    staging: list[torch.Tensor] | None = [] if in_place is None and private is None else None
-    inflight: deque[tuple[int, Any, torch.Tensor]] = deque()
-    reduced = 0
-
-    def issue(i: int) -> None:
-        a, b = bounds[i]
-        if in_place is not None:
-            buf = in_place[a:b]
-        else:
-            if private is not None:
-                buf = private[a:b]
-            else:
-                assert staging is not None
-                if len(staging) < max_inflight:
-                    staging.append(torch.empty(chunk, dtype=tensor.dtype, device=tensor.device))
-                buf = staging[i % max_inflight][: b - a]
-            _copy_range(buf, tensor, a, b, into_flat=True)
-        inflight.append((i, dist.all_reduce(buf, op=wire_op, group=info.group, async_op=True), buf))
-
-    def complete() -> None:
-        nonlocal reduced
-        i, work, buf = inflight[0]
-        wait_work(work, deadline, info.backend, info.group)
-        inflight.popleft()
-        if avg_by_hand:
-            buf.div_(info.size)
-        if staging is not None:
-            _copy_range(buf, tensor, *bounds[i], into_flat=False)
-        reduced = bounds[i][1]
-        recorder.progress_here(i + 1, len(bounds), reduced * tensor.element_size())  # heartbeat: chunk i of n
-
+    run = _ChunkRun(info, tensor, shape, deadline, atomic)
+    inflight, bounds = run.inflight, shape.bounds
     i = 0
     grad_mode = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # staging copies and AVG's division are not autograd's business
     try:
         for i in range(len(bounds)):
-            if len(inflight) >= max_inflight:
-                complete()
-            issue(i)
+            if len(inflight) >= run.max_inflight:
+                run.complete()
+            run.issue(i)
         while inflight:
             i = inflight[0][0]
-            complete()
-        if private is not None and buffers is not None:
-            tensor.copy_(private[:numel].view(tensor.shape))
-            buffers.give_back(private)
+            run.complete()
+        run.publish()
     except Exception as exc:  # noqa: BLE001 - every backend error becomes a result
         # The private buffer is not given back: an abandoned op may still write into it.
-        return (0 if atomic else reduced), WireFailure(inflight[0][0] if inflight else i, exc, time.monotonic())
+        return (0 if atomic else run.reduced), WireFailure(inflight[0][0] if inflight else i, exc, time.monotonic())
     finally:
         torch.set_grad_enabled(grad_mode)
-    return reduced, None
+    return run.reduced, None

@@ -17,8 +17,9 @@ another thread always sees a whole record.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch
 
@@ -27,7 +28,8 @@ from ncclguard.recording.sites import code_site
 
 __all__ = ["FlightRecord", "OpKind", "Raw", "seq_key"]
 
-# The slots of a raw record (a list). Keep new_raw(), FlightRecord and instrument._BODY in step.
+# The slots of a raw record (a list). Keep new_raw(), FlightRecord, instrument._BODY and
+# _hotpath.c's R_* in step.
 SEQ, OP, REDOP, GROUP, NUMEL, DTYPE, START, END, PHASE, WHERE, LASTI, THREAD, ASYNC, PEER = range(14)
 ERROR, PROGRESS, WORK, PREV = range(14, 18)
 SLOTS = 18
@@ -53,8 +55,15 @@ class OpKind:
         return f"OpKind({self.name!r}, reduces={self.reduces})"
 
     def label(self, redop: Any) -> str:
-        """``"all_reduce(MAX)"`` for ``redop``; the bare name for an op without one, or with a
-        ``ReduceOp`` it does not know (a premultiplied sum); ``None`` reads as torch's default, SUM."""
+        """The op's name with its reduction.
+
+        Args:
+            redop: the call's ``ReduceOp``; None reads as torch's default, SUM.
+
+        Returns:
+            ``"all_reduce(MAX)"``; the bare name for an op without a reduction, or with a
+            ``ReduceOp`` it does not know (a premultiplied sum).
+        """
         if not self.reduces:
             return self.name
         if redop is None:
@@ -67,7 +76,15 @@ class OpKind:
 
 
 def seq_key(group: str, p2p: bool) -> str:
-    """The counter a record is numbered in: the group, or ``"<group>:p2p"`` for send/recv."""
+    """The counter a record is numbered in.
+
+    Args:
+        group: the group's name.
+        p2p: a point-to-point op (send/recv).
+
+    Returns:
+        ``group``, or ``"<group>:p2p"`` for a point-to-point op.
+    """
     return f"{group}:p2p" if p2p else group
 
 
@@ -100,8 +117,60 @@ def new_raw(
         thread: the issuing thread's ident.
         async_op: truthy when the caller does not block in the op.
         peer: the other rank of a point-to-point op, else None.
+
+    Returns:
+        The record: a list of ``SLOTS`` items, the last four (``ERROR`` to ``PREV``) None.
     """
     return [seq, op, None, group, numel, dtype, start, None, phase, where, lasti, thread, async_op, peer] + [None] * 4
+
+
+T = TypeVar("T")
+
+
+class _Slot(property, Generic[T]):
+    """A FlightRecord field over one slot of its raw record: a read converts what the hot path
+    stored (``read``; None: as stored), a write stores the value as given (none when not ``writable``).
+
+    A property underneath, its getter and setter closures over the slot: a read is one Python call,
+    as with the hand-written properties these replaced (a Python ``__get__`` would add another),
+    and the closure's cells cost it ~10 ns more, on the read side only (the hot path writes the
+    list, never through here). The ``TYPE_CHECKING`` declarations give type checkers each field's type.
+    """
+
+    def __init__(self, index: int, read: Callable[[Any], T] | None = None, writable: bool = True) -> None:
+        if read is None:
+
+            def get(view: FlightRecord) -> T:
+                value: T = view._r[index]
+                return value
+
+        else:
+
+            def get(view: FlightRecord) -> T:
+                return read(view._r[index])
+
+        def put(view: FlightRecord, value: T) -> None:
+            view._r[index] = value
+
+        super().__init__(get, put if writable else None)
+
+    if TYPE_CHECKING:  # property's own __get__ is typed Any: these give each field its type
+
+        @overload
+        def __get__(self, instance: None, owner: type | None = None, /) -> _Slot[T]: ...
+        @overload
+        def __get__(self, instance: object, owner: type | None = None, /) -> T: ...
+        def __get__(self, instance: object, owner: type | None = None, /) -> Any: ...
+        def __set__(self, instance: object, value: T, /) -> None: ...
+
+
+def _progress_part(k: int) -> Callable[[Any], int]:
+    """Reads part ``k`` of a record's PROGRESS tuple (chunks done, chunks, bytes done); 0 before any."""
+
+    def read(progress: Any) -> int:
+        return 0 if progress is None else int(progress[k])
+
+    return read
 
 
 class FlightRecord:
@@ -128,6 +197,9 @@ class FlightRecord:
 
     Made with the arguments of the record it describes (a test's, a report's), or by the recorder
     around its own records (:meth:`of`). Two views of one record read the same values.
+
+    Raises:
+        ValueError: a ``state`` other than started, completed or failed.
     """
 
     __slots__ = ("_r",)
@@ -165,19 +237,36 @@ class FlightRecord:
 
     @classmethod
     def of(cls, raw: Raw) -> FlightRecord:
-        """The view of a raw record (no copy: it reads the record as it changes)."""
+        """The view of a raw record.
+
+        Args:
+            raw: a record the recorder (or :func:`new_raw`) made.
+
+        Returns:
+            A view that reads ``raw`` as it changes (no copy).
+        """
         view = object.__new__(cls)
         view._r = raw
         return view
 
-    @property
-    def seq(self) -> int:
-        return int(self._r[SEQ])
+    # The fields that read one slot, each declared once: its slot and how a read converts it.
+    seq = _Slot(SEQ, int)
+    group = _Slot(GROUP, str)
+    numel = _Slot(NUMEL, int)
+    start = _Slot(START, float)
+    end: _Slot[float | None] = _Slot(END)
+    phase = _Slot(PHASE, str)
+    async_op = _Slot(ASYNC, bool)
+    peer: _Slot[int | None] = _Slot(PEER)
+    thread = _Slot(THREAD, int)
+    # A chunked call's progress: one tuple in one slot, read only (the recorder writes it).
+    chunks_done = _Slot(PROGRESS, _progress_part(0), writable=False)
+    chunks = _Slot(PROGRESS, _progress_part(1), writable=False)
+    bytes_done = _Slot(PROGRESS, _progress_part(2), writable=False)
 
-    @seq.setter
-    def seq(self, value: int) -> None:
-        self._r[SEQ] = value
-
+    # The fields with more to them: the op's name from its kind and ReduceOp, the dtype's name
+    # (written out: a converter function would cost a read one more call), the state from END and
+    # ERROR, the site from the frame's code and offset.
     @property
     def op(self) -> str:
         r = self._r
@@ -189,22 +278,6 @@ class FlightRecord:
         self._r[OP], self._r[REDOP] = value, None
 
     @property
-    def group(self) -> str:
-        return str(self._r[GROUP])
-
-    @group.setter
-    def group(self, value: str) -> None:
-        self._r[GROUP] = value
-
-    @property
-    def numel(self) -> int:
-        return int(self._r[NUMEL])
-
-    @numel.setter
-    def numel(self, value: int) -> None:
-        self._r[NUMEL] = value
-
-    @property
     def dtype(self) -> str:
         d = self._r[DTYPE]
         return dtype_name(d) if isinstance(d, torch.dtype) else str(d)
@@ -212,23 +285,6 @@ class FlightRecord:
     @dtype.setter
     def dtype(self, value: str) -> None:
         self._r[DTYPE] = value
-
-    @property
-    def start(self) -> float:
-        return float(self._r[START])
-
-    @start.setter
-    def start(self, value: float) -> None:
-        self._r[START] = value
-
-    @property
-    def end(self) -> float | None:
-        end: float | None = self._r[END]
-        return end
-
-    @end.setter
-    def end(self, value: float | None) -> None:
-        self._r[END] = value
 
     @property
     def state(self) -> str:
@@ -260,14 +316,6 @@ class FlightRecord:
         self._r[ERROR] = value
 
     @property
-    def phase(self) -> str:
-        return str(self._r[PHASE])
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self._r[PHASE] = value
-
-    @property
     def site(self) -> str:
         """The user's ``file:line`` that issued the op, ``"?"`` without one."""
         where = self._r[WHERE]
@@ -281,46 +329,6 @@ class FlightRecord:
     def site(self, value: str) -> None:
         self._r[WHERE] = value
 
-    @property
-    def async_op(self) -> bool:
-        return bool(self._r[ASYNC])
-
-    @async_op.setter
-    def async_op(self, value: bool) -> None:
-        self._r[ASYNC] = value
-
-    @property
-    def peer(self) -> int | None:
-        peer: int | None = self._r[PEER]
-        return peer
-
-    @peer.setter
-    def peer(self, value: int | None) -> None:
-        self._r[PEER] = value
-
-    @property
-    def thread(self) -> int:
-        return int(self._r[THREAD])
-
-    @thread.setter
-    def thread(self, value: int) -> None:
-        self._r[THREAD] = value
-
-    @property
-    def chunks_done(self) -> int:
-        p = self._r[PROGRESS]
-        return 0 if p is None else int(p[0])
-
-    @property
-    def chunks(self) -> int:
-        p = self._r[PROGRESS]
-        return 0 if p is None else int(p[1])
-
-    @property
-    def bytes_done(self) -> int:
-        p = self._r[PROGRESS]
-        return 0 if p is None else int(p[2])
-
     def __repr__(self) -> str:
         return f"FlightRecord({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
@@ -330,7 +338,11 @@ class FlightRecord:
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as plain JSON data, read at one moment (without the Work handle)."""
+        """The record as plain data, read at one moment.
+
+        Returns:
+            Every attribute above, by name, as JSON types (the Work handle left out).
+        """
         r = self._r
         end = r[END]  # first: a failure's ERROR is written before its END
         error = r[ERROR] if end is not None else None
