@@ -27,6 +27,17 @@ def test_no_class_over_300_lines() -> None:
     assert long_classes == {}
 
 
+def test_no_function_over_80_lines() -> None:
+    # A function that long holds parts that have names: split it there (docs/architecture.md).
+    long_functions = {}
+    for p in LIBRARY:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > 80:  # type: ignore[operator]
+                    long_functions[f"{p.relative_to(REPO)}:{node.name}"] = n
+    assert long_functions == {}
+
+
 def test_private_torch_distributed_apis_only_through_the_compat_module() -> None:
     private = re.compile(
         r"c10d\._[a-z]|_C\._distributed_c10d|\._get_sequence_number_for_group|options\._timeout|dataloader\._[A-Za-z]"
