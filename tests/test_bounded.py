@@ -41,8 +41,9 @@ def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
     # While the first call is stuck, the next is refused without another blocked thread.
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
-        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0))
-    assert time.monotonic() - t0 < 1.0 and store.calls == 1  # at once: not the 5 s it was given
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(30.0))
+    # At once, not the 30 s it was given: a hang guard a loaded machine's scheduling cannot reach.
+    assert time.monotonic() - t0 < 10.0 and store.calls == 1
     # Once the stuck call returns, the store is used again.
     store.release.set()
     time.sleep(0.05)

@@ -29,9 +29,12 @@ RECOVER_KEYS = {
 
 @pytest.fixture(scope="module")
 def job():
-    # Three parts, three 3 s step bounds, a 3 s commit and a 4 s rebuild in C, then rank 2's fence
-    # (3 s of silent peers, 4 s of grace): 60-80 s here. Hang guard: over 3x that.
-    return run_ranks("hf_recover_worker", 3, "a", "b", "c", timeout_s=300)
+    # Three parts, three 3 s step bounds, a 6 s commit and a 24 s rebuild in C (the survivors wait
+    # both out for rank 2), then rank 2's fence (3 s of silent peers, 4 s of grace): 70-90 s under
+    # load (4 CPU burners on 2 cores). Hang guard: over 3x that. A rank that aborts dumps every
+    # thread's Python stack into launch.log (faulthandler): a SIGABRT in part C on a loaded fresh
+    # clone left no cause.
+    return run_ranks("hf_recover_worker", 3, "a", "b", "c", timeout_s=300, env={"PYTHONFAULTHANDLER": "1"})
 
 
 def recover_entries(history: list[dict]) -> list[dict]:

@@ -381,8 +381,8 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
     assert isinstance(errors[0], StoreUnreachable) and "has not returned" in str(errors[0])
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
-        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0))
-    assert time.monotonic() - t0 < 1.0 and store.calls == 1
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(30.0))
+    assert time.monotonic() - t0 < 10.0 and store.calls == 1  # at once, not the 30 s it was given
     store.release.set()
     deadline = Deadline.within(5)
     while True:  # until the stuck call has returned

@@ -1,4 +1,4 @@
-"""The three causes of a straggler and the clocks (ncclguard/watching/straggler/): the input pipeline
+"""The three causes of a straggler and the clocks (ncclguard/watching/sensors/straggler/): the input pipeline
 told apart from compute, slow links named from the kernel's TCP figures (a link slow from the start
 included, and one culprit: the host every slow link touches), clock offsets measured through a real
 store and taken out of the arrivals, and an incident raised again when a straggler comes back.
@@ -23,10 +23,23 @@ from test_straggler import arrivals_lockstep, backend_windows, defaults, lockste
 from torch.utils.data import DataLoader, Dataset
 
 from ncclguard.incidents.model import StragglerWindow
-from ncclguard.watching.straggler import assess
-from ncclguard.watching.straggler.clocks import ClockTicker, OffsetFilter
-from ncclguard.watching.straggler.inputs import InputClock, input_wait, inputs, time_dataloaders, untime_dataloaders
-from ncclguard.watching.straggler.links import LINK_MIN_BYTES, LinkMeter, culprit, link_rates, locate, slow_links
+from ncclguard.watching.sensors.straggler import assess
+from ncclguard.watching.sensors.straggler.clocks import ClockTicker, OffsetFilter
+from ncclguard.watching.sensors.straggler.inputs import (
+    InputClock,
+    input_wait,
+    inputs,
+    time_dataloaders,
+    untime_dataloaders,
+)
+from ncclguard.watching.sensors.straggler.links import (
+    LINK_MIN_BYTES,
+    LinkMeter,
+    culprit,
+    link_rates,
+    locate,
+    slow_links,
+)
 
 MB = 1e6
 

@@ -10,7 +10,7 @@ classifier, ncclguard's watchdog started from the Accelerator, evaluations throu
 2. ``slow-train``: at step 1 rank 0 is slow in its loop (Python) while rank 1 goes on into DDP's
    next collective, issued from C++ (at its second iteration DDP rebuilds its gradient buckets
    and broadcasts their layout); rank 0 goes on once the watchdog's report is merged.
-3. ``stall``: rank 1 stalls for 30 s before its second ``gather_for_metrics`` while rank 0 waits
+3. ``stall``: rank 1 stalls for 60 s before its second ``gather_for_metrics`` while rank 0 waits
    in it: skipped on both ranks by the deadline, logged to the trackers.
 4. ``uneven``: the same 9 samples with ``even_batches=False``: rank 0 gets 2 batches, rank 1 one,
    so rank 0's second ``gather_for_metrics`` has no partner: skipped on both by the deadline.
@@ -39,10 +39,24 @@ import ncclguard
 from ncclguard.integrations.accelerate import guarded_evaluate, last_skip, start_watchdog
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
-HEARTBEAT_S, HANG_S = 0.3, 1.5
-EVAL_TIMEOUT_S = 1.0  # below the hang timeout: the guard ends a stalled evaluation first
-STALL_S = 30.0
-BOUND_S = 20.0
+# Every bound here is a hang guard, so that a loaded machine only makes the launch longer. Seen with
+# 4 CPU burners on 2 cores (load ~10): a rank's main thread and heartbeat stood ~2 s while its
+# watchdog thread drew the first incident's timeline.png, which raised 3 more incidents at the
+# former 1.5 s hang timeout and 1.8 s peer timeout; on a loaded fresh clone a verdict round's store
+# calls outlasted the default 2 s grace (plus the store layer's 1 s), which skipped the uneven
+# evaluation with "could not agree on the outcome" instead of rank 0's deadline.
+HEARTBEAT_S, HANG_S = 0.5, 8.0  # a hang: over 3x the ~2 s a loaded rank stood between two ops
+PEER_TIMEOUT_S = 8.0  # a lost peer: over 3x the ~2 s without a heartbeat seen on a loaded rank
+# The evaluation's deadline, below the hang timeout: the guard ends a stalled evaluation first (the
+# waiting rank's gather gives up by gloo's own timer). A loaded clean evaluation took 0.04 s at
+# most, its side group's build included; the deadline leaves 2x the ~2 s a loaded rank can stand.
+EVAL_TIMEOUT_S = 4.0
+# How long past the deadline the ranks wait for each other's verdict (guarded_evaluate's grace_s):
+# a round's store calls must end by then plus 1 s. Both ranks always give a verdict here, so the
+# grace never lengthens a run; it only keeps a slow store from deciding the outcome.
+GRACE_S = 10.0
+STALL_S = 60.0  # far over the skip's guard: only the deadline ends it
+BOUND_S = 60.0  # rank 0's wait for the report: over 3x the 8.2 s a loaded run needs
 EVAL_SAMPLES = 9
 
 
@@ -100,6 +114,7 @@ def main() -> None:
         accelerator,
         heartbeat_s=HEARTBEAT_S,
         hang_timeout_s=HANG_S,
+        peer_timeout_s=PEER_TIMEOUT_S,
         incident_dir=OUT / "incidents",
         eval_timeout_s=EVAL_TIMEOUT_S,
     )
@@ -149,23 +164,27 @@ def main() -> None:
         return [type(r).__name__ for r in accelerator.gradient_state.dataloader_references]
 
     outcomes = {}
-    outcomes["clean"] = guarded_evaluate(accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, step=0, fallback=None)
+    outcomes["clean"] = guarded_evaluate(
+        accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=0, fallback=None
+    )
     train_steps(0, 2, slow_at=1)
     before = loaders()
     ended = {}
     outcomes["stall"] = guarded_evaluate(
-        accelerator, evaluate(even, stall_rank=1), timeout_s=EVAL_TIMEOUT_S, step=2, fallback=None
+        accelerator, evaluate(even, stall_rank=1), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=2, fallback=None
     )
     ended["stall"] = time.time()
     skips = {"stall": dataclasses.asdict(last_skip()) if last_skip() else None}
     put("loaders", {"before": before, "after": loaders(), "training": model.training})
     train_steps(2, 2)
     outcomes["uneven"] = guarded_evaluate(
-        accelerator, evaluate(uneven), timeout_s=EVAL_TIMEOUT_S, step=4, fallback=None
+        accelerator, evaluate(uneven), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=4, fallback=None
     )
     skips["uneven"] = dataclasses.asdict(last_skip()) if last_skip() else None
     train_steps(4, 2)
-    outcomes["again"] = guarded_evaluate(accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, step=6, fallback=None)
+    outcomes["again"] = guarded_evaluate(
+        accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=6, fallback=None
+    )
     put("outcomes", outcomes)
     put("skips", skips)
     put("stalls", stalls)

@@ -225,7 +225,14 @@ def part_c() -> None:
     ANNOUNCER.tag = ""
     # 48 samples, batches of 4 on 3 ranks: 4 steps an epoch; 7 steps cross into a second epoch.
     watchdog = {"action": "report", "heartbeat_s": 0.5, "hang_timeout_s": 3, "escalate_after_s": 4}
-    trainer_c = trainer("c", 48, 7, 1, allow_shrink=True, commit_timeout=3, rebuild_timeout=4, watchdog=watchdog)
+    # The survivors wait out both timeouts for rank 2, so each costs its length. The rebuild's also
+    # bounds the new group's handshake after a shrink: rebuild_world gives a rank that does not
+    # record the world max(time left, rebuild_timeout / 4, 2 s), and a shrink leaves no time, so
+    # the 4 s this was gave rank 1 the 2 s floor. Under load (4 CPU burners on 2 cores) the
+    # handshake took up to 0.9 s, and a rank 0 that came 2.5 s late (a delay injected before its
+    # init_process_group) made rank 1 fail with "the new group of generation 1 could not be built
+    # within 2 s", the message of a loaded fresh clone's failure. 24 s gives 6 s: 3x a 2 s stall.
+    trainer_c = trainer("c", 48, 7, 1, allow_shrink=True, commit_timeout=6, rebuild_timeout=24, watchdog=watchdog)
     trainer_c.add_callback(StuckForGood())
     probe = next(cb for cb in trainer_c.callback_handler.callbacks if isinstance(cb, Probe))
     trainer_c.train()  # rank 2 never leaves it

@@ -3,9 +3,9 @@
 Usage: ``hf_worker.py ddp|deepspeed``. torchrun starts the ranks; ``TrainingArguments(use_cpu=True,
 ddp_backend="gloo")`` joins them (``ddp``), or ``TrainingArguments(deepspeed=<ZeRO-2 dict>)``
 (``deepspeed``). A tiny BERT classifier from a config, 6 steps, evaluation every 2 steps (2
-batches per rank), a checkpoint at step 4; ``guard_trainer(eval_timeout_s=1, watchdog=...)``.
+batches per rank), a checkpoint at step 4; ``guard_trainer(eval_timeout_s=4, watchdog=...)``.
 
-1. At the first evaluation (step 2) rank 1 stalls for 30 s after its first batch (an
+1. At the first evaluation (step 2) rank 1 stalls for 60 s after its first batch (an
    ``on_prediction_step`` callback sleeping), while rank 0 waits in the next batch's
    ``gather_for_metrics``. The guard skips the evaluation on both ranks by the deadline.
 2. After the save of step 4, rank 0 alone does slow work (an ``on_save`` callback: an upload,
@@ -33,12 +33,19 @@ from ncclguard.integrations.hf import find_guard, guard_trainer
 from ncclguard.recording.phase import current_phase
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
-HEARTBEAT_S, HANG_S = 0.3, 1.5
+# Hang guards, so that a loaded machine only makes the launch longer: the merging rank's watchdog
+# draws the incident's timeline.png after the report, and under load (4 CPU burners on 2 cores, in
+# tests/workers/accelerate_worker.py's launch) that stood its main thread and its heartbeat ~2 s,
+# which raised 3 more incidents at a 1.5 s hang timeout and the 1.8 s peer timeout of 0.3 s beats.
+HEARTBEAT_S, HANG_S = 0.5, 8.0  # a hang: over 3x the ~2 s a loaded rank stood between two ops
+PEER_TIMEOUT_S = 8.0  # a lost peer: over 3x the ~2 s without a heartbeat seen on a loaded rank
 # Below the hang timeout: the guard ends the stalled evaluation before the watchdog would call
-# rank 0's wait in the side group a hang, so the only incident is the one of the slow upload.
-EVAL_TIMEOUT_S = 1.0
-STALL_S = 30.0  # far past the deadline: only the guard can end it in time
-BOUND_S = 20.0  # how long the slow rank waits at most for the watchdog's report
+# rank 0's wait in the side group a hang, so the only incident is the one of the slow upload. The
+# evaluation at step 6 runs while the merging rank may still draw that timeline: the deadline
+# leaves it 2x the ~2 s a loaded rank can stand (two batches of a tiny BERT take tens of ms).
+EVAL_TIMEOUT_S = 4.0
+STALL_S = 60.0  # far past the deadline: only the guard can end it in time
+BOUND_S = 60.0  # how long the slow rank waits at most for the watchdog's report: 3x what it needs
 STEPS, EVAL_EVERY, SAVE_AT = 6, 2, 4
 
 
@@ -201,7 +208,12 @@ def main() -> None:
     guard_trainer(
         trainer,
         eval_timeout_s=EVAL_TIMEOUT_S,
-        watchdog={"heartbeat_s": HEARTBEAT_S, "hang_timeout_s": HANG_S, "incident_dir": OUT / "incidents"},
+        watchdog={
+            "heartbeat_s": HEARTBEAT_S,
+            "hang_timeout_s": HANG_S,
+            "peer_timeout_s": PEER_TIMEOUT_S,
+            "incident_dir": OUT / "incidents",
+        },
     )
     trainer.train()
     guard = find_guard(trainer)
