@@ -27,7 +27,7 @@ resident memory of all the ranks together.
 
 The latencies (``raised_after_s``, ``on_disk_after_s`` from the desync's start, per size and run)
 are also gathered under ``"latency"`` with their min, median and max against the bound.
-``tests/test_watching_scale.py`` runs this protocol at 32 and 128 ranks but asserts only who is
+``tests/watching/test_watching_scale.py`` runs this protocol at 32 and 128 ranks but asserts only who is
 named, requests per beat done, and a generous hang guard; its figures are measured here, under the
 test's settings::
 

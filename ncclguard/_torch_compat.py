@@ -6,7 +6,7 @@ access goes through a function here, and each is gated: a torch older than the v
 introduced the API, or one that renamed or removed it, gets :class:`~ncclguard.errors.TorchCompatError`
 naming the API and the torch in use, instead of an ``AttributeError`` deep in a report.
 
-Tested on torch 2.13 (CPU, gloo); ``tests/test_torch_compat.py`` exercises every entry.
+Tested on torch 2.13 (CPU, gloo); ``tests/house/test_torch_compat.py`` exercises every entry.
 """
 
 from __future__ import annotations

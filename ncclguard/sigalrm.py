@@ -3,15 +3,15 @@
 What it can and cannot do: a SIGALRM handler runs in the main thread between bytecodes. It ends
 a Python-level stall (a slow evaluation loop, a sleep, a busy loop) within milliseconds of the
 deadline, but it cannot interrupt a blocking C++ call such as a gloo or NCCL collective: the
-handler only runs once that call returns (tests/test_sigalrm.py and
-tests/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.watching.watchdog`) and
+handler only runs once that call returns (tests/base/test_sigalrm.py and
+tests/watching/test_watchdog_multirank.py show both sides). The watchdog (:mod:`ncclguard.watching.watchdog`) and
 the deadlines of :func:`ncclguard.safe_all_reduce` are what bound a stuck collective.
 
 The timer's SIGALRM is sent to the process, not to a thread, and the kernel may hand it to
 another thread: its C handler then only flags the signal, and a main thread asleep in a system
 call (``time.sleep``) is not woken until the call returns. Seen once in a guarded evaluation here
 (a 30 s sleep ran to its end past a 1 s deadline); reproduced by sending the signal to another
-thread (tests/test_sigalrm.py). So while a guard is open a helper thread sends SIGALRM to the main
+thread (tests/base/test_sigalrm.py). So while a guard is open a helper thread sends SIGALRM to the main
 thread itself, once per deadline, when a deadline is :data:`_KICK_S` overdue and has not fired.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/investigations/sigalrm_lateness.py [--trials 50] [--json benchmarks/results/sigalrm_lateness.json]
 
-The issue's figure: a Python loop is interrupted within 50 ms of its deadline. ``tests/test_sigalrm.py``
+The issue's figure: a Python loop is interrupted within 50 ms of its deadline. ``tests/base/test_sigalrm.py``
 used to assert it on every call; on a loaded 2-core CI machine a time slice can be longer than
 that, so the test now asserts the order (never before the deadline) and a hang guard, and the
 lateness is measured here, per case, as min, median, p90 and max over ``--trials`` in milliseconds:

@@ -3,7 +3,7 @@
 Names, defaults and aliases are checked against torch 2.13's own headers (installed with the
 wheel under ``torch/include/torch/csrc/distributed/c10d/``: ``ProcessGroupNCCL.hpp``,
 ``FlightRecorder.hpp``, ``Utils.hpp``), NCCL's environment page and DeepSpeed's
-``deepspeed/constants.py``; docs/environment.md lists the sources and tests/test_netenv.py
+``deepspeed/constants.py``; docs/environment.md lists the sources and tests/env/test_netenv.py
 re-checks the aliases against the installed headers.
 """
 

@@ -1,7 +1,7 @@
 """eval_mode: evaluation mode on a model and everything it wraps, restored exactly afterwards.
 
 ``DeepSpeedEngine.eval()`` calls ``self.module.train(False)`` only: the engine's own ``training``
-stays True (deepspeed 0.19; checked by tests/test_deepspeed_eval_multirank.py),
+stays True (deepspeed 0.19; checked by tests/integrations/test_deepspeed_eval_multirank.py),
 so code that reads ``engine.training`` still thinks it trains. And ``model.train()`` after an
 evaluation would put every submodule in training mode, including ones the user had frozen in eval
 mode (a frozen vision tower, say). So the flags of all modules are saved and put back one by one.

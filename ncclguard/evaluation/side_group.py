@@ -7,7 +7,7 @@ evaluation, collectives that name no group go to a separate gloo group over the 
 instead, whose timeout follows the evaluation's deadline; a failure kills only that group, and
 the next evaluation builds a new one.
 
-How (torch 2.13, checked by tests/test_deepspeed_eval_multirank.py):
+How (torch 2.13, checked by tests/integrations/test_deepspeed_eval_multirank.py):
 - ``torch.distributed`` resolves ``group=None`` and ``group=dist.group.WORLD`` through
   ``_world.default_pg`` at call time (``distributed_c10d._group_or_default_group``), so setting
   it routes those calls; the previous value is put back exactly afterwards. A group object that

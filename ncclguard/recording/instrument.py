@@ -11,7 +11,7 @@ are not seen (torch's own flight recorder, ``TORCH_FR_BUFFER_SIZE``, sees those)
 A call made while the thread is already inside a recorded collective (the chunks of
 ``safe_all_reduce``) is not recorded again, so sequence numbers stay one per user-level call.
 
-Each wrapper is one of two, which record the same (tests/test_flight_records.py compares them):
+Each wrapper is one of two, which record the same (tests/recording/test_flight_records.py compares them):
 the compiled one (``_hotpath.c``, built by setup.py where a C compiler is), which forwards the
 caller's arguments untouched, and otherwise one generated here from ``_BODY`` with the op's own
 parameter list. What a call costs, part by part: benchmarks/recording_breakdown.py.

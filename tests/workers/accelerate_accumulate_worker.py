@@ -1,4 +1,4 @@
-"""Rank side of tests/test_accelerate_accumulate_multirank.py: ``recovering_step`` in an Accelerate loop
+"""Rank side of tests/integrations/test_accelerate_accumulate_multirank.py: ``recovering_step`` in an Accelerate loop
 with ``Accelerator(gradient_accumulation_steps=3)``, 3 gloo ranks under torchrun, CPU, DDP (the group
 keeps Accelerate's timeout; ncclguard's ``collective_timeout`` bounds a window's collectives at 3 s).
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_accelerate_deepspeed_multirank.py: an Accelerate loop with the DeepSpeed
+"""Rank side of tests/integrations/test_accelerate_deepspeed_multirank.py: an Accelerate loop with the DeepSpeed
 plugin under ``recovering_step(accelerator, model, optimizer, rebuild=build, heal=True)``, 3 gloo
 ranks on CPU under ncclguard's launcher (``restarts=1``: a rank that dies is restarted alone).
 

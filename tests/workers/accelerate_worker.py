@@ -1,4 +1,4 @@
-"""Rank side of tests/test_accelerate_multirank.py: a hand-written Accelerate loop on 2 gloo ranks.
+"""Rank side of tests/integrations/test_accelerate_multirank.py: a hand-written Accelerate loop on 2 gloo ranks.
 
 torchrun starts the ranks; ``Accelerator(cpu=True)`` joins them (gloo, DDP). A small MLP
 classifier, ncclguard's watchdog started from the Accelerator, evaluations through

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_bench.py under torchrun: one rank of ``python -m ncclguard.bench ARGS``."""
+"""Rank side of tests/bench/test_bench.py under torchrun: one rank of ``python -m ncclguard.bench ARGS``."""
 
 from __future__ import annotations
 

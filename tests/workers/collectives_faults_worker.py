@@ -1,4 +1,4 @@
-"""Rank side of tests/test_collectives_faults.py. Usage: collectives_faults_worker.py SCENARIO.
+"""Rank side of tests/collectives/test_collectives_faults.py. Usage: collectives_faults_worker.py SCENARIO.
 
 Scenarios: ``group_timeout`` (our deadline before the backend's), ``alignment`` (calls that do
 not line up are told, not matched), ``threads`` (safe calls from two threads on two groups, then

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_collectives_multirank.py. Usage: collectives_worker.py SCENARIO."""
+"""Rank side of tests/collectives/test_collectives_multirank.py. Usage: collectives_worker.py SCENARIO."""
 
 from __future__ import annotations
 

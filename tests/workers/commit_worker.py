@@ -1,4 +1,4 @@
-"""Rank side of tests/test_commit_multirank.py. Usage: commit_worker.py SCENARIO.
+"""Rank side of tests/recovery/test_commit_multirank.py. Usage: commit_worker.py SCENARIO.
 
 ``agree`` (torchrun, 3 ranks), one launch for every check of should_commit on real gloo ranks:
   (a) clean DDP steps commit everywhere with the same numbers;

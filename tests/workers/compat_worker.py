@@ -1,4 +1,4 @@
-"""Rank side of tests/test_torch_compat.py: every entry of ncclguard._torch_compat on a live gloo group."""
+"""Rank side of tests/house/test_torch_compat.py: every entry of ncclguard._torch_compat on a live gloo group."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_deepspeed_commit_multirank.py: CommittedEngineStep on a real DeepSpeed
+"""Rank side of tests/integrations/test_deepspeed_commit_multirank.py: CommittedEngineStep on a real DeepSpeed
 ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), a step's collectives bounded at 3 s by the
 stepper's ``collective_timeout`` (DeepSpeed's groups keep their own timeouts).
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_deepspeed_heal_multirank.py: a DeepSpeed ZeRO-3 rank killed and restored
+"""Rank side of tests/integrations/test_deepspeed_heal_multirank.py: a DeepSpeed ZeRO-3 rank killed and restored
 from the in-memory snapshot its buddy holds, 3 gloo ranks under ncclguard's launcher (restarts=1).
 
 Every rank's first life trains STEPS steps through ``CommittedEngineStep(engine,

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_deepspeed_state_multirank.py: DeepSpeedState on real DeepSpeed ZeRO 1, 2
+"""Rank side of tests/integrations/test_deepspeed_state_multirank.py: DeepSpeedState on real DeepSpeed ZeRO 1, 2
 and 3 engines, 2 gloo ranks on CPU under torchrun, one launch for the three stages.
 
 Per stage (results under ``z<stage>.``):

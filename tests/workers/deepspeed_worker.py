@@ -1,4 +1,4 @@
-"""Rank side of tests/test_deepspeed_eval_multirank.py.
+"""Rank side of tests/integrations/test_deepspeed_eval_multirank.py.
 
 Usage: ``deepspeed_worker.py STAGE [STAGE ...]`` or ``deepspeed_worker.py example [ARGS ...]``
 (runs docs/examples/deepspeed_guarded_eval.py with ARGS on this rank).

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_watchdog_multirank.py. Usage: diagnosis_worker.py SCENARIO.
+"""Rank side of tests/watching/test_watchdog_multirank.py. Usage: diagnosis_worker.py SCENARIO.
 
 Scenarios (each one launch):
     desync     torchrun, 3 ranks, ladder report then a custom rung (Marker): the instrumented

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_recovering.py's engine scenarios, on a gloo world of one (a process of
+"""Rank side of tests/recovery/test_recovering.py's engine scenarios, on a gloo world of one (a process of
 its own: the pytest worker keeps no process group).
 
 ``reenter``: an adapter whose ``rewrap`` raises ``Reenter`` (the HF Trainer's and Lightning's do,

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_fence_multirank.py. Usage: fence_worker.py stuck|left_behind.
+"""Rank side of tests/recovery/test_fence_multirank.py. Usage: fence_worker.py stuck|left_behind.
 
 ``stuck`` (torchrun, 3 ranks): RecoveringStep(allow_shrink=True) under a watchdog whose top rung is
 ``fence``. At step K rank 2 is stuck for good in Python (a sleep loop it never leaves). Its own

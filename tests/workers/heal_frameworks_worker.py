@@ -1,4 +1,4 @@
-"""Rank side of tests/test_heal_frameworks_multirank.py: a killed rank, restarted by its supervisor
+"""Rank side of tests/integrations/test_heal_frameworks_multirank.py: a killed rank, restarted by its supervisor
 (``python -m ncclguard.supervise --restarts 1 --warm-spare``) under torchrun, heals inside a
 framework. Usage: ``heal_frameworks_worker.py accelerate|hf|lightning``.
 

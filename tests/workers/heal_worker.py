@@ -1,4 +1,4 @@
-"""Rank side of tests/test_heal_multirank.py: 3 ranks under ncclguard's launcher with restarts=1.
+"""Rank side of tests/recovery/test_heal_multirank.py: 3 ranks under ncclguard's launcher with restarts=1.
 
 First life of every rank: a fault-free run of STEPS steps through ``RecoveringStep(heal=True)``
 (the reference), then the same run from the same start in which rank 1 SIGKILLs itself at step K.

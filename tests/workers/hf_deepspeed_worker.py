@@ -1,4 +1,4 @@
-"""Rank side of tests/test_hf_deepspeed_multirank.py: the HF Trainer on DeepSpeed ZeRO under
+"""Rank side of tests/integrations/test_hf_deepspeed_multirank.py: the HF Trainer on DeepSpeed ZeRO under
 ``guard_trainer(recover=True, heal=True)``, on real gloo ranks under torchrun.
 Usage: ``hf_deepspeed_worker.py heal|stages``.
 

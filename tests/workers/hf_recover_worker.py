@@ -1,4 +1,4 @@
-"""Rank side of tests/test_hf_recover_multirank.py: steps redone on a rebuilt world, 3 gloo ranks.
+"""Rank side of tests/integrations/test_hf_recover_multirank.py: steps redone on a rebuilt world, 3 gloo ranks.
 
 The process group is the one ``TrainingArguments`` makes, with HF's defaults (``ddp_timeout``
 1,800 s, never lowered by hand): the step bound of 3 s is ncclguard's own ``collective_timeout``.

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_hf_trainer_multirank.py: a real ``transformers.Trainer`` on 2 gloo ranks.
+"""Rank side of tests/integrations/test_hf_trainer_multirank.py: a real ``transformers.Trainer`` on 2 gloo ranks.
 
 Usage: ``hf_worker.py ddp|deepspeed``. torchrun starts the ranks; ``TrainingArguments(use_cpu=True,
 ddp_backend="gloo")`` joins them (``ddp``), or ``TrainingArguments(deepspeed=<ZeRO-2 dict>)``

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_lightning_recover_multirank.py: ``NcclGuardCallback(recover=True)`` on a
+"""Rank side of tests/integrations/test_lightning_recover_multirank.py: ``NcclGuardCallback(recover=True)`` on a
 real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (the strategy's group timeout
 60 s, never lowered by hand; the callback's ``collective_timeout`` bounds a step's collectives at 3 s).
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_lightning_sharded_multirank.py: ``NcclGuardCallback(recover=True, heal=True)``
+"""Rank side of tests/integrations/test_lightning_sharded_multirank.py: ``NcclGuardCallback(recover=True, heal=True)``
 on a Lightning fit with ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``), 3 gloo ranks
 under torchrun, each under its supervisor (``python -m ncclguard.supervise --restarts=1 --warm-spare``).
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_lightning_multirank.py: a real ``lightning.pytorch.Trainer`` on 2 gloo ranks.
+"""Rank side of tests/integrations/test_lightning_multirank.py: a real ``lightning.pytorch.Trainer`` on 2 gloo ranks.
 
 Usage: ``lightning_worker.py watch|guard``. torchrun starts the ranks; Lightning's DDP strategy
 (``accelerator="cpu"``, ``devices=2``, gloo) joins them. A tiny regression model, 6 training

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_netenv.py and tests/test_netns.py. Usage: netenv_worker.py SCENARIO.
+"""Rank side of tests/env/test_netenv.py and tests/env/test_netns.py. Usage: netenv_worker.py SCENARIO.
 
 inherit: ncclguard.init_process_group on loopback (torchrun, 2 ranks); the plan applied without
     trampling the user's variables, subgroups inheriting the world timeout, the hierarchy read

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_netns_faults.py: one rank per network namespace, the store in A.
+"""Rank side of tests/env/test_netns_faults.py: one rank per network namespace, the store in A.
 
 Usage: netfault_worker.py linkdown|slowlink. Each rank writes ``started.rank<r>`` into the test's
 directory when it enters the large call, so the test can act on the link while the call runs.

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
+"""Rank side of tests/recovery/test_preempt_multirank.py: a loop under a recovery engine, told to stop by SIGTERM.
 
 ``python preempt_worker.py STACK PHASE OUT`` (STACK: ddp, fsdp2, hf, hf-deepspeed, deepspeed, accelerate or
 lightning; PHASE: train or resume; hf-deepspeed is the HF Trainer on DeepSpeed ZeRO-3, lightning a Lightning

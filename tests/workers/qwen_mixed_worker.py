@@ -1,4 +1,4 @@
-"""Rank side of tests/test_qwen_mixed_multirank.py: a mixed text/image step under DeepSpeed ZeRO-3.
+"""Rank side of tests/integrations/test_qwen_mixed_multirank.py: a mixed text/image step under DeepSpeed ZeRO-3.
 
 2 ranks (torchrun, gloo, CPU), the tiny Qwen2.5-VL classifier, ZeRO stage 3, watchdog action
 report. Three training steps; at step 1 rank 1's batch has no image (text only) while rank 0's

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_recovering_multirank.py. Usage: recovering_worker.py SCENARIO.
+"""Rank side of tests/recovery/test_recovering_multirank.py. Usage: recovering_worker.py SCENARIO.
 
 ``stall`` (torchrun, 3 ranks): a fault-free DDP run of STEPS steps, then the same run from the same
 start through RecoveringStep with rank 2 stalled past the group's timeout at step K: every rank

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_recovery_multirank.py. Usage: recovery_worker.py SCENARIO."""
+"""Rank side of tests/recovery/test_recovery_multirank.py. Usage: recovery_worker.py SCENARIO."""
 
 from __future__ import annotations
 

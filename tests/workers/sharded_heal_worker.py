@@ -1,4 +1,4 @@
-"""Rank side of tests/test_sharded_heal_multirank.py: FSDP2 ranks killed and restored from the
+"""Rank side of tests/recovery/test_sharded_heal_multirank.py: FSDP2 ranks killed and restored from the
 snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1).
 
 ``kill`` (3 ranks, one host, a snapshot every 2 steps): a fault-free run of STEPS steps through

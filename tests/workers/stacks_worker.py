@@ -1,4 +1,4 @@
-"""Rank side of tests/test_watching_stacks_multirank.py: one desync per way of issuing a collective.
+"""Rank side of tests/watching/test_watching_stacks_multirank.py: one desync per way of issuing a collective.
 
 2 ranks (torchrun, gloo), watchdog action report. For each stack, in order: plain
 ``dist.all_reduce``, a functional ``all_reduce``, a DTensor ``redistribute``, DDP forward and

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_straggler_multirank.py and test_straggler_netns.py.
+"""Rank side of tests/watching/test_straggler_multirank.py and test_straggler_netns.py.
 
 Usage: straggler_worker.py HEALTHY_S SLOW_RANK SLOW_FACTOR [ELEMENTS [COMPUTE [WINDOW_S]]].
 

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_watching_stuck_multirank.py: a DDP all_reduce stuck in the transport.
+"""Rank side of tests/watching/test_watching_stuck_multirank.py: a DDP all_reduce stuck in the transport.
 
 2 ranks in two network namespaces. The store and the watchdog's heartbeats go over one veth pair
 (``MASTER_ADDR``), gloo's data over another (``GLOO_SOCKET_IFNAME``). After two DDP steps (the

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_collectives_properties.py: safe_all_reduce against dist.all_reduce on
+"""Rank side of tests/collectives/test_collectives_properties.py: safe_all_reduce against dist.all_reduce on
 cases drawn by hypothesis.
 
 Every rank draws the cases itself, with hypothesis derandomized (its seed comes from this

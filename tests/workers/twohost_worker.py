@@ -1,4 +1,4 @@
-"""Rank side of tests/test_netns_hostloss.py: plain DDP training on gloo, no ncclguard in it (the job
+"""Rank side of tests/env/test_netns_hostloss.py: plain DDP training on gloo, no ncclguard in it (the job
 runs under ``ncclguard run``). Usage: twohost_worker.py STEPS.
 
 After its third step each rank touches ``$NCCLGUARD_TEST_OUT/step3.rank<r>``, so that the test strikes

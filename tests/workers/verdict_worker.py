@@ -1,4 +1,4 @@
-"""Rank side of tests/test_verdict_multirank.py. Usage: verdict_worker.py stuck|busy.
+"""Rank side of tests/watching/test_verdict_multirank.py. Usage: verdict_worker.py stuck|busy.
 
 Launched as ``ncclguard run --ncclguard-restarts 1`` does it (each rank under its supervisor,
 ``NCCLGUARD_AUTO=1``: the watchdog with every default), with ``RecoveringStep(allow_shrink=True)``
@@ -18,7 +18,7 @@ rank 1 sleeps for good and rank 0 finishes alone.
 ``busy`` (2 ranks): WARM healthy steps, then at step BUSY rank 1 computes in Python for BUSY_S
 seconds (its stack and CPU time move): reported, no action; the run ends on its 2 ranks.
 
-``remote`` (2 ranks, one per host: tests/test_verdict_remote_multirank.py): ``RecoveringStep(heal=True,
+``remote`` (2 ranks, one per host: tests/watching/test_verdict_remote_multirank.py): ``RecoveringStep(heal=True,
 allow_shrink=True)``. At step REMOTE_ASLEEP launch rank 1 (host B) stops itself (SIGSTOP): rank 0 (host
 A) can neither judge it nor cut it, and asks its supervisor, which ends it and restarts it (heal); the
 new process rejoins and is healed. At step REMOTE_STOPPED, in its second life, it stops itself again:

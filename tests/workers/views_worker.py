@@ -1,4 +1,4 @@
-"""Rank side of tests/test_views_multirank.py: a job the test watches from outside.
+"""Rank side of tests/watching/test_views_multirank.py: a job the test watches from outside.
 
 Two ranks (torchrun), watchdog with metrics served on ``$VIEWS_PORT + LOCAL_RANK`` (127.0.0.1)
 and written to ``$VIEWS_DIR/metrics-{rank}.prom``. The test drives the job through marker files

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_world_multirank.py: the watchdog follows the world across rebuilds.
+"""Rank side of tests/base/test_world_multirank.py: the watchdog follows the world across rebuilds.
 Usage: world_worker.py SCENARIO.
 
 Scenarios (each one launch, the ncclguard launcher, so a rank that leaves never tears the others down):

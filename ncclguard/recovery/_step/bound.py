@@ -6,7 +6,7 @@ its peers waiting that long before anything can recover (measured: 300 s with HF
 nothing broke the wait). The recovery engine bounds the collectives of each step itself:
 
 - gloo fixes an op's timeout when the op starts (a later change does not reach an op in flight;
-  ``tests/test_hf_timeouts.py``), so while a step runs every group of this rank's world whose own
+  ``tests/integrations/test_hf_timeouts.py``), so while a step runs every group of this rank's world whose own
   timeout is longer gets the bound as its timeout, and gets its own back when the step is settled:
   evaluations, saves and logging between steps keep the framework's timeout;
 - NCCL ends a timed-out op by tearing the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, 3 by

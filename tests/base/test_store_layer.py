@@ -1,0 +1,504 @@
+"""The store layer (ncclguard/store/) on its own: the codec's bounds and errors, the settle-once round
+(threads as ranks on torch's HashStore and on a TCPStore on 127.0.0.1), bounded calls on one helper
+thread per store client and thread, and the key schema per generation."""
+
+from __future__ import annotations
+
+import ast
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
+from ncclguard.store import bounded
+from ncclguard.store.bounded import bounded_store_call, helper_for
+from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.keys import Keys, MeetingKeys, RoundKeys, round_keys, world_prefix
+from ncclguard.store.rounds import Members, Peek, Rule, Settled, read_present, settle_round
+
+REPO = Path(__file__).resolve().parents[2]
+
+# ----------------------------------------------------------------- codec
+
+
+class Point(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    x: float
+    label: str = Field(default="", max_length=8, alias="name")
+    tags: list[float] = []
+
+
+def test_decode_reads_a_valid_value_from_bytes_or_text():
+    assert decode(Point, b'{"x": 1.5, "name": "a"}', "k", 100) == Point(x=1.5, label="a")
+    assert decode(Point, '{"x": 2}', "k", 100) == Point(x=2.0)
+
+
+def test_decode_refuses_a_value_over_its_bound_before_parsing():
+    with pytest.raises(DecodeError, match=r"^k: 101 bytes, over the 100-byte bound of a Point$") as caught:
+        decode(Point, b" " * 101, "k", 100)
+    err = caught.value
+    assert isinstance(err, ValueError)
+    assert (err.what, err.model, err.reason, err.size, err.limit) == ("k", "Point", "size", 101, 100)
+    # A str is measured in UTF-8 bytes ("é" is two), not in characters.
+    text = '{"x": 1, "name": "' + "é" * 4 + '"}'
+    assert decode(Point, text, "k", len(text.encode())) == Point(x=1, label="é" * 4)
+    with pytest.raises(DecodeError, match="over the"):
+        decode(Point, text, "k", len(text.encode()) - 1)
+
+
+@pytest.mark.parametrize(
+    "blob, where, detail",
+    [
+        (b"{not json", "value", "Invalid JSON"),
+        (b"\x80\x04pickle", "value", "Invalid JSON"),
+        (b'{"x": "one"}', "x", "Input should be a valid number"),
+        (b'{"x": 1, "extra": 2}', "extra", "Extra inputs are not permitted"),
+        (b'{"x": 1, "name": "ninechars"}', "name", "String should have at most 8 characters"),
+        (b"null", "value", "Input should be an object"),
+    ],
+)
+def test_decode_refuses_a_value_not_valid_for_the_model(blob, where, detail):
+    with pytest.raises(DecodeError) as caught:
+        decode(Point, blob, "round 'r': rank 1's arrival", 1000)
+    err = caught.value
+    assert err.reason == "invalid" and err.detail.startswith(detail), err.detail
+    assert str(err).startswith(f"round 'r': rank 1's arrival: not a valid Point ({where}: {detail}")
+    assert str(err).endswith("1 error(s))")
+
+
+@pytest.mark.parametrize("blob", [b'{"x": NaN}', b'{"x": 1, "tags": [1.0, Infinity]}', b'{"x": -Infinity}'])
+def test_decode_refuses_non_finite_numbers_unless_told_not_to(blob):
+    with pytest.raises(DecodeError, match="^k: holds .* where a finite number belongs$") as caught:
+        decode(Point, blob, "k", 1000)
+    assert caught.value.reason == "non-finite" and caught.value.size == len(blob)
+    assert decode(Point, blob, "k", 1000, finite=False).model_dump() is not None
+
+
+def test_encode_writes_models_by_alias_and_plain_data_as_json_dumps():
+    assert encode(Point(x=1, label="a")) == '{"x":1.0,"name":"a","tags":[]}'
+    assert decode(Point, encode(Point(x=1, label="a")), "k", 100) == Point(x=1, label="a")
+    assert encode({"host": "h", "payload": [1, (2, 3)]}) == '{"host": "h", "payload": [1, [2, 3]]}'
+    with pytest.raises(TypeError):
+        encode({"payload": object()})
+
+
+# ----------------------------------------------------------------- keys
+
+
+def test_watchdog_keys_are_per_run_restart_session_and_generation(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert Keys.from_env("main").ns == "ncclguard/wd/job7/2/main/g0"
+    g3 = Keys.from_env("main", generation=3)
+    assert g3.ns == "ncclguard/wd/job7/2/main/g3" and g3.generation == 3
+    assert g3.heartbeat(1) == "ncclguard/wd/job7/2/main/g3/hb/1"
+    assert g3 == Keys("main", "job7", "2", 3) and g3 != Keys.from_env("main", generation=4)
+    assert Keys("s").ns == "ncclguard/wd/run/0/s/g0"
+    # No key of one generation is a key of another.
+    one, two = Keys("s", generation=1), Keys("s", generation=2)
+    assert not {one.count, one.heartbeat(0), one.incident(1)} & {two.count, two.heartbeat(0), two.incident(1)}
+
+
+def test_round_and_meeting_keys():
+    k = round_keys("barrier/g/3")
+    assert (k.arrival(1), k.count, k.outcome, k.gone) == (
+        "ncclguard/barrier/g/3/r1",
+        "ncclguard/barrier/g/3/n",
+        "ncclguard/barrier/g/3/o",
+        "ncclguard/barrier/g/3/gone",
+    )
+    assert k.rank_of("ncclguard/barrier/g/3/r12") == 12
+    for bad in ("ncclguard/barrier/g/3/n", "ncclguard/barrier/g/3/r", "ncclguard/other/r1"):
+        with pytest.raises(ValueError, match="is not an arrival key"):
+            k.rank_of(bad)
+    assert k.every(2) == [*k.transient(2), k.outcome] and len(k.transient(2)) == 4
+    m = MeetingKeys(2, 1)
+    assert (m.arrival(0), m.verdict, m.count, m.gone) == (
+        "ncclguard/rebuild/g2/t1/a0",
+        "ncclguard/rebuild/g2/t1/v",
+        "ncclguard/rebuild/g2/t1/n",
+        "ncclguard/rebuild/g2/t1/gone",
+    )
+    assert (m.generation, m.attempt) == (2, 1) and m == MeetingKeys(2, 1) and m != MeetingKeys(2, 2)
+    assert world_prefix(2) == "ncclguard/world/g2"
+
+
+def test_a_watchdog_store_moved_to_a_new_generation_reads_only_that_generation():
+    from ncclguard.incidents.model import Heartbeat
+    from ncclguard.watching.base.watchdog_store import Keys as OldName
+    from ncclguard.watching.base.watchdog_store import WatchdogStore
+
+    assert OldName is Keys  # re-exported where it used to live
+    ws = WatchdogStore(dist.HashStore(), Keys("t"), 1.0, 5.0)
+    hb = Heartbeat(
+        rank=0, host="h", pid=1, beat=1, time=1.0, phase="", site="", last_seq={}, last_completed={}, inflight=[]
+    )
+    ws.publish_heartbeat(hb)
+    assert ws.read_heartbeats([0]) == {0: hb}
+    ws.keys = Keys("t", generation=1)
+    assert ws.keys.ns.endswith("/g1") and ws.read_heartbeats([0]) == {}
+    ws.publish_heartbeat(hb)
+    assert ws.read_heartbeats([0]) == {0: hb}
+    ws.close()
+
+
+# ----------------------------------------------------------------- rounds
+
+
+def majority_rule(size: int, tag: str = "") -> Rule[str]:
+    """Every rank is a member; the outcome says who gave up and how many had arrived then."""
+    return Rule(
+        everyone=lambda: "ok",
+        given_up=lambda peek: f"timeout {peek.count()} {tag}".strip(),
+        read=lambda raw: raw.decode(),
+        members=lambda outcome: Members(range(size), complete=outcome == "ok"),
+    )
+
+
+def run_ranks(fn: Any, ranks: dict[int, float]) -> dict[int, Any]:
+    """``fn(rank)`` on one thread per rank, each started after its delay; results (or errors) by rank."""
+    out: dict[int, Any] = {}
+
+    def one(rank: int, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r, d)) for r, d in ranks.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
+    store = dist.HashStore()
+    keys = RoundKeys("test/all")
+
+    def rank(r: int) -> Settled[str]:
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(10), majority_rule(3), "round 'all'")
+
+    out = run_ranks(rank, {0: 0.0, 1: 0.05, 2: 0.1})
+    for r in range(3):
+        s = out[r]
+        assert isinstance(s, Settled), s
+        assert s.outcome == "ok" and s.arrivals == {0: b"from 0", 1: b"from 1", 2: b"from 2"}
+    assert sorted(out[r].number for r in range(3)) == [1, 2, 3]
+    assert store.num_keys() == 0
+
+
+def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
+    store = dist.HashStore()
+    keys = RoundKeys("test/late")
+    rule = majority_rule(3)
+
+    def rank(r: int) -> Settled[str]:
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(0.3), rule, "round 'late'")
+
+    t0 = time.monotonic()
+    first = run_ranks(rank, {0: 0.0, 1: 0.0})
+    assert 0.29 <= time.monotonic() - t0 < 5.0
+    assert first[0].outcome == first[1].outcome == "timeout 2"
+    assert first[0].arrivals == first[1].arrivals == {0: b"from 0", 1: b"from 1"}
+    assert store.check([keys.outcome])  # rank 2 has not left yet: the keys stay
+    t0 = time.monotonic()
+    late = rank(2)
+    assert time.monotonic() - t0 < 1.5  # settled already: no wait for the deadline
+    # The same verdict; its arrival number (3) is above the count the verdict records (2).
+    assert late.outcome == "timeout 2" and late.number == 3
+    assert late.arrivals == {0: b"from 0", 1: b"from 1", 2: b"from 2"}
+    assert store.num_keys() == 0  # the last rank out cleaned up
+
+
+def test_the_outcome_is_settled_once_when_several_ranks_give_up():
+    store = dist.HashStore()
+    keys = RoundKeys("test/once")
+
+    def rank(r: int) -> Settled[str]:
+        # Each rank would settle its own words; compare-and-set keeps the first.
+        rule = majority_rule(4, tag=f"by {r}")
+        return settle_round(store, keys, r, 4, "x", Deadline.within(0.2 + 0.1 * r), rule, "round 'once'")
+
+    out = run_ranks(rank, {0: 0.0, 1: 0.0, 2: 0.0})
+    outcomes = {out[r].outcome for r in range(3)}
+    assert len(outcomes) == 1, outcomes
+    (outcome,) = outcomes
+    assert outcome == "timeout 3 by 0"  # rank 0's deadline comes first
+
+
+def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
+    """Ranks 0-1 of 3 wait; once a death notice names rank 2 dead, a waiting rank settles the round
+    at once (its outcome names who died), though the deadline is 60 s off; the late rank reads it."""
+    from ncclguard.store.deaths import DeathNotice, post_death, read_deaths
+
+    store = dist.HashStore()
+    keys = RoundKeys("test/early")
+
+    def early(peek: Peek) -> str | None:
+        _, notices = read_deaths(store, 0, restart="t")
+        dead = sorted(n.origin for n in notices)
+        return f"dead {dead} with {peek.present()}" if dead == [2] and peek.count() == 2 else None
+
+    rule = Rule(
+        everyone=lambda: "ok",
+        given_up=lambda peek: "timeout",
+        read=lambda raw: raw.decode(),
+        members=lambda outcome: Members(range(3), complete=False),
+        early=early,
+        poll_s=0.05,
+    )
+
+    def rank(r: int) -> Settled[str]:
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(60), rule, "round 'early'")
+
+    def die() -> None:
+        time.sleep(0.3)
+        post_death(store, DeathNotice(origin=2, pid=7, returncode=-9, life=0, host="h", at=0.0), restart="t")
+
+    killer = threading.Thread(target=die)
+    killer.start()
+    t0 = time.monotonic()
+    out = run_ranks(rank, {0: 0.0, 1: 0.0})
+    killer.join(5)
+    assert time.monotonic() - t0 < 20  # a hang guard: the round's deadline is 60 s
+    assert out[0].outcome == out[1].outcome == "dead [2] with [0, 1]"
+    late = rank(2)  # a rank that was not dead after all reads the same outcome
+    assert late.outcome == "dead [2] with [0, 1]" and late.number == 3
+
+
+def test_death_notices_are_counted_read_once_and_never_trusted_blindly():
+    from ncclguard.store.deaths import DeathNotice, death_count, post_death, read_deaths
+
+    store = dist.HashStore()
+    assert death_count(store, "0") == 0 and read_deaths(store, 0, "0") == (0, [])
+    notices = [DeathNotice(origin=r, pid=100 + r, returncode=-9, life=0, host="h", at=1.0) for r in (1, 3)]
+    assert [post_death(store, n, "0") for n in notices] == [1, 2]
+    assert read_deaths(store, 0, "0") == (2, notices)
+    assert read_deaths(store, 1, "0") == (2, notices[1:])  # only what the reader has not seen
+    assert read_deaths(store, 0, "1") == (0, [])  # another run of the job (torchrun restarted it) sees none
+    # A hostile value under a notice's key is skipped: nobody is named dead by it.
+    store.set("ncclguard/dead/0/3", b'{"origin": 5, "pid": -1}')
+    store.add("ncclguard/dead/0/n", 1)
+    assert read_deaths(store, 2, "0") == (3, [])
+
+
+def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
+    store = dist.HashStore()
+    keys = RoundKeys("test/members", arrival="a", outcome="v")
+    rule: Rule[list[int]] = Rule(
+        everyone=lambda: "[0, 1, 2]",
+        given_up=lambda peek: str(peek.present()),
+        read=lambda raw: [int(x) for x in raw.decode().strip("[]").split(",") if x.strip()],
+        members=lambda ranks: Members(ranks, complete=True),
+        keep_outcome=True,
+    )
+
+    def rank(r: int) -> Settled[list[int]]:
+        return settle_round(store, keys, r, 3, f"{r}", Deadline.within(0.3), rule, "meeting")
+
+    out = run_ranks(rank, {0: 0.0, 2: 0.0})
+    assert out[0].outcome == out[2].outcome == [0, 2]
+    assert out[0].arrivals == out[2].arrivals == {0: b"0", 2: b"2"}
+    assert store.list_keys() == [keys.outcome]  # the members left; only the outcome stays
+    late = rank(1)
+    assert late.outcome == [0, 2] and late.arrivals is None  # not a member: reads nothing
+    assert sorted(store.list_keys()) == sorted([keys.outcome, keys.arrival(1), keys.count])
+
+
+def test_a_round_over_tcp_with_a_client_per_thread():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=10))
+    keys = RoundKeys("test/tcp")
+
+    def rank(r: int) -> tuple[Settled[str], bool]:
+        deadline = Deadline.within(10)
+        mine = store_for_this_thread(client, deadline)
+        assert store_for_this_thread(client, deadline) is mine  # made once per thread
+        return settle_round(mine, keys, r, 2, f"{r}", deadline, majority_rule(2), "round 'tcp'"), mine is client
+
+    out = run_ranks(rank, {0: 0.0, 1: 0.0})
+    for r in range(2):
+        settled, shared = out[r]
+        assert settled.outcome == "ok" and settled.arrivals == {0: b"0", 1: b"1"} and not shared
+    assert not server.check([keys.count, keys.outcome])
+    assert store_for_this_thread(client, Deadline.within(1)) is client  # the main thread's is the store
+
+
+def test_a_rule_that_raises_ends_the_round_with_its_error():
+    store = dist.HashStore()
+    store.set("test/bad/o", "garbage")
+
+    def read(raw: bytes) -> str:
+        raise StoreUnreachable(f"cannot read {raw!r}")
+
+    rule = Rule(everyone=lambda: "ok", given_up=lambda p: "t", read=read, members=lambda o: Members([0], True))
+    with pytest.raises(StoreUnreachable, match="cannot read b'garbage'"):
+        settle_round(store, RoundKeys("test/bad"), 0, 2, "x", Deadline.within(5), rule, "round 'bad'")
+
+
+# ----------------------------------------------------------------- bounded calls
+
+
+class FrozenStore:
+    """A store whose host stopped answering: ``add`` blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def set(self, key: str, value: str) -> None:
+        self.calls += 1
+        self.release.wait(20)
+
+    def add(self, key: str, n: int) -> int:
+        self.calls += 1
+        self.release.wait(20)
+        return n
+
+
+def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused_on_every_thread():
+    store = FrozenStore()
+    rule = majority_rule(2)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="^round 'frozen': the store did not answer within"):
+        settle_round(store, RoundKeys("f"), 0, 2, "x", Deadline.within(0.2), rule, "round 'frozen'", grace_s=0.2)  # type: ignore[arg-type]
+    assert 0.4 <= time.monotonic() - t0 < 3.0
+    # While that call is stuck, a call on the same store fails at once, from this thread or another.
+    errors = run_ranks(lambda r: bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0)), {0: 0.0})
+    assert isinstance(errors[0], StoreUnreachable) and "has not returned" in str(errors[0])
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
+        bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(30.0))
+    assert time.monotonic() - t0 < 10.0 and store.calls == 1  # at once, not the 30 s it was given
+    store.release.set()
+    deadline = Deadline.within(5)
+    while True:  # until the stuck call has returned
+        try:
+            assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(5.0)) == 7
+            break
+        except StoreUnreachable:
+            assert not deadline.passed()
+            time.sleep(0.01)
+
+
+def test_calls_on_one_store_share_one_helper_thread_per_calling_thread():
+    store = dist.HashStore()
+    here = {bounded_store_call(store, threading.get_ident, Deadline.within(5.0)) for _ in range(5)}
+    assert len(here) == 1 and threading.get_ident() not in here
+    assert helper_for(store) is helper_for(store)
+    there = run_ranks(
+        lambda r: (bounded_store_call(store, threading.get_ident, Deadline.within(5.0)), helper_for(store)), {0: 0.0}
+    )
+    assert there[0][0] not in here and there[0][1] is not helper_for(store)
+    assert bounded.IDLE_EXIT_S > 0
+
+
+def test_peek_counts_and_lists_the_arrivals_present():
+    store = dist.HashStore()
+    keys = RoundKeys("p")
+    store.set(keys.arrival(2), "x")
+    store.set(keys.arrival(0), "y")
+    store.add(keys.count, 2)
+    peek = Peek(store, keys, 4)
+    assert peek.count() == 2 and peek.present() == [0, 2]
+    assert read_present(store, [keys.arrival(r) for r in range(4)]) == {keys.arrival(0): b"y", keys.arrival(2): b"x"}
+
+
+# ----------------------------------------------------------------- one store service, one deadline
+
+STORE_METHODS = {
+    "set",
+    "get",
+    "add",
+    "wait",
+    "check",
+    "multi_get",
+    "multi_set",
+    "compare_set",
+    "delete_key",
+    "list_keys",
+    "num_keys",
+    "clone",
+}
+
+
+def store_traffic_outside_the_store_layer(root: Path) -> list[str]:
+    """Every call of a store method on something named ``*store*``, and every ``TCPStore(...)``, in
+    the library outside ``ncclguard/store/`` (``file:line: code``)."""
+    found = []
+    for path in sorted([*(root / "ncclguard").rglob("*.py"), *(root / "integrations").rglob("*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("ncclguard/store/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            receiver = ast.unparse(node.func.value)
+            if (node.func.attr in STORE_METHODS and "store" in receiver.lower()) or node.func.attr == "TCPStore":
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_every_store_exchange_goes_through_the_store_layer(tmp_path: Path) -> None:
+    assert store_traffic_outside_the_store_layer(REPO) == []
+    # The check can fail: a planted offender is found.
+    planted = tmp_path / "ncclguard" / "recovery"
+    planted.mkdir(parents=True)
+    (planted / "bad.py").write_text("def f(world):\n    return world.store.get('k')\n")
+    (tmp_path / "integrations").mkdir()
+    assert store_traffic_outside_the_store_layer(tmp_path) == ["ncclguard/recovery/bad.py:2: world.store.get('k')"]
+
+
+def test_a_deadline_is_one_instant_that_every_wait_shares() -> None:
+    d = Deadline.after(timedelta(seconds=30))
+    assert Deadline.after(d) is d  # passed through, never restarted
+    assert 29 < d.left() <= 30 and not d.passed()
+    assert d.sooner(1.0).left() <= 1.0 and d.sooner(60).at == d.at
+    assert d.plus(2.0).at == d.at + 2.0
+    assert d.as_timedelta() <= timedelta(seconds=30)
+    gone = Deadline.within(-5)
+    assert gone.passed() and gone.left() == 0.0 and gone.as_timedelta() == timedelta(milliseconds=1)
+    t0 = time.monotonic()
+    assert gone.sleep(10) is False and time.monotonic() - t0 < 5  # no sleep past the deadline (hang guard)
+    for bad in (0, -1, float("nan"), "3"):
+        with pytest.raises((TypeError, ValueError)):
+            Deadline.after(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite"):
+        Deadline(float("inf"))
+
+
+def test_values_poll_and_delete_on_a_real_store() -> None:
+    from ncclguard.store.values import delete_keys, delete_prefix, poll_value, read_value, write_value
+
+    store = dist.HashStore()
+    deadline = Deadline.within(30)
+    assert read_value(store, "v", Point, 100, deadline, "a point") is None
+    write_value(store, "v", Point(x=1.0), deadline, "a point")
+    assert read_value(store, "v", Point, 100, deadline, "a point") == Point(x=1.0)
+    # A poll waits for the value it accepts: written by another thread a moment later.
+    later = threading.Timer(0.2, lambda: write_value(store, "v", Point(x=2.0), Deadline.within(5), "a point"))
+    later.start()
+    assert poll_value(store, "v", Point, 100, deadline, "a point", accept=lambda p: p.x == 2.0) == Point(x=2.0)
+    later.join()
+    assert poll_value(store, "v", Point, 100, Deadline.within(0.1), "a point", accept=lambda p: p.x > 9) is None
+    store.set("x/1", "a")
+    store.set("x/2", "b")
+    assert delete_prefix(store, "x/", deadline, "x") == 2 and not store.check(["x/1"])
+    delete_keys(store, ["v", "missing"], deadline, "v")
+    assert not store.check(["v"])
+    store.set("v", "{not json")
+    with pytest.raises(DecodeError):
+        read_value(store, "v", Point, 100, deadline, "a point")

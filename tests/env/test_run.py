@@ -1,0 +1,152 @@
+"""ncclguard run's command line, the start-up hook and the one-watchdog rule, without launching ranks
+(tests/env/test_run_multirank.py launches them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ncclguard_autostart
+import pytest
+import torch.distributed as dist
+from torch.distributed import device_mesh, distributed_c10d
+
+import ncclguard
+from ncclguard.cli import main
+from ncclguard.cli.run import plan
+from ncclguard.watching.watchdog import Watchdog, current_watchdog
+
+
+def test_options_become_the_ranks_settings_and_torchruns_pass_through(tmp_path: Path) -> None:
+    argv = ["--standalone", "--ncclguard-hang-timeout-s", "120", "--nproc-per-node", "4"]
+    argv += ["--ncclguard-action=exit", "--ncclguard-incident-dir", "inc", "train.py", "--lr", "0.1"]
+    argv += ["--ncclguard-action", "raise"]  # the script's own arguments, whatever they look like
+    job = plan(argv, cwd=tmp_path)
+    assert job.env == {
+        "NCCLGUARD_AUTO": "1",
+        "NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S": "120",
+        "NCCLGUARD_WATCHDOG_ACTION": "exit",
+        "NCCLGUARD_WATCHDOG_INCIDENT_DIR": str(tmp_path / "inc"),
+    }
+    assert (job.config.hang_timeout_s, job.config.action, job.config.incident_dir) == (120, "exit", tmp_path / "inc")
+    t = job.torchrun
+    assert (t.standalone, t.nproc_per_node, t.training_script) == (True, "4", "train.py")
+    assert t.training_script_args == ["--lr", "0.1", "--ncclguard-action", "raise"]
+    assert not job.supervised and not t.module
+
+
+def test_restarts_run_every_rank_under_its_supervisor(tmp_path: Path) -> None:
+    job = plan(["--ncclguard-restarts", "2", "--ncclguard-warm-spare", "-m", "pkg.train", "--x", "1"], cwd=tmp_path)
+    t = job.torchrun
+    assert job.supervised and t.module and not t.no_python and t.training_script == "ncclguard.supervise"
+    assert t.training_script_args == [
+        "--restarts",
+        "2",
+        "--warm-spare",
+        "--",
+        sys.executable,
+        "-m",
+        "pkg.train",
+        "--x",
+        "1",
+    ]
+    job = plan(["--no-python", "--ncclguard-restarts=1", "./train.sh"], cwd=tmp_path)
+    assert job.torchrun.training_script_args == ["--restarts", "1", "--", "./train.sh"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give the script to run"),
+        (
+            ["--ncclguard-hang-timeout", "3", "x.py"],
+            "unknown option --ncclguard-hang-timeout (did you mean --ncclguard-hang-timeout-s?)",
+        ),
+        (
+            ["--ncclguard-hang-timeout-s", "0.1", "--ncclguard-heartbeat-s", "1", "x.py"],
+            "hang_timeout_s (0.1) must be > heartbeat_s (1.0)",
+        ),
+        (["--ncclguard-action", "explode", "x.py"], "bad watchdog setting: action: Input should be 'report', 'raise'"),
+        (
+            ["--ncclguard-warm-spare", "x.py"],
+            "--ncclguard-warm-spare and --ncclguard-preload go with --ncclguard-restarts N",
+        ),
+        (["--ncclguard-restarts", "1", "--run-path", "x.py"], "--run-path runs the script inside torchrun's process"),
+    ],
+)
+def test_bad_usage_says_what_to_change(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=None) as info:
+        plan(argv)
+    assert message in str(info.value)
+    assert main(["run", *argv]) == 2
+    assert f"ncclguard run: {info.value}" in capsys.readouterr().err
+
+
+def test_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--ncclguard-help"]) == 0
+    out = capsys.readouterr().out
+    assert "--ncclguard-hang-timeout-s VALUE" in out and "--ncclguard-restarts N" in out and "torchrun --help" in out
+
+
+def test_the_pth_line_imports_the_hook_only_when_the_variable_is_set() -> None:
+    """Unset, the line costs a look-up in os.environ and imports nothing; set, it imports the
+    hook (a few standard modules), and neither torch nor ncclguard until c10d loads."""
+    code = "import sys; print(sorted(m for m in sys.modules if m.startswith(('ncclguard', 'torch'))))"
+    env = {k: v for k, v in os.environ.items() if k != "NCCLGUARD_AUTO"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert off.stdout.strip() == "[]"
+    on = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "NCCLGUARD_AUTO": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert on.stdout.strip() == "['ncclguard_autostart']", on.stderr
+    zero = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "NCCLGUARD_AUTO": "0"}, capture_output=True, text=True, timeout=60
+    )
+    assert zero.stdout.strip() == "['ncclguard_autostart']"  # imported, and it does nothing: boot() said no
+    assert ncclguard_autostart.enabled({"NCCLGUARD_AUTO": "0"}) is False
+    assert ncclguard_autostart.enabled({"NCCLGUARD_AUTO": "1"}) is True
+
+
+@pytest.fixture
+def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """init_process_group wrapped as the start-up hook wraps it, for this test only."""
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_INCIDENT_DIR", str(tmp_path))
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_STRAGGLER", "false")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    originals = {m: m.init_process_group for m in (distributed_c10d, dist, device_mesh)}
+    try:
+        yield
+    finally:
+        wd = current_watchdog()
+        if wd is not None:
+            wd.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for module, fn in originals.items():
+            module.init_process_group = fn
+
+
+def test_the_scripts_own_watchdog_takes_the_place_of_the_one_ncclguard_run_started(
+    hooked: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    original = distributed_c10d.init_process_group
+    assert ncclguard_autostart.patch(distributed_c10d) and ncclguard_autostart.patch(distributed_c10d)
+    wrapper = distributed_c10d.init_process_group
+    assert wrapper is not original and wrapper.__wrapped__ is original  # type: ignore[attr-defined]
+    assert dist.init_process_group is wrapper and device_mesh.init_process_group is wrapper  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    auto = current_watchdog()
+    assert auto is not None and auto.gives_way
+    err = capsys.readouterr().err
+    assert err.count("ncclguard: watching 1 rank(s): hang after 300 s") == 1
+    mine = ncclguard.start_watchdog(heartbeat_s=0.2, hang_timeout_s=1.0)
+    assert current_watchdog() is mine and not mine.gives_way and auto._thread is None
+    with pytest.raises(RuntimeError, match="a Watchdog already runs in this process"):
+        Watchdog().start()  # the script's own does not give way
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert current_watchdog() is mine  # a group made again: no second watchdog, no second line
+    assert "ncclguard: watching" not in capsys.readouterr().err

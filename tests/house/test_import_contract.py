@@ -1,0 +1,198 @@
+"""The layers of docs/architecture.md, checked against the code's imports.
+
+The table under "## Layers" in docs/architecture.md is the contract: one row per part, its layer
+number and its paths. A module may import its own part and the parts of lower layers, never a part
+of its own layer or above. The test reads the table, so the document and the code cannot drift apart
+without this test failing; a planted offender shows the check can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[2]
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    layer: int
+    paths: tuple[str, ...]  # relative to the package root: "store/", "errors.py"; integrations/ is "integrations/"
+
+
+def read_contract(doc: Path) -> list[Part]:
+    """The parts listed in the "## Layers" table: ``| layer | part | paths | what it holds |``."""
+    text = doc.read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    parts = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        paths = tuple(re.findall(r"`([^`]+)`", cells[2]))
+        parts.append(Part(name=cells[1], layer=int(cells[0]), paths=paths))
+    return parts
+
+
+def part_of(rel: str, parts: list[Part]) -> Part | None:
+    """The part a file (``ncclguard/store/bounded_calls.py``, ``integrations/hf.py``) belongs to."""
+    rel = rel.removeprefix("ncclguard/")
+    best: tuple[int, Part] | None = None
+    for part in parts:
+        for path in part.paths:
+            if rel == path or (path.endswith("/") and rel.startswith(path)):
+                if best is None or len(path) > best[0]:
+                    best = (len(path), part)
+    return best[1] if best else None
+
+
+def module_file(module: str, root: Path) -> str | None:
+    """The file, relative to ``root``, that ``module`` (``ncclguard.x.y``) names, or None."""
+    if module != "ncclguard" and not module.startswith("ncclguard."):
+        return None
+    names = module.split(".")[1:]
+    if names[:1] == ["integrations"]:
+        base, names = root / "integrations", names[1:]
+    else:
+        base = root / "ncclguard"
+    for i in range(len(names), -1, -1):
+        cand = base.joinpath(*names[:i])
+        if cand.with_suffix(".py").is_file() and i:
+            return str(cand.with_suffix(".py").relative_to(root))
+        if (cand / "__init__.py").is_file():
+            return str((cand / "__init__.py").relative_to(root))
+    return None
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``path``, lazy ones included; ``from P import name``
+    counts as ``P.name`` when that is a module, else as ``P``."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(root)
+    package = ".".join(("ncclguard", *rel.parts[1:-1])) if rel.parts[0] == "integrations" else ".".join(rel.parts[:-1])
+    if rel.parts[0] == "integrations":
+        package = "ncclguard.integrations" + ("." + ".".join(rel.parts[1:-1]) if len(rel.parts) > 2 else "")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                out.append(
+                    (
+                        node.lineno,
+                        sub
+                        if module_file(sub, root) and sub.count(".") > mod.count(".") and _is_module(sub, root)
+                        else mod,
+                    )
+                )
+    return out
+
+
+def _is_module(module: str, root: Path) -> bool:
+    names = module.split(".")[1:]
+    base = root / "integrations" if names[:1] == ["integrations"] else root / "ncclguard"
+    names = names[1:] if names[:1] == ["integrations"] else names
+    cand = base.joinpath(*names)
+    return cand.with_suffix(".py").is_file() or (cand / "__init__.py").is_file()
+
+
+def offences(root: Path, parts: list[Part]) -> list[str]:
+    """Every import in the library under ``root`` that the contract forbids, as readable lines."""
+    found = []
+    files = sorted([*(root / "ncclguard").rglob("*.py"), *(root / "integrations").rglob("*.py")])
+    for path in files:
+        rel = str(path.relative_to(root))
+        me = part_of(rel, parts)
+        if me is None:
+            found.append(f"{rel}: in no part of the table")
+            continue
+        for line, module in sorted(set(imported_modules(path, root))):
+            target_file = module_file(module, root)
+            if target_file is None:
+                continue  # not ncclguard
+            other = part_of(target_file, parts)
+            if other is None or other.name == me.name:
+                continue
+            if other.layer >= me.layer:
+                found.append(
+                    f"{rel}:{line}: {me.name} (layer {me.layer}) imports {module} of {other.name} (layer {other.layer})"
+                )
+    return found
+
+
+def test_the_table_names_every_module_and_every_part_exists() -> None:
+    parts = read_contract(ARCHITECTURE)
+    assert len(parts) >= 8
+    names = [p.name for p in parts]
+    assert len(names) == len(set(names)), names
+    for part in parts:
+        for path in part.paths:
+            where = REPO / path if path.startswith("integrations/") else REPO / "ncclguard" / path
+            assert where.exists(), f"{part.name}: {path} does not exist"
+
+
+def test_the_code_keeps_the_layers() -> None:
+    assert offences(REPO, read_contract(ARCHITECTURE)) == []
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for folder in ("ncclguard", "integrations"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def test_a_planted_upward_import_is_caught(tree: Path) -> None:
+    target = tree / "ncclguard" / "collectives" / "groups.py"
+    target.write_text(target.read_text() + "\nfrom ncclguard.watching.watchdog import Watchdog  # planted\n")
+    found = offences(tree, read_contract(ARCHITECTURE))
+    assert len(found) == 1 and found[0].startswith("ncclguard/collectives/groups.py:")
+    assert "imports ncclguard.watching.watchdog of watchdog (layer 7)" in found[0]
+
+
+def test_a_planted_core_import_of_the_integrations_and_a_sideways_one_are_caught(tree: Path) -> None:
+    (tree / "ncclguard" / "cli" / "doctor.py").write_text(
+        (tree / "ncclguard" / "cli" / "doctor.py").read_text()
+        + "\n\ndef _planted():\n    from ncclguard.integrations import hf\n"
+    )
+    (tree / "ncclguard" / "env" / "versions.py").write_text(
+        (tree / "ncclguard" / "env" / "versions.py").read_text()
+        + "\nfrom ncclguard.recovery import rebuild  # planted\n"
+    )
+    found = offences(tree, read_contract(ARCHITECTURE))
+    assert [f.split(":")[0] for f in found] == ["ncclguard/cli/doctor.py", "ncclguard/env/versions.py"], found
+
+
+def test_a_module_in_no_part_is_caught(tree: Path) -> None:
+    (tree / "ncclguard" / "stray").mkdir()
+    (tree / "ncclguard" / "stray" / "__init__.py").write_text("")
+    assert offences(tree, read_contract(ARCHITECTURE)) == ["ncclguard/stray/__init__.py: in no part of the table"]
+
+
+def test_the_watchdog_rooms_keep_their_order(tree: Path) -> None:
+    # The sensors and the ladder sit side by side (neither may import the other); the incident
+    # model may not reach up to the desk that handles incidents, though both live in incidents/.
+    sensor = tree / "ncclguard" / "watching" / "sensors" / "liveness.py"
+    sensor.write_text(sensor.read_text() + "\nfrom ncclguard.watching.ladder import actions  # planted\n")
+    model = tree / "ncclguard" / "incidents" / "model.py"
+    model.write_text(model.read_text() + "\nfrom ncclguard.incidents.handling import desk  # planted\n")
+    found = offences(tree, read_contract(ARCHITECTURE))
+    assert [f.split(":")[0] for f in found] == [
+        "ncclguard/incidents/model.py",
+        "ncclguard/watching/sensors/liveness.py",
+    ], found
+    assert "of incident handling (layer 6)" in found[0] and "of ladder (layer 5)" in found[1]

@@ -1,0 +1,250 @@
+"""Claim, statements and merge without processes: three ranks' incident desks in one process,
+sharing one in-memory store (torch's HashStore), with synthetic statements. The real-rank
+version is tests/watching/test_watchdog_multirank.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ncclguard.errors import StoreUnreachable
+from ncclguard.incidents.handling.desk import IncidentDesk, blocked_in
+from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Statement
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
+from ncclguard.watching.ladder.actions import Ladder, build_ladder
+from ncclguard.watching.sensors.detect import Detection
+from ncclguard.watching.sensors.liveness import Liveness, store_host_text
+from ncclguard.watching.sensors.rank_state import RankState
+
+WORLD = 3
+
+
+class FakeState(RankState):
+    """A rank's state without a live process behind it."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank, WORLD)
+        self.done_ops: set[tuple[str, int]] = set()
+        self.seqs: dict[str, int] = {"0": 9}
+
+    def threads(self) -> dict[str, list[str]]:
+        return {"MainThread (1)": ["/job/train.py:1 in <module>"]}
+
+    def records(self) -> list[OpRecord]:
+        return []
+
+    def completed(self, key: tuple[str, int]) -> bool:
+        return key in self.done_ops
+
+    def backend_seq(self) -> dict[str, int] | None:
+        return dict(self.seqs)
+
+    def blocked_in(self) -> OpRecord | None:
+        return None
+
+
+def statement(rank: int, *, waiting: bool) -> Statement:
+    now = time.time()
+    inflight = (
+        [OpRecord(seq=5, op="all_reduce(SUM)", group="0", numel=4, dtype="float32", start=now - 10, site="/job/t.py:9")]
+        if waiting
+        else []
+    )
+    return Statement(
+        rank=rank,
+        host="node1",
+        pid=100 + rank,
+        beat=3,
+        time=now,
+        phase="train step=5" if waiting else "eval batch=2",
+        site="/job/t.py:9" if waiting else "/job/eval.py:4",
+        last_seq={"0": 5 if waiting else 4},
+        last_completed={"0": 4},
+        inflight=inflight,
+        blocked_in=inflight[0] if inflight else None,
+        world_size=WORLD,
+        stack=["/job/main.py:1 in <module>"],
+        groups={"0": list(range(WORLD))},
+    )
+
+
+HANG = Detection(IncidentKind.HANG, "rank 0 waited 10.0 s", "hang/0/5", group="0", seq=5, op="all_reduce(SUM)")
+
+
+def desks(tmp_path, store=None, **cfg):
+    store = store if store is not None else dist.HashStore()
+    config = WatchdogConfig(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path, **cfg)
+    out = []
+    for r in range(WORLD):
+        desk = IncidentDesk(
+            config,
+            FakeState(r),
+            Liveness(r, WORLD, 16, config.peer_timeout, config.startup_grace_s),
+            Ladder(build_ladder("report"), config.escalate_after_s),
+            None,
+            lambda r=r: statement(r, waiting=r != 2),
+            threading.Condition(),
+        )
+        desk.store = WatchdogStore(store, Keys("t"), 1.0, 5.0)
+        out.append(desk)
+    return out
+
+
+def test_a_hang_seen_by_two_ranks_is_one_incident_that_every_rank_dumps_and_one_merges(tmp_path):
+    d = desks(tmp_path)
+    d[0].open(HANG)
+    d[1].open(HANG)  # the same signature: claimed already
+    assert d[0].store.incident_count() == 1
+    for desk in d:
+        desk.poll()
+    ids = {desk.cases[0].doc.id for desk in d}
+    (ident,) = ids
+    assert ident.endswith("-001") and d[0].cases[0].doc.by == 0
+    assert [desk.cases[0].merger for desk in d] == [True, False, False]  # the first to publish merges
+    where = tmp_path / ident
+    assert sorted(p.name for p in where.iterdir()) == ["rank0.json", "rank1.json", "rank2.json"]
+    for desk in d:
+        desk.progress()
+    assert all(desk.cases[0].ladder.settled for desk in d)
+    inc = json.loads((where / "incident.json").read_text())
+    assert (inc["format_version"], inc["merged_by"], inc["statements_from"]) == (2, 0, [0, 1, 2])
+    assert [(c["rank"], c["why"], c["phase"]) for c in inc["culprits"]] == [(2, "behind", "eval batch=2")]
+    assert inc["victims"] == [0, 1]
+    assert (where / "summary.txt").read_text().startswith(f"ncclguard incident {ident}: rank 0 waited 10.0 s\n")
+    note = json.loads(d[0].store.store.get(Keys("t").merged(1)))
+    assert (note["dir"], note["summary"]) == (str(where.resolve()), inc["summary"])
+    dump = json.loads((where / "rank1.json").read_text())
+    assert dump["statement"]["rank"] == 1 and [a["rung"] for a in dump["actions"]] == ["report"]
+    assert d[1].cases[0].record()["kind"] == "hang"
+
+
+def test_the_merger_waits_for_statements_then_merges_what_came(tmp_path):
+    d = desks(tmp_path, merge_wait_s=0.3)
+    d[2].store.publish_heartbeat(Heartbeat.model_validate(dict(statement(2, waiting=False))))
+    d[0].open(HANG)
+    d[0].poll()
+    d[1].poll()  # rank 2's watchdog never answers
+    d[0].progress()
+    assert not d[0].cases[0].merged  # 2 of 3 statements, within merge_wait
+    time.sleep(0.35)
+    d[0].progress()
+    assert d[0].cases[0].merged
+    inc = json.loads((tmp_path / d[0].cases[0].doc.id / "incident.json").read_text())
+    assert (inc["statements_from"], inc["missing_statements"], inc["silent"]) == ([0, 1], [2], [2])
+    assert [(c["rank"], c["why"]) for c in inc["culprits"]] == [(2, "behind")]  # from its last heartbeat
+    assert inc["ranks"]["2"]["source"] == "heartbeat"
+
+
+def test_a_resolved_hang_is_seen_by_the_other_ranks(tmp_path):
+    d = desks(tmp_path)
+    d[0].open(HANG)
+    for desk in d:
+        desk.poll()
+    assert not d[1].resolved(d[1].cases[0])
+    d[0].state.done_ops.add(("0", 5))  # type: ignore[attr-defined]
+    assert d[0].resolved(d[0].cases[0])
+    assert d[1].resolved(d[1].cases[0])  # through the store
+    lost = Detection(IncidentKind.PEERS_LOST, "no heartbeat from rank 2", "lost/2", ranks=(2,))
+    d[0].open(lost)
+    d[0].poll()
+    assert not d[0].resolved(d[0].cases[1])  # a lost rank never resolves
+
+
+class GoneStore:
+    """A store whose server is gone: every call is refused, as torch reports it."""
+
+    def __getattr__(self, name):
+        def refuse(*args):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+        return refuse
+
+
+def test_a_store_that_is_gone_turns_into_a_local_store_incident(tmp_path):
+    (desk, *_) = desks(tmp_path, store=GoneStore())
+    desk.store_addr = "10.0.0.1:29500"
+    with pytest.raises(StoreUnreachable) as info:
+        desk.poll()
+    desk.store_gone(info.value)
+    desk.store_gone(info.value)  # once only
+    assert desk.store is None and len(desk.cases) == 1
+    case = desk.cases[0]
+    assert (case.doc.kind, case.doc.n, case.local, case.merger) == (IncidentKind.STORE_GONE, -1, True, True)
+    assert case.doc.id.endswith("-r0-store-1")
+    desk.progress()
+    inc = json.loads((case.dir / "incident.json").read_text())
+    assert [f["kind"] for f in inc["findings"]] == ["store"] and inc["culprits"] == []
+    assert inc["summary"].startswith(
+        "the rendezvous store at 10.0.0.1:29500 stopped answering (DistNetworkError: Connection reset by peer); "
+        "the store's host is 10.0.0.1: it lives in rank 0's process"
+    )
+    # timeline.png (with matplotlib) comes from a thread of its own: not part of what is checked here.
+    written = sorted(p.name for p in case.dir.iterdir() if not p.name.startswith(".") and p.name != "timeline.png")
+    assert written == ["incident.json", "rank0.json", "summary.txt"]
+    # Without a store, a new hang is handled on this rank alone, at once.
+    desk.open(HANG)
+    assert desk.cases[1].local and desk.cases[1].doc.id.endswith("-r0-hang-2")
+
+
+def test_incident_values_that_cannot_be_read_are_skipped(tmp_path, caplog):
+    raw = dist.HashStore()
+    d = desks(tmp_path, store=raw, peer_timeout_s=0.2)
+    keys = Keys("t")
+    raw.add(keys.count, 2)
+    raw.set(keys.incident(1), '{"kind": "hang"}')  # described, badly
+    with caplog.at_level(logging.WARNING, logger="ncclguard"):
+        d[0].poll()
+        assert d[0].seen_count == 1 and d[0].cases == []  # #2: counted, not described yet: wait
+        time.sleep(0.25)
+        d[0].poll()
+    assert d[0].seen_count == 2 and d[0].cases == []
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "not a valid IncidentDoc" in text and "incident 1 has no readable description; skipping it" in text
+    assert "incident 2 was counted but never described; skipping it" in text
+
+
+def test_a_backend_desync_resolves_once_the_rank_moves_past_its_number(tmp_path):
+    d = desks(tmp_path)
+    desync = Detection(
+        IncidentKind.BACKEND_DESYNC, "rank 0 stood", "desync/0/9", group="0", seq=9, op="gloo:all_reduce"
+    )
+    d[0].open(desync)
+    for desk in d:
+        desk.poll()
+    case = d[0].cases[0]
+    assert case.doc.op_key is None and not d[0].resolved(case)
+    # Waiting at #9, with nothing recorded in Python: the raise rung sees the C++ op.
+    assert blocked_in(case.doc, d[0].state) == OpRecord(seq=9, op="gloo:all_reduce", group="0", start=case.doc.created)
+    d[1].state.seqs["0"] = 8  # type: ignore[attr-defined]
+    assert blocked_in(d[1].cases[0].doc, d[1].state) is None  # behind: not in the op
+    d[0].state.seqs["0"] = 10  # type: ignore[attr-defined]
+    assert d[0].resolved(case) and d[2].resolved(d[2].cases[0])  # the other ranks learn it through the store
+
+
+def test_the_stores_host_is_named_with_the_ranks_last_seen_there():
+    liveness = Liveness(3, 4, 3, 6.0, 6.0)
+    beats = {
+        r: Heartbeat(
+            rank=r,
+            host=host,
+            address=addr,
+            pid=1,
+            beat=1,
+            time=0.0,
+            phase="",
+            site="",
+            last_seq={},
+            last_completed={},
+            inflight=[],
+        )
+        for r, host, addr in ((0, "node0", "10.0.0.1"), (1, "node0", "10.0.0.1"), (2, "node1", "10.0.0.2"))
+    }
+    liveness.observe(beats, 0.0)
+    assert store_host_text("10.0.0.1:29500", liveness) == "the store's host is 10.0.0.1 (node0, ranks 0-1 as last seen)"
+    assert store_host_text("[fd00::9]:29500", liveness) == "the store's host is fd00::9"

@@ -1,0 +1,111 @@
+"""guard_trainer(recover=True) and recovering_step in this process: bad input, a step redone in a
+world of one, and re-sharding the samplers after a shrink. The multi-rank cases are in
+tests/integrations/test_hf_recover_multirank.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_trainer import tiny_trainer
+
+from ncclguard.integrations.hf import find_guard, guard_trainer
+from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler
+
+
+def test_bad_recover_arguments_are_refused_before_anything_is_wrapped(tmp_path):
+    trainer = tiny_trainer(tmp_path)
+    with pytest.raises(TypeError, match="recover must be a bool"):
+        guard_trainer(trainer, recover="yes")
+    with pytest.raises(ValueError, match="allow_shrink needs recover=True"):
+        guard_trainer(trainer, allow_shrink=True)
+    with pytest.raises(ValueError, match="max_attempts must be an int of at least 1"):
+        guard_trainer(trainer, recover=True, max_attempts=0)
+    with pytest.raises(ValueError, match="collective_timeout must be a positive duration"):
+        guard_trainer(trainer, recover=True, collective_timeout=0)
+    with pytest.raises(ValueError, match="left_out must be 'exit' or 'raise'"):
+        guard_trainer(trainer, recover=True, left_out="stay")
+    with pytest.raises(ValueError):
+        guard_trainer(trainer, recover=True, commit_timeout=-1)
+    with pytest.raises(ValueError):
+        guard_trainer(trainer, recover=True, rebuild_timeout=0)
+    assert find_guard(trainer) is None and "training_step" not in vars(trainer)  # nothing half-done
+    guard_trainer(trainer, recover=True, watchdog=False)
+    assert "training_step" in vars(trainer) and find_guard(trainer).recovery is not None
+
+
+def test_alone_a_step_that_raises_is_redone_once_and_logged(tmp_path):
+    """A world of one: the micro-batch that raised fails the commit; the step's two micro-batches
+    are run again from the same RNG state and the optimizer steps once, as in a clean run."""
+    clean = tiny_trainer(tmp_path / "clean", eval_strategy="no", save_strategy="no", gradient_accumulation_steps=2)
+    guard_trainer(clean, recover=True, watchdog=False)
+    clean.train()
+
+    trainer = tiny_trainer(tmp_path / "faulty", eval_strategy="no", save_strategy="no", gradient_accumulation_steps=2)
+    guard_trainer(trainer, recover=True, watchdog=False)
+    recovery = find_guard(trainer).recovery
+    original, seen = recovery.original, []
+
+    def once_failing(model, inputs, num_items=None):
+        seen.append(trainer.state.global_step)
+        if seen == [0, 0, 1, 1]:  # the second micro-batch of step 1, first attempt
+            raise RuntimeError("injected: a backend error in the backward")
+        return original(model, inputs, num_items)
+
+    recovery.original = once_failing
+    trainer.train()
+    assert seen == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3]
+    (rec,) = recovery.recoveries
+    assert (rec.step, rec.attempts, rec.failed_ranks, rec.generation) == (1, 2, [0], 0)
+    assert rec.metrics()["ncclguard_recover_failed_ranks"] == "0"
+    (logged,) = [e for e in trainer.state.log_history if "ncclguard_recover_s" in e]
+    assert logged["step"] == 1 and logged["ncclguard_recover_world_size"] == 1
+    assert trainer.state.global_step == clean.state.global_step == 4
+    # The optimizer and the LR scheduler stepped once per step: same learning rates, same losses
+    # (the failed attempt's loss was replaced by the redo's), same parameters, bit for bit.
+    assert _logged(trainer, "learning_rate") == _logged(clean, "learning_rate")
+    assert _logged(trainer, "loss") == _logged(clean, "loss")
+    for a, b in zip(trainer.model.parameters(), clean.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _logged(trainer, key: str) -> list[tuple[int, float]]:
+    return [(e["step"], e[key]) for e in trainer.state.log_history if key in e]
+
+
+def test_repoint_sampler_reshards_a_distributed_sampler_and_a_batch_sampler_shard():
+    from accelerate.data_loader import BatchSamplerShard
+
+    data = list(range(23))
+    old = torch.utils.data.DistributedSampler(data, num_replicas=3, rank=2, shuffle=True, seed=5, drop_last=True)
+    loader = torch.utils.data.DataLoader(data, sampler=old, batch_size=2)
+    assert repoint_sampler(loader, 1, 2) == ["DistributedSampler rank/num_replicas (2, 3) -> (1, 2)"]
+    want = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
+    assert (old.num_samples, old.total_size) == (want.num_samples, want.total_size) == (11, 22)
+    assert list(old) == list(want)
+
+    inner = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), batch_size=2, drop_last=False)
+    shard = BatchSamplerShard(inner, num_processes=3, process_index=0)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=shard)
+    assert repoint_sampler(loader, 1, 2) == ["BatchSamplerShard process_index/num_processes (0, 3) -> (1, 2)"]
+    fresh = BatchSamplerShard(inner, num_processes=2, process_index=1)
+    assert list(shard) == list(fresh) and len(shard) == len(fresh)
+    assert repoint_sampler(torch.utils.data.DataLoader(data), 0, 2) == []  # nothing sharded: nothing said
+
+
+def test_repoint_ddp_leaves_what_is_not_ddp_alone():
+    assert repoint_ddp(torch.nn.Linear(2, 2)) is False
+
+
+def test_an_fsdp_trainer_is_refused_naming_what_to_use_instead(tmp_path):
+    """Accelerate applies the Trainer's FSDP only on GPU-like devices (accelerate/state.py); on this
+    CPU machine ``fsdp=`` is not in force (tests/integrations/test_hf_deepspeed_multirank.py reads it). So the one
+    flag Accelerate's state would set on a GPU stands in for it here, on a real Trainer."""
+    trainer = tiny_trainer(tmp_path)
+    trainer.is_fsdp_enabled = True
+    with pytest.raises(ValueError) as refused:
+        guard_trainer(trainer, recover=True, watchdog=False)
+    text = str(refused.value)
+    assert text.startswith("recover=True cannot recover the Trainer's FSDP: Accelerate wraps the model in FSDP only")
+    assert "ncclguard.RecoveringStep(model, optimizer, wrap=ncclguard.FSDP2(...), heal=True)" in text
+    assert "the Trainer with deepspeed= (ZeRO 1, 2 or 3)" in text
+    assert find_guard(trainer) is None and "training_step" not in vars(trainer)  # refused before any wrapping

@@ -1,0 +1,206 @@
+"""The recovery keywords, declared once (``RecoveryKeywords``) and checked once (``RecoveryOptions``, a
+frozen pydantic model): every adapter takes each keyword the same way, ``**recovery``, and each one
+reaches the engine's options. In this process, no process group: the adapters that build without one
+(``RecoveringStep``, ``guard_trainer``, Lightning's ``NcclGuardCallback``, ``recovering_step`` on a
+CPU Accelerator) are built with every keyword set; the DeepSpeed ones need an engine made by
+``deepspeed.initialize`` on a live world, so their signatures are read against the declaration and
+``CommittedEngineStep``'s own options step is run (tests/integrations/test_deepspeed_commit_multirank.py and
+tests/integrations/test_accelerate_deepspeed_multirank.py build them on real ranks)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from ncclguard.recovery import preempt
+from ncclguard.recovery.options import RECOVERY_KEYWORDS, RecoveryKeywords, RecoveryOptions, recovery_options
+
+
+@pytest.fixture
+def given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Every recovery keyword, each with a value other than its default."""
+    monkeypatch.delenv(preempt.PREEMPT_DIR_VAR, raising=False)
+    return {
+        "collective_timeout": timedelta(seconds=41),
+        "commit_timeout": 42,
+        "rebuild_timeout": 43.5,
+        "allow_shrink": True,
+        "max_attempts": 5,
+        "heal": True,
+        "heal_timeout": timedelta(seconds=44),
+        "heal_chunk_bytes": 1 << 20,
+        "left_out": "raise",
+        "snapshot_every": 7,
+        "preempt_dir": tmp_path / "ck",
+    }
+
+
+def _expected(given: dict[str, Any]) -> dict[str, Any]:
+    """The options' fields the keywords should give (durations in seconds)."""
+    seconds = {k: v.total_seconds() if isinstance(v, timedelta) else v for k, v in given.items()}
+    return {name: seconds[field.alias or name] for name, field in RecoveryOptions.model_fields.items()}
+
+
+def _assert_reached(options: RecoveryOptions, given: dict[str, Any]) -> None:
+    assert options.model_dump() == _expected(given)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's state is one per process; an earlier Accelerator's settings would stay (as in
+    tests/integrations/test_accelerate_accumulate_multirank.py). Reset before and after."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    module = torch.nn.Linear(3, 2)
+    return module, torch.optim.SGD(module.parameters(), lr=0.1)
+
+
+# --- the declaration ------------------------------------------------------------------------------------
+
+
+def test_the_keywords_are_declared_once_as_the_options_aliases() -> None:
+    aliases = tuple(field.alias or name for name, field in RecoveryOptions.model_fields.items())
+    assert RECOVERY_KEYWORDS == aliases
+    assert set(RecoveryKeywords.__optional_keys__) == set(aliases) and not RecoveryKeywords.__required_keys__
+    assert recovery_options() == RecoveryOptions()
+
+
+def test_each_given_value_differs_from_its_default(given: dict[str, Any]) -> None:
+    default, expected = RecoveryOptions().model_dump(), _expected(given)
+    assert [name for name in default if default[name] == expected[name]] == []
+
+
+def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, Any]) -> None:
+    options = RecoveryOptions(**given)
+    _assert_reached(options, given)
+    with pytest.raises(ValidationError, match="frozen"):
+        options.max_attempts = 9  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        RecoveryOptions(rebuild_timeout_s=3)  # the attribute's name is not a keyword
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'rebuild_timout'.*rebuild_timeout"):
+        recovery_options(rebuild_timout=3)  # type: ignore[call-arg]
+    # The hand checks' sentences, each raised by the model; a wrong type stays a TypeError.
+    for keywords, error, said in [
+        ({"heal": "yes"}, TypeError, "heal must be True or False, got 'yes'"),
+        ({"rebuild_timeout": "1m"}, TypeError, "rebuild_timeout must be seconds .* or a datetime.timedelta"),
+        ({"heal_timeout": None}, TypeError, "heal_timeout must be seconds"),
+        ({"commit_timeout": float("nan")}, ValueError, "commit_timeout must be a positive duration"),
+        ({"collective_timeout": timedelta(0)}, ValueError, "collective_timeout must be a positive duration"),
+        ({"heal_chunk_bytes": True}, ValueError, "heal_chunk_bytes must be a positive int, got True"),
+        ({"max_attempts": 2.0}, ValueError, "max_attempts must be an int of at least 1, got 2.0"),
+        ({"snapshot_every": 0}, ValueError, "snapshot_every must be None .* or an int of at least 1"),
+        ({"left_out": "stay"}, ValueError, "left_out must be 'exit' or 'raise', got 'stay'"),
+    ]:
+        with pytest.raises(error, match=said):
+            recovery_options(**keywords)
+    assert recovery_options(collective_timeout=None, commit_timeout=None).collective_timeout_s is None
+
+
+# --- every adapter takes them the same way ---------------------------------------------------------------
+
+
+def _adapters() -> list[tuple[str, Any]]:
+    pytest.importorskip("deepspeed")
+    from ncclguard.integrations.accelerate_deepspeed import AcceleratorDeepSpeedStep
+    from ncclguard.integrations.accelerate_recovery import AcceleratorRecoveringStep, recovering_step
+    from ncclguard.integrations.deepspeed_commit import CommittedEngineStep
+    from ncclguard.integrations.hf import guard_trainer
+    from ncclguard.integrations.lightning import NcclGuardCallback
+    from ncclguard.recovery.recovering import RecoveringStep
+
+    return [
+        ("RecoveringStep", RecoveringStep.__init__),
+        ("guard_trainer", guard_trainer),
+        ("NcclGuardCallback", NcclGuardCallback.__init__),
+        ("recovering_step", recovering_step),
+        ("AcceleratorRecoveringStep", AcceleratorRecoveringStep.__init__),
+        ("AcceleratorDeepSpeedStep", AcceleratorDeepSpeedStep.__init__),
+        ("CommittedEngineStep", CommittedEngineStep.__init__),
+    ]
+
+
+def test_every_adapter_takes_the_keywords_as_one_unpacked_declaration() -> None:
+    for name, function in _adapters():
+        params = inspect.signature(function).parameters
+        copies = sorted(set(params) & set(RECOVERY_KEYWORDS))
+        assert not copies, f"{name} declares {copies} itself"
+        (var_keyword,) = [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        hint = typing.get_type_hints(function)[var_keyword.name]
+        assert typing.get_origin(hint) is typing.Unpack and typing.get_args(hint) == (RecoveryKeywords,), name
+
+
+def test_recovering_step_passes_every_keyword_to_the_engine(given: dict[str, Any]) -> None:
+    from ncclguard.recovery.recovering import RecoveringStep
+
+    stepper = RecoveringStep(*_model_and_optimizer(), **given)
+    _assert_reached(stepper.engine.options, given)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'heal_chunk'"):
+        RecoveringStep(*_model_and_optimizer(), heal_chunk=1)  # type: ignore[call-arg]
+
+
+def test_guard_trainer_passes_every_keyword_to_the_engine(tmp_path: Path, given: dict[str, Any], fresh_accelerate):
+    from tiny_trainer import tiny_trainer
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    trainer = guard_trainer(tiny_trainer(tmp_path / "out"), recover=True, watchdog=False, **given)
+    guard = find_guard(trainer)
+    assert guard is not None and guard.recovery is not None
+    _assert_reached(guard.recovery.engine.options, given)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'heal_chunk'"):
+        guard_trainer(tiny_trainer(tmp_path / "typo"), heal_chunk=1)  # type: ignore[call-arg]
+
+
+def test_the_lightning_callback_passes_every_keyword_to_the_engine(given: dict[str, Any]) -> None:
+    from ncclguard.integrations.lightning import NcclGuardCallback
+
+    callback = NcclGuardCallback(recover=True, watchdog=False, **given)
+    assert callback.recovery is not None
+    _assert_reached(callback.recovery.engine.options, given)
+    # Without recover, what only recovery does is refused, as guard_trainer refuses it.
+    with pytest.raises(ValueError, match="snapshot_every needs recover=True and heal=True"):
+        NcclGuardCallback(watchdog=False, snapshot_every=3)
+    assert NcclGuardCallback(watchdog=False, heal=False, max_attempts=4).recovery is None
+
+
+def test_the_accelerate_stepper_passes_every_keyword_to_the_engine(given: dict[str, Any], fresh_accelerate) -> None:
+    from accelerate import Accelerator
+
+    from ncclguard.integrations.accelerate_recovery import AcceleratorRecoveringStep, recovering_step
+
+    accelerator = Accelerator(cpu=True)
+    stepper = recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()), **given)
+    assert isinstance(stepper, AcceleratorRecoveringStep)
+    _assert_reached(stepper.engine.options, given)
+    with pytest.raises(TypeError, match="rebuild= builds a DeepSpeed engine's module afresh"):
+        recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()), rebuild=_model_and_optimizer)
+
+
+def test_the_deepspeed_engine_step_passes_every_keyword_but_a_shrink(given: dict[str, Any]) -> None:
+    pytest.importorskip("deepspeed")
+    from ncclguard.integrations.deepspeed_commit import _engine_options
+
+    with pytest.raises(ValueError, match="allow_shrink=True cannot go on with DeepSpeed ZeRO"):
+        _engine_options(given, redo=True)
+    kept = {**given, "allow_shrink": False}
+    _assert_reached(_engine_options(kept, redo=True), kept)
+    # Without rebuild_engine a failed step ends in a checkpoint: one attempt, whatever was asked.
+    assert _engine_options(kept, redo=False).max_attempts == 1
+    assert _engine_options({}, redo=True).max_attempts == 2
+    with pytest.raises(ValueError, match="max_attempts must be an int of at least 2 with rebuild_engine"):
+        _engine_options({"max_attempts": 1}, redo=True)

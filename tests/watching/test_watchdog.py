@@ -1,0 +1,121 @@
+"""WatchdogConfig's invariants and the Watchdog's life cycle in this process (no process group:
+a world of one, incidents handled locally). The multi-rank behaviour is in
+tests/watching/test_watchdog_multirank.py."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
+from ncclguard.recording.instrument import is_instrumented
+from ncclguard.watching.base.settings import LADDERS
+from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE, Watchdog
+
+
+def test_defaults_and_derived_values():
+    cfg = WatchdogConfig()
+    assert (cfg.heartbeat_s, cfg.hang_timeout_s, cfg.action, cfg.exit_code) == (5.0, 300.0, "report", EXIT_CODE)
+    assert (cfg.peer_timeout, cfg.merge_wait, cfg.store_timeout) == (30.0, 10.0, 5.0)
+    assert cfg.ladder == ("report",)
+    quick = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=2, action="exit")
+    assert (quick.peer_timeout, quick.merge_wait, quick.store_timeout) == (3.0, 1.0, 0.5)
+    assert quick.ladder == LADDERS["exit"] == ("report", "raise", "abort", "exit")
+    assert ACTIONS == ("report", "raise", "abort", "fence", "exit")
+    fence = WatchdogConfig(heartbeat_s=0.5, hang_timeout_s=2, action="fence", escalate_after_s=3)
+    assert (fence.ladder, fence.fence_after) == (("report", "abort", "fence"), 3.0)  # default: escalate_after_s
+
+
+@pytest.mark.parametrize(
+    "fields, phrase",
+    [
+        ({"heartbeat_s": 5, "hang_timeout_s": 5}, "hang_timeout_s (5.0) must be > heartbeat_s (5.0)"),
+        (
+            {"heartbeat_s": 1, "hang_timeout_s": 10, "peer_timeout_s": 1.5},
+            "peer_timeout_s (1.5) must be >= 2 * heartbeat_s (1.0)",
+        ),
+        ({"heartbeat_s": 0}, "greater than 0"),
+        ({"escalate_after_s": -1}, "greater than 0"),
+        ({"action": "kill"}, "'report', 'raise', 'abort', 'fence' or 'exit'"),
+        ({"fence_after_s": 0}, "greater than 0"),
+        (
+            {"action": "fence", "heartbeat_s": 1, "hang_timeout_s": 5, "fence_after_s": 1.5},
+            "fence_after_s (1.5) must be >= merge_wait (2.0)",
+        ),
+        ({"exit_code": 0}, "greater than or equal to 1"),
+        ({"exit_code": 256}, "less than or equal to 255"),
+        ({"raise_signal": "SIGALRM"}, "other than SIGALRM"),
+        ({"raise_signal": "SIGNOPE"}, "catchable signal"),
+        ({"store_addr": "localhost"}, "'host:port'"),
+        ({"session": "a/b"}, "session"),
+        ({"heartbeat": 1}, "heartbeat"),
+    ],
+)
+def test_bad_settings_say_what_is_wrong(fields, phrase):
+    with pytest.raises(ValidationError) as info:
+        WatchdogConfig(**fields)
+    assert phrase in str(info.value)
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_ACTION", "exit")
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_HEARTBEAT_S", "0.5")
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "2")
+    cfg = WatchdogConfig()
+    assert (cfg.action, cfg.heartbeat_s, cfg.hang_timeout_s, cfg.peer_timeout) == ("exit", 0.5, 2.0, 3.0)
+
+
+def test_keywords_override_a_config():
+    base = WatchdogConfig(heartbeat_s=1, hang_timeout_s=10, action="raise")
+    wd = Watchdog(base, hang_timeout_s=20)
+    assert (wd.config.heartbeat_s, wd.config.hang_timeout_s, wd.config.action) == (1.0, 20.0, "raise")
+    with pytest.raises(TypeError, match="WatchdogConfig"):
+        Watchdog({"heartbeat_s": 1})
+
+
+def test_one_watchdog_per_process_and_stop_restores_everything(tmp_path):
+    assert not dist.is_initialized()
+    before = signal.getsignal(signal.SIGUSR2)
+    wd = start_watchdog(heartbeat_s=0.1, hang_timeout_s=1, action="raise", incident_dir=tmp_path)
+    try:
+        assert current_watchdog() is wd
+        assert is_instrumented("all_reduce")
+        assert signal.getsignal(signal.SIGUSR2) == wd._on_signal
+        with pytest.raises(RuntimeError, match="already runs in this process"):
+            Watchdog(heartbeat_s=0.1, hang_timeout_s=1).start()
+    finally:
+        wd.stop()
+    assert current_watchdog() is None
+    assert not is_instrumented("all_reduce")
+    assert signal.getsignal(signal.SIGUSR2) == before
+    assert not any(t.name == "ncclguard-watchdog" for t in threading.enumerate())
+    assert wd.incidents == []
+
+
+def test_raise_needs_the_main_thread_to_install_its_handler(tmp_path):
+    seen = []
+
+    def body():
+        try:
+            Watchdog(heartbeat_s=0.1, hang_timeout_s=1, action="raise", incident_dir=tmp_path).start()
+        except RuntimeError as exc:
+            seen.append(str(exc))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert len(seen) == 1 and "start the watchdog from the main thread" in seen[0]
+    assert current_watchdog() is None
+    # action report needs no handler: any thread may start it.
+    started = []
+    t = threading.Thread(
+        target=lambda: started.append(Watchdog(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path).start())
+    )
+    t.start()
+    t.join(10)
+    started[0].stop()
+    assert current_watchdog() is None
