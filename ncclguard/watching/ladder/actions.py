@@ -378,9 +378,16 @@ def build_ladder(
     return ladder
 
 
+def _wall(now: float) -> float:
+    """The wall-clock time of the monotonic reading ``now``: a rung is stamped with the reading its
+    wait was counted from, so two stamps are at least the wait apart however long a loaded tick took
+    between its reading and the rung (a stamp taken later once made them 0.27 s apart for a 0.4 s wait)."""
+    return time.time() - (time.monotonic() - now)
+
+
 @dataclass
 class Step:
-    """One rung as taken: its name, when, and what it did."""
+    """One rung as taken: its name, when (the tick's reading that took it), and what it did."""
 
     rung: str
     time: float
@@ -429,7 +436,7 @@ class Ladder:
     def start(self, state: LadderState, now: float, run: Callable[[Action, Step], Outcome]) -> None:
         """Takes the first rung (the report) at once; the next follows without waiting, unless it
         has a wait of its own (``Action.wait_s``: the fence's)."""
-        step = Step(self.actions[0].name, time.time(), Outcome(done=False, why="running"))
+        step = Step(self.actions[0].name, _wall(now), Outcome(done=False, why="running"))
         state.steps.append(step)
         step.outcome = run(self.actions[0], step)
         following = self.actions[1] if len(self.actions) > 1 else None
@@ -456,7 +463,7 @@ class Ladder:
         if now < state.deadline:
             return "waiting"
         if resolved():
-            state.steps.append(Step("resolved", time.time(), Outcome(done=True)))
+            state.steps.append(Step("resolved", _wall(now), Outcome(done=True)))
             state.settled = True
             return "resolved"
         state.rung += 1
@@ -464,7 +471,7 @@ class Ladder:
         wait = following.wait_s if following is not None and following.wait_s is not None else None
         state.deadline = now + (wait if wait is not None else self.escalate_after_s)
         action = self.actions[state.rung]
-        step = Step(action.name, time.time(), Outcome(done=False, why="running"))
+        step = Step(action.name, _wall(now), Outcome(done=False, why="running"))
         state.steps.append(step)
         try:
             step.outcome = run(action, step)
