@@ -108,7 +108,7 @@ def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_goo
         [rec] = res["recoveries"]
         assert rec["step"] == 12 and rec["world_size"] == 2 and rec["s"] < 100, rec
         assert res["judge_s"] == 10.0
-        assert all(e["rank"] == 2 and e["state"] == "stuck" for e in res["events"]), res["events"]
+        _acted_on_stuck_only(res["events"], rank=2, may_be_empty=True)
         # Nothing of rank 2 moved, or it had judged itself and exited 0 before this rank sampled it
         # ("stopped (SIGSTOP) or gone": seen on a loaded fresh clone); stuck either way.
         evidence = " ".join(e["evidence"] for e in res["events"])
@@ -127,6 +127,18 @@ def test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for
     assert acc["final"] == [0, 1, 2] and acc["processes"] == [1, 0]  # Accelerate follows the shrink
     # A new engine: its judge bound came from the job's store (the Trainer's engine learned it), no warm-up.
     assert acc["judge_s"] == [10.0] * 6
-    events = acc["events"]
-    assert all(e["rank"] == 1 and e["state"] == "stuck" for e in events), events
+    _acted_on_stuck_only(acc["events"], rank=1)
     assert "accelerate_stall_at" in hf_job[1]
+
+
+def _acted_on_stuck_only(events: list[dict], rank: int, may_be_empty: bool = False) -> None:
+    """The verdict acted on the rank asleep for good, and only once it was stuck. Before that it may
+    have reported the rank once as behind but moving, with no action: on a loaded fresh clone the
+    rank reached its sleep 5 s after its peers began to wait, so at the 10 s bound it had moved 5 s
+    ago ("busy"), and it was acted on once nothing of it had moved for 10 s."""
+    assert all(e["rank"] == rank for e in events), events
+    acted = [e for e in events if e["what"] != "busy"]
+    busy = [e for e in events if e["what"] == "busy"]
+    assert (may_be_empty and not events) or (acted and all(e["state"] == "stuck" for e in acted)), events
+    assert len(busy) <= 1 and all(e["state"] == "moving" for e in busy), events
+    assert not busy or events.index(busy[0]) < events.index(acted[0]), events
