@@ -127,7 +127,9 @@ def test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for
     assert acc["final"] == [0, 1, 2] and acc["processes"] == [1, 0]  # Accelerate follows the shrink
     # A new engine: its judge bound came from the job's store (the Trainer's engine learned it), no warm-up.
     assert acc["judge_s"] == [10.0] * 6
-    _acted_on_stuck_only(acc["events"], rank=1)
+    # Empty on rank 0 when rank 1 judged itself and exited before rank 0's verdict sampled it (seen
+    # on a loaded fresh clone; the step was still redone on a world of 1, checked above).
+    _acted_on_stuck_only(acc["events"], rank=1, may_be_empty=True)
     assert "accelerate_stall_at" in hf_job[1]
 
 
