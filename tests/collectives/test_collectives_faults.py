@@ -55,7 +55,9 @@ def test_default_barrier_deadline_is_capped_too(gt):
     assert b["ok"] is False and b["type"] == "BarrierTimeout" and b["missing"] == [1]
     assert "within 2.2 s" in b["message"] and 2.2 <= b["elapsed"] < 9.0  # hang guard: 3x the 2.7 s measured
     late = gt[1]["barrier_default"]
-    assert late["late"] is True and late["elapsed"] < 0.5
+    # At once, not at its own 2.2 s deadline: the bound is under that deadline, with room for a
+    # loaded machine's store stalls (0.5 s once asserted here was a speed target, not a hang guard).
+    assert late["late"] is True and late["elapsed"] < 2.0
 
 
 def test_backend_giving_up_first_is_a_failure_that_names_its_timeout(gt):
