@@ -109,9 +109,10 @@ def test_a_stalled_validation_is_skipped_on_every_rank_by_the_deadline(guard):
         # guard's bound is the deadline plus the verdict's grace, max(2, timeout/20) s; measured
         # times are in docs/integrations.md).
         assert EVAL_TIMEOUT_S <= skip["elapsed_s"] < STALL_S / 2
-        # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine).
+        # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine),
+        # never more; how much is left depends on how fast the machine got there, so no lower bound.
         left = re.search(r"rank 1: DeadlineExceeded: the evaluation ran past its ([0-9.]+) s deadline", skip["reason"])
-        assert left is not None and 1.0 < float(left.group(1)) <= 2.0, skip["reason"]
+        assert left is not None and 0.0 < float(left.group(1)) <= 2.0, skip["reason"]
         assert res["callback_metrics"]["eval/evaluation_failed"] == 1.0
 
 
