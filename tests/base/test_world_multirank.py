@@ -1,6 +1,12 @@
 """The World across changes, on real gloo ranks: after a same-size rebuild and after a shrink that
 leaves a live rank out, the watchdog follows the new world and reports in its numbering.
-Rank side: tests/workers/world_worker.py."""
+
+Launches (tests/workers/world_worker.py):
+``same_size`` 3 ranks, spawn: every rank rebuilds (generation 1, same numbers); rank 2 then evaluates while
+    ranks 0-1 wait in an instrumented all_reduce: the merged hang incident names rank 2, ranks 0-1 its victims.
+``shrink`` 4 ranks, spawn: rank 1, alive, comes late to the rebuild and is left out; old ranks 0, 2, 3 become
+    0, 1, 2; new rank 1 evaluates while 0 and 2 wait in an all_reduce Python does not record
+    (instrument=False): a desync reported in the new numbering, without the left-out rank."""
 
 from __future__ import annotations
 

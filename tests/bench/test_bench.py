@@ -3,6 +3,10 @@
 Launches (each ~5-8 s on 2 cores): the CLI spawning its own ranks (a passing --check sweep with
 --json/--csv/--plot), the CLI under torchrun (through tests/harness.py), the CLI with a corrupted
 rank (--check must fail, exit 1), and the CLI refusing a size that cannot fit (exit 2, no ranks).
+
+The torchrun launch runs tests/workers/bench_worker.py on 2 ranks: each rank runs the bench's own rank
+path with the test's options (1024 bfloat16 elements, op max, chunks of 300, --check, --json) and saves
+that it ran under a launcher and its return code; the JSON holds the three modes, none wrong.
 """
 
 from __future__ import annotations

@@ -1,5 +1,16 @@
 """Faults the guarded collectives promise to survive, on real gloo ranks (torchrun, 2 ranks):
-our deadline before the backend's, calls that do not line up, safe calls from threads."""
+our deadline before the backend's, calls that do not line up, safe calls from threads.
+
+Launches (tests/workers/collectives_faults_worker.py), each 2 ranks under torchrun:
+``group_timeout``: on groups with a 3 s timeout, rank 1 joins an all_reduce (then a barrier) after rank 0's
+    default deadline, capped below 3 s, gave up; deadlines of 3 s or more are refused before any communication;
+    an op queued on rank 0 alone 2 s earlier reaches gloo's timeout before the guarded call's deadline.
+``alignment``: a barrier on rank 0 against an all_reduce on rank 1 (both told at once); one barrier from two
+    lines (logged once); a lone barrier on rank 0; a call refused on rank 1 (bad input); counts two apart
+    realigned by a tagged barrier; a barrier against an all_reduce on a side group (the post-mortem names both).
+``threads``: two threads per rank run 40 random safe all_reduces each (and a barrier every 10) on two groups;
+    rank 0's calls from threads keep their 1.5 s deadline while rank 1 is absent; a 2 s barrier with torchrun's
+    agent (the store) stopped by SIGSTOP fails, the store did not answer; one after SIGCONT works."""
 
 from __future__ import annotations
 

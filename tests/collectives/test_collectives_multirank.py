@@ -1,4 +1,14 @@
-"""safe_all_reduce and safe_barrier on real gloo process groups (torchrun, 3 ranks)."""
+"""safe_all_reduce and safe_barrier on real gloo process groups (torchrun, 3 ranks).
+
+Launches (tests/workers/collectives_worker.py), each 3 ranks under torchrun:
+``semantics``: no fault; equal to dist.all_reduce for every op, dtype and layout (chunked, non-contiguous);
+    rank 1 passing another numel is refused on every rank, nothing changed; bad input raised before any
+    communication; 1,000 barriers leave the store small.
+``stalls``: rank 2 comes 3.5 s late to a 2 s barrier (told at once that it is late); then rank 2 sleeps 10 s
+    before an all_reduce that ranks 0-1 give up after 2 s, their tensors unchanged; the group then refuses.
+``partial``: ranks 1-2 stop after 2 of rank 0's 4 chunks: an atomic call restores rank 0's tensor bit for bit,
+    a non-atomic one reports what was reduced; then rank 2 exits (status 0) before an all_reduce: ranks 0-1
+    fail, naming rank 2 missing."""
 
 from __future__ import annotations
 

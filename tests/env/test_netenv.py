@@ -3,6 +3,12 @@
 Route parsing runs on real `ip` outputs recorded in network namespaces (tests/fixtures/ip/,
 see its README) and on this machine's own `ip` and /proc/net. The multi-rank part is one
 torchrun launch of 2 gloo ranks on loopback.
+
+Launches (tests/workers/netenv_worker.py):
+``inherit`` 2 ranks, no fault: ncclguard.init_process_group("gloo", timeout=20) applies the plan without
+    overriding the user's NCCL_IB_DISABLE, subgroups inherit the 20 s until restored, the hierarchy is read
+    from the live groups; TORCH_DISTRIBUTED_DEBUG and DEEPSPEED_TIMEOUT, set before Python started, keep
+    their values when changed later, and env_warnings says so.
 """
 
 from __future__ import annotations

@@ -76,3 +76,33 @@ def test_every_test_lives_in_the_folder_of_the_room_it_tests() -> None:
     folders = {p.parent.name for p in (REPO / "tests").rglob("test_*.py")}
     doc = (REPO / "docs" / "architecture.md").read_text()
     assert folders and all(f"`tests/{f}/`" in doc for f in folders), folders
+
+
+def launches(tree: ast.Module) -> set[tuple[str, str | None]]:
+    """The (worker, scenario) of each ``run_ranks`` call of a test module with constant arguments;
+    the scenario is None where the call passes none or passes options (``--...``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_ranks":
+            consts = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
+            if consts and consts[0] is not None:
+                scenario = consts[2] if len(consts) > 2 else None
+                found.add((consts[0], scenario if scenario and not scenario.startswith("-") else None))
+    return found
+
+
+def test_every_multirank_test_says_what_each_of_its_launches_runs() -> None:
+    # A multi-rank test's meaning is split between its assertions and a worker's scenario: the
+    # module's docstring names the worker (tests/workers/<worker>.py) and each scenario it launches
+    # (``<scenario>``, with what it does), so the assertions are read beside the story they check.
+    missing = {}
+    for p in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(p.read_text())
+        if not any(isinstance(n, ast.ImportFrom) and n.module == "harness" for n in tree.body):
+            continue
+        doc = ast.get_docstring(tree) or ""
+        for worker, scenario in sorted(launches(tree), key=str):
+            for needed in (f"tests/workers/{worker}.py", f"``{scenario}``" if scenario else None):
+                if needed and needed not in doc:
+                    missing.setdefault(str(p.relative_to(REPO)), []).append(needed)
+    assert missing == {}, missing

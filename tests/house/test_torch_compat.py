@@ -1,4 +1,10 @@
-"""ncclguard._torch_compat: each private torch entry works on torch 2.13, and refuses clearly when gated."""
+"""ncclguard._torch_compat: each private torch entry works on torch 2.13, and refuses clearly when gated.
+
+The live part is one torchrun launch of tests/workers/compat_worker.py on 2 gloo ranks, no fault: each
+entry (default group and store, group names, ranks and timeouts, setting a group's timeout, sequence
+numbers, the flight recorder's dump, the default group routed to a side group) is called on the live
+groups and what it returned is saved for the tests.
+"""
 
 from __future__ import annotations
 

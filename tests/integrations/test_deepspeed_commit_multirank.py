@@ -6,6 +6,16 @@ A failed step ends in ``engine.save_checkpoint`` and exit 75 on every rank; a re
 checkpoint (the state before the failed step) and ends bit-equal to a run without the fault.
 With ``rebuild_engine`` (ZeRO-2 and ZeRO-3, under torchrun: nothing exits) the failed step is redone
 in process on a new engine, with no disk, and the run ends bit-equal to one without the fault.
+
+Launches (tests/workers/deepspeed_commit_worker.py), each 2 ranks; a step's collectives bounded at 3 s:
+``fail`` spawn: steps 0-1 commit; at step 2 rank 1 stalls 9 s before its forward, rank 0 times out in ZeRO's
+    gradient reduction; both ranks save a checkpoint of the state before step 2 and exit 75.
+``resume`` spawn: a new engine loads that checkpoint and trains steps 2-4; a second engine trains 0-4 without
+    a fault, to compare with bit for bit.
+``memory`` torchrun, stages ``2,3``: the same stall at step 2, redone in process on an engine rebuilt from
+    another seed and given the old one's state; losses and full parameters equal a fault-free engine's.
+``memory-kill`` spawn: ZeRO-2 with ``rebuild_engine``, rank 1 SIGKILLed at step 2: no world can be rebuilt
+    without it, so rank 0 exits 75 and writes no checkpoint.
 """
 
 from __future__ import annotations

@@ -1,8 +1,17 @@
 """guarded_evaluate / patch_trainer on real DeepSpeed engines (ZeRO 0 and 2) of the real tiny Qwen2.5-VL
-classifier, 2 ranks under torchrun with gloo on CPU. One launch; see tests/workers/deepspeed_worker.py.
+classifier, 2 ranks under torchrun with gloo on CPU.
 
 The trainer is reference_trainer.ReferenceTrainer, whose evaluate()
 all-reduces its metrics with dist.all_reduce on the default group, as the seeds' trainer does.
+
+Launches (tests/workers/deepspeed_worker.py), each 2 ranks under torchrun:
+``0`` ``2`` (the ZeRO stages, as arguments of one launch): first the side group alone (default-group calls
+    routed to it; rank 0's all_reduce on it, which rank 1 never joins, ends at a 1.5 s deadline); then per
+    stage a healthy evaluation unguarded and guarded; rank 1 stalling 30 s in its first evaluation batch
+    (both ranks skip at the 2 s deadline, 3 training steps follow); rank 1 late to an evaluation (both
+    skip); a retry whose shrink() halves the batch; slim_outputs on the engine.
+``example``: docs/examples/deepspeed_guarded_eval.py with ``--stall-rank 1 --steps 8 --timeout 2``: the
+    evaluation of step 4 is skipped on both ranks, the one of step 8 works, parameters equal across ranks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,16 @@
 """A killed rank heals inside the frameworks, with their defaults: 3 gloo ranks under torchrun, each
-under its supervisor with a warm spare. Rank side: tests/workers/heal_frameworks_worker.py."""
+under its supervisor with a warm spare.
+
+Launches (tests/workers/heal_frameworks_worker.py), each 3 ranks under torchrun, supervised with
+``--restarts=1 --warm-spare``: 6 steps; at step 3 rank 1 SIGKILLs itself, the survivors' step fails, the
+warm spare joins their rebuild and receives a live peer's state, every rank redoes step 3 and the ranks end
+with the same parameters and optimizer state:
+``accelerate``: a hand-written Accelerate loop under ``recovering_step(heal=True)``.
+``hf``: a tiny BERT in the HF Trainer, with HF's defaults, under ``guard_trainer(recover=True, heal=True)``;
+    the losses and the scheduler's learning rate are the same on every rank.
+``lightning``: a Lightning fit (DDP on gloo) under ``NcclGuardCallback(recover=True, heal=True)``; each
+    training_step gets its step's batch, also after the join.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,15 @@
 """The HF Trainer on DeepSpeed ZeRO under ``guard_trainer(recover=True, heal=True)``, on real gloo
 ranks under torchrun: a failed step redone on a new engine, a killed rank healed from its buddy's
-in-memory snapshot, every rank bit-equal to a run without a fault. Rank side:
-tests/workers/hf_deepspeed_worker.py (it says what each launch does)."""
+in-memory snapshot, every rank bit-equal to a run without a fault.
+
+Launches (tests/workers/hf_deepspeed_worker.py, which says more), each under torchrun:
+``heal`` 3 ranks, each under its supervisor (``--restarts=1``): a tiny BERT on ZeRO-3, 8 steps without a
+    fault (the reference), then guarded: rank 2 raises at step 1, rank 0 sleeps 8 s past the 3 s step bound
+    at step 2 (both redone on a new engine), rank 1 SIGKILLs itself at step 5; restarted, it takes its
+    partitions from its buddy and every rank goes back to the snapshot of step 4.
+``stages`` 2 ranks: what ``guard_trainer(recover=True)`` refuses before any step; ZeRO-1 and ZeRO-2 Trainers
+    (ZeRO-2 with ``model_init`` and 2 micro-batches a step), each a reference run and a guarded run whose
+    step 1 raises on rank 1; a snapshot's state that does not fit the engine it is offered to is refused."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """Steps redone on a rebuilt world in the HF Trainer (``guard_trainer(recover=True)``) and in an
 Accelerate loop (``recovering_step``): 3 real gloo ranks under torchrun, CPU, one launch.
 
-tests/workers/hf_recover_worker.py runs, in order, on the group HF's ``TrainingArguments`` made (its
-default ``ddp_timeout``, 1,800 s, never lowered by hand): (A) a tiny BERT through the Trainer with 2
-micro-batches per step, fault-free and then with rank 2 stalled at step 2 until ranks 0-1 failed
-(their DDP collective ran past ncclguard's 3 s ``collective_timeout``); (B) an Accelerate loop, the
-same stall; (C) the Trainer with ``allow_shrink=True`` and a reporting watchdog, rank 2 asleep for
-good from the start of step 2: the survivors finish as a world of 2 and rank 2 is fenced (exit 0).
+Launches (tests/workers/hf_recover_worker.py): one launch, 3 ranks under torchrun, its arguments ``a``
+``b`` ``c`` the parts it runs, in order, on the group HF's ``TrainingArguments`` made (its default
+``ddp_timeout``, 1,800 s, never lowered by hand):
+``a``: a tiny BERT through the Trainer with 2 micro-batches per step, fault-free and then with rank 2
+    stalled at step 2 until ranks 0-1 failed (their DDP collective ran past ncclguard's 3 s
+    ``collective_timeout``); every rank redoes step 2 in generation 1.
+``b``: an Accelerate loop, fault-free and then the same stall; step 2 redone in generation 2.
+``c``: the Trainer with ``allow_shrink=True`` and a reporting watchdog, rank 2 asleep for good from the
+    start of step 2: the survivors finish as a world of 2 and rank 2 is fenced (exit 0).
 The pure parts run in this process: bad input, a step redone in a world of one, re-sharding a
 ``DistributedSampler``.
 """

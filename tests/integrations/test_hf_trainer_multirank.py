@@ -6,6 +6,10 @@ launch per framework: rank 1's first evaluation stalls (skipped on both ranks by
 then rank 0 is slow after the save of step 4 (named by the watchdog while rank 1 waits in the
 framework's gradient reduction). The pure parts run in this process: bad input, the timeout
 order, and a real Trainer on one process (phases, watchdog, a skip with ``metric_for_best_model``).
+
+Launches (tests/workers/hf_worker.py), each 2 ranks under torchrun, the story above:
+``ddp``: ``TrainingArguments(use_cpu=True, ddp_backend="gloo")``; rank 1 waits in DDP's C++ all_reduce.
+``deepspeed``: ``TrainingArguments(deepspeed=<ZeRO-2 dict>)``; rank 1 waits in ZeRO-2's gradient reduction.
 """
 
 from __future__ import annotations

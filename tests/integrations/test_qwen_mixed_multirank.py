@@ -5,6 +5,12 @@ Qwen2.5-VL classifier, ``deepspeed.initialize`` with ZeRO stage 3, watchdog acti
 At step 1 rank 1's batch has no image while rank 0's has two (hiyouga/LLaMA-Factory#5616,
 QwenLM/Qwen3-VL#1832). The single-process exactness of the zero-cost pass is in
 tests/integrations/test_qwen2_5_vl.py.
+
+Launches (tests/workers/qwen_mixed_worker.py), each 2 ranks under torchrun, 3 training steps:
+``fixed``: ``always_run_vision=True``: every rank runs the vision tower every step and all 3 steps finish,
+    no incident; steps 0-1's losses match the stock model trained in one process.
+``unfixed``: ``always_run_vision=False``: rank 1 skips the tower at step 1, its ZeRO-3 collectives stop
+    matching rank 0's; the watchdog writes the incident before gloo's 6 s group timeout ends the step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,13 @@
-"""should_commit on 3 real gloo ranks (one torchrun launch). Rank side: tests/workers/commit_worker.py."""
+"""should_commit on 3 real gloo ranks (one torchrun launch).
+
+Launches (tests/workers/commit_worker.py):
+``agree`` 3 ranks, torchrun, every check in order: bad input refused before any communication; (a) clean
+    DDP steps commit everywhere with the same numbers; (b) rank 2 comes 6 s late to a 2 s safe_all_reduce,
+    after the others' commit settled: falsy on all three, rank 2 ``late``, the step after a rebuild commits;
+    (c) rank 2 issues one all_reduce more: the count mismatch names it; (d) ranks 0-1 time out on an op rank 2
+    never issues: the commit on the dead group still settles; (e) a send from rank 0 to rank 1 fails nothing,
+    one all_reduce more on a subgroup names rank 2.
+"""
 
 from __future__ import annotations
 

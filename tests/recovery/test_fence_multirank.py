@@ -1,4 +1,14 @@
-"""The watchdog's fence rung on 3 real gloo ranks under torchrun. Rank side: tests/workers/fence_worker.py."""
+"""The watchdog's fence rung on 3 real gloo ranks under torchrun.
+
+Launches (tests/workers/fence_worker.py), each 3 ranks under torchrun, RecoveringStep(allow_shrink=True)
+under a watchdog whose top rung is ``fence``, rank 2 stuck for good in a sleep loop at step 2:
+``stuck``: rank 2's own watchdog names it the culprit (2 s hang timeout), marks it fenced and exits it with
+    status 0; ranks 0-1, blocked in DDP's all_reduce, fail on the closed connection (the group's timeout is
+    60 s), their commit fails, and they go on as a world of 2.
+``left_behind``: the step bound (1.5 s) ends the survivors' op before any verdict (20 s hang timeout), so
+    nobody names rank 2; ranks 0-1 finish as a world of 2 and rank 2's watchdog, seeing their generation 1,
+    ends it with status 0 (the left-behind fence).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,14 @@
-"""RecoveringStep on 3 real gloo ranks under torchrun. Rank side: tests/workers/recovering_worker.py."""
+"""RecoveringStep on 3 real gloo ranks under torchrun.
+
+Launches (tests/workers/recovering_worker.py), each 3 ranks under torchrun, 5 steps, a 6 s step bound
+(``collective_timeout``; the group keeps 60 s):
+``stall``: a fault-free DDP run, then the same run through RecoveringStep with rank 2 sleeping 10 s in
+    step 2's first attempt: every rank redoes step 2 in generation 1 and ends bit-equal to the fault-free run.
+``fsdp2``: ``stall`` with the module sharded by FSDP2 and Adam (after what FSDP2 refuses): step 2 is redone
+    on a module sharded again; full parameters and Adam's state end bit-equal to the fault-free run.
+``shrink``: ``allow_shrink=True``, rank 2 stuck at step 2 until the others are done: ranks 0-1 go on as a
+    world of 2; rank 2 then finds itself left out and exits 0.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,18 @@
 """rebuild_world on real gloo ranks: after a timeout, after a SIGKILL, with a rank that does not
-come, and 20 times in a row. Rank side: tests/workers/recovery_worker.py."""
+come, 20 times in a row, and with the job's store gone.
+
+Launches (tests/workers/recovery_worker.py), each 3 ranks:
+``timeout_and_loop`` torchrun: bad arguments refused before any communication; rank 2 skips an all_reduce,
+    ranks 0-1 time out, every rank rebuilds and collectives and DDP work; then 20 such failures and rebuilds
+    in a row, with threads, descriptors, memory and store keys counted before and after.
+``killed`` spawn: rank 1 is SIGKILLed; without ``allow_shrink`` ranks 0 and 2 get a falsy result naming it
+    and nothing changes; with it they go on as a world of 2.
+``absent`` spawn: rank 2, alive, comes after ranks 0-1 gave up (falsy for all, rank 2 late); all three then
+    rebuild together; then ranks 0-1 time out on an op rank 2 never joins and shrink without it, and rank 2,
+    arriving late, is left out.
+``store_lost`` spawn: rank 0, whose process serves the job's store, is SIGKILLed; ranks 1-2's rebuild is
+    falsy at once and says the store did not answer.
+"""
 
 from __future__ import annotations
 

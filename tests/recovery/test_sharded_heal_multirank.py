@@ -1,6 +1,17 @@
 """Sharded state survives a lost rank: FSDP2 ranks killed and restored from the in-memory snapshots
 their buddies hold, bit-equal to a fault-free run, on real gloo ranks under ncclguard's launcher
-with a restart policy. Rank side: tests/workers/sharded_heal_worker.py."""
+with a restart policy.
+
+Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank killed by SIGKILL:
+``kill`` 3 ranks, a snapshot every 2 steps: a fault-free FSDP2 run of 6 steps (the reference), then the same
+    run, numbered on from 6, in which rank 1 SIGKILLs itself at step 9; the survivors roll back to the snapshot
+    of step 8, the restarted rank gets its shards from its buddy (rank 2), every rank ends bit-equal to the
+    reference; then a replica that does not fit rank 1's module is refused on every rank.
+``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), a snapshot every step, the
+    same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
+    their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
+    reference.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,16 @@
-"""The verdict drives the engine, with every default: real gloo ranks under their supervisors
-(``ncclguard run --ncclguard-restarts 1``). Rank side: tests/workers/verdict_worker.py."""
+"""The verdict drives the engine, with every default: real gloo ranks under torchrun, each under its
+supervisor (``--restarts=1``, as ``ncclguard run --ncclguard-restarts 1`` runs it) with ``NCCLGUARD_AUTO=1``;
+no timeout set anywhere (the group keeps gloo's 30 min, the step bound its 300 s default).
+
+Launches (tests/workers/verdict_worker.py), RecoveringStep(allow_shrink=True) or an adapter's:
+``stuck`` 3 ranks: 12 healthy steps (the step bound is learned), then rank 2 sleeps for good at step 12 and
+    ranks 0-1 go on as a world of 2; rank 1 stops itself (SIGSTOP) at step 15 and rank 0 finishes alone.
+``busy`` 2 ranks: 12 steps of 1 s, then rank 1 computes in Python for 15 s at step 12: reported, no action;
+    the run ends on its 2 ranks.
+``hf`` 3 ranks: the HF Trainer with its defaults and ``guard_trainer(recover=True, allow_shrink=True)``, rank 2
+    asleep for good at step 12, ranks 0-1 finish 16 steps; then an Accelerate loop through
+    ``recovering_step``, rank 1 asleep for good at its step 3, rank 0 finishes alone.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Rank side of tests/integrations/test_deepspeed_commit_multirank.py: CommittedEngineStep on a real DeepSpeed
-ZeRO-2 engine, 2 gloo ranks on CPU (ncclguard's launcher), a step's collectives bounded at 3 s by the
-stepper's ``collective_timeout`` (DeepSpeed's groups keep their own timeouts).
+engine (ZeRO-2; ``memory`` also ZeRO-3), 2 gloo ranks on CPU (ncclguard's launcher; ``memory`` under torchrun),
+a step's collectives bounded at 3 s by the stepper's ``collective_timeout`` (DeepSpeed's groups keep
+their own timeouts).
 
 Usage: ``deepspeed_commit_worker.py fail|resume|memory|memory-kill CKPT_DIR [STAGES]``.
 

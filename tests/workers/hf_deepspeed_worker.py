@@ -19,8 +19,8 @@ with, on the first attempt of a step only:
 ``stages`` (2 ranks): first what ``guard_trainer(recover=True)`` refuses before any step (a config
 it cannot recover, ``allow_shrink``, a model it cannot build afresh) and what the Trainer makes of
 ``fsdp=`` on the CPU; then ZeRO-1 and ZeRO-2 Trainers (ZeRO-2: ``model_init`` and 2 micro-batches a
-step), each a reference run and a guarded run whose step 1 raises on rank 1; then a ZeRO-2 Trainer's snapshot state is offered to a
-ZeRO-1 engine and to a model of another shape, and refused.
+step), each a reference run and a guarded run whose step 1 raises on rank 1; then a ZeRO-2 Trainer's
+snapshot state is offered to the ZeRO-1 engine, and the ZeRO-1 Trainer's to a wider model: both refused.
 """
 
 from __future__ import annotations

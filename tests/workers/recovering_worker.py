@@ -1,7 +1,7 @@
 """Rank side of tests/recovery/test_recovering_multirank.py. Usage: recovering_worker.py SCENARIO.
 
 ``stall`` (torchrun, 3 ranks): a fault-free DDP run of STEPS steps, then the same run from the same
-start through RecoveringStep with rank 2 stalled past the group's timeout at step K: every rank
+start through RecoveringStep with rank 2 stalled past the step bound at step K: every rank
 redoes step K in generation 1, and the parameters end bit-equal to the fault-free run's.
 
 ``fsdp2`` (torchrun, 3 ranks): ``stall`` with the module sharded by FSDP2 (``ncclguard.FSDP2``,
@@ -32,7 +32,8 @@ from ncclguard.world import WorldChange, subscribe
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # a rebuild renumbers; faults go by launch rank
 
-GROUP_TIMEOUT_S = 6.0  # the deadline of DDP's gradient all_reduce: RecoveringStep's collective_timeout
+# The deadline of DDP's gradient all_reduce: RecoveringStep's collective_timeout (the group keeps 60 s).
+STEP_BOUND_S = 6.0
 STALL_S = 10.0  # past it
 STEPS, K = 5, 2
 
@@ -101,7 +102,7 @@ def train(
         module,
         opt,
         wrap=FSDP2(shard_layers) if fsdp2 else (recorded_ddp if shrink else None),
-        collective_timeout=GROUP_TIMEOUT_S,
+        collective_timeout=STEP_BOUND_S,
         commit_timeout=wait_s,
         rebuild_timeout=wait_s,
         allow_shrink=shrink,

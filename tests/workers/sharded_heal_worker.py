@@ -2,8 +2,9 @@
 snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1).
 
 ``kill`` (3 ranks, one host, a snapshot every 2 steps): a fault-free run of STEPS steps through
-``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run in which rank 1
-SIGKILLs itself at step K. The newest snapshot is of step K-1: the survivors go back to it (a
+``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run, its steps numbered
+on from STEPS, in which rank 1 SIGKILLs itself at its step K (step STEPS + K, 9). The newest
+snapshot is of the step before (8): the survivors go back to it (a
 rollback, the loop's ``stepper.steps()`` goes back too), the restarted rank gets its shards from its
 buddy (rank 2), and every rank ends bit-equal to the reference (an LR scheduler the loop steps
 is in the snapshots: its rate halves every 2 steps). Then a replica that does not fit
