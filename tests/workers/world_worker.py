@@ -36,7 +36,7 @@ rankkit.rank = lambda: int(os.environ["RANK"])
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"
 GROUP_TIMEOUT_S = 30.0
-WAIT_BOUND_S = 30.0  # hang guard for the evaluating rank: the report comes in ~2 s
+WAIT_BOUND_S = 30.0  # hang guard for the evaluating rank: the report comes in ~4 s
 
 
 def merged() -> list[Path]:
@@ -80,7 +80,9 @@ def report_fields() -> dict[str, Any]:
 def watchdog(instrument: bool) -> Any:
     return start_watchdog(
         heartbeat_s=0.3,
-        hang_timeout_s=1.5,
+        # Far above the ms between the victims' meeting below and their all_reduce, so that a victim
+        # starved there is still in the op when the hang is judged (it was 1.5 s, with no meeting).
+        hang_timeout_s=3.0,
         peer_timeout_s=60.0,  # no rank is lost here: a left-out rank leaving must not read as one
         incident_dir=INCIDENTS,
         action="report",
@@ -94,8 +96,17 @@ def hang_in_the_new_world(wd: Any, culprit: int) -> None:
     dist.all_reduce(torch.ones(1))
     time.sleep(1.0)
     put("watchdog_follows", {"generation": wd.generation, "rank": wd.rank, "world_size": wd.world_size})
-    if dist.get_rank() == culprit:
+    me = dist.get_rank()
+    if me == culprit:
         evaluate_until_reported()
+    else:
+        # The victims meet (through the store, which the watchdog does not judge) and enter the
+        # all_reduce together: on a loaded fresh clone, one that came over 1.5 s after the other was
+        # named a culprit beside the real one (behind: it had not reached the op yet).
+        rankkit.announce(f"victim-{me}")
+        for other in range(dist.get_world_size()):
+            if other != culprit:
+                rankkit.wait_for(f"victim-{other}", timeout_s=WAIT_BOUND_S)
     x = torch.ones(4)
     dist.all_reduce(x)
     put("sum", x.tolist())
