@@ -39,13 +39,13 @@ def _ranks(pair, scenario: str, out: Path, timeout_s: float) -> list:
     return run_two_ranks(pair, argv, out, port=29501, timeout_s=timeout_s)
 
 
-def _when_started(out: Path, then, bound_s: float = 60.0) -> threading.Thread:
-    """Runs ``then()`` once both ranks have entered the large call."""
+def _when_moving(out: Path, then, bound_s: float = 60.0) -> threading.Thread:
+    """Runs ``then()`` once both ranks have a chunk of the large call done (``moving.rank<r>``)."""
 
     def watch() -> None:
         end = time.monotonic() + bound_s
         while time.monotonic() < end:
-            if all((out / f"started.rank{r}").exists() for r in (0, 1)):
+            if all((out / f"moving.rank{r}").exists() for r in (0, 1)):
                 then()
                 return
             time.sleep(0.02)
@@ -78,11 +78,12 @@ def linkdown(pair):
     downed: dict[str, float] = {}
 
     def down() -> None:
-        time.sleep(0.8)
+        # At once: a chunk is done on both ranks, and 23 of the 24 (over 3 s at this rate) are to come,
+        # so the link goes down mid-call however slowly a loaded machine got the ranks there.
         _ip("link", "set", pair.if_a, "down", ns=pair.ns_a)
         downed["at"] = time.time()
 
-    watcher = _when_started(out, down)
+    watcher = _when_moving(out, down)
     try:
         ranks = _ranks(pair, "linkdown", out, 60)  # hang guard: over 3x the 14 s of a loaded run
     finally:

@@ -1,7 +1,8 @@
 """Rank side of tests/env/test_netns_faults.py: one rank per network namespace, the store in A.
 
-Usage: netfault_worker.py linkdown|slowlink. Each rank writes ``started.rank<r>`` into the test's
-directory when it enters the large call, so the test can act on the link while the call runs.
+Usage: netfault_worker.py linkdown|slowlink. Each rank writes ``moving.rank<r>`` into the test's
+directory once the first chunk of its large call is done (its flight record says so), so the test
+acts on the link while the call moves, not after a sleep that a loaded machine can outlast.
 In ``slowlink`` a thread reads both ranks' heartbeats from the store while the call runs (the
 watchdog's own protocol: ``WatchdogStore``), to see the call's progress in them.
 """
@@ -22,6 +23,7 @@ from rankkit import put
 import ncclguard
 from ncclguard.collectives.all_reduce import CollectiveResult
 from ncclguard.errors import StoreTimeout
+from ncclguard.recording.flight import recorder
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
@@ -43,10 +45,24 @@ def _start(peer_timeout_s: float) -> int:
     return rank
 
 
+def _tell_when_moving(rank: int) -> None:
+    """Writes ``moving.rank<rank>`` once a chunked call in flight has a chunk done (within 60 s)."""
+
+    def watch() -> None:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if any(rec.chunks and rec.chunks_done >= 1 for rec in recorder.inflight()):
+                (OUT / f"moving.rank{rank}").write_text(str(time.time()))
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, name="moving", daemon=True).start()
+
+
 def _big_call(numel: int, chunk_numel: int, timeout: float) -> tuple[torch.Tensor, CollectiveResult, float]:
     rank = dist.get_rank()
     t = torch.full((numel,), float(rank + 1))
-    (OUT / f"started.rank{rank}").write_text(str(time.time()))
+    _tell_when_moving(rank)
     t0 = time.monotonic()
     res = ncclguard.safe_all_reduce(t, timeout=timeout, chunk_numel=chunk_numel)
     return t, res, time.monotonic() - t0
