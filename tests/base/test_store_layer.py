@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -138,7 +140,8 @@ def test_a_watchdog_store_moved_to_a_new_generation_reads_only_that_generation()
     from ncclguard.watching.base.watchdog_store import WatchdogStore
 
     assert OldName is Keys  # re-exported where it used to live
-    ws = WatchdogStore(dist.HashStore(), Keys("t"), 1.0, 5.0)
+    # Each call's bound (30 s) is a hang guard: a 1 s bound can pass on a loaded machine.
+    ws = WatchdogStore(dist.HashStore(), Keys("t"), 30.0, 60.0)
     hb = Heartbeat(
         rank=0, host="h", pid=1, beat=1, time=1.0, phase="", site="", last_seq={}, last_completed={}, inflight=[]
     )
@@ -179,9 +182,18 @@ def run_ranks(fn: Any, ranks: dict[int, float]) -> dict[int, Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(60)  # a hang guard above the longest deadline (30 s) plus its grace
     assert not any(t.is_alive() for t in threads)
     return out
+
+
+def wait_until(ready: Callable[[], bool], hang_s: float = 30.0) -> None:
+    """Polls ``ready`` until it is true: orders the threads of a test by what happened, not by how
+    fast they ran; ``hang_s`` is a hang guard."""
+    give_up = time.monotonic() + hang_s
+    while not ready():
+        assert time.monotonic() < give_up, "hang guard: the condition never came"
+        time.sleep(0.005)
 
 
 def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
@@ -189,7 +201,8 @@ def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
     keys = RoundKeys("test/all")
 
     def rank(r: int) -> Settled[str]:
-        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(10), majority_rule(3), "round 'all'")
+        # A hang guard: every rank arrives long before (a loaded machine may start a thread seconds late).
+        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(30), majority_rule(3), "round 'all'")
 
     out = run_ranks(rank, {0: 0.0, 1: 0.05, 2: 0.1})
     for r in range(3):
@@ -205,18 +218,29 @@ def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
     keys = RoundKeys("test/late")
     rule = majority_rule(3)
 
-    def rank(r: int) -> Settled[str]:
-        return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(0.3), rule, "round 'late'")
+    def rank(r: int, seconds: float) -> Settled[str]:
+        # grace_s: a hang guard, so that a stall past the deadline cannot turn the round into StoreUnreachable.
+        deadline = Deadline.within(seconds)
+        return settle_round(store, keys, r, 3, f"from {r}", deadline, rule, "round 'late'", grace_s=30)
+
+    def first_round(r: int) -> Settled[str]:
+        # Not by speed: rank 1 (a 30 s deadline) arrives first; rank 0 enters once rank 1 has counted
+        # itself in, and its 0.3 s deadline settles the round with both there.
+        if r == 1:
+            return rank(1, 30)
+        wait_until(lambda: store.check([keys.count]))
+        return rank(0, 0.3)
 
     t0 = time.monotonic()
-    first = run_ranks(rank, {0: 0.0, 1: 0.0})
-    assert 0.29 <= time.monotonic() - t0 < 5.0
+    first = run_ranks(first_round, {0: 0.0, 1: 0.0})
+    # Rank 0's deadline waited; the hang guard is well below rank 1's 30 s (it would settle then).
+    assert 0.29 <= time.monotonic() - t0 < 20.0
     assert first[0].outcome == first[1].outcome == "timeout 2"
     assert first[0].arrivals == first[1].arrivals == {0: b"from 0", 1: b"from 1"}
     assert store.check([keys.outcome])  # rank 2 has not left yet: the keys stay
     t0 = time.monotonic()
-    late = rank(2)
-    assert time.monotonic() - t0 < 1.5  # settled already: no wait for the deadline
+    late = rank(2, 30)
+    assert time.monotonic() - t0 < 10.0  # settled already: no wait for the deadline (30 s; a hang guard)
     # The same verdict; its arrival number (3) is above the count the verdict records (2).
     assert late.outcome == "timeout 2" and late.number == 3
     assert late.arrivals == {0: b"from 0", 1: b"from 1", 2: b"from 2"}
@@ -227,16 +251,34 @@ def test_the_outcome_is_settled_once_when_several_ranks_give_up():
     store = dist.HashStore()
     keys = RoundKeys("test/once")
 
+    gave_up = {1: threading.Event(), 2: threading.Event()}
+
     def rank(r: int) -> Settled[str]:
         # Each rank would settle its own words; compare-and-set keeps the first.
-        rule = majority_rule(4, tag=f"by {r}")
-        return settle_round(store, keys, r, 4, "x", Deadline.within(0.2 + 0.1 * r), rule, "round 'once'")
+        words = majority_rule(4, tag=f"by {r}").given_up
+        # The order is made, not left to a loaded machine's speed: rank 0 enters once ranks 1 and 2
+        # have counted themselves in, and settles once both have given up too; they try to settle
+        # their words only after rank 0 has settled its own.
+        if r == 0:
+            wait_until(lambda: store.check([keys.count]) and store.add(keys.count, 0) == 2)
+
+        def given_up(peek: Peek) -> str:
+            if r == 0:
+                assert all(e.wait(30) for e in gave_up.values())  # a hang guard
+            else:
+                gave_up[r].set()
+                store.wait([keys.outcome], timedelta(seconds=30))
+            return words(peek)
+
+        rule = replace(majority_rule(4, tag=f"by {r}"), given_up=given_up)
+        deadline = Deadline.within(0.2 + 0.1 * r)
+        return settle_round(store, keys, r, 4, "x", deadline, rule, "round 'once'", grace_s=30)  # grace: a hang guard
 
     out = run_ranks(rank, {0: 0.0, 1: 0.0, 2: 0.0})
     outcomes = {out[r].outcome for r in range(3)}
     assert len(outcomes) == 1, outcomes
     (outcome,) = outcomes
-    assert outcome == "timeout 3 by 0"  # rank 0's deadline comes first
+    assert outcome == "timeout 3 by 0"  # rank 0 settles first
 
 
 def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
@@ -306,25 +348,35 @@ def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
         keep_outcome=True,
     )
 
-    def rank(r: int) -> Settled[list[int]]:
-        return settle_round(store, keys, r, 3, f"{r}", Deadline.within(0.3), rule, "meeting")
+    def rank(r: int, seconds: float) -> Settled[list[int]]:
+        # grace_s: a hang guard, so that a stall past the deadline cannot turn the round into StoreUnreachable.
+        return settle_round(store, keys, r, 3, f"{r}", Deadline.within(seconds), rule, "meeting", grace_s=30)
 
-    out = run_ranks(rank, {0: 0.0, 2: 0.0})
+    def first_round(r: int) -> Settled[list[int]]:
+        # Not by speed: rank 2 (a 30 s deadline) arrives first; rank 0 enters once rank 2 has counted
+        # itself in, and its 0.3 s deadline settles the round with both there.
+        if r == 2:
+            return rank(2, 30)
+        wait_until(lambda: store.check([keys.count]))
+        return rank(0, 0.3)
+
+    out = run_ranks(first_round, {0: 0.0, 2: 0.0})
     assert out[0].outcome == out[2].outcome == [0, 2]
     assert out[0].arrivals == out[2].arrivals == {0: b"0", 2: b"2"}
     assert store.list_keys() == [keys.outcome]  # the members left; only the outcome stays
-    late = rank(1)
+    late = rank(1, 30)
     assert late.outcome == [0, 2] and late.arrivals is None  # not a member: reads nothing
     assert sorted(store.list_keys()) == sorted([keys.outcome, keys.arrival(1), keys.count])
 
 
 def test_a_round_over_tcp_with_a_client_per_thread():
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
-    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=10))
+    # 30 s: hang guards (a client's connect, as a clone makes one, now and then takes 5 s under load).
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
     keys = RoundKeys("test/tcp")
 
     def rank(r: int) -> tuple[Settled[str], bool]:
-        deadline = Deadline.within(10)
+        deadline = Deadline.within(30)
         mine = store_for_this_thread(client, deadline)
         assert store_for_this_thread(client, deadline) is mine  # made once per thread
         return settle_round(mine, keys, r, 2, f"{r}", deadline, majority_rule(2), "round 'tcp'"), mine is client
@@ -346,7 +398,8 @@ def test_a_rule_that_raises_ends_the_round_with_its_error():
 
     rule = Rule(everyone=lambda: "ok", given_up=lambda p: "t", read=read, members=lambda o: Members([0], True))
     with pytest.raises(StoreUnreachable, match="cannot read b'garbage'"):
-        settle_round(store, RoundKeys("test/bad"), 0, 2, "x", Deadline.within(5), rule, "round 'bad'")
+        # 30 s: a hang guard (the outcome is there: the round reads it at once).
+        settle_round(store, RoundKeys("test/bad"), 0, 2, "x", Deadline.within(30), rule, "round 'bad'")
 
 
 # ----------------------------------------------------------------- bounded calls
@@ -375,7 +428,8 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="^round 'frozen': the store did not answer within"):
         settle_round(store, RoundKeys("f"), 0, 2, "x", Deadline.within(0.2), rule, "round 'frozen'", grace_s=0.2)  # type: ignore[arg-type]
-    assert 0.4 <= time.monotonic() - t0 < 3.0
+    # Not before the deadline and its grace; a hang guard, well below the 20 s the frozen calls block.
+    assert 0.4 <= time.monotonic() - t0 < 10.0
     # While that call is stuck, a call on the same store fails at once, from this thread or another.
     errors = run_ranks(lambda r: bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0)), {0: 0.0})
     assert isinstance(errors[0], StoreUnreachable) and "has not returned" in str(errors[0])
@@ -384,10 +438,10 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
         bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(30.0))
     assert time.monotonic() - t0 < 10.0 and store.calls == 1  # at once, not the 30 s it was given
     store.release.set()
-    deadline = Deadline.within(5)
+    deadline = Deadline.within(30)  # a hang guard: a loaded machine may run the released call late
     while True:  # until the stuck call has returned
         try:
-            assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(5.0)) == 7
+            assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(30.0)) == 7
             break
         except StoreUnreachable:
             assert not deadline.passed()
@@ -396,11 +450,12 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
 
 def test_calls_on_one_store_share_one_helper_thread_per_calling_thread():
     store = dist.HashStore()
-    here = {bounded_store_call(store, threading.get_ident, Deadline.within(5.0)) for _ in range(5)}
+    # 30 s: hang guards (a store answer on a loaded machine has taken over 4 s).
+    here = {bounded_store_call(store, threading.get_ident, Deadline.within(30.0)) for _ in range(5)}
     assert len(here) == 1 and threading.get_ident() not in here
     assert helper_for(store) is helper_for(store)
     there = run_ranks(
-        lambda r: (bounded_store_call(store, threading.get_ident, Deadline.within(5.0)), helper_for(store)), {0: 0.0}
+        lambda r: (bounded_store_call(store, threading.get_ident, Deadline.within(30.0)), helper_for(store)), {0: 0.0}
     )
     assert there[0][0] not in here and there[0][1] is not helper_for(store)
     assert bounded.IDLE_EXIT_S > 0
@@ -463,16 +518,19 @@ def test_every_store_exchange_goes_through_the_store_layer(tmp_path: Path) -> No
 
 
 def test_a_deadline_is_one_instant_that_every_wait_shares() -> None:
+    before = time.monotonic()
     d = Deadline.after(timedelta(seconds=30))
+    after = time.monotonic()
     assert Deadline.after(d) is d  # passed through, never restarted
-    assert 29 < d.left() <= 30 and not d.passed()
+    # Bracketed by the clock, not by how fast the next line runs on a loaded machine.
+    assert before + 30 <= d.at <= after + 30 and d.left() <= 30 and not d.passed()
     assert d.sooner(1.0).left() <= 1.0 and d.sooner(60).at == d.at
     assert d.plus(2.0).at == d.at + 2.0
     assert d.as_timedelta() <= timedelta(seconds=30)
     gone = Deadline.within(-5)
     assert gone.passed() and gone.left() == 0.0 and gone.as_timedelta() == timedelta(milliseconds=1)
     t0 = time.monotonic()
-    assert gone.sleep(10) is False and time.monotonic() - t0 < 5  # no sleep past the deadline (hang guard)
+    assert gone.sleep(60) is False and time.monotonic() - t0 < 20  # no sleep past the deadline (hang guard)
     for bad in (0, -1, float("nan"), "3"):
         with pytest.raises((TypeError, ValueError)):
             Deadline.after(bad)  # type: ignore[arg-type]
@@ -489,7 +547,7 @@ def test_values_poll_and_delete_on_a_real_store() -> None:
     write_value(store, "v", Point(x=1.0), deadline, "a point")
     assert read_value(store, "v", Point, 100, deadline, "a point") == Point(x=1.0)
     # A poll waits for the value it accepts: written by another thread a moment later.
-    later = threading.Timer(0.2, lambda: write_value(store, "v", Point(x=2.0), Deadline.within(5), "a point"))
+    later = threading.Timer(0.2, lambda: write_value(store, "v", Point(x=2.0), Deadline.within(30), "a point"))
     later.start()
     assert poll_value(store, "v", Point, 100, deadline, "a point", accept=lambda p: p.x == 2.0) == Point(x=2.0)
     later.join()

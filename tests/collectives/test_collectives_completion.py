@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,10 +52,10 @@ def test_wait_future_returns_when_another_thread_completes_it():
     fut: torch.futures.Future = torch.futures.Future()
     thread = _complete_later(fut, 0.05)
     t0 = time.monotonic()
-    wait_future(fut, time.monotonic() + 10)
+    wait_future(fut, time.monotonic() + 30)
     assert fut.done() and fut.value() == 7
-    assert time.monotonic() - t0 < 5  # woken by the completion, long before the deadline
-    thread.join(5)
+    assert time.monotonic() - t0 < 10  # woken by the completion, long before the 30 s deadline (a hang guard)
+    thread.join(30)
 
 
 def test_wait_future_gives_up_at_the_deadline_and_a_late_completion_is_harmless():
@@ -63,7 +64,7 @@ def test_wait_future_gives_up_at_the_deadline_and_a_late_completion_is_harmless(
     with pytest.raises(DeadlinePassed):
         wait_future(fut, t0 + 0.2)
     waited = time.monotonic() - t0
-    assert 0.2 <= waited < 3
+    assert 0.2 <= waited < 10  # the deadline was waited; the upper bound is a hang guard
     fut.set_result(1)  # the callback of the abandoned wait runs and changes nothing
     assert fut.value() == 1
 
@@ -72,8 +73,8 @@ def test_wait_future_raises_the_error_the_future_was_completed_with():
     fut: torch.futures.Future = torch.futures.Future()
     thread = _complete_later(fut, 0.02, RuntimeError("NCCL error: unhandled system error"))
     with pytest.raises(RuntimeError, match="unhandled system error"):
-        wait_future(fut, time.monotonic() + 10)
-    thread.join(5)
+        wait_future(fut, time.monotonic() + 30)  # a hang guard
+    thread.join(30)
 
 
 def test_an_already_completed_future_returns_at_once_even_past_its_deadline():
@@ -91,9 +92,9 @@ def test_the_check_ends_a_wait_whose_future_never_completes():
         return len(calls) >= 3  # "the op failed" learned on the third look
 
     t0 = time.monotonic()
-    wait_future(fut, t0 + 10, check=check)
+    wait_future(fut, t0 + 60, check=check)
     assert len(calls) == 3
-    assert time.monotonic() - t0 < 3  # three periods of CHECK_PERIOD_S, not the 10 s deadline
+    assert time.monotonic() - t0 < 20  # three periods of CHECK_PERIOD_S, not the 60 s deadline (a hang guard)
     assert not fut.done()
 
 
@@ -145,27 +146,46 @@ def test_events_of_one_group_complete_in_submission_order():
 def test_an_idle_watcher_exits_and_a_new_one_starts_on_demand(monkeypatch):
     monkeypatch.setattr(completion, "_IDLE_EXIT_S", 0.05)
     event = BlockingEvent()
-    event.fire()
-    wait_future(watcher_for("group-idle", event), time.monotonic() + 10)
+    fut = watcher_for("group-idle", event)
+    # Taken while its event has not fired: a watcher done with its work may exit 0.05 s later, before
+    # a loaded machine runs the next line.
     first = completion._watchers["group-idle"]
-    first._thread.join(5)
+    event.fire()
+    wait_future(fut, time.monotonic() + 30)  # a hang guard
+    first._thread.join(30)  # a hang guard
     assert not first._thread.is_alive() and "group-idle" not in completion._watchers
     again = BlockingEvent()
     again.fire()
-    wait_future(watcher_for("group-idle", again), time.monotonic() + 10)
+    wait_future(watcher_for("group-idle", again), time.monotonic() + 30)  # a hang guard
+
+
+class _FakeClock:
+    """The completion module's clock in a test: a sleep moves it by what was asked (each reading by
+    1 us), so the looks a poll makes in a span are counted without the machine's speed in them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class _FakeWork:
     """A Work whose is_completed() turns true at a set time (the polling logic needs nothing more)."""
 
-    def __init__(self, done_at: float) -> None:
+    def __init__(self, done_at: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.done_at = done_at
+        self.clock = clock
         self.waited = False
         self.asked = 0
 
     def is_completed(self) -> bool:
         self.asked += 1
-        return time.monotonic() >= self.done_at
+        return self.clock() >= self.done_at
 
     def wait(self) -> bool:
         self.waited = True
@@ -179,17 +199,21 @@ def test_poll_mode_asks_at_a_fixed_period_and_keeps_the_deadline(monkeypatch, bl
         mode = "event"  # blocking-wait mode polls whatever the configuration says
     else:
         mode = "poll"
-    work = _FakeWork(time.monotonic() + 0.3)
-    completion.wait_gpu_work(work, time.monotonic() + 10, "g", mode, period_s=1e-3)
+    # The poll runs on a clock that its own sleeps move: on the machine's clock, a loaded machine
+    # that stalls the poller for 0.3 s leaves it a look or two in the span.
+    clock = _FakeClock()
+    monkeypatch.setattr(completion, "time", clock)
+    work = _FakeWork(clock.monotonic() + 0.3, clock.monotonic)
+    completion.wait_gpu_work(work, clock.monotonic() + 10, "g", mode, period_s=1e-3)
     assert work.waited  # wait() only after completion: it orders the caller's stream
-    # ~300 looks at a 1 ms period: a spin would make thousands; a loaded machine that wakes the
-    # poller late (10 ms a look) still makes 30, 3x the floor of 10 (a 30 ms period).
+    # ~300 looks at a 1 ms period: a spin would make a hundred thousand, a 30 ms period 10.
     assert 10 <= work.asked <= 1000
-    never = _FakeWork(time.monotonic() + 100)
+    never = _FakeWork(clock.monotonic() + 100, clock.monotonic)
     t0 = time.monotonic()
     with pytest.raises(DeadlinePassed):
-        completion.wait_gpu_work(never, t0 + 0.1, "g", mode, period_s=1e-3)
-    assert time.monotonic() - t0 < 2 and not never.waited
+        completion.wait_gpu_work(never, clock.monotonic() + 0.1, "g", mode, period_s=1e-3)
+    assert time.monotonic() - t0 < 10 and not never.waited  # a hang guard: the deadline is on the test's clock
+    assert 90 <= never.asked <= 110  # given up at the deadline: 0.1 s of 1 ms periods
 
 
 def test_fine_timer_restores_the_threads_timer_slack():

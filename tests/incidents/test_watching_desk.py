@@ -8,11 +8,13 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from ncclguard.errors import StoreUnreachable
+from ncclguard.incidents.handling import merging
 from ncclguard.incidents.handling.desk import IncidentDesk, blocked_in
 from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Statement
 from ncclguard.watching.base.settings import WatchdogConfig
@@ -91,7 +93,9 @@ def desks(tmp_path, store=None, **cfg):
             lambda r=r: statement(r, waiting=r != 2),
             threading.Condition(),
         )
-        desk.store = WatchdogStore(store, Keys("t"), 1.0, 5.0)
+        # Each call's bound (30 s) is a hang guard: a 1 s bound can pass on a loaded machine, and a
+        # call that times out changes what a desk does (a poll skipped, a rank merging alone).
+        desk.store = WatchdogStore(store, Keys("t"), 30.0, 60.0)
         out.append(desk)
     return out
 
@@ -124,15 +128,17 @@ def test_a_hang_seen_by_two_ranks_is_one_incident_that_every_rank_dumps_and_one_
     assert d[1].cases[0].record()["kind"] == "hang"
 
 
-def test_the_merger_waits_for_statements_then_merges_what_came(tmp_path):
-    d = desks(tmp_path, merge_wait_s=0.3)
+def test_the_merger_waits_for_statements_then_merges_what_came(tmp_path, monkeypatch):
+    # merge_wait is long enough that no loaded machine outlasts it between two lines; the merger's
+    # clock then jumps past it instead of the test sleeping through it.
+    d = desks(tmp_path, merge_wait_s=30)
     d[2].store.publish_heartbeat(Heartbeat.model_validate(dict(statement(2, waiting=False))))
     d[0].open(HANG)
     d[0].poll()
     d[1].poll()  # rank 2's watchdog never answers
     d[0].progress()
     assert not d[0].cases[0].merged  # 2 of 3 statements, within merge_wait
-    time.sleep(0.35)
+    monkeypatch.setattr(merging, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + 30.05))
     d[0].progress()
     assert d[0].cases[0].merged
     inc = json.loads((tmp_path / d[0].cases[0].doc.id / "incident.json").read_text())

@@ -26,6 +26,7 @@ from ncclguard.recovery._commit.statements import (
     decide,
     verdict_limit,
 )
+from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import decode, encode
 from ncclguard.watching.ladder.actions import Action, Outcome
 from ncclguard.watching.watchdog import Watchdog
@@ -201,48 +202,74 @@ def test_a_second_thread_is_refused_while_a_commit_runs():
             ncclguard.should_commit()
 
 
+# A bound that only a hung round reaches: the store calls of the ranks that must not be late, and
+# the waits of the test's own threads.
+HANG_GUARD_S = 30.0
+
+
 def _thread_ranks(
-    size: int, late: set[int], timeout_s: float, rounds: int = 1, keys: list[int] | None = None
+    size: int,
+    late: set[int],
+    timeout_s: float,
+    rounds: int = 1,
+    keys: list[int] | None = None,
+    settler: int | None = None,
 ) -> dict[int, tuple[CommitVerdict, bool]]:
-    """Runs the commit round of ``size`` ranks as threads, each with its own client of one TCPStore."""
+    """Runs the commit round of ``size`` ranks as threads, each with its own client of one TCPStore.
+
+    With ``settler``, only that rank's deadline is ``timeout_s``, and it starts its round once every
+    other rank not in ``late`` has written its statement; the others get a hang guard. So the round is
+    settled by the settler's deadline with every on-time rank in it, however late a loaded machine
+    starts a thread or answers a store call: only the ranks in ``late`` can be late."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     out: dict[int, tuple[CommitVerdict, bool]] = {}
     settled = threading.Event()
     done, between = threading.Barrier(size), threading.Barrier(size)
 
     def rank(r: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=HANG_GUARD_S))
+        # This thread's clone of the client, made now: connecting it is not the round's to wait for.
+        store_for_this_thread(store, Deadline.within(HANG_GUARD_S))
         if r in late:
-            settled.wait(30)
+            settled.wait(HANG_GUARD_S)
         info = GroupInfo(group=None, name="t", rank=r, size=size, backend="gloo", store=store)  # type: ignore[arg-type]
         for n in range(rounds):
             statement = stmt(r, group="t", group_size=size, step=n)
-            out[r] = commit_mod._settle(info, 0, n, statement, Deadline.within(timeout_s), timeout_s)
+            deadline_s = timeout_s
+            if settler is not None and r != settler:
+                deadline_s = HANG_GUARD_S
+            elif settler is not None:
+                on_time = [commit_keys("t", 0, n).arrival(o) for o in range(size) if o != r and o not in late]
+                store.wait(on_time, timedelta(seconds=HANG_GUARD_S))
+            out[r] = commit_mod._settle(info, 0, n, statement, Deadline.within(deadline_s), timeout_s)
             settled.set()
-            done.wait(30)  # every rank is out of round n: the store's key count is read between rounds
+            done.wait(HANG_GUARD_S)  # every rank is out of round n: the store's key count is read between rounds
             if r == 0 and keys is not None:
                 keys.append(server.num_keys())
-            between.wait(30)
+            between.wait(HANG_GUARD_S)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(rounds * HANG_GUARD_S + 30)
     assert len(out) == size
     return out
 
 
 def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_late_one():
-    # 3 s: ranks 0, 1 and 3 must all be in before it, even with their threads started late on a loaded host.
-    out = _thread_ranks(4, late={2}, timeout_s=3.0)
+    # Rank 0's 3 s deadline settles the round, started once ranks 1 and 3 are in (see _thread_ranks):
+    # a thread started late or a slow store answer on a loaded host cannot leave them out.
+    out = _thread_ranks(4, late={2}, timeout_s=3.0, settler=0)
     verdicts = [v for v, _ in out.values()]
     assert all(v == verdicts[0] for v in verdicts)
     assert verdicts[0].arrived == [0, 1, 3]
     assert verdicts[0].failed == {2: ["did not reach should_commit for commit 0 within 3 s"]}
     assert {r: late for r, (_, late) in out.items()} == {0: False, 1: False, 2: True, 3: False}
     counts: list[int] = []
-    clean = _thread_ranks(4, late=set(), timeout_s=10, rounds=4, keys=counts)
+    # Every rank comes: each round settles when the last one arrives, so the deadline is a hang guard
+    # (it was 10 s, which a starved thread plus slow store answers could approach).
+    clean = _thread_ranks(4, late=set(), timeout_s=HANG_GUARD_S, rounds=4, keys=counts)
     assert [v.ok for v, _ in clean.values()] == [True] * 4
     # Each round that every rank reached deletes the round before: the store does not grow.
     assert counts[1] == counts[2] == counts[3] == counts[0]

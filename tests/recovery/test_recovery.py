@@ -120,20 +120,40 @@ def test_keys_are_namespaced_by_generation_and_attempt():
 # ----------------------------------------------------------------- the meeting, one thread per rank
 
 
+# A bound that only a hung meeting reaches: the deadline of the ranks that must not be late.
+HANG_GUARD_S = 30.0
+
+
 def run_meeting(
-    store: dist.Store, ranks: dict[int, tuple[float, bool]], size: int = 3, attempt: int = 0, deadline_s: float = 1.0
+    store: dist.Store,
+    ranks: dict[int, tuple[float, bool]],
+    size: int = 3,
+    attempt: int = 0,
+    deadline_s: float = 1.0,
+    settler: int | None = None,
 ):
     """Each rank: (seconds it waits before arriving, allow_shrink); deadline ``deadline_s`` after it
     arrives. Where every rank comes, or the rank is late, a long deadline costs nothing (the meeting
     settles when the last one arrives, a late rank reads the verdict at once): there it is 30 s, so
-    that a thread started late on a loaded machine is not taken for a rank that never came."""
+    that a thread started late on a loaded machine is not taken for a rank that never came.
+
+    With ``settler``, only that rank's deadline is ``deadline_s``, and it arrives once every other
+    rank of ``ranks`` has: the others get :data:`HANG_GUARD_S`. So the meeting is settled by the
+    settler's deadline with every rank of ``ranks`` in it, however late a loaded machine starts a
+    thread."""
     out: dict[int, Meeting | BaseException] = {}
 
     def one(rank: int, delay: float, shrink: bool) -> None:
         time.sleep(delay)
         try:
             me = arrival(rank, size, allow_shrink=shrink)
-            out[rank] = meet(store, me, attempt, Deadline.within(deadline_s))
+            wait_s = deadline_s
+            if settler is not None and rank != settler:
+                wait_s = HANG_GUARD_S
+            elif settler is not None:
+                others = [MeetingKeys(me.generation + 1, attempt).arrival(r) for r in ranks if r != rank]
+                store.wait(others, timedelta(seconds=HANG_GUARD_S))
+            out[rank] = meet(store, me, attempt, Deadline.within(wait_s))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             out[rank] = exc
 
@@ -141,7 +161,7 @@ def run_meeting(
     for t in threads:
         t.start()
     for t in threads:
-        t.join(deadline_s + 10)
+        t.join(max(deadline_s, HANG_GUARD_S if settler is not None else 0) + 10)
     assert not any(t.is_alive() for t in threads)
     return out
 
@@ -160,8 +180,10 @@ def test_meeting_of_everyone_agrees_and_cleans_up():
 def test_meeting_without_a_rank_fails_then_names_the_late_one():
     store = dist.HashStore()
     t0 = time.monotonic()
-    out = run_meeting(store, {0: (0, False), 1: (0, False)})
-    assert time.monotonic() - t0 < 3.5  # the 1 s deadline; a hang guard over 3x it
+    out = run_meeting(store, {0: (0, False), 1: (0, False)}, settler=0)
+    # Ended by rank 0's 1 s deadline, not rank 1's 30 s guard: a bound between the two, well above
+    # what a loaded machine adds (threads starved ~2 s seen; 3.5 s was too close).
+    assert time.monotonic() - t0 < 20
     for rank in (0, 1):
         assert not out[rank].goes_on and not out[rank].late
         assert out[rank].verdict.missing(3) == [2]
@@ -176,18 +198,21 @@ def test_meeting_without_a_rank_fails_then_names_the_late_one():
 
 def test_meeting_with_shrink_goes_on_without_the_absent_rank():
     store = dist.HashStore()
-    out = run_meeting(store, {0: (0, True), 2: (0, True)})
+    out = run_meeting(store, {0: (0, True), 2: (0, True)}, settler=0)
     for rank in (0, 2):
         assert out[rank].goes_on
         assert out[rank].verdict == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
-    left_out = run_meeting(store, {1: (0, True)})[1]
+    # Late: it reads the kept verdict at once, so its deadline is a hang guard (a 1 s one could pass
+    # before a starved helper thread answers, failing the call instead of reading the verdict).
+    left_out = run_meeting(store, {1: (0, True)}, deadline_s=HANG_GUARD_S)[1]
     assert left_out.late and left_out.verdict.ok and not left_out.goes_on
 
 
 def test_meeting_refused_when_ranks_disagree_on_shrinking():
     store = dist.HashStore()
-    # Rank 0 allows shrinking and settles first; rank 1 did not allow it: both refuse together.
-    out = run_meeting(store, {0: (0, True), 1: (0.2, False)})
+    # Rank 0 allows shrinking and settles (its 1 s deadline, once rank 1 is in: ordered, not slept);
+    # rank 1 did not allow it: both refuse together.
+    out = run_meeting(store, {0: (0, True), 1: (0, False)}, settler=0)
     for rank in (0, 1):
         assert out[rank].verdict.ok and out[rank].verdict.shrunk
         assert not out[rank].goes_on
@@ -198,7 +223,9 @@ def test_an_unreadable_verdict_is_refused():
     store = dist.HashStore()
     store.set(MeetingKeys(1, 0).verdict, b"\x80\x04not json")
     with pytest.raises(StoreUnreachable, match="cannot be read"):
-        meet(store, arrival(0), 0, Deadline.within(1))
+        # The verdict is there already: a hang guard, so that a starved thread cannot turn the
+        # unreadable verdict into a store that did not answer.
+        meet(store, arrival(0), 0, Deadline.within(HANG_GUARD_S))
 
 
 def test_forget_generation_deletes_only_that_prefix():
@@ -226,7 +253,7 @@ def test_reaper_waits_for_the_last_reference_and_releases_on_its_thread():
     time.sleep(0.2)
     assert ref() is not None and reaper.pending() == 1  # the user still holds it
     del user_copy
-    assert reaper.wait_idle(5)
+    assert reaper.wait_idle(20)  # hang guard (polled every 0.01 s); a starved thread takes seconds
     assert ref() is None and reaper.pending() == 0
     assert reaper._thread is None  # no thread while idle
 
@@ -246,7 +273,9 @@ def test_reaper_collects_cycles_and_lets_go_after_the_hold(caplog):
     try:
         reaper.bury([pg], hold_s=30)
         del pg, holder
-        assert reaper.wait_idle(6)  # the first collection comes after 2 s
+        # The first collection comes after 2 s; a hang guard below the 30 s hold (past it the group
+        # would be let go still referenced, and ref() below would fail).
+        assert reaper.wait_idle(20)
         assert ref() is None
     finally:
         gc.enable()
@@ -254,7 +283,7 @@ def test_reaper_collects_cycles_and_lets_go_after_the_hold(caplog):
     kept = gloo_group()
     with caplog.at_level(logging.WARNING, logger="ncclguard"):
         reaper.bury([kept], hold_s=0.1, label="stubborn group")
-        assert reaper.wait_idle(5)
+        assert reaper.wait_idle(20)  # hang guard
     assert "abandoned stubborn group is still referenced 1 time(s)" in caplog.text
     assert kept is not None
 
@@ -309,22 +338,8 @@ def test_gloo_cannot_shrink_on_this_torch():
     assert gloo_group().supports_shrinking is False  # type: ignore[attr-defined]
 
 
-def _meet_two(store: dist.Store, deadline_s: float) -> dict[int, Meeting | BaseException]:
-    out: dict[int, Meeting | BaseException] = {}
-
-    def one(rank: int) -> None:
-        try:
-            out[rank] = meet(store, arrival(rank, 3, allow_shrink=True), 0, Deadline.within(deadline_s))
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            out[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(deadline_s + 10)
-    assert not any(t.is_alive() for t in threads)
-    return out
+def _meet_two(store: dist.Store, deadline_s: float, settler: int | None = None) -> dict[int, Meeting | BaseException]:
+    return run_meeting(store, {0: (0, True), 1: (0, True)}, deadline_s=deadline_s, settler=settler)
 
 
 def test_a_meeting_settles_at_once_without_a_rank_a_verdict_judged_stuck_but_waits_for_a_killed_one():
@@ -338,10 +353,11 @@ def test_a_meeting_settles_at_once_without_a_rank_a_verdict_judged_stuck_but_wai
         assert isinstance(m, Meeting) and m.goes_on, m
         assert m.verdict.arrived == [0, 1] and m.verdict.shrunk
         assert m.elapsed_s < 30.0  # settled long before its 60 s deadline (a hang guard, not a timing)
-    # A killed rank's notice: its restart may come to rejoin, so the meeting waits its deadline.
+    # A killed rank's notice: its restart may come to rejoin, so the meeting waits its deadline (rank
+    # 0's, started once rank 1 is in, so that a starved thread cannot leave rank 1 out).
     killed = dist.HashStore()
     post_death(killed, notice_now(2, 4242, -9, 0, "here"))
-    out = _meet_two(killed, 1.0)
+    out = _meet_two(killed, 1.0, settler=0)
     for rank in (0, 1):
         m = out[rank]
         assert isinstance(m, Meeting) and m.verdict.arrived == [0, 1]
