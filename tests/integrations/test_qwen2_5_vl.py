@@ -386,10 +386,12 @@ def test_eval_mode_restores_every_flag_exactly():
 def test_guarded_evaluate_alone_returns_the_result_and_restores_modes():
     model = make_model().train()
     seen = []
-    value = guarded_evaluate(model, lambda: seen.append(model.training) or (0.5, 0.75), timeout_s=5)
+    # The deadlines of evaluations that must succeed are hang guards (they cost nothing when the
+    # evaluation returns): 5 s was close to a starved thread's 2-4 s on a loaded machine.
+    value = guarded_evaluate(model, lambda: seen.append(model.training) or (0.5, 0.75), timeout_s=30)
     assert value == (0.5, 0.75)
     assert seen == [False] and model.training is True
-    assert guarded_evaluate(model, lambda: EvalSums(3.0, 2, 4), timeout_s=5) == (0.75, 0.5)
+    assert guarded_evaluate(model, lambda: EvalSums(3.0, 2, 4), timeout_s=30) == (0.75, 0.5)
     assert last_report().ok is True
 
 
@@ -400,7 +402,9 @@ def test_guarded_evaluate_alone_skips_a_stall_and_tells_the_monitor():
     value = guarded_evaluate(
         model, lambda: time.sleep(30), timeout_s=0.5, step=7, monitor=monitor, fallback=(-1.0, -1.0)
     )
-    assert time.monotonic() - start < 10
+    # A hang guard: the 0.5 s deadline ended it, not the 30 s sleep (a bound between the two, well
+    # above what a loaded machine adds to the deadline).
+    assert time.monotonic() - start < 20
     assert value == (-1.0, -1.0)
     assert len(monitor.records) == 1
     step, metrics = monitor.records[0]
@@ -416,8 +420,8 @@ def test_guarded_evaluate_alone_retries_after_shrink():
             raise MemoryError(f"batch {size['batch']} does not fit")
         return (1.0, 1.0)
 
-    value = guarded_evaluate(
-        make_model(), evaluate, timeout_s=5, retries=2, shrink=lambda: size.update(batch=size["batch"] // 2)
+    value = guarded_evaluate(  # a hang guard: only the MemoryErrors may fail an attempt
+        make_model(), evaluate, timeout_s=30, retries=2, shrink=lambda: size.update(batch=size["batch"] // 2)
     )
     assert value == (1.0, 1.0)
     report = last_report()
@@ -463,8 +467,9 @@ class TinyTrainer:
 
 def test_patch_trainer_wraps_once_and_unpatches():
     trainer = TinyTrainer()
-    assert patch_trainer(trainer, timeout_s=5) is trainer
-    patch_trainer(trainer, timeout_s=5, retries=1)  # replaces the options, wraps the original once
+    # Hang guards: the evaluations must succeed, however slow a loaded machine runs them.
+    assert patch_trainer(trainer, timeout_s=30) is trainer
+    patch_trainer(trainer, timeout_s=30, retries=1)  # replaces the options, wraps the original once
     assert trainer.evaluate(step=4) == (0.25, 0.5)
     assert trainer.calls == [4]
     assert trainer.last_eval_report.ok is True
@@ -500,7 +505,8 @@ def test_guarded_evaluate_outside_the_main_thread_runs_without_sigalrm():
 
     got = []
     model = make_model()
-    worker = threading.Thread(target=lambda: got.append(guarded_evaluate(model, lambda: (2.0, 0.5), timeout_s=5)))
+    # A hang guard: the evaluation must succeed (the thread's join waits longer still).
+    worker = threading.Thread(target=lambda: got.append(guarded_evaluate(model, lambda: (2.0, 0.5), timeout_s=30)))
     worker.start()
-    worker.join(30)
+    worker.join(60)
     assert got == [(2.0, 0.5)]

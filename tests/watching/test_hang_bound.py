@@ -105,7 +105,9 @@ def test_the_users_setting_wins_from_a_field_the_environment_or_the_cli(monkeypa
 
 
 def _store() -> WatchdogStore:
-    return WatchdogStore(dist.HashStore(), Keys("main"), 1.0, 5.0)
+    # Each call's bound (30 s) is a hang guard: every call here must answer, and a 1 s bound can pass
+    # on a loaded machine (the learned bounds would then be missing, not wrong).
+    return WatchdogStore(dist.HashStore(), Keys("main"), 30.0, 60.0)
 
 
 def test_what_was_learned_survives_a_restart_through_the_store_and_a_bad_value_is_ignored(caplog):

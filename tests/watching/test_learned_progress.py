@@ -125,11 +125,22 @@ def test_asleep_is_stuck_busy_and_saving_are_moving_and_too_few_samples_are_unkn
     assert Progress(10.0).judge(0.0).state == "unknown"
 
 
+def _until_status(pid: int, stopped: bool) -> None:
+    """Waits until the kernel says process ``pid`` is stopped (or not): a signal takes effect once the
+    process runs, which a loaded machine may delay past any fixed sleep. 30 s: a hang guard."""
+    import psutil
+
+    give_up = time.monotonic() + 30
+    while (psutil.Process(pid).status() == psutil.STATUS_STOPPED) != stopped:
+        assert time.monotonic() < give_up, f"hang guard: process {pid} never {'stopped' if stopped else 'resumed'}"
+        time.sleep(0.01)
+
+
 def test_a_stopped_process_is_stuck_from_proc_and_a_gone_one_too():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        _until_status(proc.pid, stopped=True)
         s = sample_process(proc.pid, now=0.0)
         assert s is not None and s.stopped and s.cpu_s is not None
         prog = Progress(10.0)
@@ -138,7 +149,7 @@ def test_a_stopped_process_is_stuck_from_proc_and_a_gone_one_too():
         j = prog.judge(11.0)
         assert j.state == "stuck" and "stopped" in j.evidence
         os.kill(proc.pid, signal.SIGCONT)
-        time.sleep(0.2)
+        _until_status(proc.pid, stopped=False)
         s2 = sample_process(proc.pid, now=12.0)
         assert s2 is not None and not s2.stopped
     finally:

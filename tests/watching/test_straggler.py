@@ -821,18 +821,21 @@ def test_world_arrivals_on_a_real_gloo_group_are_on_time_times_clock() -> None:
         seq0 = source.seq()
         t = torch.ones(4)
         before = time.time()
-        stamps = []
+        stamps, returned = [], []
         for _ in range(40):
             stamps.append(time.time())
             dist.all_reduce(t)
+            returned.append(time.time())
         after = time.time()
         seq1 = source.seq()
         assert seq0 is not None and seq1 is not None and seq1 - seq0 == 40
         op, arrivals = source.arrivals(before, after, 32)
         assert op == "gloo:all_reduce" and len(arrivals) == 32 and source.read_s > 0
         assert [s for s, _ in arrivals] == list(range(arrivals[0][0], arrivals[0][0] + 32))
-        for (_, at), called in zip(arrivals, stamps[-32:], strict=True):
-            assert called <= at <= called + 0.05  # stamped as the call reached the backend, on this clock
+        # Stamped as the call reached the backend, on this clock: within the call, which a loaded
+        # machine may stretch (a bound of 50 ms after the call was a speed target).
+        for (_, at), called, back in zip(arrivals, stamps[-32:], returned[-32:], strict=True):
+            assert called <= at <= back
         assert source.arrivals(after + 1.0, after + 2.0, 32) == ("", [])  # none in a later span
     finally:
         dist.destroy_process_group()

@@ -92,6 +92,10 @@ def test_one_watchdog_per_process_and_stop_restores_everything(tmp_path):
     assert current_watchdog() is None
     assert not is_instrumented("all_reduce")
     assert signal.getsignal(signal.SIGUSR2) == before
+    # stop() waits 0.3 s here (two store timeouts and a beat), which a thread starved on a loaded machine
+    # can outlast: the stopped threads are waited for to end, within a hang guard (30 s).
+    for t in [t for t in threading.enumerate() if t.name == "ncclguard-watchdog"]:
+        t.join(30)
     assert not any(t.name == "ncclguard-watchdog" for t in threading.enumerate())
     assert wd.incidents == []
 
@@ -107,7 +111,7 @@ def test_raise_needs_the_main_thread_to_install_its_handler(tmp_path):
 
     t = threading.Thread(target=body)
     t.start()
-    t.join(10)
+    t.join(60)  # a hang guard (a loaded machine may start a thread, and import, seconds late)
     assert len(seen) == 1 and "start the watchdog from the main thread" in seen[0]
     assert current_watchdog() is None
     # action report needs no handler: any thread may start it.
@@ -116,6 +120,6 @@ def test_raise_needs_the_main_thread_to_install_its_handler(tmp_path):
         target=lambda: started.append(Watchdog(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path).start())
     )
     t.start()
-    t.join(10)
+    t.join(60)  # a hang guard, as above
     started[0].stop()
     assert current_watchdog() is None

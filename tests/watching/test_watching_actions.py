@@ -132,13 +132,13 @@ def _raise_from_another_thread(raiser: MainThreadRaiser, **kw) -> tuple[Outcome 
     caught = None
     try:
         action.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a hang guard: a loaded machine may run the thread seconds late
         while time.monotonic() < deadline and (action.is_alive() or not out):
             time.sleep(0.01)
         time.sleep(0.05)  # a signal lands between bytecodes: give it some
     except CollectiveTimeout as exc:
         caught = exc
-    action.join(5)
+    action.join(30)  # a hang guard
     return (out[0] if out else None), caught
 
 
@@ -253,7 +253,7 @@ def test_a_custom_rung_fires_in_a_real_watchdog_thread(tmp_path):
     rec = recorder.start("all_reduce(SUM)", "custom-test", 4, "float32", site="/job/t.py:1")
     try:
         wd.start()
-        (inc,) = wd.wait_for_incident(10, settled=True)
+        (inc,) = wd.wait_for_incident(30, settled=True)  # a hang guard: settled in about a second
     finally:
         recorder.finish(rec)
         wd.stop()

@@ -20,11 +20,13 @@ HOLDER = "import ctypes, sys\nprint('ready', flush=True)\nctypes.PyDLL(None).sle
 
 @pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
 def test_a_process_holding_the_gil_is_dumped_with_its_native_frames():
-    child = subprocess.Popen([sys.executable, "-c", HOLDER, "20"], stdout=subprocess.PIPE, text=True)
+    # The child holds the GIL in C for 120 s, past the 30 s hang guard below plus a dump's 20 s (it is
+    # killed at the end): with 20 s, a loaded machine's slow dumps could outlast it.
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, "120"], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         # Dumped until it shows the C call: a loaded machine may take a while to get the child there.
-        give_up = time.monotonic() + 10
+        give_up = time.monotonic() + 30  # a hang guard
         while True:
             time.sleep(0.2)
             t0 = time.monotonic()

@@ -5,14 +5,17 @@ stands in for the job's TCPStore)."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote, OpRecord, Statement
+from ncclguard.store import bounded_calls
 from ncclguard.watching.base.watchdog_store import LIMITS, BoundedCalls, Keys, WatchdogStore, parse_value
 
 
@@ -32,7 +35,9 @@ def heartbeat(rank: int, beat: int = 1, inflight: int = 0) -> Heartbeat:
     )
 
 
-def wstore(store=None, timeout: float = 1.0, gone_after: float = 5.0) -> WatchdogStore:
+# Each call's bound (30 s) is a hang guard: these tests expect every call to answer, and an
+# in-process store's answer on a loaded machine has taken 2-4 s.
+def wstore(store=None, timeout: float = 30.0, gone_after: float = 60.0) -> WatchdogStore:
     return WatchdogStore(store if store is not None else dist.HashStore(), Keys("main"), timeout, gone_after)
 
 
@@ -49,22 +54,34 @@ def test_every_key_lives_under_one_namespace_per_run_restart_and_session(monkeyp
     assert Keys.from_env("demo", generation=2).ns == "ncclguard/wd/job7/2/demo/g2"
 
 
-def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone():
+def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone(monkeypatch):
+    # The failing spell is timed on a clock of the test's (BoundedCalls reads time.monotonic only
+    # there): on the real one, a loaded machine that stalled 0.3 s between the first two calls made
+    # the second StoreUnreachable instead of StoreTimeout.
+    clock = [1000.0]
+    monkeypatch.setattr(bounded_calls, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     store = dist.HashStore()
     calls = BoundedCalls(store, timeout=0.1, gone_after=0.3)
     release = threading.Event()
     t0 = time.monotonic()
-    with pytest.raises(StoreTimeout, match="the store did not answer within 0.1"):
-        calls.run(release.wait, 5)
-    assert time.monotonic() - t0 < 1.0
+    # The blocked call would return after 60 s (a hang guard): only the 0.1 s bound can end it sooner.
+    with pytest.raises(StoreTimeout, match=r"the store did not answer within \d+\.\d\d s") as info:
+        calls.run(release.wait, 60)
+    took = time.monotonic() - t0
+    # The message gives the time waited (the 0.1 s bound, more on a loaded machine): never more than the
+    # call took. The upper bound is a hang guard, far below the blocked call's 60 s.
+    waited = float(re.search(r"within (\d+\.\d+) s", str(info.value)).group(1))
+    assert waited <= took + 0.005 and took < 10.0
     # The call is still blocked: the next one fails at once instead of queueing behind it.
     with pytest.raises(StoreTimeout, match="an earlier call to the store has not returned"):
         calls.run(store.add, "k", 1)
-    time.sleep(0.5)  # failing for longer than gone_after since the first failure
-    with pytest.raises(StoreUnreachable, match="^no answer for .* an earlier call to the store has not returned"):
+    clock[0] += 0.5  # failing for longer than gone_after since the first failure
+    with pytest.raises(
+        StoreUnreachable, match="^no answer for 0.5 s: .* an earlier call to the store has not returned"
+    ):
         calls.run(store.add, "k", 1)
     release.set()  # the blocked call returns: the store answers again
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 20  # a hang guard: a loaded machine may end the blocked call's thread late
     while True:
         try:
             assert calls.run(store.add, "k", 1) == 1
@@ -80,12 +97,13 @@ def _store_call_threads() -> list[threading.Thread]:
 
 def test_calls_share_one_helper_thread_that_close_ends():
     before = set(_store_call_threads())
-    calls = BoundedCalls(dist.HashStore(), timeout=1.0, gone_after=5.0)
+    # The bound (30 s) is a hang guard: every call here must answer, on a loaded machine too.
+    calls = BoundedCalls(dist.HashStore(), timeout=30.0, gone_after=60.0)
     idents = {calls.run(threading.get_ident) for _ in range(5)}
     assert len(idents) == 1 and threading.get_ident() not in idents
     (helper,) = set(_store_call_threads()) - before
     calls.close()
-    helper.join(2.0)
+    helper.join(30.0)  # a hang guard
     assert not helper.is_alive()
     calls.run(threading.get_ident)  # a call after close starts a new thread
     (again,) = set(_store_call_threads()) - before
@@ -94,13 +112,17 @@ def test_calls_share_one_helper_thread_that_close_ends():
 
 
 def test_a_call_that_blocked_then_returned_frees_the_calls_for_a_new_thread():
-    calls = BoundedCalls(dist.HashStore(), timeout=0.1, gone_after=60.0)
+    # Only the blocked call is under the short bound: the calls that must answer get 30 s (a hang
+    # guard), which a loaded machine's thread start-up and hand-off cannot miss as it could 0.1 s.
+    calls = BoundedCalls(dist.HashStore(), timeout=30.0, gone_after=60.0)
     first = calls.run(threading.get_ident)
     release = threading.Event()
+    calls.timeout = 0.1
     with pytest.raises(StoreTimeout, match="did not answer"):
-        calls.run(release.wait, 5)
+        calls.run(release.wait, 60)  # 60 s: a hang guard; only release or the 0.1 s bound ends it sooner
+    calls.timeout = 30.0
     release.set()
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 20  # a hang guard: a loaded machine may end the blocked call's thread late
     while True:
         try:
             second = calls.run(threading.get_ident)
@@ -113,7 +135,8 @@ def test_a_call_that_blocked_then_returned_frees_the_calls_for_a_new_thread():
 
 
 def test_a_refused_connection_is_gone_at_once_and_other_errors_pass_through():
-    calls = BoundedCalls(dist.HashStore(), timeout=1.0, gone_after=60.0)
+    # The bound (30 s) is a hang guard: each call raises at once, and what it raised is the verdict.
+    calls = BoundedCalls(dist.HashStore(), timeout=30.0, gone_after=60.0)
 
     def refused():
         raise dist.DistNetworkError("Connection reset by peer\nmore")
@@ -223,7 +246,9 @@ def test_statements_are_read_back_by_rank_and_cut_to_their_bound():
 
 def test_a_dead_tcpstore_is_unreachable():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ws = WatchdogStore.connect(f"127.0.0.1:{server.port}", Keys("main"), 2.0, 10.0)
+    # The bounds are hang guards: a live in-process TCPStore's answer (and a c10d connect) has taken
+    # seconds on a loaded machine; a dead one fails at once, and that error is the verdict.
+    ws = WatchdogStore.connect(f"127.0.0.1:{server.port}", Keys("main"), 30.0, 60.0)
     ws.publish_heartbeat(heartbeat(0))
     assert sorted(ws.read_heartbeats([0])) == [0]
     del server  # the server goes away with its object
