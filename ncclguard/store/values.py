@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.codec import decode, encode
+from ncclguard.store.rounds import GRACE_S
 
 __all__ = ["delete_keys", "delete_prefix", "poll_value", "read_value", "write_value"]
 
@@ -99,13 +100,18 @@ def poll_value(
         The value accepted, or None at the deadline.
 
     Raises:
-        StoreUnreachable: the store did not answer by ``deadline``.
+        StoreUnreachable: a read begun before ``deadline`` got no answer by ``deadline`` plus
+            :data:`~ncclguard.store.rounds.GRACE_S`.
         DecodeError: a value that cannot be parsed.
         RuntimeError, DistStoreError: the store failed.
     """
     start = time.monotonic()
+    # Each read may answer up to GRACE_S past the deadline, as a round's last reads may: the last
+    # read of a poll begins a few milliseconds before the deadline, and a store slow for that moment
+    # means "not there by the deadline" (None), not a store that is gone.
+    late = deadline.plus(GRACE_S)
     while True:
-        value = read_value(store, key, model, limit, deadline, what)
+        value = read_value(store, key, model, limit, late, what)
         if value is not None and (accept is None or accept(value)):
             return value
         waited = time.monotonic() - start

@@ -538,6 +538,30 @@ def test_a_deadline_is_one_instant_that_every_wait_shares() -> None:
         Deadline(float("inf"))
 
 
+def test_a_poll_whose_last_read_answers_just_past_the_deadline_ends_with_none() -> None:
+    from ncclguard.store.values import poll_value
+
+    inner = dist.HashStore()
+    deadline = Deadline.within(0.2)
+
+    class SlowAtTheDeadline:
+        """Answers at once, but a read begun in the deadline's last 0.1 s answers 0.05 s after it."""
+
+        def check(self, keys: list[str]) -> bool:
+            if deadline.left() < 0.1:
+                time.sleep(deadline.left() + 0.05)
+            return inner.check(keys)
+
+        def get(self, key: str) -> bytes:
+            return inner.get(key)
+
+    t0 = time.monotonic()
+    # Not there by the deadline: None, not StoreUnreachable (the read is given GRACE_S past it, as a
+    # round's last reads are).
+    assert poll_value(SlowAtTheDeadline(), "v", Point, 100, deadline, "a point") is None  # type: ignore[arg-type]
+    assert 0.2 <= time.monotonic() - t0 < 10.0  # the deadline was waited; the upper bound is a hang guard
+
+
 def test_values_poll_and_delete_on_a_real_store() -> None:
     from ncclguard.store.values import delete_keys, delete_prefix, poll_value, read_value, write_value
 
