@@ -110,7 +110,8 @@ def test_barrier_names_missing_rank_on_every_waiting_rank_and_late_rank_fails_at
         assert b["ok"] is False
         assert b["missing"] == [2]
         assert b["late"] is False
-        assert 2.0 <= b["elapsed"] < 7.5  # hang guard: 3x the 2.5 s (deadline + post-mortem) measured
+        # Hang guard: over 3x the 2.5 s (deadline + post-mortem) loaded runs took; ``missing`` says who.
+        assert 2.0 <= b["elapsed"] < 9.0
         assert b["error_type"] == "BarrierTimeout" and b["error_missing"] == [2]
         assert "ranks [2] did not reach barrier" in b["error"]
         assert b["raised"] == ["BarrierTimeout", True]
@@ -129,8 +130,8 @@ def test_stalled_rank_is_named_within_deadline(stalls):
         s = stalls[r]["stall"]
         assert s["ok"] is False
         assert s["type"] == "CollectiveTimeout" and s["is_timeout_error"] is True
-        # Hang guard: 3x the 2.5 s loaded runs took, and before rank 2 enters at 10 s.
-        assert 2.0 <= s["elapsed"] < 7.5
+        # Hang guard: over 3x the 2.5 s loaded runs took, and before rank 2 enters at 10 s.
+        assert 2.0 <= s["elapsed"] < 9.0
         assert s["missing"] == [2]
         f = s["fields"]
         assert f["op"] == "all_reduce(SUM)" and f["numel"] == 4 and f["dtype"] == "float32"

@@ -60,7 +60,8 @@ def test_side_group_op_gives_up_at_the_deadline_not_at_its_own_timeout(job):
 
 
 def test_lowering_a_gloo_timeout_does_not_reach_an_op_in_flight(job):
-    # Group timeout 4 s, lowered to 1 s 0.3 s after the op started: the op still waits 4 s.
+    # Group timeout 4 s; deadline_timeout entered 0.3 s after the op started, with a deadline 1 s
+    # after the start, lowers it: the op in flight still waits its 4 s.
     assert job[0]["eval_group"]["inflight_op_elapsed_s"] >= 3.5
 
 

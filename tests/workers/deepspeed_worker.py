@@ -193,17 +193,25 @@ def eval_group_checks(rank: int) -> dict:
     dist.barrier()  # the world group is untouched by the side group's failure
     res["world_ok_after"] = True
 
-    # Why the refresh thread: lowering the timeout of a group does not reach an op in flight. The
-    # patch of a live group's timeout is what this check is about (torch's behaviour), not a setting.
+    # Why deadline_timeout must be entered before the ops it bounds: entered 0.3 s after an op
+    # started, with a deadline 1 s after the start, it lowers the group's timeout, and the op in
+    # flight keeps the 4 s it started with (torch reads a group's timeout when an op starts).
     fixed = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
     start = time.monotonic()
     if rank == 0:
-        threading.Timer(0.3, c10d._set_pg_timeout, args=(timedelta(seconds=1), fixed)).start()
+
+        def too_late() -> None:
+            with deadline_timeout(fixed, Deadline(start + 1.0)):
+                pass
+
+        later = threading.Timer(0.3, too_late)
+        later.start()
         try:
             dist.all_reduce(torch.ones(1), group=fixed)
         except RuntimeError:
             pass
         res["inflight_op_elapsed_s"] = time.monotonic() - start
+        later.join()
     else:
         time.sleep(4.5)
     dist.barrier()
