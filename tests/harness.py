@@ -14,15 +14,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
 from ncclguard.testing.launch import spawn
 
+T = TypeVar("T")
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).parent.parent
 
@@ -45,6 +46,26 @@ class Job:
                 f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}"
             )
         return self.results[rank]
+
+
+def wait_for(ready: Callable[[], T], bound_s: float, what: str, every_s: float = 0.005) -> T:
+    """Polls ``ready()`` until it returns something truthy, and returns that: a test orders its
+    threads and processes by what happened, not by how fast a loaded machine ran them.
+
+    Args:
+        ready: the condition (or the value waited for).
+        bound_s: a hang guard, not a speed target.
+        what: what is waited for, in words, for the failure.
+        every_s: the pause between looks.
+
+    Raises:
+        AssertionError: nothing truthy within ``bound_s``.
+    """
+    end = time.monotonic() + bound_s
+    while not (got := ready()):
+        assert time.monotonic() < end, f"hang guard: no {what} within {bound_s} s"
+        time.sleep(every_s)
+    return got
 
 
 def _kill_job(proc: subprocess.Popen) -> None:

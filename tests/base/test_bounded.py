@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from harness import wait_for
 
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
@@ -49,8 +50,6 @@ def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
     # Once the stuck call returns, the store is used again.
     store.release.set()
     # Until the stuck call has returned: polled, not a sleep a loaded machine may outlast (hang guard 30 s).
-    helper, give_up = helper_for(store), time.monotonic() + 30
-    while helper.busy():
-        assert time.monotonic() < give_up, "the released call never returned"
-        time.sleep(0.005)
+    helper = helper_for(store)
+    wait_for(lambda: not helper.busy(), 30, "return of the released call")
     assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(30.0)) == 7

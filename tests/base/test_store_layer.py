@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard.deadlines import Deadline
@@ -187,15 +187,6 @@ def run_ranks(fn: Any, ranks: dict[int, float]) -> dict[int, Any]:
     return out
 
 
-def wait_until(ready: Callable[[], bool], hang_s: float = 30.0) -> None:
-    """Polls ``ready`` until it is true: orders the threads of a test by what happened, not by how
-    fast they ran; ``hang_s`` is a hang guard."""
-    give_up = time.monotonic() + hang_s
-    while not ready():
-        assert time.monotonic() < give_up, "hang guard: the condition never came"
-        time.sleep(0.005)
-
-
 def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
     store = dist.HashStore()
     keys = RoundKeys("test/all")
@@ -228,7 +219,7 @@ def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
         # itself in, and its 0.3 s deadline settles the round with both there.
         if r == 1:
             return rank(1, 30)
-        wait_until(lambda: store.check([keys.count]))
+        wait_for(lambda: store.check([keys.count]), 30, "rank 1 counted in")
         return rank(0, 0.3)
 
     t0 = time.monotonic()
@@ -260,7 +251,9 @@ def test_the_outcome_is_settled_once_when_several_ranks_give_up():
         # have counted themselves in, and settles once both have given up too; they try to settle
         # their words only after rank 0 has settled its own.
         if r == 0:
-            wait_until(lambda: store.check([keys.count]) and store.add(keys.count, 0) == 2)
+            wait_for(
+                lambda: store.check([keys.count]) and store.add(keys.count, 0) == 2, 30, "ranks 1 and 2 counted in"
+            )
 
         def given_up(peek: Peek) -> str:
             if r == 0:
@@ -357,7 +350,7 @@ def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
         # itself in, and its 0.3 s deadline settles the round with both there.
         if r == 2:
             return rank(2, 30)
-        wait_until(lambda: store.check([keys.count]))
+        wait_for(lambda: store.check([keys.count]), 30, "rank 2 counted in")
         return rank(0, 0.3)
 
     out = run_ranks(first_round, {0: 0.0, 2: 0.0})

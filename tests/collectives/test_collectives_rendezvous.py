@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 
 from ncclguard.collectives import rendezvous
 from ncclguard.collectives.barrier import BarrierResult
@@ -153,10 +154,9 @@ def test_a_thread_waiting_in_a_round_does_not_hold_up_another_threads_round():
     waiting.start()
     # Thread 1 has counted itself in (its wait comes next): polled, not a sleep a loaded machine may
     # outlast; through the server's own connection, which no thread's wait can hold up.
-    give_up, seen = time.monotonic() + 30, dist.PrefixStore("A", server)  # a hang guard
-    while not seen.check([round_keys("r/alone").count]):
-        assert time.monotonic() < give_up and waiting.is_alive() and errors == [], errors
-        time.sleep(0.005)
+    seen = dist.PrefixStore("A", server)
+    wait_for(lambda: seen.check([round_keys("r/alone").count]) or errors, 30, "count of the lonely round")
+    assert errors == [], errors
     t0 = time.monotonic()
     results = _together(pair, "r/pair")
     took = time.monotonic() - t0

@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from harness import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,13 +127,11 @@ def test_asleep_is_stuck_busy_and_saving_are_moving_and_too_few_samples_are_unkn
 
 def _until_status(pid: int, stopped: bool) -> None:
     """Waits until the kernel says process ``pid`` is stopped (or not): a signal takes effect once the
-    process runs, which a loaded machine may delay past any fixed sleep. 30 s: a hang guard."""
+    process runs, which a loaded machine may delay past any fixed sleep."""
     import psutil
 
-    give_up = time.monotonic() + 30
-    while (psutil.Process(pid).status() == psutil.STATUS_STOPPED) != stopped:
-        assert time.monotonic() < give_up, f"hang guard: process {pid} never {'stopped' if stopped else 'resumed'}"
-        time.sleep(0.01)
+    is_stopped = lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED  # noqa: E731
+    wait_for(lambda: is_stopped() == stopped, 30, f"process {pid} {'stopped' if stopped else 'resumed'}")
 
 
 def test_a_stopped_process_is_stuck_from_proc_and_a_gone_one_too():

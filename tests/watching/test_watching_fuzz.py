@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,13 +53,6 @@ PATIENCE_S = 60.0  # how long `patient` retries a slow store
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def heartbeat(rank: int, beat: int, **extra: object) -> Heartbeat:
