@@ -85,6 +85,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -109,11 +110,22 @@ WATCHDOG = {"heartbeat_s": 0.5, "hang_timeout_s": 2.0, "escalate_after_s": 1.0, 
 # ------------------------------------------------------------------------------------ rank side
 
 
+SIZE: dict[str, float | None] = {"params_m": None}  # --params-m, set once in main() (ranks read it in _model)
+
+
 def _model() -> Any:
     import torch
 
     torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    target = SIZE["params_m"]
+    if not target:  # the drill's tiny model: the figures of docs/recovery.md before --params-m
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    # --params-m: two square layers hold almost all of it (2 W^2), as a transformer's blocks do
+    width = max(64, int(math.sqrt(target * 1e6 / 2)) // 64 * 64)
+    layers: list[Any] = [torch.nn.Linear(16, width)]
+    for _ in range(2):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(width, width)]
+    return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(width, 1)).double()
 
 
 def _batch(step: int, launch_rank: int) -> tuple[Any, Any]:
@@ -707,8 +719,8 @@ def _restored(res: Any) -> dict[str, Any] | None:
 
 
 def _memory(keeper: Any) -> dict[str, Any] | None:
-    """The host memory this rank's snapshots hold at the end: its own (two) and the replicas it
-    keeps for its sources (two each), in bytes, from the snapshots' manifests."""
+    """The host memory this rank's snapshots hold at the end: its own and the replicas it keeps for
+    its sources (``snapshot_keep`` of each, one by default), in bytes, from the snapshots' manifests."""
     if keeper is None:
         return None
     own = [s.manifest.nbytes for s in keeper.own]
@@ -1046,6 +1058,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *("--out", str(out), "--framework", args.framework),
         *(["--defaults"] if args.defaults else []),
         *(["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every is not None else []),
+        *(["--params-m", str(args.params_m)] if args.params_m else []),
     ]
     restarts = ["--max-restarts", "100"] if mode in ("restart", "disk") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -1207,11 +1220,17 @@ def main(argv: list[str] | None = None) -> int:
         help="fsdp2, deepspeed: a snapshot every this many steps (default: the engine's K)",
     )
     p.add_argument("--launch-timeout", type=float, default=1200.0, help="hang guard of each launch")
+    p.add_argument(
+        "--params-m",
+        type=float,
+        help="model size in millions of parameters (float64; two square layers hold them); default: the tiny model",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")
     p.add_argument("--rank-mode", choices=MODES, help=argparse.SUPPRESS)  # a rank of a launch
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    SIZE["params_m"] = args.params_m
     if args.rank_mode is not None:
         args.script_at = time.time()  # a rank's first line (a restarted one's: after its imports)
         import logging

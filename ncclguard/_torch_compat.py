@@ -32,6 +32,9 @@ __all__ = [
     "backend_timeout_reader",
     "default_group",
     "default_store",
+    "ddp_bucket_parameters",
+    "ddp_buckets_rebuilt",
+    "ddp_initial_buckets",
     "ddp_update_process_group",
     "init_stand_in_group",
     "dump_flight_recorder",
@@ -76,6 +79,9 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "torch.distributed.nn.functional defaults": (2, 0),
     "torch.testing._internal.distributed.fake_pg": (2, 2),
     "torch.utils.data.dataloader._BaseDataLoaderIter": (2, 0),
+    "Reducer._get_zeros_like_grad_buckets": (2, 0),
+    "DistributedDataParallel._has_rebuilt_buckets": (2, 0),
+    "torch.distributed._compute_bucket_assignment_by_size": (2, 0),
 }
 
 
@@ -359,6 +365,83 @@ def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> 
     if not callable(update):
         raise _missing("DistributedDataParallel._update_process_group")
     update(group)
+
+
+def ddp_bucket_parameters(ddp: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """The parameters of each gradient bucket of a ``DistributedDataParallel``, in the order its
+    reducer all-reduces the buckets, each bucket's in the order of its flat buffer.
+
+    ``Reducer._get_zeros_like_grad_buckets`` (private; DDP's join hook uses it) returns the
+    reducer's current buckets as ``GradBucket`` objects, each holding a zero tensor shaped like the
+    bucket's buffer: memory the size of the gradients, for the moment of the call only.
+
+    Raises:
+        TorchCompatError: this torch has no such method, or ``ddp`` has no reducer.
+    """
+    api = "Reducer._get_zeros_like_grad_buckets"
+    _gate(api)
+    read = getattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if not callable(read):
+        raise _missing(api)
+    return [list(bucket.parameters()) for bucket in read()]
+
+
+def ddp_buckets_rebuilt(ddp: torch.nn.Module) -> bool:
+    """Whether a ``DistributedDataParallel`` has rebuilt its gradient buckets: with
+    ``find_unused_parameters=False`` it does so once, in the forward after its first backward, in
+    the order that backward's gradients became ready (``DistributedDataParallel._has_rebuilt_buckets``,
+    private).
+
+    Raises:
+        TorchCompatError: this torch keeps no such flag.
+    """
+    api = "DistributedDataParallel._has_rebuilt_buckets"
+    _gate(api)
+    value = getattr(ddp, "_has_rebuilt_buckets", None)
+    if not isinstance(value, bool):
+        raise _missing(api)
+    return value
+
+
+@contextmanager
+def ddp_initial_buckets(buckets: list[list[torch.Tensor]]) -> Iterator[None]:
+    """Inside the block, a ``DistributedDataParallel`` built over exactly the parameters of
+    ``buckets`` starts with those gradient buckets instead of its first layout (one bucket per
+    dtype and device, with ``find_unused_parameters=False``).
+
+    DDP's constructor takes its first layout from ``torch.distributed._compute_bucket_assignment_by_size``
+    (private) and hands the reducer that list reversed (``_ddp_init_helper``; run here on torch
+    2.13, and 2.11 with CUDA); inside the block that function answers, for this parameter list,
+    ``buckets`` in that form. Any other call goes to torch's own. Read the wrapper's buckets after building it
+    (:func:`ddp_bucket_parameters`) to see that it took them.
+
+    Args:
+        buckets: the parameters of each bucket, in the order the reducer is to all-reduce them,
+            each bucket's in the order of its buffer.
+
+    Raises:
+        TorchCompatError: this torch has no such function.
+    """
+    api = "torch.distributed._compute_bucket_assignment_by_size"
+    _gate(api)
+    torch_own = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if not callable(torch_own):
+        raise _missing(api)
+    wanted = sorted(id(p) for bucket in buckets for p in bucket)
+
+    def assign(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if sorted(id(t) for t in tensors) != wanted:
+            return torch_own(tensors, *args, **kwargs)
+        at = {id(t): i for i, t in enumerate(tensors)}
+        indices = [[at[id(p)] for p in bucket] for bucket in buckets]
+        limits = [sum(p.numel() * p.element_size() for p in bucket) for bucket in buckets]
+        return indices[::-1], limits[::-1]  # DDP reverses both for its reducer
+
+    setattr(dist, "_compute_bucket_assignment_by_size", assign)  # noqa: B010 - a private name, put back below
+    try:
+        yield
+    finally:
+        setattr(dist, "_compute_bucket_assignment_by_size", torch_own)  # noqa: B010
 
 
 def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:

@@ -27,7 +27,10 @@ __all__ = [
     "EvaluationFailed",
     "RebuildFailed",
     "CommitFailed",
+    "LoopDiverged",
     "HealFailed",
+    "SnapshotRefused",
+    "SnapshotDamaged",
     "NoRoute",
     "BadInterface",
     "MemoryRefused",
@@ -220,6 +223,12 @@ class CommitFailed(NcclGuardError):
         self.reasons = dict(reasons or {})
 
 
+class LoopDiverged(CommitFailed):
+    """The ranks' loops are at different steps, which no rebuild can mend: typically a restore
+    sent every rank back to a snapshot's step and a loop written ``for step in range(...)`` went
+    on from where it was. Raised on every rank at the commit that shows it."""
+
+
 class HealFailed(NcclGuardError):
     """:func:`ncclguard.heal_from_peer` did not give the restarted ranks their state: a refusal
     (shapes, dtypes or sizes that do not match), a chunk past the deadline, or a failed group.
@@ -232,6 +241,15 @@ class HealFailed(NcclGuardError):
     def __init__(self, message: str, *, refused_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.refused_ranks = list(refused_ranks or [])
+
+
+class SnapshotRefused(HealFailed):
+    """A snapshot's receiver refused its manifest (it does not fit the state held there): the
+    sender was told and sent no payload; nothing was kept."""
+
+
+class SnapshotDamaged(HealFailed):
+    """A snapshot's bytes do not match their digest (damaged in memory or on the way)."""
 
 
 class NoRoute(NcclGuardError, LookupError):

@@ -60,6 +60,7 @@ from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery._step.bound import StepBound
 from ncclguard.recovery._step.fence import arm_left_behind_fence
+from ncclguard.recovery._step.loop_check import diverged, not_rewound
 from ncclguard.recovery._step.step_state import StepState
 from ncclguard.recovery._step.timing import StepTiming
 from ncclguard.recovery.commit import CommitResult, should_commit
@@ -252,7 +253,15 @@ class Recovery:
         codec = adapter.state_codec() if options.heal else None
         # Sharded state: snapshots of this rank's own state, replicated on a buddy (no disk).
         self.keeper: Keeper | None = (
-            Keeper(codec, every=options.snapshot_every, timeout_s=options.heal_timeout_s) if codec is not None else None
+            Keeper(
+                codec,
+                every=options.snapshot_every,
+                timeout_s=options.heal_timeout_s,
+                keep=options.snapshot_keep,
+                spares=options.snapshot_spares,
+            )
+            if codec is not None
+            else None
         )
         self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
         install_handler()
@@ -369,6 +378,10 @@ class Recovery:
             carried = None  # a different step: the one left by Reenter is not coming back
         tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next, carried=carried)
         self._open, self._redo_next = tx, False
+        if self.rewind_to is not None and step is not None:  # the loop's step after every rank went back
+            if step != self.rewind_to:
+                tx.failure = not_rewound(step, self.rewind_to)  # stated at the commit: every rank learns it
+            self.rewind_to = None
         if self.keeper is not None:
             self._snapshot(tx)
         self.bound.arm()
@@ -540,6 +553,8 @@ class Transaction(Generic[T]):
             Reenter: the adapter's framework must enter its loop again at this step (the
                 transaction is carried to the next :meth:`Recovery.begin` of it).
             RebuildFailed: this rank was left out of the rebuilt world and ``left_out="raise"``.
+            LoopDiverged: the ranks passed different step numbers (a loop that did not go back
+                with a restore), on every rank.
         """
         opts = self.engine.options
         tally, first = self._tally()
@@ -553,6 +568,10 @@ class Transaction(Generic[T]):
                 tally.clock.lap("commit")
                 if res:
                     return self._committed(res, attempt, tally)
+                loop = diverged(res)
+                if loop is not None:  # a rebuild cannot mend it: every rank stops with the fix
+                    log.critical("%s: %s", self.engine.adapter.name, loop)
+                    raise loop
                 error = res.error or CommitFailed(f"step {self.number}'s commit failed")
                 if attempt == opts.max_attempts or redo is None:
                     break

@@ -55,6 +55,8 @@ class RecoveryKeywords(TypedDict, total=False):
     heal_chunk_bytes: int
     left_out: LeftOut
     snapshot_every: int | None
+    snapshot_keep: int
+    snapshot_spares: bool
     preempt_dir: str | os.PathLike[str] | None
 
 
@@ -91,6 +93,10 @@ class RecoveryOptions(BaseModel):
         left_out: ``"exit"`` (status 0) or ``"raise"`` for a rank the others went on without.
         snapshot_every: sharded state with ``heal``: a snapshot every this many steps; None: as
             often as keeps them under 2% of the step time (docs/recovery.md, "Sharded state").
+        snapshot_keep: snapshots kept of a rank's own state and of each replica, 1 (its state twice
+            in host memory) or 2 (four times; a restore can fall back to the one before).
+        snapshot_spares: keep the buffers a committed snapshot frees for the next take: takes copy
+            at memory speed, for twice the host memory.
         preempt_dir: where every rank writes its framework's checkpoint when the job is told to
             stop (SIGTERM; :mod:`ncclguard.recovery.preempt`): the option, else the variable
             ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
@@ -111,6 +117,8 @@ class RecoveryOptions(BaseModel):
     heal_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1)
     left_out: LeftOut = "exit"
     snapshot_every: int | None = Field(None, ge=1)
+    snapshot_keep: int = Field(1, ge=1, le=2)
+    snapshot_spares: bool = False
     # Validated when left out too: the default is read from NCCLGUARD_PREEMPT_DIR, which may name a file.
     preempt_dir: Path | None = Field(None, validate_default=True)
 
@@ -122,7 +130,7 @@ class RecoveryOptions(BaseModel):
             return None
         return to_seconds(value, keyword)  # TypeError, or ValueError: not a positive, finite duration
 
-    @field_validator("allow_shrink", "heal", mode="before")
+    @field_validator("allow_shrink", "heal", "snapshot_spares", mode="before")
     @classmethod
     def _flag(cls, value: Any, info: ValidationInfo) -> bool:
         # A TypeError leaves pydantic as it is: the same error type the hand checks raised.
@@ -152,6 +160,13 @@ class RecoveryOptions(BaseModel):
                 f"snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {value!r}"
             )
         return value if value is None else int(value)
+
+    @field_validator("snapshot_keep", mode="before")
+    @classmethod
+    def _keep(cls, value: Any) -> int:
+        if value not in (1, 2) or isinstance(value, bool):
+            raise ValueError(f"snapshot_keep must be 1 or 2 (snapshots kept of each), got {value!r}")
+        return int(value)
 
     @field_validator("left_out", mode="before")
     @classmethod

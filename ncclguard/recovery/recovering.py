@@ -37,7 +37,9 @@ from typing import Any, Unpack
 import torch
 import torch.distributed as dist
 
-from ncclguard.recovery._step.step_state import load_scheduler
+from ncclguard._log import log
+from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, share_layout, wrap_in_layout
+from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult
@@ -85,7 +87,10 @@ class RecoveringStep(Adapter):
         module: the model, unwrapped (it is wrapped again after each rebuild).
         optimizer: its optimizer (stepped only after a commit that is ok).
         wrap: builds the wrapped model on the current default group; default
-            ``DistributedDataParallel(module)`` (the module itself without a process group).
+            ``DistributedDataParallel(module)`` (the module itself without a process group),
+            which after a rebuild starts in the gradient buckets the old wrapper had rebuilt, so
+            that a redone step sums as the run without the fault did (docs/recovery.md,
+            "Bit-equality and DDP's buckets").
             A wrap that calls :func:`~ncclguard.record_ddp` puts DDP's all-reduces in the flight
             recorder; a step redone with a comm hook can then differ from the fault-free run in
             the last bit (see docs/recovery.md). For FSDP2,
@@ -150,11 +155,14 @@ class RecoveringStep(Adapter):
         self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
         self._model: torch.nn.Module | None = None
         self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
+        self._wrapper_steps = 0  # steps committed on the current wrapper
         self.engine = Recovery(self, options)
         self.healed: HealResult | Restored | None = self.engine.join_if_restarted()
         self.resume_step: int | None = self.healed.step if self.healed is not None else None
         if self._model is None:  # a restarted rank with sharded state wrapped on joining
-            self._model = self._wrapped()
+            # Healed: the survivors are re-wrapping, and this wrapper takes their bucket layout.
+            healed_from = self.healed.source if isinstance(self.healed, HealResult) else None
+            self._model = self._wrapped(layout_from=healed_from)
 
     # ------------------------------------------------------------------------ the adapter's part
 
@@ -181,6 +189,32 @@ class RecoveringStep(Adapter):
             restore_extra=lambda state: load_scheduler(sched, state),
         )
 
+    def heal_extra(self) -> dict[str, Any]:
+        """On the live rank that heals a restarted one (DDP): the LR scheduler's state and the
+        generators as the step found them, which the restarted rank's redo starts from."""
+        tx = self.engine._open  # the failed step's transaction: its generators as the step found them
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "generators": generators_to_send(tx.kept) if tx is not None else None,
+        }
+
+    def on_healed(self, result: HealResult) -> None:
+        """On the restarted rank: takes the scheduler's state and the generators the live peer sent.
+
+        The generators are the peer's: the restarted rank's redo draws what it drew when every
+        rank's generators are the same at a step (one seed on every rank, as the HF Trainer and
+        Accelerate set it). A seed per rank cannot be recovered from a peer (docs/recovery.md).
+        """
+        extra = result.extra if isinstance(result.extra, dict) else {}
+        if self.scheduler is not None:
+            state = extra.get("scheduler")
+            if state is None:
+                log.warning("RecoveringStep: the live peer sent no scheduler state (scheduler= on every rank?)")
+            else:
+                load_scheduler(self.scheduler, state)
+        if extra.get("generators") is not None:
+            restore_sent_generators(extra["generators"])
+
     def keep(self) -> bool | None:
         """DDP's ``require_forward_param_sync`` as the step found it: whether the next forward
         broadcasts the buffers. A failed attempt's forwards change it on some ranks only (a rank
@@ -204,14 +238,23 @@ class RecoveringStep(Adapter):
 
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The model wrapped again on the new world (FSDP2: a new module, holding this rank's shards)."""
+        # The wrapper built here reduces its first backward in the old one's gradient buckets (read
+        # now, before it goes), as the run without the fault did: docs/recovery.md, "Bit-equality
+        # and DDP's buckets".
+        layout = kept_layout(self._model, self._wrapper_steps) if self._wrap is None else None
         # The old wrapper goes first, while the reaper still holds the abandoned groups: freeing a
         # group's last reference on this thread could wait for gloo to give up its ops.
         self._model = None
+        self._wrapper_steps = 0
         if isinstance(self._wrap, FSDP2):
             self.module = self._wrap.again(self.module, self.optimizer)
             self._model = self.module
         else:
-            self._model = self._wrapped()
+            # The layout of the rank that sends the heal (the lowest that did not join): a restarted
+            # rank, wrapping in its constructor, takes it from the same rank.
+            joined = set(rebuilt.joined_ranks)
+            source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
+            self._model = self._wrapped(layout_from=source, layout=layout)
             if not rebuilt.joined_ranks:  # a restarted rank's wrapper is new: every rank's starts as its does
                 self._put_forward_sync()
 
@@ -220,7 +263,15 @@ class RecoveringStep(Adapter):
         ``dcp.load`` and ``set_state_dict``; docs/recovery.md, "Preemption")."""
         return save_dcp(self.model, self.optimizer, directory / f"step-{step}", step)
 
-    def _wrapped(self) -> torch.nn.Module:
+    def _wrapped(self, layout_from: int | None = None, layout: Layout | None = None) -> torch.nn.Module:
+        """The model wrapped on the current world.
+
+        Args:
+            layout_from: after a rebuild, the rank whose old DDP gradient buckets every rank's new
+                wrapper takes for its first backward (every rank passes the same; None: a first
+                wrap, nothing is exchanged).
+            layout: this rank's old buckets (:func:`kept_layout`), or None.
+        """
         if isinstance(self._wrap, FSDP2):
             return self._wrap.first(self.module, self.optimizer)
         if self._wrap is not None:
@@ -229,7 +280,9 @@ class RecoveringStep(Adapter):
             return self.module
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(self.module)
+        if layout_from is None:
+            return DistributedDataParallel(self.module)
+        return wrap_in_layout(self.module, share_layout(layout, layout_from, self.module))
 
     # ------------------------------------------------------------------------ the user's part
 
@@ -269,6 +322,7 @@ class RecoveringStep(Adapter):
         res = tx.settle(lambda: step_fn(self.model))
         if res:
             self.optimizer.step()
+            self._wrapper_steps += 1
         return res
 
     def steps(self, stop: int, start: int = 0) -> Iterator[int]:

@@ -58,7 +58,8 @@ def test_a_stalled_step_is_redone_and_a_killed_rank_heals_from_its_buddy_bit_equ
             [s, 2] for s in range(2, STEPS)
         ]
         assert res["recoveries"] == [[STALL_AT, 2, 1, []]]
-        assert res["rewind_to"] == SNAPSHOT and res["resume_step"] is None
+        # The engine went back to SNAPSHOT (the batches seen above); the step Lightning began there consumed it.
+        assert res["rewind_to"] is None and res["resume_step"] is None
     back = job[1]
     assert back["life"] == 1 and back["resume_step"] == SNAPSHOT
     assert [s[:2] for s in back["seen"]] == [[s, 2] for s in range(SNAPSHOT, STEPS)]

@@ -172,3 +172,33 @@ def test_a_scheduler_loaded_from_memory_puts_its_rate_back_into_the_optimizer() 
     assert opt.param_groups[0]["lr"] == 5e-5  # torch's load restores the counters only
     load_scheduler(again, saved)
     assert opt.param_groups[0]["lr"] == rate and again.last_epoch == 43
+
+
+def test_a_loop_that_does_not_go_back_with_a_restore_is_told_the_line_to_write(parts):
+    """After a restore sent every rank back to a snapshot's step (the engine's ``rewind_to``, set
+    by the restore in tests/recovery/test_sharded_heal_multirank.py), a loop that passes another
+    step ends at that step's commit, with the fix, and is not rebuilt or redone."""
+    from ncclguard.errors import LoopDiverged
+
+    module, opt = parts
+    stepper = RecoveringStep(module, opt)
+    runs: list[int] = []
+
+    def step_fn(model: torch.nn.Module) -> None:
+        runs.append(1)
+        model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+
+    assert stepper(step_fn, step=6)
+    stepper.engine.rewind_to = 3  # every rank went back to step 3; a range() loop goes on to 7
+    with pytest.raises(
+        LoopDiverged,
+        match=r"rank 0 the caller reported: LoopDiverged: this rank's loop passed step=7 after every rank went back to step 3",
+    ) as caught:
+        stepper(step_fn, step=7)
+    assert "for step in stepper.steps(STOP):" in str(caught.value)
+    assert (caught.value.failed_ranks, len(runs)) == ([0], 1)  # step 7 neither run nor redone
+    assert stepper.engine.rewind_to is None and stepper.recoveries == []
+    assert stepper(step_fn, step=8)  # a loop that goes on rightly is not held back
+    # The loop that follows: steps() goes back, and passes the step it went back to.
+    stepper.engine.rewind_to = 5
+    assert list(zip(range(3), stepper.steps(20, start=9), strict=False)) == [(0, 9), (1, 5), (2, 6)]

@@ -38,6 +38,8 @@ def given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "heal_chunk_bytes": 1 << 20,
         "left_out": "raise",
         "snapshot_every": 7,
+        "snapshot_keep": 2,
+        "snapshot_spares": True,
         "preempt_dir": tmp_path / "ck",
     }
 
@@ -104,6 +106,8 @@ def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, An
         ({"heal_chunk_bytes": True}, ValueError, "heal_chunk_bytes must be a positive int, got True"),
         ({"max_attempts": 2.0}, ValueError, "max_attempts must be an int of at least 1, got 2.0"),
         ({"snapshot_every": 0}, ValueError, "snapshot_every must be None .* or an int of at least 1"),
+        ({"snapshot_keep": 3}, ValueError, "snapshot_keep must be 1 or 2 .*, got 3"),
+        ({"snapshot_spares": 1}, TypeError, "snapshot_spares must be True or False, got 1"),
         ({"left_out": "stay"}, ValueError, "left_out must be 'exit' or 'raise', got 'stay'"),
     ]:
         with pytest.raises(error, match=said):

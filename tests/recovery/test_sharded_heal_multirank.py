@@ -1,12 +1,15 @@
 """Sharded state survives a lost rank: FSDP2 ranks killed and restored from the in-memory snapshots
 their buddies hold, bit-equal to a fault-free run, on real gloo ranks under ncclguard's launcher
-with a restart policy.
+with a restart policy. The model holds 2.2M float32 parameters (four Linear layers 1024 wide, with
+dropout), Adam and an LR schedule: a size where a bound with fixed slack no longer hides a bug.
 
 Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank killed by SIGKILL:
-``kill`` 3 ranks, a snapshot every 2 steps: a fault-free FSDP2 run of 6 steps (the reference), then the same
-    run, numbered on from 6, in which rank 1 SIGKILLs itself at step 9; the survivors roll back to the snapshot
-    of step 8, the restarted rank gets its shards from its buddy (rank 2), every rank ends bit-equal to the
-    reference; then a replica that does not fit rank 1's module is refused on every rank.
+``kill`` 3 ranks, a snapshot every 2 steps, two kept: a fault-free FSDP2 run of 6 steps (the reference), then
+    the same run, numbered on from 6, in which rank 1 SIGKILLs itself inside its take of step 10; that take
+    commits nowhere, step 10 fails, the survivors roll back to the committed snapshot of step 8, the restarted
+    rank gets its shards from its buddy (rank 2), every rank ends bit-equal to the reference; then a replica
+    that does not fit rank 1's module is refused on every rank at its manifest, and a damaged replica makes
+    every rank fall back to the step before, bit-equal to the reference's state there.
 ``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), a snapshot every step, the
     same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
     their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
@@ -20,7 +23,8 @@ from harness import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-STEPS, K, BASE = 6, 3, 6  # the worker's: the faulty run's steps are BASE + step, the kill at step K
+STEPS, K, BASE = 6, 3, 6  # the worker's: the faulty run's steps are BASE + step, the host's kill at step K
+KILL_TAKE = 4  # the worker's: kill, rank 1 dies in its take of step BASE + 4
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +49,20 @@ def restore_parts(nbytes: int) -> dict:
     return {"names": PHASES, "within": True, "bytes": nbytes}
 
 
-def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(kill_job):
+def test_a_rank_killed_in_a_take_leaves_the_committed_snapshots_and_every_rank_ends_bit_equal(kill_job):
     assert [(r.rank, r.count, r.returncode) for r in kill_job.restarts] == [(1, 1, -9)]
-    # A snapshot every 2 steps from BASE: the newest at the kill (step BASE+K) is of step BASE+K-1.
-    back = BASE + K - 1
+    # Takes at BASE, BASE+2, BASE+4: the one of BASE+4 never committed, so the newest everyone holds is BASE+2.
+    back, failed = BASE + KILL_TAKE - 2, BASE + KILL_TAKE
     sent = kill_job[1]["restore_parts"]["bytes"]  # rank 1's replica, as rank 2 sent it and rank 1 received it
-    assert sent > 0 and kill_job[1]["restore_parts"] == restore_parts(sent)
+    assert sent > 8 << 20  # its shards of 2.2M parameters with Adam's moments: far over a fresh model's bound
+    assert kill_job[1]["restore_parts"] == restore_parts(sent)
     for r, role in ((0, "survivor"), (2, "holder")):  # rank 1's replica is on rank 2 (one host: the next rank)
         res = kill_job[r]
         assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
         steps = res["results"]
-        assert steps[:K] == [clean(BASE + s, 0) for s in range(K)]
-        assert steps[K] == {
-            "step": BASE + K,
+        assert steps[:KILL_TAKE] == [clean(BASE + s, 0) for s in range(KILL_TAKE)]
+        assert steps[KILL_TAKE] == {
+            "step": failed,
             "ok": False,
             "attempts": 1,
             "generation": 1,
@@ -68,7 +73,7 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
             # where the rolled-back step's seconds went (StepResult.timings)
             "timings": ["attempt", "commit", "heal", "rebuild", "rewrap"],
         }
-        assert steps[K + 1 :] == [clean(s, 1) for s in range(back, BASE + STEPS)]
+        assert steps[KILL_TAKE + 1 :] == [clean(s, 1) for s in range(back, BASE + STEPS)]
     res = kill_job[1]
     assert (res["life"], res["resume_step"]) == (1, back)
     assert res["restored"] == {"ok": True, "role": "receiver", "step": back, "rolled_back": False, "holders": {"1": 2}}
@@ -82,12 +87,35 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
 
 
 def test_a_snapshot_that_does_not_fit_the_module_is_refused_on_every_rank_and_nothing_is_copied(kill_job):
+    # After the run every rank keeps two snapshots: each is refused at its manifest. The take after the
+    # restore is forced (the redo of step 8 takes none: step 9), then every 2 steps: 9 and 11.
+    older, newest = kill_job[0]["held"]
+    assert (older, newest) == (BASE + KILL_TAKE - 1, BASE + STEPS - 1)
     for r, role in ((0, "survivor"), (1, "receiver"), (2, "holder")):
         refused = kill_job[r]["refused"]
         assert (refused["ok"], refused["role"], refused["refused_ranks"]) == (False, role, [1])
-        assert refused["error"].startswith(f"rank(s) 1 refused the snapshot of step {BASE + STEPS - 1}")
-    assert "the snapshot's tensors do not name this module's" in kill_job[1]["refused"]["error"]
+        assert refused["error"].startswith(f"rank(s) 1 refused the snapshot of step {older}")
+        assert refused["error"].endswith(f"(step(s) [{older}, {newest}] refused))")
+    # rank 1's shard of the first layer (1024 rows over 3 ranks), against the other module's whole weight
+    assert "p:0.weight is float32[342, 64] in the replica and float32[9, 64] here" in kill_job[1]["refused"]["error"]
     assert kill_job[1]["untouched"] is True
+
+
+def test_a_damaged_replica_makes_every_rank_fall_back_to_the_step_before(kill_job):
+    older, newest = kill_job[0]["held"]
+    for r, role, rolled in ((0, "survivor", True), (1, "receiver", False), (2, "holder", True)):
+        if r != 1:
+            assert kill_job[r]["held"] == [older, newest]
+        damaged = kill_job[r]["damaged"]
+        assert damaged == {
+            "ok": True,
+            "role": role,
+            "step": older,
+            "rolled_back": rolled,
+            "holders": {"1": 2},
+            "error": None,
+        }
+        assert kill_job[r]["equal_to_reference_at_back"] is True  # the state of that step, bit for bit
 
 
 def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_job):

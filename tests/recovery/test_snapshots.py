@@ -13,8 +13,18 @@ from hypothesis import strategies as st
 
 from ncclguard.errors import HealFailed
 from ncclguard.recovery.options import recovery_options
-from ncclguard.recovery.snapshots.keeper import Keeper
-from ncclguard.recovery.snapshots.packing import Snapshot, pack, read_manifest, unpack
+from ncclguard.recovery.snapshots.keeper import SLOTS, Keeper
+from ncclguard.recovery.snapshots.packing import (
+    Manifest,
+    Snapshot,
+    admit_fresh,
+    admit_peer,
+    consistent,
+    digest,
+    pack,
+    read_manifest,
+    unpack,
+)
 from ncclguard.recovery.snapshots.placement import buddies, sources
 from ncclguard.recovery.snapshots.restore import choose
 from ncclguard.recovery.snapshots.state import ModuleState
@@ -44,27 +54,42 @@ def test_a_replica_is_never_on_its_own_rank_nor_on_its_own_host_when_there_is_an
 
 
 def holdings(own: list[int], replicas: dict[int, list[int]], size: int) -> list[int]:
-    out = [-1, -1] + [-1, -1] * size
+    out = [-1] * (SLOTS * (1 + size))
     out[: len(own)] = own
     for src, steps in replicas.items():
-        out[2 + 2 * src : 2 + 2 * src + len(steps)] = steps
+        out[SLOTS * (1 + src) : SLOTS * (1 + src) + len(steps)] = steps
     return out
+
+
+NONE = [-1] * (SLOTS * 4)
 
 
 def test_the_restore_chooses_the_newest_step_every_survivor_holds_with_a_replica_for_each_receiver() -> None:
     size = 3
     # rank 1 restarted; rank 2 holds its replicas of steps 4 and 6; every survivor holds 4 and 6
-    h = [holdings([4, 6], {2: [4, 6]}, size), [-1] * 8, holdings([4, 6], {1: [4, 6]}, size)]
+    h = [holdings([4, 6], {2: [4, 6]}, size), NONE, holdings([4, 6], {1: [4, 6]}, size)]
     assert choose(h, [1]) == (6, {1: 2})
     # the swap of step 6 did not reach rank 2: back to 4
     h[2] = holdings([4, 6], {1: [2, 4]}, size)
     assert choose(h, [1]) == (4, {1: 2})
 
 
+def test_a_refused_step_falls_back_to_the_next_one_every_survivor_and_a_holder_share() -> None:
+    size = 3
+    # keep=2: every survivor holds 4 and 6 of its own, rank 2 rank 1's replicas of both
+    h = [holdings([4, 6], {2: [4, 6]}, size), NONE, holdings([4, 6], {1: [4, 6]}, size)]
+    assert choose(h, [1], {6}) == (4, {1: 2})  # rank 1 refused 6 (damaged): back to 4
+    assert "was refused by a receiver (step(s) [4, 6] refused)" in str(choose(h, [1], {4, 6}))
+    # a pending take (its agreement failed on rank 0): rank 0 holds 8 pending, the others never got it
+    h[0] = holdings([6, 8], {2: [6]}, size)
+    h[2] = holdings([6], {1: [6]}, size)
+    assert choose(h, [1]) == (6, {1: 2})
+
+
 def test_the_restore_says_what_is_missing() -> None:
-    h = [holdings([4, 6], {}, 3), [-1] * 8, [-1] * 8]
+    h = [holdings([4, 6], {}, 3), NONE, NONE]
     assert "rank(s) 1-2" in str(choose(h, [1, 2]))  # each one's replica was on the other, lost too
-    assert "no rank holds a snapshot" in str(choose([[-1] * 6, [-1] * 6], [0, 1]))
+    assert "no rank holds a snapshot" in str(choose([[-1] * 9, [-1] * 9], [0, 1]))
     assert "hold no snapshot of one same step" in str(choose([holdings([2], {}, 2), holdings([3], {}, 2)], []))
 
 
@@ -141,3 +166,115 @@ def test_snapshot_every_is_checked_before_anything_runs() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="snapshot_every must be None"):
             recovery_options(snapshot_every=bad)  # type: ignore[arg-type]
+
+
+# --- admission: a bound from the shape of the state, never from a guess -----------------------------
+
+
+def real_size() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """2.2M parameters (as the FSDP2 model the restarted rank could not take): Adam's moments triple it."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)
+    )
+    return module, torch.optim.Adam(module.parameters(), lr=1e-3)
+
+
+def test_a_restarted_rank_admits_a_real_size_replica_whose_optimizer_state_it_does_not_have_yet() -> None:
+    module, opt = real_size()
+    module(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    replica = pack(ModuleState(lambda: module, lambda: opt).capture(), step=4, rank=0)
+    fresh_module, fresh_opt = real_size()  # a restarted process: no Adam state before its first step
+    fresh = ModuleState(lambda: fresh_module, lambda: fresh_opt).capture()
+    fresh_bytes = sum(t.numel() * t.element_size() for t in fresh.tensors.values())
+    assert replica.manifest.nbytes > 2 * fresh_bytes + (1 << 20)  # the old bound refused it
+    assert admit_fresh(replica.manifest, fresh) is None
+    # another model's replica: named what differs, before a byte of it is allocated
+    other = torch.nn.Sequential(torch.nn.Linear(64, 512))
+    why = admit_fresh(replica.manifest, ModuleState(lambda: other, None).capture())
+    assert why is not None and "0.weight is float32[1024, 64] in the replica and float32[512, 64] here" in why
+
+
+def manifest(entries: list[tuple[str, str, list[int]]], nbytes: int | None = None, **extra: object) -> Manifest:
+    out, offset = [], 0
+    for name, dtype, shape in entries:
+        out.append({"name": name, "dtype": dtype, "shape": shape, "offset": offset})
+        offset += -(-math.prod(shape) * getattr(torch, dtype).itemsize // 64) * 64
+    return Manifest.model_validate(
+        {"step": 1, "rank": 0, "entries": out, "nbytes": offset if nbytes is None else nbytes, "digest": "x", **extra}
+    )
+
+
+def test_absurd_or_inconsistent_manifests_are_refused_before_any_payload() -> None:
+    module, opt = real_size()
+    fresh = ModuleState(lambda: module, lambda: opt).capture()
+    ok = manifest([("p:0.weight", "float32", [1024, 64]), ("o:0", "float32", [1024, 1024])])
+    assert consistent(ok) is None and admit_fresh(ok, fresh) is None
+    assert "not the 999 it declares" in str(consistent(manifest([("p:0.weight", "float32", [1024, 64])], nbytes=999)))
+    huge = manifest([("o:0", "float32", [1 << 20, 1 << 20])], nbytes=4 << 40)
+    assert "larger than any tensor of this rank's state" in str(admit_fresh(huge, fresh))
+    many = manifest([(f"o:{i}", "float32", [1]) for i in range(4 * len(fresh.tensors) + 65)])
+    assert "tensors this rank's state does not name" in str(admit_fresh(many, fresh))
+    assert "not a torch dtype" in str(
+        consistent(
+            manifest([("o:0", "float32", [1])]).model_copy(
+                update={"entries": [ok.entries[0].model_copy(update={"dtype": "os.system"})]}
+            )
+        )
+    )
+    with pytest.raises(HealFailed, match="cannot be read"):  # a negative size is no manifest at all
+        read_manifest(manifest([("o:0", "float32", [1])]).model_dump_json().replace("[1]", "[-1]").encode(), "a peer's")
+
+
+def test_a_buddys_replica_must_name_this_ranks_tensors_and_be_at_most_a_shard_of_them() -> None:
+    module, opt = real_size()
+    mine = pack(ModuleState(lambda: module, lambda: opt).capture(), step=2, rank=1).manifest
+    assert admit_peer(mine.model_copy(update={"rank": 0}), mine, 3) is None
+    wider = manifest([(e.name, e.dtype, [4 * max(e.shape[0], 1), *e.shape[1:]]) for e in mine.entries])
+    assert "more than a shard of a tensor" in str(admit_peer(wider, mine, 3))
+    fewer = manifest([(e.name, e.dtype, e.shape) for e in mine.entries[1:]])
+    assert "its tensors are not this rank's" in str(admit_peer(fewer, mine, 3))
+
+
+def test_the_digest_sees_one_flipped_bit_in_any_piece_of_a_large_buffer() -> None:
+    payload = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8)  # three pieces of 16 MiB
+    before = digest(payload)
+    assert digest(payload.clone()) == before
+    for at in (0, (16 << 20) + 5, payload.numel() - 1):
+        payload[at] ^= 1
+        assert digest(payload) != before
+        payload[at] ^= 1
+
+
+# --- the keeper in a world of one: commits, keeps and spares --------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_world_of_one_keeps_its_own_snapshots_and_a_commit_frees_the_oldest(world_of_one) -> None:
+    from ncclguard.recovery._step.step_state import StepState
+
+    module, opt = real_size()
+    for keep, spares in ((1, False), (2, False), (1, True)):
+        keeper = Keeper(ModuleState(lambda: module, lambda: opt), every=1, keep=keep, spares=spares)
+        buffers = []
+        for step in range(3):
+            keeper.take(step, StepState.take(module))
+            buffers.append(keeper.own[-1].payload.data_ptr())
+        assert [s.step for s in keeper.own] == [0, 1, 2][-keep:]
+        assert keeper.pending is None and keeper.replicas == {} and keeper.takes == 3
+        assert keeper.holdings(1) == ([0, 1, 2][-keep:] + [-1] * SLOTS)[:SLOTS] + [-1] * SLOTS
+        if spares:  # the buffer the commit of step 1 freed (step 0's) took step 2
+            assert buffers[2] == buffers[0]
+    with pytest.raises(ValueError, match="keep must be 1 or 2"):
+        Keeper(ModuleState(lambda: module, None), keep=3)

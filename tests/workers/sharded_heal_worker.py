@@ -1,14 +1,22 @@
 """Rank side of tests/recovery/test_sharded_heal_multirank.py: FSDP2 ranks killed and restored from the
 snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1).
 
-``kill`` (3 ranks, one host, a snapshot every 2 steps): a fault-free run of STEPS steps through
-``RecoveringStep(wrap=FSDP2(...), heal=True)`` (the reference), then the same run, its steps numbered
-on from STEPS, in which rank 1 SIGKILLs itself at its step K (step STEPS + K, 9). The newest
-snapshot is of the step before (8): the survivors go back to it (a
-rollback, the loop's ``stepper.steps()`` goes back too), the restarted rank gets its shards from its
-buddy (rank 2), and every rank ends bit-equal to the reference (an LR scheduler the loop steps
-is in the snapshots: its rate halves every 2 steps). Then a replica that does not fit
-rank 1's module is refused on every rank, before anything is copied.
+The model has the size where fixed slack stops mattering: 2.2M float32 parameters in four Linear
+layers 1024 wide, with dropout, Adam (its moments triple the state a rank holds, and a restarted
+rank has none of them yet) and an LR schedule the loop steps (in the snapshots).
+
+``kill`` (3 ranks, one host, a snapshot every 2 steps, two kept of each): a fault-free run of STEPS
+steps through ``RecoveringStep(wrap=FSDP2(...), heal=True, snapshot_keep=2)`` (the reference, which
+also gathers the full state at the start of its step 2), then the same run, its steps numbered on
+from STEPS, in which rank 1 SIGKILLs itself inside its take of step STEPS + KILL_TAKE (10): the
+survivors' swaps fail, so that take commits nowhere, and step 10 fails. The newest committed
+snapshot is of step 8: the survivors go back to it (a rollback, the loop's ``stepper.steps()``
+goes back too), the restarted rank gets its shards from its buddy (rank 2), and every rank ends
+bit-equal to the reference. Then, with every rank's live state at the end of the run:
+a replica that does not fit rank 1's module is refused on every rank at its manifest, at each step
+held, before anything is copied; and rank 2's replica of rank 1's newest snapshot is damaged (one
+flipped bit): every rank falls back to the step before, and the full state is then bit-equal to the
+reference's at the start of that step.
 
 ``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
 sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
@@ -33,6 +41,7 @@ from recovering_worker import full_state, shard_layers  # the FSDP2 layout and i
 import ncclguard
 from ncclguard import FSDP2, RecoveringStep
 from ncclguard.recovery.records import StepResult
+from ncclguard.recovery.snapshots import keeper as keeper_module
 from ncclguard.recovery.snapshots.keeper import Keeper
 from ncclguard.recovery.snapshots.restore import Restored, restore
 from ncclguard.recovery.snapshots.state import ModuleState
@@ -46,7 +55,10 @@ LIFE = ncclguard.restart_count()
 KILLED = {"kill": [1], "host": [2, 3]}[SCENARIO]
 EVERY = {"kill": 2, "host": 1}[SCENARIO]
 STEPS, K = 6, 3
+KILL_TAKE = 4  # kill: rank 1 dies inside its take of step BASE + 4 (a snapshot every 2 steps from BASE)
+BACK_AT = 3  # kill: the step (of the reference) the damaged replica's fallback goes back to (9 in the faulty run)
 BASE = STEPS  # the faulty run's step numbers follow the reference run's
+WIDTH = 1024
 
 GROUP_TIMEOUT_S = 60.0
 BOUND_STEP_S = 3.0  # the step bound: a survivor waiting on a live peer's data gives up then
@@ -57,15 +69,29 @@ HEAL_S = 60.0
 
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(7)
-    module = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
-    ).double()
-    return module, torch.optim.Adam(module.parameters(), lr=0.05, betas=(0.8, 0.95))
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, WIDTH)]
+    for _ in range(2):
+        layers += [torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(WIDTH, WIDTH)]
+    module = torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))
+    return module, torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.8, 0.95))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + ME)
-    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 1, generator=g, dtype=torch.float64)
+    return torch.randn(6, 64, generator=g), torch.randn(6, 1, generator=g)
+
+
+def die_in_take(base: int) -> None:
+    """Rank 1 dies inside its take of step ``base + KILL_TAKE`` (after its state is captured)."""
+    real = keeper_module.pack
+
+    def pack(state: Any, step: int, rank: int, reuse: Any = None) -> Any:
+        if step == base + KILL_TAKE and LIFE == 0 and ME in KILLED:
+            put("results", RESULTS)
+            rankkit.kill(ME)
+        return real(state, step, rank, reuse)
+
+    keeper_module.pack = pack  # type: ignore[assignment]
 
 
 def summary(step: int, res: StepResult) -> dict[str, Any]:
@@ -94,6 +120,10 @@ def parts(r: Restored) -> dict[str, Any]:
     return {"names": sorted(r.timings), "within": sum(r.timings.values()) <= r.elapsed_s + 1e-3, "bytes": r.bytes}
 
 
+RESULTS: list[dict[str, Any]] = []  # the faulty run's, saved by a rank that dies in its take
+AT_BACK: list[torch.Tensor] = []  # the reference's full state at the start of its step BACK_AT
+
+
 def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # stepped by the loop, kept by the snapshots
@@ -108,10 +138,13 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
         heal=True,
         heal_timeout=HEAL_S,
         snapshot_every=EVERY,
+        snapshot_keep=2 if SCENARIO == "kill" else 1,
     )
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = RESULTS if base else []
     for step in stepper.steps(base + STEPS, start=base):
         x, y = batch(step - base)
+        if base == 0 and step == BACK_AT and SCENARIO == "kill":
+            AT_BACK.append(full_state(stepper))  # every rank at once: a gather over the world
 
         def step_fn(model: torch.nn.Module, step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             if step - base == kill_at and ME in KILLED and LIFE == 0:
@@ -133,23 +166,45 @@ def refused(stepper: RecoveringStep) -> None:
     """Rank 1 is given its replica again, into a module of another shape: every rank refuses."""
     assert stepper.engine.keeper is not None
     if ME == 1:
-        other = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1)).double()
+        other = torch.nn.Sequential(torch.nn.Linear(64, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1))
         before = [t.detach().clone() for t in other.parameters()]
         keeper = Keeper(ModuleState(lambda: other, None))
         res = restore(keeper, None, HEAL_S, receivers=[1])
         put("untouched", all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True)))
     else:
         keeper = stepper.engine.keeper
-        res = restore(keeper, keeper.own[-1].step, HEAL_S, receivers=[1])
+        res = restore(keeper, keeper.own[-1].step + 1, HEAL_S, receivers=[1])
     put(
         "refused",
         {**described(res), "error": str(res.error), "refused_ranks": getattr(res.error, "refused_ranks", None)},
     )
 
 
+def damaged(stepper: RecoveringStep) -> None:
+    """Rank 2's replica of rank 1's newest snapshot loses a bit: every rank goes back to the one before."""
+    keeper = stepper.engine.keeper
+    assert keeper is not None
+    held = sorted(s.step for s in keeper.own)
+    put("held", held)
+    if ME == 2:
+        keeper.replicas[1][-1].payload[12345] ^= 1
+    if ME == 1:  # as a restarted rank: its live model takes the replica, its own snapshots are not used
+        keeper = Keeper(ModuleState(lambda: stepper.model, lambda: stepper.optimizer))
+        res = restore(keeper, None, HEAL_S, receivers=[1])
+    else:
+        res = restore(keeper, held[-1] + 1, HEAL_S, receivers=[1])
+    put("damaged", {**described(res), "error": str(res.error) if res.error else None})
+    now = full_state(stepper)  # every rank at once: a gather over the world
+    back = AT_BACK[0] if ME == 0 else torch.zeros_like(now)
+    dist.broadcast(back, src=0)  # a restarted rank never ran the reference: rank 0's copy
+    put("equal_to_reference_at_back", torch.equal(now, back))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
+    if SCENARIO == "kill":
+        die_in_take(BASE)
     if LIFE == 0:
         dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         ref, ref_results = train(kill_at=None, base=0)
@@ -157,7 +212,7 @@ def main() -> None:
         reference = full_state(ref)
         assert ref.engine.keeper is not None
         put("reference_takes", [ref.engine.keeper.takes, ref.engine.keeper.spent_s > 0])  # what snapshots cost the loop
-    stepper, results = train(kill_at=K, base=BASE)
+    stepper, results = train(kill_at=K if SCENARIO == "host" else None, base=BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)
     if isinstance(stepper.healed, Restored):
@@ -171,6 +226,7 @@ def main() -> None:
     put("every", stepper.engine.keeper.k if stepper.engine.keeper is not None else None)
     if SCENARIO == "kill":
         refused(stepper)
+        damaged(stepper)
     rankkit.done()
 
 

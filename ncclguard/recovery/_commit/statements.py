@@ -25,6 +25,7 @@ __all__ = [
     "MAX_PROBLEMS",
     "MAX_REASON_CHARS",
     "MAX_STATEMENT_BYTES",
+    "STEP_DIFFERS",
     "CommitVerdict",
     "CommitStatement",
     "commit_keys",
@@ -37,6 +38,7 @@ MAX_REASON_CHARS = 300  # characters of one stated problem
 MAX_GROUPS = 16  # other groups whose sequence numbers one rank states at most
 MAX_GROUP_NAME_CHARS = 64  # torch names groups "0", "1", ... or by a 40-character hash
 GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
+STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (loop_check reads it)
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
 
@@ -198,7 +200,7 @@ def _disagreements(statements: Mapping[int, CommitStatement], failed: dict[int, 
     note("group_size", lambda v: f"sees a group of {v} ranks", lambda v: f"see {v}")
     note("step", lambda v: f"is at commit {v} of its world", lambda v: f"are at commit {v}")
     if any(s.user_step is not None for s in statements.values()):
-        note("user_step", lambda v: f"passed step={v}", lambda v: f"passed step={v}")
+        note("user_step", lambda v: f"{STEP_DIFFERS}{v}", lambda v: f"{STEP_DIFFERS}{v}")
     p2p = {g for s in statements.values() for g in s.p2p_groups}
     if "*" in p2p:
         return

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery._verdict.agreement import agreement
 from ncclguard.recovery._verdict.levers import (
     DEFAULT_JUDGE_S,
     STUCK_AFTER_VAR,
@@ -70,6 +71,7 @@ class Seen:
     own: Progress | None = None
     reported: set[int] = field(default_factory=set)
     acted: set[int] = field(default_factory=set)
+    awaiting: set[int] = field(default_factory=set)  # judged stuck here, not yet by the other waiting ranks
     asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
 
 
@@ -160,7 +162,7 @@ class VerdictDriver:
             behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
         for r, hb in behind.items():
             if r not in seen.acted:
-                self._judge(seen, r, hb, seen.peers[r].judge(now), now)
+                self._judge(seen, r, hb, seen.peers[r].judge(now), now, beats)
         self._ask_remote(seen, world, {r: (hb, beats[r][1]) for r, hb in behind.items() if r in beats}, now)
 
     def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
@@ -226,7 +228,15 @@ class VerdictDriver:
         )
         exit_now(0)
 
-    def _judge(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float) -> None:
+    def _judge(
+        self,
+        seen: Seen,
+        r: int,
+        hb: Heartbeat,
+        j: Judgment,
+        now: float,
+        beats: dict[int, tuple[Heartbeat, float]] | None = None,
+    ) -> None:
         if j.state != "unknown":  # what the heartbeat carries and `ncclguard status` shows
             text = f"{j.state}: {j.evidence}; at {hb.site}, its peers waiting {now - seen.started:.0f} s"
             current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
@@ -247,21 +257,39 @@ class VerdictDriver:
             return
         if j.state != "stuck":
             return
+        # Published above (the next heartbeat carries it): the other waiting ranks read it there.
+        agreed = agreement(r, dist.get_rank(), beats or {}, 2 * _heartbeat_s())
+        if not agreed.agreed:
+            if r not in seen.awaiting:
+                seen.awaiting.add(r)
+                self._event("awaiting", r, j, site=hb.site, why=agreed.why)
+                log.warning(
+                    "%s: verdict: rank %d looks stuck here (%s), but no action until the waiting ranks agree: %s",
+                    self.name,
+                    r,
+                    j.evidence,
+                    agreed.why,
+                )
+            return
         seen.acted.add(r)
         world = current_world()
         posted = post_stuck_death(world, r, hb.pid, hb.host)
         # Its supervisor, if any, ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
         ask_supervisor(world.origin(r), hb, "stuck", self.heals, seen.still_s, world.origin(dist.get_rank()))
         cut = cut_connections(hb.pid) if on_this_host(hb) else 0
-        self._event("acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3))
+        self._event(
+            "acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3),
+            agreed=agreed.why,
+        )  # fmt: skip
         log.error(
-            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; its death is posted%s, the step fails now",
+            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; %s; its death is posted%s, the step fails now",
             self.name,
             r,
             hb.pid,
             hb.host,
             hb.site,
             j.evidence,
+            agreed.why,
             f" and {cut} connection(s) to it are shut down" if cut else "",
         )
 

@@ -1,24 +1,39 @@
-"""Moving snapshots between ranks: a manifest's length, its JSON, then the bytes, point to point.
+"""Moving snapshots between ranks: a manifest's length, its JSON, an answer, then the bytes.
 
-Every transfer is three sends (an int64 length, the manifest's bytes, the payload) matched by three
-receives, each waited on with what is left of one deadline. The receiver bounds the manifest's
-length before it allocates, reads the manifest as JSON into its pydantic model, and allocates the
-payload from the manifest's ``nbytes``, which it checks against its own bound: a peer can make it
-neither unpickle nor allocate without limit.
+Every transfer is three sends from the sender (an int64 length, the manifest's bytes, the payload)
+and one from the receiver (an int64: 1 to take the payload, 0 to refuse it), each waited on with
+what is left of one deadline. The receiver bounds the manifest's length before it allocates, reads
+the manifest as JSON into its pydantic model, and admits it (an ``admit`` function: its entries
+against the state this rank holds) before it allocates the payload: a peer can make it neither
+unpickle nor allocate without limit. A refused sender learns it at once and sends no payload.
+When the payload has arrived, its digest is checked: a damaged replica is never kept.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed
-from ncclguard.recovery.snapshots.packing import MAX_MANIFEST_BYTES, Snapshot, read_manifest
+from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
+from ncclguard.recovery.snapshots.packing import MAX_MANIFEST_BYTES, Manifest, Snapshot, digest, read_manifest
 
-__all__ = ["receive", "send", "swap"]
+__all__ = ["Admit", "at_most", "receive", "send", "swap"]
+
+#: Says why a manifest cannot be taken here, or None to take it.
+Admit = Callable[[Manifest], str | None]
+
+
+def at_most(max_bytes: int) -> Admit:
+    """An :data:`Admit` that takes a payload of at most ``max_bytes``."""
+
+    def admit(m: Manifest) -> str | None:
+        return None if m.nbytes <= max_bytes else f"it declares {m.nbytes} bytes, over this rank's bound of {max_bytes}"
+
+    return admit
 
 
 def _wait(works: list[Any], deadline: Deadline, what: str) -> None:
@@ -36,11 +51,25 @@ def _header(snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([len(raw)], dtype=torch.int64), torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def _answer(dst: int, group: Any, deadline: Deadline) -> bool:
+    """The receiver's answer to this rank's manifest: True to send the payload."""
+    answer = torch.zeros(1, dtype=torch.int64)
+    _wait([dist.irecv(answer, dst, group=group)], deadline, f"rank {dst}'s answer to the snapshot's manifest")
+    return int(answer.item()) == 1
+
+
 def send(snap: Snapshot, dst: int, group: Any, deadline: Deadline) -> None:
-    """Sends ``snap`` to ``dst`` of ``group`` (which calls :func:`receive`)."""
+    """Sends ``snap`` to ``dst`` of ``group`` (which calls :func:`receive`).
+
+    Raises:
+        SnapshotRefused: the receiver refused the manifest (no payload was sent).
+        HealFailed: a part failed or missed the deadline.
+    """
     length, raw = _header(snap)
     _wait([dist.isend(length, dst, group=group)], deadline, f"the snapshot's length to rank {dst}")
     _wait([dist.isend(raw, dst, group=group)], deadline, f"the snapshot's manifest to rank {dst}")
+    if not _answer(dst, group, deadline):
+        raise SnapshotRefused(f"rank {dst} refused the snapshot of step {snap.step}")
     _wait(
         [dist.isend(snap.payload, dst, group=group)],
         deadline,
@@ -48,18 +77,22 @@ def send(snap: Snapshot, dst: int, group: Any, deadline: Deadline) -> None:
     )
 
 
-def receive(src: int, group: Any, deadline: Deadline, max_bytes: int, reuse: torch.Tensor | None = None) -> Snapshot:
-    """Receives a snapshot from ``src`` of ``group`` (which calls :func:`send`).
+def receive(src: int, group: Any, deadline: Deadline, admit: Admit, reuse: torch.Tensor | None = None) -> Snapshot:
+    """Receives a snapshot from ``src`` of ``group`` (which calls :func:`send`), admitted before
+    its payload is allocated and checked against its digest once it is here.
 
     Args:
         src: the sender's rank in ``group``.
         group: the process group.
         deadline: for the whole transfer.
-        max_bytes: the payload this rank accepts at most.
+        admit: says why the manifest cannot be taken here (:func:`at_most`,
+            :func:`~ncclguard.recovery.snapshots.packing.admit_fresh`, ...), or None.
         reuse: a buffer to receive the payload into when its size fits.
 
     Raises:
-        HealFailed: a part failed or missed the deadline, or the sender announced too much.
+        SnapshotRefused: the manifest was refused (the sender was told; no payload came).
+        HealFailed: a part failed or missed the deadline, the manifest cannot be read, or the
+            bytes do not match their digest.
     """
     length = torch.zeros(1, dtype=torch.int64)
     _wait([dist.irecv(length, src, group=group)], deadline, f"the snapshot's length from rank {src}")
@@ -68,17 +101,27 @@ def receive(src: int, group: Any, deadline: Deadline, max_bytes: int, reuse: tor
         raise HealFailed(f"rank {src} announced a manifest of {n} bytes (bound {MAX_MANIFEST_BYTES})")
     raw = torch.empty(n, dtype=torch.uint8)
     _wait([dist.irecv(raw, src, group=group)], deadline, f"the snapshot's manifest from rank {src}")
-    manifest = read_manifest(bytes(raw.numpy()), f"the snapshot manifest from rank {src}")
-    if manifest.nbytes > max_bytes:
-        raise HealFailed(
-            f"rank {src} would send a snapshot of {manifest.nbytes} bytes, over this rank's bound of {max_bytes}"
-        )
+    try:
+        manifest: Manifest | None = read_manifest(bytes(raw.numpy()), f"the snapshot manifest from rank {src}")
+        assert manifest is not None
+        refusal = admit(manifest)
+    except HealFailed as exc:
+        manifest, refusal = None, str(exc)
+    answer = torch.tensor([0 if refusal is not None else 1], dtype=torch.int64)
+    _wait([dist.isend(answer, src, group=group)], deadline, f"the answer to rank {src}'s manifest")
+    if refusal is not None or manifest is None:
+        raise SnapshotRefused(f"rank {src}'s snapshot is refused: {refusal}")
     payload = (
         reuse
         if reuse is not None and reuse.numel() == manifest.nbytes
         else torch.empty(manifest.nbytes, dtype=torch.uint8)
     )
     _wait([dist.irecv(payload, src, group=group)], deadline, f"the snapshot's {manifest.nbytes} bytes from rank {src}")
+    if digest(payload) != manifest.digest:
+        raise SnapshotDamaged(
+            f"rank {src}'s snapshot of step {manifest.step} arrived damaged: its {manifest.nbytes} bytes do not "
+            "match their digest"
+        )
     return Snapshot(manifest, payload)
 
 
@@ -88,22 +131,56 @@ def swap(
     srcs: list[int],
     group: Any,
     deadline: Deadline,
-    max_bytes: int,
+    admit: Admit,
     reuse: dict[int, torch.Tensor],
 ) -> dict[int, Snapshot]:
     """Sends ``snap`` to ``dst`` and receives one from each of ``srcs``, all at once (every rank of
-    the group calls it; posting the sends first and receiving in rank order cannot deadlock: gloo's
-    sends complete into the peer's buffers whatever the order of the receives).
+    the group calls it). No wait can close a cycle: each rank posts its manifest first, answers the
+    manifests it receives before it waits for its own answer, and posts its payload before it
+    receives the others' (gloo's sends complete into the peer's buffers whatever the order).
 
     Returns:
-        The snapshots received, by sender.
+        The snapshots received (admitted, their digests checked), by sender.
+
+    Raises:
+        HealFailed: a transfer failed, was refused, or missed the deadline.
     """
     length, raw = _header(snap)
-    works = [
-        dist.isend(length, dst, group=group),
-        dist.isend(raw, dst, group=group),
-        dist.isend(snap.payload, dst, group=group),
-    ]
-    got = {src: receive(src, group, deadline, max_bytes, reuse.get(src)) for src in srcs}
+    works = [dist.isend(length, dst, group=group), dist.isend(raw, dst, group=group)]
+    manifests: dict[int, Manifest] = {}
+    refused: list[str] = []
+    for src in srcs:
+        n = torch.zeros(1, dtype=torch.int64)
+        _wait([dist.irecv(n, src, group=group)], deadline, f"the snapshot's length from rank {src}")
+        if not 0 < int(n.item()) <= MAX_MANIFEST_BYTES:
+            raise HealFailed(f"rank {src} announced a manifest of {int(n.item())} bytes (bound {MAX_MANIFEST_BYTES})")
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        _wait([dist.irecv(buf, src, group=group)], deadline, f"the snapshot's manifest from rank {src}")
+        try:
+            m = read_manifest(bytes(buf.numpy()), f"the snapshot manifest from rank {src}")
+            refusal = admit(m)
+        except HealFailed as exc:
+            refusal = str(exc)
+        if refusal is None:
+            manifests[src] = m
+        else:
+            refused.append(f"rank {src}'s: {refusal}")
+        answer = torch.tensor([0 if refusal is not None else 1], dtype=torch.int64)
+        works.append(dist.isend(answer, src, group=group))
+    if _answer(dst, group, deadline):
+        works.append(dist.isend(snap.payload, dst, group=group))
+    else:
+        refused.append(f"rank {dst} refused this rank's")
+    got: dict[int, Snapshot] = {}
+    for src, m in manifests.items():
+        spare = reuse.get(src)
+        payload = spare if spare is not None and spare.numel() == m.nbytes else torch.empty(m.nbytes, dtype=torch.uint8)
+        _wait([dist.irecv(payload, src, group=group)], deadline, f"the snapshot's {m.nbytes} bytes from rank {src}")
+        if digest(payload) != m.digest:
+            refused.append(f"rank {src}'s arrived damaged (its bytes do not match their digest)")
+        else:
+            got[src] = Snapshot(m, payload)
     _wait(works, deadline, f"the snapshot's sends to rank {dst}")
+    if refused:
+        raise SnapshotRefused("the snapshots' swap was refused: " + "; ".join(refused))
     return got

@@ -4,22 +4,32 @@ At a step boundary that is due (every ``K`` steps, the same ``K`` on every rank)
 packs the rank's own state (:class:`~ncclguard.recovery.snapshots.state.StateCodec`) and its
 generators into host memory, and swaps snapshots with the buddies over a side gloo group of the
 world: it sends its own to its buddy and receives the replicas of the ranks whose buddy it is
-(:mod:`~ncclguard.recovery.snapshots.placement`). Two of each are kept, the newest and the one
-before: while the newest is on its way, the one before is the last that every rank is known to
-hold, and a restore may have to go back to it.
+(:mod:`~ncclguard.recovery.snapshots.placement`).
+
+A take is a transaction. Its snapshot and the replicas it receives are *pending* until every rank
+of the world says its swap succeeded (one all_reduce on the side group, which also agrees on
+``K``); only then do they replace the committed ones. A failed take leaves the committed snapshots
+whole, so a restore always finds a step that every survivor and a replica holder share. A rank
+that cannot tell how the agreement ended (it failed there) keeps both, and says so in its holdings.
+
+Memory: ``keep`` snapshots of its own and ``keep`` replicas of each source (1 by default: its state
+twice in all, once its own and once a buddy's), plus, during a take, the pending pair. With
+``spares=True`` the buffers a commit frees are kept for the next take (memory: twice as much), so
+that a take copies into memory already mapped, at copy speed; without, each take maps new memory.
 
 ``K``: with ``every=None`` each take measures its own cost against the step time seen since the
 last one and asks for the smallest ``K`` that keeps snapshots under ``budget`` (2%) of the step
-time; the ranks agree on the largest ``K`` asked (one all_reduce on the side group), so that they
-take their snapshots at the same steps. A ``K`` set by hand is agreed once, at the first take of a
-world: the takes after make no collective but the swap.
+time; the ranks agree on the largest ``K`` asked, so that they take their snapshots at the same
+steps. A ``K`` set by hand is kept.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,18 +37,21 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
+from ncclguard.errors import HealFailed
 from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.snapshots.exchange import _wait, swap
-from ncclguard.recovery.snapshots.packing import Snapshot, pack
+from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
 from ncclguard.world import Slot, World, current_world
 
-__all__ = ["Keeper", "SideGroup", "side_group"]
+__all__ = ["SLOTS", "Keeper", "SideGroup", "side_group"]
 
 MAX_EVERY = 1000  # a snapshot at least every 1000 steps, whatever it costs
+MAX_KEEP = 2
+SLOTS = MAX_KEEP + 1  # the places of one rank's or one replica's steps in the holdings: kept, then pending
 
 
 @dataclass
@@ -51,7 +64,8 @@ class SideGroup:
 
 
 def _side_group(world: World) -> SideGroup:
-    group = dist.new_group(backend="gloo")
+    # Bounded: a peer that died before it made the group fails this take at its deadline, not never.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_SIDE_TIMEOUT_S))
     mine = torch.tensor([host_number(host_key())], dtype=torch.int64)
     hosts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(hosts, mine, group=group)
@@ -59,6 +73,7 @@ def _side_group(world: World) -> SideGroup:
     return SideGroup(group, buddies(numbers), numbers)
 
 
+_SIDE_TIMEOUT_S = 300.0  # the side group's own bound; every wait on it passes a shorter deadline
 SIDE: Slot[SideGroup] = Slot("snapshot side group", _side_group)
 
 
@@ -80,12 +95,18 @@ class Keeper:
         every: take a snapshot every this many steps; None: chosen to cost at most ``budget``.
         budget: the share of the step time snapshots may cost when ``every`` is None.
         timeout_s: the bound of one swap with the buddies.
+        keep: committed snapshots kept of its own and of each replica (1 or 2; 2 lets a restore
+            fall back to the one before when the newest cannot be used).
+        spares: keep the buffers a commit frees for the next take (faster takes, twice the memory).
 
     Attributes:
-        own: this rank's own snapshots, oldest first (at most 2).
-        replicas: the replicas it keeps, by source rank, oldest first (at most 2 each).
+        own: this rank's committed snapshots, oldest first (at most ``keep``).
+        replicas: the committed replicas it keeps, by source rank, oldest first (at most ``keep`` each).
+        pending: the snapshot of a take not known to be committed (its agreement failed here), or None.
+        pending_replicas: the replicas that take received, by source rank.
         k: snapshots are taken every ``k`` steps (agreed by every rank).
-        takes: snapshots taken so far (forced ones included).
+        takes: snapshots committed so far (forced ones included).
+        failed_takes: takes that failed (the committed snapshots stayed).
         spent_s: seconds the training loop spent taking them (what the steps paid for them).
     """
 
@@ -93,18 +114,28 @@ class Keeper:
     every: int | None = None
     budget: float = 0.02
     timeout_s: float = 60.0
-    own: list[Snapshot] = field(default_factory=list)  # oldest first, at most 2
+    keep: int = 1
+    spares: bool = False
+    own: list[Snapshot] = field(default_factory=list)  # oldest first
     replicas: dict[int, list[Snapshot]] = field(default_factory=dict)  # by source rank, oldest first
+    pending: Snapshot | None = None
+    pending_replicas: dict[int, Snapshot] = field(default_factory=dict)
     k: int = 1
     next_due: int | None = None
     force: bool = True  # the first step, and the first after a restore, always take one
     takes: int = 0
+    failed_takes: int = 0
     spent_s: float = 0.0
+    _spare: dict[int, torch.Tensor] = field(default_factory=dict)  # freed buffers by owner rank (spares=True)
     _last_begin: float | None = None
     _step_time: float | None = None
     _cost: float = 0.0  # the last take's seconds
     _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
     _told: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.keep <= MAX_KEEP:
+            raise ValueError(f"keep must be 1 or {MAX_KEEP} (snapshots kept of each), got {self.keep!r}")
 
     def note_begin(self) -> None:
         """Marks a step's start: the step time is measured between two of them, less the takes."""
@@ -119,66 +150,115 @@ class Keeper:
         return self.force or self.next_due is None or step >= self.next_due
 
     def take(self, step: int, kept: StepState) -> None:
-        """Takes this rank's snapshot of ``step`` and swaps it with the buddies (every rank at once).
+        """Takes this rank's snapshot of ``step``, swaps it with the buddies and commits it once
+        every rank's swap succeeded (every rank at once; see the module doc).
 
         Args:
             step: the step whose start the state is.
             kept: the step's generators as the step found them (the engine's snapshot of the step).
 
         Raises:
-            HealFailed: a swap failed or missed its deadline (the newest complete snapshots stay).
+            HealFailed: a swap failed, was refused or missed its deadline on some rank, or the
+                ranks' agreement failed (the committed snapshots stay).
         """
         start = time.monotonic()
         side = side_group()
-        me = dist.get_rank()
+        me, size = dist.get_rank(), dist.get_world_size()
         state = self.codec.capture()
         found: list[torch.Tensor] = []
         state.meta["generators"] = _to_json(generators_to_send(kept), found, "generators")
         for i, t in enumerate(found):
             state.tensors[f"g:{i}"] = t
-        reuse = self.own[0].payload if len(self.own) == 2 else None
-        snap = pack(state, step, me, reuse)
-        self.own = [*self.own[-1:], snap]
+        snap = pack(state, step, me, self._spare_for(me))
+        self.pending, self.pending_replicas = snap, {}
         srcs = sources(side.buddy, me)
-        limit = 4 * snap.manifest.nbytes + (1 << 20)  # ranks' shards differ a little in size
-        olds = {s: self.replicas[s][0].payload for s in srcs if len(self.replicas.get(s, [])) == 2}
-        got = swap(snap, side.buddy[me], srcs, side.group, Deadline.after(self.timeout_s), limit, olds)
-        for src, replica in got.items():
-            self.replicas[src] = [*self.replicas.get(src, [])[-1:], replica]
+        error: HealFailed | None = None
+        if size > 1:
+            try:
+                reuse = {s: b for s in srcs if (b := self._spare_for(s)) is not None}
+                admit = _peer_admission(snap.manifest, size)
+                self.pending_replicas = swap(snap, side.buddy[me], srcs, side.group, self._deadline(), admit, reuse)
+            except HealFailed as exc:
+                error = exc
         self._cost = time.monotonic() - start
         # A forced take (the first, or the first in a new world) also waits for slow peers and makes
         # the side group: it says nothing of what a take costs, so it asks for the K in force.
-        self._agree_k(step, side, self.k if self.force else None)
+        everyone_ok = self._settle(step, side, self.k if self.force else None, error is None)
+        if not everyone_ok:
+            self.failed_takes += 1
+            self.pending, self.pending_replicas = None, {}
+            raise error or HealFailed(f"step {step}'s snapshot: another rank's swap failed; the one before stays")
+        self._commit()
         self.force = False
         self.takes += 1
         self.spent_s += time.monotonic() - start
         if not self._told:
             self._told = True
-            log.warning(
-                "snapshots: rank %d keeps its own state (%.1f MiB) twice and replicas of rank(s) %s twice: "
-                "%.1f MiB of host memory; its replica goes to rank %d; one take costs %.3f s",
-                me, snap.manifest.nbytes / 2**20, srcs, 2 * (snap.manifest.nbytes + sum(r.manifest.nbytes for r in got.values())) / 2**20,
-                side.buddy[me], self._cost,
-            )  # fmt: skip
+            self._tell(snap, srcs, side.buddy[me], size)
 
-    def _agree_k(self, step: int, side: SideGroup, keep: int | None) -> None:
-        if self.every is not None and keep is None:
-            self.next_due = step + self.k  # set by hand: agreed at the first take of this world
-            return
+    def _deadline(self) -> Deadline:
+        return Deadline.after(self.timeout_s)
+
+    def _spare_for(self, owner: int) -> torch.Tensor | None:
+        return self._spare.pop(owner, None) if self.spares else None
+
+    def _commit(self) -> None:
+        """The pending snapshot and replicas replace the oldest committed ones (every rank's swap succeeded)."""
+        assert self.pending is not None
+        me = self.pending.manifest.rank
+        self.own, dropped = _kept([*self.own, self.pending], self.keep)
+        freed = {me: dropped}
+        for src, replica in self.pending_replicas.items():
+            self.replicas[src], freed[src] = _kept([*self.replicas.get(src, []), replica], self.keep)
+        if self.spares:
+            self._spare = {r: d[-1].payload for r, d in freed.items() if d}
+        self.pending, self.pending_replicas = None, {}
+
+    def _settle(self, step: int, side: SideGroup, keep: int | None, ok: bool) -> bool:
+        """One all_reduce on the side group: whether every rank's swap succeeded, and the K they
+        take from this step on (the largest asked).
+
+        Raises:
+            HealFailed: the agreement itself failed (the pending snapshot is kept: this rank cannot
+                tell whether the others committed it).
+        """
         if self.every is not None:
             want = self.every
         else:
-            if keep is None:
+            if keep is None and ok:
                 self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
             want = keep if keep is not None else self._wanted_k()
-        k = torch.tensor([want], dtype=torch.int64)
-        # Bounded: a rank that died since the last take fails this step, it does not hang it.
-        work = dist.all_reduce(k, op=dist.ReduceOp.MAX, group=side.group, async_op=True)
-        _wait([work], Deadline.after(self.timeout_s), "the ranks' agreement on K")
-        if int(k.item()) != self.k:
-            log.info("snapshots: every %d step(s) from step %d (one take %.3f s)", int(k.item()), step, self._cost)
-        self.k = int(k.item())
-        self.next_due = step + self.k
+        agreed = torch.tensor([want, 0 if ok else 1], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            # Bounded: a rank that died since the last take fails this step, it does not hang it.
+            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True)
+            _wait([work], self._deadline(), "the ranks' agreement on the snapshot")
+        if int(agreed[1].item()):
+            return False
+        k = int(agreed[0].item())
+        if k != self.k:
+            log.info("snapshots: every %d step(s) from step %d (one take %.3f s)", k, step, self._cost)
+        self.k, self.next_due = k, step + k
+        return True
+
+    def _tell(self, snap: Snapshot, srcs: list[int], buddy: int, size: int) -> None:
+        own = snap.manifest.nbytes
+        held = own + sum(r.manifest.nbytes for held in self.replicas.values() for r in held[-1:])
+        if size < 2:
+            log.warning(
+                "snapshots: a world of one keeps its own state (%.1f MiB) %d time(s) and no replica: a lost "
+                "process cannot be restored from memory",
+                own / 2**20,
+                self.keep,
+            )
+            return
+        log.warning(
+            "snapshots: rank %d holds %.1f MiB in steady state (its own %.1f MiB and replicas of rank(s) %s, %d of "
+            "each%s), up to %.1f MiB during a take; its replica goes to rank %d; one take costs %.3f s",
+            dist.get_rank(), self.keep * held / 2**20, own / 2**20, srcs, self.keep,
+            ", with spare buffers: twice that" if self.spares else "", (self.keep + 1) * held / 2**20, buddy,
+            self._cost,
+        )  # fmt: skip
 
     def _wanted_k(self) -> int:
         cost = self._take_cost if self._take_cost is not None else self._cost
@@ -187,28 +267,48 @@ class Keeper:
         return max(1, min(MAX_EVERY, math.ceil(cost / (self.budget * self._step_time))))
 
     def holdings(self, size: int) -> list[int]:
-        """What this rank holds, for the restore's agreement: its own snapshots' steps (two
-        places) and, for each rank of a world of ``size``, the steps of its replicas here (two
-        places each); -1 where there is none."""
-        out = [-1, -1] + [-1, -1] * size
-        for i, s in enumerate(self.own[-2:]):
-            out[i] = s.step
-        for src, held in self.replicas.items():
+        """What this rank holds, for the restore's agreement: its own snapshots' steps
+        (:data:`SLOTS` places: the committed ones, then a pending one) and, for each rank of a
+        world of ``size``, the steps of its replicas here (as many places each); -1 where none."""
+        out = [-1] * (SLOTS * (1 + size))
+        mine = [s.step for s in self.own] + ([self.pending.step] if self.pending is not None else [])
+        out[: len(mine)] = mine
+        for src in set(self.replicas) | set(self.pending_replicas):
             if 0 <= src < size:
-                for i, s in enumerate(held[-2:]):
-                    out[2 + 2 * src + i] = s.step
+                steps = [s.step for s in self.replicas.get(src, [])]
+                if src in self.pending_replicas:
+                    steps.append(self.pending_replicas[src].step)
+                at = SLOTS * (1 + src)
+                out[at : at + len(steps)] = steps
         return out
 
     def own_at(self, step: int) -> Snapshot | None:
-        """This rank's own snapshot of ``step``, if it holds one."""
-        return next((s for s in self.own if s.step == step), None)
+        """This rank's own snapshot of ``step``, committed or pending, if it holds one."""
+        return next((s for s in [*self.own, *([self.pending] if self.pending else [])] if s.step == step), None)
 
     def replica_at(self, src: int, step: int) -> Snapshot | None:
-        """The replica of rank ``src``'s snapshot of ``step`` held here, if any."""
-        return next((s for s in self.replicas.get(src, []) if s.step == step), None)
+        """The replica of rank ``src``'s snapshot of ``step`` held here, committed or pending, if any."""
+        held = [*self.replicas.get(src, []), *([self.pending_replicas[src]] if src in self.pending_replicas else [])]
+        return next((s for s in held if s.step == step), None)
 
     def forget(self) -> None:
         """Drops every snapshot (a world whose numbering changed: they no longer fit its ranks)."""
         self.own.clear()
         self.replicas.clear()
+        self.pending, self.pending_replicas = None, {}
+        self._spare.clear()
         self.force = True
+
+
+def _kept(snaps: list[Snapshot], keep: int) -> tuple[list[Snapshot], list[Snapshot]]:
+    """The newest ``keep`` of ``snaps`` (oldest first), and those dropped."""
+    return snaps[-keep:], snaps[:-keep]
+
+
+def _peer_admission(mine: Manifest, size: int) -> Callable[[Manifest], str | None]:
+    def admit(m: Manifest) -> str | None:
+        if m.step != mine.step:
+            return f"it is of step {m.step}, this take's is {mine.step}"
+        return admit_peer(m, mine, size)
+
+    return admit

@@ -6,9 +6,11 @@ a restarted rank after wrapping its fresh one):
 1. each rank's holdings (its own snapshots' steps, the replicas it keeps) are gathered, and every
    rank computes the same choice (:func:`choose`): the newest step ``S`` that every survivor holds
    of its own and of which a survivor holds each restarted rank's replica;
-2. each holder sends its replica to the restarted rank it belongs to; the receiver checks its
-   digest and whether it fits its model (names, shapes, dtypes, shard layout, world size), and
-   every rank learns, in one all_reduce, who refused: then everyone stops, nothing applied anywhere;
+2. each holder sends its replica to the restarted rank it belongs to; the receiver admits its
+   manifest against the model it has built (names, dtypes, shapes: the bound of what it allocates)
+   and checks its digest when it has arrived, and every rank learns, in one all_reduce, who
+   refused: then the ranks go to the next older step that every survivor and a replica holder
+   share (a keeper with ``keep=2``), and stop when there is none, nothing applied anywhere;
 3. the receivers apply the replica; a survivor whose live state is newer than ``S`` applies its own
    snapshot of ``S`` (a rollback: its loop goes back to ``S``).
 
@@ -31,12 +33,12 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed
+from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery._step.step_state import restore_sent_generators
 from ncclguard.recovery.heal import _from_json
-from ncclguard.recovery.snapshots.exchange import _wait, receive, send
-from ncclguard.recovery.snapshots.keeper import Keeper, side_group
-from ncclguard.recovery.snapshots.packing import Snapshot, unpack
+from ncclguard.recovery.snapshots.exchange import Admit, _wait, at_most, receive, send
+from ncclguard.recovery.snapshots.keeper import SLOTS, Keeper, side_group
+from ncclguard.recovery.snapshots.packing import Snapshot, admit_fresh, unpack
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.results import Result
 from ncclguard.world import current_world
@@ -75,36 +77,46 @@ class Restored(Result):
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def choose(holdings: list[list[int]], receivers: list[int]) -> tuple[int, dict[int, int]] | str:
+def choose(
+    holdings: list[list[int]], receivers: list[int], refused: set[int] | frozenset[int] = frozenset()
+) -> tuple[int, dict[int, int]] | str:
     """The step to go back to and who sends each receiver its replica, or why there is none.
 
     Args:
-        holdings: per rank, :meth:`Keeper.holdings`: own steps at 0-1, then rank ``r``'s replica
-            steps at ``2 + 2r`` and ``3 + 2r``.
+        holdings: per rank, :meth:`Keeper.holdings`: own steps at ``[0, SLOTS)``, then rank ``r``'s
+            replica steps at ``[SLOTS * (1 + r), SLOTS * (2 + r))``.
         receivers: the ranks that hold nothing of their own (restarted).
+        refused: steps tried already and refused by a receiver (a damaged or unfit replica).
 
     Returns:
         ``(step, {receiver: holder})``, or a sentence saying what is missing.
     """
+
+    def held(r: int, slot: int) -> set[int]:
+        return {s for s in holdings[r][SLOTS * slot : SLOTS * (slot + 1)] if s >= 0}
+
     live = [r for r in range(len(holdings)) if r not in receivers]
     if not live:
         return "every rank of this world was restarted: no rank holds a snapshot"
-    common = set.intersection(*({s for s in holdings[r][:2] if s >= 0} for r in live))
-    for step in sorted(common, reverse=True):
+    common = set.intersection(*(held(r, 0) for r in live))
+    for step in sorted(common - set(refused), reverse=True):
         holders = {}
         for j in receivers:
-            h = next((r for r in live if step in holdings[r][2 + 2 * j : 4 + 2 * j]), None)
+            h = next((r for r in live if step in held(r, 1 + j)), None)
             if h is None:
                 break
             holders[j] = h
         else:
             return step, holders
+    tried = f" (step(s) {sorted(refused)} refused)" if refused else ""
     if not common:
         return f"the live ranks {rank_ranges(live)} hold no snapshot of one same step"
-    lost = [j for j in receivers if not any(s in common for r in live for s in holdings[r][2 + 2 * j : 4 + 2 * j])]
+    lost = [j for j in receivers if not any(s in common for r in live for s in held(r, 1 + j))]
+    if not lost:
+        return f"every step the live ranks share {sorted(common)} was refused by a receiver{tried}"
     return (
         f"no live rank holds a replica of rank(s) {rank_ranges(lost)} at a step the others hold "
-        f"({sorted(common)}): the ranks that kept them were lost too"
+        f"({sorted(common)}): the ranks that kept them were lost too{tried}"
     )
 
 
@@ -261,43 +273,100 @@ def _agree_and_send(
     side = side_group().group
     wanted = fetched.receivers
     lap = _Laps(fetched.timings)
-    mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (2 + 2 * size), dtype=torch.int64)
+    mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (SLOTS * (1 + size)), dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
     _wait([dist.all_gather(everyone, mine, group=side, async_op=True)], deadline, "the snapshots' holdings")
-    chosen = choose([t.tolist() for t in everyone], wanted)
-    if isinstance(chosen, str):
-        raise HealFailed(chosen)
-    step, holders = chosen
-    fetched.step, fetched.holders = step, holders
+    holdings = [t.tolist() for t in everyone]
     lap("agree")
+    admit = at_most(limit) if limit is not None else None
+    refused: set[int] = set()
+    last: tuple[int, list[int], str | None] | None = None  # the step tried last, who refused it, why here
+    while True:
+        chosen = choose(holdings, wanted, refused)
+        if isinstance(chosen, str) and last is not None:
+            tried, bad, why = last
+            raise HealFailed(
+                f"rank(s) {rank_ranges(bad)} refused the snapshot of step {tried}"
+                + (f": {why}" if why else "")
+                + f"; no older step is left to go back to ({chosen})",
+                refused_ranks=bad,
+            )
+        if isinstance(chosen, str):
+            raise HealFailed(chosen)
+        step, holders = chosen
+        fetched.step, fetched.holders = step, holders
+        fetched.state, fetched.generators, fetched.refusal, fetched.rolled_back = None, None, None, False
+        if admit is None and me in wanted:
+            admit = _fresh_admission(keeper)
+        problem = _transfer(keeper, current, me, step, holders, side, deadline, fetched, admit)
+        # Every rank learns who could not take the step's replica: all go to an older one together.
+        flags = torch.zeros(size, dtype=torch.int64)
+        flags[me] = 1 if problem is not None else 0
+        _wait([dist.all_reduce(flags, group=side, async_op=True)], deadline, "the ranks' answer on the replicas")
+        bad = [r for r in range(size) if flags[r]]
+        if not bad:
+            break
+        log.warning(
+            "snapshots: rank(s) %s could not take the snapshot of step %d%s; trying an older one",
+            rank_ranges(bad), step, f" ({problem})" if problem else "",
+        )  # fmt: skip
+        refused.add(step)
+        last = (step, bad, problem)
+    lap("fetch")
+
+
+def _fresh_admission(keeper: Keeper) -> Admit:
+    """What a restarted rank takes: a replica whose entries fit the state its fresh model holds."""
+    fresh = keeper.codec.capture()  # the model is built and wrapped: its shards' shapes are known
+    return lambda m: admit_fresh(m, fresh)
+
+
+def _transfer(
+    keeper: Keeper,
+    current: int | None,
+    me: int,
+    step: int,
+    holders: dict[int, int],
+    side: Any,
+    deadline: Deadline,
+    fetched: Fetched,
+    admit: Admit | None,
+) -> str | None:
+    """This rank's part of sending the replicas of ``step`` and unpacking what it puts in place.
+
+    Returns:
+        Why this rank cannot take ``step`` (its replica refused or damaged), or None. A failure of
+        the transfer itself (a peer gone, the deadline) raises.
+    """
     got: Snapshot | None = None
-    for j, h in holders.items():
-        if me == h:
-            replica = keeper.replica_at(j, step)
-            assert replica is not None  # choose() saw this rank hold it
-            fetched.role, fetched.bytes = "holder", fetched.bytes + replica.manifest.nbytes
-            send(replica, j, side, deadline)
-        elif me == j:
-            if limit is None:
-                fresh = keeper.codec.capture().tensors.values()  # the fresh model's own size bounds what it takes
-                limit = 2 * sum(t.numel() * t.element_size() for t in fresh) + (1 << 20)
-            got = receive(h, side, deadline, limit)
-            fetched.bytes = got.manifest.nbytes
     try:
+        for j, h in holders.items():
+            if me == h:
+                replica = keeper.replica_at(j, step)
+                assert replica is not None  # choose() saw this rank hold it
+                fetched.role = "holder"
+                try:
+                    send(replica, j, side, deadline)
+                    fetched.bytes += replica.manifest.nbytes
+                except SnapshotRefused:
+                    pass  # the receiver says why in the ranks' answer
+            elif me == j:
+                assert admit is not None
+                got = receive(h, side, deadline, admit)
+                fetched.bytes = got.manifest.nbytes
         if got is not None:
             fetched.state, fetched.generators = _split(unpack(got))
             if got.manifest.rank != me:
-                fetched.refusal = f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
+                return f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
         elif current != step:
             own = keeper.own_at(step)
-            if own is not None:
-                fetched.state, fetched.generators = _split(unpack(own))
-                fetched.rolled_back = True
-            else:
-                fetched.refusal = f"this rank holds no snapshot of its own at step {step}"
-    except HealFailed as exc:
-        fetched.refusal = str(exc)
-    lap("fetch")
+            if own is None:
+                return f"this rank holds no snapshot of its own at step {step}"
+            fetched.state, fetched.generators = _split(unpack(own))
+            fetched.rolled_back = True
+    except (SnapshotRefused, SnapshotDamaged) as exc:  # this step's replica: an older step may be whole
+        return str(exc)
+    return None
 
 
 def _check_and_apply(
