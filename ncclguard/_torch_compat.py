@@ -40,6 +40,7 @@ __all__ = [
     "dump_flight_recorder",
     "flight_recorder_available",
     "get_default_timeout_fn",
+    "grad_scaler_forget_step",
     "group_names",
     "group_ranks",
     "group_store",
@@ -82,6 +83,7 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "Reducer._get_zeros_like_grad_buckets": (2, 0),
     "DistributedDataParallel._has_rebuilt_buckets": (2, 0),
     "torch.distributed._compute_bucket_assignment_by_size": (2, 0),
+    "GradScaler._per_optimizer_states": (2, 3),
 }
 
 
@@ -365,6 +367,21 @@ def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> 
     if not callable(update):
         raise _missing("DistributedDataParallel._update_process_group")
     update(group)
+
+
+def grad_scaler_forget_step(scaler: Any) -> None:
+    """Forgets what a ``GradScaler`` noted in a step that is redone: ``unscale_`` marks each
+    optimizer unscaled (and keeps ``found_inf``) until ``update()``, so a redo that unscales again
+    raises "unscale_() has already been called on this optimizer since the last update()". Its
+    scale and growth tracker, which only ``update()`` changes, are left as they are.
+
+    ``GradScaler._per_optimizer_states`` (private): what ``update()`` itself resets.
+    """
+    _gate("GradScaler._per_optimizer_states")
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None or not callable(getattr(states, "clear", None)):
+        raise _missing("GradScaler._per_optimizer_states")
+    states.clear()
 
 
 def ddp_bucket_parameters(ddp: torch.nn.Module) -> list[list[torch.Tensor]]:

@@ -37,6 +37,7 @@ from typing import Any, Unpack
 import torch
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, share_layout, wrap_in_layout
 from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
@@ -96,8 +97,14 @@ class RecoveringStep(Adapter):
             the last bit (see docs/recovery.md). For FSDP2,
             :class:`~ncclguard.recovery.fsdp2.FSDP2` (it shards the module, and after a rebuild
             shards it again from the shards each rank holds).
-        scheduler: your LR scheduler, if any (you step it): with FSDP2 and ``heal`` its state goes
-            into the snapshots, so a restored rank and a rollback find its rate and count as they were.
+        scheduler: your LR scheduler, if any (you step it): with ``heal`` its state goes into the
+            snapshots (FSDP2) or the heal (DDP), so a restored rank and a rollback find its rate
+            and count as they were.
+        scaler: a ``torch.amp.GradScaler`` for fp16, if any: ``step_fn`` backpropagates
+            ``stepper.scaler.scale(loss)`` (and calls ``stepper.scaler.unscale_(opt)`` before
+            clipping), and the stepper applies a committed step with ``scaler.step(opt)`` and
+            ``scaler.update()``. Its scale and growth tracker go into the snapshots and the heal; a
+            redone step starts with the per-step state the failed attempt left cleared.
         **recovery: the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`: ``collective_timeout``,
             ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``, ``heal``,
@@ -131,6 +138,7 @@ class RecoveringStep(Adapter):
         *,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | FSDP2 | None = None,
         scheduler: Any = None,
+        scaler: Any = None,
         **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         if not isinstance(module, torch.nn.Module):
@@ -152,7 +160,10 @@ class RecoveringStep(Adapter):
             raise TypeError(
                 f"scheduler must be an LR scheduler (state_dict/load_state_dict), got {type(scheduler).__name__}"
             )
+        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler (scale, step, update), got {type(scaler).__name__}")
         self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
+        self.scaler = scaler
         self._model: torch.nn.Module | None = None
         self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
         self._wrapper_steps = 0  # steps committed on the current wrapper
@@ -179,24 +190,34 @@ class RecoveringStep(Adapter):
         peer holds the whole state)."""
         if not isinstance(self._wrap, FSDP2):
             return None
-        sched = self.scheduler
-        if sched is None:
+        if self.scheduler is None and self.scaler is None:
             return ModuleState(lambda: self.module, lambda: self.optimizer)
-        return ModuleState(
-            lambda: self.module,
-            lambda: self.optimizer,
-            extra=sched.state_dict,
-            restore_extra=lambda state: load_scheduler(sched, state),
-        )
+        return ModuleState(lambda: self.module, lambda: self.optimizer, extra=self._carried, restore_extra=self._carry)
+
+    def _carried(self) -> dict[str, Any]:
+        """What a snapshot or a heal carries besides the module and the optimizer."""
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def _carry(self, state: dict[str, Any]) -> None:
+        """Puts back what :meth:`_carried` took (on another process, or after a rollback)."""
+        for name, held in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if held is None:
+                continue
+            if state.get(name) is None:
+                log.warning("RecoveringStep: no %s state came with the state (%s= on every rank?)", name, name)
+            elif name == "scheduler":
+                load_scheduler(held, state[name])
+            else:
+                held.load_state_dict(state[name])
 
     def heal_extra(self) -> dict[str, Any]:
         """On the live rank that heals a restarted one (DDP): the LR scheduler's state and the
         generators as the step found them, which the restarted rank's redo starts from."""
         tx = self.engine._open  # the failed step's transaction: its generators as the step found them
-        return {
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "generators": generators_to_send(tx.kept) if tx is not None else None,
-        }
+        return {**self._carried(), "generators": generators_to_send(tx.kept) if tx is not None else None}
 
     def on_healed(self, result: HealResult) -> None:
         """On the restarted rank: takes the scheduler's state and the generators the live peer sent.
@@ -206,12 +227,7 @@ class RecoveringStep(Adapter):
         Accelerate set it). A seed per rank cannot be recovered from a peer (docs/recovery.md).
         """
         extra = result.extra if isinstance(result.extra, dict) else {}
-        if self.scheduler is not None:
-            state = extra.get("scheduler")
-            if state is None:
-                log.warning("RecoveringStep: the live peer sent no scheduler state (scheduler= on every rank?)")
-            else:
-                load_scheduler(self.scheduler, state)
+        self._carry(extra)
         if extra.get("generators") is not None:
             restore_sent_generators(extra["generators"])
 
@@ -224,9 +240,12 @@ class RecoveringStep(Adapter):
         return self._forward_sync
 
     def restore(self, kept: bool | None) -> None:
-        """Puts DDP's flag back before the redo (and :meth:`rewrap` on a new wrapper)."""
+        """Puts DDP's flag back before the redo (and :meth:`rewrap` on a new wrapper), and clears
+        what the failed attempt's ``unscale_`` noted in the scaler."""
         self._forward_sync = kept
         self._put_forward_sync()
+        if self.scaler is not None:
+            compat.grad_scaler_forget_step(self.scaler)
 
     def _put_forward_sync(self) -> None:
         if self._forward_sync is not None and hasattr(self._model, "require_forward_param_sync"):
@@ -321,7 +340,11 @@ class RecoveringStep(Adapter):
         tx.run(lambda: step_fn(self.model))
         res = tx.settle(lambda: step_fn(self.model))
         if res:
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self._wrapper_steps += 1
         return res
 

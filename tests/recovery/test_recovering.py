@@ -202,3 +202,39 @@ def test_a_loop_that_does_not_go_back_with_a_restore_is_told_the_line_to_write(p
     # The loop that follows: steps() goes back, and passes the step it went back to.
     stepper.engine.rewind_to = 5
     assert list(zip(range(3), stepper.steps(20, start=9), strict=False)) == [(0, 9), (1, 5), (2, 6)]
+
+
+def test_a_step_redone_after_its_scaler_unscaled_starts_clean_and_ends_as_one_clean_step() -> None:
+    """fp16 with a GradScaler: the failed attempt called ``unscale_`` (before clipping); the redo
+    calls it again, which a scaler refuses until ``update()`` unless the stepper cleared it."""
+    assert not dist.is_initialized()
+
+    def run(fail_first: bool, base: int) -> tuple[list[torch.Tensor], float]:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        stepper = RecoveringStep(module, opt, scaler=scaler)
+        x = torch.randn(4, 8)
+        attempts = []
+
+        def step_fn(model: torch.nn.Module) -> None:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            stepper.scaler.scale(loss).backward()
+            stepper.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            attempts.append(1)
+            if fail_first and len(attempts) == 1:
+                raise RuntimeError("Connection closed by peer")
+
+        for step in range(base, base + 3):  # the world's commits count on: each run's steps above the last
+            res = stepper(step_fn, step=step)
+            assert res and res.attempts == (2 if fail_first and step == base else 1)
+        return [p.detach().clone() for p in module.parameters()], scaler.get_scale()
+
+    redone, clean = run(fail_first=True, base=100), run(fail_first=False, base=200)
+    assert redone[1] == clean[1]
+    assert all(torch.equal(a, b) for a, b in zip(redone[0], clean[0], strict=True))
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
+        RecoveringStep(torch.nn.Linear(2, 2), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), scaler=object())

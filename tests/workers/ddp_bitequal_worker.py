@@ -6,12 +6,15 @@ vocabulary 12,800, the default dropout of 0.1), AdamW, a linear schedule with 3 
 clipping at norm 1.0, and shuffled data (``DistributedSampler(shuffle=True)``, two epochs in the 10
 steps), trained through ``RecoveringStep(heal=True)`` with the DDP wrapper it builds itself (every
 default). A fresh wrapper reduces the gradients in one bucket (41 parameters, 7.84 MiB); from the
-second step on, DDP's rebuilt buckets hold 24 parameters (1.07 MiB) and 17 (6.76 MiB).
+second step on, DDP's rebuilt buckets hold 23 parameters (the first bucket, about 1 MiB) and 18.
 
 ``clean``: 10 steps, no fault.
 ``kill``: rank 2 SIGKILLs itself at step 4 of its first life, before its forward. The launcher
 restarts it; it rejoins the survivors' rebuild, is healed from rank 0 and redoes step 4 with them.
 
+fp16 as a user runs it on a GPU: the forward under ``torch.autocast`` (float16, here on the CPU) and a
+``GradScaler`` passed as ``scaler=`` (its first scale, 2^20, overflows float16 gradients, so the first
+steps are skipped and the scale backs off: a restarted process must get the scale, not start again).
 As a user writes it: one seed on every rank (dropout draws from the global generator, the same on
 every rank); the schedule passed as ``scheduler=``; the data position from the step (a restarted
 process starts at ``resume_step``). The heal sends the restarted rank the scheduler's state and the
@@ -109,10 +112,12 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     module, opt = make()
     schedule = transformers.get_linear_schedule_with_warmup(opt, WARMUP, STEPS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
     stepper = RecoveringStep(
         module,
         opt,
-        scheduler=schedule,  # a restarted process gets its state from the live peer that heals it
+        scheduler=schedule,  # a restarted process gets its state (and the scaler's) from the live peer
+        scaler=scaler,
         collective_timeout=BOUND_STEP_S,
         commit_timeout=COMMIT_S,
         rebuild_timeout=REBUILD_S,
@@ -130,13 +135,16 @@ def main() -> None:
             if scenario == "kill" and step == K and LIFE == 0:
                 put("results", results)
                 rankkit.kill(KILLED)
-            model(input_ids=ids, labels=labels).loss.backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(input_ids=ids, labels=labels).loss
+            scaler.scale(loss).backward()
             # The buckets this backward reduced in (a forward rebuilds them, after a wrapper's first step).
             buckets[step] = [len(b) for b in bucket_layout(model) or []]
+            scaler.unscale_(opt)  # clipping sees the true gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
         res = stepper(step_fn, step=step)
-        results.append({"step": step, **summary(res)})
+        results.append({"step": step, **summary(res), "scale": scaler.get_scale()})
         if not res:
             break
         schedule.step()
