@@ -161,8 +161,11 @@ def pack(state: OwnState, step: int, rank: int, reuse: torch.Tensor | None = Non
     """Copies ``state`` into one host buffer (``reuse``'s when its size fits) and describes it.
 
     Tensors on a GPU are copied into pinned host memory on a side CUDA stream, all issued at once,
-    so the copies follow each other at the host link's limit; each piece of the buffer is hashed
-    as soon as the copies that fill it are done (on the CPU too), so the digest overlaps the copy.
+    so the copies follow each other at the host link's limit, and each piece of the buffer is
+    hashed as soon as the copies that fill it are done: the digest overlaps the copy (on one H200,
+    a take went from 2.2-2.5x to 1.4-1.6x a plain copy). Tensors in host memory are copied first
+    and hashed after: there the copy runs on torch's own threads, and hashing beside it slowed the
+    take (2.9x a plain copy with spares on 16 cores; 4.5x overlapped).
 
     Args:
         state: the live state (its tensors are copied, not kept).
@@ -193,13 +196,10 @@ def pack(state: OwnState, step: int, rank: int, reuse: torch.Tensor | None = Non
             if n:
                 src = t.detach().reshape(-1).view(torch.uint8)
                 payload[e.offset : e.offset + n].copy_(src, non_blocking=src.is_cuda)
-            end = e.offset + _aligned(n)
-            if stream is None:
-                pieces.ready(end)  # a CPU copy is done when copy_ returns
-            else:
+            if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-                copied.append((end, event))
+                copied.append((e.offset + _aligned(n), event))
     for end, event in copied:  # a GPU's copies run on while the first pieces are hashed
         event.synchronize()
         pieces.ready(end)
