@@ -1,6 +1,6 @@
 """A DeepSpeed ZeRO-3 rank killed and restored from its buddy's in-memory snapshot, bit-equal to a
-fault-free run, on 3 real gloo ranks under ncclguard's launcher. Rank side:
-tests/workers/deepspeed_heal_worker.py."""
+fault-free run, on 3 real gloo ranks under ncclguard's launcher; a model of 2.1M parameters with
+dropout. Rank side: tests/workers/deepspeed_heal_worker.py."""
 
 from __future__ import annotations
 

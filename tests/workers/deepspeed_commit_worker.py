@@ -40,12 +40,16 @@ STALL_S = 9.0
 STEPS, K = 5, 2
 
 
-def engine(stage: int = 2, seed: int = 0, dropout: float = 0.0) -> deepspeed.DeepSpeedEngine:
+def engine(
+    stage: int = 2, seed: int = 0, dropout: float = 0.0, width: int = 16, depth: int = 0
+) -> deepspeed.DeepSpeedEngine:
+    """The workers' engine: ``Linear(6, width)``, ``depth`` more square layers, ``Linear(width, 1)``."""
     torch.manual_seed(seed)
     # Dropout (memory mode): the redo must draw what the failed attempt drew, whatever the new engine's
     # initialisation drew meanwhile
     drop = [torch.nn.Dropout(dropout)] if dropout else []
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), *drop, torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    square = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    model = torch.nn.Sequential(torch.nn.Linear(6, width), *drop, torch.nn.Tanh(), *square, torch.nn.Linear(width, 1))
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
