@@ -2,7 +2,8 @@
 in configure_model): 3 gloo ranks under torchrun, each under its supervisor with a warm spare. A stalled
 step is redone on a world whose module was sharded again from each rank's shards; a killed rank comes
 back from its buddy's in-memory snapshot, every rank goes back to that snapshot's step, and the fit
-ends bit-equal to a fault-free one. Rank side: tests/workers/lightning_sharded_worker.py.
+ends bit-equal to a fault-free one; the module holds 2.1M parameters with dropout. Rank side:
+tests/workers/lightning_sharded_worker.py.
 
 Without ranks: the strategies Lightning itself refuses on the CPU (FSDPStrategy, DeepSpeedStrategy),
 and what the callback refuses before any step."""

@@ -85,7 +85,11 @@ def build() -> tuple[torch.nn.Module, Any]:
     from accelerate.utils import DummyOptim
 
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    w = 1024  # 2.1M parameters: a replica three times a fresh rank's state
+    module = torch.nn.Sequential(
+        torch.nn.Linear(6, w), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(w, w), torch.nn.Tanh(),
+        torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, 1),
+    )  # fmt: skip
     return module, DummyOptim(module.parameters())
 
 

@@ -49,6 +49,7 @@ LIFE = ncclguard.restart_count()
 WORLD, STEPS = 3, 6
 STALL_AT, STALLER, STALL_S = 1, 2, 9.0
 KILL_AT, VICTIM = 3, 1
+WIDTH = 1024
 BOUND_S = 3.0  # collective_timeout: 3x under the stall
 REJOIN_S = 120.0  # hang guard: the survivors' rebuild waits this long for the restarted rank
 
@@ -56,13 +57,15 @@ REJOIN_S = 120.0  # hang guard: the survivors' rebuild waits this long for the r
 class Net(LightningModule):
     def __init__(self, faults: bool = False, flag_guard: bool = False) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 8),
+        self.net = torch.nn.Sequential(  # 2.1M parameters: a replica three times a fresh rank's state
+            torch.nn.Linear(4, WIDTH),
             torch.nn.Tanh(),
             torch.nn.Dropout(0.2),  # the generators must be restored for the runs to be equal
-            torch.nn.Linear(8, 8),
+            torch.nn.Linear(WIDTH, WIDTH),
             torch.nn.Tanh(),
-            torch.nn.Linear(8, 1),
+            torch.nn.Linear(WIDTH, WIDTH),
+            torch.nn.Tanh(),
+            torch.nn.Linear(WIDTH, 1),
         )
         self.faults, self.flag_guard, self.sharded_once = faults, flag_guard, False
         self.tries: dict[int, int] = {}
