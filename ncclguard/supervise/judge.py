@@ -104,7 +104,15 @@ class StuckWatch:
         if sample is not None:
             self._prog.observe(sample)
         ask = self._read()
-        if ask is None or ask.at in self._settled or not self._about(ask, proc):
+        if ask is None or ask.at in self._settled:
+            return None
+        if not self._about(ask, proc):
+            if ask.origin == self.origin:  # about this rank, naming another process: never acted on
+                self._settled.add(ask.at)
+                self._say(
+                    f"an ask about launch rank {self.origin} names pid {ask.pid}, neither this supervisor's rank "
+                    f"(pid {proc.pid}) nor a process it started: refused, nothing done"
+                )
             return None
         if now - self._first_read.setdefault(ask.at, now) > ASK_TTL_S:
             return None  # stale: the ranks that asked went on long ago

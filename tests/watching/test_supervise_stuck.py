@@ -97,6 +97,9 @@ def test_the_supervisor_ends_its_stuck_rank_restarts_it_to_heal_leaves_a_busy_on
     pid0, pid1, seen = supervised
     err = seen["err"]
     assert seen["garbage_read"] is None and seen["alive_after_foreign_ask"] is True, err
+    assert (
+        f"names pid {os.getpid()}, neither this supervisor's rank (pid {pid0}) nor a process it started: refused" in err
+    )
     first = seen["first"]
     assert (first.state, first.restarted) == ("stuck", True), first
     assert "stopped" in first.evidence
