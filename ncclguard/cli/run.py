@@ -13,11 +13,11 @@ Options:
   each sets ``NCCLGUARD_WATCHDOG_<FIELD>`` for the ranks, over the value the environment has;
 - ``--ncclguard-restarts N`` (with ``--ncclguard-warm-spare``, ``--ncclguard-preload MOD``): every rank
   runs under its supervisor (``python -m ncclguard.supervise``), which restarts it alone when it dies,
-  up to N times (docs/recovery.md);
-- ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (default: the
-  ranks' network plan, an interface the user named checked here first; docs/environment.md);
   up to N times (docs/recovery.md); ``--ncclguard-stop-grace S``: the seconds a supervised rank has
   to end after SIGTERM before it is SIGKILLed (default 8);
+- ``--ncclguard-no-net-plan``: leave ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` alone (default: the
+  ranks' network plan, an interface the user named checked here first: refused only where it cannot
+  work, warned about where no route to the master is seen; docs/environment.md);
 - ``--ncclguard-preempt-dir DIR``: sets ``NCCLGUARD_PREEMPT_DIR`` for the ranks, where a recovery
   engine writes the framework's checkpoint when the job is told to stop (docs/recovery.md, "Preemption");
 - everything else is torchrun's, passed through unchanged (``--ncclguard-*`` options are read up to
@@ -31,6 +31,11 @@ SIGTERM or SIGINT to this process (Slurm's preemption, ``scancel``, a spot notic
 its agent sends the signal to every worker's session and waits up to 30 s before SIGKILL. Under
 ``--ncclguard-restarts`` each supervisor stops its rank without a restart (SIGKILL after the stop
 grace), and the command exits 128 + the signal (143 for SIGTERM): preempted (docs/run.md).
+
+SIGKILL to this process (the OOM killer, a lost node agent) stops nothing in torchrun: the orphan guard
+(:mod:`ncclguard.supervise.reaper`, started before torchrun, detached) then sends the job's processes
+SIGTERM and SIGKILL after the stop grace; under ``--ncclguard-restarts`` each supervisor also stops
+its rank by itself (:mod:`ncclguard.supervise.parent`). docs/run.md, "Its launcher killed".
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import argparse
 import difflib
 import os
 import re
+import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +54,9 @@ from pydantic import ValidationError
 
 from ncclguard.env.hostview import check_interfaces
 from ncclguard.env.sockets import NET_PLAN_VAR
+from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S
+from ncclguard.supervise.parent import LAUNCHER_VAR
+from ncclguard.supervise.reaper import Guard
 from ncclguard.watching.base.hang_bound import given as hang_given
 from ncclguard.watching.base.settings import WatchdogConfig
 
@@ -145,12 +154,17 @@ class Launch:
         env: variables set for the ranks (added to this environment).
         config: the watchdog's settings every rank will read.
         supervised: the ranks run under ``python -m ncclguard.supervise``.
+        warnings: what the network plan lets through but may not work (printed before the launch).
+        stop_grace_s: seconds a rank has to end after SIGTERM (each supervisor's; the orphan
+            guard's, when this launcher is gone), before SIGKILL.
     """
 
     def __init__(
         self, torchrun: argparse.Namespace, env: dict[str, str], config: WatchdogConfig, supervised: bool
     ) -> None:
         self.torchrun, self.env, self.config, self.supervised = torchrun, env, config, supervised
+        self.warnings: list[str] = []
+        self.stop_grace_s = DEFAULT_STOP_GRACE_S
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -220,17 +234,28 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     from torch.distributed.run import get_args_parser
 
     torchrun = get_args_parser().parse_args(theirs)
+    warnings: list[str] = []
     if ns.ncclguard_no_net_plan:
         env[NET_PLAN_VAR] = "0"
-    else:  # the user's own interface is checked before any rank starts (BadInterface)
-        check_interfaces(torchrun.rdzv_endpoint or torchrun.master_addr)
+    else:  # the user's own interface is checked before any rank starts (BadInterface); what may not work is said
+        warnings = check_interfaces(torchrun.rdzv_endpoint or torchrun.master_addr, nodes=_min_nodes(torchrun.nnodes))
     if ns.ncclguard_restarts is not None:
         _supervise(torchrun, ns)
     elif ns.ncclguard_warm_spare or ns.ncclguard_preload:
         raise ValueError("--ncclguard-warm-spare and --ncclguard-preload go with --ncclguard-restarts N")
     elif ns.ncclguard_stop_grace is not None:
         raise ValueError("--ncclguard-stop-grace goes with --ncclguard-restarts N (it is each supervisor's)")
-    return Launch(torchrun, env, config, ns.ncclguard_restarts is not None)
+    job = Launch(torchrun, env, config, ns.ncclguard_restarts is not None)
+    job.warnings = warnings
+    if ns.ncclguard_stop_grace is not None:
+        job.stop_grace_s = float(ns.ncclguard_stop_grace)
+    return job
+
+
+def _min_nodes(nnodes: str) -> int | None:
+    """The fewest nodes torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) allows, or None if unreadable."""
+    low = str(nnodes).split(":", 1)[0].strip()
+    return int(low) if low.isdigit() else None
 
 
 def _config(given: dict[str, Any]) -> WatchdogConfig:
@@ -295,7 +320,10 @@ def launch(job: Launch) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun_run
 
+    guard = _guard(job)
     os.environ.update(job.env)  # torchrun's agent gives its workers a copy of this environment
+    if guard is not None:
+        os.environ[LAUNCHER_VAR] = guard.token  # every worker, and all they start, carry it
     try:
         torchrun_run(job.torchrun)
     except ChildFailedError as exc:
@@ -305,7 +333,29 @@ def launch(job: Launch) -> int:
         # torchrun's agent stopped every worker first (SIGTERM to their sessions, SIGKILL after 30 s).
         print(f"ncclguard run: stopped by signal {int(exc.sigval)} (preempted); every rank ended", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        if guard is not None:
+            guard.done()  # returned (torchrun stopped its workers): the guard leaves what is left alone
     return 0
+
+
+def _guard(job: Launch) -> Guard | None:
+    """Starts the orphan guard (:mod:`ncclguard.supervise.reaper`): if this process dies without
+    returning, the job's processes get SIGTERM, and SIGKILL after the stop grace. None where it cannot
+    run (no ``/proc``), said once."""
+    if not Path("/proc/self/environ").exists():
+        print("ncclguard run: no /proc here: the job is not ended if this launcher is killed", file=sys.stderr)
+        return None
+    token = f"{os.getpid()}-{secrets.token_hex(8)}"
+    env = {k: v for k, v in os.environ.items() if k not in (LAUNCHER_VAR, AUTO_VAR)}
+    try:
+        return Guard(token, job.stop_grace_s, env=env)
+    except OSError as exc:
+        print(
+            f"ncclguard run: the orphan guard did not start ({exc}): the job is not ended if this launcher is killed",
+            file=sys.stderr,
+        )
+        return None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -319,6 +369,8 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"ncclguard run: {exc}", file=sys.stderr)
         return 2
+    for warning in job.warnings:
+        print(f"ncclguard run: warning: {warning}", file=sys.stderr)
     cfg = job.config
     restarts = " under ncclguard.supervise" if job.supervised else ""
     print(

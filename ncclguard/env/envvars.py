@@ -100,16 +100,21 @@ class VariableStatus(BaseModel):
 def nccl_ifname_matches(spec: str, names: Collection[str]) -> list[str]:
     """The interfaces among ``names`` that NCCL would accept for ``NCCL_SOCKET_IFNAME=spec``.
 
-    NCCL's rules: a comma-separated list of prefixes; a leading ``^`` excludes instead of
-    selects; a leading ``=`` (after ``^``) makes every entry an exact name.
+    NCCL's rules (``parseStringList`` and ``matchIfList`` in ``src/misc/utils.cc``): a comma-separated
+    list of prefixes, each optionally ``name:port`` (the port is not a name); a leading ``^`` excludes
+    instead of selects; a leading ``=`` (after ``^``) makes every entry an exact name; an empty list
+    matches every interface (so ``^`` alone excludes them all). Spaces are part of a name, as in NCCL.
     """
     exclude = spec.startswith("^")
     body = spec[1:] if exclude else spec
     exact = body.startswith("=")
     body = body[1:] if exact else body
-    items = [item for item in body.split(",") if item]
+    items = [item.split(":", 1)[0] for item in body.split(",")]
+    items = [item for item in items if item]
 
     def hit(name: str) -> bool:
+        if not items:
+            return True
         return any(name == item if exact else name.startswith(item) for item in items)
 
     return sorted(n for n in names if hit(n) != exclude)

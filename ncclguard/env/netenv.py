@@ -26,6 +26,7 @@ from ncclguard.config import Config, get_config
 from ncclguard.env.envvars import DEPRECATED, env_warnings, mark_applied
 from ncclguard.env.infiniband import SYSFS_INFINIBAND, IbDevice, read_infiniband
 from ncclguard.env.routes import IPAddress, NoRoute, Route, lookup_route
+from ncclguard.env.sockets import BRIDGE_PREFIXES
 
 __all__ = ["NetPlan", "apply", "detect", "parse_host"]
 
@@ -36,7 +37,6 @@ _PROBE_V6 = ipaddress.IPv6Address("2001:db8::1")
 # RFC 1123 labels (letters, digits, inner hyphens; underscores tolerated), dot-separated, 253 chars at most.
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
-_BRIDGE_PREFIXES = ("docker", "br-", "virbr", "cni", "podman", "lxcbr")
 
 
 class NetPlan(BaseModel):
@@ -211,7 +211,7 @@ def _interface_warnings(interface: str, target: str | None, env: Mapping[str, st
     stats = psutil.net_if_stats().get(interface)
     if stats is not None and not stats.isup:
         out.append(f"interface {interface} is down: the route to {peer} uses it.")
-    if interface.startswith(_BRIDGE_PREFIXES):
+    if interface.startswith(BRIDGE_PREFIXES):
         out.append(
             f"the route to {peer} goes through {interface}, a container bridge: other hosts cannot reach this rank "
             "there; check MASTER_ADDR."

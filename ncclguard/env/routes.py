@@ -104,7 +104,7 @@ class Route(BaseModel):
 
 
 def parse_ip_json(text: str, destination: str) -> Route:
-    """Parses the stdout of ``ip -j route get``.
+    """Parses the stdout of ``ip -j route get`` (a multipath answer: its first ``nexthops`` entry).
 
     Raises:
         ValueError: the text is not the JSON list of one route that iproute2 prints.
@@ -113,21 +113,26 @@ def parse_ip_json(text: str, destination: str) -> Route:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON from `ip -j route get`: {text[:200]!r}") from exc
-    if not isinstance(doc, list) or not doc or not isinstance(doc[0], dict) or "dev" not in doc[0]:
+    entry = doc[0] if isinstance(doc, list) and doc and isinstance(doc[0], dict) else {}
+    hop = entry
+    if "dev" not in entry:  # a multipath answer names its devices in `nexthops`: the first is taken
+        hops = entry.get("nexthops")
+        hop = hops[0] if isinstance(hops, list) and hops and isinstance(hops[0], dict) else {}
+    if "dev" not in hop:
         raise ValueError(f"`ip -j route get` printed no route with a device: {text[:200]!r}")
-    entry = doc[0]
     return Route(
         destination=str(entry.get("dst", destination)),
-        interface=str(entry["dev"]),
+        interface=str(hop["dev"]),
         source=entry.get("prefsrc"),
-        gateway=entry.get("gateway"),
+        gateway=hop.get("gateway"),
         kind=str(entry.get("type", "unicast")),
         method="ip -j route get",
     )
 
 
 def parse_ip_text(text: str, destination: str) -> Route:
-    """Parses the stdout of ``ip route get`` (first line; the ``cache`` line is ignored).
+    """Parses the stdout of ``ip route get`` (first line, or its first ``nexthop`` line for a multipath
+    answer; the ``cache`` line is ignored).
 
     Raises:
         ValueError: the line has no ``dev``.
@@ -149,6 +154,16 @@ def parse_ip_text(text: str, destination: str) -> Route:
             i += 2
         else:
             i += 1
+    if "dev" not in fields:  # a multipath answer: `nexthop via GW dev DEV weight 1` lines, the first taken
+        for line in lines[1:]:
+            hop = line.split()
+            if hop[:1] == ["nexthop"] and "dev" in hop[:-1]:
+                fields["dev"] = hop[hop.index("dev") + 1]
+                if "via" in hop[:-1]:
+                    at = hop.index("via") + 1
+                    at += 1 if hop[at] in ("inet", "inet6") and at + 1 < len(hop) else 0
+                    fields["via"] = hop[at]
+                break
     if "dev" not in fields:
         raise ValueError(f"`ip route get` printed no device: {text[:200]!r}")
     return Route(

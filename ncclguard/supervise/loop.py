@@ -38,6 +38,12 @@ process, the warm spare is let go, and no restart follows: the rank has ``stop_g
 SIGINT, or exited 143 (128 + SIGTERM: the recovery engine's status after a preemption stop,
 :mod:`ncclguard.recovery.preempt`), is not restarted either, whoever signalled it. The supervisor
 then exits with the rank's status, or 128 + the signal when the rank exited 0.
+
+**Its launcher gone.** A launcher killed outright (SIGKILL: the OOM killer, a lost node agent) stops
+no worker. The supervisor learns of it by SIGHUP, which the kernel sends when the thread that started
+it ends (``PR_SET_PDEATHSIG``), or by its own poll of its parent (:mod:`ncclguard.supervise.parent`),
+and stops as when told to stop: SIGTERM to the rank, SIGKILL after the stop grace, no restart, then it
+exits with the rank's status. A SIGHUP while its parent process lives is ignored.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any
 
 from ncclguard.store.deaths import STUCK_RC, DeathPoster
 from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
+from ncclguard.supervise.parent import ORPHAN_SIGNAL, ParentWatch
 from ncclguard.supervise.spare import RESTART_COUNT_VAR, target_of
 
 __all__ = ["DEFAULT_STOP_GRACE_S", "RESTART_COUNT_VAR", "STOPPED_STATUSES", "Supervisor", "run_rank", "stopped"]
@@ -148,6 +155,8 @@ class Supervisor:
         self.argv, self.restarts, self.backoff_s = list(argv), restarts, backoff_s
         self.stop_grace_s = float(stop_grace_s)
         self.stopping: int | None = None  # the signal that told this supervisor to stop
+        self.stop_send = int(signal.SIGTERM)  # what the running process is sent on a stop
+        self.parent = ParentWatch()
         self.warm_spare, self.preload = warm_spare, list(preload)
         self.env = dict(os.environ)
         self.child: subprocess.Popen[Any] | None = None
@@ -181,10 +190,26 @@ class Supervisor:
             self.spare = _Spare(self.argv, self._env(None), self.preload)
 
     def _forward(self, signum: int, _frame: object) -> None:
+        self._stop(signum, signum)
+
+    def _stop(self, signum: int, send: int) -> None:
+        """Told to stop by ``signum``: sends the running process ``send``, SIGKILL after the grace."""
         first = self.stopping is None
         if first:
-            self.stopping = signum
-        self._tell(signum, timer=first)
+            self.stopping, self.stop_send = signum, send
+        self._tell(send, timer=first)
+
+    def _orphan(self, signum: int, _frame: object) -> None:
+        """:data:`ORPHAN_SIGNAL`: when the launcher is gone, a stop (SIGTERM to the rank); else ignored."""
+        if not self.parent.gone():
+            _say(f"signal {signum} while the launcher (pid {self.parent.parent}) lives: ignored")
+            return
+        if self.stopping is None:
+            _say(
+                f"the launcher (pid {self.parent.parent}) is gone: stopping the rank (SIGTERM, SIGKILL after "
+                f"{self.stop_grace_s:g} s), no restart"
+            )
+        self._stop(signum, int(signal.SIGTERM))
 
     def _tell(self, signum: int, timer: bool) -> None:
         """Sends the running process ``signum``; with ``timer``, SIGKILLs it after the grace."""
@@ -211,9 +236,13 @@ class Supervisor:
         poster = DeathPoster(self.env) if origin is not None else None
         watch = StuckWatch(origin, poster.store, _say) if poster is not None and origin is not None else None
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous[ORPHAN_SIGNAL] = signal.signal(ORPHAN_SIGNAL, self._orphan)
+        self.parent.arm()  # after the handler: the launcher's end, even before this line, is a stop
         try:
             count = 0
             self.child = self._start(0)
+            if self.stopping is not None:  # stopped before there was a process to tell
+                self._tell(self.stop_send, timer=True)
             while True:
                 rc, ended = self._wait(watch, count < self.restarts)
                 self.lives.append(rc)
@@ -233,8 +262,9 @@ class Supervisor:
                 _say(f"the rank (pid {self.child.pid}) exited {rc}; restart {count} of {self.restarts}")
                 self.child = self._start(count)
                 if self.stopping is not None:  # told to stop while it started: it goes the same way
-                    self._tell(self.stopping, timer=True)
+                    self._tell(self.stop_send, timer=True)
         finally:
+            self.parent.disarm()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.spare is not None:
@@ -280,6 +310,7 @@ class Supervisor:
         """The status after a stop: the rank's, or 128 + the signal the supervisor got if it exited 0."""
         assert self.child is not None  # the run that just ended
         why = f"signal {self.stopping}" if self.stopping is not None else "its own stop"
+        why = "its launcher's end" if self.stopping == ORPHAN_SIGNAL else why
         _say(f"the rank (pid {self.child.pid}) exited {rc} after {why}: told to stop, it stays down")
         if status == 0 and self.stopping is not None:
             return 128 + self.stopping

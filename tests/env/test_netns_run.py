@@ -9,7 +9,9 @@ never starts. Nothing is exported: each rank applies the network plan (docs/envi
   culprit is named, node 0's log holds the merged verdict, and ``ncclguard report`` reads it on node 0
   (the incident directories are not shared), naming the host of each rank's dump;
 - the same under ``NCCLGUARD_AUTO=1 torchrun``, host B with its own GLOO_SOCKET_IFNAME (kept);
-- an interface that cannot reach the master is refused at start, by ``ncclguard run`` and in a rank.
+- an interface that cannot work is refused at start: gloo on loopback in a 2-node job by ``ncclguard run``,
+  a name that matches no interface in a rank (an interface with no route to the master is only warned
+  about: tests/env/test_netns_no_harm.py).
 """
 
 from __future__ import annotations
@@ -145,7 +147,9 @@ def test_an_interface_that_cannot_reach_the_master_is_refused_at_start(hosts):
     )
     routes = f"routes here: 198.18.0.0/30 dev {hosts.if_b}"
     assert launcher.returncode == 2, launcher.stderr[-3000:]
-    assert f"ncclguard run: GLOO_SOCKET_IFNAME=lo: lo has no route to MASTER_ADDR {ADDR_A}." in launcher.stderr
+    assert "ncclguard run: GLOO_SOCKET_IFNAME=lo: lo holds only loopback addresses, which the other nodes of this " in (
+        launcher.stderr
+    )
     assert routes in launcher.stderr
     assert in_rank.returncode == 1
     assert "ncclguard.errors.BadInterface: NCCL_SOCKET_IFNAME==eth9 matches no interface of this host" in in_rank.stderr
