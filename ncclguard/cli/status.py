@@ -9,8 +9,10 @@ Exit status (of the last read with ``--watch``):
 ====  =====================================================================
 0     healthy: every rank beats, no open incident
 2     bad usage (no store address, bad arguments)
-3     suspect: a rank's heartbeat is missing, stopped or unreadable, a rank has been in one op
-      for over half of ``hang_timeout_s``, or a straggler score is below 0.8
+3     suspect: a rank's heartbeat is missing, stopped or unreadable, a rank waits in an op for
+      ranks that have not reached it (``waiting``; those are ``culprit``, with the verdict on
+      them where one was published), a rank has been in one op for over half of its hang
+      bound, or a straggler score is below 0.8
 4     incident: an incident is open (raised and not resolved)
 5     the store did not answer within ``--timeout``
 6     the store answers, but no ncclguard watchdog named a session there (or its index is garbage)
@@ -121,7 +123,7 @@ def _short_op(inflight: str | None, seconds: float | None) -> str:
 
 
 def _group_cells(g: RankGroup, wide: bool, ranks_w: int) -> list[str]:
-    state = g.state + (" slow" if g.slow else "")
+    state = g.state + (f" {g.judged}" if g.judged else "") + (" slow" if g.slow else "")
     # A script without phases still says where it is: the main thread's file and line.
     phase = g.phase or (f"at {os.path.basename(g.site)}" if g.site else "-")
     step = "-" if g.step is None else str(g.step)

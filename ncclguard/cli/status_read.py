@@ -40,6 +40,7 @@ __all__ = [
     "RankRow",
     "StatusReader",
     "group_rows",
+    "mark_waits",
     "read_status",
 ]
 
@@ -47,7 +48,8 @@ CHUNK = 128  # keys per check and per multi_get
 MAX_INCIDENTS = 16  # the newest incidents read
 SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
 Health = Literal["healthy", "suspect", "incident"]
-RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced"]
+RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced", "waiting", "culprit"]
+WAIT_BEATS = 2.0  # a rank in one op this many heartbeat periods waits (a healthy step's skew is less)
 
 
 class RankRow(BaseModel):
@@ -70,6 +72,11 @@ class RankRow(BaseModel):
     incidents: list[int] = Field(default_factory=list)  # open incidents that name it (raised by it, or lost)
     judged: dict[str, str] = Field(default_factory=dict)  # the recovery engine's verdict on ranks it waits for
     hang_bound_s: float | None = None  # the hang bound its watchdog holds now (learned per phase unless set)
+    backend_still: dict[str, float] | None = None  # seconds each backend number had stood still (at its beat)
+    op_key: tuple[str, int] | None = None  # the op in flight's (group, number) in ncclguard's numbering
+    waits_for: list[int] = Field(default_factory=list)  # the ranks that have not reached the op it waits in
+    waited_by: list[int] = Field(default_factory=list)  # the ranks waiting for it
+    judgment: str | None = None  # a waiting rank's verdict on it ("stuck: ..." / "moving: ...")
 
 
 class RankGroup(BaseModel):
@@ -89,6 +96,7 @@ class RankGroup(BaseModel):
     score: tuple[float, float] | None
     inflight_s: float | None  # the longest
     incidents: list[int] = Field(default_factory=list)
+    judged: str | None = None  # a culprit's verdict, in a word ("stuck", "moving")
 
 
 class IncidentRow(BaseModel):
@@ -203,7 +211,51 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         pid=hb.pid,
         judged=hb.judged or {},
         hang_bound_s=hb.hang_bound_s,
+        backend_still=hb.backend_still,
+        op_key=None if oldest is None else (oldest.group, oldest.seq),
     )
+
+
+def mark_waits(rows: Sequence[RankRow], heartbeat_s: float) -> None:
+    """Marks, in place, the ranks that wait in an op and the ranks they wait for, as the watchdog
+    sees them: a rank in a recorded op (its heartbeat's ``inflight``) for :data:`WAIT_BEATS`
+    heartbeat periods waits for the members whose last op number in that group is lower; a rank whose
+    backend number in a group stood still that long waits (in "backend op #n") for the members
+    whose number there is lower (the op DDP's reducer or a framework issued from C++). A waiting
+    rank's state becomes ``waiting``; a rank waited for becomes ``culprit``, with the verdict a
+    waiting rank published on it (its heartbeat's ``judged``). A late, stale or fenced rank keeps
+    its state.
+
+    Args:
+        rows: one row per rank (as :func:`read_status` reads them).
+        heartbeat_s: the watchdog's heartbeat period.
+    """
+    bound = WAIT_BEATS * heartbeat_s
+    beating = [r for r in rows if r.state in ("ok", "late")]
+    for r in beating:
+        waits: set[int] = set()
+        if r.op_key is not None and (r.inflight_s or 0.0) >= bound:
+            group, seq = r.op_key
+            waits |= {p.rank for p in beating if p is not r and p.last_seq.get(group, seq) < seq}
+        for group, seq in sorted((r.backend_seq or {}).items()):
+            still = (r.backend_still or {}).get(group)
+            if still is None or still + (r.age_s or 0.0) < bound:
+                continue
+            lower = {p.rank for p in beating if p is not r and (p.backend_seq or {}).get(group, seq) < seq}
+            if lower and not waits and r.inflight is None:
+                r.inflight, r.inflight_s = f"backend op #{seq} on {group}", round(still + (r.age_s or 0.0), 3)
+            waits |= lower
+        if waits:
+            r.waits_for = sorted(waits)
+            r.state = "waiting" if r.state == "ok" else r.state
+    by_rank = {r.rank: r for r in rows}
+    for r in beating:
+        for c in r.waits_for:
+            culprit = by_rank[c]
+            culprit.waited_by.append(r.rank)
+            said = r.judged.get(str(c))
+            culprit.judgment = culprit.judgment or said
+            culprit.state = "culprit" if culprit.state in ("ok", "waiting") else culprit.state
 
 
 def _span(values: list[float]) -> tuple[float, float] | None:
@@ -226,13 +278,14 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
         slow = r.straggler_score is not None and r.straggler_score < SLOW_SCORE
         backend = tuple(sorted(r.backend_seq.items())) if r.backend_seq is not None else None
         seqs = tuple(sorted(r.last_seq.items()))
-        return (r.state, r.phase, r.site, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents))
+        said = r.judgment.split(":", 1)[0] if r.judgment else None
+        return (r.state, r.phase, r.site, r.step, slow, seqs, backend, r.inflight, tuple(r.incidents), said)
 
     buckets: dict[tuple[Any, ...], list[RankRow]] = {}
     for r in sorted(rows, key=lambda r: r.rank):
         buckets.setdefault(key(r), []).append(r)
     out = []
-    for (state, phase, site, step, slow, _, _, inflight, incidents), members in buckets.items():
+    for (state, phase, site, step, slow, _, _, inflight, incidents, said), members in buckets.items():
         first = members[0]
         times = [m.inflight_s for m in members if m.inflight_s is not None]
         out.append(
@@ -251,6 +304,7 @@ def group_rows(rows: Sequence[RankRow]) -> list[RankGroup]:
                 score=_span([m.straggler_score for m in members if m.straggler_score is not None]),
                 inflight_s=max(times) if times else None,
                 incidents=list(incidents),
+                judged=said,
             )
         )
     return out
@@ -309,6 +363,15 @@ def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: W
         span = f"{bounds[0]:g} s" if len(bounds) == 1 else f"{bounds[0]:g}-{bounds[-1]:g} s"
         reasons.append(
             f"in one op for over half of its hang bound ({span}): ranks {rank_ranges([r.rank for r in long])}"
+        )
+    waiting = [r for r in rows if r.waits_for]
+    for op in sorted({r.inflight or "?" for r in waiting}):
+        who = [r for r in waiting if (r.inflight or "?") == op]
+        culprits = sorted({c for r in who for c in r.waits_for})
+        longest = max((r.inflight_s or 0.0) for r in who)
+        reasons.append(
+            f"ranks {rank_ranges(r.rank for r in who)} wait in {op} (up to {longest:.0f} s) "
+            f"for ranks {rank_ranges(culprits)}, which have not reached it"
         )
     said: dict[str, tuple[int, str]] = {}
     for r in rows:  # the recovery engine's verdict, once per rank judged (the first rank that says it)
@@ -371,6 +434,7 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
         if inc.open and inc.problem is None:
             for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
                 rows[r].incidents.append(inc.n)
+    mark_waits(rows, index.heartbeat_s)
     health, reasons = _verdict(rows, incidents, index)
     return JobStatus(
         store=store,

@@ -1,5 +1,5 @@
 """The levers of the engine's verdict (:mod:`ncclguard.recovery._verdict.verdict`): the user's judge
-bound, the world group's sequence number, the job's store, where a peer runs, ending a peer's op from
+bound, the world groups' sequence numbers, the job's store, where a peer runs, ending a peer's op from
 this side, and asking a peer's supervisor to judge and end it (:mod:`ncclguard.store.asks`).
 
 A gloo op in flight ends only when its peer's connection fails: ``ProcessGroup.abort()`` wakes
@@ -37,10 +37,12 @@ __all__ = [
     "job_store",
     "judge_after",
     "on_this_host",
+    "pick_world_group",
     "post_stuck_death",
     "stuck_notices",
     "supervisor_answer",
     "unprefixed",
+    "world_groups",
     "world_seq",
 ]
 
@@ -69,14 +71,90 @@ def judge_after() -> float | None:
     return value
 
 
-def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, int] | None:
-    """The world group's name and this rank's backend sequence number in it, or None."""
+_picked: str | None = None  # the group the last look compared in: kept while nothing tells another apart
+_moved: dict[str, tuple[int, float]] = {}  # whole-world group -> (this rank's number, when it last changed)
+ACTIVE_S = 120.0  # a group whose number stood this much longer than the newest one's is out of use
+
+
+def world_groups(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, dict[str, int]] | None:
+    """The default group's name, and this rank's backend sequence number in every group whose
+    membership is the whole world (the default group, and copies of it such as the one DeepSpeed's
+    ``deepspeed.comm`` clones at ``initialize`` and runs its collectives on); None without a group."""
     try:
-        pg = compat.default_group()
-        name = (names or compat.group_names())[pg]
-        return name, compat.sequence_number(pg)
+        names = names or compat.group_names()
+        default = names[compat.default_group()]
+        size = dist.get_world_size()
+        ranks = compat.group_ranks()
+        out = {default: compat.sequence_number(compat.default_group())}
+        for pg, name in names.items():
+            if name != default and len(ranks.get(pg, {})) == size and not compat.rank_not_in_group(pg):
+                try:
+                    out[name] = compat.sequence_number(pg)
+                except (TorchCompatError, RuntimeError):
+                    continue  # a group being destroyed, or a backend without the counter
+        return default, out
     except (TorchCompatError, RuntimeError, KeyError, ValueError):
         return None
+
+
+def pick_world_group(
+    mine: dict[str, int], peers: list[dict[str, int] | None], default: str, last: str | None = None
+) -> str:
+    """The whole-world group to tell peers behind and ahead by: the one with the most peers behind
+    this rank (a peer behind in any such group is behind), else the one with the most ahead, else
+    ``last`` (so that this rank's own op count does not jump between looks), else ``default``.
+    Ties go to ``last``, then ``default``, then the name.
+
+    Args:
+        mine: this rank's sequence number per whole-world group (:func:`world_groups`).
+        peers: each peer's ``backend_seq`` from its heartbeat (None where it carries none).
+        default: the default group's name.
+        last: the group picked at the previous look.
+    """
+
+    def count(g: str, sign: int) -> int:
+        return sum(1 for p in peers if p and g in p and (mine[g] - p[g]) * sign > 0)
+
+    def rank(g: str) -> tuple[int, int, str]:
+        return (0 if g == last else 1, 0 if g == default else 1, g)
+
+    for sign in (1, -1):
+        best = max((count(g, sign) for g in mine), default=0)
+        if best:
+            return min((g for g in mine if count(g, sign) == best), key=rank)
+    return last if last in mine else default
+
+
+def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, int] | None:
+    """The whole-world group the verdict tells "behind" by (:func:`pick_world_group`, over the
+    watched peers' heartbeats) and this rank's backend sequence number in it, or None.
+
+    A copy of the world whose number here stood still :data:`ACTIVE_S` longer than the most recently
+    used one is out of use (an evaluation group that timed out, kept unreleased): a difference there
+    says nothing of now, so only the default group and the copies in use are compared."""
+    global _picked
+    got = world_groups(names)
+    if got is None:
+        return None
+    default, mine = got
+    now = time.monotonic()
+    for g, seq in mine.items():
+        if _moved.get(g, (None, 0.0))[0] != seq:
+            _moved[g] = (seq, now)
+    newest = max(_moved[g][1] for g in mine)
+    mine = {g: seq for g, seq in mine.items() if g == default or newest - _moved[g][1] <= ACTIVE_S}
+    peers: list[dict[str, int] | None] = []
+    if len(mine) > 1:
+        from ncclguard.watching.watchdog import current_watchdog
+
+        wd = current_watchdog()
+        if wd is not None:
+            peers = [hb.backend_seq for hb, _ in wd.peer_beats()[1].values()]
+    group = pick_world_group(mine, peers, default, _picked)
+    if group != _picked and _picked is not None:
+        log.debug("verdict: ranks behind and ahead are told by group %s now (was %s)", group, _picked)
+    _picked = group
+    return group, mine[group]
 
 
 def cut_connections(pid: int) -> int:

@@ -146,6 +146,11 @@ class VerdictDriver:
         if seen.own is None:
             seen.own = Progress(seen.still_s)
         seen.own.observe(Sample(now, "self", ops=mine[1], cpu_s=cpu, io_bytes=io))
+        # Its threads, children and sockets too: a rank blocked in send() to a slow receiver moves
+        # there only, and must never judge itself stuck.
+        whole = sample_process(os.getpid(), now)
+        if whole is not None:
+            seen.own.observe(whole)
         for r, (hb, age) in beats.items():
             self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
             self._sample(seen, r, hb, age, now)
