@@ -46,7 +46,7 @@ from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
 from .deepspeed_state import DeepSpeedState
 
-__all__ = ["DeepSpeedPart", "deepspeed_refusal", "fresh_module"]
+__all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_module"]
 
 _TRAINER = "trainer_state"  # the Trainer's state in a snapshot's meta (JSON text)
 
@@ -113,6 +113,38 @@ def fresh_module(model: Any) -> torch.nn.Module:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         return type(model)._from_config(model.config)
+
+
+def batch_for_world(trainer: Any, world_size: int) -> None:
+    """DeepSpeed's ``train_batch_size`` for a world of ``world_size`` ranks, on a restarted rank.
+
+    ``TrainingArguments`` fills the config's ``"auto"`` values when it is made, and a restarted
+    process makes it on its stand-in world of one: ``train_batch_size`` came out as one rank's
+    (micro-batch x accumulation), and DeepSpeed refuses it on the joined world ("train_batch_size is
+    not equal to micro_batch_per_gpu * gradient_acc_step * world_size"); a number the user wrote
+    was compared with one rank's too (a mismatch the Trainer raises on). Both are made again here
+    for the joined world, as a first process's ``TrainingArguments`` made them.
+    """
+    args = trainer.args
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if hf is None:
+        return
+    # No new HfTrainerDeepSpeedConfig here: making one points Transformers' global ZeRO-3 switch
+    # (is_deepspeed_zero3_enabled, a weak reference) at it, and fresh_module would then build the
+    # module outside zero.Init while the other ranks broadcast its parameters there.
+    one = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    total = one * world_size
+    stale = [m for m in hf.mismatches if m.startswith("- ds train_batch_size=")]
+    hf.mismatches = [m for m in hf.mismatches if m not in stale]
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    configs = [hf.config, getattr(plugin, "deepspeed_config", None)]
+    configs.append(getattr(getattr(plugin, "hf_ds_config", None), "config", None))
+    for config in {id(c): c for c in configs if isinstance(c, dict)}.values():
+        value = config.get("train_batch_size")
+        if not stale and value == one:  # "auto", filled with one rank's
+            config["train_batch_size"] = total
+        elif value is not None and value != total:  # the user's number, compared with the joined world
+            hf.mismatches.append(f"- ds train_batch_size={value} vs hf train_batch_size (calculated)={total}")
 
 
 def _state_bound(model: torch.nn.Module) -> int:

@@ -64,7 +64,7 @@ from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import StateCodec
 
 from .accelerate_recovery import follow_world
-from .hf_deepspeed import DeepSpeedPart, TrainerStateCodec
+from .hf_deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
 
 __all__ = ["TrainerRecovery"]
 
@@ -298,6 +298,7 @@ class TrainerRecovery(Adapter):
             self.engine.join_if_restarted()
             follow_world(dist.get_rank(), dist.get_world_size())  # the stand-in said rank 0 of 1
             if self._ds is not None:  # its partitions come from its buddy's snapshot, with the others'
+                batch_for_world(self.trainer, dist.get_world_size())
                 self._resume = self._ds.enter_again(self.engine, joined=True)
         while True:
             if self._resume is not None:

@@ -1,0 +1,211 @@
+"""Rank side of tests/integrations/test_hf_zero3_bitequal_multirank.py: issue 44's setup, the HF
+Trainer on DeepSpeed ZeRO-3 with a realistic BERT under ``guard_trainer(recover=True, heal=True)``
+and nothing else of ncclguard's. Usage: ``hf_zero3_bitequal_worker.py kill``.
+
+``kill`` (3 ranks, each under its supervisor, ``--restarts=1``): a ``BertForSequenceClassification``
+from a transformers config with its default dropout (0.1) and vocabulary (hidden 128, 2 layers,
+intermediate 512: 4.4 M parameters); a ZeRO-3 config as the Transformers docs write one, with
+``"auto"`` values (``train_batch_size`` among them; the bucket sizes and the persistence threshold
+follow the hidden size, so most parameters are partitioned and gathered), AdamW with
+``torch_adam``, gradient clipping, DeepSpeed's ``WarmupLR`` over WARMUP steps; the Trainer's
+shuffled sampler over SAMPLES rows, 3 steps an epoch, so the resume crosses epochs. Every rank's
+first life trains STEPS steps with no fault and no ncclguard (the reference), then the same steps
+on a new Trainer under ``guard_trainer``; launch rank VICTIM SIGKILLs itself as step KILL begins in
+its first life. Restarted, its ``TrainingArguments`` are made on the stand-in world of one, it
+joins, takes its partitions from its buddy's replica, and every rank goes back to the newest
+snapshot every rank holds (``snapshot_every`` chosen by ncclguard).
+
+Each rank records every micro-batch it computes (the last attempt of a step counts): the step, a
+digest of the batch, of the CPU generator's state (dropout draws from it), the loss and the
+learning rate, so that a healed run that differs names the first step and what differed. The
+reference's record of launch rank VICTIM is kept in a file across its restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import rankkit
+import torch
+import torch.distributed as dist
+from rankkit import put
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+import ncclguard
+from ncclguard.integrations.hf import find_guard, guard_trainer
+
+OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
+ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
+LIFE = ncclguard.restart_count()
+STEPS, KILL, VICTIM, WARMUP = 8, 5, 2, 3
+SAMPLES, BATCH = 18, 2  # 3 steps an epoch on 3 ranks: the resume crosses epochs and skips batches
+rankkit.rank = lambda: ME
+# The watchdog guard_trainer starts writes its incidents (the victim's lost heartbeat) with the launch's output.
+os.environ.setdefault("NCCLGUARD_WATCHDOG_INCIDENT_DIR", str(OUT / "incidents"))
+
+# A ZeRO-3 config as the Transformers docs write one: "auto" filled in from TrainingArguments and
+# the model's hidden size (reduce_bucket_size hidden^2, prefetch 0.9 hidden^2, persistence 10 hidden).
+DS_CONFIG: dict[str, Any] = {
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": False,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def bert() -> BertForSequenceClassification:
+    """A realistic small BERT: the config's default dropout (0.1) and vocabulary."""
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512)
+    return BertForSequenceClassification(config)
+
+
+class Texts(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, 30522, (n, 16), generator=gen)
+        self.y = (self.x[:, 0] > 15000).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def arguments(name: str) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(OUT / name),
+        use_cpu=True,
+        ddp_backend="gloo",
+        deepspeed=json.loads(json.dumps(DS_CONFIG)),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        warmup_steps=WARMUP,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def _sha(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Traced(Trainer):
+    """Records every micro-batch it computes: the step, the batch, the generator, the loss, the LR."""
+
+    trace: list[list[Any]]
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        rng = _sha(torch.get_rng_state())
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
+        batch = _sha(inputs["input_ids"], inputs["labels"])
+        self.trace.append(["micro", self.state.global_step, batch, rng, float(loss.detach()).hex(), lr])
+        return out
+
+
+class Steps(TrainerCallback):
+    """Launch rank VICTIM dies with SIGKILL as step KILL begins, in its first life."""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == KILL and ME == VICTIM and LIFE == 0:
+            rankkit.kill(VICTIM)
+
+
+def digest(trainer: Trainer) -> str:
+    """The digest of the full parameters (ZeRO-3: gathered for the read, a collective)."""
+    h = hashlib.sha256()
+    model = trainer.model_wrapped.module
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def parameter_sum(trainer: Trainer) -> float:
+    model = trainer.model_wrapped.module
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def train(name: str, guarded: bool) -> Traced:
+    args = arguments(name)
+    trainer = Traced(model=bert(), args=args, train_dataset=Texts(SAMPLES, seed=1))
+    trainer.trace = []
+    if guarded:
+        trainer.add_callback(Steps())
+        guard_trainer(trainer, recover=True, heal=True)  # and nothing else, as issue 44's user
+    trainer.train()
+    return trainer
+
+
+def kill() -> None:
+    put("life", LIFE)
+    kept = OUT / f"reference_rank{ME}.json"
+    if LIFE == 0:
+        ref = train("reference", guarded=False)
+        kept.write_text(json.dumps({"digest": digest(ref), "sum": parameter_sum(ref), "trace": ref.trace}))
+    reference = json.loads(kept.read_text())
+    put("reference", reference["digest"])
+    put("reference_sum", reference["sum"])
+    put("reference_trace", reference["trace"])
+    trainer = train("guarded", guarded=True)
+    put("digest", digest(trainer))
+    put("sum", parameter_sum(trainer))
+    put("trace", trainer.trace)
+    put("global_step", trainer.state.global_step)
+    put("global_steps", trainer.model_wrapped.global_steps)
+    recovery = find_guard(trainer).recovery
+    put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in recovery.recoveries])
+    put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    {"kill": kill}[sys.argv[1]]()
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    main()
