@@ -23,9 +23,12 @@ CLEAN0 = {
 }
 CLEAN1 = {**CLEAN0, "generation": 1}
 # What moves: parameters 65 float64 (520 B), buffers 16 float64 + one int64 (136 B), Adam's
-# exp_avg and exp_avg_sq for 65 float64 each (1040 B) and 6 float32 step counts (24 B).
-STATE_BYTES = 1720
-CHUNKS = 7  # 256-byte chunks
+# exp_avg and exp_avg_sq for 65 float64 each (1040 B) and 6 float32 step counts (24 B): 1,720 B;
+# then the generators as the redone step found them, which the restarted rank's redo starts from:
+# torch's CPU generator (5,056 B) and numpy's key (624 int64, 4,992 B).
+MODEL_BYTES, MODEL_CHUNKS = 1720, 7  # the module's and the optimizer's, in 256-byte chunks
+STATE_BYTES = MODEL_BYTES + 5056 + 4992
+CHUNKS = -(-STATE_BYTES // 256)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def test_the_restarted_rank_resumes_at_the_redone_step_with_the_peers_state(job)
     assert res["life"] == 1
     assert res["resume_step"] == BASE + K
     assert res["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
-    assert (res["expected_bytes"], res["expected_chunks"]) == (STATE_BYTES, CHUNKS)  # its own state's size
+    assert (res["expected_bytes"], res["expected_chunks"]) == (MODEL_BYTES, MODEL_CHUNKS)  # its own state's size
     assert res["results"] == [{"step": s, **CLEAN1, "world_size": 3} for s in range(K, STEPS)]
 
 

@@ -12,6 +12,7 @@ When the payload has arrived, its digest is checked: a damaged replica is never 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,6 +37,19 @@ def at_most(max_bytes: int) -> Admit:
     return admit
 
 
+def _op(what: str, start: Callable[[], Any]) -> Any:
+    """Starts one op: gloo raises at once, not at the wait, on a pair its peer already closed."""
+    try:
+        return start()
+    except Exception as exc:  # gloo's errors are RuntimeErrors of many kinds
+        raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _run(what: str, start: Callable[[], Any], deadline: Deadline) -> None:
+    """Starts one op and waits for it within what is left of ``deadline``."""
+    _wait([_op(what, start)], deadline, what)
+
+
 def _wait(works: list[Any], deadline: Deadline, what: str) -> None:
     for work in works:
         if deadline.passed():
@@ -54,7 +68,7 @@ def _header(snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor]:
 def _answer(dst: int, group: Any, deadline: Deadline) -> bool:
     """The receiver's answer to this rank's manifest: True to send the payload."""
     answer = torch.zeros(1, dtype=torch.int64)
-    _wait([dist.irecv(answer, dst, group=group)], deadline, f"rank {dst}'s answer to the snapshot's manifest")
+    _run(f"rank {dst}'s answer to the snapshot's manifest", partial(dist.irecv, answer, dst, group=group), deadline)
     return int(answer.item()) == 1
 
 
@@ -66,14 +80,14 @@ def send(snap: Snapshot, dst: int, group: Any, deadline: Deadline) -> None:
         HealFailed: a part failed or missed the deadline.
     """
     length, raw = _header(snap)
-    _wait([dist.isend(length, dst, group=group)], deadline, f"the snapshot's length to rank {dst}")
-    _wait([dist.isend(raw, dst, group=group)], deadline, f"the snapshot's manifest to rank {dst}")
+    _run(f"the snapshot's length to rank {dst}", partial(dist.isend, length, dst, group=group), deadline)
+    _run(f"the snapshot's manifest to rank {dst}", partial(dist.isend, raw, dst, group=group), deadline)
     if not _answer(dst, group, deadline):
         raise SnapshotRefused(f"rank {dst} refused the snapshot of step {snap.step}")
-    _wait(
-        [dist.isend(snap.payload, dst, group=group)],
-        deadline,
+    _run(
         f"the snapshot's {snap.payload.numel()} bytes to rank {dst}",
+        partial(dist.isend, snap.payload, dst, group=group),
+        deadline,
     )
 
 
@@ -95,12 +109,12 @@ def receive(src: int, group: Any, deadline: Deadline, admit: Admit, reuse: torch
             bytes do not match their digest.
     """
     length = torch.zeros(1, dtype=torch.int64)
-    _wait([dist.irecv(length, src, group=group)], deadline, f"the snapshot's length from rank {src}")
+    _run(f"the snapshot's length from rank {src}", partial(dist.irecv, length, src, group=group), deadline)
     n = int(length.item())
     if not 0 < n <= MAX_MANIFEST_BYTES:
         raise HealFailed(f"rank {src} announced a manifest of {n} bytes (bound {MAX_MANIFEST_BYTES})")
     raw = torch.empty(n, dtype=torch.uint8)
-    _wait([dist.irecv(raw, src, group=group)], deadline, f"the snapshot's manifest from rank {src}")
+    _run(f"the snapshot's manifest from rank {src}", partial(dist.irecv, raw, src, group=group), deadline)
     try:
         manifest: Manifest | None = read_manifest(bytes(raw.numpy()), f"the snapshot manifest from rank {src}")
         assert manifest is not None
@@ -108,7 +122,7 @@ def receive(src: int, group: Any, deadline: Deadline, admit: Admit, reuse: torch
     except HealFailed as exc:
         manifest, refusal = None, str(exc)
     answer = torch.tensor([0 if refusal is not None else 1], dtype=torch.int64)
-    _wait([dist.isend(answer, src, group=group)], deadline, f"the answer to rank {src}'s manifest")
+    _run(f"the answer to rank {src}'s manifest", partial(dist.isend, answer, src, group=group), deadline)
     if refusal is not None or manifest is None:
         raise SnapshotRefused(f"rank {src}'s snapshot is refused: {refusal}")
     payload = (
@@ -116,7 +130,11 @@ def receive(src: int, group: Any, deadline: Deadline, admit: Admit, reuse: torch
         if reuse is not None and reuse.numel() == manifest.nbytes
         else torch.empty(manifest.nbytes, dtype=torch.uint8)
     )
-    _wait([dist.irecv(payload, src, group=group)], deadline, f"the snapshot's {manifest.nbytes} bytes from rank {src}")
+    _run(
+        f"the snapshot's {manifest.nbytes} bytes from rank {src}",
+        partial(dist.irecv, payload, src, group=group),
+        deadline,
+    )
     if digest(payload) != manifest.digest:
         raise SnapshotDamaged(
             f"rank {src}'s snapshot of step {manifest.step} arrived damaged: its {manifest.nbytes} bytes do not "
@@ -146,16 +164,19 @@ def swap(
         HealFailed: a transfer failed, was refused, or missed the deadline.
     """
     length, raw = _header(snap)
-    works = [dist.isend(length, dst, group=group), dist.isend(raw, dst, group=group)]
+    works = [
+        _op(f"the snapshot's length to rank {dst}", partial(dist.isend, length, dst, group=group)),
+        _op(f"the snapshot's manifest to rank {dst}", partial(dist.isend, raw, dst, group=group)),
+    ]
     manifests: dict[int, Manifest] = {}
     refused: list[str] = []
     for src in srcs:
         n = torch.zeros(1, dtype=torch.int64)
-        _wait([dist.irecv(n, src, group=group)], deadline, f"the snapshot's length from rank {src}")
+        _run(f"the snapshot's length from rank {src}", partial(dist.irecv, n, src, group=group), deadline)
         if not 0 < int(n.item()) <= MAX_MANIFEST_BYTES:
             raise HealFailed(f"rank {src} announced a manifest of {int(n.item())} bytes (bound {MAX_MANIFEST_BYTES})")
         buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        _wait([dist.irecv(buf, src, group=group)], deadline, f"the snapshot's manifest from rank {src}")
+        _run(f"the snapshot's manifest from rank {src}", partial(dist.irecv, buf, src, group=group), deadline)
         try:
             m = read_manifest(bytes(buf.numpy()), f"the snapshot manifest from rank {src}")
             refusal = admit(m)
@@ -166,16 +187,18 @@ def swap(
         else:
             refused.append(f"rank {src}'s: {refusal}")
         answer = torch.tensor([0 if refusal is not None else 1], dtype=torch.int64)
-        works.append(dist.isend(answer, src, group=group))
+        works.append(_op(f"the answer to rank {src}'s manifest", partial(dist.isend, answer, src, group=group)))
     if _answer(dst, group, deadline):
-        works.append(dist.isend(snap.payload, dst, group=group))
+        works.append(_op(f"the snapshot's bytes to rank {dst}", partial(dist.isend, snap.payload, dst, group=group)))
     else:
         refused.append(f"rank {dst} refused this rank's")
     got: dict[int, Snapshot] = {}
     for src, m in manifests.items():
         spare = reuse.get(src)
         payload = spare if spare is not None and spare.numel() == m.nbytes else torch.empty(m.nbytes, dtype=torch.uint8)
-        _wait([dist.irecv(payload, src, group=group)], deadline, f"the snapshot's {m.nbytes} bytes from rank {src}")
+        _run(
+            f"the snapshot's {m.nbytes} bytes from rank {src}", partial(dist.irecv, payload, src, group=group), deadline
+        )
         if digest(payload) != m.digest:
             refused.append(f"rank {src}'s arrived damaged (its bytes do not match their digest)")
         else:

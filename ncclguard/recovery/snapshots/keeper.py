@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from ncclguard.errors import HealFailed
 from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
-from ncclguard.recovery.snapshots.exchange import _wait, swap
+from ncclguard.recovery.snapshots.exchange import _op, _run, swap
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
@@ -162,7 +163,7 @@ class Keeper:
                 ranks' agreement failed (the committed snapshots stay).
         """
         start = time.monotonic()
-        side = side_group()
+        side = _op("the snapshots' side group", side_group)  # made at the first take: every rank at once
         me, size = dist.get_rank(), dist.get_world_size()
         state = self.codec.capture()
         found: list[torch.Tensor] = []
@@ -231,8 +232,11 @@ class Keeper:
         agreed = torch.tensor([want, 0 if ok else 1], dtype=torch.int64)
         if dist.get_world_size() > 1:
             # Bounded: a rank that died since the last take fails this step, it does not hang it.
-            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True)
-            _wait([work], self._deadline(), "the ranks' agreement on the snapshot")
+            _run(
+                "the ranks' agreement on the snapshot",
+                partial(dist.all_reduce, agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True),
+                self._deadline(),
+            )
         if int(agreed[1].item()):
             return False
         k = int(agreed[0].item())

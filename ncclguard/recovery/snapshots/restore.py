@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery._step.step_state import restore_sent_generators
 from ncclguard.recovery.heal import _from_json
-from ncclguard.recovery.snapshots.exchange import Admit, _wait, at_most, receive, send
+from ncclguard.recovery.snapshots.exchange import Admit, _op, _run, at_most, receive, send
 from ncclguard.recovery.snapshots.keeper import SLOTS, Keeper, side_group
 from ncclguard.recovery.snapshots.packing import Snapshot, admit_fresh, unpack
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
@@ -270,12 +271,12 @@ def _agree_and_send(
 ) -> None:
     # On the world's side group: the transfers involve some ranks only, and the default group's
     # sequence numbers must stay equal on every rank (the next commit compares them).
-    side = side_group().group
+    side = _op("the snapshots' side group", side_group).group
     wanted = fetched.receivers
     lap = _Laps(fetched.timings)
     mine = torch.tensor(keeper.holdings(size) if me not in wanted else [-1] * (SLOTS * (1 + size)), dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
-    _wait([dist.all_gather(everyone, mine, group=side, async_op=True)], deadline, "the snapshots' holdings")
+    _run("the snapshots' holdings", partial(dist.all_gather, everyone, mine, group=side, async_op=True), deadline)
     holdings = [t.tolist() for t in everyone]
     lap("agree")
     admit = at_most(limit) if limit is not None else None
@@ -302,7 +303,7 @@ def _agree_and_send(
         # Every rank learns who could not take the step's replica: all go to an older one together.
         flags = torch.zeros(size, dtype=torch.int64)
         flags[me] = 1 if problem is not None else 0
-        _wait([dist.all_reduce(flags, group=side, async_op=True)], deadline, "the ranks' answer on the replicas")
+        _run("the ranks' answer on the replicas", partial(dist.all_reduce, flags, group=side, async_op=True), deadline)
         bad = [r for r in range(size) if flags[r]]
         if not bad:
             break
@@ -422,7 +423,8 @@ def agree(refusal: str | None, what: str, timeout_s: float) -> None:
 def _agree(refusal: str | None, what: str, me: int, size: int, deadline: Deadline) -> None:
     flags = torch.zeros(size, dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
-    _wait([dist.all_reduce(flags, group=side_group().group, async_op=True)], deadline, "the ranks' answer")
+    side = _op("the snapshots' side group", side_group).group
+    _run("the ranks' answer", partial(dist.all_reduce, flags, group=side, async_op=True), deadline)
     refused = [r for r in range(size) if flags[r]]
     if refused:
         raise HealFailed(
