@@ -35,6 +35,7 @@ import deepspeed
 import rankkit
 import torch
 import torch.distributed as dist
+from hf_deepspeed_worker import digest  # the full parameters' digest (ZeRO-3: gathered, a collective)
 from rankkit import put
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
@@ -150,17 +151,6 @@ class Steps(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == KILL and ME == VICTIM and LIFE == 0:
             rankkit.kill(VICTIM)
-
-
-def digest(trainer: Trainer) -> str:
-    """The digest of the full parameters (ZeRO-3: gathered for the read, a collective)."""
-    h = hashlib.sha256()
-    model = trainer.model_wrapped.module
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        for name, p in model.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def parameter_sum(trainer: Trainer) -> float:
