@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_ask, read_answer
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.deaths import STUCK_RC, DeathNotice, notice_now, post_death, read_deaths
-from ncclguard.world import current_world
+from ncclguard.world import Slot, current_world
 
 __all__ = [
     "DEFAULT_JUDGE_S",
@@ -71,9 +72,23 @@ def judge_after() -> float | None:
     return value
 
 
-_picked: str | None = None  # the group the last look compared in: kept while nothing tells another apart
-_moved: dict[str, tuple[int, float]] = {}  # whole-world group -> (this rank's number, when it last changed)
 ACTIVE_S = 120.0  # a group whose number stood this much longer than the newest one's is out of use
+
+
+@dataclass
+class _Looks:
+    """What one world's looks remember of its whole-world groups (a rebuild starts afresh).
+
+    Attributes:
+        picked: the group the last look compared in: kept while nothing tells another apart.
+        moved: whole-world group -> (this rank's number, when it last changed).
+    """
+
+    picked: str | None = None
+    moved: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+LOOKS: Slot[_Looks] = Slot("the verdict's whole-world groups", lambda world: _Looks())
 
 
 def world_groups(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, dict[str, int]] | None:
@@ -132,17 +147,17 @@ def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, i
     A copy of the world whose number here stood still :data:`ACTIVE_S` longer than the most recently
     used one is out of use (an evaluation group that timed out, kept unreleased): a difference there
     says nothing of now, so only the default group and the copies in use are compared."""
-    global _picked
     got = world_groups(names)
     if got is None:
         return None
     default, mine = got
+    looks = current_world().get(LOOKS)
     now = time.monotonic()
     for g, seq in mine.items():
-        if _moved.get(g, (None, 0.0))[0] != seq:
-            _moved[g] = (seq, now)
-    newest = max(_moved[g][1] for g in mine)
-    mine = {g: seq for g, seq in mine.items() if g == default or newest - _moved[g][1] <= ACTIVE_S}
+        if looks.moved.get(g, (None, 0.0))[0] != seq:
+            looks.moved[g] = (seq, now)
+    newest = max(looks.moved[g][1] for g in mine)
+    mine = {g: seq for g, seq in mine.items() if g == default or newest - looks.moved[g][1] <= ACTIVE_S}
     peers: list[dict[str, int] | None] = []
     if len(mine) > 1:
         from ncclguard.watching.watchdog import current_watchdog
@@ -150,10 +165,10 @@ def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, i
         wd = current_watchdog()
         if wd is not None:
             peers = [hb.backend_seq for hb, _ in wd.peer_beats()[1].values()]
-    group = pick_world_group(mine, peers, default, _picked)
-    if group != _picked and _picked is not None:
-        log.debug("verdict: ranks behind and ahead are told by group %s now (was %s)", group, _picked)
-    _picked = group
+    group = pick_world_group(mine, peers, default, looks.picked)
+    if group != looks.picked and looks.picked is not None:
+        log.debug("verdict: ranks behind and ahead are told by group %s now (was %s)", group, looks.picked)
+    looks.picked = group
     return group, mine[group]
 
 
