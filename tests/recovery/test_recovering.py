@@ -238,3 +238,20 @@ def test_a_step_redone_after_its_scaler_unscaled_starts_clean_and_ends_as_one_cl
     assert all(torch.equal(a, b) for a, b in zip(redone[0], clean[0], strict=True))
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
         RecoveringStep(torch.nn.Linear(2, 2), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), scaler=object())
+
+
+def test_a_commit_whose_ranks_passed_different_steps_is_a_diverged_loop_on_every_rank() -> None:
+    """The verdict is the same on every rank, so each reads the same LoopDiverged from it; a failure
+    of any other kind is left to the rebuild."""
+    from ncclguard.errors import LoopDiverged
+    from ncclguard.recovery._step.loop_check import diverged
+    from ncclguard.recovery.commit import CommitResult
+
+    differ = CommitResult(False, 7, 1, [2], {2: ["passed step=2, where ranks 0-1 passed step=6"]})
+    got = diverged(differ)
+    assert isinstance(got, LoopDiverged) and got.failed_ranks == [2]
+    assert "rank 2 passed step=2, where ranks 0-1 passed step=6" in str(got) and "stepper.steps(STOP)" in str(got)
+    assert (
+        diverged(CommitResult(False, 7, 1, [1], {1: ["did not reach should_commit for commit 7 within 5 s"]})) is None
+    )
+    assert diverged(CommitResult(True, 7, 1)) is None
