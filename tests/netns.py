@@ -15,6 +15,7 @@ removed at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,21 +92,29 @@ def pair():
             _ip("netns", "del", ns, check=False)  # takes the veth pair with it
 
 
-@pytest.fixture(scope="module")
-def hosts(pair):
-    """The pair, with this machine's hostname resolving to 127.0.1.1 inside both namespaces (``ip netns
-    exec`` reads /etc/netns/<ns>/hosts over /etc/hosts), as wherever /etc/hosts maps it to loopback."""
+@contextlib.contextmanager
+def hosts_files(extra: dict[str, str]) -> Iterator[None]:
+    """Each namespace's own hosts file (``ip netns exec`` reads /etc/netns/<ns>/hosts over /etc/hosts):
+    localhost, this machine's hostname at 127.0.1.1 (as wherever /etc/hosts maps it to loopback), then
+    the namespace's ``extra`` lines; removed on the way out."""
     made = []
-    for ns in (pair.ns_a, pair.ns_b):
-        folder = Path("/etc/netns") / ns
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
-        made.append(folder)
     try:
-        yield pair
+        for ns, lines in extra.items():
+            folder = Path("/etc/netns") / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            made.append(folder)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n{lines}")
+        yield
     finally:
         for folder in made:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hosts(pair):
+    """The pair, with this machine's hostname resolving to 127.0.1.1 inside both namespaces."""
+    with hosts_files({pair.ns_a: "", pair.ns_b: ""}):
+        yield pair
 
 
 @dataclass(frozen=True)

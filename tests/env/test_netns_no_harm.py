@@ -23,13 +23,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from netns import ADDR_A, REPO, _env, _ip, _run_in
+from netns import ADDR_A, REPO, _env, _ip, _run_in, hosts_files
 
 pytestmark = pytest.mark.multirank
 
@@ -44,20 +43,12 @@ def fabric(pair):
     """The pair with fab0 on both sides, and the hosts files (the hostname and the alias MASTER)."""
     tag = f"ncf{os.getpid() % 100000}"
     _ip("link", "add", f"{tag}a", "netns", pair.ns_a, "type", "veth", "peer", "name", f"{tag}b", "netns", pair.ns_b)
-    made = []
-    for ns, ifname, addr, master in ((pair.ns_a, f"{tag}a", FAB_A, "127.0.1.1"), (pair.ns_b, f"{tag}b", FAB_B, ADDR_A)):
+    for ns, ifname, addr in ((pair.ns_a, f"{tag}a", FAB_A), (pair.ns_b, f"{tag}b", FAB_B)):
         _ip("link", "set", ifname, "name", "fab0", ns=ns)
         _ip("addr", "add", f"{addr}/24", "dev", "fab0", ns=ns)
         _ip("link", "set", "fab0", "up", ns=ns)
-        folder = Path("/etc/netns") / ns
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n{master} {MASTER}\n")
-        made.append(folder)
-    try:
+    with hosts_files({pair.ns_a: f"127.0.1.1 {MASTER}\n", pair.ns_b: f"{ADDR_A} {MASTER}\n"}):
         yield pair
-    finally:
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _node(rank: int, port: int, master: str = ADDR_A) -> list[str]:
