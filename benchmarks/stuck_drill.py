@@ -1,0 +1,110 @@
+"""The stuck drill with every default (issue 45): a rank asleep for good, N launches in a row, per stack.
+
+Each launch is the one ``tests/watching/test_defaults_multirank.py`` makes: 3 gloo ranks under
+``torchrun --standalone``, each under ``python -m ncclguard.supervise --restarts=1`` (what
+``ncclguard run --ncclguard-restarts 1`` runs), ``NCCLGUARD_AUTO=1`` and nothing else set; the rank
+side is ``tests/workers/defaults_worker.py``:
+
+- ``loop``: ``RecoveringStep(module, opt, scheduler=...)``, a BERT classifier of 2.05M parameters,
+  launch rank 2 asleep for good at step 12 (after the judge bound's warm-up);
+- ``hf``: the HF Trainer with ``guard_trainer(trainer, recover=True)``, launch rank 2 asleep for good
+  at the start of global step 3 (before the warm-up: the judge bound's 30 s default).
+
+Per launch: the launcher's status, the seconds from the stall to training going on (the redone step
+committed on rank 0), the world size training ended on, whether every rank ended with the same
+parameters, and the **healthy ranks acted on** (any action of the verdict, by any rank, naming a rank
+other than the one asleep: target 0), with the ranks judged stuck by one rank alone (``awaiting``:
+no action) counted apart.
+
+Usage:
+    python benchmarks/stuck_drill.py --runs 20 --stacks loop hf --json benchmarks/results/stuck_drill_defaults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent.parent / "tests"))
+
+from harness import run_ranks  # noqa: E402
+
+ASLEEP = 2
+ACTIONS = ("acted", "self-asked", "self-fenced", "asked", "ended")
+
+
+def _one(stack: str, timeout_s: float) -> dict[str, Any]:
+    incidents = Path(tempfile.mkdtemp(prefix="ncclguard-stuck-drill-"))
+    env = {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": str(incidents)}
+    t0 = time.monotonic()
+    try:
+        job = run_ranks("defaults_worker", 3, stack, timeout_s=timeout_s, supervise=["--restarts=1"], env=env)
+    except AssertionError as exc:  # a launch that failed or hung: its reason, first line
+        return {"ok": False, "error": str(exc).splitlines()[0][:300], "wall_s": round(time.monotonic() - t0, 1)}
+    finally:
+        shutil.rmtree(incidents, ignore_errors=True)
+    res = job.results
+    stall = res[ASLEEP]["stall_at"]
+    at, steps = res[0]["plan"]
+    if stack == "loop":
+        on = res[0]["results"][at]["ended"]
+    else:  # the step after the stalled one ended: global step at + 1 done
+        on = res[0]["step_ends"][str(at + 1)]
+    events = [(r, e) for r in res for e in res[r].get("events", [])]
+    healthy = [(r, e["what"], e["rank"]) for r, e in events if e["what"] in ACTIONS and e["rank"] != ASLEEP]
+    return {
+        "ok": True,
+        "wall_s": round(job.wall_s, 1),
+        "stall_to_on_s": round(on - stall, 2),
+        "world": [res[r]["final"][1] for r in (0, 1, 10 + ASLEEP)],
+        "equal": len({res[r]["digest"] for r in (0, 1, 10 + ASLEEP)}) == 1,
+        "healthy_acted_on": healthy,
+        "awaiting": sorted({e["rank"] for _, e in events if e["what"] == "awaiting"}),
+        "by": sorted({e["what"] for _, e in events if e["what"] in ACTIONS}),
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--stacks", nargs="+", choices=("loop", "hf"), default=["loop", "hf"])
+    p.add_argument("--launch-timeout", type=float, default=300.0, help="hang guard of each launch")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    out: dict[str, Any] = {"runs": args.runs, "stacks": {}}
+    for stack in args.stacks:
+        rows = []
+        for i in range(args.runs):
+            row = _one(stack, args.launch_timeout)
+            rows.append(row)
+            print(f"{stack} {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
+        good = [r for r in rows if r["ok"]]
+        times = [r["stall_to_on_s"] for r in good]
+        out["stacks"][stack] = {
+            "launches": rows,
+            "ok": len(good),
+            "full_world": sum(r["world"] == [3, 3, 3] and r["equal"] for r in good),
+            "healthy_acted_on": sum(len(r["healthy_acted_on"]) for r in good),
+            "stall_to_on_s": {
+                "median": statistics.median(times) if times else None,
+                "max": max(times) if times else None,
+                "min": min(times) if times else None,
+            },
+        }
+        summary = {k: v for k, v in out["stacks"][stack].items() if k != "launches"}
+        print(f"{stack}: {json.dumps(summary)}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
