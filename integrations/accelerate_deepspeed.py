@@ -208,6 +208,13 @@ class AcceleratorDeepSpeedStep(Adapter):
         if not isinstance(accelerator, Accelerator) or accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise TypeError("AcceleratorDeepSpeedStep needs an accelerate.Accelerator with the DeepSpeed plugin")
         options = recovery_options(**recovery)
+        heal_refused = deepspeed_plugin_refusal(accelerator, options.allow_shrink, True)
+        if (
+            options.heal
+            and heal_refused is not None
+            and deepspeed_plugin_refusal(accelerator, options.allow_shrink) is None
+        ):
+            options = options.without_auto_heal(heal_refused)  # heal=True asked for: raises with why
         refused = deepspeed_plugin_refusal(accelerator, options.allow_shrink, options.heal)
         if refused is not None:
             raise ValueError(refused)

@@ -212,7 +212,12 @@ class AcceleratorRecoveringStep(RecoveringStep):
             )
         # Checked here too (RecoveringStep checks them again): the refusal reads heal, and must come
         # before the engine RecoveringStep's constructor builds talks to any rank.
-        refused = _refused(accelerator, recovery_options(**recovery).heal)
+        options = recovery_options(**recovery)
+        heal_refused = _refused(accelerator, True)
+        if options.heal and heal_refused is not None and _refused(accelerator, False) is None:
+            options = options.without_auto_heal(heal_refused)  # heal=True asked for: raises with why
+            recovery = {**recovery, "heal": False}  # RecoveringStep below builds its options again
+        refused = _refused(accelerator, options.heal)
         if refused is not None:
             raise ValueError(refused)
         if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):

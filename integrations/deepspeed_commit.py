@@ -166,12 +166,12 @@ class CommittedEngineStep(Adapter):
         **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         options = _engine_options(recovery, rebuild_engine is not None)
-        heal = options.heal
-        if heal and rebuild_engine is None:
-            raise ValueError(
+        if rebuild_engine is None:  # heal=True asked for raises; heal by default is turned off
+            options = options.without_auto_heal(
                 "heal=True needs rebuild_engine: a restarted rank and the survivors build a new engine on the "
                 "joined world, and the restarted rank's partitions come from its buddy's snapshot"
             )
+        heal = options.heal
         self._joining = heal and engine is None and restart_count() > 0
         if self._joining:  # a restarted process builds its engine once it has joined the survivors' world
             engine = _Pending()

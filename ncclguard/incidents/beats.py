@@ -41,6 +41,12 @@ class Heartbeat(Model):
     window: StragglerWindow | None = None  # the last straggler window closed (docs/stragglers.md)
     main_cpu_s: float | None = None  # the main thread's CPU seconds (progress evidence: watching/sensors/progress.py)
     io_bytes: int | None = None  # the process's storage bytes read and written (progress evidence)
+    # Read by the rank from its own /proc (watching/sensors/progress.beat_evidence), so that a peer on
+    # another host sees its progress where it is: its process tree's CPU by process (DataLoader
+    # workers, an upload's subprocess), its TCP sockets' bytes together, its read()/write() bytes.
+    children_cpu: list[tuple[int, float]] | None = Field(None, max_length=64)
+    net_bytes: int | None = None
+    chars: int | None = None
     # The recovery engine's verdict on the ranks this one waits for: rank -> "stuck: ..." / "moving: ...".
     judged: dict[str, str] | None = Field(None, max_length=64)
     # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/base/hang_bound.py).

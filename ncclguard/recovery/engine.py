@@ -619,6 +619,7 @@ class Transaction(Generic[T]):
         """
         engine = self.engine
         engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
+        engine.timing.pause()  # and the verdict judges no rank there (a healthy one looks still)
         rebuilt = engine.rebuild(self.number) if dist.is_available() and dist.is_initialized() else None
         tally.clock.lap("rebuild")
         if rebuilt is not None:

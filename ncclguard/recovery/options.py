@@ -17,9 +17,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypedDict, Unpack
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from ncclguard._log import log
 from ncclguard.deadlines import to_seconds
+from ncclguard.recovery._rebuild.restarts import supervised_restarts
 from ncclguard.recovery.heal import DEFAULT_CHUNK_BYTES
 from ncclguard.recovery.preempt import check_preempt_dir
 
@@ -50,7 +61,7 @@ class RecoveryKeywords(TypedDict, total=False):
     rebuild_timeout: float | timedelta
     allow_shrink: bool
     max_attempts: int
-    heal: bool
+    heal: bool | None
     heal_timeout: float | timedelta
     heal_chunk_bytes: int
     left_out: LeftOut
@@ -86,7 +97,12 @@ class RecoveryOptions(BaseModel):
             restart, its imports and its setup).
         allow_shrink: rebuild without the ranks that did not come (the same on every rank).
         max_attempts: times a step runs at most.
-        heal: admit restarted ranks and send them a live peer's state.
+        heal: admit restarted ranks and send them a live peer's state (sharded: their buddy's
+            snapshot). None (the default) turns it on where a supervisor restarts ranks (``ncclguard
+            run --ncclguard-restarts N``, N > 0) and ``allow_shrink`` is not set, so that a killed or
+            stuck rank comes back and the job finishes on its full world; elsewhere it is off.
+        heal_auto: ``heal`` was left to its default (see ``heal``): an adapter that cannot heal
+            its stack turns it off (:meth:`without_auto_heal`) instead of refusing the job.
         heal_timeout_s: seconds for one state transfer.
         heal_chunk_bytes: bytes per broadcast of a live peer's state transfer, at most (sharded
             state is restored from snapshots instead, which it does not bound).
@@ -112,7 +128,7 @@ class RecoveryOptions(BaseModel):
     rebuild_timeout_s: float = Field(60.0, alias="rebuild_timeout", gt=0)
     allow_shrink: bool = False
     max_attempts: int = Field(3, ge=1)
-    heal: bool = False
+    heal: bool = False  # None (the default keyword) is resolved by _auto_heal
     heal_timeout_s: float = Field(60.0, alias="heal_timeout", gt=0)
     heal_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1)
     left_out: LeftOut = "exit"
@@ -121,6 +137,46 @@ class RecoveryOptions(BaseModel):
     snapshot_spares: bool = False
     # Validated when left out too: the default is read from NCCLGUARD_PREEMPT_DIR, which may name a file.
     preempt_dir: Path | None = Field(None, validate_default=True)
+
+    _heal_auto: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _auto_heal(cls, data: Any, handler: ModelWrapValidatorHandler[RecoveryOptions]) -> RecoveryOptions:
+        # heal left out (or None): on under a supervisor that restarts ranks, unless the user asked to
+        # go on without a lost rank (allow_shrink=True: no wait for its restart). Read here, once,
+        # from this process's environment: every rank of a job runs under the same launcher.
+        auto = isinstance(data, dict) and data.get("heal") is None
+        if auto:
+            shrink = data.get("allow_shrink", False)
+            data = {**data, "heal": supervised_restarts() > 0 and shrink is False}
+        options = handler(data)
+        options._heal_auto = auto
+        return options
+
+    @property
+    def heal_auto(self) -> bool:
+        """``heal`` was left to its default (see the ``heal`` attribute)."""
+        return self._heal_auto
+
+    def without_auto_heal(self, why: str) -> RecoveryOptions:
+        """These options with ``heal`` off where it was on by default and the adapter cannot heal.
+
+        Args:
+            why: what the adapter cannot heal, for the log and the error.
+
+        Returns:
+            The options, with ``heal=False`` when it was chosen by default (logged once).
+
+        Raises:
+            ValueError: ``heal=True`` was asked for: what cannot be healed, and what to pass instead.
+        """
+        if not self.heal:
+            return self
+        if not self.heal_auto:
+            raise ValueError(why)
+        log.info("recovery: heal is off (it is on by default under restarts, but %s)", why)
+        return self.model_copy(update={"heal": False})
 
     @field_validator("collective_timeout_s", "commit_timeout_s", "rebuild_timeout_s", "heal_timeout_s", mode="before")
     @classmethod

@@ -11,7 +11,10 @@ death notices; ``<origin>``: the rank's launch rank):
 - ``judged="unknown"``: the peers cannot tell; the supervisor judges its process from ``/proc`` and
   ends it (SIGKILL) when it is stuck;
 - ``judged="stuck"``: the peers judged it stuck and posted its death (``STUCK_RC``); the supervisor
-  ends it if it has not exited by itself within a grace.
+  ends it if it has not exited by itself within a grace;
+- ``judged="stuck"`` with ``heal``: the peers agreed it is stuck (or it judged itself) and posted
+  nothing: the supervisor ends it at once and, with a restart left, restarts it to rejoin and be
+  healed (its death posted as a kill, so the rebuild waits for it); else it posts ``STUCK_RC``.
 
 The supervisor answers under ``ncclguard/answer/<restart>/<origin>`` (:class:`JudgeAnswer`), so the
 asking ranks can say what was decided (a busy rank stays a report). Nothing is deleted: an ask names
@@ -41,9 +44,10 @@ class JudgeAsk(BaseModel):
     Attributes:
         origin: the rank's launch rank (``RANK`` of its process).
         pid: the process the ask is about (from its last heartbeat).
-        judged: ``"unknown"``: judge it; ``"stuck"``: its peers judged it stuck and went on without it.
-        heal: the engine heals a restarted rank (``heal=True``): a process ended on an ``unknown`` ask
-            may be restarted to rejoin.
+        judged: ``"unknown"``: judge it; ``"stuck"``: its peers (or the rank itself) judged it stuck: end it.
+        heal: the engine heals a restarted rank (``heal=True``): a process ended on this ask may be
+            restarted to rejoin. On a ``stuck`` ask it also says the askers posted no death notice:
+            the supervisor posts it (a kill when it restarts the rank, else ``STUCK_RC``).
         still_s: how long its progress must stand still before it is stuck (the verdict's window).
         asker: the launch rank that asked.
         site: where its last heartbeat placed its main thread.

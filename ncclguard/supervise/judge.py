@@ -11,7 +11,10 @@ call, bounded). On an ask about its process:
   the asker's window). Stuck: it ends the process with SIGKILL (its sockets close, so the peers'
   gloo op fails at once); moving: it answers so, and the process is left alone;
 - ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
-  not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself).
+  not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself);
+- ``stuck`` with ``heal`` (the peers agreed it is stuck, or the rank judged itself, and posted
+  nothing: the engine heals): it ends the process at once and posts its death, as a kill when a
+  restart is left (the rank is restarted, rejoins and is healed: the full world back), else as stuck.
 
 Each ask is settled once (answered moving, or the process ended), never acted on later, and one not
 settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
@@ -56,12 +59,15 @@ class Ended:
         judged: who judged it: ``"peers"`` (their death notice is posted) or ``"supervisor"``.
         evidence: what decided, in words.
         restart: the rank is restarted (the engine heals, said in the ask, and a restart is left).
+        post: the supervisor posts its death (nobody else did): as a kill when it is restarted (the
+            rebuild waits for it), else as stuck (the rebuild settles without it).
     """
 
     pid: int
     judged: str
     evidence: str
     restart: bool
+    post: bool = False
 
 
 class StuckWatch:
@@ -120,6 +126,9 @@ class StuckWatch:
             self._pid, self._prog = ask.pid, Progress(ask.still_s)
             return None
         if ask.judged == "stuck":
+            who = "it judged itself stuck" if ask.asker == self.origin else "its peers agreed it is stuck"
+            if ask.heal:  # nobody posted its death: ended now, restarted when one is left (the full world back)
+                return self._end(proc, ask, "peers", f"{who} (asked by launch rank {ask.asker})", can_restart, True)
             self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
             if now - self._stuck_seen < STUCK_GRACE_S:
                 return None
@@ -188,7 +197,9 @@ class StuckWatch:
         self._unread = False
         return ask
 
-    def _end(self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool) -> Ended:
+    def _end(
+        self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool, post: bool = False
+    ) -> Ended:
         # The answer first: the asking ranks' op fails the moment the process dies, and they read it then.
         self._settled.add(ask.at)
         self._answer(ask.pid, "stuck", evidence, restart)
@@ -201,4 +212,4 @@ class StuckWatch:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        return Ended(ask.pid, judged, evidence, restart)
+        return Ended(ask.pid, judged, evidence, restart, post or judged == "supervisor")

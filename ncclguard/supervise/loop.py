@@ -58,6 +58,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
 from ncclguard.store.deaths import STUCK_RC, DeathPoster
 from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
 from ncclguard.supervise.parent import ORPHAN_SIGNAL, ParentWatch
@@ -158,7 +159,8 @@ class Supervisor:
         self.stop_send = int(signal.SIGTERM)  # what the running process is sent on a stop
         self.parent = ParentWatch()
         self.warm_spare, self.preload = warm_spare, list(preload)
-        self.env = dict(os.environ)
+        # Every process it starts learns the restarts it has: the engine heals by default under them.
+        self.env = {**os.environ, SUPERVISED_RESTARTS_VAR: str(restarts)}
         self.child: subprocess.Popen[Any] | None = None
         self.spare: _Spare | None = None
         self.lives: list[int] = []  # each process's exit status, as Popen gives it
@@ -293,14 +295,14 @@ class Supervisor:
         (a restart-to-come as a kill, else ``STUCK_RC``: they go on without it at once). Returns
         whether the rank is restarted (it rejoins and is healed)."""
         restart = ended.restart
-        if ended.judged == "supervisor" and poster is not None and origin is not None:
+        if ended.post and poster is not None and origin is not None:
             why_not = poster.post(origin, ended.pid, -int(signal.SIGKILL) if restart else STUCK_RC, life)
             if why_not is not None:
                 _say(why_not)
         if not restart:
             why = (
                 "its peers went on without it"
-                if ended.judged == "peers"
+                if ended.judged == "peers" and not ended.post
                 else "it is not healed (heal=False) or has no restart left"
             )
             _say(f"the rank (pid {ended.pid}) was ended as stuck and {why}: exiting 0, no restart")

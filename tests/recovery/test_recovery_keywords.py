@@ -208,3 +208,59 @@ def test_the_deepspeed_engine_step_passes_every_keyword_but_a_shrink(given: dict
     assert _engine_options({}, redo=True).max_attempts == 2
     with pytest.raises(ValueError, match="max_attempts must be an int of at least 2 with rebuild_engine"):
         _engine_options({"max_attempts": 1}, redo=True)
+
+
+# --- heal by default under a supervisor's restarts --------------------------------------------------------
+
+
+def test_heal_is_on_by_default_only_under_a_supervisors_restarts_and_without_allow_shrink(
+    monkeypatch: pytest.MonkeyPatch, fresh_accelerate
+) -> None:
+    """``heal`` left out: on where ``python -m ncclguard.supervise --restarts N`` (N > 0) runs the rank
+    (it sets NCCLGUARD_SUPERVISED_RESTARTS) and allow_shrink is not asked for; what the user passes wins."""
+    from accelerate import Accelerator
+
+    from ncclguard.integrations.accelerate_recovery import recovering_step
+    from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
+
+    monkeypatch.delenv(SUPERVISED_RESTARTS_VAR, raising=False)
+    assert (recovery_options().heal, recovery_options().heal_auto) == (False, True)
+    for value, heal in (("0", False), ("3", True), ("x", False)):
+        monkeypatch.setenv(SUPERVISED_RESTARTS_VAR, value)
+        assert recovery_options().heal is heal and recovery_options(heal=None).heal is heal
+    monkeypatch.setenv(SUPERVISED_RESTARTS_VAR, "2")
+    assert recovery_options(allow_shrink=True).heal is False  # go on without the lost rank: no wait for it
+    assert (recovery_options(heal=False).heal, recovery_options(heal=False).heal_auto) == (False, False)
+    assert recovery_options(heal=True, allow_shrink=True).heal is True
+    assert _stepper_options().heal is True
+    # An adapter that cannot heal its stack turns the default off; heal=True asked for is refused.
+    assert recovery_options().without_auto_heal("it cannot").heal is False
+    with pytest.raises(ValueError, match="^it cannot$"):
+        recovery_options(heal=True).without_auto_heal("it cannot")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    stepper = recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()))
+    assert stepper.engine.options.heal is False
+    with pytest.raises(ValueError, match="heal=True cannot go with gradient_accumulation_steps=2"):
+        recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()), heal=True)
+
+
+def _stepper_options() -> RecoveryOptions:
+    """The options RecoveringStep builds with no keyword (in this process: no group, no rank)."""
+    from ncclguard import RecoveringStep
+
+    return RecoveringStep(*_model_and_optimizer()).engine.options
+
+
+def test_the_deepspeed_engine_step_without_rebuild_engine_turns_the_default_heal_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("deepspeed")
+    from ncclguard.integrations.deepspeed_commit import CommittedEngineStep
+    from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
+
+    monkeypatch.setenv(SUPERVISED_RESTARTS_VAR, "1")
+    with pytest.raises(ValueError, match="heal=True needs rebuild_engine"):
+        CommittedEngineStep(object(), checkpoint_dir="unused", heal=True)
+    # heal by default: off without rebuild_engine, so the next check (the engine) is what refuses here.
+    with pytest.raises(TypeError, match="engine"):
+        CommittedEngineStep(object(), checkpoint_dir="unused")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from ncclguard.incidents.model import Heartbeat
 from ncclguard.watching.sensors.progress import (
     NET_RATE,
     Progress,
@@ -299,3 +300,77 @@ def test_world_groups_lists_every_copy_of_the_world_with_its_number() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     # No peer to tell them apart: the default group, as before.
     assert out.stdout.strip() == "0 [('0', 0), ('1', 3)] ('0', 0)"
+
+
+# --- a peer on another host: what its heartbeat carries ------------------------------------------------
+
+
+def _beat(n: int, **evidence: object) -> Heartbeat:
+    fields = dict(rank=1, host="b", pid=7, beat=n, time=0.0, phase="", site="train.py:9", last_seq={})
+    return Heartbeat(**fields, last_completed={}, inflight=[], backend_seq={"0": 12}, **evidence)
+
+
+def test_a_peer_on_another_host_is_judged_from_what_its_heartbeat_carries() -> None:
+    """Its main thread still (blocked in send(), waiting on its DataLoader's workers): moving by the
+    bytes or the children its beats carry, as a peer of this host is by /proc; stuck once they stop."""
+    from ncclguard.watching.sensors.progress import beat_sample
+
+    def judge(beats: list[Heartbeat], at: float) -> str:
+        prog = Progress(10.0)
+        for i, hb in enumerate(beats):
+            prog.observe(beat_sample(hb, i * 5.0))
+        j = prog.judge(at)
+        return f"{j.state}: {j.evidence}"
+
+    upload = [_beat(i, main_cpu_s=1.0, io_bytes=0, net_bytes=i * 5_000_000, chars=0) for i in range(4)]
+    assert judge(upload, 16.0).startswith("moving") and "net +5.0 MB" in judge(upload, 16.0)
+    workers = [_beat(i, main_cpu_s=1.0, io_bytes=0, children_cpu=[(40, 4.0 * i), (41, 4.0 * i)]) for i in range(6)]
+    assert judge(workers, 26.0).startswith("moving") and "children cpu" in judge(workers, 26.0)
+    still = [
+        _beat(i, main_cpu_s=1.0, io_bytes=0, net_bytes=10_000, children_cpu=[(40, 2.0)], chars=5) for i in range(4)
+    ]
+    verdict = judge(still, 16.0)
+    assert verdict.startswith("stuck") and "net" in verdict and "children" in verdict, verdict
+    # Bounded and sent as JSON: a beat carries at most 64 processes of its tree.
+    with pytest.raises(ValueError):
+        _beat(0, children_cpu=[(i, 0.0) for i in range(65)])
+    assert Heartbeat.model_validate_json(upload[3].model_dump_json()).net_bytes == 15_000_000
+
+
+def test_a_rank_reads_its_own_tree_sockets_and_children_into_its_heartbeat() -> None:
+    """beat_evidence(), as the watchdog's heartbeat calls it: this process's sockets' bytes grow by what
+    it sent over loopback TCP; its child's CPU is listed by pid."""
+    from ncclguard.watching.sensors.progress import beat_evidence
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before = beat_evidence()
+        got = []
+        reader = threading.Thread(target=lambda: got.append(_read_all(peer, 4 << 20)), daemon=True)
+        reader.start()  # a reader beside the send: loopback buffers hold less than 4 MiB
+        client.sendall(b"x" * (4 << 20))
+        reader.join(timeout=60)  # a hang guard
+        assert got == [4 << 20]
+        time.sleep(0.6)  # the host's socket dump is shared for 0.5 s (progress.py): a fresh one
+        after = beat_evidence()
+        assert before["net_bytes"] is not None and after["net_bytes"] - before["net_bytes"] >= 4 << 20, (before, after)
+        assert child.pid in {pid for pid, _ in after["children_cpu"]}
+        assert isinstance(after["chars"], int)
+    finally:
+        child.kill()
+        child.wait()
+        for s in (client, peer, server):
+            s.close()
+
+
+def _read_all(sock: socket.socket, n: int) -> int:
+    got = 0
+    while got < n:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+    return got

@@ -40,8 +40,22 @@ def _wait_for(what, fn, timeout_s: float = 60.0):
     raise AssertionError(f"no {what} within {timeout_s} s")
 
 
-def _ask(store: dist.Store, pid: int, heal: bool, judged: str = "unknown") -> None:
-    post_ask(store, JudgeAsk(origin=1, pid=pid, judged=judged, heal=heal, still_s=2.0, asker=0, at=time.time()))
+def _end_tree(sup: subprocess.Popen) -> None:
+    """Ends the supervisor and every process it started: a test that failed half-way must leave no
+    rank behind (a life-1 rank computes until told to stop: it loaded the machine for the tests after)."""
+    try:
+        kids = psutil.Process(sup.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    for proc in [*kids, psutil.Process(sup.pid)] if sup.poll() is None else kids:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _ask(store: dist.Store, pid: int, heal: bool, judged: str = "unknown", asker: int = 0) -> None:
+    post_ask(store, JudgeAsk(origin=1, pid=pid, judged=judged, heal=heal, still_s=2.0, asker=asker, at=time.time()))
 
 
 def _answer(store: dist.Store, pid: int) -> JudgeAnswer | None:
@@ -87,8 +101,7 @@ def supervised(tmp_path_factory):
         seen["lives"] = sorted(p.name for p in out.glob("pid*"))
         _, seen["notices"] = read_deaths(server, 0)
     finally:
-        if sup.poll() is None:
-            sup.kill()
+        _end_tree(sup)
         seen["err"] = sup.communicate(timeout=30)[1]
     return pid0, pid1, seen
 
@@ -124,9 +137,36 @@ def test_the_supervisor_ends_its_stuck_rank_restarts_it_to_heal_leaves_a_busy_on
 
 
 def test_a_rank_its_peers_judged_stuck_is_ended_after_a_grace_and_never_restarted(tmp_path):
-    """The peers judged it stuck, posted its death and went on (an ask ``judged="stuck"``): a rank that
-    cannot exit by itself (stopped) is ended once the grace is over, with no restart even though the
-    engine heals and a restart is left, and no second notice."""
+    """The peers judged it stuck, posted its death and went on (an ask ``judged="stuck"`` without
+    ``heal``): a rank that cannot exit by itself (stopped) is ended once the grace is over, with no
+    restart even though a restart is left, and no second notice."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+    argv = [sys.executable, "-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, "-c", RANK]
+    sup = subprocess.Popen([*argv, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
+        _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)
+        _ask(server, pid0, heal=False, judged="stuck")
+        rc = sup.wait(timeout=60)
+    finally:
+        _end_tree(sup)
+        err = sup.communicate(timeout=30)[1]
+    assert rc == 0, err
+    ans = _answer(server, pid0)
+    assert ans is not None and (ans.state, ans.restarted) == ("stuck", False)
+    assert "its peers judged it stuck (asked by launch rank 0)" in ans.evidence
+    assert "its peers went on without it: exiting 0, no restart" in err
+    assert sorted(p.name for p in tmp_path.glob("pid*")) == ["pid0"]
+    assert read_deaths(server, 0) == (0, [])  # the peers post it (STUCK_RC); the supervisor adds nothing
+
+
+def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_posted_stuck_with_no_restart_left(tmp_path):
+    """The engine heals (an ask ``judged="stuck"`` with ``heal``: the askers posted nothing). With a
+    restart left the supervisor ends the rank at once, posts its death as a kill (the rebuild waits for
+    the restart) and restarts it; the new process, judged stuck by itself, has no restart left: it is
+    ended, posted as stuck (the rebuild settles without it) and the supervisor exits 0."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
     env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
@@ -136,15 +176,27 @@ def test_a_rank_its_peers_judged_stuck_is_ended_after_a_grace_and_never_restarte
         pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
         _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)
         _ask(server, pid0, heal=True, judged="stuck")
+        pid1 = int(_wait_for("a restart", lambda: (tmp_path / "pid1").exists() and (tmp_path / "pid1").read_text()))
+        first = _answer(server, pid0)
+        n, notices = read_deaths(server, 0)
+        (tmp_path / "stop").write_text("")
+        _wait_for("a stopped restart", lambda: psutil.Process(pid1).status() == psutil.STATUS_STOPPED)
+        _ask(server, pid1, heal=True, judged="stuck", asker=1)
         rc = sup.wait(timeout=60)
     finally:
-        if sup.poll() is None:
-            sup.kill()
+        _end_tree(sup)
         err = sup.communicate(timeout=30)[1]
     assert rc == 0, err
-    ans = _answer(server, pid0)
-    assert ans is not None and (ans.state, ans.restarted) == ("stuck", False)
-    assert "its peers judged it stuck (asked by launch rank 0)" in ans.evidence
-    assert "its peers went on without it: exiting 0, no restart" in err
-    assert sorted(p.name for p in tmp_path.glob("pid*")) == ["pid0"]
-    assert read_deaths(server, 0) == (0, [])  # the peers post it (STUCK_RC); the supervisor adds nothing
+    # The first: ended at once (no grace), restarted, its death posted as a kill by the supervisor.
+    assert first is not None and (first.state, first.restarted) == ("stuck", True), first
+    assert "its peers agreed it is stuck (asked by launch rank 0)" in first.evidence
+    assert n == 1 and [(d.origin, d.pid, d.returncode, d.life) for d in notices] == [(1, pid0, -9, 0)], notices
+    # The second: no restart left, posted as stuck, exit 0.
+    second = _answer(server, pid1)
+    assert second is not None and (second.state, second.restarted) == ("stuck", False), second
+    assert "it judged itself stuck (asked by launch rank 1)" in second.evidence
+    _, notices = read_deaths(server, 0)
+    assert [(d.origin, d.pid, d.returncode, d.life) for d in notices] == [(1, pid0, -9, 0), (1, pid1, STUCK_RC, 1)]
+    assert "restart 1 of 1" in err and "has no restart left: exiting 0, no restart" in err, err
+    for pid in (pid0, pid1):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

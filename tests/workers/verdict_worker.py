@@ -1,4 +1,4 @@
-"""Rank side of tests/watching/test_verdict_multirank.py. Usage: verdict_worker.py stuck|busy.
+"""Rank side of tests/watching/test_verdict_multirank.py. Usage: verdict_worker.py stuck|busy|upload PORT SECONDS.
 
 Launched as ``ncclguard run --ncclguard-restarts 1`` does it (each rank under its supervisor,
 ``NCCLGUARD_AUTO=1``: the watchdog with every default), with ``RecoveringStep(allow_shrink=True)``
@@ -17,6 +17,14 @@ rank 1 sleeps for good and rank 0 finishes alone.
 
 ``busy`` (2 ranks): WARM healthy steps, then at step BUSY rank 1 computes in Python for BUSY_S
 seconds (its stack and CPU time move): reported, no action; the run ends on its 2 ranks.
+
+``upload`` (3 ranks, ``RecoveringStep(module, opt)`` with every default: under restarts it heals, so a
+rank judged stuck would be ended and restarted): WARM healthy steps (the judge bound learned at its
+10 s floor), then at step UPLOAD launch rank 0 uploads inside its step function: its main thread
+blocked in ``socket.sendall`` of a big buffer to a slow reader in another process (the test's, on
+loopback, at the port given after the scenario's name: ``verdict_worker.py upload PORT SECONDS``), for
+about the seconds given after the port. Only its network bytes move (its CPU, I/O and stack do not):
+reported, no action.
 
 ``remote`` (2 ranks, one per host: tests/watching/test_verdict_remote_multirank.py): ``RecoveringStep(heal=True,
 allow_shrink=True)``. At step REMOTE_ASLEEP launch rank 1 (host B) stops itself (SIGSTOP): rank 0 (host
@@ -53,6 +61,14 @@ BUSY_STEP_S = 1.0  # busy: each step's work, so that the watchdog's hang bound w
 # 14 steps of REMOTE_STEP_S before the first fault: the hang bound's warm-up (10 intervals) at the
 # watchdog's 0.5 s ticks, with room to spare on a loaded machine.
 REMOTE_STEP_S, REMOTE_ASLEEP, REMOTE_STOPPED, REMOTE_STEPS = 1.0, 14, 17, 20
+UPLOAD, UPLOAD_STEPS = 12, 15
+# upload: the slow reader (the test's) reads UPLOAD_CHUNK bytes every UPLOAD_EVERY_S for the upload's
+# seconds after it accepts, then drains: the buffer outlasts that, with the kernel's socket buffers.
+UPLOAD_CHUNK, UPLOAD_EVERY_S = 64 << 10, 0.05
+
+
+def upload_bytes(seconds: float) -> int:
+    return int(seconds * UPLOAD_CHUNK / UPLOAD_EVERY_S * 1.5) + (16 << 20)
 
 
 def busy_for(seconds: float) -> int:
@@ -199,6 +215,64 @@ def remote() -> None:
     rankkit.done()
 
 
+def send_slowly(port: int, data: bytes) -> dict[str, float]:
+    """An upload: ``data`` sent with ``sendall`` to the slow reader at ``port`` on loopback, the main
+    thread blocked in it until the reader has drained it (only the socket's bytes move)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.monotonic()
+        s.sendall(data)  # blocked here while the reader takes 64 KiB every 50 ms
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)  # the reader closes once it has read everything: the upload is done
+        return {"s": round(time.monotonic() - t0, 3), "bytes": len(data)}
+
+
+def upload(port: int, seconds: float) -> None:
+    me, life = int(os.environ["RANK"]), ncclguard.restart_count()
+    rankkit.rank = lambda: me + 10 * life  # a restarted process (a rank wrongly acted on) saves apart
+    dist.init_process_group("gloo")  # no timeout: gloo's own 30 min
+    module = make_module()
+    stepper = RecoveringStep(module, torch.optim.SGD(module.parameters(), lr=0.1))  # every default
+    timing = stepper.engine.timing
+    data = bytes(upload_bytes(seconds)) if me == 0 else b""  # made before the step: the step only sends it
+    put("pid", os.getpid())
+    put("life", life)
+    put("heal", stepper.engine.options.heal)
+    put("plan", [UPLOAD, UPLOAD_STEPS])
+    rankkit.save()
+    results, stalls = [], {}
+    for step in range(UPLOAD_STEPS):
+        x, y = batch(step, me)
+
+        def step_fn(model: torch.nn.Module, step: int = step, x=x, y=y) -> float:
+            if me == 0 and step == UPLOAD:
+                put("upload_at", time.time())
+                rankkit.save()
+                put("upload", send_slowly(port, data))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return float(loss.detach())
+
+        before, t0 = timing.judge_s(), time.time()
+        res = stepper(step_fn, step=step)
+        results.append({**summary(res), "size": dist.get_world_size(), "elapsed_s": round(time.time() - t0, 3)})
+        stalls[step] = {"judge_s": before, "started": t0, "ended": time.time()}
+        if not res:
+            break
+    put("results", results)
+    put("steps", stalls)
+    put("events", timing.driver.events)
+    put("judge_s", timing.judge_s())
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    from ncclguard.watching.watchdog import current_watchdog
+
+    wd = current_watchdog()
+    assert wd is not None
+    put("incidents", [{"kind": i["kind"], "actions": i["actions"]} for i in wd.incidents])
+    rankkit.done()
+
+
 HF_STEPS = 16
 
 
@@ -304,5 +378,7 @@ if __name__ == "__main__":
         hf()
     elif sys.argv[1] == "remote":
         remote()
+    elif sys.argv[1] == "upload":
+        upload(int(sys.argv[2]), float(sys.argv[3]))
     else:
         main(sys.argv[1]) if sys.argv[1] in ("stuck", "busy") else sys.exit(f"unknown scenario {sys.argv[1]}")

@@ -1,15 +1,20 @@
-"""This process's restart number: 0 in a rank's first process, n in its n-th restart."""
+"""This process's restart number (0 in a rank's first process, n in its n-th restart), and the
+restarts its supervisor allows (what turns ``heal`` on by default)."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["RESTART_COUNT_VAR", "restart_count"]
+__all__ = ["RESTART_COUNT_VAR", "SUPERVISED_RESTARTS_VAR", "restart_count", "supervised_restarts"]
 
 # Set by the launcher that restarts one rank alone (python -m ncclguard.supervise, or
 # ncclguard.testing.launch.spawn(restarts=...)): 0 (or unset) in a rank's first process, n in its
 # n-th restart.
 RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
+# Set by python -m ncclguard.supervise (ncclguard run --ncclguard-restarts N) in every process it
+# starts: N. Its supervisor restarts a killed rank and ends a stuck one on its peers' ask, so the
+# engine heals by default there (RecoveryOptions.heal). Nothing else sets it.
+SUPERVISED_RESTARTS_VAR = "NCCLGUARD_SUPERVISED_RESTARTS"
 
 
 def restart_count() -> int:
@@ -25,3 +30,10 @@ def restart_count() -> int:
     if not raw.isdigit():
         raise ValueError(f"{RESTART_COUNT_VAR}={raw!r} is not a non-negative integer (the restart number)")
     return int(raw)
+
+
+def supervised_restarts() -> int:
+    """The restarts this process's supervisor allows its rank (``NCCLGUARD_SUPERVISED_RESTARTS``,
+    set by ``python -m ncclguard.supervise``); 0 when it runs under none, or the value is no count."""
+    raw = os.environ.get(SUPERVISED_RESTARTS_VAR, "").strip()
+    return int(raw) if raw.isdigit() else 0

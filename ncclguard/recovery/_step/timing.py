@@ -89,6 +89,12 @@ class StepTiming:
         self._last = None
         self.driver.arm()
 
+    def pause(self) -> None:
+        """A failed attempt goes to the rebuild: nothing is judged until the redo arms the verdict
+        again (the rebuild, the heal and the restore have their own bounds, and a rank waiting
+        there, or still importing after a restart, is no step's straggler)."""
+        self.driver.disarm()
+
     def ends(self, clean: bool) -> None:
         """The step is settled; ``clean``: committed at its first attempt."""
         self.driver.disarm()

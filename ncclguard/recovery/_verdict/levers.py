@@ -227,22 +227,37 @@ def on_this_host(hb: Heartbeat) -> bool:
 
 
 def ask_supervisor(
-    origin: int, hb: Heartbeat, judged: Literal["unknown", "stuck"], heal: bool, still_s: float, asker: int
+    origin: int,
+    hb: Heartbeat | tuple[int, str],
+    judged: Literal["unknown", "stuck"],
+    heal: bool,
+    still_s: float,
+    asker: int,
 ) -> bool:
     """Asks the supervisor of launch rank ``origin`` to judge (``unknown``) or end (``stuck``) its
-    process ``hb.pid`` (:mod:`ncclguard.store.asks`), within :data:`STORE_BOUND_S`.
+    process (:mod:`ncclguard.store.asks`), within :data:`STORE_BOUND_S`.
+
+    Args:
+        origin: the launch rank asked about.
+        hb: its last heartbeat, or (pid, site) for this rank's own process.
+        judged: ``unknown`` (judge it) or ``stuck`` (end it).
+        heal: the engine heals: a process ended on this ask may be restarted to rejoin (with
+            ``stuck``: its death is the supervisor's to post, the asker posted none).
+        still_s: the verdict's window.
+        asker: the asking launch rank.
 
     Returns:
         Whether the ask was posted (a failure is logged).
     """
+    pid, site = (hb.pid, hb.site) if isinstance(hb, Heartbeat) else hb
     ask = JudgeAsk(
         origin=origin,
-        pid=hb.pid,
+        pid=pid,
         judged=judged,
         heal=heal,
         still_s=min(max(still_s, 1.0), 3600.0),
         asker=asker,
-        site=hb.site[:300],
+        site=site[:300],
         at=time.time(),
     )
     try:

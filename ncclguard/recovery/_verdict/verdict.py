@@ -4,11 +4,15 @@ gloo fixes an op's timeout when the op starts, and a short bound would fail ever
 peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdict``) looks every
 :data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery._step.timing`)
 it judges the watched peers behind this rank (a lower world-group backend sequence number) from
-their progress (:mod:`ncclguard.watching.sensors.progress`). A moving one is reported once per step; a stuck
-one gets a death notice (``STUCK_RC``: the commit and the rebuild meeting settle without it) and,
-on this host, this process's connections to it are shut down (its op ends at once). A stuck rank
-whose threads run (asleep in Python, in a lock) judges itself and exits 0; one its peers judged
-stuck exits 0 once it runs again (SIGCONT), and its supervisor, if any, ends it. A peer behind on
+their progress (:mod:`ncclguard.watching.sensors.progress`). A moving one is reported once per step. A
+stuck one is acted on only once every other waiting rank judges it stuck too
+(:mod:`~ncclguard.recovery._verdict.agreement`). Where the engine heals under a supervisor with
+restarts, its supervisor is asked to end it at once and restart it (it rejoins and is healed: the
+full world back); otherwise it gets a death notice (``STUCK_RC``: the commit and the rebuild meeting
+settle without it). Either way, on this host, this process's connections to it are shut down (its
+op ends at once). A stuck rank whose threads run (asleep in Python, in a lock) judges itself: it
+asks its own supervisor the same (heal under restarts), or exits 0; one its peers judged stuck
+exits 0 once it runs again (SIGCONT), and its supervisor, if any, ends it. A peer behind on
 another host with no heartbeat for two periods past the bound (SIGSTOPped, the GIL held in C) cannot
 be judged nor cut from here: its supervisor is asked (:mod:`ncclguard.store.asks`), judges it from
 ``/proc`` on its host and ends it when stuck (:mod:`ncclguard.supervise.judge`); its sockets close and
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery._rebuild.restarts import supervised_restarts
 from ncclguard.recovery._verdict.agreement import agreement
 from ncclguard.recovery._verdict.levers import (
     DEFAULT_JUDGE_S,
@@ -49,6 +54,7 @@ from ncclguard.watching.sensors.progress import (
     Judgment,
     Progress,
     Sample,
+    beat_sample,
     own_sample,
     sample_process,
 )
@@ -58,6 +64,9 @@ from ncclguard.world import current_world
 __all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
 
 POLL_S = 1.0
+# A rank that judged itself stuck and asked its supervisor to end it, still running this long after
+# (the supervisor reads its asks every second; the store may not answer), ends itself as without one.
+SELF_ASK_S = 10.0
 
 
 @dataclass
@@ -73,6 +82,8 @@ class Seen:
     acted: set[int] = field(default_factory=set)
     awaiting: set[int] = field(default_factory=set)  # judged stuck here, not yet by the other waiting ranks
     asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
+    self_asked: float | None = None  # when this rank, judging itself stuck, asked its supervisor to end it
+    generation: int = 0  # the world it was armed in: its ranks' numbers and progress are that world's
 
 
 class VerdictDriver:
@@ -100,8 +111,9 @@ class VerdictDriver:
         if not judge:
             return
         hb = _heartbeat_s()
+        gen = current_world().generation
         with self._cond:
-            before, self._seen = self._seen, Seen(time.monotonic(), still_s=max(2.0 * hb, min(judge, 60.0) / 2))
+            before, self._seen = self._seen, Seen(time.monotonic(), max(2.0 * hb, min(judge, 60.0) / 2), generation=gen)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
                 self._thread.start()
@@ -136,6 +148,12 @@ class VerdictDriver:
         wd = current_watchdog()
         world = current_world()
         if wd is None or not dist.is_initialized():
+            return
+        if world.generation != seen.generation:
+            # The step's attempt failed and the world was rebuilt: the re-wrap and the heal or restore
+            # are bounded by their own timeouts, and this look's progress and numbers are the old
+            # world's (a peer idle since the step began, waiting in the restore, looked stuck).
+            # The redo, or the next step, arms afresh in the new world.
             return
         gen, beats = wd.peer_beats()
         mine = world_seq()
@@ -192,10 +210,12 @@ class VerdictDriver:
         age = max(age, time.time() - hb.time)
         if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
             seen.beats[r] = hb.beat
-            ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
-            # On this host /proc gives its CPU and I/O (every look); a beat gives its ops and stack.
-            cpu, io = (None, None) if here else (hb.main_cpu_s, hb.io_bytes)
-            prog.observe(Sample(max(now - age, prog.last_at or 0.0), "heartbeat", ops, hb.site, cpu, io))
+            at = max(now - age, prog.last_at or 0.0)
+            if here:  # /proc gives the rest (every look); a beat gives its ops and stack
+                ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+                prog.observe(Sample(at, "heartbeat", ops, hb.site))
+            else:  # on another host, the beat is all there is: what the rank read of itself
+                prog.observe(beat_sample(hb, at))
         if here:  # read from /proc between beats, and when its beats stop
             sample = sample_process(hb.pid, now)
             if sample is not None:
@@ -216,13 +236,36 @@ class VerdictDriver:
             )
             exit_now(0)
 
+    def _restarts(self) -> bool:
+        """A stuck rank is ended by its supervisor and restarted, to rejoin healed: the engine heals
+        and runs under ``python -m ncclguard.supervise`` with restarts (every rank alike)."""
+        return self.heals and supervised_restarts() > 0
+
     def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
         assert seen.own is not None
         j = seen.own.judge(now)
         if j.state != "stuck":
             return
         me = dist.get_rank()  # the world's rank is not known to the World in generation 0
-        posted = post_stuck_death(current_world(), me, os.getpid(), HOSTNAME)
+        world = current_world()
+        if self._restarts() and seen.self_asked is None:
+            # Its supervisor ends it and restarts it (or, with no restart left, posts it as stuck
+            # and ends it): one decision, where the peers' asks go too. Said to the peers by the
+            # supervisor; this process goes on looking, and falls back below if nothing ends it.
+            seen.self_asked = now
+            asked = ask_supervisor(world.origin(me), (os.getpid(), ""), "stuck", True, seen.still_s, world.origin(me))
+            self._event("self-asked", me, j, ahead=ahead, posted=asked)
+            log.critical(
+                "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
+                "its supervisor is asked to end and restart it",
+                self.name,
+                ahead,
+                j.evidence,
+            )
+            return
+        if seen.self_asked is not None and now - seen.self_asked < SELF_ASK_S:
+            return
+        posted = post_stuck_death(world, me, os.getpid(), HOSTNAME)
         self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
         log.critical(
             "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
@@ -278,16 +321,20 @@ class VerdictDriver:
             return
         seen.acted.add(r)
         world = current_world()
-        posted = post_stuck_death(world, r, hb.pid, hb.host)
-        # Its supervisor, if any, ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
-        ask_supervisor(world.origin(r), hb, "stuck", self.heals, seen.still_s, world.origin(dist.get_rank()))
+        # Healing under a supervisor: its supervisor ends it now and restarts it, and posts its death
+        # as a kill, so that the rebuild waits for the restart (the full world back). Otherwise its
+        # death is posted as stuck here (the rebuild settles without it) and its supervisor, if any,
+        # ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
+        restarts = self._restarts()
+        posted = False if restarts else post_stuck_death(world, r, hb.pid, hb.host)
+        ask_supervisor(world.origin(r), hb, "stuck", restarts, seen.still_s, world.origin(dist.get_rank()))
         cut = cut_connections(hb.pid) if on_this_host(hb) else 0
         self._event(
             "acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3),
-            agreed=agreed.why,
+            agreed=agreed.why, restart=restarts,
         )  # fmt: skip
         log.error(
-            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; %s; its death is posted%s, the step fails now",
+            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; %s; %s%s, the step fails now",
             self.name,
             r,
             hb.pid,
@@ -295,6 +342,7 @@ class VerdictDriver:
             hb.site,
             j.evidence,
             agreed.why,
+            "its supervisor is asked to end and restart it" if restarts else "its death is posted",
             f" and {cut} connection(s) to it are shut down" if cut else "",
         )
 

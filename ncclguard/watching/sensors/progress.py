@@ -525,6 +525,43 @@ def sample_process(pid: int, now: float | None = None) -> Sample | None:
         return None
 
 
+def beat_evidence() -> dict[str, Any]:
+    """What this process's heartbeat carries besides its main thread, read from its own ``/proc``:
+    each process of its tree's CPU seconds, its TCP sockets' bytes together, its ``read``/``write``
+    bytes. A peer on another host, which cannot read this ``/proc``, judges it from these as one on
+    this host would (an upload blocked in ``send()``, DataLoader workers). Its other threads' CPU is
+    not carried: ncclguard's own threads work in bursts that a beat's 5 s would count as progress.
+
+    Returns:
+        The heartbeat's fields (``children_cpu``, ``net_bytes``, ``chars``); None where unreadable.
+    """
+    s = sample_process(os.getpid())
+    if s is None:
+        return {}
+    return {
+        "children_cpu": [(int(k), v) for k, v in s.children_cpu] if s.children_cpu is not None else None,
+        "net_bytes": int(sum(v for _, v in s.net)) if s.net is not None else None,
+        "chars": s.chars,
+    }
+
+
+def beat_sample(hb: Any, at: float) -> Sample:
+    """The heartbeat ``hb`` of a peer on another host as a sample: its ops, call site, main-thread
+    CPU, storage bytes and what :func:`beat_evidence` put in it."""
+    ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+    return Sample(
+        at,
+        "heartbeat",
+        ops,
+        hb.site,
+        hb.main_cpu_s,
+        hb.io_bytes,
+        children_cpu=tuple((int(k), float(v)) for k, v in hb.children_cpu) if hb.children_cpu is not None else None,
+        net=((0, float(hb.net_bytes)),) if hb.net_bytes is not None else None,
+        chars=hb.chars,
+    )
+
+
 def own_sample() -> tuple[float | None, int | None]:
     """This process's main-thread CPU seconds and storage bytes (for its heartbeat)."""
     cpu: float | None = None

@@ -24,7 +24,7 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching.sensors import detect, torchfr
-from ncclguard.watching.sensors.progress import JUDGED, own_sample
+from ncclguard.watching.sensors.progress import JUDGED, beat_evidence, own_sample
 from ncclguard.world import current_world
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
@@ -197,6 +197,7 @@ class RankState:
             backend_seq=self.backend_seq(),
             main_cpu_s=cpu,
             io_bytes=io,
+            **beat_evidence(),
             judged=judged or None,
         )
 

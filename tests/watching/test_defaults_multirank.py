@@ -1,0 +1,96 @@
+"""Every default, a rank asleep for good, the full world back: real gloo ranks under torchrun, each under
+its supervisor (``--restarts=1``, as ``ncclguard run --ncclguard-restarts 1`` runs it) with
+``NCCLGUARD_AUTO=1``, and nothing else set: no timeout, no ``heal``, no ``allow_shrink``. Under
+restarts the engine heals by default (``RecoveryOptions.heal``): the waiting ranks agree the rank is
+stuck (or it judges itself), its supervisor ends it at once and restarts it, the new process rejoins
+in its old place and is healed from a live peer, and training ends on 3 ranks with equal parameters.
+No healthy rank is acted on. Rank side: tests/workers/defaults_worker.py (the scenarios there).
+The same fault with ``allow_shrink=True`` (a world of 2): tests/watching/test_verdict_multirank.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+DEFAULTS = ["--restarts=1"]  # what ncclguard run --ncclguard-restarts 1 runs each rank under
+
+
+def _env(tmp: str) -> dict[str, str]:
+    # The watchdog as ncclguard run starts it, every setting at its default but where incidents go.
+    return {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": tmp}
+
+
+def _acted_on_the_sleeper_only(job: dict, asleep: int = 2) -> None:
+    """Whoever acted (a waiting rank once the others agreed, or the sleeper on itself) acted on the
+    sleeper, and only once it was stuck; a healthy rank judged stuck by one rank alone waited for an
+    agreement that never came (``awaiting``) and was never acted on."""
+    for r in (0, 1, 10 + asleep):
+        events = job[r].get("events", [])
+        acted = [e for e in events if e["what"] in ("acted", "self-asked", "self-fenced", "asked", "ended")]
+        assert all(e["rank"] == asleep and e["state"] == "stuck" for e in acted), (r, events)
+        assert all(e["restart"] for e in acted if e["what"] == "acted"), (r, events)  # its supervisor restarts it
+
+
+@pytest.fixture(scope="module")
+def loop_job(tmp_path_factory):
+    # About 30 s here: 12 steps (the judge bound learned at its 10 s floor), the stall judged ~10 s
+    # into its step, a cold restart (torch and transformers imported again), a heal. Hang guard 240 s,
+    # under the 300 s step bound that would otherwise end the survivors' wait first.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("defaults_worker", 3, "loop", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_a_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(loop_job):
+    """RecoveringStep(module, opt, scheduler=...) and nothing else; a 2.05M-parameter BERT, shuffled data."""
+    ASLEEP, STEPS = loop_job[0]["plan"]
+    for r in (0, 1):
+        res = loop_job[r]
+        assert res["heal"] is True  # on by default under the supervisor's restarts
+        rows = [(x["step"], x["ok"], x["attempts"], x["size"]) for x in res["results"]]
+        assert rows == [(s, True, 2 if s == ASLEEP else 1, 3) for s in range(STEPS)], rows
+        assert res["final"] == [r, 3, 1]
+        # The redo went on well within the bound (the stall's step began before it), far below the 300 s step bound.
+        redo = res["results"][ASLEEP]
+        assert redo["ended"] - loop_job[2]["stall_at"] < 100, redo
+    assert loop_job[2]["life"] == 0 and [x["step"] for x in loop_job[2]["results"]] == list(range(ASLEEP))
+    back = loop_job[12]
+    assert back["life"] == 1 and back["resume_step"] == ASLEEP
+    assert [(x["step"], x["ok"], x["size"]) for x in back["results"]] == [(s, True, 3) for s in range(ASLEEP, STEPS)]
+    assert back["final"] == [2, 3, 1]
+    # One world, one state: the healed rank holds the survivors' parameters, bit for bit.
+    assert loop_job[0]["digest"] == loop_job[1]["digest"] == back["digest"]
+    assert sorted(x["healed"] for x in (loop_job[0]["results"][ASLEEP], loop_job[1]["results"][ASLEEP])) == [
+        "bystander",
+        "source",
+    ]
+    _acted_on_the_sleeper_only(loop_job)
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
+    # About 50 s here: the stall before the judge bound's warm-up (its 30 s default), a cold restart
+    # importing transformers again, a heal. Hang guard 240 s.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("defaults_worker", 3, "hf", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_the_hf_trainer_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(hf_job):
+    """guard_trainer(trainer, recover=True) and TrainingArguments' defaults, as the issue ran it: a rank
+    asleep for good at the start of step 3; the Trainer finishes max_steps on 3 ranks, within 60 s of
+    the stall here (the hang guard of the assertion is 3x that)."""
+    HF_ASLEEP, HF_STEPS = hf_job[0]["plan"]
+    stall = hf_job[2]["stall_at"]
+    for r in (0, 1, 12):
+        res = hf_job[r]
+        assert res["heal"] is True and res["global_step"] == HF_STEPS, res
+        assert res["final"] == [r % 10, 3, 1]
+        assert res["train_end"] - stall < 180, res
+    for r in (0, 1):
+        [rec] = hf_job[r]["recoveries"]
+        assert rec["step"] == HF_ASLEEP and rec["world_size"] == 3, rec
+    assert hf_job[12]["life"] == 1 and hf_job[12]["recoveries"] == []
+    assert hf_job[0]["digest"] == hf_job[1]["digest"] == hf_job[12]["digest"]
+    _acted_on_the_sleeper_only(hf_job)

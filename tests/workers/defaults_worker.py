@@ -1,0 +1,175 @@
+"""Rank side of tests/watching/test_defaults_multirank.py. Usage: defaults_worker.py loop|hf.
+
+Launched as ``ncclguard run --ncclguard-restarts 1`` does it (each rank under its supervisor,
+``NCCLGUARD_AUTO=1``: the watchdog with every default) and nothing else set: no timeout, no
+``heal``, no ``allow_shrink``. Under restarts the engine heals by default, so a rank asleep for good
+is ended by its supervisor, restarted, healed from a live peer and the job ends on its full world.
+
+``loop`` (3 ranks): a BERT classifier of 2.05M parameters (its config's default dropout), AdamW,
+a warm-up schedule, shuffled data from the step number, ``RecoveringStep(module, opt,
+scheduler=schedule)``; the loop as docs/recovery.md writes it for DDP. WARM healthy steps (the
+judge bound is learned: its 10 s floor), then at step ASLEEP launch rank 2 sleeps in Python for good.
+
+``hf`` (3 ranks): the HF Trainer with ``TrainingArguments``' defaults, ``guard_trainer(trainer,
+recover=True)`` and nothing else: at the start of global step HF_ASLEEP (before the judge bound's
+warm-up: its 30 s default) launch rank 2 sleeps for good in the model's forward.
+
+Results go by launch rank plus 10 for a restarted process (``rank12.json``): the first life's are
+kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import rankkit
+import torch
+import torch.distributed as dist
+from rankkit import put
+
+import ncclguard  # before the process group: a restarted process's init_process_group stands in
+from ncclguard.world import current_world
+
+ME, LIFE = int(os.environ["RANK"]), ncclguard.restart_count()
+rankkit.rank = lambda: ME + 10 * LIFE
+ASLEEP, STEPS = 12, 16  # loop: past the judge bound's warm-up (10 intervals)
+HF_ASLEEP, HF_STEPS = 3, 10
+
+
+def _sleep_for_good() -> None:
+    put("stall_at", time.time())
+    rankkit.save()
+    while True:  # asleep in Python for good: threads run, nothing of the rank moves
+        time.sleep(0.1)
+
+
+def _digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _events(engine: Any) -> list[dict[str, Any]]:
+    return list(engine.timing.driver.events)
+
+
+def loop() -> None:
+    import transformers
+    from ddp_bitequal_worker import batch, dataset, make
+
+    rankkit.rank = lambda: ME + 10 * LIFE  # that module sets its own on import
+    dist.init_process_group("gloo")  # as a user writes it: no timeout; a restarted process stands in
+    module, opt = make()
+    schedule = transformers.get_linear_schedule_with_warmup(opt, 3, STEPS)
+    stepper = ncclguard.RecoveringStep(module, opt, scheduler=schedule)  # nothing else
+    put("heal", stepper.engine.options.heal)
+    put("plan", [ASLEEP, STEPS])
+    put("pid", os.getpid())
+    put("resume_step", stepper.resume_step)
+    rankkit.save()
+    data, results = dataset(), []
+    for step in range(stepper.resume_step or 0, STEPS):
+        ids, labels = batch(data, step)
+
+        def step_fn(model: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
+            if ME == 2 and LIFE == 0 and step == ASLEEP:
+                put("results", results)
+                _sleep_for_good()
+            model(input_ids=ids, labels=labels).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+        t0 = time.time()
+        res = stepper(step_fn, step=step)
+        results.append(
+            {
+                "step": step,
+                "ok": res.ok,
+                "attempts": res.attempts,
+                "size": dist.get_world_size(),
+                "healed": res.healed.role if res.healed is not None else None,
+                "started": t0,
+                "ended": time.time(),
+            }
+        )
+        if not res:
+            break
+        schedule.step()
+    put("results", results)
+    put("events", _events(stepper.engine))
+    put("judge_s", stepper.engine.timing.judge_s())
+    put("digest", _digest(module))
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.done()
+
+
+def hf() -> None:
+    from hf_worker import Dataset, tiny_bert
+    from transformers import Trainer, TrainingArguments
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    out = os.environ["NCCLGUARD_TEST_OUT"]
+    torch.manual_seed(0)
+    model = tiny_bert()
+    holder: dict[str, Trainer] = {}
+
+    def asleep(_module: torch.nn.Module, _inputs: object) -> None:
+        if ME == 2 and LIFE == 0 and holder["t"].state.global_step == HF_ASLEEP:
+            _sleep_for_good()
+
+    model.register_forward_pre_hook(asleep)
+    args = TrainingArguments(
+        output_dir=f"{out}/hf",
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=HF_STEPS,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    from transformers import TrainerCallback
+
+    ends: dict[int, float] = {}
+
+    class StepEnds(TrainerCallback):
+        """When each global step ended here (the drill's time from the stall to training going on)."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ends[state.global_step] = time.time()
+
+    t = holder["t"] = Trainer(model=model, args=args, train_dataset=Dataset(96, seed=1), callbacks=[StepEnds()])
+    guard_trainer(t, recover=True)  # nothing else: every timeout at its default, heal by default
+    put("pid", os.getpid())
+    rankkit.save()
+    t0 = time.time()
+    t.train()
+    guard = find_guard(t)
+    assert guard is not None and guard.recovery is not None
+    engine = guard.recovery.engine
+    put("heal", engine.options.heal)
+    put("plan", [HF_ASLEEP, HF_STEPS])
+    put("global_step", t.state.global_step)
+    put("recoveries", [{"step": r.step, "s": r.elapsed_s, "world_size": r.world_size} for r in engine.recoveries])
+    put("events", _events(engine))
+    put("train_s", round(time.time() - t0, 3))
+    put("train_end", time.time())
+    put("step_ends", ends)
+    put("digest", _digest(t.model))
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.done()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    put("life", LIFE)
+    {"loop": loop, "hf": hf}[sys.argv[1]]()
