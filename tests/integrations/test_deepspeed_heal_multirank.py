@@ -1,6 +1,11 @@
 """A DeepSpeed ZeRO-3 rank killed and restored from its buddy's in-memory snapshot, bit-equal to a
-fault-free run, on 3 real gloo ranks under ncclguard's launcher; a model of 2.1M parameters with
-dropout. Rank side: tests/workers/deepspeed_heal_worker.py."""
+fault-free run, on real gloo ranks under ncclguard's launcher; a model of 2.1M parameters with
+dropout. Rank side: tests/workers/deepspeed_heal_worker.py:
+
+(no scenario, ``kill``) 3 ranks: rank 1 killed at step K and restored from its buddy's replica.
+``host`` 4 ranks on two simulated hosts of 2: both ranks of the second killed at once and restored
+    from the replicas the first holds.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,14 @@ def job():
     # Two runs of 6 ZeRO-3 steps on 3 ranks, a SIGKILL, a restart that imports torch and DeepSpeed
     # again, a rollback: 40-90 s here. Hang guard: 420 s.
     return run_ranks("deepspeed_heal_worker", 3, launcher="spawn", restarts=1, restart_on=[-9], timeout_s=420)
+
+
+@pytest.fixture(scope="module")
+def host_job():
+    # The same two runs on 4 ranks, two simulated hosts of 2 (GROUP_RANK set by the worker): ranks 2
+    # and 3 SIGKILLed at once and both restarted cold: 25-60 s on a loaded 2-core machine. Hang guard: 240 s
+    # (under pytest-timeout's 300 s).
+    return run_ranks("deepspeed_heal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=240)
 
 
 def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(job):
@@ -50,3 +63,43 @@ def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
         assert job[r]["generation"] == 1
         assert job[r]["global_steps"] == STEPS  # DeepSpeed's own count, restored with the partitions
         assert job[r]["digest"] == reference  # the full (gathered) parameters, bit for bit
+
+
+def test_a_whole_host_of_zero3_ranks_lost_is_restored_from_the_replicas_on_the_other_host(host_job):
+    assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
+    holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1
+    back = BASE + K - 1  # a snapshot every 2 steps from BASE: the newest at the kill is of step BASE+K-1
+    after = [{"step": s, "applied": True, "rewound_to": None, "generation": 1} for s in range(back, BASE + STEPS)]
+    phases = ["agree", "apply", "check", "fetch"]  # Restored.timings
+    for r in (0, 1):
+        res = host_job[r]
+        assert res["life"] == 0
+        assert res["reference_results"] == [
+            {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
+        ]
+        assert res["results"][:K] == [
+            {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
+        ]
+        assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
+        assert res["results"][K + 1 :] == after
+        assert res["rewind"] == {
+            "timings": ["attempt", "commit", "heal", "rebuild", "rewrap"],  # EngineStepResult.timings
+            "role": "holder",  # each survivor sent the replica it held for the other host's rank
+            "restore": phases,
+        }
+        assert res["holders"] == holders
+        assert res["healed"] is None
+    for r in (2, 3):
+        res = host_job[r]
+        assert (res["life"], res["resume_step"]) == (1, back)
+        healed = res["healed"]
+        assert (healed["role"], healed["step"], healed["restore"]) == ("receiver", back, phases)
+        assert healed["bytes"] > 0
+        assert res["holders"] == holders
+        assert res["results"] == after
+    reference = host_job[0]["reference"]
+    for r in range(4):
+        assert host_job[r]["world"] == [r, 4]
+        assert host_job[r]["generation"] == 1  # one rebuild: both restarted ranks joined it together
+        assert host_job[r]["global_steps"] == STEPS  # DeepSpeed's own count, restored with the partitions
+        assert host_job[r]["digest"] == reference  # the full (gathered) parameters, bit for bit

@@ -3,12 +3,16 @@ parameters, default dropout), a ZeRO-3 config of ``"auto"`` values, warm-up, a s
 ``guard_trainer(recover=True, heal=True)`` and nothing else: a rank SIGKILLed and healed ends with
 every rank's full parameters bit-equal to a run without the fault.
 
-Launch (tests/workers/hf_zero3_bitequal_worker.py, which says more), under torchrun:
-``kill`` 3 ranks, each under its supervisor (``--restarts=1``): the reference (8 steps, no fault, no
-    ncclguard), then the guarded run where launch rank 2 SIGKILLs itself as step 5 begins; restarted,
-    its ``"auto"`` ``train_batch_size`` is made for the joined world, it takes its partitions from its
-    buddy, and every rank goes back to the newest snapshot; per step, every rank's batch, generator
-    state, loss and learning rate are those of the reference."""
+Launches (tests/workers/hf_zero3_bitequal_worker.py, which says more):
+``kill`` 3 ranks under torchrun, each under its supervisor (``--restarts=1``): the reference (8 steps, no
+    fault, no ncclguard), then the guarded run where launch rank 2 SIGKILLs itself as step 5 begins;
+    restarted, its ``"auto"`` ``train_batch_size`` is made for the joined world, it takes its partitions
+    from its buddy, and every rank goes back to the newest snapshot; per step, every rank's batch,
+    generator state, loss and learning rate are those of the reference.
+``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), under ncclguard's launcher
+    with one restart for a rank killed by SIGKILL: the same two runs, in which launch ranks 2 and 3, the
+    whole second host, SIGKILL themselves as step 5 begins; both restarted, they join together, take their
+    partitions from the replicas ranks 0 and 1 hold, and every rank ends as the reference did."""
 
 from __future__ import annotations
 
@@ -25,6 +29,16 @@ def kill_job():
     # Two ZeRO-3 runs of 8 steps on 3 ranks and a cold restart that imports torch, transformers and
     # DeepSpeed again: 55-65 s on a quiet 2-core machine. Hang guard: 360 s.
     return run_ranks("hf_zero3_bitequal_worker", 3, "kill", supervise=["--restarts=1"], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def host_job():
+    # Two ZeRO-3 runs of 8 steps on 4 ranks, two of them SIGKILLed at once and restarted cold: 55-60 s on
+    # a loaded 2-core machine; about 100 s when the snapshot ncclguard schedules falls due at the kill's
+    # step (the survivors' agreement on it then waits out heal_timeout, 60 s). Hang guard: 360 s.
+    return run_ranks(
+        "hf_zero3_bitequal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360
+    )
 
 
 def _last_per_step(trace: list[list]) -> dict[int, list]:
@@ -56,3 +70,28 @@ def test_a_killed_rank_of_a_realistic_zero3_trainer_heals_bit_equal(kill_job):
             (back,) = kill_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
             assert back[0] == min(_last_per_step(kill_job[VICTIM]["trace"]))
             assert back[2:] == [1, [VICTIM]]
+
+
+def test_a_whole_host_of_a_zero3_trainer_lost_heals_from_the_other_hosts_replicas_bit_equal(host_job):
+    assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
+    holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1
+    back = min(_last_per_step(host_job[2]["trace"]))  # the snapshot's step: where the restarted ranks start
+    assert back < KILL
+    for r in range(4):
+        res = host_job[r]
+        assert res["life"] == (1 if r >= 2 else 0)
+        assert res["world"] == [r, 4, 1]  # one rebuild: both restarted ranks joined it together
+        assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
+        assert res["digest"] == host_job[0]["reference"]  # the full gathered parameters, bit for bit
+        assert res["sum"] == host_job[0]["reference_sum"]
+        # every step each rank computed (its last attempt), as the reference computed it
+        reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
+        assert sorted(reference) == list(range(STEPS))
+        assert sorted(healed) == list(range(back if r >= 2 else 0, STEPS))
+        assert {s: reference[s] for s in healed} == healed
+        role, rolled = ("receiver", False) if r >= 2 else ("holder", True)
+        assert res["restores"] == [{"ok": True, "role": role, "step": back, "rolled_back": rolled, "holders": holders}]
+    for r in (0, 1):
+        assert host_job[r]["recoveries"] == [[back, 2, 1, [2, 3]]]  # [step, attempts, generation, healed ranks]
+    for r in (2, 3):
+        assert host_job[r]["recoveries"] == []  # their first step was the others' redo

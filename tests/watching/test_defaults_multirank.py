@@ -4,7 +4,13 @@ its supervisor (``--restarts=1``, as ``ncclguard run --ncclguard-restarts 1`` ru
 restarts the engine heals by default (``RecoveryOptions.heal``): the waiting ranks agree the rank is
 stuck (or it judges itself), its supervisor ends it at once and restarts it, the new process rejoins
 in its old place and is healed from a live peer, and training ends on 3 ranks with equal parameters.
-No healthy rank is acted on. Rank side: tests/workers/defaults_worker.py (the scenarios there).
+No healthy rank is acted on. Rank side: tests/workers/defaults_worker.py:
+
+``loop`` 3 ranks: ``RecoveringStep(module, opt, scheduler=...)`` over a 2.05M-parameter BERT with its
+    default dropout and shuffled data; launch rank 2 asleep for good at step 12 (after the warm-up).
+``hf`` 3 ranks: the HF Trainer with ``guard_trainer(trainer, recover=True)``; launch rank 2 asleep for
+    good at the start of global step 3 (before the warm-up: the 30 s judge bound).
+
 The same fault with ``allow_shrink=True`` (a world of 2): tests/watching/test_verdict_multirank.py.
 """
 

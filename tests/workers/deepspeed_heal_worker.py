@@ -9,6 +9,12 @@ there with the survivors (who build theirs anew too) and takes its ZeRO partitio
 replica (rank 2). The newest snapshot is of step K-1: every rank goes back to it and the loop with
 it (``stepper.steps()``). All end with the reference's parameters, bit for bit. The model holds 2.1M
 parameters (Linear layers 1024 wide) with dropout.
+
+Usage: ``deepspeed_heal_worker.py [SCENARIO]``: ``kill`` (the default) as above, on 3 ranks of one
+host; ``host`` on 4 ranks, two simulated hosts of 2 (``GROUP_RANK`` is the launch rank // 2, as
+torchrun sets it per node): ranks 2 and 3, the whole second host, SIGKILL themselves at step K; both
+restarted, they take their partitions from their buddies on the other host (rank 2's from rank 0,
+rank 3's from rank 1), and every rank goes back to the snapshot of step K-1 as above.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 import deepspeed
 import rankkit
 import torch
+import torch.distributed as dist
 from deepspeed_commit_worker import batch, engine, gathered_digest
 from rankkit import put
 
@@ -27,9 +34,13 @@ import ncclguard
 from ncclguard.integrations.deepspeed import CommittedEngineStep
 from ncclguard.recovery.rebuild import generation
 
+SCENARIO = sys.argv[1] if len(sys.argv) > 1 else "kill"
 ME = int(os.environ["RANK"])
 rankkit.rank = lambda: ME  # results go by launch rank
+if SCENARIO == "host":
+    os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
+KILLED = {"kill": [1], "host": [2, 3]}[SCENARIO]
 STEPS, K = 6, 3
 BASE = STEPS  # the faulty run's step numbers follow the reference's (the commit's count grows)
 
@@ -56,9 +67,9 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
     for step in stepper.steps(base + STEPS, start=base):
 
         def step_fn(eng: deepspeed.DeepSpeedEngine, step: int = step) -> float:
-            if step - base == kill_at and ME == 1 and LIFE == 0:
+            if step - base == kill_at and ME in KILLED and LIFE == 0:
                 put("results", results)
-                rankkit.kill(1)
+                rankkit.kill(ME)
             x, y = batch(step - base, ME)
             loss = torch.nn.functional.mse_loss(eng(x), y)
             eng.backward(loss)
@@ -69,6 +80,7 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
         if res.rewound_to is not None:  # where the rolled-back step's seconds went, and this rank's restore
             r = res.restored
             put("rewind", {"timings": sorted(res.timings), "role": r and r.role, "restore": r and sorted(r.timings)})
+            put("holders", r and r.holders)  # who sent each restarted rank its replica
     return stepper, results
 
 
@@ -89,9 +101,12 @@ def main() -> None:
         "healed",
         healed and {"role": healed.role, "step": healed.step, "bytes": healed.bytes, "restore": sorted(healed.timings)},
     )
+    if healed is not None:
+        put("holders", getattr(healed, "holders", None))
     put("global_steps", stepper.engine.global_steps)
     put("digest", gathered_digest(stepper.engine))
     put("generation", generation())
+    put("world", [dist.get_rank(), dist.get_world_size()])
     rankkit.done()
 
 

@@ -1,6 +1,6 @@
 """Rank side of tests/integrations/test_hf_zero3_bitequal_multirank.py: issue 44's setup, the HF
 Trainer on DeepSpeed ZeRO-3 with a realistic BERT under ``guard_trainer(recover=True, heal=True)``
-and nothing else of ncclguard's. Usage: ``hf_zero3_bitequal_worker.py kill``.
+and nothing else of ncclguard's. Usage: ``hf_zero3_bitequal_worker.py kill|host``.
 
 ``kill`` (3 ranks, each under its supervisor, ``--restarts=1``): a ``BertForSequenceClassification``
 from a transformers config with its default dropout (0.1) and vocabulary (hidden 128, 2 layers,
@@ -19,6 +19,13 @@ Each rank records every micro-batch it computes (the last attempt of a step coun
 digest of the batch, of the CPU generator's state (dropout draws from it), the loss and the
 learning rate, so that a healed run that differs names the first step and what differed. The
 reference's record of launch rank VICTIM is kept in a file across its restart.
+
+``host`` (4 ranks on two simulated hosts of 2, under ncclguard's launcher with one restart: ``GROUP_RANK``
+is the launch rank // 2, as torchrun sets it per node): the same two runs, SAMPLES rows for 3 steps
+an epoch on 4 ranks; launch ranks 2 and 3, the whole second host, SIGKILL themselves as step KILL
+begins in their first life. Both restarted, they join together and take their partitions from
+their buddies on the other host (rank 2's from rank 0, rank 3's from rank 1); each rank records its
+part in the restore (its role, the step, who held each replica).
 """
 
 from __future__ import annotations
@@ -41,12 +48,19 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 import ncclguard
 from ncclguard.integrations.hf import find_guard, guard_trainer
+from ncclguard.recovery.snapshots.restore import Restored
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
+SCENARIO = sys.argv[1]
 ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
+if SCENARIO == "host":
+    os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
 STEPS, KILL, VICTIM, WARMUP = 8, 5, 2, 3
-SAMPLES, BATCH = 18, 2  # 3 steps an epoch on 3 ranks: the resume crosses epochs and skips batches
+KILLED = {"kill": [VICTIM], "host": [2, 3]}[SCENARIO]
+# 3 steps an epoch (18 rows on 3 ranks, 24 on 4): the resume crosses epochs and skips batches
+BATCH = 2
+SAMPLES = 3 * BATCH * int(os.environ["WORLD_SIZE"])
 rankkit.rank = lambda: ME
 # The watchdog guard_trainer starts writes its incidents (the victim's lost heartbeat) with the launch's output.
 os.environ.setdefault("NCCLGUARD_WATCHDOG_INCIDENT_DIR", str(OUT / "incidents"))
@@ -146,17 +160,33 @@ class Traced(Trainer):
 
 
 class Steps(TrainerCallback):
-    """Launch rank VICTIM dies with SIGKILL as step KILL begins, in its first life."""
+    """The launch ranks KILLED die with SIGKILL as step KILL begins, in their first life."""
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == KILL and ME == VICTIM and LIFE == 0:
-            rankkit.kill(VICTIM)
+        if state.global_step == KILL and ME in KILLED and LIFE == 0:
+            rankkit.kill(ME)
 
 
 def parameter_sum(trainer: Trainer) -> float:
     model = trainer.model_wrapped.module
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def record_restores(engine: Any) -> None:
+    """Records this rank's part in each restore from snapshots (the test's evidence of who held what)."""
+    original = engine.put_snapshot_back
+    restores: list[dict[str, Any]] = []
+    put("restores", restores)  # the list itself: saved with what it holds at the end
+
+    def put_snapshot_back(fetched: Any) -> Restored:
+        r = original(fetched)
+        restores.append(
+            {"ok": r.ok, "role": r.role, "step": r.step, "rolled_back": r.rolled_back, "holders": r.holders}
+        )
+        return r
+
+    engine.put_snapshot_back = put_snapshot_back
 
 
 def train(name: str, guarded: bool) -> Traced:
@@ -166,6 +196,7 @@ def train(name: str, guarded: bool) -> Traced:
     if guarded:
         trainer.add_callback(Steps())
         guard_trainer(trainer, recover=True, heal=True)  # and nothing else, as issue 44's user
+        record_restores(find_guard(trainer).recovery.engine)
     trainer.train()
     return trainer
 
@@ -193,7 +224,7 @@ def kill() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    {"kill": kill}[sys.argv[1]]()
+    {"kill": kill, "host": kill}[SCENARIO]()
     rankkit.done()
 
 

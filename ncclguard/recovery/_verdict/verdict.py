@@ -25,13 +25,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from ncclguard._log import log
-from ncclguard._naming import HOSTNAME
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recovery._rebuild.restarts import supervised_restarts
 from ncclguard.recovery._verdict.agreement import agreement
@@ -43,11 +41,11 @@ from ncclguard.recovery._verdict.levers import (
     judge_after,
     on_this_host,
     post_stuck_death,
-    stuck_notices,
     supervisor_answer,
     world_seq,
 )
-from ncclguard.watching.ladder.actions import exit_now
+from ncclguard.recovery._verdict.seen import Seen
+from ncclguard.recovery._verdict.self_check import POLL_S, SelfCheck
 from ncclguard.watching.sensors.progress import (
     JUDGED,
     MAX_JUDGED_CHARS,
@@ -63,28 +61,6 @@ from ncclguard.world import current_world
 
 __all__ = ["DEFAULT_JUDGE_S", "POLL_S", "STUCK_AFTER_VAR", "Seen", "VerdictDriver", "judge_after"]
 
-POLL_S = 1.0
-# A rank that judged itself stuck and asked its supervisor to end it, still running this long after
-# (the supervisor reads its asks every second; the store may not answer), ends itself as without one.
-SELF_ASK_S = 10.0
-
-
-@dataclass
-class Seen:
-    """One step's look at the peers: their progress, what was said and done about each."""
-
-    started: float
-    still_s: float
-    peers: dict[int, Progress] = field(default_factory=dict)
-    beats: dict[int, int] = field(default_factory=dict)
-    own: Progress | None = None
-    reported: set[int] = field(default_factory=set)
-    acted: set[int] = field(default_factory=set)
-    awaiting: set[int] = field(default_factory=set)  # judged stuck here, not yet by the other waiting ranks
-    asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
-    self_asked: float | None = None  # when this rank, judging itself stuck, asked its supervisor to end it
-    generation: int = 0  # the world it was armed in: its ranks' numbers and progress are that world's
-
 
 class VerdictDriver:
     """The ``ncclguard-verdict`` thread of one recovery engine (see the module doc).
@@ -98,7 +74,7 @@ class VerdictDriver:
 
     def __init__(self, judge_s: Any, name: str, exits: bool = True, heals: bool = False) -> None:
         self.judge_s, self.name, self.exits, self.heals = judge_s, name, exits, heals
-        self._asked = 0.0  # when the store was last asked whether the peers judged this rank stuck
+        self._own = SelfCheck(name, exits, self._restarts, self._event)
         self.events: list[dict[str, Any]] = []  # what was reported and done (a test reads them)
         self._cond = threading.Condition()
         self._seen: Seen | None = None
@@ -175,12 +151,12 @@ class VerdictDriver:
         silent = self._silent(seen, world, set(beats), now)
         if now - seen.started < self.judge_s():
             return
-        self._judged_by_peers(world, now)
+        self._own.judged_by_peers(world, now)
         group, seq = mine
         behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
         ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
         if ahead and not behind:
-            self._self_check(seen, ahead, now)
+            self._own.check(seen, ahead, now)
         if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
             behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
         for r, hb in behind.items():
@@ -221,60 +197,10 @@ class VerdictDriver:
             if sample is not None:
                 prog.observe(sample)
 
-    def _judged_by_peers(self, world: Any, now: float) -> None:
-        """Exits 0 when the peers posted this process's death as stuck (it was SIGSTOPped, then
-        continued): they went on without it, and its own rebuild would only come late."""
-        if not self.exits or now - self._asked < 2 * POLL_S:
-            return
-        self._asked = now
-        notices = stuck_notices(world)
-        me = world.origin(dist.get_rank())
-        if any(n.origin == me and n.pid == os.getpid() for n in notices):
-            log.critical(
-                "%s: verdict: the peers judged this rank stuck and went on without it; exiting with status 0",
-                self.name,
-            )
-            exit_now(0)
-
     def _restarts(self) -> bool:
         """A stuck rank is ended by its supervisor and restarted, to rejoin healed: the engine heals
         and runs under ``python -m ncclguard.supervise`` with restarts (every rank alike)."""
         return self.heals and supervised_restarts() > 0
-
-    def _self_check(self, seen: Seen, ahead: list[int], now: float) -> None:
-        assert seen.own is not None
-        j = seen.own.judge(now)
-        if j.state != "stuck":
-            return
-        me = dist.get_rank()  # the world's rank is not known to the World in generation 0
-        world = current_world()
-        if self._restarts() and seen.self_asked is None:
-            # Its supervisor ends it and restarts it (or, with no restart left, posts it as stuck
-            # and ends it): one decision, where the peers' asks go too. Said to the peers by the
-            # supervisor; this process goes on looking, and falls back below if nothing ends it.
-            seen.self_asked = now
-            asked = ask_supervisor(world.origin(me), (os.getpid(), ""), "stuck", True, seen.still_s, world.origin(me))
-            self._event("self-asked", me, j, ahead=ahead, posted=asked)
-            log.critical(
-                "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
-                "its supervisor is asked to end and restart it",
-                self.name,
-                ahead,
-                j.evidence,
-            )
-            return
-        if seen.self_asked is not None and now - seen.self_asked < SELF_ASK_S:
-            return
-        posted = post_stuck_death(world, me, os.getpid(), HOSTNAME)
-        self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
-        log.critical(
-            "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
-            "exiting with status 0 so that they rebuild without it",
-            self.name,
-            ahead,
-            j.evidence,
-        )
-        exit_now(0)
 
     def _judge(
         self,
