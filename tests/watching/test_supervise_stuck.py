@@ -54,6 +54,15 @@ def _end_tree(sup: subprocess.Popen) -> None:
             pass
 
 
+def _supervised(out, restarts: int = 1) -> tuple[dist.TCPStore, subprocess.Popen]:
+    """A job's store and the supervisor of launch rank 1 (``RANK``), its lives writing to ``out``."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+    argv = [sys.executable, "-m", "ncclguard.supervise", "--restarts", str(restarts), "--", sys.executable, "-c", RANK]
+    return server, subprocess.Popen([*argv, str(out)], env=env, stderr=subprocess.PIPE, text=True)
+
+
 def _ask(store: dist.Store, pid: int, heal: bool, judged: str = "unknown", asker: int = 0) -> None:
     post_ask(store, JudgeAsk(origin=1, pid=pid, judged=judged, heal=heal, still_s=2.0, asker=asker, at=time.time()))
 
@@ -140,11 +149,7 @@ def test_a_rank_its_peers_judged_stuck_is_ended_after_a_grace_and_never_restarte
     """The peers judged it stuck, posted its death and went on (an ask ``judged="stuck"`` without
     ``heal``): a rank that cannot exit by itself (stopped) is ended once the grace is over, with no
     restart even though a restart is left, and no second notice."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
-    env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
-    argv = [sys.executable, "-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, "-c", RANK]
-    sup = subprocess.Popen([*argv, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    server, sup = _supervised(tmp_path)
     try:
         pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
         _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)
@@ -167,11 +172,7 @@ def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_poste
     restart left the supervisor ends the rank at once, posts its death as a kill (the rebuild waits for
     the restart) and restarts it; the new process, judged stuck by itself, has no restart left: it is
     ended, posted as stuck (the rebuild settles without it) and the supervisor exits 0."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
-    env.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
-    argv = [sys.executable, "-m", "ncclguard.supervise", "--restarts", "1", "--", sys.executable, "-c", RANK]
-    sup = subprocess.Popen([*argv, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    server, sup = _supervised(tmp_path)
     try:
         pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
         _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)

@@ -109,8 +109,8 @@ def loop() -> None:
 
 
 def hf() -> None:
-    from hf_worker import Dataset, tiny_bert
-    from transformers import Trainer, TrainingArguments
+    from hf_worker import Dataset, cpu_arguments, tiny_bert
+    from transformers import Trainer
 
     from ncclguard.integrations.hf import find_guard, guard_trainer
 
@@ -124,18 +124,7 @@ def hf() -> None:
             _sleep_for_good()
 
     model.register_forward_pre_hook(asleep)
-    args = TrainingArguments(
-        output_dir=f"{out}/hf",
-        use_cpu=True,
-        ddp_backend="gloo",
-        max_steps=HF_STEPS,
-        per_device_train_batch_size=4,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = cpu_arguments(f"{out}/hf", HF_STEPS)
     from transformers import TrainerCallback
 
     ends: dict[int, float] = {}

@@ -68,6 +68,22 @@ def tiny_bert() -> BertForSequenceClassification:
     return BertForSequenceClassification(config)
 
 
+def cpu_arguments(output_dir: str, max_steps: int) -> TrainingArguments:
+    """``TrainingArguments`` as a user leaves them, on the CPU with gloo: nothing saved, no reports."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
 class Dataset(torch.utils.data.Dataset):
     def __init__(self, n: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)

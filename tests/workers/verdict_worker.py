@@ -277,8 +277,8 @@ HF_STEPS = 16
 
 
 def hf() -> None:
-    from hf_worker import Dataset, tiny_bert
-    from transformers import Trainer, TrainingArguments
+    from hf_worker import Dataset, cpu_arguments, tiny_bert
+    from transformers import Trainer
 
     from ncclguard.integrations.hf import find_guard, guard_trainer
 
@@ -296,18 +296,7 @@ def hf() -> None:
                 time.sleep(0.1)
 
     model.register_forward_pre_hook(asleep)
-    args = TrainingArguments(
-        output_dir=f"{out}/hf",
-        use_cpu=True,
-        ddp_backend="gloo",
-        max_steps=HF_STEPS,
-        per_device_train_batch_size=4,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = cpu_arguments(f"{out}/hf", HF_STEPS)
     t = holder["t"] = Trainer(model=model, args=args, train_dataset=Dataset(96, seed=1))
     guard_trainer(t, recover=True, allow_shrink=True)  # nothing else: every timeout at its default
     put("pid", os.getpid())
