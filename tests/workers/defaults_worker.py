@@ -41,13 +41,6 @@ ASLEEP, STEPS = 12, 16  # loop: past the judge bound's warm-up (10 intervals)
 HF_ASLEEP, HF_STEPS = 3, 10
 
 
-def _sleep_for_good() -> None:
-    put("stall_at", time.time())
-    rankkit.save()
-    while True:  # asleep in Python for good: threads run, nothing of the rank moves
-        time.sleep(0.1)
-
-
 def _digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
@@ -80,7 +73,7 @@ def loop() -> None:
         def step_fn(model: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
             if ME == 2 and LIFE == 0 and step == ASLEEP:
                 put("results", results)
-                _sleep_for_good()
+                rankkit.asleep_for_good()
             model(input_ids=ids, labels=labels).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
@@ -121,7 +114,7 @@ def hf() -> None:
 
     def asleep(_module: torch.nn.Module, _inputs: object) -> None:
         if ME == 2 and LIFE == 0 and holder["t"].state.global_step == HF_ASLEEP:
-            _sleep_for_good()
+            rankkit.asleep_for_good()
 
     model.register_forward_pre_hook(asleep)
     args = cpu_arguments(f"{out}/hf", HF_STEPS)

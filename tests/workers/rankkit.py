@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -41,6 +41,15 @@ def stall(who: int, seconds: float) -> None:
     """Rank ``who`` sleeps ``seconds`` here; the others go on."""
     if rank() == who:
         time.sleep(seconds)
+
+
+def asleep_for_good(key: str = "stall_at") -> NoReturn:
+    """This rank sleeps in Python for good, its threads running and nothing of it moving; when it
+    fell asleep is saved first under ``key`` (the stuck-rank tests' fault)."""
+    put(key, time.time())
+    save()
+    while True:
+        time.sleep(0.1)
 
 
 def kill(who: int) -> None:

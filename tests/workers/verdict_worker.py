@@ -94,10 +94,7 @@ def main(mode: str) -> None:
 
         def step_fn(model: torch.nn.Module, step: int = step, x=x, y=y) -> float:
             if mode == "stuck" and me == 2 and step == ASLEEP:
-                put("stall_at", time.time())
-                rankkit.save()
-                while True:  # asleep in Python for good
-                    time.sleep(0.1)
+                rankkit.asleep_for_good()
             if mode == "stuck" and me == 1 and step == STOPPED:
                 put("stall_at", time.time())
                 rankkit.save()
@@ -290,10 +287,7 @@ def hf() -> None:
 
     def asleep(_module: torch.nn.Module, _inputs: object) -> None:
         if me == 2 and holder["t"].state.global_step == ASLEEP:
-            put("stall_at", time.time())
-            rankkit.save()
-            while True:  # asleep in Python for good
-                time.sleep(0.1)
+            rankkit.asleep_for_good()
 
     model.register_forward_pre_hook(asleep)
     args = cpu_arguments(f"{out}/hf", HF_STEPS)
@@ -337,10 +331,7 @@ def accelerate_after(me: int) -> None:
 
         def step_fn(m: torch.nn.Module, step: int = step, x=x, y=y) -> None:
             if me == 1 and step == ACC_ASLEEP:
-                put("accelerate_stall_at", time.time())
-                rankkit.save()
-                while True:  # asleep in Python for good
-                    time.sleep(0.1)
+                rankkit.asleep_for_good("accelerate_stall_at")
             accelerator.backward(torch.nn.functional.mse_loss(m(x), y))
 
         t0 = time.time()
