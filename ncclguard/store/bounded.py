@@ -19,24 +19,116 @@ to a waiting thread costs ~30 us of CPU against ~140 us for a new thread per cal
 A call that misses its deadline is abandoned (its thread stays blocked until the socket gives
 up); while it is still pending, later calls on the same store fail at once instead of piling up
 one blocked thread each.
+
+At exit the interpreter must not finalize while a helper is inside a torch call: a daemon thread
+that takes the GIL back during finalization is ended by ``pthread_exit`` from the destructor of
+pybind11's ``gil_scoped_release``, and the process dies with ``terminate called without an active
+exception`` (status -6, pytorch/pytorch#38228). Seen once in CI: a job of two ranks that ended 0.3 s
+after it started, its watchdog's first connect to the store still under way. So the calls under
+way are waited for at exit (:func:`drain_at_exit`, at most :data:`EXIT_WAIT_S`).
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 
-__all__ = ["IDLE_EXIT_S", "Helper", "bounded_store_call", "helper_for", "no_answer", "run_into", "still_stuck"]
+__all__ = [
+    "EXIT_WAIT_S",
+    "IDLE_EXIT_S",
+    "Helper",
+    "bounded_store_call",
+    "drain_at_exit",
+    "helper_for",
+    "in_torch_call",
+    "no_answer",
+    "run_into",
+    "still_stuck",
+]
 
 T = TypeVar("T")
 
 IDLE_EXIT_S = 5.0  # a helper thread with no call for this long ends (a new one starts on the next call)
+# The longest exit waits for calls under way. A c10d client's connect now and then takes 5 s (torch
+# 2.13, loopback; store/bounded_calls.py); a call blocked on a host that is gone never returns, and
+# exit goes on without it after this long.
+EXIT_WAIT_S = 10.0
+
+
+class _UnderWay:
+    """The torch calls that helper threads of this process are inside now, each by its done event."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: set[threading.Event] = set()
+        self.hooked = False  # drain_at_exit registered with atexit
+
+    def enter(self, done: threading.Event) -> None:
+        with self.lock:
+            self.calls.add(done)
+            if not self.hooked:
+                atexit.register(drain_at_exit)
+                self.hooked = True
+
+    def leave(self, done: threading.Event) -> None:
+        with self.lock:
+            self.calls.discard(done)
+
+
+_under_way = _UnderWay()
+
+
+def in_torch_call(fn: Callable[[], T], done: threading.Event) -> T:
+    """``fn()`` on a helper thread, counted as under way until it returns: what exit waits for.
+
+    Args:
+        fn: the call into torch (a store request, a client's connect).
+        done: the event that the caller sets once ``fn`` has returned (the key of the call).
+
+    Returns:
+        What ``fn()`` returned.
+    """
+    _under_way.enter(done)
+    try:
+        return fn()
+    finally:
+        _under_way.leave(done)
+
+
+def drain_at_exit(timeout_s: float = EXIT_WAIT_S) -> int:
+    """Waits until no helper thread is inside a torch call, at most ``timeout_s``: run at exit, after
+    the threads that make calls have stopped (the watchdog's exit hook calls it again then).
+
+    Args:
+        timeout_s: the longest wait.
+
+    Returns:
+        How many calls are still under way (0: finalization is safe for them).
+    """
+    end = time.monotonic() + timeout_s
+    while True:
+        with _under_way.lock:
+            calls = list(_under_way.calls)
+        if not calls:
+            return 0
+        left = end - time.monotonic()
+        if left <= 0:
+            log.warning(
+                "ncclguard: %d store call(s) still under way at exit after %.0f s; the store's host may be gone",
+                len(calls),
+                timeout_s,
+            )
+            return len(calls)
+        calls[0].wait(min(left, 0.1))
+
 
 _Job = tuple[Callable[[], Any], dict[str, Any], threading.Event]
 
@@ -71,7 +163,7 @@ def no_answer(what: str, waited_s: float) -> StoreUnreachable:
 
 def run_into(fn: Callable[[], Any], box: dict[str, Any], done: threading.Event) -> None:
     """Runs ``fn()`` and leaves its value (``box["value"]``) or error (``box["error"]``) in ``box``,
-    then sets ``done``: the body of one job of a helper thread.
+    then sets ``done``: the body of one job of a helper thread (counted as under way while it runs).
 
     Args:
         fn: the call.
@@ -79,7 +171,7 @@ def run_into(fn: Callable[[], Any], box: dict[str, Any], done: threading.Event) 
         done: set once ``fn`` has returned or raised.
     """
     try:
-        box["value"] = fn()
+        box["value"] = in_torch_call(fn, done)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
         box["error"] = exc
     finally:

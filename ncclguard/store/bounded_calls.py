@@ -19,7 +19,7 @@ from typing import Any
 
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreRefused, StoreTimeout, StoreUnreachable
-from ncclguard.store.bounded import Helper
+from ncclguard.store.bounded import Helper, in_torch_call
 
 __all__ = ["BoundedCalls", "Helper", "StoreRefused"]
 
@@ -81,7 +81,7 @@ class BoundedCalls:
 
             def clone() -> None:
                 try:
-                    box["store"] = old.clone()
+                    box["store"] = in_torch_call(old.clone, done)
                 except Exception as exc:  # noqa: BLE001 - the next reconnect tries again
                     box["error"] = exc
                 finally:

@@ -45,6 +45,7 @@ from ncclguard.incidents.files import INCIDENT_FILE
 from ncclguard.incidents.handling.desk import IncidentDesk
 from ncclguard.incidents.handling.left_behind import LeftBehind
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.store.bounded import drain_at_exit
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
@@ -87,10 +88,13 @@ def _stop_at_exit() -> None:
     finalization starts is ended by ``pthread_exit`` as it takes the GIL back, from the destructor
     of pybind11's ``gil_scoped_release``: ``terminate called without an active exception``, status
     -6 (pytorch/pytorch#38228). Seen at the end of DDP-only runs with the watchdog on, about 1 in 8.
+    The store calls its helper threads still make (a connect under way when a short job ends) are
+    waited for once it has stopped (:func:`~ncclguard.store.bounded.drain_at_exit`).
     """
     watchdog = _running.watchdog
     if watchdog is not None:
         watchdog.stop()
+    drain_at_exit()
 
 
 def current_watchdog() -> Watchdog | None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from harness import wait_for
@@ -53,3 +57,18 @@ def test_a_frozen_store_is_given_up_at_the_deadline_then_refused_at_once():
     helper = helper_for(store)
     wait_for(lambda: not helper.busy(), 30, "return of the released call")
     assert bounded_store_call(store, lambda: store.add("k", 7), Deadline.within(30.0)) == 7
+
+
+def test_exit_waits_for_a_store_call_under_way_instead_of_dying_of_sigabrt():
+    """A job that ends while a helper is inside a store call (CI: a two-rank job ended 0.3 s after its
+    start, the watchdog's first connect still under way, and its rank died of SIGABRT)."""
+    worker = str(Path(__file__).parents[1] / "workers" / "exit_mid_call_worker.py")
+    runs = {}
+    for mode in ("off", "on"):
+        # 60 s: hang guard (each run takes 4-11 s here: a 3 s call, a 6 s teardown)
+        runs[mode] = subprocess.run([sys.executable, worker, mode], capture_output=True, text=True, timeout=60)
+    off, on = runs["off"], runs["on"]
+    # Without the wait the hazard is real: the call returns during finalization and the process aborts.
+    assert off.returncode == -signal.SIGABRT and "terminate called without an active exception" in off.stderr, off
+    assert on.returncode == 0 and "terminate called" not in on.stderr, on
+    assert "given up, the call still under way" in on.stdout
