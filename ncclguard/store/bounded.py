@@ -25,7 +25,7 @@ that takes the GIL back during finalization is ended by ``pthread_exit`` from th
 pybind11's ``gil_scoped_release``, and the process dies with ``terminate called without an active
 exception`` (status -6, pytorch/pytorch#38228). Seen once in CI: a job of two ranks that ended 0.3 s
 after it started, its watchdog's first connect to the store still under way. So the calls under
-way are waited for at exit (:func:`drain_at_exit`, at most :data:`EXIT_WAIT_S`).
+way are waited for at exit (:func:`drain_at_exit`, each until :data:`EXIT_WAIT_S` after its start).
 """
 
 from __future__ import annotations
@@ -57,30 +57,31 @@ __all__ = [
 T = TypeVar("T")
 
 IDLE_EXIT_S = 5.0  # a helper thread with no call for this long ends (a new one starts on the next call)
-# The longest exit waits for calls under way. A c10d client's connect now and then takes 5 s (torch
-# 2.13, loopback; store/bounded_calls.py); a call blocked on a host that is gone never returns, and
-# exit goes on without it after this long.
+# How long after its start a call under way is waited for at exit. A c10d client's connect now and
+# then takes 5 s (torch 2.13, loopback; store/bounded_calls.py); a call blocked on a host that is gone
+# never returns, and one already older than this at exit is not waited for at all.
 EXIT_WAIT_S = 10.0
 
 
 class _UnderWay:
-    """The torch calls that helper threads of this process are inside now, each by its done event."""
+    """The torch calls that helper threads of this process are inside now: each one's done event and
+    when it started."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.calls: set[threading.Event] = set()
+        self.calls: dict[threading.Event, float] = {}
         self.hooked = False  # drain_at_exit registered with atexit
 
     def enter(self, done: threading.Event) -> None:
         with self.lock:
-            self.calls.add(done)
+            self.calls[done] = time.monotonic()
             if not self.hooked:
                 atexit.register(drain_at_exit)
                 self.hooked = True
 
     def leave(self, done: threading.Event) -> None:
         with self.lock:
-            self.calls.discard(done)
+            self.calls.pop(done, None)
 
 
 _under_way = _UnderWay()
@@ -103,31 +104,33 @@ def in_torch_call(fn: Callable[[], T], done: threading.Event) -> T:
         _under_way.leave(done)
 
 
-def drain_at_exit(timeout_s: float = EXIT_WAIT_S) -> int:
-    """Waits until no helper thread is inside a torch call, at most ``timeout_s``: run at exit, after
-    the threads that make calls have stopped (the watchdog's exit hook calls it again then).
+def drain_at_exit(wait_s: float = EXIT_WAIT_S) -> int:
+    """Waits until no helper thread is inside a torch call, each call at most until ``wait_s`` after
+    its start: run at exit, after the threads that make calls have stopped (the watchdog's exit hook
+    calls it again then).
 
     Args:
-        timeout_s: the longest wait.
+        wait_s: how long after its start a call is waited for.
 
     Returns:
         How many calls are still under way (0: finalization is safe for them).
     """
-    end = time.monotonic() + timeout_s
     while True:
+        now = time.monotonic()
         with _under_way.lock:
-            calls = list(_under_way.calls)
-        if not calls:
-            return 0
-        left = end - time.monotonic()
-        if left <= 0:
-            log.warning(
-                "ncclguard: %d store call(s) still under way at exit after %.0f s; the store's host may be gone",
-                len(calls),
-                timeout_s,
-            )
+            calls = dict(_under_way.calls)
+        waited = {done: start + wait_s - now for done, start in calls.items() if start + wait_s > now}
+        if not waited:
+            if calls:
+                log.warning(
+                    "ncclguard: %d store call(s) still under way at exit, each over %.0f s old; left to "
+                    "finalization (the store's host may be gone)",
+                    len(calls),
+                    wait_s,
+                )
             return len(calls)
-        calls[0].wait(min(left, 0.1))
+        done, left = next(iter(waited.items()))
+        done.wait(min(left, 0.1))
 
 
 _Job = tuple[Callable[[], Any], dict[str, Any], threading.Event]

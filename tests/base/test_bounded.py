@@ -72,3 +72,19 @@ def test_exit_waits_for_a_store_call_under_way_instead_of_dying_of_sigabrt():
     assert off.returncode == -signal.SIGABRT and "terminate called without an active exception" in off.stderr, off
     assert on.returncode == 0 and "terminate called" not in on.stderr, on
     assert "given up, the call still under way" in on.stdout
+
+
+def test_exit_waits_for_a_call_under_way_until_it_returns_and_leaves_one_past_its_wait():
+    from ncclguard.store.bounded import drain_at_exit, in_torch_call
+
+    release, done, started = threading.Event(), threading.Event(), threading.Event()
+
+    def call() -> None:
+        in_torch_call(lambda: (started.set(), release.wait(30)), done)  # 30 s: hang guard
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert started.wait(30)
+    assert drain_at_exit(0.0) == 1  # older than the wait: left at once (a call to a host that is gone)
+    threading.Timer(0.3, release.set).start()
+    assert drain_at_exit(30.0) == 0 and done.is_set()  # a young one is waited for until it returns
