@@ -1,6 +1,7 @@
-"""Rank side of tests/integrations/test_hf_zero3_bitequal_multirank.py: issue 44's setup, the HF
+"""Rank side of tests/integrations/test_hf_bitequal_multirank.py: issue 44's setup, the HF
 Trainer on DeepSpeed ZeRO-3 with a realistic BERT under ``guard_trainer(recover=True, heal=True)``
-and nothing else of ncclguard's. Usage: ``hf_zero3_bitequal_worker.py kill|host``.
+and nothing else of ncclguard's. Usage: ``hf_bitequal_worker.py kill|host [zero3|zero2|zero1|ddp]``
+(the stack: the ZeRO stage of the config below, or the Trainer's own DDP with no DeepSpeed config).
 
 ``kill`` (3 ranks, each under its supervisor, ``--restarts=1``): a ``BertForSequenceClassification``
 from a transformers config with its default dropout (0.1) and vocabulary (hidden 128, 2 layers,
@@ -52,6 +53,7 @@ from ncclguard.recovery.snapshots.restore import Restored
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 SCENARIO = sys.argv[1]
+STACK = sys.argv[2] if len(sys.argv) > 2 else "zero3"  # zero1, zero2, zero3, or ddp (no DeepSpeed)
 ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
@@ -119,12 +121,21 @@ class Texts(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+def ds_config() -> dict[str, Any] | None:
+    """The DeepSpeed config of STACK (its ZeRO stage), or None for the Trainer's own DDP."""
+    if STACK == "ddp":
+        return None
+    config: dict[str, Any] = json.loads(json.dumps(DS_CONFIG))
+    config["zero_optimization"]["stage"] = int(STACK.removeprefix("zero"))
+    return config
+
+
 def arguments(name: str) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(OUT / name),
         use_cpu=True,
         ddp_backend="gloo",
-        deepspeed=json.loads(json.dumps(DS_CONFIG)),
+        deepspeed=ds_config(),
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         learning_rate=1e-3,
@@ -216,7 +227,7 @@ def kill() -> None:
     put("sum", parameter_sum(trainer))
     put("trace", trainer.trace)
     put("global_step", trainer.state.global_step)
-    put("global_steps", trainer.model_wrapped.global_steps)
+    put("global_steps", getattr(trainer.model_wrapped, "global_steps", trainer.state.global_step))  # DeepSpeed's
     recovery = find_guard(trainer).recovery
     put("recoveries", [[r.step, r.attempts, r.generation, r.healed_ranks] for r in recovery.recoveries])
     put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])

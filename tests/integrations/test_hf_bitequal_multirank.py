@@ -1,13 +1,16 @@
 """Issue 44: the HF Trainer on DeepSpeed ZeRO-3 as a new user sets it up, a realistic BERT (4.4 M
 parameters, default dropout), a ZeRO-3 config of ``"auto"`` values, warm-up, a shuffled dataset,
 ``guard_trainer(recover=True, heal=True)`` and nothing else: a rank SIGKILLed and healed ends with
-every rank's full parameters bit-equal to a run without the fault.
+every rank's full parameters bit-equal to a run without the fault. The same on ZeRO-1 and ZeRO-2
+(the same config, its stage changed) and on the Trainer's own DDP (no DeepSpeed config: its linear
+schedule with warm-up, its gradient clipping at 1.0).
 
-Launches (tests/workers/hf_zero3_bitequal_worker.py, which says more):
-``kill`` 3 ranks under torchrun, each under its supervisor (``--restarts=1``): the reference (8 steps, no
-    fault, no ncclguard), then the guarded run where launch rank 2 SIGKILLs itself as step 5 begins;
-    restarted, its ``"auto"`` ``train_batch_size`` is made for the joined world, it takes its partitions
-    from its buddy, and every rank goes back to the newest snapshot; per step, every rank's batch,
+Launches (tests/workers/hf_bitequal_worker.py, which says more):
+``kill`` 3 ranks under torchrun, each under its supervisor (``--restarts=1``), once per stack (ZeRO-3,
+    ZeRO-2, ZeRO-1, DDP): the reference (8 steps, no fault, no ncclguard), then the guarded run where
+    launch rank 2 SIGKILLs itself as step 5 begins; restarted, its ``"auto"`` ``train_batch_size`` is
+    made for the joined world; on ZeRO it takes its partitions from its buddy and every rank goes back
+    to the newest snapshot, on DDP it takes a live peer's state at step 5; per step, every rank's batch,
     generator state, loss and learning rate are those of the reference.
 ``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), under ncclguard's launcher
     with one restart for a rank killed by SIGKILL: the same two runs, in which launch ranks 2 and 3, the
@@ -15,6 +18,8 @@ Launches (tests/workers/hf_zero3_bitequal_worker.py, which says more):
     partitions from the replicas ranks 0 and 1 hold, and every rank ends as the reference did."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from harness import run_ranks
@@ -24,11 +29,15 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(400)]
 STEPS, KILL, VICTIM = 8, 5, 2
 
 
-@pytest.fixture(scope="module")
-def kill_job():
-    # Two ZeRO-3 runs of 8 steps on 3 ranks and a cold restart that imports torch, transformers and
-    # DeepSpeed again: 55-65 s on a quiet 2-core machine. Hang guard: 360 s.
-    return run_ranks("hf_zero3_bitequal_worker", 3, "kill", supervise=["--restarts=1"], timeout_s=360)
+SHARDED = ("zero3", "zero2", "zero1")  # restored from snapshots; "ddp" from a live peer
+
+
+@pytest.fixture(scope="module", params=[*SHARDED, "ddp"])
+def kill_job(request):
+    # Two runs of 8 steps on 3 ranks and a cold restart that imports torch, transformers and DeepSpeed
+    # again: 55-65 s (ZeRO-3), 20-25 s (ZeRO-1/2, DDP) on a quiet 2-core machine. Hang guard: 360 s.
+    job = run_ranks("hf_bitequal_worker", 3, "kill", request.param, supervise=["--restarts=1"], timeout_s=360)
+    return request.param, job
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +45,7 @@ def host_job():
     # Two ZeRO-3 runs of 8 steps on 4 ranks, two of them SIGKILLed at once and restarted cold: 55-60 s on
     # a loaded 2-core machine; about 100 s when the snapshot ncclguard schedules falls due at the kill's
     # step (the survivors' agreement on it then waits out heal_timeout, 60 s). Hang guard: 360 s.
-    return run_ranks(
-        "hf_zero3_bitequal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360
-    )
+    return run_ranks("hf_bitequal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
 
 
 def _last_per_step(trace: list[list]) -> dict[int, list]:
@@ -46,9 +53,16 @@ def _last_per_step(trace: list[list]) -> dict[int, list]:
     return {entry[1]: entry[2:] for entry in trace if entry[0] == "micro"}
 
 
-def test_a_killed_rank_of_a_realistic_zero3_trainer_heals_bit_equal(kill_job):
+def test_a_killed_rank_of_a_realistic_trainer_heals_bit_equal_on_zero_1_2_3_and_ddp(kill_job):
+    stack, kill_job = kill_job
+    back = min(_last_per_step(kill_job[VICTIM]["trace"]))  # where the restarted rank starts
     assert "exited -9; restart 1 of 1" in kill_job.output
-    assert "every rank is back at step" in kill_job.output
+    if stack in SHARDED:
+        assert "every rank is back at step" in kill_job.output
+    else:
+        assert re.search(
+            rf"heal_from_peer: rank {VICTIM} received, rank \d to ranks {VICTIM}: \d+ bytes", kill_job.output
+        )
     for r in range(3):
         res = kill_job[r]
         assert res["life"] == (1 if r == VICTIM else 0)
@@ -60,16 +74,19 @@ def test_a_killed_rank_of_a_realistic_zero3_trainer_heals_bit_equal(kill_job):
         # after the resume's skip), the generator (dropout), the loss and the learning rate (warm-up).
         reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
         assert sorted(reference) == list(range(STEPS))
-        first = min(healed) if r == VICTIM else 0  # the restarted process starts at the snapshot's step
+        first = back if r == VICTIM else 0
         assert sorted(healed) == list(range(first, STEPS))
-        if r == VICTIM:
-            assert first < KILL
+        if r == VICTIM:  # sharded: back to the newest snapshot; DDP: the step it died in, from a live peer
+            assert first < KILL if stack in SHARDED else first == KILL
         assert {s: reference[s] for s in healed} == healed
+        if stack in SHARDED:
+            assert [(x["ok"], x["step"], x["holders"]) for x in res["restores"]] == [(True, back, {str(VICTIM): 0})]
+        else:
+            assert res["restores"] == []
     for r in range(3):
         if r != VICTIM:
-            (back,) = kill_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
-            assert back[0] == min(_last_per_step(kill_job[VICTIM]["trace"]))
-            assert back[2:] == [1, [VICTIM]]
+            (redo,) = kill_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
+            assert back == redo[0] and redo[2:] == [1, [VICTIM]]
 
 
 def test_a_whole_host_of_a_zero3_trainer_lost_heals_from_the_other_hosts_replicas_bit_equal(host_job):
