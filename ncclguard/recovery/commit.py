@@ -52,7 +52,7 @@ from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
-from ncclguard.store.deaths import read_deaths
+from ncclguard.store.deaths import DeathWatch
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, settle_round
 from ncclguard.store.values import delete_keys
 from ncclguard.watching.base.metrics import count_commit
@@ -302,25 +302,8 @@ def _known_dead(store: dist.Store, info: GroupInfo, size: int) -> Callable[[], d
     world = current_world()
     if not dist.is_initialized() or info.group is not compat.default_group() or world.size not in (None, size):
         return None
-    job = store
-    while isinstance(job, dist.PrefixStore):  # the notices are in the job's store, unprefixed
-        job = job.underlying_store
-    seen, dead = world.deaths_seen, dict[int, str]()
-    by_origin = {world.origin(r): r for r in range(size)}
-
-    def known() -> dict[int, str]:
-        nonlocal seen
-        seen, notices = read_deaths(job, seen)
-        for n in notices:
-            r = by_origin.get(n.origin)
-            if r is not None and r != info.rank:
-                dead[r] = (
-                    f"its process died (pid {n.pid}, exit {n.returncode}, launch rank {n.origin} on {n.host}, "
-                    "reported by its launcher)"
-                )
-        return dead
-
-    return known
+    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, info.rank)
+    return watch.look
 
 
 def should_commit(

@@ -46,6 +46,7 @@ from ncclguard.recovery._rebuild.meeting_rules import (
 )
 from ncclguard.recovery._rebuild.reaper import reaper
 from ncclguard.results import Result
+from ncclguard.store.clients import unprefixed
 from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix
 from ncclguard.store.world_record import write_world_record
@@ -144,11 +145,8 @@ def generation() -> int:
 
 
 def _job_store(store: dist.Store) -> dist.Store:
-    # torch wraps the job's store in PrefixStores (``default_pg``, our ``ncclguard/world/g<n>``);
-    # the meeting and every generation live under the unwrapped one, the same on every rank.
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+    # the meeting and every generation live under the job's store, the same on every rank
+    return unprefixed(store)
 
 
 def _collective_timeout(pg: dist.ProcessGroup) -> timedelta:

@@ -20,7 +20,15 @@ from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.rounds import GRACE_S
 
-__all__ = ["connect", "job_address", "store_for_this_thread"]
+__all__ = ["connect", "job_address", "store_for_this_thread", "unprefixed"]
+
+
+def unprefixed(store: dist.Store) -> dist.Store:
+    """The job's store under ``store``'s prefixes: torch wraps it in PrefixStores (``default_pg``,
+    ncclguard's ``ncclguard/world/g<n>``), and what every world reads lives under the unwrapped one."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def job_address(env: dict[str, str] | None = None) -> tuple[str, int] | None:

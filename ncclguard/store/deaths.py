@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
-from ncclguard.store.clients import connect
+from ncclguard.store.clients import connect, unprefixed
 from ncclguard.store.codec import DecodeError, decode, encode
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "STUCK_RC",
     "DeathNotice",
     "DeathPoster",
+    "DeathWatch",
     "death_count",
     "deaths_so_far",
     "notice_now",
@@ -156,6 +157,50 @@ def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tup
         except DecodeError:
             continue
     return upto, found
+
+
+class DeathWatch:
+    """The members of a world that their launchers reported dead since the world was made.
+
+    Args:
+        store: the job's store (prefixes are taken off).
+        seen: the notices read before (the world's ``deaths_seen``).
+        origins: each member's launch rank, by its number in the world.
+        me: this rank's number (never named dead: a restarted process's own notice).
+
+    Attributes:
+        dead: ``{member: how it is known}``, what the looks found so far.
+    """
+
+    def __init__(self, store: dist.Store, seen: int, origins: dict[int, int], me: int) -> None:
+        self._store = unprefixed(store)
+        self._seen = seen
+        self._by_origin = {origin: r for r, origin in origins.items()}
+        self._me = me
+        self.dead: dict[int, str] = {}
+
+    def look(self) -> dict[int, str]:
+        """Reads the new notices (unbounded: callers on a deadline run it through a bounded call).
+
+        Returns:
+            Every member known dead so far, with how it is known.
+        """
+        self._seen, notices = read_deaths(self._store, self._seen)
+        for n in notices:
+            r = self._by_origin.get(n.origin)
+            if r is not None and r != self._me:
+                self.dead[r] = (
+                    f"its process died (pid {n.pid}, exit {n.returncode}, launch rank {n.origin} on {n.host}, "
+                    "reported by its launcher)"
+                )
+        return self.dead
+
+    def look_within(self, deadline: Deadline) -> dict[int, str]:
+        """:meth:`look` within ``deadline``; what was known before when the store does not answer."""
+        try:
+            return bounded_store_call(self._store, self.look, deadline, "the death notices")
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError):
+            return self.dead
 
 
 def notice_now(origin: int, pid: int, returncode: int, life: int, host: str) -> DeathNotice:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import unprefixed
 
 __all__ = ["LEARNED_KEY", "hang_key", "read_learned", "write_learned"]
 
@@ -26,9 +27,7 @@ def hang_key(origin: int) -> str:
 
 
 def _job(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):  # the job's store, unprefixed: every world reads one key
-        store = store.underlying_store
-    return store
+    return unprefixed(store)  # the job's store: every world reads one key
 
 
 def write_learned(store: dist.Store, blob: str, deadline: Deadline) -> None:

@@ -14,9 +14,15 @@ Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank k
     same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
     their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
     reference.
+``ring`` 4 ranks, one host, a snapshot every 2 steps: the ``kill`` run with rank 3 dying inside its take of
+    step 10. Gloo's ops of that take go round the ranks: rank 3's neighbours fail at once, rank 1 waited
+    on live ranks that had given up, up to the take's deadline (60 s), until the launcher's death notice
+    ended its wait; every rank ends bit-equal to the reference.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from harness import run_ranks
@@ -31,6 +37,12 @@ KILL_TAKE = 4  # the worker's: kill, rank 1 dies in its take of step BASE + 4
 def kill_job():
     # Two runs of 6 steps on 3 ranks, a SIGKILL, a restart that imports torch again, a rollback.
     return run_ranks("sharded_heal_worker", 3, "kill", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def ring_job():
+    # Two runs of 6 steps on 4 ranks and a restart: 10-20 s here (70 s when rank 1 waited out the take).
+    return run_ranks("sharded_heal_worker", 4, "ring", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +170,24 @@ def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_
         assert host_job[r]["final"] == [r, 4, 1]
         assert host_job[r]["every"] == 1
         assert host_job[r]["equal_to_reference"] is True
+
+
+def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not_at_the_deadline(ring_job):
+    assert [(r.rank, r.count, r.returncode) for r in ring_job.restarts] == [(3, 1, -9)]
+    failed = {
+        r: re.search(rf"\[rank {r}\] RecoveringStep: step 10's snapshot failed: (.*)", ring_job.output)
+        for r in range(3)
+    }
+    assert all(failed.values()), ring_job.output[-3000:]
+    # rank 1 is no neighbour of rank 3 in gloo's ring: its launcher's notice ended the wait, nothing else
+    assert "a member is gone (rank 3: its process died (pid" in failed[1].group(1)
+    for r in range(3):  # nobody waited out the take's deadline (gloo: a wait that timed out closes its pair)
+        assert "deadline passed" not in failed[r].group(1) and "Application timeout" not in failed[r].group(1)
+    back = BASE + KILL_TAKE - 2  # the take of step 10 committed nowhere: back to step 8's
+    for r in range(4):
+        res = ring_job[r]
+        assert res["final"] == [r, 4, 1]
+        assert res["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
+        if r != 3:
+            assert [(x["step"], x["ok"], x["rewound_to"]) for x in res["results"] if not x["ok"]] == [(10, False, back)]
+    assert (ring_job[3]["life"], ring_job[3]["resume_step"]) == (1, back)

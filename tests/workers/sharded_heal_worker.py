@@ -22,6 +22,12 @@ reference's at the start of that step.
 sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
 at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
 every rank redoes step K (the survivors' live state is that snapshot: no rollback).
+
+``ring`` (4 ranks, one host, a snapshot every 2 steps): the ``kill`` run with rank 3 dying inside its
+take of step 10. Gloo's all_reduce of the take's agreement goes round the ranks: a neighbour of the
+dead rank fails at once, the others wait on live ranks that have given up, up to the take's deadline
+(``heal_timeout``, HEAL_S); its launcher's death notice ends their wait instead, and every rank ends
+bit-equal to the reference.
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ rankkit.rank = lambda: ME  # results go by launch rank, whatever the world
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
-KILLED = {"kill": [1], "host": [2, 3]}[SCENARIO]
-EVERY = {"kill": 2, "host": 1}[SCENARIO]
+KILLED = {"kill": [1], "host": [2, 3], "ring": [3]}[SCENARIO]
+EVERY = {"kill": 2, "host": 1, "ring": 2}[SCENARIO]
 STEPS, K = 6, 3
 KILL_TAKE = 4  # kill: rank 1 dies inside its take of step BASE + 4 (a snapshot every 2 steps from BASE)
 BACK_AT = 3  # kill: the step (of the reference) the damaged replica's fallback goes back to (9 in the faulty run)
@@ -82,7 +88,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def die_in_take(base: int) -> None:
-    """Rank 1 dies inside its take of step ``base + KILL_TAKE`` (after its state is captured)."""
+    """The rank KILLED dies inside its take of step ``base + KILL_TAKE`` (after its state is captured)."""
     real = keeper_module.pack
 
     def pack(state: Any, step: int, rank: int, reuse: Any = None) -> Any:
@@ -203,7 +209,7 @@ def damaged(stepper: RecoveringStep) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
-    if SCENARIO == "kill":
+    if SCENARIO in ("kill", "ring"):
         die_in_take(BASE)
     if LIFE == 0:
         dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))

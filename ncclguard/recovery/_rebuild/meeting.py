@@ -39,6 +39,7 @@ from ncclguard.recovery._rebuild.meeting_rules import (
     check_arrivals,
     decide,
 )
+from ncclguard.store.clients import unprefixed
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.deaths import STUCK_RC, read_deaths
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
@@ -76,9 +77,7 @@ def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
     :data:`~ncclguard.store.deaths.STUCK_RC`), in this world's numbering: the meeting settles without
     waiting its deadline for them. A killed rank's notice does not count here: its restart may rejoin."""
     world = current_world()
-    job = store
-    while isinstance(job, dist.PrefixStore):  # the notices are in the job's store, unprefixed
-        job = job.underlying_store
+    job = unprefixed(store)  # the notices are in the job's store
     seen, stuck = world.deaths_seen, set[int]()
     by_origin = {world.origin(r): r for r in range(size)}
 

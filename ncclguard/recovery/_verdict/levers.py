@@ -26,7 +26,7 @@ from ncclguard.errors import StoreUnreachable, TorchCompatError
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_ask, read_answer
 from ncclguard.store.bounded import bounded_store_call
-from ncclguard.store.clients import store_for_this_thread
+from ncclguard.store.clients import store_for_this_thread, unprefixed
 from ncclguard.store.deaths import STUCK_RC, DeathNotice, notice_now, post_death, read_deaths
 from ncclguard.world import Slot, current_world
 
@@ -197,12 +197,6 @@ def cut_connections(pid: int) -> int:
         except OSError:
             continue
     return n
-
-
-def unprefixed(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
 
 
 def job_store() -> dist.Store | None:

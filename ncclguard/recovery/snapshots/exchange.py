@@ -11,7 +11,9 @@ When the payload has arrived, its digest is checked: a damaged replica is never 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -21,8 +23,14 @@ import torch.distributed as dist
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery.snapshots.packing import MAX_MANIFEST_BYTES, Manifest, Snapshot, digest, read_manifest
+from ncclguard.store.bounded import run_into
 
-__all__ = ["Admit", "at_most", "receive", "send", "swap"]
+__all__ = ["Admit", "Dead", "LOOK_EVERY_S", "at_most", "receive", "run_watched", "send", "swap"]
+
+LOOK_EVERY_S = 0.5  # how often a watched wait reads the death notices (one store call when none is new)
+
+#: The members known dead (``{rank: how it is known}``), read within a deadline.
+Dead = Callable[[Deadline], dict[int, str]]
 
 #: Says why a manifest cannot be taken here, or None to take it.
 Admit = Callable[[Manifest], str | None]
@@ -45,12 +53,43 @@ def _op(what: str, start: Callable[[], Any]) -> Any:
         raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _run(what: str, start: Callable[[], Any], deadline: Deadline) -> None:
-    """Starts one op and waits for it within what is left of ``deadline``."""
-    _wait([_op(what, start)], deadline, what)
+def _run(what: str, start: Callable[[], Any], deadline: Deadline, dead: Dead | None = None) -> None:
+    """Starts one op and waits for it within what is left of ``deadline`` (see :func:`_wait`)."""
+    _wait([_op(what, start)], deadline, what, dead)
 
 
-def _wait(works: list[Any], deadline: Deadline, what: str) -> None:
+def _wait(works: list[Any], deadline: Deadline, what: str, dead: Dead | None = None) -> None:
+    """Waits for ``works`` within ``deadline``; with ``dead``, gives up as soon as it names a member.
+
+    A gloo point-to-point work cannot be waited on in slices (a wait that times out closes its pair:
+    "Application timeout caused pair closure"), so the wait runs whole on a thread of its own while
+    this one reads the death notices. Given up, that thread stays in its wait until the deadline
+    (the side group is a dead world's by then; exit waits for it, :mod:`ncclguard.store.bounded`).
+
+    Raises:
+        HealFailed: a work failed, missed the deadline, or a member died.
+    """
+    if dead is None:
+        _wait_each(works, deadline, what)
+        return
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    waiter = partial(run_into, partial(_wait_each, works, deadline, what), box, done)
+    threading.Thread(target=waiter, name="ncclguard-snapshot-wait", daemon=True).start()
+    while not done.wait(max(min(LOOK_EVERY_S, deadline.left()), 0.001)):
+        _give_up_if_dead(dead, deadline, what)
+    if "error" in box:
+        raise box["error"]
+
+
+def _give_up_if_dead(dead: Dead, deadline: Deadline, what: str) -> None:
+    gone = dead(Deadline.within(min(1.0, max(deadline.left(), 0.001))))
+    if gone:
+        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
+        raise HealFailed(f"{what} failed: a member is gone ({said})")
+
+
+def _wait_each(works: list[Any], deadline: Deadline, what: str) -> None:
     for work in works:
         if deadline.passed():
             raise HealFailed(f"the deadline passed before {what}")
@@ -60,15 +99,48 @@ def _wait(works: list[Any], deadline: Deadline, what: str) -> None:
             raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def run_watched(what: str, start: Callable[[], Any], deadline: Deadline, dead: Dead) -> None:
+    """Starts one collective and waits for it within ``deadline``, giving up as soon as ``dead``
+    names a member: a rank that died mid-take leaves its ring neighbours an error, but the others
+    of a gloo all_reduce wait on the live ones, up to the deadline (heal_timeout_s, 60 s).
+
+    Only for collectives: a gloo all_reduce's work says it is complete by itself, and a wait that
+    timed out leaves it to be waited on again ("Operation timed out!", ``is_completed()`` False; a
+    failed op is complete); a point-to-point work is complete only once waited on (torch 2.13,
+    measured here), so sends and receives wait on a thread of their own (:func:`_wait`).
+
+    Args:
+        what: the op in words, for the error.
+        start: starts the op (``async_op=True``) and returns its work.
+        deadline: when to stop waiting.
+        dead: the members known dead (``{rank: how it is known}``), read within a deadline.
+
+    Raises:
+        HealFailed: the op failed, missed the deadline, or a member died.
+    """
+    work = _op(what, start)
+    while True:
+        if deadline.passed():
+            raise HealFailed(f"the deadline passed before {what}")
+        try:
+            work.wait(timeout=timedelta(seconds=max(min(LOOK_EVERY_S, deadline.left()), 0.001)))
+            return
+        except Exception as exc:  # gloo's errors are RuntimeErrors of many kinds; a timeout is one
+            if work.is_completed():  # it failed (a timed-out wait leaves it incomplete)
+                raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        _give_up_if_dead(dead, deadline, what)
+
+
 def _header(snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor]:
     raw = snap.manifest.model_dump_json().encode()
     return torch.tensor([len(raw)], dtype=torch.int64), torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _answer(dst: int, group: Any, deadline: Deadline) -> bool:
+def _answer(dst: int, group: Any, deadline: Deadline, dead: Dead | None = None) -> bool:
     """The receiver's answer to this rank's manifest: True to send the payload."""
     answer = torch.zeros(1, dtype=torch.int64)
-    _run(f"rank {dst}'s answer to the snapshot's manifest", partial(dist.irecv, answer, dst, group=group), deadline)
+    receiving = partial(dist.irecv, answer, dst, group=group)
+    _run(f"rank {dst}'s answer to the snapshot's manifest", receiving, deadline, dead)
     return int(answer.item()) == 1
 
 
@@ -151,17 +223,22 @@ def swap(
     deadline: Deadline,
     admit: Admit,
     reuse: dict[int, torch.Tensor],
+    dead: Dead | None = None,
 ) -> dict[int, Snapshot]:
     """Sends ``snap`` to ``dst`` and receives one from each of ``srcs``, all at once (every rank of
     the group calls it). No wait can close a cycle: each rank posts its manifest first, answers the
     manifests it receives before it waits for its own answer, and posts its payload before it
     receives the others' (gloo's sends complete into the peer's buffers whatever the order).
 
+    Args:
+        dead: the members known dead: every wait gives up as soon as it names one (a sender that
+            died mid-take leaves its receiver waiting on it up to the deadline otherwise).
+
     Returns:
         The snapshots received (admitted, their digests checked), by sender.
 
     Raises:
-        HealFailed: a transfer failed, was refused, or missed the deadline.
+        HealFailed: a transfer failed, was refused, missed the deadline, or a member died.
     """
     length, raw = _header(snap)
     works = [
@@ -172,11 +249,11 @@ def swap(
     refused: list[str] = []
     for src in srcs:
         n = torch.zeros(1, dtype=torch.int64)
-        _run(f"the snapshot's length from rank {src}", partial(dist.irecv, n, src, group=group), deadline)
+        _run(f"the snapshot's length from rank {src}", partial(dist.irecv, n, src, group=group), deadline, dead)
         if not 0 < int(n.item()) <= MAX_MANIFEST_BYTES:
             raise HealFailed(f"rank {src} announced a manifest of {int(n.item())} bytes (bound {MAX_MANIFEST_BYTES})")
         buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        _run(f"the snapshot's manifest from rank {src}", partial(dist.irecv, buf, src, group=group), deadline)
+        _run(f"the snapshot's manifest from rank {src}", partial(dist.irecv, buf, src, group=group), deadline, dead)
         try:
             m = read_manifest(bytes(buf.numpy()), f"the snapshot manifest from rank {src}")
             refusal = admit(m)
@@ -188,7 +265,7 @@ def swap(
             refused.append(f"rank {src}'s: {refusal}")
         answer = torch.tensor([0 if refusal is not None else 1], dtype=torch.int64)
         works.append(_op(f"the answer to rank {src}'s manifest", partial(dist.isend, answer, src, group=group)))
-    if _answer(dst, group, deadline):
+    if _answer(dst, group, deadline, dead):
         works.append(_op(f"the snapshot's bytes to rank {dst}", partial(dist.isend, snap.payload, dst, group=group)))
     else:
         refused.append(f"rank {dst} refused this rank's")
@@ -196,14 +273,13 @@ def swap(
     for src, m in manifests.items():
         spare = reuse.get(src)
         payload = spare if spare is not None and spare.numel() == m.nbytes else torch.empty(m.nbytes, dtype=torch.uint8)
-        _run(
-            f"the snapshot's {m.nbytes} bytes from rank {src}", partial(dist.irecv, payload, src, group=group), deadline
-        )
+        receiving = partial(dist.irecv, payload, src, group=group)
+        _run(f"the snapshot's {m.nbytes} bytes from rank {src}", receiving, deadline, dead)
         if digest(payload) != m.digest:
             refused.append(f"rank {src}'s arrived damaged (its bytes do not match their digest)")
         else:
             got[src] = Snapshot(m, payload)
-    _wait(works, deadline, f"the snapshot's sends to rank {dst}")
+    _wait(works, deadline, f"the snapshot's sends to rank {dst}", dead)
     if refused:
         raise SnapshotRefused("the snapshots' swap was refused: " + "; ".join(refused))
     return got

@@ -36,16 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
 from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
-from ncclguard.recovery.snapshots.exchange import _op, _run, swap
+from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
+from ncclguard.store.deaths import DeathWatch
 from ncclguard.world import Slot, World, current_world
 
 __all__ = ["SLOTS", "Keeper", "SideGroup", "side_group"]
@@ -76,6 +78,20 @@ def _side_group(world: World) -> SideGroup:
 
 _SIDE_TIMEOUT_S = 300.0  # the side group's own bound; every wait on it passes a shorter deadline
 SIDE: Slot[SideGroup] = Slot("snapshot side group", _side_group)
+
+
+def _death_watch() -> Dead:
+    """The members of the current world that their launchers reported dead since it was made, read
+    within a deadline (nothing is known where the job's store is not: the deadline bounds the wait)."""
+    world = current_world()
+    store = world.store
+    if store is None and dist.is_initialized():
+        store = compat.default_store()
+    if store is None:
+        return lambda deadline: {}
+    size = dist.get_world_size()
+    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, dist.get_rank())
+    return watch.look_within
 
 
 def side_group() -> SideGroup:
@@ -178,7 +194,10 @@ class Keeper:
             try:
                 reuse = {s: b for s in srcs if (b := self._spare_for(s)) is not None}
                 admit = _peer_admission(snap.manifest, size)
-                self.pending_replicas = swap(snap, side.buddy[me], srcs, side.group, self._deadline(), admit, reuse)
+                dead = _death_watch()  # a sender that died mid-take ends the wait for it at once
+                self.pending_replicas = swap(
+                    snap, side.buddy[me], srcs, side.group, self._deadline(), admit, reuse, dead
+                )
             except HealFailed as exc:
                 error = exc
         self._cost = time.monotonic() - start
@@ -231,11 +250,13 @@ class Keeper:
             want = keep if keep is not None else self._wanted_k()
         agreed = torch.tensor([want, 0 if ok else 1], dtype=torch.int64)
         if dist.get_world_size() > 1:
-            # Bounded: a rank that died since the last take fails this step, it does not hang it.
-            _run(
+            # Bounded: a rank that died since the last take fails this step, it does not hang it; one
+            # whose launcher says it died fails it at once (the others of the ring wait on the live ones).
+            run_watched(
                 "the ranks' agreement on the snapshot",
                 partial(dist.all_reduce, agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True),
                 self._deadline(),
+                _death_watch(),
             )
         if int(agreed[1].item()):
             return False

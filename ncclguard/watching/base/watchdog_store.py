@@ -31,7 +31,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.incidents.model import FenceNote, Heartbeat, IncidentDoc, MergedNote, Statement
 from ncclguard.store.bounded_calls import BoundedCalls, StoreRefused
-from ncclguard.store.clients import connect
+from ncclguard.store.clients import connect, unprefixed
 from ncclguard.store.codec import DEFAULT_LIMIT, check_finite, decode, encode
 from ncclguard.store.keys import Keys, world_record_key
 from ncclguard.store.rounds import read_present
@@ -376,9 +376,7 @@ def default_store_addr() -> str | None:
     import torch.distributed as dist
 
     try:
-        store = compat.default_store()
-        while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
+        store = unprefixed(compat.default_store())
         return f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) else None
     except (RuntimeError, ValueError, AttributeError):
         return None
