@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
+from ncclguard.recovery._rebuild.restarts import stop_grace_s
 from ncclguard.watching.ladder.actions import exit_now
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ __all__ = [
     "PreemptMarker",
     "check_preempt_dir",
     "give_sigterm_back",
+    "grace_note",
     "install_handler",
     "request_stop",
     "save_dcp",
@@ -84,6 +87,7 @@ class _Requests:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first request
         self.installed = False
         self.previous: Any = None
 
@@ -103,6 +107,8 @@ def request_stop(signum: int = int(signal.SIGTERM)) -> None:
         signum: the signal that asked (for the log).
     """
     _REQUESTS.signum = int(signum)
+    if _REQUESTS.at is None:
+        _REQUESTS.at = time.monotonic()
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -207,6 +213,31 @@ def save_dcp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Pat
     return path
 
 
+def grace_note(took_s: float, since_stop_s: float | None, grace_s: float | None) -> str:
+    """How the save stood against the supervisor's stop grace, in words for the log.
+
+    Args:
+        took_s: the seconds the save took.
+        since_stop_s: the seconds from the stop request to the end of the save (None: not known).
+        grace_s: the supervisor's grace (None: no supervisor's).
+
+    Returns:
+        ``"1.2 s after the stop, of the supervisor's 8 s grace"``, with advice where the save used
+        more than half of it (the next, larger state may not fit: SIGKILL, no checkpoint).
+    """
+    if grace_s is None:
+        return "no supervisor's grace: the launcher's SIGKILL bounds the save"
+    used = since_stop_s if since_stop_s is not None else took_s
+    text = f"{used:.2f} s after the stop, of the supervisor's {grace_s:g} s grace"
+    if used > grace_s / 2:
+        text += (
+            f"; over half of it: a larger state may not be written before SIGKILL. Raise the grace "
+            f"(ncclguard run --ncclguard-stop-grace S, or python -m ncclguard.supervise --stop-grace S) to at least "
+            f"{max(2 * used, grace_s + 1):.0f} s, within the launcher's own (Slurm's KillWait, 30 s by default)"
+        )
+    return text
+
+
 def _write_marker(directory: Path, marker: PreemptMarker) -> None:
     """Writes :data:`MARKER` whole or not at all (a rename)."""
     tmp = directory / f".{MARKER}.{os.getpid()}"
@@ -239,12 +270,22 @@ def stop_now(adapter: Adapter, directory: Path | None, step: int, end: Callable[
         )
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            start = time.monotonic()
             path = adapter.save_checkpoint(directory, step)
             if rank == 0:
                 _write_marker(
                     directory, PreemptMarker(adapter=adapter.name, path=str(path), step=step, world_size=size)
                 )
-            log.warning("%s: checkpoint of step %d written to %s", adapter.name, step, path)
+            took = time.monotonic() - start
+            since = time.monotonic() - _REQUESTS.at if _REQUESTS.at is not None else None
+            log.warning(
+                "%s: checkpoint of step %d written to %s in %.2f s (%s)",
+                adapter.name,
+                step,
+                path,
+                took,
+                grace_note(took, since, stop_grace_s()),
+            )
         except NotImplementedError as exc:
             log.error("%s: no checkpoint written on preemption: %s", adapter.name, exc)
         except Exception:  # noqa: BLE001 - the job is stopping either way; say why nothing is on disk

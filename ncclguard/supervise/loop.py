@@ -58,7 +58,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
+from ncclguard.recovery._rebuild.restarts import STOP_GRACE_VAR, SUPERVISED_RESTARTS_VAR
 from ncclguard.store.deaths import STUCK_RC, DeathPoster
 from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
 from ncclguard.supervise.parent import ORPHAN_SIGNAL, ParentWatch
@@ -159,8 +159,9 @@ class Supervisor:
         self.stop_send = int(signal.SIGTERM)  # what the running process is sent on a stop
         self.parent = ParentWatch()
         self.warm_spare, self.preload = warm_spare, list(preload)
-        # Every process it starts learns the restarts it has: the engine heals by default under them.
-        self.env = {**os.environ, SUPERVISED_RESTARTS_VAR: str(restarts)}
+        # Every process it starts learns the restarts it has (the engine heals by default under them)
+        # and its stop grace (the preemption checkpoint says how much of it the save took).
+        self.env = {**os.environ, SUPERVISED_RESTARTS_VAR: str(restarts), STOP_GRACE_VAR: f"{self.stop_grace_s:g}"}
         self.child: subprocess.Popen[Any] | None = None
         self.spare: _Spare | None = None
         self.lives: list[int] = []  # each process's exit status, as Popen gives it

@@ -43,8 +43,8 @@ def kill_job(request):
 @pytest.fixture(scope="module")
 def host_job():
     # Two ZeRO-3 runs of 8 steps on 4 ranks, two of them SIGKILLed at once and restarted cold: 55-60 s on
-    # a loaded 2-core machine; about 100 s when the snapshot ncclguard schedules falls due at the kill's
-    # step (the survivors' agreement on it then waits out heal_timeout, 60 s). Hang guard: 360 s.
+    # a loaded 2-core machine (before the take's waits read the death notices, about 100 s when the
+    # snapshot fell due at the kill's step: a survivor waited out heal_timeout, 60 s). Hang guard: 360 s.
     return run_ranks("hf_bitequal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
 
 

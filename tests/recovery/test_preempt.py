@@ -6,7 +6,9 @@ variable, the stop itself with RecoveringStep's DCP writer (a world of one, load
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +39,7 @@ PROC_GUARD_S = 60.0
 def no_request(monkeypatch):
     """This process's stop request starts unset and is put back as it was."""
     monkeypatch.setattr(preempt._REQUESTS, "signum", None)
+    monkeypatch.setattr(preempt._REQUESTS, "at", None)
 
 
 def _statement(rank: int, stop: bool = False) -> CommitStatement:
@@ -203,6 +206,28 @@ def test_recovering_step_stops_at_the_next_step_after_the_agreed_one_with_a_dcp_
     assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], exp_avg) and int(loaded["ncclguard"]["step"]) == 1
 
 
+def test_the_checkpoint_says_how_much_of_the_supervisors_grace_it_took(monkeypatch, tmp_path, caplog):
+    from ncclguard.recovery._rebuild.restarts import STOP_GRACE_VAR, stop_grace_s
+
+    assert preempt.grace_note(1.0, None, None) == "no supervisor's grace: the launcher's SIGKILL bounds the save"
+    assert preempt.grace_note(1.0, 2.0, 8.0) == "2.00 s after the stop, of the supervisor's 8 s grace"
+    assert preempt.grace_note(3.0, None, 8.0) == "3.00 s after the stop, of the supervisor's 8 s grace"
+    over = preempt.grace_note(3.0, 5.0, 8.0)  # 5 s of 8: the next, larger state may not fit
+    assert over.startswith("5.00 s after the stop, of the supervisor's 8 s grace; over half of it: a larger state")
+    assert "--ncclguard-stop-grace S" in over and "to at least 10 s" in over
+    for raw, want in (("8", 8.0), ("0.5", 0.5), ("0", None), ("-1", None), ("eight", None), ("inf", None)):
+        monkeypatch.setenv(STOP_GRACE_VAR, raw)
+        assert stop_grace_s() == want, raw
+    monkeypatch.setenv(STOP_GRACE_VAR, "8")
+    codes: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="ncclguard"), pytest.raises(SystemExit):
+        preempt.stop_now(_Writer(), tmp_path / "d", 7, end=codes.append)
+    assert re.search(
+        r"checkpoint of step 7 written to \S+ in \d+\.\d\d s \(.* of the supervisor's 8 s grace\)", caplog.text
+    )
+    assert codes == [143]
+
+
 def test_ncclguard_run_sets_the_variable_and_passes_the_grace_to_each_supervisor(tmp_path):
     job = plan(
         ["--ncclguard-restarts", "1", "--ncclguard-stop-grace", "3", "--ncclguard-preempt-dir", "ck", "t.py"], tmp_path
@@ -219,7 +244,10 @@ def test_ncclguard_run_sets_the_variable_and_passes_the_grace_to_each_supervisor
 
 
 SLEEPER = "import time; print('up', flush=True); time.sleep(120)"
-DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+DEAF = (  # says the grace its supervisor gave it (NCCLGUARD_STOP_GRACE_S), then ignores SIGTERM
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', os.environ['NCCLGUARD_STOP_GRACE_S'], flush=True); time.sleep(120)"
+)
 SELF_TERM = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
 
 
@@ -235,8 +263,8 @@ def test_a_supervisor_told_to_stop_forwards_kills_after_the_grace_and_never_rest
     # supervisor untouched (not restarted).
     plain, interrupted = _supervise(SLEEPER), _supervise(SLEEPER)
     deaf, self_term = _supervise(DEAF, "--stop-grace", "0.5"), _supervise(SELF_TERM)
-    for proc in (plain, interrupted, deaf):
-        assert proc.stdout is not None and proc.stdout.readline() == "up\n"  # the rank runs
+    for proc, said in ((plain, "up\n"), (interrupted, "up\n"), (deaf, "up 0.5\n")):
+        assert proc.stdout is not None and proc.stdout.readline() == said  # the rank runs
     start = time.monotonic()
     for proc in (plain, deaf):
         proc.send_signal(signal.SIGTERM)

@@ -32,6 +32,9 @@ import torch.distributed as dist
 STACK, PHASE, OUT = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 STEP_SLEEP_S = 0.05  # a step this short leaves the SIGTERM to land between steps as well as inside
 NO_END = 100_000  # steps: the job only ends by the stop
+# benchmarks/preempt_stop.py --params-m: the width of two square layers (the loop's and DeepSpeed's
+# model at a real size); 0: the tiny model the tests use.
+WIDTH = int(os.environ.get("NCCLGUARD_PREEMPT_WIDTH", "0"))
 
 
 def local(t: Any) -> Any:
@@ -67,6 +70,9 @@ def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
 
 def record(module: torch.nn.Module, optimizer: Any, step: int) -> None:
     rank = dist.get_rank()
+    if WIDTH:  # the benchmark at a real size: its progress only (it stops the job, never resumes it)
+        (OUT / f"progress-{rank}").write_text(str(step))
+        return
     tmp = OUT / f".state-{rank}.pt"
     torch.save({"step": step, **snapshot(module, optimizer)}, tmp)
     os.replace(tmp, OUT / f"state-{rank}.pt")
@@ -96,6 +102,10 @@ def compare(module: torch.nn.Module, optimizer: Any, step: int) -> None:
 
 def tiny() -> torch.nn.Module:
     torch.manual_seed(0)
+    if WIDTH:
+        w = WIDTH
+        layers = [torch.nn.Linear(8, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, 4))
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
@@ -107,8 +117,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def shard(module: torch.nn.Module, mesh: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in (module[0], module[2]):
-        fully_shard(layer, mesh=mesh)
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
 
 

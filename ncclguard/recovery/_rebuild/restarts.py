@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["RESTART_COUNT_VAR", "SUPERVISED_RESTARTS_VAR", "restart_count", "supervised_restarts"]
+__all__ = [
+    "RESTART_COUNT_VAR",
+    "STOP_GRACE_VAR",
+    "SUPERVISED_RESTARTS_VAR",
+    "restart_count",
+    "stop_grace_s",
+    "supervised_restarts",
+]
 
 # Set by the launcher that restarts one rank alone (python -m ncclguard.supervise, or
 # ncclguard.testing.launch.spawn(restarts=...)): 0 (or unset) in a rank's first process, n in its
@@ -15,6 +22,10 @@ RESTART_COUNT_VAR = "NCCLGUARD_RESTART_COUNT"
 # starts: N. Its supervisor restarts a killed rank and ends a stuck one on its peers' ask, so the
 # engine heals by default there (RecoveryOptions.heal). Nothing else sets it.
 SUPERVISED_RESTARTS_VAR = "NCCLGUARD_SUPERVISED_RESTARTS"
+# Set by python -m ncclguard.supervise in every process it starts: the seconds its rank has to end
+# after a stop (--stop-grace) before SIGKILL, so that the preemption checkpoint can say how much of
+# it the save took.
+STOP_GRACE_VAR = "NCCLGUARD_STOP_GRACE_S"
 
 
 def restart_count() -> int:
@@ -37,3 +48,13 @@ def supervised_restarts() -> int:
     set by ``python -m ncclguard.supervise``); 0 when it runs under none, or the value is no count."""
     raw = os.environ.get(SUPERVISED_RESTARTS_VAR, "").strip()
     return int(raw) if raw.isdigit() else 0
+
+
+def stop_grace_s() -> float | None:
+    """The seconds this process's supervisor gives it to end after a stop (``NCCLGUARD_STOP_GRACE_S``),
+    or None under no supervisor (or a value that is no positive number)."""
+    try:
+        value = float(os.environ.get(STOP_GRACE_VAR, ""))
+    except ValueError:
+        return None
+    return value if value > 0 and value != float("inf") else None
