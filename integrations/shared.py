@@ -111,7 +111,7 @@ def recovery_for(recover: bool, keywords: RecoveryKeywords, who: str) -> Recover
             raise ValueError(f"{name} needs recover=True: without it no step is redone, on any world")
     if keywords.get("preempt_dir") is not None:
         raise ValueError("preempt_dir needs recover=True: without it no step is committed, so no stop is agreed")
-    for name in ("snapshot_every", "snapshot_keep", "snapshot_spares"):
+    for name in ("snapshot_every", "snapshot_keep", "snapshot_spares", "snapshot_max_bytes"):
         if keywords.get(name) is not None:
             raise ValueError(f"{name} needs recover=True and heal=True: snapshots are kept for a heal")
     return None

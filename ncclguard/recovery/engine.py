@@ -259,6 +259,7 @@ class Recovery:
                 timeout_s=options.heal_timeout_s,
                 keep=options.snapshot_keep,
                 spares=options.snapshot_spares,
+                max_bytes=options.snapshot_max_bytes,
             )
             if codec is not None
             else None

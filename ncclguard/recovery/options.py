@@ -68,6 +68,7 @@ class RecoveryKeywords(TypedDict, total=False):
     snapshot_every: int | None
     snapshot_keep: int
     snapshot_spares: bool
+    snapshot_max_bytes: int | None
     preempt_dir: str | os.PathLike[str] | None
 
 
@@ -113,6 +114,9 @@ class RecoveryOptions(BaseModel):
             in host memory) or 2 (four times; a restore can fall back to the one before).
         snapshot_spares: keep the buffers a committed snapshot frees for the next take: takes copy
             at memory speed, for twice the host memory.
+        snapshot_max_bytes: the most host memory a rank's committed snapshots and replicas may
+            hold; over it the spare buffers go, then the second snapshot kept, and a state too big
+            even then is said and kept all the same. None (the default): no cap.
         preempt_dir: where every rank writes its framework's checkpoint when the job is told to
             stop (SIGTERM; :mod:`ncclguard.recovery.preempt`): the option, else the variable
             ``NCCLGUARD_PREEMPT_DIR``; None: nothing is written.
@@ -135,6 +139,7 @@ class RecoveryOptions(BaseModel):
     snapshot_every: int | None = Field(None, ge=1)
     snapshot_keep: int = Field(1, ge=1, le=2)
     snapshot_spares: bool = False
+    snapshot_max_bytes: int | None = Field(None, ge=1)
     # Validated when left out too: the default is read from NCCLGUARD_PREEMPT_DIR, which may name a file.
     preempt_dir: Path | None = Field(None, validate_default=True)
 
@@ -223,6 +228,16 @@ class RecoveryOptions(BaseModel):
         if value not in (1, 2) or isinstance(value, bool):
             raise ValueError(f"snapshot_keep must be 1 or 2 (snapshots kept of each), got {value!r}")
         return int(value)
+
+    @field_validator("snapshot_max_bytes", mode="before")
+    @classmethod
+    def _max_bytes(cls, value: Any) -> int | None:
+        if value is not None and not _is_count(value):
+            raise ValueError(
+                f"snapshot_max_bytes must be None (no cap) or an int of bytes, at least 1, got {value!r} "
+                "(e.g. 64 * 2**30 for 64 GiB)"
+            )
+        return value
 
     @field_validator("left_out", mode="before")
     @classmethod

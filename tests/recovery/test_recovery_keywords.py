@@ -40,6 +40,7 @@ def given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "snapshot_every": 7,
         "snapshot_keep": 2,
         "snapshot_spares": True,
+        "snapshot_max_bytes": 1 << 30,
         "preempt_dir": tmp_path / "ck",
     }
 
@@ -179,6 +180,8 @@ def test_the_lightning_callback_passes_every_keyword_to_the_engine(given: dict[s
     # Without recover, what only recovery does is refused, as guard_trainer refuses it.
     with pytest.raises(ValueError, match="snapshot_every needs recover=True and heal=True"):
         NcclGuardCallback(watchdog=False, snapshot_every=3)
+    with pytest.raises(ValueError, match="snapshot_max_bytes needs recover=True and heal=True"):
+        NcclGuardCallback(watchdog=False, snapshot_max_bytes=1 << 30)
     assert NcclGuardCallback(watchdog=False, heal=False, max_attempts=4).recovery is None
 
 

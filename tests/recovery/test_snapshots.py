@@ -278,3 +278,50 @@ def test_a_world_of_one_keeps_its_own_snapshots_and_a_commit_frees_the_oldest(wo
             assert buffers[2] == buffers[0]
     with pytest.raises(ValueError, match="keep must be 1 or 2"):
         Keeper(ModuleState(lambda: module, None), keep=3)
+
+
+def test_a_memory_cap_drops_the_spares_then_the_second_snapshot_and_says_what_it_cannot_meet(
+    world_of_one, caplog
+) -> None:
+    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery.snapshots.memory import Fit, MemoryCap, steady_bytes
+
+    assert [steady_bytes(100, k, s) for k, s in ((1, False), (2, False), (1, True), (2, True))] == [100, 200, 200, 300]
+    assert MemoryCap(None).fit(100, 2, True) == Fit(2, True, (), 300, False)
+    assert MemoryCap(250).fit(100, 2, True) == Fit(2, False, ("the spare buffers",), 200, False)
+    both = ("the spare buffers", "the second snapshot kept of each")
+    assert MemoryCap(150).fit(100, 2, True) == Fit(1, False, both, 100, False)
+    assert MemoryCap(199).fit(100, 2, False) == Fit(1, False, ("the second snapshot kept of each",), 100, False)
+    cap = MemoryCap(50)
+    assert cap.fit(100, 2, True) == Fit(1, False, both, 100, True)  # one snapshot is over it all the same
+    assert cap.fit(1, 2, True) == Fit(1, False, both, 100, True)  # decided once: the sizes do not change
+    # A real keeper (2.2M parameters with Adam, a world of one): asked for 2 snapshots and spares, under
+    # a cap of 1.5 snapshots it keeps one, with no spare, and says why at its first take.
+    module, opt = real_size()
+    module(torch.randn(2, 64)).sum().backward()
+    opt.step()  # Adam's moments exist: the state is its full size
+    own = Keeper(ModuleState(lambda: module, lambda: opt), every=1)
+    own.take(0, StepState.take(module))
+    size = own.own[-1].manifest.nbytes
+    keeper = Keeper(ModuleState(lambda: module, lambda: opt), every=1, keep=2, spares=True, max_bytes=size * 3 // 2)
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        for step in range(3):
+            keeper.take(step, StepState.take(module))
+    assert (keeper.keep, keeper.spares, [s.step for s in keeper.own]) == (1, False, [2])
+    said = [r.getMessage() for r in caplog.records if "snapshot_max_bytes" in r.getMessage()]
+    assert len(said) == 1 and "the spare buffers and the second snapshot kept of each dropped" in said[0], said
+    caplog.clear()
+    small = Keeper(ModuleState(lambda: module, lambda: opt), every=1, max_bytes=size // 2)
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        small.take(0, StepState.take(module))
+        small.take(1, StepState.take(module))
+    assert [s.step for s in small.own] == [1]  # kept all the same: nothing else restores this rank
+    over = [r.getMessage() for r in caplog.records if "over snapshot_max_bytes" in r.getMessage()]
+    assert len(over) == 1 and "Raise the cap, shard the state over more ranks, or turn heal off" in over[0]
+
+
+@pytest.mark.parametrize("bad", [True, 0, -1, "64G", 1.5])
+def test_a_memory_cap_that_is_no_count_of_bytes_is_refused_before_anything_runs(bad) -> None:
+    with pytest.raises(ValueError, match="snapshot_max_bytes must be None"):
+        recovery_options(heal=True, snapshot_max_bytes=bad)
+    assert recovery_options(heal=True, snapshot_max_bytes=64 * 2**30).snapshot_max_bytes == 64 * 2**30

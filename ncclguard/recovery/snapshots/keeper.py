@@ -44,6 +44,7 @@ from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
+from ncclguard.recovery.snapshots.memory import Fit, MemoryCap, steady_bytes
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
@@ -115,6 +116,8 @@ class Keeper:
         keep: committed snapshots kept of its own and of each replica (1 or 2; 2 lets a restore
             fall back to the one before when the newest cannot be used).
         spares: keep the buffers a commit frees for the next take (faster takes, twice the memory).
+        max_bytes: the most host memory its committed snapshots and replicas may hold; over it the
+            spares go, then the second snapshot kept (:mod:`~ncclguard.recovery.snapshots.memory`).
 
     Attributes:
         own: this rank's committed snapshots, oldest first (at most ``keep``).
@@ -133,6 +136,7 @@ class Keeper:
     timeout_s: float = 60.0
     keep: int = 1
     spares: bool = False
+    max_bytes: int | None = None
     own: list[Snapshot] = field(default_factory=list)  # oldest first
     replicas: dict[int, list[Snapshot]] = field(default_factory=dict)  # by source rank, oldest first
     pending: Snapshot | None = None
@@ -149,10 +153,13 @@ class Keeper:
     _cost: float = 0.0  # the last take's seconds
     _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
     _told: bool = False
+    _cap: MemoryCap = field(default_factory=MemoryCap)
+    _fitted: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.keep <= MAX_KEEP:
             raise ValueError(f"keep must be 1 or {MAX_KEEP} (snapshots kept of each), got {self.keep!r}")
+        self._cap = MemoryCap(self.max_bytes)
 
     def note_begin(self) -> None:
         """Marks a step's start: the step time is measured between two of them, less the takes."""
@@ -189,6 +196,8 @@ class Keeper:
         snap = pack(state, step, me, self._spare_for(me))
         self.pending, self.pending_replicas = snap, {}
         srcs = sources(side.buddy, me)
+        if not self._fitted:  # the replicas it will hold are about its own size: shards of one model
+            self._fit(self._cap.fit(snap.manifest.nbytes * (1 + len(srcs)), self.keep, self.spares))
         error: HealFailed | None = None
         if size > 1:
             try:
@@ -214,7 +223,7 @@ class Keeper:
         self.spent_s += time.monotonic() - start
         if not self._told:
             self._told = True
-            self._tell(snap, srcs, side.buddy[me], size)
+            self._tell(snap, srcs, side.buddy[me], size, side.hosts)
 
     def _deadline(self) -> Deadline:
         return Deadline.after(self.timeout_s)
@@ -266,7 +275,27 @@ class Keeper:
         self.k, self.next_due = k, step + k
         return True
 
-    def _tell(self, snap: Snapshot, srcs: list[int], buddy: int, size: int) -> None:
+    def _fit(self, fit: Fit) -> None:
+        """Keeps what the memory cap leaves (said once: the sizes do not change within a run)."""
+        self._fitted = True
+        if fit.dropped:
+            self.keep, self.spares = fit.keep, fit.spares
+            self.own, self.replicas = self.own[-self.keep :], {r: v[-self.keep :] for r, v in self.replicas.items()}
+            if not self.spares:
+                self._spare.clear()
+            log.warning(
+                "snapshots: %s dropped to stay under snapshot_max_bytes (%.1f MiB): %.1f MiB held in steady state",
+                " and ".join(fit.dropped), (self.max_bytes or 0) / 2**20, fit.needed / 2**20,
+            )  # fmt: skip
+        if fit.over:
+            log.warning(
+                "snapshots: one snapshot of this rank's state and its replicas need %.1f MiB, over snapshot_max_bytes "
+                "(%.1f MiB); kept all the same (nothing else can restore this rank). Raise the cap, shard the state "
+                "over more ranks, or turn heal off",
+                fit.needed / 2**20, (self.max_bytes or 0) / 2**20,
+            )  # fmt: skip
+
+    def _tell(self, snap: Snapshot, srcs: list[int], buddy: int, size: int, hosts: list[int]) -> None:
         own = snap.manifest.nbytes
         held = own + sum(r.manifest.nbytes for held in self.replicas.values() for r in held[-1:])
         if size < 2:
@@ -277,12 +306,15 @@ class Keeper:
                 self.keep,
             )
             return
+        me = dist.get_rank()
+        here = hosts.count(hosts[me])  # the ranks of this host (their shards are about this one's size)
+        steady = steady_bytes(held, self.keep, self.spares)
         log.warning(
             "snapshots: rank %d holds %.1f MiB in steady state (its own %.1f MiB and replicas of rank(s) %s, %d of "
-            "each%s), up to %.1f MiB during a take; its replica goes to rank %d; one take costs %.3f s",
-            dist.get_rank(), self.keep * held / 2**20, own / 2**20, srcs, self.keep,
-            ", with spare buffers: twice that" if self.spares else "", (self.keep + 1) * held / 2**20, buddy,
-            self._cost,
+            "each%s), up to %.1f MiB during a take; this host's %d rank(s) about %.1f MiB; its replica goes to "
+            "rank %d; one take costs %.3f s",
+            me, steady / 2**20, own / 2**20, srcs, self.keep, ", with spare buffers" if self.spares else "",
+            (steady + (0 if self.spares else held)) / 2**20, here, here * steady / 2**20, buddy, self._cost,
         )  # fmt: skip
 
     def _wanted_k(self) -> int:
