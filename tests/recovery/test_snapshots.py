@@ -325,3 +325,41 @@ def test_a_memory_cap_that_is_no_count_of_bytes_is_refused_before_anything_runs(
     with pytest.raises(ValueError, match="snapshot_max_bytes must be None"):
         recovery_options(heal=True, snapshot_max_bytes=bad)
     assert recovery_options(heal=True, snapshot_max_bytes=64 * 2**30).snapshot_max_bytes == 64 * 2**30
+
+
+def test_k_is_the_budgets_until_a_failure_then_youngs_interval_when_that_is_shorter() -> None:
+    from ncclguard.recovery.snapshots.interval import MAX_EVERY, budget_k, wanted_k, young_k
+
+    # The 25M FSDP2 drill's figures: a take of 0.47 s, a step of 2.5 s.
+    assert budget_k(0.47, 2.5, 0.02) == 10  # 0.47 / (0.02 x 2.5) = 9.4
+    assert young_k(0.47, 2.5, 60.0) == 3  # sqrt(2 x 0.47 x 60) = 7.5 s: 3 steps
+    assert wanted_k(0.47, 2.5, 0.02, None) == 10  # no failure yet: the budget alone
+    assert wanted_k(0.47, 2.5, 0.02, 60.0) == 3  # a kill a minute: Young's, shorter
+    assert wanted_k(0.47, 2.5, 0.02, 86400.0) == 10  # a failure a day: the budget's is shorter
+    assert young_k(0.001, 10.0, 1.0) == 1 and budget_k(1000.0, 0.001, 0.02) == MAX_EVERY
+
+
+@pytest.fixture
+def job_store():
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield dist.PrefixStore("default_pg", server)  # read through a prefix, as the engine's store is
+
+
+def test_the_failure_rate_comes_from_the_jobs_death_notices(job_store, monkeypatch) -> None:
+    from ncclguard.recovery.snapshots.interval import FailureRate
+    from ncclguard.store.deaths import DeathNotice, post_death
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    rate = FailureRate(started=1000.0)
+    assert rate.read(job_store) is None  # no failure: no rate, and no key left behind
+    job = job_store.underlying_store
+    for at in (1030.0, 1090.0):
+        post_death(job, DeathNotice(origin=2, pid=7, returncode=-9, life=0, host="h", at=at))
+    assert rate.read(job_store) is not None and rate.times == [1030.0, 1090.0] and rate.seen == 2
+    assert rate.mtbf_s(now=1120.0) == 60.0  # 120 s since the count began, 2 failures
+    assert rate.read(job_store) is not None and rate.seen == 2  # read once each
+    restarted = FailureRate(started=1100.0)  # a restarted process counts from the job's first failure
+    restarted.read(job_store)
+    assert restarted.mtbf_s(now=1120.0) == 45.0

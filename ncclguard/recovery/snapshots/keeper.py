@@ -19,13 +19,13 @@ that a take copies into memory already mapped, at copy speed; without, each take
 
 ``K``: with ``every=None`` each take measures its own cost against the step time seen since the
 last one and asks for the smallest ``K`` that keeps snapshots under ``budget`` (2%) of the step
-time; the ranks agree on the largest ``K`` asked, so that they take their snapshots at the same
-steps. A ``K`` set by hand is kept.
+time, or, once the job has lost a rank, Young's shorter interval for the failures seen
+(:mod:`~ncclguard.recovery.snapshots.interval`); the ranks agree on the largest ``K`` asked, so
+that they take their snapshots at the same steps. A ``K`` set by hand is kept.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
+from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k
 from ncclguard.recovery.snapshots.memory import Fit, MemoryCap, steady_bytes
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
@@ -53,7 +54,6 @@ from ncclguard.world import Slot, World, current_world
 
 __all__ = ["SLOTS", "Keeper", "SideGroup", "side_group"]
 
-MAX_EVERY = 1000  # a snapshot at least every 1000 steps, whatever it costs
 MAX_KEEP = 2
 SLOTS = MAX_KEEP + 1  # the places of one rank's or one replica's steps in the holdings: kept, then pending
 
@@ -81,13 +81,19 @@ _SIDE_TIMEOUT_S = 300.0  # the side group's own bound; every wait on it passes a
 SIDE: Slot[SideGroup] = Slot("snapshot side group", _side_group)
 
 
+def _job_store() -> Any:
+    """The job's store (the current world's, or the default group's), or None where there is none."""
+    store = current_world().store
+    if store is None and dist.is_initialized():
+        store = compat.default_store()
+    return store
+
+
 def _death_watch() -> Dead:
     """The members of the current world that their launchers reported dead since it was made, read
     within a deadline (nothing is known where the job's store is not: the deadline bounds the wait)."""
     world = current_world()
-    store = world.store
-    if store is None and dist.is_initialized():
-        store = compat.default_store()
+    store = _job_store()
     if store is None:
         return lambda deadline: {}
     size = dist.get_world_size()
@@ -154,6 +160,8 @@ class Keeper:
     _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
     _told: bool = False
     _cap: MemoryCap = field(default_factory=MemoryCap)
+    _failures: FailureRate = field(default_factory=FailureRate)
+    _mtbf: float | None = None  # the failures' mean interval when the last K was asked
     _fitted: bool = False
 
     def __post_init__(self) -> None:
@@ -271,7 +279,8 @@ class Keeper:
             return False
         k = int(agreed[0].item())
         if k != self.k:
-            log.info("snapshots: every %d step(s) from step %d (one take %.3f s)", k, step, self._cost)
+            why = f"; a failure every {self._mtbf:.0f} s so far: Young's interval" if self._mtbf is not None else ""
+            log.info("snapshots: every %d step(s) from step %d (one take %.3f s%s)", k, step, self._cost, why)
         self.k, self.next_due = k, step + k
         return True
 
@@ -321,7 +330,9 @@ class Keeper:
         cost = self._take_cost if self._take_cost is not None else self._cost
         if self._step_time is None or cost <= 0:
             return 1
-        return max(1, min(MAX_EVERY, math.ceil(cost / (self.budget * self._step_time))))
+        store = _job_store()
+        self._mtbf = self._failures.read(store) if store is not None else None
+        return wanted_k(cost, self._step_time, self.budget, self._mtbf)
 
     def holdings(self, size: int) -> list[int]:
         """What this rank holds, for the restore's agreement: its own snapshots' steps
