@@ -53,6 +53,23 @@ def _last_per_step(trace: list[list]) -> dict[int, list]:
     return {entry[1]: entry[2:] for entry in trace if entry[0] == "micro"}
 
 
+def _ends_as_the_reference(job, r: int, restarted: bool, size: int, first: int) -> None:
+    """Rank ``r`` of ``job``: one rebuild, both step counts at STEPS, the full parameters bit for bit
+    the reference's, and every step it computed from ``first`` on (its last attempt) as the reference
+    computed it: the batch (the shuffled order after the resume's skip), the generator (dropout), the
+    loss and the learning rate (warm-up)."""
+    res = job[r]
+    assert res["life"] == (1 if restarted else 0)
+    assert res["world"] == [r, size, 1]  # one rebuild: the restarted ranks joined it together
+    assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
+    assert res["digest"] == job[0]["reference"]  # the full gathered parameters, bit for bit
+    assert res["sum"] == job[0]["reference_sum"]
+    reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
+    assert sorted(reference) == list(range(STEPS))
+    assert sorted(healed) == list(range(first, STEPS))
+    assert {s: reference[s] for s in healed} == healed
+
+
 def test_a_killed_rank_of_a_realistic_trainer_heals_bit_equal_on_zero_1_2_3_and_ddp(kill_job):
     stack, kill_job = kill_job
     back = min(_last_per_step(kill_job[VICTIM]["trace"]))  # where the restarted rank starts
@@ -63,22 +80,11 @@ def test_a_killed_rank_of_a_realistic_trainer_heals_bit_equal_on_zero_1_2_3_and_
         assert re.search(
             rf"heal_from_peer: rank {VICTIM} received, rank \d to ranks {VICTIM}: \d+ bytes", kill_job.output
         )
+    # sharded: back to the newest snapshot; DDP: the step it died in, from a live peer
+    assert back < KILL if stack in SHARDED else back == KILL
     for r in range(3):
+        _ends_as_the_reference(kill_job, r, r == VICTIM, 3, back if r == VICTIM else 0)
         res = kill_job[r]
-        assert res["life"] == (1 if r == VICTIM else 0)
-        assert res["world"] == [r, 3, 1]  # one rebuild: the join of the restarted rank
-        assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
-        assert res["digest"] == kill_job[0]["reference"]  # the full gathered parameters, bit for bit
-        assert res["sum"] == kill_job[0]["reference_sum"]
-        # Every step each rank computed, as the reference computed it: the batch (the shuffled order
-        # after the resume's skip), the generator (dropout), the loss and the learning rate (warm-up).
-        reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
-        assert sorted(reference) == list(range(STEPS))
-        first = back if r == VICTIM else 0
-        assert sorted(healed) == list(range(first, STEPS))
-        if r == VICTIM:  # sharded: back to the newest snapshot; DDP: the step it died in, from a live peer
-            assert first < KILL if stack in SHARDED else first == KILL
-        assert {s: reference[s] for s in healed} == healed
         if stack in SHARDED:
             assert [(x["ok"], x["step"], x["holders"]) for x in res["restores"]] == [(True, back, {str(VICTIM): 0})]
         else:
@@ -95,17 +101,8 @@ def test_a_whole_host_of_a_zero3_trainer_lost_heals_from_the_other_hosts_replica
     back = min(_last_per_step(host_job[2]["trace"]))  # the snapshot's step: where the restarted ranks start
     assert back < KILL
     for r in range(4):
+        _ends_as_the_reference(host_job, r, r >= 2, 4, back if r >= 2 else 0)
         res = host_job[r]
-        assert res["life"] == (1 if r >= 2 else 0)
-        assert res["world"] == [r, 4, 1]  # one rebuild: both restarted ranks joined it together
-        assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
-        assert res["digest"] == host_job[0]["reference"]  # the full gathered parameters, bit for bit
-        assert res["sum"] == host_job[0]["reference_sum"]
-        # every step each rank computed (its last attempt), as the reference computed it
-        reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
-        assert sorted(reference) == list(range(STEPS))
-        assert sorted(healed) == list(range(back if r >= 2 else 0, STEPS))
-        assert {s: reference[s] for s in healed} == healed
         role, rolled = ("receiver", False) if r >= 2 else ("holder", True)
         assert res["restores"] == [{"ok": True, "role": role, "step": back, "rolled_back": rolled, "holders": holders}]
     for r in (0, 1):
