@@ -77,6 +77,8 @@ def _wait(works: list[Any], deadline: Deadline, what: str, dead: Dead | None = N
     waiter = partial(run_into, partial(_wait_each, works, deadline, what), box, done)
     threading.Thread(target=waiter, name="ncclguard-snapshot-wait", daemon=True).start()
     while not done.wait(max(min(LOOK_EVERY_S, deadline.left()), 0.001)):
+        if deadline.passed() and not done.wait(1.0):  # the wait itself ends at the deadline: a second more
+            raise HealFailed(f"the deadline passed before {what}")
         _give_up_if_dead(dead, deadline, what)
     if "error" in box:
         raise box["error"]
@@ -125,9 +127,13 @@ def run_watched(what: str, start: Callable[[], Any], deadline: Deadline, dead: D
         try:
             work.wait(timeout=timedelta(seconds=max(min(LOOK_EVERY_S, deadline.left()), 0.001)))
             return
-        except Exception as exc:  # gloo's errors are RuntimeErrors of many kinds; a timeout is one
-            if work.is_completed():  # it failed (a timed-out wait leaves it incomplete)
-                raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        except Exception:  # noqa: BLE001 - gloo's errors are RuntimeErrors of many kinds; a timeout is one
+            if work.is_completed():  # its own outcome: an error, or a success just after the timeout
+                try:
+                    work.wait()
+                except Exception as exc:  # gloo's errors are RuntimeErrors of many kinds
+                    raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+                return
         _give_up_if_dead(dead, deadline, what)
 
 
