@@ -292,7 +292,11 @@ def test_exit_climbs_the_ladder_and_ends_every_rank_with_the_documented_code(exi
     assert ladders[0] == [("report", True), ("raise", False), ("abort", True), ("exit", True)]
     assert ladders[1] == [("report", True), ("raise", True), ("abort", True), ("exit", True)]
     assert dump(where, 0)["actions"][-1]["code"] == EXIT_CODE
-    assert exit_job[1]["raised"] == 1  # the stubborn stall swallowed the one raise it got
+    # The stubborn stall swallowed each raise it got: the hang's, and one for each other incident rank 1
+    # opened before its exit rung (a store incident once rank 0, which hosts the store, had exited: 2
+    # raises in one run of the full suite).
+    opened = sum((p / "rank1.json").exists() for p in incidents(exit_job))
+    assert 1 <= exit_job[1]["raised"] <= opened, (exit_job[1]["raised"], opened)
     # Each rung waited escalate_after_s (0.4 s) for the hang to clear; the upper bound is a hang guard
     # (3x the 1.3 s once asserted). A rung is stamped with the tick's reading its wait counts from, so
     # load lengthens the wait and never shortens it (stamped later in the tick, two rungs of a loaded
