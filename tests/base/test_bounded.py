@@ -68,10 +68,13 @@ def test_exit_waits_for_a_store_call_under_way_instead_of_dying_of_sigabrt():
         # 60 s: hang guard (each run takes 4-11 s here: a 3 s call, a 6 s teardown)
         runs[mode] = subprocess.run([sys.executable, worker, mode], capture_output=True, text=True, timeout=60)
     off, on = runs["off"], runs["on"]
-    # Without the wait the hazard is real: the call returns during finalization and the process aborts.
-    assert off.returncode == -signal.SIGABRT and "terminate called without an active exception" in off.stderr, off
+    # Without the wait, finalization begins with the call under way (and the process then dies of SIGABRT
+    # when the call comes back during it: each time on a quiet machine, not always on a loaded one).
+    assert "given up, the call still under way" in off.stdout and "under way at finalization: 1" in off.stdout, off
+    assert off.returncode in (0, -signal.SIGABRT), off
+    # With it, exit waits for the call: none is under way when finalization begins, and nothing aborts.
+    assert "given up, the call still under way" in on.stdout and "under way at finalization: 0" in on.stdout, on
     assert on.returncode == 0 and "terminate called" not in on.stderr, on
-    assert "given up, the call still under way" in on.stdout
 
 
 def test_exit_waits_for_a_call_under_way_until_it_returns_and_leaves_one_past_its_wait():

@@ -184,9 +184,11 @@ def test_f6_progress_shows_in_both_ranks_heartbeats_while_the_call_runs(slowlink
 
 
 def test_f6_progress_shows_in_the_report_of_the_incident_raised_while_it_ran(slowlink, capsys):
-    dirs = {i["dir"] for r in (0, 1) for i in slowlink[r]["incidents"]}
+    dirs = {i["dir"] for r in (0, 1) for i in slowlink[r]["incidents"] if i["kind"] == "hang"}
     kinds = {i["kind"] for r in (0, 1) for i in slowlink[r]["incidents"]}
-    assert len(dirs) == 1 and kinds == {"hang"}, slowlink[0]["incidents"]
+    # One hang, seen by both ranks. The store's requests share the throttled link: on a loaded machine a
+    # rank may also open a store incident (seen once in a full-suite run); nothing else.
+    assert len(dirs) == 1 and kinds <= {"hang", "store"}, slowlink[0]["incidents"]
     (where,) = dirs
     merged = json.loads((Path(where) / "incident.json").read_text())
     stmts = {r: v for r, v in merged["ranks"].items() if v["source"] == "statement"}
