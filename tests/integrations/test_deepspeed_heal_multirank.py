@@ -32,20 +32,26 @@ def host_job():
     return run_ranks("deepspeed_heal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=240)
 
 
+def _survivor_ran(res: dict, back: int, after: list[dict]) -> None:
+    """A survivor's steps: the reference's all applied in generation 0, then the faulty run's K steps, its
+    step BASE+K rolled back to ``back`` in generation 1, and the steps ``after`` it."""
+    assert res["reference_results"] == [
+        {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
+    ]
+    assert res["results"][:K] == [
+        {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
+    ]
+    assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
+    assert res["results"][K + 1 :] == after
+
+
 def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_equal(job):
     assert [(r.rank, r.count, r.returncode) for r in job.restarts] == [(1, 1, -9)]
     back = BASE + K - 1  # a snapshot every 2 steps from BASE: the newest at the kill is of step BASE+K-1
     after = [{"step": s, "applied": True, "rewound_to": None, "generation": 1} for s in range(back, BASE + STEPS)]
     for r in (0, 2):
         res = job[r]
-        assert res["reference_results"] == [
-            {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
-        ]
-        assert res["results"][:K] == [
-            {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
-        ]
-        assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
-        assert res["results"][K + 1 :] == after
+        _survivor_ran(res, back, after)
     phases = ["agree", "apply", "check", "fetch"]  # Restored.timings
     for r, role in ((0, "survivor"), (2, "holder")):  # rank 1's replica is on rank 2 (one host: the next rank)
         assert job[r]["rewind"] == {
@@ -74,14 +80,7 @@ def test_a_whole_host_of_zero3_ranks_lost_is_restored_from_the_replicas_on_the_o
     for r in (0, 1):
         res = host_job[r]
         assert res["life"] == 0
-        assert res["reference_results"] == [
-            {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
-        ]
-        assert res["results"][:K] == [
-            {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
-        ]
-        assert res["results"][K] == {"step": BASE + K, "applied": False, "rewound_to": back, "generation": 1}
-        assert res["results"][K + 1 :] == after
+        _survivor_ran(res, back, after)
         assert res["rewind"] == {
             "timings": ["attempt", "commit", "heal", "rebuild", "rewrap"],  # EngineStepResult.timings
             "role": "holder",  # each survivor sent the replica it held for the other host's rank
