@@ -209,10 +209,12 @@ def test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_goo
         assert rec["step"] == 12 and rec["world_size"] == 2 and rec["s"] < 100, rec
         assert res["judge_s"] == 10.0
         _acted_on_stuck_only(res["events"], rank=2, may_be_empty=True)
-        # Nothing of rank 2 moved, or it had judged itself and exited 0 before this rank sampled it
-        # ("stopped (SIGSTOP) or gone": seen on a loaded fresh clone); stuck either way.
-        evidence = " ".join(e["evidence"] for e in res["events"])
-        assert not res["events"] or "nothing moved" in evidence or "or gone" in evidence, res["events"]
+        # Acted on once nothing of rank 2 moved, or once it had judged itself and exited 0 before this
+        # rank sampled it ("stopped (SIGSTOP) or gone": seen on a loaded fresh clone); stuck either way.
+        # A lone busy report ("moved 9.1 s ago: net +1.7 MB") with no action is allowed: the sleeper
+        # judged itself and left before this rank's next sample (seen once in CI).
+        acted = [e["evidence"] for e in res["events"] if e["what"] != "busy"]
+        assert all("nothing moved" in e or "or gone" in e for e in acted), res["events"]
 
 
 def test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for_good(hf_job):
