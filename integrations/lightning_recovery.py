@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.restarts import restart_count
+from ncclguard.recovery._step.ddp_layout import kept_layout, share_layout, wrap_in_layout
 from ncclguard.recovery._step.step_state import (
     StepState,
     generators_to_send,
@@ -196,6 +197,9 @@ class StepRecovery(Adapter):
         self._forward_sync: bool | None = None  # DDP's buffer-sync flag as the open step found it
         self._loops: dict[str, Any] | None = None  # the fit loop's state at the last window's end
         self._resume: dict[str, Any] | None = None  # what the fit loop resumes from after a join
+        # The rank whose DDP gradient buckets every rank's next wrapper takes (set with _resume on a join).
+        self._layout_from: int | None = None
+        self._wrapper_steps = 0  # steps committed on the strategy's current DDP wrapper
 
     def use_sharded(self, trainer: Any, pl_module: Any) -> None:
         """ModelParallelStrategy (FSDP2): keeps the module's skeletons (before ``configure_model`` shards
@@ -231,6 +235,7 @@ class StepRecovery(Adapter):
             if res.rewound_to is not None:  # every rank went back to a snapshot: its step, in the fit loop
                 raise Reenter(f"every rank went back to step {res.rewound_to}'s snapshot")
             res.raise_for_error()
+            self._wrapper_steps += 1
             return original(optimizer, lambda done=res.output: done, model, **kwargs)  # computed above
 
         return optimizer_step
@@ -287,7 +292,9 @@ class StepRecovery(Adapter):
 
         def run() -> Any:
             if restart_count() > 0 and stand_in.active():
-                self.engine.join_if_restarted()
+                joined = self.engine.join_if_restarted()
+                # The survivors' wrappers take the healing rank's buckets; this one takes them too.
+                self._layout_from = joined.source if isinstance(joined, HealResult) else None
                 self._resume_from()
             while True:
                 try:
@@ -304,6 +311,7 @@ class StepRecovery(Adapter):
         training data up again at the loop's position (the same on every rank)."""
         assert self._resume is not None  # set by the heal or the restore (restarted rank) or by rewrap (survivors)
         resume, self._resume = self._resume, None
+        layout_from, self._layout_from = self._layout_from, None
         trainer = self.trainer
         loop = trainer.fit_loop
         # The training data is set up again, as in a new process: FitLoop.setup_data skips a loop
@@ -318,7 +326,7 @@ class StepRecovery(Adapter):
             load_scheduler(config.scheduler, state)
         if resume.get("generators") is not None:
             restore_sent_generators(resume["generators"])
-        self._setup_model_again()
+        self._setup_model_again(layout_from)
         self._data_again(loop)
 
     @staticmethod
@@ -347,13 +355,26 @@ class StepRecovery(Adapter):
         finally:
             generators.restore_generators()
 
-    def _setup_model_again(self) -> None:
+    def _setup_model_again(self, layout_from: int | None) -> None:
+        """The strategy's DDP wrapper made again on the current world, by the strategy (its DDP
+        arguments), every rank's reducing its first backward in rank ``layout_from``'s old gradient
+        buckets: with DDP's default ``find_unused_parameters=False`` a new wrapper's first layout is
+        not the one the run without the fault reduced in (docs/recovery.md, "Bit-equality and DDP's
+        buckets"). Every rank of the world calls it with the same ``layout_from`` (None: nothing
+        exchanged, DDP's first layout)."""
         if self._sharded is not None:
             return  # FSDP2: sharded again on the joined world by rewrap or wrap_joined
         strategy = self.trainer.strategy
+        module = strategy.lightning_module
+        layout = kept_layout(strategy.model, self._wrapper_steps) if layout_from is not None else None
         # The old wrapper goes first, while the reaper still holds the abandoned groups.
-        strategy.model = strategy.lightning_module
-        strategy.model = strategy._setup_model(strategy.lightning_module)
+        strategy.model = module
+        self._wrapper_steps = 0
+        if layout_from is None:
+            strategy.model = strategy._setup_model(module)
+        else:
+            shared = share_layout(layout, layout_from, module)
+            strategy.model = wrap_in_layout(module, shared, build=strategy._setup_model)
         strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
 
     def heal_extra(self) -> dict[str, Any]:
@@ -440,10 +461,14 @@ class StepRecovery(Adapter):
         if self._sharded is not None:
             self._sharded.reshard(copy_shards=True)
             return
+        # Every rank's new wrapper takes the buckets of the rank that heals (the lowest that did not
+        # join); a restarted rank reads the same rank as its heal's source.
+        joined = set(rebuilt.joined_ranks)
+        source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
         if rebuilt.joined_ranks and self.engine.options.heal:
-            self._resume = self.heal_extra()
+            self._resume, self._layout_from = self.heal_extra(), source
             raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")
-        self._setup_model_again()
+        self._setup_model_again(source)
         if self._forward_sync is not None and hasattr(self.trainer.strategy.model, "require_forward_param_sync"):
             self.trainer.strategy.model.require_forward_param_sync = self._forward_sync
         if rebuilt.missing_ranks:  # a shrink renumbered the ranks

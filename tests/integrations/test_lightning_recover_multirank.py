@@ -22,6 +22,7 @@ from ncclguard.integrations.lightning import NcclGuardCallback
 from ncclguard.integrations.lightning_recovery import check_recoverable
 
 STEPS = 6
+LR = 0.01  # the worker's SGD
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_failed_steps_are_redone_on_every_rank_and_the_run_ends_bit_equal_to_a_p
         # The optimizer and the per-step LR scheduler stepped once per step, as in the plain run.
         assert got["global_step"] == ref["global_step"] == STEPS
         assert got["before_optimizer_step"] == ref["before_optimizer_step"] == STEPS
-        assert got["lr"] == ref["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)
+        assert got["lr"] == ref["lr"] == pytest.approx(LR * 0.9**STEPS, rel=1e-12)
         # The failed tries' logged losses are not in the epoch mean: the same float as the plain run's.
         assert got["train_loss_epoch"] == ref["train_loss_epoch"]
         assert {k: v for k, v in got["recover_metrics"].items() if k != "ncclguard_recover_s"} == {
@@ -133,7 +134,7 @@ def test_with_gradient_accumulation_the_whole_window_is_redone_and_the_run_ends_
         assert got["recoveries"][0]["elapsed_s"] >= 9.0  # the redo waited for the stalled rank
         assert got["global_step"] == ref["global_step"] == STEPS
         assert got["before_optimizer_step"] == ref["before_optimizer_step"] == STEPS  # one step per window
-        assert got["lr"] == ref["lr"] == pytest.approx(0.1 * 0.9**STEPS, rel=1e-12)
+        assert got["lr"] == ref["lr"] == pytest.approx(LR * 0.9**STEPS, rel=1e-12)
         assert got["train_loss_epoch"] == ref["train_loss_epoch"]  # the failed windows' logged losses are out
         assert res["params_equal_to_reference"] is True  # bit for bit: every micro-batch's gradient redone
         assert res["buffers_equal_to_reference"] is True

@@ -2,7 +2,7 @@
 real ``lightning.pytorch.Trainer``, 3 gloo ranks under torchrun, CPU, DDP (the strategy's group timeout
 60 s, never lowered by hand; the callback's ``collective_timeout`` bounds a step's collectives at 3 s).
 
-Usage: ``lightning_recover_worker.py redo|shrink|accumulate``. A tiny model with BatchNorm (buffers DDP
+Usage: ``lightning_recover_worker.py redo|shrink|accumulate``. A model of 0.4M parameters with BatchNorm (buffers DDP
 broadcasts) and Dropout (the RNG), SGD with momentum and a StepLR scheduler, 6 steps; Lightning
 inserts its DistributedSampler.
 
@@ -48,18 +48,22 @@ ME = int(os.environ["RANK"])
 BOUND_STEP_S = 3.0  # NcclGuardCallback's collective_timeout
 STALL_S = 9.0  # 3x the step bound
 STEPS = 6
+WIDTH = 640
 
 
 class Net(LightningModule):
     def __init__(self, faults: dict[int, str], accumulate: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
+        # 0.4M parameters, 1.7 MB of gradients: DDP's rebuilt layout has 2 buckets (the first of 1 MiB).
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 8),
-            torch.nn.BatchNorm1d(8),
+            torch.nn.Linear(4, WIDTH),
+            torch.nn.BatchNorm1d(WIDTH),
             torch.nn.Tanh(),
             torch.nn.Dropout(0.3),
-            torch.nn.Linear(8, 1),
+            torch.nn.Linear(WIDTH, WIDTH),
+            torch.nn.Tanh(),
+            torch.nn.Linear(WIDTH, 1),
         )
         self.faults = faults  # by step, or (accumulate > 1) by step * accumulate + micro-batch
         self.accumulate = accumulate
@@ -87,7 +91,7 @@ class Net(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -128,10 +132,9 @@ def fit(
     trainer = Trainer(
         accelerator="cpu",
         devices=3,
-        # find_unused_parameters=True: DDP then never reorders its buckets after the first step
-        # (torch/nn/parallel/distributed.py, compute_bucket_size_limits), so a re-wrapped DDP
-        # reduces in the same order as the old one and the runs can be compared bit for bit.
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), find_unused_parameters=True),
+        # DDP's defaults (find_unused_parameters=False): its buckets are rebuilt after the first
+        # step, and a re-wrapped DDP is given the old ones (docs/recovery.md, "Bit-equality and DDP's buckets").
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
         limit_val_batches=0,

@@ -27,6 +27,7 @@ builds itself, after every rebuild:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,9 @@ def kept_layout(model: torch.nn.Module | None, steps: int) -> Layout | None:
         rebuilt = compat.ddp_buckets_rebuilt(model)
     except TorchCompatError:
         return layout
-    if not rebuilt:
+    # With find_unused_parameters=True (and no static graph) DDP never rebuilds: its first layout is its last.
+    rebuilds = not getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", False)
+    if rebuilds and not rebuilt:
         log.warning(
             "DDP had not rebuilt its gradient buckets yet (the step failed before the forward that rebuilds them, "
             "after the wrapper's first step): the step is redone in DDP's first bucket layout, and its gradients "
@@ -126,9 +129,13 @@ def share_layout(layout: Layout | None, source: int, module: torch.nn.Module) ->
     return out
 
 
-def wrap_in_layout(module: torch.nn.Module, layout: Layout | None) -> DistributedDataParallel:
-    """``DistributedDataParallel(module)`` whose first backward reduces in ``layout``; every rank of
-    the world calls it with the same layout (:func:`share_layout`).
+def wrap_in_layout(
+    module: torch.nn.Module,
+    layout: Layout | None,
+    build: Callable[[torch.nn.Module], DistributedDataParallel] = DistributedDataParallel,
+) -> DistributedDataParallel:
+    """``build(module)`` whose first backward reduces in ``layout``; every rank of the world calls
+    it with the same layout (:func:`share_layout`).
 
     With no layout, or one that does not fit (other parameters), the wrapper keeps DDP's first
     layout; where that differs from ``layout`` it is logged: the step redone may then differ from
@@ -137,22 +144,24 @@ def wrap_in_layout(module: torch.nn.Module, layout: Layout | None) -> Distribute
     Args:
         module: the unwrapped module.
         layout: the old wrapper's buckets, or None.
+        build: what makes the wrapper (a framework's own, with its DDP arguments: Lightning's
+            ``DDPStrategy._setup_model``); default ``DistributedDataParallel`` with torch's defaults.
 
     Returns:
         The new wrapper (its constructor broadcasts rank 0's parameters and buffers).
     """
     if layout is None:
-        return DistributedDataParallel(module)
+        return build(module)
     params = [p for _, p in module.named_parameters()]
     if not all(0 <= i < len(params) for bucket in layout for i in bucket):
         _warn(layout, "other parameters")
-        return DistributedDataParallel(module)
+        return build(module)
     try:
         with compat.ddp_initial_buckets([[params[i] for i in bucket] for bucket in layout]):
-            model = DistributedDataParallel(module)
+            model = build(module)
     except TorchCompatError as exc:
         log.warning("DDP cannot be given its gradient buckets (%s)", exc)
-        model = DistributedDataParallel(module)
+        model = build(module)
     got = bucket_layout(model)
     if got != layout:
         _warn(layout, "?" if got is None else f"{len(got)} buckets")
