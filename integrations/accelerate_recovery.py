@@ -16,7 +16,8 @@ variable follow) at the new group (:func:`~ncclguard.recovery._rebuild.repoint.r
 world changed size or this rank was renumbered, updates Accelerate's shared state
 (``num_processes``, ``process_index``: what ``accelerator.is_main_process``, ``gather`` and the
 samplers Accelerate builds later read). After a rebuild that admitted restarted ranks
-(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery._rebuild.repoint.rewrapped_ddp`):
+(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery._rebuild.repoint.rewrapped_ddp`,
+in the gradient buckets the survivors' wrappers had, so the redone step sums as before):
 use the model ``step_fn`` is given, or ``stepper.model``, not the one ``prepare`` returned.
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
 ncclguard logger, and kept in :attr:`AcceleratorRecoveringStep.recoveries`. A rank the others went
@@ -65,6 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard import _torch_compat as compat
 from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
+from ncclguard.recovery._step.ddp_layout import kept_layout, share_layout, wrap_in_layout
 from ncclguard.recovery.engine import Transaction
 from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import generation
@@ -307,8 +309,15 @@ class AcceleratorRecoveringStep(RecoveringStep):
         old = self.wrapper
         if not isinstance(old, DistributedDataParallel) or old.process_group is compat.default_group():
             return old
-        if current_world().joined:  # restarted ranks joined: every rank's wrapper starts afresh
-            self.wrapper = rewrapped_ddp(old)
+        joined = current_world().joined
+        if joined:  # restarted ranks joined: every rank's wrapper starts afresh
+            # In the buckets of the lowest rank that did not join (a restarted rank's wrapper never
+            # stepped): a new wrapper's first layout is not the one the survivors' had rebuilt
+            # (docs/recovery.md, "Bit-equality and DDP's buckets").
+            source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
+            layout = kept_layout(old, 1) if dist.get_rank() == source else None
+            shared = share_layout(layout, source, old.module)
+            self.wrapper = wrap_in_layout(old.module, shared, build=lambda _module: rewrapped_ddp(old))
             models = self.accelerator._models
             models[:] = [self.wrapper if m is old else m for m in models]
         else:

@@ -71,9 +71,22 @@ def accelerate() -> None:
     from ncclguard.integrations.accelerate import recovering_step
 
     accelerator = Accelerator(cpu=True)  # makes the process group (a restarted rank's: a stand-in)
-    torch.manual_seed(7)
-    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-    model, opt = accelerator.prepare(module, torch.optim.Adam(module.parameters(), lr=0.05))
+
+    def prepared() -> tuple[torch.nn.Module, Any, Any]:
+        # 0.16M float64 parameters, 1.3 MB of gradients: DDP's rebuilt layout has 2 buckets.
+        torch.manual_seed(7)
+        layers = [torch.nn.Linear(4, 400), torch.nn.Tanh(), torch.nn.Linear(400, 400), torch.nn.Tanh()]
+        module = torch.nn.Sequential(*layers, torch.nn.Linear(400, 1)).double()
+        return module, *accelerator.prepare(module, torch.optim.Adam(module.parameters(), lr=0.001))
+
+    if LIFE == 0:  # the same loop with no fault and no ncclguard first (a restarted process skips it)
+        reference, ref_model, ref_opt = prepared()
+        for step in range(STEPS):
+            x, y = batch(step)
+            ref_opt.zero_grad()
+            accelerator.backward(torch.nn.functional.mse_loss(ref_model(x), y))
+            ref_opt.step()
+    module, model, opt = prepared()
     stepper = recovering_step(
         accelerator, model, opt, heal=True, collective_timeout=BOUND_S, commit_timeout=60, rebuild_timeout=REJOIN_S
     )
@@ -96,6 +109,8 @@ def accelerate() -> None:
     put("world", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
     put("params_equal_across_ranks", equal_across_ranks(flat(module.parameters())))
     put("optimizer_equal_across_ranks", equal_across_ranks(optimizer_state(opt)))
+    if LIFE == 0:  # DDP's default buckets: every rank's new wrapper took the survivors' layout
+        put("params_equal_to_reference", torch.equal(flat(module.parameters()), flat(reference.parameters())))
 
 
 def hf() -> None:

@@ -8,6 +8,7 @@ so can a hand-written loop.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -59,7 +60,13 @@ def rewrapped_ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     After a rebuild that admitted restarted ranks, every rank of the new world wraps its module
     again: a wrapper re-pointed in place keeps the gradient buckets it rebuilt after its first step,
     where a restarted rank's wrapper has the initial ones, and DDP reduces bucket by bucket. New
-    wrappers start from the same layout everywhere (the constructor's, from the parameters' order).
+    wrappers start from the same layout everywhere (the constructor's, from the parameters' order,
+    or the one given with :func:`~ncclguard.recovery._step.ddp_layout.wrap_in_layout`).
+
+    A bucket size left to DDP's default stays the default: DDP then rebuilds its buckets with a
+    first one of 1 MiB, where an explicit 25 MiB would make every bucket 25 MiB, and the buckets
+    after the redo would differ from the run without the fault (torch 2.13,
+    ``_BucketCapacityConfig.create``: ``is_using_default = bucket_cap_mb is None``).
 
     Args:
         model: the old wrapper (on the abandoned group, or on a restarted rank's stand-in).
@@ -67,16 +74,30 @@ def rewrapped_ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     Returns:
         The new wrapper (its constructor broadcasts rank 0's parameters and buffers).
     """
-    return DistributedDataParallel(
-        model.module,
-        device_ids=model.device_ids,
-        output_device=model.output_device,
-        broadcast_buffers=model.broadcast_buffers,
-        find_unused_parameters=model.find_unused_parameters,
-        bucket_cap_mb=model.bucket_bytes_cap / (1024 * 1024),
-        gradient_as_bucket_view=model.gradient_as_bucket_view,
-        static_graph=model.static_graph,
-    )
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    kwargs: dict[str, Any] = {
+        "device_ids": model.device_ids,
+        "output_device": model.output_device,
+        "find_unused_parameters": model.find_unused_parameters,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view,
+        "static_graph": model.static_graph,
+    }
+    if not getattr(model, "bucket_bytes_cap_default", False):
+        kwargs["bucket_cap_mb"] = model.bucket_bytes_cap / (1024 * 1024)
+    caps = getattr(model, "bucket_bytes_cap_list", None)
+    if caps and "bucket_cap_mb_list" in accepted:
+        kwargs["bucket_cap_mb_list"] = [cap / (1024 * 1024) for cap in caps]
+    for name in ("batched_grad_copy", "mixed_precision", "skip_all_reduce_unused_params"):
+        if name in accepted and hasattr(model, name):
+            kwargs[name] = getattr(model, name)
+    # torch 2.13 renamed broadcast_buffers (a FutureWarning); False keeps the old meaning (no sync at
+    # init either), which only the old name says.
+    sync = model.broadcast_buffers
+    if sync and "forward_sync_buffers" in accepted:
+        kwargs["forward_sync_buffers"] = True
+    else:
+        kwargs["broadcast_buffers"] = sync
+    return DistributedDataParallel(model.module, **kwargs)
 
 
 def repoint_sampler(loader: Any, rank: int, size: int) -> list[str]:
