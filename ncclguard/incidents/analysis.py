@@ -281,12 +281,21 @@ def _backend_finding(
         acc.culprit(Whereabouts.model_validate(dict(entry)), why, **fields)
 
 
+def _opposite(op: str, other: str) -> bool:
+    """Whether two point-to-point ops go opposite ways (a send and a receive)."""
+    return ("send" in op and "recv" in other) or ("recv" in op and "send" in other)
+
+
 def _p2p_finding(
     acc: _Findings, rank: int, rec: OpRecord, views: Mapping[int, Heartbeat], stale: Mapping[int, float], now: float
 ) -> None:
     peer = rec.peer if rec.peer is not None else -1
     peer_view = views.get(peer) if peer not in stale else None
-    back = [p for p in (peer_view.inflight if peer_view is not None else []) if p.peer == rank]
+    toward = [p for p in (peer_view.inflight if peer_view is not None else []) if p.peer == rank]
+    # A send met by the peer's receive (or the reverse) is a transfer under way, slow or large: a
+    # snapshot swap of 800 MB over gloo takes seconds. Only ops the same way round are a deadlock.
+    matched = [p for p in toward if _opposite(rec.op, p.op)]
+    back = [] if matched else toward
     where = whereabouts(peer, peer_view)
     acc.findings.append(
         P2PFinding(
@@ -301,11 +310,12 @@ def _p2p_finding(
             site=rec.site,
             waiting_s=round(now - rec.start, 1),
             peer_waits_back=back[0] if back else None,
+            peer_matched=matched[0] if matched else None,
             peer_where=where,
         )
     )
     acc.victims.add(rank)
-    if peer >= 0 and peer not in stale and not back:
+    if peer >= 0 and peer not in stale and not toward:
         acc.culprit(where, CulpritReason.P2P, group=rec.group, seq=rec.seq, waiter=rank, waiter_op=rec.op)
 
 

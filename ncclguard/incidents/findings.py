@@ -127,7 +127,8 @@ class P2PFinding(Model):
     phase: str = ""
     site: str = ""
     waiting_s: float
-    peer_waits_back: OpRecord | None = None
+    peer_waits_back: OpRecord | None = None  # the peer's op toward this rank in the same direction: a deadlock
+    peer_matched: OpRecord | None = None  # the peer's op the other way: the transfer is under way
     peer_where: Whereabouts
 
 

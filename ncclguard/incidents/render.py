@@ -129,6 +129,11 @@ def summary_line(findings: Sequence[Finding]) -> str:
             back = f.peer_waits_back
             if back is not None:
                 parts.append(f"{head}; rank {f.peer} waits back in {back.op}: a point-to-point deadlock")
+            elif f.peer_matched is not None:
+                parts.append(
+                    f"{head}; rank {f.peer} has its {f.peer_matched.op} posted: the transfer is under way "
+                    "(a large message or a slow link), not a deadlock"
+                )
             else:
                 parts.append(f"{head}; rank {f.peer} {_now_text(f.peer_where)}")
         elif isinstance(f, LostRanksFinding):

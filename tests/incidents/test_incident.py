@@ -267,6 +267,23 @@ def test_two_ranks_sending_to_each_other_are_a_deadlock_without_culprit():
     )
 
 
+def test_a_send_met_by_its_peers_receive_is_a_transfer_under_way_not_a_deadlock():
+    """A snapshot swap as the 100M-parameter drill's watchdog saw it: every rank sends to the next and
+    receives from the one before, 800 MB each way, for seconds. The peer's receive is posted."""
+    sts = {
+        0: statement(0, inflight=[p2p(1, "isend", peer=1), p2p(2, "irecv", peer=2)], world=3),
+        1: statement(1, inflight=[p2p(1, "isend", peer=2), p2p(2, "irecv", peer=0)], world=3),
+        2: statement(2, inflight=[p2p(1, "isend", peer=0), p2p(2, "irecv", peer=1)], world=3),
+    }
+    out = analyse(sts, {}, {}, 3, now=NOW, waiting_after_s=5.0)
+    assert out["culprits"] == [] and out["victims"] == [0, 1, 2]
+    assert "deadlock" not in out["summary"].replace("not a deadlock", "")
+    assert out["summary"].startswith(
+        "rank 0 waiting in isend to rank 1 (4 x float32, phase train step=3) for 10.0 s; "
+        "rank 1 has its irecv posted: the transfer is under way (a large message or a slow link), not a deadlock"
+    )
+
+
 def _dumps(tmp_path):
     """Rank dumps as the watchdog writes them, without the merged file (its merger died)."""
     sts = {

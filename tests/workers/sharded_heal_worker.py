@@ -27,7 +27,11 @@ every rank redoes step K (the survivors' live state is that snapshot: no rollbac
 take of step 10. Gloo's all_reduce of the take's agreement goes round the ranks: a neighbour of the
 dead rank fails at once, the others wait on live ranks that have given up, up to the take's deadline
 (``heal_timeout``, HEAL_S); its launcher's death notice ends their wait instead, and every rank ends
-bit-equal to the reference.
+bit-equal to the reference. Its job is a user's: a BERT classifier of 2,054,274 parameters
+(``transformers.BertConfig``, hidden 128, 2 layers, vocabulary 12,800, the default dropout of 0.1),
+each encoder layer and the model sharded by FSDP2, AdamW, a warm-up schedule passed as
+``scheduler=``, the forward under bf16 autocast, gradient clipping at norm 1.0, and shuffled data
+(``DistributedSampler(shuffle=True)``, a new epoch every 3 steps).
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from typing import Any
 import rankkit
 import torch
 import torch.distributed as dist
+import transformers
 from rankkit import put
 from recovering_worker import full_state, shard_layers  # the FSDP2 layout and its gathered state
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import ncclguard
 from ncclguard import FSDP2, RecoveringStep
@@ -73,13 +79,55 @@ REBUILD_S = 90.0  # the restarted processes import torch again (20 s seen on a l
 HEAL_S = 60.0
 
 
+BERT_WORLD, BERT_BATCH, SEQ, SAMPLES, WARMUP = 4, 2, 16, 24, 3  # ring: 6 samples a rank, 3 steps an epoch
+
+
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if SCENARIO == "ring":
+        return make_bert()
     torch.manual_seed(7)
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, WIDTH)]
     for _ in range(2):
         layers += [torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(WIDTH, WIDTH)]
     module = torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))
     return module, torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.8, 0.95))
+
+
+def make_bert() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    config = transformers.BertConfig(
+        vocab_size=12_800,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+    )
+    torch.manual_seed(7)
+    module = transformers.BertForSequenceClassification(config)
+    return module, torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def shard_bert(module: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module.bert.encoder.layer:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def bert_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This launch rank's batch of ``step``: its shard of the shuffled epoch, from the step alone."""
+    g = torch.Generator().manual_seed(99)
+    data = TensorDataset(
+        torch.randint(0, 12_800, (SAMPLES, SEQ), generator=g), torch.randint(0, 2, (SAMPLES,), generator=g)
+    )
+    sampler = DistributedSampler(data, num_replicas=BERT_WORLD, rank=ME, shuffle=True, seed=17)
+    per_epoch = len(sampler) // BERT_BATCH
+    sampler.set_epoch(step // per_epoch)
+    at = (step % per_epoch) * BERT_BATCH
+    ids, labels = data[list(sampler)[at : at + BERT_BATCH]]
+    return ids, labels
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,13 +178,29 @@ RESULTS: list[dict[str, Any]] = []  # the faulty run's, saved by a rank that die
 AT_BACK: list[torch.Tensor] = []  # the reference's full state at the start of its step BACK_AT
 
 
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    if SCENARIO == "ring":  # as a user writes it for BERT: bf16 autocast, clipping after the backward
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return
+    noise = torch.rand(x.shape, dtype=x.dtype) * 1e-3  # differs if the generators were not restored
+    torch.nn.functional.mse_loss(model(x + noise), y).backward()
+
+
 def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module, opt = make()
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # stepped by the loop, kept by the snapshots
+    if SCENARIO == "ring":  # a linear warm-up, then flat
+        sched: Any = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    else:
+        sched = torch.optim.lr_scheduler.StepLR(
+            opt, step_size=2, gamma=0.5
+        )  # stepped by the loop, kept by the snapshots
     stepper = RecoveringStep(
         module,
         opt,
-        wrap=FSDP2(shard_layers),
+        wrap=FSDP2(shard_bert if SCENARIO == "ring" else shard_layers),
         scheduler=sched,
         collective_timeout=BOUND_STEP_S,
         commit_timeout=COMMIT_S,
@@ -148,7 +212,7 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
     )
     results: list[dict[str, Any]] = RESULTS if base else []
     for step in stepper.steps(base + STEPS, start=base):
-        x, y = batch(step - base)
+        x, y = bert_batch(step - base) if SCENARIO == "ring" else batch(step - base)
         if base == 0 and step == BACK_AT and SCENARIO == "kill":
             AT_BACK.append(full_state(stepper))  # every rank at once: a gather over the world
 
@@ -156,8 +220,7 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
             if step - base == kill_at and ME in KILLED and LIFE == 0:
                 put("results", results)
                 rankkit.kill(ME)
-            noise = torch.rand(x.shape, dtype=x.dtype) * 1e-3  # differs if the generators were not restored
-            torch.nn.functional.mse_loss(model(x + noise), y).backward()
+            forward_backward(model, x, y)
 
         res = stepper(step_fn, step=step)
         if res:
