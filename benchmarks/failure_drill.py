@@ -110,6 +110,13 @@ WATCHDOG = {"heartbeat_s": 0.5, "hang_timeout_s": 2.0, "escalate_after_s": 1.0, 
 # ------------------------------------------------------------------------------------ rank side
 
 
+def _watchdog(args: argparse.Namespace) -> dict[str, float]:
+    """The drill's watchdog settings, its hang bound from ``--hang-timeout`` where given."""
+    if args.hang_timeout is None:
+        return dict(WATCHDOG)
+    return {**WATCHDOG, "hang_timeout_s": args.hang_timeout}
+
+
 SIZE: dict[str, float | None] = {"params_m": None}  # --params-m, set once in main() (ranks read it in _model)
 
 
@@ -150,7 +157,9 @@ def _digest(module: Any) -> tuple[str, Any]:
     # FSDP2's parameters are DTensors: the digest is of the full parameters, the same on every rank.
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
     flat = torch.cat([p.detach().reshape(-1) for p in full])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), flat
+    # The array's own buffer: .tobytes() would copy it holding the GIL (800 MB at 100M parameters: the
+    # watchdog's beats stopped for 3.2 s, past the drill's 3 s peer bound); hashlib releases it.
+    return hashlib.sha256(flat.numpy()).hexdigest(), flat
 
 
 class Faults:
@@ -326,7 +335,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
     # After the stepper: a restarted process has its process group only once it has rejoined.
     if not args.defaults:
         ncclguard.start_watchdog(
-            **WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
+            **_watchdog(args), action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
         )
     t0, faults = _start(args, out, me, restarted, stepper.healed, stepper_at=stepper_at)
     attempted, healed = 0, 0
@@ -447,7 +456,7 @@ def rank_deepspeed(args: argparse.Namespace) -> None:
     params = list(stepper.engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         flat = torch.cat([p.detach().reshape(-1).double() for p in params])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(flat.numpy()).hexdigest()
     _save(
         out,
         me,
@@ -551,7 +560,9 @@ def rank_hf(args: argparse.Namespace) -> None:
         # new engine's build inside train(), and its incident would fail the redo's commit.
         watchdog=False
         if ds
-        else dict(**WATCHDOG, action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False),
+        else dict(
+            **_watchdog(args), action="fence", incident_dir=out / "incidents", straggler=False, incident_plot=False
+        ),
         collective_timeout=args.group_timeout,
         commit_timeout=args.commit_timeout,
         rebuild_timeout=args.rejoin_timeout if kill else args.commit_timeout,
@@ -875,7 +886,7 @@ class _DiskZeRO3:
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params):
             flat = torch.cat([p.detach().reshape(-1).double() for p in params])
-        return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+        return hashlib.sha256(flat.numpy()).hexdigest()
 
 
 def _disk_checkpoint(job: Any, ckpt: Path, step: int, me: int, saves: Any) -> None:
@@ -1059,6 +1070,7 @@ def launch(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         *(["--defaults"] if args.defaults else []),
         *(["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every is not None else []),
         *(["--params-m", str(args.params_m)] if args.params_m else []),
+        *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else []),
     ]
     restarts = ["--max-restarts", "100"] if mode in ("restart", "disk") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -1224,6 +1236,12 @@ def main(argv: list[str] | None = None) -> int:
         "--params-m",
         type=float,
         help="model size in millions of parameters (float64; two square layers hold them); default: the tiny model",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        help=f"the watchdog's hang bound in seconds (default {WATCHDOG['hang_timeout_s']}): at 100M parameters a "
+        "snapshot swap or the final all_gather moves 800 MB a rank over gloo and takes longer than that",
     )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep each launch's logs, dumps and results here (default: a temp dir)")
