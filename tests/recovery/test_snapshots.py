@@ -294,7 +294,9 @@ def test_a_memory_cap_drops_the_spares_then_the_second_snapshot_and_says_what_it
     assert MemoryCap(199).fit(100, 2, False) == Fit(1, False, ("the second snapshot kept of each",), 100, False)
     cap = MemoryCap(50)
     assert cap.fit(100, 2, True) == Fit(1, False, both, 100, True)  # one snapshot is over it all the same
-    assert cap.fit(1, 2, True) == Fit(1, False, both, 100, True)  # decided once: the sizes do not change
+    assert cap.fit(1, 2, True) == Fit(1, False, both, 100, True)  # a smaller state: the fit made stands
+    assert cap.fit(300, 2, True) == Fit(1, False, both, 300, True)  # a larger one: fitted again
+    assert MemoryCap(250).fit(100, 1, False).dropped == () and MemoryCap(250).fit(300, 1, False).over
     # A real keeper (2.2M parameters with Adam, a world of one): asked for 2 snapshots and spares, under
     # a cap of 1.5 snapshots it keeps one, with no spare, and says why at its first take.
     module, opt = real_size()
@@ -318,6 +320,34 @@ def test_a_memory_cap_drops_the_spares_then_the_second_snapshot_and_says_what_it
     assert [s.step for s in small.own] == [1]  # kept all the same: nothing else restores this rank
     over = [r.getMessage() for r in caplog.records if "over snapshot_max_bytes" in r.getMessage()]
     assert len(over) == 1 and "Raise the cap, shard the state over more ranks, or turn heal off" in over[0]
+
+
+def test_the_memory_line_and_the_cap_follow_the_state_once_adams_moments_exist(world_of_one, caplog) -> None:
+    """The engine's first take comes before the optimizer's first step: Adam has no moments yet, a
+    third of the state. Seen at 100M parameters: "holds 505 MiB in steady state" for 1.5 GB."""
+    from ncclguard.recovery._step.step_state import StepState
+
+    module, opt = real_size()
+    first = Keeper(ModuleState(lambda: module, lambda: opt), every=1)
+    first.take(0, StepState.take(module))
+    before = first.own[-1].manifest.nbytes  # the parameters only
+    caplog.clear()
+    # A cap the first take fits in with both snapshots and spares (3 of them), the full state not.
+    keeper = Keeper(ModuleState(lambda: module, lambda: opt), every=1, keep=2, spares=True, max_bytes=before * 3)
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        keeper.take(0, StepState.take(module))
+        assert (keeper.keep, keeper.spares) == (2, True)
+        module(torch.randn(2, 64)).sum().backward()
+        opt.step()  # the moments exist now
+        keeper.take(1, StepState.take(module))
+        keeper.take(2, StepState.take(module))
+    after = keeper.own[-1].manifest.nbytes
+    assert after > 2.9 * before  # parameters and two moments
+    assert (keeper.keep, keeper.spares, [s.step for s in keeper.own]) == (1, False, [2])
+    lines = [r.getMessage() for r in caplog.records if "keeps its own state" in r.getMessage()]
+    assert len(lines) == 2 and f"({before / 2**20:.1f} MiB)" in lines[0] and f"({after / 2**20:.1f} MiB)" in lines[1]
+    dropped = [r.getMessage() for r in caplog.records if "dropped to stay under snapshot_max_bytes" in r.getMessage()]
+    assert len(dropped) == 1, dropped
 
 
 @pytest.mark.parametrize("bad", [True, 0, -1, "64G", 1.5])

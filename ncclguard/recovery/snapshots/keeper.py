@@ -67,6 +67,10 @@ class SideGroup:
     hosts: list[int]
 
 
+# A snapshot this much larger than the one the memory line and the cap were made for makes them anew.
+GROWN = 1.1
+
+
 def _side_group(world: World) -> SideGroup:
     # Bounded: a peer that died before it made the group fails this take at its deadline, not never.
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_SIDE_TIMEOUT_S))
@@ -158,11 +162,11 @@ class Keeper:
     _step_time: float | None = None
     _cost: float = 0.0  # the last take's seconds
     _take_cost: float | None = None  # a take's seconds, smoothed over the unforced ones
-    _told: bool = False
+    _told_bytes: int = 0  # the own snapshot's size the memory line was said for
     _cap: MemoryCap = field(default_factory=MemoryCap)
     _failures: FailureRate = field(default_factory=FailureRate)
     _mtbf: float | None = None  # the failures' mean interval when the last K was asked
-    _fitted: bool = False
+    _fitted_bytes: int = 0  # the own state and replicas the memory cap was fitted to
 
     def __post_init__(self) -> None:
         if not 1 <= self.keep <= MAX_KEEP:
@@ -204,8 +208,13 @@ class Keeper:
         snap = pack(state, step, me, self._spare_for(me))
         self.pending, self.pending_replicas = snap, {}
         srcs = sources(side.buddy, me)
-        if not self._fitted:  # the replicas it will hold are about its own size: shards of one model
-            self._fit(self._cap.fit(snap.manifest.nbytes * (1 + len(srcs)), self.keep, self.spares))
+        # The replicas it will hold are about its own size (shards of one model). Fitted at the first
+        # take and again when the state has grown: the engine's first take comes before the optimizer's
+        # first step, when Adam has no moments yet (a third of what the rank will hold).
+        held = snap.manifest.nbytes * (1 + len(srcs))
+        if held > GROWN * self._fitted_bytes:
+            self._fitted_bytes = held
+            self._fit(self._cap.fit(held, self.keep, self.spares))
         error: HealFailed | None = None
         if size > 1:
             try:
@@ -229,8 +238,8 @@ class Keeper:
         self.force = False
         self.takes += 1
         self.spent_s += time.monotonic() - start
-        if not self._told:
-            self._told = True
+        if snap.manifest.nbytes > GROWN * self._told_bytes:  # said at the first take, and once grown
+            self._told_bytes = snap.manifest.nbytes
             self._tell(snap, srcs, side.buddy[me], size, side.hosts)
 
     def _deadline(self) -> Deadline:
@@ -285,8 +294,7 @@ class Keeper:
         return True
 
     def _fit(self, fit: Fit) -> None:
-        """Keeps what the memory cap leaves (said once: the sizes do not change within a run)."""
-        self._fitted = True
+        """Keeps what the memory cap leaves, and says what gave way."""
         if fit.dropped:
             self.keep, self.spares = fit.keep, fit.spares
             self.own, self.replicas = self.own[-self.keep :], {r: v[-self.keep :] for r, v in self.replicas.items()}

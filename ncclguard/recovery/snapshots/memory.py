@@ -57,10 +57,12 @@ class MemoryCap:
     """
 
     max_bytes: int | None = None
-    decided: list[Fit] = field(default_factory=list)  # the fit made (at most one: sizes do not change in a run)
+    decided: list[Fit] = field(default_factory=list)  # the fits made, the newest last
+    decided_for: int = 0  # the largest ``held`` a fit was made for
 
     def fit(self, held: int, keep: int, spares: bool) -> Fit:
-        """What to keep for ``held`` bytes of own state and replicas (decided once, at the first take).
+        """What to keep for ``held`` bytes of own state and replicas: decided at the first take, and
+        again for a larger state (a take before the optimizer's first step holds no moments yet).
 
         Args:
             held: one snapshot of this rank's own state plus one of each replica it keeps.
@@ -68,10 +70,10 @@ class MemoryCap:
             spares: spare buffers, as asked.
 
         Returns:
-            The :class:`Fit`, the same at every later call.
+            The :class:`Fit`; the one made before for a state at least as large.
         """
-        if self.decided:
-            return self.decided[0]
+        if self.decided and held <= self.decided_for:
+            return self.decided[-1]
         dropped: list[str] = []
         if self.max_bytes is not None and spares and steady_bytes(held, keep, spares) > self.max_bytes:
             spares = False
@@ -82,4 +84,5 @@ class MemoryCap:
         needed = steady_bytes(held, keep, spares)
         over = self.max_bytes is not None and needed > self.max_bytes
         self.decided.append(Fit(keep, spares, tuple(dropped), needed, over))
-        return self.decided[0]
+        self.decided_for = held
+        return self.decided[-1]
