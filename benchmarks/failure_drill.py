@@ -151,6 +151,18 @@ def _shard(module: Any, mesh: Any) -> None:
     fully_shard(module, mesh=mesh)
 
 
+def _gathered_digests(digest: str) -> list[Any]:
+    """Every rank's SHA-256 (hex) as 32-byte tensors, gathered: the same on every rank when the
+    parameters are."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return everyone
+
+
 def _digest(module: Any) -> tuple[str, Any]:
     import torch
 
@@ -374,9 +386,8 @@ def rank_recovering(args: argparse.Namespace) -> None:
             raise SystemExit(f"step {step} was not applied: {res.error}")
         costs.applied(step)
     t1 = time.time()
-    digest, flat = _digest(stepper.model if fsdp2 else module)
-    everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, flat)
+    digest, _ = _digest(stepper.model if fsdp2 else module)
+    everyone = _gathered_digests(digest)  # not the parameters: at 100M, 3 x 800 MB more a rank ran out of memory
     _save(
         out,
         me,
