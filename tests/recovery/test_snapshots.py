@@ -369,6 +369,34 @@ def test_k_is_the_budgets_until_a_failure_then_youngs_interval_when_that_is_shor
     assert young_k(0.001, 10.0, 1.0) == 1 and budget_k(1000.0, 0.001, 0.02) == MAX_EVERY
 
 
+def test_a_forced_take_after_failures_asks_youngs_k_not_the_one_in_force(world_of_one) -> None:
+    """Kills closer than K steps apart make every take a forced one (the first after each restore).
+    A forced take asked the K in force, so K never left the budget's: at 100M parameters (10 s steps,
+    takes of 1.7 s, K = 10, a kill every 70 s) each kill went back 6 steps. It asks Young's K now
+    where failures were seen and a take's cost is known."""
+    import time
+
+    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery.snapshots.interval import budget_k, young_k
+
+    module, opt = real_size()
+    keeper = Keeper(ModuleState(lambda: module, lambda: opt))
+    keeper.take(0, StepState.take(module))  # the first: forced, asks the K in force (1)
+    assert keeper.k == 1
+    # What the drill's ranks had measured before the kills: a take of 1.7 s, steps of 10 s: K = 9.
+    keeper._take_cost, keeper._step_time = 1.7, 10.0
+    keeper.k, keeper.force = budget_k(1.7, 10.0, 0.02), True  # a restore forces the next take
+    assert keeper.k == 9
+    keeper._failures.note([time.time() - 210.0, time.time() - 140.0, time.time() - 70.0])  # a kill every 70 s
+    keeper.take(1, StepState.take(module))
+    assert keeper.k == young_k(1.7, 10.0, 70.0) == 2  # sqrt(2 x 1.7 x 70) = 15.4 s: 2 steps
+    # With no failure seen, a forced take keeps the K in force.
+    calm = Keeper(ModuleState(lambda: module, lambda: opt))
+    calm._take_cost, calm._step_time, calm.k, calm.force = 1.7, 10.0, 9, True
+    calm.take(2, StepState.take(module))
+    assert calm.k == 9
+
+
 @pytest.fixture
 def job_store():
     import torch.distributed as dist

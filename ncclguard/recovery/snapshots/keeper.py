@@ -273,7 +273,16 @@ class Keeper:
         else:
             if keep is None and ok:
                 self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
-            want = keep if keep is not None else self._wanted_k()
+            if keep is None:
+                want = self._wanted_k()
+            elif self._take_cost is not None:
+                # A forced take's own cost says nothing, but the failures seen since may call for a
+                # shorter K than the one in force. Without this, kills closer than K steps apart keep
+                # every take forced and K where it was: at 100M parameters (10 s steps, K = 10, a kill
+                # every 70 s) each kill went back 6 steps and the job gained one step a kill.
+                want = min(keep, self._wanted_k())
+            else:
+                want = keep
         agreed = torch.tensor([want, 0 if ok else 1], dtype=torch.int64)
         if dist.get_world_size() > 1:
             # Bounded: a rank that died since the last take fails this step, it does not hang it; one
