@@ -173,6 +173,50 @@ class _Micro:
     blocked: bool  # run inside the strategy's block_backward_sync (DDP's no_sync)
 
 
+def _data_again(loop: Any) -> None:
+    """The training data at the loaded loop's position: Lightning restores a loader that has a
+    state (``state_dict``/``load_state_dict``) itself; any other starts its epoch again, so its
+    batches up to the position are drawn and dropped, as a run without the fault drew them (a
+    loader whose order is fixed by its sampler's seed and epoch: Lightning's DistributedSampler).
+    Setting the data up draws from torch's generator (the loader iterator's base seed): the
+    generators are left as the step found them."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.fabric.utilities.types import _Stateful
+
+    position = loop.epoch_loop.batch_progress.current.ready  # batches drawn this epoch
+    generators = StepState.take(torch.nn.Module())
+    try:
+        loop.setup_data()
+        combined, fetcher = loop._combined_loader, loop._data_fetcher
+        if combined is None or fetcher is None:
+            return
+        for loader in combined.flattened:  # before the first batch is drawn, as the epoch's start does
+            _set_sampler_epoch(loader, loop.epoch_progress.current.processed)
+        if all(isinstance(loader, _Stateful) for loader in combined.flattened):
+            return
+        _skip_batches(fetcher, position)
+    finally:
+        generators.restore_generators()
+
+
+def _ddp_again(strategy: Any, layout_from: int | None, steps: int) -> None:
+    """The strategy's DDP wrapper made again on the current world, by the strategy (its DDP
+    arguments), every rank's reducing its first backward in rank ``layout_from``'s old gradient
+    buckets: with DDP's default ``find_unused_parameters=False`` a new wrapper's first layout is not
+    the one the run without the fault reduced in (docs/recovery.md, "Bit-equality and DDP's
+    buckets"). Every rank of the world calls it with the same ``layout_from`` (None: nothing
+    exchanged, DDP's first layout); ``steps``: the steps the old wrapper committed."""
+    module = strategy.lightning_module
+    layout = kept_layout(strategy.model, steps) if layout_from is not None else None
+    # The old wrapper goes first, while the reaper still holds the abandoned groups.
+    strategy.model = module
+    if layout_from is None:
+        strategy.model = strategy._setup_model(module)
+    else:
+        strategy.model = wrap_in_layout(module, share_layout(layout, layout_from, module), build=strategy._setup_model)
+    strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
+
+
 class StepRecovery(Adapter):
     """Wraps ``strategy.optimizer_step`` so that each step is a transaction of the engine.
 
@@ -327,55 +371,13 @@ class StepRecovery(Adapter):
         if resume.get("generators") is not None:
             restore_sent_generators(resume["generators"])
         self._setup_model_again(layout_from)
-        self._data_again(loop)
-
-    @staticmethod
-    def _data_again(loop: Any) -> None:
-        """The training data at the loaded loop's position: Lightning restores a loader that has a
-        state (``state_dict``/``load_state_dict``) itself; any other starts its epoch again, so its
-        batches up to the position are drawn and dropped, as a run without the fault drew them (a
-        loader whose order is fixed by its sampler's seed and epoch: Lightning's DistributedSampler).
-        Setting the data up draws from torch's generator (the loader iterator's base seed): the
-        generators are left as the step found them."""
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-        from lightning.fabric.utilities.types import _Stateful
-
-        position = loop.epoch_loop.batch_progress.current.ready  # batches drawn this epoch
-        generators = StepState.take(torch.nn.Module())
-        try:
-            loop.setup_data()
-            combined, fetcher = loop._combined_loader, loop._data_fetcher
-            if combined is None or fetcher is None:
-                return
-            for loader in combined.flattened:  # before the first batch is drawn, as the epoch's start does
-                _set_sampler_epoch(loader, loop.epoch_progress.current.processed)
-            if all(isinstance(loader, _Stateful) for loader in combined.flattened):
-                return
-            _skip_batches(fetcher, position)
-        finally:
-            generators.restore_generators()
+        _data_again(loop)
 
     def _setup_model_again(self, layout_from: int | None) -> None:
-        """The strategy's DDP wrapper made again on the current world, by the strategy (its DDP
-        arguments), every rank's reducing its first backward in rank ``layout_from``'s old gradient
-        buckets: with DDP's default ``find_unused_parameters=False`` a new wrapper's first layout is
-        not the one the run without the fault reduced in (docs/recovery.md, "Bit-equality and DDP's
-        buckets"). Every rank of the world calls it with the same ``layout_from`` (None: nothing
-        exchanged, DDP's first layout)."""
         if self._sharded is not None:
             return  # FSDP2: sharded again on the joined world by rewrap or wrap_joined
-        strategy = self.trainer.strategy
-        module = strategy.lightning_module
-        layout = kept_layout(strategy.model, self._wrapper_steps) if layout_from is not None else None
-        # The old wrapper goes first, while the reaper still holds the abandoned groups.
-        strategy.model = module
+        _ddp_again(self.trainer.strategy, layout_from, self._wrapper_steps)
         self._wrapper_steps = 0
-        if layout_from is None:
-            strategy.model = strategy._setup_model(module)
-        else:
-            shared = share_layout(layout, layout_from, module)
-            strategy.model = wrap_in_layout(module, shared, build=strategy._setup_model)
-        strategy._register_ddp_hooks()  # the communication hooks of the old wrapper (CUDA only)
 
     def heal_extra(self) -> dict[str, Any]:
         """The fit loop's state at the last batch's end, the LR schedulers' and the generators as

@@ -73,19 +73,20 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return module, torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def dataset() -> TensorDataset:
+def dataset(samples: int = SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(99)
-    ids = torch.randint(0, 12_800, (SAMPLES, SEQ), generator=g)
-    return TensorDataset(ids, torch.randint(0, 2, (SAMPLES,), generator=g))
+    ids = torch.randint(0, 12_800, (samples, SEQ), generator=g)
+    return TensorDataset(ids, torch.randint(0, 2, (samples,), generator=g))
 
 
-def batch(data: TensorDataset, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This launch rank's batch of ``step``: its shard of the shuffled epoch, from the step alone."""
-    sampler = DistributedSampler(data, num_replicas=WORLD, rank=ME, shuffle=True, seed=17)
-    per_epoch = len(sampler) // BATCH
+def batch(data: TensorDataset, step: int, world: int = WORLD, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """This launch rank's batch of ``step``: its shard of the shuffled epoch, from the step alone
+    (also the FSDP2 heal's, tests/workers/sharded_heal_worker.py: 4 ranks, 2 a batch)."""
+    sampler = DistributedSampler(data, num_replicas=world, rank=ME, shuffle=True, seed=17)
+    per_epoch = len(sampler) // size
     sampler.set_epoch(step // per_epoch)
-    at = (step % per_epoch) * BATCH
-    ids, labels = data[list(sampler)[at : at + BATCH]]
+    at = (step % per_epoch) * size
+    ids, labels = data[list(sampler)[at : at + size]]
     return ids, labels
 
 
@@ -156,6 +157,9 @@ def main() -> None:
     put("digests", digests(module))
     put("parameters", sum(p.numel() for p in module.parameters()))
     put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    # Rank 0 hosts the job's store under this launcher: it waits here for the last rank to have read
+    # the last commit's outcome (seen once in CI: the restarted rank lost the store reading it).
+    dist.barrier()
     rankkit.done()
 
 

@@ -45,10 +45,11 @@ from typing import Any
 import rankkit
 import torch
 import torch.distributed as dist
-import transformers
+from ddp_bitequal_worker import batch as bert_batch
+from ddp_bitequal_worker import dataset as bert_dataset
+from ddp_bitequal_worker import make as make_bert  # a BERT classifier of 2.05M parameters, AdamW
 from rankkit import put
 from recovering_worker import full_state, shard_layers  # the FSDP2 layout and its gathered state
-from torch.utils.data import DistributedSampler, TensorDataset
 
 import ncclguard
 from ncclguard import FSDP2, RecoveringStep
@@ -79,7 +80,9 @@ REBUILD_S = 90.0  # the restarted processes import torch again (20 s seen on a l
 HEAL_S = 60.0
 
 
-BERT_WORLD, BERT_BATCH, SEQ, SAMPLES, WARMUP = 4, 2, 16, 24, 3  # ring: 6 samples a rank, 3 steps an epoch
+# ring: the BERT job of tests/workers/ddp_bitequal_worker.py on 4 ranks: 6 samples a rank, 3 steps an epoch.
+BERT_WORLD, BERT_BATCH, WARMUP = 4, 2, 3
+BERT_DATA = bert_dataset(24)
 
 
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -93,41 +96,12 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return module, torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.8, 0.95))
 
 
-def make_bert() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    config = transformers.BertConfig(
-        vocab_size=12_800,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=SEQ,
-        num_labels=2,
-    )
-    torch.manual_seed(7)
-    module = transformers.BertForSequenceClassification(config)
-    return module, torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
-
-
 def shard_bert(module: torch.nn.Module, mesh: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for layer in module.bert.encoder.layer:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
-
-
-def bert_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This launch rank's batch of ``step``: its shard of the shuffled epoch, from the step alone."""
-    g = torch.Generator().manual_seed(99)
-    data = TensorDataset(
-        torch.randint(0, 12_800, (SAMPLES, SEQ), generator=g), torch.randint(0, 2, (SAMPLES,), generator=g)
-    )
-    sampler = DistributedSampler(data, num_replicas=BERT_WORLD, rank=ME, shuffle=True, seed=17)
-    per_epoch = len(sampler) // BERT_BATCH
-    sampler.set_epoch(step // per_epoch)
-    at = (step % per_epoch) * BERT_BATCH
-    ids, labels = data[list(sampler)[at : at + BERT_BATCH]]
-    return ids, labels
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +186,7 @@ def train(kill_at: int | None, base: int) -> tuple[RecoveringStep, list[dict[str
     )
     results: list[dict[str, Any]] = RESULTS if base else []
     for step in stepper.steps(base + STEPS, start=base):
-        x, y = bert_batch(step - base) if SCENARIO == "ring" else batch(step - base)
+        x, y = bert_batch(BERT_DATA, step - base, BERT_WORLD, BERT_BATCH) if SCENARIO == "ring" else batch(step - base)
         if base == 0 and step == BACK_AT and SCENARIO == "kill":
             AT_BACK.append(full_state(stepper))  # every rank at once: a gather over the world
 
