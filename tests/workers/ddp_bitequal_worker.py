@@ -158,7 +158,7 @@ def main() -> None:
     put("parameters", sum(p.numel() for p in module.parameters()))
     put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
     # Rank 0 hosts the job's store under this launcher: it waits here for the last rank to have read
-    # the last commit's outcome (seen once in CI: the restarted rank lost the store reading it).
+    # the last commit's outcome (seen once in a full run here: the restarted rank lost the store reading it).
     dist.barrier()
     rankkit.done()
 
