@@ -276,6 +276,17 @@ def test_behind_is_told_by_the_whole_world_group_where_a_peer_is_behind() -> Non
     assert pick_world_group({"0": 3}, [{"1": 0}], "0") == "0"  # a group this rank is not in is no evidence
 
 
+def test_a_peer_whose_beat_has_no_count_in_the_group_is_neither_behind_nor_level() -> None:
+    from ncclguard.recovery._verdict.levers import Standing, standing
+
+    # Rank 1 beat once inside the rebuild's init_process_group (no group yet: {}), then stopped. Read
+    # as level, it was never judged and its peer waited out the step bound (a full run here, once).
+    got = standing({1: {}, 2: {"0": 9}, 3: {"0": 11}, 4: None, 5: {"7": 2}, 6: {"0": 10}}, "0", 10)
+    assert (got.behind, got.ahead, got.uncounted) == ({2}, {3}, {1, 4, 5})
+    assert 6 not in got.behind | got.ahead | got.uncounted  # level: waits in the same op
+    assert standing({}, "0", 3) == Standing(frozenset(), frozenset(), frozenset())  # no peer beat yet
+
+
 WORLD_OF_ONE = textwrap.dedent(
     """
     import os, torch, torch.distributed as dist

@@ -52,6 +52,16 @@ def asleep_for_good(key: str = "stall_at") -> NoReturn:
         time.sleep(0.1)
 
 
+def beats_uncounted(seconds: float) -> None:
+    """From now on this rank's heartbeats carry no backend count, as the one its watchdog publishes
+    inside a rebuild's ``init_process_group`` (before the new group exists); waits ``seconds`` here,
+    so that at least one such beat goes out (the watchdog beats every 5 s by default)."""
+    from ncclguard.watching.sensors.rank_state import RankState
+
+    RankState.backend_seq = staticmethod(dict)  # type: ignore[method-assign]
+    time.sleep(seconds)
+
+
 def kill(who: int) -> None:
     """Rank ``who`` dies here with SIGKILL: no cleanup, no goodbye to its peers."""
     if rank() == who:

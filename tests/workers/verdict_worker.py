@@ -6,8 +6,9 @@ and no timeout set anywhere: the group keeps gloo's 30 min, the step bound its 3
 
 ``stuck`` (3 ranks): WARM healthy steps (the step bound is learned: its floor), then at step
 ASLEEP launch rank 2 sleeps in Python for good; ranks 0-1 go on as a world of 2. At step STOPPED
-launch rank 1 stops itself (SIGSTOP); rank 0 goes on alone and, once done, lets it continue
-(SIGCONT): it finds itself left out and exits 0.
+launch rank 1 publishes heartbeats with no backend count for 6 s (as one published inside the
+rebuild's ``init_process_group``), then stops itself (SIGSTOP); rank 0 goes on alone and, once
+done, lets it continue (SIGCONT): it finds itself left out and exits 0.
 
 ``hf`` (3 ranks): the HF Trainer with ``TrainingArguments``' defaults and ``guard_trainer(trainer,
 recover=True, allow_shrink=True)``: at global step ASLEEP launch rank 2 sleeps for good in the
@@ -96,6 +97,7 @@ def main(mode: str) -> None:
             if mode == "stuck" and me == 2 and step == ASLEEP:
                 rankkit.asleep_for_good()
             if mode == "stuck" and me == 1 and step == STOPPED:
+                rankkit.beats_uncounted(6.0)  # the beat that once kept it from being judged (a full run)
                 put("stall_at", time.time())
                 rankkit.save()
                 os.kill(os.getpid(), signal.SIGSTOP)

@@ -40,6 +40,7 @@ __all__ = [
     "on_this_host",
     "pick_world_group",
     "post_stuck_death",
+    "standing",
     "stuck_notices",
     "supervisor_answer",
     "unprefixed",
@@ -170,6 +171,42 @@ def world_seq(names: dict[dist.ProcessGroup, str] | None = None) -> tuple[str, i
         log.debug("verdict: ranks behind and ahead are told by group %s now (was %s)", group, looks.picked)
     looks.picked = group
     return group, mine[group]
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where the peers stand against this rank in the compared group, by their heartbeats.
+
+    Attributes:
+        behind: peers whose count is lower (they have not reached this rank's op).
+        ahead: peers whose count is higher (they wait in an op this rank has not reached).
+        uncounted: peers whose heartbeat carries no count in that group (one published while the
+            group was being made, inside a rebuild's ``init_process_group``): it tells nothing, so they
+            are judged as peers with no heartbeat in this world (from ``/proc``, or by their supervisor).
+    """
+
+    behind: frozenset[int]
+    ahead: frozenset[int]
+    uncounted: frozenset[int]
+
+
+def standing(counts: dict[int, dict[str, int] | None], group: str, seq: int) -> Standing:
+    """Sorts the peers by their count in ``group`` against this rank's ``seq``.
+
+    Args:
+        counts: each peer's ``backend_seq`` from its heartbeat (None where it carries none).
+        group: the whole-world group compared (:func:`world_seq`).
+        seq: this rank's count in it.
+
+    Returns:
+        The :class:`Standing`.
+    """
+    known = {r: c[group] for r, c in counts.items() if c and group in c}
+    return Standing(
+        behind=frozenset(r for r, n in known.items() if n < seq),
+        ahead=frozenset(r for r, n in known.items() if n > seq),
+        uncounted=frozenset(set(counts) - set(known)),
+    )
 
 
 def cut_connections(pid: int) -> int:

@@ -41,6 +41,7 @@ from ncclguard.recovery._verdict.levers import (
     judge_after,
     on_this_host,
     post_stuck_death,
+    standing,
     supervisor_answer,
     world_seq,
 )
@@ -148,30 +149,38 @@ class VerdictDriver:
         for r, (hb, age) in beats.items():
             self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
             self._sample(seen, r, hb, age, now)
-        silent = self._silent(seen, world, set(beats), now)
+        group, seq = mine
+        where = standing({r: hb.backend_seq for r, (hb, _) in beats.items()}, group, seq)
+        # A beat without a count in the group (published inside the rebuild's init_process_group, then
+        # the rank stopped) tells neither behind nor level: with no beat since for two periods, such a
+        # peer is judged as one with no beat in this world (a live rank's next beat carries its count).
+        mute = {r for r in where.uncounted if beats[r][1] >= 2 * _heartbeat_s()}
+        silent = self._silent(seen, world, set(beats) - mute, now)
         if now - seen.started < self.judge_s():
             return
         self._own.judged_by_peers(world, now)
-        group, seq = mine
-        behind = {r: hb for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) < seq}
-        ahead = [r for r, (hb, _) in beats.items() if (hb.backend_seq or {}).get(group, seq) > seq]
-        if ahead and not behind:
-            self._own.check(seen, ahead, now)
+        behind = {r: beats[r][0] for r in where.behind}
+        if where.ahead and not behind:
+            self._own.check(seen, sorted(where.ahead), now)
         if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
-            behind.update(silent)  # no beat in this world for two periods past the bound: only /proc judges
+            behind.update(silent)  # no counted beat in this world for two periods past the bound: only /proc judges
+            behind.update({r: beats[r][0] for r in mute if not on_this_host(beats[r][0])})  # its supervisor is asked
         for r, hb in behind.items():
             if r not in seen.acted:
                 self._judge(seen, r, hb, seen.peers[r].judge(now), now, beats)
         self._ask_remote(seen, world, {r: (hb, beats[r][1]) for r, hb in behind.items() if r in beats}, now)
 
     def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
-        """Members on this host with no heartbeat in this world yet (one stopped right after a
-        rebuild), sampled from /proc by the process their last heartbeat named."""
+        """Members on this host with no counted heartbeat in this world yet (one stopped right after
+        a rebuild), sampled from /proc by the process their last heartbeat named."""
         out = {}
         me = dist.get_rank()
         for r in range(dist.get_world_size()):
             hb = self._procs.get(world.origin(r))
             if r == me or r in beating or hb is None or not on_this_host(hb):
+                continue
+            if r in seen.peers and seen.peers[r].last_at == now:  # sampled from /proc by this look already
+                out[r] = hb
                 continue
             sample = sample_process(hb.pid, now)
             if sample is not None:
