@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from ncclguard import WatchdogConfig, phase
 from ncclguard import start_watchdog as _start_watchdog
-from ncclguard._log import log
 from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.evaluation.guard import FAILED_METRIC, GuardOptions, last_report
 from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
+from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate_recovery import AcceleratorRecoveringStep, follow_world, recovering_step

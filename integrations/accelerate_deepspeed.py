@@ -60,14 +60,12 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ncclguard._log import log
-from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.engine import Adapter, Recovery, Transaction
 from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
+from ncclguard.toolkit import log, restart_count, stand_in_active
 
 from .accelerate_recovery import _bound_names, _Micro, check_window, follow_world, replay_window
 from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
@@ -242,7 +240,7 @@ class AcceleratorDeepSpeedStep(Adapter):
         self.state: DeepSpeedState | None = None
         if prepared:
             self._adopt(model, optimizer, self._prepared_scheduler())  # refuses what DeepSpeedState cannot take
-        elif not (options.heal and restart_count() > 0 and stand_in.active()):
+        elif not (options.heal and restart_count() > 0 and stand_in_active()):
             engine, prepared_optimizer = accelerator.prepare(model, optimizer)
             self._adopt(engine, prepared_optimizer, self._prepared_scheduler())
         # else: a restarted process, whose world is a stand-in of one until the join (ZeRO-3's zero.Init

@@ -12,11 +12,11 @@
 It is :class:`~ncclguard.recovery.recovering.RecoveringStep` (the recovery engine's adapter for a
 loop of your own) with a ``wrap`` that knows the Accelerator: after a rebuild it points the wrapper
 ``accelerator.prepare`` returned (the same object, so ``accelerator._models`` and the loop's
-variable follow) at the new group (:func:`~ncclguard.recovery._rebuild.repoint.repoint_ddp`), and, when the
+variable follow) at the new group (:func:`~ncclguard.toolkit.repoint_ddp`), and, when the
 world changed size or this rank was renumbered, updates Accelerate's shared state
 (``num_processes``, ``process_index``: what ``accelerator.is_main_process``, ``gather`` and the
 samplers Accelerate builds later read). After a rebuild that admitted restarted ranks
-(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.recovery._rebuild.repoint.rewrapped_ddp`,
+(``heal=True``) every rank wraps its module anew instead (:func:`~ncclguard.toolkit.rewrapped_ddp`,
 in the gradient buckets the survivors' wrappers had, so the redone step sums as before):
 use the model ``step_fn`` is given, or ``stepper.model``, not the one ``prepare`` returned.
 Each recovered step is logged with ``accelerator.log`` (keys ``ncclguard_recover_*``) and the
@@ -64,14 +64,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ncclguard import _torch_compat as compat
-from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
-from ncclguard.recovery._step.ddp_layout import kept_layout, share_layout, wrap_in_layout
 from ncclguard.recovery.engine import Transaction
 from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.recovering import RecoveringStep
+from ncclguard.toolkit import (
+    default_group,
+    kept_layout,
+    layout_source,
+    repoint_ddp,
+    repoint_sampler,
+    rewrapped_ddp,
+    share_layout,
+    unwrapped,
+    wrap_in_layout,
+)
 from ncclguard.world import current_world
 
 __all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step"]
@@ -307,14 +315,14 @@ class AcceleratorRecoveringStep(RecoveringStep):
         # At construction (nothing to do, unless this process just joined: its wrapper was built on
         # the stand-in) and after each rebuild.
         old = self.wrapper
-        if not isinstance(old, DistributedDataParallel) or old.process_group is compat.default_group():
+        if not isinstance(old, DistributedDataParallel) or old.process_group is default_group():
             return old
         joined = current_world().joined
         if joined:  # restarted ranks joined: every rank's wrapper starts afresh
             # In the buckets of the lowest rank that did not join (a restarted rank's wrapper never
             # stepped): a new wrapper's first layout is not the one the survivors' had rebuilt
             # (docs/recovery.md, "Bit-equality and DDP's buckets").
-            source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
+            source = layout_source(joined)
             layout = kept_layout(old, 1) if dist.get_rank() == source else None
             shared = share_layout(layout, source, old.module)
             self.wrapper = wrap_in_layout(old.module, shared, build=lambda _module: rewrapped_ddp(old))

@@ -43,10 +43,8 @@ from typing import Any, NoReturn, Unpack
 
 import torch
 
-from ncclguard import _torch_compat as compat
-from ncclguard._log import log
 from ncclguard.errors import RebuildFailed
-from ncclguard.recovery._rebuild.restarts import restart_count
+from ncclguard.exits import exit_now
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.heal import HealResult
@@ -54,7 +52,7 @@ from ncclguard.recovery.options import RecoveryKeywords, RecoveryOptions, recove
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
-from ncclguard.watching.ladder.actions import exit_now
+from ncclguard.toolkit import default_group, log, restart_count
 
 from .deepspeed_state import DeepSpeedState
 
@@ -332,7 +330,7 @@ class CommittedEngineStep(Adapter):
             # refuses for a destroyed group: for the save only, the new world group (same size:
             # no shrink) stands in.
             if old_group is not None:
-                optimizer.dp_process_group = compat.default_group()
+                optimizer.dp_process_group = default_group()
             self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag)
         except Exception:  # noqa: BLE001 - the exit below is the point; the error is logged
             log.exception("CommittedEngineStep: engine.save_checkpoint(%s) failed", self.checkpoint_dir)

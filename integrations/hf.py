@@ -39,9 +39,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
-from ncclguard._log import log
 from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.options import RecoveryKeywords
+from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
 from .accelerate import dataloaders_restored_on_skip

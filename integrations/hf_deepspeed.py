@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from ncclguard._log import log
 from ncclguard.errors import HealFailed
 from ncclguard.recovery.engine import Recovery
-from ncclguard.recovery.heal import _from_json
 from ncclguard.recovery.snapshots.restore import Fetched, agree, put_back
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
+from ncclguard.recovery.state_json import from_json
+from ncclguard.toolkit import log
 
 from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
 from .deepspeed_state import DeepSpeedState
@@ -281,7 +281,7 @@ def _resume_from(fetched: Fetched) -> tuple[dict[str, Any] | None, str | None]:
 
         TrainerState(**json.loads(text))  # what the Trainer will read: refused here if it cannot
         sent, gens = fetched.generators if fetched.generators is not None else (None, [])
-        generators = _from_json(sent, gens) if sent is not None else None
+        generators = from_json(sent, gens) if sent is not None else None
     except (TypeError, ValueError, KeyError, IndexError) as exc:  # every rank must reach the agreement
         return None, f"the snapshot's Trainer state or generators cannot be read: {exc}"
     return {"trainer_state": text, "scheduler": None, "generators": generators}, None

@@ -17,7 +17,7 @@ of its last ``training_step``, before the clipping and before anything is applie
    clips, steps the optimizer and the LR scheduler once, as it would without ncclguard.
 3. Not ok: the engine rebuilds the world; this adapter points the Trainer's DDP wrapper (the same
    object everywhere: the loop's ``model``, ``trainer.model_wrapped``, ``accelerator._models``) at
-   the new group in place (:func:`~ncclguard.recovery._rebuild.repoint.repoint_ddp`); the engine puts the
+   the new group in place (:func:`~ncclguard.toolkit.repoint_ddp`); the engine puts the
    buffers and the generators back; the recorded micro-batches run again with their ``no_sync``
    state, and the step commits again. The loss the Trainer had summed for the failed attempt's
    earlier micro-batches is replaced by the redo's.
@@ -51,17 +51,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard._log import log
-from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, unwrapped
-from ncclguard.recovery._rebuild.restarts import restart_count
-from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import StateCodec
+from ncclguard.toolkit import (
+    generators_to_send,
+    load_scheduler,
+    log,
+    repoint_ddp,
+    repoint_sampler,
+    restart_count,
+    restore_sent_generators,
+    stand_in_active,
+    unwrapped,
+)
 
 from .accelerate_recovery import follow_world
 from .hf_deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
@@ -292,7 +298,7 @@ class TrainerRecovery(Adapter):
         """``trainer.train()``: on a restarted rank, joins first; on every rank, enters the loop
         again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`)."""
         bound = inspect.signature(self.original_train).bind(*args, **kwargs)
-        if restart_count() > 0 and stand_in.active():
+        if restart_count() > 0 and stand_in_active():
             if self.trainer.optimizer is None and self._ds is None:  # made now, so that the heal fills it
                 self.trainer.create_optimizer()
             self.engine.join_if_restarted()

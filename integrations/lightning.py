@@ -48,11 +48,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
-from ncclguard._log import log
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
-from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.recovery.records import Recovered
+from ncclguard.toolkit import log, restart_count
 from ncclguard.watching.watchdog import Watchdog
 
 from .lightning_preempt import preempt_wrappers

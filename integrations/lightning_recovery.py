@@ -49,22 +49,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard._log import log
-from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.restarts import restart_count
-from ncclguard.recovery._step.ddp_layout import kept_layout, share_layout, wrap_in_layout
-from ncclguard.recovery._step.step_state import (
-    StepState,
-    generators_to_send,
-    load_scheduler,
-    restore_sent_generators,
-)
 from ncclguard.recovery.engine import Adapter, Recovery, Reenter, Transaction
 from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.options import RecoveryOptions
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
+from ncclguard.toolkit import (
+    StepState,
+    generators_to_send,
+    kept_layout,
+    layout_source,
+    load_scheduler,
+    log,
+    restart_count,
+    restore_sent_generators,
+    share_layout,
+    stand_in_active,
+    wrap_in_layout,
+)
 
 from .lightning_preempt import save_lightning
 from .lightning_sharded import ShardedLightning, check_model_parallel
@@ -335,7 +338,7 @@ class StepRecovery(Adapter):
         original = trainer.fit_loop.run
 
         def run() -> Any:
-            if restart_count() > 0 and stand_in.active():
+            if restart_count() > 0 and stand_in_active():
                 joined = self.engine.join_if_restarted()
                 # The survivors' wrappers take the healing rank's buckets; this one takes them too.
                 self._layout_from = joined.source if isinstance(joined, HealResult) else None
@@ -465,8 +468,7 @@ class StepRecovery(Adapter):
             return
         # Every rank's new wrapper takes the buckets of the rank that heals (the lowest that did not
         # join); a restarted rank reads the same rank as its heal's source.
-        joined = set(rebuilt.joined_ranks)
-        source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
+        source = layout_source(rebuilt.joined_ranks)
         if rebuilt.joined_ranks and self.engine.options.heal:
             self._resume, self._layout_from = self.heal_extra(), source
             raise Reenter(f"restarted ranks {rebuilt.joined_ranks} joined")

@@ -23,7 +23,7 @@ being sharded already, e.g. ``isinstance(self.net, FSDPModule)``, never on a fla
 fit starts, before any step, by a dry run on the meta device.
 
 A restarted rank (``heal=True``) builds its strategy on the stand-in world of one
-(:mod:`ncclguard.recovery._rebuild.stand_in`), where Lightning's mesh of the launch's world size
+(:func:`ncclguard.toolkit.stand_in_active`), where Lightning's mesh of the launch's world size
 cannot be made ("Mesh should not be bigger than default world size"): while the stand-in is in force,
 :func:`install_stand_in_mesh` makes it a mesh of one with the same dimension names. The restarted
 rank's model is then whole (a mesh of one) until it joins; the join shards it on the real world before
@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 
-from ncclguard._log import log
-from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery.fsdp2 import repoint_optimizer
+from ncclguard.toolkit import log, stand_in_active
 
 __all__ = ["ShardedLightning", "check_model_parallel", "install_stand_in_mesh"]
 
@@ -248,7 +247,7 @@ def install_stand_in_mesh() -> bool:
         return True
 
     def setup_device_mesh(data_parallel_size: int, tensor_parallel_size: int, world_size: int, device: Any) -> Any:
-        if stand_in.active():
+        if stand_in_active():
             # The same dimension names, so configure_model's self.device_mesh["data_parallel"] works.
             return original(1, 1, 1, device)
         return original(data_parallel_size, tensor_parallel_size, world_size, device)

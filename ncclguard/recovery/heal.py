@@ -33,6 +33,7 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import HealFailed
+from ncclguard.recovery.state_json import from_json, to_json
 from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
 from ncclguard.world import current_world
@@ -59,7 +60,7 @@ class Header(BaseModel):
     Attributes:
         tensors: the manifest, module tensors first (``module_tensors`` of them), then the
             optimizer's, in the order their bytes are sent.
-        optimizer: the optimizer's ``state_dict`` as tagged JSON (:func:`_to_json`), or None.
+        optimizer: the optimizer's ``state_dict`` as tagged JSON (:func:`to_json`), or None.
         extra: what the framework's adapter sends besides (a trainer's state, a scheduler's, the
             generators), as tagged JSON whose tensors follow the optimizer's, or None.
         step: the step the receivers should run next (the one the others redo), or None.
@@ -108,48 +109,6 @@ class HealResult(Result):
     error: HealFailed | None = None
 
 
-# --- the optimizer's state as JSON: every container tagged, tensors by index, nothing pickled ---
-
-
-def _to_json(value: Any, tensors: list[torch.Tensor], path: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return {"t": len(tensors) - 1}
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"f": repr(value)}
-    if isinstance(value, list | tuple):
-        items = [_to_json(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
-        return {"u" if isinstance(value, tuple) else "l": items}
-    if isinstance(value, dict):
-        if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in value):
-            raise HealFailed(f"the optimizer's state at {path} has keys that are not str or int; heal cannot send it")
-        return {"d": [[k, _to_json(v, tensors, f"{path}[{k!r}]")] for k, v in value.items()]}
-    raise HealFailed(
-        f"the optimizer's state at {path} is a {type(value).__name__}; heal sends tensors and JSON values "
-        "(None, bool, int, float, str, lists, tuples, dicts) only, never pickles"
-    )
-
-
-def _from_json(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if not isinstance(value, dict):
-        return value
-    if len(value) != 1:
-        raise ValueError(f"an untagged object in the optimizer's state: {sorted(value)[:5]}")
-    ((tag, body),) = value.items()
-    if tag == "t":
-        return tensors[int(body)]
-    if tag == "f":
-        return float(body)
-    if tag in ("l", "u"):
-        items = [_from_json(v, tensors) for v in body]
-        return tuple(items) if tag == "u" else items
-    if tag == "d":
-        return {k: _from_json(v, tensors) for k, v in body}
-    raise ValueError(f"unknown tag {tag!r} in the optimizer's state")
-
-
 def _dtype(name: str) -> torch.dtype:
     found = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(found, torch.dtype):
@@ -175,8 +134,8 @@ def _header(
     named = _module_tensors(module)
     sent = [t.detach() for _, t in named]
     opt_tensors: list[torch.Tensor] = []
-    opt_json = _to_json(optimizer.state_dict(), opt_tensors, "state_dict") if optimizer is not None else None
-    extra_json = _to_json(extra, opt_tensors, "extra") if extra is not None else None  # its tensors follow
+    opt_json = to_json(optimizer.state_dict(), opt_tensors, "state_dict") if optimizer is not None else None
+    extra_json = to_json(extra, opt_tensors, "extra") if extra is not None else None  # its tensors follow
     entries = [_entry(n, t) for n, t in named] + [_entry(f"o:{i}", t) for i, t in enumerate(opt_tensors)]
     header = Header(
         tensors=entries, module_tensors=len(named), optimizer=opt_json, extra=extra_json, step=step, chunk_bytes=chunk
@@ -204,7 +163,7 @@ def _check(header: Header, module: torch.nn.Module, optimizer: torch.optim.Optim
         return "the source and this rank disagree on whether there is an optimizer to heal"
     if optimizer is not None:
         try:
-            groups = _from_json(header.optimizer, [torch.empty(0)] * len(header.tensors))["param_groups"]
+            groups = from_json(header.optimizer, [torch.empty(0)] * len(header.tensors))["param_groups"]
             theirs = [len(g["params"]) for g in groups]
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return f"the optimizer's state cannot be read ({exc})"
@@ -393,7 +352,7 @@ def _heal(
         _apply(module, optimizer, header, staged)
         if header.extra is not None:
             try:
-                result.extra = _from_json(header.extra, staged[header.module_tensors :])
+                result.extra = from_json(header.extra, staged[header.module_tensors :])
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 raise HealFailed(f"the source's extra state cannot be read ({exc})") from exc
 
@@ -535,7 +494,7 @@ def _apply(
     # The optimizer first: it is the part that can still refuse, and the module is untouched then.
     if optimizer is not None:
         try:
-            state = _from_json(header.optimizer, staged[header.module_tensors :])
+            state = from_json(header.optimizer, staged[header.module_tensors :])
             optimizer.load_state_dict(state)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
             raise HealFailed(f"the optimizer's state could not be loaded ({type(exc).__name__}: {exc})") from exc

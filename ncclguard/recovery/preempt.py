@@ -11,7 +11,7 @@ their next collective. So, while a :class:`~ncclguard.recovery.engine.Recovery` 
    ``stop`` when any rank asked, so every rank learns it at the same step, in the round it holds
    anyway (:func:`~ncclguard.recovery.commit.should_commit`; ``CommitResult.stop``);
 3. the step is applied as usual; when the loop comes back for its next step, every rank calls its
-   adapter's :meth:`~ncclguard.recovery.engine.Adapter.save_checkpoint` into the directory the user
+   adapter's :meth:`~ncclguard.recovery.adapter.Adapter.save_checkpoint` into the directory the user
    named (``preempt_dir=``, else :data:`PREEMPT_DIR_VAR`), rank 0 writes :data:`MARKER` there, and
    the process exits with :data:`PREEMPTED_STATUS` (:func:`stop_now`). Without a directory nothing
    is written: the log says so and the rank exits with the same status.
@@ -35,11 +35,11 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
+from ncclguard.exits import exit_now
 from ncclguard.recovery._rebuild.restarts import stop_grace_s
-from ncclguard.watching.ladder.actions import exit_now
 
 if TYPE_CHECKING:
-    from ncclguard.recovery.engine import Adapter
+    from ncclguard.recovery.adapter import Adapter
 
 __all__ = [
     "MARKER",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, share_layout, wrap_in_layout
+from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, layout_source, share_layout, wrap_in_layout
 from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
@@ -271,9 +271,7 @@ class RecoveringStep(Adapter):
         else:
             # The layout of the rank that sends the heal (the lowest that did not join): a restarted
             # rank, wrapping in its constructor, takes it from the same rank.
-            joined = set(rebuilt.joined_ranks)
-            source = next((r for r in range(dist.get_world_size()) if r not in joined), 0)
-            self._model = self._wrapped(layout_from=source, layout=layout)
+            self._model = self._wrapped(layout_from=layout_source(rebuilt.joined_ranks), layout=layout)
             if not rebuilt.joined_ranks:  # a restarted rank's wrapper is new: every rank's starts as its does
                 self._put_forward_sync()
 

@@ -27,8 +27,8 @@ def test_every_error_is_in_errors_all_and_derives_from_the_base():
 
 def test_no_exception_class_is_defined_outside_errors_py():
     # Internal signals that never reach a user: the collectives' DeadlinePassed becomes a
-    # CollectiveTimeout; the engine's Reenter unwinds a framework's loop and its adapter catches it.
-    allowed = {("ncclguard/collectives/completion.py", "DeadlinePassed"), ("ncclguard/recovery/engine.py", "Reenter")}
+    # CollectiveTimeout; the adapter protocol's Reenter unwinds a framework's loop and its adapter catches it.
+    allowed = {("ncclguard/collectives/completion.py", "DeadlinePassed"), ("ncclguard/recovery/adapter.py", "Reenter")}
     found = set()
     for path in [*ROOT.glob("ncclguard/**/*.py"), *ROOT.glob("integrations/*.py")]:
         rel = str(path.relative_to(ROOT))

@@ -134,6 +134,32 @@ def offences(root: Path, parts: list[Part]) -> list[str]:
     return found
 
 
+def private_imports(root: Path) -> list[str]:
+    """Every import in ``integrations/`` of a private module or name of ncclguard (one whose dotted
+    path or imported name has a ``_``-prefixed part): adapters use the public API and the adapter
+    toolkit (``ncclguard/toolkit.py``) alone. Imports between the integrations' own modules are theirs."""
+    found = []
+    for path in sorted((root / "integrations").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                pairs = [(node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [(alias.name, "") for alias in node.names]
+            else:
+                continue
+            for module, name in pairs:
+                parts = module.split(".")
+                if parts[0] != "ncclguard" or parts[1:2] == ["integrations"]:
+                    continue
+                private = [p for p in [*parts[1:], name] if p.startswith("_") and not p.startswith("__")]
+                if private:
+                    found.append(
+                        f"{rel}:{node.lineno}: imports {module}{'.' + name if name else ''} (private: {private[0]})"
+                    )
+    return found
+
+
 def test_the_table_names_every_module_and_every_part_exists() -> None:
     parts = read_contract(ARCHITECTURE)
     assert len(parts) >= 8
@@ -147,6 +173,10 @@ def test_the_table_names_every_module_and_every_part_exists() -> None:
 
 def test_the_code_keeps_the_layers() -> None:
     assert offences(REPO, read_contract(ARCHITECTURE)) == []
+
+
+def test_the_integrations_import_nothing_private() -> None:
+    assert private_imports(REPO) == []
 
 
 @pytest.fixture
@@ -196,3 +226,20 @@ def test_the_watchdog_rooms_keep_their_order(tree: Path) -> None:
         "ncclguard/watching/sensors/liveness.py",
     ], found
     assert "of incident handling (layer 6)" in found[0] and "of ladder (layer 5)" in found[1]
+
+
+def test_a_planted_private_import_in_an_integration_is_caught(tree: Path) -> None:
+    hf = tree / "integrations" / "hf.py"
+    hf.write_text(
+        hf.read_text()
+        + "\nfrom ncclguard.recovery._rebuild.restarts import restart_count  # planted"
+        + "\nfrom ncclguard.recovery.heal import _check  # planted"
+        + "\nimport ncclguard._torch_compat  # planted"
+        + "\nfrom ncclguard.toolkit import restart_count  # the public door: allowed\n"
+    )
+    found = private_imports(tree)
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "imports ncclguard.recovery._rebuild.restarts.restart_count (private: _rebuild)",
+        "imports ncclguard.recovery.heal._check (private: _check)",
+        "imports ncclguard._torch_compat (private: _torch_compat)",
+    ], found

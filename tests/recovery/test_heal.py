@@ -17,8 +17,10 @@ import ncclguard
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
 from ncclguard.recovery._rebuild.meeting_rules import Arrival, MeetingOutcome, WorldRecord, check_arrivals
-from ncclguard.recovery.heal import Header, _check, _from_json, _header, _to_json
+from ncclguard.recovery.heal import Header, _check, _header
 from ncclguard.recovery.rejoin import _live_attempt
+from ncclguard.recovery.state_json import from_json as _from_json
+from ncclguard.recovery.state_json import to_json as _to_json
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import MeetingKeys, world_record_key
 from ncclguard.store.world_record import read_world_record

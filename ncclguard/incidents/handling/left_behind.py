@@ -28,9 +28,9 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.exits import exit_now
 from ncclguard.incidents.model import FenceNote
 from ncclguard.watching.base.watchdog_store import WatchdogStore
-from ncclguard.watching.ladder.actions import exit_now
 from ncclguard.world import current_world
 
 __all__ = ["LeftBehind", "arm", "fence_if_left_behind"]

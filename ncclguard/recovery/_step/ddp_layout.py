@@ -27,7 +27,7 @@ builds itself, after every rebuild:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.errors import TorchCompatError
 
-__all__ = ["Layout", "bucket_layout", "kept_layout", "share_layout", "wrap_in_layout"]
+__all__ = ["Layout", "bucket_layout", "kept_layout", "layout_source", "share_layout", "wrap_in_layout"]
 
 #: Gradient buckets in the order a reducer all-reduces them, each a list of indices into the
 #: module's ``named_parameters()``, in the order of the bucket's buffer.
@@ -92,6 +92,20 @@ def kept_layout(model: torch.nn.Module | None, steps: int) -> Layout | None:
             "may differ from a run without the fault in the last bits"
         )
     return layout
+
+
+def layout_source(joined: Iterable[int]) -> int:
+    """The rank whose buckets every rank's new wrapper takes after a rebuild: the lowest that did not
+    join (a restarted rank's wrapper never stepped; it is also the rank that sends the heal).
+
+    Args:
+        joined: the ranks that joined in this rebuild (restarted processes).
+
+    Returns:
+        That rank; 0 where every rank joined.
+    """
+    fresh = set(joined)
+    return next((r for r in range(dist.get_world_size()) if r not in fresh), 0)
 
 
 def share_layout(layout: Layout | None, source: int, module: torch.nn.Module) -> Layout | None:

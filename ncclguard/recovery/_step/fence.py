@@ -25,10 +25,10 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
+from ncclguard.exits import exit_now
 from ncclguard.incidents.handling.left_behind import LeftBehind, arm
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.world_record import WorldRecord, read_world_record
-from ncclguard.watching.ladder.actions import exit_now
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import current_world
 

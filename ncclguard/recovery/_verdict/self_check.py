@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
+from ncclguard.exits import exit_now
 from ncclguard.recovery._verdict.levers import ask_supervisor, post_stuck_death, stuck_notices
 from ncclguard.recovery._verdict.seen import Seen
-from ncclguard.watching.ladder.actions import exit_now
 from ncclguard.world import current_world
 
 __all__ = ["POLL_S", "SELF_ASK_S", "SelfCheck"]

@@ -42,13 +42,13 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
 from ncclguard.recovery._step.step_state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
-from ncclguard.recovery.heal import _to_json
 from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
 from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k
-from ncclguard.recovery.snapshots.memory import Fit, MemoryCap, steady_bytes
+from ncclguard.recovery.snapshots.memory import GROWN, Fit, MemoryCap, steady_bytes
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
+from ncclguard.recovery.state_json import to_json
 from ncclguard.store.deaths import DeathWatch
 from ncclguard.world import Slot, World, current_world
 
@@ -65,10 +65,6 @@ class SideGroup:
     group: Any
     buddy: list[int]
     hosts: list[int]
-
-
-# A snapshot this much larger than the one the memory line and the cap were made for makes them anew.
-GROWN = 1.1
 
 
 def _side_group(world: World) -> SideGroup:
@@ -166,7 +162,6 @@ class Keeper:
     _cap: MemoryCap = field(default_factory=MemoryCap)
     _failures: FailureRate = field(default_factory=FailureRate)
     _mtbf: float | None = None  # the failures' mean interval when the last K was asked
-    _fitted_bytes: int = 0  # the own state and replicas the memory cap was fitted to
 
     def __post_init__(self) -> None:
         if not 1 <= self.keep <= MAX_KEEP:
@@ -202,7 +197,7 @@ class Keeper:
         me, size = dist.get_rank(), dist.get_world_size()
         state = self.codec.capture()
         found: list[torch.Tensor] = []
-        state.meta["generators"] = _to_json(generators_to_send(kept), found, "generators")
+        state.meta["generators"] = to_json(generators_to_send(kept), found, "generators")
         for i, t in enumerate(found):
             state.tensors[f"g:{i}"] = t
         snap = pack(state, step, me, self._spare_for(me))
@@ -211,10 +206,10 @@ class Keeper:
         # The replicas it will hold are about its own size (shards of one model). Fitted at the first
         # take and again when the state has grown: the engine's first take comes before the optimizer's
         # first step, when Adam has no moments yet (a third of what the rank will hold).
-        held = snap.manifest.nbytes * (1 + len(srcs))
-        if held > GROWN * self._fitted_bytes:
-            self._fitted_bytes = held
-            self._fit(self._cap.fit(held, self.keep, self.spares))
+        made = len(self._cap.decided)
+        fit = self._cap.fit(snap.manifest.nbytes * (1 + len(srcs)), self.keep, self.spares)
+        if len(self._cap.decided) > made:  # fitted now: said once, not at every take
+            self._fit(fit)
         error: HealFailed | None = None
         if size > 1:
             try:

@@ -48,6 +48,10 @@ class Fit:
     over: bool = False
 
 
+# A snapshot this much larger than the one the memory line and the cap were made for makes them anew.
+GROWN = 1.1
+
+
 @dataclass
 class MemoryCap:
     """The most host memory one rank's committed snapshots may hold (None: no cap).
@@ -62,7 +66,8 @@ class MemoryCap:
 
     def fit(self, held: int, keep: int, spares: bool) -> Fit:
         """What to keep for ``held`` bytes of own state and replicas: decided at the first take, and
-        again for a larger state (a take before the optimizer's first step holds no moments yet).
+        again for a state more than :data:`GROWN` times larger (a take before the optimizer's first
+        step holds no moments yet); a new fit is appended to :attr:`decided`.
 
         Args:
             held: one snapshot of this rank's own state plus one of each replica it keeps.
@@ -70,9 +75,9 @@ class MemoryCap:
             spares: spare buffers, as asked.
 
         Returns:
-            The :class:`Fit`; the one made before for a state at least as large.
+            The :class:`Fit`; the one made before where the state has not grown past it.
         """
-        if self.decided and held <= self.decided_for:
+        if self.decided and held <= GROWN * self.decided_for:
             return self.decided[-1]
         dropped: list[str] = []
         if self.max_bytes is not None and spares and steady_bytes(held, keep, spares) > self.max_bytes:

@@ -36,11 +36,11 @@ from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery._step.step_state import restore_sent_generators
-from ncclguard.recovery.heal import _from_json
 from ncclguard.recovery.snapshots.exchange import Admit, _op, _run, at_most, receive, send
 from ncclguard.recovery.snapshots.keeper import SLOTS, Keeper, side_group
 from ncclguard.recovery.snapshots.packing import Snapshot, admit_fresh, unpack
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
+from ncclguard.recovery.state_json import from_json
 from ncclguard.results import Result
 from ncclguard.world import current_world
 
@@ -389,7 +389,7 @@ def _check_and_apply(
         codec.apply(fetched.state)
         sent, gens = fetched.generators if fetched.generators is not None else (None, [])
         if sent is not None:
-            restore_sent_generators(_from_json(sent, gens))
+            restore_sent_generators(from_json(sent, gens))
     lap("apply")
 
 

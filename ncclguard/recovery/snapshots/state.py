@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard.recovery.heal import _from_json, _to_json
+from ncclguard.recovery.state_json import from_json, to_json
 
 __all__ = ["ModuleState", "OwnState", "StateCodec", "layout"]
 
@@ -132,12 +132,12 @@ class ModuleState(StateCodec):
                 pid: {k: (_local(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
                 for pid, s in sd["state"].items()
             }
-            state.meta["optimizer"] = _to_json({"state": plain, "param_groups": sd["param_groups"]}, found, "opt")
+            state.meta["optimizer"] = to_json({"state": plain, "param_groups": sd["param_groups"]}, found, "opt")
             for i, t in enumerate(found):
                 state.tensors[f"o:{i}"] = t.detach()
         if self._extra is not None:
             found = []
-            state.meta["extra"] = _to_json(self._extra(), found, "extra")
+            state.meta["extra"] = to_json(self._extra(), found, "extra")
             for i, t in enumerate(found):
                 state.tensors[f"x:{i}"] = t.detach()
         return state
@@ -170,7 +170,7 @@ class ModuleState(StateCodec):
             return "the snapshot and this rank disagree on whether there is an optimizer"
         if optimizer is not None:
             try:
-                groups = _from_json(state.meta["optimizer"], self._opt_tensors(state))["param_groups"]
+                groups = from_json(state.meta["optimizer"], self._opt_tensors(state))["param_groups"]
                 sizes = [len(g["params"]) for g in groups]
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 return f"the snapshot's optimizer state cannot be read ({exc})"
@@ -191,7 +191,7 @@ class ModuleState(StateCodec):
                 b.copy_(state.tensors["b:" + name])
         optimizer = self._optimizer() if self._optimizer is not None else None
         if optimizer is not None:
-            sd = _from_json(state.meta["optimizer"], self._opt_tensors(state))
+            sd = from_json(state.meta["optimizer"], self._opt_tensors(state))
             params = [p for g in optimizer.param_groups for p in g["params"]]
             sd["state"] = {
                 int(pid): {
@@ -203,7 +203,7 @@ class ModuleState(StateCodec):
             optimizer.load_state_dict(sd)
         if self._restore_extra is not None and "extra" in state.meta:
             xs = [state.tensors[k] for k in state.tensors if k.startswith("x:")]
-            self._restore_extra(_from_json(state.meta["extra"], xs))
+            self._restore_extra(from_json(state.meta["extra"], xs))
 
     @staticmethod
     def _opt_tensors(state: OwnState) -> list[torch.Tensor]:

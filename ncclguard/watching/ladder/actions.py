@@ -40,21 +40,19 @@ the hung group from it)::
 from __future__ import annotations
 
 import abc
-import logging
-import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.errors import CollectiveTimeout
+from ncclguard.exits import exit_now
 from ncclguard.incidents.model import ActionEntry, IncidentDoc, MergedNote, OpRecord
 from ncclguard.watching.base.settings import LADDERS
 from ncclguard.world import current_world
@@ -77,7 +75,6 @@ __all__ = [
     "Report",
     "Step",
     "build_ladder",
-    "exit_now",
 ]
 
 
@@ -325,18 +322,6 @@ class Fence(Action):
             ctx.rank,
         )
         exit_now(0)
-
-
-def exit_now(code: int) -> NoReturn:
-    """``os._exit(code)`` once the logs and the standard streams are flushed."""
-    for handler in logging.getLogger().handlers + logging.getLogger("ncclguard").handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001 - a broken handler must not keep the process alive
-            pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 BUILTIN: dict[str, type[Action]] = {"report": Report, "raise": Raise, "abort": Abort, "fence": Fence, "exit": Exit}
