@@ -89,7 +89,7 @@ class World:
             group alive past its reaper); None before it is built.
         left_behind: this process learned that the others went on to a newer generation without
             it (its ``rebuild_world`` came late): its own code handles that, so the watchdog's
-            left-behind fence (:mod:`ncclguard.incidents.handling.left_behind`) leaves it alone.
+            left-behind fence (:mod:`ncclguard.watching.desk.left_behind`) leaves it alone.
     """
 
     generation: int = 0

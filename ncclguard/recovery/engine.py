@@ -37,7 +37,7 @@ and at the next :meth:`Recovery.begin` every rank writes :meth:`Adapter.save_che
 preemption directory and exits 143.
 
 A rank stuck for good inside a step never reaches the rebuild at all. While an engine runs, the
-left-behind fence (:mod:`ncclguard.incidents.handling.left_behind`) is on, whatever the watchdog's ladder:
+left-behind fence (:mod:`ncclguard.watching.desk.left_behind`) is on, whatever the watchdog's ladder:
 such a rank exits 0 once the world record shows the others went on without it.
 """
 

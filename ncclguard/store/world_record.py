@@ -3,7 +3,7 @@
 Written by the members after each rebuild (``ncclguard/world/current``,
 :func:`ncclguard.store.keys.world_record_key`), and read by a restarted process to find its place
 (:func:`ncclguard.rejoin_world`) and by the watchdog of a rank the others went on without
-(:mod:`ncclguard.incidents.handling.left_behind`). It lives in the store layer because both read it.
+(:mod:`ncclguard.watching.desk.left_behind`). It lives in the store layer because both read it.
 """
 
 from __future__ import annotations

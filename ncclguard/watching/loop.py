@@ -16,13 +16,13 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard._naming import node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.handling.desk import IncidentDesk
-from ncclguard.incidents.handling.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.incidents.model import BackendEntry, Heartbeat, IncidentKind, Statement, TrackSpan
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.watching.base.hang_bound import HangBound, phase_kind
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.desk.desk import IncidentDesk
+from ncclguard.watching.desk.left_behind import LeftBehind, fence_if_left_behind
 from ncclguard.watching.sensors import detect
 from ncclguard.watching.sensors.backend_watch import BackendWatch
 from ncclguard.watching.sensors.liveness import Liveness

@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ncclguard._log import log
-from ncclguard.incidents.handling.desk import IncidentDesk
 from ncclguard.recording.flight import recorder
 from ncclguard.watching.base.index import publish_index
 from ncclguard.watching.base.metrics import WatchdogMetrics, local_port
 from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.desk.desk import IncidentDesk
 
 __all__ = ["Views"]
 

@@ -24,7 +24,7 @@ This module holds the watchdog's life cycle and public API; the parts it drives,
 (the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.sensors.story`
 (where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.watchdog_store` (the store
 protocol), :mod:`~ncclguard.watching.sensors.liveness`
-(peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.incidents.handling.desk`
+(peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.watching.desk.desk`
 (claim, statements, merge), :mod:`~ncclguard.watching.ladder.actions` (the ladder),
 :mod:`~ncclguard.watching.sensors.rank_state` (this rank's state), :mod:`~ncclguard.watching.base.settings`
 (:class:`WatchdogConfig`).
@@ -42,12 +42,12 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.incidents.files import INCIDENT_FILE
-from ncclguard.incidents.handling.desk import IncidentDesk
-from ncclguard.incidents.handling.left_behind import LeftBehind
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.store.bounded import drain_at_exit
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
+from ncclguard.watching.desk.desk import IncidentDesk
+from ncclguard.watching.desk.left_behind import LeftBehind
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.loop import Loop
 from ncclguard.watching.sensors.backend_watch import BackendWatch

@@ -9,9 +9,9 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.handling.desk import IncidentDesk
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore, store_addr
+from ncclguard.watching.desk.desk import IncidentDesk
 from ncclguard.world import World, WorldChange
 
 __all__ = ["Announced", "connect", "rank_and_size", "take_over"]

@@ -2,7 +2,8 @@
 
 The table under "## Layers" in docs/architecture.md is the contract: one row per part, its layer
 number and its paths. A module may import its own part and the parts of lower layers, never a part
-of its own layer or above. The test reads the table, so the document and the code cannot drift apart
+of its own layer or above; two top folders never import each other; ``integrations/`` imports nothing
+private of the library. The test reads the table, so the document and the code cannot drift apart
 without this test failing; a planted offender shows the check can fail.
 """
 
@@ -160,6 +161,24 @@ def private_imports(root: Path) -> list[str]:
     return found
 
 
+def folder_cycles(root: Path) -> list[str]:
+    """Pairs of the package's top folders that import each other: each folder is one band of
+    layers, so imports between two folders go one way (``watching/`` imports ``incidents/``, never
+    the reverse). A top-level module (``world.py``) is a folder of its own."""
+    edges: set[tuple[str, str]] = set()
+    for path in sorted((root / "ncclguard").rglob("*.py")):
+        rel = path.relative_to(root / "ncclguard")
+        mine = rel.parts[0]
+        for _, module in imported_modules(path, root):
+            target = module_file(module, root)
+            if target is None or not target.startswith("ncclguard/"):
+                continue
+            theirs = Path(target).relative_to("ncclguard").parts[0]
+            if theirs != mine:
+                edges.add((mine, theirs))
+    return sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+
+
 def test_the_table_names_every_module_and_every_part_exists() -> None:
     parts = read_contract(ARCHITECTURE)
     assert len(parts) >= 8
@@ -173,6 +192,10 @@ def test_the_table_names_every_module_and_every_part_exists() -> None:
 
 def test_the_code_keeps_the_layers() -> None:
     assert offences(REPO, read_contract(ARCHITECTURE)) == []
+
+
+def test_no_two_folders_import_each_other() -> None:
+    assert folder_cycles(REPO) == []
 
 
 def test_the_integrations_import_nothing_private() -> None:
@@ -215,17 +238,17 @@ def test_a_module_in_no_part_is_caught(tree: Path) -> None:
 
 def test_the_watchdog_rooms_keep_their_order(tree: Path) -> None:
     # The sensors and the ladder sit side by side (neither may import the other); the incident
-    # model may not reach up to the desk that handles incidents, though both live in incidents/.
+    # model (layer 3) may not reach up to the watchdog's desk that handles incidents (layer 6).
     sensor = tree / "ncclguard" / "watching" / "sensors" / "liveness.py"
     sensor.write_text(sensor.read_text() + "\nfrom ncclguard.watching.ladder import actions  # planted\n")
     model = tree / "ncclguard" / "incidents" / "model.py"
-    model.write_text(model.read_text() + "\nfrom ncclguard.incidents.handling import desk  # planted\n")
+    model.write_text(model.read_text() + "\nfrom ncclguard.watching.desk import desk  # planted\n")
     found = offences(tree, read_contract(ARCHITECTURE))
     assert [f.split(":")[0] for f in found] == [
         "ncclguard/incidents/model.py",
         "ncclguard/watching/sensors/liveness.py",
     ], found
-    assert "of incident handling (layer 6)" in found[0] and "of ladder (layer 5)" in found[1]
+    assert "of desk (layer 6)" in found[0] and "of ladder (layer 5)" in found[1]
 
 
 def test_a_planted_private_import_in_an_integration_is_caught(tree: Path) -> None:
@@ -243,3 +266,11 @@ def test_a_planted_private_import_in_an_integration_is_caught(tree: Path) -> Non
         "imports ncclguard.recovery.heal._check (private: _check)",
         "imports ncclguard._torch_compat (private: _torch_compat)",
     ], found
+
+
+def test_a_planted_import_back_between_two_folders_is_caught(tree: Path) -> None:
+    # analysis.py (layer 3) importing the desk (layer 6) also breaks the layers; the folder rule
+    # names the two folders as well: incidents/ and watching/ would import each other.
+    analysis = tree / "ncclguard" / "incidents" / "analysis.py"
+    analysis.write_text(analysis.read_text() + "\nfrom ncclguard.watching.desk import cases  # planted\n")
+    assert folder_cycles(tree) == ["incidents <-> watching"]

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ncclguard.incidents.handling.left_behind import LeftBehind
 from ncclguard.store.codec import encode
 from ncclguard.store.keys import world_record_key
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
+from ncclguard.watching.desk.left_behind import LeftBehind
 from ncclguard.watching.watchdog import Watchdog
 
 

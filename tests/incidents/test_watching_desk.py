@@ -14,11 +14,11 @@ import pytest
 import torch.distributed as dist
 
 from ncclguard.errors import StoreUnreachable
-from ncclguard.incidents.handling import merging
-from ncclguard.incidents.handling.desk import IncidentDesk, blocked_in
 from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Statement
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
+from ncclguard.watching.desk import merging
+from ncclguard.watching.desk.desk import IncidentDesk, blocked_in
 from ncclguard.watching.ladder.actions import Ladder, build_ladder
 from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.liveness import Liveness, store_host_text

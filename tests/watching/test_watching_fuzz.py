@@ -33,10 +33,10 @@ from ncclguard.collectives.groups import GroupInfo
 from ncclguard.collectives.rendezvous import exchange
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreTimeout
-from ncclguard.incidents.handling.desk import incident_path
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Statement
 from ncclguard.recording.flight import recorder
 from ncclguard.watching.base.watchdog_store import INCIDENT_ID, LIMITS, Keys, StoreRefused, WatchdogStore
+from ncclguard.watching.desk.desk import incident_path
 from ncclguard.watching.ladder.actions import Action, ActionContext, IncidentRef, Outcome
 from ncclguard.watching.watchdog import Watchdog
 

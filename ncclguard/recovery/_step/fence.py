@@ -2,10 +2,10 @@
 
 A rank stuck for good inside a step (a Python loop that never returns, a data stall) never
 reaches the rebuild that would tell it the others went on without it, and torchrun waits for it
-for ever. The watchdog's left-behind check (:mod:`ncclguard.incidents.handling.left_behind`) ends such a
+for ever. The watchdog's left-behind check (:mod:`ncclguard.watching.desk.left_behind`) ends such a
 rank, but only on a ladder that fences. So each step of an engine arms it:
 
-- with a watchdog running, :func:`ncclguard.incidents.handling.left_behind.arm` turns its check on (it reads the world record only while a peer is silent: no store traffic in a
+- with a watchdog running, :func:`ncclguard.watching.desk.left_behind.arm` turns its check on (it reads the world record only while a peer is silent: no store traffic in a
   healthy job);
 - without one, a small thread (``ncclguard-left-behind``) reads the job's world record every
   :data:`POLL_S` seconds on a store connection of its own, and applies the same rule.
@@ -26,9 +26,9 @@ from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.exits import exit_now
-from ncclguard.incidents.handling.left_behind import LeftBehind, arm
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.world_record import WorldRecord, read_world_record
+from ncclguard.watching.desk.left_behind import LeftBehind, arm
 from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import current_world
 

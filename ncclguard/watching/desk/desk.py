@@ -10,8 +10,8 @@ waiting at most ``merge_wait`` for the others. Then every rank climbs the action
 handles its incidents alone ("local" incidents, numbered below zero). Nothing is written
 outside ``incident_dir`` (:func:`incident_path`).
 
-This module raises and handles incidents and climbs their ladders; :mod:`~ncclguard.incidents.handling.cases`
-holds a case and its files, :mod:`~ncclguard.incidents.handling.merging` the merge.
+This module raises and handles incidents and climbs their ladders; :mod:`~ncclguard.watching.desk.cases`
+holds a case and its files, :mod:`~ncclguard.watching.desk.merging` the merge.
 """
 
 from __future__ import annotations
@@ -29,7 +29,17 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.files import write_json
-from ncclguard.incidents.handling.cases import (
+from ncclguard.incidents.model import (
+    BackendEntry,
+    Heartbeat,
+    IncidentDoc,
+    IncidentKind,
+    Statement,
+    TrackSpan,
+)
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
+from ncclguard.watching.desk.cases import (
     MAX_NEW_INCIDENTS,
     Case,
     blocked_in,
@@ -42,17 +52,7 @@ from ncclguard.incidents.handling.cases import (
     stale_from_statements,
     write_report,
 )
-from ncclguard.incidents.handling.merging import Merger
-from ncclguard.incidents.model import (
-    BackendEntry,
-    Heartbeat,
-    IncidentDoc,
-    IncidentKind,
-    Statement,
-    TrackSpan,
-)
-from ncclguard.watching.base.settings import WatchdogConfig
-from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
+from ncclguard.watching.desk.merging import Merger
 from ncclguard.watching.ladder.actions import (
     Action,
     ActionContext,

@@ -1,5 +1,5 @@
 """The merge of an incident's statements into its report, by the rank that claimed it: a mixin of
-:class:`~ncclguard.incidents.handling.desk.IncidentDesk`, which holds the state it uses."""
+:class:`~ncclguard.watching.desk.desk.IncidentDesk`, which holds the state it uses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from ncclguard._naming import HOSTNAME, node_address, node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.analysis import assemble
 from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE
-from ncclguard.incidents.handling.cases import Case, stale_from_statements, write_report
 from ncclguard.incidents.model import (
     Finding,
     Heartbeat,
@@ -22,6 +21,7 @@ from ncclguard.incidents.model import (
 )
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
+from ncclguard.watching.desk.cases import Case, stale_from_statements, write_report
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.native import add_outside_stacks
 
