@@ -205,7 +205,7 @@ class CommitFailed(NcclGuardError):
         step: the commit's number in its world.
         failed_ranks: group ranks that failed the step or did not arrive (sorted).
         reasons: why, by failed rank.
-        late: this rank arrived after the verdict was settled.
+        late: this rank arrived after the outcome was settled.
     """
 
     def __init__(

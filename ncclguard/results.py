@@ -3,7 +3,7 @@
 A result is truthy when the call succeeded on this rank, carries ``error`` (an exception of
 :mod:`ncclguard.errors`) when it did not, says how long the call took, and raises its error on
 request. The result classes add what their call knows (the chunks of an all_reduce, the missing
-ranks of a barrier, the verdict of a commit): :class:`~ncclguard.collectives.all_reduce.CollectiveResult`,
+ranks of a barrier, the outcome of a commit): :class:`~ncclguard.collectives.all_reduce.CollectiveResult`,
 :class:`~ncclguard.collectives.barrier.BarrierResult`, :class:`~ncclguard.recovery.commit.CommitResult`,
 :class:`~ncclguard.recovery.rebuild.RebuildResult`, :class:`~ncclguard.recovery.heal.HealResult`,
 :class:`~ncclguard.recovery.records.StepResult`, :class:`~ncclguard.evaluation.guard.EvalReport`.

@@ -103,14 +103,12 @@ def _refused(opts: BenchOptions, device: torch.device) -> bool:
             _say(f"refused: --corrupt-rank {opts.corrupt_rank} is not a rank of this {world}-rank job")
         return True
     problem = _fits(opts, device)
-    verdicts = _agree(problem is None, device)
-    if not all(verdicts):
+    answers = _agree(problem is None, device)
+    if not all(answers):
         if problem is not None and (rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0):
             _say(f"refused: {problem}")
         elif rank == 0:
-            _say(
-                f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(verdicts) if not ok]}"
-            )
+            _say(f"refused: the sizes do not fit on the hosts of ranks {[r for r, ok in enumerate(answers) if not ok]}")
         return True
     return False
 

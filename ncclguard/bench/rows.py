@@ -95,7 +95,7 @@ def build_rows(runs: Sequence[SizeRun], dtype: str, op: str, world_size: int) ->
 
 
 def summary(rows: Sequence[dict[str, Any]], min_busbw: float | None) -> dict[str, Any]:
-    """Average busbw per mode (nccl-tests' "Avg bus bandwidth"), wrong values, and the verdict.
+    """Average busbw per mode (nccl-tests' "Avg bus bandwidth"), wrong values, and the check.
 
     Returns:
         ``avg_busbw_gbps`` by mode, ``wrong`` (total, or None without --check), ``failures``

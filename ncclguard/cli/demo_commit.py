@@ -2,7 +2,7 @@
 
 Three ranks train a small model with ``RecoveringStep`` (DDP, gloo). At step 3 rank 2 stalls past
 the group's timeout. Ranks 0-1's gradient all-reduce times out; rank 2's fails when it comes. Each
-rank then reads the same ``should_commit`` verdict (nobody applies the step), the world is rebuilt
+rank then reads the same ``should_commit`` outcome (nobody applies the step), the world is rebuilt
 in process, the step is redone, and the ranks finish with identical parameters.
 """
 
@@ -56,7 +56,7 @@ def _rank_main() -> None:
                 "ok": res.ok,
                 "attempts": res.attempts,
                 "generation": res.generation,
-                "verdicts": [[c.ok, c.failed_ranks, c.late] for c in res.commits],
+                "outcomes": [[c.ok, c.failed_ranks, c.late] for c in res.commits],
                 "reasons": {str(k): v[:1] for k, v in res.commits[0].reasons.items()},
             }
         )
@@ -84,16 +84,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     failed = [results[r]["steps"][STALL_AT - 1] for r in range(3)]
     for rank, s in enumerate(failed):
-        ok, ranks, late = s["verdicts"][0]
+        ok, ranks, late = s["outcomes"][0]
         print(f"rank {rank}: step {STALL_AT}, first commit: ok={ok}, failed ranks {ranks}, late={late}")
     for rank, why in sorted(failed[0]["reasons"].items()):
         text = why[0] if why else ""
         print(f"  why rank {rank} failed: {text.split('] ', 1)[-1][:110]}")  # gloo's source path cut
-    agree = len({json.dumps([v[:2] for v in s["verdicts"]]) for s in failed}) == 1
+    agree = len({json.dumps([v[:2] for v in s["outcomes"]]) for s in failed}) == 1
     redone = all(s["ok"] and s["attempts"] == 2 and s["generation"] == 1 for s in failed)
     finished = all(len(results[r]["steps"]) == STEPS and all(s["ok"] for s in results[r]["steps"]) for r in range(3))
     equal = all(results[r]["params_equal"] for r in range(3))
-    print(f"Every rank read the same verdicts: {agree}; the step was redone on world generation 1: {redone}.")
+    print(f"Every rank read the same outcomes: {agree}; the step was redone on world generation 1: {redone}.")
     print(f"All {STEPS} steps committed on every rank: {finished}; parameters identical: {equal}.")
     return 0 if agree and redone and finished and equal else 1
 

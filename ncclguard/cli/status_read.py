@@ -343,7 +343,7 @@ def _incidents(reader: StatusReader, keys: Keys) -> tuple[int, list[IncidentRow]
     return count, rows
 
 
-def _verdict(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: WatchIndex) -> tuple[Health, list[str]]:
+def _health(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: WatchIndex) -> tuple[Health, list[str]]:
     reasons = []
     opened = [i for i in incidents if i.open and i.problem is None]
     if opened:
@@ -435,7 +435,7 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
             for r in {inc.by, *(inc.ranks or [])} & set(range(index.world_size)):
                 rows[r].incidents.append(inc.n)
     mark_waits(rows, index.heartbeat_s)
-    health, reasons = _verdict(rows, incidents, index)
+    health, reasons = _health(rows, incidents, index)
     return JobStatus(
         store=store,
         health=health,

@@ -27,9 +27,9 @@ from ncclguard.collectives import groups as _groups
 from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
+from ncclguard.collectives.failures import check_fingerprints, wire_error
 from ncclguard.collectives.groups import failure_of
 from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
-from ncclguard.collectives.verdicts import check_fingerprints, wire_error
 from ncclguard.collectives.wire import (
     WireFailure,
     release_atomic_buffers,

@@ -58,7 +58,7 @@ __all__ = [
     "read_present",
 ]
 
-# The largest arrival a rank accepts from a peer. Payloads are fingerprints, verdicts and
+# The largest arrival a rank accepts from a peer. Payloads are fingerprints, outcomes and
 # environment reports: a few KiB. Anything larger is a bug or hostile, and is not parsed.
 MAX_ARRIVAL_BYTES = 256 * 1024
 
@@ -122,8 +122,8 @@ def _parse(blob: bytes, rank: int, name: str) -> _Arrival | None:
 
 
 def _timed_out(peek: Peek) -> str:
-    # The verdict records how many ranks had arrived, so a rank can tell whether it came before
-    # the verdict (on time, only slower to notice) or after it (late).
+    # The outcome records how many ranks had arrived, so a rank can tell whether it came before
+    # the outcome (on time, only slower to notice) or after it (late).
     return f"timeout {peek.count()}"
 
 

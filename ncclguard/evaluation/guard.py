@@ -15,7 +15,7 @@ training process group is left as it was. Per attempt, on every rank:
    deadline and kills only that side group.
 3. An :class:`EvalSums` result is all-reduced by the guard with ``safe_all_reduce`` on the side group.
 4. The ranks agree through the store (``ncclguard.collectives.rendezvous.exchange``) on the outcome: all use
-   their result or all skip it. A rank that comes late learns the verdict at once.
+   their result or all skip it. A rank that comes late learns the answer at once.
 5. On an agreed failure the side group is discarded (the next attempt builds a new one), and
    after ``retries`` further attempts, each after ``shrink()``, ``monitor.log_metrics`` gets
    ``eval/evaluation_failed`` and the fallback is returned.
@@ -132,7 +132,7 @@ class GuardOptions(BaseModel):
         fallback: returned when every attempt failed.
         retries: further attempts after a failed one.
         shrink: called (no arguments, on every rank) before each retry, e.g. to halve the batch.
-        grace_s: how long after the deadline the ranks wait for each other's verdict; default
+        grace_s: how long after the deadline the ranks wait for each other's answer; default
             ``max(2, timeout_s / 20)``.
         deadline_guard: ``seconds -> context manager`` that ends the evaluation at its deadline;
             default :func:`python_deadline_guard`.
@@ -162,7 +162,7 @@ class GuardOptions(BaseModel):
 
     @property
     def grace(self) -> float:
-        """Seconds past the deadline to wait for the verdict."""
+        """Seconds past the deadline to wait for the answer."""
         return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
 
 
@@ -307,22 +307,22 @@ def _attempt(
     evals = _eval_groups.setdefault(world.group, EvalGroup())
     value, error = _run_local(eval_fn, opts, evals, deadline, local_error)
     try:
-        verdict = exchange(
+        answer = exchange(
             world, next_round(world, "guarded_eval"), {"ok": error is None, "error": error}, deadline.plus(opts.grace)
         )
     except StoreUnreachable as exc:
         evals.discard()
         return False, None, f"could not agree on the outcome: {exc}", []
-    failed = {r: p["error"] for r, p in verdict.payloads.items() if not p["ok"]}
-    if verdict.ok and not failed:
+    failed = {r: p["error"] for r, p in answer.payloads.items() if not p["ok"]}
+    if answer.ok and not failed:
         return True, value, "", []
     evals.discard()
-    missing = [world.global_rank(r) for r in verdict.missing]
+    missing = [world.global_rank(r) for r in answer.missing]
     parts = [f"rank {world.global_rank(r)}: {e}" for r, e in sorted(failed.items())]
     if missing:
-        parts.append(f"ranks {missing} gave no verdict within {opts.grace:g} s of the deadline")
-    elif verdict.late:
-        parts.append("this rank gave its verdict after the others had given up")
+        parts.append(f"ranks {missing} gave no answer within {opts.grace:g} s of the deadline")
+    elif answer.late:
+        parts.append("this rank gave its answer after the others had given up")
     ranks = sorted({world.global_rank(r) for r in failed} | set(missing))
     return False, None, "; ".join(parts), ranks
 
@@ -344,7 +344,7 @@ def _run_local(
             with opts.deadline_guard(max(deadline.left(), 1e-3)):
                 value = eval_fn()
         return _finish(value, group, deadline), None
-    except Exception as exc:  # noqa: BLE001 - any failure of eval_fn becomes this rank's verdict
+    except Exception as exc:  # noqa: BLE001 - any failure of eval_fn becomes this rank's answer
         reason = _describe(exc)
         log.warning("evaluation failed on this rank: %s", reason)
         return None, reason

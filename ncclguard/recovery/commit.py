@@ -5,15 +5,15 @@ since its last commit (:class:`~ncclguard.recovery._commit.statements.CommitStat
 out ncclguard call (the flight recorder), a failure mark on the group (a backend error or timeout
 of a ``safe_*`` call), an incident the watchdog raised whose ladder acted (past ``report``), what
 the caller reports, and the backend's sequence number on the group. One settle-once round in the group's store
-(:func:`ncclguard.store.rounds.settle_round`) settles the verdict by compare-and-set: the rank
+(:func:`ncclguard.store.rounds.settle_round`) settles the outcome by compare-and-set: the rank
 that completes the round (or, past the deadline, the first to give up waiting) decides it from the
-statements present, and every rank, a late one included, reads that same verdict. The round never
+statements present, and every rank, a late one included, reads that same outcome. The round never
 touches the communicator, so it settles on a group whose communicator is dead.
 
 Store traffic per rank: a ``set``, an ``add``, a ``wait`` and a ``get``; the settling rank makes a
 ``multi_get`` of every statement and a ``compare_set`` instead of the ``wait`` and ``get``. Nobody
 else reads the statements. After a round that every rank reached, each rank deletes its statement
-of the round before (rank 0 its counters and verdict too): every rank has left that one.
+of the round before (rank 0 its counters and outcome too): every rank has left that one.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from ncclguard.recovery._commit.statements import (
     MAX_GROUPS,
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
+    CommitOutcome,
     CommitStatement,
-    CommitVerdict,
     clip,
     commit_keys,
     decide,
-    verdict_limit,
+    outcome_limit,
 )
 from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
@@ -67,7 +67,7 @@ __all__ = ["CommitResult", "committed_step", "note_point_to_point", "should_comm
 
 @dataclass
 class CommitResult(Result):
-    """The verdict of one step's commit on this rank; truthy when the step may be applied.
+    """The outcome of one step's commit on this rank; truthy when the step may be applied.
 
     Attributes:
         ok: every rank of the group arrived in time with a clean step, and they agree.
@@ -75,7 +75,7 @@ class CommitResult(Result):
         generation: the world generation the commit was held in.
         failed_ranks: group ranks that failed the step or did not arrive (sorted; the same on every rank).
         reasons: why, by failed rank (the same on every rank).
-        late: this rank's statement was not in the store when the verdict was settled.
+        late: this rank's statement was not in the store when the outcome was settled.
         early: settled before the deadline: the ranks missing were known dead (their launcher
             posted their death, :mod:`ncclguard.store.deaths`), so nobody waited for them.
         elapsed_s: seconds from entry to return.
@@ -243,7 +243,7 @@ def _p2p_groups() -> list[str]:
     return names if fits else ["*"]
 
 
-def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitVerdict]:
+def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitOutcome]:
     keys = commit_keys(info.name, generation, step)
     size = info.size
     statements = Peek(store, keys, size)  # the settling rank reads them; nobody else does
@@ -267,11 +267,11 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         dead = known() if known is not None else None
         return encode(decide(statements_of(peek.arrivals()), size, step, timeout_s, dead))
 
-    def read(raw: bytes) -> CommitVerdict:
+    def read(raw: bytes) -> CommitOutcome:
         try:
-            return decode(CommitVerdict, raw, f"the commit verdict under {keys.outcome!r}", verdict_limit(size))
+            return decode(CommitOutcome, raw, f"the commit outcome under {keys.outcome!r}", outcome_limit(size))
         except DecodeError as exc:
-            raise StoreUnreachable(f"the commit verdict under {keys.outcome!r} cannot be read: {exc}") from exc
+            raise StoreUnreachable(f"the commit outcome under {keys.outcome!r} cannot be read: {exc}") from exc
 
     def early(peek: Peek) -> str | None:
         assert known is not None  # given to the rule only then
@@ -285,7 +285,7 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         return encode(decide(said, size, step, timeout_s, dead, early=True))
 
     # No members: only the settling rank reads the statements, and the keys stay until the next
-    # round that every rank reached (see _forget), so a late rank still finds the verdict.
+    # round that every rank reached (see _forget), so a late rank still finds the outcome.
     return Rule(
         everyone=everyone,
         given_up=given_up,
@@ -326,7 +326,7 @@ def should_commit(
     Args:
         timeout: seconds (or a timedelta) to wait for the other ranks. Default:
             ``Config.barrier_timeout_s`` capped below the group's timeout. A rank that comes after
-            the others gave up reads their verdict (falsy, naming it) and is ``late``.
+            the others gave up reads their outcome (falsy, naming it) and is ``late``.
         group: the process group whose ranks commit together (default: the world group).
         step: your loop's step number, if you want it checked: the same on every rank, and
             above the one passed last (else ValueError, before any communication).
@@ -341,7 +341,7 @@ def should_commit(
         TypeError, ValueError: bad arguments, a ``step`` not above the last one, or a group of an
             abandoned world; raised before any communication.
         RuntimeError: another thread of this process is in should_commit.
-        StoreUnreachable: the group's store did not answer (its host is gone); no verdict exists.
+        StoreUnreachable: the group's store did not answer (its host is gone); no outcome exists.
     """
     start = time.monotonic()
     timeout_s = _check_arguments(timeout, step, failure)
@@ -364,16 +364,16 @@ def should_commit(
             state.user_step = step
         if info is None:  # a world of one: no one to agree with
             failed = {0: problems} if problems else {}
-            verdict = CommitVerdict(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
+            outcome = CommitOutcome(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
         else:
-            verdict, late = _agree(info, world.generation, n, step, problems, start, timeout_s)
-        if verdict.ok:
+            outcome, late = _agree(info, world.generation, n, step, problems, start, timeout_s)
+        if outcome.ok:
             state.committed = n
-        count_commit(verdict.ok)
+        count_commit(outcome.ok)
     finally:
         state.lock.release()
-    return _result(verdict, world.generation, late, time.monotonic() - start, info.rank if info else 0)
+    return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else 0)
 
 
 def _agree(
@@ -384,9 +384,9 @@ def _agree(
     problems: list[str],
     start: float,
     timeout_s: float | None,
-) -> tuple[CommitVerdict, bool]:
+) -> tuple[CommitOutcome, bool]:
     """This rank's statement of commit ``n`` (what it saw, where its group's sequence stands), and
-    the verdict every rank of ``info``'s group settles on.
+    the outcome every rank of ``info``'s group settles on.
 
     Args:
         info: the live group.
@@ -398,7 +398,7 @@ def _agree(
         timeout_s: the caller's bound, or None for the default.
 
     Returns:
-        The settled verdict, and whether this rank came late.
+        The settled outcome, and whether this rank came late.
 
     Raises:
         StoreUnreachable: the group's store did not answer.
@@ -423,8 +423,8 @@ def _agree(
 
 def _settle(
     info: GroupInfo, generation: int, n: int, statement: CommitStatement, deadline: Deadline, timeout_s: float
-) -> tuple[CommitVerdict, bool]:
-    """Runs the commit round; returns the settled verdict and whether this rank came late."""
+) -> tuple[CommitOutcome, bool]:
+    """Runs the commit round; returns the settled outcome and whether this rank came late."""
     try:
         store = store_for_this_thread(cast("dist.Store", info.store), deadline)
         settled = settle_round(
@@ -441,10 +441,10 @@ def _settle(
         if isinstance(exc, StoreUnreachable):
             raise
         raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
-    verdict = settled.outcome
-    if n > 0 and len(verdict.arrived) == info.size:
+    outcome = settled.outcome
+    if n > 0 and len(outcome.arrived) == info.size:
         _forget(store, info, generation, n - 1, deadline.plus(GRACE_S))
-    return verdict, info.rank not in verdict.arrived
+    return outcome, info.rank not in outcome.arrived
 
 
 def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, deadline: Deadline) -> None:
@@ -457,35 +457,35 @@ def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, deadlin
     mine = [keys.arrival(info.rank), *((keys.count, keys.gone, keys.outcome) if info.rank == 0 else ())]
     try:  # bounded: a store whose host is cut off never answers
         delete_keys(store, mine, deadline, f"clean-up of commit {n}")
-    except (DistStoreError, RuntimeError) as exc:  # the verdict stands; the keys only stay
+    except (DistStoreError, RuntimeError) as exc:  # the outcome stands; the keys only stay
         log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
 
 
-def _result(verdict: CommitVerdict, generation: int, late: bool, elapsed_s: float, rank: int) -> CommitResult:
-    failed = sorted(verdict.failed)
+def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: float, rank: int) -> CommitResult:
+    failed = sorted(outcome.failed)
     error = None
-    if not verdict.ok:
+    if not outcome.ok:
         first = failed[0] if failed else rank
-        why = "; ".join(verdict.failed.get(first, ["?"]))
+        why = "; ".join(outcome.failed.get(first, ["?"]))
         error = CommitFailed(
-            f"step {verdict.step} (world generation {generation}) may not be applied: ranks {rank_ranges(failed)} "
-            f"failed it (rank {first}: {why}){'; this rank came after the verdict' if late else ''}. Skip the "
+            f"step {outcome.step} (world generation {generation}) may not be applied: ranks {rank_ranges(failed)} "
+            f"failed it (rank {first}: {why}){'; this rank came after the outcome' if late else ''}. Skip the "
             "optimizer step and recover (ncclguard.rebuild_world, then redo the step)",
-            step=verdict.step,
+            step=outcome.step,
             failed_ranks=failed,
-            reasons=dict(verdict.failed),
+            reasons=dict(outcome.failed),
             late=late,
         )
         log.warning("%s", error)
     return CommitResult(
-        ok=verdict.ok,
-        step=verdict.step,
+        ok=outcome.ok,
+        step=outcome.step,
         generation=generation,
         failed_ranks=failed,
-        reasons={r: list(v) for r, v in verdict.failed.items()},
+        reasons={r: list(v) for r, v in outcome.failed.items()},
         late=late,
         elapsed_s=elapsed_s,
         error=error,
-        early=verdict.early,
-        stop=verdict.stop,
+        early=outcome.early,
+        stop=outcome.stop,
     )

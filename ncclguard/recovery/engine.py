@@ -11,7 +11,7 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
 2. **run**: forward and backward; an exception is this rank's failure, stated at the commit and
    not raised;
 3. **commit**: :func:`~ncclguard.recovery.commit.should_commit` gives every rank the same
-   verdict. Ok: the transaction ends and the caller applies the step (``optimizer.step()``);
+   outcome. Ok: the transaction ends and the caller applies the step (``optimizer.step()``);
 4. **not ok**: nothing was applied anywhere. The world is rebuilt
    (:func:`~ncclguard.recovery.rebuild.rebuild_world`); a rank the others went on without is
    left out (the left-out policy below); restarted ranks the rebuild admitted are healed from
@@ -433,7 +433,7 @@ class Transaction(Generic[T]):
         return self.output
 
     def close(self) -> None:
-        """Ends the transaction without a verdict (the step bound is lifted)."""
+        """Ends the transaction without an outcome (the step bound is lifted)."""
         if not self._closed:
             self._closed = True
             self.engine.bound.disarm()

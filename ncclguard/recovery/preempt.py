@@ -7,7 +7,7 @@ their next collective. So, while a :class:`~ncclguard.recovery.engine.Recovery` 
 
 1. a SIGTERM handler (installed by the engine, in the main thread, chained to the handler that was
    there) only notes the request (:func:`stop_requested`);
-2. the rank says so in its next commit's statement (``Statement.stop``); the settled verdict carries
+2. the rank says so in its next commit's statement (``Statement.stop``); the settled outcome carries
    ``stop`` when any rank asked, so every rank learns it at the same step, in the round it holds
    anyway (:func:`~ncclguard.recovery.commit.should_commit`; ``CommitResult.stop``);
 3. the step is applied as usual; when the loop comes back for its next step, every rank calls its

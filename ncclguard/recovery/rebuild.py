@@ -248,13 +248,13 @@ def _failed(world: World, start: float, missing: list[int], error: str, late: bo
     )
 
 
-def _verdict_error(world: World, meeting: Meeting, timeout_s: float) -> tuple[list[int], str]:
-    verdict = meeting.verdict
-    missing = verdict.missing(world.size or 0)
+def _outcome_error(world: World, meeting: Meeting, timeout_s: float) -> tuple[list[int], str]:
+    outcome = meeting.outcome
+    missing = outcome.missing(world.size or 0)
     target = world.generation + 1
-    if meeting.late and verdict.ok:
+    if meeting.late and outcome.ok:
         return missing, (
-            f"rank {world.rank} arrived after ranks {rank_ranges(verdict.arrived)} had gone on to generation "
+            f"rank {world.rank} arrived after ranks {rank_ranges(outcome.arrived)} had gone on to generation "
             f"{target} without it; this process is in no world now: save what you need and exit"
         )
     if meeting.late:
@@ -361,13 +361,13 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
             "without it no rank can rebuild; checkpoint and exit 75",
         ), world
     if not meeting.goes_on:
-        if meeting.late and meeting.verdict.ok:
+        if meeting.late and meeting.outcome.ok:
             world.left_behind = True  # told here: the caller handles it, the watchdog need not fence
-        missing, error = _verdict_error(world, meeting, timeout_s)
+        missing, error = _outcome_error(world, meeting, timeout_s)
         return _failed(world, start, missing, error, late=meeting.late), world
 
-    rank_map = dense_rank_map(meeting.verdict.arrived)
-    missing = meeting.verdict.missing(world.size)
+    rank_map = dense_rank_map(meeting.outcome.arrived)
+    missing = meeting.outcome.missing(world.size)
     _abandon(world)
     # From here the old world is gone: the new one is current even if its handshake fails, so
     # a later call meets as its members, and the subscribers (the watchdog) follow it now.
@@ -432,7 +432,7 @@ def _next_world(
         size=len(rank_map),
         rank_map=rank_map,
         left_out=tuple(missing),
-        joined=tuple(rank_map[r] for r in meeting.verdict.arrived if arrivals[r].rejoined),
+        joined=tuple(rank_map[r] for r in meeting.outcome.arrived if arrivals[r].rejoined),
         origins=tuple(a.origin if a.origin is not None else r for r, a in sorted(arrivals.items())),
         deaths_seen=deaths_before(world.store, deadline),
         backend=world.backend,

@@ -78,7 +78,7 @@ class StepResult(Result, Generic[T]):
             (falsy result): the loop must run again from there (``RecoveringStep.steps`` does).
         pending: a micro-batch of a gradient-accumulation window that commits at the window's last
             micro-batch: recorded, nothing settled or applied yet (truthy; the window's last result
-            is the verdict).
+            is the outcome).
         timings: with ``rewound_to``, where the seconds of the failed step went, as
             :attr:`Recovered.timings` (no :class:`Recovered` is made: the step was not applied);
             empty otherwise.

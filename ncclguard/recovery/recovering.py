@@ -10,7 +10,7 @@ For a plain DDP loop::
 
 Each call runs one transaction of the engine: the module's buffers and the generators are kept,
 ``step_fn`` runs forward and backward on the wrapped model (an exception in it is this rank's
-failure), every rank gets the same verdict, and the optimizer steps only when it is ok. When it is
+failure), every rank gets the same outcome, and the optimizer steps only when it is ok. When it is
 not, nothing was applied anywhere: the world is rebuilt, the module wrapped again on the new group,
 its buffers and the generators put back, and the step redone. A rank the others went on without
 exits with status 0 (``left_out="raise"``: raises ``RebuildFailed`` instead).

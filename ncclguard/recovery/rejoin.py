@@ -30,7 +30,7 @@ from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import meet
 from ncclguard.recovery._rebuild.meeting_rules import (
-    MAX_VERDICT_BYTES,
+    MAX_OUTCOME_BYTES,
     Arrival,
     MeetingKeys,
     MeetingOutcome,
@@ -63,14 +63,14 @@ def _connect(timeout_s: float) -> dist.Store:
 
 
 def _live_attempt(store: dist.Store, generation: int, deadline: Deadline) -> tuple[int, MeetingOutcome | None]:
-    """The first attempt toward ``generation`` with no verdict yet, and the last settled verdict."""
+    """The first attempt toward ``generation`` with no outcome yet, and the last settled outcome."""
     attempt, last = 0, None
     while True:
-        key = MeetingKeys(generation, attempt).verdict
+        key = MeetingKeys(generation, attempt).outcome
         try:
-            found = read_value(store, key, MeetingOutcome, MAX_VERDICT_BYTES, deadline, "a rebuild verdict")
+            found = read_value(store, key, MeetingOutcome, MAX_OUTCOME_BYTES, deadline, "a rebuild outcome")
         except DecodeError as exc:
-            raise StoreUnreachable(f"a rebuild verdict of generation {generation} cannot be read: {exc}") from exc
+            raise StoreUnreachable(f"a rebuild outcome of generation {generation} cannot be read: {exc}") from exc
         if found is None:
             return attempt, last
         last, attempt = found, attempt + 1
@@ -202,14 +202,14 @@ def _rejoin(
         meeting = meet(store, me, attempt, deadline)
         if meeting.goes_on:
             return _build(
-                store, rec, meeting.verdict.arrived, meeting.arrivals, slot, origin, start, deadline, timeout_s
+                store, rec, meeting.outcome.arrived, meeting.arrivals, slot, origin, start, deadline, timeout_s
             )
         if deadline.passed():
-            missing = meeting.verdict.missing(len(rec.origins))
+            missing = meeting.outcome.missing(len(rec.origins))
             return _failure(
                 start,
                 f"no rebuild admitted launch rank {origin} within {timeout_s:g} s (last meeting: ranks "
-                f"{meeting.verdict.arrived} arrived, {missing} missing)",
+                f"{meeting.outcome.arrived} arrived, {missing} missing)",
                 missing,
                 meeting.late,
             )

@@ -8,7 +8,7 @@ desync at once). Every refusal is a :class:`DecodeError` (a ``ValueError``) whos
 value (``what``), the model, and what is wrong; its attributes let a caller word its own log line.
 
 Users: the rounds of :mod:`ncclguard.collectives.rendezvous` (arrivals), the recovery meeting
-(arrivals and the verdict) and the watchdog's :class:`~ncclguard.watching.base.watchdog_store.WatchdogStore`
+(arrivals and the outcome) and the watchdog's :class:`~ncclguard.watching.base.watchdog_store.WatchdogStore`
 (heartbeats, incidents, statements, with the per-model bounds of its ``LIMITS``).
 """
 

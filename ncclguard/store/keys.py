@@ -128,7 +128,7 @@ def round_keys(name: str) -> RoundKeys:
 
 class MeetingKeys(RoundKeys):
     """The keys of the recovery meeting's attempt ``attempt`` toward generation ``generation``:
-    arrivals ``a<rank>``, the counter ``n``, the verdict ``v`` and ``gone``.
+    arrivals ``a<rank>``, the counter ``n``, the outcome ``v`` and ``gone``.
 
     Args:
         generation: the generation the meeting builds.
@@ -140,11 +140,6 @@ class MeetingKeys(RoundKeys):
     def __init__(self, generation: int, attempt: int) -> None:
         super().__init__(f"ncclguard/rebuild/g{generation}/t{attempt}", arrival="a", outcome="v")
         self.generation, self.attempt = generation, attempt
-
-    @property
-    def verdict(self) -> str:
-        """The verdict (the round's outcome), which stays after the others are deleted."""
-        return self.outcome
 
 
 def world_prefix(generation: int) -> str:

@@ -42,7 +42,7 @@ __all__ = ["GRACE_S", "Members", "Peek", "Rule", "Settled", "read_present", "set
 
 T = TypeVar("T")
 
-# Past the round's deadline, the time left for the verdict and the clean-up (a few store calls).
+# Past the round's deadline, the time left for the outcome and the clean-up (a few store calls).
 GRACE_S = 1.0
 MAX_SLEEP_S = 0.5  # the longest sleep between two looks at a round's outcome (with an early rule)
 

@@ -124,7 +124,7 @@ def test_round_and_meeting_keys():
             k.rank_of(bad)
     assert k.every(2) == [*k.transient(2), k.outcome] and len(k.transient(2)) == 4
     m = MeetingKeys(2, 1)
-    assert (m.arrival(0), m.verdict, m.count, m.gone) == (
+    assert (m.arrival(0), m.outcome, m.count, m.gone) == (
         "ncclguard/rebuild/g2/t1/a0",
         "ncclguard/rebuild/g2/t1/v",
         "ncclguard/rebuild/g2/t1/n",
@@ -204,7 +204,7 @@ def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
     assert store.num_keys() == 0
 
 
-def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
+def test_a_late_rank_reads_the_same_outcome_and_learns_it_was_late():
     store = dist.HashStore()
     keys = RoundKeys("test/late")
     rule = majority_rule(3)
@@ -232,7 +232,7 @@ def test_a_late_rank_reads_the_same_verdict_and_learns_it_was_late():
     t0 = time.monotonic()
     late = rank(2, 30)
     assert time.monotonic() - t0 < 10.0  # settled already: no wait for the deadline (30 s; a hang guard)
-    # The same verdict; its arrival number (3) is above the count the verdict records (2).
+    # The same outcome; its arrival number (3) is above the count the outcome records (2).
     assert late.outcome == "timeout 2" and late.number == 3
     assert late.arrivals == {0: b"from 0", 1: b"from 1", 2: b"from 2"}
     assert store.num_keys() == 0  # the last rank out cleaned up

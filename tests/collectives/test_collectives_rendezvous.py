@@ -64,7 +64,7 @@ def test_absent_rank_is_missing_on_time_and_late_when_it_comes():
     assert not first.ok and first.missing == [1] and not first.late
     t0 = time.monotonic()
     second = exchange(infos[1], "r/late", {"x": 2}, Deadline.within(30))
-    assert time.monotonic() - t0 < 10.0  # the verdict was settled: no waiting (its deadline is 30 s; a hang guard)
+    assert time.monotonic() - t0 < 10.0  # the outcome was settled: no waiting (its deadline is 30 s; a hang guard)
     assert not second.ok and second.late and second.payloads == {0: {"x": 1}, 1: {"x": 2}}
 
 

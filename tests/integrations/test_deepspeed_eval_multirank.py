@@ -100,7 +100,7 @@ def test_stalled_rank_makes_every_rank_skip_by_the_deadline(job, stage):
         assert rep["failed_ranks"] == [0, 1]
         # Deadline 2 s; rank 1 would sleep 30 s and rank 0 would wait in all_reduce for 60 s.
         assert res["stalled_elapsed_s"] < 15.0
-    assert reports[0]["reasons"] == reports[1]["reasons"]  # one agreed verdict
+    assert reports[0]["reasons"] == reports[1]["reasons"]  # one agreed answer
     reason = reports[0]["reasons"][0]
     # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine).
     left = re.search(r"rank 1: DeadlineExceeded: the evaluation ran past its ([0-9.]+) s deadline", reason)
@@ -136,7 +136,7 @@ def test_late_rank_fails_the_barrier_on_every_rank(job, stage):
     assert "ranks [1] did not reach barrier" in on_time["late_report"]["reasons"][0]
     assert late["late_report"]["failed_ranks"] == [1]
     assert "arrived after the other ranks gave up" in late["late_report"]["reasons"][0]
-    # The late rank learns the verdict at once, not at its own deadline: the reason above says so (it
+    # The late rank learns the answer at once, not at its own deadline: the reason above says so (it
     # arrived after the others gave up). The bound is a hang guard with room for a loaded machine's
     # store stalls (a store answer once took over 4 s); 1.0 s once asserted here was a speed target.
     assert late["late_elapsed_s"] < 15.0

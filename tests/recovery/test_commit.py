@@ -1,4 +1,4 @@
-"""should_commit's verdict logic (pure), its round on a real TCPStore with ranks as threads, and a
+"""should_commit's outcome logic (pure), its round on a real TCPStore with ranks as threads, and a
 world of one. The multi-rank cases on real gloo ranks: tests/recovery/test_commit_multirank.py."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ncclguard.recovery import commit as commit_mod
 from ncclguard.recovery._commit.statements import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
+    CommitOutcome,
     CommitStatement,
-    CommitVerdict,
     commit_keys,
     decide,
-    verdict_limit,
+    outcome_limit,
 )
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import decode, encode
@@ -39,7 +39,7 @@ def stmt(rank: int, seq: int | None = 10, **kw) -> CommitStatement:
 
 def test_every_rank_clean_and_in_step_commits():
     v = decide({r: stmt(r) for r in range(4)}, 4, 3, 5.0)
-    assert v == CommitVerdict(ok=True, step=3, arrived=[0, 1, 2, 3], failed={})
+    assert v == CommitOutcome(ok=True, step=3, arrived=[0, 1, 2, 3], failed={})
 
 
 def test_missing_unreadable_and_failing_ranks_are_named():
@@ -136,7 +136,7 @@ statements = st.dictionaries(
 
 @settings(max_examples=200, deadline=None)
 @given(statements, st.integers(1, 8))
-def test_the_verdict_is_ok_exactly_when_nothing_is_wrong_and_fits_its_bound(found, size):
+def test_the_outcome_is_ok_exactly_when_nothing_is_wrong_and_fits_its_bound(found, size):
     v = decide(found, size, 0, 1.0)
     readable = {r: s for r, s in found.items() if s is not None and r < size}
     seqs = {s.seq for s in readable.values() if s.seq is not None}
@@ -152,7 +152,7 @@ def test_the_verdict_is_ok_exactly_when_nothing_is_wrong_and_fits_its_bound(foun
     assert set(range(size)) - set(found) <= set(v.failed)
     assert all(len(text) <= 300 for reasons in v.failed.values() for text in reasons)
     # The codec reads it back within the bound the readers use.
-    assert decode(CommitVerdict, encode(v), "verdict", verdict_limit(size)) == v
+    assert decode(CommitOutcome, encode(v), "outcome", outcome_limit(size)) == v
 
 
 def test_a_statement_at_its_bounds_fits_the_codec_limit():
@@ -214,7 +214,7 @@ def _thread_ranks(
     rounds: int = 1,
     keys: list[int] | None = None,
     settler: int | None = None,
-) -> dict[int, tuple[CommitVerdict, bool]]:
+) -> dict[int, tuple[CommitOutcome, bool]]:
     """Runs the commit round of ``size`` ranks as threads, each with its own client of one TCPStore.
 
     With ``settler``, only that rank's deadline is ``timeout_s``, and it starts its round once every
@@ -222,7 +222,7 @@ def _thread_ranks(
     settled by the settler's deadline with every on-time rank in it, however late a loaded machine
     starts a thread or answers a store call: only the ranks in ``late`` can be late."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    out: dict[int, tuple[CommitVerdict, bool]] = {}
+    out: dict[int, tuple[CommitOutcome, bool]] = {}
     settled = threading.Event()
     done, between = threading.Barrier(size), threading.Barrier(size)
 
@@ -257,14 +257,14 @@ def _thread_ranks(
     return out
 
 
-def test_the_round_on_a_real_store_gives_every_rank_one_verdict_and_names_the_late_one():
+def test_the_round_on_a_real_store_gives_every_rank_one_outcome_and_names_the_late_one():
     # Rank 0's 3 s deadline settles the round, started once ranks 1 and 3 are in (see _thread_ranks):
     # a thread started late or a slow store answer on a loaded host cannot leave them out.
     out = _thread_ranks(4, late={2}, timeout_s=3.0, settler=0)
-    verdicts = [v for v, _ in out.values()]
-    assert all(v == verdicts[0] for v in verdicts)
-    assert verdicts[0].arrived == [0, 1, 3]
-    assert verdicts[0].failed == {2: ["did not reach should_commit for commit 0 within 3 s"]}
+    outcomes = [v for v, _ in out.values()]
+    assert all(v == outcomes[0] for v in outcomes)
+    assert outcomes[0].arrived == [0, 1, 3]
+    assert outcomes[0].failed == {2: ["did not reach should_commit for commit 0 within 3 s"]}
     assert {r: late for r, (_, late) in out.items()} == {0: False, 1: False, 2: True, 3: False}
     counts: list[int] = []
     # Every rank comes: each round settles when the last one arrives, so the deadline is a hang guard

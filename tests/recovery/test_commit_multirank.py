@@ -64,7 +64,7 @@ def test_clean_steps_commit_on_every_rank_with_the_same_numbers(job):
         assert job[r]["committed_step"] == 3
 
 
-def test_a_late_rank_reads_the_same_falsy_verdict_and_the_next_world_commits(job):
+def test_a_late_rank_reads_the_same_falsy_outcome_and_the_next_world_commits(job):
     # The case: ranks 0-1 time out, rank 2 completes the op they abandoned.
     for r in (0, 1):
         assert job[r]["b_all_reduce"] == [False, "CollectiveTimeout"]

@@ -22,5 +22,5 @@ def test_the_commit_act_shows_a_failed_step_agreed_on_and_redone():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     for rank in range(3):
         assert f"rank {rank}: step 3, first commit: ok=False, failed ranks [0, 1, 2]" in out.stdout
-    assert "Every rank read the same verdicts: True; the step was redone on world generation 1: True." in out.stdout
+    assert "Every rank read the same outcomes: True; the step was redone on world generation 1: True." in out.stdout
     assert "All 6 steps committed on every rank: True; parameters identical: True." in out.stdout

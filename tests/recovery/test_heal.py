@@ -226,7 +226,7 @@ def test_the_world_record_and_the_live_attempt_on_a_real_store():
     assert read_world_record(store, deadline) == rec and rec.rank_of(2) == 1 and rec.rank_of(1) is None
     assert _live_attempt(store, 3, deadline) == (0, None)
     failed = MeetingOutcome(arrived=[0, 2], ok=False, shrunk=True)
-    store.set(MeetingKeys(3, 0).verdict, encode(failed))
+    store.set(MeetingKeys(3, 0).outcome, encode(failed))
     assert _live_attempt(store, 3, deadline) == (1, failed)
     store.set(world_record_key(), "x" * 100 + "{")
     with pytest.raises(StoreUnreachable, match="the job's world record cannot be read"):

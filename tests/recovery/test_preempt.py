@@ -1,5 +1,5 @@
 """Preemption, the parts that need no process group: the stop carried in the commit's statements
-and verdict, the SIGTERM handler (a real signal, in a child process), the directory's option and
+and outcome, the SIGTERM handler (a real signal, in a child process), the directory's option and
 variable, the stop itself with RecoveringStep's DCP writer (a world of one, loaded back with
 ``dcp.load``), ``ncclguard run``'s options, and the supervisor told to stop (real processes)."""
 
@@ -23,7 +23,7 @@ from ncclguard.cli.run import PREEMPT_DIR_VAR as RUN_VAR
 from ncclguard.cli.run import plan
 from ncclguard.recovery import engine as engine_module
 from ncclguard.recovery import preempt
-from ncclguard.recovery._commit.statements import CommitStatement, CommitVerdict, decide
+from ncclguard.recovery._commit.statements import CommitOutcome, CommitStatement, decide
 from ncclguard.recovery.commit import _COMMITS
 from ncclguard.recovery.engine import Adapter
 from ncclguard.recovery.options import recovery_options
@@ -46,17 +46,17 @@ def _statement(rank: int, stop: bool = False) -> CommitStatement:
     return CommitStatement(rank=rank, step=3, generation=0, group="0", group_size=3, seq=7, stop=stop)
 
 
-def test_one_rank_asking_to_stop_makes_the_verdict_stop_for_every_rank():
+def test_one_rank_asking_to_stop_makes_the_outcome_stop_for_every_rank():
     quiet = {r: _statement(r) for r in range(3)}
     asked = {**quiet, 1: _statement(1, stop=True)}
     assert decide(quiet, 3, 3, 5.0).stop is False
-    verdict = decide(asked, 3, 3, 5.0)
-    assert verdict.ok and verdict.stop  # the step is applied, then every rank stops
+    outcome = decide(asked, 3, 3, 5.0)
+    assert outcome.ok and outcome.stop  # the step is applied, then every rank stops
     # A failed step still carries it: the redo's commit asks again, from the same rank.
     failing = {**asked, 2: CommitStatement(**{**_statement(2).model_dump(), "problems": ["boom"]})}
     assert not decide(failing, 3, 3, 5.0).ok and decide(failing, 3, 3, 5.0).stop
     # Through the store's codec, and a statement from a rank that never says it (the default).
-    assert decode(CommitVerdict, encode(verdict), "verdict", 4096).stop is True
+    assert decode(CommitOutcome, encode(outcome), "outcome", 4096).stop is True
     old = json.loads(encode(_statement(0)))
     old.pop("stop")
     assert decode(CommitStatement, json.dumps(old), "statement", 4096).stop is False

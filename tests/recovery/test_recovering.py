@@ -241,7 +241,7 @@ def test_a_step_redone_after_its_scaler_unscaled_starts_clean_and_ends_as_one_cl
 
 
 def test_a_commit_whose_ranks_passed_different_steps_is_a_diverged_loop_on_every_rank() -> None:
-    """The verdict is the same on every rank, so each reads the same LoopDiverged from it; a failure
+    """The outcome is the same on every rank, so each reads the same LoopDiverged from it; a failure
     of any other kind is left to the rebuild."""
     from ncclguard.errors import LoopDiverged
     from ncclguard.recovery._step.loop_check import diverged

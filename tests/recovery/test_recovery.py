@@ -112,8 +112,8 @@ def test_handshake_gets_at_least_a_quarter_of_the_timeout():
 def test_keys_are_namespaced_by_generation_and_attempt():
     k = MeetingKeys(3, 1)
     assert k.arrival(2) == "ncclguard/rebuild/g3/t1/a2"
-    assert k.verdict == "ncclguard/rebuild/g3/t1/v"
-    assert k.verdict not in k.transient(4) and len(k.transient(4)) == 6
+    assert k.outcome == "ncclguard/rebuild/g3/t1/v"
+    assert k.outcome not in k.transient(4) and len(k.transient(4)) == 6
     assert world_prefix(3) == "ncclguard/world/g3"
 
 
@@ -172,9 +172,9 @@ def test_meeting_of_everyone_agrees_and_cleans_up():
     for rank in range(3):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on and not m.late
-        assert m.verdict == MeetingOutcome(arrived=[0, 1, 2], ok=True)
+        assert m.outcome == MeetingOutcome(arrived=[0, 1, 2], ok=True)
         assert sorted(m.arrivals) == [0, 1, 2]
-    assert store.list_keys() == [MeetingKeys(1, 0).verdict]  # only the verdict stays
+    assert store.list_keys() == [MeetingKeys(1, 0).outcome]  # only the outcome stays
 
 
 def test_meeting_without_a_rank_fails_then_names_the_late_one():
@@ -186,7 +186,7 @@ def test_meeting_without_a_rank_fails_then_names_the_late_one():
     assert time.monotonic() - t0 < 20
     for rank in (0, 1):
         assert not out[rank].goes_on and not out[rank].late
-        assert out[rank].verdict.missing(3) == [2]
+        assert out[rank].outcome.missing(3) == [2]
     t0 = time.monotonic()
     late = run_meeting(store, {2: (0, False)}, deadline_s=30)[2]
     # At once: a hang guard far below the 30 s it was given.
@@ -201,11 +201,11 @@ def test_meeting_with_shrink_goes_on_without_the_absent_rank():
     out = run_meeting(store, {0: (0, True), 2: (0, True)}, settler=0)
     for rank in (0, 2):
         assert out[rank].goes_on
-        assert out[rank].verdict == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
+        assert out[rank].outcome == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
     # Late: it reads the kept verdict at once, so its deadline is a hang guard (a 1 s one could pass
     # before a starved helper thread answers, failing the call instead of reading the verdict).
     left_out = run_meeting(store, {1: (0, True)}, deadline_s=HANG_GUARD_S)[1]
-    assert left_out.late and left_out.verdict.ok and not left_out.goes_on
+    assert left_out.late and left_out.outcome.ok and not left_out.goes_on
 
 
 def test_meeting_refused_when_ranks_disagree_on_shrinking():
@@ -214,14 +214,14 @@ def test_meeting_refused_when_ranks_disagree_on_shrinking():
     # rank 1 did not allow it: both refuse together.
     out = run_meeting(store, {0: (0, True), 1: (0, False)}, settler=0)
     for rank in (0, 1):
-        assert out[rank].verdict.ok and out[rank].verdict.shrunk
+        assert out[rank].outcome.ok and out[rank].outcome.shrunk
         assert not out[rank].goes_on
         assert "allow_shrink=False" in out[rank].problem
 
 
-def test_an_unreadable_verdict_is_refused():
+def test_an_unreadable_outcome_is_refused():
     store = dist.HashStore()
-    store.set(MeetingKeys(1, 0).verdict, b"\x80\x04not json")
+    store.set(MeetingKeys(1, 0).outcome, b"\x80\x04not json")
     with pytest.raises(StoreUnreachable, match="cannot be read"):
         # The verdict is there already: a hang guard, so that a starved thread cannot turn the
         # unreadable verdict into a store that did not answer.
@@ -351,7 +351,7 @@ def test_a_meeting_settles_at_once_without_a_rank_a_verdict_judged_stuck_but_wai
     for rank in (0, 1):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on, m
-        assert m.verdict.arrived == [0, 1] and m.verdict.shrunk
+        assert m.outcome.arrived == [0, 1] and m.outcome.shrunk
         assert m.elapsed_s < 30.0  # settled long before its 60 s deadline (a hang guard, not a timing)
     # A killed rank's notice: its restart may come to rejoin, so the meeting waits its deadline (rank
     # 0's, started once rank 1 is in, so that a starved thread cannot leave rank 1 out).
@@ -360,5 +360,5 @@ def test_a_meeting_settles_at_once_without_a_rank_a_verdict_judged_stuck_but_wai
     out = _meet_two(killed, 1.0, settler=0)
     for rank in (0, 1):
         m = out[rank]
-        assert isinstance(m, Meeting) and m.verdict.arrived == [0, 1]
+        assert isinstance(m, Meeting) and m.outcome.arrived == [0, 1]
         assert m.elapsed_s >= 0.9

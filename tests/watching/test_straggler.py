@@ -338,7 +338,7 @@ def test_phase_names_drop_their_labels() -> None:
 
 
 def test_windows_without_completed_collectives_are_not_compared() -> None:
-    # A hang: the peers sit in one op the whole window, the stalled rank computes; no verdict.
+    # A hang: the peers sit in one op the whole window, the stalled rank computes; no finding.
     stalled = measure([rec("all_reduce", 0.5, 1.0)], 0.0, 10.0, thread=MAIN, n=0)
     waiting = measure([rec("all_reduce", 0.5, 1.0), rec("all_reduce", 1.0, None)], 0.0, 10.0, thread=MAIN, n=0)
     assert stalled is not None and waiting is not None and waiting.ops == 1 and waiting.wait_s == pytest.approx(9.5)
@@ -620,7 +620,7 @@ def test_the_records_come_first_and_a_window_without_arrivals_or_enough_common_o
     assert assess(few[0], dict(enumerate(few[1:], 1)), 1.15, 0.05) is None
 
 
-def test_a_peer_sharing_no_op_number_is_left_out_and_alone_gives_no_verdict() -> None:
+def test_a_peer_sharing_no_op_number_is_left_out_and_alone_gives_no_finding() -> None:
     own, p1, p2 = backend_windows(arrivals_lockstep(steady([0.065, 0.05, 0.05]), 0.005))
     stranger = p2.model_copy(update={"arrivals": [(s + 10_000, t) for s, t in p2.arrivals]})
     got = from_arrivals(own, {1: p1, 2: stranger})
@@ -743,7 +743,7 @@ def test_garbage_arrivals_never_raise_and_never_make_a_wait_longer_than_the_span
         if got is not None:
             for w in (got[0], *got[1].values()):
                 assert 0 <= w.wait_s <= w.length_s and 0 <= w.compute_s <= w.length_s
-        assess(own, peers, 1.15, 0.05)  # a verdict or none, never an exception
+        assess(own, peers, 1.15, 0.05)  # a finding or none, never an exception
 
 
 def test_the_schema_bounds_arrivals_and_refuses_what_is_not_a_number() -> None:
@@ -787,7 +787,7 @@ def test_the_watch_reads_torchs_recorder_only_when_its_records_fall_short_and_th
     backend = FakeBackend()
     watch = StragglerWatch(0, 10.0, 1.15, 0.05, 2, marks=StepMarks(), thread=MAIN, backend=backend)
     watch.start = 0.0
-    backend.number = 3  # the backend ran 3 collectives: too few for a verdict, not read
+    backend.number = 3  # the backend ran 3 collectives: too few for a finding, not read
     watch.tick(10.1)
     assert backend.reads == 0 and watch.window is not None and watch.window.arrivals == []
     backend.number = 200  # a DDP loop: 197 bucket all_reduces, no record
@@ -892,7 +892,7 @@ def test_the_watch_samples_the_main_threads_run_delay_for_the_arrivals_span() ->
         max_size=5,
     )
 )
-def test_any_arrivals_give_waits_and_compute_within_the_span_or_no_verdict(lists) -> None:
+def test_any_arrivals_give_waits_and_compute_within_the_span_or_no_finding(lists) -> None:
     wins = [
         StragglerWindow(n=0, end=10.0, length_s=10.0, compute_s=10.0, wait_s=0.0, run_delay_s=1.0, arrivals=a)
         for a in lists

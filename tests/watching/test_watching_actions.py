@@ -194,14 +194,14 @@ def test_the_fence_waits_its_own_time_and_leaves_every_rank_but_the_culprit_alon
     state = LadderState()
     Ladder([Report(), Fence(after_s=3.0)], 1.0).start(state, 10.0, run)
     assert state.deadline == 13.0
-    # Not the culprit, or no verdict yet: nothing happens (the process goes on).
+    # Not the culprit, or no report yet: nothing happens (the process goes on).
     note = MergedNote(host="h", dir="d", summary="s", culprits=[2, 3])
     assert Fence()(ref, ctx(rank=0, merged=lambda: note)) == Outcome(
         done=False, why="rank(s) 2-3 named the culprit; this rank is not fenced", details={"culprits": [2, 3]}
     )
     none = MergedNote(host="h", dir="d", summary="s")
     assert Fence()(ref, ctx(merged=lambda: none)).why == "no culprit named; this rank is not fenced"
-    assert Fence()(ref, ctx()).why == "no merged verdict in the store yet: no rank is named the culprit"
+    assert Fence()(ref, ctx()).why == "no merged report in the store yet: no rank is named the culprit"
     with pytest.raises(ValueError, match="after_s must be > 0 seconds, got 0"):
         Fence(after_s=0)
 

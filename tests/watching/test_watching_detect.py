@@ -1,6 +1,6 @@
 """Detectors as pure functions of synthetic snapshots: hangs, lost peers, completion, the op the
 main thread is blocked in, and the backend's numbers (a desync, a stuck transport) with the
-verdict of torch's flight recorder on each suspect."""
+state of torch's flight recorder on each suspect."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord
 from ncclguard.recording.flight import FlightRecorder
 from ncclguard.watching.sensors.detect import (
     Detection,
+    OpState,
     SeqView,
-    Verdict,
-    backend_verdict,
+    backend_op_state,
     blocked_in,
     completed,
     find_backend_desync,
@@ -167,17 +167,17 @@ def op(completed: bool | None, age: float = 5.0) -> BackendOp:
 
 
 @pytest.mark.parametrize(
-    "backend_op, stuck_verdict, desync_verdict",
+    "backend_op, stuck_state, desync_state",
     [
-        (op(False), Verdict.OPEN, Verdict.OPEN),
-        (op(True), Verdict.CLOSED, Verdict.CLOSED),  # completed here: the numbers were a beat old
-        (op(False, age=0.5), Verdict.YOUNG, Verdict.YOUNG),  # open, younger than the timeout: look again
+        (op(False), OpState.OPEN, OpState.OPEN),
+        (op(True), OpState.CLOSED, OpState.CLOSED),  # completed here: the numbers were a beat old
+        (op(False, age=0.5), OpState.YOUNG, OpState.YOUNG),  # open, younger than the timeout: look again
         # Nothing tells (no recorder entry, no state): every rank computing stands still too, so no
         # stuck transport on numbers alone; a peer behind everyone still is a desync all the same.
-        (op(None), Verdict.CLOSED, Verdict.OPEN),
-        (None, Verdict.CLOSED, Verdict.OPEN),
+        (op(None), OpState.CLOSED, OpState.OPEN),
+        (None, OpState.CLOSED, OpState.OPEN),
     ],
 )
-def test_torchs_recorder_decides_whether_a_suspect_is_a_hang(backend_op, stuck_verdict, desync_verdict):
-    assert backend_verdict(backend_op, NOW, 1.5, unknown_is_open=False) is stuck_verdict
-    assert backend_verdict(backend_op, NOW, 1.5, unknown_is_open=True) is desync_verdict
+def test_torchs_recorder_decides_whether_a_suspect_is_a_hang(backend_op, stuck_state, desync_state):
+    assert backend_op_state(backend_op, NOW, 1.5, unknown_is_open=False) is stuck_state
+    assert backend_op_state(backend_op, NOW, 1.5, unknown_is_open=True) is desync_state

@@ -1,2 +1,2 @@
 """Private to the commit (:mod:`ncclguard.recovery.commit`): what the ranks state at a step's commit
-and the verdict settled from it, as pure functions."""
+and the outcome settled from it, as pure functions."""

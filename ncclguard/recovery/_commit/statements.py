@@ -1,10 +1,10 @@
-"""What the ranks say at a step's commit, and the verdict settled from it: pure functions.
+"""What the ranks say at a step's commit, and the outcome settled from it: pure functions.
 
 Each rank publishes a :class:`CommitStatement` (its step count, world generation, group, the backend's
 sequence number on the group, and what went wrong on it since its last commit); the first rank
-able to settle the round turns the statements present into one :class:`CommitVerdict` with
-:func:`decide`, and every rank reads that verdict (:mod:`ncclguard.recovery.commit`). Nothing
-here touches a store or a process group, so the verdict logic is tested without processes.
+able to settle the round turns the statements present into one :class:`CommitOutcome` with
+:func:`decide`, and every rank reads that outcome (:mod:`ncclguard.recovery.commit`). Nothing
+here touches a store or a process group, so the outcome logic is tested without processes.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ __all__ = [
     "MAX_REASON_CHARS",
     "MAX_STATEMENT_BYTES",
     "STEP_DIFFERS",
-    "CommitVerdict",
+    "CommitOutcome",
     "CommitStatement",
     "commit_keys",
     "decide",
-    "verdict_limit",
+    "outcome_limit",
 ]
 
 MAX_PROBLEMS = 8  # problems one rank states at most (the rest are summed up in the last)
@@ -77,8 +77,8 @@ class CommitStatement(BaseModel):
     stop: bool = False
 
 
-class CommitVerdict(BaseModel):
-    """A step's verdict, settled once for every rank.
+class CommitOutcome(BaseModel):
+    """A step's outcome, settled once for every rank.
 
     Attributes:
         ok: every rank arrived with a clean step, and they agree on what they did.
@@ -99,8 +99,8 @@ class CommitVerdict(BaseModel):
     stop: bool = False
 
 
-def verdict_limit(size: int) -> int:
-    """The most bytes a verdict among ``size`` ranks may take (every rank failed, at length)."""
+def outcome_limit(size: int) -> int:
+    """The most bytes a outcome among ``size`` ranks may take (every rank failed, at length)."""
     return 4096 + size * (16 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
 
 
@@ -218,8 +218,8 @@ def decide(
     timeout_s: float,
     dead: Mapping[int, str] | None = None,
     early: bool = False,
-) -> CommitVerdict:
-    """The verdict of step ``step``'s commit from the statements present when it is settled.
+) -> CommitOutcome:
+    """The outcome of step ``step``'s commit from the statements present when it is settled.
 
     Args:
         statements: by rank, the statements found in the store (None: there but unreadable).
@@ -227,10 +227,10 @@ def decide(
         step: the commit count the round was held for.
         timeout_s: the commit's deadline, for the missing ranks' reason.
         dead: missing ranks known dead, with how it is known (the reason given instead).
-        early: the verdict is settled before the deadline because of them.
+        early: the outcome is settled before the deadline because of them.
 
     Returns:
-        The verdict: ok only when every rank arrived with a readable, clean statement and the
+        The outcome: ok only when every rank arrived with a readable, clean statement and the
         statements agree on generation, group, step and the backend's sequence number.
     """
     failed: dict[int, list[str]] = {}
@@ -249,6 +249,6 @@ def decide(
         _disagreements(readable, failed)
     arrived = sorted(r for r in statements if 0 <= r < size)
     stop = any(s.stop for s in readable.values())  # one rank asked: all stop at the same step
-    return CommitVerdict(
+    return CommitOutcome(
         ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())), early=early, stop=stop
     )

@@ -4,12 +4,12 @@ The meeting is the store layer's settle-once round (:func:`ncclguard.store.round
 with keys from :class:`~ncclguard.store.keys.MeetingKeys`:
 
 1. each rank writes its :class:`Arrival` under ``a<rank>`` and increments ``n``;
-2. the rank that makes ``n`` equal the world size settles the verdict ``v`` (everyone arrived)
+2. the rank that makes ``n`` equal the world size settles the outcome ``v`` (everyone arrived)
    with compare-and-set; the others wait for ``v`` until their deadline, then settle it
    themselves from the arrivals present then. compare-and-set makes the first settlement final:
-   every rank, late ones included, reads the same verdict, so all agree on the new world;
-3. each rank named in the verdict increments ``gone`` when it leaves; the last one deletes the
-   attempt's keys but the verdict, which stays (a few bytes) so that a rank arriving late learns
+   every rank, late ones included, reads the same outcome, so all agree on the new world;
+3. each rank named in the outcome increments ``gone`` when it leaves; the last one deletes the
+   attempt's keys but the outcome, which stays (a few bytes) so that a rank arriving late learns
    at once that it was left out.
 
 The whole attempt is bounded by its deadline (plus the round's grace): a store whose host is cut
@@ -32,7 +32,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery._rebuild.meeting_rules import (
     MAX_ARRIVAL_BYTES,
-    MAX_VERDICT_BYTES,
+    MAX_OUTCOME_BYTES,
     Arrival,
     MeetingKeys,
     MeetingOutcome,
@@ -53,14 +53,14 @@ class Meeting:
     """What one attempt told this rank.
 
     Attributes:
-        verdict: the settled verdict, the same on every rank.
-        late: this rank's arrival was not in the store when the verdict was settled.
+        outcome: the settled outcome, the same on every rank.
+        late: this rank's arrival was not in the store when the outcome was settled.
         arrivals: the members' arrivals (empty when ``late``).
-        problem: why the members refuse a settled ``ok`` verdict (they disagree), or None.
+        problem: why the members refuse a settled ``ok`` outcome (they disagree), or None.
         elapsed_s: seconds spent meeting.
     """
 
-    verdict: MeetingOutcome
+    outcome: MeetingOutcome
     late: bool
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     problem: str | None = None
@@ -69,11 +69,11 @@ class Meeting:
     @property
     def goes_on(self) -> bool:
         """This rank is in the new world."""
-        return self.verdict.ok and not self.late and self.problem is None
+        return self.outcome.ok and not self.late and self.problem is None
 
 
 def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
-    """A reader of the ranks a peer's verdict judged stuck (their death notices carry
+    """A reader of the ranks a peer's outcome judged stuck (their death notices carry
     :data:`~ncclguard.store.deaths.STUCK_RC`), in this world's numbering: the meeting settles without
     waiting its deadline for them. A killed rank's notice does not count here: its restart may rejoin."""
     world = current_world()
@@ -95,9 +95,9 @@ def _rule(
 ) -> Rule[MeetingOutcome]:
     def read(raw: bytes) -> MeetingOutcome:
         try:
-            return decode(MeetingOutcome, raw, f"the verdict under {keys.verdict!r}", MAX_VERDICT_BYTES)
+            return decode(MeetingOutcome, raw, f"the outcome under {keys.outcome!r}", MAX_OUTCOME_BYTES)
         except DecodeError as exc:
-            raise StoreUnreachable(f"the rebuild's verdict under {keys.verdict!r} cannot be read: {exc}") from exc
+            raise StoreUnreachable(f"the rebuild's outcome under {keys.outcome!r} cannot be read: {exc}") from exc
 
     def given_up(peek: Peek) -> str:
         return encode(decide(peek.present(), size, allow_shrink))
@@ -115,9 +115,9 @@ def _rule(
         given_up=given_up,
         read=read,
         early=early if stuck is not None else None,
-        # Every rank in the verdict wrote its arrival before it was settled, and nobody deletes
+        # Every rank in the outcome wrote its arrival before it was settled, and nobody deletes
         # before all of them have left: one multi_get finds them all.
-        members=lambda verdict: Members(verdict.arrived, complete=True),
+        members=lambda outcome: Members(outcome.arrived, complete=True),
         keep_outcome=True,
     )
 
@@ -135,7 +135,7 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
         The meeting as this rank saw it.
 
     Raises:
-        StoreUnreachable: the store did not answer, or wrote a verdict that cannot be read.
+        StoreUnreachable: the store did not answer, or wrote a outcome that cannot be read.
     """
     start = time.monotonic()
     keys = MeetingKeys(me.generation + 1, attempt)
@@ -152,12 +152,12 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
             "the rebuild meeting",
         )
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
-        if isinstance(exc, StoreUnreachable):  # no answer by the deadline, or an unreadable verdict
+        if isinstance(exc, StoreUnreachable):  # no answer by the deadline, or an unreadable outcome
             raise
         raise StoreUnreachable(f"the job's store did not answer during the rebuild meeting: {exc}") from exc
-    verdict = settled.outcome
-    if settled.arrivals is None:  # not in the verdict: late
-        return Meeting(verdict, True, elapsed_s=time.monotonic() - start)
+    outcome = settled.outcome
+    if settled.arrivals is None:  # not in the outcome: late
+        return Meeting(outcome, True, elapsed_s=time.monotonic() - start)
 
     arrivals: dict[int, Arrival] = {}
     for rank, blob in settled.arrivals.items():
@@ -165,5 +165,5 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
             arrivals[rank] = decode(Arrival, blob, f"rank {rank}'s arrival", MAX_ARRIVAL_BYTES)
         except DecodeError as exc:
             log.error("rebuild: rank %d's arrival is unreadable (%s)", rank, exc)
-    problem = check_arrivals(verdict, arrivals, size) if verdict.ok else None
-    return Meeting(verdict, False, arrivals, problem, time.monotonic() - start)
+    problem = check_arrivals(outcome, arrivals, size) if outcome.ok else None
+    return Meeting(outcome, False, arrivals, problem, time.monotonic() - start)

@@ -21,7 +21,7 @@ from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 __all__ = [
     "MAX_ARRIVAL_BYTES",
     "MAX_RECORD_BYTES",
-    "MAX_VERDICT_BYTES",
+    "MAX_OUTCOME_BYTES",
     "Arrival",
     "MeetingKeys",
     "MeetingOutcome",
@@ -35,10 +35,10 @@ __all__ = [
     "world_prefix",
 ]
 
-# An arrival is a few hundred bytes; a verdict lists ranks (about 7 bytes each), so 8 MiB covers
+# An arrival is a few hundred bytes; a outcome lists ranks (about 7 bytes each), so 8 MiB covers
 # a million ranks. Anything larger is a bug or hostile and is not parsed.
 MAX_ARRIVAL_BYTES = 4 * 1024
-MAX_VERDICT_BYTES = 8 * 1024 * 1024
+MAX_OUTCOME_BYTES = 8 * 1024 * 1024
 
 
 class Arrival(BaseModel):
@@ -74,7 +74,7 @@ class MeetingOutcome(BaseModel):
     """The meeting's outcome, settled once by compare-and-set and read by every rank.
 
     Attributes:
-        arrived: old ranks whose arrival was in the store when the verdict was settled (sorted).
+        arrived: old ranks whose arrival was in the store when the outcome was settled (sorted).
         ok: a new world is built, of the ranks in ``arrived``.
         shrunk: the new world leaves out ranks that did not arrive (``allow_shrink``).
     """
@@ -86,13 +86,13 @@ class MeetingOutcome(BaseModel):
     shrunk: bool = False
 
     def missing(self, world_size: int) -> list[int]:
-        """The old ranks that had not arrived when the verdict was settled (sorted)."""
+        """The old ranks that had not arrived when the outcome was settled (sorted)."""
         there = set(self.arrived)
         return [r for r in range(world_size) if r not in there]
 
 
 def decide(arrived: list[int], world_size: int, allow_shrink: bool) -> MeetingOutcome:
-    """The verdict of a meeting given who had arrived when it was settled.
+    """The outcome of a meeting given who had arrived when it was settled.
 
     Args:
         arrived: old ranks present (any order, no duplicates).
@@ -114,16 +114,16 @@ def dense_rank_map(members: list[int]) -> dict[int, int]:
     return {old: new for new, old in enumerate(sorted(members))}
 
 
-def check_arrivals(verdict: MeetingOutcome, arrivals: dict[int, Arrival], world_size: int) -> str | None:
+def check_arrivals(outcome: MeetingOutcome, arrivals: dict[int, Arrival], world_size: int) -> str | None:
     """What makes a settled meeting unusable, or None. Every member computes the same answer
     from the same arrivals, so all of them refuse together or go on together.
 
     Args:
-        verdict: the settled verdict.
-        arrivals: the parsed arrival of each rank in ``verdict.arrived`` (unreadable ones absent).
+        outcome: the settled outcome.
+        arrivals: the parsed arrival of each rank in ``outcome.arrived`` (unreadable ones absent).
         world_size: the size of the world being left, as this rank knows it.
     """
-    unreadable = [r for r in verdict.arrived if r not in arrivals]
+    unreadable = [r for r in outcome.arrived if r not in arrivals]
     if unreadable:
         return f"ranks {unreadable} wrote an arrival that could not be read"
     wrong_rank = [r for r, a in arrivals.items() if a.rank != r]
@@ -137,7 +137,7 @@ def check_arrivals(verdict: MeetingOutcome, arrivals: dict[int, Arrival], world_
             return f"the ranks disagree on the {name.replace('_', ' ')} they leave ({listing})"
     if arrivals and next(iter(arrivals.values())).world_size != world_size:
         return f"the ranks left a world of {next(iter(arrivals.values())).world_size}, this rank one of {world_size}"
-    if verdict.shrunk and verdict.ok:
+    if outcome.shrunk and outcome.ok:
         # A restarted process never objects to the others going on without someone else.
         refused = [r for r, a in sorted(arrivals.items()) if not a.allow_shrink and not a.rejoined]
         if refused:

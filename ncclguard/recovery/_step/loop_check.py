@@ -29,7 +29,7 @@ def not_rewound(step: int, rewind_to: int) -> LoopDiverged:
 
 def diverged(res: CommitResult) -> LoopDiverged | None:
     """The error every rank raises when a failed commit shows the ranks' loops at different steps
-    (the same verdict on every rank, so the same answer), or None."""
+    (the same outcome on every rank, so the same answer), or None."""
     if res:
         return None
     mark = f"{LoopDiverged.__name__}: "  # a rank's own failure, as its statement words it

@@ -52,7 +52,7 @@ def publish_index(
 
     Args:
         store: rank 0's watchdog store (its keys say run id, restart, session and generation).
-        heartbeat_s, peer_timeout_s, hang_timeout_s: the watchdog's settings, for the reader's verdict.
+        heartbeat_s, peer_timeout_s, hang_timeout_s: the watchdog's settings, for the reader's health call.
         world_size: the ranks of this world.
     """
     keys = store.keys

@@ -47,7 +47,7 @@ class WatchdogConfig(BaseSettings):
         exit_code: the status of the ``exit`` rung.
         fence_after_s: the ``fence`` rung's wait after the rung before it (default
             ``escalate_after_s``): how long a rank stays named the culprit, its op still open,
-            before it fences itself (exits 0). At least ``merge_wait``: it acts on the merged verdict.
+            before it fences itself (exits 0). At least ``merge_wait``: it acts on the merged report.
         incident_dir: where incidents are written (``<incident_dir>/<id>/``).
         merge_wait_s: how long the merging rank waits for the others' statements (default 2 beats).
         store_timeout_s: the bound of every store call (default: ``min(heartbeat_s, 5)``).
@@ -124,7 +124,7 @@ class WatchdogConfig(BaseSettings):
         if self.action == "fence" and self.fence_after < self.merge_wait:
             raise ValueError(
                 f"fence_after_s ({self.fence_after}) must be >= merge_wait ({self.merge_wait}): the fence acts on "
-                "the merged verdict, which takes up to merge_wait to come"
+                "the merged report, which takes up to merge_wait to come"
             )
         return self
 

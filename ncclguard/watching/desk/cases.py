@@ -1,5 +1,5 @@
 """An incident as a rank handles it: the :class:`Case`, its directory, its dump and report on disk,
-and what the store says of its verdict. Nothing is written outside ``incident_dir``
+and what the store says of its report. Nothing is written outside ``incident_dir``
 (:func:`incident_path`)."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Case:
     merger: bool = False
     merge_deadline: float = 0.0
     merged: bool = False
-    followed: bool = False  # a node's first rank: the merged verdict logged (and copied) here
+    followed: bool = False  # a node's first rank: the merged report logged (and copied) here
     ladder: LadderState = field(default_factory=LadderState)
     track: list[TrackSpan] = field(default_factory=list)  # where the main thread was (the pictures)
     backend: list[BackendEntry] = field(default_factory=list)  # torch's flight recorder (the pictures)
@@ -169,14 +169,14 @@ def stale_from_statements(stale: Mapping[int, float], statements: Mapping[int, S
 
 
 def merged_note(store: WatchdogStore | None, case: Case) -> MergedNote | None:
-    """The merged verdict of ``case`` as the store has it (the ``fence`` rung's input); None
+    """The merged report of ``case`` as the store has it (the ``fence`` rung's input); None
     without a store or before the merge."""
     if store is None or case.local:
         return None
     try:
         return store.read_merged(case.doc.n)
     except (StoreTimeout, StoreUnreachable) as exc:
-        log.warning("watchdog: could not read the merged verdict of incident %s: %s", case.doc.id, exc)
+        log.warning("watchdog: could not read the merged report of incident %s: %s", case.doc.id, exc)
         return None
 
 

@@ -101,7 +101,7 @@ class IncidentDesk(Merger):
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
         self.store_lost = False
-        # A node's first rank logs every merged verdict, and copies the report where the directory is
+        # A node's first rank logs every merged report, and copies the report where the directory is
         # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
         self.node_leader = os.environ.get("LOCAL_RANK") == "0"
         self.cases: list[Case] = []

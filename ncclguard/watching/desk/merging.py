@@ -110,7 +110,7 @@ class Merger:
 
     def follow(self, case: Case) -> bool:
         """On a node's first rank that did not merge: once the merger's note is in the store, logs the
-        merged verdict here, and writes the merged report into this host's incident directory when it
+        merged report here, and writes the merged report into this host's incident directory when it
         is not there (a directory that is not shared), from the same statements.
 
         Returns:

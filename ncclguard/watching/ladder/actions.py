@@ -169,7 +169,7 @@ class ActionContext:
         raiser: carries an exception into the main thread (None unless a rung needs it).
         blocked_in: the synchronous op the main thread is blocked in, if any.
         save: records an outcome in the rank's dump now (for a rung that does not return).
-        merged: the merged verdict of the incident (its culprits) from the store; None until a
+        merged: the merged report of the incident (its culprits) from the store; None until a
             rank merged it, or without a store.
         mark_fenced: puts this rank's fence mark in the store; True once it is there.
     """
@@ -282,7 +282,7 @@ class Exit(Action):
 class Fence(Action):
     """Ends this rank with status 0 when the merged incident names it the culprit.
 
-    The rank acts on the verdict itself, from its watchdog thread: its main thread is stuck
+    The rank acts on the report itself, from its watchdog thread: its main thread is stuck
     elsewhere (a loop, a sleep, a wait that never ends) and will not come back. It writes its
     dump, marks itself fenced in the store (``python -m ncclguard status`` shows it) and exits 0:
     torchrun's agent stops every worker when one exits non-zero, and leaves the others alone when
@@ -308,7 +308,7 @@ class Fence(Action):
     def __call__(self, incident: IncidentRef, ctx: ActionContext) -> Outcome:
         note = ctx.merged()
         if note is None:
-            return Outcome(done=False, why="no merged verdict in the store yet: no rank is named the culprit")
+            return Outcome(done=False, why="no merged report in the store yet: no rank is named the culprit")
         if ctx.rank not in note.culprits:
             named = f"rank(s) {rank_ranges(note.culprits)} named the culprit" if note.culprits else "no culprit named"
             return Outcome(done=False, why=f"{named}; this rank is not fenced", details={"culprits": note.culprits})

@@ -61,10 +61,10 @@ class BackendWatch:
             assert hang.group is not None and hang.seq is not None
             op = ops.get(hang.group)
             stuck = hang.kind is IncidentKind.BACKEND_STUCK
-            verdict = detect.backend_verdict(op, time.time(), self.hang_timeout_s, unknown_is_open=not stuck)
-            if verdict is detect.Verdict.CLOSED:
+            state = detect.backend_op_state(op, time.time(), self.hang_timeout_s, unknown_is_open=not stuck)
+            if state is detect.OpState.CLOSED:
                 self.looked.add((hang.group, hang.seq))  # completed here (the peers' numbers are a beat old)
-            if verdict is not detect.Verdict.OPEN or (hang.group, hang.seq) in self.reported:
+            if state is not detect.OpState.OPEN or (hang.group, hang.seq) in self.reported:
                 continue
             self.reported.add((hang.group, hang.seq))
             out.append(

@@ -10,7 +10,7 @@ Heartbeats carry ``backend_seq`` (the backend's sequence number per group, count
 collective whoever issued it): :func:`find_backend_desync` and :func:`find_backend_stuck` compare
 them across ranks, so a rank waiting in an op issued from C++ (DDP's reducer, functional
 collectives) is seen too. Both only say when to look; torch's flight recorder, read then and only
-then, says whether the op is open (:func:`backend_verdict`).
+then, says whether the op is open (:func:`backend_op_state`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from ncclguard.recording.flight import seq_key
 __all__ = [
     "Detection",
     "SeqView",
-    "Verdict",
-    "backend_verdict",
+    "OpState",
+    "backend_op_state",
     "blocked_in",
     "completed",
     "find_backend_desync",
@@ -196,7 +196,7 @@ def find_backend_stuck(
 
     A suspicion, not a finding: ranks that compute while nobody waits stand still too. The
     watchdog then reads torch's flight recorder once per ``(group, seq)``: an op open there past
-    ``hang_timeout_s`` is a hang with nobody behind, a stuck transport (:func:`backend_verdict`).
+    ``hang_timeout_s`` is a hang with nobody behind, a stuck transport (:func:`backend_op_state`).
     Peers at other numbers are :func:`find_backend_desync`'s; a group where no watched peer is
     known is a suspect too (this rank's open op is a hang whoever else is in it; the merge sorts
     out the members from every rank's statement).
@@ -225,7 +225,7 @@ def find_backend_stuck(
     return out
 
 
-class Verdict(str, Enum):
+class OpState(str, Enum):
     """What torch's flight recorder says of a suspected backend op."""
 
     OPEN = "open"  # open past the timeout: raise the incident
@@ -233,7 +233,7 @@ class Verdict(str, Enum):
     YOUNG = "young"  # open, but younger than the timeout (the numbers were read a beat apart): look again
 
 
-def backend_verdict(op: BackendOp | None, now: float, hang_timeout_s: float, *, unknown_is_open: bool) -> Verdict:
+def backend_op_state(op: BackendOp | None, now: float, hang_timeout_s: float, *, unknown_is_open: bool) -> OpState:
     """Whether a suspected op (:func:`find_backend_desync`, :func:`find_backend_stuck`) is a hang.
 
     Args:
@@ -245,12 +245,12 @@ def backend_verdict(op: BackendOp | None, now: float, hang_timeout_s: float, *, 
             transport's are not (every rank computing also stands still).
     """
     if op is not None and op.completed:
-        return Verdict.CLOSED
+        return OpState.CLOSED
     if op is None or op.completed is None:
-        return Verdict.OPEN if unknown_is_open else Verdict.CLOSED
+        return OpState.OPEN if unknown_is_open else OpState.CLOSED
     if op.created and now - op.created < hang_timeout_s:
-        return Verdict.YOUNG
-    return Verdict.OPEN
+        return OpState.YOUNG
+    return OpState.OPEN
 
 
 def completed(records: Iterable[_RecordLike], key: tuple[str, int]) -> bool:

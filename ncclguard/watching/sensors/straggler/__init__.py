@@ -20,7 +20,7 @@ traffic does not grow with the world):
 Where a window's records hold too few ops but the world group's backend ran more (a loop that only
 calls DDP: its bucket all_reduce is issued from C++), the window carries the backend's arrival times
 instead, read once from torch's flight recorder, and the compute rule judges figures derived from them
-(:func:`from_arrivals`; no link verdict).
+(:func:`from_arrivals`; no link finding).
 
 ``straggler_windows`` such windows in a row raise one ``straggler`` incident (once per rank and cause in a
 world). Everything here but :class:`StragglerWatch` is pure: it takes records and figures, no clock.

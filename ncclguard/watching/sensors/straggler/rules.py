@@ -1,4 +1,4 @@
-"""The rules: one window of one rank against its peers' windows of the same span, a verdict per cause.
+"""The rules: one window of one rank against its peers' windows of the same span, a finding per cause.
 Pure: figures in, an assessment out.
 
 - **compute / input**: the rank's work share (its time outside collectives, less its run delay where
@@ -94,7 +94,7 @@ def assess(
         peers: its watched peers' fresh windows.
         threshold: the compute slowdown factor that counts (> 1).
         min_share: the least share of the window the slowdown must cost.
-        baseline_op_wait: the transfer of the earlier windows (None: no transfer verdict yet).
+        baseline_op_wait: the transfer of the earlier windows (None: no transfer finding yet).
         link_threshold: the transfer's or a link's slowdown factor that counts (> 1).
         baseline_compute_per_op: this rank's compute between two ops in the earlier windows: without
             another link to compare with, a link is slow only while that holds within ``threshold``
@@ -156,7 +156,7 @@ def _comparable(
 
 @dataclass(frozen=True)
 class _Work:
-    """The compute (and input) verdict of one window: the shares compared and what they say."""
+    """The compute (and input) finding of one window: the shares compared and what they say."""
 
     runnable: bool  # every rank compared tells its run delay: work is compute less that delay
     mine: float
@@ -219,7 +219,7 @@ def _judge_work(
 
 @dataclass(frozen=True)
 class _Links:
-    """The transfer's verdict of one window: the transfer time, the links' rates, the slow ones."""
+    """The transfer's finding of one window: the transfer time, the links' rates, the slow ones."""
 
     transfer: float
     rates: dict[Link, tuple[float, float]]

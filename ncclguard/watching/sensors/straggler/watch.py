@@ -138,7 +138,7 @@ class StragglerWatch:
 
     def _with_arrivals(self, win: StragglerWindow, start: float, end: float) -> StragglerWindow:
         """``win`` with the backend's arrivals (read only when the records hold too few ops and the
-        world group's backend ran enough for a verdict: torch's recorder costs milliseconds to read)."""
+        world group's backend ran enough for a finding: torch's recorder costs milliseconds to read)."""
         if self.backend is None:
             return win
         try:

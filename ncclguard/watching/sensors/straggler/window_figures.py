@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 LINK_MIN_NUMEL = 16384  # elements (64 KiB of float32): smaller ops time the host's scheduling, not the link
-MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no verdict
+MIN_OPS = 3  # collectives completed in a window, on the rank and on each peer compared: below, no finding
 
 
 class _RecordLike(Protocol):
@@ -225,7 +225,7 @@ def from_arrivals(
     op, as DDP issues several buckets in one backward) is no wait for anyone. Each run delay is
     taken over the span: as measured between the rank's first and last arrival
     (``arrivals_run_delay_s``, scaled to the span), else at its window's rate. No transfer is timed:
-    these windows give no link verdict.
+    these windows give no link finding.
 
     Args:
         own: this rank's window, with arrivals.
