@@ -143,7 +143,7 @@ DEPRECATED: dict[str, str] = {
     "HealResult": "ncclguard.recovery.heal",
     "ProcessGroupInit": "ncclguard.env.pginit",
     "RebuildResult": "ncclguard.recovery.rebuild",
-    "StepResult": "ncclguard.recovery.engine",
+    "StepResult": "ncclguard.recovery.records",
     "TimeoutHierarchy": "ncclguard.env.hierarchy",
     "Watchdog": "ncclguard.watching.watchdog",
     "current_phase": "ncclguard.recording.phase",

@@ -427,10 +427,8 @@ def ddp_initial_buckets(buckets: list[list[torch.Tensor]]) -> Iterator[None]:
     dtype and device, with ``find_unused_parameters=False``).
 
     DDP's constructor takes its first layout from ``torch.distributed._compute_bucket_assignment_by_size``
-    (private) and hands the reducer that list reversed (``_ddp_init_helper``; run here on torch
-    2.13, and 2.11 with CUDA); inside the block that function answers, for this parameter list,
-    ``buckets`` in that form. Any other call goes to torch's own. Read the wrapper's buckets after building it
-    (:func:`ddp_bucket_parameters`) to see that it took them.
+    and hands the reducer that list reversed (``_ddp_init_helper``; run on torch 2.13, and 2.11 with
+    CUDA); inside the block it answers ``buckets`` so, for this parameter list alone.
 
     Args:
         buckets: the parameters of each bucket, in the order the reducer is to all-reduce them,
@@ -464,9 +462,8 @@ def ddp_initial_buckets(buckets: list[list[torch.Tensor]]) -> Iterator[None]:
 def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:
     """Makes a stand-in default group: a world of one on torch's ``fake`` backend
     (``torch.testing._internal.distributed.fake_pg``), whose collectives return at once and move
-    nothing. In a world of one every collective is self-consistent: a broadcast of objects from
-    rank 0 returns the caller's own (Lightning's ``strategy.broadcast`` at setup), a gather its own
-    value, DDP's constructor finds nothing to sync; no device is needed.
+    nothing: in a world of one each is self-consistent (Lightning's ``strategy.broadcast`` at setup
+    returns the caller's own object, DDP's constructor finds nothing to sync); no device is needed.
 
     Args:
         init: torch's ``init_process_group`` (default ``torch.distributed.init_process_group``).

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ncclguard.incidents.files import INCIDENT_FILE, load
 from ncclguard.incidents.model import Incident, RankDump, upgrade_incident
-from ncclguard.incidents.pictures import chrome_trace, plot_timeline, timeline
+from ncclguard.incidents.pictures import plot_timeline, timeline
 from ncclguard.incidents.render import render
+from ncclguard.incidents.trace import chrome_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

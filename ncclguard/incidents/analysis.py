@@ -22,20 +22,13 @@ from ncclguard.incidents.model import (
     DesyncFinding,
     Finding,
     Heartbeat,
-    HeartbeatView,
-    Incident,
-    IncidentDoc,
-    IncidentKind,
     LostRank,
     LostRanksFinding,
     MismatchFinding,
-    NoView,
     OpRecord,
     P2PFinding,
-    RankView,
     SilentFinding,
     Statement,
-    StatementView,
     Straggler,
     StuckFinding,
     Variant,
@@ -43,7 +36,7 @@ from ncclguard.incidents.model import (
 )
 from ncclguard.incidents.render import summary_line
 
-__all__ = ["analyse", "assemble", "whereabouts"]
+__all__ = ["analyse", "whereabouts"]
 
 SILENT_NOTE = "no statement came from these ranks (watchdog thread starved, e.g. the GIL held by C code)"
 
@@ -443,76 +436,3 @@ def _lost_finding(
     acc.findings.append(LostRanksFinding(ranks=entries))
     if not acc.victims:
         acc.victims.update(r for r in range(world_size) if r not in acc.culprits)
-
-
-def _rank_view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat]) -> RankView:
-    if rank in statements:
-        return StatementView.model_validate(dict(statements[rank]))
-    if rank in heartbeats:
-        return HeartbeatView.model_validate(dict(heartbeats[rank]))
-    return NoView()
-
-
-def assemble(
-    doc: IncidentDoc,
-    statements: Mapping[int, Statement],
-    heartbeats: Mapping[int, Heartbeat],
-    stale: Mapping[int, float],
-    world_size: int,
-    *,
-    merged_by: int,
-    waiting_after_s: float,
-    extra_findings: Sequence[Finding] = (),
-    analyse_ranks: bool = True,
-) -> Incident:
-    """Builds the merged incident (the content of ``incident.json``).
-
-    Args:
-        doc: the incident as raised.
-        statements, heartbeats, stale, world_size, waiting_after_s: see :func:`analyse`.
-        merged_by: the rank that merges (-1: ``python -m ncclguard report``).
-        extra_findings: findings known to the merger only (a lost store: a :class:`StoreFinding`).
-        analyse_ranks: False when the statements say nothing about the others (a lost store).
-
-    Returns:
-        The merged incident.
-    """
-    focus = (doc.group, doc.seq) if doc.group is not None and doc.seq is not None else None
-    backend = doc.group if doc.kind is IncidentKind.BACKEND_DESYNC else None
-    stuck = doc.group if doc.kind is IncidentKind.BACKEND_STUCK else None
-    if backend is not None or stuck is not None:
-        focus = None  # numbered by the backend, not by ncclguard's records
-    result = (
-        analyse(
-            statements,
-            heartbeats,
-            stale,
-            world_size,
-            waiting_after_s=waiting_after_s,
-            focus=focus,
-            backend_group=backend,
-            stuck_group=stuck,
-        )
-        if analyse_ranks
-        else Analysis()
-    )
-    if extra_findings:
-        texts = [getattr(f, "text", "") for f in extra_findings] + ([result.summary] if result.findings else [])
-        result = result.model_copy(
-            update={"findings": [*extra_findings, *result.findings], "summary": "; ".join(texts)}
-        )
-    return Incident(
-        incident=doc,
-        written_at=time.time(),
-        merged_by=merged_by,
-        world_size=world_size,
-        statements_from=sorted(statements),
-        missing_statements=[r for r in range(world_size) if r not in statements],
-        findings=result.findings,
-        culprits=result.culprits,
-        victims=result.victims,
-        lost=result.stale_ranks,
-        silent=result.silent,
-        summary=result.summary,
-        ranks={str(r): _rank_view(r, statements, heartbeats) for r in range(world_size)},
-    )

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from ncclguard._naming import rank_ranges
-from ncclguard.incidents import analysis
+from ncclguard.incidents import analysis, assemble
 from ncclguard.incidents import render as _render
 from ncclguard.incidents.model import (
     FORMAT_VERSION,
@@ -119,7 +119,7 @@ def merge(
     extra_findings: Sequence[Mapping[str, Any]] | None = None,
     analyse_ranks: bool = True,
 ) -> dict[str, Any]:
-    """:func:`ncclguard.incidents.analysis.assemble` on JSON data: the content of ``incident.json``.
+    """:func:`ncclguard.incidents.assemble.assemble` on JSON data: the content of ``incident.json``.
 
     Args:
         doc: the incident as raised (``id``, ``kind``, ``reason``, ``by``, ``created``, ...).
@@ -131,7 +131,7 @@ def merge(
     Returns:
         The merged incident as JSON data (format version 2).
     """
-    incident = analysis.assemble(
+    incident = assemble.assemble(
         IncidentDoc.model_validate(doc),
         _statements(statements),
         _heartbeats(heartbeats),
@@ -206,7 +206,7 @@ def load(path: str | os.PathLike[str]) -> tuple[Incident, Path, bool]:
         for r, peer in d.statement.peers.items():
             if peer.stale:
                 stale[int(r)] = max(stale.get(int(r), 0.0), peer.age_s)
-    incident = analysis.assemble(
+    incident = assemble.assemble(
         any_dump.incident,
         {r: d.statement for r, d in dumps.items()},
         heartbeats,

@@ -18,65 +18,36 @@ the backend's sequence numbers stay equal and the next commit agrees):
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import HealFailed
-from ncclguard.recovery.state_json import from_json, to_json
+from ncclguard.recovery.heal_header import (
+    DEFAULT_CHUNK_BYTES,
+    Header,
+    check_header,
+    dtype_of,
+    make_header,
+    module_tensors,
+    nbytes,
+)
+from ncclguard.recovery.state_json import from_json
 from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
 from ncclguard.world import current_world
 
-__all__ = ["HealResult", "heal_from_peer"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "HealResult", "heal_from_peer"]
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # a manifest entry is ~100 bytes: room for ~600k tensors
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # NOTES.md: on gloo, chunks much smaller than this cost per call
-
-
-class TensorEntry(BaseModel):
-    """One tensor of the transfer: where it goes, and what it must look like."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(max_length=4096)
-    dtype: str = Field(max_length=64)
-    shape: list[int] = Field(max_length=64)
-
-
-class Header(BaseModel):
-    """What the source announces before any tensor moves.
-
-    Attributes:
-        tensors: the manifest, module tensors first (``module_tensors`` of them), then the
-            optimizer's, in the order their bytes are sent.
-        optimizer: the optimizer's ``state_dict`` as tagged JSON (:func:`to_json`), or None.
-        extra: what the framework's adapter sends besides (a trainer's state, a scheduler's, the
-            generators), as tagged JSON whose tensors follow the optimizer's, or None.
-        step: the step the receivers should run next (the one the others redo), or None.
-        error: why the source sends nothing (every rank then stops), or None.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: Literal[1] = 1
-    tensors: list[TensorEntry] = Field(default_factory=list)
-    module_tensors: int = Field(default=0, ge=0)
-    optimizer: Any = None
-    extra: Any = None
-    step: int | None = None
-    chunk_bytes: int = Field(default=DEFAULT_CHUNK_BYTES, ge=1)
-    error: str | None = Field(default=None, max_length=4096)
 
 
 @dataclass
@@ -107,70 +78,6 @@ class HealResult(Result):
     chunks: int = 0
     elapsed_s: float = 0.0
     error: HealFailed | None = None
-
-
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return found
-
-
-def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*(("p:" + n, p) for n, p in module.named_parameters()), *(("b:" + n, b) for n, b in module.named_buffers())]
-
-
-def _entry(name: str, t: torch.Tensor) -> TensorEntry:
-    return TensorEntry(name=name, dtype=str(t.dtype), shape=list(t.shape))
-
-
-def _nbytes(e: TensorEntry) -> int:
-    return math.prod(e.shape) * _dtype(e.dtype).itemsize
-
-
-def _header(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None, chunk: int, extra: Any = None
-) -> tuple[Header, list[torch.Tensor]]:
-    named = _module_tensors(module)
-    sent = [t.detach() for _, t in named]
-    opt_tensors: list[torch.Tensor] = []
-    opt_json = to_json(optimizer.state_dict(), opt_tensors, "state_dict") if optimizer is not None else None
-    extra_json = to_json(extra, opt_tensors, "extra") if extra is not None else None  # its tensors follow
-    entries = [_entry(n, t) for n, t in named] + [_entry(f"o:{i}", t) for i, t in enumerate(opt_tensors)]
-    header = Header(
-        tensors=entries, module_tensors=len(named), optimizer=opt_json, extra=extra_json, step=step, chunk_bytes=chunk
-    )
-    return header, sent + [t.detach() for t in opt_tensors]
-
-
-def _check(header: Header, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, limit: int) -> str | None:
-    """Why this receiver refuses ``header`` (None: it accepts)."""
-    if header.error is not None:
-        return None  # every rank stops on the source's error anyway
-    own = _module_tensors(module)
-    if header.module_tensors != len(own):
-        return f"the source sends {header.module_tensors} module tensors, this module has {len(own)}"
-    for (name, t), e in zip(own, header.tensors, strict=False):
-        if (e.name, e.dtype, e.shape) != (name, str(t.dtype), list(t.shape)):
-            return f"{e.name} {e.dtype}{e.shape} does not match this module's {name} {t.dtype}{list(t.shape)}"
-    try:
-        total = sum(_nbytes(e) for e in header.tensors)
-    except ValueError as exc:
-        return str(exc)
-    if total > limit:
-        return f"the source would send {total} bytes, over this receiver's bound of {limit} (max_bytes=)"
-    if (header.optimizer is None) != (optimizer is None):
-        return "the source and this rank disagree on whether there is an optimizer to heal"
-    if optimizer is not None:
-        try:
-            groups = from_json(header.optimizer, [torch.empty(0)] * len(header.tensors))["param_groups"]
-            theirs = [len(g["params"]) for g in groups]
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            return f"the optimizer's state cannot be read ({exc})"
-        mine = [len(g["params"]) for g in optimizer.param_groups]
-        if theirs != mine:
-            return f"the source's optimizer has parameter groups of sizes {theirs}, this one {mine}"
-    return None
 
 
 def _wait(work: Any, deadline: Deadline, what: str) -> None:
@@ -246,7 +153,7 @@ def heal_from_peer(
     limit = (
         max_bytes
         if max_bytes is not None
-        else 8 * sum(t.numel() * t.element_size() for _, t in _module_tensors(module)) + (1 << 20)
+        else 8 * sum(t.numel() * t.element_size() for _, t in module_tensors(module)) + (1 << 20)
     )
     result = HealResult(False, role, source, wanted)
     deadline = Deadline(start + timeout_s)
@@ -381,7 +288,7 @@ def _exchange_header(
     raw = b""
     if me == source:
         try:
-            header, sent = _header(module, optimizer, step, chunk_bytes, extra)
+            header, sent = make_header(module, optimizer, step, chunk_bytes, extra)
         except HealFailed as exc:
             header = Header(error=str(exc)[:4096])
         raw = header.model_dump_json().encode()
@@ -416,7 +323,7 @@ def _stop_on_refusal(
     Raises:
         HealFailed: the source sends nothing, or a receiver refused.
     """
-    refusal = _check(header, module, optimizer, limit) if me in receivers else None
+    refusal = check_header(header, module, optimizer, limit) if me in receivers else None
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
     _wait(dist.all_reduce(flags, async_op=True), deadline, "the receivers' answer")
@@ -447,8 +354,8 @@ def _send_bytes(
     Raises:
         HealFailed: a broadcast failed or missed the deadline.
     """
-    staged = [torch.empty(e.shape, dtype=_dtype(e.dtype)) for e in header.tensors] if receives else []
-    total = sum(_nbytes(e) for e in header.tensors)
+    staged = [torch.empty(e.shape, dtype=dtype_of(e.dtype)) for e in header.tensors] if receives else []
+    total = sum(nbytes(e) for e in header.tensors)
     chunk = torch.empty(min(header.chunk_bytes, max(total, 1)), dtype=torch.uint8)
     targets = [t.reshape(-1).view(torch.uint8) for t in staged]
     out_pieces = _pieces(sent) if me == source else iter(())
@@ -498,7 +405,7 @@ def _apply(
             optimizer.load_state_dict(state)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
             raise HealFailed(f"the optimizer's state could not be loaded ({type(exc).__name__}: {exc})") from exc
-    own = _module_tensors(module)
+    own = module_tensors(module)
     with torch.no_grad():
         for (_, t), new in zip(own, staged[: header.module_tensors], strict=True):
             t.copy_(new)

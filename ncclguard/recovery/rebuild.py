@@ -38,18 +38,16 @@ from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import Meeting, meet
 from ncclguard.recovery._rebuild.meeting_rules import (
     Arrival,
-    WorldRecord,
     dense_rank_map,
     handshake_timeout,
     validate_arguments,
     world_prefix,
 )
 from ncclguard.recovery._rebuild.reaper import reaper
+from ncclguard.recovery._rebuild.world_records import deaths_before, record_new_world
 from ncclguard.results import Result
 from ncclguard.store.clients import unprefixed
-from ncclguard.store.deaths import deaths_so_far
 from ncclguard.store.values import delete_prefix
-from ncclguard.store.world_record import write_world_record
 from ncclguard.world import Slot, World, WorldChange, announce, current_world, notify
 
 __all__ = ["RebuildResult", "generation", "origin_rank", "rebuild_for_step", "rebuild_world"]
@@ -117,26 +115,6 @@ def origin_rank() -> int | None:
     """This process's launch rank (its rank in generation 0), once known: after the first
     rebuild or ``RecoveringStep(heal=True)``, or in a process that rejoined."""
     return _ORIGIN.rank
-
-
-def _record_world(store: dist.Store, record: WorldRecord, deadline: Deadline) -> None:
-    """Records ``record`` as the job's current world, for a restarted process to find its place
-    (:func:`ncclguard.rejoin_world`). A failure is logged: only a later rejoin needs it."""
-    try:
-        write_world_record(store, record, deadline)
-    except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
-        log.warning("rebuild_world: the job's world record could not be written (%s)", exc)
-
-
-def deaths_before(store: dist.Store, deadline: Deadline) -> int:
-    """The job's death notices posted so far (:mod:`ncclguard.store.deaths`): a world being made
-    counts from here, since only later deaths can be of its members. 0 when the store does not say
-    in time (a later commit then waits for a dead member's bound, as without a notice)."""
-    try:
-        return deaths_so_far(store, Deadline.within(max(deadline.left(), 1.0)))
-    except (StoreUnreachable, RuntimeError, dist.DistStoreError) as exc:
-        log.info("rebuild_world: the death count is unreadable (%s); commits will wait for a dead member", exc)
-        return 0
 
 
 def generation() -> int:
@@ -373,7 +351,7 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
     # a later call meets as its members, and the subscribers (the watchdog) follow it now.
     new = _next_world(world, meeting, rank_map, missing, deadline)
     announce(new)
-    recorded = _record_new_world(world, new, deadline)
+    recorded = record_new_world(world, new, deadline)
     # The rank that recorded the world bounds its handshake from the record's timeout (the world's
     # collective timeout), the others from the caller's: kept as it was before this was split.
     handshake_s = handshake_timeout(recorded.timeout_s if recorded is not None else timeout_s, deadline.left())
@@ -439,26 +417,6 @@ def _next_world(
         store=world.store,
         timeout=world.timeout,
     )
-
-
-def _record_new_world(world: World, new: World, deadline: Deadline) -> WorldRecord | None:
-    """On the lowest-numbered survivor, records ``new`` as the job's world, before the handshake:
-    a restarted process in it reads the record to connect, and a later one to find its place.
-
-    Returns:
-        The record written (or tried: a failure is only logged), or None on every other rank.
-    """
-    assert new.size is not None and world.store is not None and world.backend is not None
-    if new.rank != min((r for r in range(new.size) if r not in new.joined), default=-1):
-        return None
-    record = WorldRecord(
-        generation=new.generation,
-        origins=list(new.origins),
-        backend=world.backend,
-        timeout_s=world.timeout.total_seconds() if world.timeout is not None else 600.0,
-    )
-    _record_world(world.store, record, Deadline.within(max(deadline.left(), 1.0)))
-    return record
 
 
 def _build_group(world: World, new: World, handshake_s: float) -> str | None:

@@ -40,7 +40,8 @@ from ncclguard.recovery._rebuild.meeting_rules import (
     world_prefix,
 )
 from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count
-from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult, deaths_before
+from ncclguard.recovery._rebuild.world_records import deaths_before
+from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult
 from ncclguard.store.clients import connect, job_address
 from ncclguard.store.values import read_value
 from ncclguard.store.world_record import read_world_record, wait_world_record

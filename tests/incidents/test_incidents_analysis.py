@@ -3,7 +3,8 @@ e.g. DDP's reducer), on synthetic statements; the Python-level analysis is tests
 
 from __future__ import annotations
 
-from ncclguard.incidents.analysis import FROM_CPP, analyse, assemble
+from ncclguard.incidents.analysis import FROM_CPP, analyse
+from ncclguard.incidents.assemble import assemble
 from ncclguard.incidents.model import BackendOp, CulpritReason, DesyncFinding, IncidentDoc, IncidentKind, Statement
 from ncclguard.incidents.render import render
 

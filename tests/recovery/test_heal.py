@@ -17,7 +17,9 @@ import ncclguard
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
 from ncclguard.recovery._rebuild.meeting_rules import Arrival, MeetingOutcome, WorldRecord, check_arrivals
-from ncclguard.recovery.heal import Header, _check, _header
+from ncclguard.recovery.heal_header import Header
+from ncclguard.recovery.heal_header import check_header as _check
+from ncclguard.recovery.heal_header import make_header as _header
 from ncclguard.recovery.rejoin import _live_attempt
 from ncclguard.recovery.state_json import from_json as _from_json
 from ncclguard.recovery.state_json import to_json as _to_json

@@ -250,13 +250,13 @@ def test_a_process_gone_is_stopped_and_an_unreadable_piece_is_no_evidence(spawn,
     proc.wait(timeout=60)
     gone = sample_process(proc.pid)
     assert gone is not None and gone.stopped
-    import ncclguard.watching.sensors.progress as progress
+    import ncclguard.watching.sensors.proc_reading as reading
 
     def denied(pid: int) -> list[int]:
         raise PermissionError("denied")
 
     alive = spawn(SLEEPER)
-    monkeypatch.setattr(progress, "_tree", denied)
+    monkeypatch.setattr(reading, "_tree", denied)
     s = sample_process(alive.pid)
     assert s is not None and s.children_cpu is None and s.cpu_s is not None
 

@@ -31,7 +31,8 @@ from ncclguard.cli.status_read import (
 )
 from ncclguard.incidents.files import load
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRecord
-from ncclguard.incidents.pictures import chrome_trace, timeline
+from ncclguard.incidents.pictures import timeline
+from ncclguard.incidents.trace import chrome_trace
 from ncclguard.store.keys import Keys, index_key
 from ncclguard.watching.base.index import WatchIndex
 

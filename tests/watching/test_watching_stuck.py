@@ -4,7 +4,8 @@ detectors are tests/watching/test_watching_detect.py; real ranks, tests/watching
 
 from __future__ import annotations
 
-from ncclguard.incidents.analysis import FROM_CPP, analyse, assemble
+from ncclguard.incidents.analysis import FROM_CPP, analyse
+from ncclguard.incidents.assemble import assemble
 from ncclguard.incidents.model import (
     BackendOp,
     DesyncFinding,

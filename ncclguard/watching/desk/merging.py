@@ -9,7 +9,7 @@ import time
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, node_address, node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.analysis import assemble
+from ncclguard.incidents.assemble import assemble
 from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE
 from ncclguard.incidents.model import (
     Finding,

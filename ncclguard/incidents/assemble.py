@@ -1,0 +1,98 @@
+"""The merged incident (``incident.json``): the incident as raised, the analysis of what the ranks
+said (:func:`~ncclguard.incidents.analysis.analyse`), and each rank's view (:func:`assemble`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from ncclguard.incidents.analysis import analyse
+from ncclguard.incidents.model import (
+    Analysis,
+    Finding,
+    Heartbeat,
+    HeartbeatView,
+    Incident,
+    IncidentDoc,
+    IncidentKind,
+    NoView,
+    RankView,
+    Statement,
+    StatementView,
+)
+
+__all__ = ["assemble"]
+
+
+def _rank_view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[int, Heartbeat]) -> RankView:
+    if rank in statements:
+        return StatementView.model_validate(dict(statements[rank]))
+    if rank in heartbeats:
+        return HeartbeatView.model_validate(dict(heartbeats[rank]))
+    return NoView()
+
+
+def assemble(
+    doc: IncidentDoc,
+    statements: Mapping[int, Statement],
+    heartbeats: Mapping[int, Heartbeat],
+    stale: Mapping[int, float],
+    world_size: int,
+    *,
+    merged_by: int,
+    waiting_after_s: float,
+    extra_findings: Sequence[Finding] = (),
+    analyse_ranks: bool = True,
+) -> Incident:
+    """Builds the merged incident (the content of ``incident.json``).
+
+    Args:
+        doc: the incident as raised.
+        statements, heartbeats, stale, world_size, waiting_after_s: see :func:`analyse`.
+        merged_by: the rank that merges (-1: ``python -m ncclguard report``).
+        extra_findings: findings known to the merger only (a lost store: a :class:`StoreFinding`).
+        analyse_ranks: False when the statements say nothing about the others (a lost store).
+
+    Returns:
+        The merged incident.
+    """
+    focus = (doc.group, doc.seq) if doc.group is not None and doc.seq is not None else None
+    backend = doc.group if doc.kind is IncidentKind.BACKEND_DESYNC else None
+    stuck = doc.group if doc.kind is IncidentKind.BACKEND_STUCK else None
+    if backend is not None or stuck is not None:
+        focus = None  # numbered by the backend, not by ncclguard's records
+    result = (
+        analyse(
+            statements,
+            heartbeats,
+            stale,
+            world_size,
+            waiting_after_s=waiting_after_s,
+            focus=focus,
+            backend_group=backend,
+            stuck_group=stuck,
+        )
+        if analyse_ranks
+        else Analysis()
+    )
+    if extra_findings:
+        texts = [getattr(f, "text", "") for f in extra_findings] + ([result.summary] if result.findings else [])
+        result = result.model_copy(
+            update={"findings": [*extra_findings, *result.findings], "summary": "; ".join(texts)}
+        )
+    return Incident(
+        incident=doc,
+        written_at=time.time(),
+        merged_by=merged_by,
+        world_size=world_size,
+        statements_from=sorted(statements),
+        missing_statements=[r for r in range(world_size) if r not in statements],
+        findings=result.findings,
+        culprits=result.culprits,
+        victims=result.victims,
+        lost=result.stale_ranks,
+        silent=result.silent,
+        summary=result.summary,
+        ranks={str(r): _rank_view(r, statements, heartbeats) for r in range(world_size)},
+    )
