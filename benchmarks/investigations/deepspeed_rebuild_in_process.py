@@ -46,7 +46,7 @@ def rank_main(stage: int, way: str, out: str) -> None:
     from datetime import timedelta
 
     import ncclguard
-    from ncclguard.integrations.deepspeed_state import DeepSpeedState, OwnState
+    from ncclguard.integrations.deepspeed.state import DeepSpeedState, OwnState
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     deepspeed.init_distributed(dist_backend="gloo")

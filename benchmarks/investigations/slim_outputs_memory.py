@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "workers"
 
 from qwen2_5_vl_synthetic import image_tokens, mid_config, synthetic_batch, tiny_config
 
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
+from ncclguard.integrations.models.qwen2_5_vl import Qwen2_5_VLForClassification, slim_outputs, unslim_outputs
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "slim_outputs_memory.json"
 # (config, batch, filler text tokens, image grid in patches): sequence = text + image tokens + 5.

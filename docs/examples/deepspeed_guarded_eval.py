@@ -34,7 +34,7 @@ from qwen2_5_vl_synthetic import synthetic_batch, tiny_config
 from reference_trainer import ReferenceTrainer, ds_config
 
 from ncclguard.integrations.deepspeed import patch_trainer
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification
+from ncclguard.integrations.models.qwen2_5_vl import Qwen2_5_VLForClassification
 
 
 class PrintMonitor:

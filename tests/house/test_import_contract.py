@@ -43,7 +43,7 @@ def read_contract(doc: Path) -> list[Part]:
 
 
 def part_of(rel: str, parts: list[Part]) -> Part | None:
-    """The part a file (``ncclguard/store/bounded_calls.py``, ``integrations/hf.py``) belongs to."""
+    """The part a file (``ncclguard/store/bounded_calls.py``, ``integrations/hf/__init__.py``) belongs to."""
     rel = rel.removeprefix("ncclguard/")
     best: tuple[int, Part] | None = None
     for part in parts:
@@ -252,7 +252,7 @@ def test_the_watchdog_rooms_keep_their_order(tree: Path) -> None:
 
 
 def test_a_planted_private_import_in_an_integration_is_caught(tree: Path) -> None:
-    hf = tree / "integrations" / "hf.py"
+    hf = tree / "integrations" / "hf" / "__init__.py"
     hf.write_text(
         hf.read_text()
         + "\nfrom ncclguard.recovery._rebuild.restarts import restart_count  # planted"

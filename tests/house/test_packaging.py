@@ -30,8 +30,19 @@ def test_wheel_holds_the_package_and_the_integrations_once(wheel: Path) -> None:
     assert "ncclguard-autostart.pth" in names and "ncclguard_autostart.py" in names
     pth = zipfile.ZipFile(wheel).read("ncclguard-autostart.pth").decode()
     assert pth == (REPO / "autostart" / "ncclguard-autostart.pth").read_text()
-    assert "ncclguard/integrations/deepspeed.py" in names
+    assert "ncclguard/integrations/deepspeed/__init__.py" in names
     assert "ncclguard/integrations/__init__.py" in names
+    # Every package of the tree is in the wheel (pyproject.toml lists them one by one).
+    packages = [
+        str(
+            Path("ncclguard", *p.relative_to(REPO / top).parts)
+            if top == "ncclguard"
+            else Path("ncclguard", top, *p.relative_to(REPO / top).parts)
+        )
+        for top in ("ncclguard", "integrations")
+        for p in sorted((REPO / top).rglob("__init__.py"))
+    ]
+    assert [p for p in packages if p not in names] == []
     assert "ncclguard/py.typed" in names
     assert "ncclguard/_torch_compat.py" in names
     assert not [n for n in names if n.startswith("integrations/")], (
@@ -89,5 +100,5 @@ def test_installed_wheel_imports_the_integrations_under_one_name(wheel: Path, tm
     assert out.returncode == 0, out.stderr[-3000:]
     pkg, mod, loaded = out.stdout.strip().splitlines()[-3:]
     assert pkg == str(target / "ncclguard" / "__init__.py")
-    assert mod == str(target / "ncclguard" / "integrations" / "deepspeed.py")
+    assert mod == str(target / "ncclguard" / "integrations" / "deepspeed" / "__init__.py")
     assert loaded == "['ncclguard.integrations.deepspeed']"

@@ -186,7 +186,7 @@ def test_a_model_ncclguard_cannot_build_afresh_needs_rebuild(ds_accelerator):
 
 
 def test_the_ddp_stepper_sends_a_deepspeed_accelerator_to_recovering_step(ds_accelerator):
-    from ncclguard.integrations.accelerate_recovery import AcceleratorRecoveringStep
+    from ncclguard.integrations.accelerate.recovery import AcceleratorRecoveringStep
 
     acc = ds_accelerator(_config())
     with pytest.raises(ValueError, match=r"the DeepSpeed plugin: call recovering_step\(accelerator, model, optimizer"):

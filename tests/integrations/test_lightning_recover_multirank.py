@@ -19,7 +19,7 @@ import pytest
 from harness import run_ranks
 
 from ncclguard.integrations.lightning import NcclGuardCallback
-from ncclguard.integrations.lightning_recovery import check_recoverable
+from ncclguard.integrations.lightning.recovery import check_recoverable
 
 STEPS = 6
 LR = 0.01  # the worker's SGD

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from harness import run_ranks
 
-from ncclguard.integrations.lightning_recovery import check_recoverable
+from ncclguard.integrations.lightning.recovery import check_recoverable
 
 STEPS, STALL_AT, KILL_AT, SNAPSHOT = (
     6,

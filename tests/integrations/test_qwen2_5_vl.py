@@ -36,7 +36,12 @@ from ncclguard.integrations.deepspeed import (
     patch_trainer,
     unpatch_trainer,
 )
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
+from ncclguard.integrations.models.qwen2_5_vl import (
+    Qwen2_5_VLForClassification,
+    is_slimmed,
+    slim_outputs,
+    unslim_outputs,
+)
 
 
 def make_model(pooling: str = "last", seed: int = 0) -> Qwen2_5_VLForClassification:

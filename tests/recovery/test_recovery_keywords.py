@@ -121,9 +121,9 @@ def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, An
 
 def _adapters() -> list[tuple[str, Any]]:
     pytest.importorskip("deepspeed")
-    from ncclguard.integrations.accelerate_deepspeed import AcceleratorDeepSpeedStep
-    from ncclguard.integrations.accelerate_recovery import AcceleratorRecoveringStep, recovering_step
-    from ncclguard.integrations.deepspeed_commit import CommittedEngineStep
+    from ncclguard.integrations.accelerate.deepspeed import AcceleratorDeepSpeedStep
+    from ncclguard.integrations.accelerate.recovery import AcceleratorRecoveringStep, recovering_step
+    from ncclguard.integrations.deepspeed.commit import CommittedEngineStep
     from ncclguard.integrations.hf import guard_trainer
     from ncclguard.integrations.lightning import NcclGuardCallback
     from ncclguard.recovery.recovering import RecoveringStep
@@ -188,7 +188,7 @@ def test_the_lightning_callback_passes_every_keyword_to_the_engine(given: dict[s
 def test_the_accelerate_stepper_passes_every_keyword_to_the_engine(given: dict[str, Any], fresh_accelerate) -> None:
     from accelerate import Accelerator
 
-    from ncclguard.integrations.accelerate_recovery import AcceleratorRecoveringStep, recovering_step
+    from ncclguard.integrations.accelerate.recovery import AcceleratorRecoveringStep, recovering_step
 
     accelerator = Accelerator(cpu=True)
     stepper = recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()), **given)
@@ -200,7 +200,7 @@ def test_the_accelerate_stepper_passes_every_keyword_to_the_engine(given: dict[s
 
 def test_the_deepspeed_engine_step_passes_every_keyword_but_a_shrink(given: dict[str, Any]) -> None:
     pytest.importorskip("deepspeed")
-    from ncclguard.integrations.deepspeed_commit import _engine_options
+    from ncclguard.integrations.deepspeed.commit import _engine_options
 
     with pytest.raises(ValueError, match="allow_shrink=True cannot go on with DeepSpeed ZeRO"):
         _engine_options(given, redo=True)
@@ -223,7 +223,7 @@ def test_heal_is_on_by_default_only_under_a_supervisors_restarts_and_without_all
     (it sets NCCLGUARD_SUPERVISED_RESTARTS) and allow_shrink is not asked for; what the user passes wins."""
     from accelerate import Accelerator
 
-    from ncclguard.integrations.accelerate_recovery import recovering_step
+    from ncclguard.integrations.accelerate.recovery import recovering_step
     from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
 
     monkeypatch.delenv(SUPERVISED_RESTARTS_VAR, raising=False)
@@ -258,7 +258,7 @@ def test_the_deepspeed_engine_step_without_rebuild_engine_turns_the_default_heal
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("deepspeed")
-    from ncclguard.integrations.deepspeed_commit import CommittedEngineStep
+    from ncclguard.integrations.deepspeed.commit import CommittedEngineStep
     from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
 
     monkeypatch.setenv(SUPERVISED_RESTARTS_VAR, "1")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-from ncclguard.integrations.deepspeed_state import DeepSpeedState, OwnState
+from ncclguard.integrations.deepspeed.state import DeepSpeedState, OwnState
 
 K, M = 2, 3
 

@@ -30,7 +30,12 @@ from torch.distributed import distributed_c10d as c10d
 from ncclguard.deadlines import Deadline
 from ncclguard.evaluation.side_group import deadline_timeout, routed_default_group
 from ncclguard.integrations.deepspeed import FAILED_METRIC, guarded_evaluate, patch_trainer, unpatch_trainer
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification, is_slimmed, slim_outputs, unslim_outputs
+from ncclguard.integrations.models.qwen2_5_vl import (
+    Qwen2_5_VLForClassification,
+    is_slimmed,
+    slim_outputs,
+    unslim_outputs,
+)
 
 TIMEOUT_S = 2.0
 STALL_S = 30.0  # far past the deadline: only the guard can end it in time

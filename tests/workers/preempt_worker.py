@@ -50,7 +50,7 @@ def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     partitions), by name or by place, as plain tensors; of a DeepSpeed engine (the Trainer's on ZeRO-3,
     whose module holds no whole parameter), its own partitions as DeepSpeedState takes them."""
     if callable(getattr(module, "zero_optimization_stage", None)):  # a DeepSpeed engine: its own ZeRO state
-        from ncclguard.integrations.deepspeed_state import DeepSpeedState
+        from ncclguard.integrations.deepspeed.state import DeepSpeedState
 
         own = DeepSpeedState(module).capture().tensors
         return {

@@ -28,7 +28,7 @@ from qwen2_5_vl_synthetic import synthetic_batch, text_only, tiny_config
 from rankkit import put
 
 from ncclguard import phase, start_watchdog
-from ncclguard.integrations.qwen2_5_vl import Qwen2_5_VLForClassification
+from ncclguard.integrations.models.qwen2_5_vl import Qwen2_5_VLForClassification
 from ncclguard.recording.instrument import instrument
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])

@@ -32,7 +32,7 @@ and the batch size). A rank left out exits 0 (the engine's left-out policy).
 
 Under DeepSpeed (``TrainingArguments(deepspeed=...)``) the engine's step is held until the commit
 and a failed step is redone on a new engine, every rank entering ``train()`` again:
-:mod:`ncclguard.integrations.hf_deepspeed`.
+:mod:`ncclguard.integrations.hf.deepspeed`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from ncclguard.toolkit import (
     unwrapped,
 )
 
-from .accelerate_recovery import follow_world
-from .hf_deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
+from ..accelerate.recovery import follow_world
+from .deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
 
 __all__ = ["TrainerRecovery"]
 
@@ -102,7 +102,7 @@ class TrainerRecovery(Adapter):
         self.trainer = trainer
         self.original = trainer.training_step
         self._tx: Transaction[Any] | None = None
-        # DeepSpeed: the engine's step is held until the commit; a redo builds a new engine (hf_deepspeed).
+        # DeepSpeed: the engine's step is held until the commit; a redo builds a new engine (hf/deepspeed.py).
         self._ds = DeepSpeedPart(trainer, lambda: self._tx is not None) if trainer.is_deepspeed_enabled else None
         self.restores_in_loop = self._ds is not None
         self._joined = False  # the rebuild that sent every rank into train() again admitted restarted ranks

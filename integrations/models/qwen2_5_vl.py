@@ -34,7 +34,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel
 
 # Relative: this folder installs as ncclguard.integrations, and type checkers read it as `integrations`.
-from .slim import is_slimmed, slim_outputs, unslim_outputs
+from ..slim import is_slimmed, slim_outputs, unslim_outputs
 
 __all__ = ["POOLINGS", "Qwen2_5_VLForClassification", "slim_outputs", "unslim_outputs", "is_slimmed"]
 

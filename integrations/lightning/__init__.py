@@ -23,11 +23,11 @@ What it hooks (Lightning 2.x, ``lightning.pytorch``; docs/integrations.md has th
   run leaves behind is reset so that training and the next validation go on.
 - With ``recover=True``: the strategy's ``optimizer_step`` is wrapped so that every rank commits
   each step before the optimizer steps, and a failed step is redone on a rebuilt world
-  (:mod:`ncclguard.integrations.lightning_recovery`). Each recovery is logged to every logger as
+  (:mod:`ncclguard.integrations.lightning.recovery`). Each recovery is logged to every logger as
   ``ncclguard_recover_s``, ``ncclguard_recover_attempts``, ``ncclguard_recover_generation``,
   ``ncclguard_recover_world_size`` (the keys every adapter logs). SIGTERM then stops every rank at
   one agreed step with Lightning's own checkpoint (``preempt_dir=``; Lightning's SIGTERM handler
-  is set aside during ``fit``: :mod:`ncclguard.integrations.lightning_preempt`).
+  is set aside during ``fit``: :mod:`ncclguard.integrations.lightning.preempt`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,17 @@ from ncclguard.recovery.records import Recovered
 from ncclguard.toolkit import log, restart_count
 from ncclguard.watching.watchdog import Watchdog
 
-from .lightning_preempt import preempt_wrappers
-from .lightning_recovery import StepRecovery, check_recoverable
-from .lightning_sharded import install_stand_in_mesh
-from .shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems, watchdog_config
+from ..shared import (
+    SKIPPED,
+    SkippedEvaluation,
+    recovery_for,
+    skip_record,
+    timeout_problems,
+    watchdog_config,
+)
+from .preempt import preempt_wrappers
+from .recovery import StepRecovery, check_recoverable
+from .sharded import install_stand_in_mesh
 
 __all__ = ["NcclGuardCallback", "SkippedEvaluation", "watchdog_config", "timeout_problems"]
 
@@ -80,7 +87,7 @@ class NcclGuardCallback(Callback):
             world (the DDP strategy, or ``ModelParallelStrategy`` with FSDP2 applied in
             ``configure_model``; automatic optimization; with ``accumulate_grad_batches`` the step
             is the window of micro-batches, all redone): the recovery engine's adapter for
-            Lightning (:mod:`ncclguard.integrations.lightning_recovery`).
+            Lightning (:mod:`ncclguard.integrations.lightning.recovery`).
         **recovery: with ``recover``, the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`; what each bounds: docs/recovery.md,
             "The settings"); without it, ``allow_shrink``, ``heal``, ``preempt_dir`` and
@@ -97,7 +104,7 @@ class NcclGuardCallback(Callback):
             from snapshots replicated on a buddy rank instead (every ``snapshot_every`` steps), and
             every rank goes back to the newest snapshot's step. ``preempt_dir`` receives
             Lightning's checkpoint when the job is told to stop (SIGTERM;
-            :mod:`.lightning_preempt`).
+            :mod:`.preempt`).
 
     Raises:
         TypeError, ValueError, pydantic.ValidationError: a bad ``eval_timeout_s``, ``watchdog``,

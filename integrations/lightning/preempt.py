@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from ncclguard.recovery.preempt import give_sigterm_back, stop_now, take_sigterm
 
 if TYPE_CHECKING:
-    from .lightning_recovery import StepRecovery
+    from .recovery import StepRecovery
 
 __all__ = ["preempt_wrappers", "save_lightning"]
 

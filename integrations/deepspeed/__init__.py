@@ -10,10 +10,10 @@ trainer whose ``model`` is the engine.
 
 Nothing here imports DeepSpeed: the engine is used as the ``torch.nn.Module`` it is.
 
-:class:`~ncclguard.integrations.deepspeed_commit.CommittedEngineStep` (re-exported here) commits
+:class:`~ncclguard.integrations.deepspeed.commit.CommittedEngineStep` (re-exported here) commits
 every training step on every rank; a failed one is redone in process on a new engine (with
 ``rebuild_engine``) or ends in ``engine.save_checkpoint`` and exit 75.
-:class:`~ncclguard.integrations.deepspeed_state.DeepSpeedState` (re-exported here) takes one rank's
+:class:`~ncclguard.integrations.deepspeed.state.DeepSpeedState` (re-exported here) takes one rank's
 ZeRO state out of an engine and puts it back, in memory.
 """
 
@@ -36,8 +36,8 @@ from ncclguard.evaluation.guard import (
     run_guarded,
 )
 
-from .deepspeed_commit import EX_TEMPFAIL, CommittedEngineStep, EngineStepResult
-from .deepspeed_state import DeepSpeedState, OwnState
+from .commit import EX_TEMPFAIL, CommittedEngineStep, EngineStepResult
+from .state import DeepSpeedState, OwnState
 
 __all__ = [
     "EX_TEMPFAIL",

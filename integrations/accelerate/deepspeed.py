@@ -17,11 +17,11 @@ Under the plugin ``accelerator.prepare`` returns a ``DeepSpeedEngine`` and ``acc
 is Accelerate's ``DeepSpeedEngineWrapper.backward`` (accelerate/utils/deepspeed.py): ``engine.backward``
 then ``engine.step()``; the prepared optimizer's ``step``/``zero_grad`` do nothing. So the stepper holds
 the engine's ``step`` while a step's transaction is open and runs it once every rank committed, never
-for a step that failed (as :class:`~ncclguard.integrations.hf_deepspeed.DeepSpeedPart` does for the HF
+for a step that failed (as :class:`~ncclguard.integrations.hf.deepspeed.DeepSpeedPart` does for the HF
 Trainer).
 
 A DeepSpeed engine keeps the groups of the world it was built in
-(:mod:`ncclguard.integrations.deepspeed_commit`), so a failed step is redone on a new engine: after
+(:mod:`ncclguard.integrations.deepspeed.commit`), so a failed step is redone on a new engine: after
 the rebuild of the world every rank drops DeepSpeed's cached groups, builds a fresh module and
 optimizer with ``rebuild()`` (default: a ``PreTrainedModel``'s config and a ``DummyOptim`` when the
 DeepSpeed config names the optimizer), takes out of the Accelerator what the first ``prepare`` left
@@ -29,7 +29,7 @@ there (the engine in ``_models``, the optimizer and scheduler wrappers, ``deepsp
 and calls ``accelerator.prepare`` again. The new engine gets:
 
 - every rank alive (an exception, a stall past the step bound): its own ZeRO state as the failed step
-  found it, taken from the old engine (:class:`~ncclguard.integrations.deepspeed_state.DeepSpeedState`,
+  found it, taken from the old engine (:class:`~ncclguard.integrations.deepspeed.state.DeepSpeedState`,
   no collective); the step is redone, bit-equal to a run without the fault;
 - a rank killed and restarted by its supervisor (``heal=True``): every rank goes back to the newest
   snapshot all hold (:mod:`ncclguard.recovery.snapshots`, taken every ``snapshot_every`` steps), the
@@ -40,7 +40,7 @@ After a rebuild the engine, optimizer and scheduler the first ``prepare`` return
 engine ``step_fn`` is given (``stepper.model``), ``stepper.optimizer`` and ``stepper.scheduler``.
 
 With ``gradient_accumulation_steps`` above 1 the loop calls the stepper once per micro-batch and passes
-the micro-batch as an argument, as with DDP (:mod:`~ncclguard.integrations.accelerate_recovery`): each
+the micro-batch as an argument, as with DDP (:mod:`~ncclguard.integrations.accelerate.recovery`): each
 call enters ``accelerator.accumulate``, the window's last commits, and a failed window runs again whole
 on the new engine. ``heal=True`` with accumulation is refused (a restore between windows is not tested).
 
@@ -67,9 +67,9 @@ from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.toolkit import log, restart_count, stand_in_active
 
-from .accelerate_recovery import _bound_names, _Micro, check_window, follow_world, replay_window
-from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
-from .deepspeed_state import DeepSpeedState
+from ..deepspeed.commit import number_parameters_afresh, release_deepspeed_groups
+from ..deepspeed.state import DeepSpeedState
+from .recovery import _bound_names, _Micro, check_window, follow_world, replay_window
 
 __all__ = ["AcceleratorDeepSpeedStep", "deepspeed_plugin_refusal"]
 
@@ -132,7 +132,7 @@ def _default_rebuild(accelerator: Accelerator, engine: Any) -> Callable[[], Buil
     from accelerate.utils import DummyOptim, DummyScheduler
     from transformers import PreTrainedModel
 
-    from .hf_deepspeed import fresh_module
+    from ..hf.deepspeed import fresh_module
 
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     module = engine.module if callable(getattr(engine, "zero_optimization_stage", None)) else engine
@@ -161,7 +161,7 @@ def _default_rebuild(accelerator: Accelerator, engine: Any) -> Callable[[], Buil
 
 
 class AcceleratorDeepSpeedStep(Adapter):
-    """:func:`~ncclguard.integrations.accelerate_recovery.recovering_step` for an Accelerator with the
+    """:func:`~ncclguard.integrations.accelerate.recovery.recovering_step` for an Accelerator with the
     DeepSpeed plugin (see the module doc).
 
     Args:

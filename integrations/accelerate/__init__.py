@@ -18,7 +18,7 @@ Accelerate users own their loop, so there is nothing to hook: the loop calls
   dataloader, which decides gradient synchronisation under gradient accumulation).
 - A skip is logged with ``accelerator.log`` (to the trackers, on the main process) as
   ``eval/evaluation_failed``.
-- :func:`recovering_step` (from :mod:`ncclguard.integrations.accelerate_recovery`): a training step
+- :func:`recovering_step` (from :mod:`ncclguard.integrations.accelerate.recovery`): a training step
   that commits on every rank and is redone on a rebuilt world when it fails.
 """
 
@@ -46,8 +46,8 @@ from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
 from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
-from .accelerate_recovery import AcceleratorRecoveringStep, follow_world, recovering_step
-from .shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
+from ..shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
+from .recovery import AcceleratorRecoveringStep, follow_world, recovering_step
 
 __all__ = [
     "AcceleratorRecoveringStep",

@@ -30,7 +30,7 @@ under the sync behaviour it had, the first one's ``zero_grad`` included.
 ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``): after a rebuild the module is
 sharded again on the new world instead of re-wrapped in DDP, and with ``heal`` each rank's shards go
 into snapshots replicated on a buddy; a restore that takes every rank back to an older snapshot
-enters the fit loop again there (:mod:`ncclguard.integrations.lightning_sharded`).
+enters the fit loop again there (:mod:`ncclguard.integrations.lightning.sharded`).
 
 Refused when the callback is set up (a ``ValueError`` before any step): a strategy other than DDP
 or ``ModelParallelStrategy`` (Lightning's FSDP1 and DeepSpeed strategies: CUDA only in Lightning,
@@ -69,8 +69,8 @@ from ncclguard.toolkit import (
     wrap_in_layout,
 )
 
-from .lightning_preempt import save_lightning
-from .lightning_sharded import ShardedLightning, check_model_parallel
+from .preempt import save_lightning
+from .sharded import ShardedLightning, check_model_parallel
 
 __all__ = ["StepRecovery", "check_recoverable"]
 
@@ -260,7 +260,7 @@ class StepRecovery(Adapter):
         """When fit starts (after ``configure_model``): can a rebuilt world shard the module again?
 
         Raises:
-            ValueError: see :meth:`~ncclguard.integrations.lightning_sharded.ShardedLightning.check`.
+            ValueError: see :meth:`~ncclguard.integrations.lightning.sharded.ShardedLightning.check`.
         """
         if self._sharded is not None:
             self._sharded.check()
@@ -479,7 +479,7 @@ class StepRecovery(Adapter):
             self._renumber()
 
     def save_checkpoint(self, directory: Path, step: int) -> Path:
-        """Lightning's own checkpoint, by ``trainer.save_checkpoint`` (:func:`.lightning_preempt.save_lightning`)."""
+        """Lightning's own checkpoint, by ``trainer.save_checkpoint`` (:func:`.preempt.save_lightning`)."""
         return save_lightning(self.trainer, directory, sharded=self._sharded is not None)
 
     def log(self, record: Recovered) -> None:

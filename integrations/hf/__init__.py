@@ -44,11 +44,11 @@ from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
-from .accelerate import dataloaders_restored_on_skip
-from .hf_deepspeed import deepspeed_refusal
-from .hf_recovery import TrainerRecovery
-from .shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems
-from .shared import watchdog_config as _watchdog_config
+from ..accelerate import dataloaders_restored_on_skip
+from ..shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems
+from ..shared import watchdog_config as _watchdog_config
+from .deepspeed import deepspeed_refusal
+from .recovery import TrainerRecovery
 
 __all__ = [
     "FAILED_SUFFIX",
@@ -199,7 +199,7 @@ def guard_trainer(
     with ``recover=True``, a training step that fails is redone on a rebuilt world.
 
     Call it on every rank before ``trainer.train()``. The module doc lists the hooks and the
-    wrapped methods; :mod:`ncclguard.integrations.hf_recovery` says how a step is redone.
+    wrapped methods; :mod:`ncclguard.integrations.hf.recovery` says how a step is redone.
 
     Args:
         trainer: a ``transformers.Trainer`` (DDP or DeepSpeed through ``TrainingArguments``).
@@ -207,8 +207,8 @@ def guard_trainer(
         retries: further attempts after a failed evaluation.
         watchdog: a ``WatchdogConfig``, a dict of its fields, None (defaults) or False (none).
         recover: commit every optimizer step on every rank, and redo a failed one (DDP, or DeepSpeed
-            ZeRO 1, 2 or 3: the step redone on a new engine, :mod:`ncclguard.integrations.hf_deepspeed`):
-            the recovery engine's adapter for the Trainer (:mod:`ncclguard.integrations.hf_recovery`).
+            ZeRO 1, 2 or 3: the step redone on a new engine, :mod:`ncclguard.integrations.hf.deepspeed`):
+            the recovery engine's adapter for the Trainer (:mod:`ncclguard.integrations.hf.recovery`).
         **recovery: with ``recover``, the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`; what each bounds: docs/recovery.md,
             "The settings"); without it, ``allow_shrink``, ``heal``, ``preempt_dir`` and

@@ -16,7 +16,7 @@ resetting a half-reduced backward by hand; nothing checks it, so it is not done.
 
 The redo in process (``rebuild_engine``): a failed commit means ``optimizer.step()`` ran on no
 rank, so the old engine still holds the state of the last committed step. After the rebuild each
-rank takes it from the old engine (:class:`~ncclguard.integrations.deepspeed_state.DeepSpeedState`,
+rank takes it from the old engine (:class:`~ncclguard.integrations.deepspeed.state.DeepSpeedState`,
 no collective), drops DeepSpeed's cached clone of the old world group (``deepspeed.utils.groups``,
 ``_release_process_group_references``: ``rebuild_world`` destroyed the groups with torch's call, which
 leaves DeepSpeed's cache in place), builds a new engine with ``rebuild_engine()`` (a new module of the
@@ -54,7 +54,7 @@ from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.toolkit import default_group, log, restart_count
 
-from .deepspeed_state import DeepSpeedState
+from .state import DeepSpeedState
 
 __all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult", "release_deepspeed_groups"]
 

@@ -10,7 +10,7 @@ once every rank committed, and never for a step that failed.
 
 A failed step is redone on a new engine, never on the old one: a DeepSpeed engine keeps the groups
 of the world it was built in (its clone of the world group, ZeRO's per-parameter
-``ds_process_group``; see :mod:`ncclguard.integrations.deepspeed_commit`). After the rebuild every
+``ds_process_group``; see :mod:`ncclguard.integrations.deepspeed.commit`). After the rebuild every
 rank enters ``train()`` again at the step (:class:`~ncclguard.recovery.engine.Reenter`), so the
 Trainer builds the engine itself, as it does at the start, from a fresh module of the same
 architecture (:func:`fresh_module`; the Trainer's ``model_init`` when it has one), and its resume
@@ -43,8 +43,8 @@ from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 from ncclguard.recovery.state_json import from_json
 from ncclguard.toolkit import log
 
-from .deepspeed_commit import number_parameters_afresh, release_deepspeed_groups
-from .deepspeed_state import DeepSpeedState
+from ..deepspeed.commit import number_parameters_afresh, release_deepspeed_groups
+from ..deepspeed.state import DeepSpeedState
 
 __all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_module"]
 
@@ -157,7 +157,7 @@ def _state_bound(model: torch.nn.Module) -> int:
 
 
 class DeepSpeedPart:
-    """What :class:`~ncclguard.integrations.hf_recovery.TrainerRecovery` does for a DeepSpeed Trainer
+    """What :class:`~ncclguard.integrations.hf.recovery.TrainerRecovery` does for a DeepSpeed Trainer
     (see the module doc).
 
     Args:

@@ -361,7 +361,7 @@ def _refused(accelerator: Accelerator, heal: bool) -> str | None:
         return (
             "AcceleratorRecoveringStep re-points DDP; this Accelerator has the DeepSpeed plugin: call "
             "recovering_step(accelerator, model, optimizer, ...), which returns the DeepSpeed stepper "
-            "(ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep)"
+            "(ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep)"
         )
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -403,19 +403,19 @@ def recovering_step(
         model: the model ``accelerator.prepare`` returned.
         optimizer: the optimizer ``accelerator.prepare`` returned.
         rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
-            (:class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`).
+            (:class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`).
         **recovery: the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`), passed on whole.
 
     Returns:
         An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
-        :class:`~ncclguard.integrations.accelerate_deepspeed.AcceleratorDeepSpeedStep`.
+        :class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`.
 
     Raises:
         TypeError, ValueError: see those classes; ``rebuild`` without the DeepSpeed plugin.
     """
     if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from .accelerate_deepspeed import AcceleratorDeepSpeedStep
+        from .deepspeed import AcceleratorDeepSpeedStep
 
         return AcceleratorDeepSpeedStep(accelerator, model, optimizer, rebuild=rebuild, **recovery)
     if rebuild is not None:

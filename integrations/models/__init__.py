@@ -1,0 +1,1 @@
+"""Models shipped with the integrations (not adapters): the Qwen2.5-VL classifier."""
