@@ -18,7 +18,7 @@ Accelerate users own their loop, so there is nothing to hook: the loop calls
   dataloader, which decides gradient synchronisation under gradient accumulation).
 - A skip is logged with ``accelerator.log`` (to the trackers, on the main process) as
   ``eval/evaluation_failed``.
-- :func:`recovering_step` (from :mod:`ncclguard.integrations.accelerate.recovery`): a training step
+- :func:`recovering_step` (its DDP step in :mod:`ncclguard.integrations.accelerate.recovery`): a training step
   that commits on every rank and is redone on a rebuilt world when it fails.
 """
 
@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 try:
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ncclguard.integrations.accelerate needs accelerate: pip install 'ncclguard[hf]'") from exc
 
@@ -43,11 +44,12 @@ from ncclguard import start_watchdog as _start_watchdog
 from ncclguard.collectives.groups import group_timeout_s
 from ncclguard.evaluation.guard import FAILED_METRIC, GuardOptions, last_report
 from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
+from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
 from ..shared import SKIPPED, SkippedEvaluation, skip_record, timeout_problems, watchdog_config
-from .recovery import AcceleratorRecoveringStep, follow_world, recovering_step
+from .recovery import AcceleratorRecoveringStep, follow_world
 
 __all__ = [
     "AcceleratorRecoveringStep",
@@ -226,3 +228,41 @@ def last_skip() -> SkippedEvaluation | None:
         The :class:`SkippedEvaluation`, or None when the last call was not skipped (or none ran).
     """
     return _last.skip
+
+
+def recovering_step(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rebuild: Callable[[], Any] | None = None,
+    **recovery: Unpack[RecoveryKeywords],
+) -> Any:
+    """A recovering step for an Accelerate loop (see the module doc).
+
+    Args:
+        accelerator: the loop's ``Accelerator``.
+        model: the model ``accelerator.prepare`` returned.
+        optimizer: the optimizer ``accelerator.prepare`` returned.
+        rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
+            (:class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`).
+        **recovery: the recovery keywords every adapter takes
+            (:class:`~ncclguard.recovery.options.RecoveryKeywords`), passed on whole.
+
+    Returns:
+        An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
+        :class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`.
+
+    Raises:
+        TypeError, ValueError: see those classes; ``rebuild`` without the DeepSpeed plugin.
+    """
+    if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from .deepspeed import AcceleratorDeepSpeedStep  # lazily: it needs deepspeed installed
+
+        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, rebuild=rebuild, **recovery)
+    if rebuild is not None:
+        raise TypeError(
+            "rebuild= builds a DeepSpeed engine's module afresh; this Accelerator has no DeepSpeed plugin, and a "
+            "DDP model is re-pointed after a rebuild, not built again: leave rebuild out"
+        )
+    return AcceleratorRecoveringStep(accelerator, model, optimizer, **recovery)

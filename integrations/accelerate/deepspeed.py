@@ -161,7 +161,7 @@ def _default_rebuild(accelerator: Accelerator, engine: Any) -> Callable[[], Buil
 
 
 class AcceleratorDeepSpeedStep(Adapter):
-    """:func:`~ncclguard.integrations.accelerate.recovery.recovering_step` for an Accelerator with the
+    """:func:`~ncclguard.integrations.accelerate.recovering_step` for an Accelerator with the
     DeepSpeed plugin (see the module doc).
 
     Args:

@@ -82,7 +82,7 @@ from ncclguard.toolkit import (
 )
 from ncclguard.world import current_world
 
-__all__ = ["AcceleratorRecoveringStep", "follow_world", "recovering_step"]
+__all__ = ["AcceleratorRecoveringStep", "follow_world"]
 
 
 def follow_world(rank: int, size: int) -> bool:
@@ -386,41 +386,3 @@ def _refused(accelerator: Accelerator, heal: bool) -> str | None:
             "gradient_accumulation_steps=1 with the window's micro-batches inside step_fn"
         )
     return None
-
-
-def recovering_step(
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    rebuild: Callable[[], Any] | None = None,
-    **recovery: Unpack[RecoveryKeywords],
-) -> Any:
-    """A recovering step for an Accelerate loop (see the module doc).
-
-    Args:
-        accelerator: the loop's ``Accelerator``.
-        model: the model ``accelerator.prepare`` returned.
-        optimizer: the optimizer ``accelerator.prepare`` returned.
-        rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
-            (:class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`).
-        **recovery: the recovery keywords every adapter takes
-            (:class:`~ncclguard.recovery.options.RecoveryKeywords`), passed on whole.
-
-    Returns:
-        An :class:`AcceleratorRecoveringStep`; with the DeepSpeed plugin an
-        :class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`.
-
-    Raises:
-        TypeError, ValueError: see those classes; ``rebuild`` without the DeepSpeed plugin.
-    """
-    if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from .deepspeed import AcceleratorDeepSpeedStep
-
-        return AcceleratorDeepSpeedStep(accelerator, model, optimizer, rebuild=rebuild, **recovery)
-    if rebuild is not None:
-        raise TypeError(
-            "rebuild= builds a DeepSpeed engine's module afresh; this Accelerator has no DeepSpeed plugin, and a "
-            "DDP model is re-pointed after a rebuild, not built again: leave rebuild out"
-        )
-    return AcceleratorRecoveringStep(accelerator, model, optimizer, **recovery)

@@ -1,9 +1,9 @@
-"""guard_trainer and NcclGuardCallback: phases, the watchdog and a guarded evaluation for ``transformers.Trainer``.
+"""guard_trainer and TrainerGuardCallback: phases, the watchdog and a guarded evaluation for ``transformers.Trainer``.
 
 ``guard_trainer(trainer, eval_timeout_s=600)`` on every rank, before ``trainer.train()``. What it
 uses (transformers 5.x; docs/integrations.md has the table):
 
-- :class:`NcclGuardCallback` (a ``TrainerCallback``, added to the trainer): the watchdog from
+- :class:`TrainerGuardCallback` (a ``TrainerCallback``, added to the trainer): the watchdog from
   ``on_train_begin`` (the process group exists by then: ``TrainingArguments`` set it up, through
   Accelerate or DeepSpeed) to ``on_train_end``; the phase ``train step=<global_step>`` from
   ``on_step_begin``, kept open between steps with the next step's number (``on_step_end``), so
@@ -52,7 +52,7 @@ from .recovery import TrainerRecovery
 
 __all__ = [
     "FAILED_SUFFIX",
-    "NcclGuardCallback",
+    "TrainerGuardCallback",
     "SkippedEvaluation",
     "find_guard",
     "guard_trainer",
@@ -96,10 +96,10 @@ def timeout_warnings(
     ]
 
 
-class NcclGuardCallback(TrainerCallback):
+class TrainerGuardCallback(TrainerCallback):
     """The callback part of :func:`guard_trainer` alone: the watchdog and the train phases.
 
-    ``Trainer(..., callbacks=[NcclGuardCallback(watchdog={"hang_timeout_s": 300})])``. Phases for
+    ``Trainer(..., callbacks=[TrainerGuardCallback(watchdog={"hang_timeout_s": 300})])``. Phases for
     evaluation, saving and logging need the wrapping that :func:`guard_trainer` adds.
 
     Args:
@@ -138,11 +138,11 @@ class NcclGuardCallback(TrainerCallback):
             _check_recoverable(self.recovery.trainer)
         hang = self.watchdog_config.hang_timeout_s if self.watchdog_config is not None else None
         for problem in timeout_warnings(args, eval_timeout_s=self.eval_timeout_s, hang_timeout_s=hang):
-            log.warning("NcclGuardCallback: %s", problem)
+            log.warning("TrainerGuardCallback: %s", problem)
         if self.watchdog_config is None or self.watchdog is not None:
             return
         if current_watchdog() is not None:
-            log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
+            log.info("TrainerGuardCallback: a watchdog already runs in this process; using it")
             return
         self.watchdog = start_watchdog(self.watchdog_config)
 
@@ -178,10 +178,10 @@ class NcclGuardCallback(TrainerCallback):
             self._train = None
 
 
-def find_guard(trainer: Trainer) -> NcclGuardCallback | None:
-    """The :class:`NcclGuardCallback` of ``trainer`` (its ``skipped``, ``last_eval_report``), or None."""
+def find_guard(trainer: Trainer) -> TrainerGuardCallback | None:
+    """The :class:`TrainerGuardCallback` of ``trainer`` (its ``skipped``, ``last_eval_report``), or None."""
     for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, NcclGuardCallback):
+        if isinstance(callback, TrainerGuardCallback):
             return callback
     return None
 
@@ -238,7 +238,7 @@ def guard_trainer(
     _check_unguarded(trainer)
     opts = _eval_options(eval_timeout_s, retries)
     steps = _recovery(trainer, recover, recovery)  # every argument is checked before anything is wrapped
-    callback = NcclGuardCallback(watchdog=watchdog)
+    callback = TrainerGuardCallback(watchdog=watchdog)
     callback.eval_timeout_s = opts.timeout_s if opts is not None else None
     callback.recovery = steps
     trainer.add_callback(callback)
@@ -262,7 +262,7 @@ def _eval_options(eval_timeout_s: float | timedelta | None, retries: int) -> Gua
     return opts
 
 
-def _wrap_methods(trainer: Trainer, callback: NcclGuardCallback, opts: GuardOptions | None) -> None:
+def _wrap_methods(trainer: Trainer, callback: TrainerGuardCallback, opts: GuardOptions | None) -> None:
     """Wraps, on the instance, what ``TrainerCallback`` has no hook before (the module doc): the
     training step (with recovery), the evaluation, the save with its ``on_save`` callbacks, the log."""
     if callback.recovery is not None:
@@ -346,7 +346,7 @@ def _in_phase(trainer: Trainer, original: Callable[..., Any], name: str, with_st
     return wrapped
 
 
-def _evaluating(trainer: Trainer, callback: NcclGuardCallback, opts: GuardOptions | None) -> Callable[..., Any]:
+def _evaluating(trainer: Trainer, callback: TrainerGuardCallback, opts: GuardOptions | None) -> Callable[..., Any]:
     original = trainer.evaluate
     inside = [False]  # evaluate() calls itself once per dataset of a dict: guard the outer call only
 
@@ -378,7 +378,7 @@ def _evaluating(trainer: Trainer, callback: NcclGuardCallback, opts: GuardOption
 
 def _guarded(
     trainer: Trainer,
-    callback: NcclGuardCallback,
+    callback: TrainerGuardCallback,
     opts: GuardOptions,
     step: int,
     run: Callable[[], dict[str, float]],
@@ -417,3 +417,19 @@ def _not_a_new_best(args: TrainingArguments) -> dict[str, float]:
         return {}
     key = name if name.startswith("eval_") else f"eval_{name}"  # as _determine_best_metric reads it
     return {key: -math.inf if args.greater_is_better else math.inf}
+
+
+def __getattr__(name: str) -> Any:
+    """``NcclGuardCallback``, this callback's old name (Lightning's callback has it): a
+    DeprecationWarning, then :class:`TrainerGuardCallback`."""
+    if name == "NcclGuardCallback":
+        import warnings
+
+        warnings.warn(
+            "ncclguard.integrations.hf.NcclGuardCallback is TrainerGuardCallback now (one name per class: "
+            "Lightning's callback is NcclGuardCallback); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TrainerGuardCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

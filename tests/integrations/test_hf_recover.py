@@ -109,3 +109,15 @@ def test_an_fsdp_trainer_is_refused_naming_what_to_use_instead(tmp_path):
     assert "ncclguard.RecoveringStep(model, optimizer, wrap=ncclguard.FSDP2(...), heal=True)" in text
     assert "the Trainer with deepspeed= (ZeRO 1, 2 or 3)" in text
     assert find_guard(trainer) is None and "training_step" not in vars(trainer)  # refused before any wrapping
+
+
+def test_the_trainer_callbacks_old_name_still_imports_with_a_warning() -> None:
+    # One name per public class: Lightning's callback is NcclGuardCallback, the Trainer's TrainerGuardCallback.
+    from ncclguard.integrations import hf, lightning
+
+    with pytest.warns(DeprecationWarning, match="TrainerGuardCallback now"):
+        old = hf.NcclGuardCallback
+    assert old is hf.TrainerGuardCallback and old is not lightning.NcclGuardCallback
+    assert "NcclGuardCallback" not in hf.__all__
+    with pytest.raises(AttributeError):
+        hf.NoSuchName  # noqa: B018 - the module's __getattr__ refuses other names

@@ -23,7 +23,7 @@ from harness import run_ranks
 from tiny_trainer import tiny_trainer
 
 import ncclguard
-from ncclguard.integrations.hf import NcclGuardCallback, find_guard, guard_trainer, timeout_warnings
+from ncclguard.integrations.hf import TrainerGuardCallback, find_guard, guard_trainer, timeout_warnings
 from ncclguard.recording.phase import current_phase
 
 # The DeepSpeed launch's guard (420 s, below) is over pytest-timeout's 300 s default.
@@ -210,7 +210,7 @@ def test_alone_phases_and_the_watchdog_run_from_train_begin_to_end(tmp_path, cap
     # The hang timeout (90 s) is not below ddp_timeout (60 s): said when training begins.
     assert any("watchdog hang timeout (90 s)" in r.getMessage() for r in caplog.records)
     guard = find_guard(trainer)
-    assert isinstance(guard, NcclGuardCallback) and guard.watchdog is None
+    assert isinstance(guard, TrainerGuardCallback) and guard.watchdog is None
     assert ncclguard.current_watchdog() is None and current_phase() == ""
     assert guard.last_eval_report.ok and guard.skipped == []
     assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2, 4]
@@ -250,7 +250,7 @@ def test_the_callback_alone_labels_training_steps_and_uses_a_running_watchdog(tm
     )
     mine = ncclguard.start_watchdog(heartbeat_s=0.2, hang_timeout_s=5)
     try:
-        callback = NcclGuardCallback()
+        callback = TrainerGuardCallback()
         trainer.add_callback(callback)
         trainer.train()
         assert [p for p, _ in seen] == ["train step=0", "train step=1"]

@@ -121,8 +121,8 @@ def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, An
 
 def _adapters() -> list[tuple[str, Any]]:
     pytest.importorskip("deepspeed")
+    from ncclguard.integrations.accelerate import AcceleratorRecoveringStep, recovering_step
     from ncclguard.integrations.accelerate.deepspeed import AcceleratorDeepSpeedStep
-    from ncclguard.integrations.accelerate.recovery import AcceleratorRecoveringStep, recovering_step
     from ncclguard.integrations.deepspeed.commit import CommittedEngineStep
     from ncclguard.integrations.hf import guard_trainer
     from ncclguard.integrations.lightning import NcclGuardCallback
@@ -188,7 +188,7 @@ def test_the_lightning_callback_passes_every_keyword_to_the_engine(given: dict[s
 def test_the_accelerate_stepper_passes_every_keyword_to_the_engine(given: dict[str, Any], fresh_accelerate) -> None:
     from accelerate import Accelerator
 
-    from ncclguard.integrations.accelerate.recovery import AcceleratorRecoveringStep, recovering_step
+    from ncclguard.integrations.accelerate import AcceleratorRecoveringStep, recovering_step
 
     accelerator = Accelerator(cpu=True)
     stepper = recovering_step(accelerator, *accelerator.prepare(*_model_and_optimizer()), **given)
@@ -223,7 +223,7 @@ def test_heal_is_on_by_default_only_under_a_supervisors_restarts_and_without_all
     (it sets NCCLGUARD_SUPERVISED_RESTARTS) and allow_shrink is not asked for; what the user passes wins."""
     from accelerate import Accelerator
 
-    from ncclguard.integrations.accelerate.recovery import recovering_step
+    from ncclguard.integrations.accelerate import recovering_step
     from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
 
     monkeypatch.delenv(SUPERVISED_RESTARTS_VAR, raising=False)
