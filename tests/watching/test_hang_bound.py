@@ -142,7 +142,7 @@ def test_what_was_learned_survives_a_restart_through_the_store_and_a_bad_value_i
 
 
 def test_status_judges_a_long_op_against_the_ranks_own_bound():
-    from ncclguard.cli.status_read import RankRow, _verdict
+    from ncclguard.cli.status_read import RankRow, _health
     from ncclguard.watching.base.index import WatchIndex
 
     index = WatchIndex(
@@ -160,7 +160,7 @@ def test_status_judges_a_long_op_against_the_ranks_own_bound():
         RankRow(rank=0, state="ok", inflight_s=8.0, hang_bound_s=10.0),  # over half of its learned 10 s
         RankRow(rank=1, state="ok", inflight_s=8.0),  # no bound in its heartbeat: the index's 300 s
     ]
-    health, reasons = _verdict(rows, [], index)
+    health, reasons = _health(rows, [], index)
     assert health == "suspect" and reasons == ["in one op for over half of its hang bound (10 s): ranks 0"]
 
 
