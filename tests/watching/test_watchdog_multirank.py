@@ -148,7 +148,9 @@ def test_a_rank_frozen_in_python_is_named(desync):
         "checkpoint step=9",
     )
     assert culprit["site"].endswith(f"{WORKER}:{mark('frozen')}")
-    (finding,) = inc["findings"]
+    # A rank whose statement came after the merge (a loaded machine: once in a full run here) is also
+    # named in a "silent" finding; the desync is the one finding besides it.
+    (finding,) = [f for f in inc["findings"] if f["kind"] != "silent"]
     assert (finding["seq"], finding["numel"], finding["dtype"], finding["phase"]) == (16, 8, "float64", "train step=5")
     # The frozen rank waits in a threading.Event (rankkit.when): threading's frames are innermost.
     own = [frame for frame in inc["ranks"]["1"]["stack"] if "/threading.py:" not in frame]
@@ -162,7 +164,7 @@ def test_sigalrm_cannot_interrupt_a_blocked_gloo_collective_but_the_watchdog_rep
     assert (alarm["raised"], alarm["context"]) == ("DeadlineExceeded", "RuntimeError")
     inc = merged(incidents(desync)[2])
     slow = desync[0]["group_names"]["slow"]
-    (finding,) = inc["findings"]
+    (finding,) = [f for f in inc["findings"] if f["kind"] != "silent"]  # a late statement adds "silent"
     assert (finding["kind"], finding["group"], finding["seq"], finding["waiting"]) == ("desync", slow, 1, [0])
     assert [(c["rank"], c["last_seq"]) for c in inc["culprits"]] == [(1, 0), (2, 0)]
     # On disk before the collective returned (the group's 8 s is over 3x what the report needs).
