@@ -7,14 +7,17 @@ may change shape from one release to the next; these names are the contract adap
 
 - the library's logger, tagged with the rank: :data:`log`;
 - the world: :func:`default_group`, :func:`restart_count` (this process's restart number),
-  :func:`stand_in_active` (this restarted process runs on its one-rank stand-in world until it joins);
+  :func:`stand_in_active` (this restarted process runs on its one-rank stand-in world until it joins),
+  :func:`awaiting_join` (the engine joins this restarted process to the survivors at its join point);
 - re-pointing what a framework built on the old world: :func:`repoint_ddp`, :func:`rewrapped_ddp`,
   :func:`repoint_sampler`, :func:`unwrapped`;
 - DDP's gradient buckets kept across a re-wrap (bit-equal redo and heal): :func:`kept_layout`,
   :func:`layout_source`, :func:`share_layout`, :func:`wrap_in_layout`;
 - a step's buffers and random generators, and a scheduler put back with its learning rates:
   :class:`StepState`, :func:`generators_to_send`, :func:`restore_sent_generators`, :func:`load_scheduler`;
-- the state codec (tensors beside tagged JSON, never a pickle): :func:`to_json`, :func:`from_json`.
+- the state codec (tensors beside tagged JSON, never a pickle): :func:`to_json`, :func:`from_json`;
+- the micro-batch window of a step under gradient accumulation, recorded for a redo: :class:`Micro`,
+  :func:`check_window`, :func:`replay_window` (:mod:`ncclguard.recovery.micro_window`).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ from ncclguard.recovery._step.step_state import (
     load_scheduler,
     restore_sent_generators,
 )
+from ncclguard.recovery.micro_window import Micro, check_window, replay_window
 from ncclguard.recovery.state_json import from_json, to_json
 
 __all__ = [
     "Layout",
+    "Micro",
     "StepState",
+    "awaiting_join",
+    "check_window",
     "default_group",
     "from_json",
     "generators_to_send",
@@ -45,6 +52,7 @@ __all__ = [
     "layout_source",
     "load_scheduler",
     "log",
+    "replay_window",
     "repoint_ddp",
     "repoint_sampler",
     "restart_count",
@@ -67,3 +75,18 @@ def stand_in_active() -> bool:
     """True while this restarted process runs on its one-rank stand-in world: the user's code built
     its framework there, and the engine joins it to the survivors' world at its first step."""
     return stand_in.active()
+
+
+def awaiting_join(heal: bool) -> bool:
+    """True in a process restarted after its rank died that the recovery engine joins to the
+    survivors' world at its adapter's join point (``Recovery.join_if_restarted``): ``heal`` is on,
+    the restart number is above 0, and the process has no world of its own yet (no process group,
+    or its one-rank stand-in). Until then what the framework builds is built again after the join.
+
+    Args:
+        heal: the engine's ``heal`` option.
+
+    Raises:
+        ValueError: ``NCCLGUARD_RESTART_COUNT`` is set but is no count.
+    """
+    return stand_in.awaiting_join(heal)

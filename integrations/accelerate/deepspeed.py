@@ -64,12 +64,12 @@ from ncclguard.recovery.engine import Adapter, Recovery, Transaction
 from ncclguard.recovery.options import RecoveryKeywords, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult
-from ncclguard.recovery.snapshots.state import OwnState, StateCodec
-from ncclguard.toolkit import log, restart_count, stand_in_active
+from ncclguard.recovery.snapshots.state import StateCodec
+from ncclguard.toolkit import Micro, awaiting_join, check_window, log
 
 from ..deepspeed.commit import number_parameters_afresh, release_deepspeed_groups
-from ..deepspeed.state import DeepSpeedState
-from .recovery import _bound_names, _Micro, check_window, follow_world, replay_window
+from ..deepspeed.state import CurrentEngineState, DeepSpeedState
+from .recovery import follow_world, replay_on
 
 __all__ = ["AcceleratorDeepSpeedStep", "deepspeed_plugin_refusal"]
 
@@ -235,12 +235,12 @@ class AcceleratorDeepSpeedStep(Adapter):
         self.scheduler: Any = None
         self._step: Callable[[], Any] | None = None  # the engine's own step, held while a step is open
         self._open = False
-        self._window: list[_Micro] = []  # the micro-batches of the open window (gradient accumulation)
+        self._window: list[Micro] = []  # the micro-batches of the open window (gradient accumulation)
         self._window_tx: Transaction[Any] | None = None
         self.state: DeepSpeedState | None = None
         if prepared:
             self._adopt(model, optimizer, self._prepared_scheduler())  # refuses what DeepSpeedState cannot take
-        elif not (options.heal and restart_count() > 0 and stand_in_active()):
+        elif not awaiting_join(options.heal):
             engine, prepared_optimizer = accelerator.prepare(model, optimizer)
             self._adopt(engine, prepared_optimizer, self._prepared_scheduler())
         # else: a restarted process, whose world is a stand-in of one until the join (ZeRO-3's zero.Init
@@ -257,7 +257,7 @@ class AcceleratorDeepSpeedStep(Adapter):
 
     def state_codec(self) -> StateCodec | None:
         """The current engine's own ZeRO state (:class:`DeepSpeedState`), kept in snapshots on a buddy rank."""
-        return _Current(self)
+        return CurrentEngineState(self)
 
     def wrap_joined(self) -> None:
         """A restarted process, joined to the survivors' world: its engine built there, with theirs."""
@@ -412,7 +412,7 @@ class AcceleratorDeepSpeedStep(Adapter):
         """One micro-batch inside ``accelerator.accumulate`` (Accelerate decides ``sync_gradients``; the
         engine steps on the window's last). The window's first opens the transaction, each is recorded,
         the last commits; a failed window runs again whole on the new engine, each micro-batch with the
-        ``sync_gradients`` it had (as the DDP stepper does: :func:`replay_window`)."""
+        ``sync_gradients`` it had (as the DDP stepper does: :func:`~ncclguard.toolkit.replay_window`)."""
         acc = self.accelerator
         with acc.accumulate(self.model):
             sync = bool(acc.sync_gradients)
@@ -420,7 +420,7 @@ class AcceleratorDeepSpeedStep(Adapter):
                 self._window_tx, self._window = self.recovery.begin(step), []
             tx = self._window_tx
             grad_sync = not getattr(self.model, "inside_no_sync_ctxt", False)  # ZeRO-1's no_sync
-            self._window.append(_Micro(step_fn, inputs, sync, grad_sync, _bound_names(step_fn)))
+            self._window.append(Micro.record(step_fn, inputs, sync_gradients=sync, grad_sync=grad_sync))
             self._open = True
             try:
                 tx.run(lambda: step_fn(self.model, *inputs))
@@ -436,24 +436,4 @@ class AcceleratorDeepSpeedStep(Adapter):
             raise
         finally:
             self._window = []
-        return self._settle(tx, lambda: tx.output, lambda: replay_window(acc, window, lambda: self.model))
-
-
-class _Current(StateCodec):
-    """The snapshots' view of whichever engine the stepper holds now (a rebuild makes a new one)."""
-
-    def __init__(self, stepper: AcceleratorDeepSpeedStep) -> None:
-        self.stepper = stepper
-
-    def _state(self) -> DeepSpeedState:
-        assert self.stepper.state is not None  # an engine is prepared before any snapshot or restore
-        return self.stepper.state
-
-    def capture(self) -> OwnState:
-        return self._state().capture()
-
-    def check(self, state: OwnState) -> str | None:
-        return self._state().check(state)
-
-    def apply(self, state: OwnState) -> None:
-        self._state().apply(state)
+        return self._settle(tx, lambda: tx.output, lambda: replay_on(acc, window, lambda: self.model))

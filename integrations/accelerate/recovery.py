@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -70,9 +68,12 @@ from ncclguard.recovery.rebuild import generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.recovering import RecoveringStep
 from ncclguard.toolkit import (
+    Micro,
+    check_window,
     default_group,
     kept_layout,
     layout_source,
+    replay_window,
     repoint_ddp,
     repoint_sampler,
     rewrapped_ddp,
@@ -82,7 +83,7 @@ from ncclguard.toolkit import (
 )
 from ncclguard.world import current_world
 
-__all__ = ["AcceleratorRecoveringStep", "follow_world"]
+__all__ = ["AcceleratorRecoveringStep", "follow_world", "replay_on"]
 
 
 def follow_world(rank: int, size: int) -> bool:
@@ -109,53 +110,9 @@ def follow_world(rank: int, size: int) -> bool:
     return changed
 
 
-@dataclass
-class _Micro:
-    """One micro-batch of the open window, as the loop gave it to the stepper."""
-
-    step_fn: Callable[..., Any]
-    inputs: tuple[Any, ...]
-    sync_gradients: bool  # Accelerate's flag for this micro-batch (True on the window's last)
-    grad_sync: bool  # False when it ran under no_sync
-    bound: dict[str, int]  # the ids of what step_fn reads from outside (closure cells, globals) when recorded
-
-
-def _bound_names(fn: Callable[..., Any]) -> dict[str, int]:
-    """The identity of each value ``fn`` reads from its closure or its module's globals, by name."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return {}
-    out: dict[str, int] = {}
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
-        try:
-            out[name] = id(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    glob = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in glob and name not in out:
-            out[name] = id(glob[name])
-    return out
-
-
-def check_window(window: list[_Micro]) -> None:
-    """Refuses a window whose redo would compute other micro-batches.
-
-    Raises:
-        ValueError: a recorded micro-batch's ``step_fn`` reads a variable that changed since it ran.
-    """
-    for i, micro in enumerate(window[:-1]):
-        changed = sorted(n for n, v in _bound_names(micro.step_fn).items() if micro.bound.get(n, v) != v)
-        if changed:
-            raise ValueError(
-                f"the step_fn of micro-batch {i} of this window reads {', '.join(changed)} from outside, which "
-                "changed since it ran: a redo of the window would compute another micro-batch. Pass the "
-                "micro-batch as an argument, stepper(step_fn, batch), with def step_fn(model, batch): ..."
-            )
-
-
-def replay_window(accelerator: Accelerator, window: list[_Micro], model: Callable[[], Any]) -> Any:
-    """Every micro-batch of the window again, each with the ``sync_gradients`` and ``no_sync`` it had.
+def replay_on(accelerator: Accelerator, window: list[Micro], model: Callable[[], Any]) -> Any:
+    """Every micro-batch of the window again under Accelerate (:func:`~ncclguard.toolkit.replay_window`:
+    each with the ``sync_gradients`` and ``no_sync`` it had).
 
     Args:
         accelerator: the loop's Accelerator.
@@ -165,16 +122,13 @@ def replay_window(accelerator: Accelerator, window: list[_Micro], model: Callabl
     Returns:
         What the last micro-batch's ``step_fn`` returned.
     """
-    state = accelerator.gradient_state
-    out = None
-    try:
-        for micro in window:
-            state._set_sync_gradients(micro.sync_gradients)
-            with nullcontext() if micro.grad_sync else accelerator.no_sync(model()):
-                out = micro.step_fn(model(), *micro.inputs)
-    finally:
-        state._set_sync_gradients(True)  # the window's last micro-batch's: the optimizer steps
-    return out
+    outputs = replay_window(
+        window,
+        model,
+        set_sync_gradients=accelerator.gradient_state._set_sync_gradients,
+        no_sync=accelerator.no_sync,
+    )
+    return outputs[-1] if outputs else None
 
 
 class AcceleratorRecoveringStep(RecoveringStep):
@@ -238,7 +192,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
                 "; for sharded state today, train in a loop of your own with ncclguard.RecoveringStep(wrap=ncclguard.FSDP2(...), heal=True) or ncclguard.integrations.deepspeed.CommittedEngineStep(..., rebuild_engine=..., heal=True), which restore a killed rank from its buddy's in-memory snapshot (docs/recovery.md, Sharded state)"
             )
         self.accelerator, self.wrapper = accelerator, model
-        self._window: list[_Micro] = []  # the micro-batches of the open window (gradient accumulation)
+        self._window: list[Micro] = []  # the micro-batches of the open window (gradient accumulation)
         self._window_tx: Transaction[Any] | None = None
         super().__init__(
             unwrapped(model),
@@ -278,26 +232,20 @@ class AcceleratorRecoveringStep(RecoveringStep):
                 self.zero_grad()
             tx = self._window_tx
             grad_sync = bool(getattr(self.model, "require_backward_grad_sync", True))
-            self._window.append(_Micro(step_fn, inputs, sync, grad_sync, _bound_names(step_fn)))
+            self._window.append(Micro.record(step_fn, inputs, sync_gradients=sync, grad_sync=grad_sync))
             tx.run(lambda: step_fn(self.model, *inputs))
         if not sync:
             return StepResult(True, 1, generation(), output=tx.output, pending=True)
         self._window_tx = None
         try:
-            self._check_window()
-            res = tx.settle(self._replay)
+            check_window(self._window)
+            res = tx.settle(lambda: replay_on(self.accelerator, self._window, lambda: self.model))
         finally:
             tx.close()  # settle closes it too; this is for a window refused by the check
             self._window = []
         if res:
             self.optimizer.step()
         return res
-
-    def _check_window(self) -> None:
-        check_window(self._window)
-
-    def _replay(self) -> Any:
-        return replay_window(self.accelerator, self._window, lambda: self.model)
 
     def zero_grad(self) -> None:
         """The module's gradients to None (the prepared optimizer's ``zero_grad`` does nothing while

@@ -51,10 +51,10 @@ from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.options import RecoveryKeywords, RecoveryOptions, recovery_options
 from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.snapshots.restore import Restored
-from ncclguard.recovery.snapshots.state import OwnState, StateCodec
-from ncclguard.toolkit import default_group, log, restart_count
+from ncclguard.recovery.snapshots.state import StateCodec
+from ncclguard.toolkit import awaiting_join, default_group, log
 
-from .state import DeepSpeedState
+from .state import CurrentEngineState, DeepSpeedState
 
 __all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult", "release_deepspeed_groups"]
 
@@ -170,7 +170,7 @@ class CommittedEngineStep(Adapter):
                 "joined world, and the restarted rank's partitions come from its buddy's snapshot"
             )
         heal = options.heal
-        self._joining = heal and engine is None and restart_count() > 0
+        self._joining = engine is None and awaiting_join(heal)
         if self._joining:  # a restarted process builds its engine once it has joined the survivors' world
             engine = _Pending()
         for name in ("backward", "step", "save_checkpoint", "gradient_accumulation_steps"):
@@ -204,7 +204,7 @@ class CommittedEngineStep(Adapter):
     def state_codec(self) -> StateCodec | None:
         """With ``heal``: the current engine's own ZeRO state (:class:`DeepSpeedState`), which the
         engine keeps in snapshots replicated on a buddy rank."""
-        return _CurrentState(self) if self.recovery_heal else None
+        return CurrentEngineState(self) if self.recovery_heal else None
 
     @property
     def recovery_heal(self) -> bool:
@@ -357,26 +357,6 @@ class _Pending:
         if name == "gradient_accumulation_steps":
             return lambda: 1
         raise AttributeError(f"the engine is built when this restarted process joins ({name})")
-
-
-class _CurrentState(StateCodec):
-    """The snapshots' view of whichever engine the stepper holds now (a rebuild makes a new one)."""
-
-    def __init__(self, stepper: CommittedEngineStep) -> None:
-        self.stepper = stepper
-
-    def _state(self) -> DeepSpeedState:
-        assert self.stepper.state is not None
-        return self.stepper.state
-
-    def capture(self) -> OwnState:
-        return self._state().capture()
-
-    def check(self, state: OwnState) -> str | None:
-        return self._state().check(state)
-
-    def apply(self, state: OwnState) -> None:
-        self._state().apply(state)
 
 
 def number_parameters_afresh() -> None:

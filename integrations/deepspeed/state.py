@@ -24,14 +24,14 @@ The RNG states and the data position are the caller's (they are not the engine's
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ncclguard.recovery.snapshots.state import OwnState, StateCodec
 
-__all__ = ["DeepSpeedState", "OwnState"]
+__all__ = ["CurrentEngineState", "DeepSpeedState", "EngineHolder", "OwnState"]
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 _JSON_SCALARS = (bool, int, float, str, type(None))
@@ -347,3 +347,41 @@ def _checked_json(value: Any, what: str) -> Any:
     if back != value:
         raise ValueError(f"DeepSpeedState.capture: {what} changes in JSON (tuples? non-string keys?): {value!r}")
     return back
+
+
+class EngineHolder(Protocol):
+    """What holds the engine a stepper trains with now: its :class:`DeepSpeedState` (None before one is built)."""
+
+    state: DeepSpeedState | None
+
+
+class CurrentEngineState(StateCodec):
+    """The snapshots' view of whichever engine ``holder`` holds now: a rebuild makes a new engine,
+    and the snapshots keep asking the holder, never a stale engine.
+
+    Args:
+        holder: the stepper (or the part of one) whose ``state`` is the current engine's.
+        missing: why no engine is there yet, for the error.
+    """
+
+    def __init__(self, holder: EngineHolder, missing: str = "no DeepSpeed engine is built yet") -> None:
+        self.holder, self.missing = holder, missing
+
+    def current(self) -> DeepSpeedState:
+        """The current engine's :class:`DeepSpeedState`.
+
+        Raises:
+            ValueError: no engine is built yet.
+        """
+        if self.holder.state is None:
+            raise ValueError(self.missing)
+        return self.holder.state
+
+    def capture(self) -> OwnState:
+        return self.current().capture()
+
+    def check(self, state: OwnState) -> str | None:
+        return self.current().check(state)
+
+    def apply(self, state: OwnState) -> None:
+        self.current().apply(state)

@@ -39,12 +39,12 @@ import torch
 from ncclguard.errors import HealFailed
 from ncclguard.recovery.engine import Recovery
 from ncclguard.recovery.snapshots.restore import Fetched, agree, put_back
-from ncclguard.recovery.snapshots.state import OwnState, StateCodec
+from ncclguard.recovery.snapshots.state import OwnState
 from ncclguard.recovery.state_json import from_json
 from ncclguard.toolkit import log
 
 from ..deepspeed.commit import number_parameters_afresh, release_deepspeed_groups
-from ..deepspeed.state import DeepSpeedState
+from ..deepspeed.state import CurrentEngineState, DeepSpeedState
 
 __all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_module"]
 
@@ -287,30 +287,26 @@ def _resume_from(fetched: Fetched) -> tuple[dict[str, Any] | None, str | None]:
     return {"trainer_state": text, "scheduler": None, "generators": generators}, None
 
 
-class TrainerStateCodec(StateCodec):
+class TrainerStateCodec(CurrentEngineState):
     """The snapshots' view of a DeepSpeed Trainer: the current engine's own ZeRO state
     (:class:`DeepSpeedState`) and the Trainer's state (JSON text), which a restore resumes from."""
 
     def __init__(self, part: DeepSpeedPart) -> None:
+        super().__init__(part, "the Trainer has built no DeepSpeed engine yet (train() builds it)")
         self.part = part
 
-    def _state(self) -> DeepSpeedState:
-        if self.part.state is None:
-            raise ValueError("the Trainer has built no DeepSpeed engine yet (train() builds it)")
-        return self.part.state
-
     def capture(self) -> OwnState:
-        own = self._state().capture()
+        own = self.current().capture()
         own.meta[_TRAINER] = json.dumps(dataclasses.asdict(self.part.trainer.state))
         return own
 
     def check(self, state: OwnState) -> str | None:
         if not isinstance(state.meta.get(_TRAINER), str):
             return "the snapshot holds no Trainer state"
-        return self._state().check(_engine_part(state))
+        return self.current().check(_engine_part(state))
 
     def apply(self, state: OwnState) -> None:
-        self._state().apply(_engine_part(state))
+        self.current().apply(_engine_part(state))
 
 
 def _engine_part(state: OwnState) -> OwnState:

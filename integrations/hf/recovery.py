@@ -43,8 +43,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +57,15 @@ from ncclguard.recovery.rebuild import RebuildResult
 from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import StateCodec
 from ncclguard.toolkit import (
+    Micro,
+    awaiting_join,
     generators_to_send,
     load_scheduler,
     log,
+    replay_window,
     repoint_ddp,
     repoint_sampler,
-    restart_count,
     restore_sent_generators,
-    stand_in_active,
     unwrapped,
 )
 
@@ -73,16 +73,6 @@ from ..accelerate.recovery import follow_world
 from .deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
 
 __all__ = ["TrainerRecovery"]
-
-
-@dataclass
-class _Micro:
-    """One micro-batch of the current optimizer step, as the Trainer gave it."""
-
-    inputs: Any
-    num_items: Any
-    sync_gradients: bool
-    grad_sync: bool
 
 
 class TrainerRecovery(Adapter):
@@ -108,7 +98,7 @@ class TrainerRecovery(Adapter):
         self._joined = False  # the rebuild that sent every rank into train() again admitted restarted ranks
         self.engine = Recovery(self, options)
         self._model: torch.nn.Module | None = None
-        self._micro: list[_Micro] = []
+        self._micro: list[Micro] = []  # step_fn(model, inputs, num_items) redoes one
         self._given: list[torch.Tensor] = []  # the losses returned for this step's micro-batches
         self._redone: list[torch.Tensor] = []
         self._reshard: tuple[int, int] | None = None  # (rank, size) for the next epoch's data loader
@@ -140,7 +130,7 @@ class TrainerRecovery(Adapter):
             self._micro, self._given = [], []
         sync = bool(self.trainer.accelerator.sync_gradients)
         grad_sync = bool(getattr(model, "require_backward_grad_sync", True))
-        self._micro.append(_Micro(copy.copy(inputs), num_items_in_batch, sync, grad_sync))
+        self._micro.append(Micro(self._again, (copy.copy(inputs), num_items_in_batch), sync, grad_sync))
         loss = self._attempt(model, inputs, num_items_in_batch)
         self._given.append(loss)
         if not sync:
@@ -204,7 +194,7 @@ class TrainerRecovery(Adapter):
             repoint_ddp(self._model)
         if follow_world(rebuilt.rank, rebuilt.world_size) or rebuilt.missing_ranks:
             self._reshard = (rebuilt.rank, rebuilt.world_size)
-            if any(m.num_items is not None for m in self._micro):
+            if any(m.inputs[1] is not None for m in self._micro):
                 self._count_items_again()
 
     def log(self, record: Recovered) -> None:
@@ -298,7 +288,7 @@ class TrainerRecovery(Adapter):
         """``trainer.train()``: on a restarted rank, joins first; on every rank, enters the loop
         again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`)."""
         bound = inspect.signature(self.original_train).bind(*args, **kwargs)
-        if restart_count() > 0 and stand_in_active():
+        if awaiting_join(self.engine.options.heal):
             if self.trainer.optimizer is None and self._ds is None:  # made now, so that the heal fills it
                 self.trainer.create_optimizer()
             self.engine.join_if_restarted()
@@ -335,21 +325,25 @@ class TrainerRecovery(Adapter):
         if not callable(count):
             return
         try:
-            n = count([m.inputs for m in self._micro], self.trainer.args.device)
+            n = count([m.inputs[0] for m in self._micro], self.trainer.args.device)
         except Exception as exc:  # noqa: BLE001 - a collective of the redo: its failure is the step's
             log.warning("guard_trainer: counting the batch's items over the new world failed (%s)", exc)
             return
         for m in self._micro:
-            m.num_items = n
+            m.inputs = (m.inputs[0], n)
+
+    def _again(self, model: torch.nn.Module, inputs: Any, num_items: Any) -> torch.Tensor:
+        """One recorded micro-batch again, on a copy of its inputs (the Trainer may change them)."""
+        return self._attempt(model, copy.copy(inputs), num_items)
 
     def _redo(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        state = self.trainer.accelerator.gradient_state
         self._redone = []
-        for m in self._micro:
-            state._set_sync_gradients(m.sync_gradients)
-            no_sync = getattr(model, "no_sync", None)
-            with no_sync() if (not m.grad_sync and no_sync is not None) else nullcontext():
-                self._redone.append(self._attempt(model, copy.copy(m.inputs), m.num_items))
+        self._redone = replay_window(
+            self._micro,
+            lambda: model,
+            set_sync_gradients=self.trainer.accelerator.gradient_state._set_sync_gradients,
+            no_sync=_no_sync,
+        )
         return self._redone
 
     def _replace_losses(self, losses: list[torch.Tensor]) -> None:
@@ -381,3 +375,9 @@ class TrainerRecovery(Adapter):
                 size,
             )
         return done
+
+
+def _no_sync(model: torch.nn.Module) -> AbstractContextManager[Any]:
+    """DDP's ``no_sync`` on the Trainer's model; nothing for a model without one (a DeepSpeed engine)."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if no_sync is not None else nullcontext()

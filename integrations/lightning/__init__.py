@@ -51,7 +51,7 @@ from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
 from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.recovery.records import Recovered
-from ncclguard.toolkit import log, restart_count
+from ncclguard.toolkit import awaiting_join, log
 from ncclguard.watching.watchdog import Watchdog
 
 from ..shared import (
@@ -128,7 +128,7 @@ class NcclGuardCallback(Callback):
         options = recovery_for(recover, recovery, "NcclGuardCallback")
         self.recovery = StepRecovery(options, self._log_recovery) if options is not None else None
         # Before the strategy makes its device mesh on the stand-in world.
-        if options is not None and options.heal and restart_count() > 0:
+        if options is not None and awaiting_join(options.heal):
             install_stand_in_mesh()
         self.recoveries: list[Recovered] = []
         self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s

@@ -57,15 +57,14 @@ from ncclguard.recovery.records import Recovered
 from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
 from ncclguard.toolkit import (
     StepState,
+    awaiting_join,
     generators_to_send,
     kept_layout,
     layout_source,
     load_scheduler,
     log,
-    restart_count,
     restore_sent_generators,
     share_layout,
-    stand_in_active,
     wrap_in_layout,
 )
 
@@ -338,7 +337,7 @@ class StepRecovery(Adapter):
         original = trainer.fit_loop.run
 
         def run() -> Any:
-            if restart_count() > 0 and stand_in_active():
+            if awaiting_join(self.engine.options.heal):
                 joined = self.engine.join_if_restarted()
                 # The survivors' wrappers take the healing rank's buckets; this one takes them too.
                 self._layout_from = joined.source if isinstance(joined, HealResult) else None

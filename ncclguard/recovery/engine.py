@@ -53,7 +53,6 @@ from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.restarts import restart_count
 from ncclguard.recovery._step.bound import StepBound
 from ncclguard.recovery._step.fence import arm_left_behind_fence
 from ncclguard.recovery._step.loop_check import not_rewound
@@ -133,7 +132,7 @@ class Recovery:
             RebuildFailed: no rebuild admitted this process within ``rebuild_timeout``.
             HealFailed: the state did not arrive.
         """
-        if not (self.options.heal and restart_count() > 0) or (dist.is_initialized() and not stand_in.active()):
+        if not stand_in.awaiting_join(self.options.heal):
             return None
         stand_in.leave()  # what the framework set up on it is built again on the joined world
         rejoin_world(timeout=self.options.rebuild_timeout_s).raise_for_error()

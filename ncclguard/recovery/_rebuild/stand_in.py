@@ -37,7 +37,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.recovery._rebuild.restarts import restart_count
 
-__all__ = ["active", "install", "leave", "torch_init_process_group"]
+__all__ = ["active", "awaiting_join", "install", "leave", "torch_init_process_group"]
 
 
 class _StandIn:
@@ -62,6 +62,20 @@ def torch_init_process_group(*args: Any, **kwargs: Any) -> Any:
 def active() -> bool:
     """True while the default process group is the stand-in (the rank has not joined yet)."""
     return _STAND_IN.active and dist.is_available() and dist.is_initialized()
+
+
+def awaiting_join(heal: bool) -> bool:
+    """True in a process restarted after its rank died that the recovery engine joins to the
+    survivors' world at its adapter's join point: ``heal`` is on, the restart number is above 0, and
+    this process has no world of its own yet (no process group, or the stand-in).
+
+    Args:
+        heal: the engine's ``heal`` option (without it a restarted process joins nothing).
+
+    Raises:
+        ValueError: ``NCCLGUARD_RESTART_COUNT`` is set but is no count.
+    """
+    return heal and restart_count() > 0 and (not dist.is_initialized() or active())
 
 
 def leave() -> None:
