@@ -12,11 +12,13 @@ docs/recovery.md ("The settings") says what each one bounds.
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypedDict, Unpack
 
+import annotated_types
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -76,9 +78,17 @@ class RecoveryKeywords(TypedDict, total=False):
 RECOVERY_KEYWORDS: tuple[str, ...] = tuple(RecoveryKeywords.__annotations__)
 
 
-def _is_count(value: object) -> bool:
-    """An int of at least 1; a bool is refused, though Python counts it an int (``True`` is no count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+# How a bad count reads, by field (each one's bounds are its Field's ge and le).
+_COUNT_SENTENCES = {
+    "max_attempts": "max_attempts must be an int of at least 1, got {value!r}",
+    "heal_chunk_bytes": "heal_chunk_bytes must be a positive int, got {value!r}",
+    "snapshot_every": "snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {value!r}",
+    "snapshot_keep": "snapshot_keep must be 1 or 2 (snapshots kept of each), got {value!r}",
+    "snapshot_max_bytes": (
+        "snapshot_max_bytes must be None (no cap) or an int of bytes, at least 1, got {value!r} "
+        "(e.g. 64 * 2**30 for 64 GiB)"
+    ),
+}
 
 
 class RecoveryOptions(BaseModel):
@@ -126,7 +136,7 @@ class RecoveryOptions(BaseModel):
     # is an error, not a default silently kept.
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # The constraints restate what the validators below check, with the sentences the user reads.
+    # The bounds are stated here once; the validators below word their refusals (_count, _seconds).
     collective_timeout_s: float | None = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, alias="collective_timeout", gt=0)
     commit_timeout_s: float | None = Field(None, alias="commit_timeout", gt=0)
     rebuild_timeout_s: float = Field(60.0, alias="rebuild_timeout", gt=0)
@@ -199,51 +209,28 @@ class RecoveryOptions(BaseModel):
             raise TypeError(f"{info.field_name} must be True or False, got {value!r}")
         return value
 
-    @field_validator("max_attempts", mode="before")
+    @field_validator(*_COUNT_SENTENCES, mode="before")
     @classmethod
-    def _attempts(cls, value: Any) -> int:
-        if not _is_count(value):
-            raise ValueError(f"max_attempts must be an int of at least 1, got {value!r}")
+    def _count(cls, value: Any, info: ValidationInfo) -> int | None:
+        # The bounds are the Field's (ge, le); this check only words the refusal the user reads
+        # and refuses a bool or a float, which pydantic's lax mode would take as an int.
+        name = info.field_name or ""
+        field = cls.model_fields[name]
+        if value is None and field.default is None:
+            return None
+        low = next((m.ge for m in field.metadata if isinstance(m, annotated_types.Ge)), None)
+        high = next((m.le for m in field.metadata if isinstance(m, annotated_types.Le)), None)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if not is_int or (low is not None and value < low) or (high is not None and value > high):
+            raise ValueError(_COUNT_SENTENCES[name].format(value=value))
         return int(value)
-
-    @field_validator("heal_chunk_bytes", mode="before")
-    @classmethod
-    def _chunk(cls, value: Any) -> int:
-        if not _is_count(value):
-            raise ValueError(f"heal_chunk_bytes must be a positive int, got {value!r}")
-        return int(value)
-
-    @field_validator("snapshot_every", mode="before")
-    @classmethod
-    def _every(cls, value: Any) -> int | None:
-        if value is not None and not _is_count(value):
-            raise ValueError(
-                f"snapshot_every must be None (chosen as the job runs) or an int of at least 1, got {value!r}"
-            )
-        return value if value is None else int(value)
-
-    @field_validator("snapshot_keep", mode="before")
-    @classmethod
-    def _keep(cls, value: Any) -> int:
-        if value not in (1, 2) or isinstance(value, bool):
-            raise ValueError(f"snapshot_keep must be 1 or 2 (snapshots kept of each), got {value!r}")
-        return int(value)
-
-    @field_validator("snapshot_max_bytes", mode="before")
-    @classmethod
-    def _max_bytes(cls, value: Any) -> int | None:
-        if value is not None and not _is_count(value):
-            raise ValueError(
-                f"snapshot_max_bytes must be None (no cap) or an int of bytes, at least 1, got {value!r} "
-                "(e.g. 64 * 2**30 for 64 GiB)"
-            )
-        return value
 
     @field_validator("left_out", mode="before")
     @classmethod
     def _left_out(cls, value: Any) -> str:
-        if value not in ("exit", "raise"):
-            raise ValueError(f"left_out must be 'exit' or 'raise', got {value!r}")
+        choices = typing.get_args(LeftOut)
+        if value not in choices:
+            raise ValueError(f"left_out must be {' or '.join(map(repr, choices))}, got {value!r}")
         return str(value)
 
     @field_validator("preempt_dir", mode="before")
