@@ -6,13 +6,18 @@ so the code that uses a value never re-checks it.
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Config", "configure", "get_config"]
+
+# Settings renamed, by old name: the new one (the evaluation deadline has one name everywhere).
+_RENAMED = {"eval_deadline_s": "eval_timeout_s"}
 
 
 class Config(BaseSettings):
@@ -69,11 +74,34 @@ class Config(BaseSettings):
     flight_records: int = Field(2000, gt=0)
 
     # Timeout hierarchy (ncclguard.env.hierarchy.TimeoutHierarchy); None = not declared.
-    # How long one evaluation pass may run on a rank while the others wait.
-    eval_deadline_s: float | None = Field(None, gt=0)
+    # How long one evaluation pass may run on a rank while the others wait (the evaluation deadline,
+    # eval_timeout_s wherever it is given; eval_deadline_s, its old name, still read: _old_names).
+    eval_timeout_s: float | None = Field(None, gt=0)
     # The progress-heartbeat timeout of a supervisor outside the job (e.g. nvidia-resiliency-ext's
     # ft_launcher), which must exceed the process-group timeout.
     heartbeat_timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        # A setting renamed keeps working, given as a keyword or in the environment, with a warning.
+        if not isinstance(data, dict):
+            return data
+        for old, new in _RENAMED.items():
+            env_old = os.environ.get(f"NCCLGUARD_{old.upper()}")
+            if old in data:  # given by name (configure passes the settings in force beside it: it wins)
+                value = data[old]
+            elif env_old is not None and data.get(new) is None:
+                value = env_old
+            else:
+                continue
+            warnings.warn(
+                f"{old} (NCCLGUARD_{old.upper()}) is deprecated: use {new} (NCCLGUARD_{new.upper()})",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            data = {**{k: v for k, v in data.items() if k != old}, new: value}
+        return data
 
     @model_validator(mode="after")
     def _in_order(self) -> Config:

@@ -93,7 +93,7 @@ def main() -> None:
         def halve() -> None:
             trainer.eval_batch_size = max(1, trainer.eval_batch_size // 2)
 
-        patch_trainer(trainer, timeout_s=args.timeout, retries=args.retries, shrink=halve)
+        patch_trainer(trainer, eval_timeout_s=args.timeout, retries=args.retries, shrink=halve)
 
     for step in range(1, args.steps + 1):
         loss = trainer.train_step(synthetic_batch(cfg, 4, seed=1000 * step + rank))

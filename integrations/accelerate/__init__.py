@@ -42,8 +42,8 @@ import torch.distributed as dist
 from ncclguard import WatchdogConfig, phase
 from ncclguard import start_watchdog as _start_watchdog
 from ncclguard.collectives.groups import group_timeout_s
-from ncclguard.evaluation.guard import FAILED_METRIC, GuardOptions, last_report
-from ncclguard.evaluation.guard import guarded_evaluate as _guarded_evaluate
+from ncclguard.evaluation.guard import FAILED_METRIC, last_report, run_guarded
+from ncclguard.evaluation.options import EvalKeywords, eval_options
 from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
@@ -111,7 +111,7 @@ def start_watchdog(
     if fields:
         cfg = WatchdogConfig(**{**(cfg.model_dump(exclude_unset=True) if cfg is not None else {}), **fields})
     assert cfg is not None  # config=False is not offered here
-    deadline = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
+    deadline = None if eval_timeout_s is None else eval_options(eval_timeout_s=eval_timeout_s).eval_timeout_s
     for problem in timeout_problems(group_timeout_s(), deadline, cfg.hang_timeout_s):
         log.warning("ncclguard watchdog for accelerate: %s", problem)
     return _start_watchdog(cfg)
@@ -145,13 +145,9 @@ def guarded_evaluate(
     accelerator: Accelerator,
     eval_fn: Callable[[], Any],
     *,
-    timeout_s: float | timedelta,
     model: torch.nn.Module | None = None,
     step: int | None = None,
-    fallback: Any = None,
-    retries: int = 0,
-    shrink: Callable[[], Any] | None = None,
-    **options: Any,
+    **evaluation: Unpack[EvalKeywords],
 ) -> Any:
     """Runs ``eval_fn`` on every rank with a deadline; all ranks use its result or all skip it.
 
@@ -162,15 +158,14 @@ def guarded_evaluate(
     Args:
         accelerator: the ``Accelerator`` of the loop.
         eval_fn: the evaluation, no arguments; its return value is returned.
-        timeout_s: deadline of each attempt (seconds or timedelta).
         model: the module(s) to hold in eval mode during ``eval_fn`` and restore after (default:
             every model ``accelerator.prepare`` returned).
         step: the training step, for the phase label, the tracker log and the skip record.
-        fallback: returned when the evaluation is skipped.
-        retries: further attempts after a failed one.
-        shrink: called before each retry on every rank (e.g. halve the evaluation batch).
-        **options: ``grace_s`` and ``deadline_guard`` of
-            :class:`~ncclguard.evaluation.guard.GuardOptions`.
+        **evaluation: the evaluation keywords every entry point takes
+            (:class:`~ncclguard.evaluation.options.EvalKeywords`): ``eval_timeout_s`` (needed: the
+            deadline of each attempt, seconds or timedelta; ``timeout_s``, its old name, works with a
+            DeprecationWarning), ``fallback`` (returned when the evaluation is skipped; here None by
+            default), ``retries``, ``shrink``, ``monitor``, ``grace_s``, ``deadline_guard``.
 
     Returns:
         ``eval_fn``'s result, or ``fallback`` when every rank skipped it. :func:`last_skip`
@@ -181,19 +176,15 @@ def guarded_evaluate(
     """
     _check_accelerator(accelerator)
     module = _models(accelerator, model)
+    if not callable(eval_fn):
+        raise TypeError(f"eval_fn must be callable with no arguments, got {type(eval_fn).__name__}")
+    fallback = evaluation.pop("fallback", None)
+    # The guard's fallback is SKIPPED, so that a skip is told apart from any value eval_fn returns.
+    opts = eval_options(stacklevel=3, **evaluation).model_copy(update={"fallback": SKIPPED})
     labels = {} if step is None else {"step": step}
     start = time.monotonic()
     with phase("eval", **labels), dataloaders_restored_on_skip(accelerator.gradient_state) as restore:
-        value = _guarded_evaluate(
-            module,
-            eval_fn,
-            timeout_s=timeout_s,
-            step=step,
-            fallback=SKIPPED,
-            retries=retries,
-            shrink=shrink,
-            **options,
-        )
+        value = run_guarded(module, eval_fn, opts, step)
         if value is not SKIPPED:
             _last.skip = None
             return value

@@ -21,20 +21,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from ncclguard.evaluation.guard import (
-    FAILED_METRIC,
-    EvalReport,
-    EvalSums,
-    GuardOptions,
-    guarded_evaluate,
-    last_report,
-    python_deadline_guard,
-    run_guarded,
-)
+from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, EvalSums, guarded_evaluate, last_report, run_guarded
+from ncclguard.evaluation.options import EvalKeywords, GuardOptions, eval_options, python_deadline_guard
 
 from .commit import EX_TEMPFAIL, CommittedEngineStep, EngineStepResult
 from .state import DeepSpeedState, OwnState
@@ -46,6 +38,7 @@ __all__ = [
     "EngineStepResult",
     "OwnState",
     "FAILED_METRIC",
+    "EvalKeywords",
     "EvalSums",
     "EvalReport",
     "GuardOptions",
@@ -59,7 +52,7 @@ __all__ = [
 _ORIGINAL = "__ncclguard_original__"
 
 
-def patch_trainer(trainer: Any, **options: Any) -> Any:
+def patch_trainer(trainer: Any, **evaluation: Unpack[EvalKeywords]) -> Any:
     """Wraps ``trainer.evaluate(step=None)`` in place with :func:`guarded_evaluate`.
 
     The trainer has the seeds' shape: ``trainer.model`` is the DeepSpeed engine, an optional
@@ -70,7 +63,9 @@ def patch_trainer(trainer: Any, **options: Any) -> Any:
 
     Args:
         trainer: the trainer object.
-        **options: the keyword options of :func:`guarded_evaluate` (``timeout_s`` required).
+        **evaluation: the evaluation keywords of :func:`guarded_evaluate`
+            (:class:`~ncclguard.evaluation.options.EvalKeywords`; ``eval_timeout_s`` needed, its old
+            name ``timeout_s`` works with a DeprecationWarning).
 
     Returns:
         ``trainer``.
@@ -84,7 +79,7 @@ def patch_trainer(trainer: Any, **options: Any) -> Any:
         raise TypeError(f"{type(trainer).__name__} has no evaluate() method to guard")
     if not isinstance(getattr(trainer, "model", None), torch.nn.Module):
         raise TypeError(f"{type(trainer).__name__}.model must be the DeepSpeed engine (a torch.nn.Module)")
-    opts = GuardOptions(**options)
+    opts = eval_options(stacklevel=3, **evaluation)
     takes_step = _takes_step(original)
 
     def evaluate(step: int | None = None) -> Any:

@@ -39,7 +39,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
-from ncclguard.evaluation.guard import EvalReport, GuardOptions, guarded_evaluate, last_report
+from ncclguard.evaluation.guard import EvalReport, guarded_evaluate, last_report
+from ncclguard.evaluation.options import GuardOptions, eval_options
 from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
@@ -90,7 +91,7 @@ def timeout_warnings(
     pg = getattr(args, "ddp_timeout", None)
     if not isinstance(pg, (int, float)) or isinstance(pg, bool):
         raise TypeError(f"args must be TrainingArguments with a ddp_timeout in seconds, got {type(args).__name__}")
-    deadline = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
+    deadline = None if eval_timeout_s is None else eval_options(eval_timeout_s=eval_timeout_s).eval_timeout_s
     return [
         f"{p} (TrainingArguments.ddp_timeout={pg:g})" for p in timeout_problems(float(pg), deadline, hang_timeout_s)
     ]
@@ -239,7 +240,7 @@ def guard_trainer(
     opts = _eval_options(eval_timeout_s, retries)
     steps = _recovery(trainer, recover, recovery)  # every argument is checked before anything is wrapped
     callback = TrainerGuardCallback(watchdog=watchdog)
-    callback.eval_timeout_s = opts.timeout_s if opts is not None else None
+    callback.eval_timeout_s = opts.eval_timeout_s if opts is not None else None
     callback.recovery = steps
     trainer.add_callback(callback)
     _wrap_methods(trainer, callback, opts)
@@ -256,7 +257,7 @@ def _check_unguarded(trainer: Trainer) -> None:
 
 def _eval_options(eval_timeout_s: float | timedelta | None, retries: int) -> GuardOptions | None:
     """The guard of each evaluation, or None when ``eval_timeout_s`` leaves it unguarded."""
-    opts = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s, retries=retries)
+    opts = None if eval_timeout_s is None else eval_options(eval_timeout_s=eval_timeout_s, retries=retries)
     if opts is None and retries:
         raise ValueError("retries needs eval_timeout_s: without a deadline the evaluation is not guarded")
     return opts
@@ -388,7 +389,7 @@ def _guarded(
     start = time.monotonic()
     with dataloaders_restored_on_skip(trainer.accelerator.gradient_state) as restore:
         value = guarded_evaluate(
-            wrapped, run, timeout_s=opts.timeout_s, retries=opts.retries, step=step, fallback=SKIPPED
+            wrapped, run, eval_timeout_s=opts.eval_timeout_s, retries=opts.retries, step=step, fallback=SKIPPED
         )
         callback.last_eval_report = last_report()
         if value is not SKIPPED:

@@ -48,7 +48,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
-from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, GuardOptions, guarded_evaluate, last_report
+from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, guarded_evaluate, last_report
+from ncclguard.evaluation.options import eval_options
 from ncclguard.recovery.options import RecoveryKeywords
 from ncclguard.recovery.records import Recovered
 from ncclguard.toolkit import awaiting_join, log
@@ -131,7 +132,9 @@ class NcclGuardCallback(Callback):
         if options is not None and awaiting_join(options.heal):
             install_stand_in_mesh()
         self.recoveries: list[Recovered] = []
-        self.eval_timeout_s = None if eval_timeout_s is None else GuardOptions(timeout_s=eval_timeout_s).timeout_s
+        self.eval_timeout_s = (
+            None if eval_timeout_s is None else eval_options(eval_timeout_s=eval_timeout_s).eval_timeout_s
+        )
         self.watchdog_config = watchdog_config(watchdog)
         self.watchdog: Watchdog | None = None
         self.last_eval_report: EvalReport | None = None
@@ -288,7 +291,7 @@ class NcclGuardCallback(Callback):
             step = trainer.global_step
             model = trainer.strategy.model if isinstance(trainer.strategy.model, torch.nn.Module) else pl_module
             start = time.monotonic()
-            result = guarded_evaluate(model, original, timeout_s=timeout_s, step=step, fallback=SKIPPED)
+            result = guarded_evaluate(model, original, eval_timeout_s=timeout_s, step=step, fallback=SKIPPED)
             self.last_eval_report = last_report()
             if result is not SKIPPED:
                 return result

@@ -145,14 +145,11 @@ def _config_tier(
     sources: dict[str, str],
 ) -> None:
     """The supervisor's heartbeat timeout and the evaluation deadline: as given, else the configuration's."""
-    for field, given, name in (
-        ("heartbeat_timeout_s", heartbeat_timeout_s, "heartbeat_timeout_s"),
-        ("eval_timeout_s", eval_timeout_s, "eval_deadline_s"),
-    ):
-        value = given if given is not None else getattr(cfg, name)
+    for field, given in (("heartbeat_timeout_s", heartbeat_timeout_s), ("eval_timeout_s", eval_timeout_s)):
+        value = given if given is not None else getattr(cfg, field)
         if value is not None:
             values[field] = float(value)
-            sources[field] = "given" if given is not None else f"Config.{name}"
+            sources[field] = "given" if given is not None else f"Config.{field}"
 
 
 def _deadline_tier(cfg: Config, op_numel: int, values: dict[str, Any], sources: dict[str, str]) -> None:
@@ -361,7 +358,7 @@ class TimeoutHierarchy(BaseModel):
             group_timeout_s: the process-group timeout, when known better than the live group.
             group_source: where ``group_timeout_s`` came from, for the table (e.g. ``TrainingArguments.ddp_timeout``).
             heartbeat_timeout_s: the supervisor's heartbeat timeout (default ``Config.heartbeat_timeout_s``).
-            eval_timeout_s: the evaluation deadline (default ``Config.eval_deadline_s``).
+            eval_timeout_s: the evaluation deadline (default ``Config.eval_timeout_s``).
             op_numel: the collective size the per-op deadline is computed for (float32).
             environ: environment to read ``DEEPSPEED_TIMEOUT`` and NCCL's heartbeat from.
             validate: raise on a broken order (False: return it; :meth:`problems` lists it).

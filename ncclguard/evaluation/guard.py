@@ -8,7 +8,7 @@ training process group is left as it was. Per attempt, on every rank:
 1. ``safe_barrier`` on the world group (store based): a rank that is not there makes every
    rank skip this attempt.
 2. ``eval_fn`` runs in eval mode (engine and wrapped model, restored afterwards) under the
-   deadline ``timeout_s``: the SIGALRM guard ends Python-level stalls (the default
+   deadline ``eval_timeout_s``: the SIGALRM guard ends Python-level stalls (the default
    ``deadline_guard``; another per-call deadline mechanism plugs in through that option),
    and collectives that name no group go to a side gloo group whose timeout follows the deadline
    (:mod:`ncclguard.evaluation.side_group`), so a blocked ``dist.all_reduce`` gives up by the
@@ -29,18 +29,14 @@ guard. docs/integrations.md lists the limits (NCCL, ZeRO-3).
 from __future__ import annotations
 
 import math
-import threading
 import time
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ncclguard._log import log
 from ncclguard.collectives.all_reduce import safe_all_reduce
@@ -48,18 +44,20 @@ from ncclguard.collectives.barrier import safe_barrier
 from ncclguard.collectives.groups import GroupInfo, group_info
 from ncclguard.collectives.numbering import next_round
 from ncclguard.collectives.rendezvous import exchange
-from ncclguard.deadlines import Deadline, to_seconds
+from ncclguard.deadlines import Deadline
 from ncclguard.errors import EvaluationFailed, StoreUnreachable
 from ncclguard.evaluation.modes import eval_mode
+from ncclguard.evaluation.options import EvalKeywords, GuardOptions, eval_options, python_deadline_guard
 from ncclguard.evaluation.side_group import EvalGroup, deadline_timeout, routed_default_group
 from ncclguard.results import Result
-from ncclguard.sigalrm import sigalrm_timeout
 
 __all__ = [
     "FAILED_METRIC",
     "EvalSums",
+    "EvalKeywords",
     "EvalReport",
     "GuardOptions",
+    "eval_options",
     "guarded_evaluate",
     "last_report",
     "python_deadline_guard",
@@ -104,68 +102,6 @@ class EvalReport(Result):
     error: EvaluationFailed | None = None
 
 
-def python_deadline_guard(seconds: float) -> AbstractContextManager[None]:
-    """The default ``deadline_guard``: SIGALRM in the main thread, nothing elsewhere.
-
-    SIGALRM ends Python-level stalls only (a slow loop, a sleep); a blocked C++ call returns
-    first. Collectives on the default group are bounded by the side group's timeout instead.
-
-    Args:
-        seconds: the deadline, from entry.
-
-    Returns:
-        :func:`ncclguard.sigalrm_timeout` (which raises :class:`~ncclguard.errors.DeadlineExceeded`
-        at the deadline) in the main thread; a context manager that does nothing elsewhere.
-    """
-    if threading.current_thread() is threading.main_thread():
-        return sigalrm_timeout(seconds, f"the evaluation ran past its {seconds:.3g} s deadline")
-    log.warning("guarded_evaluate outside the main thread: no SIGALRM guard, only collective timeouts bound it")
-    return nullcontext()
-
-
-class GuardOptions(BaseModel):
-    """Options of :func:`guarded_evaluate` (and the integrations' ``patch_trainer``), validated once.
-
-    Attributes:
-        timeout_s: deadline of one attempt's evaluation, and of its barrier (seconds or timedelta).
-        monitor: an object with ``log_metrics(dict, step)``; told about a failed evaluation.
-        fallback: returned when every attempt failed.
-        retries: further attempts after a failed one.
-        shrink: called (no arguments, on every rank) before each retry, e.g. to halve the batch.
-        grace_s: how long after the deadline the ranks wait for each other's answer; default
-            ``max(2, timeout_s / 20)``.
-        deadline_guard: ``seconds -> context manager`` that ends the evaluation at its deadline;
-            default :func:`python_deadline_guard`.
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", frozen=True)
-
-    timeout_s: float
-    monitor: Any = None
-    fallback: Any = (0.0, 0.0)
-    retries: StrictInt = Field(0, ge=0, le=100)
-    shrink: Callable[[], Any] | None = None
-    grace_s: float | None = Field(None, gt=0)
-    deadline_guard: Callable[[float], AbstractContextManager[Any]] = python_deadline_guard
-
-    @field_validator("timeout_s", mode="before")
-    @classmethod
-    def _seconds(cls, value: Any) -> float:
-        return to_seconds(value, "timeout_s")
-
-    @field_validator("monitor")
-    @classmethod
-    def _has_log_metrics(cls, value: Any) -> Any:
-        if value is not None and not callable(getattr(value, "log_metrics", None)):
-            raise ValueError(f"monitor must have a log_metrics(metrics: dict, step) method, got {type(value).__name__}")
-        return value
-
-    @property
-    def grace(self) -> float:
-        """Seconds past the deadline to wait for the answer."""
-        return self.grace_s if self.grace_s is not None else max(2.0, self.timeout_s / 20)
-
-
 _eval_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, EvalGroup] = weakref.WeakKeyDictionary()
 
 
@@ -195,13 +131,8 @@ def guarded_evaluate(
     engine: torch.nn.Module,
     eval_fn: Callable[[], Any],
     *,
-    timeout_s: float | timedelta,
     step: int | None = None,
-    monitor: Any = None,
-    fallback: Any = (0.0, 0.0),
-    retries: int = 0,
-    shrink: Callable[[], Any] | None = None,
-    **options: Any,
+    **evaluation: Unpack[EvalKeywords],
 ) -> Any:
     """Runs ``eval_fn`` on every rank with a deadline; all ranks use its result or all skip it.
 
@@ -213,13 +144,14 @@ def guarded_evaluate(
         eval_fn: the evaluation, no arguments; returns the metrics (e.g. ``(loss, accuracy)``)
             or an :class:`EvalSums` for the guard to reduce. It may call ``torch.distributed``
             collectives with ``group=None``: they run on a side group bounded by the deadline.
-        timeout_s: deadline of each attempt (seconds or timedelta).
         step: the training step, for the monitor.
-        monitor: ``log_metrics(dict, step)`` receives ``eval/evaluation_failed`` on failure.
-        fallback: returned when every attempt failed.
-        retries: further attempts after a failed one.
-        shrink: called before each retry on every rank (e.g. halve the evaluation batch).
-        **options: ``grace_s`` and ``deadline_guard`` of :class:`GuardOptions`.
+        **evaluation: the evaluation keywords (:class:`~ncclguard.evaluation.options.EvalKeywords`):
+            ``eval_timeout_s`` (needed: the deadline of each attempt, seconds or timedelta; its old
+            name ``timeout_s`` works with a DeprecationWarning), ``monitor`` (``log_metrics(dict,
+            step)`` receives ``eval/evaluation_failed`` on failure), ``fallback`` (returned when
+            every attempt failed), ``retries`` (further attempts after a failed one), ``shrink``
+            (called before each retry on every rank, e.g. to halve the evaluation batch),
+            ``grace_s`` and ``deadline_guard``.
 
     Returns:
         ``eval_fn``'s result (reduced, for :class:`EvalSums`), or ``fallback``.
@@ -231,10 +163,7 @@ def guarded_evaluate(
         raise TypeError(f"eval_fn must be callable with no arguments, got {type(eval_fn).__name__}")
     if not isinstance(engine, torch.nn.Module):
         raise TypeError(f"engine must be a DeepSpeed engine or a torch.nn.Module, got {type(engine).__name__}")
-    opts = GuardOptions(
-        timeout_s=timeout_s, monitor=monitor, fallback=fallback, retries=retries, shrink=shrink, **options
-    )
-    return run_guarded(engine, eval_fn, opts, step)
+    return run_guarded(engine, eval_fn, eval_options(stacklevel=3, **evaluation), step)
 
 
 def run_guarded(engine: torch.nn.Module, eval_fn: Callable[[], Any], opts: GuardOptions, step: int | None) -> Any:
@@ -296,14 +225,14 @@ def _attempt(
 ) -> tuple[bool, Any, str, list[int]]:
     """One attempt. Returns (ok on every rank, value, agreed reason, failed global ranks)."""
     if world is None or world.size == 1:
-        value, error = _run_local(eval_fn, opts, None, Deadline.within(opts.timeout_s), local_error)
+        value, error = _run_local(eval_fn, opts, None, Deadline.within(opts.eval_timeout_s), local_error)
         return error is None, value, error or "", [] if error is None else [0]
 
-    barrier = safe_barrier(opts.timeout_s)
+    barrier = safe_barrier(opts.eval_timeout_s)
     if not barrier:
         late = [world.global_rank(world.rank)] if barrier.late else []  # this rank is the missing one
         return False, None, f"barrier before the evaluation failed: {barrier.error}", barrier.missing_ranks or late
-    deadline = Deadline.within(opts.timeout_s)
+    deadline = Deadline.within(opts.eval_timeout_s)
     evals = _eval_groups.setdefault(world.group, EvalGroup())
     value, error = _run_local(eval_fn, opts, evals, deadline, local_error)
     try:
@@ -335,9 +264,9 @@ def _run_local(
         return None, local_error
     try:
         if evals is None:
-            with opts.deadline_guard(opts.timeout_s):
+            with opts.deadline_guard(opts.eval_timeout_s):
                 return _finish(eval_fn(), None, deadline), None
-        group = evals.get(opts.timeout_s)
+        group = evals.get(opts.eval_timeout_s)
         # The SIGALRM guard is innermost so that its exception can never land in the code that
         # restores the default group or stops the timeout thread.
         with deadline_timeout(group, deadline), routed_default_group(group):

@@ -511,7 +511,7 @@ def test_hierarchy_in_order_and_each_broken_rule():
 
 def test_hierarchy_in_force_without_a_group(monkeypatch):
     _clean_env(monkeypatch)
-    configure(timeout_large_s=1800.0, barrier_timeout_s=300.0, eval_deadline_s=250.0)
+    configure(timeout_large_s=1800.0, barrier_timeout_s=300.0, eval_timeout_s=250.0)
     monkeypatch.setenv("NCCLGUARD_WATCHDOG_HANG_TIMEOUT_S", "120")  # the watchdog's own settings, read too
     gloo = TimeoutHierarchy.in_force(backend="gloo", validate=False)
     # ncclguard's default deadlines are capped below the group's timeout (1800 x 0.9 - 0.5), as a call gets them.

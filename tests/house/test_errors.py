@@ -67,9 +67,9 @@ def test_single_process_guard_reports_its_error_as_an_exception():
 
     # Hang guards: the ValueError, not the deadline, must end the first call, and the second must
     # succeed, however slow a loaded machine runs them.
-    assert guarded_evaluate(torch.nn.Linear(1, 1), boom, timeout_s=30, fallback="skipped") == "skipped"
+    assert guarded_evaluate(torch.nn.Linear(1, 1), boom, eval_timeout_s=30, fallback="skipped") == "skipped"
     report = last_report()
     assert report is not None and not report and isinstance(report.error, EvaluationFailed)
     assert "ValueError: bad batch" in str(report.error) and report.error.reasons == report.reasons
-    assert guarded_evaluate(torch.nn.Linear(1, 1), lambda: 2.0, timeout_s=30) == 2.0
+    assert guarded_evaluate(torch.nn.Linear(1, 1), lambda: 2.0, eval_timeout_s=30) == 2.0
     assert last_report().raise_for_error().value == 2.0

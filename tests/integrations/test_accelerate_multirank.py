@@ -122,7 +122,7 @@ def test_a_rank_slow_in_its_loop_is_named_while_the_other_waits_in_ddp(job):
 
 def test_guarded_evaluate_and_start_watchdog_want_an_accelerator():
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got object"):
-        guarded_evaluate(object(), lambda: 1, timeout_s=1)
+        guarded_evaluate(object(), lambda: 1, eval_timeout_s=1)
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got str"):
         start_watchdog("accelerator")
 

@@ -393,10 +393,10 @@ def test_guarded_evaluate_alone_returns_the_result_and_restores_modes():
     seen = []
     # The deadlines of evaluations that must succeed are hang guards (they cost nothing when the
     # evaluation returns): 5 s was close to a starved thread's 2-4 s on a loaded machine.
-    value = guarded_evaluate(model, lambda: seen.append(model.training) or (0.5, 0.75), timeout_s=30)
+    value = guarded_evaluate(model, lambda: seen.append(model.training) or (0.5, 0.75), eval_timeout_s=30)
     assert value == (0.5, 0.75)
     assert seen == [False] and model.training is True
-    assert guarded_evaluate(model, lambda: EvalSums(3.0, 2, 4), timeout_s=30) == (0.75, 0.5)
+    assert guarded_evaluate(model, lambda: EvalSums(3.0, 2, 4), eval_timeout_s=30) == (0.75, 0.5)
     assert last_report().ok is True
 
 
@@ -405,7 +405,7 @@ def test_guarded_evaluate_alone_skips_a_stall_and_tells_the_monitor():
     monitor = ListMonitor()
     start = time.monotonic()
     value = guarded_evaluate(
-        model, lambda: time.sleep(30), timeout_s=0.5, step=7, monitor=monitor, fallback=(-1.0, -1.0)
+        model, lambda: time.sleep(30), eval_timeout_s=0.5, step=7, monitor=monitor, fallback=(-1.0, -1.0)
     )
     # A hang guard: the 0.5 s deadline ended it, not the 30 s sleep (a bound between the two, well
     # above what a loaded machine adds to the deadline).
@@ -426,7 +426,7 @@ def test_guarded_evaluate_alone_retries_after_shrink():
         return (1.0, 1.0)
 
     value = guarded_evaluate(  # a hang guard: only the MemoryErrors may fail an attempt
-        make_model(), evaluate, timeout_s=30, retries=2, shrink=lambda: size.update(batch=size["batch"] // 2)
+        make_model(), evaluate, eval_timeout_s=30, retries=2, shrink=lambda: size.update(batch=size["batch"] // 2)
     )
     assert value == (1.0, 1.0)
     report = last_report()
@@ -437,12 +437,12 @@ def test_guarded_evaluate_alone_retries_after_shrink():
 @pytest.mark.parametrize(
     "kwargs, error, phrase",
     [
-        ({"timeout_s": 0}, ValueError, "positive"),
-        ({"timeout_s": "soon"}, TypeError, "seconds"),
-        ({"timeout_s": 1, "retries": -1}, ValueError, "greater than or equal to 0"),
-        ({"timeout_s": 1, "shrink": 3}, ValueError, "callable"),
-        ({"timeout_s": 1, "monitor": object()}, ValueError, "log_metrics"),
-        ({"timeout_s": 1, "grace": 3}, ValueError, "Extra inputs"),
+        ({"eval_timeout_s": 0}, ValueError, "positive"),
+        ({"eval_timeout_s": "soon"}, TypeError, "seconds"),
+        ({"eval_timeout_s": 1, "retries": -1}, ValueError, "greater than or equal to 0"),
+        ({"eval_timeout_s": 1, "shrink": 3}, ValueError, "callable"),
+        ({"eval_timeout_s": 1, "monitor": object()}, ValueError, "log_metrics"),
+        ({"eval_timeout_s": 1, "grace": 3}, ValueError, "Extra inputs"),
     ],
 )
 def test_guarded_evaluate_rejects_bad_options(kwargs, error, phrase):
@@ -452,9 +452,9 @@ def test_guarded_evaluate_rejects_bad_options(kwargs, error, phrase):
 
 def test_guarded_evaluate_rejects_a_bad_engine_or_eval_fn():
     with pytest.raises(TypeError, match="eval_fn must be callable"):
-        guarded_evaluate(make_model(), (0.0, 0.0), timeout_s=1)
+        guarded_evaluate(make_model(), (0.0, 0.0), eval_timeout_s=1)
     with pytest.raises(TypeError, match="torch.nn.Module"):
-        guarded_evaluate("engine", lambda: None, timeout_s=1)
+        guarded_evaluate("engine", lambda: None, eval_timeout_s=1)
 
 
 class TinyTrainer:
@@ -473,8 +473,8 @@ class TinyTrainer:
 def test_patch_trainer_wraps_once_and_unpatches():
     trainer = TinyTrainer()
     # Hang guards: the evaluations must succeed, however slow a loaded machine runs them.
-    assert patch_trainer(trainer, timeout_s=30) is trainer
-    patch_trainer(trainer, timeout_s=30, retries=1)  # replaces the options, wraps the original once
+    assert patch_trainer(trainer, eval_timeout_s=30) is trainer
+    patch_trainer(trainer, eval_timeout_s=30, retries=1)  # replaces the options, wraps the original once
     assert trainer.evaluate(step=4) == (0.25, 0.5)
     assert trainer.calls == [4]
     assert trainer.last_eval_report.ok is True
@@ -486,7 +486,7 @@ def test_patch_trainer_wraps_once_and_unpatches():
 def test_patch_trainer_uses_the_trainers_monitor():
     trainer = TinyTrainer()
     trainer.evaluate = lambda step=None: time.sleep(30)
-    patch_trainer(trainer, timeout_s=0.3)
+    patch_trainer(trainer, eval_timeout_s=0.3)
     assert trainer.evaluate(step=9) == (0.0, 0.0)
     assert trainer.monitor.records[0][0] == 9
     assert trainer.monitor.records[0][1][FAILED_METRIC] == 1.0
@@ -498,11 +498,11 @@ def test_patch_trainer_rejects_what_it_cannot_guard():
             return (0.0, 0.0)
 
     with pytest.raises(TypeError, match="model must be"):
-        patch_trainer(NoModel(), timeout_s=1)
+        patch_trainer(NoModel(), eval_timeout_s=1)
     with pytest.raises(TypeError, match="no evaluate"):
-        patch_trainer(object(), timeout_s=1)
+        patch_trainer(object(), eval_timeout_s=1)
     with pytest.raises(ValueError, match="timeout_s"):
-        patch_trainer(TinyTrainer(), timeout_s=-1)
+        patch_trainer(TinyTrainer(), eval_timeout_s=-1)
 
 
 def test_guarded_evaluate_outside_the_main_thread_runs_without_sigalrm():
@@ -511,7 +511,7 @@ def test_guarded_evaluate_outside_the_main_thread_runs_without_sigalrm():
     got = []
     model = make_model()
     # A hang guard: the evaluation must succeed (the thread's join waits longer still).
-    worker = threading.Thread(target=lambda: got.append(guarded_evaluate(model, lambda: (2.0, 0.5), timeout_s=30)))
+    worker = threading.Thread(target=lambda: got.append(guarded_evaluate(model, lambda: (2.0, 0.5), eval_timeout_s=30)))
     worker.start()
     worker.join(60)
     assert got == [(2.0, 0.5)]

@@ -165,25 +165,25 @@ def main() -> None:
 
     outcomes = {}
     outcomes["clean"] = guarded_evaluate(
-        accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=0, fallback=None
+        accelerator, evaluate(even), eval_timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=0, fallback=None
     )
     train_steps(0, 2, slow_at=1)
     before = loaders()
     ended = {}
     outcomes["stall"] = guarded_evaluate(
-        accelerator, evaluate(even, stall_rank=1), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=2, fallback=None
+        accelerator, evaluate(even, stall_rank=1), eval_timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=2, fallback=None
     )
     ended["stall"] = time.time()
     skips = {"stall": dataclasses.asdict(last_skip()) if last_skip() else None}
     put("loaders", {"before": before, "after": loaders(), "training": model.training})
     train_steps(2, 2)
     outcomes["uneven"] = guarded_evaluate(
-        accelerator, evaluate(uneven), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=4, fallback=None
+        accelerator, evaluate(uneven), eval_timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=4, fallback=None
     )
     skips["uneven"] = dataclasses.asdict(last_skip()) if last_skip() else None
     train_steps(4, 2)
     outcomes["again"] = guarded_evaluate(
-        accelerator, evaluate(even), timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=6, fallback=None
+        accelerator, evaluate(even), eval_timeout_s=EVAL_TIMEOUT_S, grace_s=GRACE_S, step=6, fallback=None
     )
     put("outcomes", outcomes)
     put("skips", skips)

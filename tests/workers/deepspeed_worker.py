@@ -83,14 +83,14 @@ def run_stage(stage: int, rank: int) -> dict:
 
     # Healthy: unguarded, then guarded through patch_trainer, then the EvalSums path.
     res["unguarded"] = list(trainer.evaluate(step=2))
-    patch_trainer(trainer, timeout_s=TIMEOUT_S)
+    patch_trainer(trainer, eval_timeout_s=TIMEOUT_S)
     seen_modes.clear()
     res["modes_before"] = [engine.training, engine.module.training]
     res["guarded"] = list(trainer.evaluate(step=2))
     res["modes_during"] = sorted(set(seen_modes))
     res["modes_after"] = [engine.training, engine.module.training]
     res["healthy_report"] = vars(trainer.last_eval_report)
-    res["sums_guarded"] = list(guarded_evaluate(engine, trainer.eval_sums, timeout_s=TIMEOUT_S))
+    res["sums_guarded"] = list(guarded_evaluate(engine, trainer.eval_sums, eval_timeout_s=TIMEOUT_S))
     res["default_pg_restored"] = c10d._world.default_pg is world_pg
 
     # Rank 1 stalls in its first evaluation batch: both ranks must skip, by the deadline.
@@ -118,7 +118,7 @@ def run_stage(stage: int, rank: int) -> dict:
     # Rank 1 comes to the evaluation late: the barrier fails, every rank skips, training goes on.
     # It comes once rank 0 gave up (and at least 2 deadlines late), not after a fixed sleep that a
     # loaded machine could outrun.
-    patch_trainer(trainer, timeout_s=TIMEOUT_S)
+    patch_trainer(trainer, eval_timeout_s=TIMEOUT_S)
     if rank == STALL_RANK:
         rankkit.wait_for(f"late-{stage}", at_least_s=2 * TIMEOUT_S)
     start = time.monotonic()
@@ -134,7 +134,7 @@ def run_stage(stage: int, rank: int) -> dict:
     def halve() -> None:
         trainer.eval_batch_size //= 2
 
-    patch_trainer(trainer, timeout_s=TIMEOUT_S, retries=1, shrink=halve)
+    patch_trainer(trainer, eval_timeout_s=TIMEOUT_S, retries=1, shrink=halve)
     start = time.monotonic()
     res["retry_value"] = list(trainer.evaluate(step=6))
     res["retry_elapsed_s"] = time.monotonic() - start
