@@ -107,7 +107,7 @@ def test_a_stalled_validation_is_skipped_on_every_rank_by_the_deadline(guard):
         assert skip["step"] == 2
         # Not before the deadline, and long before rank 1's 30 s stall would have ended (the
         # guard's bound is the deadline plus the verdict's grace, max(2, timeout/20) s; measured
-        # times are in docs/integrations.md).
+        # times are in docs/reference/integrations-lightning.md).
         assert EVAL_TIMEOUT_S <= skip["elapsed_s"] < STALL_S / 2
         # The guard gets what is left of the 2 s deadline when it starts (1.99 s on a loaded machine),
         # never more; how much is left depends on how fast the machine got there, so no lower bound.

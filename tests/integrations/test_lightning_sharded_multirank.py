@@ -79,7 +79,8 @@ def test_a_configure_model_guarded_by_a_flag_is_refused_when_fit_starts(job):
 
 
 def test_lightning_refuses_its_fsdp_and_deepspeed_strategies_on_the_cpu():
-    """What docs/recovery.md says: Lightning 2.6 runs these two on CUDA only, so nothing here can run them."""
+    """What docs/reference/integrations-lightning.md says: Lightning 2.6 runs these two on CUDA only, so nothing
+    here can run them."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 

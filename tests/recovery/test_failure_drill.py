@@ -29,7 +29,8 @@ def test_the_short_drill_recovers_every_stall_and_reports_its_numbers(tmp_path):
     res = json.loads(out.read_text())
     clean, stall, spare = res["runs"]["clean"], res["runs"]["stall"], res["runs"]["spare"]
     # The target: with stalls only, the final parameters are bit-equal to the clean run's
-    # (SHA-256 of every parameter). It holds with DDP(find_unused_parameters=True): see docs/recovery.md.
+    # (SHA-256 of every parameter). It holds with DDP(find_unused_parameters=True): see
+    # docs/reference/recovery-mechanism.md, "Bit-equality and DDP's buckets".
     assert res["summary"]["stall_bit_equal_to_clean"] is True
     for run in (clean, stall, spare):
         assert run["committed"] == run["steps"] == 60

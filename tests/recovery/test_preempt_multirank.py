@@ -50,7 +50,7 @@ ONE_SUPERVISOR = "fsdp2"  # this job's SIGTERM goes to rank 1's supervisor only
 # Hang guards on a loaded 2-core machine: three jobs start (torch, transformers) in 20-60 s.
 START_GUARD_S = 240.0
 # The product's bound is 10 s (the supervisor's grace is 8 s; measured one job at a time: 1-3 s,
-# docs/recovery.md). Here the first jobs stop while the others still import (load average about 9 on
+# docs/reference/recovery-drills.md). Here the first jobs stop while the others still import (load average about 9 on
 # 2 cores): 3.0-12.7 s. The test gives the ranks a 20 s grace, so a loaded machine cannot turn a slow
 # save into a SIGKILL, and allows 40 s, 3x the slowest seen; that no process needed a SIGKILL, from
 # a supervisor or from torchrun (its own after 30 s), is checked on the job's output.

@@ -69,7 +69,7 @@ def test_a_rank_stopped_on_another_host_is_ended_by_its_supervisor_restarted_hea
     again = res[STOPPED]
     assert (again["attempts"], again["size"], again["generation"]) == (2, 1, 2), again
     assert r0["final"] == [0, 1, 2]
-    # Seconds, not the 300 s step bound (one run's figures are in docs/recovery.md).
+    # Seconds, not the 300 s step bound (one run's figures are in docs/reference/recovery-drills.md).
     assert stuck["elapsed_s"] < 100 and again["elapsed_s"] < 100, (stuck, again)
     # What rank 0 did: it asked (it could not judge nor cut), and read its supervisor's answers.
     events = r0["events"]

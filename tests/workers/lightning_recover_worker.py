@@ -133,7 +133,8 @@ def fit(
         accelerator="cpu",
         devices=3,
         # DDP's defaults (find_unused_parameters=False): its buckets are rebuilt after the first
-        # step, and a re-wrapped DDP is given the old ones (docs/recovery.md, "Bit-equality and DDP's buckets").
+        # step, and a re-wrapped DDP is given the old ones (docs/reference/recovery-mechanism.md,
+        # "Bit-equality and DDP's buckets").
         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,

@@ -27,7 +27,7 @@ def ds_config(stage: int, micro_batch: int, lr: float = 1e-3) -> dict[str, Any]:
 
     Raises:
         ValueError: ``stage`` is not 0, 1 or 2 (ZeRO-3 gathers parameters on a captured group,
-            which the guard cannot route; see docs/integrations.md).
+            which the guard cannot route; see docs/reference/integrations-evaluation.md).
     """
     if stage not in (0, 1, 2):
         raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
