@@ -337,7 +337,6 @@ class TrainerRecovery(Adapter):
         return self._attempt(model, copy.copy(inputs), num_items)
 
     def _redo(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        self._redone = []
         self._redone = replay_window(
             self._micro,
             lambda: model,
