@@ -216,8 +216,9 @@ def worker(args: argparse.Namespace) -> None:
             times = [step() for _ in range(steps)]
             wall, proc = time.perf_counter() - wall0, time.process_time() - pr0
             th1, pp1 = ncclguard_threads_cpu_s(), parent_cpu_s()
-            assessed = wd._straggle.tracker.assessed if wd is not None else 0
-            arrivals_windows = 0 if wd is None or wd._straggle.window is None else len(wd._straggle.window.arrivals)
+            watch = wd.sensor("straggler") if wd is not None else None
+            assessed = watch.tracker.assessed if watch is not None else 0
+            arrivals_windows = 0 if watch is None or watch.window is None else len(watch.window.arrivals)
             incidents = len(wd.incidents) if wd is not None else 0
             if wd is not None:
                 wd.stop()

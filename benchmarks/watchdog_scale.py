@@ -218,23 +218,24 @@ def start_sim_watchdog(store: Any, rank: int, world: int, state: Any, config: An
     are set (and put back) around each start, under a lock.
     """
     import ncclguard.watching.watchdog as wmod
+    import ncclguard.watching.world_watch as watch_mod
 
     with _start_lock:
-        saved = wmod.RankState, os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        wmod.RankState = lambda r, w: state  # type: ignore[assignment,misc]
+        saved = watch_mod.RankState, os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        watch_mod.RankState = lambda r, w: state  # type: ignore[assignment,misc]
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
         try:
             wd = wmod.Watchdog(config, store=store).start()
         finally:
             wmod._running.watchdog = None  # one per process in a job; the simulation runs many
-            wmod.RankState = saved[0]  # type: ignore[misc]
+            watch_mod.RankState = saved[0]  # type: ignore[misc]
             for name, value in (("RANK", saved[1]), ("WORLD_SIZE", saved[2])):
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    if wd._state is not state:
-        raise RuntimeError("Watchdog.start no longer builds its state with the module's RankState")
+    if wd.watch is None or wd.watch.state is not state:
+        raise RuntimeError("WorldWatch no longer builds its state with the module's RankState")
     return wd
 
 
@@ -307,10 +308,10 @@ def worker(args: argparse.Namespace) -> None:
     window = (t0 + args.warm, t0 + args.warm + args.window)
     time.sleep(max(0.0, window[0] - time.time()))
     first = {r: c[0] for r, c in counters.items()}
-    first_beats = {r: wd._beat for r, wd in zip(ranks, wds, strict=True)}
+    first_beats = {r: wd.watch.beats for r, wd in zip(ranks, wds, strict=True)}
     time.sleep(max(0.0, window[1] - time.time()))
     last = {r: c[0] for r, c in counters.items()}
-    beats = {r: wd._beat for r, wd in zip(ranks, wds, strict=True)}
+    beats = {r: wd.watch.beats for r, wd in zip(ranks, wds, strict=True)}
     steady_rss, steady_threads = rss_mib(), threading.active_count()
     end = time.time() + args.max_wait
     while time.time() < end and not control.check(["sim/stop"]):

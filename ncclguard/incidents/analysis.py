@@ -34,7 +34,7 @@ from ncclguard.incidents.model import (
     Variant,
     Whereabouts,
 )
-from ncclguard.incidents.render import summary_line
+from ncclguard.incidents.summary import summary_line
 
 __all__ = ["analyse", "whereabouts"]
 

@@ -35,6 +35,7 @@ class IncidentKind(str, Enum):
     STORE_GONE = "store"  # the rendezvous store stopped answering (handled on each rank alone)
     BACKEND_STUCK = "stuck"  # a group's ranks stand at one backend sequence number, its op open past the timeout
     STRAGGLER = "straggler"  # a rank slower than its peers window after window (a report, never escalated)
+    SENSOR = "sensor"  # a registered sensor's finding (watching/sensors/sensor.py; a report, never escalated)
 
 
 class FindingKind(str, Enum):

@@ -51,6 +51,9 @@ class Heartbeat(Model):
     judged: dict[str, str] | None = Field(None, max_length=64)
     # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/base/hang_bound.py).
     hang_bound_s: float | None = None
+    # A registered sensor's figures under its name (watching/sensors/sensor.py): a sensor of yours
+    # publishes here, so that its peers' sensors read them, without a field of its own in this model.
+    readings: dict[str, dict[str, float | int | str | None]] | None = Field(None, max_length=16)
 
 
 class BackendOp(Model):

@@ -6,142 +6,35 @@ Pure functions of the typed model (:mod:`ncclguard.incidents.model`); the analys
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
-from ncclguard._naming import node_name, rank_ranges
+from ncclguard._naming import node_name
 from ncclguard.incidents.model import (
     Culprit,
     CulpritReason,
     DesyncFinding,
-    Finding,
     FindingKind,
     Incident,
     IncidentDoc,
     IncidentKind,
-    LostRanksFinding,
     MismatchFinding,
     OpRecord,
     P2PFinding,
     SilentFinding,
     StatementView,
-    StoreFinding,
-    Straggler,
     StuckFinding,
-    Whereabouts,
+)
+from ncclguard.incidents.summary import (
+    func_text,
+    last_text,
+    op_text,
+    phase_text,
+    ranks_text,
+    summary_line,
 )
 
 __all__ = ["progress_text", "render", "summary_line", "ranks_text"]
-
-NOTHING_FOUND = "no rank is stuck in a collective and every peer is alive"
-
-
-class _OpLike(Protocol):
-    op: str
-    seq: int
-    group: str
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``[2]`` -> ``"rank 2"``; ``[0, 1, 3]`` -> ``"ranks 0-1,3"``."""
-    ordered = sorted(set(ranks))
-    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_ranges(ordered)}"
-
-
-def _short_site(site: str | None) -> str:
-    """``/long/path/eval.py:88`` -> ``eval.py:88`` for the one-line summary."""
-    return os.path.basename(site) if site else "?"
-
-
-def _phase_text(phase: str | None) -> str:
-    return f"phase {phase}" if phase else "no phase set"
-
-
-def _op_text(rec: _OpLike, with_group: bool = True) -> str:
-    group = f" on group {rec.group}" if with_group and rec.group not in (None, "0") else ""
-    number = "backend #" if getattr(rec, "backend", False) else "#"  # torch's numbering, not ncclguard's
-    return f"{rec.op} {number}{rec.seq}{group}"
-
-
-def _func_text(func: str) -> str:
-    """``"evaluate()"`` for a function, ``""`` for none or module-level code (``<module>``)."""
-    return f"{func}()" if func and not func.startswith("<") else ""
-
-
-def _now_text(where: Whereabouts, lead: str = "now in") -> str:
-    rec = where.inflight
-    if rec is not None:
-        return f"{lead} {_op_text(rec)} ({_phase_text(rec.phase)}) at {_short_site(rec.site)}"
-    func = _func_text(where.func)
-    if func and not where.phase:  # a script without phases: its function says where it is
-        return f"{lead} {func} at {_short_site(where.site)} (no phase set)"
-    return f"{lead} {_phase_text(where.phase)} at {_short_site(where.site)}"
-
-
-def _last_text(entry: Straggler | Culprit) -> str:
-    if not entry.last_seq:
-        return "issued nothing on this group yet"
-    if entry.last_completed == entry.last_seq:
-        return f"last completed #{entry.last_completed}"
-    return f"last completed #{entry.last_completed}, last issued #{entry.last_seq}"
-
-
-def _grouped(entries: Sequence[Straggler], describe: Callable[[Straggler], str]) -> list[str]:
-    """One phrase per distinct description, naming all the ranks it fits ("ranks 1-2 ...")."""
-    by_text: dict[str, list[int]] = {}
-    for e in entries:
-        by_text.setdefault(describe(e), []).append(e.rank)
-    return [f"{ranks_text(ranks)} {text}" for text, ranks in by_text.items()]
-
-
-def _waiting_head(f: DesyncFinding | StuckFinding) -> str:
-    return (
-        f"{ranks_text(f.waiting)} waiting in {_op_text(f)} ({f.numel} x {f.dtype or 'no data'}, "
-        f"{_phase_text(f.phase)}) for {f.waiting_s:.1f} s"
-    )
-
-
-def summary_line(findings: Sequence[Finding]) -> str:
-    """The findings in one line (``incident.json``'s ``summary``, the log line, the report's top)."""
-    parts = []
-    for f in findings:
-        if isinstance(f, StuckFinding):
-            parts.append(_waiting_head(f) + "; every member is there: a stuck transport, not a desync")
-        elif isinstance(f, MismatchFinding):
-            shapes = "; ".join(
-                f"{ranks_text(v.ranks)} in {v.op} ({v.numel} x {v.dtype}) at {_short_site(v.site)}" for v in f.variants
-            )
-            parts.append(f"ranks disagree at {f.op} #{f.seq}: {shapes}")
-        elif isinstance(f, DesyncFinding):
-            tails = _grouped(f.behind, lambda b: f"{_last_text(b)}, {_now_text(b)}")
-            tails += [
-                f"rank {b.rank} lost (no heartbeat for {b.stale_s or 0.0:.1f} s), {_last_text(b)}"
-                for b in f.stale_members
-            ]
-            parts.append("; ".join([_waiting_head(f), *tails]))
-        elif isinstance(f, P2PFinding):
-            head = (
-                f"rank {f.rank} waiting in {f.op} {'to' if 'send' in f.op else 'from'} rank {f.peer} "
-                f"({f.numel} x {f.dtype}, {_phase_text(f.phase)}) for {f.waiting_s:.1f} s"
-            )
-            back = f.peer_waits_back
-            if back is not None:
-                parts.append(f"{head}; rank {f.peer} waits back in {back.op}: a point-to-point deadlock")
-            elif f.peer_matched is not None:
-                parts.append(
-                    f"{head}; rank {f.peer} has its {f.peer_matched.op} posted: the transfer is under way "
-                    "(a large message or a slow link), not a deadlock"
-                )
-            else:
-                parts.append(f"{head}; rank {f.peer} {_now_text(f.peer_where)}")
-        elif isinstance(f, LostRanksFinding):
-            for e in f.ranks:
-                parts.append(f"rank {e.rank} lost: no heartbeat for {e.stale_s:.1f} s, {_now_text(e, 'last seen in')}")
-        elif isinstance(f, StoreFinding):
-            parts.append(f.text)
-    return "; ".join(parts) if parts else NOTHING_FOUND
 
 
 def _when(ts: float | None) -> str:
@@ -201,16 +94,16 @@ def _culprit_lines(incident: Incident, block: list[Culprit], stack_lines: int) -
     elif c.why is CulpritReason.P2P:
         out.append(f"{who}: not in the matching send/recv; rank {c.waiter} waits for it in {c.waiter_op}")
     else:
-        out.append(f"{who}: not in the collective the others wait in (#{c.seq} on group {c.group}); {_last_text(c)}")
+        out.append(f"{who}: not in the collective the others wait in (#{c.seq} on group {c.group}); {last_text(c)}")
     rec = c.inflight
     if rec:
         progress = progress_text(rec)
         out.append(
-            f"      in {_op_text(rec)}: {rec.numel} x {rec.dtype or 'no data'}, {_phase_text(rec.phase)}, "
+            f"      in {op_text(rec)}: {rec.numel} x {rec.dtype or 'no data'}, {phase_text(rec.phase)}, "
             f"issued at {rec.site}" + (f"; {progress}" if progress else "")
         )
-    func = _func_text(c.func)
-    out.append(f"      {_phase_text(c.phase)}, main thread " + (f"in {func} at {c.site}" if func else f"at {c.site}"))
+    func = func_text(c.func)
+    out.append(f"      {phase_text(c.phase)}, main thread " + (f"in {func} at {c.site}" if func else f"at {c.site}"))
     view = incident.ranks.get(str(c.rank))
     stack = view.stack if isinstance(view, StatementView) else []
     if stack and stack_lines > 0:
@@ -281,8 +174,8 @@ def _victim_lines(incident: Incident) -> list[str]:
     for f in incident.findings:
         if isinstance(f, (DesyncFinding, StuckFinding)):
             out.append(
-                f"  {ranks_text(f.waiting)} in {_op_text(f)}: {f.numel} x {f.dtype or 'no data'}, "
-                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued {'from' if f.backend and f.record_seq is None else 'at'} {f.site}"
+                f"  {ranks_text(f.waiting)} in {op_text(f)}: {f.numel} x {f.dtype or 'no data'}, "
+                f"{phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued {'from' if f.backend and f.record_seq is None else 'at'} {f.site}"
                 + _other_numbering(f)
             )
             out.extend(_progress_lines(incident, f))
@@ -290,14 +183,14 @@ def _victim_lines(incident: Incident) -> list[str]:
             for v in f.variants:
                 out.append(
                     f"  {ranks_text(v.ranks)} in {v.op} #{f.seq}: {v.numel} x {v.dtype or 'no data'}, "
-                    f"{_phase_text(v.phase)}, issued at {v.site}"
+                    f"{phase_text(v.phase)}, issued at {v.site}"
                 )
         elif isinstance(f, SilentFinding):
             out.append(f"  no statement from {ranks_text(f.ranks)}: {f.note}")
         elif isinstance(f, P2PFinding):
             out.append(
                 f"  rank {f.rank} in {f.op} #{f.seq} with rank {f.peer}: {f.numel} x {f.dtype}, "
-                f"{_phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued at {f.site}"
+                f"{phase_text(f.phase)}, for {f.waiting_s:.1f} s, issued at {f.site}"
             )
     return out
 
@@ -379,9 +272,9 @@ def _advice(incident: Incident) -> list[str]:
         if c.why is CulpritReason.BEHIND:
             tips.append(
                 f"{who}: elsewhere while the others wait; read what the code does at {c.site}"
-                + (f" in {_func_text(c.func)}" if _func_text(c.func) else "")
+                + (f" in {func_text(c.func)}" if func_text(c.func) else "")
                 + " "
-                f"({_phase_text(c.phase)}). Usual causes: uneven evaluation shards, rank-0-only work "
+                f"({phase_text(c.phase)}). Usual causes: uneven evaluation shards, rank-0-only work "
                 "(checkpoints, logging), a data stall, generate() without synced ranks, a collective inside an "
                 "`if rank == ...`."
             )

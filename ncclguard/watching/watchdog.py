@@ -18,21 +18,17 @@ exit, or your own :class:`~ncclguard.watching.ladder.actions.Action` rungs), giv
 ``escalate_after_s`` to clear the hang. No store call waits longer than ``store_timeout_s``;
 nothing waits on a dead peer.
 
-This module holds the watchdog's life cycle and public API; the parts it drives, each with one job:
-:mod:`~ncclguard.watching.loop` (the thread's loop: what happens at each tick),
-:mod:`~ncclguard.watching.sensors.backend_watch` (the backend's numbers), :mod:`~ncclguard.watching.worlds`
-(the world watched, the store connection, a rebuild followed), :mod:`~ncclguard.watching.sensors.story`
-(where the main thread was, for the pictures), :mod:`~ncclguard.watching.base.watchdog_store` (the store
-protocol), :mod:`~ncclguard.watching.sensors.liveness`
-(peer heartbeats), :mod:`~ncclguard.watching.sensors.detect` (detectors), :mod:`~ncclguard.watching.desk.desk`
-(claim, statements, merge), :mod:`~ncclguard.watching.ladder.actions` (the ladder),
-:mod:`~ncclguard.watching.sensors.rank_state` (this rank's state), :mod:`~ncclguard.watching.base.settings`
-(:class:`WatchdogConfig`).
+This module holds the watchdog's life cycle, its thread's loop and its public API. What belongs to
+one world (this rank's state, its peers, the sensors, the incident desk) is a
+:class:`~ncclguard.watching.world_watch.WorldWatch`, one per world followed; the sensors are listed in
+:mod:`~ncclguard.watching.sensors.registry`; the settings are :class:`WatchdogConfig`
+(:mod:`~ncclguard.watching.base.settings`).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import threading
 import time
@@ -41,20 +37,20 @@ from types import FrameType
 from typing import Any
 
 from ncclguard._log import log
-from ncclguard.incidents.files import INCIDENT_FILE
+from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recording.flight import recorder
 from ncclguard.store.bounded import drain_at_exit
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
-from ncclguard.watching.desk.desk import IncidentDesk
+from ncclguard.watching.desk.casebook import Casebook
 from ncclguard.watching.desk.left_behind import LeftBehind
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
-from ncclguard.watching.loop import Loop
-from ncclguard.watching.sensors.backend_watch import BackendWatch
-from ncclguard.watching.sensors.liveness import Liveness
-from ncclguard.watching.sensors.rank_state import RankState
+from ncclguard.watching.sensors.sensor import Sensor
 from ncclguard.watching.sensors.story import MainThreadTrack
-from ncclguard.watching.worlds import Announced, rank_and_size, take_over
+from ncclguard.watching.views import Views
+from ncclguard.watching.world_watch import WorldWatch
+from ncclguard.watching.worlds import Announced, connect
 from ncclguard.world import World, current_world, subscribe
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
@@ -102,7 +98,7 @@ def current_watchdog() -> Watchdog | None:
     return _running.watchdog
 
 
-class Watchdog(Loop):
+class Watchdog:
     """One background thread per process that detects hangs, dumps and names the culprits.
 
     Use ``Watchdog(...).start()`` (or ``with Watchdog(...):``, or :func:`start_watchdog`) on every
@@ -154,13 +150,12 @@ class Watchdog(Loop):
         self._given_store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._cond = threading.Condition()
+        self._book = Casebook()  # this rank's cases across the worlds followed
         self._signum = getattr(signal, config.raise_signal)
         self._raiser: MainThreadRaiser | None = None
         self._handler_installed = False
         self._instrumented = False
-        self._desk: IncidentDesk | None = None
-        self._retired: list[Any] = []  # cases of earlier worlds' desks, oldest first
+        self.watch: WorldWatch | None = None  # the world watched now (a new one at each world followed)
         self._announced = Announced()
         self._unsubscribe: Any = None
         # True for the watchdog that ``ncclguard run`` / ``NCCLGUARD_AUTO`` started: a later start()
@@ -192,8 +187,9 @@ class Watchdog(Loop):
                 raise RuntimeError("a Watchdog already runs in this process; stop() it first (one per process)")
             _running.watchdog = self
         _running.hook_exit()
-        self._raiser = MainThreadRaiser(self._signum, lambda key: self._state.completed(key)) if needs_handler else None
-        self._desk, self._retired, self._announced = None, [], Announced()  # a restarted watchdog starts afresh
+        self._raiser = MainThreadRaiser(self._signum, self._completed) if needs_handler else None
+        self.watch, self._announced = None, Announced()  # a restarted watchdog starts afresh
+        self._book.clear()
         self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
         self._enter(current_world())
@@ -247,28 +243,71 @@ class Watchdog(Loop):
         """Watches ``world`` from now on: its members under their numbers in it, heartbeats and
         incidents under its generation's keys. The cases of the world before are kept (they are
         this rank's history), their ladders as they were."""
-        cfg = self.config
-        self.rank, self.world_size = rank_and_size(world)
-        self.generation = world.generation
-        self._state = RankState(self.rank, self.world_size)
-        self._liveness = Liveness(self.rank, self.world_size, cfg.watch_peers, cfg.peer_timeout, cfg.startup_grace_s)
-        self._beat = 0
-        self._reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
-        self._backend = BackendWatch(self.rank, self._state, self._liveness, self._hang_s, cfg.heartbeat_s)
+        old = self.watch
         self.hang.new_world()  # what was learned stays: the numbers of the new world start again
-        self._slow_store = False
-        old = self._desk
-        desk = IncidentDesk(
-            cfg, self._state, self._liveness, self.ladder, self._raiser, self._statement, self._cond, self._story
+        watch = WorldWatch(
+            self.config, world, self.ladder, self._raiser, self._book.cond, self._track, self._hang_s, old
         )
-        take_over(desk, old, world, cfg.session)
+        self._book.follow(watch.desk)
         if old is not None:
-            with self._cond:
-                self._retired.extend(old.cases)
             log.warning(
-                "watchdog: following world generation %d: rank %d of %d", world.generation, self.rank, self.world_size
+                "watchdog: following world generation %d: rank %d of %d", world.generation, watch.rank, watch.world_size
             )
-        self._desk = desk
+        self.watch = watch
+
+    # ----------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        cfg = self.config
+        assert self.watch is not None
+        poll = min(cfg.heartbeat_s / 5, 0.5)
+        first = self.watch
+        connect(first.desk, cfg, first.world_size, self._given_store, first.generation)
+        if first.desk.store is not None:
+            self.hang.load(first.desk.store, self._origin())  # a restarted process goes on from its predecessor's
+        next_beat = 0.0
+        views = Views(cfg)  # the status index and the metrics, once per beat
+        slow_store = False
+        while not self._stop.is_set():
+            world = self._announced.take()
+            if world is not None:
+                self._enter(world)
+                next_beat = 0.0  # beat at once in the new world
+            watch = self.watch
+            desk = watch.desk
+            try:
+                now = time.monotonic()
+                recorder.sweep()
+                self._track.sample()
+                watch.tick_sensors()
+                self._hang_s = watch.learn_hang(self.hang, self._origin(), now)
+                if now >= next_beat:
+                    next_beat = now + cfg.heartbeat_s
+                    watch.publish(self.hang, self._hang_s, self._origin())
+                    watch.read_peers(self._left)
+                    views.beat(self, desk)
+                watch.check_hang(self._hang_s)
+                watch.check_peers()
+                desk.poll()
+                desk.progress()
+                slow_store = False
+            except StoreUnreachable as exc:
+                desk.store_gone(exc)
+            except StoreTimeout as exc:
+                if not slow_store:  # one line per slow spell
+                    log.warning("watchdog: the store is slow (%s); trying again every tick", exc)
+                slow_store = True
+            except Exception:  # noqa: BLE001 - the watchdog must outlive its own bugs
+                log.exception("watchdog tick failed; going on")
+            self._stop.wait(poll)
+        store = self.watch.desk.store
+        if store is not None:
+            store.close()  # its helper thread ends with the watchdog
+
+    def _origin(self) -> int:
+        """This process's launch rank (``RANK``): the key of what it learned, the same after a rebuild."""
+        raw = os.environ.get("RANK", "")
+        return int(raw) if raw.isdigit() else self.rank
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -285,8 +324,7 @@ class Watchdog(Loop):
     def incidents(self) -> list[dict[str, Any]]:
         """The incidents this rank handled, oldest first: ``id``, ``kind``, ``dir``, ``merger`` (this rank
         merged it), ``actions`` (the rungs taken), ``settled`` (the ladder is over), ``doc``."""
-        with self._cond:
-            return [c.record() for c in self._all_cases()]
+        return self._book.records()
 
     def wait_for_incident(
         self,
@@ -306,41 +344,52 @@ class Watchdog(Loop):
         Returns:
             :attr:`incidents`, as they are when the wait ends.
         """
-        deadline = time.monotonic() + timeout
-
-        def ready() -> bool:
-            cases = self._all_cases()
-            if len(cases) < count:
-                return False
-            last = cases[count - 1]
-            if settled and not last.ladder.settled:
-                return False
-            return not merged or (last.dir / INCIDENT_FILE).is_file()
-
-        with self._cond:
-            while not ready():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.05))
+        self._book.wait(timeout, count, merged, settled)
         return self.incidents
+
+    @property
+    def rank(self) -> int:
+        """This rank in the world watched now (-1 before start)."""
+        return self.watch.rank if self.watch is not None else -1
+
+    @property
+    def world_size(self) -> int:
+        """The size of the world watched now (0 before start)."""
+        return self.watch.world_size if self.watch is not None else 0
+
+    @property
+    def generation(self) -> int:
+        """The generation of the world watched now (-1 before start)."""
+        return self.watch.generation if self.watch is not None else -1
+
+    def peer_heartbeats(self) -> dict[int, Heartbeat]:
+        """The last heartbeat of each watched peer (its host and address among them); empty before start."""
+        watch = self.watch
+        return watch.peer_heartbeats() if watch is not None else {}
 
     def peer_beats(self) -> tuple[int, dict[int, tuple[Heartbeat, float]]]:
         """The watched peers' last heartbeats and their ages in seconds, with the generation they are
         of (the recovery engine's verdict, :mod:`ncclguard.recovery._verdict.verdict`, reads them)."""
-        live, now = getattr(self, "_liveness", None), time.monotonic()
-        if live is None:
+        watch = self.watch
+        if watch is None:
             return -1, {}
-        peers = list(live.peers.items())
-        return self.generation, {r: (p.heartbeat, now - p.changed) for r, p in peers if p.heartbeat is not None}
+        return watch.generation, watch.peer_beats()
+
+    def sensor(self, name: str) -> Sensor | None:
+        """The sensor ``name`` of the world watched now (:mod:`ncclguard.watching.sensors.registry`),
+        or None (before the world's first beat, or none registered by that name)."""
+        watch = self.watch
+        return watch.sensor(name) if watch is not None else None
 
     def hang_bound_s(self) -> float:
         """The hang bound in force now: the user's ``hang_timeout_s``, or the one learned for the
         phases this rank and its watched peers are in (:mod:`ncclguard.watching.base.hang_bound`)."""
         return self._hang_s
 
-    def _all_cases(self) -> list[Any]:
-        return self._retired + (self._desk.cases if self._desk is not None else [])
+    def _completed(self, key: tuple[str, int]) -> bool:
+        """Whether this rank's op ``key`` completed, in the world watched now (the raise rung asks)."""
+        watch = self.watch
+        return watch is not None and watch.state.completed(key)
 
 
 def start_watchdog(

@@ -168,7 +168,7 @@ class WindowLog:
 
         def poll() -> None:
             while not self._done.wait(0.1):
-                w = wd._straggle.window
+                w = wd.sensor("straggler").window
                 if w is not None and (not self.windows or self.windows[-1]["n"] != w.n):
                     self.windows.append(w.model_dump())
 

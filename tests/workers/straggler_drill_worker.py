@@ -199,7 +199,7 @@ def main() -> None:
                 switch_at = int(store.get("drill/records_at"))
         ddp_now = mode == "ddp" and (switch_at is None or step < switch_at)
         if mode == "ddp" and not ddp_now and ddp_records is None:
-            ddp_records = len([r for r in wd._state.records() if r.start >= start])
+            ddp_records = len([r for r in wd.watch.state.records() if r.start >= start])
             put("records_from_s", now)
         next(loader)
         mark_step(step)
@@ -214,14 +214,15 @@ def main() -> None:
                 dist.all_reduce(torch.ones(elements))
         step += 1
     if mode == "ddp" and ddp_records is None:
-        ddp_records = len([r for r in wd._state.records() if r.start >= start])
+        ddp_records = len([r for r in wd.watch.state.records() if r.start >= start])
     put("ddp_python_ops", ddp_records)
     put("t0", start)
     put("step_s", step_s)
     put("starts", starts)
     put("rep_s", rep)
     put("incidents", wd.incidents)
-    put("clock_offset", None if wd._straggle.clock is None else wd._straggle.clock.estimate)
+    clock = wd.sensor("straggler").clock
+    put("clock_offset", None if clock is None else clock.estimate)
     put("windows", window_log.stop())
     wd.stop()
     dist.barrier()  # every watchdog stops before any rank leaves (the store may live in rank 0's process)

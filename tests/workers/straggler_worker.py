@@ -88,7 +88,7 @@ def main() -> None:
         now = time.time()
         slow = slow_rank == rank and now >= slow_from
         if now >= slow_from and "healthy_assessed" not in rankkit._results:
-            tracker = wd._straggle.tracker  # what the healthy part looked like, for the test
+            tracker = wd.sensor("straggler").tracker  # what the healthy part looked like, for the test
             put("healthy_assessed", tracker.assessed)
             put("healthy_score", tracker.score)
         done = [c for c in wd.incidents if c["kind"] == "straggler" and (Path(c["dir"]) / INCIDENT_FILE).is_file()]

@@ -136,8 +136,9 @@ def describe(
 
 def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     """Whether this rank is past the op of ``doc``: its recorded op completed (a hang), or its
-    backend number moved beyond the op's (a desync); always for a straggler; None for kinds without an op."""
-    if doc.kind is IncidentKind.STRAGGLER:
+    backend number moved beyond the op's (a desync); always for a report (a straggler, a sensor's
+    finding); None for kinds without an op."""
+    if doc.kind in (IncidentKind.STRAGGLER, IncidentKind.SENSOR):
         return True  # a report: nothing to clear, and never a rung past report (docs/stragglers.md)
     key = doc.op_key
     if key is not None:

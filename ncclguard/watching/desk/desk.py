@@ -69,7 +69,7 @@ __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "p
 __all__ += ["mark_fenced", "merged_note", "write_report"]
 
 
-class IncidentDesk(Merger):
+class IncidentDesk:
     """Raises, handles and merges this rank's incidents, and climbs their ladders.
 
     Args:
@@ -110,8 +110,10 @@ class IncidentDesk(Merger):
         self.world: dict[str, Any] = {"generation": 0}
         self._waiting_docs: dict[int, float] = {}
         self._local_count = 0
+        self.merger = Merger(self)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wakes whoever waits for an incident to change (``Watchdog.wait_for_incident``)."""
         with self.cond:
             self.cond.notify_all()
 
@@ -275,10 +277,10 @@ class IncidentDesk(Merger):
         for case in list(self.cases):
             try:
                 if not case.merger and not case.followed and self.node_leader:
-                    case.followed = self.follow(case)  # whatever the ladder does meanwhile
+                    case.followed = self.merger.follow(case)  # whatever the ladder does meanwhile
                 if case.ladder.settled:
                     continue
-                if case.merger and not case.merged and not self.merge(case):
+                if case.merger and not case.merged and not self.merger.merge(case):
                     continue  # still waiting for statements; the ladder waits for the merge
                 self._climb(case)
             except StoreUnreachable as exc:
@@ -325,4 +327,4 @@ class IncidentDesk(Merger):
             log.warning("watchdog: incident %s cleared before %s", case.doc.id, following)
         if result in ("resolved", "stepped"):
             self.write_dump(case)
-        self._notify()
+        self.notify()

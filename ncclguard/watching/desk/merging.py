@@ -1,10 +1,12 @@
-"""The merge of an incident's statements into its report, by the rank that claimed it: a mixin of
-:class:`~ncclguard.watching.desk.desk.IncidentDesk`, which holds the state it uses."""
+"""The merge of an incident's statements into its report, by the rank that claimed it, and a node's
+first rank following a merge made elsewhere: the :class:`Merger` of an
+:class:`~ncclguard.watching.desk.desk.IncidentDesk`."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Protocol
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, node_address, node_name
@@ -25,13 +27,13 @@ from ncclguard.watching.desk.cases import Case, stale_from_statements, write_rep
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.native import add_outside_stacks
 
-__all__ = ["Merger"]
+__all__ = ["MergeDesk", "Merger"]
 
 
-class Merger:
-    """Gathers the statements of a case and merges them (see the module doc)."""
+class MergeDesk(Protocol):
+    """What the merger reads of its desk: the settings, this rank, the peers, the store (which the
+    desk drops when it goes away), and the desk's two calls."""
 
-    # Set by the IncidentDesk.
     config: WatchdogConfig
     rank: int
     world_size: int
@@ -39,41 +41,52 @@ class Merger:
     store: WatchdogStore | None
 
     def store_gone(self, exc: BaseException) -> None:
-        raise NotImplementedError  # the IncidentDesk's
+        """The store stopped answering: the desk handles what follows on this rank alone."""
 
-    def _notify(self) -> None:
-        raise NotImplementedError  # the IncidentDesk's
+    def notify(self) -> None:
+        """An incident changed: whoever waits on the desk looks again."""
+
+
+class Merger:
+    """Gathers the statements of a case and merges them, or follows another rank's merge.
+
+    Args:
+        desk: the desk whose cases it merges.
+    """
+
+    def __init__(self, desk: MergeDesk) -> None:
+        self.desk = desk
 
     def _gather(self, case: Case, stale: dict[int, float]) -> tuple[dict[int, Statement], dict[int, Heartbeat]] | None:
         """The statements and heartbeats of ``case`` from the store; None while still waiting."""
-        assert self.store is not None
+        assert self.desk.store is not None
         try:
-            dumped = self.store.add_dumped(case.doc.n, 0)
+            dumped = self.desk.store.add_dumped(case.doc.n, 0)
         except StoreRefused:  # the counter holds something else: wait out merge_wait, merge what came
             dumped = 0
-        if dumped < self.world_size - len(stale) and time.monotonic() < case.merge_deadline:
+        if dumped < self.desk.world_size - len(stale) and time.monotonic() < case.merge_deadline:
             return None
-        ranks = list(range(self.world_size))
-        return self.store.read_statements(case.doc.n, ranks), self.store.read_heartbeats(ranks)
+        ranks = list(range(self.desk.world_size))
+        return self.desk.store.read_statements(case.doc.n, ranks), self.desk.store.read_heartbeats(ranks)
 
     def merge(self, case: Case) -> bool:
         """Merges when every live rank has spoken or the wait is over; returns True once merged."""
         doc = case.doc
-        stale = self.liveness.stale(time.monotonic())
-        statements: dict[int, Statement] = {self.rank: case.statement}
-        heartbeats: dict[int, Heartbeat] = self.liveness.heartbeats()
+        stale = self.desk.liveness.stale(time.monotonic())
+        statements: dict[int, Statement] = {self.desk.rank: case.statement}
+        heartbeats: dict[int, Heartbeat] = self.desk.liveness.heartbeats()
         extra: list[Finding] = []
         if doc.kind is IncidentKind.STORE_GONE:
             heartbeats = {}
             extra = [StoreFinding(text=doc.store_text or doc.reason)]
-        elif case.local or self.store is None:
-            gone = f"the store went away before the merge: only rank {self.rank}'s statement and the heartbeats"
+        elif case.local or self.desk.store is None:
+            gone = f"the store went away before the merge: only rank {self.desk.rank}'s statement and the heartbeats"
             extra = [] if case.local else [StoreFinding(text=f"{gone} it had seen are in this report")]
         else:
             try:
                 gathered = self._gather(case, stale)
             except StoreUnreachable as exc:
-                self.store_gone(exc)
+                self.desk.store_gone(exc)
                 return False  # merge from what this rank has, next tick
             if gathered is None:
                 return False
@@ -84,28 +97,28 @@ class Merger:
             statements,
             heartbeats,
             {r: a for r, a in stale.items() if r not in statements},
-            self.world_size,
-            merged_by=self.rank,
-            waiting_after_s=self.config.heartbeat_s,
+            self.desk.world_size,
+            merged_by=self.desk.rank,
+            waiting_after_s=self.desk.config.heartbeat_s,
             extra_findings=extra,
             analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
         )
-        write_report(case, incident, plot=self.config.incident_plot)
+        write_report(case, incident, plot=self.desk.config.incident_plot)
         add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
-        if self.store is not None and not case.local:
+        if self.desk.store is not None and not case.local:
             with contextlib.suppress(StoreTimeout, StoreUnreachable):
                 culprits = sorted({c.rank for c in incident.culprits})
                 note = MergedNote(
                     host=HOSTNAME,
                     address=node_address(),
-                    rank=self.rank,
+                    rank=self.desk.rank,
                     dir=str(case.dir),
                     summary=incident.summary,
                     culprits=culprits,
                 )
-                self.store.put_merged(doc.n, note)
-        self._notify()
+                self.desk.store.put_merged(doc.n, note)
+        self.desk.notify()
         return True
 
     def follow(self, case: Case) -> bool:
@@ -116,31 +129,36 @@ class Merger:
         Returns:
             True when done (or nothing is left to wait for); False to look again next tick.
         """
-        if self.store is None or case.local:
+        if self.desk.store is None or case.local:
             return True
         try:
-            note = self.store.read_merged(case.doc.n)
+            note = self.desk.store.read_merged(case.doc.n)
         except StoreTimeout:
             return False
         if note is None:  # the merger has until its merge_wait; then a little more for its files
-            return time.monotonic() > case.merge_deadline + self.config.merge_wait + 2 * self.config.heartbeat_s
+            return (
+                time.monotonic() > case.merge_deadline + self.desk.config.merge_wait + 2 * self.desk.config.heartbeat_s
+            )
         if (note.host, note.address) == (HOSTNAME, node_address()):
             return True  # merged on this host: its merger logged it here
         copied = ""
         if not (case.dir / INCIDENT_FILE).exists():
-            ranks = list(range(self.world_size))
-            statements, heartbeats = self.store.read_statements(case.doc.n, ranks), self.store.read_heartbeats(ranks)
-            stale = stale_from_statements(self.liveness.stale(time.monotonic()), statements)
+            ranks = list(range(self.desk.world_size))
+            statements, heartbeats = (
+                self.desk.store.read_statements(case.doc.n, ranks),
+                self.desk.store.read_heartbeats(ranks),
+            )
+            stale = stale_from_statements(self.desk.liveness.stale(time.monotonic()), statements)
             incident = assemble(
                 case.doc,
                 statements,
                 heartbeats,
                 {r: a for r, a in stale.items() if r not in statements},
-                self.world_size,
-                merged_by=note.rank if note.rank is not None else self.rank,
-                waiting_after_s=self.config.heartbeat_s,
+                self.desk.world_size,
+                merged_by=note.rank if note.rank is not None else self.desk.rank,
+                waiting_after_s=self.desk.config.heartbeat_s,
             )
-            write_report(case, incident, announce=False, plot=self.config.incident_plot)
+            write_report(case, incident, announce=False, plot=self.desk.config.incident_plot)
             copied = f"; the same report here: {case.dir / SUMMARY_FILE}"
         where = node_name(note.host, note.address)
         log.error(

@@ -65,6 +65,8 @@ class StragglerWatch:
         links: read this process's TCP connections at each window (:class:`LinkMeter`).
     """
 
+    name = "straggler"  # a sensor (watching/sensors/sensor.py); its figures have heartbeat fields of their own
+
     def __init__(
         self,
         rank: int,
