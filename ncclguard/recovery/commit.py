@@ -36,6 +36,7 @@ from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
 from ncclguard.recording.flight import recorder
+from ncclguard.recording.rungs import ActedRung, acted
 from ncclguard.recovery._commit.statements import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
@@ -56,7 +57,6 @@ from ncclguard.store.deaths import DeathWatch
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, settle_round
 from ncclguard.store.values import delete_keys
 from ncclguard.watching.base.metrics import count_commit
-from ncclguard.watching.watchdog import current_watchdog
 from ncclguard.world import Slot, World, WorldChange, current_world, subscribe
 
 if TYPE_CHECKING:
@@ -160,9 +160,6 @@ def _live_group(group: dist.ProcessGroup | None) -> GroupInfo | None:
     return group_info(group)
 
 
-PASSIVE = ("report", "resolved")  # the ladder's entries that change nothing in the step
-
-
 def _problems(info: GroupInfo | None, since: float, failure: str | BaseException | None) -> list[str]:
     """What went wrong on this rank since ``since``, in words (at most MAX_PROBLEMS)."""
     found: list[str] = []
@@ -178,16 +175,14 @@ def _problems(info: GroupInfo | None, since: float, failure: str | BaseException
     for rec in recorder.records():
         if rec.state == "failed" and (rec.end or rec.start) >= since and rec.error not in said:
             found.append(f"{rec.op} on group {rec.group!r} (call {rec.seq}) failed: {rec.error}")
-    watchdog = current_watchdog()
-    if watchdog is not None:
-        for incident in watchdog.incidents:
-            # Only a rung that acted (raise, abort, fence, exit, your own) can have touched the step:
-            # an incident that was only reported (a busy rank past a learned hang bound) fails nothing.
-            acted = [a["rung"] for a in incident.get("actions", []) if a.get("done") and a.get("rung") not in PASSIVE]
-            if acted and float(incident.get("doc", {}).get("created", 0.0)) >= since:
-                found.append(
-                    f"the watchdog raised incident {incident['id']} ({incident['kind']}) and took {', '.join(acted)}"
-                )
+    # Only a rung that acted (raise, abort, fence, exit, your own) can have touched the step: an
+    # incident that was only reported (a busy rank past a learned hang bound) fails nothing.
+    by_incident: dict[str, list[ActedRung]] = {}
+    for rung in acted.since(since):
+        by_incident.setdefault(rung.incident, []).append(rung)
+    for ident, rungs in by_incident.items():
+        names = ", ".join(r.rung for r in rungs)
+        found.append(f"the watchdog raised incident {ident} ({rungs[0].kind}) and took {names}")
     if len(found) > MAX_PROBLEMS:
         found[MAX_PROBLEMS - 1 :] = [f"and {len(found) - MAX_PROBLEMS + 1} more problem(s)"]
     return [clip(p) for p in found]

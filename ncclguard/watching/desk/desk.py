@@ -37,6 +37,7 @@ from ncclguard.incidents.model import (
     Statement,
     TrackSpan,
 )
+from ncclguard.recording.rungs import ActedRung, acted
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
 from ncclguard.watching.desk.cases import (
@@ -325,6 +326,8 @@ class IncidentDesk:
             return
         if result == "resolved":
             log.warning("watchdog: incident %s cleared before %s", case.doc.id, following)
+        if result == "stepped" and state.steps and state.steps[-1].outcome.done:
+            acted.note(ActedRung(case.doc.id, case.doc.kind.value, state.steps[-1].rung, case.doc.created))
         if result in ("resolved", "stepped"):
             self.write_dump(case)
         self.notify()
