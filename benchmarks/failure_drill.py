@@ -125,7 +125,7 @@ def _model() -> Any:
 
     torch.manual_seed(7)
     target = SIZE["params_m"]
-    if not target:  # the drill's tiny model: the figures of docs/recovery.md before --params-m
+    if not target:  # the drill's tiny model: the figures of docs/reference/recovery-drills.md before --params-m
         return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
     # --params-m: two square layers hold almost all of it (2 W^2), as a transformer's blocks do
     width = max(64, int(math.sqrt(target * 1e6 / 2)) // 64 * 64)
@@ -399,7 +399,7 @@ def rank_recovering(args: argparse.Namespace) -> None:
             "generation": res.generation,
             "healed": healed,
             "restarted": restarted,
-            # The judge bound learned from the job, against its real step intervals (docs/recovery.md).
+            # The judge bound learned from the job, against its real step intervals (docs/reference/recovery-drills.md).
             "judge_s": stepper.engine.timing.judge_s(),
             "learned": stepper.engine.timing.learner.state.model_dump(),
         },

@@ -10,7 +10,7 @@ pid is gone, the exit status and the checkpoint written::
 
 ``--params-m N`` gives the loop's and DeepSpeed's model N million float32 parameters (two square
 layers), so that the checkpoint written inside the supervisor's stop-grace (8 s by default) is one of
-a real size; each run then also reports the checkpoint's bytes on disk. docs/recovery.md
+a real size; each run then also reports the checkpoint's bytes on disk. docs/reference/recovery-drills.md
 ("Preemption") quotes the figures.
 """
 

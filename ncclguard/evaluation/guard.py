@@ -23,7 +23,7 @@ training process group is left as it was. Per attempt, on every rank:
 Nothing here imports a framework: the engine is used as the ``torch.nn.Module`` it is, so a plain
 model, a DDP wrapper or a DeepSpeed engine works the same. The integrations
 (:mod:`ncclguard.integrations.deepspeed`, ``hf``, ``accelerate``, ``lightning``) wrap this one
-guard. docs/integrations.md lists the limits (NCCL, ZeRO-3).
+guard. docs/reference/integrations-evaluation.md lists the limits (NCCL, ZeRO-3).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """rebuild_world: the live ranks of a failed job meet, drop the failed world group, and build a
 new one in the same process, so training goes on without a restart.
 
-Steps (docs/recovery.md has the long form):
+Steps (docs/reference/recovery-mechanism.md has the long form):
 
 1. the arguments are checked, before any communication;
 2. the ranks meet in the job's store (:mod:`ncclguard.recovery._rebuild.meeting`); without every rank
@@ -257,7 +257,7 @@ def rebuild_world(*, timeout: float | timedelta = 60.0, allow_shrink: bool = Fal
     ``dist.get_rank()``, ``dist.get_world_size()``, plain collectives and ``safe_*`` all use
     the new group. Everything built on the old one must be made again: DDP wrappers (re-wrap;
     DDP broadcasts the parameters of the new rank 0), subgroups (``new_group``) and groups held
-    by frameworks (see docs/recovery.md). The world's subscribers
+    by frameworks (see docs/reference/recovery-mechanism.md). The world's subscribers
     (:func:`ncclguard.world.subscribe`) are told ``"announced"`` before the new group's
     handshake, ``"rebuilt"`` once it is the default, or ``"left_out"`` when this rank came late.
 

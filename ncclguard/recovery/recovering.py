@@ -25,7 +25,7 @@ survivors' next rebuild and receives the module's and the optimizer's state from
         stepper(lambda model: loss_fn(model(batch(step))).backward(), step=step)
 
 A restarted process needs no ``init_process_group`` of its own: where it calls one, ncclguard makes
-it a stand-in until the join (docs/recovery.md, "A killed rank heals").
+it a stand-in until the join (docs/reference/recovery-mechanism.md, "Healing a restarted rank").
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ class RecoveringStep(Adapter):
         wrap: builds the wrapped model on the current default group; default
             ``DistributedDataParallel(module)`` (the module itself without a process group),
             which after a rebuild starts in the gradient buckets the old wrapper had rebuilt, so
-            that a redone step sums as the run without the fault did (docs/recovery.md,
+            that a redone step sums as the run without the fault did (docs/reference/recovery-mechanism.md,
             "Bit-equality and DDP's buckets").
             A wrap that calls :func:`~ncclguard.record_ddp` puts DDP's all-reduces in the flight
             recorder; a step redone with a comm hook can then differ from the fault-free run in
-            the last bit (see docs/recovery.md). For FSDP2,
+            the last bit (see docs/reference/recovery-mechanism.md). For FSDP2,
             :class:`~ncclguard.recovery.fsdp2.FSDP2` (it shards the module, and after a rebuild
             shards it again from the shards each rank holds).
         scheduler: your LR scheduler, if any (you step it): with ``heal`` its state goes into the
@@ -224,7 +224,7 @@ class RecoveringStep(Adapter):
 
         The generators are the peer's: the restarted rank's redo draws what it drew when every
         rank's generators are the same at a step (one seed on every rank, as the HF Trainer and
-        Accelerate set it). A seed per rank cannot be recovered from a peer (docs/recovery.md).
+        Accelerate set it). A seed per rank cannot be recovered from a peer (docs/stacks/loop.md).
         """
         extra = result.extra if isinstance(result.extra, dict) else {}
         self._carry(extra)
@@ -258,7 +258,7 @@ class RecoveringStep(Adapter):
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The model wrapped again on the new world (FSDP2: a new module, holding this rank's shards)."""
         # The wrapper built here reduces its first backward in the old one's gradient buckets (read
-        # now, before it goes), as the run without the fault did: docs/recovery.md, "Bit-equality
+        # now, before it goes), as the run without the fault did: docs/reference/recovery-mechanism.md, "Bit-equality
         # and DDP's buckets".
         layout = kept_layout(self._model, self._wrapper_steps) if self._wrap is None else None
         # The old wrapper goes first, while the reaper still holds the abandoned groups: freeing a

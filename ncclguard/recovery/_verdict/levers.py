@@ -3,7 +3,7 @@ bound, the world groups' sequence numbers, the job's store, where a peer runs, e
 this side, and asking a peer's supervisor to judge and end it (:mod:`ncclguard.store.asks`).
 
 A gloo op in flight ends only when its peer's connection fails: ``ProcessGroup.abort()`` wakes
-nothing (docs/recovery.md). Shutting down this process's TCP connections to a stuck peer of this
+nothing (docs/reference/recovery-stuck-ranks.md). Shutting down this process's TCP connections to a stuck peer of this
 host makes the op fail at once ("Connection closed by peer"; measured 2.0 s after the cut on 3
 ranks, each waiting rank cutting its own).
 """

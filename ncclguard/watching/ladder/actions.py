@@ -292,7 +292,7 @@ class Fence(Action):
 
     A rank whose GIL is held by C code cannot run its watchdog thread, so it cannot fence itself:
     its heartbeat stops, its peers name it lost, and it stays alive until the C call returns (see
-    docs/recovery.md, "Fencing a stuck rank").
+    docs/reference/recovery-stuck-ranks.md, "Fencing a stuck rank").
 
     Args:
         after_s: the wait before this rung (default ``WatchdogConfig.fence_after_s``).
