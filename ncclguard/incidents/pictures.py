@@ -45,7 +45,7 @@ __all__ = ["PICTURE_FILE", "Timeline", "auto_window", "culprit_text", "draw_late
 PICTURE_FILE = "timeline.png"
 MIN_WINDOW_S = 10.0  # the least a picture shows before the report
 MAX_WINDOW_S = 300.0  # the most it shows when the story started earlier
-# Trace threads (tid) of each rank's process: the collectives keep 0 (the track of earlier versions).
+# Trace threads (tid) of each rank's process: one track each for its collectives, its main thread, its backend's ops.
 TID_COLLECTIVES, TID_MAIN, TID_BACKEND = 0, 1, 2
 
 

@@ -11,7 +11,7 @@ by design. The numbering is per world: the recorder forgets its records and coun
 world is announced (:func:`ncclguard.world.announce`, after ``rebuild_world``), because the new
 world's ranks all count from 1 again.
 
-What a record costs (issue 29; ``benchmarks/recording_breakdown.py`` measures it part by part): a
+What a record costs (``benchmarks/recording_breakdown.py`` measures it part by part): a
 record is one list built in one step (:mod:`ncclguard.recording.record`), holding what the call has
 at hand, unformatted, and appended to a ``deque`` whose ``maxlen`` drops the oldest. There is no
 lock on the path. Threads: one thread issues a group's collectives (torch needs that order
