@@ -38,6 +38,7 @@ from ncclguard.world import World
 __all__ = ["WorldWatch"]
 
 T = TypeVar("T")
+FAILURES_LOGGED = 100  # a failing sensor logs its first failure, then one line per this many
 
 
 class WorldWatch:
@@ -78,6 +79,7 @@ class WorldWatch:
         self.backend = BackendWatch(self.rank, self.state, self.liveness, hang_s, config.heartbeat_s)
         # Built at the first beat, on the watchdog's thread: a sensor's own threads end with it.
         self.sensors: list[Sensor] = []
+        self._failures: dict[str, int] = {}  # by sensor name: failures in this world
         self.track = track
         self.desk = IncidentDesk(config, self.state, self.liveness, ladder, raiser, self.statement, cond, self.story)
         take_over(self.desk, before.desk if before is not None else None, world, config.session)
@@ -216,11 +218,16 @@ class WorldWatch:
         """This world's sensor ``name``, or None (before the first beat, or none registered by it)."""
         return next((s for s in list(self.sensors) if s.name == name), None)
 
-    @staticmethod
-    def _guarded(sensor: Sensor, call: Callable[[], T], fallback: T | None = None) -> T:
-        """``call()``; a sensor's failure is logged and ``fallback`` returned: a sensor never stops a beat."""
+    def _guarded(self, sensor: Sensor, call: Callable[[], T], fallback: T | None = None) -> T:
+        """``call()``; a sensor's failure returns ``fallback``: a sensor never stops a heartbeat. Its
+        first failure is logged with the traceback, then one line every :data:`FAILURES_LOGGED`."""
         try:
             return call()
-        except Exception:  # noqa: BLE001 - a user's sensor may fail: the beat goes on without its figures
-            log.exception("watchdog: the sensor %r failed; going on", getattr(sensor, "name", sensor))
+        except Exception:  # noqa: BLE001 - a user's sensor may fail: the heartbeat goes on without its figures
+            name = str(getattr(sensor, "name", sensor))
+            count = self._failures[name] = self._failures.get(name, 0) + 1
+            if count == 1:
+                log.exception("watchdog: the sensor %r failed; going on without its figures this time", name)
+            elif count % FAILURES_LOGGED == 0:
+                log.warning("watchdog: the sensor %r has failed %d times in this world", name, count)
             return fallback  # type: ignore[return-value]

@@ -43,4 +43,5 @@ def test_a_broken_sensor_is_called_and_logged_and_the_watchdog_goes_on(job):
         assert job[r]["broken_calls"] >= 5
         assert job[r]["queue_ticks"] >= 5
         assert job[r]["beats"] >= 5
-    assert job.output.count("the sensor 'broken' failed; going on") >= 10
+    # Its first failure is logged with the traceback, once per rank; later ones are counted, not logged.
+    assert job.output.count("the sensor 'broken' failed; going on without its figures this time") == 2
