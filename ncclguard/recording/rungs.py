@@ -1,7 +1,8 @@
 """The watchdog's rungs that acted on this process: what a failed step's commit names as a cause.
 
 A rung that acts (``raise``, ``abort``, ``fence``, ``exit``, your own) can fail the step in flight;
-``report`` changes nothing. The incident desk notes each rung that acted here, and
+``report`` changes nothing. The running watchdog's incident desk notes each rung that acted here
+(the record is emptied as a watchdog starts and as it stops), and
 :func:`~ncclguard.recovery.commit.should_commit` reads them, so the commit needs nothing of the
 watchdog but this record (a base the two share, below both).
 """
@@ -56,7 +57,7 @@ class ActedRungs:
             return [r for r in self._rungs if r.created >= when]
 
     def clear(self) -> None:
-        """Forgets every rung (tests)."""
+        """Forgets every rung (the watchdog, as it starts and as it stops: only the running one's count)."""
         with self._lock:
             self._rungs.clear()
 

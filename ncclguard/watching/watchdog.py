@@ -40,6 +40,7 @@ from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recording.flight import recorder
+from ncclguard.recording.rungs import acted
 from ncclguard.store.bounded import drain_at_exit
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
@@ -190,6 +191,7 @@ class Watchdog:
         self._raiser = MainThreadRaiser(self._signum, self._completed) if needs_handler else None
         self.watch, self._announced = None, Announced()  # a restarted watchdog starts afresh
         self._book.clear()
+        acted.clear()  # the rungs a commit names are this watchdog's, as its cases are
         self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
         self._enter(current_world())
@@ -238,6 +240,7 @@ class Watchdog:
         with _running.lock:
             if _running.watchdog is self:
                 _running.watchdog = None
+                acted.clear()  # a stopped watchdog's rungs fail no later commit
 
     def _enter(self, world: World) -> None:
         """Watches ``world`` from now on: its members under their numbers in it, heartbeats and
