@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import ConfigDict, Field
 
 from ncclguard.incidents.base import IncidentKind, Model, OpRecord
@@ -17,6 +19,10 @@ __all__ = [
     "PeerView",
     "Statement",
 ]
+
+
+MAX_SENSORS = 16  # sensors whose figures a heartbeat carries
+Reading = Annotated[dict[str, float | int | str | None], Field(max_length=64)]  # one sensor's figures
 
 
 class Heartbeat(Model):
@@ -53,7 +59,7 @@ class Heartbeat(Model):
     hang_bound_s: float | None = None
     # A registered sensor's figures under its name (watching/sensors/sensor.py): a sensor of yours
     # publishes here, so that its peers' sensors read them, without a field of its own in this model.
-    readings: dict[str, dict[str, float | int | str | None]] | None = Field(None, max_length=16)
+    readings: dict[str, Reading] | None = Field(None, max_length=MAX_SENSORS)
 
 
 class BackendOp(Model):

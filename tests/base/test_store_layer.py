@@ -154,6 +154,30 @@ def test_a_watchdog_store_moved_to_a_new_generation_reads_only_that_generation()
     ws.close()
 
 
+def test_a_heartbeat_whose_sensor_readings_pass_its_bound_is_sent_without_them(caplog):
+    """Readings that would make the heartbeat too big for its readers (who would then see the rank
+    as lost) are left out, said once; the heartbeat itself still goes."""
+    from ncclguard.incidents.model import Heartbeat
+    from ncclguard.watching.base.watchdog_store import LIMITS, WatchdogStore
+
+    ws = WatchdogStore(dist.HashStore(), Keys("t"), 30.0, 60.0)
+    big = {f"s{i}": {f"f{j}": "x" * 300 for j in range(64)} for i in range(16)}  # 16 x 64 x 300 B
+    hb = Heartbeat(
+        rank=0, host="h", pid=1, beat=1, time=1.0, phase="", site="", last_seq={}, last_completed={}, inflight=[],
+        readings=big,
+    )  # fmt: skip
+    assert len(hb.model_dump_json()) > LIMITS[Heartbeat]
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        ws.publish_heartbeat(hb)
+        ws.publish_heartbeat(hb.model_copy(update={"beat": 2}))
+    assert ws.read_heartbeats([0]) == {0: hb.model_copy(update={"beat": 2, "readings": None})}
+    assert sum("readings make a heartbeat" in r.getMessage() for r in caplog.records) == 1
+    small = hb.model_copy(update={"beat": 3, "readings": {"queue": {"depth": 4}}})
+    ws.publish_heartbeat(small)
+    assert ws.read_heartbeats([0]) == {0: small}
+    ws.close()
+
+
 # ----------------------------------------------------------------- rounds
 
 

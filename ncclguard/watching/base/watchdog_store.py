@@ -101,6 +101,7 @@ class WatchdogStore:
         self._warned: set[str] = set()
         self._refused: set[str] = set()  # counters whose value the server would not count on
         self._beats: dict[str, tuple[bytes, Heartbeat]] = {}  # key -> the last value read there, parsed
+        self._readings_cut = False  # a heartbeat was sent without its sensors' readings (said once)
 
     @property
     def keys(self) -> Keys:
@@ -216,10 +217,17 @@ class WatchdogStore:
     # ----------------------------------------------------------------- heartbeats
 
     def publish_heartbeat(self, hb: Heartbeat) -> None:
-        """Sets this rank's heartbeat (cut to its size bound: the oldest 16 ops in flight)."""
+        """Sets this rank's heartbeat, cut to its size bound: the oldest 16 ops in flight, then
+        without the sensors' readings (a peer refuses a heartbeat over the bound, and a rank whose
+        heartbeats are refused looks lost)."""
         text = self._encode(hb)
         if len(text) > LIMITS[Heartbeat]:
-            text = self._encode(hb.model_copy(update={"inflight": hb.inflight[:16]}))
+            text = self._encode(hb := hb.model_copy(update={"inflight": hb.inflight[:16]}))
+        if len(text) > LIMITS[Heartbeat] and hb.readings:
+            if not self._readings_cut:  # once: a sensor that publishes too much does so every heartbeat
+                log.warning("watchdog: the sensors' readings make a heartbeat %d bytes; they are left out", len(text))
+                self._readings_cut = True
+            text = self._encode(hb.model_copy(update={"readings": None}))
         self._call("set", self.keys.heartbeat(hb.rank), text)
 
     def read_heartbeats(self, ranks: Sequence[int]) -> dict[int, Heartbeat]:
