@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ncclguard import FSDP2, RecoveringStep
-from ncclguard.recovery._step.step_state import StepState
+from ncclguard.recovery._step.state import StepState
 from ncclguard.recovery.snapshots.packing import unpack
 from ncclguard.recovery.snapshots.state import ModuleState
 

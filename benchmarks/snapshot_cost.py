@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard.recovery._step.step_state import StepState
+from ncclguard.recovery._step.state import StepState
 from ncclguard.recovery.snapshots.keeper import Keeper
 from ncclguard.recovery.snapshots.packing import digest
 from ncclguard.recovery.snapshots.state import ModuleState

@@ -29,12 +29,16 @@ from ncclguard._log import log
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.repoint import repoint_ddp, repoint_sampler, rewrapped_ddp, unwrapped
 from ncclguard.recovery._rebuild.restarts import restart_count
-from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, layout_source, share_layout, wrap_in_layout
-from ncclguard.recovery._step.step_state import (
+from ncclguard.recovery._step.state import (
+    Layout,
     StepState,
     generators_to_send,
+    kept_layout,
+    layout_source,
     load_scheduler,
     restore_sent_generators,
+    share_layout,
+    wrap_in_layout,
 )
 from ncclguard.recovery.micro_window import Micro, check_window, replay_window
 from ncclguard.recovery.state_json import from_json, to_json

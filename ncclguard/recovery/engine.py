@@ -4,8 +4,8 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
 :meth:`Transaction.settle`):
 
 1. **begin**: the step's snapshot (the module's buffers and every random generator,
-   :class:`~ncclguard.recovery._step.step_state.StepState`, plus what the adapter keeps), the step
-   mark, and the step bound (:mod:`ncclguard.recovery._step.bound`): a collective of this step waits
+   :class:`~ncclguard.recovery._step.state.StepState`, plus what the adapter keeps), the step
+   mark, and the step bound (:mod:`ncclguard.recovery._step.guards`): a collective of this step waits
    for its peers at most ``collective_timeout`` seconds, whatever timeout the framework left on
    the group;
 2. **run**: forward and backward; an exception is this rank's failure, stated at the commit and
@@ -53,10 +53,7 @@ from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._step.bound import StepBound
-from ncclguard.recovery._step.fence import arm_left_behind_fence
-from ncclguard.recovery._step.loop_check import not_rewound
-from ncclguard.recovery._step.timing import StepTiming
+from ncclguard.recovery._step.guards import StepBound, StepTiming, arm_left_behind_fence, not_rewound
 from ncclguard.recovery.adapter import Adapter, Reenter
 from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.options import RecoveryOptions

@@ -35,11 +35,12 @@ from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import RebuildFailed, StoreUnreachable
 from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.meeting import Meeting, meet
-from ncclguard.recovery._rebuild.meeting_rules import (
+from ncclguard.recovery._rebuild.meeting import (
     Arrival,
+    Meeting,
     dense_rank_map,
     handshake_timeout,
+    meet,
     validate_arguments,
     world_prefix,
 )

@@ -39,8 +39,16 @@ import torch.distributed as dist
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.recovery._step.ddp_layout import Layout, kept_layout, layout_source, share_layout, wrap_in_layout
-from ncclguard.recovery._step.step_state import generators_to_send, load_scheduler, restore_sent_generators
+from ncclguard.recovery._step.state import (
+    Layout,
+    generators_to_send,
+    kept_layout,
+    layout_source,
+    load_scheduler,
+    restore_sent_generators,
+    share_layout,
+    wrap_in_layout,
+)
 from ncclguard.recovery.engine import Adapter, Recovery
 from ncclguard.recovery.fsdp2 import FSDP2
 from ncclguard.recovery.heal import HealResult

@@ -3,7 +3,7 @@ ranks' next rebuild.
 
 The survivors notice the death (their step fails: gloo says "Connection closed by peer"), their
 commit fails and they call :func:`~ncclguard.recovery.rebuild.rebuild_world`. The restarted process
-reads the job's current world from the store (:class:`~ncclguard.recovery._rebuild.meeting_rules.WorldRecord`;
+reads the job's current world from the store (:class:`~ncclguard.recovery._rebuild.meeting.WorldRecord`;
 none yet: generation 0, ranks ``0..WORLD_SIZE-1``), finds the rank its launch rank holds there,
 and arrives at the survivors' meeting as that rank, flagged ``rejoined``. The meeting then sees
 everyone and the new world has the old size and the old numbering (the newcomer in its old
@@ -28,8 +28,7 @@ from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
 from ncclguard.recovery._rebuild import stand_in
-from ncclguard.recovery._rebuild.meeting import meet
-from ncclguard.recovery._rebuild.meeting_rules import (
+from ncclguard.recovery._rebuild.meeting import (
     MAX_OUTCOME_BYTES,
     Arrival,
     MeetingKeys,
@@ -37,6 +36,7 @@ from ncclguard.recovery._rebuild.meeting_rules import (
     WorldRecord,
     dense_rank_map,
     handshake_timeout,
+    meet,
     world_prefix,
 )
 from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count

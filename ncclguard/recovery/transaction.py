@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.errors import CommitFailed, NcclGuardError
-from ncclguard.recovery._step.loop_check import diverged
-from ncclguard.recovery._step.step_state import StepState
+from ncclguard.recovery._step.guards import diverged
+from ncclguard.recovery._step.state import StepState
 from ncclguard.recovery.adapter import Reenter
 from ncclguard.recovery.commit import CommitResult, should_commit
 from ncclguard.recovery.heal import HealResult

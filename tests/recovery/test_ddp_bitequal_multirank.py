@@ -25,7 +25,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
-from ncclguard.recovery._step.ddp_layout import bucket_layout, kept_layout, share_layout, wrap_in_layout
+from ncclguard.recovery._step.state import bucket_layout, kept_layout, share_layout, wrap_in_layout
 
 STEPS, K = 10, 4  # ddp_bitequal_worker's: rank 2 dies at step K
 REBUILT = [23, 18]  # parameters in each of DDP's buckets once rebuilt (the first about 1 MiB); a fresh wrapper: [41]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import ncclguard
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
-from ncclguard.recovery._rebuild.meeting_rules import Arrival, MeetingOutcome, WorldRecord, check_arrivals
+from ncclguard.recovery._rebuild.meeting import Arrival, MeetingOutcome, WorldRecord, check_arrivals
 from ncclguard.recovery.heal_header import Header
 from ncclguard.recovery.heal_header import check_header as _check
 from ncclguard.recovery.heal_header import make_header as _header

@@ -116,7 +116,7 @@ def test_a_step_that_keeps_failing_is_falsy_after_max_attempts(parts):
 
 
 def test_a_step_state_puts_back_the_buffers_and_the_generators_as_they_were() -> None:
-    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery._step.state import StepState
 
     torch.manual_seed(3)
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
@@ -154,7 +154,7 @@ def test_a_step_the_frameworks_loop_runs_again_starts_without_the_failed_attempt
 
 
 def test_a_scheduler_loaded_from_memory_puts_its_rate_back_into_the_optimizer() -> None:
-    from ncclguard.recovery._step.step_state import load_scheduler
+    from ncclguard.recovery._step.state import load_scheduler
 
     module = torch.nn.Linear(2, 1)
     opt = torch.optim.AdamW(module.parameters(), lr=5e-5)
@@ -244,7 +244,7 @@ def test_a_commit_whose_ranks_passed_different_steps_is_a_diverged_loop_on_every
     """The outcome is the same on every rank, so each reads the same LoopDiverged from it; a failure
     of any other kind is left to the rebuild."""
     from ncclguard.errors import LoopDiverged
-    from ncclguard.recovery._step.loop_check import diverged
+    from ncclguard.recovery._step.guards import diverged
     from ncclguard.recovery.commit import CommitResult
 
     differ = CommitResult(False, 7, 1, [2], {2: ["passed step=2, where ranks 0-1 passed step=6"]})

@@ -17,16 +17,17 @@ from ncclguard import rebuild_world
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.recovery import generation
-from ncclguard.recovery._rebuild.meeting import Meeting, meet
-from ncclguard.recovery._rebuild.meeting_rules import (
+from ncclguard.recovery._rebuild.meeting import (
     MAX_ARRIVAL_BYTES,
     Arrival,
+    Meeting,
     MeetingKeys,
     MeetingOutcome,
     check_arrivals,
     decide,
     dense_rank_map,
     handshake_timeout,
+    meet,
     parse,
     validate_arguments,
     world_prefix,

@@ -262,7 +262,7 @@ def world_of_one(tmp_path):
 
 
 def test_a_world_of_one_keeps_its_own_snapshots_and_a_commit_frees_the_oldest(world_of_one) -> None:
-    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery._step.state import StepState
 
     module, opt = real_size()
     for keep, spares in ((1, False), (2, False), (1, True)):
@@ -283,7 +283,7 @@ def test_a_world_of_one_keeps_its_own_snapshots_and_a_commit_frees_the_oldest(wo
 def test_a_memory_cap_drops_the_spares_then_the_second_snapshot_and_says_what_it_cannot_meet(
     world_of_one, caplog
 ) -> None:
-    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery._step.state import StepState
     from ncclguard.recovery.snapshots.memory import Fit, MemoryCap, steady_bytes
 
     assert [steady_bytes(100, k, s) for k, s in ((1, False), (2, False), (1, True), (2, True))] == [100, 200, 200, 300]
@@ -325,7 +325,7 @@ def test_a_memory_cap_drops_the_spares_then_the_second_snapshot_and_says_what_it
 def test_the_memory_line_and_the_cap_follow_the_state_once_adams_moments_exist(world_of_one, caplog) -> None:
     """The engine's first take comes before the optimizer's first step: Adam has no moments yet, a
     third of the state. Seen at 100M parameters: "holds 505 MiB in steady state" for 1.5 GB."""
-    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery._step.state import StepState
 
     module, opt = real_size()
     first = Keeper(ModuleState(lambda: module, lambda: opt), every=1)
@@ -376,7 +376,7 @@ def test_a_forced_take_after_failures_asks_youngs_k_not_the_one_in_force(world_o
     where failures were seen and a take's cost is known."""
     import time
 
-    from ncclguard.recovery._step.step_state import StepState
+    from ncclguard.recovery._step.state import StepState
     from ncclguard.recovery.snapshots.interval import budget_k, young_k
 
     module, opt = real_size()

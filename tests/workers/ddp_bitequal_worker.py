@@ -41,7 +41,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import ncclguard
 from ncclguard import RecoveringStep
-from ncclguard.recovery._step.ddp_layout import bucket_layout
+from ncclguard.recovery._step.state import bucket_layout
 from ncclguard.recovery.records import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # results go by launch rank, whatever the world

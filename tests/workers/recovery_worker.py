@@ -19,7 +19,7 @@ from ncclguard import rebuild_world, safe_all_reduce, safe_barrier
 from ncclguard.errors import GroupFailed
 from ncclguard.recording.flight import recorder
 from ncclguard.recovery import generation, reaper
-from ncclguard.recovery._rebuild.meeting_rules import MeetingKeys
+from ncclguard.recovery._rebuild.meeting import MeetingKeys
 from ncclguard.world import subscribe
 
 # A rebuild renumbers ranks: the faults and the result files go by the rank the launcher gave.

@@ -38,7 +38,7 @@ MAX_REASON_CHARS = 300  # characters of one stated problem
 MAX_GROUPS = 16  # other groups whose sequence numbers one rank states at most
 MAX_GROUP_NAME_CHARS = 64  # torch names groups "0", "1", ... or by a 40-character hash
 GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
-STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (loop_check reads it)
+STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (_step.guards.diverged reads it)
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
 

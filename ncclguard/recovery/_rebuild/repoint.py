@@ -61,7 +61,7 @@ def rewrapped_ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     again: a wrapper re-pointed in place keeps the gradient buckets it rebuilt after its first step,
     where a restarted rank's wrapper has the initial ones, and DDP reduces bucket by bucket. New
     wrappers start from the same layout everywhere (the constructor's, from the parameters' order,
-    or the one given with :func:`~ncclguard.recovery._step.ddp_layout.wrap_in_layout`).
+    or the one given with :func:`~ncclguard.recovery._step.state.wrap_in_layout`).
 
     A bucket size left to DDP's default stays the default: DDP then rebuilds its buckets with a
     first one of 1 MiB, where an explicit 25 MiB would make every bucket 25 MiB, and the buckets

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
-from ncclguard.recovery._rebuild.meeting_rules import (
+from ncclguard.recovery._rebuild.meeting import (
     WorldRecord,
 )
 from ncclguard.store.deaths import deaths_so_far

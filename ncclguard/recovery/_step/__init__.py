@@ -1,2 +1,3 @@
-"""Private to the step engine (:mod:`ncclguard.recovery.engine`): the step bound, the state a redone
-step must find as it was, the learned step timing, and the left-behind fence while the engine runs."""
+"""Private to the step engine (:mod:`ncclguard.recovery.engine`): what watches a step while it runs
+(``guards``: the step bound, the learned step timing, the left-behind fence, the loop check) and what
+a step run again must find as it was (``state``: the step's state, DDP's gradient buckets)."""

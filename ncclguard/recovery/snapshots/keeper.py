@@ -40,7 +40,7 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
-from ncclguard.recovery._step.step_state import StepState, generators_to_send
+from ncclguard.recovery._step.state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
 from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k

@@ -35,7 +35,7 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
-from ncclguard.recovery._step.step_state import restore_sent_generators
+from ncclguard.recovery._step.state import restore_sent_generators
 from ncclguard.recovery.snapshots.exchange import Admit, _op, _run, at_most, receive, send
 from ncclguard.recovery.snapshots.keeper import SLOTS, Keeper, side_group
 from ncclguard.recovery.snapshots.packing import Snapshot, admit_fresh, unpack
@@ -163,7 +163,7 @@ class Fetched:
         state: the codec's part of what this rank puts in place (its replica, or its own snapshot
             of ``step``), or None (its live state is at ``step`` already).
         generators: the generators of that snapshot, for
-            :func:`~ncclguard.recovery._step.step_state.restore_sent_generators` (None: none).
+            :func:`~ncclguard.recovery._step.state.restore_sent_generators` (None: none).
         rolled_back: this survivor goes back from a newer live state to ``step``.
         bytes: bytes this rank sent or received.
         refusal: why this rank cannot take ``state`` so far (a bad replica), or None.

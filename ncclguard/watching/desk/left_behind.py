@@ -73,7 +73,7 @@ class LeftBehind:
 
 def arm(watchdog: Any) -> None:
     """Turns the fence on for ``watchdog`` whatever its ladder (the recovery engine does, for a rank
-    stuck for good inside a step: :mod:`ncclguard.recovery._step.fence`); idempotent.
+    stuck for good inside a step: :mod:`ncclguard.recovery._step.guards`); idempotent.
 
     Args:
         watchdog: the running :class:`~ncclguard.watching.watchdog.Watchdog`.

@@ -1,4 +1,16 @@
-"""DDP's gradient buckets carried across a re-wrap, so that a step redone on a rebuilt world sums
+"""The state a step run again must find as the run without the fault had it: the module's buffers
+and every random generator a step draws from (:class:`StepState`; a heal sends the generators with
+:func:`generators_to_send`), an LR scheduler's rates after a resume from memory
+(:func:`load_scheduler`), and DDP's gradient buckets across a re-wrap.
+
+**The step's state** (:class:`StepState`). A failed step never reached ``optimizer.step()``, so the
+parameters and the optimizer's state need no copy. Its forward may have changed buffers (BatchNorm's
+running statistics) and drawn from the generators: torch's (dropout, on the CPU and on every CUDA
+device), Python's ``random`` and NumPy's (data augmentation in user code). The recovery engine
+(:mod:`ncclguard.recovery.engine`) takes a :class:`StepState` when a step begins and restores it
+before each redo, whatever the framework.
+
+**DDP's gradient buckets** carried across a re-wrap, so that a step redone on a rebuilt world sums
 every gradient as the run without the fault did.
 
 A ``DistributedDataParallel`` built with torch's defaults (``find_unused_parameters=False``)
@@ -27,7 +39,10 @@ builds itself, after every rebuild:
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +52,137 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.errors import TorchCompatError
 
-__all__ = ["Layout", "bucket_layout", "kept_layout", "layout_source", "share_layout", "wrap_in_layout"]
+__all__ = [
+    "Layout",
+    "StepState",
+    "bucket_layout",
+    "generators_to_send",
+    "kept_layout",
+    "layout_source",
+    "load_scheduler",
+    "restore_sent_generators",
+    "share_layout",
+    "wrap_in_layout",
+]
+
+
+@dataclass(frozen=True)
+class StepState:
+    """A module's buffers and the generator states, as they were.
+
+    Attributes:
+        buffers: copies of the module's buffers, in ``module.buffers()`` order.
+        cpu_rng: torch's CPU generator state.
+        cuda_rng: every CUDA device's generator state; empty where CUDA is not initialized.
+        py_rng: Python's ``random`` state.
+        np_rng: NumPy's legacy global generator state, or None without NumPy.
+    """
+
+    buffers: tuple[torch.Tensor, ...]
+    cpu_rng: torch.Tensor
+    cuda_rng: tuple[torch.Tensor, ...]
+    py_rng: Any = None
+    np_rng: Any = None
+
+    @classmethod
+    def take(cls, module: torch.nn.Module) -> StepState:
+        """Copies ``module``'s buffers and the generator states now."""
+        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+        buffers = tuple(b.detach().clone() for b in module.buffers())
+        return cls(buffers, torch.get_rng_state(), cuda, random.getstate(), _numpy_state())
+
+    def restore(self, module: torch.nn.Module) -> None:
+        """Puts the buffers back into ``module`` (the same module, or one of the same structure)
+        and the generators back as they were.
+
+        Raises:
+            ValueError: ``module`` has another number of buffers than the one taken.
+        """
+        with torch.no_grad():
+            for live, kept in zip(module.buffers(), self.buffers, strict=True):
+                live.copy_(kept)
+        self.restore_generators()
+
+    def restore_generators(self) -> None:
+        """Puts every generator back as it was (the buffers are left alone)."""
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng:
+            torch.cuda.set_rng_state_all(list(self.cuda_rng))
+        if self.py_rng is not None:
+            random.setstate(self.py_rng)
+        if self.np_rng is not None:
+            import numpy
+
+            numpy.random.set_state(self.np_rng)
+
+
+def generators_to_send(state: StepState) -> dict[str, Any]:
+    """The generator states of ``state`` as tensors and JSON values (what a heal can carry).
+
+    Args:
+        state: a step's snapshot.
+
+    Returns:
+        A dict for :func:`restore_sent_generators`.
+    """
+    sent: dict[str, Any] = {"cpu": state.cpu_rng, "cuda": list(state.cuda_rng), "py": state.py_rng}
+    if state.np_rng is not None:
+        name, keys, pos, has_gauss, cached = state.np_rng
+        sent["np"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return sent
+
+
+def restore_sent_generators(sent: dict[str, Any]) -> None:
+    """Sets every generator from what :func:`generators_to_send` made (on another process).
+
+    Raises:
+        ValueError, TypeError, KeyError: ``sent`` is not of that shape.
+    """
+    torch.set_rng_state(sent["cpu"])
+    if sent.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(sent["cuda"]))
+    py = sent.get("py")
+    if py is not None:
+        version, internal, gauss = py
+        random.setstate((version, tuple(internal), gauss))
+    np_state = sent.get("np")
+    if np_state is not None:
+        import numpy
+
+        name, keys, pos, has_gauss, cached = np_state
+        numpy.random.set_state((name, keys.numpy().astype(numpy.uint32), pos, has_gauss, cached))
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is a core dependency
+        return None
+    return numpy.random.get_state()
+
+
+def load_scheduler(scheduler: Any, state: dict[str, Any]) -> None:
+    """Loads an LR scheduler's state and puts the learning rates it was at back into its optimizer.
+
+    A scheduler's ``load_state_dict`` restores its counters, not the optimizer's ``lr``; a scheduler
+    made anew (the HF Trainer's, when its loop is entered again after a join) has just written the
+    schedule's first rate there. A checkpoint resume loads the optimizer's state too, which carries
+    the rates; a resume fed from memory keeps the optimizer as it is, so the rates are set here.
+
+    Args:
+        scheduler: a torch LR scheduler, or Accelerate's wrapper of one.
+        state: what its ``state_dict()`` gave.
+    """
+    scheduler.load_state_dict(state)
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps one
+    optimizer, rates = getattr(inner, "optimizer", None), getattr(inner, "_last_lr", None)
+    if optimizer is None or not isinstance(rates, list) or len(rates) != len(optimizer.param_groups):
+        return
+    for group, lr in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
+
+
+# DDP's gradient buckets.
 
 #: Gradient buckets in the order a reducer all-reduces them, each a list of indices into the
 #: module's ``named_parameters()``, in the order of the bucket's buffer.
