@@ -170,6 +170,7 @@ class DeathWatch:
 
     Attributes:
         dead: ``{member: how it is known}``, what the looks found so far.
+        notices: ``{member: its notice}``, the same members.
     """
 
     def __init__(self, store: dist.Store, seen: int, origins: dict[int, int], me: int) -> None:
@@ -178,6 +179,7 @@ class DeathWatch:
         self._by_origin = {origin: r for r, origin in origins.items()}
         self._me = me
         self.dead: dict[int, str] = {}
+        self.notices: dict[int, DeathNotice] = {}
 
     def look(self) -> dict[int, str]:
         """Reads the new notices (unbounded: callers on a deadline run it through a bounded call).
@@ -189,6 +191,7 @@ class DeathWatch:
         for n in notices:
             r = self._by_origin.get(n.origin)
             if r is not None and r != self._me:
+                self.notices[r] = n
                 self.dead[r] = (
                     f"its process died (pid {n.pid}, exit {n.returncode}, launch rank {n.origin} on {n.host}, "
                     "reported by its launcher)"

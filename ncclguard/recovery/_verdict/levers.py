@@ -41,6 +41,7 @@ __all__ = [
     "pick_world_group",
     "post_stuck_death",
     "standing",
+    "store_ports",
     "stuck_notices",
     "supervisor_answer",
     "unprefixed",
@@ -209,14 +210,32 @@ def standing(counts: dict[int, dict[str, int] | None], group: str, seq: int) -> 
     )
 
 
+def store_ports() -> set[int]:
+    """The ports of the job's store (``MASTER_PORT``, and the TCPStore under this world's store):
+    its connections are never cut, since the commit and the rebuild meet there. Under ncclguard's
+    own launcher rank 0 hosts the store, so a cut toward rank 0 by pid alone would take a peer's
+    store away."""
+    ports: set[int] = set()
+    raw = os.environ.get("MASTER_PORT", "")
+    if raw.isdigit():
+        ports.add(int(raw))
+    store = job_store()
+    port = getattr(store, "port", None) if store is not None else None
+    if isinstance(port, int):
+        ports.add(port)
+    return ports
+
+
 def cut_connections(pid: int) -> int:
-    """Shuts down this process's TCP connections to process ``pid`` (on this host).
+    """Shuts down this process's TCP connections to process ``pid`` (on this host), but those of the
+    job's store (:func:`store_ports`).
 
     Returns:
         How many were shut down.
     """
     import psutil
 
+    keep = store_ports()
     try:
         theirs = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr}
         mine = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.fd >= 0]
@@ -225,7 +244,7 @@ def cut_connections(pid: int) -> int:
         return 0
     n = 0
     for c in mine:
-        if (c.raddr.ip, c.raddr.port) not in theirs:
+        if (c.raddr.ip, c.raddr.port) not in theirs or c.laddr.port in keep or c.raddr.port in keep:
             continue
         try:
             with socket.socket(fileno=os.dup(c.fd)) as s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ncclguard.recovery._verdict.release import Release
 from ncclguard.watching.sensors.progress import Progress
 
 __all__ = ["Seen"]
@@ -24,3 +25,4 @@ class Seen:
     asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
     self_asked: float | None = None  # when this rank, judging itself stuck, asked its supervisor to end it
     generation: int = 0  # the world it was armed in: its ranks' numbers and progress are that world's
+    release: Release | None = None  # its watch on the world's death notices (made at its first look)

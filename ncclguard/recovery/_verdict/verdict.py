@@ -2,7 +2,7 @@
 
 gloo fixes an op's timeout when the op starts, and a short bound would fail every rank waiting for a
 peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdict``) looks every
-:data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery._step.timing`)
+:data:`POLL_S` seconds. Past the *judge* bound (learned, :mod:`ncclguard.recovery._step.guards`)
 it judges the watched peers behind this rank (a lower world-group backend sequence number) from
 their progress (:mod:`ncclguard.watching.sensors.progress`). A moving one is reported once per step. A
 stuck one is acted on only once every other waiting rank judges it stuck too
@@ -16,8 +16,11 @@ exits 0 once it runs again (SIGCONT), and its supervisor, if any, ends it. A pee
 another host with no heartbeat for two periods past the bound (SIGSTOPped, the GIL held in C) cannot
 be judged nor cut from here: its supervisor is asked (:mod:`ncclguard.store.asks`), judges it from
 ``/proc`` on its host and ends it when stuck (:mod:`ncclguard.supervise.judge`); its sockets close and
-the op here fails at once. Without a watchdog nothing is judged; without a supervisor such a rank is
-left to the step bound, the hard cap (docs/recovery.md).
+the op here fails at once. A member known dead (a death notice) leaves the world's ops unable to
+finish: at the first one, this rank shuts down its connections to the live peers of its host, so that
+none stays held in an op by a peer that left it (:mod:`~ncclguard.recovery._verdict.release`). Without
+a watchdog nothing is judged; without a supervisor such a rank is left to the step bound, the hard
+cap (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ncclguard.recovery._verdict.levers import (
     supervisor_answer,
     world_seq,
 )
+from ncclguard.recovery._verdict.release import Release
 from ncclguard.recovery._verdict.seen import Seen
 from ncclguard.recovery._verdict.self_check import POLL_S, SelfCheck
 from ncclguard.watching.sensors.progress import (
@@ -136,6 +140,7 @@ class VerdictDriver:
         mine = world_seq()
         if gen != world.generation or mine is None:
             return  # the watchdog has not followed the new world yet
+        self._release(seen, world, beats)
         now = time.monotonic()
         cpu, io = own_sample()
         if seen.own is None:
@@ -169,6 +174,29 @@ class VerdictDriver:
             if r not in seen.acted:
                 self._judge(seen, r, hb, seen.peers[r].judge(now), now, beats)
         self._ask_remote(seen, world, {r: (hb, beats[r][1]) for r, hb in behind.items() if r in beats}, now)
+
+    def _release(self, seen: Seen, world: Any, beats: dict[int, tuple[Heartbeat, float]]) -> None:
+        """A member known dead: this rank's connections to the live peers of its host are shut down,
+        once per attempt, so that none stays held in an op (:mod:`~ncclguard.recovery._verdict.release`)."""
+        if seen.release is None:
+            seen.release = Release(world, dist.get_rank(), dist.get_world_size())
+        if seen.release.done or not (dead := seen.release.dead()):
+            return
+        with self._cond:  # not once the attempt is over: the rebuild's connections are the new world's
+            if self._seen is not seen or current_world().generation != seen.generation:
+                return
+            done = seen.release.release(dead, beats)
+        for r, how in sorted(dead.items()):  # one event per dead member, as for every other judgement
+            state = "stuck" if r in done.stuck else "dead"
+            self.events.append({"what": "released", "rank": r, "state": state, "evidence": how, "cut": done.cut})
+        log.warning(
+            "%s: verdict: rank(s) %s of this world are dead (%s); its ops cannot finish, so this rank shuts down "
+            "its connections to the live peers of this host (%s), that none stays held in one",
+            self.name,
+            sorted(dead),
+            "; ".join(f"rank {r}: {how}" for r, how in sorted(dead.items())),
+            ", ".join(f"rank {r}: {n}" for r, n in done.cut.items()) or "none here",
+        )
 
     def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
         """Members on this host with no counted heartbeat in this world yet (one stopped right after
