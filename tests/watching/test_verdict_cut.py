@@ -1,5 +1,7 @@
-"""The verdict's cut (``recovery/_verdict/levers.py``): this process's connections to a peer process
-are shut down, but never those of the job's store, on real sockets to a real second process.
+"""The verdict's cut (``recovery/_verdict/levers.py``) and its release (``recovery/_verdict/release.py``):
+this process's connections to a peer process are shut down, but never those of the job's store, on
+real sockets to a real second process; a release cuts toward the live peers of this host only, and
+only in a world on gloo alone.
 
 The peer (a child process) listens on two ports: one stands for the job's store (``MASTER_PORT``;
 under ncclguard's own launcher rank 0 hosts the store), the other for gloo's pairs. This process
@@ -8,6 +10,7 @@ connects to both; ``cut_connections(peer pid)`` must shut down the second and le
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -15,7 +18,10 @@ import textwrap
 
 import pytest
 
+from ncclguard._naming import HOSTNAME
+from ncclguard.incidents.model import Heartbeat
 from ncclguard.recovery._verdict.levers import cut_connections, store_ports
+from ncclguard.recovery._verdict.release import Release
 
 PEER = textwrap.dedent(
     """
@@ -23,6 +29,7 @@ PEER = textwrap.dedent(
     servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
     print(*(s.getsockname()[1] for s in servers), flush=True)
     accepted = [s.accept()[0] for s in servers]  # held open until the test ends this process
+    print("accepted", flush=True)
     time.sleep(120)
     """
 )
@@ -40,14 +47,24 @@ def peer():
         proc.wait(timeout=30)
 
 
-def test_a_cut_shuts_down_the_peers_connections_but_never_the_stores(peer, monkeypatch):
+@contextlib.contextmanager
+def connected(peer):
+    """This process's two connections to the peer, once the peer holds its ends (accepted: only then
+    are they its sockets, which the cut looks up)."""
     proc, store_port, gloo_port = peer
-    monkeypatch.setenv("MASTER_PORT", str(store_port))
-    assert store_port in store_ports()
     with (
         socket.create_connection(("127.0.0.1", store_port), timeout=30) as store,
         socket.create_connection(("127.0.0.1", gloo_port), timeout=30) as pair,
     ):
+        assert proc.stdout.readline().strip() == "accepted"
+        yield store, pair
+
+
+def test_a_cut_shuts_down_the_peers_connections_but_never_the_stores(peer, monkeypatch):
+    proc, store_port, gloo_port = peer
+    monkeypatch.setenv("MASTER_PORT", str(store_port))
+    assert store_port in store_ports()
+    with connected(peer) as (store, pair):
         assert cut_connections(proc.pid) == 1
         # The pair's socket is shut down on this side: a read ends at once with nothing.
         assert pair.recv(1) == b""
@@ -64,3 +81,31 @@ def test_a_cut_of_a_process_that_is_gone_shuts_down_nothing(peer):
     proc.kill()
     proc.wait(timeout=30)
     assert cut_connections(proc.pid) == 0
+
+
+def beat(rank: int, pid: int, host: str) -> Heartbeat:
+    return Heartbeat(
+        rank=rank, host=host, pid=pid, beat=1, time=0.0, phase="", site="train.py:10",
+        last_seq={}, last_completed={}, inflight=[],
+    )  # fmt: skip
+
+
+def test_a_release_cuts_toward_the_live_peers_of_this_host_only_and_only_on_gloo(peer, monkeypatch):
+    proc, store_port, gloo_port = peer
+    monkeypatch.setenv("MASTER_PORT", str(store_port))
+    # On NCCL an op is not woken by a socket, and an error on NCCL's own would tear the process down.
+    assert Release(None, 0, 4, "nccl").done and Release(None, 0, 4, "cpu:gloo,cuda:nccl").done
+    release = Release(None, 0, 4, "gloo")
+    assert not release.done
+    # Every beat names the child process: only rank 1's (alive, of this host) may be cut toward.
+    beats = {
+        1: (beat(1, proc.pid, HOSTNAME), 0.5),
+        2: (beat(2, proc.pid, HOSTNAME), 0.5),  # the dead member
+        3: (beat(3, proc.pid, HOSTNAME + "-elsewhere"), 0.5),  # another host: its pid means nothing here
+    }
+    with connected(peer) as (store, pair):
+        done = release.release({2: "its process died"}, beats)
+        assert done.cut == {1: 1} and done.dead == {2: "its process died"} and done.stuck == frozenset()
+        assert release.done  # once per attempt
+        assert pair.recv(1) == b""
+        store.sendall(b"still here")

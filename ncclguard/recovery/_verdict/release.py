@@ -15,6 +15,11 @@ dead rank; a peer not in an op fails its next one. Nothing is lost: a member is 
 and the world is rebuilt in any case. A peer on another host is not reached from here (its sockets
 cannot be told apart from others by address alone): it waits for the step bound, or for a rank of its
 own host that reads the same notice.
+
+Only in a world on gloo alone: an NCCL op is not woken by a socket (its data moves over NVLink or
+InfiniBand), and an error on one of NCCL's own sockets would tear the survivor's process down
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default, 3:
+https://pytorch.org/docs/stable/torch_nccl_environment_variables.html).
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ class Release:
         world: the world the attempt runs in (its members' launch ranks, the notices read before it).
         me: this rank's number in it.
         size: its number of ranks.
+        backend: its default group's backend (``dist.get_backend()``): nothing is done but on ``gloo``.
     """
 
-    def __init__(self, world: Any, me: int, size: int) -> None:
+    def __init__(self, world: Any, me: int, size: int, backend: str) -> None:
         self._world, self._me, self._size = world, me, size
         self._watch: DeathWatch | None = None
-        self.done = False
+        self.done = backend != "gloo"  # see the module doc: never on NCCL's sockets
 
     def dead(self) -> dict[int, str]:
         """The members known dead so far (read within :data:`STORE_BOUND_S`; empty with no store)."""

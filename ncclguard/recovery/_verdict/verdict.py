@@ -179,7 +179,7 @@ class VerdictDriver:
         """A member known dead: this rank's connections to the live peers of its host are shut down,
         once per attempt, so that none stays held in an op (:mod:`~ncclguard.recovery._verdict.release`)."""
         if seen.release is None:
-            seen.release = Release(world, dist.get_rank(), dist.get_world_size())
+            seen.release = Release(world, dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
         if seen.release.done or not (dead := seen.release.dead()):
             return
         with self._cond:  # not once the attempt is over: the rebuild's connections are the new world's
