@@ -596,8 +596,8 @@ def test_init_applies_the_plan_but_not_over_the_user(inherit):
 @pytest.mark.multirank
 def test_subgroups_inherit_the_world_timeout_until_restored(inherit):
     for r in (0, 1):
-        assert inherit[r]["inherited"] == {"default": 20.0, "new_group": 20.0, "new_group_explicit": 5.0}
-        assert inherit[r]["restored"] == {"default": 1800.0, "new_group": 1800.0, "new_group_explicit": 5.0}
+        assert inherit[r]["inherited"] == {"default": 20.0, "new_group": 20.0, "new_group_explicit": 90.0}
+        assert inherit[r]["restored"] == {"default": 1800.0, "new_group": 1800.0, "new_group_explicit": 90.0}
 
 
 @pytest.mark.multirank

@@ -27,7 +27,9 @@ def _timeouts() -> dict[str, float | None]:
     return {
         "default": dist.distributed_c10d._get_default_timeout(dist.Backend("gloo")).total_seconds(),
         "new_group": group_timeout_s(dist.new_group([0, 1])),
-        "new_group_explicit": group_timeout_s(dist.new_group([0, 1], timeout=timedelta(seconds=5))),
+        # An explicit timeout, told apart from the inherited 20 s and torch's 1,800 s. It bounds the new
+        # group's connect too: 5 s failed a loaded full run (rank 0 gave up its connect first).
+        "new_group_explicit": group_timeout_s(dist.new_group([0, 1], timeout=timedelta(seconds=90))),
     }
 
 
