@@ -15,15 +15,18 @@ records and the ops in flight of each rank that spoke). :func:`~ncclguard.incide
   when the rank reached it to the report);
 
 with the incident raised (a dashed line) and the culprits named (in red, with why and where).
-:func:`draw_later` writes ``timeline.png`` into an incident directory from a thread of its own.
+:func:`draw_later` writes ``timeline.png`` into an incident directory from a thread of its own,
+which the interpreter's exit waits for (:func:`finish_drawings`).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +43,26 @@ from ncclguard.incidents.model import (
     upgrade_rank_dump,
 )
 
-__all__ = ["PICTURE_FILE", "Timeline", "auto_window", "culprit_text", "draw_later", "plot_timeline", "timeline"]
+__all__ = [
+    "DRAW_EXIT_WAIT_S",
+    "PICTURE_FILE",
+    "Timeline",
+    "auto_window",
+    "culprit_text",
+    "draw_later",
+    "finish_drawings",
+    "plot_timeline",
+    "timeline",
+]
 
 PICTURE_FILE = "timeline.png"
 MIN_WINDOW_S = 10.0  # the least a picture shows before the report
 MAX_WINDOW_S = 300.0  # the most it shows when the story started earlier
 # Trace threads (tid) of each rank's process: one track each for its collectives, its main thread, its backend's ops.
 TID_COLLECTIVES, TID_MAIN, TID_BACKEND = 0, 1, 2
+# How long after its start a drawing under way is waited for at exit (one takes a few seconds on a
+# loaded machine, matplotlib's import included).
+DRAW_EXIT_WAIT_S = 30.0
 
 
 @dataclass
@@ -385,9 +401,63 @@ def _save_atomically(fig: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class _Drawings:
+    """The drawing threads of this process that have not ended, each with when it started."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.threads: dict[threading.Thread, float] = {}
+        self.hooked = False  # finish_drawings registered with atexit
+
+    def add(self, thread: threading.Thread) -> None:
+        with self.lock:
+            self.threads[thread] = time.monotonic()
+            if not self.hooked:
+                atexit.register(finish_drawings)
+                self.hooked = True
+
+    def remove(self, thread: threading.Thread) -> None:
+        with self.lock:
+            self.threads.pop(thread, None)
+
+
+_drawings = _Drawings()
+
+
+def finish_drawings(wait_s: float = DRAW_EXIT_WAIT_S) -> int:
+    """Waits for the drawings under way, each at most until ``wait_s`` after its start: run at exit
+    (registered with atexit at the first drawing; the watchdog's exit hook calls it again once the
+    watchdog has stopped).
+
+    A daemon thread still inside matplotlib when the interpreter finalizes is ended as it takes the
+    GIL back, through matplotlib's C++ frames: ``terminate called without an active exception``, and
+    a process whose work ended well exits with status 134 (seen: a reported incident's picture drawn
+    as the process ended; pytorch/pytorch#38228 describes the mechanism).
+
+    Args:
+        wait_s: how long after its start a drawing is waited for.
+
+    Returns:
+        How many drawings are still under way (0: finalization is safe for them).
+    """
+    while True:
+        now = time.monotonic()
+        with _drawings.lock:
+            threads = dict(_drawings.threads)
+        waited = {t: start + wait_s - now for t, start in threads.items() if start + wait_s > now and t.is_alive()}
+        if not waited:
+            left = sum(t.is_alive() for t in threads)
+            if left:
+                log.warning("ncclguard: %d timeline picture(s) still drawn at exit, each over %.0f s old", left, wait_s)
+            return left
+        thread, remaining = next(iter(waited.items()))
+        thread.join(min(remaining, 0.1))
+
+
 def draw_later(incident: Incident, where: Path) -> threading.Thread | None:
     """Writes ``where/timeline.png`` from a thread of its own, when matplotlib is installed; a
-    failure is logged, never raised (the report is on disk already).
+    failure is logged, never raised (the report is on disk already). The interpreter's exit waits
+    for it (:func:`finish_drawings`).
 
     Args:
         incident: the merged incident.
@@ -404,7 +474,10 @@ def draw_later(incident: Incident, where: Path) -> threading.Thread | None:
             plot_timeline(timeline(incident, where), where / PICTURE_FILE)
         except Exception as exc:  # noqa: BLE001 - a picture must never break the report
             log.warning("incident %s: no timeline picture: %s", incident.incident.id, exc)
+        finally:
+            _drawings.remove(threading.current_thread())
 
     thread = threading.Thread(target=run, name="ncclguard-watchdog-plot", daemon=True)
+    _drawings.add(thread)
     thread.start()
     return thread

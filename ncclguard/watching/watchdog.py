@@ -39,6 +39,7 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.incidents.pictures import finish_drawings
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.rungs import acted
 from ncclguard.store.bounded import drain_at_exit
@@ -86,12 +87,14 @@ def _stop_at_exit() -> None:
     of pybind11's ``gil_scoped_release``: ``terminate called without an active exception``, status
     -6 (pytorch/pytorch#38228). Seen at the end of DDP-only runs with the watchdog on, about 1 in 8.
     The store calls its helper threads still make (a connect under way when a short job ends) are
-    waited for once it has stopped (:func:`~ncclguard.store.bounded.drain_at_exit`).
+    waited for once it has stopped (:func:`~ncclguard.store.bounded.drain_at_exit`), and so are the
+    pictures its desk is still drawing (:func:`~ncclguard.incidents.pictures.finish_drawings`).
     """
     watchdog = _running.watchdog
     if watchdog is not None:
         watchdog.stop()
     drain_at_exit()
+    finish_drawings()
 
 
 def current_watchdog() -> Watchdog | None:

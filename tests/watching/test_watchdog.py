@@ -5,7 +5,10 @@ tests/watching/test_watchdog_multirank.py."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -123,3 +126,26 @@ def test_raise_needs_the_main_thread_to_install_its_handler(tmp_path):
     t.join(60)  # a hang guard, as above
     started[0].stop()
     assert current_watchdog() is None
+
+
+def test_exit_waits_for_an_incidents_picture_instead_of_dying_of_sigabrt(tmp_path):
+    """A job whose last line comes while its watchdog still draws a reported incident's timeline.png
+    (seen: the pytest process of tests/recovery/test_commit.py aborted at exit 1 run in 5, status 134,
+    gdb showing the drawing thread in matplotlib's ft2font as it was ended). Worker:
+    tests/workers/exit_drawing_worker.py, once without the exit wait and once with it."""
+    worker = str(Path(__file__).parents[1] / "workers" / "exit_drawing_worker.py")
+    runs = {}
+    for mode in ("off", "on"):
+        # 120 s: hang guard (each run takes 2-9 s here: matplotlib's import, a 2 s delay, the drawing)
+        runs[mode] = subprocess.run(
+            [sys.executable, worker, mode, str(tmp_path / mode)], capture_output=True, text=True, timeout=120
+        )
+    off, on = runs["off"], runs["on"]
+    # Without the wait, finalization begins with the drawing under way (its thread is then ended inside
+    # the interpreter's teardown, or inside matplotlib: status 134).
+    assert "settled" in off.stdout and "drawings under way at finalization: 1" in off.stdout, off
+    assert off.returncode in (0, -signal.SIGABRT), off
+    # With it, exit waits for the drawing: the picture is on disk and nothing aborts.
+    assert "settled" in on.stdout and "drawings under way at finalization: 0" in on.stdout, on
+    assert on.returncode == 0 and "terminate called" not in on.stderr, on
+    assert [p.name for p in (tmp_path / "on").glob("*/timeline.png")] == ["timeline.png"]
