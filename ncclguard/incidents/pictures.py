@@ -21,18 +21,17 @@ which the interpreter's exit waits for (:func:`finish_drawings`).
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import json
 import os
 import threading
-import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ncclguard._log import log
+from ncclguard.exits import ExitWait
 from ncclguard.incidents.model import (
     BackendEntry,
     HeartbeatView,
@@ -401,38 +400,17 @@ def _save_atomically(fig: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class _Drawings:
-    """The drawing threads of this process that have not ended, each with when it started."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.threads: dict[threading.Thread, float] = {}
-        self.hooked = False  # finish_drawings registered with atexit
-
-    def add(self, thread: threading.Thread) -> None:
-        with self.lock:
-            self.threads[thread] = time.monotonic()
-            if not self.hooked:
-                atexit.register(finish_drawings)
-                self.hooked = True
-
-    def remove(self, thread: threading.Thread) -> None:
-        with self.lock:
-            self.threads.pop(thread, None)
+_drawings = ExitWait("timeline picture(s)", DRAW_EXIT_WAIT_S, "matplotlib may be stuck")
 
 
-_drawings = _Drawings()
+def finish_drawings(wait_s: float | None = None) -> int:
+    """Waits for the drawings under way, each at most until ``wait_s`` after its start (default
+    :data:`DRAW_EXIT_WAIT_S`): run at exit (registered with atexit at the first drawing; the
+    watchdog's exit hook calls it again once the watchdog has stopped).
 
-
-def finish_drawings(wait_s: float = DRAW_EXIT_WAIT_S) -> int:
-    """Waits for the drawings under way, each at most until ``wait_s`` after its start: run at exit
-    (registered with atexit at the first drawing; the watchdog's exit hook calls it again once the
-    watchdog has stopped).
-
-    A daemon thread still inside matplotlib when the interpreter finalizes is ended as it takes the
-    GIL back, through matplotlib's C++ frames: ``terminate called without an active exception``, and
-    a process whose work ended well exits with status 134 (seen: a reported incident's picture drawn
-    as the process ended; pytorch/pytorch#38228 describes the mechanism).
+    A drawing thread still inside matplotlib when the interpreter finalizes dies through its C++
+    frames, and with it the process (status 134; :mod:`ncclguard.exits`): seen as a reported
+    incident's picture was drawn while the process ended.
 
     Args:
         wait_s: how long after its start a drawing is waited for.
@@ -440,18 +418,7 @@ def finish_drawings(wait_s: float = DRAW_EXIT_WAIT_S) -> int:
     Returns:
         How many drawings are still under way (0: finalization is safe for them).
     """
-    while True:
-        now = time.monotonic()
-        with _drawings.lock:
-            threads = dict(_drawings.threads)
-        waited = {t: start + wait_s - now for t, start in threads.items() if start + wait_s > now and t.is_alive()}
-        if not waited:
-            left = sum(t.is_alive() for t in threads)
-            if left:
-                log.warning("ncclguard: %d timeline picture(s) still drawn at exit, each over %.0f s old", left, wait_s)
-            return left
-        thread, remaining = next(iter(waited.items()))
-        thread.join(min(remaining, 0.1))
+    return _drawings.drain(wait_s)
 
 
 def draw_later(incident: Incident, where: Path) -> threading.Thread | None:
@@ -469,15 +436,18 @@ def draw_later(incident: Incident, where: Path) -> threading.Thread | None:
     if importlib.util.find_spec("matplotlib") is None:
         return None
 
+    done = threading.Event()
+
     def run() -> None:
         try:
             plot_timeline(timeline(incident, where), where / PICTURE_FILE)
         except Exception as exc:  # noqa: BLE001 - a picture must never break the report
             log.warning("incident %s: no timeline picture: %s", incident.incident.id, exc)
         finally:
-            _drawings.remove(threading.current_thread())
+            _drawings.leave(done)
+            done.set()
 
     thread = threading.Thread(target=run, name="ncclguard-watchdog-plot", daemon=True)
-    _drawings.add(thread)
+    _drawings.enter(done)
     thread.start()
     return thread

@@ -30,16 +30,15 @@ way are waited for at exit (:func:`drain_at_exit`, each until :data:`EXIT_WAIT_S
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
+from ncclguard.exits import ExitWait
 
 __all__ = [
     "EXIT_WAIT_S",
@@ -63,28 +62,7 @@ IDLE_EXIT_S = 5.0  # a helper thread with no call for this long ends (a new one 
 EXIT_WAIT_S = 10.0
 
 
-class _UnderWay:
-    """The torch calls that helper threads of this process are inside now: each one's done event and
-    when it started."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.calls: dict[threading.Event, float] = {}
-        self.hooked = False  # drain_at_exit registered with atexit
-
-    def enter(self, done: threading.Event) -> None:
-        with self.lock:
-            self.calls[done] = time.monotonic()
-            if not self.hooked:
-                atexit.register(drain_at_exit)
-                self.hooked = True
-
-    def leave(self, done: threading.Event) -> None:
-        with self.lock:
-            self.calls.pop(done, None)
-
-
-_under_way = _UnderWay()
+_under_way = ExitWait("store call(s)", EXIT_WAIT_S, "the store's host may be gone")
 
 
 def in_torch_call(fn: Callable[[], T], done: threading.Event) -> T:
@@ -104,10 +82,10 @@ def in_torch_call(fn: Callable[[], T], done: threading.Event) -> T:
         _under_way.leave(done)
 
 
-def drain_at_exit(wait_s: float = EXIT_WAIT_S) -> int:
+def drain_at_exit(wait_s: float | None = None) -> int:
     """Waits until no helper thread is inside a torch call, each call at most until ``wait_s`` after
-    its start: run at exit, after the threads that make calls have stopped (the watchdog's exit hook
-    calls it again then).
+    its start (default :data:`EXIT_WAIT_S`): run at exit, after the threads that make calls have
+    stopped (the watchdog's exit hook calls it again then).
 
     Args:
         wait_s: how long after its start a call is waited for.
@@ -115,22 +93,7 @@ def drain_at_exit(wait_s: float = EXIT_WAIT_S) -> int:
     Returns:
         How many calls are still under way (0: finalization is safe for them).
     """
-    while True:
-        now = time.monotonic()
-        with _under_way.lock:
-            calls = dict(_under_way.calls)
-        waited = {done: start + wait_s - now for done, start in calls.items() if start + wait_s > now}
-        if not waited:
-            if calls:
-                log.warning(
-                    "ncclguard: %d store call(s) still under way at exit, each over %.0f s old; left to "
-                    "finalization (the store's host may be gone)",
-                    len(calls),
-                    wait_s,
-                )
-            return len(calls)
-        done, left = next(iter(waited.items()))
-        done.wait(min(left, 0.1))
+    return _under_way.drain(wait_s)
 
 
 _Job = tuple[Callable[[], Any], dict[str, Any], threading.Event]
