@@ -343,11 +343,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if STACK == "accelerate":
         accelerate_loop(PHASE)
-        return
-    if STACK == "lightning":
+    elif STACK == "lightning":
         lightning(PHASE)
-        return
-    if STACK in ("hf", "hf-deepspeed"):
+    elif STACK in ("hf", "hf-deepspeed"):
         t = trainer(PHASE)
         if PHASE == "train":
             t.train()
@@ -355,18 +353,22 @@ def main() -> None:
             marker = json.loads((Path(os.environ["NCCLGUARD_PREEMPT_DIR"]) / "PREEMPTED.json").read_text())
             t.args.max_steps = marker["step"] + 3  # a step past the checkpoint's: its on_step_begin compares
             t.train(resume_from_checkpoint=marker["path"])
-        return
-    dist.init_process_group("gloo")
-    if STACK == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        deepspeed_loop(PHASE)
-    elif PHASE == "train":
-        loop()
     else:
-        resume_loop()
-    dist.destroy_process_group()
+        dist.init_process_group("gloo")
+        if STACK == "deepspeed":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed_loop(PHASE)
+        elif PHASE == "train":
+            loop()
+        else:
+            resume_loop()
+    # As torch's docs ask ("Shutdown"): a gloo group left to the interpreter's finalization can abort
+    # the process (pytorch/pytorch#190489). Seen once here: the Trainer on DeepSpeed's resume trained,
+    # then rank 0 died of SIGABRT ("terminate called without an active exception"), ncclguard not on.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
