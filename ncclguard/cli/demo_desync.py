@@ -57,7 +57,11 @@ def _rank_main(incident_dir: str) -> None:
         "hang_start": hang_start,
         "incidents": wd.wait_for_incident(10, merged=rank == 0),
     }
+    # Every watchdog stops before any rank leaves: rank 0's process hosts the store under this launcher,
+    # and a watchdog still running when it went writes a `store` incident (docs/diagnosis.md). Seen: the
+    # act failed 1 run in 4 on a loaded machine, the newest incident being rank 2's `store` one.
     wd.stop()
+    dist.barrier()
     print("RESULT " + json.dumps(out, default=str), flush=True)
     os._exit(0)
 
