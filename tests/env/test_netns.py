@@ -80,8 +80,9 @@ def test_gloo_job_across_the_namespaces(pair):
     out = Path(tempfile.mkdtemp(prefix="ncclguard-netns-"))
     argv = [sys.executable, str(WORKERS / "netenv_worker.py"), "netns"]
     ranks = run_two_ranks(pair, argv, out, port=29500, timeout_s=120)
-    for r in ranks:
-        assert r.returncode == 0, r.stdout + r.stderr
+    # Both ranks' output on a failure: one rank's error names the peer that closed, not why it did.
+    said = "\n".join(f"--- rank {n} (rc {r.returncode}):\n{r.stdout}{r.stderr}" for n, r in enumerate(ranks))
+    assert [r.returncode for r in ranks] == [0, 0], said
     res = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
     for r, ifname, addr in ((0, pair.if_a, ADDR_A), (1, pair.if_b, ADDR_B)):
         plan = res[r]["init"]["plan"]
