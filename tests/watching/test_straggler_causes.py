@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ncclguard.incidents.model import StragglerWindow
 from ncclguard.watching.sensors.straggler import assess
-from ncclguard.watching.sensors.straggler.clocks import ClockTicker, OffsetFilter
+from ncclguard.watching.sensors.straggler.clocks import ClockTicker, OffsetFilter, join_tickers
 from ncclguard.watching.sensors.straggler.inputs import (
     InputClock,
     input_wait,
@@ -335,6 +335,32 @@ def test_clock_offsets_are_measured_through_a_real_store() -> None:
         ref.join(60)
         del server
     assert not any(t.is_alive() for t in (ref, ahead, same))
+
+
+def test_a_waiting_ticker_ends_soon_after_its_watch_and_exit_waits_for_it() -> None:
+    """At a rank's exit a ticker may wait for a tick that comes late or never (the reference rank
+    done, with a 5 s period). It waits a slice at a time, so it ends within about a slice once its
+    watch is over, and join_tickers (the exit's wait) sees it end: a ticker left running started new
+    store calls after the exit's wait, and the process aborted at finalization."""
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    watching = threading.Event()
+    watching.set()
+    waiter = ClockTicker(f"127.0.0.1:{port}", "t/late", False, 5.0, watching.is_set)  # no reference ticks
+    try:
+        waiter.start()
+        time.sleep(1.5)  # connected, and inside a wait for tick 0
+        assert waiter.is_alive()
+        watching.clear()
+        t0 = time.monotonic()
+        assert join_tickers() == 0
+        # A slice (1 s) and the end of a call; the bound is a hang guard, 3x what a loaded run needs.
+        assert time.monotonic() - t0 < 6.0
+        assert not waiter.is_alive()
+    finally:
+        watching.clear()
+        waiter.join(30)
+        del server
 
 
 def _free_port() -> int:

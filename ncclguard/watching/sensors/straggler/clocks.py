@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -33,11 +34,37 @@ from ncclguard.deadlines import Deadline
 from ncclguard.store.clients import connect
 from ncclguard.store.clock_samples import await_tick, last_tick, post_tick, round_trip
 
-__all__ = ["SAMPLES", "ClockTicker", "OffsetFilter"]
+__all__ = ["SAMPLES", "ClockTicker", "OffsetFilter", "join_tickers"]
 
 SAMPLES = 8  # the samples the estimate is the least of
 _FAST_TICKS = 4  # the first ticks come every half second, so that the first windows are corrected
 _CALL_S = 10.0  # the bound of one store call of the ticker (a wait: its own bound and this)
+# A wait for a tick, and a rest between ticks, is cut in slices this long: the thread sees its end
+# (alive() False) within one, so that the interpreter's exit can wait for it (join_tickers).
+_SLICE_S = 1.0
+_tickers: weakref.WeakSet[ClockTicker] = weakref.WeakSet()
+
+
+def join_tickers(wait_s: float = _CALL_S + 2 * _SLICE_S) -> int:
+    """Waits, at most ``wait_s`` in all, for the clock threads whose watch is over to end.
+
+    The interpreter's exit calls it once the watchdog has stopped, before it waits for the store
+    calls under way (:func:`~ncclguard.store.bounded.drain_at_exit`): a ticker that started a new
+    call after that wait would be ended inside it at finalization, and the process would abort
+    (``terminate called without an active exception``; seen on a rank that ended while its peers
+    still worked, 1 run in 3).
+
+    Args:
+        wait_s: how long to wait in all.
+
+    Returns:
+        How many of them still run.
+    """
+    deadline = time.monotonic() + wait_s
+    over = [t for t in list(_tickers) if t.is_alive() and not t.alive()]
+    for ticker in over:
+        ticker.join(max(0.0, deadline - time.monotonic()))
+    return sum(t.is_alive() for t in over)
 
 
 class OffsetFilter:
@@ -93,6 +120,7 @@ class ClockTicker(threading.Thread):
         self.clock = clock if clock is not None else lambda: time.time()
         self.offsets = OffsetFilter()
         self.ticks = 0  # ticks given (reference) or received
+        _tickers.add(self)
 
     @property
     def estimate(self) -> float | None:
@@ -119,7 +147,13 @@ class ClockTicker(threading.Thread):
         while self.alive():
             post_tick(client, self.prefix, self.ticks, lambda: self.clock() + half, SAMPLES, Deadline.within(_CALL_S))
             self.ticks += 1
-            time.sleep(self._pause())
+            self._rest(self._pause())
+
+    def _rest(self, seconds: float) -> None:
+        """Sleeps ``seconds``, or less once the thread's watch is over."""
+        end = time.monotonic() + seconds
+        while self.alive() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, _SLICE_S / 4))
 
     def _last(self, client: Any) -> int:
         return last_tick(client, self.prefix, Deadline.within(_CALL_S))
@@ -127,17 +161,24 @@ class ClockTicker(threading.Thread):
     def _take(self, client: Any, half: float) -> None:
         following = self._last(client) + 1  # the next tick to wait for
         bound = max(30.0, 3 * self.period)
+        since = time.monotonic()  # when the wait for ``following`` began
         while self.alive():
+            called = time.monotonic()
             try:
                 at, reference = await_tick(
-                    client, self.prefix, following, bound, self.clock, Deadline.within(bound + _CALL_S)
+                    client, self.prefix, following, _SLICE_S, self.clock, Deadline.within(_SLICE_S + _CALL_S)
                 )
-            except Exception:  # noqa: BLE001 - the reference did not tick in time: poll, do not wait again
+            except Exception:  # noqa: BLE001 - not in this slice: wait again, up to the bound
+                if time.monotonic() - since < bound:
+                    self._rest(_SLICE_S - (time.monotonic() - called))  # a failure at once waits its slice
+                    continue
+                # The reference did not tick in time: poll, do not wait again.
                 last = self._last(client)
                 while self.alive() and self._last(client) == last:
-                    time.sleep(self.period)
-                following = self._last(client) + 1
+                    self._rest(self.period)
+                following, since = self._last(client) + 1, time.monotonic()
                 continue
+            since = time.monotonic()
             self.offsets.add(at, half, reference)
             self.ticks += 1
             following += 1
