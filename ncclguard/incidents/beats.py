@@ -43,6 +43,9 @@ class Heartbeat(Model):
     backend_seq: dict[str, int] | None = None  # the backend's sequence number per group, where read
     backend_still: dict[str, float] | None = None  # seconds each of those numbers had stood still
     step: int | None = None  # the training step the rank is in, where its loop marks steps
+    # Its watchdog stopped on purpose (the script's end, stop(), a with block left without an error):
+    # this is its last beat, and its silence from now on is not a loss.
+    finished: bool = False
     straggler_score: float | None = None  # 1.0: as fast as the fastest peer; lower is slower
     window: StragglerWindow | None = None  # the last straggler window closed (docs/stragglers.md)
     main_cpu_s: float | None = None  # the main thread's CPU seconds (progress evidence: watching/sensors/progress.py)

@@ -195,7 +195,9 @@ def _abandon(world: World) -> None:
         _, failed = compat.abort_all_groups()
         if failed:
             log.warning("rebuild: aborting the old groups: %s", "; ".join(failed))
-    dist.destroy_process_group()
+    # torch's own function: the watchdog wraps dist.destroy_process_group to stop at a job's end
+    # (watching/ending.py), and a rebuild is no end.
+    dist.distributed_c10d.destroy_process_group()
     # ncclguard's own references to the old groups and what it counted on them.
     world.retire()  # its per-world state (group states, plans, buffers) holds no group past here
     compat.rebind_group_defaults(abandoned)

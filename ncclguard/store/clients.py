@@ -20,7 +20,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.rounds import GRACE_S
 
-__all__ = ["connect", "job_address", "store_for_this_thread", "unprefixed"]
+__all__ = ["connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
 
 
 def unprefixed(store: dist.Store) -> dist.Store:
@@ -62,6 +62,27 @@ def connect(host: str, port: int, timeout_s: float) -> dist.Store:
         RuntimeError, DistStoreError: no store answered there in time.
     """
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def serves_here(port: int) -> bool:
+    """Whether this process listens on TCP ``port``: it hosts the store there (rank 0 under a plain
+    launcher, whose ``init_process_group`` starts the server in its own process; the agent, a process
+    of its own, under torchrun).
+
+    Args:
+        port: the store's port.
+
+    Returns:
+        True when one of this process's sockets listens on it; False when none does, or when the
+        process's sockets cannot be read (then nothing is claimed).
+    """
+    import psutil
+
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 _local = threading.local()  # .stores: id(store) -> (store, this thread's clone of it)

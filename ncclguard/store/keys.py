@@ -243,6 +243,18 @@ class Keys:
         """Set once the op of hang incident ``n`` completed on some rank."""
         return f"{self.ns}/incident/{n}/resolved"
 
+    @property
+    def ending(self) -> str:
+        """Counts the ranks that know the job is ending: their watchdog stopped, or they read
+        :attr:`closing`."""
+        return f"{self.ns}/ending"
+
+    @property
+    def closing(self) -> str:
+        """Set by the process that hosts the store once its watchdog stopped: the store goes when
+        that process ends, and its peers take that for the job's end, not an incident."""
+        return f"{self.ns}/closing"
+
     def fenced(self, rank: int) -> str:
         """Set by ``rank``'s ``fence`` rung before it exits (a :class:`FenceNote`)."""
         return f"{self.ns}/fenced/{rank}"

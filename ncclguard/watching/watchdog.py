@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from ncclguard.incidents.pictures import finish_drawings
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.rungs import acted
 from ncclguard.store.bounded import drain_at_exit
+from ncclguard.watching import ending
 from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.desk.casebook import Casebook
@@ -50,6 +52,7 @@ from ncclguard.watching.desk.left_behind import LeftBehind
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
 from ncclguard.watching.sensors.sensor import Sensor
 from ncclguard.watching.sensors.story import MainThreadTrack
+from ncclguard.watching.sensors.straggler.clocks import join_tickers
 from ncclguard.watching.views import Views
 from ncclguard.watching.world_watch import WorldWatch
 from ncclguard.watching.worlds import Announced, connect
@@ -92,9 +95,19 @@ def _stop_at_exit() -> None:
     """
     watchdog = _running.watchdog
     if watchdog is not None:
-        watchdog.stop()
+        # An uncaught exception ends the script with sys.last_value set (before atexit runs): a
+        # rank that failed did not finish, and its watchers are to see it lost.
+        watchdog.stop(finished=getattr(sys, "last_value", None) is None)
+    join_tickers()  # its threads that start store calls of their own end before those are waited for
     drain_at_exit()
     finish_drawings()
+
+
+def _launch_rank(fallback: int) -> int:
+    """This process's launch rank (``RANK``; ``fallback`` without it): the key of what its watchdog
+    learned, the same after a rebuild."""
+    raw = os.environ.get("RANK", "")
+    return int(raw) if raw.isdigit() else fallback
 
 
 def current_watchdog() -> Watchdog | None:
@@ -153,6 +166,7 @@ class Watchdog:
         self._hang_s = config.hang_timeout_s
         self._given_store = store
         self._stop = threading.Event()
+        self._finished = False  # the stop under way is on purpose (stop()'s ``finished``)
         self._thread: threading.Thread | None = None
         self._book = Casebook()  # this rank's cases across the worlds followed
         self._signum = getattr(signal, config.raise_signal)
@@ -185,7 +199,7 @@ class Watchdog:
         running = current_watchdog()
         if running is not None and running is not self and running.gives_way:
             log.info("watchdog: the script starts its own; the one ncclguard run started stops")
-            running.stop()
+            running.stop(finished=False)  # a hand-over: this rank goes on beating
         with _running.lock:
             if _running.watchdog is not None:
                 raise RuntimeError("a Watchdog already runs in this process; stop() it first (one per process)")
@@ -197,6 +211,7 @@ class Watchdog:
         acted.clear()  # the rungs a commit names are this watchdog's, as its cases are
         self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
+        ending.hook_destroy(self.stop)  # destroy_process_group() of the world stops it first (ending.py)
         self._enter(current_world())
         if cfg.instrument:
             from ncclguard.recording.instrument import instrument, is_instrumented
@@ -208,6 +223,7 @@ class Watchdog:
             self._raiser.install(self._on_signal)
             self._handler_installed = True
         self._stop.clear()
+        self._finished = False
         self._thread = threading.Thread(target=self._run, name="ncclguard-watchdog", daemon=True)
         self._thread.start()
         log.info(
@@ -221,15 +237,19 @@ class Watchdog:
         )
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stops the thread (waits at most ``timeout``, default two store timeouts plus a beat)."""
+    def stop(self, timeout: float | None = None, *, finished: bool = True) -> None:
+        """Stops the thread, waiting ``timeout`` at most (default: 2 store timeouts, a beat, and the closing
+        wait when ``finished``: this rank's work is done, :mod:`~ncclguard.watching.ending`; not a hand-over)."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        self._finished = finished
+        ending.unhook_destroy()  # put back before the thread's end: a later destroy stops nothing
         self._stop.set()
         if self._thread is not None:
             cfg = self.config
-            self._thread.join(timeout if timeout is not None else 2 * cfg.store_timeout + cfg.heartbeat_s)
+            bound = 2 * cfg.store_timeout + cfg.heartbeat_s + (ending.closing_wait_s(cfg) if finished else 0.0)
+            self._thread.join(bound if timeout is None else timeout)
             self._thread = None
         in_main = threading.current_thread() is threading.main_thread()  # only it may touch signal handlers
         if self._handler_installed and self._raiser is not None and in_main:
@@ -270,7 +290,9 @@ class Watchdog:
         first = self.watch
         connect(first.desk, cfg, first.world_size, self._given_store, first.generation)
         if first.desk.store is not None:
-            self.hang.load(first.desk.store, self._origin())  # a restarted process goes on from its predecessor's
+            self.hang.load(
+                first.desk.store, _launch_rank(self.rank)
+            )  # a restarted process goes on from its predecessor's
         next_beat = 0.0
         views = Views(cfg)  # the status index and the metrics, once per beat
         slow_store = False
@@ -286,10 +308,10 @@ class Watchdog:
                 recorder.sweep()
                 self._track.sample()
                 watch.tick_sensors()
-                self._hang_s = watch.learn_hang(self.hang, self._origin(), now)
+                self._hang_s = watch.learn_hang(self.hang, _launch_rank(self.rank), now)
                 if now >= next_beat:
                     next_beat = now + cfg.heartbeat_s
-                    watch.publish(self.hang, self._hang_s, self._origin())
+                    watch.publish(self.hang, self._hang_s, _launch_rank(self.rank))
                     watch.read_peers(self._left)
                     views.beat(self, desk)
                 watch.check_hang(self._hang_s)
@@ -306,20 +328,17 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the watchdog must outlive its own bugs
                 log.exception("watchdog tick failed; going on")
             self._stop.wait(poll)
+        if self._finished:
+            ending.leave(self.watch, cfg, self._given_store)
         store = self.watch.desk.store
         if store is not None:
             store.close()  # its helper thread ends with the watchdog
-
-    def _origin(self) -> int:
-        """This process's launch rank (``RANK``): the key of what it learned, the same after a rebuild."""
-        raw = os.environ.get("RANK", "")
-        return int(raw) if raw.isdigit() else self.rank
 
     def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.stop(finished=exc[0] is None)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The ``raise_signal`` handler (main thread): raises the armed CollectiveTimeout."""

@@ -75,6 +75,7 @@ class WorldWatch:
             self.rank, self.world_size, config.watch_peers, config.peer_timeout, config.startup_grace_s
         )
         self.beats = 0  # heartbeats published in this world
+        self._ending_counted = False  # this rank is counted among those that know the job is ending
         self.reported_ops: set[tuple[str, int]] = set()  # (group, seq) in ncclguard's numbering
         self.backend = BackendWatch(self.rank, self.state, self.liveness, hang_s, config.heartbeat_s)
         # Built at the first beat, on the watchdog's thread: a sensor's own threads end with it.
@@ -188,6 +189,40 @@ class WorldWatch:
         for r in self.liveness.observe(beats, now := time.monotonic()):
             log.warning("watchdog: rank %d is beating again", r)
         fence_if_left_behind(left, desk.store, self.rank, self.generation, now, bool(self.liveness.stale(now)))
+        if not desk.store_closing and desk.store.has_mark(desk.store.keys.closing):
+            desk.store_closing = True
+            log.info("watchdog: the store's host finished; the store goes when it ends, and that is no incident")
+        if desk.store_closing:
+            self._count_ending()  # again next beat if the store did not take it
+
+    # ----------------------------------------------------------------- the job's end
+
+    def leave(self) -> None:
+        """Says this rank's watchdog stopped on purpose: a last heartbeat that says so (its watchers
+        take its silence for the end, not a loss), and one more rank counted as knowing it.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not take it.
+        """
+        store = self.desk.store
+        if store is None:
+            return
+        store.publish_heartbeat(self.state.heartbeat(self.beats + 1).model_copy(update={"finished": True}))
+        self._count_ending()
+
+    def ending_count(self) -> int:
+        """How many ranks know the job is ending (0 without a store).
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not answer.
+        """
+        store = self.desk.store
+        return store.count_ending(0) if store is not None else 0
+
+    def _count_ending(self) -> None:
+        if not self._ending_counted and self.desk.store is not None:
+            self.desk.store.count_ending()
+            self._ending_counted = True  # once per rank and world, whichever of the two came first
 
     # ----------------------------------------------------------------- what the desk asks
 

@@ -85,6 +85,7 @@ def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, sessio
     if old is None:
         return
     desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
+    desk.store_closing = old.store_closing
     if desk.store is not None:
         desk.store.keys = Keys.from_env(session, generation=world.generation)
         try:

@@ -145,7 +145,7 @@ def clients(server):
 
 
 class Noop(Action):
-    """A second rung, so that the ladder asks whether the hang was resolved (``is_resolved``)."""
+    """A second rung, so that the ladder asks whether the hang was resolved (``has_mark`` of its ``resolved`` key)."""
 
     name = "noop"
 
@@ -298,7 +298,7 @@ def test_every_read_of_the_protocol_survives_every_hostile_value(server, lines):
         assert patient(lambda n=n: ws.read_statements(n, [1])) == {}
         assert patient(lambda n=n: ws.read_incident(n)) is None
         evil.set(k.resolved(n), v)
-        assert patient(lambda n=n: ws.is_resolved(n)) is False
+        assert patient(lambda n=n: ws.has_mark(ws.keys.resolved(n))) is False
         evil.set(k.dumped(n), v)
         try:  # a number-like prefix counts ("42"; the server's stoll reads "12abc" as 12); the rest is refused
             assert isinstance(ws.add_dumped(n, 0), int)
@@ -503,6 +503,17 @@ def test_a_running_watchdog_survives_hostile_values_in_every_key(server, lines, 
         wait_for(lambda: len(lines.about(keys.count)) >= 2, 20, "the jump to be told")
         expected[keys.count] = 2  # one per bad streak
 
+        # 6. The job's end: a closing mark that is not the mark (read at each heartbeat: one line, and
+        #    the store is not taken for closing), and an ending counter that is no number (counted at
+        #    the stop below: refused, said once by the counter and once by the stop).
+        evil.set(keys.closing, "yes")
+        evil.set(keys.ending, "many")
+        expected[keys.closing] = 1
+        expected[keys.ending] = 2
+        wait_for(lambda: len(lines.about(keys.closing)) >= 1, 20, "the closing mark to be refused")
+        time.sleep(3 * HB)
+        assert wd.watch is not None and wd.watch.desk.store_closing is False
+
         # Every key of the schema was given hostile values above.
         schema = {name for name, _ in inspect.getmembers(Keys) if not name.startswith("_")} - {"from_env"}
         assert schema == {
@@ -516,6 +527,8 @@ def test_a_running_watchdog_survives_hostile_values_in_every_key(server, lines, 
             "merged",
             "resolved",
             "fenced",
+            "ending",
+            "closing",
         }
 
         # The watchdog thread lives and still beats; it never counted the store as gone.

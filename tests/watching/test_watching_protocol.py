@@ -225,9 +225,9 @@ def test_claims_numbers_and_the_merger_are_taken_once():
     assert ws.has_incident(1) and ws.read_incident(1) == doc
     assert ws.claim_merger(1, 2) and not ws.claim_merger(1, 0)
     assert (ws.add_dumped(1), ws.add_dumped(1), ws.add_dumped(1, 0)) == (1, 2, 2)
-    assert not ws.is_resolved(1)
-    ws.mark_resolved(1)
-    assert ws.is_resolved(1)
+    assert not ws.has_mark(ws.keys.resolved(1))
+    ws.set_mark(ws.keys.resolved(1))
+    assert ws.has_mark(ws.keys.resolved(1))
 
 
 def test_statements_are_read_back_by_rank_and_cut_to_their_bound():

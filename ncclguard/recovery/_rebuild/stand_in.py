@@ -81,7 +81,9 @@ def awaiting_join(heal: bool) -> bool:
 def leave() -> None:
     """Drops the stand-in group (before the join); nothing when there is none."""
     if active():
-        dist.destroy_process_group()
+        # torch's own function: the watchdog wraps dist.destroy_process_group to stop at a job's end
+        # (watching/ending.py), and a rebuild is no end.
+        dist.distributed_c10d.destroy_process_group()
     _STAND_IN.active = False
 
 

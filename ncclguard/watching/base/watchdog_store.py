@@ -362,18 +362,22 @@ class WatchdogStore:
         got = self._read_present([key])
         return bytes(got[0][1]) if got else None
 
-    def mark_resolved(self, n: int) -> None:
-        self._call("set", self.keys.resolved(n), "1")
+    def count_ending(self, k: int = 1) -> int:
+        """Counts ``k`` more ranks that know the job is ending (0: reads it); StoreRefused when the
+        counter holds no number (:mod:`~ncclguard.watching.ending`)."""
+        return self._counter(self.keys.ending, k)
 
-    def is_resolved(self, n: int) -> bool:
-        """True once a rank marked incident ``n`` resolved (the value ``1``; another is logged and
-        does not count)."""
-        key = self.keys.resolved(n)
+    def set_mark(self, key: str) -> None:
+        """Sets the mark ``1`` under ``key``: an incident resolved, the store closing."""
+        self._call("set", key, "1")
+
+    def has_mark(self, key: str) -> bool:
+        """True once the mark ``1`` is under ``key`` (another value is logged and does not count)."""
         if not self._call("check", [key]):
             return False
         raw = bytes(self._call("get", key))
         if raw != b"1":
-            self.warn_once(key, f"{key} holds {raw[:40]!r}, not the mark '1' a rank sets; the incident stays open")
+            self.warn_once(key, f"{key} holds {raw[:40]!r}, not the mark '1' a rank sets; it does not count")
             return False
         self._read_well(key)
         return True

@@ -102,6 +102,7 @@ class IncidentDesk:
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
         self.store_lost = False
+        self.store_closing = False  # the store's host said the store goes when it ends (the job's end)
         # A node's first rank logs every merged report, and copies the report where the directory is
         # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
         self.node_leader = os.environ.get("LOCAL_RANK") == "0"
@@ -153,11 +154,19 @@ class IncidentDesk:
         self.handle(doc, local=True)
 
     def store_gone(self, exc: BaseException) -> None:
-        """The store stopped answering: drop it and raise a local ``store`` incident (once)."""
+        """The store stopped answering: drop it and raise a local ``store`` incident (once), unless
+        its host had said it was ending (:attr:`store_closing`): then the job is ending, and that is
+        no incident."""
         if self.store_lost:
             return
         self.store_lost = True
         self.store = None
+        if self.store_closing:
+            log.info(
+                "watchdog: the store is gone with its host, which had said it was ending (the job's end, not an "
+                "incident); watching on without it"
+            )
+            return
         addr = (
             self.store_addr
             or self.config.store_addr
@@ -297,12 +306,12 @@ class IncidentDesk:
         if passed:
             if not case.local and self.store is not None:
                 with contextlib.suppress(StoreTimeout, StoreUnreachable):
-                    self.store.mark_resolved(case.doc.n)
+                    self.store.set_mark(self.store.keys.resolved(case.doc.n))
             return True
         if case.local or self.store is None:
             return False
         try:
-            return self.store.is_resolved(case.doc.n)
+            return self.store.has_mark(self.store.keys.resolved(case.doc.n))
         except (StoreTimeout, StoreUnreachable):
             return False
 

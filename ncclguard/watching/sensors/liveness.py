@@ -2,7 +2,8 @@
 
 Each rank watches the next ``watch_peers`` ranks in ring order (so every rank is watched by as
 many), which bounds the store traffic of a large job. A peer is *stale* once its heartbeat has
-not changed for ``peer_timeout`` seconds (``startup_grace_s`` for a peer never heard from); the
+not changed for ``peer_timeout`` seconds (``startup_grace_s`` for a peer never heard from) and its
+last heartbeat does not say it finished (its watchdog stopped on purpose); the
 watchdog raises one incident per peer that goes stale (:meth:`Liveness.newly_stale`). No clock is
 read here: every method takes ``now`` (``time.monotonic()``), so it is tested with synthetic beats.
 """
@@ -106,9 +107,12 @@ class Liveness:
         return back
 
     def stale(self, now: float) -> dict[int, float]:
-        """Watched peers whose heartbeat stopped, with seconds since it last changed."""
+        """Watched peers whose heartbeat stopped without saying it was the last, with seconds since
+        it last changed."""
         out = {}
         for r, peer in self.peers.items():
+            if peer.heartbeat is not None and peer.heartbeat.finished:
+                continue  # its watchdog stopped on purpose: silence is what it said would come
             age = now - peer.changed
             limit = self.peer_timeout if peer.beat >= 0 else max(self.startup_grace_s, self.peer_timeout)
             if age >= limit:

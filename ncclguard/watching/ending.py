@@ -1,0 +1,145 @@
+"""A job's end, told apart from a failure: what a watchdog stopped on purpose says, and when it stops.
+
+When a rank's work is done its watchdog stops on purpose (the script's end, ``stop()``,
+``destroy_process_group()``, a ``with`` block left without an error). Its watchers must not take
+what follows for an incident:
+
+- its silence: its last heartbeat says ``finished``, and a finished peer is never lost
+  (:mod:`~ncclguard.watching.sensors.liveness`);
+- the store's going, where this process hosts it (rank 0 under a plain launcher: its
+  ``init_process_group`` starts the server in its own process, and the server stops with the
+  process or with ``destroy_process_group()``): it says so in the store (``closing``) and waits,
+  at most :func:`closing_wait_s`, until every rank knows (``ending`` counts them); a rank that read
+  it takes the store's loss for the job's end (:meth:`~ncclguard.watching.desk.desk.IncidentDesk.store_gone`).
+
+Under torchrun the agent hosts the store and outlives the ranks, so only the first holds there.
+A rank that dies (a signal, an uncaught exception, an exit rung) says nothing, and is lost as before.
+
+``destroy_process_group()`` is wrapped while a watchdog runs, so that the watchdog stops before
+the group (and, on the store's host, the server) goes: measured under ``ncclguard.testing.launch``,
+rank 0's ``destroy_process_group()`` broke its peers' store connections at once, while rank 0 lived on.
+ncclguard's own rebuild calls torch's function underneath (``distributed_c10d``), which is not wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ncclguard._log import log
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.store.clients import serves_here, unprefixed
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import store_addr
+from ncclguard.watching.world_watch import WorldWatch
+
+__all__ = ["closing_wait_s", "hook_destroy", "leave", "store_port", "unhook_destroy"]
+
+
+def closing_wait_s(config: WatchdogConfig) -> float:
+    """How long the store's host waits at its watchdog's stop for every rank to know that the store
+    goes: two heartbeats (each rank reads the mark at its heartbeats; one may come late), a store
+    call, and two ticks."""
+    return 2 * config.heartbeat_s + config.store_timeout + 2 * min(config.heartbeat_s / 5, 0.5)
+
+
+def store_port(given: Any, addr: str | None) -> int | None:
+    """The port of the store a watchdog talks to.
+
+    Args:
+        given: the store the watchdog was given (its ``port``, where it has one), or None.
+        addr: the ``host:port`` it connected to otherwise.
+
+    Returns:
+        The port, or None when neither says.
+    """
+    port = getattr(unprefixed(given), "port", None) if given is not None else None
+    if isinstance(port, int):
+        return port
+    raw = addr.rpartition(":")[2] if addr else ""
+    return int(raw) if raw.isdigit() else None
+
+
+def leave(watch: WorldWatch, config: WatchdogConfig, given: Any) -> None:
+    """Ends a stop on purpose, on the watchdog's thread: the last heartbeat, and on the store's host
+    the closing mark and the wait for every rank to know it. Never raises.
+
+    Args:
+        watch: the world watched.
+        config: the watchdog's settings.
+        given: the store the watchdog was given, or None (it connected to ``desk.store_addr``, or
+            to where :func:`~ncclguard.watching.base.watchdog_store.store_addr` says).
+    """
+    desk = watch.desk
+    if desk.store is None:
+        return
+    try:
+        watch.leave()
+        port = store_port(given, desk.store_addr or store_addr(config.store_addr))
+        if port is None or not serves_here(port):
+            return
+        desk.store.set_mark(desk.store.keys.closing)
+        desk.store_closing = True  # this process's own desk too: it may watch on after the stop
+        deadline = time.monotonic() + closing_wait_s(config)
+        while (known := watch.ending_count()) < watch.world_size and time.monotonic() < deadline:
+            time.sleep(min(0.05, config.heartbeat_s / 5))
+        if known < watch.world_size:
+            log.warning(
+                "watchdog: %d of %d ranks knew the job is ending when this process, the store's host, went on; "
+                "the others will see the store gone",
+                known,
+                watch.world_size,
+            )
+    except (StoreTimeout, StoreUnreachable) as exc:
+        log.warning("watchdog: could not say that this rank finished (%s)", exc)
+
+
+class _Hook:
+    """The wrapper around ``torch.distributed.destroy_process_group`` while a watchdog runs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.original: Callable[..., Any] | None = None
+        self.wrapper: Callable[..., Any] | None = None
+
+
+_hook = _Hook()
+
+
+def hook_destroy(stop: Callable[[], None]) -> None:
+    """Wraps ``torch.distributed.destroy_process_group`` so that destroying the whole world (no
+    group, or the default one) calls ``stop`` first. Idempotent; :func:`unhook_destroy` undoes it.
+
+    Args:
+        stop: stops the watchdog on purpose.
+    """
+    import torch.distributed as dist
+
+    with _hook.lock:
+        if _hook.original is not None or not hasattr(dist, "destroy_process_group"):
+            return
+        original = dist.destroy_process_group
+
+        @functools.wraps(original)
+        def destroy_process_group(group: Any = None) -> None:
+            if group is None or group is dist.GroupMember.WORLD:
+                stop()  # before the world (and, on the store's host, the store) goes
+            original(group)
+
+        _hook.original, _hook.wrapper = original, destroy_process_group
+        dist.destroy_process_group = destroy_process_group
+
+
+def unhook_destroy() -> None:
+    """Puts ``torch.distributed.destroy_process_group`` back (unless someone wrapped it since)."""
+    import torch.distributed as dist
+
+    with _hook.lock:
+        if _hook.original is None:
+            return
+        if getattr(dist, "destroy_process_group", None) is _hook.wrapper:
+            dist.destroy_process_group = _hook.original
+        _hook.original = _hook.wrapper = None
