@@ -48,7 +48,7 @@ CHUNK = 128  # keys per check and per multi_get
 MAX_INCIDENTS = 16  # the newest incidents read
 SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
 Health = Literal["healthy", "suspect", "incident"]
-RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced", "waiting", "culprit"]
+RankState = Literal["ok", "late", "stale", "missing", "bad", "fenced", "waiting", "culprit", "finished"]
 WAIT_BEATS = 2.0  # a rank in one op this many heartbeat periods waits (a healthy step's skew is less)
 
 
@@ -194,6 +194,8 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         return RankRow(rank=rank, state="bad", problem=problem or f"says rank {hb.rank if hb else '?'}")
     age = max(0.0, now - hb.time)
     state: RankState = "ok" if age <= 3 * index.heartbeat_s else "late" if age <= index.peer_timeout_s else "stale"
+    if hb.finished:
+        state = "finished"  # its watchdog stopped on purpose: its last heartbeat (watching/ending.py)
     oldest = min(hb.inflight, key=lambda r: r.start, default=None)
     return RankRow(
         rank=rank,

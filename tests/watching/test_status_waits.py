@@ -115,3 +115,17 @@ def test_waits_from_recorded_ops_and_from_backend_numbers_and_what_is_no_wait() 
     ]
     mark_waits(deepspeed, 1.0)
     assert [r.state for r in deepspeed] == ["waiting", "culprit"] and deepspeed[0].inflight == "backend op #57 on 1"
+
+
+def test_a_rank_whose_watchdog_stopped_on_purpose_is_finished_not_stale(server, capsys) -> None:
+    # Rank 1 ended its script 40 s ago (past peer_timeout_s, 30 s): its last heartbeat says finished.
+    # Rank 2 went silent as long ago without saying so: stale, and the job is suspect for it alone.
+    now = time.time()
+    publish(server, "ending", [beat(0, now - 0.5), beat(1, now - 40, finished=True), beat(2, now - 40)])
+    code = main(["status", "--store", f"127.0.0.1:{server.port}", "--session", "ending"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("ranks "))
+    states = [line.split()[2] for line in lines[head + 1 : head + 4]]
+    assert states == ["ok", "finished", "stale"], out
+    assert code == EXIT_CODES["suspect"] and "heartbeat stopped: ranks 2" in out, out
