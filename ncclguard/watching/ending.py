@@ -1,24 +1,27 @@
 """A job's end, told apart from a failure: what a watchdog stopped on purpose says, and when it stops.
 
-When a rank's work is done its watchdog stops on purpose (the script's end, ``stop()``,
-``destroy_process_group()``, a ``with`` block left without an error). Its watchers must not take
-what follows for an incident:
+When a rank's work is done its watchdog stops on purpose (the script's end, ``stop()``, a ``with``
+block left without an error), and the script may destroy its process group first. Its watchers
+must not take what follows for an incident:
 
 - its silence: its last heartbeat says ``finished``, and a finished peer is never lost
   (:mod:`~ncclguard.watching.sensors.liveness`);
 - the store's going, where this process hosts it (rank 0 under a plain launcher: its
   ``init_process_group`` starts the server in its own process, and the server stops with the
-  process or with ``destroy_process_group()``): it says so in the store (``closing``) and waits,
+  process or with ``destroy_process_group()``): at the stop, or before the destroy, it says so in
+  the store (``closing``) and waits,
   at most :func:`closing_wait_s`, until every rank knows (``ending`` counts them); a rank that read
   it takes the store's loss for the job's end (:meth:`~ncclguard.watching.desk.desk.IncidentDesk.store_gone`).
 
 Under torchrun the agent hosts the store and outlives the ranks, so only the first holds there.
 A rank that dies (a signal, an uncaught exception, an exit rung) says nothing, and is lost as before.
 
-``destroy_process_group()`` is wrapped while a watchdog runs, so that the watchdog stops before
-the group (and, on the store's host, the server) goes: measured under ``ncclguard.testing.launch``,
-rank 0's ``destroy_process_group()`` broke its peers' store connections at once, while rank 0 lived on.
-ncclguard's own rebuild calls torch's function underneath (``distributed_c10d``), which is not wrapped.
+``destroy_process_group()`` is wrapped while a watchdog runs, so that on the store's host the
+ranks are told before the group, and with it the server, goes (:class:`Closing`): measured under
+``ncclguard.testing.launch``, rank 0's ``destroy_process_group()`` broke its peers' store connections
+at once, while rank 0 lived on. The watchdog goes on (a script may make a group again); it says
+``finished`` when it stops. ncclguard's own rebuild calls torch's function underneath
+(``distributed_c10d``), which is not wrapped.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.world_watch import WorldWatch
 
-__all__ = ["closing_wait_s", "hook_destroy", "leave", "store_port", "unhook_destroy"]
+__all__ = ["Closing", "announce_closing", "closing_wait_s", "hook_destroy", "leave", "store_port", "unhook_destroy"]
 
 
 def closing_wait_s(config: WatchdogConfig) -> float:
@@ -73,15 +76,34 @@ def leave(watch: WorldWatch, config: WatchdogConfig, given: Any) -> None:
         given: the store the watchdog was given, or None (it connected to ``desk.store_addr``, or
             to where :func:`~ncclguard.watching.base.watchdog_store.store_addr` says).
     """
-    desk = watch.desk
-    if desk.store is None:
+    if watch.desk.store is None:
         return
     try:
         watch.leave()
+    except (StoreTimeout, StoreUnreachable) as exc:
+        log.warning("watchdog: could not say that this rank finished (%s)", exc)
+        return
+    announce_closing(watch, config, given)
+
+
+def announce_closing(watch: WorldWatch, config: WatchdogConfig, given: Any) -> None:
+    """Where this process hosts the store: the closing mark, and the wait (at most
+    :func:`closing_wait_s`) until every rank knows it. On the watchdog's thread; never raises.
+
+    Args:
+        watch: the world watched.
+        config: the watchdog's settings.
+        given: as :func:`leave` takes it.
+    """
+    desk = watch.desk
+    if desk.store is None or desk.store_closing:
+        return
+    try:
         port = store_port(given, desk.store_addr or store_addr(config.store_addr))
         if port is None or not serves_here(port):
             return
         desk.store.set_mark(desk.store.keys.closing)
+        watch.know_ending()  # this rank too: at a destroy it has not counted itself yet
         desk.store_closing = True  # this process's own desk too: it may watch on after the stop
         deadline = time.monotonic() + closing_wait_s(config)
         while (known := watch.ending_count()) < watch.world_size and time.monotonic() < deadline:
@@ -94,7 +116,42 @@ def leave(watch: WorldWatch, config: WatchdogConfig, given: Any) -> None:
                 watch.world_size,
             )
     except (StoreTimeout, StoreUnreachable) as exc:
-        log.warning("watchdog: could not say that this rank finished (%s)", exc)
+        log.warning("watchdog: could not tell the ranks that the store goes (%s)", exc)
+
+
+class Closing:
+    """``destroy_process_group()`` of the world, on a watchdog that goes on: the caller asks, the
+    watchdog's thread (the one that talks to the store) tells every rank, where this process hosts
+    the store, that the store goes (:func:`announce_closing`), and the caller waits for it, bounded.
+    The watchdog is not stopped: the script may make a group again, and a rank that is not the
+    store's host loses nothing by the destroy.
+
+    Args:
+        config: the watchdog's settings.
+        thread: the watchdog's thread, or None (nobody to wait for then, nor when it is the caller).
+    """
+
+    def __init__(self, config: WatchdogConfig, thread: Callable[[], threading.Thread | None]) -> None:
+        self.config, self.thread = config, thread
+        self._lock = threading.Lock()
+        self._asked: threading.Event | None = None
+
+    def ask(self) -> None:
+        """Asks the watchdog's thread, and waits until it has told every rank (or gave up)."""
+        done = threading.Event()
+        with self._lock:
+            self._asked = done
+        thread = self.thread()
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            done.wait(closing_wait_s(self.config) + 2 * self.config.store_timeout)
+
+    def serve(self, watch: WorldWatch, given: Any) -> None:
+        """On the watchdog's thread, at each tick: does what was asked, if anything."""
+        with self._lock:
+            done, self._asked = self._asked, None
+        if done is not None:
+            announce_closing(watch, self.config, given)
+            done.set()
 
 
 class _Hook:
@@ -109,12 +166,12 @@ class _Hook:
 _hook = _Hook()
 
 
-def hook_destroy(stop: Callable[[], None]) -> None:
+def hook_destroy(before: Callable[[], None]) -> None:
     """Wraps ``torch.distributed.destroy_process_group`` so that destroying the whole world (no
-    group, or the default one) calls ``stop`` first. Idempotent; :func:`unhook_destroy` undoes it.
+    group, or the default one) calls ``before`` first. Idempotent; :func:`unhook_destroy` undoes it.
 
     Args:
-        stop: stops the watchdog on purpose.
+        before: what to do first (:meth:`Closing.ask`).
     """
     import torch.distributed as dist
 
@@ -126,7 +183,7 @@ def hook_destroy(stop: Callable[[], None]) -> None:
         @functools.wraps(original)
         def destroy_process_group(group: Any = None) -> None:
             if group is None or group is dist.GroupMember.WORLD:
-                stop()  # before the world (and, on the store's host, the store) goes
+                before()  # before the world (and, on the store's host, the store) goes
             original(group)
 
         _hook.original, _hook.wrapper = original, destroy_process_group

@@ -167,6 +167,7 @@ class Watchdog:
         self._given_store = store
         self._stop = threading.Event()
         self._finished = False  # the stop under way is on purpose (stop()'s ``finished``)
+        self._closing = ending.Closing(config, lambda: self._thread)
         self._thread: threading.Thread | None = None
         self._book = Casebook()  # this rank's cases across the worlds followed
         self._signum = getattr(signal, config.raise_signal)
@@ -211,7 +212,7 @@ class Watchdog:
         acted.clear()  # the rungs a commit names are this watchdog's, as its cases are
         self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
-        ending.hook_destroy(self.stop)  # destroy_process_group() of the world stops it first (ending.py)
+        ending.hook_destroy(self._closing.ask)  # the store's host tells the ranks before a destroy (ending.py)
         self._enter(current_world())
         if cfg.instrument:
             from ncclguard.recording.instrument import instrument, is_instrumented
@@ -303,6 +304,7 @@ class Watchdog:
                 next_beat = 0.0  # beat at once in the new world
             watch = self.watch
             desk = watch.desk
+            self._closing.serve(watch, self._given_store)
             try:
                 now = time.monotonic()
                 recorder.sweep()
@@ -393,8 +395,7 @@ class Watchdog:
         return watch.peer_heartbeats() if watch is not None else {}
 
     def peer_beats(self) -> tuple[int, dict[int, tuple[Heartbeat, float]]]:
-        """The watched peers' last heartbeats and their ages in seconds, with the generation they are
-        of (the recovery engine's verdict, :mod:`ncclguard.recovery._verdict.verdict`, reads them)."""
+        """The generation, and the watched peers' last heartbeats with their ages in seconds (the verdict's)."""
         watch = self.watch
         if watch is None:
             return -1, {}
@@ -407,8 +408,7 @@ class Watchdog:
         return watch.sensor(name) if watch is not None else None
 
     def hang_bound_s(self) -> float:
-        """The hang bound in force now: the user's ``hang_timeout_s``, or the one learned for the
-        phases this rank and its watched peers are in (:mod:`ncclguard.watching.base.hang_bound`)."""
+        """The hang bound in force: the user's, or learned (:mod:`ncclguard.watching.base.hang_bound`)."""
         return self._hang_s
 
     def _completed(self, key: tuple[str, int]) -> bool:

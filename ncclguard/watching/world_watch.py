@@ -193,7 +193,7 @@ class WorldWatch:
             desk.store_closing = True
             log.info("watchdog: the store's host finished; the store goes when it ends, and that is no incident")
         if desk.store_closing:
-            self._count_ending()  # again next beat if the store did not take it
+            self.know_ending()  # again next beat if the store did not take it
 
     # ----------------------------------------------------------------- the job's end
 
@@ -208,7 +208,7 @@ class WorldWatch:
         if store is None:
             return
         store.publish_heartbeat(self.state.heartbeat(self.beats + 1).model_copy(update={"finished": True}))
-        self._count_ending()
+        self.know_ending()
 
     def ending_count(self) -> int:
         """How many ranks know the job is ending (0 without a store).
@@ -219,7 +219,12 @@ class WorldWatch:
         store = self.desk.store
         return store.count_ending(0) if store is not None else 0
 
-    def _count_ending(self) -> None:
+    def know_ending(self) -> None:
+        """Counts this rank, once per world, among those that know the job is ending.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not take it (the next call tries again).
+        """
         if not self._ending_counted and self.desk.store is not None:
             self.desk.store.count_ending()
             self._ending_counted = True  # once per rank and world, whichever of the two came first

@@ -12,7 +12,7 @@ of all_reduce, then:
 3. rank 1 goes on alone for 3 s more (an upload of its shard), then ends.
 
 ``on`` is the library. ``off`` takes away what a watchdog says when it stops on purpose
-(``ending.leave`` does nothing), so that the test sees the harm it prevents: rank 2's silence is a
+(``ending.leave`` and ``ending.announce_closing`` do nothing), so that the test sees the harm it prevents: rank 2's silence is a
 lost peer and the store's end an incident, and the exit rung ends the ranks still at work with 75.
 Each rank saves ``incidents`` (the kinds its watchdog handled), ``destroy_s`` (how long its
 ``destroy_process_group()`` took: the store's host waits there for every rank to know) and ``closing``.
@@ -55,6 +55,7 @@ def finish(wd: ncclguard.Watchdog) -> None:
 def main() -> None:
     if sys.argv[1] == "off":
         ending.leave = lambda *args, **kwargs: None  # type: ignore[assignment]
+        ending.announce_closing = lambda *args, **kwargs: None  # type: ignore[assignment]
     rank = rankkit.init()
     wd = ncclguard.start_watchdog(
         heartbeat_s=HEARTBEAT_S,
