@@ -150,8 +150,10 @@ class Closing:
         with self._lock:
             done, self._asked = self._asked, None
         if done is not None:
-            announce_closing(watch, self.config, given)
-            done.set()
+            try:
+                announce_closing(watch, self.config, given)
+            finally:
+                done.set()  # the caller waits no longer, whatever happened
 
 
 class _Hook:

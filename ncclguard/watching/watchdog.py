@@ -245,7 +245,7 @@ class Watchdog:
             self._unsubscribe()
             self._unsubscribe = None
         self._finished = finished
-        ending.unhook_destroy()  # put back before the thread's end: a later destroy stops nothing
+        ending.unhook_destroy()  # a destroy from now on has no watchdog thread to tell the ranks
         self._stop.set()
         if self._thread is not None:
             cfg = self.config
@@ -291,9 +291,8 @@ class Watchdog:
         first = self.watch
         connect(first.desk, cfg, first.world_size, self._given_store, first.generation)
         if first.desk.store is not None:
-            self.hang.load(
-                first.desk.store, _launch_rank(self.rank)
-            )  # a restarted process goes on from its predecessor's
+            # A restarted process goes on from what its predecessor learned.
+            self.hang.load(first.desk.store, _launch_rank(self.rank))
         next_beat = 0.0
         views = Views(cfg)  # the status index and the metrics, once per beat
         slow_store = False
@@ -304,8 +303,8 @@ class Watchdog:
                 next_beat = 0.0  # beat at once in the new world
             watch = self.watch
             desk = watch.desk
-            self._closing.serve(watch, self._given_store)
             try:
+                self._closing.serve(watch, self._given_store)  # a destroy_process_group() waits on it
                 now = time.monotonic()
                 recorder.sweep()
                 self._track.sample()
