@@ -70,6 +70,16 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
+def serving(port: int) -> bool:
+    """Both ranks' metrics servers take connections (``port`` and ``port + 1``)."""
+    for p in (port, port + 1):
+        try:
+            socket.create_connection(("127.0.0.1", p), timeout=5).close()
+        except OSError:
+            return False
+    return True
+
+
 def sample(text: str, name: str, **labels: str) -> float | None:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     m = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
@@ -112,7 +122,9 @@ def test_status_metrics_and_pictures_of_a_live_job(tmp_path, capsys):
         assert sum(g["count"] for g in out["groups"]) == 2
         assert out["requests"] <= 8
 
-        m0, m1 = scrape(port), scrape(port + 1)
+        # A rank serves its metrics from the end of its first heartbeat: status can read that beat a
+        # moment before (seen once in a full run: connection refused). Polled, within the start guard.
+        m0, m1 = poll(lambda: serving(port) and (scrape(port), scrape(port + 1)), START_GUARD_S, "metrics served")
         assert (sample(m0, "ncclguard_collectives_total", rank="0") or 0) >= 6
         assert (sample(m1, "ncclguard_collectives_total", rank="1") or 0) >= 6
         assert (sample(m0, "ncclguard_collective_wait_seconds_total", rank="0") or 0) > 0
