@@ -44,6 +44,7 @@ __all__ = [
     "group_names",
     "group_ranks",
     "group_store",
+    "hook_world_teardown",
     "rank_not_in_group",
     "rebind_group_defaults",
     "routed_default_group",
@@ -70,6 +71,7 @@ API_MIN_VERSION: dict[str, tuple[int, int]] = {
     "distributed_c10d._get_default_group": (2, 0),
     "distributed_c10d._get_default_store": (2, 0),
     "distributed_c10d._rank_not_in_group": (2, 0),
+    "distributed_c10d._update_default_pg": (2, 0),
     "distributed_c10d._get_default_timeout": (2, 2),
     "distributed_c10d._set_pg_timeout": (2, 4),
     "ProcessGroup._get_backend(device).options._timeout": (2, 2),
@@ -120,18 +122,13 @@ def _c10d_attr(name: str) -> Any:
 
 
 def world() -> Any:
-    """torch's ``_World`` singleton: ``pg_names``, ``pg_map``, ``pg_group_ranks``, ``default_pg``.
-
-    Read-only use; callers on the hot path bind it once.
-    """
+    """torch's ``_World`` singleton (``pg_names``, ``pg_map``, ...), read-only; the hot path binds it once."""
     return _c10d_attr("_world")
 
 
 def world_attributes() -> dict[str, Any]:
-    """The live ``__dict__`` of torch's ``_World`` (read-only use): ``"_default_pg"`` holds the group
-    ``group=None`` stands for, what the property ``default_pg`` returns, read there by the recording
-    wrappers without the property's Python call on every collective. A torch without that key makes
-    them fall back to the property."""
+    """The live ``__dict__`` of torch's ``_World`` (read-only): ``"_default_pg"`` is the group ``group=None``
+    stands for, read by the recording wrappers without the property's call (none: they use the property)."""
     return vars(world())
 
 
@@ -143,6 +140,36 @@ def default_group() -> dist.ProcessGroup:
 def default_store() -> dist.Store:
     """The default group's store (often a ``PrefixStore`` over the job's ``TCPStore``)."""
     return _c10d_attr("_get_default_store")()
+
+
+def hook_world_teardown(before: Callable[[], None]) -> Callable[[], None]:
+    """Calls ``before`` when ``destroy_process_group()`` ends this process's world, however its caller
+    reached it (``from torch.distributed import destroy_process_group`` binds torch's function before
+    any wrapper exists): it calls ``_update_default_pg(None)`` through its module, after the groups'
+    shutdown, before torch lets go of them and of their store. Not at ``_abort_process_group``.
+
+    Returns:
+        What undoes it (a later hook over this one is left in place).
+    """
+    api = "distributed_c10d._update_default_pg"
+    _gate(api)
+    c10d = _c10d()
+    original = getattr(c10d, api.rsplit(".", 1)[1], None)
+    if not callable(original):
+        raise _missing(api)
+
+    def _update_default_pg(pg: Any) -> Any:
+        if pg is None and c10d.is_initialized() and sys._getframe(1).f_code.co_name == "destroy_process_group":
+            before()
+        return original(pg)
+
+    c10d._update_default_pg = _update_default_pg
+
+    def undo() -> None:
+        if getattr(c10d, "_update_default_pg", None) is _update_default_pg:
+            c10d._update_default_pg = original
+
+    return undo
 
 
 def rank_not_in_group(group: dist.ProcessGroup) -> bool:
@@ -177,10 +204,8 @@ def backend_timeout(group: dist.ProcessGroup, device: Any = None) -> timedelta:
 
 
 def backend_timeout_reader(group: dist.ProcessGroup, device: Any = None) -> Callable[[], float]:
-    """A function that reads the timeout in force of ``group``'s backend for ``device`` (default:
-    CPU), in seconds, at each call. The backend's options object is looked up once; torch changes
-    the timeout in it in place (``_set_pg_timeout``), so the reader stays current, at a third of
-    :func:`backend_timeout`'s cost (the hot path of ``safe_all_reduce`` reads it on every call)."""
+    """A function that reads :func:`backend_timeout` in seconds at each call, at a third of its cost (the
+    hot path reads it per call): the options object, which ``_set_pg_timeout`` changes in place, is found once."""
     api = "ProcessGroup._get_backend(device).options._timeout"
     _gate(api)
     try:
@@ -306,13 +331,10 @@ def abort_all_groups() -> tuple[list[str], list[str]]:
 
 
 def rebind_group_defaults(abandoned: Collection[dist.ProcessGroup]) -> list[str]:
-    """Unbinds abandoned groups from the defaults of ``torch.distributed.nn.functional``.
-
-    That module's functions default to ``group=group.WORLD``, evaluated when it is imported
-    (``torch._dynamo`` imports it; DDP imports ``torch._dynamo``): they keep the world group of
-    that moment for good, so after the world is rebuilt they would run on the abandoned group, and
-    keep it alive. Each such default becomes ``None``, which every torch collective reads as the
-    default group of the moment. The module is not imported here.
+    """Unbinds abandoned groups from the defaults of ``torch.distributed.nn.functional``, whose functions
+    default to ``group=group.WORLD`` as it was at import (``torch._dynamo``, which DDP imports, imports it):
+    after a rebuild they would run on the abandoned group and keep it alive. Each such default becomes
+    ``None``, the default group of the moment. The module is not imported here.
 
     Args:
         abandoned: the groups no longer in use.
@@ -336,14 +358,10 @@ def rebind_group_defaults(abandoned: Collection[dist.ProcessGroup]) -> list[str]
 
 
 def work_error(work: Any) -> BaseException | None:
-    """The error a completed ``Work`` ended with, or None.
-
-    ``Work.exception()`` is deprecated, and on some builds its binding cannot return the
-    ``exception_ptr`` at all (torch 2.11.0+cu130 raised ``TypeError: Unable to convert function
-    return value`` even for a successful NCCL op, seen on an H100). There, ``work.wait()`` is
-    asked instead: on a completed op it returns at once, and it raises the error the backend
-    recorded.
-    """
+    """The error a completed ``Work`` ended with, or None. ``Work.exception()`` is deprecated, and some
+    builds cannot return its ``exception_ptr`` (torch 2.11.0+cu130 raised ``TypeError: Unable to convert
+    function return value`` for a successful NCCL op on an H100): there ``work.wait()``, which returns
+    at once on a completed op, raises the recorded error instead."""
     try:
         exc = work.exception()
     except TypeError:
@@ -356,13 +374,9 @@ def work_error(work: Any) -> BaseException | None:
 
 
 def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Points a ``DistributedDataParallel`` at ``group`` in place and resets its reducer.
-
-    ``DistributedDataParallel._update_process_group`` (private) resets the reducer's state, so a
-    forward may run after a backward that did not finish (the reducer expected the rest of its
-    hooks), and makes the next backward rebuild its buckets on the new group, whose size may
-    differ. A communication hook registered with ``register_comm_hook`` keeps its own state.
-    """
+    """Points a ``DistributedDataParallel`` at ``group`` in place (``_update_process_group``): the reducer's
+    state is reset, so a forward may follow a backward that did not finish, and the next backward
+    rebuilds the buckets on the new group. A hook of ``register_comm_hook`` keeps its own state."""
     update = getattr(ddp, "_update_process_group", None)
     if not callable(update):
         raise _missing("DistributedDataParallel._update_process_group")
@@ -370,13 +384,9 @@ def ddp_update_process_group(ddp: torch.nn.Module, group: dist.ProcessGroup) -> 
 
 
 def grad_scaler_forget_step(scaler: Any) -> None:
-    """Forgets what a ``GradScaler`` noted in a step that is redone: ``unscale_`` marks each
-    optimizer unscaled (and keeps ``found_inf``) until ``update()``, so a redo that unscales again
-    raises "unscale_() has already been called on this optimizer since the last update()". Its
-    scale and growth tracker, which only ``update()`` changes, are left as they are.
-
-    ``GradScaler._per_optimizer_states`` (private): what ``update()`` itself resets.
-    """
+    """Forgets what a ``GradScaler`` noted in a step that is redone (``_per_optimizer_states``, which
+    ``update()`` resets): ``unscale_`` marks each optimizer unscaled until ``update()``, so a redo would
+    raise "unscale_() has already been called ...". The scale and growth tracker are left as they are."""
     _gate("GradScaler._per_optimizer_states")
     states = getattr(scaler, "_per_optimizer_states", None)
     if states is None or not callable(getattr(states, "clear", None)):
@@ -404,10 +414,8 @@ def ddp_bucket_parameters(ddp: torch.nn.Module) -> list[list[torch.Tensor]]:
 
 
 def ddp_buckets_rebuilt(ddp: torch.nn.Module) -> bool:
-    """Whether a ``DistributedDataParallel`` has rebuilt its gradient buckets: with
-    ``find_unused_parameters=False`` it does so once, in the forward after its first backward, in
-    the order that backward's gradients became ready (``DistributedDataParallel._has_rebuilt_buckets``,
-    private).
+    """Whether a ``DistributedDataParallel`` has rebuilt its gradient buckets (``_has_rebuilt_buckets``): with
+    ``find_unused_parameters=False`` it does once, in the forward after its first backward, in that order.
 
     Raises:
         TorchCompatError: this torch keeps no such flag.
@@ -422,13 +430,10 @@ def ddp_buckets_rebuilt(ddp: torch.nn.Module) -> bool:
 
 @contextmanager
 def ddp_initial_buckets(buckets: list[list[torch.Tensor]]) -> Iterator[None]:
-    """Inside the block, a ``DistributedDataParallel`` built over exactly the parameters of
-    ``buckets`` starts with those gradient buckets instead of its first layout (one bucket per
-    dtype and device, with ``find_unused_parameters=False``).
-
-    DDP's constructor takes its first layout from ``torch.distributed._compute_bucket_assignment_by_size``
-    and hands the reducer that list reversed (``_ddp_init_helper``; run on torch 2.13, and 2.11 with
-    CUDA); inside the block it answers ``buckets`` so, for this parameter list alone.
+    """Inside the block, a ``DistributedDataParallel`` built over exactly the parameters of ``buckets``
+    starts with those gradient buckets instead of its first layout: DDP's constructor takes it from
+    ``torch.distributed._compute_bucket_assignment_by_size`` and hands the reducer that list reversed
+    (``_ddp_init_helper``; run on torch 2.13, and 2.11 with CUDA), which answers ``buckets`` here.
 
     Args:
         buckets: the parameters of each bucket, in the order the reducer is to all-reduce them,
@@ -460,10 +465,9 @@ def ddp_initial_buckets(buckets: list[list[torch.Tensor]]) -> Iterator[None]:
 
 
 def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:
-    """Makes a stand-in default group: a world of one on torch's ``fake`` backend
-    (``torch.testing._internal.distributed.fake_pg``), whose collectives return at once and move
-    nothing: in a world of one each is self-consistent (Lightning's ``strategy.broadcast`` at setup
-    returns the caller's own object, DDP's constructor finds nothing to sync); no device is needed.
+    """Makes a stand-in default group: a world of one on torch's ``fake`` backend (``fake_pg``), whose
+    collectives return at once, self-consistent in a world of one (Lightning's ``strategy.broadcast``
+    returns the caller's object, DDP's constructor finds nothing to sync); no device is needed.
 
     Args:
         init: torch's ``init_process_group`` (default ``torch.distributed.init_process_group``).
@@ -480,11 +484,8 @@ def init_stand_in_group(init: Callable[..., Any] | None = None) -> None:
 
 
 def dataloader_iter_class() -> type:
-    """The class of every DataLoader's iterator (``torch.utils.data.dataloader._BaseDataLoaderIter``):
-    its ``__next__`` is where the main thread waits for a batch, whichever loader made it.
-
-    Returns:
-        The class itself (patching its ``__next__`` reaches single- and multi-process loaders alike).
+    """The class of every DataLoader's iterator (``dataloader._BaseDataLoaderIter``): its ``__next__``,
+    where the main thread waits for a batch, reaches single- and multi-process loaders alike.
 
     Raises:
         TorchCompatError: this torch has no such class.

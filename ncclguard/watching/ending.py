@@ -16,30 +16,42 @@ must not take what follows for an incident:
 Under torchrun the agent hosts the store and outlives the ranks, so only the first holds there.
 A rank that dies (a signal, an uncaught exception, an exit rung) says nothing, and is lost as before.
 
-``destroy_process_group()`` is wrapped while a watchdog runs, so that on the store's host the
-ranks are told before the group, and with it the server, goes (:class:`Closing`): measured under
+While a watchdog runs, ``destroy_process_group()`` of the world first has the store's host tell the
+ranks, before the group, and with it the server, goes (:class:`Closing`): measured under
 ``ncclguard.testing.launch``, rank 0's ``destroy_process_group()`` broke its peers' store connections
-at once, while rank 0 lived on. The watchdog goes on (a script may make a group again); it says
-``finished`` when it stops. ncclguard's own rebuild calls torch's function underneath
-(``distributed_c10d``), which is not wrapped.
+at once, while rank 0 lived on. The hook sits inside torch's function
+(:func:`~ncclguard._torch_compat.hook_world_teardown`), not on its name: the tutorials'
+``from torch.distributed import destroy_process_group`` binds the function before any wrapper could
+exist, and that script's rank 0 took its peers' work down with it. The watchdog goes on (a script
+may make a group again); it says ``finished`` when it stops. ncclguard's own rebuild destroys the
+world through :func:`destroy_for_rebuild`, which says nothing: a rebuild is no end.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.errors import StoreTimeout, StoreUnreachable, TorchCompatError
 from ncclguard.store.clients import serves_here, unprefixed
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.world_watch import WorldWatch
 
-__all__ = ["Closing", "announce_closing", "closing_wait_s", "hook_destroy", "leave", "store_port", "unhook_destroy"]
+__all__ = [
+    "Closing",
+    "announce_closing",
+    "closing_wait_s",
+    "destroy_for_rebuild",
+    "hook_destroy",
+    "leave",
+    "store_port",
+    "unhook_destroy",
+]
 
 
 def closing_wait_s(config: WatchdogConfig) -> float:
@@ -157,48 +169,63 @@ class Closing:
 
 
 class _Hook:
-    """The wrapper around ``torch.distributed.destroy_process_group`` while a watchdog runs."""
+    """The teardown hook while a watchdog runs (:func:`~ncclguard._torch_compat.hook_world_teardown`),
+    and whether this thread is in ncclguard's own destroy of a world it rebuilds (no end)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.original: Callable[..., Any] | None = None
-        self.wrapper: Callable[..., Any] | None = None
+        self.undo: Callable[[], None] | None = None
+        self.rebuilding = threading.local()
 
 
 _hook = _Hook()
 
 
 def hook_destroy(before: Callable[[], None]) -> None:
-    """Wraps ``torch.distributed.destroy_process_group`` so that destroying the whole world (no
-    group, or the default one) calls ``before`` first. Idempotent; :func:`unhook_destroy` undoes it.
+    """Has ``destroy_process_group()`` of the whole world call ``before`` first, before torch lets go
+    of the groups and their store, whatever name the caller reached torch's function by; not in
+    :func:`destroy_for_rebuild`. Idempotent; :func:`unhook_destroy` undoes it. Never raises.
 
     Args:
         before: what to do first (:meth:`Closing.ask`).
     """
-    import torch.distributed as dist
+
+    def at_teardown() -> None:
+        if getattr(_hook.rebuilding, "on", False):
+            return
+        try:
+            before()
+        except Exception as exc:  # noqa: BLE001 - the user's destroy must go on whatever happened here
+            log.warning("watchdog: could not tell the ranks before destroy_process_group() (%s)", exc)
 
     with _hook.lock:
-        if _hook.original is not None or not hasattr(dist, "destroy_process_group"):
+        if _hook.undo is not None:
             return
-        original = dist.destroy_process_group
-
-        @functools.wraps(original)
-        def destroy_process_group(group: Any = None) -> None:
-            if group is None or group is dist.GroupMember.WORLD:
-                before()  # before the world (and, on the store's host, the store) goes
-            original(group)
-
-        _hook.original, _hook.wrapper = original, destroy_process_group
-        dist.destroy_process_group = destroy_process_group
+        try:
+            _hook.undo = compat.hook_world_teardown(at_teardown)
+        except TorchCompatError as exc:
+            log.warning(
+                "watchdog: %s; where this process hosts the store, its destroy_process_group() will look to the "
+                "other ranks like the store's loss",
+                exc,
+            )
 
 
 def unhook_destroy() -> None:
-    """Puts ``torch.distributed.destroy_process_group`` back (unless someone wrapped it since)."""
+    """Takes the hook of :func:`hook_destroy` away."""
+    with _hook.lock:
+        undo, _hook.undo = _hook.undo, None
+    if undo is not None:
+        undo()
+
+
+def destroy_for_rebuild() -> None:
+    """torch's ``destroy_process_group()`` of the whole world, by ncclguard's own rebuild or stand-in:
+    no end of the job (the store stays with the job), so the store's host tells nobody."""
     import torch.distributed as dist
 
-    with _hook.lock:
-        if _hook.original is None:
-            return
-        if getattr(dist, "destroy_process_group", None) is _hook.wrapper:
-            dist.destroy_process_group = _hook.original
-        _hook.original = _hook.wrapper = None
+    _hook.rebuilding.on = True
+    try:
+        dist.destroy_process_group()
+    finally:
+        _hook.rebuilding.on = False

@@ -143,3 +143,34 @@ def test_the_dataloader_iterator_class_is_what_a_dataloader_returns_and_refused_
     monkeypatch.delattr(dataloader, "_BaseDataLoaderIter")
     with pytest.raises(TorchCompatError, match=r"no usable torch\.utils\.data\.dataloader\._BaseDataLoaderIter"):
         compat.dataloader_iter_class()
+
+
+def test_the_world_teardown_hook_sees_every_destroy_of_the_world_before_its_store_goes():
+    # A world of one in this process, on a HashStore; the name bound at import is the tutorials' way.
+    import torch.distributed as dist
+    from torch.distributed import destroy_process_group
+
+    seen: list[str] = []
+
+    def before() -> None:
+        store = compat.default_store()  # still there: torch lets go of the groups and store after
+        store.set("alive", "1")
+        seen.append(store.get("alive").decode())
+
+    undo = compat.hook_world_teardown(before)
+    try:
+        for n, destroy in enumerate((destroy_process_group, lambda: dist.destroy_process_group())):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            sub = dist.new_group([0])
+            dist.destroy_process_group(sub)  # a group, not the world: nothing
+            assert seen == ["1"] * n
+            destroy()
+            assert not dist.is_initialized() and seen == ["1"] * (n + 1)
+        assert seen == ["1", "1"]
+    finally:
+        undo()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    destroy_process_group()  # undone: nothing
+    assert seen == ["1", "1"]
