@@ -20,9 +20,9 @@ While a watchdog runs, ``destroy_process_group()`` of the world first has the st
 ranks, before the group, and with it the server, goes (:class:`Closing`): measured under
 ``ncclguard.testing.launch``, rank 0's ``destroy_process_group()`` broke its peers' store connections
 at once, while rank 0 lived on. The hook sits inside torch's function
-(:func:`~ncclguard._torch_compat.hook_world_teardown`), not on its name: the tutorials'
+(:func:`~ncclguard._torch_compat.hook_world_teardown`), not on its name: nanoGPT's ``train.py``
 ``from torch.distributed import destroy_process_group`` binds the function before any wrapper could
-exist, and that script's rank 0 took its peers' work down with it. The watchdog goes on (a script
+exist, and a wrapper of the name let that script's rank 0 take its peers' work down with it. The watchdog goes on (a script
 may make a group again); it says ``finished`` when it stops. ncclguard's own rebuild destroys the
 world through :func:`destroy_for_rebuild`, which says nothing: a rebuild is no end.
 """

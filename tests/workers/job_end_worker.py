@@ -8,7 +8,7 @@ of all_reduce, then:
 
 1. rank 2 is done: it ends its script (``dist.destroy_process_group()``, then the interpreter's exit);
 2. ranks 0 and 1 go on for 6 s (1.5x ``peer_timeout_s``: a checkpoint each saves), then
-   rank 0 is done and ends the way PyTorch's DDP tutorials do (``destroy_process_group`` imported
+   rank 0 is done and ends the way nanoGPT's train.py does (``destroy_process_group`` imported
    from ``torch.distributed`` before ncclguard, called by that name), and with it the store;
 3. rank 1 goes on alone for 3 s more (an upload of its shard), then ends.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import rankkit
 import torch
 import torch.distributed as dist
-from torch.distributed import destroy_process_group  # bound before ncclguard, as the tutorials do
+from torch.distributed import destroy_process_group  # bound before ncclguard, as nanoGPT's train.py does
 
 import ncclguard
 from ncclguard.watching import ending
@@ -43,7 +43,7 @@ UPLOAD_S = 3.0
 
 def finish(wd: ncclguard.Watchdog) -> None:
     """The end of a user's script: the results, then destroy_process_group(), then the exit. Rank 0,
-    the store's host, calls the name bound at import (PyTorch's DDP tutorials), the others
+    the store's host, calls the name bound at import (nanoGPT's train.py), the others
     ``dist.destroy_process_group()``: both reach torch's one function."""
     rankkit.put("incidents", [i["kind"] for i in wd.incidents])
     t0 = time.monotonic()
