@@ -4,15 +4,15 @@ ncclguard reads what torch keeps private: the world's bookkeeping (group names, 
 a group's backend timeout, the backend's sequence number and its flight recorder. Every such
 access goes through a function here, and each is gated: a torch older than the version that
 introduced the API, or one that renamed or removed it, gets :class:`~ncclguard.errors.TorchCompatError`
-naming the API and the torch in use, instead of an ``AttributeError`` deep in a report.
-
-Tested on torch 2.13 (CPU, gloo); ``tests/house/test_torch_compat.py`` exercises every entry.
+naming the API and the torch in use, instead of an ``AttributeError`` deep in a report. Tested on
+torch 2.13 (CPU, gloo); ``tests/house/test_torch_compat.py`` exercises every entry.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 import types
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -32,6 +32,7 @@ __all__ = [
     "backend_timeout_reader",
     "default_group",
     "default_store",
+    "destroy_world_quietly",
     "ddp_bucket_parameters",
     "ddp_buckets_rebuilt",
     "ddp_initial_buckets",
@@ -142,15 +143,25 @@ def default_store() -> dist.Store:
     return _c10d_attr("_get_default_store")()
 
 
+_quiet = threading.local()  # on while ncclguard destroys a world it rebuilds (destroy_world_quietly)
+
+
+def destroy_world_quietly() -> None:
+    """``destroy_process_group()`` of the whole world without :func:`hook_world_teardown`'s hooks:
+    ncclguard's own rebuild, which is no end of the job (the store stays with the job)."""
+    _quiet.on = True
+    try:
+        dist.destroy_process_group()
+    finally:
+        _quiet.on = False
+
+
 def hook_world_teardown(before: Callable[[], None]) -> Callable[[], None]:
     """Calls ``before`` when ``destroy_process_group()`` ends this process's world, however its caller
     reached it (``from torch.distributed import destroy_process_group`` binds torch's function before
     any wrapper exists): it calls ``_update_default_pg(None)`` through its module, after the groups'
-    shutdown, before torch lets go of them and of their store. Not at ``_abort_process_group``.
-
-    Returns:
-        What undoes it (a later hook over this one is left in place).
-    """
+    shutdown, before torch lets go of them and of their store. Not at ``_abort_process_group``, nor in
+    :func:`destroy_world_quietly`. Returns what undoes it (a later hook over this one is left)."""
     api = "distributed_c10d._update_default_pg"
     _gate(api)
     c10d = _c10d()
@@ -159,8 +170,9 @@ def hook_world_teardown(before: Callable[[], None]) -> Callable[[], None]:
         raise _missing(api)
 
     def _update_default_pg(pg: Any) -> Any:
-        if pg is None and c10d.is_initialized() and sys._getframe(1).f_code.co_name == "destroy_process_group":
-            before()
+        if pg is None and c10d.is_initialized() and not getattr(_quiet, "on", False):
+            if sys._getframe(1).f_code.co_name == "destroy_process_group":
+                before()
         return original(pg)
 
     c10d._update_default_pg = _update_default_pg
@@ -248,14 +260,9 @@ def set_default_timeout_fn(fn: Callable[[Any], timedelta]) -> None:
 
 @contextmanager
 def routed_default_group(group: dist.ProcessGroup) -> Iterator[None]:
-    """Makes ``group`` the default group inside the block, so ``group=None`` collectives use it.
-
-    Args:
-        group: a process group over the same ranks as the default group, numbered the same.
-
-    Raises:
-        RuntimeError: no default process group, or ``group`` does not span the world in order.
-    """
+    """Makes ``group``, over the world's ranks numbered the same, the default group inside the block,
+    so ``group=None`` collectives use it. Raises ``RuntimeError`` when there is no default group, or
+    ``group`` does not span the world in order."""
     w = world()
     saved = w.default_pg
     if saved is None:
@@ -283,12 +290,11 @@ def dump_flight_recorder(*, only_active: bool = False, nccl: bool = False) -> st
 
     Args:
         only_active: only the entries not yet completed.
-        nccl: read the NCCL recorder (``_dump_nccl_trace_json``), which tracks started and
-            completed states; the default reads the backend-neutral one (gloo included).
+        nccl: the NCCL recorder (``_dump_nccl_trace_json``, started and completed states), not the
+            backend-neutral one (gloo included).
 
     Raises:
-        TorchCompatError: this torch has no such dump.
-    """
+        TorchCompatError: this torch has no such dump."""
     api = "torch._C._distributed_c10d." + ("_dump_nccl_trace_json" if nccl else "_dump_fr_trace_json")
     _gate(api)
     fn = getattr(torch._C._distributed_c10d, api.rsplit(".", 1)[1], None)
@@ -299,11 +305,8 @@ def dump_flight_recorder(*, only_active: bool = False, nccl: bool = False) -> st
 
 
 def abort_all_groups() -> tuple[list[str], list[str]]:
-    """Calls ``abort()`` on every process group, newest first; NCCL's inside one group call.
-
-    Returns:
-        (names aborted, ``"name: error"`` for each group whose abort raised).
-    """
+    """Calls ``abort()`` on every process group, newest first, NCCL's inside one group call. Returns
+    (names aborted, ``"name: error"`` for each group whose abort raised)."""
     groups = sorted(group_names().items(), key=lambda kv: kv[1], reverse=True)
     nccl = None
     try:
@@ -395,12 +398,9 @@ def grad_scaler_forget_step(scaler: Any) -> None:
 
 
 def ddp_bucket_parameters(ddp: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The parameters of each gradient bucket of a ``DistributedDataParallel``, in the order its
-    reducer all-reduces the buckets, each bucket's in the order of its flat buffer.
-
-    ``Reducer._get_zeros_like_grad_buckets`` (private; DDP's join hook uses it) returns the
-    reducer's current buckets as ``GradBucket`` objects, each holding a zero tensor shaped like the
-    bucket's buffer: memory the size of the gradients, for the moment of the call only.
+    """The parameters of each gradient bucket of a ``DistributedDataParallel``, in the order its reducer
+    all-reduces them, each bucket's in its buffer's order, from ``Reducer._get_zeros_like_grad_buckets``
+    (DDP's join hook uses it), which holds zeros the size of the gradients for the call's moment only.
 
     Raises:
         TorchCompatError: this torch has no such method, or ``ddp`` has no reducer.

@@ -49,7 +49,6 @@ from ncclguard.recovery._rebuild.world_records import deaths_before, record_new_
 from ncclguard.results import Result
 from ncclguard.store.clients import unprefixed
 from ncclguard.store.values import delete_prefix
-from ncclguard.watching import ending
 from ncclguard.world import Slot, World, WorldChange, announce, current_world, notify
 
 __all__ = ["RebuildResult", "generation", "origin_rank", "rebuild_for_step", "rebuild_world"]
@@ -196,7 +195,7 @@ def _abandon(world: World) -> None:
         _, failed = compat.abort_all_groups()
         if failed:
             log.warning("rebuild: aborting the old groups: %s", "; ".join(failed))
-    ending.destroy_for_rebuild()  # a rebuild is no end: the store's host tells nobody
+    compat.destroy_world_quietly()  # a rebuild is no end: the store's host tells nobody
     # ncclguard's own references to the old groups and what it counted on them.
     world.retire()  # its per-world state (group states, plans, buffers) holds no group past here
     compat.rebind_group_defaults(abandoned)

@@ -24,7 +24,7 @@ at once, while rank 0 lived on. The hook sits inside torch's function
 ``from torch.distributed import destroy_process_group`` binds the function before any wrapper could
 exist, and a wrapper of the name let that script's rank 0 take its peers' work down with it. The watchdog goes on (a script
 may make a group again); it says ``finished`` when it stops. ncclguard's own rebuild destroys the
-world through :func:`destroy_for_rebuild`, which says nothing: a rebuild is no end.
+world without the hook (``_torch_compat.destroy_world_quietly``): a rebuild is no end.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ __all__ = [
     "Closing",
     "announce_closing",
     "closing_wait_s",
-    "destroy_for_rebuild",
     "hook_destroy",
     "leave",
     "store_port",
@@ -169,13 +168,11 @@ class Closing:
 
 
 class _Hook:
-    """The teardown hook while a watchdog runs (:func:`~ncclguard._torch_compat.hook_world_teardown`),
-    and whether this thread is in ncclguard's own destroy of a world it rebuilds (no end)."""
+    """The undo of the teardown hook set while a watchdog runs (:func:`~ncclguard._torch_compat.hook_world_teardown`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.undo: Callable[[], None] | None = None
-        self.rebuilding = threading.local()
 
 
 _hook = _Hook()
@@ -183,16 +180,15 @@ _hook = _Hook()
 
 def hook_destroy(before: Callable[[], None]) -> None:
     """Has ``destroy_process_group()`` of the whole world call ``before`` first, before torch lets go
-    of the groups and their store, whatever name the caller reached torch's function by; not in
-    :func:`destroy_for_rebuild`. Idempotent; :func:`unhook_destroy` undoes it. Never raises.
+    of the groups and their store, whatever name the caller reached torch's function by; not when
+    ncclguard's rebuild destroys the world (``destroy_world_quietly``). Idempotent;
+    :func:`unhook_destroy` undoes it. Never raises.
 
     Args:
         before: what to do first (:meth:`Closing.ask`).
     """
 
     def at_teardown() -> None:
-        if getattr(_hook.rebuilding, "on", False):
-            return
         try:
             before()
         except Exception as exc:  # noqa: BLE001 - the user's destroy must go on whatever happened here
@@ -217,15 +213,3 @@ def unhook_destroy() -> None:
         undo, _hook.undo = _hook.undo, None
     if undo is not None:
         undo()
-
-
-def destroy_for_rebuild() -> None:
-    """torch's ``destroy_process_group()`` of the whole world, by ncclguard's own rebuild or stand-in:
-    no end of the job (the store stays with the job), so the store's host tells nobody."""
-    import torch.distributed as dist
-
-    _hook.rebuilding.on = True
-    try:
-        dist.destroy_process_group()
-    finally:
-        _hook.rebuilding.on = False

@@ -145,7 +145,7 @@ def test_the_dataloader_iterator_class_is_what_a_dataloader_returns_and_refused_
         compat.dataloader_iter_class()
 
 
-def test_the_world_teardown_hook_sees_every_destroy_of_the_world_before_its_store_goes():
+def test_the_world_teardown_hook_sees_every_users_destroy_of_the_world_before_its_store_goes():
     # A world of one in this process, on a HashStore; the name bound at import is the tutorials' way.
     import torch.distributed as dist
     from torch.distributed import destroy_process_group
@@ -167,6 +167,9 @@ def test_the_world_teardown_hook_sees_every_destroy_of_the_world_before_its_stor
             destroy()
             assert not dist.is_initialized() and seen == ["1"] * (n + 1)
         assert seen == ["1", "1"]
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        compat.destroy_world_quietly()  # ncclguard's rebuild: no end, nothing to tell
+        assert not dist.is_initialized() and seen == ["1", "1"]
     finally:
         undo()
         if dist.is_initialized():

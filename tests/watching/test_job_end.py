@@ -85,25 +85,3 @@ def test_a_destroy_waits_for_the_watchdogs_thread_only_when_another_thread_asks(
     own[0].start()
     own[0].join(30)
     assert not own[0].is_alive() and time.monotonic() - t0 < 3.0
-
-
-def test_ncclguards_own_destroy_for_a_rebuild_tells_nobody_and_a_users_does():
-    # A world of one in this process: the hook the watchdog sets, asked by a user's destroy of the
-    # world and not by the rebuild's (ending.destroy_for_rebuild), whose store stays with the job.
-    import torch.distributed as dist
-
-    from ncclguard.watching import ending
-
-    asked: list[int] = []
-    ending.hook_destroy(lambda: asked.append(1))
-    try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        ending.destroy_for_rebuild()
-        assert asked == [] and not dist.is_initialized()
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        dist.destroy_process_group()
-        assert asked == [1]
-    finally:
-        ending.unhook_destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()

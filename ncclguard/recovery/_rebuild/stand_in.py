@@ -36,7 +36,6 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.recovery._rebuild.restarts import restart_count
-from ncclguard.watching import ending
 
 __all__ = ["active", "awaiting_join", "install", "leave", "torch_init_process_group"]
 
@@ -82,7 +81,7 @@ def awaiting_join(heal: bool) -> bool:
 def leave() -> None:
     """Drops the stand-in group (before the join); nothing when there is none."""
     if active():
-        ending.destroy_for_rebuild()  # a rebuild is no end: the store's host tells nobody
+        compat.destroy_world_quietly()  # a rebuild is no end: the store's host tells nobody
     _STAND_IN.active = False
 
 
