@@ -3,7 +3,7 @@
 Every value the watchdog reads back (from the store or from disk) is parsed into one of these
 pydantic models; nothing is unpickled. Kinds, findings and culprit reasons are enums whose
 *values* are the words written since format version 1 ("hang", "desync", "behind", ...), so files
-and tests read the same; their *names* say which meaning of a word is meant (``lost`` used to mean
+and tests read the same; their *names* say which meaning of a word is meant (the value ``lost`` is
 three things: :attr:`IncidentKind.PEERS_LOST`, :attr:`FindingKind.RANKS_LOST`,
 :attr:`CulpritReason.STOPPED_BEATING`).
 
