@@ -85,3 +85,16 @@ def test_a_destroy_waits_for_the_watchdogs_thread_only_when_another_thread_asks(
     own[0].start()
     own[0].join(30)
     assert not own[0].is_alive() and time.monotonic() - t0 < 3.0
+
+
+def test_a_torch_without_the_teardown_hook_gets_a_warning_and_the_watchdog_goes_on(monkeypatch, caplog):
+    # The gate refuses (as on a torch older than the hook's API): one warning, no raise, no hook.
+    from ncclguard import _torch_compat as compat
+    from ncclguard.watching import ending
+
+    monkeypatch.setattr(compat, "TORCH_VERSION", (1, 13))
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        ending.hook_destroy(lambda: None)
+    assert ending._hook.undo is None
+    assert "distributed_c10d._update_default_pg" in caplog.text and "look to the other ranks" in caplog.text
+    ending.unhook_destroy()  # nothing to take away: no error
