@@ -129,7 +129,7 @@ def world() -> Any:
 
 def world_attributes() -> dict[str, Any]:
     """The live ``__dict__`` of torch's ``_World`` (read-only): ``"_default_pg"`` is the group ``group=None``
-    stands for, read by the recording wrappers without the property's call (none: they use the property)."""
+    stands for, read by the recording wrappers without the property's call (a torch without the key: the property)."""
     return vars(world())
 
 

@@ -22,9 +22,10 @@ ranks, before the group, and with it the server, goes (:class:`Closing`): measur
 at once, while rank 0 lived on. The hook sits inside torch's function
 (:func:`~ncclguard._torch_compat.hook_world_teardown`), not on its name: nanoGPT's ``train.py``
 ``from torch.distributed import destroy_process_group`` binds the function before any wrapper could
-exist, and a wrapper of the name let that script's rank 0 take its peers' work down with it. The watchdog goes on (a script
-may make a group again); it says ``finished`` when it stops. ncclguard's own rebuild destroys the
-world without the hook (``_torch_compat.destroy_world_quietly``): a rebuild is no end.
+exist, and a wrapper of the name let that script's rank 0 take its peers' work down with it. The
+watchdog goes on (a script may make a group again); it says ``finished`` when it stops. ncclguard's
+own rebuild destroys the world without the hook (``_torch_compat.destroy_world_quietly``): a
+rebuild is no end.
 """
 
 from __future__ import annotations
@@ -42,15 +43,7 @@ from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.world_watch import WorldWatch
 
-__all__ = [
-    "Closing",
-    "announce_closing",
-    "closing_wait_s",
-    "hook_destroy",
-    "leave",
-    "store_port",
-    "unhook_destroy",
-]
+__all__ = ["Closing", "announce_closing", "closing_wait_s", "hook_destroy", "leave", "store_port", "unhook_destroy"]
 
 
 def closing_wait_s(config: WatchdogConfig) -> float:
