@@ -170,9 +170,9 @@ def hook_world_teardown(before: Callable[[], None]) -> Callable[[], None]:
         raise _missing(api)
 
     def _update_default_pg(pg: Any) -> Any:
-        if pg is None and c10d.is_initialized() and not getattr(_quiet, "on", False):
-            if sys._getframe(1).f_code.co_name == "destroy_process_group":
-                before()
+        caller = sys._getframe(1).f_code.co_name  # torch's destroy of the world; not its abort, nor an init
+        if pg is None and caller == "destroy_process_group" and not getattr(_quiet, "on", False):
+            before()
         return original(pg)
 
     c10d._update_default_pg = _update_default_pg
