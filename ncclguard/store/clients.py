@@ -13,14 +13,20 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
+from functools import partial
+from typing import Any
 
 import torch.distributed as dist
 
 from ncclguard.deadlines import Deadline
-from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.bounded import bounded_store_call, in_torch_call
 from ncclguard.store.rounds import GRACE_S
 
-__all__ = ["connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
+__all__ = ["Connecting", "connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
+
+# One try's bound in :class:`Connecting`: Linux sends a SYN that a full accept queue dropped again
+# after 1 s, then 3 s and 7 s in all; a try cut shorter would end inside that wait.
+TRY_S = 10.0
 
 
 def unprefixed(store: dist.Store) -> dist.Store:
@@ -62,6 +68,84 @@ def connect(host: str, port: int, timeout_s: float) -> dist.Store:
         RuntimeError, DistStoreError: no store answered there in time.
     """
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class Connecting:
+    """A client of the store at ``host:port`` made on a thread of its own, tried again until
+    ``within_s`` has passed: on a loaded host a c10d client's connect now and then takes seconds
+    (measured: 0.3 s was too short for rank 0 to reach the store its own process served, CI, torch
+    2.13), and a caller bounded tighter than that must not lose the store for good.
+
+    Args:
+        host: the store's host.
+        port: its port.
+        within_s: how long to keep trying.
+        timeout_s: the client's own timeout once connected (see :func:`connect`).
+    """
+
+    def __init__(self, host: str, port: int, within_s: float, timeout_s: float) -> None:
+        self._lock = threading.Lock()
+        self._client: dist.Store | None = None
+        self._stop = threading.Event()
+        self._tried = threading.Event()  # set once the client is made or the tries are over
+        self._why = ""
+        if port >= 0:
+            args = (host, port, Deadline.within(within_s), timeout_s)
+            threading.Thread(target=self._try, args=args, name="ncclguard-store-connect", daemon=True).start()
+
+    @classmethod
+    def made(cls, client: Any) -> Connecting:
+        """One that is done: ``client`` (a store the caller was given) is its client."""
+        done = cls("", -1, 0.0, 0.0)
+        done._client = client
+        done._tried.set()
+        return done
+
+    def _try(self, host: str, port: int, deadline: Deadline, timeout_s: float) -> None:
+        try:
+            while not self._stop.is_set() and not deadline.passed():
+                bound, done = min(TRY_S, max(deadline.left(), 0.1)), threading.Event()
+                try:  # counted as under way: exit waits for it rather than finalize under a torch call
+                    client = in_torch_call(partial(connect, host, port, bound), done)
+                except (RuntimeError, dist.DistStoreError) as exc:  # refused, or no answer within the try
+                    self._why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    self._stop.wait(min(1.0, deadline.left()))
+                    continue
+                finally:
+                    done.set()
+                client.set_timeout(timedelta(seconds=timeout_s))
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._client = client
+                return
+        finally:
+            self._tried.set()
+
+    # Any: a c10d Store, or what ``made`` was given (a proxy or test double with a Store's methods).
+    def client(self) -> Any:
+        """The client, once made (never waits); None before."""
+        with self._lock:
+            return self._client
+
+    @property
+    def trying(self) -> bool:
+        """True while no client is made and the tries go on."""
+        return not self._tried.is_set()
+
+    @property
+    def why(self) -> str:
+        """The last try's failure, in one line ("" before any)."""
+        return self._why
+
+    def wait(self, timeout_s: float) -> Any:
+        """Waits ``timeout_s`` at most for the tries to end; the client, or None."""
+        self._tried.wait(timeout_s)
+        return self.client()
+
+    def close(self) -> None:
+        """Stops the tries: a client made from now on is dropped."""
+        with self._lock:
+            self._stop.set()
 
 
 def serves_here(port: int) -> bool:

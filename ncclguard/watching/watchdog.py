@@ -55,7 +55,7 @@ from ncclguard.watching.sensors.story import MainThreadTrack
 from ncclguard.watching.sensors.straggler.clocks import join_tickers
 from ncclguard.watching.views import Views
 from ncclguard.watching.world_watch import WorldWatch
-from ncclguard.watching.worlds import Announced, connect
+from ncclguard.watching.worlds import Announced, attach, connect
 from ncclguard.world import World, current_world, subscribe
 
 __all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
@@ -288,11 +288,7 @@ class Watchdog:
         cfg = self.config
         assert self.watch is not None
         poll = min(cfg.heartbeat_s / 5, 0.5)
-        first = self.watch
-        connect(first.desk, cfg, first.world_size, self._given_store, first.generation)
-        if first.desk.store is not None:
-            # A restarted process goes on from what its predecessor learned.
-            self.hang.load(first.desk.store, _launch_rank(self.rank))
+        connect(self.watch.desk, cfg, self.watch.world_size, self._given_store)
         next_beat = 0.0
         views = Views(cfg)  # the status index and the metrics, once per beat
         slow_store = False
@@ -303,6 +299,10 @@ class Watchdog:
                 next_beat = 0.0  # beat at once in the new world
             watch = self.watch
             desk = watch.desk
+            if (
+                store := attach(desk, cfg)
+            ) is not None:  # a restarted process goes on from what its predecessor learned
+                self.hang.load(store, _launch_rank(self.rank))
             try:
                 self._closing.serve(watch, self._given_store)  # a destroy_process_group() waits on it
                 now = time.monotonic()
@@ -331,9 +331,7 @@ class Watchdog:
             self._stop.wait(poll)
         if self._finished:
             ending.leave(self.watch, cfg, self._given_store)
-        store = self.watch.desk.store
-        if store is not None:
-            store.close()  # its helper thread ends with the watchdog
+        self.watch.desk.close()  # its store's helper thread ends with the watchdog
 
     def __enter__(self) -> Watchdog:
         return self.start()

@@ -9,12 +9,13 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.store.clients import Connecting
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore, store_addr
 from ncclguard.watching.desk.desk import IncidentDesk
 from ncclguard.world import World, WorldChange
 
-__all__ = ["Announced", "connect", "rank_and_size", "take_over"]
+__all__ = ["Announced", "attach", "connect", "rank_and_size", "take_over"]
 
 
 class Announced:
@@ -38,29 +39,63 @@ class Announced:
 
 
 # given: Any, as Watchdog's store (a c10d Store, or a proxy or test double with its methods).
-def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None, generation: int = 0) -> None:
-    """Gives ``desk`` its store: ``given``, else a new client of the job's store; none in a world
-    of one, or when the store cannot be reached (then incidents are handled on each rank alone)."""
-    keys = Keys.from_env(cfg.session, generation=generation)
+def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any = None) -> None:
+    """Starts ``desk``'s connection to its store: ``given``, else a new client of the job's store; none
+    in a world of one. :func:`attach` gives the desk the store once it answers.
+
+    The first try waits a store call's bound (``store_timeout``); if it misses, the tries go on in
+    the background for ``startup_grace_s`` (a connect on a loaded host now and then takes seconds),
+    and incidents are handled on this rank alone meanwhile."""
     if given is not None:
-        desk.store = WatchdogStore(given, keys, cfg.store_timeout, cfg.peer_timeout)
+        desk.connecting = Connecting.made(given)
         return
     addr = store_addr(cfg.store_addr)
     if addr is None or world_size <= 1:
         log.info("watchdog: no store (world of %d); incidents are handled on this rank only", world_size)
         return
-    try:
-        store = WatchdogStore.connect(addr, keys, cfg.store_timeout, cfg.peer_timeout)
-        desk.seen_count = store.incident_count()
-    except Exception as exc:  # noqa: BLE001 - any failure to connect leaves the rank on its own
-        desk.store_lost = True
-        log.error(
-            "watchdog: could not connect to the store at %s (%s); incidents are handled on this rank only",
+    host, _, port = addr.rpartition(":")
+    desk.store_addr, desk.connecting = addr, Connecting(host, int(port), cfg.startup_grace_s, cfg.store_timeout)
+    if desk.connecting.wait(cfg.store_timeout) is None:
+        log.warning(
+            "watchdog: no answer from the store at %s within %.3g s (%s); trying on for %.3g s, incidents are "
+            "handled on this rank alone meanwhile",
             addr,
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            cfg.store_timeout,
+            desk.connecting.why or "still connecting",
+            cfg.startup_grace_s,
         )
-        return
-    desk.store, desk.store_addr = store, addr
+
+
+def attach(desk: IncidentDesk, cfg: WatchdogConfig) -> WatchdogStore | None:
+    """Gives ``desk`` the store its :func:`connect` made, once made.
+
+    Returns:
+        The store, the once it is given (the watchdog then reads what the store kept for this
+        rank); None at every other call.
+    """
+    link = desk.connecting
+    if link is None:
+        return None
+    client = link.client()
+    if client is None:
+        if not link.trying:
+            desk.connecting = None
+            log.error(
+                "watchdog: could not connect to the store at %s in %.3g s (%s); incidents are handled on this rank only",
+                desk.store_addr,
+                cfg.startup_grace_s,
+                link.why or "no answer",
+            )
+        return None
+    desk.connecting = None
+    keys = Keys.from_env(cfg.session, generation=desk.world["generation"])
+    store = WatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout)
+    try:
+        desk.seen_count = store.incident_count()  # incidents from before this watchdog are not its own
+    except (StoreTimeout, StoreUnreachable):
+        desk.seen_count = 0
+    desk.store = store
+    return store
 
 
 def rank_and_size(world: World) -> tuple[int, int]:
@@ -85,7 +120,7 @@ def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, sessio
     if old is None:
         return
     desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
-    desk.store_closing = old.store_closing
+    desk.store_closing, desk.connecting = old.store_closing, old.connecting
     if desk.store is not None:
         desk.store.keys = Keys.from_env(session, generation=world.generation)
         try:

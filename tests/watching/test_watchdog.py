@@ -4,7 +4,9 @@ tests/watching/test_watchdog_multirank.py."""
 
 from __future__ import annotations
 
+import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 from pydantic import ValidationError
 
 from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.recording.instrument import is_instrumented
 from ncclguard.watching.base.settings import LADDERS
+from ncclguard.watching.base.watchdog_store import Keys
 from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE, Watchdog
 
 
@@ -149,3 +153,48 @@ def test_exit_waits_for_an_incidents_picture_instead_of_dying_of_sigabrt(tmp_pat
     assert "settled" in on.stdout and "drawings under way at finalization: 0" in on.stdout, on
     assert on.returncode == 0 and "terminate called" not in on.stderr, on
     assert [p.name for p in (tmp_path / "on").glob("*/timeline.png")] == ["timeline.png"]
+
+
+def test_a_store_that_answers_late_is_joined_and_one_that_never_answers_leaves_the_rank_alone(
+    tmp_path, monkeypatch, caplog
+):
+    # Rank 0 of 2 (no process group: the launcher's environment). On a loaded CI host rank 0's
+    # watchdog once missed its first connect's 0.3 s bound to the store its own process served, and
+    # handled its incidents alone for the whole job: the other ranks' merged report lacked its statement.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    caplog.set_level(logging.INFO, logger="ncclguard")
+    wd = start_watchdog(
+        heartbeat_s=0.1, hang_timeout_s=5, incident_dir=tmp_path, store_addr=f"127.0.0.1:{port}", instrument=False
+    )
+    try:
+        wait_for(lambda: "trying on for 60 s" in caplog.text, 60, "the warning of a store that did not answer")
+        assert wd.watch.desk.store is None
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        beat = Keys.from_env("main").heartbeat(0)
+        wait_for(lambda: server.check([beat]), 60, "rank 0's first heartbeat once the store is up")
+        assert "could not connect" not in caplog.text
+    finally:
+        wd.stop()
+    # A store that never answers within startup_grace_s: said once, and the watchdog goes on alone.
+    caplog.clear()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wd = start_watchdog(
+        heartbeat_s=0.1,
+        hang_timeout_s=5,
+        incident_dir=tmp_path,
+        store_addr=f"127.0.0.1:{port}",
+        startup_grace_s=1.0,
+        instrument=False,
+    )
+    try:
+        wait_for(lambda: "could not connect to the store" in caplog.text, 60, "the give-up line")
+        assert wd.watch.desk.store is None and wd.watch.desk.connecting is None and wd._thread.is_alive()
+        assert caplog.text.count("could not connect to the store") == 1
+    finally:
+        wd.stop()

@@ -38,6 +38,7 @@ from ncclguard.incidents.model import (
     TrackSpan,
 )
 from ncclguard.recording.rungs import ActedRung, acted
+from ncclguard.store.clients import Connecting
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
 from ncclguard.watching.desk.cases import (
@@ -101,6 +102,7 @@ class IncidentDesk:
         self.rank, self.world_size = state.rank, state.world_size
         self.store: WatchdogStore | None = None
         self.store_addr: str | None = None
+        self.connecting: Connecting | None = None  # the store's client being made (watching/worlds.py)
         self.store_lost = False
         self.store_closing = False  # the store's host said the store goes when it ends (the job's end)
         # A node's first rank logs every merged report, and copies the report where the directory is
@@ -113,6 +115,13 @@ class IncidentDesk:
         self._waiting_docs: dict[int, float] = {}
         self._local_count = 0
         self.merger = Merger(self)
+
+    def close(self) -> None:
+        """Ends this desk's store calls: its client's helper thread, and the tries of a connect under way."""
+        if self.connecting is not None:
+            self.connecting.close()
+        if self.store is not None:
+            self.store.close()
 
     def notify(self) -> None:
         """Wakes whoever waits for an incident to change (``Watchdog.wait_for_incident``)."""
