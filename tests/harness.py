@@ -7,6 +7,7 @@ A worker script (tests/workers/*.py) runs on every rank, uses the fault vocabula
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -76,6 +77,12 @@ def _kill_job(proc: subprocess.Popen) -> None:
         ranks = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         ranks = []
+    # First SIGABRT: faulthandler (PYTHONFAULTHANDLER, set for every rank) writes each thread's
+    # Python stack into the launch's log, which says where a hung rank was.
+    for child in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.send_signal(signal.SIGABRT)
+    psutil.wait_procs(ranks, timeout=5)
     os.killpg(proc.pid, signal.SIGKILL)
     for child in ranks:
         try:
@@ -128,7 +135,8 @@ def run_ranks(
             options (``["--restarts=1"]``: a rank restarted alone, without torchrun's teardown).
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
-    rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
+    rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    rank_env.update(env or {})
     # The worker imports rankkit from tests/workers; ncclguard comes from the installed package.
     rank_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS), rank_env.get("PYTHONPATH")]))
     script = [str(WORKERS / f"{worker}.py"), *args]

@@ -112,3 +112,41 @@ def test_every_multirank_test_says_what_each_of_its_launches_runs() -> None:
                 if needed and needed not in doc:
                     missing.setdefault(str(p.relative_to(REPO)), []).append(needed)
     assert missing == {}, missing
+
+
+def _timeout_marks(tree: ast.Module) -> tuple[float | None, list[float]]:
+    """The module's ``pytestmark`` timeout (or None) and every ``@pytest.mark.timeout(s)`` in it."""
+    module, marks = None, []
+    for node in ast.walk(tree):
+        func = node.func if isinstance(node, ast.Call) else None
+        if isinstance(func, ast.Attribute) and func.attr == "timeout" and getattr(func.value, "attr", "") == "mark":
+            marks.append(float(node.args[0].value))  # type: ignore[union-attr]
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in stmt.targets):
+            found = [
+                n for n in ast.walk(stmt.value) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "timeout"
+            ]
+            module = float(found[0].args[0].value) if found else None  # type: ignore[attr-defined]
+    return module, marks
+
+
+def test_every_launch_ends_by_its_own_hang_guard_before_pytest_timeout_ends_the_test() -> None:
+    # The harness kills a launch past its ``timeout_s`` and shows every rank's output. pytest-timeout
+    # ending the test first leaves the ranks running and their output unread: a part-C hang of
+    # tests/integrations/test_hf_recover_multirank.py (300 s each) said nothing of why.
+    default = float(re.search(r"^timeout = (\d+)", (REPO / "pyproject.toml").read_text(), re.M).group(1))  # type: ignore[union-attr]
+    short = {}
+    for p in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(p.read_text())
+        guards = [
+            float(kw.value.value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_ranks"
+            for kw in n.keywords
+            if kw.arg == "timeout_s" and isinstance(kw.value, ast.Constant)
+        ]
+        module, marks = _timeout_marks(tree)
+        limit = module or (min(marks) if marks else default)
+        if guards and max(guards) + 60 > limit:
+            short[str(p.relative_to(REPO))] = (max(guards), limit)
+    assert short == {}, f"launch guard and test timeout (give the module a pytestmark timeout 60 s above): {short}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(500)]  # past each launch's own hang guard
 
 STEPS, K, BASE = 6, 3, 6
 

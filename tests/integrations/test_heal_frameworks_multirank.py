@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(480)]  # past each launch's own hang guard
 
 STEPS, K = 6, 3
 SUPERVISE = ["--restarts=1", "--warm-spare"]

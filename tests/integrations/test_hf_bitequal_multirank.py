@@ -24,7 +24,7 @@ import re
 import pytest
 from harness import run_ranks
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]
 
 STEPS, KILL, VICTIM = 8, 5, 2
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
+pytestmark = pytest.mark.timeout(400)  # past each launch's own hang guard
+
 K = 2  # the step that fails (hf_recover_worker.K)
 HF_DDP_TIMEOUT_S = 1800.0  # TrainingArguments' default, left on the live group
 RECOVER_KEYS = {
@@ -34,10 +36,9 @@ RECOVER_KEYS = {
 def job():
     # Three parts, three 3 s step bounds, a 6 s commit and a 24 s rebuild in C (the survivors wait
     # both out for rank 2), then rank 2's fence (3 s of silent peers, 4 s of grace): 70-90 s under
-    # load (4 CPU burners on 2 cores). Hang guard: over 3x that. A rank that aborts dumps every
-    # thread's Python stack into launch.log (faulthandler): a SIGABRT in part C on a loaded fresh
-    # clone left no cause.
-    return run_ranks("hf_recover_worker", 3, "a", "b", "c", timeout_s=300, env={"PYTHONFAULTHANDLER": "1"})
+    # load (4 CPU burners on 2 cores). Hang guard: over 3x that. A rank that aborts, or one the
+    # guard ends, dumps every thread's Python stack into launch.log (the harness's faulthandler).
+    return run_ranks("hf_recover_worker", 3, "a", "b", "c", timeout_s=300)
 
 
 def recover_entries(history: list[dict]) -> list[dict]:

@@ -18,6 +18,8 @@ from harness import run_ranks
 
 from ncclguard.integrations.lightning.recovery import check_recoverable
 
+pytestmark = pytest.mark.timeout(480)  # past each launch's own hang guard
+
 STEPS, STALL_AT, KILL_AT, SNAPSHOT = (
     6,
     1,

@@ -27,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard.recovery._step.state import bucket_layout, kept_layout, share_layout, wrap_in_layout
 
+pytestmark = pytest.mark.timeout(400)  # past each launch's own hang guard
+
 STEPS, K = 10, 4  # ddp_bitequal_worker's: rank 2 dies at step K
 REBUILT = [23, 18]  # parameters in each of DDP's buckets once rebuilt (the first about 1 MiB); a fresh wrapper: [41]
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]  # past each launch's own hang guard
 
 STEPS, K, BASE = 6, 3, 6  # heal_worker's: rank 1 dies at step K of the run whose steps are BASE + step
 CLEAN0 = {

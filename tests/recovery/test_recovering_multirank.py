@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(400)]  # past each launch's own hang guard
 
 K = 2  # the step that fails (recovering_worker.K)
 CLEAN = {"ok": True, "attempts": 1, "rebuilds": 0, "commits": [[True, []]], "error": None}

@@ -29,7 +29,7 @@ import re
 import pytest
 from harness import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]  # past each launch's own hang guard
 
 STEPS, K, BASE = 6, 3, 6  # the worker's: the faulty run's steps are BASE + step, the host's kill at step K
 KILL_TAKE = 4  # the worker's: kill, rank 1 dies in its take of step BASE + 4

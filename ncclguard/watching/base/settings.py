@@ -53,7 +53,8 @@ class WatchdogConfig(BaseSettings):
         store_timeout_s: the bound of every store call (default: ``min(heartbeat_s, 5)``).
         watch_peers: each rank watches this many next ranks (ring order); every rank is watched
             by as many. Bounds the store traffic of large jobs.
-        startup_grace_s: a peer never heard from is lost after this long.
+        startup_grace_s: a peer never heard from is lost after this long; the first connect to the
+            store is tried this long (in the background once it missed ``store_timeout_s``).
         raise_signal: the signal that carries the ``raise`` rung into the main thread.
         session: a name for this watchdog's keys in the store; give a new one to a second
             watchdog started in the same job.
