@@ -24,8 +24,8 @@ from ncclguard.store.rounds import GRACE_S
 
 __all__ = ["Connecting", "connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
 
-# One try's bound in :class:`Connecting`: Linux sends a SYN that a full accept queue dropped again
-# after 1 s, then 3 s and 7 s in all; a try cut shorter would end inside that wait.
+# One try's bound in :class:`Connecting`: it outlasts a connect whose first SYN was lost (Linux sends
+# it again 1 s, 3 s and 7 s after the first), and leaves time for more tries within the grace.
 TRY_S = 10.0
 
 
