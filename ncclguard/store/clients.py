@@ -89,7 +89,7 @@ class Connecting:
         self._stop = threading.Event()
         self._tried = threading.Event()  # set once the client is made or the tries are over
         self._why = ""
-        if port >= 0:
+        if port >= 0:  # (-1: no tries, the client is given: ``made``)
             args = (host, port, Deadline.within(within_s), timeout_s)
             threading.Thread(target=self._try, args=args, name="ncclguard-store-connect", daemon=True).start()
 

@@ -299,9 +299,8 @@ class Watchdog:
                 next_beat = 0.0  # beat at once in the new world
             watch = self.watch
             desk = watch.desk
-            if (
-                store := attach(desk, cfg)
-            ) is not None:  # a restarted process goes on from what its predecessor learned
+            store = attach(desk, cfg)  # the store, at the tick its client is first made (worlds.py)
+            if store is not None:  # a restarted process goes on from what its predecessor learned
                 self.hang.load(store, _launch_rank(self.rank))
             try:
                 self._closing.serve(watch, self._given_store)  # a destroy_process_group() waits on it
