@@ -24,9 +24,10 @@ from ncclguard.store.rounds import GRACE_S
 
 __all__ = ["Connecting", "connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
 
-# One try's bound in :class:`Connecting`: it outlasts a connect whose first SYN was lost (Linux sends
-# it again 1 s, 3 s and 7 s after the first), and leaves time for more tries within the grace.
-TRY_S = 10.0
+# One try's bound in :class:`Connecting`. A try is a torch call that the interpreter's exit waits for,
+# 10 s at most (store/bounded.py, EXIT_WAIT_S); a c10d connect can overrun its own bound (one gave up
+# 5 s after its 0.3 s, in CI), so a try's bound leaves that much room below the exit's wait.
+TRY_S = 4.0
 
 
 def unprefixed(store: dist.Store) -> dist.Store:
@@ -105,14 +106,16 @@ class Connecting:
         try:
             while not self._stop.is_set() and not deadline.passed():
                 bound, done = min(TRY_S, max(deadline.left(), 0.1)), threading.Event()
+                client = None
                 try:  # counted as under way: exit waits for it rather than finalize under a torch call
                     client = in_torch_call(partial(connect, host, port, bound), done)
                 except (RuntimeError, dist.DistStoreError) as exc:  # refused, or no answer within the try
                     self._why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    self._stop.wait(min(1.0, deadline.left()))
-                    continue
                 finally:
                     done.set()
+                if client is None:
+                    self._stop.wait(min(1.0, deadline.left()))
+                    continue
                 client.set_timeout(timedelta(seconds=timeout_s))
                 with self._lock:
                     if not self._stop.is_set():
