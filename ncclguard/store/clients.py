@@ -25,9 +25,9 @@ from ncclguard.store.rounds import GRACE_S
 __all__ = ["Connecting", "connect", "job_address", "serves_here", "store_for_this_thread", "unprefixed"]
 
 # One try's bound in :class:`Connecting`. A try is a torch call that the interpreter's exit waits for,
-# 10 s at most (store/bounded.py, EXIT_WAIT_S); a c10d connect can overrun its own bound (one gave up
-# 5 s after its 0.3 s, in CI), so a try's bound leaves that much room below the exit's wait.
-TRY_S = 4.0
+# 10 s at most (store/bounded.py, EXIT_WAIT_S), and a c10d connect overruns its bound: it tries twice
+# (torch 2.13: a 4 s bound gave up after 8.6 s with nothing listening; in CI a 0.3 s one after 5 s).
+TRY_S = 3.0
 
 
 def unprefixed(store: dist.Store) -> dist.Store:

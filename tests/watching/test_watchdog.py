@@ -224,7 +224,7 @@ def test_a_process_that_ends_while_its_watchdog_still_tries_to_reach_the_store_e
     # 120 s: hang guard (the run takes 3-10 s: the import, 1 s of tries, the exit's wait for the try under way)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and "leaving" in run.stdout, run
-    # The try under way at exit (a refused connect is tried again for the try's whole 4 s bound) was
+    # The try under way at exit (a refused connect is tried again for the try's whole 3 s bound) was
     # waited for: no thread was left inside torch. Without the wait, one was (checked by hand).
     assert "tries at finalization: 0" in run.stdout, run
     assert "trying on for 60 s" in run.stderr and "terminate called" not in run.stderr, run
