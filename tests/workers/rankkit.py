@@ -131,6 +131,8 @@ def done() -> None:
 
     ``os._exit`` because a group that timed out still holds the abandoned op in gloo's queue,
     and normal interpreter shutdown would wait on it (or abort) in the group's destructor.
+    A rank that made a group just before barriers first: leaving closes the group's pairs, and
+    a peer still in gloo's connect fails (tests/workers/netenv_worker.py, ``_leave_together``).
     """
     save()
     sys.stdout.flush()
