@@ -38,14 +38,15 @@ from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import (
     Arrival,
     Meeting,
+    deaths_before,
     dense_rank_map,
     handshake_timeout,
     meet,
+    record_new_world,
     validate_arguments,
     world_prefix,
 )
 from ncclguard.recovery._rebuild.reaper import reaper
-from ncclguard.recovery._rebuild.world_records import deaths_before, record_new_world
 from ncclguard.results import Result
 from ncclguard.store.clients import unprefixed
 from ncclguard.store.values import delete_prefix

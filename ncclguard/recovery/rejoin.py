@@ -34,13 +34,13 @@ from ncclguard.recovery._rebuild.meeting import (
     MeetingKeys,
     MeetingOutcome,
     WorldRecord,
+    deaths_before,
     dense_rank_map,
     handshake_timeout,
     meet,
     world_prefix,
 )
 from ncclguard.recovery._rebuild.restarts import RESTART_COUNT_VAR, restart_count
-from ncclguard.recovery._rebuild.world_records import deaths_before
 from ncclguard.recovery.rebuild import _ORIGIN, RebuildResult
 from ncclguard.store.clients import connect, job_address
 from ncclguard.store.values import read_value
