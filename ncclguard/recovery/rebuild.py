@@ -353,10 +353,11 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
     # a later call meets as its members, and the subscribers (the watchdog) follow it now.
     new = _next_world(world, meeting, rank_map, missing, deadline)
     announce(new)
-    recorded = record_new_world(world, new, deadline)
-    # The rank that recorded the world bounds its handshake from the record's timeout (the world's
-    # collective timeout), the others from the caller's: kept as it was before this was split.
-    handshake_s = handshake_timeout(recorded.timeout_s if recorded is not None else timeout_s, deadline.left())
+    record_new_world(world, new, deadline)
+    # Every member bounds its handshake by the caller's timeout, the rank that recorded the world
+    # too: a longer bound there (the world's collective timeout, 1,800 s on gloo by default) kept
+    # it in the handshake long after the others had given up, and their next meeting left it out.
+    handshake_s = handshake_timeout(timeout_s, deadline.left())
     problem = _build_group(world, new, handshake_s)
     if problem is not None:
         return _failed(new, start, missing, problem), new

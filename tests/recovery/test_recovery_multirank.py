@@ -1,5 +1,5 @@
 """rebuild_world on real gloo ranks: after a timeout, after a SIGKILL, with a rank that does not
-come, 20 times in a row, and with the job's store gone.
+come, 20 times in a row, with the job's store gone, and with a member's handshake failing.
 
 Launches (tests/workers/recovery_worker.py), each 3 ranks:
 ``timeout_and_loop`` torchrun: bad arguments refused before any communication; rank 2 skips an all_reduce,
@@ -12,6 +12,8 @@ Launches (tests/workers/recovery_worker.py), each 3 ranks:
     arriving late, is left out.
 ``store_lost`` spawn: rank 0, whose process serves the job's store, is SIGKILLed; ranks 1-2's rebuild is
     falsy at once and says the store did not answer.
+``handshake`` torchrun, 2 ranks, the world made with every default: rank 1's handshake into the rebuilt
+    world fails; rank 0, which records the world, gives up within the rebuild's timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def killed_job():
 @pytest.fixture(scope="module")
 def absent_job():
     return run_ranks("recovery_worker", 3, "absent", launcher="spawn", timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def handshake_job():
+    # 2 ranks: one rebuild whose handshake fails on rank 1 (about 6 s here). Hang guard: the bound
+    # rank 0 had before (450 s) ends the launch instead.
+    return run_ranks("recovery_worker", 2, "handshake", timeout_s=90)
 
 
 def assert_world(checks: dict, rank: int, size: int, launch_ranks: list[int]) -> None:
@@ -185,3 +194,19 @@ def test_a_failed_rebuild_carries_a_rebuild_failed_that_agrees_with_its_result(a
     for res in failed:
         assert res["ok"] is False and res["error_type"] == "RebuildFailed" and res["error_fields_agree"] is True
     assert absent_job[0]["together"]["error_type"] is None and absent_job[0]["together"]["error"] is None
+
+
+def test_the_rank_that_records_the_world_gives_up_its_handshake_within_the_rebuilds_timeout(handshake_job):
+    """tests/workers/recovery_worker.py ``handshake``: the world made with every default, rank 1's
+    handshake into the rebuilt world fails, and rank 0 (the recorder) gives up within the caller's
+    4 s, not a quarter of the world's 1,800 s: its next meeting finds the others still there."""
+    assert handshake_job[0]["world_timeout_s"] == 1800.0
+    failed = handshake_job[1]["rebuild"]
+    assert failed["ok"] is False and "injected: this rank's handshake failed" in failed["error"], failed
+    assert handshake_job[1]["rank0_done"] is True
+    recorder = handshake_job[0]["rebuild"]
+    assert recorder["ok"] is False and recorder["bool"] is False, recorder
+    assert "the new group of generation 1 could not be built" in recorder["error"], recorder
+    # The bound is max(time left, 4 / 4, 2 s) after the meeting: about 4 s. 30 s: a hang guard
+    # (7x), far under the 450 s the recorder's bound was.
+    assert recorder["wall"] < 30.0, recorder

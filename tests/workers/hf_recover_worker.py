@@ -226,8 +226,8 @@ def part_c() -> None:
     # 48 samples, batches of 4 on 3 ranks: 4 steps an epoch; 7 steps cross into a second epoch.
     watchdog = {"action": "report", "heartbeat_s": 0.5, "hang_timeout_s": 3, "escalate_after_s": 4}
     # The survivors wait out both timeouts for rank 2, so each costs its length. The rebuild's also
-    # bounds the new group's handshake after a shrink: rebuild_world gives a rank that does not
-    # record the world max(time left, rebuild_timeout / 4, 2 s), and a shrink leaves no time, so
+    # bounds the new group's handshake after a shrink: rebuild_world gives every member
+    # max(time left, rebuild_timeout / 4, 2 s), and a shrink leaves no time, so
     # the 4 s this was gave rank 1 the 2 s floor. Under load (4 CPU burners on 2 cores) the
     # handshake took up to 0.9 s, and a rank 0 that came 2.5 s late (a delay injected before its
     # init_process_group) made rank 1 fail with "the new group of generation 1 could not be built

@@ -328,5 +328,43 @@ def store_lost() -> None:
     rankkit.done()
 
 
+def handshake() -> None:
+    """torchrun, 2 ranks, the world made with every default (gloo's collective timeout: 1,800 s):
+    rank 1's handshake into the rebuilt world fails at once; rank 0, the rank that records the
+    world, gives up within the rebuild's own timeout, not a quarter of the world's (450 s)."""
+    import logging
+    from pathlib import Path
+
+    from ncclguard.env.hierarchy import group_timeout_s
+    from ncclguard.recovery._rebuild import stand_in
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    dist.init_process_group("gloo")
+    put("world_timeout_s", group_timeout_s(compat.default_group()))
+    warm = torch.ones(1)
+    dist.all_reduce(warm)
+    me = rankkit.rank()  # the launch's rank: a failed rebuild leaves no default group to ask
+    if me == 1:
+
+        def fails(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected: this rank's handshake failed")
+
+        stand_in.torch_init_process_group = fails  # type: ignore[assignment]
+    t0 = time.monotonic()
+    res = rebuild_world(timeout=4)
+    put("rebuild", {**result_fields(res), "wall": time.monotonic() - t0})
+    if me == 1:
+        # Rank 1 stays until rank 0 has its result: rank 0's wait ends by its bound, not by a leaver.
+        out = Path(os.environ["NCCLGUARD_TEST_OUT"])
+        put("rank0_done", rankkit.when(lambda: (out / "rank0.json").exists(), 120).wait(120))
+    rankkit.done()
+
+
 if __name__ == "__main__":
-    {"timeout_and_loop": timeout_and_loop, "killed": killed, "absent": absent, "store_lost": store_lost}[sys.argv[1]]()
+    {
+        "timeout_and_loop": timeout_and_loop,
+        "killed": killed,
+        "absent": absent,
+        "store_lost": store_lost,
+        "handshake": handshake,
+    }[sys.argv[1]]()
