@@ -64,6 +64,14 @@ class _Tally:
     clock: Clock
 
 
+@dataclass(frozen=True)
+class _NoRedo:
+    """The new world could not take the step (a heal failed, the re-wrap raised): no redo. The next
+    commit fails on ``error`` on this rank, so every rank rebuilds again."""
+
+    error: BaseException
+
+
 class Clock:
     """Seconds spent per phase of a transaction (:attr:`Recovered.timings`)."""
 
@@ -179,6 +187,9 @@ class Transaction(Generic[T]):
                 if attempt == opts.max_attempts or redo is None:
                     break
                 ended = self._recover(attempt, tally)
+                if isinstance(ended, _NoRedo):
+                    self.failure = ended.error
+                    continue
                 if ended is not None:
                     return ended
                 self._redo_step(redo, attempt, tally.clock)
@@ -208,13 +219,14 @@ class Transaction(Generic[T]):
             self._recovered(self.number, attempt, tally.commits, tally.joined, tally.clock.laps)
         return self._result(True, attempt, tally, None)
 
-    def _recover(self, attempt: int, tally: _Tally) -> StepResult[T] | None:
+    def _recover(self, attempt: int, tally: _Tally) -> StepResult[T] | _NoRedo | None:
         """After a failed commit: rebuilds the world, puts back the state the step found, and
         brings the restarted ranks and the model onto the new world.
 
         Returns:
-            The step's result when it ends here (no world, a heal or a restore failed, every rank
-            went back to an older snapshot), or None: the step is redone.
+            The step's result when it ends here (no world, a restore failed, every rank went back
+            to an older snapshot); :class:`_NoRedo` when the new world could not take the step (a
+            heal failed, the re-wrap raised); or None: the step is redone.
 
         Raises:
             Reenter: the adapter's framework enters its loop again (the transaction is carried).
@@ -244,23 +256,30 @@ class Transaction(Generic[T]):
         # all_reduce did not) would be summed into it.
         adapter.zero_grad()
 
-    def _onto_new_world(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | None:
+    def _onto_new_world(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | _NoRedo | None:
         """Heals the restarted ranks the rebuild admitted (a replicated model), re-wraps the model
         on the new world, then restores sharded state from the snapshots.
 
+        A heal that failed (a receiver died or refused, a chunk missed the deadline) or a re-wrap
+        that raised (DDP's first broadcast to a receiver that died) leaves a world that may be
+        dead: the step is not redone there, and the next commit rebuilds it (a receiver restarted
+        again joins that rebuild), within ``max_attempts``.
+
         Returns:
-            The step's result when it ends here, or None: the step is redone.
+            The step's result when it ends here, :class:`_NoRedo`, or None: the step is redone.
 
         Raises:
             Reenter: from the adapter's re-wrap; the transaction is carried to the next begin.
         """
         engine, number = self.engine, self.number
-        # A failed heal with none before it leaves tally.healed as it was (None), and the redo's
-        # commit settles it: kept as the engine has always done.
-        tally.healed = engine.heal_joined(rebuilt, number) or tally.healed
+        healed = engine.heal_joined(rebuilt, number)
         tally.clock.lap("heal")
-        if tally.healed is not None and not tally.healed:
-            return self._result(False, attempt, tally, tally.healed.error)
+        if healed is not None:
+            tally.healed = healed
+            if not healed:
+                assert healed.error is not None
+                log.warning("%s: step %s: %s; the world is rebuilt again", engine.adapter.name, number, healed.error)
+                return _NoRedo(healed.error)
         tally.joined += rebuilt.joined_ranks
         try:
             engine.adapter.rewrap(rebuilt)
@@ -270,6 +289,16 @@ class Transaction(Generic[T]):
                 number, attempt, tally.commits, tally.clock, tally.joined, tally.healed, self._start
             )
             raise
+        except Exception as exc:  # noqa: BLE001 - the new world failed under the wrap: rebuild again
+            tally.clock.lap("rewrap")
+            log.warning(
+                "%s: step %s: the re-wrap on the new world raised (%s: %s); the world is rebuilt again",
+                engine.adapter.name,
+                number,
+                type(exc).__name__,
+                exc,
+            )
+            return _NoRedo(exc)
         tally.clock.lap("rewrap")
         return self._restore_sharded(rebuilt, attempt, tally)
 

@@ -1,5 +1,5 @@
 """Healing a restarted rank, on 3 real gloo ranks under ncclguard's launcher with a restart
-policy. Rank side: tests/workers/heal_worker.py."""
+policy, and a restart that dies again inside its heal. Rank side: tests/workers/heal_worker.py."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def torchrun_job():
     # agent never sees the SIGKILL, with a warm spare that takes the dead rank's place. The same
     # worker: 64 s here on a loaded host. Hang guard: 360 s.
     return run_ranks("heal_worker", 3, supervise=["--restarts=1", "--warm-spare"], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def twice_job():
+    # The job's launch, with rank 1's first restart dying inside its heal and a second restart:
+    # a rebuild and a restart more (about 20 s more here). Hang guard: 360 s.
+    return run_ranks("heal_worker", 3, "twice", launcher="spawn", restarts=2, restart_on=[-9], timeout_s=360)
 
 
 def test_under_torchrun_a_supervisor_restarts_the_rank_alone_from_its_warm_spare_and_it_is_healed(torchrun_job):
@@ -126,3 +133,39 @@ def test_a_receiver_with_another_shape_refuses_and_nothing_moves(job):
         "p:weight torch.float64[9, 4]"
     )
     assert job[0]["refused"]["error"] == "rank 1 refused the source's state"
+
+
+def test_a_restart_that_dies_inside_its_heal_is_restarted_again_healed_and_every_rank_ends_bit_equal(twice_job):
+    assert [(r.rank, r.count, r.returncode) for r in twice_job.restarts] == [(1, 1, -9), (1, 2, -9)]
+    assert twice_job.lives == {0: [0], 1: [-9, -9, 0], 2: [0]}
+    for r, role in ((0, "source"), (2, "bystander")):
+        steps = twice_job[r]["results"]
+        assert steps[:K] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(K)]
+        # The heal into generation 1 failed (its receiver died): no redo there; the next commit
+        # failed on it and the world was rebuilt with the second restart, healed and redone.
+        assert steps[K] == {
+            "step": K,
+            "ok": True,
+            "attempts": 3,
+            "generation": 2,
+            "rebuilds": 2,
+            "commits": [[False, [0, 1, 2]], [False, [0, 1, 2]], [True, []]],
+            "died": [1, 1],
+            "early": True,
+            "error": None,
+            "world_size": 3,
+            "healed": [True, role, 0, [1], BASE + K, STATE_BYTES, CHUNKS],
+        }
+        assert steps[K + 1 :] == [{"step": s, **CLEAN0, "generation": 2, "world_size": 3} for s in range(K + 1, STEPS)]
+    assert twice_job.output.count("the world is rebuilt again") == 2  # the source's and the bystander's
+    res = twice_job[1]
+    assert (res["life"], res["resume_step"]) == (2, BASE + K)
+    assert res["healed"] == [True, "receiver", 0, [1], BASE + K, STATE_BYTES, CHUNKS]
+    for r in range(3):
+        res = twice_job[r]
+        assert res["final"] == [r, 3, 2]
+        assert (res["equal_across_ranks"], res["equal_to_reference"], res["buffers_equal_to_own_reference"]) == (
+            True,
+            True,
+            True,
+        )

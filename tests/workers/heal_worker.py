@@ -7,6 +7,10 @@ The launcher restarts rank 1 alone; its second life builds the same module and o
 it runs from ``resume_step``. All three then compare parameters, buffers and the optimizer's
 state with each other and with the reference (rank 0 broadcasts its copy). Last, a heal whose
 receiver has a module of another shape is refused on every rank and copies nothing.
+
+``heal_worker.py twice`` (restarts=2): the same, and rank 1's restart dies too, inside the heal (as
+its bytes begin to move). The survivors' heal fails, the world is rebuilt again with rank 1's second
+restart, which is healed, and every rank ends bit-equal to the fault-free run.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import torch.distributed as dist
 from rankkit import put
 
 import ncclguard
+import ncclguard.recovery.heal as heal_module
 from ncclguard import RecoveringStep
 from ncclguard.recovery.records import StepResult
 
 rankkit.rank = lambda: int(os.environ["RANK"])  # results go by launch rank, whatever the world
 ME = int(os.environ["RANK"])
 LIFE = ncclguard.restart_count()
+TWICE = sys.argv[1:] == ["twice"]
 
 # A dead peer fails some survivors' collective at once ("Connection reset by peer"); gloo leaves
 # another survivor waiting for data the first one will never send until its op's timeout: the step
@@ -140,6 +146,17 @@ def train(kill_at: int | None, base: int) -> tuple[torch.nn.Module, torch.optim.
     return module, opt, stepper, results
 
 
+def die_in_heal() -> None:
+    """Rank 1's first restart dies inside its heal, as the state's bytes begin to move."""
+    real = heal_module._send_bytes
+
+    def send_bytes(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        rankkit.kill(ME)
+        return real(*args, **kwargs)
+
+    heal_module._send_bytes = send_bytes  # type: ignore[assignment]
+
+
 def from_hex(values: list[str]) -> torch.Tensor:
     return torch.tensor([float.fromhex(v) for v in values], dtype=torch.float64)
 
@@ -171,6 +188,8 @@ def refused_heal() -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
+    if TWICE and ME == 1 and LIFE == 1:
+        die_in_heal()
     if LIFE == 0:
         dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         ref_module, ref_opt, _, ref_results = train(kill_at=None, base=0)
