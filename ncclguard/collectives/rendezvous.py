@@ -157,7 +157,8 @@ def exchange(info: GroupInfo, name: str, payload: Any, deadline: Deadline) -> Ro
     start = time.monotonic()
     size, me = info.size, info.rank
     try:
-        # cast: None only for a group torch does not know, which fails here as it always did.
+        # cast: None only for a group torch does not know (an abandoned world's): the round then
+        # fails at its first store call (AttributeError).
         store = store_for_this_thread(cast("Store", info.store), deadline)
         # A store whose host is cut off never answers add/set: the round is bounded as a whole.
         settled = settle_round(

@@ -14,6 +14,9 @@ the backend's sequence numbers stay equal and the next commit agrees):
 3. the tensors' bytes go out in broadcasts of at most ``chunk_bytes``, each bounded by what is
    left of the deadline; receivers stage them, and only once every chunk has arrived copy them
    into the module's parameters and buffers and load the optimizer's state.
+
+Every wait also ends as soon as a member's launcher reports it dead (the death notices,
+:func:`~ncclguard.recovery.snapshots.exchange.run_watched`), not only at the deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from ncclguard.recovery.heal_header import (
     module_tensors,
     nbytes,
 )
+from ncclguard.recovery.snapshots.exchange import Dead, death_watch, run_watched
 from ncclguard.recovery.state_json import from_json
 from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
@@ -80,17 +85,11 @@ class HealResult(Result):
     error: HealFailed | None = None
 
 
-def _wait(work: Any, deadline: Deadline, what: str) -> None:
-    if deadline.passed():
-        raise HealFailed(f"the heal's deadline passed before {what}")
-    try:
-        work.wait(timeout=deadline.as_timedelta())
-    except Exception as exc:
-        raise HealFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _broadcast(t: torch.Tensor, src: int, deadline: Deadline, what: str) -> None:
-    _wait(dist.broadcast(t, src=src, async_op=True), deadline, what)
+def _broadcast(t: torch.Tensor, src: int, deadline: Deadline, dead: Dead, what: str) -> None:
+    # Watched: a receiver that dies mid-heal fails the source's broadcast at once, but gloo leaves
+    # another rank waiting on a live one up to the deadline (heal_timeout, 60 s by default); its
+    # launcher's death notice ends that wait instead.
+    run_watched(what, partial(dist.broadcast, t, src=src, async_op=True), deadline, dead)
 
 
 def _pieces(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -158,7 +157,7 @@ def heal_from_peer(
     result = HealResult(False, role, source, wanted)
     deadline = Deadline(start + timeout_s)
     try:
-        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, result, extra)
+        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, death_watch(), result, extra)
         result.ok = True
     except HealFailed as exc:
         result.error = exc
@@ -241,6 +240,7 @@ def _heal(
     chunk_bytes: int,
     limit: int,
     deadline: Deadline,
+    dead: Dead,
     result: HealResult,
     extra: Any = None,
 ) -> None:
@@ -251,10 +251,10 @@ def _heal(
         HealFailed: the source sent nothing, a receiver refused, a collective failed or missed the
             deadline, or the state could not be applied.
     """
-    header, sent = _exchange_header(module, optimizer, me, source, step, chunk_bytes, deadline, extra)
-    _stop_on_refusal(header, module, optimizer, me, source, receivers, limit, deadline)
+    header, sent = _exchange_header(module, optimizer, me, source, step, chunk_bytes, deadline, dead, extra)
+    _stop_on_refusal(header, module, optimizer, me, source, receivers, limit, deadline, dead)
     result.step = header.step
-    staged = _send_bytes(header, sent, me, source, me in receivers, deadline, result)
+    staged = _send_bytes(header, sent, me, source, me in receivers, deadline, dead, result)
     if me in receivers:
         _apply(module, optimizer, header, staged)
         if header.extra is not None:
@@ -272,6 +272,7 @@ def _exchange_header(
     step: int | None,
     chunk_bytes: int,
     deadline: Deadline,
+    dead: Dead,
     extra: Any,
 ) -> tuple[Header, list[torch.Tensor]]:
     """Step 1: the source's header, its length then its bytes. Every rank checks the length
@@ -293,12 +294,12 @@ def _exchange_header(
             header = Header(error=str(exc)[:4096])
         raw = header.model_dump_json().encode()
     length = torch.tensor([len(raw) if me == source else 0], dtype=torch.int64)
-    _broadcast(length, source, deadline, "the header's length")
+    _broadcast(length, source, deadline, dead, "the header's length")
     n = int(length.item())
     if n > MAX_HEADER_BYTES:
         raise HealFailed(f"the source's header is {n} bytes, over the bound of {MAX_HEADER_BYTES}")
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == source else torch.empty(n, dtype=torch.uint8)
-    _broadcast(buf, source, deadline, "the header")
+    _broadcast(buf, source, deadline, dead, "the header")
     if header is None:
         try:
             header = decode(Header, bytes(buf.numpy()), "the heal's header", MAX_HEADER_BYTES)
@@ -316,6 +317,7 @@ def _stop_on_refusal(
     receivers: list[int],
     limit: int,
     deadline: Deadline,
+    dead: Dead,
 ) -> None:
     """Step 2: who refuses, learnt in one all_reduce, so that every rank stops together before
     anything is copied.
@@ -326,7 +328,7 @@ def _stop_on_refusal(
     refusal = check_header(header, module, optimizer, limit) if me in receivers else None
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
-    _wait(dist.all_reduce(flags, async_op=True), deadline, "the receivers' answer")
+    run_watched("the receivers' answer", partial(dist.all_reduce, flags, async_op=True), deadline, dead)
     refused = [r for r in range(flags.numel()) if flags[r] != 0]
     if header.error is not None:
         raise HealFailed(f"the source (rank {source}) sends nothing: {header.error}")
@@ -343,6 +345,7 @@ def _send_bytes(
     source: int,
     receives: bool,
     deadline: Deadline,
+    dead: Dead,
     result: HealResult,
 ) -> list[torch.Tensor]:
     """Step 3: the tensors' bytes, in broadcasts of at most the header's chunk size, each bounded
@@ -373,7 +376,7 @@ def _send_bytes(
                 take = min(size - filled, src_piece.numel() - src_off)
                 view[filled : filled + take].copy_(src_piece[src_off : src_off + take])
                 filled, src_off = filled + take, src_off + take
-        _broadcast(view, source, deadline, f"chunk {result.chunks} ({offset} of {total} bytes)")
+        _broadcast(view, source, deadline, dead, f"chunk {result.chunks} ({offset} of {total} bytes)")
         if receives:
             _scatter(view, offset, targets)
         offset += size

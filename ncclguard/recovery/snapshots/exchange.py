@@ -20,12 +20,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ncclguard import _torch_compat as compat
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery.snapshots.packing import MAX_MANIFEST_BYTES, Manifest, Snapshot, digest, read_manifest
 from ncclguard.store.bounded import run_into
+from ncclguard.store.deaths import DeathWatch
+from ncclguard.world import current_world
 
-__all__ = ["Admit", "Dead", "LOOK_EVERY_S", "at_most", "receive", "run_watched", "send", "swap"]
+__all__ = [
+    "Admit",
+    "Dead",
+    "LOOK_EVERY_S",
+    "at_most",
+    "death_watch",
+    "job_store",
+    "receive",
+    "run_watched",
+    "send",
+    "swap",
+]
 
 LOOK_EVERY_S = 0.5  # how often a watched wait reads the death notices (one store call when none is new)
 
@@ -34,6 +48,26 @@ Dead = Callable[[Deadline], dict[int, str]]
 
 #: Says why a manifest cannot be taken here, or None to take it.
 Admit = Callable[[Manifest], str | None]
+
+
+def job_store() -> Any:
+    """The job's store (the current world's, or the default group's), or None where there is none."""
+    store = current_world().store
+    if store is None and dist.is_initialized():
+        store = compat.default_store()
+    return store
+
+
+def death_watch() -> Dead:
+    """The members of the current world that their launchers reported dead since it was made, read
+    within a deadline (nothing is known where the job's store is not: the deadline bounds the wait)."""
+    world = current_world()
+    store = job_store()
+    if store is None:
+        return lambda deadline: {}
+    size = dist.get_world_size()
+    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, dist.get_rank())
+    return watch.look_within
 
 
 def at_most(max_bytes: int) -> Admit:

@@ -36,20 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
 from ncclguard.recovery._step.state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
-from ncclguard.recovery.snapshots.exchange import Dead, _op, run_watched, swap
+from ncclguard.recovery.snapshots.exchange import _op, death_watch, job_store, run_watched, swap
 from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k
 from ncclguard.recovery.snapshots.memory import GROWN, Fit, MemoryCap, steady_bytes
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
 from ncclguard.recovery.snapshots.placement import buddies, host_key, host_number, sources
 from ncclguard.recovery.snapshots.state import StateCodec
 from ncclguard.recovery.state_json import to_json
-from ncclguard.store.deaths import DeathWatch
 from ncclguard.world import Slot, World, current_world
 
 __all__ = ["SLOTS", "Keeper", "SideGroup", "side_group"]
@@ -79,26 +77,6 @@ def _side_group(world: World) -> SideGroup:
 
 _SIDE_TIMEOUT_S = 300.0  # the side group's own bound; every wait on it passes a shorter deadline
 SIDE: Slot[SideGroup] = Slot("snapshot side group", _side_group)
-
-
-def _job_store() -> Any:
-    """The job's store (the current world's, or the default group's), or None where there is none."""
-    store = current_world().store
-    if store is None and dist.is_initialized():
-        store = compat.default_store()
-    return store
-
-
-def _death_watch() -> Dead:
-    """The members of the current world that their launchers reported dead since it was made, read
-    within a deadline (nothing is known where the job's store is not: the deadline bounds the wait)."""
-    world = current_world()
-    store = _job_store()
-    if store is None:
-        return lambda deadline: {}
-    size = dist.get_world_size()
-    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, dist.get_rank())
-    return watch.look_within
 
 
 def side_group() -> SideGroup:
@@ -215,7 +193,7 @@ class Keeper:
             try:
                 reuse = {s: b for s in srcs if (b := self._spare_for(s)) is not None}
                 admit = _peer_admission(snap.manifest, size)
-                dead = _death_watch()  # a sender that died mid-take ends the wait for it at once
+                dead = death_watch()  # a sender that died mid-take ends the wait for it at once
                 self.pending_replicas = swap(
                     snap, side.buddy[me], srcs, side.group, self._deadline(), admit, reuse, dead
                 )
@@ -286,7 +264,7 @@ class Keeper:
                 "the ranks' agreement on the snapshot",
                 partial(dist.all_reduce, agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True),
                 self._deadline(),
-                _death_watch(),
+                death_watch(),
             )
         if int(agreed[1].item()):
             return False
@@ -342,7 +320,7 @@ class Keeper:
         cost = self._take_cost if self._take_cost is not None else self._cost
         if self._step_time is None or cost <= 0:
             return 1
-        store = _job_store()
+        store = job_store()
         self._mtbf = self._failures.read(store) if store is not None else None
         return wanted_k(cost, self._step_time, self.budget, self._mtbf)
 
