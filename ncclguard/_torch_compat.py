@@ -123,7 +123,7 @@ def _c10d_attr(name: str) -> Any:
 
 
 def world() -> Any:
-    """torch's ``_World`` singleton (``pg_names``, ``pg_map``, ...), read-only; the hot path binds it once."""
+    """torch's ``_World`` singleton (``pg_names``, ``pg_map``, ...), read-only but its group counter; bound once."""
     return _c10d_attr("_world")
 
 
@@ -148,7 +148,12 @@ _quiet = threading.local()  # on while ncclguard destroys a world it rebuilds (d
 
 def destroy_world_quietly() -> None:
     """``destroy_process_group()`` of the whole world without :func:`hook_world_teardown`'s hooks:
-    ncclguard's own rebuild, which is no end of the job (the store stays with the job)."""
+    ncclguard's own rebuild, which is no end of the job (the store stays with the job). With no world
+    (its ``init_process_group`` raised), torch's group counter goes back to 0 as the destroy sets it:
+    the failed init counted a name, and the next one would key its handshake apart from its peers'."""
+    if not dist.is_initialized():
+        world().group_count = 0
+        return
     _quiet.on = True
     try:
         dist.destroy_process_group()
@@ -207,12 +212,7 @@ def group_store(group: dist.ProcessGroup) -> dist.Store | None:
 
 def backend_timeout(group: dist.ProcessGroup, device: Any = None) -> timedelta:
     """The timeout in force of ``group``'s backend for ``device`` (default: CPU)."""
-    api = "ProcessGroup._get_backend(device).options._timeout"
-    _gate(api)
-    try:
-        return group._get_backend(device or torch.device("cpu")).options._timeout
-    except AttributeError as exc:
-        raise _missing(api, exc) from None
+    return timedelta(seconds=backend_timeout_reader(group, device)())
 
 
 def backend_timeout_reader(group: dist.ProcessGroup, device: Any = None) -> Callable[[], float]:

@@ -125,6 +125,12 @@ class World:
         with self._lock:
             self._state.clear()
 
+    @property
+    def awaits_group(self) -> bool:
+        """A world a rebuild announced whose group was never built (its handshake failed): its
+        members have no process group to agree in, so each must rebuild again before any step."""
+        return self.generation > 0 and self.group is None
+
     def origin(self, rank: int) -> int:
         """The launch rank of this world's member ``rank``."""
         return self.origins[rank] if self.origins else rank

@@ -357,7 +357,10 @@ def should_commit(
         state.n, state.since = n + 1, now
         if step is not None:
             state.user_step = step
-        if info is None:  # a world of one: no one to agree with
+        if info is None and world.awaits_group:
+            # Not a world of one: committing alone would let each member train on by itself.
+            outcome, late = _no_group(world, n, problems), False
+        elif info is None:  # a world of one: no one to agree with
             failed = {0: problems} if problems else {}
             outcome = CommitOutcome(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
@@ -368,7 +371,16 @@ def should_commit(
         count_commit(outcome.ok)
     finally:
         state.lock.release()
-    return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else 0)
+    return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else world.rank or 0)
+
+
+def _no_group(world: World, n: int, problems: list[str]) -> CommitOutcome:
+    """The outcome, without any communication, in a world whose rebuild failed its handshake: no
+    member has a group (a full mesh fails for all when one fails), so every member is named."""
+    why = f"world generation {world.generation} has no group (its rebuild's handshake failed): rebuild again"
+    failed = {r: [why] for r in range(world.size or 1)}
+    failed[world.rank or 0] = [why, *problems]
+    return CommitOutcome(ok=False, step=n, arrived=[], failed=failed, stop=stop_requested())
 
 
 def _agree(

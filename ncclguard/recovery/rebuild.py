@@ -358,8 +358,13 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
     # too: a longer bound there (the world's collective timeout, 1,800 s on gloo by default) kept
     # it in the handshake long after the others had given up, and their next meeting left it out.
     handshake_s = handshake_timeout(timeout_s, deadline.left())
+    handshake_end = Deadline.within(handshake_s)
     problem = _build_group(world, new, handshake_s)
     if problem is not None:
+        # The members still in the handshake leave it only at its bound. A rank whose handshake
+        # failed at once would reach the next meeting a whole bound before them, and its deadline
+        # there could pass just as they arrive: it waits the bound out, so they meet together.
+        handshake_end.sleep(handshake_end.left())
         return _failed(new, start, missing, problem), new
     if new.rank == 0 and world.generation >= 1:
         _forget_generation(world.store, world.generation, Deadline.within(max(deadline.left(), 1.0)))
@@ -439,6 +444,7 @@ def _build_group(world: World, new: World, handshake_s: float) -> str | None:
             timeout=timedelta(seconds=handshake_s),
         )
     except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
+        compat.destroy_world_quietly()  # torch counted the failed group's name: the next try names it anew
         return (
             f"the new group of generation {new.generation} could not be built within {handshake_s:g} s "
             f"({exc}); a member may have died meanwhile: call rebuild_world again (allow_shrink=True to "

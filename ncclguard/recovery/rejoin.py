@@ -259,6 +259,7 @@ def _build(
             timeout=timedelta(seconds=handshake_s),
         )
     except Exception as exc:  # noqa: BLE001 - any handshake failure becomes a result
+        compat.destroy_world_quietly()  # torch counted the failed group's name: the next try names it anew
         return _failure(start, f"the new group of generation {target} could not be built ({exc})")
     pg = compat.default_group()
     new.group = weakref.ref(pg)

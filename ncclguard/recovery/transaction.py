@@ -23,6 +23,7 @@ from ncclguard.recovery.heal import HealResult
 from ncclguard.recovery.rebuild import RebuildResult, generation
 from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.restore import Restored
+from ncclguard.world import current_world
 
 if TYPE_CHECKING:
     from ncclguard.recovery.engine import Recovery
@@ -66,8 +67,8 @@ class _Tally:
 
 @dataclass(frozen=True)
 class _NoRedo:
-    """The new world could not take the step (a heal failed, the re-wrap raised): no redo. The next
-    commit fails on ``error`` on this rank, so every rank rebuilds again."""
+    """The new world could not take the step (its handshake or a heal failed, the re-wrap raised): no
+    redo. The next commit fails on ``error`` on this rank, so every rank rebuilds again."""
 
     error: BaseException
 
@@ -225,8 +226,8 @@ class Transaction(Generic[T]):
 
         Returns:
             The step's result when it ends here (no world, a restore failed, every rank went back
-            to an older snapshot); :class:`_NoRedo` when the new world could not take the step (a
-            heal failed, the re-wrap raised); or None: the step is redone.
+            to an older snapshot); :class:`_NoRedo` when the new world could not take the step (its
+            handshake or a heal failed, the re-wrap raised); or None: the step is redone.
 
         Raises:
             Reenter: the adapter's framework enters its loop again (the transaction is carried).
@@ -235,10 +236,14 @@ class Transaction(Generic[T]):
         engine = self.engine
         engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
         engine.timing.pause()  # and the verdict judges no rank there (a healthy one looks still)
-        rebuilt = engine.rebuild(self.number) if dist.is_available() and dist.is_initialized() else None
+        # A world whose last rebuild failed its handshake has no group, and is no world of one.
+        grouped = dist.is_available() and dist.is_initialized()
+        rebuilt = engine.rebuild(self.number) if grouped or current_world().awaits_group else None
         tally.clock.lap("rebuild")
         if rebuilt is not None:
             tally.rebuilds += 1
+            if not rebuilt and current_world().awaits_group and rebuilt.error is not None:
+                return _NoRedo(rebuilt.error)  # the members met: the next commit fails at once, they meet again
             if not rebuilt:
                 return self._result(False, attempt, tally, rebuilt.error)
         self._put_back()

@@ -8,6 +8,9 @@ groups and what it returned is saved for the tests.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from harness import run_ranks
 
@@ -58,6 +61,22 @@ def test_missing_attribute_is_refused_with_the_api_named():
     with pytest.raises(TorchCompatError, match=r"options\._timeout"):
         compat.backend_timeout_reader(NoSeq())
     assert issubclass(TorchCompatError, NcclGuardError)
+
+
+def test_with_no_world_the_quiet_destroy_sets_torchs_group_counter_back_as_torchs_destroy_does():
+    # A failed init_process_group counted its group's name; the next handshake must name the group
+    # as a peer that counted none does. In a fresh process: this one's world is the suite's business.
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "from ncclguard import _torch_compat as compat\n"
+        "compat.world().group_count = 2\n"
+        "before = c10d.get_pg_count()\n"
+        "compat.destroy_world_quietly()\n"
+        "print(dist.is_initialized(), before, c10d.get_pg_count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "2", "0"], out.stderr
 
 
 def test_nccl_recorder_absent_on_a_cpu_build_is_a_clear_error():

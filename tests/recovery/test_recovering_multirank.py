@@ -8,6 +8,10 @@ Launches (tests/workers/recovering_worker.py), each 3 ranks under torchrun, 5 st
     on a module sharded again; full parameters and Adam's state end bit-equal to the fault-free run.
 ``shrink``: ``allow_shrink=True``, rank 2 stuck at step 2 until the others are done: ranks 0-1 go on as a
     world of 2; rank 2 then finds itself left out and exits 0.
+``handshake``: a fault-free DDP run, then rank 2 raises in step 2 and rank 1's handshake into the rebuilt
+    world fails once (10 s to meet and shake hands): every rank rebuilds again and redoes step 2 in
+    generation 2, bit-equal to the fault-free run. The model is small: what is checked is the order of
+    the ranks' moves, not the state's size.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ def fsdp2_job():
 def shrink_job():
     # 6 s step bound, 20 s commit, 20 s rebuild, then rank 2 wakes and leaves: 73 s here.
     return run_ranks("recovering_worker", 3, "shrink", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def handshake_job():
+    # A fault-free run, then one whose first rebuild fails its handshake (about 10 s of it): 25 s here.
+    return run_ranks("recovering_worker", 3, "handshake", timeout_s=240)
 
 
 def redone_on_generation_1(world_sizes: list[int]) -> dict[str, object]:
@@ -106,3 +116,29 @@ def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
     # (status 0, checked by the harness) right after its "left_out" subscriber (world.subscribe) saved this.
     assert stuck["results"][K] == {"left_out": True, "error": "RebuildFailed", "step": K, "late": True, "generation": 0}
     assert len(stuck["results"]) == K + 1
+
+
+def test_a_handshake_that_fails_into_the_rebuilt_world_is_met_again_and_the_step_redone_bit_equal(handshake_job):
+    """Rank 1's handshake into generation 1 fails; ranks 0 and 2 give up theirs at its bound. No rank
+    commits as a world of one (the second commit fails on every rank, naming all three, with no
+    communication), every rank meets again, and step K is redone in generation 2 on a DDP wrap made
+    there: its third attempt, within the default ``max_attempts``."""
+    for r in range(3):
+        res = handshake_job[r]
+        assert res["reference_results"] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * 5
+        steps = res["results"]
+        assert steps[:K] == [{**CLEAN, "generation": 0, "world_sizes": [3]}] * K
+        assert steps[K] == {
+            "ok": True,
+            "attempts": 3,
+            "generation": 2,
+            "rebuilds": 2,
+            # Rank 2 raised before its backward: ranks 0-1's DDP all_reduce met the 6 s step bound.
+            "commits": [[False, [0, 1, 2]], [False, [0, 1, 2]], [True, []]],
+            "error": None,
+            "world_sizes": [3, 3],
+        }, steps[K]
+        assert steps[K + 1 :] == [{**CLEAN, "generation": 2, "world_sizes": [3]}] * 2
+        assert res["equal_across_ranks"] is True
+        assert res["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
+        assert res["final"] == [r, 3]

@@ -13,7 +13,8 @@ Launches (tests/workers/recovery_worker.py), each 3 ranks:
 ``store_lost`` spawn: rank 0, whose process serves the job's store, is SIGKILLed; ranks 1-2's rebuild is
     falsy at once and says the store did not answer.
 ``handshake`` torchrun, 2 ranks, the world made with every default: rank 1's handshake into the rebuilt
-    world fails; rank 0, which records the world, gives up within the rebuild's timeout.
+    world fails; rank 0, which records the world, gives up within the rebuild's timeout, and rank 1 waits
+    its bound out; with no group, neither commits; a second rebuild brings both into generation 2.
 """
 
 from __future__ import annotations
@@ -203,10 +204,28 @@ def test_the_rank_that_records_the_world_gives_up_its_handshake_within_the_rebui
     assert handshake_job[0]["world_timeout_s"] == 1800.0
     failed = handshake_job[1]["rebuild"]
     assert failed["ok"] is False and "injected: this rank's handshake failed" in failed["error"], failed
-    assert handshake_job[1]["rank0_done"] is True
     recorder = handshake_job[0]["rebuild"]
     assert recorder["ok"] is False and recorder["bool"] is False, recorder
     assert "the new group of generation 1 could not be built" in recorder["error"], recorder
     # The bound is max(time left, 4 / 4, 2 s) after the meeting: about 4 s. 30 s: a hang guard
     # (7x), far under the 450 s the recorder's bound was.
     assert recorder["wall"] < 30.0, recorder
+    # Rank 1, whose handshake failed at once, waited the bound out (at least its 2 s floor): left
+    # at once, it met again about 4 s before rank 0, whose arrival then came as its 4 s ran out.
+    assert failed["wall"] >= 2.0, failed
+
+
+def test_after_a_failed_handshake_no_rank_commits_alone_and_a_second_rebuild_brings_the_world_back(handshake_job):
+    """The same launch: neither rank has a group after the failed handshake; ``should_commit`` is
+    falsy on both without communicating (it used to commit each rank as a world of one), naming
+    both and saying what to do; ``rebuild_world`` called again with the same timeout makes
+    generation 2 of both ranks, whose all_reduce and commit work."""
+    for r in (0, 1):
+        res = handshake_job[r]
+        assert res["initialized"] is False
+        commit = res["no_group_commit"]
+        assert commit["ok"] is False and commit["failed"] == [0, 1], commit
+        assert "world generation 1 has no group (its rebuild's handshake failed): rebuild again" in commit["error"]
+        again = res["again"]
+        assert (again["ok"], again["generation"], again["world_size"], again["rank"]) == (True, 2, 2, r), again
+        assert res["sum"] == 3.0 and res["commit"] is True

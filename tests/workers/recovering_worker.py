@@ -10,6 +10,10 @@ from each rank's shards; the full parameters and Adam's state end bit-equal to t
 
 ``shrink`` (torchrun, 3 ranks): rank 2 is stuck for good at step K (it sleeps until the survivors
 are done, then finds itself left out and exits 0); ranks 0-1 go on in a world of 2.
+
+``handshake`` (torchrun, 3 ranks): ``stall``'s runs with rank 2 raising in step K's first attempt
+and rank 1's handshake into the rebuilt world failing once: no rank commits alone, every rank
+rebuilds again, and step K is redone in generation 2, bit-equal to the fault-free run.
 """
 
 from __future__ import annotations
@@ -88,11 +92,17 @@ def recorded_ddp(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def train(
-    stall_at: int | None, stall: Any = None, base: int = 0, shrink: bool = False, fsdp2: bool = False
+    stall_at: int | None,
+    stall: Any = None,
+    base: int = 0,
+    shrink: bool = False,
+    fsdp2: bool = False,
+    wait_s: float | None = None,
 ) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module = make_module()
     # The commit waits for the stalled rank (10 s, then its own failure) unless it is stuck for good.
-    wait_s = 20 if shrink else 60
+    if wait_s is None:
+        wait_s = 20 if shrink else 60
     opt: torch.optim.Optimizer
     if fsdp2:
         opt = torch.optim.Adam(module.parameters(), lr=0.05)
@@ -237,6 +247,40 @@ def shrink() -> None:
     rankkit.done()
 
 
+def handshake() -> None:
+    rankkit.init(timeout_s=60)
+    me = int(os.environ["RANK"])
+    reference, ref_results = train(stall_at=None)
+    put("reference_results", ref_results)
+    theirs = flat(reference.module)
+    del reference
+    from ncclguard.recovery._rebuild import stand_in
+
+    real = stand_in.torch_init_process_group
+
+    def fails_once(*args: Any, **kwargs: Any) -> None:
+        stand_in.torch_init_process_group = real  # type: ignore[assignment]
+        raise RuntimeError("injected: this rank's handshake failed")
+
+    def fault() -> None:  # step K's first attempt: rank 2 raises, rank 1's next handshake fails
+        if me == 1:
+            stand_in.torch_init_process_group = fails_once  # type: ignore[assignment]
+        if me == 2:
+            raise RuntimeError("injected: step K failed on rank 2")
+
+    # 10 s to meet and shake hands: the ranks whose handshake waits on rank 1 give up after about 10 s.
+    stepper, results = train(stall_at=K, stall=fault, base=STEPS, wait_s=10)
+    put("results", results)
+    mine = flat(stepper.module)
+    put("equal_to_reference", torch.equal(mine, theirs))
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
+    put("final", [dist.get_rank(), dist.get_world_size()])
+    dist.barrier()
+    rankkit.done()
+
+
 def reference_shrunk() -> torch.Tensor:
     """One process: steps before K average 3 ranks' losses, from K on ranks 0-1's (as DDP does)."""
     module = make_module()
@@ -251,4 +295,4 @@ def reference_shrunk() -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    {"stall": stall, "fsdp2": lambda: stall(fsdp2=True), "shrink": shrink}[sys.argv[1]]()
+    {"stall": stall, "fsdp2": lambda: stall(fsdp2=True), "shrink": shrink, "handshake": handshake}[sys.argv[1]]()

@@ -331,10 +331,13 @@ def store_lost() -> None:
 def handshake() -> None:
     """torchrun, 2 ranks, the world made with every default (gloo's collective timeout: 1,800 s):
     rank 1's handshake into the rebuilt world fails at once; rank 0, the rank that records the
-    world, gives up within the rebuild's own timeout, not a quarter of the world's (450 s)."""
+    world, gives up within the rebuild's own timeout, not a quarter of the world's (450 s), and rank
+    1 waits its bound out with it. Then, with no group on either rank, ``should_commit`` fails on
+    both without communicating (no world of one commits alone), and a second rebuild, the handshake
+    working again, brings both into generation 2."""
     import logging
-    from pathlib import Path
 
+    from ncclguard import should_commit
     from ncclguard.env.hierarchy import group_timeout_s
     from ncclguard.recovery._rebuild import stand_in
 
@@ -344,6 +347,7 @@ def handshake() -> None:
     warm = torch.ones(1)
     dist.all_reduce(warm)
     me = rankkit.rank()  # the launch's rank: a failed rebuild leaves no default group to ask
+    real = stand_in.torch_init_process_group
     if me == 1:
 
         def fails(*args: Any, **kwargs: Any) -> None:
@@ -353,10 +357,18 @@ def handshake() -> None:
     t0 = time.monotonic()
     res = rebuild_world(timeout=4)
     put("rebuild", {**result_fields(res), "wall": time.monotonic() - t0})
-    if me == 1:
-        # Rank 1 stays until rank 0 has its result: rank 0's wait ends by its bound, not by a leaver.
-        out = Path(os.environ["NCCLGUARD_TEST_OUT"])
-        put("rank0_done", rankkit.when(lambda: (out / "rank0.json").exists(), 120).wait(120))
+    stand_in.torch_init_process_group = real  # type: ignore[assignment]
+    put("initialized", dist.is_initialized())
+    commit = should_commit(timeout=5)
+    put("no_group_commit", {"ok": commit.ok, "failed": commit.failed_ranks, "error": str(commit.error)})
+    t0 = time.monotonic()
+    again = rebuild_world(timeout=4)  # as a loop that calls it again would: the same timeout
+    put("again", {**result_fields(again), "wall": time.monotonic() - t0})
+    total = torch.tensor([float(me + 1)])
+    dist.all_reduce(total)
+    put("sum", total.item())
+    put("commit", bool(should_commit(timeout=20)))
+    dist.barrier()
     rankkit.done()
 
 
