@@ -28,7 +28,7 @@ from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.failures import check_fingerprints, wire_error
-from ncclguard.collectives.groups import failure_of
+from ncclguard.collectives.groups import failure_of, no_group_reason
 from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
 from ncclguard.collectives.wire import (
     WireFailure,
@@ -117,7 +117,8 @@ def safe_all_reduce(
         tensor: any dense tensor (any shape, 0-d and empty included; contiguous or not).
         op: a ``torch.distributed.ReduceOp``. AVG works on gloo too (sum, then divide).
         group: the process group (default: the world). Without an initialized process group the
-            call is a world of one: ok, tensor unchanged.
+            call is a world of one: ok, tensor unchanged; but after a rebuild whose handshake
+            failed (no member has its group), falsy with :class:`GroupFailed`.
         timeout: seconds or timedelta for the whole call, from entry; must be below the group's
             own timeout. Default: by size (:func:`ncclguard.deadlines.adaptive_timeout`),
             capped below the group's timeout (:func:`ncclguard.deadlines.group_cap_s`).
@@ -343,7 +344,8 @@ def _alone(
     tag: str | None,
 ) -> CollectiveResult:
     """A world of one (no process group, or a group of one rank): the input is checked as on any
-    group, nothing moves, the tensor is the result."""
+    group, nothing moves, the tensor is the result. No group in a world that a failed handshake
+    left is no world of one: falsy, the tensor unchanged (nothing reduced)."""
     check_tag(tag)
     check_input(tensor, op, chunk_numel, plan.backend if plan is not None else None)
     if timeout is not None:
@@ -351,4 +353,8 @@ def _alone(
     numel = tensor.numel()
     chunks = len(chunk_bounds(numel, chunk_numel))
     opname = f"all_reduce({REDUCE_OP_NAMES[op]})"
-    return CollectiveResult(True, opname, numel, numel * tensor.element_size(), chunks, numel, _monotonic() - start)
+    nbytes = numel * tensor.element_size()
+    why = no_group_reason() if plan is None else None
+    if why is not None:
+        return CollectiveResult(False, opname, numel, nbytes, chunks, 0, _monotonic() - start, GroupFailed(why))
+    return CollectiveResult(True, opname, numel, nbytes, chunks, numel, _monotonic() - start)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ncclguard._log import log
 from ncclguard.collectives.calls import begin_call, check_tag, meet_prints, postmortem
-from ncclguard.collectives.groups import group_info, group_timeout_s
+from ncclguard.collectives.groups import group_info, group_timeout_s, no_group_reason
 from ncclguard.config import get_config
 from ncclguard.deadlines import default_deadline, to_seconds
 from ncclguard.errors import BarrierFailed, BarrierTimeout, CollectiveError, CollectiveMismatch, StoreUnreachable
@@ -65,7 +65,8 @@ def safe_barrier(
         A :class:`BarrierResult`; falsy, with the missing ranks, when the deadline passed; falsy
         with a :class:`~ncclguard.errors.CollectiveMismatch` when a rank is in another kind of
         safe call in this round. A rank that arrives after the others gave up gets a falsy result
-        at once (``late=True``).
+        at once (``late=True``). With no process group, ok (a world of one), but falsy with a
+        :class:`~ncclguard.errors.BarrierFailed` after a rebuild whose handshake failed.
 
     Raises:
         ValueError: ``timeout`` is not positive, ``tag`` is not a short name, or this rank is
@@ -78,6 +79,9 @@ def safe_barrier(
         seconds = to_seconds(timeout, "timeout")
     else:
         seconds = default_deadline(get_config().barrier_timeout_s, group_timeout_s(call.info.group) if call else None)
+    why = no_group_reason() if info is None else None
+    if why is not None:  # no world of one: a rebuild's handshake failed, no member has its group
+        return BarrierResult(ok=False, error=BarrierFailed(why, op="barrier"))
     if call is None:
         return BarrierResult(ok=True)
     info = call.info

@@ -19,6 +19,7 @@ __all__ = [
     "resolve_group",
     "group_info",
     "group_timeout_s",
+    "no_group_reason",
     "mark_failed",
     "failure_of",
     "clear_failure",
@@ -82,6 +83,23 @@ def group_timeout_s(group: dist.ProcessGroup | None = None) -> float | None:
         except (TorchCompatError, RuntimeError):
             continue
     return None
+
+
+def no_group_reason() -> str | None:
+    """Why this rank, with no process group, is not a world of one: the current world was made by a
+    rebuild whose handshake failed (no member has its group), so a call must fail, not succeed
+    alone; None when no such world is current, or a group is initialized.
+
+    Returns:
+        The reason, naming the world and what to do, or None.
+    """
+    world = current_world()
+    if not world.awaits_group or (dist.is_available() and dist.is_initialized()):
+        return None
+    return (
+        f"world generation {world.generation} has no process group (the handshake of the rebuild that made it "
+        "failed): call rebuild_world again on every rank"
+    )
 
 
 def group_info(group: dist.ProcessGroup | None = None) -> GroupInfo | None:

@@ -31,7 +31,7 @@ from torch.distributed import DistStoreError
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
-from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s
+from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s, no_group_reason
 from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
@@ -357,9 +357,9 @@ def should_commit(
         state.n, state.since = n + 1, now
         if step is not None:
             state.user_step = step
-        if info is None and world.awaits_group:
-            # Not a world of one: committing alone would let each member train on by itself.
-            outcome, late = _no_group(world, n, problems), False
+        no_group = no_group_reason() if info is None else None
+        if no_group is not None:  # committing alone would let each member train on by itself
+            outcome, late = _no_group(world, n, no_group, problems), False
         elif info is None:  # a world of one: no one to agree with
             failed = {0: problems} if problems else {}
             outcome = CommitOutcome(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
@@ -374,10 +374,9 @@ def should_commit(
     return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else world.rank or 0)
 
 
-def _no_group(world: World, n: int, problems: list[str]) -> CommitOutcome:
+def _no_group(world: World, n: int, why: str, problems: list[str]) -> CommitOutcome:
     """The outcome, without any communication, in a world whose rebuild failed its handshake: no
     member has a group (a full mesh fails for all when one fails), so every member is named."""
-    why = f"world generation {world.generation} has no group (its rebuild's handshake failed): rebuild again"
     failed = {r: [why] for r in range(world.size or 1)}
     failed[world.rank or 0] = [why, *problems]
     return CommitOutcome(ok=False, step=n, arrived=[], failed=failed, stop=stop_requested())

@@ -14,7 +14,7 @@ Launches (tests/workers/recovery_worker.py), each 3 ranks:
     falsy at once and says the store did not answer.
 ``handshake`` torchrun, 2 ranks, the world made with every default: rank 1's handshake into the rebuilt
     world fails; rank 0, which records the world, gives up within the rebuild's timeout, and rank 1 waits
-    its bound out; with no group, neither commits; a second rebuild brings both into generation 2.
+    its bound out; with no group, neither commits nor reduces; a second rebuild brings both into generation 2.
 """
 
 from __future__ import annotations
@@ -218,14 +218,20 @@ def test_the_rank_that_records_the_world_gives_up_its_handshake_within_the_rebui
 def test_after_a_failed_handshake_no_rank_commits_alone_and_a_second_rebuild_brings_the_world_back(handshake_job):
     """The same launch: neither rank has a group after the failed handshake; ``should_commit`` is
     falsy on both without communicating (it used to commit each rank as a world of one), naming
-    both and saying what to do; ``rebuild_world`` called again with the same timeout makes
+    both and saying what to do, and so are ``safe_all_reduce`` and ``safe_barrier``; ``rebuild_world`` called again with the same timeout makes
     generation 2 of both ranks, whose all_reduce and commit work."""
     for r in (0, 1):
         res = handshake_job[r]
         assert res["initialized"] is False
         commit = res["no_group_commit"]
         assert commit["ok"] is False and commit["failed"] == [0, 1], commit
-        assert "world generation 1 has no group (its rebuild's handshake failed): rebuild again" in commit["error"]
+        why = "world generation 1 has no process group (the handshake of the rebuild that made it failed)"
+        assert why + ": call rebuild_world again on every rank" in commit["error"], commit
+        # Neither a world of one: nothing reduced, the barrier not met.
+        reduced = res["no_group_reduce"]
+        assert (reduced["ok"], reduced["error"], reduced["tensor"]) == (False, "GroupFailed", [r + 1.0] * 4), reduced
+        met = res["no_group_barrier"]
+        assert (met["ok"], met["error"]) == (False, "BarrierFailed") and why in met["message"], met
         again = res["again"]
         assert (again["ok"], again["generation"], again["world_size"], again["rank"]) == (True, 2, 2, r), again
         assert res["sum"] == 3.0 and res["commit"] is True

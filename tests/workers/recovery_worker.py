@@ -332,12 +332,12 @@ def handshake() -> None:
     """torchrun, 2 ranks, the world made with every default (gloo's collective timeout: 1,800 s):
     rank 1's handshake into the rebuilt world fails at once; rank 0, the rank that records the
     world, gives up within the rebuild's own timeout, not a quarter of the world's (450 s), and rank
-    1 waits its bound out with it. Then, with no group on either rank, ``should_commit`` fails on
-    both without communicating (no world of one commits alone), and a second rebuild, the handshake
-    working again, brings both into generation 2."""
+    1 waits its bound out with it. Then, with no group on either rank, ``should_commit``,
+    ``safe_all_reduce`` and ``safe_barrier`` fail on both without communicating (none acts as a
+    world of one), and a second rebuild, the handshake working again, brings both into generation 2."""
     import logging
 
-    from ncclguard import should_commit
+    from ncclguard import safe_all_reduce, safe_barrier, should_commit
     from ncclguard.env.hierarchy import group_timeout_s
     from ncclguard.recovery._rebuild import stand_in
 
@@ -361,6 +361,11 @@ def handshake() -> None:
     put("initialized", dist.is_initialized())
     commit = should_commit(timeout=5)
     put("no_group_commit", {"ok": commit.ok, "failed": commit.failed_ranks, "error": str(commit.error)})
+    mine = torch.full((4,), float(me + 1))
+    reduced = safe_all_reduce(mine, timeout=5)
+    put("no_group_reduce", {"ok": reduced.ok, "error": type(reduced.error).__name__, "tensor": mine.tolist()})
+    met = safe_barrier(timeout=5)
+    put("no_group_barrier", {"ok": met.ok, "error": type(met.error).__name__, "message": str(met.error)})
     t0 = time.monotonic()
     again = rebuild_world(timeout=4)  # as a loop that calls it again would: the same timeout
     put("again", {**result_fields(again), "wall": time.monotonic() - t0})
