@@ -65,8 +65,7 @@ def safe_barrier(
         A :class:`BarrierResult`; falsy, with the missing ranks, when the deadline passed; falsy
         with a :class:`~ncclguard.errors.CollectiveMismatch` when a rank is in another kind of
         safe call in this round. A rank that arrives after the others gave up gets a falsy result
-        at once (``late=True``). With no process group, ok (a world of one), but falsy with a
-        :class:`~ncclguard.errors.BarrierFailed` after a rebuild whose handshake failed.
+        at once (``late=True``). No group: ok, but falsy after a rebuild's failed handshake.
 
     Raises:
         ValueError: ``timeout`` is not positive, ``tag`` is not a short name, or this rank is
@@ -79,8 +78,7 @@ def safe_barrier(
         seconds = to_seconds(timeout, "timeout")
     else:
         seconds = default_deadline(get_config().barrier_timeout_s, group_timeout_s(call.info.group) if call else None)
-    why = no_group_reason() if info is None else None
-    if why is not None:  # no world of one: a rebuild's handshake failed, no member has its group
+    if info is None and (why := no_group_reason()) is not None:  # a failed handshake: no world of one
         return BarrierResult(ok=False, error=BarrierFailed(why, op="barrier"))
     if call is None:
         return BarrierResult(ok=True)

@@ -67,8 +67,8 @@ class _Tally:
 
 @dataclass(frozen=True)
 class _NoRedo:
-    """The new world could not take the step (its handshake or a heal failed, the re-wrap raised): no
-    redo. The next commit fails on ``error`` on this rank, so every rank rebuilds again."""
+    """The new world could not take the step (its handshake, a heal or a restore failed, the re-wrap
+    raised): no redo. The next commit fails on ``error`` on this rank, so every rank rebuilds again."""
 
     error: BaseException
 
@@ -225,9 +225,9 @@ class Transaction(Generic[T]):
         brings the restarted ranks and the model onto the new world.
 
         Returns:
-            The step's result when it ends here (no world, a restore failed, every rank went back
+            The step's result when it ends here (no world, a restore refused, every rank went back
             to an older snapshot); :class:`_NoRedo` when the new world could not take the step (its
-            handshake or a heal failed, the re-wrap raised); or None: the step is redone.
+            handshake, a heal or a restore failed, the re-wrap raised); or None: the step is redone.
 
         Raises:
             Reenter: the adapter's framework enters its loop again (the transaction is carried).
@@ -237,8 +237,8 @@ class Transaction(Generic[T]):
         engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
         engine.timing.pause()  # and the verdict judges no rank there (a healthy one looks still)
         # A world whose last rebuild failed its handshake has no group, and is no world of one.
-        grouped = dist.is_available() and dist.is_initialized()
-        rebuilt = engine.rebuild(self.number) if grouped or current_world().awaits_group else None
+        grouped = (dist.is_available() and dist.is_initialized()) or current_world().awaits_group
+        rebuilt = engine.rebuild(self.number) if grouped else None
         tally.clock.lap("rebuild")
         if rebuilt is not None:
             tally.rebuilds += 1
@@ -296,23 +296,21 @@ class Transaction(Generic[T]):
             raise
         except Exception as exc:  # noqa: BLE001 - the new world failed under the wrap: rebuild again
             tally.clock.lap("rewrap")
-            log.warning(
-                "%s: step %s: the re-wrap on the new world raised (%s: %s); the world is rebuilt again",
-                engine.adapter.name,
-                number,
-                type(exc).__name__,
-                exc,
-            )
+            why = f"the re-wrap on the new world raised ({type(exc).__name__}: {exc})"
+            log.warning("%s: step %s: %s; the world is rebuilt again", engine.adapter.name, number, why)
             return _NoRedo(exc)
         tally.clock.lap("rewrap")
         return self._restore_sharded(rebuilt, attempt, tally)
 
-    def _restore_sharded(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | None:
-        """Sharded state: every rank back to one snapshot (:meth:`Recovery.restore_joined`).
+    def _restore_sharded(self, rebuilt: RebuildResult, attempt: int, tally: _Tally) -> StepResult[T] | _NoRedo | None:
+        """Sharded state: every rank back to one snapshot (:meth:`Recovery.restore_joined`). A refused
+        restore ends the step (another world would refuse it too); one that failed otherwise (a
+        receiver died in it, the deadline) is no redo, and a rank whose restore failed while a peer's
+        succeeded meets it at the step's next commit, not at the next step's.
 
         Returns:
-            The step's result when the restore failed or went back to an older step (the loop
-            runs again from there), or None: the step is redone.
+            The step's result when the restore was refused or went back to an older step (the
+            loop runs again from there), :class:`_NoRedo`, or None: the step is redone.
         """
         engine = self.engine
         restored = engine.restore_joined(rebuilt, self.number)
@@ -320,6 +318,9 @@ class Transaction(Generic[T]):
             return None
         tally.clock.lap("heal")
         tally.healed = restored
+        if not restored and restored.error is not None and not restored.error.refused_ranks:
+            log.warning("%s: step %s: %s; the world is rebuilt again", engine.adapter.name, self.number, restored.error)
+            return _NoRedo(restored.error)
         if not restored:
             return self._result(False, attempt, tally, restored.error)
         if not restored.rolled_back:

@@ -14,6 +14,10 @@ Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank k
     same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
     their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
     reference.
+``twice`` 3 ranks, one host, a snapshot every step, two restarts: rank 1 SIGKILLs itself at step 9; its first
+    restart SIGKILLs itself inside its restore, its replica received; the survivors' restore fails at its
+    death notice, the world is rebuilt again, the second restart is restored, every rank redoes step 9 at
+    its third attempt and ends bit-equal to the reference.
 ``ring`` 4 ranks, one host, a snapshot every 2 steps: the ``kill`` run with rank 3 dying inside its take of
     step 10. Gloo's ops of that take go round the ranks: rank 3's neighbours fail at once, rank 1 waited
     on live ranks that had given up, up to the take's deadline (60 s), until the launcher's death notice
@@ -45,6 +49,12 @@ def kill_job():
 def ring_job():
     # Two runs of 6 steps on 4 ranks and a restart: 10-20 s here (70 s when rank 1 waited out the take).
     return run_ranks("sharded_heal_worker", 4, "ring", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def twice_job():
+    # Two runs of 6 steps on 3 ranks, two restarts of rank 1 (each imports torch again), two rebuilds.
+    return run_ranks("sharded_heal_worker", 3, "twice", launcher="spawn", restarts=2, restart_on=[-9], timeout_s=360)
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +203,42 @@ def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not
         if r != 3:
             assert [(x["step"], x["ok"], x["rewound_to"]) for x in res["results"] if not x["ok"]] == [(10, False, back)]
     assert (ring_job[3]["life"], ring_job[3]["resume_step"]) == (1, back)
+
+
+def test_a_restart_that_dies_inside_its_restore_is_restarted_again_restored_and_every_rank_ends_bit_equal(twice_job):
+    """The first restart of rank 1 dies with its replica received, before it answers: the survivors'
+    restore fails at its death notice (it used to end the step with a falsy result), is no redo on
+    that world, and the next commit rebuilds it with the second restart, which gets its shards from
+    rank 2; step 9 is redone at its third attempt, in generation 2, with no rollback."""
+    assert [(r.rank, r.count, r.returncode) for r in twice_job.restarts] == [(1, 1, -9), (1, 2, -9)]
+    got = twice_job[1]["restore_parts"]["bytes"]
+    assert got > 8 << 20 and twice_job[1]["restore_parts"] == restore_parts(got)
+    for r, role in ((0, "survivor"), (2, "holder")):
+        res = twice_job[r]
+        assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        assert res["results"][:K] == [clean(BASE + s, 0) for s in range(K)]
+        assert res["results"][K] == {
+            "step": BASE + K,
+            "ok": True,
+            "attempts": 3,
+            "generation": 2,
+            "rewound_to": None,
+            "error": None,
+            "restored": {"ok": True, "role": role, "step": BASE + K, "rolled_back": False, "holders": {"1": 2}},
+            "restore_parts": restore_parts(got if role == "holder" else 0),
+        }
+        assert res["results"][K + 1 :] == [clean(s, 2) for s in range(BASE + K + 1, BASE + STEPS)]
+    res = twice_job[1]
+    assert (res["life"], res["resume_step"], res["died_in_restore"]) == (2, BASE + K, str(BASE + K))
+    assert res["restored"] == {
+        "ok": True,
+        "role": "receiver",
+        "step": BASE + K,
+        "rolled_back": False,
+        "holders": {"1": 2},
+    }
+    assert res["results"][0]["step"] == BASE + K and res["results"][0]["ok"] is True
+    assert res["results"][1:] == [clean(s, 2) for s in range(BASE + K + 1, BASE + STEPS)]
+    for r in range(3):
+        assert twice_job[r]["final"] == [r, 3, 2]
+        assert twice_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit

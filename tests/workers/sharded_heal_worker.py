@@ -1,5 +1,6 @@
 """Rank side of tests/recovery/test_sharded_heal_multirank.py: FSDP2 ranks killed and restored from the
-snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1).
+snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1,
+``twice``: 2).
 
 The model has the size where fixed slack stops mattering: 2.2M float32 parameters in four Linear
 layers 1024 wide, with dropout, Adam (its moments triple the state a rank holds, and a restarted
@@ -23,6 +24,11 @@ sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, 
 at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
 every rank redoes step K (the survivors' live state is that snapshot: no rollback).
 
+``twice`` (3 ranks, one host, a snapshot every step, two restarts): rank 1 SIGKILLs itself at step K;
+its first restart SIGKILLs itself inside its restore, once its replica from rank 2 has arrived. The
+survivors' restore fails at its death notice; the world is rebuilt again, the second restart gets
+its shards, every rank redoes step K at its third attempt and ends bit-equal to the reference.
+
 ``ring`` (4 ranks, one host, a snapshot every 2 steps): the ``kill`` run with rank 3 dying inside its
 take of step 10. Gloo's all_reduce of the take's agreement goes round the ranks: a neighbour of the
 dead rank fails at once, the others wait on live ranks that have given up, up to the take's deadline
@@ -40,6 +46,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import rankkit
@@ -55,6 +62,7 @@ import ncclguard
 from ncclguard import FSDP2, RecoveringStep
 from ncclguard.recovery.records import StepResult
 from ncclguard.recovery.snapshots import keeper as keeper_module
+from ncclguard.recovery.snapshots import restore as restore_module
 from ncclguard.recovery.snapshots.keeper import Keeper
 from ncclguard.recovery.snapshots.restore import Restored, restore
 from ncclguard.recovery.snapshots.state import ModuleState
@@ -65,8 +73,8 @@ rankkit.rank = lambda: ME  # results go by launch rank, whatever the world
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
-KILLED = {"kill": [1], "host": [2, 3], "ring": [3]}[SCENARIO]
-EVERY = {"kill": 2, "host": 1, "ring": 2}[SCENARIO]
+KILLED = {"kill": [1], "host": [2, 3], "ring": [3], "twice": [1]}[SCENARIO]
+EVERY = {"kill": 2, "host": 1, "ring": 2, "twice": 1}[SCENARIO]
 STEPS, K = 6, 3
 KILL_TAKE = 4  # kill: rank 1 dies inside its take of step BASE + 4 (a snapshot every 2 steps from BASE)
 BACK_AT = 3  # kill: the step (of the reference) the damaged replica's fallback goes back to (9 in the faulty run)
@@ -120,6 +128,21 @@ def die_in_take(base: int) -> None:
         return real(state, step, rank, reuse)
 
     keeper_module.pack = pack  # type: ignore[assignment]
+
+
+DIED_IN_RESTORE = Path(os.environ["NCCLGUARD_TEST_OUT"]) / "died-in-restore"
+
+
+def die_in_restore() -> None:
+    """twice: the first restart of rank 1 dies inside its restore, once its replica has arrived."""
+    real = restore_module.unpack
+
+    def unpack(snapshot: Any) -> Any:
+        DIED_IN_RESTORE.write_text(str(snapshot.manifest.step))  # the next life says so: it saves over this one
+        rankkit.kill(ME)
+        return real(snapshot)
+
+    restore_module.unpack = unpack  # type: ignore[assignment]
 
 
 def summary(step: int, res: StepResult) -> dict[str, Any]:
@@ -248,6 +271,10 @@ def main() -> None:
     put("life", LIFE)
     if SCENARIO in ("kill", "ring"):
         die_in_take(BASE)
+    if SCENARIO == "twice" and LIFE == 1:
+        die_in_restore()
+    if SCENARIO == "twice" and LIFE == 2:
+        put("died_in_restore", DIED_IN_RESTORE.read_text() if DIED_IN_RESTORE.exists() else None)
     if LIFE == 0:
         dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         ref, ref_results = train(kill_at=None, base=0)
@@ -255,7 +282,7 @@ def main() -> None:
         reference = full_state(ref)
         assert ref.engine.keeper is not None
         put("reference_takes", [ref.engine.keeper.takes, ref.engine.keeper.spent_s > 0])  # what snapshots cost the loop
-    stepper, results = train(kill_at=K if SCENARIO == "host" else None, base=BASE)
+    stepper, results = train(kill_at=K if SCENARIO in ("host", "twice") else None, base=BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)
     if isinstance(stepper.healed, Restored):
