@@ -208,12 +208,17 @@ def stall(fsdp2: bool = False) -> None:
     else:
         mine = flat(stepper.module)
     del reference_model
+    compare(mine, theirs)
+    rankkit.done()
+
+
+def compare(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    """This rank's state against the fault-free run's and every rank's, and where it ended."""
     put("equal_to_reference", torch.equal(mine, theirs))
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
     put("final", [dist.get_rank(), dist.get_world_size()])
-    rankkit.done()
 
 
 def shrink() -> None:
@@ -271,12 +276,7 @@ def handshake() -> None:
     # 10 s to meet and shake hands: the ranks whose handshake waits on rank 1 give up after about 10 s.
     stepper, results = train(stall_at=K, stall=fault, base=STEPS, wait_s=10)
     put("results", results)
-    mine = flat(stepper.module)
-    put("equal_to_reference", torch.equal(mine, theirs))
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
-    put("final", [dist.get_rank(), dist.get_world_size()])
+    compare(flat(stepper.module), theirs)
     dist.barrier()
     rankkit.done()
 
