@@ -237,8 +237,8 @@ class Transaction(Generic[T]):
         engine.bound.disarm()  # the rebuild and the heal are bounded by their own timeouts
         engine.timing.pause()  # and the verdict judges no rank there (a healthy one looks still)
         # A world whose last rebuild failed its handshake has no group, and is no world of one.
-        grouped = (dist.is_available() and dist.is_initialized()) or current_world().awaits_group
-        rebuilt = engine.rebuild(self.number) if grouped else None
+        several = (dist.is_available() and dist.is_initialized()) or current_world().awaits_group
+        rebuilt = engine.rebuild(self.number) if several else None
         tally.clock.lap("rebuild")
         if rebuilt is not None:
             tally.rebuilds += 1
