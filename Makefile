@@ -15,7 +15,7 @@ install: $(STAMP)
 # torch: keep one that is already importable (system site packages are visible); otherwise take
 # the CPU build torch==2.13.0 (a bare `torch` would pull several GB of CUDA packages).
 # deepspeed builds from source against that torch, so it is installed without build isolation.
-$(STAMP): pyproject.toml setup.py ncclguard/recording/_hotpath.c Makefile
+$(STAMP): pyproject.toml setup.py ncclguard/recording/_hotpath.c autostart/ncclguard-autostart.pth Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

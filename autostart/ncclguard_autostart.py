@@ -1,8 +1,8 @@
 """ncclguard switched on without a line of the training script changed: the part that runs at start-up.
 
 ``ncclguard-autostart.pth`` (installed at the top of site-packages) imports this module, in every
-Python process, only when ``NCCLGUARD_AUTO`` is set; unset, the ``.pth`` line costs one look-up in
-``os.environ`` and nothing is imported. :func:`boot` then
+Python process, only when ``NCCLGUARD_AUTO`` or ``NCCLGUARD_RESTART_COUNT`` is set; unset, the
+``.pth`` line costs two look-ups in ``os.environ`` and nothing is imported. :func:`boot` then
 
 - turns torch's flight recorder on (``TORCH_FR_BUFFER_SIZE=2000`` unless the job set it), and
 - waits for ``torch.distributed.distributed_c10d`` to load (an import hook: nothing of torch or
@@ -17,6 +17,17 @@ default would bind a loopback or unroutable address). Right after, it calls :fun
 which starts the watchdog (settings from ``NCCLGUARD_WATCHDOG_*``) and prints, on rank 0, the line
 to run ``python -m ncclguard status``. ``python -m ncclguard run`` sets the variable for its ranks;
 ``NCCLGUARD_AUTO=1 torchrun ...`` or ``srun`` with the variable exported does the same.
+
+**A restarted process** (``NCCLGUARD_RESTART_COUNT`` above 0: its supervisor, ``python -m
+ncclguard.supervise`` or ``ncclguard run --ncclguard-restarts N``, started it again after its rank
+died) must never make the job's first world: the survivors are in a later one, and torch's
+``init_process_group`` would wait there (30 minutes on gloo) for ranks that never come. Before the
+script's first line, whatever the order of its imports, the wrapper answers the first
+``init_process_group`` with the stand-in world of one
+(:func:`ncclguard.recovery._rebuild.stand_in.stand_in_for`), and the rank joins the survivors at its
+recovery's join point. This is done with or without ``NCCLGUARD_AUTO``; without it nothing else
+is. A restarted process that cannot load ncclguard raises at that call, saying why, instead of
+waiting for the old world.
 
 This module is top-level (not ``ncclguard.*``) because importing anything under ``ncclguard``
 imports the package's face, and with it torch: at interpreter start-up that would cost seconds in
@@ -36,9 +47,11 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ENV_VAR", "boot", "enabled", "patch"]
+__all__ = ["ENV_VAR", "RESTART_VAR", "boot", "enabled", "patch", "restarted"]
 
 ENV_VAR = "NCCLGUARD_AUTO"
+# The restart number its supervisor gives a rank's process (ncclguard.recovery._rebuild.restarts).
+RESTART_VAR = "NCCLGUARD_RESTART_COUNT"
 _C10D = "torch.distributed.distributed_c10d"
 # Modules that bind c10d's init_process_group by name when they load after it: their copy is
 # replaced too when the hook is installed late (c10d already loaded).
@@ -52,12 +65,21 @@ def enabled(environ: Any = None) -> bool:
     return str(env.get(ENV_VAR, "")).strip().lower() not in _OFF
 
 
+def restarted(environ: Any = None) -> bool:
+    """True in a process its supervisor restarted after its rank died (``NCCLGUARD_RESTART_COUNT``
+    a count above 0); a value that is no count is said where ncclguard reads it."""
+    env = os.environ if environ is None else environ
+    raw = str(env.get(RESTART_VAR, "")).strip()
+    return raw.isdigit() and int(raw) > 0
+
+
 class _Booted:
     """What :func:`boot` did in this process (it runs once)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.done = False
+        self.restart_only = False  # booted for a restarted process alone: the stand-in, nothing else
 
 
 _BOOTED = _Booted()
@@ -114,6 +136,21 @@ def _before_init(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     autostart.before_init(backend, init_method)
 
 
+def _stand_in(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """In a restarted process: makes the stand-in world instead of the job's first world (see the
+    module doc). True when it did; raises when ncclguard cannot load, rather than wait for the old world."""
+    try:
+        from ncclguard.cli import autostart
+    except Exception as exc:
+        raise RuntimeError(
+            f"ncclguard: this process is restart {os.environ.get(RESTART_VAR)} of launch rank "
+            f"{os.environ.get('RANK', '?')}, and ncclguard could not be loaded to stand in for the job's first "
+            f"world ({type(exc).__name__}: {exc}); torch's init_process_group would wait there for ranks that "
+            "are in a later world, so this process stops here"
+        ) from exc
+    return autostart.stand_in_for(init, args, kwargs)
+
+
 def _after_init(backend_made: bool) -> None:
     if not backend_made:
         return
@@ -126,8 +163,9 @@ def _after_init(backend_made: bool) -> None:
 
 
 def patch(c10d: ModuleType) -> bool:
-    """Wraps ``c10d.init_process_group`` (and the copies bound from it) so that the watchdog starts
-    right after the default group is made; idempotent.
+    """Wraps ``c10d.init_process_group`` (and the copies bound from it) so that a restarted process
+    stands in and, under ``NCCLGUARD_AUTO``, the watchdog starts right after the default group is
+    made; idempotent.
 
     Args:
         c10d: ``torch.distributed.distributed_c10d``.
@@ -143,6 +181,10 @@ def patch(c10d: ModuleType) -> bool:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if restarted() and _stand_in(original, args, kwargs):
+            return None  # torch's own answer: init_process_group returns None
+        if _BOOTED.restart_only:  # NCCLGUARD_AUTO is not set: nothing else is switched on
+            return original(*args, **kwargs)
         _before_init(args, kwargs)
         out = original(*args, **kwargs)
         _after_init(bool(getattr(c10d, "is_initialized", lambda: False)()))
@@ -158,19 +200,22 @@ def patch(c10d: ModuleType) -> bool:
 
 
 def boot() -> bool:
-    """Switches ncclguard on in this process when ``NCCLGUARD_AUTO`` asks for it (see the module doc).
+    """Switches ncclguard on in this process when ``NCCLGUARD_AUTO`` asks for it, or only the
+    stand-in when this process is a restarted one (see the module doc).
 
     Returns:
         True when it is on (now or before).
     """
-    if not enabled():
+    if not enabled() and not restarted():
         return False
     with _BOOTED.lock:
         if _BOOTED.done:
             return True
         _BOOTED.done = True
-        # torch reads it when a process group is made; 2000 entries is torch's own default in 2.13.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        _BOOTED.restart_only = not enabled()
+        if enabled():
+            # torch reads it when a process group is made; 2000 entries is torch's own default in 2.13.
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         c10d = sys.modules.get(_C10D)
         if c10d is not None:
             patch(c10d)

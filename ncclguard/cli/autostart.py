@@ -29,10 +29,11 @@ from ncclguard.env.hostview import prepare_sockets
 from ncclguard.env.sockets import SocketPlan
 from ncclguard.errors import BadInterface
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recovery._rebuild.stand_in import stand_in_for
 from ncclguard.watching.base.watchdog_store import store_addr
 from ncclguard.watching.watchdog import Watchdog, current_watchdog
 
-__all__ = ["before_init", "peer_gone_line", "plan_line", "started", "status_line"]
+__all__ = ["before_init", "peer_gone_line", "plan_line", "stand_in_for", "started", "status_line"]
 
 # gloo's errors when a peer's process or host went away: "Connection closed by peer [10.0.0.2]:4242",
 # "Read error [10.0.0.2]:4242: Connection reset by peer" (gloo/transport/tcp/pair.cc).

@@ -150,3 +150,113 @@ def test_the_scripts_own_watchdog_takes_the_place_of_the_one_ncclguard_run_start
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert current_watchdog() is mine  # a group made again: no second watchdog, no second line
     assert "ncclguard: watching" not in capsys.readouterr().err
+
+
+# A restarted rank's script that makes its group before it imports ncclguard, as the HF Trainer's,
+# Accelerate's and Lightning's docs write it: its init_process_group must stand in (a world of one),
+# never wait for the job's first world (nobody listens at MASTER_PORT here: torch would wait its
+# whole timeout to connect). Then a join's real group passes through the hook's wrapper.
+_RESTARTED_SCRIPT = """
+import json, sys, time
+import torch.distributed as dist
+first = "ncclguard" in sys.modules
+t0 = time.monotonic()
+try:
+    dist.init_process_group("gloo", bogus=1)
+except TypeError as exc:
+    bad = str(exc)
+dist.init_process_group("gloo")
+took = time.monotonic() - t0
+stood = [dist.get_backend(), dist.get_rank(), dist.get_world_size()]
+from ncclguard.recovery._rebuild import stand_in
+from ncclguard.watching.watchdog import current_watchdog
+active = stand_in.active()
+stand_in.leave()
+stand_in.torch_init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+joined = [dist.get_backend(), dist.get_rank(), dist.get_world_size()]
+watchdog = current_watchdog() is not None
+if current_watchdog() is not None:
+    current_watchdog().stop()
+dist.destroy_process_group()
+print(json.dumps(dict(first=first, bad=bad, took=took, stood=stood, active=active, joined=joined, watchdog=watchdog)))
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("auto", ["1", None])
+def test_a_restarted_process_stands_in_before_the_scripts_first_line_whatever_its_order(
+    tmp_path: Path, auto: str | None
+) -> None:
+    """Under ncclguard run (NCCLGUARD_AUTO=1) and under python -m ncclguard.supervise alone (only the
+    restart number set), the .pth hook answers a restarted process's init_process_group with the
+    stand-in; a call with bad arguments still gets torch's TypeError; a join's call is torch's own."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLGUARD_", "TORCHELASTIC_"))}
+    env.update(
+        NCCLGUARD_RESTART_COUNT="1",
+        RANK="2",
+        LOCAL_RANK="2",
+        WORLD_SIZE="3",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        NCCLGUARD_WATCHDOG_INCIDENT_DIR=str(tmp_path),
+        NCCLGUARD_WATCHDOG_STRAGGLER="false",
+    )
+    if auto is not None:
+        env["NCCLGUARD_AUTO"] = auto
+    # Hang guard: an interpreter importing torch twice; torch's own wait here would be 30 minutes.
+    out = subprocess.run(
+        [sys.executable, "-c", _RESTARTED_SCRIPT], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["first"] is False  # the script had not imported ncclguard
+    assert "bogus" in got["bad"]  # torch's own argument error, before any stand-in
+    assert got["stood"] == ["fake", 0, 1] and got["active"] is True
+    assert got["joined"] == ["gloo", 0, 1]  # the join's group is torch's, through the hook's wrapper
+    assert got["watchdog"] is (auto is not None)  # started on the joined world under ncclguard run only
+    assert "init_process_group made a stand-in world of one" in out.stderr
+
+
+def test_a_cold_restart_runs_through_the_spare_where_the_hook_does_not_load(tmp_path: Path) -> None:
+    """An interpreter that loads no .pth (``python -S``; ncclguard and torch on PYTHONPATH): the
+    supervisor's restart command runs the script through ``ncclguard.supervise.spare --now``, so its
+    init_process_group stands in all the same; where the interpreter cannot load ncclguard at all, no
+    command is made and the sentence says why. With the hook (this venv), the rank's own command."""
+    import json
+
+    from ncclguard.supervise.spare import hook_loads, restart_command
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLGUARD_", "TORCHELASTIC_"))}
+    env.update(NCCLGUARD_RESTART_COUNT="1", RANK="2", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(_free_port())
+    assert hook_loads(sys.executable, env) is True
+    script = tmp_path / "train.py"
+    script.write_text(_RESTARTED_SCRIPT)
+    assert restart_command([sys.executable, str(script)], env, 1) == [sys.executable, str(script)]
+    assert restart_command(["bash", "run.sh"], env, 1) == ["bash", "run.sh"]  # not a Python command: as it is
+
+    bare = tmp_path / "python-bare"  # a Python named python*, that reads no .pth
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    assert hook_loads(str(bare), env) is False
+    said = restart_command([str(bare), str(script)], env, 1)
+    assert isinstance(said, str) and "loads neither ncclguard's start-up hook nor ncclguard" in said
+
+    repo = Path(ncclguard.__file__).resolve().parent.parent
+    sites = [p for p in sys.path if p.endswith("site-packages")]  # torch, pydantic: their .pth files unread
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *sites])
+    cmd = restart_command([str(bare), str(script)], env, 1)
+    assert cmd == [str(bare), "-m", "ncclguard.supervise.spare", "--now", "1", "--", str(bare), str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["stood"] == ["fake", 0, 1] and got["joined"] == ["gloo", 0, 1]

@@ -11,6 +11,9 @@ No healthy rank is acted on. Rank side: tests/workers/defaults_worker.py:
 ``hf`` 3 ranks: the HF Trainer with ``guard_trainer(trainer, recover=True)``; launch rank 2 asleep for
     good at the start of global step 3 (before the warm-up: the 30 s judge bound).
 
+Both scripts make their process group before they import ncclguard, as their docs write them: the
+restarted process stands in all the same (the start-up hook), never waits in the job's first world.
+
 The same fault with ``allow_shrink=True`` (a world of 2): tests/watching/test_verdict_multirank.py.
 """
 
@@ -27,6 +30,14 @@ DEFAULTS = ["--restarts=1"]  # what ncclguard run --ncclguard-restarts 1 runs ea
 def _env(tmp: str) -> dict[str, str]:
     # The watchdog as ncclguard run starts it, every setting at its default but where incidents go.
     return {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": tmp}
+
+
+def _group_first_and_the_restart_stood_in(job: dict, asleep: int = 2) -> None:
+    """Every life made its group before ncclguard was imported; the first lives made the job's world,
+    the restarted process the stand-in world of one (it then joined the survivors' world)."""
+    for r in (0, 1, asleep, 10 + asleep):
+        assert job[r]["order"]["ncclguard_first"] is False, (r, job[r]["order"])
+        assert job[r]["order"]["group"] == ([0, 1] if r >= 10 else [r, 3]), (r, job[r]["order"])
 
 
 def _acted_on_the_sleeper_only(job: dict, asleep: int = 2) -> None:
@@ -73,6 +84,7 @@ def test_a_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_fo
         "source",
     ]
     _acted_on_the_sleeper_only(loop_job)
+    _group_first_and_the_restart_stood_in(loop_job)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +112,4 @@ def test_the_hf_trainer_with_every_default_ends_on_its_full_world_after_a_rank_a
     assert hf_job[12]["life"] == 1 and hf_job[12]["recoveries"] == []
     assert hf_job[0]["digest"] == hf_job[1]["digest"] == hf_job[12]["digest"]
     _acted_on_the_sleeper_only(hf_job)
+    _group_first_and_the_restart_stood_in(hf_job)

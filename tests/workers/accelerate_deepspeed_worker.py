@@ -107,7 +107,7 @@ def mlp_loss(engine: Any, step: int) -> torch.Tensor:
 def build_bert() -> tuple[torch.nn.Module, Any]:
     """A tiny BERT classifier (a PreTrainedModel: the stepper builds it afresh itself, no rebuild=)."""
     from accelerate.utils import DummyOptim
-    from hf_worker import tiny_bert
+    from hf_parts import tiny_bert
 
     torch.manual_seed(0)
     module = tiny_bert()

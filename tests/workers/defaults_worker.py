@@ -14,6 +14,12 @@ judge bound is learned: its 10 s floor), then at step ASLEEP launch rank 2 sleep
 recover=True)`` and nothing else: at the start of global step HF_ASLEEP (before the judge bound's
 warm-up: its 30 s default) launch rank 2 sleeps for good in the model's forward.
 
+Both scripts are written in the order their docs use: the process group first (``dist.init_process_group``,
+the Trainer's ``TrainingArguments`` through Accelerate), ncclguard imported after. A restarted process
+stands in all the same: the start-up hook (``NCCLGUARD_RESTART_COUNT`` set by the supervisor) wraps
+``init_process_group`` before the script's first line. Each life records whether ncclguard was
+imported before its group was made (``order``).
+
 Results go by launch rank plus 10 for a restarted process (``rank12.json``): the first life's are
 kept.
 """
@@ -32,10 +38,8 @@ import torch
 import torch.distributed as dist
 from rankkit import put
 
-import ncclguard  # before the process group: a restarted process's init_process_group stands in
-from ncclguard.world import current_world
-
-ME, LIFE = int(os.environ["RANK"]), ncclguard.restart_count()
+# ncclguard is imported after the process group is made, as a user's script does (see the module doc).
+ME, LIFE = int(os.environ["RANK"]), int(os.environ.get("NCCLGUARD_RESTART_COUNT", "0") or 0)
 rankkit.rank = lambda: ME + 10 * LIFE
 ASLEEP, STEPS = 12, 16  # loop: past the judge bound's warm-up (10 intervals)
 HF_ASLEEP, HF_STEPS = 3, 10
@@ -52,12 +56,24 @@ def _events(engine: Any) -> list[dict[str, Any]]:
     return list(engine.timing.driver.events)
 
 
+def _order(before: bool) -> None:
+    """Records whether ncclguard was imported before the script made its group (it was not), and the
+    group made: a restarted process's is the stand-in world of one until it joins."""
+    put("order", {"ncclguard_first": before, "group": [dist.get_rank(), dist.get_world_size()]})
+
+
 def loop() -> None:
     import transformers
-    from ddp_bitequal_worker import batch, dataset, make
+
+    before = "ncclguard" in sys.modules
+    dist.init_process_group("gloo")  # as a user writes it, first: no timeout; a restarted process stands in
+    _order(before)
+    from ddp_bitequal_worker import batch, dataset, make  # imports ncclguard: after the group, as users do
+
+    import ncclguard
+    from ncclguard.world import current_world
 
     rankkit.rank = lambda: ME + 10 * LIFE  # that module sets its own on import
-    dist.init_process_group("gloo")  # as a user writes it: no timeout; a restarted process stands in
     module, opt = make()
     schedule = transformers.get_linear_schedule_with_warmup(opt, 3, STEPS)
     stepper = ncclguard.RecoveringStep(module, opt, scheduler=schedule)  # nothing else
@@ -102,10 +118,8 @@ def loop() -> None:
 
 
 def hf() -> None:
-    from hf_worker import Dataset, cpu_arguments, tiny_bert
+    from hf_parts import Dataset, cpu_arguments, tiny_bert
     from transformers import Trainer
-
-    from ncclguard.integrations.hf import find_guard, guard_trainer
 
     out = os.environ["NCCLGUARD_TEST_OUT"]
     torch.manual_seed(0)
@@ -117,6 +131,8 @@ def hf() -> None:
             rankkit.asleep_for_good()
 
     model.register_forward_pre_hook(asleep)
+    before = "ncclguard" in sys.modules
+    # TrainingArguments makes the process group (through Accelerate's state), before ncclguard is imported.
     args = cpu_arguments(f"{out}/hf", HF_STEPS)
     from transformers import TrainerCallback
 
@@ -129,6 +145,10 @@ def hf() -> None:
             ends[state.global_step] = time.time()
 
     t = holder["t"] = Trainer(model=model, args=args, train_dataset=Dataset(96, seed=1), callbacks=[StepEnds()])
+    _order(before)
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+    from ncclguard.world import current_world
+
     guard_trainer(t, recover=True)  # nothing else: every timeout at its default, heal by default
     put("pid", os.getpid())
     rankkit.save()

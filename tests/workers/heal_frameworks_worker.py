@@ -114,7 +114,7 @@ def accelerate() -> None:
 
 
 def hf() -> None:
-    from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
+    from hf_parts import Dataset, tiny_bert  # the HF tests' tiny dataset and model
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ncclguard.integrations.hf import find_guard, guard_trainer

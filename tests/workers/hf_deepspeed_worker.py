@@ -37,7 +37,7 @@ import deepspeed
 import rankkit
 import torch
 import torch.distributed as dist
-from hf_worker import Dataset, tiny_bert
+from hf_parts import Dataset, tiny_bert
 from rankkit import put
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 

@@ -29,7 +29,7 @@ import rankkit
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
+from hf_parts import Dataset, tiny_bert  # the HF tests' tiny dataset and model
 from rankkit import put
 from transformers import Trainer, TrainerCallback, TrainingArguments
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import rankkit
 import torch
+from hf_parts import Dataset, tiny_bert
 from rankkit import put
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import ncclguard
 from ncclguard.integrations.hf import find_guard, guard_trainer
@@ -53,48 +54,6 @@ def reported(count: int) -> bool:
     """The watchdog's ``count``-th incident is merged (its report is on disk)."""
     incidents = OUT / "incidents"
     return incidents.is_dir() and len(list(incidents.glob("*/incident.json"))) >= count
-
-
-def tiny_bert() -> BertForSequenceClassification:
-    """The HF tests' model: a one-layer BERT classifier built from a config (no download)."""
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=32,
-    )
-    return BertForSequenceClassification(config)
-
-
-def cpu_arguments(output_dir: str, max_steps: int) -> TrainingArguments:
-    """``TrainingArguments`` as a user leaves them, on the CPU with gloo: nothing saved, no reports."""
-    return TrainingArguments(
-        output_dir=output_dir,
-        use_cpu=True,
-        ddp_backend="gloo",
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-    )
-
-
-class Dataset(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randint(0, 100, (n, 16), generator=gen)
-        self.y = (self.x[:, 0] > 50).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
 class Faults(TrainerCallback):

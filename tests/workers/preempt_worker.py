@@ -227,7 +227,7 @@ DEEPSPEED = {  # the Trainer's usual ZeRO-3 config, its values filled from Train
 
 def trainer(phase: str) -> Any:
     os.environ.setdefault("NCCLGUARD_TEST_OUT", str(OUT))  # hf_worker reads it at import
-    from hf_worker import Dataset, tiny_bert  # the HF tests' tiny dataset and model
+    from hf_parts import Dataset, tiny_bert  # the HF tests' tiny dataset and model
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ncclguard.integrations.hf import guard_trainer

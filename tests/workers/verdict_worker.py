@@ -276,7 +276,7 @@ HF_STEPS = 16
 
 
 def hf() -> None:
-    from hf_worker import Dataset, cpu_arguments, tiny_bert
+    from hf_parts import Dataset, cpu_arguments, tiny_bert
     from transformers import Trainer
 
     from ncclguard.integrations.hf import find_guard, guard_trainer

@@ -18,17 +18,26 @@ constructor of ``RecoveringStep`` (and Accelerate's ``recovering_step``); ``trai
 ``guard_trainer(recover=True, heal=True)``; Lightning's fit loop under
 ``NcclGuardCallback(recover=True, heal=True)``. What was built on the stand-in (DDP) is built again.
 
-The patch is made when ncclguard is imported in a restarted process (and by the warm spare when it
-takes over: :mod:`ncclguard.supervise.spare`); elsewhere ``init_process_group`` is torch's own.
-Import ncclguard before the process group is made.
+Where it is in place before the script's first line, whatever the script's order:
+
+- under ``ncclguard run`` and ``python -m ncclguard.supervise`` (the start-up hook,
+  ``autostart/ncclguard_autostart.py``, loaded by ``ncclguard-autostart.pth`` in every process whose
+  ``NCCLGUARD_RESTART_COUNT`` is set, wraps torch's ``init_process_group`` as c10d loads and calls
+  :func:`stand_in_for`): a script that makes its group first (``TrainingArguments``, ``Accelerator()``,
+  ``dist.init_process_group`` at the top of ``main()``) and imports ncclguard later stands in too;
+- in the warm spare when it takes over (:mod:`ncclguard.supervise.spare`);
+- when ncclguard is imported in a restarted process (this module patches at import).
+
+Elsewhere ``init_process_group`` is torch's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -37,26 +46,76 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.recovery._rebuild.restarts import restart_count
 
-__all__ = ["active", "awaiting_join", "install", "leave", "torch_init_process_group"]
+__all__ = ["active", "awaiting_join", "install", "leave", "stand_in_for", "torch_init_process_group"]
 
 
 class _StandIn:
-    """The process's stand-in: whether it is the default group now, and torch's function."""
+    """The process's stand-in: whether it is the default group now, torch's function, and how many
+    calls are passing through to it (a join, a rebuild, the stand-in's own fake group): the wrappers
+    around torch's function (this module's and the start-up hook's) make no stand-in for those."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active = False
         self.original: Callable[..., Any] | None = None
+        self.passing = 0
 
 
 _STAND_IN = _StandIn()
+
+
+@contextlib.contextmanager
+def _passing() -> Iterator[None]:
+    with _STAND_IN.lock:
+        _STAND_IN.passing += 1
+    try:
+        yield
+    finally:
+        with _STAND_IN.lock:
+            _STAND_IN.passing -= 1
 
 
 def torch_init_process_group(*args: Any, **kwargs: Any) -> Any:
     """torch's own ``init_process_group``, whatever the patch: what a rebuild and a rejoin make is
     the real world."""
     original = _STAND_IN.original or dist.init_process_group
-    return original(*args, **kwargs)
+    with _passing():
+        return original(*args, **kwargs)
+
+
+def stand_in_for(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Makes the stand-in world in place of ``init(*args, **kwargs)`` when this process must not
+    make the job's world: it is a restarted one (``NCCLGUARD_RESTART_COUNT`` above 0), it has no
+    process group, and the call is none of ncclguard's own (a join, a rebuild).
+
+    Args:
+        init: the ``init_process_group`` the caller would have called (torch's, or a wrapper of it).
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+
+    Returns:
+        True when the stand-in was made (the call is answered: ``init_process_group`` returns None);
+        False when the caller goes on with ``init``.
+
+    Raises:
+        TypeError: the arguments do not fit torch's ``init_process_group`` (its own error, as
+            without the stand-in).
+        ValueError: ``NCCLGUARD_RESTART_COUNT`` is set but is no count.
+    """
+    if _STAND_IN.passing or restart_count() == 0 or dist.is_initialized():
+        return False
+    inspect.signature(_STAND_IN.original or init).bind(*args, **kwargs)
+    with _passing():
+        compat.init_stand_in_group(init=init)
+    _STAND_IN.active = True
+    log.warning(
+        "restarted launch rank %s (restart %d): init_process_group made a stand-in world of one instead of "
+        "joining the job's first world (the survivors are in a later one); the rank joins them at its "
+        "recovery's join point",
+        os.environ.get("RANK", "?"),
+        restart_count(),
+    )
+    return True
 
 
 def active() -> bool:
@@ -86,21 +145,10 @@ def leave() -> None:
 
 
 def _stand_in(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        if restart_count() == 0 or dist.is_initialized():
-            return original(*args, **kwargs)
-        signature.bind(*args, **kwargs)  # torch's own argument errors, as without the stand-in
-        compat.init_stand_in_group(init=original)
-        _STAND_IN.active = True
-        log.warning(
-            "restarted launch rank %s (restart %d): init_process_group made a stand-in world of one; the rank "
-            "joins the survivors' world at its recovery's join point",
-            os.environ.get("RANK", "?"),
-            restart_count(),
-        )
-        return None
+        if stand_in_for(original, args, kwargs):
+            return None
+        return original(*args, **kwargs)
 
     init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
     init_process_group.__doc__ = original.__doc__
