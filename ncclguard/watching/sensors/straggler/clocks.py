@@ -42,6 +42,10 @@ _CALL_S = 10.0  # the bound of one store call of the ticker (a wait: its own bou
 # A wait for a tick, and a rest between ticks, is cut in slices this long: the thread sees its end
 # (alive() False) within one, so that the interpreter's exit can wait for it (join_tickers).
 _SLICE_S = 1.0
+# A waiting rank rests until this long before the next tick is due, then waits for it: a wait that
+# times out logs two warning lines in torch 2.13's TCPStore client ("waitForInput: poll for socket ...
+# timed out after 1000ms"), and waiting a whole period in slices logged them 4 times per tick per rank.
+_EARLY_S = 0.5
 _tickers: weakref.WeakSet[ClockTicker] = weakref.WeakSet()
 
 
@@ -168,20 +172,23 @@ class ClockTicker(threading.Thread):
                 at, reference = await_tick(
                     client, self.prefix, following, _SLICE_S, self.clock, Deadline.within(_SLICE_S + _CALL_S)
                 )
-            except Exception:  # noqa: BLE001 - not in this slice: wait again, up to the bound
-                if time.monotonic() - since < bound:
-                    self._rest(_SLICE_S - (time.monotonic() - called))  # a failure at once waits its slice
-                    continue
-                # The reference did not tick in time: poll, do not wait again.
+            except Exception:  # noqa: BLE001 - not in this slice: the tick is late, or the store failed
+                self._rest(_SLICE_S - (time.monotonic() - called))  # a failure at once waits its slice
+                # Poll for it rather than wait again (each wait that times out logs): a tick seen by a
+                # poll is stamped late, so the sample is skipped and the next tick, when due, waited for.
                 last = self._last(client)
-                while self.alive() and self._last(client) == last:
-                    self._rest(self.period)
-                following, since = self._last(client) + 1, time.monotonic()
+                while self.alive() and last < following:
+                    self._rest(_SLICE_S / 4 if time.monotonic() - since < bound else self.period)
+                    last = self._last(client)
+                following, since = last + 1, time.monotonic()
+                self._rest((0.5 if following < _FAST_TICKS else self.period) - _EARLY_S)
                 continue
             since = time.monotonic()
             self.offsets.add(at, half, reference)
             self.ticks += 1
             following += 1
+            # The reference rests its pause after each tick: wait for the next one only when it is due.
+            self._rest((0.5 if following < _FAST_TICKS else self.period) - _EARLY_S)
             last = self._last(client)
             if last >= following + SAMPLES // 2:  # fell behind (descheduled): catch up with the newest
                 following = last + 1
