@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml setup.py ncclguard/recording/_hotpath.c autostart/ncclg
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
 	$(PY) -m pip install -q -e ".[all]"
+	# Debian's fuse3 (libfuse3 for mfusepy, fusermount3) for the FUSE test of tests/watching/test_io_wait.py,
+	# as root where apt-get is; never fatal: without it that test skips.
+	-command -v fusermount3 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } || true
 	# DeepSpeed's CPU accelerator compiles its shared-memory comm op (~60 s on 2 cores) on first
 	# use; build it here, once, instead of inside a time-bounded test launch. A lock left by an
 	# interrupted install goes with the rest of that build; the bound turns a stuck build into an error.

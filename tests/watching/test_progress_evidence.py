@@ -21,7 +21,9 @@ import pytest
 
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.watching.sensors.progress import (
+    IO_WAIT_S,
     NET_RATE,
+    BlockedIO,
     Progress,
     Sample,
     parse_proc_net_tcp,
@@ -229,7 +231,9 @@ def test_a_process_blocked_in_sendall_to_a_slow_reader_is_moving_by_its_network_
 def test_a_process_that_only_sleeps_is_stuck_with_every_kind_of_evidence_named(spawn) -> None:
     proc = spawn(SLEEPER)
     evidence = _judge_from_proc(proc.pid, "stuck")
-    assert evidence.startswith("nothing moved for ") and "(cpu, threads, children, net, io)" in evidence, evidence
+    assert evidence.startswith("nothing moved for ") and "(cpu, threads, children, net, io, blocked-io)" in evidence, (
+        evidence
+    )
 
 
 def test_a_process_whose_child_burns_cpu_is_moving(spawn) -> None:
@@ -358,6 +362,10 @@ def test_a_rank_reads_its_own_tree_sockets_and_children_into_its_heartbeat() -> 
     peer, _ = server.accept()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        import ncclguard.watching.sensors.proc_reading as reading
+
+        with reading._cache_lock:  # a host dump of an earlier test (0.5 s ago) lacks these sockets
+            reading._cache.clear()
         before = beat_evidence()
         got = []
         reader = threading.Thread(target=lambda: got.append(_read_all(peer, 4 << 20)), daemon=True)
@@ -385,3 +393,85 @@ def _read_all(sock: socket.socket, n: int) -> int:
             break
         got += len(chunk)
     return got
+
+
+# --- a thread asleep in file I/O: a save's close() on network storage ----------------------------------
+
+
+def _io(prog: Progress, times: range, *waits: BlockedIO, stopped: bool = False) -> None:
+    for t in times:
+        prog.observe(Sample(float(t), "process", cpu_s=1.0, io_bytes=0, chars=0, blocked_io=waits, stopped=stopped))
+
+
+CLOSE = BlockedIO("close", "/mnt/ckpt/model.pt", 7, "request_wait_answer")
+
+
+def test_a_rank_asleep_in_close_on_network_storage_is_busy_under_its_own_bound_then_stuck() -> None:
+    save = Progress(10.0)  # nothing else moves for 47 s: no CPU, no byte counter
+    _io(save, range(48), CLOSE)
+    j = save.judge(47.0)
+    assert j == j.__class__(
+        "moving", 0.0, "blocked in close() on /mnt/ckpt/model.pt for 47.0 s (file I/O: busy for up to 1800 s)"
+    )
+    assert save.io_s == IO_WAIT_S == 1800.0
+    hung = Progress(10.0, io_s=60.0)  # a server gone for good: the same wait past its bound
+    _io(hung, range(76), CLOSE)
+    assert hung.judge(65.0).state == "moving" and "blocked in close()" in hung.judge(65.0).evidence
+    j = hung.judge(75.0)
+    assert j.state == "stuck" and "blocked-io" in j.evidence, j
+    assert j.evidence.endswith("; blocked in close() on /mnt/ckpt/model.pt for 75.0 s, past the file I/O bound of 60 s")
+    off = Progress(10.0, io_s=0.0)  # 0: file I/O never counts
+    _io(off, range(31), CLOSE)
+    assert off.judge(30.0).state == "stuck"
+    stopped = Progress(10.0)  # SIGSTOPped in the wait: stopped wins
+    _io(stopped, range(31), CLOSE, stopped=True)
+    assert stopped.judge(30.0).state == "stuck" and "stopped" in stopped.judge(30.0).evidence
+
+
+def test_the_end_of_a_wait_is_movement_and_another_wait_starts_its_own_clock() -> None:
+    done = Progress(10.0)  # the close returned, and the rank went on to a barrier: its peers come
+    _io(done, range(21), CLOSE)
+    _io(done, range(21, 25))
+    j = done.judge(24.0)
+    assert j.state == "moving" and "close() on /mnt/ckpt/model.pt ended after 21.0 s" in j.evidence, j
+    assert done.judge(32.0).state == "stuck"  # and nothing after it
+    shards = Progress(10.0, io_s=30.0)  # a sharded save: one slow close a file, each its own wait
+    _io(shards, range(26), CLOSE)
+    _io(shards, range(26, 51), CLOSE._replace(path="/mnt/ckpt/shard-1.pt"))
+    assert shards.judge(50.0).evidence.startswith("blocked in close() on /mnt/ckpt/shard-1.pt for 24.0 s")
+    # Samples that did not read the threads (a heartbeat of this host) keep the wait; a stale one counts no more.
+    stale = Progress(10.0)
+    _io(stale, range(5), CLOSE)
+    for t in range(5, 31):
+        stale.observe(Sample(float(t), "heartbeat", ops=3, cpu_s=1.0))
+    assert stale.judge(14.0).state == "moving" and stale.judge(30.0).state == "stuck"
+
+
+def test_the_io_bound_is_read_from_the_environment(monkeypatch) -> None:
+    from ncclguard.watching.sensors.progress import IO_WAIT_VAR, io_wait_bound
+
+    monkeypatch.setenv(IO_WAIT_VAR, "120")
+    assert Progress(10.0).io_s == io_wait_bound() == 120.0
+    monkeypatch.setenv(IO_WAIT_VAR, "0")
+    assert io_wait_bound() == 0.0
+    for wrong in ("soon", "-5", "inf"):
+        monkeypatch.setenv(IO_WAIT_VAR, wrong)
+        assert io_wait_bound() == IO_WAIT_S
+
+
+def test_a_peer_on_another_host_asleep_in_close_says_so_in_its_heartbeat() -> None:
+    from ncclguard.watching.sensors.progress import beat_evidence, beat_sample
+
+    wait = {"call": "close", "path": "/mnt/ckpt/model.pt", "tid": 7, "wait": "request_wait_answer"}
+    beats = [_beat(i, main_cpu_s=1.0, io_bytes=0, readings={"blocked-io": wait}) for i in range(10)]
+    prog = Progress(10.0)
+    for i, hb in enumerate(beats):
+        prog.observe(beat_sample(Heartbeat.model_validate_json(hb.model_dump_json()), i * 5.0))
+    j = prog.judge(46.0)
+    assert j.state == "moving" and j.evidence.startswith("blocked in close() on /mnt/ckpt/model.pt for 46.0 s"), j
+    assert beat_sample(_beat(0, chars=5), 0.0).blocked_io == ()  # beat_evidence() read it: none
+    assert beat_sample(_beat(0), 0.0).blocked_io is None  # a beat that tells nothing of its threads
+    assert beat_sample(_beat(0, readings={"blocked-io": {"call": 1}}), 0.0).blocked_io is None
+    assert "readings" not in beat_evidence()  # this process: no thread in file I/O, nothing added
+    hb = Heartbeat(**{**_beat(0).model_dump(), "readings": {"blocked-io": wait}})  # as a sensor's figures
+    assert beat_sample(hb, 0.0).blocked_io == (BlockedIO("close", "/mnt/ckpt/model.pt", 7, "request_wait_answer"),)

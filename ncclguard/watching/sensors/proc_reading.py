@@ -3,7 +3,8 @@ one :class:`Sample` of a process of this host (:func:`sample_process`: ``/proc``
 the kernel's ``sock_diag`` over netlink), of this process for its own heartbeat (:func:`own_sample`,
 :func:`beat_evidence`), and of a peer on another host from its heartbeat (:func:`beat_sample`).
 Reading never raises: a process gone is ``stopped``, a piece that cannot be read (permissions, a
-race) is no evidence.
+race) is no evidence. Its threads asleep in file I/O (a save's ``close()`` on network storage) are
+read by :mod:`ncclguard.watching.sensors.io_wait`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ncclguard.watching.sensors.io_wait import MAX_PATH, BlockedIO, file_target, read_blocked_io
+
 __all__ = [
+    "BLOCKED_READING",
     "MAX_CHILDREN",
     "MAX_FDS",
+    "BlockedIO",
     "Pairs",
     "Sample",
     "beat_evidence",
@@ -37,6 +42,9 @@ _log = logging.getLogger("ncclguard")
 MAX_CHILDREN = 32  # processes of the tree read per sample
 MAX_FDS = 4096  # file descriptors looked at per sample (the process's and its children's)
 MAX_DIAG = 65536  # sockets of the host walked per netlink dump
+MAX_FILES = 256  # a process's open files remembered (a close() drops its descriptor before it waits)
+MAX_KNOWN = 64  # processes whose open files are remembered
+BLOCKED_READING = "blocked-io"  # the heartbeat's ``readings`` entry of a thread asleep in file I/O
 
 
 Pairs = tuple[tuple[int, float], ...]  # (id, value), sorted: a child's pid and CPU, a socket's inode and bytes
@@ -59,6 +67,7 @@ class Sample:
         net: ``(inode, bytes acknowledged + received)`` of each TCP socket of its tree, where known.
         net_queues: ``(inode, send queue + receive queue)`` of each, where the counters are unknown.
         chars: its bytes through ``read()`` and ``write()`` (``rchar + wchar``), where known.
+        blocked_io: its threads asleep in file I/O (main thread first; empty: none), where known.
     """
 
     at: float
@@ -73,6 +82,7 @@ class Sample:
     net: Pairs | None = None
     net_queues: Pairs | None = None
     chars: int | None = None
+    blocked_io: tuple[BlockedIO, ...] | None = None
 
 
 def socket_inode(link: str) -> int | None:
@@ -223,33 +233,37 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _tree_sockets(pids: Iterable[int]) -> dict[int, int]:
+def _tree_sockets(pids: Iterable[int], files: dict[int, str] | None = None) -> dict[int, int]:
     """Socket inode -> the pid whose descriptor holds it, over ``pids`` (at most :data:`MAX_FDS`
-    descriptors looked at)."""
+    descriptors looked at); the first process's open files go into ``files`` (descriptor -> path)."""
     out: dict[int, int] = {}
     budget = MAX_FDS
-    for pid in pids:
+    for n, pid in enumerate(pids):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds[:budget]:
             try:
-                inode = socket_inode(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
+            inode = socket_inode(link)
             if inode is not None:
                 out.setdefault(inode, pid)
+            elif n == 0 and files is not None and len(files) < MAX_FILES and fd.isdigit() and file_target(link):
+                files[int(fd)] = link
         budget -= min(len(fds), budget)
         if budget <= 0:
             break
     return out
 
 
-def _net(pids: list[int]) -> tuple[Pairs | None, Pairs | None]:
+def _net(pids: list[int], files: dict[int, str] | None = None) -> tuple[Pairs | None, Pairs | None]:
     """The tree's TCP sockets: ``(counters, None)`` where netlink reads them, else ``(None, queues)``
-    from ``/proc/<pid>/net/tcp`` and ``tcp6``; ``(None, None)`` when nothing can be read."""
-    sockets = _tree_sockets(pids)
+    from ``/proc/<pid>/net/tcp`` and ``tcp6``; ``(None, None)`` when nothing can be read. The first
+    process's open files go into ``files``."""
+    sockets = _tree_sockets(pids, files)
     if not sockets:
         return (), None
     inodes = set(sockets)
@@ -268,6 +282,20 @@ def _net(pids: list[int]) -> tuple[Pairs | None, Pairs | None]:
     if not queues:
         return None, None
     return None, tuple(sorted((k, float(v)) for k, v in queues.items()))
+
+
+_known: dict[int, dict[int, str]] = {}  # pid -> its open files at the last look (descriptor -> path)
+
+
+def _remember(pid: int, files: dict[int, str], before: dict[int, str], blocked: tuple[BlockedIO, ...] | None) -> None:
+    """Keeps ``pid``'s open files for its next look, and the ones its threads still wait to close."""
+    waited = {b.path for b in blocked or ()}
+    files.update({fd: p for fd, p in before.items() if fd not in files and file_target(p) in waited})
+    with _cache_lock:
+        _known.pop(pid, None)
+        _known[pid] = files
+        while len(_known) > MAX_KNOWN:
+            _known.pop(next(iter(_known)))
 
 
 def _main_cpu(proc: Any, pid: int) -> tuple[float | None, float | None]:
@@ -294,7 +322,8 @@ def _read(what: str, pid: int, fn: Any) -> Any:
 
 def sample_process(pid: int, now: float | None = None) -> Sample | None:
     """Reads a process of this host: stopped or not, the CPU of its main thread, of its other threads
-    and of its process tree, its storage bytes and ``read``/``write`` bytes, its tree's TCP sockets.
+    and of its process tree, its storage bytes and ``read``/``write`` bytes, its tree's TCP sockets,
+    its threads asleep in file I/O.
 
     Returns:
         The sample (a piece that cannot be read is None in it), a stopped one when there is no such
@@ -317,7 +346,14 @@ def sample_process(pid: int, now: float | None = None) -> Sample | None:
             t = _read("a child's cpu", kid, lambda k=kid: psutil.Process(k).cpu_times())
             if t is not None:
                 children.append((kid, float(t.user + t.system)))
-        net, queues = _read("sockets", pid, lambda: _net([pid, *kids])) or (None, None)
+        with _cache_lock:
+            before = dict(_known.get(pid, {}))
+        blocked = _read("threads' waits", pid, lambda: read_blocked_io(pid, before))
+        files: dict[int, str] = {}
+        read_net = _read("sockets", pid, lambda: _net([pid, *kids], files))
+        if read_net is not None:
+            _remember(pid, files, before, blocked)
+        net, queues = read_net or (None, None)
         chars = getattr(io, "read_chars", None), getattr(io, "write_chars", None)
         return Sample(
             at=at,
@@ -330,6 +366,7 @@ def sample_process(pid: int, now: float | None = None) -> Sample | None:
             net=net,
             net_queues=queues,
             chars=chars[0] + chars[1] if chars[0] is not None and chars[1] is not None else None,
+            blocked_io=blocked,
         )
     except psutil.NoSuchProcess:  # gone: it will not come to the op either
         return Sample(at=at, source="process", stopped=True)
@@ -343,23 +380,42 @@ def beat_evidence() -> dict[str, Any]:
     bytes. A peer on another host, which cannot read this ``/proc``, judges it from these as one on
     this host would (an upload blocked in ``send()``, DataLoader workers). Its other threads' CPU is
     not carried: ncclguard's own threads work in bursts that a beat's 5 s would count as progress.
+    A thread asleep in file I/O (a save's ``close()`` on network storage) is carried, the first one
+    only, as the reading :data:`BLOCKED_READING` (``call``, ``path``, ``tid``, ``wait``): the heartbeat
+    has no field of its own for it, and its ``readings`` are a sensor's place for such figures.
 
     Returns:
-        The heartbeat's fields (``children_cpu``, ``net_bytes``, ``chars``); None where unreadable.
+        The heartbeat's fields (``children_cpu``, ``net_bytes``, ``chars``, and ``readings`` while a
+        thread is asleep in file I/O); None where unreadable.
     """
     s = sample_process(os.getpid())
     if s is None:
         return {}
-    return {
+    out: dict[str, Any] = {
         "children_cpu": [(int(k), v) for k, v in s.children_cpu] if s.children_cpu is not None else None,
         "net_bytes": int(sum(v for _, v in s.net)) if s.net is not None else None,
         "chars": s.chars,
     }
+    if s.blocked_io:
+        out["readings"] = {BLOCKED_READING: s.blocked_io[0]._asdict()}
+    return out
+
+
+def _beat_blocked(hb: Any) -> tuple[BlockedIO, ...] | None:
+    """The thread asleep in file I/O that a heartbeat's readings carry; none (empty) in a beat that
+    carries :func:`beat_evidence` without it (its ``chars``); None where the beat tells nothing."""
+    got = (getattr(hb, "readings", None) or {}).get(BLOCKED_READING)
+    if got is None:
+        return () if getattr(hb, "chars", None) is not None else None
+    try:
+        return (BlockedIO(str(got["call"]), str(got["path"])[:MAX_PATH], int(got["tid"]), str(got["wait"])[:64]),)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def beat_sample(hb: Any, at: float) -> Sample:
     """The heartbeat ``hb`` of a peer on another host as a sample: its ops, call site, main-thread
-    CPU, storage bytes and what :func:`beat_evidence` put in it."""
+    CPU, storage bytes and what :func:`beat_evidence` put in it (a thread asleep in file I/O too)."""
     ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
     return Sample(
         at,
@@ -371,6 +427,7 @@ def beat_sample(hb: Any, at: float) -> Sample:
         children_cpu=tuple((int(k), float(v)) for k, v in hb.children_cpu) if hb.children_cpu is not None else None,
         net=((0, float(hb.net_bytes)),) if hb.net_bytes is not None else None,
         chars=hb.chars,
+        blocked_io=_beat_blocked(hb),
     )
 
 

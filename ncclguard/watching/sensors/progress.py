@@ -18,6 +18,11 @@ each a kind of evidence, named so in a judgment's evidence:
 - ``io``: its storage reads and writes grew by more than :data:`IO_BYTES` (a save), or its
   ``read()``/``write()`` calls (``rchar``/``wchar``, which count pipes and sockets written with
   ``write``) moved more than :data:`CHAR_RATE` bytes a second;
+- ``blocked-io``: a thread of it asleep in file I/O (:mod:`ncclguard.watching.sensors.io_wait`: a
+  save's ``close()`` or ``fsync()`` on network storage, which moves nothing else for minutes): the
+  rank is busy while that one wait lasts under ``io_s`` (:data:`IO_WAIT_S`, or
+  :data:`IO_WAIT_VAR` in the environment; 0 turns it off), and the wait's end is movement; past
+  ``io_s`` it counts no more, and ``still_s`` later the rank is stuck, the wait named;
 - ``stopped``: the operating system says the process is stopped (SIGSTOP): evidence of being stuck.
 
 Evidence comes from the rank's own heartbeat while its watchdog thread runs (ops, stack, main-thread
@@ -29,12 +34,16 @@ a process gone is ``stopped``, a piece that cannot be read (permissions, a race)
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ncclguard.watching.sensors.proc_reading import (
     MAX_CHILDREN,
     MAX_FDS,
+    BlockedIO,
     Pairs,
     Sample,
     beat_evidence,
@@ -51,15 +60,19 @@ __all__ = [
     "CHAR_RATE",
     "CPU_SHARE",
     "IO_BYTES",
+    "IO_WAIT_S",
+    "IO_WAIT_VAR",
     "JUDGED",
     "MAX_CHILDREN",
     "MAX_FDS",
     "NET_RATE",
     "STREAK",
     "THREADS_SHARE",
+    "BlockedIO",
     "Judgment",
     "beat_evidence",
     "beat_sample",
+    "io_wait_bound",
     "Progress",
     "Sample",
     "own_sample",
@@ -78,6 +91,10 @@ STREAK = 3
 IO_BYTES = 1 << 20  # more than 1 MiB read or written counts (a rank's own incident dump is less)
 NET_RATE = 64 << 10  # bytes a second on its sockets (a watchdog's store traffic is a few KiB a second)
 CHAR_RATE = 256 << 10  # bytes a second through read()/write() (a watchdog reads a few KiB of /proc)
+IO_WAIT_S = 1800.0  # one wait in file I/O counts as busy this long (a 100 GB save to slow storage: minutes)
+IO_WAIT_VAR = "NCCLGUARD_IO_WAIT_S"
+_log = logging.getLogger("ncclguard")
+_said_var = False  # a wrong IO_WAIT_VAR was said (once)
 State = Literal["moving", "stuck", "unknown"]
 
 # The verdict's last judgment of each rank this one waits for ("2": "stuck: nothing moved ..."), in
@@ -93,6 +110,25 @@ class Judgment:
     state: State
     still_s: float  # how long nothing has moved (0 when something just did)
     evidence: str  # which evidence decided, in words
+
+
+def io_wait_bound() -> float:
+    """How long one wait in file I/O counts as busy: :data:`IO_WAIT_VAR` in seconds (0: never), else
+    :data:`IO_WAIT_S`; a value that is no number of seconds is said once and the default kept."""
+    global _said_var
+    raw = os.environ.get(IO_WAIT_VAR, "").strip()
+    if not raw:
+        return IO_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if 0 <= value and math.isfinite(value):
+        return value
+    if not _said_var:
+        _said_var = True
+        _log.warning("progress: %s=%r is no number of seconds; %g s kept", IO_WAIT_VAR, raw, IO_WAIT_S)
+    return IO_WAIT_S
 
 
 def _bytes(n: float) -> str:
@@ -115,9 +151,11 @@ class Progress:
 
     Args:
         still_s: how long nothing may move before the rank is stuck.
+        io_s: how long one wait of a thread in file I/O counts as busy (:func:`io_wait_bound`).
     """
 
     still_s: float
+    io_s: float = field(default_factory=io_wait_bound)
     last_at: float | None = None
     since: float | None = None  # first sample
     moved_at: float | None = None
@@ -134,6 +172,9 @@ class Progress:
     queues: Pairs | None = None
     chars: tuple[float, int] | None = None  # (at, bytes)
     streaks: dict[str, int] = field(default_factory=dict)  # threads, children: busy looks in a row
+    blocked: BlockedIO | None = None  # the wait in file I/O seen at the last look that read threads
+    blocked_since: float = 0.0  # the first look that saw that wait
+    blocked_at: float = 0.0  # the last look that saw it
 
     def observe(self, s: Sample) -> None:
         """Takes in one sample (from either source, in time order)."""
@@ -198,10 +239,29 @@ class Progress:
                 moved.append(f"stack at {s.site}")
             self.sites.add(s.site)
             self.kinds.add("stack")
+        self._io_wait(s, moved)
         if s.stopped:
             self.kinds.add("stopped")
         elif moved:
             self.moved_at, self.moved_by = s.at, "; ".join(moved)
+
+    def _io_wait(self, s: Sample, moved: list[str]) -> None:
+        """A thread asleep in file I/O: movement while one wait lasts under ``io_s``, and at its end."""
+        if s.blocked_io is None:
+            return
+        self.kinds.add("blocked-io")
+        now = s.blocked_io[0] if s.blocked_io else None
+        was = self.blocked
+        if was is not None and (now is None or now[:3] != was[:3]):  # another call, file or thread
+            moved.append(f"{was.describe()} ended after {s.at - self.blocked_since:.1f} s")
+            self.blocked = None
+        if now is None:
+            return
+        if self.blocked is None:
+            self.blocked_since = s.at
+        self.blocked, self.blocked_at = now, s.at
+        if s.at - self.blocked_since < self.io_s:
+            moved.append(f"blocked in {now.describe()} for {s.at - self.blocked_since:.1f} s")
 
     def _streak(self, kind: str, busy: bool) -> bool:
         """Counts busy looks in a row of ``kind``; True from the :data:`STREAK`-th on."""
@@ -212,12 +272,17 @@ class Progress:
         """The rank's state now.
 
         Returns:
-            ``moving`` (something moved within ``still_s``: what), ``stuck`` (nothing moved for
-            ``still_s`` with CPU or op evidence, or the process is stopped), or ``unknown``.
+            ``moving`` (something moved within ``still_s``, or a thread is asleep in file I/O for
+            under ``io_s``: what), ``stuck`` (nothing moved for ``still_s`` with CPU or op evidence,
+            or the process is stopped), or ``unknown``.
         """
         if self.last_at is None or self.since is None:
             return Judgment("unknown", 0.0, "no sample of this rank")
         still = round(now - (self.moved_at if self.moved_at is not None else self.since), 3)
+        b, waited = self.blocked, now - self.blocked_since
+        if b is not None and not self.stopped and now - self.blocked_at <= self.still_s and waited < self.io_s:
+            why = f"blocked in {b.describe()} for {waited:.1f} s (file I/O: busy for up to {self.io_s:g} s)"
+            return Judgment("moving", round(now - self.blocked_at, 3), why)
         if self.moved_at is not None and still < self.still_s:
             return Judgment("moving", still, f"moved {still:.1f} s ago: {self.moved_by}")
         if still < self.still_s or now - self.last_at > self.still_s:
@@ -226,6 +291,9 @@ class Progress:
             return Judgment("stuck", still, f"the process is stopped (SIGSTOP) or gone for {still:.1f} s")
         if not {"cpu", "ops"} & self.kinds:
             return Judgment("unknown", still, "no CPU or op evidence of this rank")
-        order = ["cpu", "threads", "children", "net", "io", "ops", "stack"]
+        order = ["cpu", "threads", "children", "net", "io", "blocked-io", "ops", "stack"]
         kinds = [k for k in order if k in self.kinds] + sorted(self.kinds - set(order) - {"stopped"})
-        return Judgment("stuck", still, f"nothing moved for {still:.1f} s ({', '.join(kinds)})")
+        tail = ""
+        if b is not None and now - self.blocked_at <= self.still_s:
+            tail = f"; blocked in {b.describe()} for {waited:.1f} s, past the file I/O bound of {self.io_s:g} s"
+        return Judgment("stuck", still, f"nothing moved for {still:.1f} s ({', '.join(kinds)}){tail}")

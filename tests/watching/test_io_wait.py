@@ -1,0 +1,262 @@
+"""Threads asleep in file I/O (ncclguard/watching/sensors/io_wait.py): the ``/proc`` parsers on fixtures
+written here, then one real save: ``torch.save`` into a FUSE mount whose writes are slow and whose
+flush (the ``close()``) waits, read from ``/proc`` by ``sample_process`` and judged by ``Progress``
+busy in ``close()`` on its file, never stuck. Skipped where ``/dev/fuse``, ``fusermount3`` or
+``mfusepy`` (with libfuse) is missing. Bounds are hang guards, never speed targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ncclguard.watching.sensors.io_wait import (
+    BlockedIO,
+    file_target,
+    is_fs_wait,
+    parse_syscall_line,
+    read_blocked_io,
+    syscall_arch,
+    thread_blocked_io,
+)
+from ncclguard.watching.sensors.progress import Progress, sample_process
+
+
+def test_a_syscall_line_gives_the_file_call_and_its_descriptor_on_either_arch() -> None:
+    # /proc/<pid>/task/<tid>/syscall: the number, six arguments in hex, the stack pointer, the pc.
+    line = "3 0x5 0x0 0x0 0x7f47f4e61fb0 0x0 0x0 0x7ffcabb0c448 0x7f47f56c29f0"
+    assert parse_syscall_line(line, "x86_64") == ("close", 5)
+    assert parse_syscall_line("57 0x5 0x0 0x0 0x0 0x0 0x0 0x0 0x0", "aarch64") == ("close", 5)
+    assert parse_syscall_line("74 0xc 0 0 0 0 0 0 0", "x86_64") == ("fsync", 12)
+    assert parse_syscall_line("82 0xc 0 0 0 0 0 0 0", "aarch64") == ("fsync", 12)
+    assert parse_syscall_line("1 0x1 0x7f 0x10 0 0 0 0 0", "x86_64") == ("write", 1)
+    assert parse_syscall_line("18 0x7 0x7f 0x10 0x0 0 0 0 0", "x86_64") == ("pwrite64", 7)
+    assert parse_syscall_line("277 0x9 0 0 0 0 0 0 0", "x86_64") == ("sync_file_range", 9)
+    # openat(AT_FDCWD, ...): a call on a path, no descriptor; msync's first argument is an address.
+    assert parse_syscall_line("257 0xffffffffffffff9c 0x7f 0x241 0x1b6 0 0 0 0", "x86_64") == ("openat", None)
+    assert parse_syscall_line("227 0x7f0000 0x1000 0x4 0 0 0 0 0", "aarch64") == ("msync", None)
+    # Running, blocked outside a call (a page fault), another call, garbage, an unknown arch: none.
+    assert parse_syscall_line("running", "x86_64") is None
+    assert parse_syscall_line("-1 0x7ffc 0x7f47", "x86_64") is None
+    assert parse_syscall_line("202 0x7f 0x80 0 0 0 0 0 0", "x86_64") is None  # futex
+    assert parse_syscall_line("3 0xzz", "x86_64") is None and parse_syscall_line("", "x86_64") is None
+    assert parse_syscall_line("3 0x5 0 0 0 0 0 0 0", "") is None
+    assert parse_syscall_line("0 0xffffffffffffffff 0 0 0 0 0 0 0", "x86_64") is None  # fd -1
+    assert syscall_arch("x86_64") == syscall_arch("AMD64") == "x86_64"
+    assert syscall_arch("aarch64") == syscall_arch("arm64") == "aarch64" and syscall_arch("riscv64") == ""
+
+
+def test_a_wchan_names_a_filesystem_wait_or_not() -> None:
+    for wait in (
+        "request_wait_answer",  # FUSE
+        "fuse_wait_on_page_writeback",
+        "nfs_wait_bit_killable",
+        "nfs4_wait_clnt_recover",
+        "rpc_wait_bit_killable",
+        "__rpc_wait_for_completion_task",
+        "ptlrpc_set_wait",  # Lustre
+        "ll_file_flush",
+        "ldlm_completion_ast",
+        "ceph_mdsc_wait_request",
+        "p9_client_rpc",  # 9p
+        "cifs_wait_mtu_credits",
+        "wait_for_response",
+        "folio_wait_bit_common",  # a page under writeback: xfs, ext4
+        "wait_on_page_bit_common",
+        "__lock_page",
+        "io_schedule",
+        "filemap_fdatawait_range",
+        "jbd2_log_wait_commit",
+        "xfs_log_force_seq",
+        "wb_wait_for_completion",
+    ):
+        assert is_fs_wait(wait), wait
+    for wait in ("0", "", "futex_do_wait", "do_epoll_wait", "poll_schedule_timeout", "do_nanosleep", "pipe_read"):
+        assert not is_fs_wait(wait), wait
+    assert not is_fs_wait("sk_wait_data") and not is_fs_wait("unix_stream_read_generic")
+    assert not is_fs_wait("do_select") and not is_fs_wait("hrtimer_nanosleep")
+
+
+def test_a_thread_is_in_file_io_by_its_call_file_or_wait_never_by_a_socket_or_pipe() -> None:
+    assert file_target("/mnt/ckpt/model.pt") == "/mnt/ckpt/model.pt"
+    assert file_target("/mnt/ckpt/model.pt.tmp (deleted)") == "/mnt/ckpt/model.pt.tmp"
+    for link in ("socket:[5151]", "pipe:[12]", "anon_inode:[eventfd]", "/dev/pts/0", "/dev/nvidia0", "/proc/1/stat"):
+        assert file_target(link) is None, link
+    assert file_target(None) is None and len(file_target("/" + "x" * 500) or "") == 200
+    close = ("close", 5)
+    fuse = "request_wait_answer"
+    assert thread_blocked_io(9, "S", close, "/mnt/ckpt/model.pt", fuse) == BlockedIO(
+        "close", "/mnt/ckpt/model.pt", 9, fuse
+    )
+    assert thread_blocked_io(9, "S", close, None, fuse) == BlockedIO("close", "", 9, fuse)  # dropped fd
+    assert thread_blocked_io(9, "D", ("fsync", 5), None, "") == BlockedIO("fsync", "", 9, "")
+    assert thread_blocked_io(9, "S", ("fsync", 5), "/data/x.bin", "") == BlockedIO("fsync", "/data/x.bin", 9, "")
+    assert thread_blocked_io(9, "S", ("write", 5), "/data/x.bin", "rwsem_down_write_slowpath") is not None
+    assert thread_blocked_io(9, "S", ("openat", None), None, "nfs_lookup_revalidate") is not None
+    assert thread_blocked_io(9, "S", None, None, "nfs_wait_bit_killable") == BlockedIO(
+        "", "", 9, "nfs_wait_bit_killable"
+    )  # a page fault on a file of an NFS mount: no call
+    # Not file I/O: a socket, a pipe, a terminal, a named pipe, a futex, a running or stopped thread.
+    assert thread_blocked_io(9, "S", ("read", 5), "socket:[77]", "sk_wait_data") is None
+    assert thread_blocked_io(9, "S", ("write", 5), "pipe:[7]", "pipe_write") is None
+    assert thread_blocked_io(9, "D", ("read", 0), "/dev/pts/0", "n_tty_read") is None
+    assert thread_blocked_io(9, "S", ("read", 3), "/tmp/fifo", "pipe_read") is None
+    assert thread_blocked_io(9, "S", ("close", 5), None, "futex_do_wait") is None
+    assert thread_blocked_io(9, "S", None, None, "do_epoll_wait") is None
+    assert thread_blocked_io(9, "R", close, "/mnt/ckpt/model.pt", "0") is None
+    assert thread_blocked_io(9, "T", close, "/mnt/ckpt/model.pt", fuse) is None
+    assert BlockedIO("close", "/mnt/ckpt/model.pt", 9, "").describe() == "close() on /mnt/ckpt/model.pt"
+    assert BlockedIO("close", "", 9, fuse).describe() == "close() (request_wait_answer)"
+    assert BlockedIO("", "", 9, "nfs_wait_bit_killable").describe() == "a filesystem wait (nfs_wait_bit_killable)"
+
+
+def test_a_process_asleep_has_no_thread_in_file_io_and_one_gone_is_unread() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        assert read_blocked_io(proc.pid) == ()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert read_blocked_io(proc.pid) is None
+
+
+# A filesystem whose writes take WRITE_S and whose flush (close) waits until the file RELEASE exists
+# (at most 20 s): a checkpoint written to storage that takes its time.
+SLOW_FS = textwrap.dedent(
+    """
+    import errno, os, stat, sys, time
+    import mfusepy as fuse
+
+    MOUNT, RELEASE, WRITE_S = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+    class Slow(fuse.Operations):
+        use_ns = True
+
+        def __init__(self):
+            self.files, self.fh = {}, 0
+
+        def getattr(self, path, fh=None):
+            if path == "/":
+                return dict(st_mode=stat.S_IFDIR | 0o755, st_nlink=2)
+            if path in self.files:
+                return dict(st_mode=stat.S_IFREG | 0o644, st_nlink=1, st_size=len(self.files[path]))
+            raise fuse.FuseOSError(errno.ENOENT)
+
+        def readdir(self, path, fh):
+            return [".", ".."] + [p[1:] for p in self.files]
+
+        def create(self, path, mode, fi=None):
+            self.files[path] = bytearray()
+            self.fh += 1
+            return self.fh
+
+        def open(self, path, flags):
+            self.fh += 1
+            return self.fh
+
+        def truncate(self, path, length, fh=None):
+            del self.files[path][length:]
+
+        def write(self, path, data, offset, fh):
+            time.sleep(WRITE_S)
+            self.files[path][offset : offset + len(data)] = data
+            return len(data)
+
+        def flush(self, path, fh):
+            end = time.monotonic() + 20
+            while not os.path.exists(RELEASE) and time.monotonic() < end:
+                time.sleep(0.05)
+            return 0
+
+        def release(self, path, fh):
+            return 0
+
+    fuse.FUSE(Slow(), MOUNT, foreground=True, nothreads=True)
+    """
+)
+SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    print("ready", flush=True)
+    torch.save({"w": torch.ones(1 << 19)}, sys.argv[1])  # 2 MiB: a few slow writes, then the close
+    print("saved", flush=True)
+    """
+)
+
+
+def _fuse_missing() -> str | None:
+    """Why a FUSE mount cannot be made here, or None."""
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "no /dev/fuse (or not root)"
+    if shutil.which("fusermount3") is None:
+        return "no fusermount3 (Debian's fuse3)"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mfusepy (with libfuse3) does not load: {exc}"
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_a_save_waiting_in_close_on_a_slow_fuse_mount_is_busy_naming_close_and_its_file(tmp_path: Path) -> None:
+    why = _fuse_missing()
+    if why is not None:
+        pytest.skip(f"a FUSE mount cannot be made here: {why}")
+    mount, release = tmp_path / "mnt", tmp_path / "release"
+    mount.mkdir()
+    target = mount / "model.pt"
+    fs = subprocess.Popen([sys.executable, "-c", SLOW_FS, str(mount), str(release), "0.2"], stderr=subprocess.PIPE)
+    saver = None
+    try:
+        end = time.monotonic() + 15
+        while not os.path.ismount(mount) and fs.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        if not os.path.ismount(mount):
+            fs.kill()
+            err = fs.communicate(timeout=10)[1].decode(errors="replace")[-500:]
+            pytest.skip(f"the FUSE mount did not come up here: {err}")
+        saver = subprocess.Popen([sys.executable, "-c", SAVER, str(target)], stdout=subprocess.PIPE)
+        assert saver.stdout is not None and saver.stdout.readline().strip() == b"ready"
+        prog, before = Progress(2.0), Progress(2.0)  # before: the same looks without the new evidence
+        closing: float | None = None
+        judged = []
+        end = time.monotonic() + 40  # a hang guard
+        while time.monotonic() < end:
+            s = sample_process(saver.pid)
+            assert s is not None and not s.stopped
+            prog.observe(s)
+            before.observe(dataclasses.replace(s, blocked_io=None))
+            j = prog.judge(s.at)
+            judged.append(j)
+            if s.blocked_io and s.blocked_io[0].call == "close":
+                closing = s.at if closing is None else closing
+                if s.at - closing >= 3.5:  # past still_s: nothing else moves in the close
+                    break
+            time.sleep(0.1)
+        assert closing is not None, judged[-3:]
+        print(f"\nFUSE evidence: {j.state}: {j.evidence}\nwithout it: {before.judge(s.at)}")
+        assert [x for x in judged if x.state == "stuck"] == []
+        assert j.state == "moving" and j.evidence.startswith(f"blocked in close() on {target} for "), j
+        assert before.judge(s.at).state == "stuck"  # the bug: killed mid-save
+        release.touch()
+        assert saver.stdout.readline().strip() == b"saved" and saver.wait(timeout=20) == 0
+    finally:
+        release.touch()
+        if saver is not None and saver.poll() is None:
+            saver.kill()
+            saver.wait(timeout=20)
+        for cmd in (["fusermount3", "-u", str(mount)], ["umount", "-l", str(mount)]):
+            if not os.path.ismount(mount):
+                break
+            subprocess.run(cmd, timeout=20, capture_output=True, check=False)
+        fs.kill()
+        fs.wait(timeout=20)
