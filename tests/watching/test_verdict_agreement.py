@@ -41,3 +41,40 @@ def test_a_rank_without_a_fresh_heartbeat_has_no_say_and_a_lone_waiter_decides_a
     got = agreement(2, 1, beats, FRESH)
     assert got.agreed and got.voters == () and got.why == "no other rank waits with a fresh heartbeat"
     assert agreement(1, 0, {1: (beat(1), 0.1)}, FRESH).agreed  # a world of 2: the only waiting rank
+
+
+def test_a_rank_that_judges_itself_stuck_acts_only_once_its_waiting_peers_agree(monkeypatch) -> None:
+    """The self-check (recovery/_verdict/self_check.py) is no lone judge: a rank whose own samples say
+    stuck (nothing of it moved past the bound) waits for the ranks ahead of it to judge it stuck too;
+    then it asks its supervisor (heal under restarts), once."""
+    import torch.distributed as dist
+
+    from ncclguard.recovery._verdict import self_check
+    from ncclguard.recovery._verdict.seen import Seen
+    from ncclguard.watching.sensors.progress import Progress, Sample
+
+    asks: list[tuple] = []
+    monkeypatch.setattr(self_check, "ask_supervisor", lambda *a: asks.append(a) or True)
+    events: list[tuple] = []
+    check = self_check.SelfCheck("test", exits=True, restarts=lambda: True, event=lambda *a, **k: events.append(a))
+    seen = Seen(started=0.0, still_s=10.0, own=Progress(10.0))
+    assert seen.own is not None
+    for t in (0.0, 5.0, 12.0):  # nothing moves: its CPU and ops stay put
+        seen.own.observe(Sample(t, "self", ops=7, cpu_s=1.0))
+    assert seen.own.judge(12.0).state == "stuck"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lone = {1: (beat(1), 0.5), 2: (beat(2, {"0": "moving: cpu"}), 0.5)}
+        check.check(seen, [1, 2], 12.0, lone, FRESH)
+        check.check(seen, [1, 2], 13.0, lone, FRESH)
+        assert asks == [] and seen.self_asked is None
+        assert [e[0] for e in events] == ["self-awaiting"]  # said once, no action
+        agreed = {1: (beat(1, {"0": "stuck: nothing moved"}), 0.5), 2: (beat(2, {"0": "stuck: x"}), 0.5)}
+        stale = {1: (beat(1, {"0": "stuck: nothing moved"}), 9.0), 2: (beat(2, {"0": "stuck: x"}), 9.0)}
+        check.check(seen, [1, 2], 14.0, stale, FRESH)  # no fresh heartbeat: nobody agrees, nothing done
+        assert asks == []
+        check.check(seen, [1, 2], 15.0, agreed, FRESH)
+        assert len(asks) == 1 and seen.self_asked == 15.0
+        assert [e[0] for e in events] == ["self-awaiting", "self-asked"]
+    finally:
+        dist.destroy_process_group()

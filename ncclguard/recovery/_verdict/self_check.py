@@ -1,18 +1,20 @@
 """A rank's verdict on itself (:mod:`ncclguard.recovery._verdict.verdict`): the peers wait in an op it
 never reached and nothing of it moves, or the peers already judged it stuck.
 
-A rank whose threads run (asleep in Python, blocked in a lock) sees this before its peers can act:
-where the engine heals under a supervisor with restarts it asks its own supervisor to end it and
-restart it (one decision point, where the peers' asks go too), and ends itself as below if nothing
-ended it :data:`SELF_ASK_S` later; otherwise it posts its own death as stuck and exits 0, which
-ends its peers' op on any host. A rank the peers judged stuck that runs again (SIGCONT) finds their
-notice and exits 0.
+A rank whose threads run (asleep in Python, blocked in a lock) sees this as early as its peers:
+it acts only once the peers waiting for it judge it stuck too (their heartbeats' ``judged``, the same
+agreement as theirs: :mod:`~ncclguard.recovery._verdict.agreement`), never on its own samples alone.
+Then, where the engine heals under a supervisor with restarts, it asks its own supervisor to end it
+and restart it (one decision point, where the peers' asks go too), and ends itself as below if
+nothing ended it :data:`SELF_ASK_S` later; otherwise it posts its own death as stuck and exits 0,
+which ends its peers' op on any host. A rank the peers judged stuck that runs again (SIGCONT) finds
+their notice and exits 0.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.exits import exit_now
+from ncclguard.recovery._verdict.agreement import agreement
 from ncclguard.recovery._verdict.levers import ask_supervisor, post_stuck_death, stuck_notices
 from ncclguard.recovery._verdict.seen import Seen
 from ncclguard.world import current_world
@@ -61,13 +64,30 @@ class SelfCheck:
             )
             exit_now(0)
 
-    def check(self, seen: Seen, ahead: list[int], now: float) -> None:
-        """Past the judge bound, with ranks ``ahead`` of this one and none behind: acts when this rank is stuck."""
+    def check(
+        self, seen: Seen, ahead: list[int], now: float, beats: Mapping[int, tuple[Any, float]], fresh_s: float
+    ) -> None:
+        """Past the judge bound, with ranks ``ahead`` of this one and none behind: acts when this rank
+        is stuck and the waiting ranks agree.
+
+        Args:
+            seen: the step's look.
+            ahead: the ranks ahead of this one (they wait in an op it never reached).
+            now: ``time.monotonic()``.
+            beats: each peer's newest heartbeat and its age.
+            fresh_s: a heartbeat older than this has no say.
+        """
         assert seen.own is not None
         j = seen.own.judge(now)
         if j.state != "stuck":
             return
         me = dist.get_rank()  # the world's rank is not known to the World in generation 0
+        agreed = agreement(me, me, beats, fresh_s)
+        if not (agreed.agreed and agreed.voters):  # one rank's judgment, even of itself, is no verdict
+            if not seen.self_awaiting:
+                seen.self_awaiting = True
+                self._event("self-awaiting", me, j, ahead=ahead, why=agreed.why or "no peer judges it yet")
+            return
         world = current_world()
         if self.restarts() and seen.self_asked is None:
             # Its supervisor ends it and restarts it (or, with no restart left, posts it as stuck

@@ -153,7 +153,7 @@ class VerdictDriver:
             seen.own.observe(whole)
         for r, (hb, age) in beats.items():
             self._procs[world.origin(r)] = hb  # its process, by launch rank: known in later worlds too
-            self._sample(seen, r, hb, age, now)
+            _sample(seen, r, hb, age, now)
         group, seq = mine
         where = standing({r: hb.backend_seq for r, (hb, _) in beats.items()}, group, seq)
         # A beat without a count in the group (published inside the rebuild's init_process_group, then
@@ -166,7 +166,9 @@ class VerdictDriver:
         self._own.judged_by_peers(world, now)
         behind = {r: beats[r][0] for r in where.behind}
         if where.ahead and not behind:
-            self._own.check(seen, sorted(where.ahead), now)
+            with self._cond:  # a look that raced the step's end acts on nothing
+                if self._seen is seen:
+                    self._own.check(seen, sorted(where.ahead), now, beats, 2 * _heartbeat_s())
         if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
             behind.update(silent)  # no counted beat in this world for two periods past the bound: only /proc judges
             behind.update({r: beats[r][0] for r in mute if not on_this_host(beats[r][0])})  # its supervisor is asked
@@ -216,24 +218,6 @@ class VerdictDriver:
                 out[r] = hb
         return out
 
-    def _sample(self, seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
-        prog = seen.peers.setdefault(r, Progress(seen.still_s))
-        here = on_this_host(hb)
-        # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
-        age = max(age, time.time() - hb.time)
-        if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
-            seen.beats[r] = hb.beat
-            at = max(now - age, prog.last_at or 0.0)
-            if here:  # /proc gives the rest (every look); a beat gives its ops and stack
-                ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
-                prog.observe(Sample(at, "heartbeat", ops, hb.site))
-            else:  # on another host, the beat is all there is: what the rank read of itself
-                prog.observe(beat_sample(hb, at))
-        if here:  # read from /proc between beats, and when its beats stop
-            sample = sample_process(hb.pid, now)
-            if sample is not None:
-                prog.observe(sample)
-
     def _restarts(self) -> bool:
         """A stuck rank is ended by its supervisor and restarted, to rejoin healed: the engine heals
         and runs under ``python -m ncclguard.supervise`` with restarts (every rank alike)."""
@@ -250,7 +234,10 @@ class VerdictDriver:
     ) -> None:
         if j.state != "unknown":  # what the heartbeat carries and `ncclguard status` shows
             text = f"{j.state}: {j.evidence}; at {hb.site}, its peers waiting {now - seen.started:.0f} s"
-            current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
+            with self._cond:  # never after disarm: the next step's heartbeats would carry it as a stale vote
+                if self._seen is not seen:
+                    return
+                current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
         if j.state == "moving":
             if r not in seen.reported:
                 seen.reported.add(r)
@@ -282,16 +269,19 @@ class VerdictDriver:
                     agreed.why,
                 )
             return
-        seen.acted.add(r)
-        world = current_world()
-        # Healing under a supervisor: its supervisor ends it now and restarts it, and posts its death
-        # as a kill, so that the rebuild waits for the restart (the full world back). Otherwise its
-        # death is posted as stuck here (the rebuild settles without it) and its supervisor, if any,
-        # ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
-        restarts = self._restarts()
-        posted = False if restarts else post_stuck_death(world, r, hb.pid, hb.host)
-        ask_supervisor(world.origin(r), hb, "stuck", restarts, seen.still_s, world.origin(dist.get_rank()))
-        cut = cut_connections(hb.pid) if on_this_host(hb) else 0
+        with self._cond:  # a look that raced the step's end acts on nothing; disarm waits for an act begun
+            if self._seen is not seen or r in seen.acted:
+                return
+            seen.acted.add(r)
+            world = current_world()
+            # Healing under a supervisor: its supervisor ends it now and restarts it, and posts its death
+            # as a kill, so that the rebuild waits for the restart (the full world back). Otherwise its
+            # death is posted as stuck here (the rebuild settles without it) and its supervisor, if any,
+            # ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
+            restarts = self._restarts()
+            posted = False if restarts else post_stuck_death(world, r, hb.pid, hb.host)
+            ask_supervisor(world.origin(r), hb, "stuck", restarts, seen.still_s, world.origin(dist.get_rank()))
+            cut = cut_connections(hb.pid) if on_this_host(hb) else 0
         self._event(
             "acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3),
             agreed=agreed.why, restart=restarts,
@@ -318,8 +308,13 @@ class VerdictDriver:
                 continue
             origin = world.origin(r)
             if r not in seen.asked:
-                seen.asked[r] = (hb.pid, origin, hb.site)
-                posted = ask_supervisor(origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank()))
+                with self._cond:  # a look that raced the step's end asks nothing
+                    if self._seen is not seen:
+                        return
+                    seen.asked[r] = (hb.pid, origin, hb.site)
+                    posted = ask_supervisor(
+                        origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank())
+                    )
                 j = Judgment("unknown", round(age, 3), f"no heartbeat for {age:.1f} s, on another host")
                 self._event("asked", r, j, site=hb.site, posted=posted, waited_s=round(now - seen.started, 3))
                 log.warning(
@@ -367,6 +362,26 @@ class VerdictDriver:
 
     def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
         self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
+
+
+def _sample(seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
+    """Takes in what this look knows of peer ``r``: its heartbeat, and ``/proc`` where it is on this host."""
+    prog = seen.peers.setdefault(r, Progress(seen.still_s))
+    here = on_this_host(hb)
+    # When it was published, not when the watchdog read it: a beat from before the step is no baseline.
+    age = max(age, time.time() - hb.time)
+    if seen.beats.get(r) != hb.beat and now - age >= seen.started:  # a beat from before the step: no baseline
+        seen.beats[r] = hb.beat
+        at = max(now - age, prog.last_at or 0.0)
+        if here:  # /proc gives the rest (every look); a beat gives its ops and stack
+            ops = sum((hb.backend_seq or {}).values()) if hb.backend_seq else None
+            prog.observe(Sample(at, "heartbeat", ops, hb.site))
+        else:  # on another host, the beat is all there is: what the rank read of itself
+            prog.observe(beat_sample(hb, at))
+    if here:  # read from /proc between beats, and when its beats stop
+        sample = sample_process(hb.pid, now)
+        if sample is not None:
+            prog.observe(sample)
 
 
 def _heartbeat_s() -> float:
