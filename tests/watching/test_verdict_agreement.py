@@ -9,10 +9,10 @@ from ncclguard.recovery._verdict.agreement import agreement
 FRESH = 2.0
 
 
-def beat(rank: int, judged: dict[str, str] | None = None) -> Heartbeat:
+def beat(rank: int, judged: dict[str, str] | None = None, about: str | None = None) -> Heartbeat:
     return Heartbeat(
         rank=rank, host="h", pid=100 + rank, beat=1, time=0.0, phase="", site="train.py:10",
-        last_seq={}, last_completed={}, inflight=[], judged=judged,
+        last_seq={}, last_completed={}, inflight=[], judged=judged, judged_about=about,
     )  # fmt: skip
 
 
@@ -78,3 +78,18 @@ def test_a_rank_that_judges_itself_stuck_acts_only_once_its_waiting_peers_agree(
         assert [e[0] for e in events] == ["self-awaiting", "self-asked"]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_vote_counts_only_for_the_step_it_is_about() -> None:
+    """A vote left in a heartbeat from the step before (a judgment of rank 2 at step 11, carried into
+    step 12's heartbeats) is no vote at step 12; the accused's own stale vote makes it no victim."""
+    stale = {0: (beat(0, {"2": "stuck: nothing moved for 12.0 s"}, about="0/11"), 0.5), 2: (beat(2), 0.5)}
+    got = agreement(2, 1, stale, FRESH, about="0/12")
+    assert not got.agreed and got.why == "rank 0 does not judge rank 2 stuck (its votes are about step 0/11, not 0/12)"
+    now = {0: (beat(0, {"2": "stuck: nothing moved for 12.0 s"}, about="0/12"), 0.5), 2: (beat(2), 0.5)}
+    assert agreement(2, 1, now, FRESH, about="0/12").agreed
+    assert not agreement(2, 1, now, FRESH, about="1/12").agreed  # the same step number in another world
+    # Rank 0 judged rank 2 stuck at step 11; at step 12 rank 0 is the one behind: no victim's alibi.
+    victim = {0: (beat(0, {"2": "stuck: x"}, about="0/11"), 0.5)}
+    assert agreement(0, 1, victim, FRESH, about="0/12").agreed
+    assert not agreement(0, 1, victim, FRESH).agreed  # without the step, the old vote would still shield it

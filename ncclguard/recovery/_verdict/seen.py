@@ -27,3 +27,4 @@ class Seen:
     self_awaiting: bool = False  # it judged itself stuck, and its peers did not (yet): no action
     generation: int = 0  # the world it was armed in: its ranks' numbers and progress are that world's
     release: Release | None = None  # its watch on the world's death notices (made at its first look)
+    about: str | None = None  # the step it judges, "<generation>/<step>": the votes it counts are about it

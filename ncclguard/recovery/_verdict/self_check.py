@@ -65,7 +65,13 @@ class SelfCheck:
             exit_now(0)
 
     def check(
-        self, seen: Seen, ahead: list[int], now: float, beats: Mapping[int, tuple[Any, float]], fresh_s: float
+        self,
+        seen: Seen,
+        ahead: list[int],
+        now: float,
+        beats: Mapping[int, tuple[Any, float]],
+        fresh_s: float,
+        about: str | None = None,
     ) -> None:
         """Past the judge bound, with ranks ``ahead`` of this one and none behind: acts when this rank
         is stuck and the waiting ranks agree.
@@ -76,13 +82,14 @@ class SelfCheck:
             now: ``time.monotonic()``.
             beats: each peer's newest heartbeat and its age.
             fresh_s: a heartbeat older than this has no say.
+            about: the step judged (``"<generation>/<step>"``): only the peers' votes about it count.
         """
         assert seen.own is not None
         j = seen.own.judge(now)
         if j.state != "stuck":
             return
         me = dist.get_rank()  # the world's rank is not known to the World in generation 0
-        agreed = agreement(me, me, beats, fresh_s)
+        agreed = agreement(me, me, beats, fresh_s, about)
         if not (agreed.agreed and agreed.voters):  # one rank's judgment, even of itself, is no verdict
             if not seen.self_awaiting:
                 seen.self_awaiting = True

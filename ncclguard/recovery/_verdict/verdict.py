@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.recording.steps import steps
 from ncclguard.recovery._rebuild.restarts import supervised_restarts
 from ncclguard.recovery._verdict.agreement import agreement
 from ncclguard.recovery._verdict.levers import (
@@ -53,6 +54,7 @@ from ncclguard.recovery._verdict.seen import Seen
 from ncclguard.recovery._verdict.self_check import POLL_S, SelfCheck
 from ncclguard.watching.sensors.progress import (
     JUDGED,
+    JUDGED_ABOUT,
     MAX_JUDGED_CHARS,
     Judgment,
     Progress,
@@ -92,9 +94,13 @@ class VerdictDriver:
         if not judge:
             return
         hb = _heartbeat_s()
-        gen = current_world().generation
+        world = current_world()
+        about = f"{world.generation}/{steps.step}"  # what this step's votes are about, on every rank alike
         with self._cond:
-            before, self._seen = self._seen, Seen(time.monotonic(), max(2.0 * hb, min(judge, 60.0) / 2), generation=gen)
+            still = max(2.0 * hb, min(judge, 60.0) / 2)
+            before, self._seen = self._seen, Seen(time.monotonic(), still, generation=world.generation, about=about)
+            world.get(JUDGED).clear()  # votes of another step, if a disarm was missed
+            world.get(JUDGED_ABOUT).key = about
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
                 self._thread.start()
@@ -105,8 +111,9 @@ class VerdictDriver:
         """The step is over: nothing is judged until the next one."""
         with self._cond:
             before, self._seen = self._seen, None
+            current_world().get(JUDGED).clear()  # under the lock: no look of the step writes after this
+            current_world().get(JUDGED_ABOUT).key = None
         self._settle(before)
-        current_world().get(JUDGED).clear()
 
     def _run(self) -> None:
         idle = 0.0
@@ -168,7 +175,7 @@ class VerdictDriver:
         if where.ahead and not behind:
             with self._cond:  # a look that raced the step's end acts on nothing
                 if self._seen is seen:
-                    self._own.check(seen, sorted(where.ahead), now, beats, 2 * _heartbeat_s())
+                    self._own.check(seen, sorted(where.ahead), now, beats, 2 * _heartbeat_s(), seen.about)
         if now - seen.started >= 2 * _heartbeat_s() + self.judge_s():
             behind.update(silent)  # no counted beat in this world for two periods past the bound: only /proc judges
             behind.update({r: beats[r][0] for r in mute if not on_this_host(beats[r][0])})  # its supervisor is asked
@@ -256,7 +263,7 @@ class VerdictDriver:
         if j.state != "stuck":
             return
         # Published above (the next heartbeat carries it): the other waiting ranks read it there.
-        agreed = agreement(r, dist.get_rank(), beats or {}, 2 * _heartbeat_s())
+        agreed = agreement(r, dist.get_rank(), beats or {}, 2 * _heartbeat_s(), seen.about)
         if not agreed.agreed:
             if r not in seen.awaiting:
                 seen.awaiting.add(r)
@@ -337,8 +344,9 @@ class VerdictDriver:
         if ans is None or ans.pid != pid or r in seen.acted or (ans.state == "moving" and r in seen.reported):
             return
         j = Judgment(ans.state, 0.0, f"its supervisor on {ans.host}: {ans.evidence}")
-        if not settling:  # the world is still the one this rank was numbered in
-            current_world().get(JUDGED)[str(r)] = f"{ans.state}: {j.evidence}"[:MAX_JUDGED_CHARS]
+        with self._cond:  # the world is still the one this rank was numbered in, and the step still open
+            if not settling and self._seen is seen:
+                current_world().get(JUDGED)[str(r)] = f"{ans.state}: {j.evidence}"[:MAX_JUDGED_CHARS]
         if ans.state == "moving":
             seen.reported.add(r)
             self._event("busy", r, j, site=site, behind_s=round(now - seen.started, 3))

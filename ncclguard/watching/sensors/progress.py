@@ -63,6 +63,7 @@ __all__ = [
     "IO_WAIT_S",
     "IO_WAIT_VAR",
     "JUDGED",
+    "JUDGED_ABOUT",
     "MAX_CHILDREN",
     "MAX_FDS",
     "NET_RATE",
@@ -70,6 +71,7 @@ __all__ = [
     "THREADS_SHARE",
     "BlockedIO",
     "Judgment",
+    "VotesAbout",
     "beat_evidence",
     "beat_sample",
     "io_wait_bound",
@@ -101,6 +103,18 @@ State = Literal["moving", "stuck", "unknown"]
 # this world's numbering: the recovery engine writes it, the heartbeat carries it (status shows it).
 JUDGED: Slot[dict[str, str]] = Slot("judged", lambda world: {})
 MAX_JUDGED_CHARS = 160
+
+
+@dataclass
+class VotesAbout:
+    """The look the votes in :data:`JUDGED` are about: ``"<generation>/<step>"`` while a step is
+    judged, None between steps. The heartbeat carries it beside them, so that a peer counts a vote
+    only for the step it judges itself (a vote left from another step is no vote)."""
+
+    key: str | None = None
+
+
+JUDGED_ABOUT: Slot[VotesAbout] = Slot("judged_about", lambda world: VotesAbout())
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching.sensors import detect, torchfr
-from ncclguard.watching.sensors.progress import JUDGED, beat_evidence, own_sample
+from ncclguard.watching.sensors.progress import JUDGED, JUDGED_ABOUT, beat_evidence, own_sample
 from ncclguard.world import current_world
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
@@ -180,6 +180,7 @@ class RankState:
         inflight = self.inflight()
         cpu, io = own_sample()
         said = current_world().get(JUDGED)
+        about = current_world().get(JUDGED_ABOUT).key  # read first: a vote is never newer than its step
         judged = {str(k): str(v) for k, v in list(said.items())}  # a copy: the verdict's thread writes it
         return Heartbeat(
             rank=self.rank,
@@ -199,6 +200,7 @@ class RankState:
             io_bytes=io,
             **beat_evidence(),
             judged=judged or None,
+            judged_about=about if judged else None,
         )
 
     def statement(self, beat: int, peers: Mapping[str, PeerView]) -> Statement:
