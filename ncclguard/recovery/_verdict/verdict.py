@@ -167,7 +167,7 @@ class VerdictDriver:
         # the rank stopped) tells neither behind nor level: with no beat since for two periods, such a
         # peer is judged as one with no beat in this world (a live rank's next beat carries its count).
         mute = {r for r in where.uncounted if beats[r][1] >= 2 * _heartbeat_s()}
-        silent = self._silent(seen, world, set(beats) - mute, now)
+        silent = _silent(seen, world, set(beats) - mute, now, self._procs)
         if now - seen.started < self.judge_s():
             return
         self._own.judged_by_peers(world, now)
@@ -206,24 +206,6 @@ class VerdictDriver:
             "; ".join(f"rank {r}: {how}" for r, how in sorted(dead.items())),
             ", ".join(f"rank {r}: {n}" for r, n in done.cut.items()) or "none here",
         )
-
-    def _silent(self, seen: Seen, world: Any, beating: set[int], now: float) -> dict[int, Heartbeat]:
-        """Members on this host with no counted heartbeat in this world yet (one stopped right after
-        a rebuild), sampled from /proc by the process their last heartbeat named."""
-        out = {}
-        me = dist.get_rank()
-        for r in range(dist.get_world_size()):
-            hb = self._procs.get(world.origin(r))
-            if r == me or r in beating or hb is None or not on_this_host(hb):
-                continue
-            if r in seen.peers and seen.peers[r].last_at == now:  # sampled from /proc by this look already
-                out[r] = hb
-                continue
-            sample = sample_process(hb.pid, now)
-            if sample is not None:
-                seen.peers.setdefault(r, Progress(seen.still_s)).observe(sample)
-                out[r] = hb
-        return out
 
     def _restarts(self) -> bool:
         """A stuck rank is ended by its supervisor and restarted, to rejoin healed: the engine heals
@@ -370,6 +352,25 @@ class VerdictDriver:
 
     def _event(self, what: str, rank: int, j: Judgment, **extra: Any) -> None:
         self.events.append({"what": what, "rank": rank, "state": j.state, "evidence": j.evidence, **extra})
+
+
+def _silent(seen: Seen, world: Any, beating: set[int], now: float, procs: dict[int, Heartbeat]) -> dict[int, Heartbeat]:
+    """Members on this host with no counted heartbeat in this world yet (one stopped right after
+    a rebuild), sampled from /proc by the process their last heartbeat named."""
+    out = {}
+    me = dist.get_rank()
+    for r in range(dist.get_world_size()):
+        hb = procs.get(world.origin(r))
+        if r == me or r in beating or hb is None or not on_this_host(hb):
+            continue
+        if r in seen.peers and seen.peers[r].last_at == now:  # sampled from /proc by this look already
+            out[r] = hb
+            continue
+        sample = sample_process(hb.pid, now)
+        if sample is not None:
+            seen.peers.setdefault(r, Progress(seen.still_s)).observe(sample)
+            out[r] = hb
+    return out
 
 
 def _sample(seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
