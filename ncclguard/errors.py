@@ -29,6 +29,7 @@ __all__ = [
     "CommitFailed",
     "LoopDiverged",
     "HealFailed",
+    "RestartRefused",
     "SnapshotRefused",
     "SnapshotDamaged",
     "NoRoute",
@@ -250,6 +251,12 @@ class SnapshotRefused(HealFailed):
 
 class SnapshotDamaged(HealFailed):
     """A snapshot's bytes do not match their digest (damaged in memory or on the way)."""
+
+
+class RestartRefused(NcclGuardError):
+    """A supervisor did not restart its rank: a restarted process of the rank's command could not make
+    the stand-in world (its interpreter loads neither ncclguard's start-up hook nor ncclguard), so it
+    would make the job's first world again and wait there for ranks that are in a later one."""
 
 
 class NoRoute(NcclGuardError, LookupError):

@@ -13,6 +13,14 @@ notice per death, ``<i>`` for ``i`` in ``1..n``. A reader remembers how many it 
 starts from the count at its rebuild: :attr:`ncclguard.world.World.deaths_seen`) and reads only the
 new ones. The counter is bumped after the notice is written, so a reader never meets a number
 whose notice is missing.
+
+A notice is read as JSON into :class:`DeathNotice` (never unpickled) under :data:`MAX_NOTICE_BYTES`,
+each field bounded; one that does not fit is skipped and logged once per key in this process (a
+hostile value never names a rank dead). Nothing checks that the named process is gone: a notice may
+name a live one by design (``STUCK_RC``: a rank judged stuck, which reads its own notice and exits;
+a supervisor's notice for a SIGKILLed process the kernel has not let go), a pid is not unique across
+the hosts of one name that containers and namespaces make, and the pid is never acted on, only
+compared with the reader's own.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
@@ -49,6 +58,11 @@ MAX_NOTICE_BYTES = 4 * 1024
 # SIGSTOP's number negated): the commit and the rebuild meeting settle without waiting for it.
 STUCK_RC = -19
 _MAX_READ = 256  # notices read in one call at most; the rest wait for the next poll
+_MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT on 64 bits
+_MAX_COUNT = 1 << 20  # a bound on launch ranks and restarts no job reaches
+_MAX_AT = 1e11  # seconds since 1970: the year 5138
+_refused: set[str] = set()  # the keys of the notices refused and logged here (once each)
+_MAX_REFUSED = 1024  # past it, refusals are still skipped but no longer logged
 
 
 class DeathNotice(BaseModel):
@@ -57,7 +71,8 @@ class DeathNotice(BaseModel):
     Attributes:
         origin: its launch rank (``RANK`` when it was started; a rebuild renumbers, this stays).
         pid: the process that died.
-        returncode: how it ended (negative: killed by that signal, as ``Popen.returncode``).
+        returncode: how it ended (negative: killed by that signal, as ``Popen.returncode``; an exit
+            status is 0-255).
         life: its restart number (``NCCLGUARD_RESTART_COUNT``: 0 for a rank's first process).
         host: the launcher's host.
         at: ``time.time()`` on that host when the death was seen.
@@ -65,12 +80,12 @@ class DeathNotice(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    origin: int = Field(ge=0)
-    pid: int = Field(ge=0)
-    returncode: int
-    life: int = Field(ge=0)
+    origin: int = Field(ge=0, le=_MAX_COUNT)
+    pid: int = Field(ge=0, le=_MAX_PID)
+    returncode: int = Field(ge=-128, le=255)
+    life: int = Field(ge=0, le=_MAX_COUNT)
     host: str = Field(max_length=255)
-    at: float
+    at: float = Field(ge=0, le=_MAX_AT)
 
 
 def _prefix(restart: str | None = None) -> str:
@@ -154,8 +169,10 @@ def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tup
     for key, raw in zip(present, store.multi_get(present) if present else [], strict=True):
         try:
             found.append(decode(DeathNotice, bytes(raw), f"the death notice under {key!r}", MAX_NOTICE_BYTES))
-        except DecodeError:
-            continue
+        except DecodeError as exc:
+            if key not in _refused and len(_refused) < _MAX_REFUSED:  # once per key: readers re-read from a start
+                _refused.add(key)
+                log.warning("%s; refused: nobody is named dead by it", exc)
     return upto, found
 
 

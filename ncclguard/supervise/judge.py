@@ -20,6 +20,12 @@ Each ask is settled once (answered moving, or the process ended), never acted on
 settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
 must not be ended on an old ask.
 
+An ask that is not about this supervisor's process is refused, said once (one line per ask, not per
+poll) and never acted on: one that names another launch rank, a process of an earlier life of this
+rank (the peers asked before its restart), or any other pid (garbage, a process it did not start).
+A value under the key that is not a valid ask (not JSON, over :data:`~ncclguard.store.asks.MAX_ASK_BYTES`,
+out of its model's bounds, NaN) is read as no ask (:func:`~ncclguard.store.asks.read_ask`).
+
 :class:`Ended` says what the supervisor does next (:mod:`ncclguard.supervise.loop`).
 """
 
@@ -83,6 +89,7 @@ class StuckWatch:
         self.origin, self._store, self._say = origin, store, say
         self._restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         self._pid: int | None = None  # the process sampled (the rank's, from the first ask naming it)
+        self._lives: list[int] = []  # the rank's processes followed so far, the current one last
         self._prog = Progress(DEFAULT_STILL_S)
         self._stuck_seen: float | None = None  # when a ``stuck`` ask about the current process was first read
         self._first_read: dict[float, float] = {}  # each ask (by its ``at``) -> when it was first read here
@@ -92,6 +99,7 @@ class StuckWatch:
     def follow(self, proc: subprocess.Popen[Any]) -> None:
         """A new process runs the rank: its samples start afresh."""
         self._pid, self._prog, self._stuck_seen = proc.pid, Progress(DEFAULT_STILL_S), None
+        self._lives.append(proc.pid)
 
     def look(self, proc: subprocess.Popen[Any], can_restart: bool) -> Ended | None:
         """One poll: samples the process, reads the asks, ends the process when it is stuck.
@@ -113,12 +121,7 @@ class StuckWatch:
         if ask is None or ask.at in self._settled:
             return None
         if not self._about(ask, proc):
-            if ask.origin == self.origin:  # about this rank, naming another process: never acted on
-                self._settled.add(ask.at)
-                self._say(
-                    f"an ask about launch rank {self.origin} names pid {ask.pid}, neither this supervisor's rank "
-                    f"(pid {proc.pid}) nor a process it started: refused, nothing done"
-                )
+            self._refuse(ask, proc)
             return None
         if now - self._first_read.setdefault(ask.at, now) > ASK_TTL_S:
             return None  # stale: the ranks that asked went on long ago
@@ -180,6 +183,17 @@ class StuckWatch:
             return ask.pid in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         except psutil.Error:
             return False
+
+    def _refuse(self, ask: JudgeAsk, proc: subprocess.Popen[Any]) -> None:
+        """An ask not about this rank's process: settled unacted (never read again), said once."""
+        self._settled.add(ask.at)
+        if ask.origin != self.origin:
+            what = f"names launch rank {ask.origin}, not this supervisor's"
+        elif ask.pid in self._lives[:-1]:
+            what = f"names pid {ask.pid}, an earlier process of this rank (it runs as pid {proc.pid} now)"
+        else:
+            what = f"names pid {ask.pid}, neither this supervisor's rank (pid {proc.pid}) nor a process it started"
+        self._say(f"an ask about launch rank {self.origin} {what}: refused, nothing done")
 
     def _read(self) -> JudgeAsk | None:
         store = self._store()

@@ -44,6 +44,19 @@ no worker. The supervisor learns of it by SIGHUP, which the kernel sends when th
 it ends (``PR_SET_PDEATHSIG``), or by its own poll of its parent (:mod:`ncclguard.supervise.parent`),
 and stops as when told to stop: SIGTERM to the rank, SIGKILL after the stop grace, no restart, then it
 exits with the rank's status. A SIGHUP while its parent process lives is ignored.
+
+**A rank that SIGKILL does not end.** A process in uninterruptible sleep (a GPU's Xid, a hung NFS or
+FUSE request, a frozen cgroup v1) takes SIGKILL but does not die until it leaves the kernel, which may
+be never: waiting for it would leave the rank's death unposted and every peer's meeting waiting its
+bound, again and again. Every wait for a process the supervisor SIGKILLed (after the stop grace, or
+as stuck) is bounded by ``kill_wait_s`` (:data:`KILL_WAIT_S`, 10 s by default, plus at most one poll;
+a sound process dies in milliseconds, a large one unmapping its memory in seconds). Past it the
+supervisor says so (``... was sent SIGKILL 10 s ago and is not reaped (state D) ...``), takes it as killed by
+SIGKILL (``Popen.returncode`` -9) and goes the way a reaped one goes: after a stop it exits 137
+(128 + SIGKILL); a stuck rank's death is posted as above (a kill when it is restarted, else
+``STUCK_RC``), then the rank is restarted beside the process that would not die, or the supervisor
+exits 0 (a non-zero status would end the survivors). The process is left to the kernel (and to
+``init`` once the supervisor exits). A warm spare that does not end is let go the same way.
 """
 
 from __future__ import annotations
@@ -58,18 +71,32 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ncclguard.errors import RestartRefused
 from ncclguard.recovery._rebuild.restarts import STOP_GRACE_VAR, SUPERVISED_RESTARTS_VAR
 from ncclguard.store.deaths import STUCK_RC, DeathPoster
 from ncclguard.supervise.judge import POLL_S, Ended, StuckWatch
 from ncclguard.supervise.parent import ORPHAN_SIGNAL, ParentWatch
-from ncclguard.supervise.spare import RESTART_COUNT_VAR, target_of
+from ncclguard.supervise.spare import RESTART_COUNT_VAR, restart_command, target_of
 
-__all__ = ["DEFAULT_STOP_GRACE_S", "RESTART_COUNT_VAR", "STOPPED_STATUSES", "Supervisor", "run_rank", "stopped"]
+__all__ = [
+    "DEFAULT_STOP_GRACE_S",
+    "KILL_WAIT_S",
+    "RESTART_COUNT_VAR",
+    "STOPPED_STATUSES",
+    "Supervisor",
+    "reap_within",
+    "run_rank",
+    "stopped",
+]
 
 DEFAULT_STOP_GRACE_S = 8.0  # a rank told to stop ends within this, so the job ends within 10 s
 # How a rank told to stop ends: killed by SIGTERM or SIGINT (Popen's negative codes), or exited
 # 128 + SIGTERM, the status ncclguard.recovery.preempt.PREEMPTED_STATUS gives after its checkpoint.
 STOPPED_STATUSES = (-int(signal.SIGTERM), -int(signal.SIGINT), 128 + int(signal.SIGTERM))
+# How long a process sent SIGKILL has to be reaped before the supervisor goes on without it (see the
+# module doc): a sound process dies in milliseconds, a large one unmapping its memory in seconds.
+KILL_WAIT_S = 10.0
+_KILLED = -int(signal.SIGKILL)  # Popen's status of a process killed by SIGKILL: what an unreaped one is taken for
 
 
 def stopped(returncode: int) -> bool:
@@ -80,6 +107,23 @@ def stopped(returncode: int) -> bool:
 def _say(text: str) -> None:
     sys.stderr.write(f"ncclguard.supervise: {text}\n")
     sys.stderr.flush()
+
+
+def reap_within(proc: subprocess.Popen[Any], bound_s: float) -> int | None:
+    """Waits at most ``bound_s`` for ``proc`` to end; its ``returncode``, or None while it has not."""
+    try:
+        return proc.wait(timeout=max(0.0, bound_s))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from ``/proc`` (``D``: uninterruptible sleep), or ``?``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return "?"
 
 
 class _Spare:
@@ -103,18 +147,21 @@ class _Spare:
             return None
         return self.proc
 
-    def discard(self) -> None:
+    def discard(self, kill_wait_s: float = KILL_WAIT_S) -> None:
+        """Lets the spare go: an end of input, SIGKILL 2 s later, and at most ``kill_wait_s`` more."""
         if self.proc.poll() is None:
             if self.proc.stdin is not None:
                 try:
                     self.proc.stdin.close()  # an end of input: the spare exits by itself
                 except OSError:
                     pass
-            try:
-                self.proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
+            if reap_within(self.proc, 2.0) is None:
                 self.proc.kill()
-                self.proc.wait()
+                if reap_within(self.proc, kill_wait_s) is None:
+                    _say(
+                        f"the warm spare (pid {self.proc.pid}) was sent SIGKILL {kill_wait_s:g} s ago and is not "
+                        f"reaped (state {_state(self.proc.pid)}): left to the kernel"
+                    )
 
 
 class Supervisor:
@@ -128,9 +175,12 @@ class Supervisor:
             ``python -m module ...``).
         preload: modules the spare imports beyond torch and ncclguard (``transformers``, ...).
         stop_grace_s: seconds a rank has to end after the supervisor is told to stop, before SIGKILL.
+        kill_wait_s: seconds a process sent SIGKILL has to be reaped before the supervisor goes on
+            without it (taken as killed by SIGKILL; see the module doc).
 
     Raises:
-        ValueError: an empty command, a negative ``restarts`` or a ``stop_grace_s`` not above 0.
+        ValueError: an empty command, a negative ``restarts``, or a ``stop_grace_s`` or ``kill_wait_s``
+            not above 0.
     """
 
     def __init__(
@@ -142,6 +192,7 @@ class Supervisor:
         warm_spare: bool = False,
         preload: Sequence[str] = (),
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+        kill_wait_s: float = KILL_WAIT_S,
     ) -> None:
         if not argv:
             raise ValueError("the supervisor needs the rank's command after --")
@@ -153,6 +204,12 @@ class Supervisor:
             )
         if isinstance(stop_grace_s, bool) or not isinstance(stop_grace_s, int | float) or not stop_grace_s > 0:
             raise ValueError(f"the stop grace must be a number of seconds above 0, got {stop_grace_s!r}")
+        if isinstance(kill_wait_s, bool) or not isinstance(kill_wait_s, int | float) or not kill_wait_s > 0:
+            raise ValueError(f"the kill wait must be a number of seconds above 0, got {kill_wait_s!r}")
+        self.kill_wait_s = float(kill_wait_s)
+        # The last process sent SIGKILL and when (monotonic): the timer thread of a stop writes it too.
+        self.killed: tuple[subprocess.Popen[Any], float] | None = None
+        self.unreaped: list[int] = []  # the processes SIGKILLed and never reaped within kill_wait_s
         self.argv, self.restarts, self.backoff_s = list(argv), restarts, backoff_s
         self.stop_grace_s = float(stop_grace_s)
         self.stopping: int | None = None  # the signal that told this supervisor to stop
@@ -182,9 +239,16 @@ class Supervisor:
                 _say(f"restart {restart}: the warm spare (pid {proc.pid}) takes over")
                 self._new_spare()
                 return proc
+        env = self._env(restart)
+        cmd: list[str] | str = list(self.argv)
         if restart:
             time.sleep(self.backoff_s)
-        proc = subprocess.Popen(self.argv, env=self._env(restart))
+            # Its init_process_group must make the stand-in, whatever the script's order: the start-up
+            # hook where it loads, else the script run through the spare's --now; else no restart.
+            cmd = restart_command(self.argv, env, restart)
+            if isinstance(cmd, str):
+                raise RestartRefused(cmd)
+        proc = subprocess.Popen(cmd, env=env)
         self._new_spare()
         return proc
 
@@ -230,6 +294,7 @@ class Supervisor:
     def _kill(self, child: subprocess.Popen[Any]) -> None:
         if child.poll() is None:
             _say(f"the rank (pid {child.pid}) did not end within {self.stop_grace_s:g} s of the stop; SIGKILL")
+            self.killed = (child, time.monotonic())
             child.kill()
 
     def run(self) -> int:
@@ -262,8 +327,17 @@ class Supervisor:
                 if ended is None and (rc == 0 or count >= self.restarts):
                     return status
                 count += 1
-                _say(f"the rank (pid {self.child.pid}) exited {rc}; restart {count} of {self.restarts}")
-                self.child = self._start(count)
+                how = "was not reaped" if self.child.pid in self.unreaped else f"exited {rc}"
+                _say(f"the rank (pid {self.child.pid}) {how}; restart {count} of {self.restarts}")
+                # Beside a process that would not die: sound on CPU. On a GPU the old process keeps its
+                # CUDA context and memory until the kernel lets it go (after an Xid, often not before a
+                # GPU reset): the new one may fail to allocate or to start CUDA, and then dies or is
+                # judged stuck like any other, until the restarts run out.
+                try:
+                    self.child = self._start(count)
+                except RestartRefused as exc:
+                    _say(f"restart {count} not made: {exc}; exiting {status or 1}")
+                    return status or 1
                 if self.stopping is not None:  # told to stop while it started: it goes the same way
                     self._tell(self.stop_send, timer=True)
         finally:
@@ -271,25 +345,40 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.spare is not None:
-                self.spare.discard()
+                self.spare.discard(self.kill_wait_s)
 
     def _wait(self, watch: StuckWatch | None, can_restart: bool) -> tuple[int, Ended | None]:
         """Waits for the running process to end, looking at it every poll; returns its status and,
-        when the supervisor ended it as stuck, what it ended."""
-        assert self.child is not None
-        if watch is None:
-            return self.child.wait(), None
-        watch.follow(self.child)
+        when the supervisor ended it as stuck, what it ended. Once it was sent SIGKILL (as stuck, or
+        after a stop's grace) the wait is bounded by ``kill_wait_s``: past it, -SIGKILL."""
+        child = self.child
+        assert child is not None
+        if watch is not None:
+            watch.follow(child)
+        ended: Ended | None = None
         while True:
-            try:
-                return self.child.wait(timeout=POLL_S), None
-            except subprocess.TimeoutExpired:
-                pass
-            if self.stopping is not None:
+            killed = self.killed
+            left = killed[1] + self.kill_wait_s - time.monotonic() if killed and killed[0] is child else None
+            rc = reap_within(child, POLL_S if left is None else min(POLL_S, left))
+            if rc is not None:
+                return rc, ended
+            if left is not None and left <= 0:
+                return self._gone_unreaped(child), ended
+            if watch is None or ended is not None or self.stopping is not None:
                 continue  # told to stop: the stop's own timer ends it
-            ended = watch.look(self.child, can_restart)
-            if ended is not None:
-                return self.child.wait(), ended
+            ended = watch.look(child, can_restart)
+            if ended is not None:  # sent SIGKILL: its status comes within kill_wait_s, or it is taken as killed
+                self.killed = (child, time.monotonic())
+
+    def _gone_unreaped(self, child: subprocess.Popen[Any]) -> int:
+        """A process sent SIGKILL that was not reaped within ``kill_wait_s``: said, and taken as killed."""
+        self.unreaped.append(child.pid)
+        _say(
+            f"the rank (pid {child.pid}) was sent SIGKILL {self.kill_wait_s:g} s ago and is not reaped "
+            f"(state {_state(child.pid)}: uninterruptible sleep, a GPU fault, a hung filesystem, a frozen "
+            "cgroup?); taken as killed by SIGKILL and left to the kernel, the supervisor goes on without it"
+        )
+        return _KILLED
 
     def _after_stuck(self, ended: Ended, poster: DeathPoster | None, origin: int | None, life: int) -> bool:
         """After this supervisor ended its rank as stuck: posts its death where its peers have not
@@ -314,7 +403,8 @@ class Supervisor:
         assert self.child is not None  # the run that just ended
         why = f"signal {self.stopping}" if self.stopping is not None else "its own stop"
         why = "its launcher's end" if self.stopping == ORPHAN_SIGNAL else why
-        _say(f"the rank (pid {self.child.pid}) exited {rc} after {why}: told to stop, it stays down")
+        how = "was not reaped" if self.child.pid in self.unreaped else f"exited {rc}"
+        _say(f"the rank (pid {self.child.pid}) {how} after {why}: told to stop, it stays down")
         if status == 0 and self.stopping is not None:
             return 128 + self.stopping
         return status
@@ -328,6 +418,7 @@ def run_rank(
     warm_spare: bool = False,
     preload: Sequence[str] = (),
     stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+    kill_wait_s: float = KILL_WAIT_S,
 ) -> int:
     """Runs ``argv`` under a :class:`Supervisor`; returns the last run's exit status.
 
@@ -338,11 +429,18 @@ def run_rank(
         warm_spare: keep a standby process ready.
         preload: modules the spare imports.
         stop_grace_s: seconds a rank has to end after a stop, before SIGKILL.
+        kill_wait_s: seconds a process sent SIGKILL has to be reaped before the supervisor goes on.
 
     Returns:
         The status (128 + N for a run killed by signal N).
     """
     sup = Supervisor(
-        argv, restarts, backoff_s=backoff_s, warm_spare=warm_spare, preload=preload, stop_grace_s=stop_grace_s
+        argv,
+        restarts,
+        backoff_s=backoff_s,
+        warm_spare=warm_spare,
+        preload=preload,
+        stop_grace_s=stop_grace_s,
+        kill_wait_s=kill_wait_s,
     )
     return sup.run()

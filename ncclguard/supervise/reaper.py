@@ -34,6 +34,7 @@ __all__ = ["DONE", "Guard", "holders", "holds", "main", "reap"]
 
 DONE = b"done\n"  # what the launcher writes when it returns: no reaping
 _VAR = b"NCCLGUARD_LAUNCHER="  # ncclguard.supervise.parent.LAUNCHER_VAR (not imported: the guard is torch-free)
+STARTER_WAIT_S = 30.0  # the guard's starter forks it and exits (tens of ms); past this it is given up
 _log = logging.getLogger("ncclguard")
 
 
@@ -120,7 +121,8 @@ class Guard:
         env: the guard's environment (default this one's).
 
     Raises:
-        OSError: the guard could not be started.
+        OSError: the guard could not be started (its starter failed, or had not exited within
+            :data:`STARTER_WAIT_S`: then it is killed, and the job runs without a guard).
     """
 
     def __init__(self, token: str, grace_s: float, env: dict[str, str] | None = None) -> None:
@@ -129,7 +131,12 @@ class Guard:
         starter = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True
         )
-        if starter.wait() != 0 or starter.stdin is None:
+        try:
+            rc = starter.wait(timeout=STARTER_WAIT_S)
+        except subprocess.TimeoutExpired:
+            starter.kill()  # before any worker starts: a guard it forked meanwhile finds nothing to reap
+            raise OSError(f"the orphan guard's starter had not exited within {STARTER_WAIT_S:g} s") from None
+        if rc != 0 or starter.stdin is None:
             raise OSError(f"the orphan guard's starter exited {starter.returncode}")
         self.pipe = starter.stdin  # its write end: the launcher's alone (not inherited: close-on-exec)
         self.token = token

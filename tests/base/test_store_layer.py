@@ -355,6 +355,33 @@ def test_death_notices_are_counted_read_once_and_never_trusted_blindly():
     assert read_deaths(store, 2, "0") == (3, [])
 
 
+def test_a_death_notice_out_of_its_bounds_is_refused_and_logged_once_however_often_it_is_read(caplog):
+    import json
+
+    from ncclguard.store.deaths import DeathNotice, post_death, read_deaths
+
+    store = dist.HashStore()
+    good = DeathNotice(origin=1, pid=100, returncode=-9, life=0, host="h", at=1.0)
+    assert post_death(store, good, "bounds") == 1
+    fields = good.model_dump()
+    bad = [
+        {**fields, "returncode": 10**6},  # no exit status or signal
+        {**fields, "pid": 1 << 40},  # past Linux's pid limit
+        {**fields, "life": 10**9},
+        {**fields, "at": -5.0},
+        {**fields, "extra": 1},
+    ]
+    for i, value in enumerate(bad, start=2):
+        store.set(f"ncclguard/dead/bounds/{i}", json.dumps(value))
+        store.add("ncclguard/dead/bounds/n", 1)
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        for _ in range(3):  # readers re-read from a world's start: one line per notice, not per read
+            assert read_deaths(store, 0, "bounds") == (6, [good])
+    refused = [r.getMessage() for r in caplog.records if "refused: nobody is named dead by it" in r.getMessage()]
+    assert len(refused) == 5 and all("not a valid DeathNotice" in m for m in refused), refused
+    assert "ncclguard/dead/bounds/2" in refused[0] and "returncode" in refused[0]
+
+
 def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
     store = dist.HashStore()
     keys = RoundKeys("test/members", arrival="a", outcome="v")

@@ -232,3 +232,22 @@ def test_the_guard_reaps_only_when_the_launcher_died(launcher_ends: str) -> None
     finally:
         job.kill()
         job.wait()
+
+
+def test_a_guard_whose_starter_does_not_exit_in_time_is_given_up(monkeypatch) -> None:
+    """The launcher's wait for the guard's starter is bounded (``STARTER_WAIT_S``): past it the
+    starter is killed and the launcher is told (an OSError: ``ncclguard run`` goes on without a guard)."""
+    from ncclguard.supervise import reaper
+
+    monkeypatch.setattr(reaper, "STARTER_WAIT_S", 0.001)  # shorter than any interpreter's start
+    token = f"{os.getpid()}-slow{time.monotonic_ns()}"
+    start = time.monotonic()
+    with pytest.raises(OSError, match="had not exited within 0.001 s"):
+        Guard(token, grace_s=2.0)
+    assert time.monotonic() - start < 5.0
+    # Whatever it started is gone: the starter killed, or a guard it forked that found nothing to reap.
+    wait_for(
+        lambda: not [p for p in psutil.process_iter(["cmdline"]) if token in (p.info["cmdline"] or [])],
+        GUARD_S,
+        "the guard's processes gone",
+    )
