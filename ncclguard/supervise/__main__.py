@@ -1,4 +1,4 @@
-"""``python -m ncclguard.supervise [--restarts N] [--warm-spare] [--preload MOD] [--backoff S] [--stop-grace S] -- CMD ...``"""
+"""``python -m ncclguard.supervise [--restarts N] [--warm-spare] [--preload MOD] [--backoff S] [--stop-grace S] [--kill-wait S] -- CMD ...``"""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S, run_rank
+from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S, KILL_WAIT_S, run_rank
 
 
 def main(args: Sequence[str] | None = None) -> int:
@@ -29,6 +29,12 @@ def main(args: Sequence[str] | None = None) -> int:
         default=DEFAULT_STOP_GRACE_S,
         help=f"seconds the rank has to end after SIGTERM/SIGINT, then SIGKILL (default {DEFAULT_STOP_GRACE_S:g})",
     )
+    ap.add_argument(
+        "--kill-wait",
+        type=float,
+        default=KILL_WAIT_S,
+        help=f"seconds a SIGKILLed rank has to be reaped before it is posted dead and the job goes on (default {KILL_WAIT_S:g})",
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the rank's command")
     ns = ap.parse_args(args)
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
@@ -40,6 +46,7 @@ def main(args: Sequence[str] | None = None) -> int:
             warm_spare=ns.warm_spare,
             preload=ns.preload,
             stop_grace_s=ns.stop_grace,
+            kill_wait_s=ns.kill_wait,
         )
     except ValueError as exc:
         ap.error(str(exc))
