@@ -12,9 +12,11 @@ call, bounded). On an ask about its process:
   gloo op fails at once); moving: it answers so, and the process is left alone;
 - ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
   not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself);
-- ``stuck`` with ``heal`` (the peers agreed it is stuck, or the rank judged itself, and posted
-  nothing: the engine heals): it ends the process at once and posts its death, as a kill when a
-  restart is left (the rank is restarted, rejoins and is healed: the full world back), else as stuck.
+- ``stuck`` with ``heal`` (the peers agreed it is stuck, or the rank judged itself and its peers
+  agreed, and posted nothing: the engine heals): unless its own samples show the process moving (a
+  save blocked in ``close()`` on network storage, its CPU: then it answers moving and leaves it
+  alone), it ends the process at once and posts its death, as a kill when a restart is left (the
+  rank is restarted, rejoins and is healed: the full world back), else as stuck.
 
 Each ask is settled once (answered moving, or the process ended), never acted on later, and one not
 settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
@@ -131,6 +133,18 @@ class StuckWatch:
         if ask.judged == "stuck":
             who = "it judged itself stuck" if ask.asker == self.origin else "its peers agreed it is stuck"
             if ask.heal:  # nobody posted its death: ended now, restarted when one is left (the full world back)
+                # Its own look first: the peers' agreement is one view of the process, and what this
+                # supervisor sees moving on its host (a save blocked in close(), its CPU) vetoes the kill.
+                self._prog.still_s = ask.still_s
+                mine = self._prog.judge(now)
+                if mine.state == "moving" and not self._prog.stopped:
+                    self._settled.add(ask.at)
+                    self._say(
+                        f"launch rank {self.origin} (pid {ask.pid}): {who} (asked by launch rank {ask.asker}), but "
+                        f"this supervisor sees it moving ({mine.evidence}); left alone"
+                    )
+                    self._answer(ask.pid, "moving", mine.evidence, False)
+                    return None
                 return self._end(proc, ask, "peers", f"{who} (asked by launch rank {ask.asker})", can_restart, True)
             self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
             if now - self._stuck_seen < STUCK_GRACE_S:

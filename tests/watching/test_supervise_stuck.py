@@ -170,8 +170,9 @@ def test_a_rank_its_peers_judged_stuck_is_ended_after_a_grace_and_never_restarte
 def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_posted_stuck_with_no_restart_left(tmp_path):
     """The engine heals (an ask ``judged="stuck"`` with ``heal``: the askers posted nothing). With a
     restart left the supervisor ends the rank at once, posts its death as a kill (the rebuild waits for
-    the restart) and restarts it; the new process, judged stuck by itself, has no restart left: it is
-    ended, posted as stuck (the rebuild settles without it) and the supervisor exits 0."""
+    the restart) and restarts it; the new process, asked about while it computes, is left alone (the
+    supervisor's own samples veto the kill); once stopped and judged stuck again it has no restart
+    left: it is ended, posted as stuck (the rebuild settles without it) and the supervisor exits 0."""
     server, sup = _supervised(tmp_path)
     try:
         pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
@@ -180,6 +181,11 @@ def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_poste
         pid1 = int(_wait_for("a restart", lambda: (tmp_path / "pid1").exists() and (tmp_path / "pid1").read_text()))
         first = _answer(server, pid0)
         n, notices = read_deaths(server, 0)
+        # Computing, asked to end it as stuck: the supervisor's own samples see it moving and veto the kill.
+        time.sleep(3.0)  # its samples of the new process cover the 2 s window
+        _ask(server, pid1, heal=True, judged="stuck")
+        vetoed = _wait_for("an answer about life 1", lambda: _answer(server, pid1))
+        vetoed_alive = psutil.Process(pid1).status() != psutil.STATUS_STOPPED
         (tmp_path / "stop").write_text("")
         _wait_for("a stopped restart", lambda: psutil.Process(pid1).status() == psutil.STATUS_STOPPED)
         _ask(server, pid1, heal=True, judged="stuck", asker=1)
@@ -192,6 +198,8 @@ def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_poste
     assert first is not None and (first.state, first.restarted) == ("stuck", True), first
     assert "its peers agreed it is stuck (asked by launch rank 0)" in first.evidence
     assert n == 1 and [(d.origin, d.pid, d.returncode, d.life) for d in notices] == [(1, pid0, -9, 0)], notices
+    assert (vetoed.state, vetoed.restarted) == ("moving", False) and "cpu" in vetoed.evidence, vetoed
+    assert vetoed_alive and "but this supervisor sees it moving" in err, err
     # The second: no restart left, posted as stuck, exit 0.
     second = _answer(server, pid1)
     assert second is not None and (second.state, second.restarted) == ("stuck", False), second
