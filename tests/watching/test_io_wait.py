@@ -1,14 +1,12 @@
 """Threads asleep in file I/O (ncclguard/watching/sensors/io_wait.py): the ``/proc`` parsers on fixtures
 written here, then one real save: ``torch.save`` into a FUSE mount whose writes are slow and whose
-flush (the ``close()``) waits, read from ``/proc`` by ``sample_process`` and judged by ``Progress``
+flush (the ``close()``) waits (tests/fusefs.py), read from ``/proc`` by ``sample_process`` and judged by ``Progress``
 busy in ``close()`` on its file, never stuck. Skipped where ``/dev/fuse``, ``fusermount3`` or
 ``mfusepy`` (with libfuse) is missing. Bounds are hang guards, never speed targets."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fusefs import fuse_missing, slow_mount
 
 from ncclguard.watching.sensors.io_wait import (
     BlockedIO,
@@ -129,60 +128,6 @@ def test_a_process_asleep_has_no_thread_in_file_io_and_one_gone_is_unread() -> N
     assert read_blocked_io(proc.pid) is None
 
 
-# A filesystem whose writes take WRITE_S and whose flush (close) waits until the file RELEASE exists
-# (at most 20 s): a checkpoint written to storage that takes its time.
-SLOW_FS = textwrap.dedent(
-    """
-    import errno, os, stat, sys, time
-    import mfusepy as fuse
-
-    MOUNT, RELEASE, WRITE_S = sys.argv[1], sys.argv[2], float(sys.argv[3])
-
-    class Slow(fuse.Operations):
-        use_ns = True
-
-        def __init__(self):
-            self.files, self.fh = {}, 0
-
-        def getattr(self, path, fh=None):
-            if path == "/":
-                return dict(st_mode=stat.S_IFDIR | 0o755, st_nlink=2)
-            if path in self.files:
-                return dict(st_mode=stat.S_IFREG | 0o644, st_nlink=1, st_size=len(self.files[path]))
-            raise fuse.FuseOSError(errno.ENOENT)
-
-        def readdir(self, path, fh):
-            return [".", ".."] + [p[1:] for p in self.files]
-
-        def create(self, path, mode, fi=None):
-            self.files[path] = bytearray()
-            self.fh += 1
-            return self.fh
-
-        def open(self, path, flags):
-            self.fh += 1
-            return self.fh
-
-        def truncate(self, path, length, fh=None):
-            del self.files[path][length:]
-
-        def write(self, path, data, offset, fh):
-            time.sleep(WRITE_S)
-            self.files[path][offset : offset + len(data)] = data
-            return len(data)
-
-        def flush(self, path, fh):
-            end = time.monotonic() + 20
-            while not os.path.exists(RELEASE) and time.monotonic() < end:
-                time.sleep(0.05)
-            return 0
-
-        def release(self, path, fh):
-            return 0
-
-    fuse.FUSE(Slow(), MOUNT, foreground=True, nothreads=True)
-    """
-)
 SAVER = textwrap.dedent(
     """
     import sys, torch
@@ -193,70 +138,45 @@ SAVER = textwrap.dedent(
 )
 
 
-def _fuse_missing() -> str | None:
-    """Why a FUSE mount cannot be made here, or None."""
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        return "no /dev/fuse (or not root)"
-    if shutil.which("fusermount3") is None:
-        return "no fusermount3 (Debian's fuse3)"
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as exc:
-        return f"mfusepy (with libfuse3) does not load: {exc}"
-    return None
-
-
 @pytest.mark.timeout(90)
 def test_a_save_waiting_in_close_on_a_slow_fuse_mount_is_busy_naming_close_and_its_file(tmp_path: Path) -> None:
-    why = _fuse_missing()
+    why = fuse_missing()
     if why is not None:
         pytest.skip(f"a FUSE mount cannot be made here: {why}")
     mount, release = tmp_path / "mnt", tmp_path / "release"
     mount.mkdir()
     target = mount / "model.pt"
-    fs = subprocess.Popen([sys.executable, "-c", SLOW_FS, str(mount), str(release), "0.2"], stderr=subprocess.PIPE)
     saver = None
-    try:
-        end = time.monotonic() + 15
-        while not os.path.ismount(mount) and fs.poll() is None and time.monotonic() < end:
-            time.sleep(0.05)
-        if not os.path.ismount(mount):
-            fs.kill()
-            err = fs.communicate(timeout=10)[1].decode(errors="replace")[-500:]
-            pytest.skip(f"the FUSE mount did not come up here: {err}")
-        saver = subprocess.Popen([sys.executable, "-c", SAVER, str(target)], stdout=subprocess.PIPE)
-        assert saver.stdout is not None and saver.stdout.readline().strip() == b"ready"
-        prog, before = Progress(2.0), Progress(2.0)  # before: the same looks without the new evidence
-        closing: float | None = None
-        judged = []
-        end = time.monotonic() + 40  # a hang guard
-        while time.monotonic() < end:
-            s = sample_process(saver.pid)
-            assert s is not None and not s.stopped
-            prog.observe(s)
-            before.observe(dataclasses.replace(s, blocked_io=None))
-            j = prog.judge(s.at)
-            judged.append(j)
-            if s.blocked_io and s.blocked_io[0].call == "close":
-                closing = s.at if closing is None else closing
-                if s.at - closing >= 3.5:  # past still_s: nothing else moves in the close
-                    break
-            time.sleep(0.1)
-        assert closing is not None, judged[-3:]
-        print(f"\nFUSE evidence: {j.state}: {j.evidence}\nwithout it: {before.judge(s.at)}")
-        assert [x for x in judged if x.state == "stuck"] == []
-        assert j.state == "moving" and j.evidence.startswith(f"blocked in close() on {target} for "), j
-        assert before.judge(s.at).state == "stuck"  # the bug: killed mid-save
-        release.touch()
-        assert saver.stdout.readline().strip() == b"saved" and saver.wait(timeout=20) == 0
-    finally:
-        release.touch()
-        if saver is not None and saver.poll() is None:
-            saver.kill()
-            saver.wait(timeout=20)
-        for cmd in (["fusermount3", "-u", str(mount)], ["umount", "-l", str(mount)]):
-            if not os.path.ismount(mount):
-                break
-            subprocess.run(cmd, timeout=20, capture_output=True, check=False)
-        fs.kill()
-        fs.wait(timeout=20)
+    # Writes of 0.2 s each; the flush waits for the release file (20 s at most).
+    with slow_mount(mount, release, write_s=0.2, flush_s=20):
+        try:
+            saver = subprocess.Popen([sys.executable, "-c", SAVER, str(target)], stdout=subprocess.PIPE)
+            assert saver.stdout is not None and saver.stdout.readline().strip() == b"ready"
+            prog, before = Progress(2.0), Progress(2.0)  # before: the same looks without the new evidence
+            closing: float | None = None
+            judged = []
+            end = time.monotonic() + 40  # a hang guard
+            while time.monotonic() < end:
+                s = sample_process(saver.pid)
+                assert s is not None and not s.stopped
+                prog.observe(s)
+                before.observe(dataclasses.replace(s, blocked_io=None))
+                j = prog.judge(s.at)
+                judged.append(j)
+                if s.blocked_io and s.blocked_io[0].call == "close":
+                    closing = s.at if closing is None else closing
+                    if s.at - closing >= 3.5:  # past still_s: nothing else moves in the close
+                        break
+                time.sleep(0.1)
+            assert closing is not None, judged[-3:]
+            print(f"\nFUSE evidence: {j.state}: {j.evidence}\nwithout it: {before.judge(s.at)}")
+            assert [x for x in judged if x.state == "stuck"] == []
+            assert j.state == "moving" and j.evidence.startswith(f"blocked in close() on {target} for "), j
+            assert before.judge(s.at).state == "stuck"  # the bug: killed mid-save
+            release.touch()
+            assert saver.stdout.readline().strip() == b"saved" and saver.wait(timeout=20) == 0
+        finally:
+            release.touch()
+            if saver is not None and saver.poll() is None:
+                saver.kill()
+                saver.wait(timeout=20)

@@ -93,3 +93,21 @@ def test_a_vote_counts_only_for_the_step_it_is_about() -> None:
     victim = {0: (beat(0, {"2": "stuck: x"}, about="0/11"), 0.5)}
     assert agreement(0, 1, victim, FRESH, about="0/12").agreed
     assert not agreement(0, 1, victim, FRESH).agreed  # without the step, the old vote would still shield it
+
+
+def test_a_rank_that_stood_judges_afresh_from_fresh_views() -> None:
+    """A rank whose threads stood (torch.save's close() on network storage holds the GIL: its verdict
+    and its watchdog stop with it) holds views of its peers as old as the stand: a peer idle in its op
+    looks still. Its next look starts the window afresh and judges nothing until its views are fresh."""
+    from ncclguard.recovery._verdict.seen import Seen
+    from ncclguard.watching.sensors.progress import Progress, Sample
+
+    seen = Seen(started=0.0, still_s=10.0)
+    assert seen.stood(0.0, 3.0, 5.0) is None and seen.stood(1.0, 3.0, 5.0) is None  # looks every second
+    seen.peers[1] = Progress(10.0)
+    for t in (0.0, 1.0):
+        seen.peers[1].observe(Sample(t, "process", cpu_s=2.0))
+    seen.own = Progress(10.0)
+    assert seen.stood(29.0, 3.0, 5.0) == 28.0  # a 28 s close(): nothing of the peer moved in that time
+    assert seen.peers == {} and seen.own is None and seen.beats == {} and seen.stood_until == 34.0
+    assert seen.stood(30.0, 3.0, 5.0) is None and seen.stood_until == 34.0  # the grace stands

@@ -149,6 +149,13 @@ class VerdictDriver:
             return  # the watchdog has not followed the new world yet
         self._release(seen, world, beats)
         now = time.monotonic()
+        if (gap := seen.stood(now, max(3 * POLL_S, 2 * _heartbeat_s()), 2 * _heartbeat_s() + POLL_S)) is not None:
+            self.events.append({"what": "stood", "rank": dist.get_rank(), "state": "unknown", "gap_s": round(gap, 3)})
+            log.warning(
+                "%s: verdict: this rank stood %.1f s (its views of its peers are that old); judging afresh",
+                self.name,
+                gap,
+            )
         cpu, io = own_sample()
         if seen.own is None:
             seen.own = Progress(seen.still_s)
@@ -168,7 +175,7 @@ class VerdictDriver:
         # peer is judged as one with no beat in this world (a live rank's next beat carries its count).
         mute = {r for r in where.uncounted if beats[r][1] >= 2 * _heartbeat_s()}
         silent = _silent(seen, world, set(beats) - mute, now, self._procs)
-        if now - seen.started < self.judge_s():
+        if now - seen.started < self.judge_s() or now < seen.stood_until:
             return
         self._own.judged_by_peers(world, now)
         behind = {r: beats[r][0] for r in where.behind}
