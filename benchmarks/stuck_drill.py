@@ -5,6 +5,8 @@ Each launch is the one ``tests/watching/test_defaults_multirank.py`` makes: 3 gl
 ``ncclguard run --ncclguard-restarts 1`` runs), ``NCCLGUARD_AUTO=1`` and nothing else set; the rank
 side is ``tests/workers/defaults_worker.py``:
 
+Both scripts make their process group before they import ncclguard, as their docs write them.
+
 - ``loop``: ``RecoveringStep(module, opt, scheduler=...)``, a BERT classifier of 2.05M parameters,
   launch rank 2 asleep for good at step 12 (after the judge bound's warm-up);
 - ``hf``: the HF Trainer with ``guard_trainer(trainer, recover=True)``, launch rank 2 asleep for good
@@ -70,6 +72,11 @@ def _one(stack: str, timeout_s: float) -> dict[str, Any]:
         "awaiting": sorted({e["rank"] for _, e in events if e["what"] == "awaiting"}),
         "by": sorted({e["what"] for _, e in events if e["what"] in ACTIONS}),
         "steps": steps,
+        # The script's order (the group made before ncclguard was imported) and the restart's stand-in.
+        "group_first": all(res[r]["order"]["ncclguard_first"] is False for r in (0, 1, ASLEEP, 10 + ASLEEP)),
+        "stood_in": res[10 + ASLEEP]["order"]["group"] == [0, 1],
+        # torch's TCPStore client warnings ("waitForInput: poll for socket ... timed out"), the whole launch.
+        "torch_poll_warnings": job.output.count("waitForInput"),
     }
 
 
@@ -94,6 +101,7 @@ def main() -> None:
             "ok": len(good),
             "full_world": sum(r["world"] == [3, 3, 3] and r["equal"] for r in good),
             "healthy_acted_on": sum(len(r["healthy_acted_on"]) for r in good),
+            "torch_poll_warnings": sum(r["torch_poll_warnings"] for r in good),
             "stall_to_on_s": {
                 "median": statistics.median(times) if times else None,
                 "max": max(times) if times else None,
