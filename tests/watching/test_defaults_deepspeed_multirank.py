@@ -95,3 +95,7 @@ def test_a_deepspeed_loop_with_every_default_ends_on_its_full_world_after_a_rank
     assert f"ncclguard.supervise: the rank (pid {sleeper['pid']}) exited -9; restart 1 of 1" in ds_job.output
     assert ds_job.output.count("; restart 1 of 1") == 1
     _acted_on_the_sleeper_only(ds_job)
+    # deepspeed.init_distributed made the group before ncclguard was imported, in every life: the
+    # restarted process's was the stand-in world of one (the start-up hook), never the job's first world.
+    for r in (0, 1, 2, 12):
+        assert ds_job[r]["order"] == {"ncclguard_first": False, "group": [0, 1] if r >= 10 else [r, 3]}, r

@@ -13,6 +13,11 @@ The model: ``Linear(6, 1024)``, dropout 0.1, two square layers 1024 wide, ``Line
 (2.11M parameters), AdamW. WARM healthy steps (the judge bound is learned: its 10 s floor), then
 at step ASLEEP launch rank 2 sleeps in Python for good inside its step function.
 
+The script is written in the order users write it: ``deepspeed.init_distributed`` first, on every
+process (a restarted one too: there the start-up hook makes it the stand-in world of one), ncclguard
+imported after. Each life records whether ncclguard was imported before its group was made
+(``order``).
+
 Results go by launch rank plus 10 for a restarted process (``rank12.json``): the first life's are
 kept.
 """
@@ -29,19 +34,17 @@ import deepspeed
 import rankkit
 import torch
 import torch.distributed as dist
-from deepspeed_commit_worker import batch, engine, gathered_digest
 from rankkit import put
 
-import ncclguard  # before the process group: a restarted process's init_process_group stands in
-from ncclguard.integrations.deepspeed import CommittedEngineStep
-from ncclguard.world import current_world
-
-ME, LIFE = int(os.environ["RANK"]), ncclguard.restart_count()
+# ncclguard is imported after the process group is made, as a user's script does (see the module doc).
+ME, LIFE = int(os.environ["RANK"]), int(os.environ.get("NCCLGUARD_RESTART_COUNT", "0") or 0)
 rankkit.rank = lambda: ME + 10 * LIFE
 ASLEEP, STEPS = 12, 16  # past the judge bound's warm-up (10 intervals)
 
 
 def make() -> deepspeed.DeepSpeedEngine:
+    from deepspeed_commit_worker import engine
+
     # 2.11M parameters with dropout: a new module, the same config (every rank, after a rebuild too).
     return engine(stage=2, dropout=0.1, width=1024, depth=2)
 
@@ -50,9 +53,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     put("life", LIFE)
+    before = "ncclguard" in sys.modules
+    deepspeed.init_distributed(dist_backend="gloo")  # as a user writes it, first: no timeout
+    put("order", {"ncclguard_first": before, "group": [dist.get_rank(), dist.get_world_size()]})
+    from deepspeed_commit_worker import batch, gathered_digest  # imports ncclguard: after the group
+
+    import ncclguard
+    from ncclguard.integrations.deepspeed import CommittedEngineStep
+    from ncclguard.world import current_world
+
     restarted = ncclguard.restart_count() > 0  # a restarted process joins the survivors instead
-    if not restarted:
-        deepspeed.init_distributed(dist_backend="gloo")  # as a user writes it: no timeout
     stepper = CommittedEngineStep(
         None if restarted else make(),
         checkpoint_dir=os.path.join(os.environ["NCCLGUARD_TEST_OUT"], "ckpt"),
