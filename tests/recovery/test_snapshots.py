@@ -421,3 +421,20 @@ def test_the_failure_rate_comes_from_the_jobs_death_notices(job_store, monkeypat
     restarted = FailureRate(started=1100.0)  # a restarted process counts from the job's first failure
     restarted.read(job_store)
     assert restarted.mtbf_s(now=1120.0) == 45.0
+
+
+def test_a_replica_of_a_parameter_whose_shard_here_is_empty_is_bounded_by_its_global_shape() -> None:
+    """FSDP2 shards dim 0: a (1, 512, 1024) position table leaves ranks 1-2 of 3 an empty local shard
+    (0, 512, 1024). Their buddy's replica holds rank 0's whole row (2 MiB, over the 1 MiB floor): the
+    bound is the global shape this rank's own state declares, for the parameter and its Adam moments;
+    a replica larger than that whole tensor is still refused."""
+    table = {"dtype": "float32", "shape": [0, 512, 1024], "global": [1, 512, 1024], "placements": ["Shard(dim=0)"]}
+    meta = {"module": {"p:pos": table, "p:w": {"dtype": "float32", "shape": [4, 8], "global": [12, 8]}}}
+    shards = [("p:pos", "float32", [0, 512, 1024]), ("p:w", "float32", [4, 8]), ("o:0", "float32", [0, 512, 1024])]
+    mine = manifest(shards).model_copy(update={"meta": meta})
+    whole_row = [("p:pos", "float32", [1, 512, 1024]), ("p:w", "float32", [4, 8]), ("o:0", "float32", [1, 512, 1024])]
+    assert admit_peer(manifest(whole_row), mine, 3) is None
+    two_rows = [("p:pos", "float32", [2, 512, 1024]), ("p:w", "float32", [4, 8]), ("o:0", "float32", [1, 512, 1024])]
+    assert "p:pos declares [2, 512, 1024], more than a shard" in str(admit_peer(manifest(two_rows), mine, 3))
+    big_moment = [("p:pos", "float32", [1, 512, 1024]), ("p:w", "float32", [4, 8]), ("o:0", "float32", [3, 512, 1024])]
+    assert "o:0 declares [3, 512, 1024]" in str(admit_peer(manifest(big_moment), mine, 3))

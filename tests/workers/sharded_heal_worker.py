@@ -2,8 +2,9 @@
 snapshots their buddies hold. Usage: sharded_heal_worker.py SCENARIO (ncclguard's launcher, restarts=1,
 ``twice``: 2).
 
-The model has the size where fixed slack stops mattering: 2.2M float32 parameters in four Linear
-layers 1024 wide, with dropout, Adam (its moments triple the state a rank holds, and a restarted
+The model has the size where fixed slack stops mattering: 2.7M float32 parameters in four Linear
+layers 1024 wide and a (1, 512, 1024) position table (ranks 1 and up hold an empty shard of it), with
+dropout, Adam (its moments triple the state a rank holds, and a restarted
 rank has none of them yet) and an LR schedule the loop steps (in the snapshots).
 
 ``kill`` (3 ranks, one host, a snapshot every 2 steps, two kept of each): a fault-free run of STEPS
@@ -93,11 +94,24 @@ BERT_WORLD, BERT_BATCH, WARMUP = 4, 2, 3
 BERT_DATA = bert_dataset(24)
 
 
+class Positions(torch.nn.Module):
+    """A learned position table of shape (1, 512, WIDTH), as ViTs and BERT-style models hold one: FSDP2
+    shards dim 0, so every rank but rank 0 holds an empty shard (0, 512, WIDTH) of its 2 MiB, and the
+    buddy of rank 0 holds a replica of the whole row that its own shard cannot bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(1, 512, WIDTH) * 0.02)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.table.mean(dim=(0, 1))
+
+
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if SCENARIO == "ring":
         return make_bert()
     torch.manual_seed(7)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(64, WIDTH)]
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, WIDTH), Positions()]
     for _ in range(2):
         layers += [torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(WIDTH, WIDTH)]
     module = torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))

@@ -234,10 +234,29 @@ def consistent(m: Manifest) -> str | None:
     return None
 
 
+def _whole_sizes(mine: Manifest) -> tuple[dict[str, int], int]:
+    """The whole (global) byte size of each sharded tensor this rank's own state declares (FSDP2's
+    DTensors: ``meta["module"][name]["global"]``), and the largest: bounds that come from the
+    model's own shapes here, never from the peer's claim."""
+    declared = mine.meta.get("module") if isinstance(mine.meta, dict) else None
+    out: dict[str, int] = {}
+    for name, d in (declared or {}).items():
+        shape = d.get("global") if isinstance(d, dict) else None
+        if isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape):
+            try:
+                out[name] = _size(str(d.get("dtype")), shape)
+            except ValueError:
+                continue
+    return out, max(out.values(), default=0)
+
+
 def admit_peer(m: Manifest, mine: Manifest, world_size: int) -> str | None:
     """Why a buddy's replica cannot be held here, or None: it must be consistent, name the tensors
     this rank's own snapshot names, with their dtypes, and none may be larger than the whole tensor
-    it can be a shard of (``world_size`` times this rank's shard, or 1 MiB).
+    it can be a shard of: ``world_size`` times this rank's shard, or 1 MiB, or, for a sharded
+    parameter, the whole size its global shape here declares (a shard here may be empty: FSDP2
+    gives a rank none of a tensor whose first dimension is smaller than the world), and for an
+    optimizer's tensor the largest such whole size (its moments are shaped as a parameter).
 
     Args:
         m: the peer's manifest.
@@ -252,11 +271,15 @@ def admit_peer(m: Manifest, mine: Manifest, world_size: int) -> str | None:
         extra = sorted({e.name for e in m.entries} - set(ours))[:3]
         missing = sorted(set(ours) - {e.name for e in m.entries})[:3]
         return f"its tensors are not this rank's (only there: {extra or 'none'}; only here: {missing or 'none'})"
+    whole, largest = _whole_sizes(mine)
     for e in m.entries:
         o = ours[e.name]
         if e.dtype != o.dtype:
             return f"{e.name[:80]} is {e.dtype} there and {o.dtype} here"
-        if _size(e.dtype, e.shape) > max(world_size * _size(o.dtype, o.shape), SMALL_ENTRY):
+        bound = max(world_size * _size(o.dtype, o.shape), SMALL_ENTRY, whole.get(e.name, 0))
+        if e.name.startswith("o:"):
+            bound = max(bound, largest)
+        if _size(e.dtype, e.shape) > bound:
             return f"{e.name[:80]} declares {e.shape}, more than a shard of a tensor whose shard here is {o.shape}"
     return None
 
