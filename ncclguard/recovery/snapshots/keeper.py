@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed
+from ncclguard.errors import HealFailed, SnapshotRefused
 from ncclguard.recovery._step.state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
 from ncclguard.recovery.snapshots.exchange import _op, death_watch, job_store, run_watched, swap
@@ -111,6 +111,7 @@ class Keeper:
         k: snapshots are taken every ``k`` steps (agreed by every rank).
         takes: snapshots committed so far (forced ones included).
         failed_takes: takes that failed (the committed snapshots stayed).
+        refused_takes: of those, takes refused somewhere with every rank alive: the step went on.
         spent_s: seconds the training loop spent taking them (what the steps paid for them).
     """
 
@@ -130,6 +131,8 @@ class Keeper:
     force: bool = True  # the first step, and the first after a restore, always take one
     takes: int = 0
     failed_takes: int = 0
+    refused_takes: int = 0
+    _said: set[str] = field(default_factory=set)
     spent_s: float = 0.0
     _spare: dict[int, torch.Tensor] = field(default_factory=dict)  # freed buffers by owner rank (spares=True)
     _last_begin: float | None = None
@@ -167,8 +170,10 @@ class Keeper:
             kept: the step's generators as the step found them (the engine's snapshot of the step).
 
         Raises:
-            HealFailed: a swap failed, was refused or missed its deadline on some rank, or the
-                ranks' agreement failed (the committed snapshots stay).
+            HealFailed: a swap failed or missed its deadline on some rank (a member died, a link
+                broke), or the ranks' agreement failed (the committed snapshots stay): the step fails.
+                A take only refused somewhere (every rank alive, the side group whole) raises
+                nothing: the step goes on and the next take comes later (``refused_takes``).
         """
         start = time.monotonic()
         side = _op("the snapshots' side group", side_group)  # made at the first take: every rank at once
@@ -202,10 +207,14 @@ class Keeper:
         self._cost = time.monotonic() - start
         # A forced take (the first, or the first in a new world) also waits for slow peers and makes
         # the side group: it says nothing of what a take costs, so it asks for the K in force.
-        everyone_ok = self._settle(step, side, self.k if self.force else None, error is None)
-        if not everyone_ok:
+        kind = _OK if error is None else _REFUSED if isinstance(error, SnapshotRefused) else _FAILED
+        everyone = self._settle(step, side, self.k if self.force else None, kind)
+        if everyone != _OK:
             self.failed_takes += 1
             self.pending, self.pending_replicas = None, {}
+            if everyone == _REFUSED:
+                self._refused(step, error)
+                return
             raise error or HealFailed(f"step {step}'s snapshot: another rank's swap failed; the one before stays")
         self._commit()
         self.force = False
@@ -233,9 +242,25 @@ class Keeper:
             self._spare = {r: d[-1].payload for r, d in freed.items() if d}
         self.pending, self.pending_replicas = None, {}
 
-    def _settle(self, step: int, side: SideGroup, keep: int | None, ok: bool) -> bool:
-        """One all_reduce on the side group: whether every rank's swap succeeded, and the K they
-        take from this step on (the largest asked).
+    def _refused(self, step: int, error: HealFailed | None) -> None:
+        """A take refused somewhere, every rank alive and the side group whole: the step goes on, the
+        committed snapshots stay, and the next take comes twice as late (a refusal has a lasting
+        cause: a layout the admission does not take, a cap). Said once per reason."""
+        self.refused_takes += 1
+        self.next_due = step + 2 * max(self.k, 1) * min(self.refused_takes, 8)
+        why = str(error) if error is not None else "another rank's replica was refused"
+        if why not in self._said:
+            self._said.add(why)
+            log.warning(
+                "snapshots: step %d's snapshot was refused (%s); the step goes on, the snapshots before stay, the next "
+                "take is at step %d (%d refused so far). A refusal that lasts leaves no snapshot to heal from: see "
+                "docs/reference/recovery-snapshots.md",
+                step, why, self.next_due, self.refused_takes,
+            )  # fmt: skip
+
+    def _settle(self, step: int, side: SideGroup, keep: int | None, kind: int) -> int:
+        """One all_reduce on the side group: how every rank's swap went (the worst of :data:`_OK`,
+        :data:`_REFUSED`, :data:`_FAILED`), and the K they take from this step on (the largest asked).
 
         Raises:
             HealFailed: the agreement itself failed (the pending snapshot is kept: this rank cannot
@@ -244,7 +269,7 @@ class Keeper:
         if self.every is not None:
             want = self.every
         else:
-            if keep is None and ok:
+            if keep is None and kind == _OK:
                 self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
             if keep is None:
                 want = self._wanted_k()
@@ -256,7 +281,7 @@ class Keeper:
                 want = min(keep, self._wanted_k())
             else:
                 want = keep
-        agreed = torch.tensor([want, 0 if ok else 1], dtype=torch.int64)
+        agreed = torch.tensor([want, kind], dtype=torch.int64)
         if dist.get_world_size() > 1:
             # Bounded: a rank that died since the last take fails this step, it does not hang it; one
             # whose launcher says it died fails it at once (the others of the ring wait on the live ones).
@@ -266,14 +291,14 @@ class Keeper:
                 self._deadline(),
                 death_watch(),
             )
-        if int(agreed[1].item()):
-            return False
+        if int(agreed[1].item()) != _OK:
+            return int(agreed[1].item())
         k = int(agreed[0].item())
         if k != self.k:
             why = f"; a failure every {self._mtbf:.0f} s so far: Young's interval" if self._mtbf is not None else ""
             log.info("snapshots: every %d step(s) from step %d (one take %.3f s%s)", k, step, self._cost, why)
         self.k, self.next_due = k, step + k
-        return True
+        return _OK
 
     def _fit(self, fit: Fit) -> None:
         """Keeps what the memory cap leaves, and says what gave way."""
@@ -356,6 +381,9 @@ class Keeper:
         self.pending, self.pending_replicas = None, {}
         self._spare.clear()
         self.force = True
+
+
+_OK, _REFUSED, _FAILED = 0, 1, 2  # how a take went on a rank: the ranks' agreement takes the worst
 
 
 def _kept(snaps: list[Snapshot], keep: int) -> tuple[list[Snapshot], list[Snapshot]]:
