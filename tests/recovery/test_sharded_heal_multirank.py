@@ -140,6 +140,11 @@ def test_a_damaged_replica_makes_every_rank_fall_back_to_the_step_before(kill_jo
             "error": None,
         }
         assert kill_job[r]["equal_to_reference_at_back"] is True  # the state of that step, bit for bit
+        # The same replica holding NaN with a digest that matches: refused by its numbers, the same fallback.
+        poisoned = kill_job[r]["poisoned"]
+        assert {k: v for k, v in poisoned.items() if k != "held"} == {**damaged, "step": poisoned["held"][0]}
+        assert kill_job[r]["equal_to_reference_after_poison"] is True and kill_job[r]["finite"] is True
+    assert "rank 2's replica of step" in kill_job.output and "holds NaN or Inf in" in kill_job.output
 
 
 def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_job):

@@ -18,7 +18,8 @@ bit-equal to the reference. Then, with every rank's live state at the end of the
 a replica that does not fit rank 1's module is refused on every rank at its manifest, at each step
 held, before anything is copied; and rank 2's replica of rank 1's newest snapshot is damaged (one
 flipped bit): every rank falls back to the step before, and the full state is then bit-equal to the
-reference's at the start of that step.
+reference's at the start of that step. Then that replica holds NaN instead, with a digest that matches
+(numbers that went bad before the take): refused all the same, the same fallback.
 
 ``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
 sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
@@ -65,6 +66,7 @@ from ncclguard.recovery.records import StepResult
 from ncclguard.recovery.snapshots import keeper as keeper_module
 from ncclguard.recovery.snapshots import restore as restore_module
 from ncclguard.recovery.snapshots.keeper import Keeper
+from ncclguard.recovery.snapshots.packing import Snapshot, digest
 from ncclguard.recovery.snapshots.restore import Restored, restore
 from ncclguard.recovery.snapshots.state import ModuleState
 
@@ -280,6 +282,34 @@ def damaged(stepper: RecoveringStep) -> None:
     put("equal_to_reference_at_back", torch.equal(now, back))
 
 
+def poisoned(stepper: RecoveringStep) -> None:
+    """Rank 2's replica of rank 1's newest snapshot holds NaN, its digest made to match (a step whose
+    numbers turned NaN before the take): the digest passes, the check of its numbers refuses it, and
+    every rank goes back to the one before, as for a damaged one."""
+    keeper = stepper.engine.keeper
+    assert keeper is not None
+    held = sorted(s.step for s in keeper.own)
+    if ME == 2:
+        snap = keeper.replicas[1][-1]
+        snap.payload[12345] ^= 1  # the bit damaged() flipped, back: only the NaN is wrong now
+        entry = next(e for e in snap.manifest.entries if e.dtype == "float32" and e.shape and e.shape[0])
+        snap.payload[entry.offset : entry.offset + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+        keeper.replicas[1][-1] = Snapshot(
+            snap.manifest.model_copy(update={"digest": digest(snap.payload)}), snap.payload
+        )
+    if ME == 1:
+        keeper = Keeper(ModuleState(lambda: stepper.model, lambda: stepper.optimizer))
+        res = restore(keeper, None, HEAL_S, receivers=[1])
+    else:
+        res = restore(keeper, held[-1] + 1, HEAL_S, receivers=[1])
+    put("poisoned", {**described(res), "error": str(res.error) if res.error else None, "held": held})
+    now = full_state(stepper)
+    back = AT_BACK[0] if ME == 0 else torch.zeros_like(now)
+    dist.broadcast(back, src=0)
+    put("equal_to_reference_after_poison", torch.equal(now, back))
+    put("finite", bool(torch.isfinite(now).all()))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
@@ -311,6 +341,7 @@ def main() -> None:
     if SCENARIO == "kill":
         refused(stepper)
         damaged(stepper)
+        poisoned(stepper)
     rankkit.done()
 
 

@@ -9,8 +9,10 @@ a restarted rank after wrapping its fresh one):
 2. each holder sends its replica to the restarted rank it belongs to; the receiver admits its
    manifest against the model it has built (names, dtypes, shapes: the bound of what it allocates)
    and checks its digest when it has arrived, and every rank learns, in one all_reduce, who
-   refused: then the ranks go to the next older step that every survivor and a replica holder
-   share (a keeper with ``keep=2``), and stop when there is none, nothing applied anywhere;
+   refused (a manifest that does not fit, a digest that does not match, NaN or Inf in a floating
+   tensor of the replica or of a survivor's own snapshot): then the ranks go to the next older step
+   that every survivor and a replica holder share (a keeper with ``keep=2``), and stop when there is
+   none, nothing applied anywhere;
 3. the receivers apply the replica; a survivor whose live state is newer than ``S`` applies its own
    snapshot of ``S`` (a rollback: its loop goes back to ``S``).
 
@@ -359,14 +361,28 @@ def _transfer(
             fetched.state, fetched.generators = _split(unpack(got))
             if got.manifest.rank != me:
                 return f"the replica is rank {got.manifest.rank}'s, not this rank's ({me})"
+            return _nonfinite(fetched.state, f"rank {h}'s replica of step {step}")
         elif current != step:
             own = keeper.own_at(step)
             if own is None:
                 return f"this rank holds no snapshot of its own at step {step}"
             fetched.state, fetched.generators = _split(unpack(own))
             fetched.rolled_back = True
+            return _nonfinite(fetched.state, f"this rank's snapshot of step {step}")
     except (SnapshotRefused, SnapshotDamaged) as exc:  # this step's replica: an older step may be whole
         return str(exc)
+    return None
+
+
+def _nonfinite(state: OwnState, what: str) -> str | None:
+    """Why a state that holds NaN or Inf in a floating tensor is not applied, or None. A replica is
+    never trusted blindly: its digest says its bytes arrived as they were taken, not that the
+    numbers were sound (a step whose gradient turned NaN before the take); the ranks then go to the
+    step before. One pass over the state, at a restore only."""
+    for name, t in state.tensors.items():
+        if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            return f"{what} holds NaN or Inf in {name[:80]} ({bad} of {t.numel()} values): not applied"
     return None
 
 
