@@ -13,7 +13,9 @@ of the world it was built in (its clone of the world group, ZeRO's per-parameter
 ``ds_process_group``; see :mod:`ncclguard.integrations.deepspeed.commit`). After the rebuild every
 rank enters ``train()`` again at the step (:class:`~ncclguard.recovery.engine.Reenter`), so the
 Trainer builds the engine itself, as it does at the start, from a fresh module of the same
-architecture (:func:`fresh_module`; the Trainer's ``model_init`` when it has one), and its resume
+architecture (:func:`fresh_module`; the Trainer's ``model_init`` when it has one) whose state the
+script's own module object takes over (:func:`renew_in_place`: the ``model`` a script holds is the
+module trained, after a heal as before it), and its resume
 path positions the data, the step and the epoch from the state kept in memory. The engine's state
 goes into the new engine before any step (:meth:`DeepSpeedPart.adopt`):
 
@@ -46,7 +48,7 @@ from ncclguard.toolkit import log
 from ..deepspeed.commit import number_parameters_afresh, release_deepspeed_groups
 from ..deepspeed.state import CurrentEngineState, DeepSpeedState
 
-__all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_module"]
+__all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_module", "renew_in_place"]
 
 _TRAINER = "trainer_state"  # the Trainer's state in a snapshot's meta (JSON text)
 
@@ -113,6 +115,41 @@ def fresh_module(model: Any) -> torch.nn.Module:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         return type(model)._from_config(model.config)
+
+
+def renew_in_place(model: Any) -> torch.nn.Module:
+    """``model`` made anew in place: a :func:`fresh_module` whose state every module object of
+    ``model`` takes over (its parameters, buffers and hooks, module by module), so that the object
+    the script holds (``model`` passed to the Trainer, ``model.bert``, ...) is the module the new
+    engine trains. The old parameters, bound to the old engine and its world, are dropped; each new
+    one keeps the old one's ``requires_grad`` (a frozen layer stays frozen).
+
+    Returns:
+        ``model`` itself; the fresh module where its tree is not the fresh one's (modules added or
+        removed after it was built), with a warning that the script's object is no longer trained.
+
+    Raises:
+        TypeError: ``model`` is not a ``PreTrainedModel``.
+    """
+    fresh = fresh_module(model)
+    old = list(model.named_modules(remove_duplicate=False))
+    new = list(fresh.named_modules(remove_duplicate=False))
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if [n for n, _ in old] != [n for n, _ in new] or [type(m) for _, m in old] != [type(m) for _, m in new]:
+        log.warning(
+            "guard_trainer: the model's modules are not those its config builds (changed after it was made?): the "
+            "Trainer trains a new module from here on, and the model object this script holds is left behind"
+        )
+        return fresh
+    keeper = {id(n): o for (_, o), (_, n) in zip(old, new, strict=True)}
+    for (_, mine), (_, made) in zip(old, new, strict=True):
+        state = dict(vars(made))
+        state["_modules"] = {k: None if m is None else keeper[id(m)] for k, m in made._modules.items()}
+        vars(mine).clear()
+        vars(mine).update(state)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        param.requires_grad_(name not in frozen)
+    return model
 
 
 def batch_for_world(trainer: Any, world_size: int) -> None:
@@ -250,8 +287,8 @@ class DeepSpeedPart:
         trainer = self.trainer
         release_deepspeed_groups()
         number_parameters_afresh()
-        if trainer.model_init is None:
-            trainer.model = fresh_module(trainer.model)
+        if trainer.model_init is None:  # the script's model object, trained from here on (not left behind)
+            trainer.model = renew_in_place(trainer.model)
         trainer.model_wrapped, trainer.deepspeed = trainer.model, None
         trainer.optimizer, trainer.lr_scheduler = None, None
         self.engine, self.state, self._held = None, None, None

@@ -15,7 +15,17 @@ Launches (tests/workers/hf_bitequal_worker.py, which says more):
 ``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), under ncclguard's launcher
     with one restart for a rank killed by SIGKILL: the same two runs, in which launch ranks 2 and 3, the
     whole second host, SIGKILL themselves as step 5 begins; both restarted, they join together, take their
-    partitions from the replicas ranks 0 and 1 hold, and every rank ends as the reference did."""
+    partitions from the replicas ranks 0 and 1 hold, and every rank ends as the reference did.
+``kill short`` issue 59's ZeRO-3 config as users write it short (DeepSpeed's defaults: a small BERT's
+    parameters but its word embeddings stay whole on every rank; no scheduler there, the Trainer's own
+    linear warm-up handed to DeepSpeed), 2 batches a step into the config's ``"auto"`` accumulation, 8
+    steps an epoch, launch rank 2 SIGKILLed as step 4 begins: every rank goes back to a snapshot inside
+    the epoch and ends as the reference did.
+
+In every launch the model object the script passed to the Trainer is the module trained at the end:
+a redo on a new engine used to train a fresh module and leave the script's object behind (ZeRO-2: at
+the failed step; ZeRO-3: partitions of a destroyed engine), so that a script reading its own
+``model`` after a heal read other numbers than the run without the fault (issue 59)."""
 
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ from harness import run_ranks
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]
 
 STEPS, KILL, VICTIM = 8, 5, 2
+SHORT_STEPS, SHORT_KILL = 10, 4  # the short config's launch: 8 steps an epoch, the kill inside the first
 
 
 SHARDED = ("zero3", "zero2", "zero1")  # restored from snapshots; "ddp" from a live peer
@@ -38,6 +49,13 @@ def kill_job(request):
     # again: 55-65 s (ZeRO-3), 20-25 s (ZeRO-1/2, DDP) on a quiet 2-core machine. Hang guard: 360 s.
     job = run_ranks("hf_bitequal_worker", 3, "kill", request.param, supervise=["--restarts=1"], timeout_s=360)
     return request.param, job
+
+
+@pytest.fixture(scope="module")
+def short_job():
+    # Two runs of 10 steps on 3 ranks of a 32-wide BERT and a cold restart: 35 s on a quiet 2-core
+    # machine, 60-70 s at a load of 5-7. Hang guard: 240 s.
+    return run_ranks("hf_bitequal_worker", 3, "kill", "short", supervise=["--restarts=1"], timeout_s=240)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +71,22 @@ def _last_per_step(trace: list[list]) -> dict[int, list]:
     return {entry[1]: entry[2:] for entry in trace if entry[0] == "micro"}
 
 
-def _ends_as_the_reference(job, r: int, restarted: bool, size: int, first: int) -> None:
-    """Rank ``r`` of ``job``: one rebuild, both step counts at STEPS, the full parameters bit for bit
-    the reference's, and every step it computed from ``first`` on (its last attempt) as the reference
-    computed it: the batch (the shuffled order after the resume's skip), the generator (dropout), the
-    loss and the learning rate (warm-up)."""
+def _ends_as_the_reference(job, r: int, restarted: bool, size: int, first: int, steps: int = STEPS) -> None:
+    """Rank ``r`` of ``job``: one rebuild, both step counts at ``steps``, the full parameters bit for
+    bit the reference's, read through the model object the script passed to the Trainer, and every
+    step it computed from ``first`` on (its last attempt) as the reference computed it: the batch (the
+    shuffled order after the resume's skip), the generator (dropout), the loss and the learning rate
+    (warm-up)."""
     res = job[r]
     assert res["life"] == (1 if restarted else 0)
     assert res["world"] == [r, size, 1]  # one rebuild: the restarted ranks joined it together
-    assert res["global_step"] == res["global_steps"] == STEPS  # the Trainer's count and DeepSpeed's
+    assert res["global_step"] == res["global_steps"] == steps  # the Trainer's count and DeepSpeed's
+    assert res["own_model"]  # the script's model object is the module trained, not left behind
     assert res["digest"] == job[0]["reference"]  # the full gathered parameters, bit for bit
     assert res["sum"] == job[0]["reference_sum"]
     reference, healed = _last_per_step(res["reference_trace"]), _last_per_step(res["trace"])
-    assert sorted(reference) == list(range(STEPS))
-    assert sorted(healed) == list(range(first, STEPS))
+    assert sorted(reference) == list(range(steps))
+    assert sorted(healed) == list(range(first, steps))
     assert {s: reference[s] for s in healed} == healed
 
 
@@ -109,3 +129,22 @@ def test_a_whole_host_of_a_zero3_trainer_lost_heals_from_the_other_hosts_replica
         assert host_job[r]["recoveries"] == [[back, 2, 1, [2, 3]]]  # [step, attempts, generation, healed ranks]
     for r in (2, 3):
         assert host_job[r]["recoveries"] == []  # their first step was the others' redo
+
+
+def test_a_killed_rank_of_a_trainer_on_zero3_configured_short_heals_bit_equal_inside_an_epoch(short_job):
+    """Issue 59: DeepSpeed's defaults (persistent parameters), the Trainer's own linear warm-up,
+    accumulation 2, a kill at step 4 of an 8-step epoch: back to a snapshot inside the epoch (never
+    its edge: the first two steps always take one), every rank's parameters, read through the
+    script's own model object, and every step's record the reference's."""
+    back = min(_last_per_step(short_job[VICTIM]["trace"]))
+    assert "exited -9; restart 1 of 1" in short_job.output
+    assert "every rank is back at step" in short_job.output
+    assert 1 <= back < SHORT_KILL
+    for r in range(3):
+        persistent, total = short_job[r]["persistent"]
+        assert 0 < persistent < total  # DeepSpeed's defaults: all whole on every rank but the word embeddings
+        _ends_as_the_reference(short_job, r, r == VICTIM, 3, back if r == VICTIM else 0, steps=SHORT_STEPS)
+        assert [(x["ok"], x["step"]) for x in short_job[r]["restores"]] == [(True, back)]
+        if r != VICTIM:
+            (redo,) = short_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
+            assert back == redo[0] and redo[2:] == [1, [VICTIM]]

@@ -121,3 +121,28 @@ def test_the_trainer_callbacks_old_name_still_imports_with_a_warning() -> None:
     assert "NcclGuardCallback" not in hf.__all__
     with pytest.raises(AttributeError):
         hf.NoSuchName  # noqa: B018 - the module's __getattr__ refuses other names
+
+
+def test_a_module_renewed_in_place_is_the_scripts_object_with_new_parameters_ties_and_frozen_ones_kept():
+    """Issue 59: the redo on a new DeepSpeed engine renews the Trainer's model in place, so that the
+    object a script holds (and its submodules) is the module trained after a heal; the tied weights
+    stay tied, a frozen parameter stays frozen, a module tree that is not the config's is left alone."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ncclguard.integrations.hf.deepspeed import renew_in_place
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
+    block, wte = model.transformer.h[0], model.transformer.wte.weight
+    model.transformer.wpe.weight.requires_grad_(False)
+    rng = torch.get_rng_state()
+    assert renew_in_place(model) is model
+    assert model.transformer.h[0] is block and model.transformer.wte.weight is not wte  # modules kept, parameters new
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["transformer.wpe.weight"]
+    assert torch.equal(torch.get_rng_state(), rng)  # the fresh module's draws moved no generator
+    out = model(torch.arange(8).unsqueeze(0), labels=torch.arange(8).unsqueeze(0))
+    out.loss.backward()  # a working module: its gradients reach the parameters it holds now
+    assert model.transformer.wte.weight.grad is not None and model.transformer.wpe.weight.grad is None
+    model.transformer.extra = torch.nn.Linear(2, 2)  # a tree the config does not build: not renewed
+    assert renew_in_place(model) is not model

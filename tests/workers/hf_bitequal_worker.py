@@ -1,7 +1,8 @@
 """Rank side of tests/integrations/test_hf_bitequal_multirank.py: issue 44's setup, the HF
 Trainer on DeepSpeed ZeRO-3 with a realistic BERT under ``guard_trainer(recover=True, heal=True)``
-and nothing else of ncclguard's. Usage: ``hf_bitequal_worker.py kill|host [zero3|zero2|zero1|ddp]``
-(the stack: the ZeRO stage of the config below, or the Trainer's own DDP with no DeepSpeed config).
+and nothing else of ncclguard's. Usage: ``hf_bitequal_worker.py kill|host [zero3|zero2|zero1|ddp|short]``
+(the stack: the ZeRO stage of the config below, the Trainer's own DDP with no DeepSpeed config, or
+``short``: issue 59's ZeRO-3 config as users write it, below).
 
 ``kill`` (3 ranks, each under its supervisor, ``--restarts=1``): a ``BertForSequenceClassification``
 from a transformers config with its default dropout (0.1) and vocabulary (hidden 128, 2 layers,
@@ -20,6 +21,16 @@ Each rank records every micro-batch it computes (the last attempt of a step coun
 digest of the batch, of the CPU generator's state (dropout draws from it), the loss and the
 learning rate, so that a healed run that differs names the first step and what differed. The
 reference's record of launch rank VICTIM is kept in a file across its restart.
+
+``kill short`` (3 ranks, as ``kill``): a BERT 32 wide with one layer, DeepSpeed's defaults
+(``SHORT_CONFIG``: no sizes, no scheduler; ``stage3_param_persistence_threshold`` 1e5 keeps every
+parameter but the word embeddings whole on every rank), the Trainer's own linear schedule with
+warm-up (handed to DeepSpeed), 4 rows a batch, 2 batches a step (``gradient_accumulation_steps``,
+the config's ``"auto"``), 8 steps an epoch, STEPS 10, launch rank VICTIM SIGKILLed as step 4
+begins: the resume is inside the first epoch.
+
+Every rank also records whether the model object it passed to the Trainer is the module trained at
+the end (``own_model``), and the sum is read through that object.
 
 ``host`` (4 ranks on two simulated hosts of 2, under ncclguard's launcher with one restart: ``GROUP_RANK``
 is the launch rank // 2, as torchrun sets it per node): the same two runs, SAMPLES rows for 3 steps
@@ -53,16 +64,18 @@ from ncclguard.recovery.snapshots.restore import Restored
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 SCENARIO = sys.argv[1]
-STACK = sys.argv[2] if len(sys.argv) > 2 else "zero3"  # zero1, zero2, zero3, or ddp (no DeepSpeed)
+STACK = sys.argv[2] if len(sys.argv) > 2 else "zero3"  # zero1, zero2, zero3, ddp (no DeepSpeed), or short
 ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
-STEPS, KILL, VICTIM, WARMUP = 8, 5, 2, 3
+SHORT = STACK == "short"  # the config as users write it short: DeepSpeed's defaults, the Trainer's schedule
+STEPS, KILL, VICTIM, WARMUP = (10, 4, 2, 3) if SHORT else (8, 5, 2, 3)
 KILLED = {"kill": [VICTIM], "host": [2, 3]}[SCENARIO]
-# 3 steps an epoch (18 rows on 3 ranks, 24 on 4): the resume crosses epochs and skips batches
-BATCH = 2
-SAMPLES = 3 * BATCH * int(os.environ["WORLD_SIZE"])
+# 3 steps an epoch (18 rows on 3 ranks, 24 on 4): the resume crosses epochs and skips batches;
+# short: 8 steps an epoch (192 rows on 3 ranks, 4 a batch, 2 batches a step), the kill inside the first
+BATCH, ACCUMULATE = (4, 2) if SHORT else (2, 1)
+SAMPLES = (16 if SHORT else 3) * BATCH * int(os.environ["WORLD_SIZE"])
 rankkit.rank = lambda: ME
 # The watchdog guard_trainer starts writes its incidents (the victim's lost heartbeat) with the launch's output.
 os.environ.setdefault("NCCLGUARD_WATCHDOG_INCIDENT_DIR", str(OUT / "incidents"))
@@ -101,9 +114,22 @@ DS_CONFIG: dict[str, Any] = {
 }
 
 
+# The short way (issue 59): DeepSpeed's defaults (stage3_param_persistence_threshold 1e5: every parameter
+# but the word embeddings of the small BERT below stays whole on every rank), no scheduler in it.
+SHORT_CONFIG: dict[str, Any] = {
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
 def bert() -> BertForSequenceClassification:
     """A realistic small BERT: the config's default dropout (0.1) and vocabulary."""
     torch.manual_seed(0)
+    if SHORT:
+        config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        return BertForSequenceClassification(config)
     config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512)
     return BertForSequenceClassification(config)
 
@@ -125,6 +151,8 @@ def ds_config() -> dict[str, Any] | None:
     """The DeepSpeed config of STACK (its ZeRO stage), or None for the Trainer's own DDP."""
     if STACK == "ddp":
         return None
+    if SHORT:
+        return json.loads(json.dumps(SHORT_CONFIG))
     config: dict[str, Any] = json.loads(json.dumps(DS_CONFIG))
     config["zero_optimization"]["stage"] = int(STACK.removeprefix("zero"))
     return config
@@ -138,8 +166,10 @@ def arguments(name: str) -> TrainingArguments:
         deepspeed=ds_config(),
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,  # short: 2, into the config's "auto"
         learning_rate=1e-3,
         warmup_steps=WARMUP,
+        lr_scheduler_type="linear",  # the Trainer's default, written out: short hands it to DeepSpeed
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -159,6 +189,7 @@ class Traced(Trainer):
     """Records every micro-batch it computes: the step, the batch, the generator, the loss, the LR."""
 
     trace: list[list[Any]]
+    script_model: torch.nn.Module
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         rng = _sha(torch.get_rng_state())
@@ -178,8 +209,8 @@ class Steps(TrainerCallback):
             rankkit.kill(ME)
 
 
-def parameter_sum(trainer: Trainer) -> float:
-    model = trainer.model_wrapped.module
+def parameter_sum(model: torch.nn.Module) -> float:
+    """The sum of ``model``'s full parameters (ZeRO-3: gathered for the read, a collective)."""
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -202,8 +233,9 @@ def record_restores(engine: Any) -> None:
 
 def train(name: str, guarded: bool) -> Traced:
     args = arguments(name)
-    trainer = Traced(model=bert(), args=args, train_dataset=Texts(SAMPLES, seed=1))
-    trainer.trace = []
+    model = bert()  # the script's own object: after a heal it must still be the module trained
+    trainer = Traced(model=model, args=args, train_dataset=Texts(SAMPLES, seed=1))
+    trainer.trace, trainer.script_model = [], model
     if guarded:
         trainer.add_callback(Steps())
         guard_trainer(trainer, recover=True, heal=True)  # and nothing else, as issue 44's user
@@ -217,14 +249,21 @@ def kill() -> None:
     kept = OUT / f"reference_rank{ME}.json"
     if LIFE == 0:
         ref = train("reference", guarded=False)
-        kept.write_text(json.dumps({"digest": digest(ref), "sum": parameter_sum(ref), "trace": ref.trace}))
+        kept.write_text(json.dumps({"digest": digest(ref), "sum": parameter_sum(ref.script_model), "trace": ref.trace}))
     reference = json.loads(kept.read_text())
     put("reference", reference["digest"])
     put("reference_sum", reference["sum"])
     put("reference_trace", reference["trace"])
     trainer = train("guarded", guarded=True)
     put("digest", digest(trainer))
-    put("sum", parameter_sum(trainer))
+    trained = trainer.model_wrapped.module
+    # The model object the script passed is the module trained (a heal used to leave it behind:
+    # ZeRO-2 kept it at the failed step, ZeRO-3 with partitions of a destroyed engine).
+    put("own_model", trained is trainer.script_model)
+    put("sum", parameter_sum(trainer.script_model if trained is trainer.script_model else trained))
+    # ZeRO-3: the parameters kept whole on every rank (DeepSpeed's persistence threshold), of all
+    params = list(trained.parameters())
+    put("persistent", [sum(bool(getattr(q, "ds_persist", False)) for q in params), len(params)])
     put("trace", trainer.trace)
     put("global_step", trainer.state.global_step)
     put("global_steps", getattr(trainer.model_wrapped, "global_steps", trainer.state.global_step))  # DeepSpeed's
