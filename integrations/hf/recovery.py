@@ -23,6 +23,10 @@ of its last ``training_step``, before the clipping and before anything is applie
    earlier micro-batches is replaced by the redo's.
 4. The recovery is logged with ``trainer.log`` (``ncclguard_recover_*`` keys in
    ``state.log_history`` and the ``report_to`` integrations) and the ncclguard logger.
+5. A backend failure in the Trainer's own collectives between two steps (the loss gather of
+   ``logging_steps``, an evaluation, a save, the callbacks) is not raised out of ``train()``: it
+   is the next step's failure on this rank, or that of one settled as ``train()`` ends
+   (:mod:`ncclguard.integrations.hf.between`).
 
 With ``allow_shrink=True`` the survivors go on without the ranks that did not come to the
 rebuild: Accelerate's state (``num_processes``, ``process_index``) follows the new world at once,
@@ -70,6 +74,7 @@ from ncclguard.toolkit import (
 )
 
 from ..accelerate.recovery import follow_world
+from .between import BetweenSteps
 from .deepspeed import DeepSpeedPart, TrainerStateCodec, batch_for_world
 
 __all__ = ["TrainerRecovery"]
@@ -103,6 +108,11 @@ class TrainerRecovery(Adapter):
         self._redone: list[torch.Tensor] = []
         self._reshard: tuple[int, int] | None = None  # (rank, size) for the next epoch's data loader
         self._resume: dict[str, Any] | None = None  # the state train() resumes from after a join
+        # The Trainer's collectives between two steps: a failure there is the next step's (hf/between.py).
+        self._between = BetweenSteps(trainer, lambda: self._tx is not None)
+        self._between.install()
+        self.original_train = trainer.train
+        trainer.train = self._train
         if options.heal or self._ds is not None:
             self._install_resume(trainer)
 
@@ -128,6 +138,9 @@ class TrainerRecovery(Adapter):
             self._resume = None  # the resume (if any) is done: later checkpoints load as the Trainer's own
             self._tx = self.engine.begin(number=self.trainer.state.global_step)
             self._micro, self._given = [], []
+        failed = self._between.take()  # between the steps (or the micro-batches): this step fails on every rank
+        if failed is not None and self._tx.failure is None:
+            self._tx.failure = failed
         sync = bool(self.trainer.accelerator.sync_gradients)
         grad_sync = bool(getattr(model, "require_backward_grad_sync", True))
         self._micro.append(Micro(self._again, (copy.copy(inputs), num_items_in_batch), sync, grad_sync))
@@ -137,11 +150,11 @@ class TrainerRecovery(Adapter):
             return loss
         try:
             self._tx.settle(lambda: self._redo(model)).raise_for_error()
-            if self._ds is not None:
-                self._ds.apply_held()  # the engine's step, held from the last micro-batch's backward
+            if self._ds is not None:  # the engine's step, held from the last micro-batch's backward
+                self._between.run(self._ds.apply_held, "DeepSpeed's optimizer step, after the commit")
             if not self._redone:  # committed as it ran (a step entered again after a join too)
                 return loss
-            self._replace_losses(self._redone)
+            _replace_losses(self.trainer, self._given, self._redone)
             return self._redone[-1]
         finally:
             self._tx, self._micro, self._given, self._redone = None, [], [], []
@@ -195,7 +208,7 @@ class TrainerRecovery(Adapter):
         if follow_world(rebuilt.rank, rebuilt.world_size) or rebuilt.missing_ranks:
             self._reshard = (rebuilt.rank, rebuilt.world_size)
             if any(m.inputs[1] is not None for m in self._micro):
-                self._count_items_again()
+                _count_items_again(self.trainer, self._micro)
 
     def log(self, record: Recovered) -> None:
         """``trainer.log`` on every rank, as the Trainer logs; it adds the step and the epoch."""
@@ -239,12 +252,10 @@ class TrainerRecovery(Adapter):
     # --- joining and entering the loop again (heal=True) ------------------------------------------
 
     def _install_resume(self, trainer: Any) -> None:
-        """Wraps ``train`` and the Trainer's checkpoint loaders on the instance: a restarted rank
-        joins in ``train()``, and every rank enters the loop again at the step a join redoes,
-        through the Trainer's own resume path (it positions the data, the step and the epoch) fed
-        from memory (:meth:`_train`)."""
-        self.original_train = trainer.train
-        trainer.train = self._train
+        """Wraps the Trainer's checkpoint loaders on the instance: a restarted rank joins in
+        ``train()``, and every rank enters the loop again at the step a join redoes, through the
+        Trainer's own resume path (it positions the data, the step and the epoch) fed from memory
+        (:meth:`_train`)."""
         for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
             setattr(trainer, name, self._loader(name, getattr(trainer, name)))
         if self._ds is not None:
@@ -256,7 +267,7 @@ class TrainerRecovery(Adapter):
         kept for the new engine goes in once it is built (:meth:`DeepSpeedPart.adopt`)."""
 
         def prepare(max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any = None) -> Any:
-            ours = self._resume is not None and resume_from_checkpoint == self._resume_dir()
+            ours = self._resume is not None and resume_from_checkpoint == _resume_dir(self.trainer)
             out = original(max_steps, train_dataloader, None if ours else resume_from_checkpoint)
             assert self._ds is not None  # installed for DeepSpeed only
             self._ds.adopt(self.trainer.model_wrapped, self.engine)
@@ -267,7 +278,7 @@ class TrainerRecovery(Adapter):
 
     def _loader(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def load(checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if self._resume is None or checkpoint != self._resume_dir():
+            if self._resume is None or checkpoint != _resume_dir(self.trainer):
                 return original(checkpoint, *args, **kwargs)
             if name == "_load_optimizer_and_scheduler" and self._resume.get("scheduler") is not None:
                 load_scheduler(self.trainer.lr_scheduler, self._resume["scheduler"])
@@ -279,58 +290,61 @@ class TrainerRecovery(Adapter):
         load.__doc__ = f"Trainer.{name}, fed from memory when train() resumes at a join (ncclguard)"
         return load
 
-    def _resume_dir(self) -> str:
-        """Where the Trainer's state of a resume is written (its resume path reads it from a file):
-        inside the run's output_dir, one directory per launch rank."""
-        return str(Path(self.trainer.args.output_dir) / ".ncclguard-resume" / f"rank{os.environ.get('RANK', '0')}")
-
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         """``trainer.train()``: on a restarted rank, joins first; on every rank, enters the loop
-        again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`)."""
-        bound = inspect.signature(self.original_train).bind(*args, **kwargs)
-        if awaiting_join(self.engine.options.heal):
-            if self.trainer.optimizer is None and self._ds is None:  # made now, so that the heal fills it
-                self.trainer.create_optimizer()
-            self.engine.join_if_restarted()
-            follow_world(dist.get_rank(), dist.get_world_size())  # the stand-in said rank 0 of 1
-            if self._ds is not None:  # its partitions come from its buddy's snapshot, with the others'
-                batch_for_world(self.trainer, dist.get_world_size())
-                self._resume = self._ds.enter_again(self.engine, joined=True)
-        while True:
-            if self._resume is not None:
-                path = Path(self._resume_dir())
-                path.mkdir(parents=True, exist_ok=True)
-                (path / "trainer_state.json").write_text(self._resume["trainer_state"])
-                bound.arguments["resume_from_checkpoint"] = str(path)
-            try:
-                return self.original_train(*bound.args, **bound.kwargs)
-            except Reenter as why:
-                log.warning("guard_trainer: %s; every rank enters the training loop again at the step it redoes", why)
-                self._model = None
-                trainer = self.trainer
-                if self._ds is not None:  # a fresh module for the new engine, and the snapshot's state
-                    resume = self._ds.enter_again(self.engine, joined=self._joined)
-                    self._resume = resume if resume is not None else self._resume
-                    continue
-                # As a new process has them: the model unwrapped (Accelerate wraps it again on the
-                # new group) and the optimizer itself (Accelerate wraps it again too).
-                trainer.model_wrapped = trainer.model
-                trainer.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        again at a step that restarted ranks joined (:class:`~ncclguard.recovery.engine.Reenter`);
+        a failure between steps left after the last one is settled before it returns."""
+        with self._between.in_train():
+            bound = inspect.signature(self.original_train).bind(*args, **kwargs)
+            if awaiting_join(self.engine.options.heal):
+                if self.trainer.optimizer is None and self._ds is None:  # made now, so that the heal fills it
+                    self.trainer.create_optimizer()
+                self.engine.join_if_restarted()
+                follow_world(dist.get_rank(), dist.get_world_size())  # the stand-in said rank 0 of 1
+                if self._ds is not None:  # its partitions come from its buddy's snapshot, with the others'
+                    batch_for_world(self.trainer, dist.get_world_size())
+                    self._resume = self._ds.enter_again(self.engine, joined=True)
+            while True:
+                if self._resume is not None:
+                    path = Path(_resume_dir(self.trainer))
+                    path.mkdir(parents=True, exist_ok=True)
+                    (path / "trainer_state.json").write_text(self._resume["trainer_state"])
+                    bound.arguments["resume_from_checkpoint"] = str(path)
+                try:
+                    out = self.original_train(*bound.args, **bound.kwargs)
+                    self._settle_last()
+                    return out
+                except Reenter as why:
+                    log.warning(
+                        "guard_trainer: %s; every rank enters the training loop again at the step it redoes", why
+                    )
+                    self._between.take()  # a failure of the old world's
+                    self._model = None
+                    trainer = self.trainer
+                    if self._ds is not None:  # a fresh module for the new engine, and the snapshot's state
+                        resume = self._ds.enter_again(self.engine, joined=self._joined)
+                        self._resume = resume if resume is not None else self._resume
+                        continue
+                    # As a new process has them: the model unwrapped (Accelerate wraps it again on the
+                    # new group) and the optimizer itself (Accelerate wraps it again too).
+                    trainer.model_wrapped = trainer.model
+                    trainer.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+    def _settle_last(self) -> None:
+        """A failure between steps kept after the last step (no next step takes it): settled as a
+        step of its own with nothing to compute, so that the world is rebuilt and a dead rank healed
+        before ``train()`` returns (under DeepSpeed, or when ranks joined: :class:`Reenter`)."""
+        failed = self._between.take()
+        if failed is None:
+            return
+        self._tx = self.engine.begin(number=self.trainer.state.global_step)
+        self._tx.failure = failed
+        try:
+            self._tx.settle(lambda: None).raise_for_error()
+        finally:
+            self._tx = None
 
     # --- the redo ------------------------------------------------------------------------------------
-
-    def _count_items_again(self) -> None:
-        """``num_items_in_batch`` summed over the new world (the Trainer counts it once per step)."""
-        count = getattr(self.trainer, "_get_num_items_in_batch", None)
-        if not callable(count):
-            return
-        try:
-            n = count([m.inputs[0] for m in self._micro], self.trainer.args.device)
-        except Exception as exc:  # noqa: BLE001 - a collective of the redo: its failure is the step's
-            log.warning("guard_trainer: counting the batch's items over the new world failed (%s)", exc)
-            return
-        for m in self._micro:
-            m.inputs = (m.inputs[0], n)
 
     def _again(self, model: torch.nn.Module, inputs: Any, num_items: Any) -> torch.Tensor:
         """One recorded micro-batch again, on a copy of its inputs (the Trainer may change them)."""
@@ -344,19 +358,6 @@ class TrainerRecovery(Adapter):
             no_sync=_no_sync,
         )
         return self._redone
-
-    def _replace_losses(self, losses: list[torch.Tensor]) -> None:
-        """The Trainer summed the failed attempt's losses of the earlier micro-batches: use the redo's."""
-        earlier_new, earlier_old = losses[:-1], self._given[:-1]
-        total = getattr(self.trainer, "_tr_loss", None)
-        if not earlier_new or not isinstance(total, torch.Tensor):
-            return
-        delta = (
-            torch.stack([t.detach().to(total.device) for t in earlier_new]).sum()
-            - torch.stack([t.detach().to(total.device) for t in earlier_old]).sum()
-        )
-        if torch.isfinite(delta):  # the Trainer's NaN filter replaced a non-finite loss: leave the sum
-            total += delta
 
     # --- between epochs --------------------------------------------------------------------------
 
@@ -374,6 +375,42 @@ class TrainerRecovery(Adapter):
                 size,
             )
         return done
+
+
+def _resume_dir(trainer: Any) -> str:
+    """Where the Trainer's state of a resume is written (its resume path reads it from a file):
+    inside the run's output_dir, one directory per launch rank."""
+    return str(Path(trainer.args.output_dir) / ".ncclguard-resume" / f"rank{os.environ.get('RANK', '0')}")
+
+
+def _count_items_again(trainer: Any, micro: list[Micro]) -> None:
+    """``num_items_in_batch`` of a redo's micro-batches summed over the new world (the Trainer counts
+    it once per step)."""
+    count = getattr(trainer, "_get_num_items_in_batch", None)
+    if not callable(count):
+        return
+    try:
+        n = count([m.inputs[0] for m in micro], trainer.args.device)
+    except Exception as exc:  # noqa: BLE001 - a collective of the redo: its failure is the step's
+        log.warning("guard_trainer: counting the batch's items over the new world failed (%s)", exc)
+        return
+    for m in micro:
+        m.inputs = (m.inputs[0], n)
+
+
+def _replace_losses(trainer: Any, given: list[torch.Tensor], losses: list[torch.Tensor]) -> None:
+    """The Trainer summed the failed attempt's losses of the earlier micro-batches (``given``): it
+    gets the redo's (``losses``) instead."""
+    earlier_new, earlier_old = losses[:-1], given[:-1]
+    total = getattr(trainer, "_tr_loss", None)
+    if not earlier_new or not isinstance(total, torch.Tensor):
+        return
+    delta = (
+        torch.stack([t.detach().to(total.device) for t in earlier_new]).sum()
+        - torch.stack([t.detach().to(total.device) for t in earlier_old]).sum()
+    )
+    if torch.isfinite(delta):  # the Trainer's NaN filter replaced a non-finite loss: leave the sum
+        total += delta
 
 
 def _no_sync(model: torch.nn.Module) -> AbstractContextManager[Any]:

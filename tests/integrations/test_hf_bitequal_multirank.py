@@ -19,8 +19,11 @@ Launches (tests/workers/hf_bitequal_worker.py, which says more):
 ``kill short`` issue 59's ZeRO-3 config as users write it short (DeepSpeed's defaults: a small BERT's
     parameters but its word embeddings stay whole on every rank; no scheduler there, the Trainer's own
     linear warm-up handed to DeepSpeed), 2 batches a step into the config's ``"auto"`` accumulation, 8
-    steps an epoch, launch rank 2 SIGKILLed as step 4 begins: every rank goes back to a snapshot inside
-    the epoch and ends as the reference did.
+    steps an epoch, ``logging_steps=1``, launch rank 2 SIGKILLed between two steps (in ``on_step_end``
+    once 4 steps are applied): the survivors' next collective is the Trainer's own gather of the
+    logged loss, outside any step; it used to raise out of ``train()`` on every survivor (issue 59, a
+    kill between steps), and now fails the next step on every rank, which goes back to a snapshot
+    inside the epoch and ends as the reference did.
 
 In every launch the model object the script passed to the Trainer is the module trained at the end:
 a redo on a new engine used to train a fresh module and leave the script's object behind (ZeRO-2: at
@@ -133,11 +136,20 @@ def test_a_whole_host_of_a_zero3_trainer_lost_heals_from_the_other_hosts_replica
 
 def test_a_killed_rank_of_a_trainer_on_zero3_configured_short_heals_bit_equal_inside_an_epoch(short_job):
     """Issue 59: DeepSpeed's defaults (persistent parameters), the Trainer's own linear warm-up,
-    accumulation 2, a kill at step 4 of an 8-step epoch: back to a snapshot inside the epoch (never
-    its edge: the first two steps always take one), every rank's parameters, read through the
-    script's own model object, and every step's record the reference's."""
+    accumulation 2, a kill between two steps of an 8-step epoch once 4 are applied (``on_step_end``,
+    before the Trainer's loss gather of ``logging_steps=1``): the survivors' failed gather is kept
+    for the next step, not raised out of ``train()``; back to a snapshot inside the epoch (never its
+    edge: the first two steps always take one), the full world, every rank's parameters, read
+    through the script's own model object, and every step's record the reference's."""
     back = min(_last_per_step(short_job[VICTIM]["trace"]))
     assert "exited -9; restart 1 of 1" in short_job.output
+    for r in range(3):
+        if r != VICTIM:  # the Trainer's own gather of the logged loss failed between the steps, on each survivor
+            assert (
+                f"[rank {r}] guard_trainer: the log, evaluation or save failed on this rank between two steps at global step {SHORT_KILL}"
+                in short_job.output
+            )
+    assert "Traceback" not in short_job.output
     assert "every rank is back at step" in short_job.output
     assert 1 <= back < SHORT_KILL
     for r in range(3):

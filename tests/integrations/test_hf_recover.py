@@ -68,6 +68,54 @@ def test_alone_a_step_that_raises_is_redone_once_and_logged(tmp_path):
         assert torch.equal(a, b)
 
 
+class _FailsAfter:
+    """A callback whose ``on_step_end`` raises once at each of the given global steps."""
+
+    def __init__(self, steps: set[int], error: type[Exception]) -> None:
+        from transformers import TrainerCallback
+
+        fails = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step in fails.steps:
+                    fails.steps.discard(state.global_step)
+                    raise error("injected: Connection closed by peer")
+
+        self.steps, self.callback = set(steps), Callback()
+
+
+def test_alone_a_backend_failure_between_steps_fails_the_next_step_and_one_after_the_last_is_settled(tmp_path):
+    """Issue 59, a kill between steps, in a world of one: a collective that fails between two steps (here in an
+    ``on_step_end`` callback, with the ``DistBackendError`` of a backend) is not raised out of
+    ``train()``: the next step fails on the rank and is redone; after the last step the failure is
+    settled before ``train()`` returns; the run ends bit-equal to a clean one. A user's bug there
+    (not a backend failure) is raised as before."""
+    clean = tiny_trainer(tmp_path / "clean", eval_strategy="no", save_strategy="no")
+    guard_trainer(clean, recover=True, watchdog=False)
+    clean.train()
+
+    fails = _FailsAfter({2, 4}, torch.distributed.DistBackendError)
+    trainer = tiny_trainer(tmp_path / "faulty", callbacks=[fails.callback], eval_strategy="no", save_strategy="no")
+    guard_trainer(trainer, recover=True, watchdog=False)
+    trainer.train()
+    recovery = find_guard(trainer).recovery
+    assert [(r.step, r.attempts, r.failed_ranks) for r in recovery.recoveries] == [(2, 2, [0]), (4, 2, [0])]
+    assert trainer.state.global_step == clean.state.global_step == 4
+    assert _logged(trainer, "loss") == _logged(clean, "loss")
+    for a, b in zip(trainer.model.parameters(), clean.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    bug = _FailsAfter({2}, KeyError)
+    trainer = tiny_trainer(tmp_path / "bug", callbacks=[bug.callback], eval_strategy="no", save_strategy="no")
+    guard_trainer(trainer, recover=True, watchdog=False)
+    try:
+        with pytest.raises(KeyError, match="injected"):
+            trainer.train()
+    finally:
+        find_guard(trainer).on_train_end(trainer.args, trainer.state, trainer.control)  # the phase it left open
+
+
 def _logged(trainer, key: str) -> list[tuple[int, float]]:
     return [(e["step"], e[key]) for e in trainer.state.log_history if key in e]
 

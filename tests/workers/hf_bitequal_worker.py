@@ -26,8 +26,10 @@ reference's record of launch rank VICTIM is kept in a file across its restart.
 (``SHORT_CONFIG``: no sizes, no scheduler; ``stage3_param_persistence_threshold`` 1e5 keeps every
 parameter but the word embeddings whole on every rank), the Trainer's own linear schedule with
 warm-up (handed to DeepSpeed), 4 rows a batch, 2 batches a step (``gradient_accumulation_steps``,
-the config's ``"auto"``), 8 steps an epoch, STEPS 10, launch rank VICTIM SIGKILLed as step 4
-begins: the resume is inside the first epoch.
+the config's ``"auto"``), 8 steps an epoch, STEPS 10, launch rank VICTIM SIGKILLed between two
+steps: in ``on_step_end`` once 4 steps are applied, before the Trainer logs the step's loss
+(``logging_steps=1``: the survivors' ``nested_gather`` of the loss, outside any step, is what fails);
+the resume is inside the first epoch.
 
 Every rank also records whether the model object it passed to the Trainer is the module trained at
 the end (``own_model``), and the sum is read through that object.
@@ -202,9 +204,19 @@ class Traced(Trainer):
 
 
 class Steps(TrainerCallback):
-    """The launch ranks KILLED die with SIGKILL as step KILL begins, in their first life."""
+    """The launch ranks KILLED die with SIGKILL in their first life: as step KILL begins, or
+    (``short``) between two steps, in ``on_step_end`` once KILL steps are applied, before the
+    Trainer's logging gathers the loss over the ranks."""
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if not SHORT:
+            self._maybe_die(state)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if SHORT:
+            self._maybe_die(state)
+
+    def _maybe_die(self, state: Any) -> None:
         if state.global_step == KILL and ME in KILLED and LIFE == 0:
             rankkit.kill(ME)
 
