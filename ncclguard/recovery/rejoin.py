@@ -231,6 +231,15 @@ def _build(
     rank_map = dense_rank_map(members)
     joined = [rank_map[r] for r in members if arrivals[r].rejoined]
     target = rec.generation + 1
+    if len(joined) == len(members):
+        # No survivor among them: nobody holds the training state to heal from, and nobody records
+        # the new world (a survivor's rebuild does), so waiting for that record would only time out.
+        return _failure(
+            start,
+            f"every member of generation {target} is a restarted process (launch ranks "
+            f"{sorted(o if (o := arrivals[r].origin) is not None else r for r in members)}): no survivor holds the "
+            "training state to heal from; the job cannot go on from memory: resume it from its last checkpoint",
+        )
     new_rec = wait_world_record(store, target, deadline)  # the survivors record it before connecting
     if new_rec is None or new_rec.generation != target:
         return _failure(start, f"the survivors did not record generation {target} by the deadline")

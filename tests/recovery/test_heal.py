@@ -5,7 +5,9 @@ records on a real TCPStore, and bad input refused before any communication."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -247,3 +249,35 @@ def test_a_rejoined_arrival_takes_the_worlds_backend_and_never_objects_to_a_shri
     assert check_arrivals(verdict, {0: arrival(0), 1: plain, 2: arrival(2)}, 4) == (
         "the ranks disagree on the backend they leave (rank 0: 'gloo', rank 1: 'nccl', rank 2: 'gloo')"
     )
+
+
+_REJOINER = """
+import json, sys, time
+import torch.distributed as dist
+import ncclguard
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, wait_for_workers=False)
+t0 = time.monotonic()
+res = ncclguard.rejoin_world(rank=int(sys.argv[1]), store=store, timeout=60)
+print(json.dumps({"ok": bool(res), "error": str(res.error), "s": time.monotonic() - t0}))
+"""
+
+
+def test_a_world_of_restarted_processes_alone_fails_at_once_saying_nobody_holds_the_state(tmp_path):
+    """Every rank of a job died and was restarted (its survivors raised and their supervisors restarted
+    them too): the restarted processes meet each other, and none of them holds the state or records
+    the world. Before, each waited out its 60 s for a record, then said it "was agreed without this
+    rank and never recorded". Now the meeting's outcome says so at once."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLGUARD_", "TORCHELASTIC_"))}
+    env.update(WORLD_SIZE="2", NCCLGUARD_RESTART_COUNT="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _REJOINER, str(r), str(server.port)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    for out in outs:
+        assert out["ok"] is False
+        assert "every member of generation 1 is a restarted process (launch ranks [0, 1])" in out["error"]
+        assert out["s"] < 30, out  # at the meeting, not at the 60 s timeout (a hang guard, not a speed target)
