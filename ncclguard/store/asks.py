@@ -31,6 +31,7 @@ from typing import Literal
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from ncclguard._log import log
 from ncclguard.store.codec import DecodeError, decode, encode
 
 __all__ = ["MAX_ASK_BYTES", "JudgeAnswer", "JudgeAsk", "post_answer", "post_ask", "read_answer", "read_ask"]
@@ -96,13 +97,22 @@ def _key(kind: str, origin: int, restart: str | None) -> str:
     return f"ncclguard/{kind}/{restart}/{origin}"
 
 
+_MAX_REFUSED = 1024  # values said refused, per process: a flood of bad values is not a flood of lines
+_refused: set[tuple[str, int]] = set()
+
+
 def _read(store: dist.Store, key: str, model: type[JudgeAsk] | type[JudgeAnswer]) -> JudgeAsk | JudgeAnswer | None:
     if not store.check([key]):  # a look leaves no key behind
         return None
+    raw = bytes(store.get(key))
     try:
-        return decode(model, bytes(store.get(key)), f"the value under {key!r}", MAX_ASK_BYTES)
-    except DecodeError:
-        return None  # a hostile or torn value never ends a process
+        return decode(model, raw, f"the value under {key!r}", MAX_ASK_BYTES)
+    except DecodeError as exc:  # a hostile or torn value never ends a process; said once per value
+        said = (key, hash(raw))
+        if said not in _refused and len(_refused) < _MAX_REFUSED:
+            _refused.add(said)
+            log.warning("%s; refused: nothing is done on it", exc)
+        return None
 
 
 def post_ask(store: dist.Store, ask: JudgeAsk, restart: str | None = None) -> None:

@@ -668,3 +668,20 @@ def test_a_store_that_answers_late_is_connected_to_and_one_that_never_does_ends_
     given = dist.HashStore()
     assert Connecting.made(given).client() is given and not Connecting.made(given).trying
     del server, late
+
+
+def test_a_value_under_an_ask_key_that_is_no_ask_is_read_as_none_and_said_once(caplog) -> None:
+    """What the supervisor polls every second: a torn or hostile value is no ask, and it is said once,
+    not once per poll; another bad value is said again."""
+    import logging
+
+    from ncclguard.store.asks import read_ask
+
+    store = dist.HashStore()
+    store.set("ncclguard/ask/0/3", "{not json")
+    with caplog.at_level(logging.WARNING, logger="ncclguard"):
+        assert [read_ask(store, 3, "0") for _ in range(3)] == [None, None, None]
+        store.set("ncclguard/ask/0/3", '{"origin": 3}')
+        assert read_ask(store, 3, "0") is None
+    refused = [r for r in caplog.records if "refused: nothing is done on it" in r.getMessage()]
+    assert len(refused) == 2, [r.getMessage() for r in refused]
