@@ -96,7 +96,7 @@ CHAR_RATE = 256 << 10  # bytes a second through read()/write() (a watchdog reads
 IO_WAIT_S = 1800.0  # one wait in file I/O counts as busy this long (a 100 GB save to slow storage: minutes)
 IO_WAIT_VAR = "NCCLGUARD_IO_WAIT_S"
 _log = logging.getLogger("ncclguard")
-_said_var = False  # a wrong IO_WAIT_VAR was said (once)
+_SAID_VAR: set[str] = set()  # the wrong IO_WAIT_VAR values said (each once)
 State = Literal["moving", "stuck", "unknown"]
 
 # The verdict's last judgment of each rank this one waits for ("2": "stuck: nothing moved ..."), in
@@ -129,7 +129,6 @@ class Judgment:
 def io_wait_bound() -> float:
     """How long one wait in file I/O counts as busy: :data:`IO_WAIT_VAR` in seconds (0: never), else
     :data:`IO_WAIT_S`; a value that is no number of seconds is said once and the default kept."""
-    global _said_var
     raw = os.environ.get(IO_WAIT_VAR, "").strip()
     if not raw:
         return IO_WAIT_S
@@ -139,8 +138,8 @@ def io_wait_bound() -> float:
         value = -1.0
     if 0 <= value and math.isfinite(value):
         return value
-    if not _said_var:
-        _said_var = True
+    if raw not in _SAID_VAR:
+        _SAID_VAR.add(raw)
         _log.warning("progress: %s=%r is no number of seconds; %g s kept", IO_WAIT_VAR, raw, IO_WAIT_S)
     return IO_WAIT_S
 
