@@ -15,6 +15,7 @@ from ncclguard.watching.sensors.detect import (
     backend_op_state,
     blocked_in,
     completed,
+    ended_since,
     find_backend_desync,
     find_backend_stuck,
     find_hangs,
@@ -181,3 +182,20 @@ def op(completed: bool | None, age: float = 5.0) -> BackendOp:
 def test_torchs_recorder_decides_whether_a_suspect_is_a_hang(backend_op, stuck_state, desync_state):
     assert backend_op_state(backend_op, NOW, 1.5, unknown_is_open=False) is stuck_state
     assert backend_op_state(backend_op, NOW, 1.5, unknown_is_open=True) is desync_state
+
+
+def test_a_call_that_returned_since_the_number_moved_closes_the_groups_newest_op():
+    """The race the desync launch once lost on a loaded machine: rank 0's recorded all_reduce returned,
+    its peer's number (read a beat before) still behind, and gloo's recorder held no entry to say
+    the op was closed; a backend desync was raised for an op that had completed."""
+    moved_at = {"0": NOW - 2.0, "5": NOW - 2.0, "7": NOW - 2.0}
+    records = [
+        rec(16, 2.1, group="0", state="completed", end=NOW - 0.1),  # issued, then returned after the move
+        rec(3, 9.0, group="5", state="completed", end=NOW - 8.0),  # returned before the number moved again
+        rec(1, 2.1, group="7", state="failed", end=NOW - 0.2),  # failed counts: it is no longer open here
+        rec(2, 2.1, group="7", peer=1, state="completed", end=NOW - 0.1),  # send/recv: not the group's counter
+        rec(4, 2.1, group="9", state="completed", end=NOW - 0.1),  # a group not asked about
+        rec(17, 1.0, group="5"),  # in flight: the hang detector speaks for it
+    ]
+    assert ended_since(records, moved_at) == {"0", "7"}
+    assert ended_since(records, {}) == set()

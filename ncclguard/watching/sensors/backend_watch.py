@@ -46,7 +46,18 @@ class BackendWatch:
         busy = {rec.group for rec in inflight if rec.peer is None}
         skip = self.reported | self.looked
         args = (self.rank, own, peers, busy, self.hang_timeout_s, skip, self.heartbeat_s)
-        return detect.find_backend_desync(*args) + detect.find_backend_stuck(*args)
+        found = detect.find_backend_desync(*args) + detect.find_backend_stuck(*args)
+        if not found:
+            return found
+        # A call of this rank that returned since the number last moved closed the newest op: the
+        # peer's number behind is a beat old (read only when a suspect is found: records cost).
+        wall = time.time()
+        moved_at = {h.group: wall - own[h.group].still_s for h in found if h.group is not None}
+        ended = detect.ended_since(self.state.records(RECENT), moved_at)
+        for hang in found:
+            if hang.group in ended and hang.seq is not None:
+                self.looked.add((hang.group, hang.seq))
+        return [h for h in found if h.group not in ended]
 
     def confirm(self, suspects: Sequence[detect.Detection]) -> list[detect.Detection]:
         """Reads torch's flight recorder once for the suspects (the only place it is read before an

@@ -267,6 +267,27 @@ def completed(records: Iterable[_RecordLike], key: tuple[str, int]) -> bool:
     return False
 
 
+def ended_since(records: Iterable[OpRecord], moved_at: Mapping[str, float]) -> set[str]:
+    """Groups of ``moved_at`` where one of this rank's recorded collectives ended (completed or
+    failed) at or after the backend's number last moved there.
+
+    The backend's newest op in such a group is that call, and it is no longer open on this rank: a
+    peer's number read a beat before it came (still behind) says nothing of a hang. Without this, a
+    backend whose recorder holds no entries (gloo without torch's recorder) makes the op look open
+    in the beat between the call's return and the peer's next heartbeat.
+
+    Args:
+        records: this rank's flight records (``end`` is ``time.time()``).
+        moved_at: per group, the ``time.time()`` at which its backend number last moved.
+    """
+    out = set()
+    for rec in records:
+        at = moved_at.get(rec.group)
+        if at is not None and rec.peer is None and rec.end is not None and rec.end >= at:
+            out.add(rec.group)
+    return out
+
+
 def blocked_in(inflight: Sequence[OpRecord], main_ident: int | None) -> OpRecord | None:
     """The newest synchronous op the main thread is inside: it is in C++, no exception reaches it."""
     for rec in reversed(inflight):
