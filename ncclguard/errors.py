@@ -30,6 +30,7 @@ __all__ = [
     "LoopDiverged",
     "HealFailed",
     "RestartRefused",
+    "BackendRuleError",
     "SnapshotRefused",
     "SnapshotDamaged",
     "NoRoute",
@@ -257,6 +258,11 @@ class RestartRefused(NcclGuardError):
     """A supervisor did not restart its rank: a restarted process of the rank's command could not make
     the stand-in world (its interpreter loads neither ncclguard's start-up hook nor ncclguard), so it
     would make the job's first world again and wait there for ranks that are in a later one."""
+
+
+class BackendRuleError(NcclGuardError, ValueError):
+    """A transfer broke its group's backend rule (a CPU tensor on a group that carries device tensors
+    only: NCCL, or the NCCL stand-in, :mod:`ncclguard.backend_rules`); raised before any communication."""
 
 
 class NoRoute(NcclGuardError, LookupError):

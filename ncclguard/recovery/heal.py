@@ -1,5 +1,6 @@
 """heal_from_peer: a live rank sends the model's and the optimizer's state to the restarted ranks
-that joined at the last rebuild, over the world group, in chunks and under a deadline.
+that joined at the last rebuild, over the world group (a side gloo group where the world's backend
+carries no CPU tensor: NCCL, :mod:`ncclguard.backend_rules`), in chunks and under a deadline.
 
 Every rank of the world calls it (the collectives below run on every rank in the same order, so
 the backend's sequence numbers stay equal and the next commit agrees):
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
+from ncclguard.backend_rules import BackendRules, rules_for
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import HealFailed
 from ncclguard.recovery.heal_header import (
@@ -45,6 +47,7 @@ from ncclguard.recovery.heal_header import (
     nbytes,
 )
 from ncclguard.recovery.snapshots.exchange import Dead, death_watch, run_watched
+from ncclguard.recovery.snapshots.keeper import side_group
 from ncclguard.recovery.state_json import from_json
 from ncclguard.results import Result
 from ncclguard.store.codec import DecodeError, decode
@@ -70,6 +73,9 @@ class HealResult(Result):
         bytes: bytes of tensor data moved.
         chunks: broadcasts of tensor data.
         elapsed_s: seconds from entry to return.
+        lane: the group the bytes went over: ``"world"`` (the world group, which carries CPU tensors:
+            gloo) or ``"side gloo"`` (NCCL, and its stand-in: :mod:`ncclguard.backend_rules`); ``""``
+            when nothing was sent.
         error: a :class:`~ncclguard.errors.HealFailed` when not ``ok``, else None.
     """
 
@@ -82,14 +88,53 @@ class HealResult(Result):
     bytes: int = 0
     chunks: int = 0
     elapsed_s: float = 0.0
+    lane: str = ""
     error: HealFailed | None = None
 
 
-def _broadcast(t: torch.Tensor, src: int, deadline: Deadline, dead: Dead, what: str) -> None:
-    # Watched: a receiver that dies mid-heal fails the source's broadcast at once, but gloo leaves
-    # another rank waiting on a live one up to the deadline (heal_timeout, 60 s by default); its
-    # launcher's death notice ends that wait instead.
-    run_watched(what, partial(dist.broadcast, t, src=src, async_op=True), deadline, dead)
+@dataclass(frozen=True)
+class _Lane:
+    """Where and how long the heal's collectives run.
+
+    Attributes:
+        group: the group they run on (None: the world group).
+        rules: the world group's backend rules (the lane's check).
+        deadline: the end of the whole transfer.
+        dead: the members' death notices, which end a wait early.
+    """
+
+    group: dist.ProcessGroup | None
+    rules: BackendRules
+    deadline: Deadline
+    dead: Dead
+
+    def run(self, what: str, call: Any, t: torch.Tensor, **kw: Any) -> None:
+        # Watched: a receiver that dies mid-heal fails the source's broadcast at once, but gloo leaves
+        # another rank waiting on a live one up to the deadline (heal_timeout, 60 s by default); its
+        # launcher's death notice ends that wait instead.
+        if self.group is None:
+            self.rules.check_carry(t, f"heal_from_peer, {what}")
+        run_watched(what, partial(call, t, group=self.group, async_op=True, **kw), self.deadline, self.dead)
+
+
+def _lane(rules: BackendRules, deadline: Deadline) -> _Lane:
+    """The world group where it carries the heal's CPU tensors (gloo), else the world's side gloo
+    group (NCCL, and its stand-in): the state is staged on the CPU either way.
+
+    Raises:
+        HealFailed: the side group could not be made (a member died before it).
+    """
+    group = None
+    if not rules.carries_cpu:
+        try:
+            group = side_group().group
+        except RuntimeError as exc:
+            raise HealFailed(f"the side gloo group for the heal could not be made ({exc})") from exc
+    return _Lane(group, rules, deadline, death_watch())
+
+
+def _broadcast(t: torch.Tensor, src: int, lane: _Lane, what: str) -> None:
+    lane.run(what, dist.broadcast, t, src=src)
 
 
 def _pieces(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -142,6 +187,7 @@ def heal_from_peer(
         TypeError, ValueError: bad arguments, or no process group; raised before any communication.
     """
     timeout_s = _check_arguments(module, optimizer, chunk_bytes, timeout)
+    rules = rules_for()  # a bad NCCLGUARD_NCCL_STAND_IN is refused here, before any communication
     size, me = dist.get_world_size(), dist.get_rank()
     wanted = _receivers(receivers, size)
     start = time.monotonic()
@@ -157,24 +203,32 @@ def heal_from_peer(
     result = HealResult(False, role, source, wanted)
     deadline = Deadline(start + timeout_s)
     try:
-        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, deadline, death_watch(), result, extra)
+        lane = _lane(rules, deadline)
+        result.lane = "world" if lane.group is None else "side gloo"
+        _heal(module, optimizer, me, source, wanted, step, chunk_bytes, limit, lane, result, extra)
         result.ok = True
     except HealFailed as exc:
         result.error = exc
         log.error("heal_from_peer: %s", exc)
     result.elapsed_s = time.monotonic() - start
     if result.ok:
-        log.warning(
-            "heal_from_peer: rank %d %s, rank %d to ranks %s: %d bytes in %d chunks, %.3f s",
-            me,
-            "sent" if role == "source" else "received" if role == "receiver" else "relayed",
-            source,
-            rank_ranges(wanted),
-            result.bytes,
-            result.chunks,
-            result.elapsed_s,
-        )
+        _log_done(me, result)
     return result
+
+
+def _log_done(me: int, result: HealResult) -> None:
+    role = result.role
+    log.warning(
+        "heal_from_peer: rank %d %s, rank %d to ranks %s: %d bytes in %d chunks over the %s group, %.3f s",
+        me,
+        "sent" if role == "source" else "received" if role == "receiver" else "relayed",
+        result.source,
+        rank_ranges(result.receivers),
+        result.bytes,
+        result.chunks,
+        result.lane,
+        result.elapsed_s,
+    )
 
 
 def _check_arguments(
@@ -239,8 +293,7 @@ def _heal(
     step: int | None,
     chunk_bytes: int,
     limit: int,
-    deadline: Deadline,
-    dead: Dead,
+    lane: _Lane,
     result: HealResult,
     extra: Any = None,
 ) -> None:
@@ -251,10 +304,10 @@ def _heal(
         HealFailed: the source sent nothing, a receiver refused, a collective failed or missed the
             deadline, or the state could not be applied.
     """
-    header, sent = _exchange_header(module, optimizer, me, source, step, chunk_bytes, deadline, dead, extra)
-    _stop_on_refusal(header, module, optimizer, me, source, receivers, limit, deadline, dead)
+    header, sent = _exchange_header(module, optimizer, me, source, step, chunk_bytes, lane, extra)
+    _stop_on_refusal(header, module, optimizer, me, source, receivers, limit, lane)
     result.step = header.step
-    staged = _send_bytes(header, sent, me, source, me in receivers, deadline, dead, result)
+    staged = _send_bytes(header, sent, me, source, me in receivers, lane, result)
     if me in receivers:
         _apply(module, optimizer, header, staged)
         if header.extra is not None:
@@ -271,8 +324,7 @@ def _exchange_header(
     source: int,
     step: int | None,
     chunk_bytes: int,
-    deadline: Deadline,
-    dead: Dead,
+    lane: _Lane,
     extra: Any,
 ) -> tuple[Header, list[torch.Tensor]]:
     """Step 1: the source's header, its length then its bytes. Every rank checks the length
@@ -294,12 +346,12 @@ def _exchange_header(
             header = Header(error=str(exc)[:4096])
         raw = header.model_dump_json().encode()
     length = torch.tensor([len(raw) if me == source else 0], dtype=torch.int64)
-    _broadcast(length, source, deadline, dead, "the header's length")
+    _broadcast(length, source, lane, "the header's length")
     n = int(length.item())
     if n > MAX_HEADER_BYTES:
         raise HealFailed(f"the source's header is {n} bytes, over the bound of {MAX_HEADER_BYTES}")
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == source else torch.empty(n, dtype=torch.uint8)
-    _broadcast(buf, source, deadline, dead, "the header")
+    _broadcast(buf, source, lane, "the header")
     if header is None:
         try:
             header = decode(Header, bytes(buf.numpy()), "the heal's header", MAX_HEADER_BYTES)
@@ -316,8 +368,7 @@ def _stop_on_refusal(
     source: int,
     receivers: list[int],
     limit: int,
-    deadline: Deadline,
-    dead: Dead,
+    lane: _Lane,
 ) -> None:
     """Step 2: who refuses, learnt in one all_reduce, so that every rank stops together before
     anything is copied.
@@ -328,7 +379,7 @@ def _stop_on_refusal(
     refusal = check_header(header, module, optimizer, limit) if me in receivers else None
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
     flags[me] = 1 if refusal is not None else 0
-    run_watched("the receivers' answer", partial(dist.all_reduce, flags, async_op=True), deadline, dead)
+    lane.run("the receivers' answer", dist.all_reduce, flags)
     refused = [r for r in range(flags.numel()) if flags[r] != 0]
     if header.error is not None:
         raise HealFailed(f"the source (rank {source}) sends nothing: {header.error}")
@@ -344,8 +395,7 @@ def _send_bytes(
     me: int,
     source: int,
     receives: bool,
-    deadline: Deadline,
-    dead: Dead,
+    lane: _Lane,
     result: HealResult,
 ) -> list[torch.Tensor]:
     """Step 3: the tensors' bytes, in broadcasts of at most the header's chunk size, each bounded
@@ -376,7 +426,7 @@ def _send_bytes(
                 take = min(size - filled, src_piece.numel() - src_off)
                 view[filled : filled + take].copy_(src_piece[src_off : src_off + take])
                 filled, src_off = filled + take, src_off + take
-        _broadcast(view, source, deadline, dead, f"chunk {result.chunks} ({offset} of {total} bytes)")
+        _broadcast(view, source, lane, f"chunk {result.chunks} ({offset} of {total} bytes)")
         if receives:
             _scatter(view, offset, targets)
         offset += size

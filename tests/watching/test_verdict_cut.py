@@ -1,7 +1,7 @@
 """The verdict's cut (``recovery/_verdict/levers.py``) and its release (``recovery/_verdict/release.py``):
 this process's connections to a peer process are shut down, but never those of the job's store, on
 real sockets to a real second process; a release cuts toward the live peers of this host only, and
-only in a world on gloo alone.
+only in a world on gloo alone; under NCCL's rules it aborts the groups (the stand-in cutting first).
 
 The peer (a child process) listens on two ports: one stands for the job's store (``MASTER_PORT``;
 under ncclguard's own launcher rank 0 hosts the store), the other for gloo's pairs. This process
@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from ncclguard._naming import HOSTNAME
+from ncclguard.backend_rules import rules_of
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recovery._verdict.levers import cut_connections, store_ports
 from ncclguard.recovery._verdict.release import Release
@@ -93,10 +94,8 @@ def beat(rank: int, pid: int, host: str) -> Heartbeat:
 def test_a_release_cuts_toward_the_live_peers_of_this_host_only_and_only_on_gloo(peer, monkeypatch):
     proc, store_port, gloo_port = peer
     monkeypatch.setenv("MASTER_PORT", str(store_port))
-    # On NCCL an op is not woken by a socket, and an error on NCCL's own would tear the process down.
-    assert Release(None, 0, 4, "nccl").done and Release(None, 0, 4, "cpu:gloo,cuda:nccl").done
-    release = Release(None, 0, 4, "gloo")
-    assert not release.done
+    release = Release(None, 0, 4, rules_of("gloo"))
+    assert not release.done and not release.aborts
     # Every beat names the child process: only rank 1's (alive, of this host) may be cut toward.
     beats = {
         1: (beat(1, proc.pid, HOSTNAME), 0.5),
@@ -106,6 +105,40 @@ def test_a_release_cuts_toward_the_live_peers_of_this_host_only_and_only_on_gloo
     with connected(peer) as (store, pair):
         done = release.release({2: "its process died"}, beats)
         assert done.cut == {1: 1} and done.dead == {2: "its process died"} and done.stuck == frozenset()
+        assert done.aborted == ()
         assert release.done  # once per attempt
+        assert pair.recv(1) == b""
+        store.sendall(b"still here")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_on_nccl_a_release_aborts_and_never_touches_a_socket(peer, monkeypatch, backend):
+    """An NCCL op is not woken by a socket, and an error on NCCL's own would tear the process down."""
+    proc, store_port, _ = peer
+    monkeypatch.setenv("MASTER_PORT", str(store_port))
+    release = Release(None, 0, 4, rules_of(backend))
+    assert release.aborts
+    with connected(peer) as (store, pair):
+        done = release.release({2: "its process died"}, {1: (beat(1, proc.pid, HOSTNAME), 0.5)})
+        assert done.cut == {} and release.done
+        pair.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # nothing shut down: the read waits for data that never comes
+            pair.recv(1)
+        pair.sendall(b"still connected")
+
+
+def test_the_stand_in_release_aborts_after_cutting_toward_this_hosts_live_peers(peer, monkeypatch):
+    """gloo's abort wakes nothing, so the stand-in cuts first: an op in flight fails as NCCL's abort makes it."""
+    proc, store_port, _ = peer
+    monkeypatch.setenv("MASTER_PORT", str(store_port))
+    release = Release(None, 0, 4, rules_of("gloo", stand_in=True))
+    assert release.aborts
+    beats = {
+        1: (beat(1, proc.pid, HOSTNAME), 0.5),
+        3: (beat(3, proc.pid, HOSTNAME + "-elsewhere"), 0.5),  # another host: never cut toward
+    }
+    with connected(peer) as (store, pair):
+        done = release.release({2: "its process died"}, beats)
+        assert done.cut == {0: 1}  # counted under this rank: one connection, to rank 1's process
         assert pair.recv(1) == b""
         store.sendall(b"still here")

@@ -81,6 +81,7 @@ def loop() -> None:
     put("plan", [ASLEEP, STEPS])
     put("pid", os.getpid())
     put("resume_step", stepper.resume_step)
+    put("lane", getattr(stepper.healed, "lane", None))  # the group a restarted process was healed over
     rankkit.save()
     data, results = dataset(), []
     for step in range(stepper.resume_step or 0, STEPS):
@@ -102,6 +103,7 @@ def loop() -> None:
                 "attempts": res.attempts,
                 "size": dist.get_world_size(),
                 "healed": res.healed.role if res.healed is not None else None,
+                "lane": getattr(res.healed, "lane", None),
                 "started": t0,
                 "ended": time.time(),
             }

@@ -16,7 +16,8 @@ collectives of each step itself:
 - NCCL ends a timed-out op by tearing the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, 3 by
   default), so its groups keep their timeout and a timer thread aborts them at the bound instead
   (``ProcessGroup.abort``, as torch's ``_abort_process_group``): the op in flight then fails and the
-  step's commit fails with it. Written against torch 2.13's source; no GPU was at hand to run it.
+  step's commit fails with it. Which of the two is the backend's rule (:mod:`ncclguard.backend_rules`);
+  the NCCL stand-in runs the timer on CPU.
 
 A group's timeout is read and written through :mod:`ncclguard._torch_compat`, a few microseconds
 per group and step.
@@ -66,11 +67,12 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
+from ncclguard.backend_rules import BackendRules, StepBoundBy, rules_of, stand_in_on
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import LoopDiverged, StoreUnreachable, TorchCompatError
 from ncclguard.exits import exit_now
 from ncclguard.recovery._commit.statements import STEP_DIFFERS
-from ncclguard.recovery._verdict.levers import DEFAULT_JUDGE_S, job_store, judge_after
+from ncclguard.recovery._verdict.levers import DEFAULT_JUDGE_S, abort_world, job_store, judge_after, on_this_host
 from ncclguard.recovery._verdict.verdict import VerdictDriver
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.store.clients import store_for_this_thread
@@ -112,6 +114,8 @@ class StepBound:
         self._cond = threading.Condition()
         self._timer: threading.Thread | None = None
         self.aborted = 0  # times the timer aborted the groups (NCCL)
+        # The rules that started the timer (an NCCL group's, or the stand-in's).
+        self._timer_rules = rules_of("nccl")
 
     @property
     def armed(self) -> bool:
@@ -124,12 +128,14 @@ class StepBound:
             return
         self.disarm()
         bound = timedelta(seconds=self.seconds)
-        timer = False
+        timer: BackendRules | bool = False
+        stand_in = stand_in_on()
         for pg in list(compat.group_names()):
             if compat.rank_not_in_group(pg):
                 continue
-            if str(dist.get_backend(pg)) != "gloo":
-                timer = True
+            rules = rules_of(str(dist.get_backend(pg)), stand_in)
+            if rules.step_bound is StepBoundBy.ABORT_TIMER:
+                timer = self._timer_rules = rules
                 continue
             device = _device_of(pg)
             try:
@@ -177,7 +183,10 @@ class StepBound:
                     continue
                 self._abort_at = None
                 break
-        aborted, failed = compat.abort_all_groups()
+        # The stand-in's abort cuts the sockets to this host's peers first (gloo's abort wakes nothing).
+        wd = current_watchdog()
+        pids = [hb.pid for hb in wd.peer_heartbeats().values() if on_this_host(hb)] if wd is not None else []
+        aborted, failed, _ = abort_world(self._timer_rules, pids)
         self.aborted += 1
         log.error(
             "step bound: a collective of this step ran past %.3g s; aborted groups %s%s",

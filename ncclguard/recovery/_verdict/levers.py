@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, node_address
+from ncclguard.backend_rules import BackendRules
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable, TorchCompatError
 from ncclguard.incidents.model import Heartbeat
@@ -33,6 +35,7 @@ from ncclguard.world import Slot, current_world
 __all__ = [
     "DEFAULT_JUDGE_S",
     "STUCK_AFTER_VAR",
+    "abort_world",
     "ask_supervisor",
     "cut_connections",
     "job_store",
@@ -253,6 +256,26 @@ def cut_connections(pid: int) -> int:
         except OSError:
             continue
     return n
+
+
+def abort_world(rules: BackendRules, peer_pids: Collection[int] = ()) -> tuple[list[str], list[str], int]:
+    """Aborts every process group of this process (NCCL's release and step bound,
+    :mod:`ncclguard.backend_rules`): an op in flight fails, and so does every later op on them.
+
+    On the NCCL stand-in (a gloo world) ``abort()`` wakes nothing, so this process's connections to
+    ``peer_pids`` (this host's live peers, from their heartbeats) are shut down first: the op in
+    flight then fails at once, as NCCL's abort makes it.
+
+    Args:
+        rules: the world's backend rules.
+        peer_pids: the peers whose connections the stand-in cuts (ignored on real NCCL).
+
+    Returns:
+        The groups aborted, ``"name: error"`` for each abort that raised, and the connections cut.
+    """
+    cut = sum(cut_connections(pid) for pid in sorted(set(peer_pids))) if rules.stand_in else 0
+    aborted, failed = compat.abort_all_groups()
+    return aborted, failed, cut
 
 
 def job_store() -> dist.Store | None:

@@ -16,10 +16,13 @@ and the world is rebuilt in any case. A peer on another host is not reached from
 cannot be told apart from others by address alone): it waits for the step bound, or for a rank of its
 own host that reads the same notice.
 
-Only in a world on gloo alone: an NCCL op is not woken by a socket (its data moves over NVLink or
+The cut is gloo's release. On NCCL an op is not woken by a socket (its data moves over NVLink or
 InfiniBand), and an error on one of NCCL's own sockets would tear the survivor's process down
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default, 3:
-https://pytorch.org/docs/stable/torch_nccl_environment_variables.html).
+https://pytorch.org/docs/stable/torch_nccl_environment_variables.html): there the release aborts this
+process's groups instead (:func:`~ncclguard.recovery._verdict.levers.abort_world`), which fails the op
+in flight and every later one on them; the rebuild makes new ones. Which one is the backend's rule
+(:mod:`ncclguard.backend_rules`), run on CPU by the NCCL stand-in.
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ncclguard._log import log
+from ncclguard.backend_rules import BackendRules, ReleaseBy
 from ncclguard.deadlines import Deadline
 from ncclguard.incidents.model import Heartbeat
-from ncclguard.recovery._verdict.levers import STORE_BOUND_S, cut_connections, job_store, on_this_host
+from ncclguard.recovery._verdict.levers import (
+    STORE_BOUND_S,
+    abort_world,
+    cut_connections,
+    job_store,
+    on_this_host,
+)
 from ncclguard.store.deaths import STUCK_RC, DeathWatch
 
 __all__ = ["Release", "Released"]
@@ -42,12 +53,15 @@ class Released:
     Attributes:
         dead: the members known dead, with how each is known.
         stuck: those of them whose notice was posted as stuck (``STUCK_RC``: alive, judged stuck).
-        cut: the connections shut down, by the live peer's rank.
+        cut: the connections shut down, by the live peer's rank (gloo; the stand-in's abort cuts
+            them all, counted under this rank's own number).
+        aborted: the groups aborted (NCCL's rules), by name.
     """
 
     dead: dict[int, str]
     stuck: frozenset[int]
     cut: dict[int, int]
+    aborted: tuple[str, ...] = ()
 
 
 class Release:
@@ -57,13 +71,18 @@ class Release:
         world: the world the attempt runs in (its members' launch ranks, the notices read before it).
         me: this rank's number in it.
         size: its number of ranks.
-        backend: its default group's backend (``dist.get_backend()``): nothing is done but on ``gloo``.
+        rules: its default group's backend rules: a cut on gloo, an abort on NCCL (and its stand-in).
     """
 
-    def __init__(self, world: Any, me: int, size: int, backend: str) -> None:
-        self._world, self._me, self._size = world, me, size
+    def __init__(self, world: Any, me: int, size: int, rules: BackendRules) -> None:
+        self._world, self._me, self._size, self._rules = world, me, size, rules
         self._watch: DeathWatch | None = None
-        self.done = backend != "gloo"  # see the module doc: never on NCCL's sockets
+        self.done = False
+
+    @property
+    def aborts(self) -> bool:
+        """True where the release aborts the groups rather than cutting sockets."""
+        return self._rules.release is ReleaseBy.ABORT
 
     def dead(self) -> dict[int, str]:
         """The members known dead so far (read within :data:`STORE_BOUND_S`; empty with no store)."""
@@ -76,7 +95,8 @@ class Release:
         return self._watch.look_within(Deadline.within(STORE_BOUND_S))
 
     def release(self, dead: dict[int, str], beats: dict[int, tuple[Heartbeat, float]]) -> Released:
-        """Shuts down this process's connections to every live peer of this host; once.
+        """Shuts down this process's connections to every live peer of this host (gloo), or aborts
+        its groups (NCCL's rules); once.
 
         Args:
             dead: the members known dead (:meth:`dead`).
@@ -89,4 +109,9 @@ class Release:
         live = {r: hb for r, (hb, _) in beats.items() if r not in dead and r != self._me and on_this_host(hb)}
         notices = self._watch.notices if self._watch is not None else {}
         stuck = frozenset(r for r in dead if r in notices and notices[r].returncode == STUCK_RC)
+        if self._rules.release is ReleaseBy.ABORT:
+            aborted, failed, cut = abort_world(self._rules, [hb.pid for hb in live.values()])
+            if failed:
+                log.warning("verdict: aborting the groups: %s", "; ".join(failed))
+            return Released(dict(dead), stuck, {self._me: cut} if cut else {}, tuple(aborted))
         return Released(dict(dead), stuck, {r: cut_connections(hb.pid) for r, hb in sorted(live.items())})

@@ -33,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ncclguard._log import log
+from ncclguard.backend_rules import rules_for
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recording.steps import steps
 from ncclguard.recovery._rebuild.restarts import supervised_restarts
@@ -195,7 +196,7 @@ class VerdictDriver:
         """A member known dead: this rank's connections to the live peers of its host are shut down,
         once per attempt, so that none stays held in an op (:mod:`~ncclguard.recovery._verdict.release`)."""
         if seen.release is None:
-            seen.release = Release(world, dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+            seen.release = Release(world, dist.get_rank(), dist.get_world_size(), rules_for())
         if seen.release.done or not (dead := seen.release.dead()):
             return
         with self._cond:  # not once the attempt is over: the rebuild's connections are the new world's
@@ -204,14 +205,21 @@ class VerdictDriver:
             done = seen.release.release(dead, beats)
         for r, how in sorted(dead.items()):  # one event per dead member, as for every other judgement
             state = "stuck" if r in done.stuck else "dead"
-            self.events.append({"what": "released", "rank": r, "state": state, "evidence": how, "cut": done.cut})
+            event = {"what": "released", "rank": r, "state": state, "evidence": how, "cut": done.cut}
+            self.events.append(event | ({"aborted": list(done.aborted)} if done.aborted else {}))
+        how_released = (
+            f"aborts its groups ({', '.join(done.aborted) or 'none'})"
+            if seen.release.aborts
+            else "shuts down its connections to the live peers of this host "
+            f"({', '.join(f'rank {r}: {n}' for r, n in done.cut.items()) or 'none here'})"
+        )
         log.warning(
-            "%s: verdict: rank(s) %s of this world are dead (%s); its ops cannot finish, so this rank shuts down "
-            "its connections to the live peers of this host (%s), that none stays held in one",
+            "%s: verdict: rank(s) %s of this world are dead (%s); its ops cannot finish, so this rank %s, "
+            "that none stays held in one",
             self.name,
             sorted(dead),
             "; ".join(f"rank {r}: {how}" for r, how in sorted(dead.items())),
-            ", ".join(f"rank {r}: {n}" for r, n in done.cut.items()) or "none here",
+            how_released,
         )
 
     def _restarts(self) -> bool:

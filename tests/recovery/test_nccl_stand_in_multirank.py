@@ -1,0 +1,110 @@
+"""The NCCL path on CPU: recovery under the NCCL stand-in (``NCCLGUARD_NCCL_STAND_IN=1``,
+``ncclguard/backend_rules.py``), where a gloo world obeys NCCL's rules: ncclguard's own transfers
+refuse a CPU tensor on the device group, nothing releases a survivor by its sockets, and a release
+or the step bound aborts the groups (the stand-in cutting its sockets first, as NCCL's abort fails
+an op in flight). The same scenarios as on gloo, with the stand-in's env added and nothing else:
+
+``stuck`` tests/workers/defaults_worker.py ``loop``, 3 ranks under torchrun and their supervisors,
+    every default, a 2.05M-parameter BERT under RecoveringStep's DDP: launch rank 2 asleep for good at
+    step 12. The waiting ranks agree it is stuck, its supervisor ends it, the restarted process is
+    healed over the side gloo group, and the three end bit-equal on the full world. (Here the
+    survivors' DDP op fails when the ended rank's sockets close, as gloo's do, before any release
+    looks: a release, if one comes, must be an abort.)
+``held`` tests/workers/held_worker.py: rank 2 SIGKILLed at step 4 while rank 0 waits on live rank 1
+    in a pair group's all_reduce; the survivors' release aborts (never a plain cut), rank 0's op
+    fails, the step is redone on the full world and the three end equal.
+``fsdp2`` tests/workers/sharded_heal_worker.py ``kill``: FSDP2 on 3 ranks, rank 1 SIGKILLed inside
+    its snapshot take; restored from its buddy's replica, every rank bit-equal to the fault-free run.
+
+What the stand-in cannot show (a dead peer fails a gloo op at once, where NCCL over NVLink or
+InfiniBand waits for the abort; CUDA streams; NCCL's own error handling) is in docs/nccl.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]  # past each launch's own hang guard
+
+STAND_IN = {"NCCLGUARD_NCCL_STAND_IN": "1"}
+
+
+@pytest.fixture(scope="module")
+def stuck_job(tmp_path_factory):
+    # As tests/watching/test_defaults_multirank.py's loop launch (about 30-50 s here). Hang guard 240 s.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    env = {**STAND_IN, "NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": where}
+    return run_ranks("defaults_worker", 3, "loop", timeout_s=240, supervise=["--restarts=1"], env=env)
+
+
+@pytest.fixture(scope="module")
+def held_job():
+    # As tests/recovery/test_held_release_multirank.py's launch (30-60 s here). Hang guard 240 s.
+    env = {**STAND_IN, "NCCLGUARD_AUTO": "1"}
+    return run_ranks("held_worker", 3, timeout_s=240, supervise=["--restarts=1"], env=env)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_job():
+    # As tests/recovery/test_sharded_heal_multirank.py's kill launch. Hang guard 360 s.
+    return run_ranks(
+        "sharded_heal_worker", 3, "kill", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360, env=STAND_IN
+    )
+
+
+def _released_by_abort(job, ranks) -> list[dict]:
+    """The survivors' release events: each aborted its groups, and cut no socket but its own (the
+    stand-in's emulation of NCCL's abort, counted under its own rank)."""
+    events = [e for r in ranks for e in job[r].get("events", []) if e["what"] == "released"]
+    for r in ranks:
+        for e in (e for e in job[r].get("events", []) if e["what"] == "released"):
+            assert e["aborted"], e  # the groups aborted: NCCL's release
+            assert set(e["cut"]) <= {str(r)}, e  # never the gloo release's per-peer cut
+    return events
+
+
+def test_a_stuck_rank_under_ddp_is_ended_released_by_abort_and_healed_over_the_side_group_bit_equal(stuck_job):
+    asleep, steps = stuck_job[0]["plan"]
+    for r in (0, 1):
+        res = stuck_job[r]
+        rows = [(x["step"], x["ok"], x["attempts"], x["size"]) for x in res["results"]]
+        assert rows == [(s, True, 2 if s == asleep else 1, 3) for s in range(steps)], rows
+        assert res["final"] == [r, 3, 1]
+        # The heal's CPU state went over the side gloo group: the device group carries none.
+        assert res["results"][asleep]["lane"] == "side gloo", res["results"][asleep]
+        assert all(x["lane"] is None for x in res["results"] if x["step"] != asleep)
+    back = stuck_job[12]
+    assert (back["life"], back["resume_step"], back["lane"]) == (1, asleep, "side gloo")
+    assert [(x["step"], x["ok"], x["size"]) for x in back["results"]] == [(s, True, 3) for s in range(asleep, steps)]
+    assert stuck_job[0]["digest"] == stuck_job[1]["digest"] == back["digest"]
+    for r in (0, 1, 12):  # only the sleeper was acted on
+        acted = [e for e in stuck_job[r].get("events", []) if e["what"] in ("acted", "self-asked", "asked", "ended")]
+        assert all(e["rank"] == 2 and e["state"] == "stuck" for e in acted), acted
+    _released_by_abort(stuck_job, (0, 1))  # none is needed here (see the module doc); any is an abort
+
+
+def test_a_survivor_held_by_a_live_peer_is_released_by_an_abort_and_the_full_world_comes_back(held_job):
+    r0, r1, r2 = held_job[0], held_job[1], held_job[12]
+    assert (r0["life"], r1["life"], r2["life"]) == (0, 0, 1)
+    # Rank 0's op on the pair group failed: the stand-in's abort (it never completes otherwise).
+    assert r0["held"]["error"] is not None, r0["held"]
+    for r in (r0, r1):
+        steps = {s["step"]: s for s in r["results"]}
+        assert sorted(steps) == list(range(8))
+        redo = steps[4]
+        assert (redo["ok"], redo["attempts"], redo["size"], redo["generation"]) == (True, 2, 3, 1), redo
+        assert all(s["ok"] and s["attempts"] == 1 for k, s in steps.items() if k != 4)
+    assert [r0["final"], r1["final"], r2["final"]] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]
+    assert r0["equal_across_ranks"] and r1["equal_across_ranks"] and r2["equal_across_ranks"]
+    released = _released_by_abort(held_job, (0, 1))
+    assert released, {r: held_job[r]["events"] for r in (0, 1)}
+    assert all((e["rank"], e["state"]) == (2, "dead") for e in released), released
+
+
+def test_an_fsdp2_rank_killed_in_its_take_is_restored_from_its_buddy_bit_equal(fsdp2_job):
+    assert [(r.rank, r.count, r.returncode) for r in fsdp2_job.restarts] == [(1, 1, -9)]
+    assert fsdp2_job[1]["restored"]["ok"] is True and fsdp2_job[1]["restored"]["role"] == "receiver"
+    for r in range(3):
+        assert fsdp2_job[r]["final"] == [r, 3, 1]
+        assert fsdp2_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
