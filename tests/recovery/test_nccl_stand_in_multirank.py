@@ -13,6 +13,10 @@ an op in flight). The same scenarios as on gloo, with the stand-in's env added a
 ``held`` tests/workers/held_worker.py: rank 2 SIGKILLed at step 4 while rank 0 waits on live rank 1
     in a pair group's all_reduce; the survivors' release aborts (never a plain cut), rank 0's op
     fails, the step is redone on the full world and the three end equal.
+``stall`` tests/workers/recovering_worker.py ``stall``: DDP, a 6 s step bound, rank 2 asleep 10 s in step 2;
+    no watchdog. The bound's timer aborts the groups (NCCL's step bound; on gloo the groups' own
+    timeout would be lowered instead), every rank redoes step 2 on a rebuilt world, bit-equal to the
+    fault-free run.
 ``fsdp2`` tests/workers/sharded_heal_worker.py ``kill``: FSDP2 on 3 ranks, rank 1 SIGKILLed inside
     its snapshot take; restored from its buddy's replica, every rank bit-equal to the fault-free run.
 
@@ -43,6 +47,12 @@ def held_job():
     # As tests/recovery/test_held_release_multirank.py's launch (30-60 s here). Hang guard 240 s.
     env = {**STAND_IN, "NCCLGUARD_AUTO": "1"}
     return run_ranks("held_worker", 3, timeout_s=240, supervise=["--restarts=1"], env=env)
+
+
+@pytest.fixture(scope="module")
+def stall_job():
+    # As tests/recovery/test_recovering_multirank.py's stall launch (15-25 s here). Hang guard 240 s.
+    return run_ranks("recovering_worker", 3, "stall", timeout_s=240, env=STAND_IN)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +110,19 @@ def test_a_survivor_held_by_a_live_peer_is_released_by_an_abort_and_the_full_wor
     released = _released_by_abort(held_job, (0, 1))
     assert released, {r: held_job[r]["events"] for r in (0, 1)}
     assert all((e["rank"], e["state"]) == (2, "dead") for e in released), released
+
+
+def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(stall_job):
+    k = 2  # the worker's stalled step
+    for r in range(3):
+        res = stall_job[r]
+        steps = res["results"]
+        assert [s["ok"] for s in steps] == [True] * 5 and [s["attempts"] for s in steps] == [1, 1, 2, 1, 1]
+        assert steps[k]["generation"] == 1 and steps[k]["commits"] == [[False, [0, 1, 2]], [True, []]], steps[k]
+        assert res["equal_to_reference"] is True and res["equal_across_ranks"] is True
+        assert res["final"] == [r, 3]
+        # The bound acted by its timer's abort, not by a lowered gloo timeout.
+        assert res["step_bound"] == {"aborted": 1, "lowered": 0}, res["step_bound"]
 
 
 def test_an_fsdp2_rank_killed_in_its_take_is_restored_from_its_buddy_bit_equal(fsdp2_job):

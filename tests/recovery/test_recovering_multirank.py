@@ -74,6 +74,9 @@ def test_a_stalled_step_is_redone_on_the_rebuilt_world_and_ends_bit_equal(stall_
         assert res["equal_across_ranks"] is True
         assert res["equal_to_reference"] is True  # bit for bit, the fault-free run's parameters
         assert res["final"] == [r, 3]
+        # gloo's step bound: each attempt's groups got the bound as their timeout (5 steps, one redone);
+        # no abort (NCCL's rule: tests/recovery/test_nccl_stand_in_multirank.py).
+        assert res["step_bound"] == {"aborted": 0, "lowered": 6}
 
 
 def test_an_fsdp2_step_is_redone_on_a_world_sharded_again_and_ends_bit_equal(fsdp2_job):

@@ -127,18 +127,15 @@ def test_on_nccl_a_release_aborts_and_never_touches_a_socket(peer, monkeypatch, 
         pair.sendall(b"still connected")
 
 
-def test_the_stand_in_release_aborts_after_cutting_toward_this_hosts_live_peers(peer, monkeypatch):
-    """gloo's abort wakes nothing, so the stand-in cuts first: an op in flight fails as NCCL's abort makes it."""
+def test_the_stand_in_release_aborts_after_cutting_every_connection_but_the_stores(peer, monkeypatch):
+    """gloo's abort wakes nothing, so the stand-in cuts first: an op in flight fails as NCCL's abort
+    makes it, whether or not a watchdog named the peers (no beat is needed)."""
     proc, store_port, _ = peer
     monkeypatch.setenv("MASTER_PORT", str(store_port))
     release = Release(None, 0, 4, rules_of("gloo", stand_in=True))
     assert release.aborts
-    beats = {
-        1: (beat(1, proc.pid, HOSTNAME), 0.5),
-        3: (beat(3, proc.pid, HOSTNAME + "-elsewhere"), 0.5),  # another host: never cut toward
-    }
     with connected(peer) as (store, pair):
-        done = release.release({2: "its process died"}, beats)
-        assert done.cut == {0: 1}  # counted under this rank: one connection, to rank 1's process
+        done = release.release({2: "its process died"}, {})
+        assert set(done.cut) == {0} and done.cut[0] >= 1  # counted under this rank: the pair's, at least
         assert pair.recv(1) == b""
         store.sendall(b"still here")

@@ -188,13 +188,14 @@ def test_a_call_that_returned_since_the_number_moved_closes_the_groups_newest_op
     """The race the desync launch once lost on a loaded machine: rank 0's recorded all_reduce returned,
     its peer's number (read a beat before) still behind, and gloo's recorder held no entry to say
     the op was closed; a backend desync was raised for an op that had completed."""
-    moved_at = {"0": NOW - 2.0, "5": NOW - 2.0, "7": NOW - 2.0}
+    moved_at = {"0": NOW - 2.0, "5": NOW - 2.0, "7": NOW - 2.0, "8": NOW - 2.0}
     records = [
         rec(16, 2.1, group="0", state="completed", end=NOW - 0.1),  # issued, then returned after the move
         rec(3, 9.0, group="5", state="completed", end=NOW - 8.0),  # returned before the number moved again
         rec(1, 2.1, group="7", state="failed", end=NOW - 0.2),  # failed counts: it is no longer open here
         rec(2, 2.1, group="7", peer=1, state="completed", end=NOW - 0.1),  # send/recv: not the group's counter
         rec(4, 2.1, group="9", state="completed", end=NOW - 0.1),  # a group not asked about
+        rec(5, 9.0, group="8", state="completed", end=NOW - 0.1, async_op=True),  # waited for after the move
         rec(17, 1.0, group="5"),  # in flight: the hang detector speaks for it
     ]
     assert ended_since(records, moved_at) == {"0", "7"}

@@ -201,6 +201,8 @@ def stall(fsdp2: bool = False) -> None:
     stepper, results = train(stall_at=K, stall=lambda: rankkit.stall(2, STALL_S), base=STEPS, fsdp2=fsdp2)
     put("results", results)
     put("faulty_s", time.monotonic() - t0)
+    bound = stepper.engine.bound  # how the step bound acted: gloo lowers timeouts, NCCL's rules abort
+    put("step_bound", {"aborted": bound.aborted, "lowered": bound.lowered})
     if fsdp2:
         mine = full_state(stepper)
         put("module_is_new", stepper.model is not reference_model and stepper.module is stepper.model)

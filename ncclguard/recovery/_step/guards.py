@@ -72,7 +72,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import LoopDiverged, StoreUnreachable, TorchCompatError
 from ncclguard.exits import exit_now
 from ncclguard.recovery._commit.statements import STEP_DIFFERS
-from ncclguard.recovery._verdict.levers import DEFAULT_JUDGE_S, abort_world, job_store, judge_after, on_this_host
+from ncclguard.recovery._verdict.levers import DEFAULT_JUDGE_S, abort_world, job_store, judge_after
 from ncclguard.recovery._verdict.verdict import VerdictDriver
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.store.clients import store_for_this_thread
@@ -114,6 +114,7 @@ class StepBound:
         self._cond = threading.Condition()
         self._timer: threading.Thread | None = None
         self.aborted = 0  # times the timer aborted the groups (NCCL)
+        self.lowered = 0  # steps whose groups got the bound as their timeout (gloo)
         # The rules that started the timer (an NCCL group's, or the stand-in's).
         self._timer_rules = rules_of("nccl")
 
@@ -145,6 +146,8 @@ class StepBound:
                     self._saved[pg] = own
             except (TorchCompatError, RuntimeError, ValueError) as exc:
                 log.debug("step bound: group %s keeps its timeout (%s)", pg, exc)
+        if self._saved:
+            self.lowered += 1
         if timer:
             self._start_timer(time.monotonic() + self.seconds)
 
@@ -183,10 +186,7 @@ class StepBound:
                     continue
                 self._abort_at = None
                 break
-        # The stand-in's abort cuts the sockets to this host's peers first (gloo's abort wakes nothing).
-        wd = current_watchdog()
-        pids = [hb.pid for hb in wd.peer_heartbeats().values() if on_this_host(hb)] if wd is not None else []
-        aborted, failed, _ = abort_world(self._timer_rules, pids)
+        aborted, failed, _ = abort_world(self._timer_rules)  # the stand-in cuts its sockets first
         self.aborted += 1
         log.error(
             "step bound: a collective of this step ran past %.3g s; aborted groups %s%s",

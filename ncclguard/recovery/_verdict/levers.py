@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +36,7 @@ __all__ = [
     "STUCK_AFTER_VAR",
     "abort_world",
     "ask_supervisor",
+    "cut_all_connections",
     "cut_connections",
     "job_store",
     "judge_after",
@@ -245,37 +245,58 @@ def cut_connections(pid: int) -> int:
     except (psutil.Error, OSError) as exc:
         log.warning("verdict: cannot read the connections to pid %d (%s)", pid, exc)
         return 0
-    n = 0
-    for c in mine:
-        if (c.raddr.ip, c.raddr.port) not in theirs or c.laddr.port in keep or c.raddr.port in keep:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(c.fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)  # the socket itself, not the dup alone: gloo's pair sees it
-            n += 1
-        except OSError:
-            continue
-    return n
+    return sum(
+        _shut(c.fd)
+        for c in mine
+        if (c.raddr.ip, c.raddr.port) in theirs and c.laddr.port not in keep and c.raddr.port not in keep
+    )
 
 
-def abort_world(rules: BackendRules, peer_pids: Collection[int] = ()) -> tuple[list[str], list[str], int]:
+def abort_world(rules: BackendRules) -> tuple[list[str], list[str], int]:
     """Aborts every process group of this process (NCCL's release and step bound,
     :mod:`ncclguard.backend_rules`): an op in flight fails, and so does every later op on them.
 
-    On the NCCL stand-in (a gloo world) ``abort()`` wakes nothing, so this process's connections to
-    ``peer_pids`` (this host's live peers, from their heartbeats) are shut down first: the op in
-    flight then fails at once, as NCCL's abort makes it.
+    On the NCCL stand-in (a gloo world) ``abort()`` wakes nothing, so this process's TCP connections
+    are shut down first, all but the job's store's (:func:`cut_all_connections`): the op in flight
+    then fails at once, as NCCL's abort makes it, with or without a watchdog to name the peers.
 
     Args:
         rules: the world's backend rules.
-        peer_pids: the peers whose connections the stand-in cuts (ignored on real NCCL).
 
     Returns:
         The groups aborted, ``"name: error"`` for each abort that raised, and the connections cut.
     """
-    cut = sum(cut_connections(pid) for pid in sorted(set(peer_pids))) if rules.stand_in else 0
+    cut = cut_all_connections() if rules.stand_in else 0
     aborted, failed = compat.abort_all_groups()
     return aborted, failed, cut
+
+
+def cut_all_connections() -> int:
+    """Shuts down every TCP connection of this process but those of the job's store
+    (:func:`store_ports`): the NCCL stand-in's abort.
+
+    Returns:
+        How many were shut down.
+    """
+    import psutil
+
+    keep = store_ports()
+    try:
+        mine = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.fd >= 0]
+    except (psutil.Error, OSError) as exc:
+        log.warning("abort: cannot read this process's connections (%s)", exc)
+        return 0
+    return sum(_shut(c.fd) for c in mine if c.laddr.port not in keep and c.raddr.port not in keep)
+
+
+def _shut(fd: int) -> int:
+    """Shuts down the socket ``fd`` (both ways); 1 when it was, 0 when it could not be."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            s.shutdown(socket.SHUT_RDWR)  # the socket itself, not the dup alone: gloo's pair sees it
+        return 1
+    except OSError:
+        return 0
 
 
 def job_store() -> dist.Store | None:

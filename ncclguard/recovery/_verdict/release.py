@@ -110,7 +110,7 @@ class Release:
         notices = self._watch.notices if self._watch is not None else {}
         stuck = frozenset(r for r in dead if r in notices and notices[r].returncode == STUCK_RC)
         if self._rules.release is ReleaseBy.ABORT:
-            aborted, failed, cut = abort_world(self._rules, [hb.pid for hb in live.values()])
+            aborted, failed, cut = abort_world(self._rules)
             if failed:
                 log.warning("verdict: aborting the groups: %s", "; ".join(failed))
             return Released(dict(dead), stuck, {self._me: cut} if cut else {}, tuple(aborted))

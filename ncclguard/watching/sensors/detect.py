@@ -268,8 +268,8 @@ def completed(records: Iterable[_RecordLike], key: tuple[str, int]) -> bool:
 
 
 def ended_since(records: Iterable[OpRecord], moved_at: Mapping[str, float]) -> set[str]:
-    """Groups of ``moved_at`` where one of this rank's recorded collectives ended (completed or
-    failed) at or after the backend's number last moved there.
+    """Groups of ``moved_at`` where one of this rank's recorded synchronous collectives ended
+    (completed or failed) at or after the backend's number last moved there.
 
     The backend's newest op in such a group is that call, and it is no longer open on this rank: a
     peer's number read a beat before it came (still behind) says nothing of a hang. Without this, a
@@ -283,7 +283,9 @@ def ended_since(records: Iterable[OpRecord], moved_at: Mapping[str, float]) -> s
     out = set()
     for rec in records:
         at = moved_at.get(rec.group)
-        if at is not None and rec.peer is None and rec.end is not None and rec.end >= at:
+        # A synchronous call only: an async one's end is when it was waited for, which may come after
+        # an op issued later (from C++) moved the number.
+        if at is not None and rec.peer is None and not rec.async_op and rec.end is not None and rec.end >= at:
             out.add(rec.group)
     return out
 
