@@ -26,9 +26,9 @@ def server():
     del store
 
 
-def publish(server, session: str, beats: list[Heartbeat]) -> None:
+def publish(server, session: str, beats: list[Heartbeat], heartbeat_s: float = 1.0) -> None:
     idx = WatchIndex(
-        run_id="run-a", restart="0", session=session, generation=0, world_size=len(beats), heartbeat_s=1.0,
+        run_id="run-a", restart="0", session=session, generation=0, world_size=len(beats), heartbeat_s=heartbeat_s,
         peer_timeout_s=30.0, hang_timeout_s=10.0, written=time.time(),
     )  # fmt: skip
     server.set(index_key(session), idx.model_dump_json())
@@ -120,8 +120,12 @@ def test_waits_from_recorded_ops_and_from_backend_numbers_and_what_is_no_wait() 
 def test_a_rank_whose_watchdog_stopped_on_purpose_is_finished_not_stale(server, capsys) -> None:
     # Rank 1 ended its script 40 s ago (past peer_timeout_s, 30 s): its last heartbeat says finished.
     # Rank 2 went silent as long ago without saying so: stale, and the job is suspect for it alone.
+    # Heartbeats every 5 s: rank 0's, 0.5 s old, is "ok" up to 15 s, whatever the load on this machine
+    # between the publication and the read (at 1 s a loaded run once read it "late").
     now = time.time()
-    publish(server, "ending", [beat(0, now - 0.5), beat(1, now - 40, finished=True), beat(2, now - 40)])
+    publish(
+        server, "ending", [beat(0, now - 0.5), beat(1, now - 40, finished=True), beat(2, now - 40)], heartbeat_s=5.0
+    )
     code = main(["status", "--store", f"127.0.0.1:{server.port}", "--session", "ending"])
     out = capsys.readouterr().out
     lines = out.splitlines()
