@@ -38,9 +38,24 @@ import torch.distributed as dist
 
 from ncclguard.errors import BackendRuleError
 
-__all__ = ["STAND_IN_VAR", "BackendRules", "ReleaseBy", "StepBoundBy", "rules_for", "rules_of", "stand_in_on"]
+__all__ = [
+    "NCCL_ERROR_HANDLING",
+    "STAND_IN_VAR",
+    "BackendRules",
+    "ReleaseBy",
+    "StepBoundBy",
+    "rules_for",
+    "rules_of",
+    "stand_in_on",
+]
 
 STAND_IN_VAR = "NCCLGUARD_NCCL_STAND_IN"
+# NCCL's error handling as ncclguard sets it (``env/netenv.py``): torch's default, 3 (SkipCleanUp: a
+# rank whose op NCCL's own watchdog timed out is torn down; 2, CleanUpOnly, would abort its
+# communicators and let it run on). Recovery does not rely on either: the step bound's timer aborts
+# the groups first, being shorter than the groups' timeout (``ncclguard doctor`` checks the
+# hierarchy), so NCCL's own timeout is the last resort.
+NCCL_ERROR_HANDLING = "3"
 
 
 class ReleaseBy(str, Enum):

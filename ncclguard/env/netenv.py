@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
+from ncclguard.backend_rules import NCCL_ERROR_HANDLING
 from ncclguard.config import Config, get_config
 from ncclguard.env.envvars import DEPRECATED, env_warnings, mark_applied
 from ncclguard.env.infiniband import SYSFS_INFINIBAND, IbDevice, read_infiniband
@@ -165,7 +166,7 @@ def _recommend(interface: str | None, family: str | None, ib_active: bool, confi
         if family == "ipv6":
             env["NCCL_SOCKET_FAMILY"] = "AF_INET6"
     env["NCCL_IB_DISABLE"] = "0" if ib_active else "1"
-    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING  # why: backend_rules
     env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     env["TORCH_FR_BUFFER_SIZE"] = str(config.flight_records)
     return env

@@ -49,6 +49,7 @@ def test_the_held_survivor_is_released_and_the_full_world_comes_back(held_job):
     assert all(s["ok"] and s["size"] == 3 for s in r2["results"]), r2["results"]
     assert [r0["final"], r1["final"], r2["final"]] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]
     assert r0["equal_across_ranks"] and r1["equal_across_ranks"] and r2["equal_across_ranks"]
+    assert r2["lane"] == "world"  # gloo carries the heal's CPU tensors (NCCL's rule: the side gloo group)
 
 
 def test_a_survivor_read_the_death_and_shut_down_its_connections_to_the_other(held_job):

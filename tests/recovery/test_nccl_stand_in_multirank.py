@@ -17,6 +17,7 @@ an op in flight). The same scenarios as on gloo, with the stand-in's env added a
     no watchdog. The bound's timer aborts the groups (NCCL's step bound; on gloo the groups' own
     timeout would be lowered instead), every rank redoes step 2 on a rebuilt world, bit-equal to the
     fault-free run.
+``fsdp2-stall`` the same with the module sharded by FSDP2 and Adam: redone on a module sharded again.
 ``fsdp2`` tests/workers/sharded_heal_worker.py ``kill``: FSDP2 on 3 ranks, rank 1 SIGKILLed inside
     its snapshot take; restored from its buddy's replica, every rank bit-equal to the fault-free run.
 
@@ -53,6 +54,12 @@ def held_job():
 def stall_job():
     # As tests/recovery/test_recovering_multirank.py's stall launch (15-25 s here). Hang guard 240 s.
     return run_ranks("recovering_worker", 3, "stall", timeout_s=240, env=STAND_IN)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_stall_job():
+    # As tests/recovery/test_recovering_multirank.py's fsdp2 launch (15-25 s here). Hang guard 240 s.
+    return run_ranks("recovering_worker", 3, "fsdp2", timeout_s=240, env=STAND_IN)
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +114,19 @@ def test_a_survivor_held_by_a_live_peer_is_released_by_an_abort_and_the_full_wor
         assert all(s["ok"] and s["attempts"] == 1 for k, s in steps.items() if k != 4)
     assert [r0["final"], r1["final"], r2["final"]] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]
     assert r0["equal_across_ranks"] and r1["equal_across_ranks"] and r2["equal_across_ranks"]
+    assert r2["lane"] == "side gloo"  # the restarted rank's heal: never CPU tensors on the device group
     released = _released_by_abort(held_job, (0, 1))
     assert released, {r: held_job[r]["events"] for r in (0, 1)}
     assert all((e["rank"], e["state"]) == (2, "dead") for e in released), released
 
 
-def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(stall_job):
+@pytest.mark.parametrize("launch", ["stall_job", "fsdp2_stall_job"])
+def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(launch, request):
+    """DDP, then FSDP2 (full parameters and Adam's state compared)."""
+    job = request.getfixturevalue(launch)
     k = 2  # the worker's stalled step
     for r in range(3):
-        res = stall_job[r]
+        res = job[r]
         steps = res["results"]
         assert [s["ok"] for s in steps] == [True] * 5 and [s["attempts"] for s in steps] == [1, 1, 2, 1, 1]
         assert steps[k]["generation"] == 1 and steps[k]["commits"] == [[False, [0, 1, 2]], [True, []]], steps[k]

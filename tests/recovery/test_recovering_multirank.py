@@ -96,6 +96,7 @@ def test_an_fsdp2_step_is_redone_on_a_world_sharded_again_and_ends_bit_equal(fsd
         assert res["equal_to_reference"] is True
         assert res["equal_across_ranks"] is True
         assert res["final"] == [r, 3]
+        assert res["step_bound"] == {"aborted": 0, "lowered": 6}  # gloo's rule, as for DDP
 
 
 def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):

@@ -79,6 +79,7 @@ def main() -> None:
     put("pid", os.getpid())
     put("life", LIFE)
     put("heal", stepper.engine.options.heal)
+    put("lane", getattr(stepper.healed, "lane", None))  # the group a restarted process was healed over
     rankkit.save()
     results = []
     for step in range(stepper.resume_step or 0, STEPS):
