@@ -55,16 +55,17 @@ def test_the_stand_in_switch_reads_0_1_or_nothing_and_refuses_anything_else(monk
         stand_in_on()
 
 
-def test_an_abort_of_groups_already_aborted_says_so_and_raises_nothing():
+def test_an_abort_of_groups_already_aborted_says_so_and_raises_nothing(monkeypatch):
     """A release after the step bound's timer (or two releases) aborts the same groups again: harmless."""
     import torch.distributed as dist
 
     from ncclguard.recovery._verdict.levers import abort_world
 
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # no job: the stand-in cuts toward nobody
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rules = rules_of("gloo", stand_in=True)
-        assert abort_world(rules) == (["0"], [], 0)  # no peer pid given: nothing cut
+        assert abort_world(rules) == (["0"], [], 0)  # no job's process to cut toward
         assert abort_world(rules) == (["0"], [], 0)
     finally:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ connects to both; ``cut_connections(peer pid)`` must shut down the second and le
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -21,13 +22,15 @@ import pytest
 from ncclguard._naming import HOSTNAME
 from ncclguard.backend_rules import rules_of
 from ncclguard.incidents.model import Heartbeat
-from ncclguard.recovery._verdict.levers import cut_connections, store_ports
+from ncclguard.recovery._verdict.levers import cut_connections, job_peer_pids, store_ports
 from ncclguard.recovery._verdict.release import Release
 
 PEER = textwrap.dedent(
     """
-    import socket, sys, time
-    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    import os, socket, sys, time
+    # The first stands for the store: on MASTER_PORT where the test gives one (a peer of the job).
+    servers = [socket.create_server(("127.0.0.1", int(os.environ.get("MASTER_PORT", "0")))) for _ in range(1)]
+    servers.append(socket.create_server(("127.0.0.1", 0)))
     print(*(s.getsockname()[1] for s in servers), flush=True)
     accepted = [s.accept()[0] for s in servers]  # held open until the test ends this process
     print("accepted", flush=True)
@@ -38,7 +41,23 @@ PEER = textwrap.dedent(
 
 @pytest.fixture
 def peer():
-    proc = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    yield from _peer(env)
+
+
+@pytest.fixture
+def job_peer(monkeypatch):
+    """A peer of this process's job: both have MASTER_ADDR and MASTER_PORT (its store's port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    yield from _peer({**os.environ})
+
+
+def _peer(env):
+    proc = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
         store_port, gloo_port = (int(p) for p in proc.stdout.readline().split())
@@ -127,15 +146,17 @@ def test_on_nccl_a_release_aborts_and_never_touches_a_socket(peer, monkeypatch, 
         pair.sendall(b"still connected")
 
 
-def test_the_stand_in_release_aborts_after_cutting_every_connection_but_the_stores(peer, monkeypatch):
+def test_the_stand_in_release_aborts_after_cutting_toward_the_jobs_processes_but_never_the_store(job_peer, peer):
     """gloo's abort wakes nothing, so the stand-in cuts first: an op in flight fails as NCCL's abort
-    makes it, whether or not a watchdog named the peers (no beat is needed)."""
-    proc, store_port, _ = peer
-    monkeypatch.setenv("MASTER_PORT", str(store_port))
+    makes it, whether or not a watchdog named the peers (no beat is needed). Only the job's processes
+    (the same MASTER_ADDR and MASTER_PORT) are cut toward: a process outside the job keeps its
+    connection."""
     release = Release(None, 0, 4, rules_of("gloo", stand_in=True))
     assert release.aborts
-    with connected(peer) as (store, pair):
+    assert job_peer[0].pid in job_peer_pids() and peer[0].pid not in job_peer_pids()
+    with connected(job_peer) as (store, pair), connected(peer) as (_, outside):
         done = release.release({2: "its process died"}, {})
-        assert set(done.cut) == {0} and done.cut[0] >= 1  # counted under this rank: the pair's, at least
+        assert done.cut == {0: 1}  # counted under this rank: the pair to the job's peer
         assert pair.recv(1) == b""
         store.sendall(b"still here")
+        outside.sendall(b"not of the job: untouched")

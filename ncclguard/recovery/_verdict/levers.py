@@ -36,7 +36,8 @@ __all__ = [
     "STUCK_AFTER_VAR",
     "abort_world",
     "ask_supervisor",
-    "cut_all_connections",
+    "cut_job_connections",
+    "job_peer_pids",
     "cut_connections",
     "job_store",
     "judge_after",
@@ -256,9 +257,10 @@ def abort_world(rules: BackendRules) -> tuple[list[str], list[str], int]:
     """Aborts every process group of this process (NCCL's release and step bound,
     :mod:`ncclguard.backend_rules`): an op in flight fails, and so does every later op on them.
 
-    On the NCCL stand-in (a gloo world) ``abort()`` wakes nothing, so this process's TCP connections
-    are shut down first, all but the job's store's (:func:`cut_all_connections`): the op in flight
-    then fails at once, as NCCL's abort makes it, with or without a watchdog to name the peers.
+    On the NCCL stand-in (a gloo world) ``abort()`` wakes nothing, so this process's connections to
+    the job's other processes on this host are shut down first, never the store's
+    (:func:`cut_job_connections`): the op in flight then fails at once, as NCCL's abort makes it,
+    with or without a watchdog to name the peers.
 
     Args:
         rules: the world's backend rules.
@@ -266,27 +268,42 @@ def abort_world(rules: BackendRules) -> tuple[list[str], list[str], int]:
     Returns:
         The groups aborted, ``"name: error"`` for each abort that raised, and the connections cut.
     """
-    cut = cut_all_connections() if rules.stand_in else 0
+    cut = cut_job_connections() if rules.stand_in else 0
     aborted, failed = compat.abort_all_groups()
     return aborted, failed, cut
 
 
-def cut_all_connections() -> int:
-    """Shuts down every TCP connection of this process but those of the job's store
-    (:func:`store_ports`): the NCCL stand-in's abort.
+def job_peer_pids() -> set[int]:
+    """The other processes of this host in this process's job: those whose environment has this
+    one's ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun and ncclguard's launchers give both to every
+    rank). Empty without ``MASTER_PORT``."""
+    import psutil
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not port:
+        return set()
+    me, found = os.getpid(), set()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue  # gone, or not ours to read
+        if env.get("MASTER_PORT") == port and env.get("MASTER_ADDR") == addr:
+            found.add(proc.pid)
+    return found
+
+
+def cut_job_connections() -> int:
+    """Shuts down this process's TCP connections to the job's other processes on this host
+    (:func:`job_peer_pids`), never the store's: the NCCL stand-in's abort. A connection to anything
+    outside the job (a test runner, an exporter, a download) is left alone.
 
     Returns:
         How many were shut down.
     """
-    import psutil
-
-    keep = store_ports()
-    try:
-        mine = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.fd >= 0]
-    except (psutil.Error, OSError) as exc:
-        log.warning("abort: cannot read this process's connections (%s)", exc)
-        return 0
-    return sum(_shut(c.fd) for c in mine if c.laddr.port not in keep and c.raddr.port not in keep)
+    return sum(cut_connections(pid) for pid in sorted(job_peer_pids()))
 
 
 def _shut(fd: int) -> int:
