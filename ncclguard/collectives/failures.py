@@ -39,7 +39,10 @@ def wire_error(
     communicator cannot be trusted any more (the abandoned op may still be queued)."""
     info = call.info
     gave_up_s = failure.at - start
-    pm = postmortem(call, start + timeout_s + 0.9)
+    # Its own bound: the call's deadline plus 0.9 s, and never under half a second from now. A loaded
+    # machine that noticed the failure late gave the post-mortem a bound already past: it asked nobody
+    # and named no missing rank (seen once in CI: a CollectiveTimeout with missing_ranks None).
+    pm = postmortem(call, max(start + timeout_s + 0.9, time.monotonic() + 0.5))
     if isinstance(failure.exc, DeadlinePassed):
         cls: type[CollectiveError] = CollectiveTimeout
         what = f"timed out after {gave_up_s:.2f} s (deadline {timeout_s:g} s)"
