@@ -67,7 +67,7 @@ import torch.distributed as dist
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
-from ncclguard.backend_rules import BackendRules, StepBoundBy, rules_of, stand_in_on
+from ncclguard.backend_rules import StepBoundBy, rules_of, stand_in_on
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import LoopDiverged, StoreUnreachable, TorchCompatError
 from ncclguard.exits import exit_now
@@ -129,14 +129,14 @@ class StepBound:
             return
         self.disarm()
         bound = timedelta(seconds=self.seconds)
-        timer: BackendRules | bool = False
+        timer = False
         stand_in = stand_in_on()
         for pg in list(compat.group_names()):
             if compat.rank_not_in_group(pg):
                 continue
             rules = rules_of(str(dist.get_backend(pg)), stand_in)
             if rules.step_bound is StepBoundBy.ABORT_TIMER:
-                timer = self._timer_rules = rules
+                timer, self._timer_rules = True, rules
                 continue
             device = _device_of(pg)
             try:

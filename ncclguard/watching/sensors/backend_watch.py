@@ -46,18 +46,7 @@ class BackendWatch:
         busy = {rec.group for rec in inflight if rec.peer is None}
         skip = self.reported | self.looked
         args = (self.rank, own, peers, busy, self.hang_timeout_s, skip, self.heartbeat_s)
-        found = detect.find_backend_desync(*args) + detect.find_backend_stuck(*args)
-        if not found:
-            return found
-        # A call of this rank that returned since the number last moved closed the newest op: the
-        # peer's number behind is a beat old (read only when a suspect is found: records cost).
-        wall = time.time()
-        moved_at = {h.group: wall - own[h.group].still_s for h in found if h.group is not None}
-        ended = detect.ended_since(self.state.records(RECENT), moved_at)
-        for hang in found:
-            if hang.group in ended and hang.seq is not None:
-                self.looked.add((hang.group, hang.seq))
-        return [h for h in found if h.group not in ended]
+        return detect.find_backend_desync(*args) + detect.find_backend_stuck(*args)
 
     def confirm(self, suspects: Sequence[detect.Detection]) -> list[detect.Detection]:
         """Reads torch's flight recorder once for the suspects (the only place it is read before an
@@ -66,13 +55,24 @@ class BackendWatch:
             return []
         # The call that issued a newest entry, if Python did, is among this rank's newest records.
         seqs = {h.group: h.seq for h in suspects if h.group is not None and h.seq is not None}
-        ops = backend_ops(seqs, self.state.records(RECENT))
+        records = self.state.records(RECENT)
+        ops = backend_ops(seqs, records)
+        # A synchronous call of this rank that returned since the number moved closed the newest op,
+        # whatever the recorder holds (gloo's may hold nothing): the peer's number behind is a beat old.
+        wall, mono = time.time(), time.monotonic()
+        ended = detect.ended_since(
+            records, {g: wall - (mono - self.own_seqs.since[g]) for g in seqs if g in self.own_seqs.since}
+        )
         out = []
         for hang in suspects:
             assert hang.group is not None and hang.seq is not None
             op = ops.get(hang.group)
             stuck = hang.kind is IncidentKind.BACKEND_STUCK
-            state = detect.backend_op_state(op, time.time(), self.hang_timeout_s, unknown_is_open=not stuck)
+            state = (
+                detect.OpState.CLOSED
+                if hang.group in ended
+                else detect.backend_op_state(op, wall, self.hang_timeout_s, unknown_is_open=not stuck)
+            )
             if state is detect.OpState.CLOSED:
                 self.looked.add((hang.group, hang.seq))  # completed here (the peers' numbers are a beat old)
             if state is not detect.OpState.OPEN or (hang.group, hang.seq) in self.reported:
