@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from ncclguard._log import log
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 PY_SPY_TIMEOUT_S = 20.0
+_TRIES = 3
+_RETRY_PAUSE_S = 0.3
 _MAX_CHARS = 64_000  # a dump of a process with many threads and deep native stacks, kept whole
 
 
@@ -51,26 +54,43 @@ def how_to_get(host: str, pid: int) -> str:
 
 
 def dump_stacks(pid: int, timeout_s: float = PY_SPY_TIMEOUT_S) -> tuple[str | None, str | None]:
-    """``py-spy dump --native --pid <pid>``.
+    """``py-spy dump --native --pid <pid>``, tried up to ``_TRIES`` times within ``timeout_s``.
+
+    py-spy reads the stacks while the process runs on; a read that raced a frame change fails
+    with "Failed to get stack traces" and the next read usually succeeds (seen on a loaded CI
+    machine), so a failed read is retried, a timeout is not.
 
     Returns:
-        (the dump, None), or (None, why there is none).
+        (the dump, None), or (None, why there is none: the last failure).
     """
     exe = find_py_spy()
     if exe is None:
         return None, "py-spy is not installed"
-    try:
-        proc = subprocess.run(
-            [exe, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"py-spy did not finish within {timeout_s:g} s"
-    except OSError as exc:
-        return None, f"py-spy could not run: {exc}"
-    if proc.returncode != 0:
+    deadline = time.monotonic() + timeout_s
+    error = "py-spy was not run"
+    for attempt in range(_TRIES):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if attempt:
+            time.sleep(min(_RETRY_PAUSE_S, left))
+        try:
+            proc = subprocess.run(
+                [exe, "dump", "--native", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=max(left, 0.1),
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"py-spy did not finish within {timeout_s:g} s"
+        except OSError as exc:
+            return None, f"py-spy could not run: {exc}"
+        if proc.returncode == 0:
+            return proc.stdout[-_MAX_CHARS:], None
         said = (proc.stderr or proc.stdout).strip().splitlines()
-        return None, f"py-spy failed (status {proc.returncode}): {said[0] if said else 'no output'}"
-    return proc.stdout[-_MAX_CHARS:], None
+        error = f"py-spy failed (status {proc.returncode}): {said[0] if said else 'no output'}"
+    return None, error
 
 
 def outside_stacks(
