@@ -119,6 +119,15 @@ class World:
                 self._state[slot] = slot.factory(self)
             return self._state[slot]
 
+    def drop(self, slot: Slot[T]) -> T | None:
+        """Forgets this world's state of ``slot`` (the next :meth:`get` builds it again).
+
+        Returns:
+            The state dropped, or None where it was never built.
+        """
+        with self._lock:
+            return self._state.pop(slot, None)
+
     def retire(self) -> None:
         """Drops this world's per-world state (``rebuild_world`` calls it on the abandoned world,
         so that the last references to its groups are the reaper's, never a cache's)."""

@@ -77,6 +77,7 @@ class RankRow(BaseModel):
     waits_for: list[int] = Field(default_factory=list)  # the ranks that have not reached the op it waits in
     waited_by: list[int] = Field(default_factory=list)  # the ranks waiting for it
     judgment: str | None = None  # a waiting rank's verdict on it ("stuck: ..." / "moving: ...")
+    snapshots: str | None = None  # its snapshot takes keep failing: what its keeper says
 
 
 class RankGroup(BaseModel):
@@ -215,6 +216,7 @@ def _row(rank: int, blob: bytes | None, key: str, index: WatchIndex, now: float)
         hang_bound_s=hb.hang_bound_s,
         backend_still=hb.backend_still,
         op_key=None if oldest is None else (oldest.group, oldest.seq),
+        snapshots=hb.snapshots,
     )
 
 
@@ -381,6 +383,9 @@ def _health(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: Wa
             said.setdefault(peer, (r.rank, text))
     for peer, (by, text) in sorted(said.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
         reasons.append(f"rank {peer} is {text} (judged by rank {by}, which waits for it)")
+    lost = [r for r in rows if r.snapshots]
+    if lost:  # the first rank's words: the ranks of one world lose their takes together (one agreement)
+        reasons.append(f"snapshots not committed: ranks {rank_ranges(r.rank for r in lost)}: {lost[0].snapshots}")
     slow = [r.rank for r in rows if r.straggler_score is not None and r.straggler_score < SLOW_SCORE]
     if slow:
         reasons.append(f"straggler score below {SLOW_SCORE}: ranks {rank_ranges(slow)}")

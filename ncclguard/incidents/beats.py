@@ -60,6 +60,8 @@ class Heartbeat(Model):
     judged: dict[str, str] | None = Field(None, max_length=64)
     # The step those verdicts are about ("<generation>/<step>"): a peer counts them only for the same.
     judged_about: str | None = Field(None, max_length=64)
+    # Its snapshot takes keep failing: how many in a row, the newest snapshot kept, why (status shows it).
+    snapshots: str | None = Field(None, max_length=240)
     # The hang bound this rank's watchdog holds now (learned per phase unless set: watching/base/hang_bound.py).
     hang_bound_s: float | None = None
     # A registered sensor's figures under its name (watching/sensors/sensor.py): a sensor of yours

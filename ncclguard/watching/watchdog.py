@@ -318,6 +318,7 @@ class Watchdog:
                 watch.check_peers()
                 desk.poll()
                 desk.progress()
+                desk.store_back()  # a store that stopped answering, asked again
                 slow_store = False
             except StoreUnreachable as exc:
                 desk.store_gone(exc)

@@ -196,6 +196,50 @@ def test_a_store_that_is_gone_turns_into_a_local_store_incident(tmp_path):
     # Without a store, a new hang is handled on this rank alone, at once.
     desk.open(HANG)
     assert desk.cases[1].local and desk.cases[1].doc.id.endswith("-r0-hang-2")
+    desk.close()
+
+
+class StallingStore:
+    """A store whose server stops answering, then answers again: torch's refusal while ``gone``."""
+
+    def __init__(self) -> None:
+        self.gone, self.inner = False, dist.HashStore()
+
+    def __getattr__(self, name):
+        def call(*args):
+            if self.gone:
+                raise dist.DistNetworkError("Connection reset by peer")
+            return getattr(self.inner, name)(*args)
+
+        return call
+
+
+def test_a_store_that_answers_again_is_the_desks_store_again(tmp_path, caplog, monkeypatch):
+    """Seen in CI: the torchrun agent's store silent for 3 s, every rank's watchdog at once; the
+    ranks went on, and one the others had left behind could never be told: its store was dropped
+    for good. Now the store is asked again every second, and taken back once it answers."""
+    monkeypatch.setattr("ncclguard.watching.desk.desk.STORE_ASK_EVERY_S", 0.0)
+    stalling = StallingStore()
+    (desk, *_) = desks(tmp_path, store=stalling)
+    stalling.gone = True
+    with pytest.raises(StoreUnreachable) as info:
+        desk.poll()
+    desk.store_gone(info.value)
+    assert desk.store is None and desk.store_lost and [c.doc.kind for c in desk.cases] == [IncidentKind.STORE_GONE]
+    assert desk.store_back() is False and desk.store is None  # still silent
+    stalling.gone = False
+    with caplog.at_level(logging.WARNING, logger="ncclguard"):
+        assert desk.store_back() is True
+    assert desk.store is not None and not desk.store_lost and desk.lost_store is None
+    assert any("the store answers again after" in r.getMessage() for r in caplog.records)
+    desk.poll()  # incidents are read through it again
+    # Lost again, it is said again: a second local incident.
+    stalling.gone = True
+    with pytest.raises(StoreUnreachable) as info:
+        desk.poll()
+    desk.store_gone(info.value)
+    assert [c.doc.kind for c in desk.cases] == [IncidentKind.STORE_GONE] * 2
+    desk.close()
 
 
 def test_incident_values_that_cannot_be_read_are_skipped(tmp_path, caplog):

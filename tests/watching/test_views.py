@@ -598,3 +598,16 @@ def test_the_verdict_on_a_rank_waited_for_is_shown_with_its_evidence(server, cap
     fill(server, "judged", 4, time.time())  # the step ended: no judgment left
     code, out = status_json(server, "judged", capsys)
     assert (code, out["reasons"]) == (0, [])
+
+
+def test_takes_that_keep_failing_are_said_once_for_the_ranks_that_say_it(server, capsys):
+    """The snapshot keeper's line rides in each rank's heartbeat from its third take lost in a row
+    (ncclguard/recovery/snapshots/keeper.py); status says it once, with the ranks."""
+    said = "3 takes in a row lost, the newest snapshot is of step 5; the last refused: rank 0: its tensors differ"
+    fill(server, "lost", 3, time.time(), r0={"snapshots": said}, r1={"snapshots": said})
+    code, out = status_json(server, "lost", capsys)
+    assert (code, out["health"]) == (EXIT_CODES["suspect"], "suspect")
+    assert out["reasons"] == [f"snapshots not committed: ranks 0-1: {said}"]
+    fill(server, "lost", 3, time.time())  # a take committed: the keeper says nothing
+    code, out = status_json(server, "lost", capsys)
+    assert (code, out["reasons"]) == (0, [])

@@ -325,7 +325,8 @@ def main() -> None:
         put("reference_results", ref_results)
         reference = full_state(ref)
         assert ref.engine.keeper is not None
-        put("reference_takes", [ref.engine.keeper.takes, ref.engine.keeper.spent_s > 0])  # what snapshots cost the loop
+        # What snapshots cost the loop, and the takes it lost (a fault-free run loses none).
+        put("reference_takes", [ref.engine.keeper.takes, ref.engine.keeper.spent_s > 0, ref.engine.keeper.lost.failed])
     stepper, results = train(kill_at=K if SCENARIO in ("host", "twice") else None, base=BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,10 +37,24 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed, SnapshotRefused
+from ncclguard.errors import HealFailed, SnapshotRefused, StoreUnreachable
+from ncclguard.recovery._rebuild.reaper import reaper
 from ncclguard.recovery._step.state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
-from ncclguard.recovery.snapshots.exchange import _op, death_watch, job_store, run_watched, swap
+from ncclguard.recovery.snapshots.agreement import (
+    MAX_WHY,
+    TAKE_FAILED,
+    TAKE_OK,
+    TAKE_REFUSED,
+    TakeLosses,
+    TakeOutcome,
+    TakeStatement,
+    agree,
+    keeper_serial,
+    take_deadline_s,
+    take_keys,
+)
+from ncclguard.recovery.snapshots.exchange import _op, death_watch, job_store, swap
 from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k
 from ncclguard.recovery.snapshots.memory import GROWN, Fit, MemoryCap, steady_bytes
 from ncclguard.recovery.snapshots.packing import Manifest, Snapshot, admit_peer, pack
@@ -96,7 +109,8 @@ class Keeper:
         codec: takes the state out of the live model and puts it back.
         every: take a snapshot every this many steps; None: chosen to cost at most ``budget``.
         budget: the share of the step time snapshots may cost when ``every`` is None.
-        timeout_s: the bound of one swap with the buddies.
+        timeout_s: the fixed part of one swap's deadline (``heal_timeout_s``); the deadline adds the
+            take's bytes at a slow link's rate or at the rate this job's takes showed, the slower.
         keep: committed snapshots kept of its own and of each replica (1 or 2; 2 lets a restore
             fall back to the one before when the newest cannot be used).
         spares: keep the buffers a commit frees for the next take (faster takes, twice the memory).
@@ -110,8 +124,9 @@ class Keeper:
         pending_replicas: the replicas that take received, by source rank.
         k: snapshots are taken every ``k`` steps (agreed by every rank).
         takes: snapshots committed so far (forced ones included).
-        failed_takes: takes that failed (the committed snapshots stayed).
-        refused_takes: of those, takes refused somewhere with every rank alive: the step went on.
+        lost: the takes that did not commit with every rank at the agreement (the step went on,
+            the committed snapshots stayed), and how the next is put off (:class:`TakeLosses`).
+        deadline_s: the last take's deadline, from its size (:func:`~ncclguard.recovery.snapshots.agreement.take_deadline_s`).
         spent_s: seconds the training loop spent taking them (what the steps paid for them).
     """
 
@@ -130,9 +145,12 @@ class Keeper:
     next_due: int | None = None
     force: bool = True  # the first step, and the first after a restore, always take one
     takes: int = 0
-    failed_takes: int = 0
-    refused_takes: int = 0
-    _said: set[str] = field(default_factory=set)
+    lost: TakeLosses = field(default_factory=TakeLosses)
+    deadline_s: float = 0.0
+    _per_byte: float | None = None  # what a take cost per byte moved, smoothed over the ones that succeeded
+    _round_generation: int = -1  # the world whose takes _round_n counts
+    _round_serial: int = 0  # this keeper's number in that world (agreement.keeper_serial)
+    _round_n: int = 0
     spent_s: float = 0.0
     _spare: dict[int, torch.Tensor] = field(default_factory=dict)  # freed buffers by owner rank (spares=True)
     _last_begin: float | None = None
@@ -170,13 +188,14 @@ class Keeper:
             kept: the step's generators as the step found them (the engine's snapshot of the step).
 
         Raises:
-            HealFailed: a swap failed or missed its deadline on some rank (a member died, a link
-                broke), or the ranks' agreement failed (the committed snapshots stay): the step fails.
-                A take only refused somewhere (every rank alive, the side group whole) raises
-                nothing: the step goes on and the next take comes later (``refused_takes``).
+            HealFailed: a rank did not come to the take's agreement (it died, or missed the
+                deadline): the step fails, the committed snapshots stay. A take that failed or
+                was refused with every rank there raises nothing: the step goes on, the next take
+                comes later (:attr:`lost`).
         """
         start = time.monotonic()
         side = _op("the snapshots' side group", side_group)  # made at the first take: every rank at once
+        began = time.monotonic()  # the side group is made by every rank at once: the ranks start together here
         me, size = dist.get_rank(), dist.get_world_size()
         state = self.codec.capture()
         found: list[torch.Tensor] = []
@@ -186,36 +205,40 @@ class Keeper:
         snap = pack(state, step, me, self._spare_for(me))
         self.pending, self.pending_replicas = snap, {}
         srcs = sources(side.buddy, me)
+        moved = snap.manifest.nbytes * (1 + len(srcs))  # sent, and about as much received per source
         # The replicas it will hold are about its own size (shards of one model). Fitted at the first
         # take and again when the state has grown: the engine's first take comes before the optimizer's
         # first step, when Adam has no moments yet (a third of what the rank will hold).
         made = len(self._cap.decided)
-        fit = self._cap.fit(snap.manifest.nbytes * (1 + len(srcs)), self.keep, self.spares)
+        fit = self._cap.fit(moved, self.keep, self.spares)
         if len(self._cap.decided) > made:  # fitted now: said once, not at every take
             self._fit(fit)
+        self.deadline_s = take_deadline_s(moved, self._per_byte, self.timeout_s)
         error: HealFailed | None = None
         if size > 1:
             try:
                 reuse = {s: b for s in srcs if (b := self._spare_for(s)) is not None}
                 admit = _peer_admission(snap.manifest, size)
                 dead = death_watch()  # a sender that died mid-take ends the wait for it at once
-                self.pending_replicas = swap(
-                    snap, side.buddy[me], srcs, side.group, self._deadline(), admit, reuse, dead
-                )
+                deadline = Deadline(began + self.deadline_s)
+                self.pending_replicas = swap(snap, side.buddy[me], srcs, side.group, deadline, admit, reuse, dead)
             except HealFailed as exc:
                 error = exc
         self._cost = time.monotonic() - start
+        if error is None and moved:
+            per_byte = (time.monotonic() - began) / moved
+            self._per_byte = per_byte if self._per_byte is None else 0.7 * self._per_byte + 0.3 * per_byte
         # A forced take (the first, or the first in a new world) also waits for slow peers and makes
         # the side group: it says nothing of what a take costs, so it asks for the K in force.
-        kind = _OK if error is None else _REFUSED if isinstance(error, SnapshotRefused) else _FAILED
-        everyone = self._settle(step, side, self.k if self.force else None, kind)
-        if everyone != _OK:
-            self.failed_takes += 1
+        kind = TAKE_OK if error is None else TAKE_REFUSED if isinstance(error, SnapshotRefused) else TAKE_FAILED
+        # A rank is given a whole take's deadline again to come: the ranks began together.
+        outcome = self._settle(step, self.k if self.force else None, kind, error, Deadline(began + 2 * self.deadline_s))
+        if outcome.kind != TAKE_OK:
             self.pending, self.pending_replicas = None, {}
-            if everyone == _REFUSED:
-                self._refused(step, error)
-                return
-            raise error or HealFailed(f"step {step}'s snapshot: another rank's swap failed; the one before stays")
+            if outcome.kind == TAKE_FAILED:
+                self._drop_side_group(side)  # a timed-out wait closed its pair: the next take makes a new one
+            self.next_due = self.lost.put_off(step, self.k, outcome, self.own[-1].step if self.own else None)
+            return
         self._commit()
         self.force = False
         self.takes += 1
@@ -223,9 +246,6 @@ class Keeper:
         if snap.manifest.nbytes > GROWN * self._told_bytes:  # said at the first take, and once grown
             self._told_bytes = snap.manifest.nbytes
             self._tell(snap, srcs, side.buddy[me], size, side.hosts)
-
-    def _deadline(self) -> Deadline:
-        return Deadline.after(self.timeout_s)
 
     def _spare_for(self, owner: int) -> torch.Tensor | None:
         return self._spare.pop(owner, None) if self.spares else None
@@ -242,34 +262,30 @@ class Keeper:
             self._spare = {r: d[-1].payload for r, d in freed.items() if d}
         self.pending, self.pending_replicas = None, {}
 
-    def _refused(self, step: int, error: HealFailed | None) -> None:
-        """A take refused somewhere, every rank alive and the side group whole: the step goes on, the
-        committed snapshots stay, and the next take comes twice as late (a refusal has a lasting
-        cause: a layout the admission does not take, a cap). Said once per reason."""
-        self.refused_takes += 1
-        self.next_due = step + 2 * max(self.k, 1) * min(self.refused_takes, 8)
-        why = str(error) if error is not None else "another rank's replica was refused"
-        if why not in self._said:
-            self._said.add(why)
-            log.warning(
-                "snapshots: step %d's snapshot was refused (%s); the step goes on, the snapshots before stay, the next "
-                "take is at step %d (%d refused so far). A refusal that lasts leaves no snapshot to heal from: see "
-                "docs/reference/recovery-snapshots.md",
-                step, why, self.next_due, self.refused_takes,
-            )  # fmt: skip
+    def _drop_side_group(self, side: SideGroup) -> None:
+        """Forgets the side group a failed swap left (every rank does, having read one outcome), so
+        that the next take makes a new one; its pending work ends on the reaper's thread."""
+        current_world().drop(SIDE)
+        try:
+            dist.destroy_process_group(side.group)
+        except (RuntimeError, ValueError) as exc:  # already gone with its world: nothing to forget
+            log.info("snapshots: the side group was not destroyed (%s)", exc)
+        reaper.bury([side.group], hold_s=_SIDE_TIMEOUT_S + 5.0, label="snapshot side group")
 
-    def _settle(self, step: int, side: SideGroup, keep: int | None, kind: int) -> int:
-        """One all_reduce on the side group: how every rank's swap went (the worst of :data:`_OK`,
-        :data:`_REFUSED`, :data:`_FAILED`), and the K they take from this step on (the largest asked).
+    def _settle(
+        self, step: int, keep: int | None, kind: int, error: HealFailed | None, deadline: Deadline
+    ) -> TakeOutcome:
+        """The take's agreement (:func:`~ncclguard.recovery.snapshots.agreement.agree`): how every
+        rank's swap went, and the K they take from this step on (the largest asked).
 
         Raises:
-            HealFailed: the agreement itself failed (the pending snapshot is kept: this rank cannot
-                tell whether the others committed it).
+            HealFailed: a rank did not come (the pending snapshot is kept: this rank cannot tell
+                whether the others committed it).
         """
         if self.every is not None:
             want = self.every
         else:
-            if keep is None and kind == _OK:
+            if keep is None and kind == TAKE_OK:
                 self._take_cost = self._cost if self._take_cost is None else 0.7 * self._take_cost + 0.3 * self._cost
             if keep is None:
                 want = self._wanted_k()
@@ -281,24 +297,31 @@ class Keeper:
                 want = min(keep, self._wanted_k())
             else:
                 want = keep
-        agreed = torch.tensor([want, kind], dtype=torch.int64)
-        if dist.get_world_size() > 1:
-            # Bounded: a rank that died since the last take fails this step, it does not hang it; one
-            # whose launcher says it died fails it at once (the others of the ring wait on the live ones).
-            run_watched(
-                "the ranks' agreement on the snapshot",
-                partial(dist.all_reduce, agreed, op=dist.ReduceOp.MAX, group=side.group, async_op=True),
-                self._deadline(),
-                death_watch(),
-            )
-        if int(agreed[1].item()) != _OK:
-            return int(agreed[1].item())
-        k = int(agreed[0].item())
-        if k != self.k:
+        me, size = dist.get_rank(), dist.get_world_size()
+        statement = TakeStatement(rank=me, kind=kind, want=want, why=str(error or "")[:MAX_WHY])
+        store = job_store()
+        if size == 1 or store is None:
+            outcome = TakeOutcome(kind=kind, k=want, whys={me: statement.why} if kind != TAKE_OK else {})
+        else:
+            world = current_world()
+            try:
+                if self._round_generation != world.generation:
+                    serial = keeper_serial(store, world.generation, me, deadline)
+                    self._round_generation, self._round_serial, self._round_n = world.generation, serial, 0
+                gen, serial, n = world.generation, self._round_serial, self._round_n
+                self._round_n += 1
+                previous = take_keys(gen, serial, n - 1) if n else None
+                outcome = agree(store, take_keys(gen, serial, n), previous, statement, size, deadline, death_watch())
+            except (StoreUnreachable, RuntimeError) as exc:  # the store's own errors: the step fails, not the loop
+                raise HealFailed(f"the take's agreement: the job's store failed: {exc}") from exc
+        if outcome.kind != TAKE_OK:
+            return outcome
+        self.lost.committed()
+        if outcome.k != self.k:
             why = f"; a failure every {self._mtbf:.0f} s so far: Young's interval" if self._mtbf is not None else ""
-            log.info("snapshots: every %d step(s) from step %d (one take %.3f s%s)", k, step, self._cost, why)
-        self.k, self.next_due = k, step + k
-        return _OK
+            log.info("snapshots: every %d step(s) from step %d (one take %.3f s%s)", outcome.k, step, self._cost, why)
+        self.k, self.next_due = outcome.k, step + outcome.k
+        return outcome
 
     def _fit(self, fit: Fit) -> None:
         """Keeps what the memory cap leaves, and says what gave way."""
@@ -381,9 +404,6 @@ class Keeper:
         self.pending, self.pending_replicas = None, {}
         self._spare.clear()
         self.force = True
-
-
-_OK, _REFUSED, _FAILED = 0, 1, 2  # how a take went on a rank: the ranks' agreement takes the worst
 
 
 def _kept(snaps: list[Snapshot], keep: int) -> tuple[list[Snapshot], list[Snapshot]]:

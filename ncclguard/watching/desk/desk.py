@@ -68,7 +68,9 @@ from ncclguard.watching.sensors.liveness import Liveness, store_host_text
 from ncclguard.watching.sensors.rank_state import RankState
 
 __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
-__all__ += ["mark_fenced", "merged_note", "write_report"]
+__all__ += ["STORE_ASK_EVERY_S", "mark_fenced", "merged_note", "write_report"]
+
+STORE_ASK_EVERY_S = 1.0  # how often a store that stopped answering is asked again
 
 
 class IncidentDesk:
@@ -104,6 +106,9 @@ class IncidentDesk:
         self.store_addr: str | None = None
         self.connecting: Connecting | None = None  # the store's client being made (watching/worlds.py)
         self.store_lost = False
+        self.store_lost_at: float | None = None  # time.monotonic() when it stopped answering
+        self.lost_store: WatchdogStore | None = None  # the store that stopped answering, asked again
+        self._asked_at = 0.0
         self.store_closing = False  # the store's host said the store goes when it ends (the job's end)
         # A node's first rank logs every merged report, and copies the report where the directory is
         # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
@@ -165,10 +170,16 @@ class IncidentDesk:
     def store_gone(self, exc: BaseException) -> None:
         """The store stopped answering: drop it and raise a local ``store`` incident (once), unless
         its host had said it was ending (:attr:`store_closing`): then the job is ending, and that is
-        no incident."""
+        no incident.
+
+        The store is kept aside and asked again (:meth:`store_back`): a store's host that stalled
+        for seconds under load (seen in CI: the torchrun agent's store silent for 3 s, every rank at
+        once) is the job's store again once it answers, and a rank the others then went on without
+        can still be told so."""
         if self.store_lost:
             return
-        self.store_lost = True
+        self.store_lost, self.store_lost_at = True, time.monotonic()
+        self.lost_store, self._asked_at = self.store, 0.0
         self.store = None
         if self.store_closing:
             log.info(
@@ -186,8 +197,30 @@ class IncidentDesk:
             "lives in rank 0's process under a plain launcher and in the agent under torchrun, so that process or "
             "its host is gone (or the link to it is cut)"
         )
-        log.error("watchdog: %s; handling incidents on this rank only from now on", text)
+        log.error("watchdog: %s; handling incidents on this rank only until it answers again", text)
         self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
+
+    def store_back(self) -> bool:
+        """Asks the store that stopped answering again, every :data:`STORE_ASK_EVERY_S` (one bounded
+        call; while the call it was stuck in has not returned, a question costs nothing), and takes
+        it back once it answers. Never raises.
+
+        Returns:
+            True when the store is this desk's again.
+        """
+        lost, now = self.lost_store, time.monotonic()
+        if not self.store_lost or lost is None or self.store_closing or now - self._asked_at < STORE_ASK_EVERY_S:
+            return False
+        self._asked_at = now
+        try:
+            lost.incident_count()
+        except (StoreTimeout, StoreUnreachable, StoreRefused):
+            return False
+        gone_s = now - (self.store_lost_at or now)
+        log.warning("watchdog: the store answers again after %.1f s; incidents are shared through it again", gone_s)
+        self.store, self.lost_store = lost, None
+        self.store_lost, self.store_lost_at = False, None
+        return True
 
     # ----------------------------------------------------------------- handling
 

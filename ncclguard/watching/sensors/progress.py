@@ -117,6 +117,18 @@ class VotesAbout:
 JUDGED_ABOUT: Slot[VotesAbout] = Slot("judged_about", lambda world: VotesAbout())
 
 
+@dataclass
+class SnapshotsSay:
+    """What the snapshot keeper says of its takes while they keep failing (None once one commits):
+    the recovery engine writes it, the heartbeat carries it, ``ncclguard status`` shows it."""
+
+    text: str | None = None
+
+
+SNAPSHOTS_SAY: Slot[SnapshotsSay] = Slot("snapshots_say", lambda world: SnapshotsSay())
+MAX_SNAPSHOTS_CHARS = 240
+
+
 @dataclass(frozen=True)
 class Judgment:
     """What :meth:`Progress.judge` decided, and on what evidence."""

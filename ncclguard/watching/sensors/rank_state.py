@@ -24,7 +24,7 @@ from ncclguard.recording.flight import FlightRecord, recorder
 from ncclguard.recording.phase import main_thread_phase
 from ncclguard.recording.sites import format_stack, frame_site
 from ncclguard.watching.sensors import detect, torchfr
-from ncclguard.watching.sensors.progress import JUDGED, JUDGED_ABOUT, beat_evidence, own_sample
+from ncclguard.watching.sensors.progress import JUDGED, JUDGED_ABOUT, SNAPSHOTS_SAY, beat_evidence, own_sample
 from ncclguard.world import current_world
 
 __all__ = ["RECENT", "RankState", "WorldArrivals", "backend_ops", "op_record"]
@@ -201,6 +201,7 @@ class RankState:
             **beat_evidence(),
             judged=judged or None,
             judged_about=about if judged else None,
+            snapshots=current_world().get(SNAPSHOTS_SAY).text,
         )
 
     def statement(self, beat: int, peers: Mapping[str, PeerView]) -> Statement:
