@@ -227,6 +227,7 @@ def recovering_step(
     optimizer: torch.optim.Optimizer,
     *,
     rebuild: Callable[[], Any] | None = None,
+    scheduler: Any = None,
     **recovery: Unpack[RecoveryKeywords],
 ) -> Any:
     """A recovering step for an Accelerate loop (see the module doc).
@@ -237,6 +238,8 @@ def recovering_step(
         optimizer: the optimizer ``accelerator.prepare`` returned.
         rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
             (:class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`).
+        scheduler: your LR scheduler, which your loop steps once per applied step: a healed rank
+            receives its state (DDP only; with the DeepSpeed plugin, give DeepSpeed the scheduler).
         **recovery: the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`), passed on whole.
 
@@ -250,10 +253,15 @@ def recovering_step(
     if isinstance(accelerator, Accelerator) and accelerator.distributed_type == DistributedType.DEEPSPEED:
         from .deepspeed import AcceleratorDeepSpeedStep  # lazily: it needs deepspeed installed
 
+        if scheduler is not None:
+            raise TypeError(
+                "scheduler= is for a DDP model; with the DeepSpeed plugin give DeepSpeed the scheduler (its config's "
+                "scheduler, or accelerator.prepare(..., scheduler) before the engine is made): the engine keeps its state"
+            )
         return AcceleratorDeepSpeedStep(accelerator, model, optimizer, rebuild=rebuild, **recovery)
     if rebuild is not None:
         raise TypeError(
             "rebuild= builds a DeepSpeed engine's module afresh; this Accelerator has no DeepSpeed plugin, and a "
             "DDP model is re-pointed after a rebuild, not built again: leave rebuild out"
         )
-    return AcceleratorRecoveringStep(accelerator, model, optimizer, **recovery)
+    return AcceleratorRecoveringStep(accelerator, model, optimizer, scheduler=scheduler, **recovery)

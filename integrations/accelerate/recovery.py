@@ -139,6 +139,9 @@ class AcceleratorRecoveringStep(RecoveringStep):
             the stepper once per micro-batch (see the module doc).
         model: the prepared model (a ``DistributedDataParallel`` under several processes).
         optimizer: the prepared optimizer.
+        scheduler: your LR scheduler (prepared or not), if any; you step it once per applied step.
+            With ``heal`` a restarted rank receives its state from the live peer (without it, the
+            rank's schedule would start again: :class:`RecoveringStep` refuses that).
         **recovery: the recovery keywords every adapter takes, as for :class:`RecoveringStep`
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`). With ``heal=True`` a rank
             restarted by its supervisor joins the survivors here (its ``Accelerator()`` stood in
@@ -166,6 +169,8 @@ class AcceleratorRecoveringStep(RecoveringStep):
         accelerator: Accelerator,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
         **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         if not isinstance(accelerator, Accelerator):
@@ -198,6 +203,7 @@ class AcceleratorRecoveringStep(RecoveringStep):
             unwrapped(model),
             optimizer,
             wrap=self._repointed,
+            scheduler=scheduler,
             **recovery,
         )
 

@@ -59,7 +59,7 @@ from ncclguard.recovery.records import Recovered, StepResult
 from ncclguard.recovery.snapshots.restore import Restored
 from ncclguard.recovery.snapshots.state import ModuleState, StateCodec
 
-__all__ = ["RecoveringStep", "StepResult", "cannot_rewrap"]
+__all__ = ["RecoveringStep", "StepResult", "cannot_rewrap", "driven_by_a_scheduler"]
 
 
 def cannot_rewrap(module: torch.nn.Module) -> str | None:
@@ -168,6 +168,15 @@ class RecoveringStep(Adapter):
             raise TypeError(
                 f"scheduler must be an LR scheduler (state_dict/load_state_dict), got {type(scheduler).__name__}"
             )
+        if scheduler is None and options.heal and driven_by_a_scheduler(optimizer):
+            why = (
+                "an LR scheduler steps this optimizer (torch wrapped its step) but scheduler= was not given: a rank "
+                "healed from a peer would start its schedule again while its peers go on, and the ranks would "
+                "diverge. Pass scheduler=<your scheduler> (or heal=False)"
+            )
+            if not options.heal_auto:
+                raise ValueError(why)
+            log.warning("%s: %s", self.name, why)
         if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler (scale, step, update), got {type(scaler).__name__}")
         self.module, self.optimizer, self._wrap, self.scheduler = module, optimizer, wrap, scheduler
@@ -370,3 +379,13 @@ class RecoveringStep(Adapter):
             Step numbers.
         """
         return self.engine.steps(stop, start)
+
+
+def driven_by_a_scheduler(optimizer: Any) -> bool:
+    """Whether a torch LR scheduler steps ``optimizer`` (or the optimizer a wrapper of it holds, as
+    Accelerate's ``AcceleratedOptimizer``): torch wraps the optimizer's ``step`` when a scheduler is
+    made on it (``torch/optim/lr_scheduler.py``, ``_wrapped_by_lr_sched``)."""
+    for opt in (optimizer, getattr(optimizer, "optimizer", None)):
+        if opt is not None and hasattr(getattr(opt, "step", None), "_wrapped_by_lr_sched"):
+            return True
+    return False

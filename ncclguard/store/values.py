@@ -23,7 +23,7 @@ from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.codec import decode, encode
 from ncclguard.store.rounds import GRACE_S
 
-__all__ = ["delete_keys", "delete_prefix", "poll_value", "read_value", "write_value"]
+__all__ = ["count_up", "delete_keys", "delete_prefix", "poll_value", "read_value", "write_value"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -117,6 +117,22 @@ def poll_value(
         waited = time.monotonic() - start
         if not deadline.sleep(min(max(waited / 4, FIRST_SLEEP_S), MAX_SLEEP_S)):
             return None
+
+
+def count_up(store: dist.Store, key: str, deadline: Deadline, what: str) -> int:
+    """Adds 1 to the counter under ``key`` (0 when missing) and returns the new count.
+
+    Args:
+        store: the store.
+        key: the counter's key.
+        deadline: when to stop waiting for the store.
+        what: the count in words, for errors.
+
+    Raises:
+        StoreUnreachable: no answer by ``deadline``.
+        RuntimeError, DistStoreError: the store failed.
+    """
+    return int(bounded_store_call(store, lambda: store.add(key, 1), deadline, what))
 
 
 def delete_keys(store: dist.Store, keys: Sequence[str], deadline: Deadline, what: str) -> None:

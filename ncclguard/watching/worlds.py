@@ -121,9 +121,9 @@ def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, sessio
         return
     desk.store, desk.store_addr, desk.store_lost = old.store, old.store_addr, old.store_lost
     desk.store_closing, desk.connecting = old.store_closing, old.connecting
-    desk.store_lost_at, desk.lost_store = old.store_lost_at, old.lost_store  # asked again in the new world
+    desk.lost_store = old.lost_store  # asked again in the new world
     if desk.lost_store is not None:
-        desk.lost_store.keys = Keys.from_env(session, generation=world.generation)
+        desk.lost_store.store.keys = Keys.from_env(session, generation=world.generation)
     if desk.store is not None:
         desk.store.keys = Keys.from_env(session, generation=world.generation)
         try:

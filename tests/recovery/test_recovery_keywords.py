@@ -267,3 +267,39 @@ def test_the_deepspeed_engine_step_without_rebuild_engine_turns_the_default_heal
     # heal by default: off without rebuild_engine, so the next check (the engine) is what refuses here.
     with pytest.raises(TypeError, match="engine"):
         CommittedEngineStep(object(), checkpoint_dir="unused")
+
+
+def test_a_scheduler_that_steps_the_optimizer_must_be_given_to_a_step_that_heals(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_accelerate
+) -> None:
+    """Seen on an Accelerate loop with a warm-up schedule: a rank healed from a peer got the model and
+    the optimizer, not the schedule, and the ranks' parameters differed at the end. heal=True without
+    the scheduler is refused before any communication; the default heal says so in the log."""
+    from accelerate import Accelerator
+
+    from ncclguard import RecoveringStep
+    from ncclguard.integrations.accelerate import recovering_step
+    from ncclguard.recovery._rebuild.restarts import SUPERVISED_RESTARTS_VAR
+    from ncclguard.recovery.recovering import driven_by_a_scheduler
+
+    module, opt = _model_and_optimizer()
+    assert not driven_by_a_scheduler(opt)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    assert driven_by_a_scheduler(opt)
+    with pytest.raises(ValueError, match=r"an LR scheduler steps this optimizer .* Pass scheduler=<your scheduler>"):
+        RecoveringStep(module, opt, heal=True)
+    assert RecoveringStep(module, opt, heal=True, scheduler=schedule).scheduler is schedule
+    RecoveringStep(module, opt, heal=False)  # nothing to heal: nothing to say
+    monkeypatch.setenv(SUPERVISED_RESTARTS_VAR, "1")  # heal on by default: said, not refused
+    with caplog.at_level("WARNING", logger="ncclguard"):
+        assert RecoveringStep(module, opt).engine.options.heal is True
+    assert "RecoveringStep: an LR scheduler steps this optimizer" in caplog.text
+    # Accelerate: the prepared optimizer wraps the one the scheduler steps.
+    accelerator = Accelerator(cpu=True)
+    module, opt = _model_and_optimizer()
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    model, prepared = accelerator.prepare(module, opt)
+    assert driven_by_a_scheduler(prepared)
+    with pytest.raises(ValueError, match="Pass scheduler="):
+        recovering_step(accelerator, model, prepared, heal=True)
+    assert recovering_step(accelerator, model, prepared, heal=True, scheduler=schedule).scheduler is schedule

@@ -10,8 +10,14 @@ No healthy rank is acted on. Rank side: tests/workers/defaults_worker.py:
     default dropout and shuffled data; launch rank 2 asleep for good at step 12 (after the warm-up).
 ``hf`` 3 ranks: the HF Trainer with ``guard_trainer(trainer, recover=True)``; launch rank 2 asleep for
     good at the start of global step 3 (before the warm-up: the 30 s judge bound).
+``accelerate`` 3 ranks: the ``loop`` as the Accelerate page writes it, ``Accelerator()`` first, then
+    ``recovering_step(accelerator, model, optimizer, scheduler=schedule)``; launch rank 2 asleep for good at
+    step 12.
+``lightning`` 3 ranks: that BERT as a LightningModule, ``Trainer(callbacks=[NcclGuardCallback(recover=True)])``
+    with Lightning's defaults (its fit makes the group: the callback is imported before, as its page
+    writes it); launch rank 2 asleep for good at global step 12.
 
-Both scripts make their process group before they import ncclguard, as their docs write them: the
+The loops and the Trainer make their process group before they import ncclguard, as their docs write them: the
 restarted process stands in all the same (the start-up hook), never waits in the job's first world.
 
 The same fault with ``allow_shrink=True`` (a world of 2): tests/watching/test_verdict_multirank.py.
@@ -113,3 +119,60 @@ def test_the_hf_trainer_with_every_default_ends_on_its_full_world_after_a_rank_a
     assert hf_job[0]["digest"] == hf_job[1]["digest"] == hf_job[12]["digest"]
     _acted_on_the_sleeper_only(hf_job)
     _group_first_and_the_restart_stood_in(hf_job)
+
+
+@pytest.fixture(scope="module")
+def accelerate_job(tmp_path_factory):
+    # About 35 s here, as the loop: 12 steps, the stall judged ~10 s into its step, a cold restart, a
+    # heal. Hang guard 240 s, under the 300 s step bound.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("defaults_worker", 3, "accelerate", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_an_accelerate_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(accelerate_job):
+    """The loop as the Accelerate page writes it: Accelerator() first, then recovering_step(accelerator,
+    model, optimizer, scheduler=schedule) and nothing else; the BERT of the loop above, its warm-up
+    schedule stepped by the loop. Without scheduler=, the healed rank's schedule started again and
+    its parameters differed from the survivors' at the end (tests/recovery/test_recovery_keywords.py)."""
+    ASLEEP, STEPS = accelerate_job[0]["plan"]
+    for r in (0, 1):
+        res = accelerate_job[r]
+        assert res["heal"] is True  # on by default under the supervisor's restarts
+        rows = [(x["step"], x["ok"], x["attempts"], x["size"]) for x in res["results"]]
+        assert rows == [(s, True, 2 if s == ASLEEP else 1, 3) for s in range(STEPS)], rows
+        assert res["final"] == [r, 3, 1] and res["processes"] == [r, 3]  # Accelerate's view: the full world
+        assert res["results"][ASLEEP]["ended"] - accelerate_job[2]["stall_at"] < 100
+    back = accelerate_job[12]
+    assert back["life"] == 1 and back["resume_step"] == ASLEEP
+    assert [(x["step"], x["ok"], x["size"]) for x in back["results"]] == [(s, True, 3) for s in range(ASLEEP, STEPS)]
+    assert back["final"] == [2, 3, 1] and back["processes"] == [2, 3]
+    assert accelerate_job[0]["digest"] == accelerate_job[1]["digest"] == back["digest"]
+    _acted_on_the_sleeper_only(accelerate_job)
+    _group_first_and_the_restart_stood_in(accelerate_job)
+
+
+@pytest.fixture(scope="module")
+def lightning_job(tmp_path_factory):
+    # About 55 s here: Lightning's start, 12 steps, the stall judged ~10 s into its step, a cold restart
+    # (torch, transformers and Lightning imported again), a heal. Hang guard 240 s, 4x that.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    return run_ranks("defaults_worker", 3, "lightning", timeout_s=240, supervise=DEFAULTS, env=_env(where))
+
+
+def test_a_lightning_fit_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(lightning_job):
+    """Trainer(callbacks=[NcclGuardCallback(recover=True)]) with Lightning's defaults (DDP on gloo, its
+    sampler), the BERT of the loop above, AdamW and a warm-up schedule from configure_optimizers."""
+    ASLEEP, STEPS = lightning_job[0]["plan"]
+    stall = lightning_job[2]["stall_at"]
+    for r in (0, 1, 12):
+        res = lightning_job[r]
+        assert res["heal"] is True and res["global_step"] == STEPS, res
+        assert res["final"] == [r % 10, 3, 1]
+    for r in (0, 1):
+        assert lightning_job[r]["recoveries"] == [{"step": ASLEEP, "world_size": 3}]
+        assert lightning_job[r]["step_ends"][str(ASLEEP + 1)] - stall < 100  # the redone step, far under 300 s
+    assert lightning_job[12]["life"] == 1 and lightning_job[12]["recoveries"] == []
+    assert lightning_job[0]["digest"] == lightning_job[1]["digest"] == lightning_job[12]["digest"]
+    acted = [e for r in (0, 1, 12) for e in lightning_job[r]["events"] if e["what"] not in ("awaiting", "busy")]
+    assert acted and all(e["rank"] == 2 and e["state"] == "stuck" for e in acted), acted
+    _acted_on_the_sleeper_only(lightning_job)

@@ -119,6 +119,118 @@ def loop() -> None:
     rankkit.done()
 
 
+def accelerate() -> None:
+    """The ``loop`` run as docs/reference/integrations-accelerate.md writes it: ``Accelerator()`` makes the
+    group, the model and optimizer prepared, ``recovering_step(accelerator, model, optimizer,
+    scheduler=schedule)`` and nothing else; the scheduler stepped by the loop once per applied step."""
+    import transformers
+    from accelerate import Accelerator
+
+    before = "ncclguard" in sys.modules
+    accelerator = Accelerator(cpu=True)  # makes the process group first; a restarted process's stands in
+    _order(before)
+    from ddp_bitequal_worker import batch, dataset, make  # imports ncclguard: after the group, as users do
+
+    from ncclguard.integrations.accelerate import recovering_step
+    from ncclguard.world import current_world
+
+    rankkit.rank = lambda: ME + 10 * LIFE  # that module sets its own on import
+    module, opt = make()
+    schedule = transformers.get_linear_schedule_with_warmup(opt, 3, STEPS)
+    model, opt = accelerator.prepare(module, opt)
+    stepper = recovering_step(accelerator, model, opt, scheduler=schedule)  # nothing else
+    put("heal", stepper.engine.options.heal)
+    put("plan", [ASLEEP, STEPS])
+    put("pid", os.getpid())
+    put("resume_step", stepper.resume_step)
+    rankkit.save()
+    data, results = dataset(), []
+    for step in range(stepper.resume_step or 0, STEPS):
+        ids, labels = batch(data, step)
+
+        def step_fn(m: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
+            if ME == 2 and LIFE == 0 and step == ASLEEP:
+                put("results", results)
+                rankkit.asleep_for_good()
+            accelerator.backward(m(input_ids=ids, labels=labels).loss)
+            accelerator.clip_grad_norm_(m.parameters(), 1.0)
+
+        t0 = time.time()
+        res = stepper(step_fn, step=step)
+        healed = res.healed.role if res.healed is not None else None
+        results.append(
+            {"step": step, "ok": res.ok, "attempts": res.attempts, "size": dist.get_world_size(), "healed": healed,
+             "started": t0, "ended": time.time()}
+        )  # fmt: skip
+        if not res:
+            break
+        schedule.step()
+    put("results", results)
+    put("events", _events(stepper.engine))
+    put("processes", [accelerator.process_index, accelerator.num_processes])
+    put("digest", _digest(module))
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.done()
+
+
+def lightning() -> None:
+    """The ``loop``'s BERT as a LightningModule, as docs/reference/integrations-lightning.md writes it:
+    ``Trainer(callbacks=[NcclGuardCallback(recover=True)])`` with Lightning's defaults (the DDP
+    strategy on gloo, its DistributedSampler), AdamW and a warm-up schedule from
+    ``configure_optimizers`` (stepped every step); the fit makes the process group."""
+    import transformers
+    from ddp_bitequal_worker import dataset, make
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from ncclguard.integrations.lightning import NcclGuardCallback
+    from ncclguard.world import current_world
+
+    rankkit.rank = lambda: ME + 10 * LIFE  # that module sets its own on import
+    ends: dict[int, float] = {}
+
+    class Bert(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert, _ = make()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if ME == 2 and LIFE == 0 and self.trainer.global_step == ASLEEP:
+                rankkit.asleep_for_good()
+            ids, labels = batch
+            return self.bert(input_ids=ids, labels=labels).loss
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+            schedule = transformers.get_linear_schedule_with_warmup(opt, 3, STEPS)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    class StepEnds(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            ends[trainer.global_step] = time.time()
+
+    guard = NcclGuardCallback(recover=True)  # nothing else: every timeout at its default, heal by default
+    trainer = Trainer(
+        accelerator="cpu", devices=3, max_steps=STEPS, gradient_clip_val=1.0, callbacks=[guard, StepEnds()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    put("pid", os.getpid())
+    rankkit.save()
+    model = Bert()
+    trainer.fit(model, DataLoader(dataset(), batch_size=4))
+    assert guard.recovery is not None
+    put("heal", guard.recovery.engine.options.heal)
+    put("plan", [ASLEEP, STEPS])
+    put("global_step", trainer.global_step)
+    put("recoveries", [{"step": r.step, "world_size": r.world_size} for r in guard.recoveries])
+    put("events", _events(guard.recovery.engine))
+    put("step_ends", ends)
+    put("digest", _digest(model))
+    put("final", [dist.get_rank(), dist.get_world_size(), current_world().generation])
+    rankkit.done()
+
+
 def hf() -> None:
     from hf_parts import Dataset, cpu_arguments, tiny_bert
     from transformers import Trainer
@@ -176,4 +288,4 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     put("life", LIFE)
-    {"loop": loop, "hf": hf}[sys.argv[1]]()
+    {"loop": loop, "hf": hf, "accelerate": accelerate, "lightning": lightning}[sys.argv[1]]()

@@ -34,12 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import DecodeError, HealFailed, StoreUnreachable
-from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import decode, encode
 from ncclguard.store.keys import RoundKeys
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
-from ncclguard.store.values import delete_keys
+from ncclguard.store.values import count_up, delete_keys
 from ncclguard.watching.sensors.progress import MAX_SNAPSHOTS_CHARS, SNAPSHOTS_SAY
 from ncclguard.world import current_world
 
@@ -51,6 +50,7 @@ __all__ = [
     "TAKE_REFUSED",
     "TakeLosses",
     "TakeOutcome",
+    "TakeRounds",
     "TakeStatement",
     "agree",
     "decide",
@@ -121,7 +121,7 @@ def keeper_serial(store: dist.Store, generation: int, rank: int, deadline: Deadl
         StoreUnreachable: the store did not answer by ``deadline``.
     """
     key = f"ncclguard/take/{_restart()}/g{generation}/keepers/r{rank}"
-    return int(bounded_store_call(store, lambda: store.add(key, 1), deadline, "the keeper's number"))
+    return count_up(store, key, deadline, "the keeper's number")
 
 
 class TakeStatement(BaseModel):
@@ -352,3 +352,42 @@ class TakeLosses:
         if self.in_a_row:
             self.in_a_row = 0
             current_world().get(SNAPSHOTS_SAY).text = None
+
+
+@dataclass
+class TakeRounds:
+    """A keeper's take agreements: numbered per world (:func:`take_keys`), the one before deleted.
+
+    Attributes:
+        generation: the world the count is of (-1 before the first take).
+        serial: the keeper's number in that world (:func:`keeper_serial`).
+        n: the takes agreed on in that world so far.
+    """
+
+    generation: int = -1
+    serial: int = 0
+    n: int = 0
+
+    def agree(
+        self,
+        store: dist.Store,
+        generation: int,
+        statement: TakeStatement,
+        size: int,
+        deadline: Deadline,
+        dead: Callable[[Deadline], dict[int, str]],
+    ) -> TakeOutcome:
+        """The next take's round in world ``generation`` (see :func:`agree`).
+
+        Raises:
+            HealFailed: a rank did not come, or the store failed (the step fails, the loop goes on).
+        """
+        try:
+            if self.generation != generation:
+                serial = keeper_serial(store, generation, statement.rank, deadline)
+                self.generation, self.serial, self.n = generation, serial, 0
+            n, self.n = self.n, self.n + 1
+            previous = take_keys(generation, self.serial, n - 1) if n else None
+            return agree(store, take_keys(generation, self.serial, n), previous, statement, size, deadline, dead)
+        except (StoreUnreachable, RuntimeError) as exc:  # the store's own errors
+            raise HealFailed(f"the take's agreement: the job's store failed: {exc}") from exc

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import HealFailed, SnapshotRefused, StoreUnreachable
+from ncclguard.errors import HealFailed, SnapshotRefused
 from ncclguard.recovery._rebuild.reaper import reaper
 from ncclguard.recovery._step.state import StepState, generators_to_send
 from ncclguard.recovery.commit import note_point_to_point
@@ -48,11 +48,9 @@ from ncclguard.recovery.snapshots.agreement import (
     TAKE_REFUSED,
     TakeLosses,
     TakeOutcome,
+    TakeRounds,
     TakeStatement,
-    agree,
-    keeper_serial,
     take_deadline_s,
-    take_keys,
 )
 from ncclguard.recovery.snapshots.exchange import _op, death_watch, job_store, swap
 from ncclguard.recovery.snapshots.interval import FailureRate, wanted_k
@@ -148,9 +146,7 @@ class Keeper:
     lost: TakeLosses = field(default_factory=TakeLosses)
     deadline_s: float = 0.0
     _per_byte: float | None = None  # what a take cost per byte moved, smoothed over the ones that succeeded
-    _round_generation: int = -1  # the world whose takes _round_n counts
-    _round_serial: int = 0  # this keeper's number in that world (agreement.keeper_serial)
-    _round_n: int = 0
+    rounds: TakeRounds = field(default_factory=TakeRounds)  # its takes' agreements, numbered per world
     spent_s: float = 0.0
     _spare: dict[int, torch.Tensor] = field(default_factory=dict)  # freed buffers by owner rank (spares=True)
     _last_begin: float | None = None
@@ -303,17 +299,8 @@ class Keeper:
         if size == 1 or store is None:
             outcome = TakeOutcome(kind=kind, k=want, whys={me: statement.why} if kind != TAKE_OK else {})
         else:
-            world = current_world()
-            try:
-                if self._round_generation != world.generation:
-                    serial = keeper_serial(store, world.generation, me, deadline)
-                    self._round_generation, self._round_serial, self._round_n = world.generation, serial, 0
-                gen, serial, n = world.generation, self._round_serial, self._round_n
-                self._round_n += 1
-                previous = take_keys(gen, serial, n - 1) if n else None
-                outcome = agree(store, take_keys(gen, serial, n), previous, statement, size, deadline, death_watch())
-            except (StoreUnreachable, RuntimeError) as exc:  # the store's own errors: the step fails, not the loop
-                raise HealFailed(f"the take's agreement: the job's store failed: {exc}") from exc
+            generation = current_world().generation
+            outcome = self.rounds.agree(store, generation, statement, size, deadline, death_watch())
         if outcome.kind != TAKE_OK:
             return outcome
         self.lost.committed()

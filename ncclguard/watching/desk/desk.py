@@ -68,9 +68,37 @@ from ncclguard.watching.sensors.liveness import Liveness, store_host_text
 from ncclguard.watching.sensors.rank_state import RankState
 
 __all__ = ["Case", "IncidentDesk", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
-__all__ += ["STORE_ASK_EVERY_S", "mark_fenced", "merged_note", "write_report"]
+__all__ += ["STORE_ASK_EVERY_S", "LostStore", "mark_fenced", "merged_note", "write_report"]
 
 STORE_ASK_EVERY_S = 1.0  # how often a store that stopped answering is asked again
+
+
+class LostStore:
+    """A store that stopped answering, and when: asked again every :data:`STORE_ASK_EVERY_S`.
+
+    Args:
+        store: the store.
+        since: ``time.monotonic()`` when it stopped answering.
+    """
+
+    def __init__(self, store: WatchdogStore, since: float) -> None:
+        self.store, self.since, self._asked_at = store, since, 0.0
+
+    def answers(self) -> bool:
+        """One bounded call, at most every :data:`STORE_ASK_EVERY_S` (while the call it was stuck in
+        has not returned, a question costs nothing); says it once it answers. Never raises."""
+        now = time.monotonic()
+        if now - self._asked_at < STORE_ASK_EVERY_S:
+            return False
+        self._asked_at = now
+        try:
+            self.store.incident_count()
+        except (StoreTimeout, StoreUnreachable, StoreRefused):
+            return False
+        log.warning(
+            "watchdog: the store answers again after %.1f s; incidents are shared through it again", now - self.since
+        )
+        return True
 
 
 class IncidentDesk:
@@ -106,9 +134,7 @@ class IncidentDesk:
         self.store_addr: str | None = None
         self.connecting: Connecting | None = None  # the store's client being made (watching/worlds.py)
         self.store_lost = False
-        self.store_lost_at: float | None = None  # time.monotonic() when it stopped answering
-        self.lost_store: WatchdogStore | None = None  # the store that stopped answering, asked again
-        self._asked_at = 0.0
+        self.lost_store: LostStore | None = None  # the store that stopped answering, asked again
         self.store_closing = False  # the store's host said the store goes when it ends (the job's end)
         # A node's first rank logs every merged report, and copies the report where the directory is
         # not shared (Merger.follow): people read node 0's log, and any host's incident directory.
@@ -178,8 +204,8 @@ class IncidentDesk:
         can still be told so."""
         if self.store_lost:
             return
-        self.store_lost, self.store_lost_at = True, time.monotonic()
-        self.lost_store, self._asked_at = self.store, 0.0
+        self.store_lost = True
+        self.lost_store = LostStore(self.store, time.monotonic()) if self.store is not None else None
         self.store = None
         if self.store_closing:
             log.info(
@@ -201,25 +227,11 @@ class IncidentDesk:
         self.open_local(Detection(IncidentKind.STORE_GONE, "the rendezvous store is gone", "local", store_text=text))
 
     def store_back(self) -> bool:
-        """Asks the store that stopped answering again, every :data:`STORE_ASK_EVERY_S` (one bounded
-        call; while the call it was stuck in has not returned, a question costs nothing), and takes
-        it back once it answers. Never raises.
-
-        Returns:
-            True when the store is this desk's again.
-        """
-        lost, now = self.lost_store, time.monotonic()
-        if not self.store_lost or lost is None or self.store_closing or now - self._asked_at < STORE_ASK_EVERY_S:
+        """Takes the store that stopped answering back once it answers (:class:`LostStore`); True then."""
+        lost = self.lost_store
+        if not self.store_lost or lost is None or self.store_closing or not lost.answers():
             return False
-        self._asked_at = now
-        try:
-            lost.incident_count()
-        except (StoreTimeout, StoreUnreachable, StoreRefused):
-            return False
-        gone_s = now - (self.store_lost_at or now)
-        log.warning("watchdog: the store answers again after %.1f s; incidents are shared through it again", gone_s)
-        self.store, self.lost_store = lost, None
-        self.store_lost, self.store_lost_at = False, None
+        self.store, self.lost_store, self.store_lost = lost.store, None, False
         return True
 
     # ----------------------------------------------------------------- handling
