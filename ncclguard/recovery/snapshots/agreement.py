@@ -222,8 +222,8 @@ def _rule(
         except DecodeError as exc:
             raise StoreUnreachable(f"the take outcome under {keys.outcome!r} cannot be read: {exc}") from exc
 
-    # No members: the keys stay until the next round that every rank reached (see _forget), so a
-    # late rank still finds the outcome.
+    # No members: the keys stay until the keeper's next take, whose agree() deletes them once every
+    # rank came to it, so a late rank still finds this outcome.
     return Rule(
         everyone=lambda: encode(decide(_statements(everyone), size)),
         given_up=lambda peek: encode(decide(_statements(peek), size, dead(Deadline.within(1.0)))),
