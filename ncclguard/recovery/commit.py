@@ -52,7 +52,7 @@ from ncclguard.recovery._commit.statements import (
 from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
-from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.codec import decode_each, decode_outcome, encode
 from ncclguard.store.deaths import DeathWatch
 from ncclguard.store.rounds import GRACE_S, Members, Peek, Rule, settle_round
 from ncclguard.store.values import delete_keys
@@ -246,14 +246,7 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
     known = _known_dead(store, info, size)
 
     def statements_of(raw: dict[int, bytes]) -> dict[int, CommitStatement | None]:
-        out: dict[int, CommitStatement | None] = {}
-        for r, blob in raw.items():
-            try:
-                out[r] = decode(CommitStatement, blob, f"rank {r}'s commit statement", MAX_STATEMENT_BYTES)
-            except DecodeError as exc:
-                log.error("should_commit: %s", exc)
-                out[r] = None
-        return out
+        return decode_each(CommitStatement, raw, "commit statement", MAX_STATEMENT_BYTES, "should_commit")
 
     def everyone() -> str:
         return encode(decide(statements_of(statements.arrivals(complete=True)), size, step, timeout_s))
@@ -263,10 +256,7 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
         return encode(decide(statements_of(peek.arrivals()), size, step, timeout_s, dead))
 
     def read(raw: bytes) -> CommitOutcome:
-        try:
-            return decode(CommitOutcome, raw, f"the commit outcome under {keys.outcome!r}", outcome_limit(size))
-        except DecodeError as exc:
-            raise StoreUnreachable(f"the commit outcome under {keys.outcome!r} cannot be read: {exc}") from exc
+        return decode_outcome(CommitOutcome, raw, "the commit outcome", keys.outcome, outcome_limit(size))
 
     def early(peek: Peek) -> str | None:
         assert known is not None  # given to the rule only then

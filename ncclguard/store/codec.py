@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from ncclguard.errors import DecodeError
+from ncclguard._log import log
+from ncclguard.errors import DecodeError, StoreUnreachable
 
-__all__ = ["DEFAULT_LIMIT", "DecodeError", "check_finite", "decode", "encode"]
+__all__ = ["DEFAULT_LIMIT", "DecodeError", "check_finite", "decode", "decode_each", "decode_outcome", "encode"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -119,6 +121,49 @@ def decode(model: type[M], blob: bytes | str, what: str, limit: int, *, finite: 
     if finite:
         check_finite(value, what, size, limit)
     return value
+
+
+def decode_each(model: type[M], blobs: Mapping[int, bytes], what: str, limit: int, said: str) -> dict[int, M | None]:
+    """Each rank's value in ``blobs`` (a round's arrivals), None for one that cannot be read.
+
+    Args:
+        model: the model of one value.
+        blobs: the raw values, by rank.
+        what: one value in words (``"commit statement"``: "rank 2's commit statement").
+        limit: the most bytes one value may hold.
+        said: the log line's prefix for a value refused (``"should_commit"``), logged as an error.
+
+    Returns:
+        The values by rank; None where the value was refused (its sender counts as failed).
+    """
+    out: dict[int, M | None] = {}
+    for rank, blob in blobs.items():
+        try:
+            out[rank] = decode(model, blob, f"rank {rank}'s {what}", limit)
+        except DecodeError as exc:
+            log.error("%s: %s", said, exc)
+            out[rank] = None
+    return out
+
+
+def decode_outcome(model: type[M], raw: bytes, what: str, key: str, limit: int) -> M:
+    """A round's settled outcome: every rank reads the same one, so one that cannot be read means
+    the store cannot be trusted.
+
+    Args:
+        model: the outcome's model.
+        raw: its raw value.
+        what: the outcome in words (``"the commit outcome"``).
+        key: its key.
+        limit: the most bytes it may hold.
+
+    Raises:
+        StoreUnreachable: it cannot be read (what, under which key, and why).
+    """
+    try:
+        return decode(model, raw, f"{what} under {key!r}", limit)
+    except DecodeError as exc:
+        raise StoreUnreachable(f"{what} under {key!r} cannot be read: {exc}") from exc
 
 
 def encode(value: BaseModel | Any) -> str:

@@ -685,3 +685,22 @@ def test_a_value_under_an_ask_key_that_is_no_ask_is_read_as_none_and_said_once(c
         assert read_ask(store, 3, "0") is None
     refused = [r for r in caplog.records if "refused: nothing is done on it" in r.getMessage()]
     assert len(refused) == 2, [r.getMessage() for r in refused]
+
+
+def test_a_rounds_values_each_read_or_refused_and_an_unreadable_outcome_is_an_untrusted_store(caplog) -> None:
+    """The arrivals of a round: one that cannot be read is None (its sender counts as failed), said
+    once in the log; the outcome every rank reads: one that cannot be read is StoreUnreachable."""
+    from pydantic import BaseModel
+
+    from ncclguard.store.codec import decode_each, decode_outcome
+
+    class Said(BaseModel):
+        n: int
+
+    with caplog.at_level("ERROR", logger="ncclguard"):
+        got = decode_each(Said, {0: b'{"n": 1}', 1: b"\x80 not json", 2: b'{"n": 3}'}, "statement", 64, "tester")
+    assert got == {0: Said(n=1), 1: None, 2: Said(n=3)}
+    assert ["tester: rank 1's statement: not a valid Said" in r.getMessage() for r in caplog.records] == [True]
+    assert decode_outcome(Said, b'{"n": 4}', "the outcome", "k/o", 64) == Said(n=4)
+    with pytest.raises(StoreUnreachable, match=r"^the outcome under 'k/o' cannot be read: "):
+        decode_outcome(Said, b'{"n": 4}' + b" " * 100, "the outcome", "k/o", 64)  # over its bound

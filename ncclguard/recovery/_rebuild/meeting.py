@@ -45,7 +45,7 @@ from ncclguard._log import log
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.clients import unprefixed
-from ncclguard.store.codec import DecodeError, decode, encode
+from ncclguard.store.codec import DecodeError, decode, decode_outcome, encode
 from ncclguard.store.deaths import STUCK_RC, deaths_so_far, read_deaths
 from ncclguard.store.keys import MeetingKeys, world_prefix
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
@@ -268,10 +268,7 @@ def _rule(
     keys: MeetingKeys, size: int, allow_shrink: bool, stuck: Callable[[], set[int]] | None = None
 ) -> Rule[MeetingOutcome]:
     def read(raw: bytes) -> MeetingOutcome:
-        try:
-            return decode(MeetingOutcome, raw, f"the outcome under {keys.outcome!r}", MAX_OUTCOME_BYTES)
-        except DecodeError as exc:
-            raise StoreUnreachable(f"the rebuild's outcome under {keys.outcome!r} cannot be read: {exc}") from exc
+        return decode_outcome(MeetingOutcome, raw, "the rebuild's outcome", keys.outcome, MAX_OUTCOME_BYTES)
 
     def given_up(peek: Peek) -> str:
         return encode(decide(peek.present(), size, allow_shrink))

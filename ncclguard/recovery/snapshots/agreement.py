@@ -33,9 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
-from ncclguard.errors import DecodeError, HealFailed, StoreUnreachable
+from ncclguard.errors import HealFailed, StoreUnreachable
 from ncclguard.store.clients import store_for_this_thread
-from ncclguard.store.codec import decode, encode
+from ncclguard.store.codec import decode_each, decode_outcome, encode
 from ncclguard.store.keys import RoundKeys
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
 from ncclguard.store.values import count_up, delete_keys
@@ -192,15 +192,8 @@ def decide(said: dict[int, TakeStatement | None], size: int, dead: dict[int, str
     )
 
 
-def _statements(peek: Peek, ranks: list[int] | None = None) -> dict[int, TakeStatement | None]:
-    out: dict[int, TakeStatement | None] = {}
-    for r, blob in peek.arrivals(ranks).items():
-        try:
-            out[r] = decode(TakeStatement, blob, f"rank {r}'s take statement", _MAX_STATEMENT_BYTES)
-        except DecodeError as exc:
-            log.error("snapshots: %s", exc)
-            out[r] = None
-    return out
+def _statements(peek: Peek) -> dict[int, TakeStatement | None]:
+    return decode_each(TakeStatement, peek.arrivals(), "take statement", _MAX_STATEMENT_BYTES, "snapshots")
 
 
 def _rule(
@@ -215,12 +208,7 @@ def _rule(
         return encode(decide(_statements(peek), size, gone))
 
     def read(raw: bytes) -> TakeOutcome:
-        try:
-            return decode(
-                TakeOutcome, raw, f"the take outcome under {keys.outcome!r}", _MAX_STATEMENT_BYTES * (size + 1)
-            )
-        except DecodeError as exc:
-            raise StoreUnreachable(f"the take outcome under {keys.outcome!r} cannot be read: {exc}") from exc
+        return decode_outcome(TakeOutcome, raw, "the take outcome", keys.outcome, _MAX_STATEMENT_BYTES * (size + 1))
 
     # No members: the keys stay until the keeper's next take, whose agree() deletes them once every
     # rank came to it, so a late rank still finds this outcome.
