@@ -29,6 +29,7 @@ __all__ = [
     "CommitFailed",
     "LoopDiverged",
     "HealFailed",
+    "GeneratorsApart",
     "RestartRefused",
     "BackendRuleError",
     "SnapshotRefused",
@@ -243,6 +244,13 @@ class HealFailed(NcclGuardError):
     def __init__(self, message: str, *, refused_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.refused_ranks = list(refused_ranks or [])
+
+
+class GeneratorsApart(NcclGuardError, ValueError):
+    """The ranks' random generators differ (a seed per rank) where ``heal=True`` asked for a heal
+    from a live peer, which hands a restarted rank its peer's generators: the healed run could not
+    be the run without the fault. Raised on every rank at the first commit that shows it, before
+    the step is applied; it says which generators and how to seed instead."""
 
 
 class SnapshotRefused(HealFailed):

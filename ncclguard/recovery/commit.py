@@ -34,12 +34,11 @@ from ncclguard._naming import rank_ranges
 from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s, no_group_reason
 from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
-from ncclguard.errors import CommitFailed, StoreUnreachable, TorchCompatError
+from ncclguard.errors import CommitFailed, StoreUnreachable
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.rungs import ActedRung, acted
+from ncclguard.recovery._commit.said import generators_noted, note_point_to_point, other_sequences, p2p_groups, sequence
 from ncclguard.recovery._commit.statements import (
-    MAX_GROUP_NAME_CHARS,
-    MAX_GROUPS,
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
     CommitOutcome,
@@ -82,6 +81,8 @@ class CommitResult(Result):
         error: a :class:`~ncclguard.errors.CommitFailed` when not ``ok``, else None.
         stop: a rank was asked to stop (SIGTERM): every rank stops after this step
             (:mod:`ncclguard.recovery.preempt`); the same on every rank.
+        generators_apart: by generator name, the ranks whose generator differs from most ranks'
+            (ranks seeded apart), where the recovery engine stated them; the same on every rank.
     """
 
     ok: bool
@@ -94,6 +95,7 @@ class CommitResult(Result):
     error: CommitFailed | None = None
     early: bool = False
     stop: bool = False
+    generators_apart: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _Commits:
@@ -186,56 +188,6 @@ def _problems(info: GroupInfo | None, since: float, failure: str | BaseException
     if len(found) > MAX_PROBLEMS:
         found[MAX_PROBLEMS - 1 :] = [f"and {len(found) - MAX_PROBLEMS + 1} more problem(s)"]
     return [clip(p) for p in found]
-
-
-def _sequence(group: dist.ProcessGroup, name: str) -> int | None:
-    try:
-        return compat.sequence_number(group)
-    except (TorchCompatError, RuntimeError) as exc:
-        log.debug("should_commit: the backend's sequence number of group %r is unreadable (%s)", name, exc)
-        return None
-
-
-def _other_sequences(info: GroupInfo) -> dict[str, int]:
-    """The backend's sequence number on every other group of this world that this rank is in."""
-    found: dict[str, int] = {}
-    for pg, name in sorted(compat.group_names().items(), key=lambda kv: kv[1]):
-        if pg is info.group or len(name) > MAX_GROUP_NAME_CHARS or compat.rank_not_in_group(pg):
-            continue
-        if len(found) == MAX_GROUPS:
-            log.debug("should_commit: this rank is in more than %d other groups; the rest are not compared", MAX_GROUPS)
-            break
-        seq = _sequence(pg, name)
-        if seq is not None:
-            found[name] = seq
-    return found
-
-
-_P2P: Slot[set[str]] = Slot("groups declared point-to-point", lambda world: set[str]())
-
-
-def note_point_to_point(group: dist.ProcessGroup) -> None:
-    """Declares a group of this world whose ranks run point-to-point ops that the flight recorder
-    does not see (the snapshots' side group): its sequence numbers differ between healthy ranks,
-    and the commit does not compare them.
-
-    Args:
-        group: a process group of the current world.
-    """
-    name = compat.group_names().get(group)
-    if name is not None:
-        current_world().get(_P2P).add(name)
-
-
-def _p2p_groups() -> list[str]:
-    """The groups on which the flight recorder saw point-to-point ops, and those declared so
-    (:func:`note_point_to_point`; see CommitStatement.p2p_groups)."""
-    seen = {k.removesuffix(":p2p") for k in recorder.last_seq() if k.endswith(":p2p")}
-    declared: set[str] = current_world().get(_P2P)
-    names = sorted(seen | declared)
-    # Past the bounds, say every group ("*"): a comparison left out is safer than a healthy rank named.
-    fits = len(names) <= MAX_GROUPS and all(len(n) <= MAX_GROUP_NAME_CHARS for n in names)
-    return names if fits else ["*"]
 
 
 def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitOutcome]:
@@ -343,6 +295,7 @@ def should_commit(
         info = _live_group(group)
         n, since, now = state.n, state.since, time.time()
         problems = _problems(info, since, failure)
+        generators = generators_noted()  # taken whatever the path: a note is for this commit only
         # Counted before the round: a round that raised (the store gone) is not met again.
         state.n, state.since = n + 1, now
         if step is not None:
@@ -355,7 +308,7 @@ def should_commit(
             outcome = CommitOutcome(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
             late = False
         else:
-            outcome, late = _agree(info, world.generation, n, step, problems, start, timeout_s)
+            outcome, late = _agree(info, world.generation, n, step, (problems, generators), start, timeout_s)
         if outcome.ok:
             state.committed = n
         count_commit(outcome.ok)
@@ -377,7 +330,7 @@ def _agree(
     generation: int,
     n: int,
     step: int | None,
-    problems: list[str],
+    said: tuple[list[str], dict[str, str]],
     start: float,
     timeout_s: float | None,
 ) -> tuple[CommitOutcome, bool]:
@@ -389,7 +342,8 @@ def _agree(
         generation: the world's generation.
         n: the commit's number in this world.
         step: the caller's step number, or None.
-        problems: what went wrong on this rank since its last commit.
+        said: what went wrong on this rank since its last commit, and the generators' digests
+            the engine noted for it (:func:`~ncclguard.recovery._commit.said.note_generators`).
         start: ``time.monotonic()`` at the commit's entry (its deadline counts from there).
         timeout_s: the caller's bound, or None for the default.
 
@@ -401,6 +355,7 @@ def _agree(
     """
     if timeout_s is None:
         timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
+    problems, generators = said
     statement = CommitStatement(
         rank=info.rank,
         step=n,
@@ -408,11 +363,12 @@ def _agree(
         generation=generation,
         group=info.name,
         group_size=info.size,
-        seq=_sequence(info.group, info.name),
-        other_seqs=_other_sequences(info),
-        p2p_groups=_p2p_groups(),
+        seq=sequence(info.group, info.name),
+        other_seqs=other_sequences(info),
+        p2p_groups=p2p_groups(),
         problems=problems,
         stop=stop_requested(),
+        generators=generators,
     )
     return _settle(info, generation, n, statement, Deadline(start + timeout_s), timeout_s)
 
@@ -484,4 +440,5 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
         error=error,
         early=outcome.early,
         stop=outcome.stop,
+        generators_apart={k: list(v) for k, v in outcome.generators_apart.items()},
     )

@@ -54,6 +54,7 @@ from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._step.guards import StepBound, StepTiming, arm_left_behind_fence, not_rewound
+from ncclguard.recovery._step.seeds import SeedCheck
 from ncclguard.recovery.adapter import Adapter, Reenter
 from ncclguard.recovery.heal import HealResult, heal_from_peer
 from ncclguard.recovery.options import RecoveryOptions
@@ -114,6 +115,9 @@ class Recovery:
             if codec is not None
             else None
         )
+        # A heal from a live peer hands over its generators: the ranks' are compared at each commit.
+        explicit = options.heal and not options.heal_auto
+        self.seeds = SeedCheck(adapter.name, states=options.heal and self.keeper is None, explicit=explicit)
         self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
         install_handler()
 
@@ -301,7 +305,7 @@ class Recovery:
         """
         if not (self.options.heal and rebuilt.joined_ranks) or self.keeper is not None:
             return None
-        return heal_from_peer(
+        healed = heal_from_peer(
             self.adapter.get_module(),
             self.adapter.get_optimizer(),
             step=step,
@@ -309,6 +313,8 @@ class Recovery:
             chunk_bytes=self.options.heal_chunk_bytes,
             extra=self.adapter.heal_extra(),
         )
+        self.seeds.healed(list(rebuilt.joined_ranks))
+        return healed
 
     def restore_joined(self, rebuilt: RebuildResult, step: int) -> Restored | None:
         """Sharded state: brings every rank back to one snapshot, the restarted ranks from their

@@ -165,8 +165,8 @@ class Transaction(Generic[T]):
             Reenter: the adapter's framework must enter its loop again at this step (the
                 transaction is carried to the next :meth:`Recovery.begin` of it).
             RebuildFailed: this rank was left out of the rebuilt world and ``left_out="raise"``.
-            LoopDiverged: the ranks passed different step numbers (a loop that did not go back
-                with a restore), on every rank.
+            LoopDiverged, GeneratorsApart: the ranks passed different step numbers (a loop that did
+                not go back with a restore), or ``heal=True`` met a seed per rank; on every rank.
         """
         opts = self.engine.options
         tally, first = self._tally()
@@ -175,9 +175,11 @@ class Transaction(Generic[T]):
             for attempt in range(first, opts.max_attempts + 1):
                 # A redo passes no step=: the first attempt's commit already checked it.
                 checked = self.step if attempt == 1 and not self._redo else None
+                self.engine.seeds.state(self.kept)
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
                 tally.commits.append(res)
                 tally.clock.lap("commit")
+                self.engine.seeds.check(res, self.number)  # raises on every rank alike (the same outcome)
                 if res:
                     return self._committed(res, attempt, tally)
                 loop = diverged(res)

@@ -40,10 +40,27 @@ FIXTURE = Path(__file__).parents[1] / "fixtures" / "incidents_v1" / "20261122-09
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+class Applied:
+    """A TCPStore whose ``set`` has been applied by the server when it returns. torch's does not wait
+    for the server (measured here: a ``check`` on another connection right after a ``set`` missed
+    the key 144 times in 300), while a round trip on the same connection follows the ``set``
+    in order: the status view, on its own connection, then reads what the test wrote."""
+
+    def __init__(self, store: dist.TCPStore) -> None:
+        self.store = store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, value)
+        self.store.check([key])
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
 @pytest.fixture(scope="module")
 def server():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield store
+    yield Applied(store)
     del store
 
 

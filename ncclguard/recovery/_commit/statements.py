@@ -20,6 +20,7 @@ from ncclguard._naming import rank_ranges
 from ncclguard.store.keys import RoundKeys
 
 __all__ = [
+    "MAX_GENERATORS",
     "MAX_GROUPS",
     "MAX_GROUP_NAME_CHARS",
     "MAX_PROBLEMS",
@@ -30,6 +31,7 @@ __all__ = [
     "CommitStatement",
     "commit_keys",
     "decide",
+    "generators_apart",
     "outcome_limit",
 ]
 
@@ -38,6 +40,9 @@ MAX_REASON_CHARS = 300  # characters of one stated problem
 MAX_GROUPS = 16  # other groups whose sequence numbers one rank states at most
 MAX_GROUP_NAME_CHARS = 64  # torch names groups "0", "1", ... or by a 40-character hash
 GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
+MAX_GENERATORS = 8  # generators one rank states a digest of (torch, CUDA, random, NumPy)
+GeneratorName = Annotated[str, StringConstraints(max_length=16)]
+Digest = Annotated[str, StringConstraints(max_length=64)]
 STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (_step.guards.diverged reads it)
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
@@ -60,6 +65,9 @@ class CommitStatement(BaseModel):
             numbers differ between healthy ranks and are not compared. ``"*"``: every group.
         problems: what went wrong on this rank since its last commit (empty: a clean step).
         stop: this rank was asked to stop (SIGTERM; :mod:`ncclguard.recovery.preempt`).
+        generators: a digest of each random generator as the step found it, by generator name,
+            stated where a heal from a live peer hands over the peer's generators (empty: not
+            stated); compared, never failing the step (see CommitOutcome.generators_apart).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,6 +83,7 @@ class CommitStatement(BaseModel):
     p2p_groups: list[GroupName] = Field(default_factory=list, max_length=MAX_GROUPS)
     problems: list[str] = Field(default_factory=list, max_length=MAX_PROBLEMS)
     stop: bool = False
+    generators: dict[GeneratorName, Digest] = Field(default_factory=dict, max_length=MAX_GENERATORS)
 
 
 class CommitOutcome(BaseModel):
@@ -87,6 +96,9 @@ class CommitOutcome(BaseModel):
         failed: why each failed rank failed (rank -> reasons); empty when ``ok``.
         early: settled before the deadline, the ranks missing being known dead.
         stop: a rank whose statement arrived was asked to stop: every rank stops after this step.
+        generators_apart: by generator name, the ranks whose generator differs from the one most
+            ranks hold (every stating rank where no state is held by most): ranks seeded apart.
+            Empty when the stated generators agree or none were stated.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -97,11 +109,12 @@ class CommitOutcome(BaseModel):
     failed: dict[int, list[str]] = Field(default_factory=dict)
     early: bool = False
     stop: bool = False
+    generators_apart: dict[GeneratorName, list[int]] = Field(default_factory=dict, max_length=MAX_GENERATORS)
 
 
 def outcome_limit(size: int) -> int:
     """The most bytes a outcome among ``size`` ranks may take (every rank failed, at length)."""
-    return 4096 + size * (16 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
+    return 4096 + size * (16 + MAX_GENERATORS * 8 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
 
 
 def commit_keys(group: str, generation: int, step: int, restart: str | None = None) -> RoundKeys:
@@ -250,5 +263,31 @@ def decide(
     arrived = sorted(r for r in statements if 0 <= r < size)
     stop = any(s.stop for s in readable.values())  # one rank asked: all stop at the same step
     return CommitOutcome(
-        ok=not failed, step=step, arrived=arrived, failed=dict(sorted(failed.items())), early=early, stop=stop
+        ok=not failed,
+        step=step,
+        arrived=arrived,
+        failed=dict(sorted(failed.items())),
+        early=early,
+        stop=stop,
+        generators_apart=generators_apart(readable),
     )
+
+
+def generators_apart(statements: Mapping[int, CommitStatement]) -> dict[str, list[int]]:
+    """By generator name, the ranks whose stated generator differs from the one most ranks state.
+
+    Args:
+        statements: by rank, the readable statements.
+
+    Returns:
+        Each generator stated differently, with its odd ranks (sorted; every stating rank where no
+        state is held by most); empty when they agree, or fewer than two ranks stated it.
+    """
+    names = sorted({g for s in statements.values() for g in s.generators})[:MAX_GENERATORS]
+    apart: dict[str, list[int]] = {}
+    for name in names:
+        held = {r: s.generators[name] for r, s in statements.items() if name in s.generators}
+        odd, _ = _odd_ones(held)
+        if odd:
+            apart[name] = sorted(odd)
+    return apart

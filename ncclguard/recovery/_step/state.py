@@ -38,6 +38,8 @@ builds itself, after every rebuild:
 
 from __future__ import annotations
 
+import array
+import hashlib
 import itertools
 import random
 from collections.abc import Callable, Iterable
@@ -56,6 +58,7 @@ __all__ = [
     "Layout",
     "StepState",
     "bucket_layout",
+    "generator_digests",
     "generators_to_send",
     "kept_layout",
     "layout_source",
@@ -130,6 +133,35 @@ def generators_to_send(state: StepState) -> dict[str, Any]:
         name, keys, pos, has_gauss, cached = state.np_rng
         sent["np"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     return sent
+
+
+def generator_digests(state: StepState) -> dict[str, str]:
+    """A short digest of each generator of ``state``: ranks seeded alike state the same ones.
+
+    Args:
+        state: a step's snapshot.
+
+    Returns:
+        By generator name (``torch``, ``cuda``, ``random``, ``numpy``; those present), the first 16
+        hex digits of the BLAKE2 hash of its state.
+    """
+
+    def digest(*parts: bytes) -> str:
+        h = hashlib.blake2b(digest_size=8)
+        for part in parts:
+            h.update(part)
+        return h.hexdigest()
+
+    out = {"torch": digest(state.cpu_rng.numpy().tobytes())}
+    if state.cuda_rng:
+        out["cuda"] = digest(*(t.numpy().tobytes() for t in state.cuda_rng))
+    if state.py_rng is not None:
+        version, internal, gauss = state.py_rng
+        out["random"] = digest(array.array("Q", internal).tobytes(), repr((version, gauss)).encode())
+    if state.np_rng is not None:
+        name, keys, pos, has_gauss, cached = state.np_rng
+        out["numpy"] = digest(keys.tobytes(), repr((name, int(pos), int(has_gauss), float(cached))).encode())
+    return out
 
 
 def restore_sent_generators(sent: dict[str, Any]) -> None:
