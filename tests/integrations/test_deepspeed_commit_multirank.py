@@ -122,6 +122,7 @@ def test_the_restart_resumes_from_the_step_before_the_failure_and_ends_bit_equal
         assert res["loaded"] is True and res["global_steps_loaded"] == K
         assert res["digest_loaded"] == failed[r]["digest_before_failed_step"]  # nothing of the failed step
         assert res["global_steps_resumed"] == STEPS
+        assert res["resumed_run"] == [[True] * (STEPS - K), 0, 0]  # each step applied, none redone, no rebuild
         assert res["digest_resumed"] == res["digest_reference"]  # bit for bit, Adam state included
     assert resumed[0]["digest_resumed"] == resumed[1]["digest_resumed"]
 

@@ -38,6 +38,7 @@ def _survivor_ran(res: dict, back: int, after: list[dict]) -> None:
     assert res["reference_results"] == [
         {"step": s, "applied": True, "rewound_to": None, "generation": 0} for s in range(STEPS)
     ]
+    assert res["reference_takes"] == [STEPS // 2, 0]  # a snapshot at steps 0, 2 and 4, none lost
     assert res["results"][:K] == [
         {"step": BASE + s, "applied": True, "rewound_to": None, "generation": 0} for s in range(K)
     ]

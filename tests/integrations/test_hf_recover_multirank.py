@@ -67,6 +67,7 @@ def test_the_trainer_redoes_a_stalled_step_on_generation_1_and_ends_bit_equal(jo
         assert logged["ncclguard_recover_generation"] == 1
         # The redone step is the fault-free run's step: same losses logged, same parameters.
         assert _losses(a["log_history"]) == _losses(a["ref_log_history"])
+        assert recover_entries(a["ref_log_history"]) == []  # the fault-free run, guarded too, recovered nothing
         assert a["equal_across_ranks"] is True
         assert a["equal_to_reference"] is True
     assert len({job[r]["a"]["recoveries"][0]["ncclguard_recover_failed_ranks"] for r in range(3)}) == 1

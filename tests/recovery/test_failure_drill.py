@@ -38,6 +38,8 @@ def test_the_short_drill_recovers_every_stall_and_reports_its_numbers(tmp_path):
         assert run["steps_per_s"] > 0 and run["equal_across_ranks"] is True and run["same_digest_on_survivors"]
         assert (run["world_size"], run["survivors"], run["torchrun_rc"]) == (3, 3, 0)
     assert clean["faults"] == 0
+    # The fault-free run: no step redone, no rebuild.
+    assert (clean["attempted"], clean["recoveries"], clean["generation"]) == (60, [], 0)
     assert stall["faults"] >= 1  # a stall every 6 s
     assert stall["attempted"] > stall["committed"]  # at least one step was redone
     assert [r["attempts"] for r in stall["recoveries"]] == [2] * len(stall["recoveries"])

@@ -70,6 +70,8 @@ def test_under_torchrun_a_supervisor_restarts_the_rank_alone_from_its_warm_spare
             True,
         )
     assert torchrun_job[0]["results"][K]["commits"] == [[False, [0, 1, 2]], [True, []]]
+    for r in (0, 2):  # the survivors' fault-free run first: every step at its first attempt, no rebuild
+        assert torchrun_job[r]["reference_results"] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(STEPS)]
     # The supervisor posted the death: the survivors' commit named rank 1 dead and settled then.
     for r in (0, 2):
         assert (torchrun_job[r]["results"][K]["died"], torchrun_job[r]["results"][K]["early"]) == ([1], True)
@@ -141,6 +143,7 @@ def test_a_restart_that_dies_inside_its_heal_is_restarted_again_healed_and_every
     assert [(r.rank, r.count, r.returncode) for r in twice_job.restarts] == [(1, 1, -9), (1, 2, -9)]
     assert twice_job.lives == {0: [0], 1: [-9, -9, 0], 2: [0]}
     for r, role in ((0, "source"), (2, "bystander")):
+        assert twice_job[r]["reference_results"] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(STEPS)]
         steps = twice_job[r]["results"]
         assert steps[:K] == [{"step": s, **CLEAN0, "world_size": 3} for s in range(K)]
         # The heal into generation 1 failed (its receiver died): no redo there; the next commit

@@ -127,6 +127,8 @@ def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(laun
     k = 2  # the worker's stalled step
     for r in range(3):
         res = job[r]
+        # The fault-free run first: every step at its first attempt, no rebuild.
+        assert [(s["ok"], s["attempts"], s["generation"]) for s in res["reference_results"]] == [(True, 1, 0)] * 5
         steps = res["results"]
         assert [s["ok"] for s in steps] == [True] * 5 and [s["attempts"] for s in steps] == [1, 1, 2, 1, 1]
         assert steps[k]["generation"] == 1 and steps[k]["commits"] == [[False, [0, 1, 2]], [True, []]], steps[k]
@@ -142,3 +144,7 @@ def test_an_fsdp2_rank_killed_in_its_take_is_restored_from_its_buddy_bit_equal(f
     for r in range(3):
         assert fsdp2_job[r]["final"] == [r, 3, 1]
         assert fsdp2_job[r]["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
+    for r in (0, 2):  # the survivors' fault-free run: no rebuild, a snapshot at steps 0, 2 and 4, none lost
+        refs = fsdp2_job[r]["reference_results"]
+        assert [(s["ok"], s["attempts"], s["generation"]) for s in refs] == [(True, 1, 0)] * 6
+        assert fsdp2_job[r]["reference_takes"] == [3, True, 0]

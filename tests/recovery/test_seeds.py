@@ -22,7 +22,7 @@ from ncclguard.recovery._commit.statements import (
     generators_apart,
 )
 from ncclguard.recovery._step.seeds import SeedCheck, apart_text
-from ncclguard.recovery._step.state import StepState, generator_digests
+from ncclguard.recovery._step.state import StepState, drawn_generators, generator_digests
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.store.codec import encode
 
@@ -49,6 +49,21 @@ def test_the_digests_are_equal_for_equal_seeds_and_name_the_generator_that_diffe
     torch.manual_seed(7)
     torch.rand(1)  # one draw moves it
     assert generator_digests(StepState.take(torch.nn.Linear(2, 2)))["torch"] != a["torch"]
+
+
+def test_only_the_generators_a_step_drew_from_are_stated():
+    kept = StepState.take(torch.nn.Linear(2, 2))
+    assert drawn_generators(kept) == {}  # nothing drawn: an unseeded random or NumPy is no concern
+    torch.nn.functional.dropout(torch.ones(8), 0.5)  # a forward with dropout draws from torch's
+    assert drawn_generators(kept) == {"torch": generator_digests(kept)["torch"]}  # as the step found it
+    numpy.random.rand()
+    random.random()
+    assert set(drawn_generators(kept)) == {"torch", "numpy", "random"}
+    check = SeedCheck("x", states=True, explicit=True)
+    check.state(kept)
+    assert generators_noted() == drawn_generators(kept)
+    SeedCheck("y", states=False, explicit=True).state(kept)  # a sharded engine states none
+    assert generators_noted() == {}
 
 
 def test_the_outcome_names_the_odd_rank_or_every_rank_and_never_fails_the_step():

@@ -32,8 +32,9 @@ def test_a_seed_per_rank_under_the_default_heal_is_said_once_and_training_goes_o
         assert part["results"] == [{"ok": True, "attempts": 1, "generation": 0}] * 3, part
         assert len(part["lines"]) == 1, part
         line = part["lines"][0]
-        # transformers.set_seed seeds random, NumPy and torch: each differs on every rank
-        assert "generators are not alike at step 10 (numpy, random and torch differ on ranks 0-2" in line, line
+        # transformers.set_seed seeds random, NumPy and torch apart; the step draws from torch's only
+        # (dropout), so only torch's is compared
+        assert "generators are not alike at step 10 (torch differ on ranks 0-2: a seed per rank?)" in line, line
         assert "at step 10" in line and "set_seed(seed) without device_specific=True" in line, line
 
 

@@ -207,7 +207,9 @@ def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not
         res = ring_job[r]
         assert res["final"] == [r, 4, 1]
         assert res["equal_to_reference"] is True  # full parameters and Adam's state, bit for bit
-        if r != 3:
+        if r != 3:  # the survivors' fault-free run first: no rebuild, a snapshot at steps 0, 2 and 4, none lost
+            assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+            assert res["reference_takes"] == [3, True, 0]
             assert [(x["step"], x["ok"], x["rewound_to"]) for x in res["results"] if not x["ok"]] == [(10, False, back)]
     assert (ring_job[3]["life"], ring_job[3]["resume_step"]) == (1, back)
 
@@ -223,6 +225,7 @@ def test_a_restart_that_dies_inside_its_restore_is_restarted_again_restored_and_
     for r, role in ((0, "survivor"), (2, "holder")):
         res = twice_job[r]
         assert res["reference_results"] == [clean(s, 0) for s in range(STEPS)]
+        assert res["reference_takes"] == [STEPS, True, 0]  # a snapshot every step, none lost
         assert res["results"][:K] == [clean(BASE + s, 0) for s in range(K)]
         assert res["results"][K] == {
             "step": BASE + K,

@@ -120,8 +120,9 @@ def resume(ckpt: str, rank: int) -> None:
     put("digest_loaded", digest(eng))
     put("global_steps_loaded", eng.global_steps)
     stepper = CommittedEngineStep(eng, checkpoint_dir=ckpt, collective_timeout=BOUND_STEP_S, commit_timeout=30)
-    for s in range(eng.global_steps, STEPS):
-        stepper(step_fn(s, rank), step=s)
+    applied = [bool(stepper(step_fn(s, rank), step=s)) for s in range(eng.global_steps, STEPS)]
+    # A fault-free run: every step applied at its first commit, no rebuild.
+    put("resumed_run", [applied, len(stepper.recovery.recoveries), generation()])
     put("digest_resumed", digest(eng))
     put("global_steps_resumed", eng.global_steps)
     reference = engine()

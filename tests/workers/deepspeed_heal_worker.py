@@ -93,6 +93,9 @@ def main() -> None:
         ref, ref_results = train(None, 0)
         put("reference_results", ref_results)
         put("reference", gathered_digest(ref.engine))
+        keeper = ref.recovery.keeper
+        assert keeper is not None
+        put("reference_takes", [keeper.takes, keeper.lost.failed])  # a fault-free run loses no take
     stepper, results = train(K, BASE)
     put("results", results)
     put("resume_step", stepper.resume_step)

@@ -10,9 +10,10 @@ restarted rank would draw its peer's dropout masks from then on, and the run wou
 one without the fault with nothing said. Sharded state (FSDP2, ZeRO) is restored from the rank's own
 snapshot, its own generators with it: no check there.
 
-So each rank states a digest of each generator in its commit
-(:func:`~ncclguard.recovery._commit.said.note_generators`), and the outcome names the ranks whose
-generators differ, the same on every rank. At the run's first commit with ``heal=True`` asked for,
+So each rank states, in its commit, a digest of each generator its step drew from, as the step
+found it (:func:`~ncclguard.recovery._commit.said.note_generators`): an unseeded ``random`` or NumPy
+differs in every process, and matters only to a step that draws from it. The outcome names the ranks
+whose generators differ, the same on every rank. At the run's first commit with ``heal=True`` asked for,
 that is refused (:class:`~ncclguard.errors.GeneratorsApart`, on every rank, before the step is
 applied). Where heal is on by default, or the generators part later (a rank drew alone), it is said
 once at error level, and again at each heal that follows.
@@ -24,7 +25,7 @@ from ncclguard._log import log
 from ncclguard._naming import rank_ranges
 from ncclguard.errors import GeneratorsApart
 from ncclguard.recovery._commit.said import note_generators
-from ncclguard.recovery._step.state import StepState, generator_digests
+from ncclguard.recovery._step.state import StepState, drawn_generators
 from ncclguard.recovery.commit import CommitResult
 
 __all__ = ["SeedCheck", "apart_text"]
@@ -84,13 +85,15 @@ class SeedCheck:
         self.apart: dict[str, list[int]] | None = None
 
     def state(self, kept: StepState) -> None:
-        """Notes the digests of ``kept``'s generators for this rank's next commit (where stated).
+        """Notes, for this rank's next commit (where stated), the digests of the generators the step
+        drew from, as the step found them: one it never draws from (an unseeded ``random`` or NumPy,
+        different in every process) cannot make a redo differ.
 
         Args:
             kept: the step's snapshot (its generators as the step found them).
         """
         if self.states:
-            note_generators(generator_digests(kept))
+            note_generators(drawn_generators(kept))
 
     def check(self, res: CommitResult, step: int | None) -> None:
         """:meth:`judge`, raising what it returns.

@@ -58,6 +58,7 @@ __all__ = [
     "Layout",
     "StepState",
     "bucket_layout",
+    "drawn_generators",
     "generator_digests",
     "generators_to_send",
     "kept_layout",
@@ -145,21 +146,40 @@ def generator_digests(state: StepState) -> dict[str, str]:
         By generator name (``torch``, ``cuda``, ``random``, ``numpy``; those present), the first 16
         hex digits of the BLAKE2 hash of its state.
     """
+    return _digests(state.cpu_rng, state.cuda_rng, state.py_rng, state.np_rng)
 
+
+def drawn_generators(state: StepState) -> dict[str, str]:
+    """:func:`generator_digests` of the generators drawn from since ``state`` was taken (their
+    state now is another): those a redo draws from. A generator nobody draws from in a step (an
+    unseeded ``random`` or NumPy, which differ in every process) is left out.
+
+    Args:
+        state: the step's snapshot, as the step found the generators.
+
+    Returns:
+        By generator name, the digest of its state in ``state``, for each one whose state moved.
+    """
+    cuda = tuple(torch.cuda.get_rng_state_all()) if state.cuda_rng and torch.cuda.is_initialized() else ()
+    now = _digests(torch.get_rng_state(), cuda, random.getstate() if state.py_rng is not None else None, _numpy_state())
+    return {k: v for k, v in generator_digests(state).items() if now.get(k) != v}
+
+
+def _digests(cpu: torch.Tensor, cuda: tuple[torch.Tensor, ...], py: Any, np_rng: Any) -> dict[str, str]:
     def digest(*parts: bytes) -> str:
         h = hashlib.blake2b(digest_size=8)
         for part in parts:
             h.update(part)
         return h.hexdigest()
 
-    out = {"torch": digest(state.cpu_rng.numpy().tobytes())}
-    if state.cuda_rng:
-        out["cuda"] = digest(*(t.numpy().tobytes() for t in state.cuda_rng))
-    if state.py_rng is not None:
-        version, internal, gauss = state.py_rng
+    out = {"torch": digest(cpu.numpy().tobytes())}
+    if cuda:
+        out["cuda"] = digest(*(t.numpy().tobytes() for t in cuda))
+    if py is not None:
+        version, internal, gauss = py
         out["random"] = digest(array.array("Q", internal).tobytes(), repr((version, gauss)).encode())
-    if state.np_rng is not None:
-        name, keys, pos, has_gauss, cached = state.np_rng
+    if np_rng is not None:
+        name, keys, pos, has_gauss, cached = np_rng
         out["numpy"] = digest(keys.tobytes(), repr((name, int(pos), int(has_gauss), float(cached))).encode())
     return out
 
