@@ -313,7 +313,8 @@ class Recovery:
             chunk_bytes=self.options.heal_chunk_bytes,
             extra=self.adapter.heal_extra(),
         )
-        self.seeds.healed(list(rebuilt.joined_ranks))
+        if healed:
+            self.seeds.healed(list(rebuilt.joined_ranks))
         return healed
 
     def restore_joined(self, rebuilt: RebuildResult, step: int) -> Restored | None:
