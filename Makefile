@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) -m ncclguard demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 3 --dist loadfile -q --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 $(PYTEST_ARGS)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)

@@ -60,9 +60,10 @@ _HEAVY = ("test_failure_drill.py", "test_preempt.py", "test_watching_scale.py", 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The launches of real ranks first, then everything else, each in its collected order: under
-    ``pytest -n 3 --dist loadfile`` a file goes whole to one worker, and a launch of a minute or more
-    left for the end kept the other workers idle (the suite's last 5% took 10 of its 27 minutes). The
-    many short tests now fill the end on every worker. Three workers on two cores: most launches
-    wait (a stall judged, a restart) more than they compute, and the suite kept 1.6 cores busy."""
+    ``pytest -n 2 --dist loadfile`` a file goes whole to one worker, and a launch of a minute or more
+    left for the end kept the other worker idle (the suite's last 5% took 10 of its 27 minutes). The
+    many short tests now fill the end on both workers. Three workers were tried: 3-4 minutes faster,
+    but two runs of three failed on load (a heartbeat read before its set landed; the stacks' and the
+    stragglers' timing under a starved rank), so two it stays."""
     heavy = {it.path for it in items if it.get_closest_marker("multirank") or it.path.name in _HEAVY}
     items.sort(key=lambda it: 0 if it.path in heavy else 1)  # stable: a file's tests stay together, in order
