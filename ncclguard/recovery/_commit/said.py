@@ -16,7 +16,13 @@ from ncclguard import _torch_compat as compat
 from ncclguard._log import log
 from ncclguard.errors import TorchCompatError
 from ncclguard.recording.flight import recorder
-from ncclguard.recovery._commit.statements import MAX_GENERATORS, MAX_GROUP_NAME_CHARS, MAX_GROUPS
+from ncclguard.recovery._commit.statements import (
+    MAX_DIGEST_CHARS,
+    MAX_GENERATOR_NAME_CHARS,
+    MAX_GENERATORS,
+    MAX_GROUP_NAME_CHARS,
+    MAX_GROUPS,
+)
 from ncclguard.world import Slot, current_world
 
 if TYPE_CHECKING:
@@ -95,7 +101,9 @@ def note_generators(digests: dict[str, str]) -> None:
     Raises:
         ValueError: more than MAX_GENERATORS generators, or a name or digest too long to state.
     """
-    if len(digests) > MAX_GENERATORS or any(len(k) > 16 or len(v) > 64 for k, v in digests.items()):
+    if len(digests) > MAX_GENERATORS or any(
+        len(k) > MAX_GENERATOR_NAME_CHARS or len(v) > MAX_DIGEST_CHARS for k, v in digests.items()
+    ):
         raise ValueError(f"note_generators takes at most {MAX_GENERATORS} short digests, got {sorted(digests)}")
     current_world().get(_NOTED).generators = dict(digests)
 

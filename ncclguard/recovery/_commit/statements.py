@@ -20,7 +20,9 @@ from ncclguard._naming import rank_ranges
 from ncclguard.store.keys import RoundKeys
 
 __all__ = [
+    "MAX_DIGEST_CHARS",
     "MAX_GENERATORS",
+    "MAX_GENERATOR_NAME_CHARS",
     "MAX_GROUPS",
     "MAX_GROUP_NAME_CHARS",
     "MAX_PROBLEMS",
@@ -41,8 +43,9 @@ MAX_GROUPS = 16  # other groups whose sequence numbers one rank states at most
 MAX_GROUP_NAME_CHARS = 64  # torch names groups "0", "1", ... or by a 40-character hash
 GroupName = Annotated[str, StringConstraints(max_length=MAX_GROUP_NAME_CHARS)]
 MAX_GENERATORS = 8  # generators one rank states a digest of (torch, CUDA, random, NumPy)
-GeneratorName = Annotated[str, StringConstraints(max_length=16)]
-Digest = Annotated[str, StringConstraints(max_length=64)]
+MAX_GENERATOR_NAME_CHARS, MAX_DIGEST_CHARS = 16, 64  # a generator's name, its digest (16 hex digits now)
+GeneratorName = Annotated[str, StringConstraints(max_length=MAX_GENERATOR_NAME_CHARS)]
+Digest = Annotated[str, StringConstraints(max_length=MAX_DIGEST_CHARS)]
 STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (_step.guards.diverged reads it)
 MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
 
