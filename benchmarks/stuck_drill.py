@@ -14,7 +14,11 @@ The loops and the Trainer make their process group before they import ncclguard,
 - ``accelerate``: the ``loop`` as the Accelerate page writes it (``Accelerator()`` first, then
   ``recovering_step(accelerator, model, optimizer, scheduler=schedule)``), asleep at step 12;
 - ``lightning``: that BERT as a LightningModule, ``Trainer(callbacks=[NcclGuardCallback(recover=True)])``
-  with Lightning's defaults (its fit makes the group), asleep at global step 12.
+  with Lightning's defaults (its fit makes the group), asleep at global step 12;
+- ``deepspeed``: ``deepspeed.init_distributed`` first, then ``CommittedEngineStep(engine,
+  checkpoint_dir=..., rebuild_engine=make)`` over ZeRO-2 (``tests/workers/defaults_ds_worker.py``),
+  asleep in its step function at the worker's ``ASLEEP``; training goes on when the first step after
+  the failed one is applied (every rank went back to the snapshot's step).
 
 Per launch: the launcher's status, the seconds from the stall to training going on (the redone step
 committed on rank 0), the world size training ended on, whether every rank ended with the same
@@ -44,7 +48,8 @@ sys.path.insert(0, str(HERE.parent.parent / "tests"))
 from harness import run_ranks  # noqa: E402
 
 ASLEEP = 2
-STACKS = ("loop", "hf", "accelerate", "lightning")
+STACKS = ("loop", "hf", "accelerate", "lightning", "deepspeed")
+WORKERS = {"deepspeed": ("defaults_ds_worker", ())}  # the others: defaults_worker, its stack the argument
 ACTIONS = ("acted", "self-asked", "self-fenced", "asked", "ended")
 
 
@@ -53,7 +58,8 @@ def _one(stack: str, timeout_s: float) -> dict[str, Any]:
     env = {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": str(incidents)}
     t0 = time.monotonic()
     try:
-        job = run_ranks("defaults_worker", 3, stack, timeout_s=timeout_s, supervise=["--restarts=1"], env=env)
+        worker, args = WORKERS.get(stack, ("defaults_worker", (stack,)))
+        job = run_ranks(worker, 3, *args, timeout_s=timeout_s, supervise=["--restarts=1"], env=env)
     except AssertionError as exc:  # a launch that failed or hung: its reason, first line
         return {"ok": False, "error": str(exc).splitlines()[0][:300], "wall_s": round(time.monotonic() - t0, 1)}
     finally:
@@ -63,6 +69,10 @@ def _one(stack: str, timeout_s: float) -> dict[str, Any]:
     at, steps = res[0]["plan"]
     if stack in ("loop", "accelerate"):
         on = res[0]["results"][at]["ended"]
+    elif stack == "deepspeed":  # the first step applied after the failed one
+        rows = res[0]["results"]
+        failed = next(i for i, x in enumerate(rows) if not x["applied"])
+        on = next(x["ended"] for x in rows[failed + 1 :] if x["applied"])
     else:  # the step after the stalled one ended: global step at + 1 done
         on = res[0]["step_ends"][str(at + 1)]
     events = [(r, e) for r in res for e in res[r].get("events", [])]
@@ -118,8 +128,8 @@ def main() -> None:
         }
         summary = {k: v for k, v in out["stacks"][stack].items() if k != "launches"}
         print(f"{stack}: {json.dumps(summary)}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        if args.json:  # after each stack: a long drill cut short keeps the stacks it finished
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ __all__ = [
     "LoopDiverged",
     "HealFailed",
     "GeneratorsApart",
+    "UnjudgedAction",
     "RestartRefused",
     "BackendRuleError",
     "SnapshotRefused",
@@ -251,6 +252,12 @@ class GeneratorsApart(NcclGuardError, ValueError):
     from a live peer, which hands a restarted rank its peer's generators: the healed run could not
     be the run without the fault. Raised on every rank at the first commit that shows it, before
     the step is applied; it says which generators and how to seed instead."""
+
+
+class UnjudgedAction(NcclGuardError, RuntimeError):
+    """A lever that acts on a rank (a death notice, an ask to end it, a cut of its connections, a
+    SIGKILL, an exit) was reached without the one judge's ruling that it may act
+    (:mod:`ncclguard.watching.judge.rules`): a bug in ncclguard, refused before anything was done."""
 
 
 class SnapshotRefused(HealFailed):

@@ -10,6 +10,9 @@ death notices; ``<origin>``: the rank's launch rank):
 
 - ``judged="unknown"``: the peers cannot tell; the supervisor judges its process from ``/proc`` and
   ends it (SIGKILL) when it is stuck;
+- ``judged="confirm"``: the only waiting rank judged it stuck (no other rank waits to agree); the
+  supervisor's own look is the second view: it ends the process only when it sees it stuck too, and
+  posts its death (a kill when it restarts the rank, else ``STUCK_RC``);
 - ``judged="stuck"``: the peers judged it stuck and posted its death (``STUCK_RC``); the supervisor
   ends it if it has not exited by itself within a grace;
 - ``judged="stuck"`` with ``heal``: the peers agreed it is stuck (or it judged itself) and posted
@@ -45,7 +48,8 @@ class JudgeAsk(BaseModel):
     Attributes:
         origin: the rank's launch rank (``RANK`` of its process).
         pid: the process the ask is about (from its last heartbeat).
-        judged: ``"unknown"``: judge it; ``"stuck"``: its peers (or the rank itself) judged it stuck: end it.
+        judged: ``"unknown"``: judge it; ``"confirm"``: the only waiting rank judged it stuck: end it
+            if you see it stuck too; ``"stuck"``: its peers (or the rank itself) agreed it is stuck: end it.
         heal: the engine heals a restarted rank (``heal=True``): a process ended on this ask may be
             restarted to rejoin. On a ``stuck`` ask it also says the askers posted no death notice:
             the supervisor posts it (a kill when it restarts the rank, else ``STUCK_RC``).
@@ -59,7 +63,7 @@ class JudgeAsk(BaseModel):
 
     origin: int = Field(ge=0)
     pid: int = Field(ge=0)
-    judged: Literal["unknown", "stuck"]
+    judged: Literal["unknown", "stuck", "confirm"]
     heal: bool = False
     still_s: float = Field(gt=0, le=3600)
     asker: int = Field(ge=0)

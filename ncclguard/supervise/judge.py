@@ -10,6 +10,9 @@ call, bounded). On an ask about its process:
 - ``unknown`` (the peers cannot tell): it judges from its samples (:class:`~ncclguard.watching.sensors.progress.Progress`,
   the asker's window). Stuck: it ends the process with SIGKILL (its sockets close, so the peers'
   gloo op fails at once); moving: it answers so, and the process is left alone;
+- ``confirm`` (the only waiting rank judged it stuck: nobody else waits to agree): this supervisor's
+  own look is the second view. It ends the process as on ``unknown`` only when its samples say stuck
+  too; moving: answered so, left alone;
 - ``stuck`` (the peers judged it stuck, posted its death and went on): it ends the process if it has
   not exited by itself within :data:`STUCK_GRACE_S` (a rank whose threads run exits 0 by itself);
 - ``stuck`` with ``heal`` (the peers agreed it is stuck, or the rank judged itself and its peers
@@ -17,6 +20,9 @@ call, bounded). On an ask about its process:
   save blocked in ``close()`` on network storage, its CPU: then it answers moving and leaves it
   alone), it ends the process at once and posts its death, as a kill when a restart is left (the
   rank is restarted, rejoins and is healed: the full world back), else as stuck.
+
+What may act is the one judge's to say (:func:`ncclguard.watching.judge.rules.rule_ask`); the kill
+is its lever and refuses to act without its ruling.
 
 Each ask is settled once (answered moving, or the process ended), never acted on later, and one not
 settled within :data:`ASK_TTL_S` of its first read is stale: a rank idle in a later, healthy wait
@@ -47,6 +53,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_answer, read_ask
 from ncclguard.store.bounded import bounded_store_call
+from ncclguard.watching.judge.rules import Ruling, rule_ask
 from ncclguard.watching.sensors.progress import Progress, sample_process
 
 __all__ = ["POLL_S", "STUCK_GRACE_S", "Ended", "StuckWatch"]
@@ -130,37 +137,32 @@ class StuckWatch:
         if ask.pid != self._pid:  # the rank runs under a wrapper: sample the process the peers named
             self._pid, self._prog = ask.pid, Progress(ask.still_s)
             return None
-        if ask.judged == "stuck":
-            who = "it judged itself stuck" if ask.asker == self.origin else "its peers agreed it is stuck"
-            if ask.heal:  # nobody posted its death: ended now, restarted when one is left (the full world back)
-                # Its own look first: the peers' agreement is one view of the process, and what this
-                # supervisor sees moving on its host (a save blocked in close(), its CPU) vetoes the kill.
-                self._prog.still_s = ask.still_s
-                mine = self._prog.judge(now)
-                if mine.state == "moving" and not self._prog.stopped:
-                    self._settled.add(ask.at)
-                    self._say(
-                        f"launch rank {self.origin} (pid {ask.pid}): {who} (asked by launch rank {ask.asker}), but "
-                        f"this supervisor sees it moving ({mine.evidence}); left alone"
-                    )
-                    self._answer(ask.pid, "moving", mine.evidence, False)
-                    return None
-                return self._end(proc, ask, "peers", f"{who} (asked by launch rank {ask.asker})", can_restart, True)
-            self._stuck_seen = self._stuck_seen if self._stuck_seen is not None else now
-            if now - self._stuck_seen < STUCK_GRACE_S:
-                return None
-            return self._end(proc, ask, "peers", f"its peers judged it stuck (asked by launch rank {ask.asker})", False)
         self._prog.still_s = ask.still_s
-        j = self._prog.judge(now)
-        if j.state == "stuck":
-            return self._end(proc, ask, "supervisor", j.evidence, ask.heal and can_restart)
-        # Answered once: a later stillness (a healthy wait, once its peers got their op) is no reason to
-        # act on this ask. A process stopped now is no answer yet: the window tells once it has passed.
-        if j.state == "moving" and not self._prog.stopped:
+        mine = self._prog.judge(now)
+        if ask.judged == "stuck" and not ask.heal and self._stuck_seen is None:
+            self._stuck_seen = now
+        waited = 0.0 if self._stuck_seen is None else now - self._stuck_seen
+        ruling = rule_ask(ask.judged, ask.heal, mine.state, mine.evidence, self._prog.stopped, waited, STUCK_GRACE_S)
+        who = "it judged itself stuck" if ask.asker == self.origin else "its peers agreed it is stuck"
+        if ruling.kind in ("veto", "busy"):
+            # Answered once: a later stillness (a healthy wait, once its peers got their op) is no reason
+            # to act on this ask. A process stopped now is no answer yet: the window tells once it has passed.
             self._settled.add(ask.at)
-            self._say(f"launch rank {self.origin} (pid {ask.pid}) is behind but moving ({j.evidence}); left alone")
-            self._answer(ask.pid, "moving", j.evidence, False)
-        return None
+            if ruling.kind == "veto":  # the peers' agreement is one view; what moves on this host vetoes it
+                said = f"{who} (asked by launch rank {ask.asker}), but this supervisor sees it moving ({mine.evidence})"
+            else:
+                said = f"is behind but moving ({mine.evidence})"
+            self._say(f"launch rank {self.origin} (pid {ask.pid}) {said}; left alone")
+            self._answer(ask.pid, "moving", mine.evidence, False)
+            return None
+        if not ruling.acts:
+            return None
+        if ask.judged == "stuck" and ask.heal:  # nobody posted its death: ended now, restarted when one is left
+            return self._end(proc, ask, ruling, "peers", f"{who} (asked by launch rank {ask.asker})", can_restart, True)
+        if ask.judged == "stuck":
+            why = f"its peers judged it stuck (asked by launch rank {ask.asker})"
+            return self._end(proc, ask, ruling, "peers", why, False)
+        return self._end(proc, ask, ruling, "supervisor", mine.evidence, ask.heal and can_restart)
 
     def _answer(self, pid: int, state: str, evidence: str, restarted: bool) -> None:
         """Posts the answer about process ``pid`` for the asking ranks (bounded; a failure is said, nothing more)."""
@@ -226,8 +228,16 @@ class StuckWatch:
         return ask
 
     def _end(
-        self, proc: subprocess.Popen[Any], ask: JudgeAsk, judged: str, evidence: str, restart: bool, post: bool = False
+        self,
+        proc: subprocess.Popen[Any],
+        ask: JudgeAsk,
+        ruling: Ruling,
+        judged: str,
+        evidence: str,
+        restart: bool,
+        post: bool = False,
     ) -> Ended:
+        ruling.require(f"SIGKILL of launch rank {self.origin} (pid {ask.pid})")
         # The answer first: the asking ranks' op fails the moment the process dies, and they read it then.
         self._settled.add(ask.at)
         self._answer(ask.pid, "stuck", evidence, restart)

@@ -209,3 +209,39 @@ def test_with_heal_a_rank_judged_stuck_is_ended_at_once_and_restarted_then_poste
     assert "restart 1 of 1" in err and "has no restart left: exiting 0, no restart" in err, err
     for pid in (pid0, pid1):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_lone_waiting_ranks_confirm_ask_ends_the_rank_only_when_the_supervisor_sees_it_stuck_too(tmp_path):
+    """The only waiting rank judged its peer stuck (no other rank waits to agree): one view, so it asks
+    ``judged="confirm"`` (ncclguard/watching/judge/rules.py ``rule_peer``). The supervisor's own look
+    is the second view: a stopped process is ended (restarted to heal, its death posted as a kill); a
+    computing one is answered moving and left alone; stopped later, with no restart left, it is ended
+    and posted as stuck."""
+    server, sup = _supervised(tmp_path)
+    try:
+        pid0 = int(_wait_for("first life", lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text()))
+        _wait_for("a stopped process", lambda: psutil.Process(pid0).status() == psutil.STATUS_STOPPED)
+        time.sleep(3.0)  # its samples cover the 2 s window
+        _ask(server, pid0, heal=True, judged="confirm")
+        pid1 = int(_wait_for("a restart", lambda: (tmp_path / "pid1").exists() and (tmp_path / "pid1").read_text()))
+        first = _answer(server, pid0)
+        time.sleep(3.0)  # its samples of the new process cover the 2 s window
+        _ask(server, pid1, heal=True, judged="confirm")
+        busy = _wait_for("an answer about life 1", lambda: _answer(server, pid1))
+        busy_alive = psutil.Process(pid1).status() != psutil.STATUS_STOPPED
+        (tmp_path / "stop").write_text("")
+        _wait_for("a stopped restart", lambda: psutil.Process(pid1).status() == psutil.STATUS_STOPPED)
+        time.sleep(3.0)
+        _ask(server, pid1, heal=True, judged="confirm")
+        rc = sup.wait(timeout=60)
+    finally:
+        _end_tree(sup)
+        err = sup.communicate(timeout=30)[1]
+    assert rc == 0, err
+    assert first is not None and (first.state, first.restarted) == ("stuck", True) and "stopped" in first.evidence
+    assert (busy.state, busy.restarted) == ("moving", False) and "cpu" in busy.evidence and busy_alive, busy
+    assert f"launch rank 1 (pid {pid1}) is behind but moving" in err, err
+    last = _answer(server, pid1)
+    assert last is not None and (last.state, last.restarted) == ("stuck", False) and "stopped" in last.evidence
+    _, notices = read_deaths(server, 0)
+    assert [(d.origin, d.pid, d.returncode, d.life) for d in notices] == [(1, pid0, -9, 0), (1, pid1, STUCK_RC, 1)]

@@ -1,10 +1,10 @@
-"""Act only on an agreed culprit (recovery/_verdict/agreement.py): the pure rule, without processes.
+"""Act only on an agreed culprit (watching/judge/agreement.py): the pure rule, without processes.
 The verdict thread that applies it runs on real ranks in tests/watching/test_verdict_multirank.py."""
 
 from __future__ import annotations
 
 from ncclguard.incidents.beats import Heartbeat
-from ncclguard.recovery._verdict.agreement import agreement
+from ncclguard.watching.judge.agreement import agreement
 
 FRESH = 2.0
 

@@ -11,6 +11,7 @@ __all__ = [
     "SUPERVISED_RESTARTS_VAR",
     "restart_count",
     "stop_grace_s",
+    "supervised",
     "supervised_restarts",
 ]
 
@@ -48,6 +49,12 @@ def supervised_restarts() -> int:
     set by ``python -m ncclguard.supervise``); 0 when it runs under none, or the value is no count."""
     raw = os.environ.get(SUPERVISED_RESTARTS_VAR, "").strip()
     return int(raw) if raw.isdigit() else 0
+
+
+def supervised() -> bool:
+    """This process runs under ``python -m ncclguard.supervise`` (``NCCLGUARD_SUPERVISED_RESTARTS``
+    set, even to 0): its supervisor answers the waiting ranks' asks about it, whatever its restarts."""
+    return os.environ.get(SUPERVISED_RESTARTS_VAR, "").strip().isdigit()
 
 
 def stop_grace_s() -> float | None:

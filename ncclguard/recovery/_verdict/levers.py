@@ -29,6 +29,7 @@ from ncclguard.store.asks import JudgeAnswer, JudgeAsk, post_ask, read_answer
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import store_for_this_thread, unprefixed
 from ncclguard.store.deaths import STUCK_RC, DeathNotice, notice_now, post_death, read_deaths
+from ncclguard.watching.judge.rules import Ruling
 from ncclguard.world import Slot, current_world
 
 __all__ = [
@@ -340,26 +341,33 @@ def on_this_host(hb: Heartbeat) -> bool:
 def ask_supervisor(
     origin: int,
     hb: Heartbeat | tuple[int, str],
-    judged: Literal["unknown", "stuck"],
+    judged: Literal["unknown", "stuck", "confirm"],
     heal: bool,
     still_s: float,
     asker: int,
+    ruling: Ruling,
 ) -> bool:
-    """Asks the supervisor of launch rank ``origin`` to judge (``unknown``) or end (``stuck``) its
-    process (:mod:`ncclguard.store.asks`), within :data:`STORE_BOUND_S`.
+    """Asks the supervisor of launch rank ``origin`` to judge (``unknown``), confirm and end
+    (``confirm``) or end (``stuck``) its process (:mod:`ncclguard.store.asks`), within :data:`STORE_BOUND_S`.
 
     Args:
         origin: the launch rank asked about.
         hb: its last heartbeat, or (pid, site) for this rank's own process.
-        judged: ``unknown`` (judge it) or ``stuck`` (end it).
+        judged: ``unknown`` (judge it), ``confirm`` (the only waiting rank judged it stuck: end it
+            if you see it stuck too) or ``stuck`` (the waiting ranks agreed: end it).
         heal: the engine heals: a process ended on this ask may be restarted to rejoin (with
             ``stuck``: its death is the supervisor's to post, the asker posted none).
         still_s: the verdict's window.
         asker: the asking launch rank.
+        ruling: the judge's ruling that allows the ask (:mod:`ncclguard.watching.judge.rules`).
 
     Returns:
         Whether the ask was posted (a failure is logged).
+
+    Raises:
+        UnjudgedAction: the ruling allows no ask (``stuck`` needs an acting one); nothing was posted.
     """
+    ruling.require(f"an ask ({judged}) about launch rank {origin}", asking=judged != "stuck")
     pid, site = (hb.pid, hb.site) if isinstance(hb, Heartbeat) else hb
     ask = JudgeAsk(
         origin=origin,
@@ -398,12 +406,17 @@ def supervisor_answer(origin: int) -> JudgeAnswer | None:
         return None
 
 
-def post_stuck_death(world: Any, r: int, pid: int, host: str) -> bool:
-    """Posts the death notice (``STUCK_RC``) of rank ``r`` of ``world``, process ``pid`` on ``host``.
+def post_stuck_death(world: Any, r: int, pid: int, host: str, ruling: Ruling) -> bool:
+    """Posts the death notice (``STUCK_RC``) of rank ``r`` of ``world``, process ``pid`` on ``host``,
+    on the judge's acting ``ruling``.
 
     Returns:
         Whether it was posted (a failure is logged).
+
+    Raises:
+        UnjudgedAction: the ruling does not act; nothing was posted.
     """
+    ruling.require(f"the death notice of rank {r}")
     deadline = Deadline.within(STORE_BOUND_S)
     try:
         job = job_store()

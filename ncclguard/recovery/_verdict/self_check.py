@@ -3,7 +3,7 @@ never reached and nothing of it moves, or the peers already judged it stuck.
 
 A rank whose threads run (asleep in Python, blocked in a lock) sees this as early as its peers:
 it acts only once the peers waiting for it judge it stuck too (their heartbeats' ``judged``, the same
-agreement as theirs: :mod:`~ncclguard.recovery._verdict.agreement`), never on its own samples alone.
+agreement as theirs: :mod:`~ncclguard.watching.judge.agreement`), never on its own samples alone.
 Then, where the engine heals under a supervisor with restarts, it asks its own supervisor to end it
 and restart it (one decision point, where the peers' asks go too), and ends itself as below if
 nothing ended it :data:`SELF_ASK_S` later; otherwise it posts its own death as stuck and exits 0,
@@ -22,9 +22,10 @@ import torch.distributed as dist
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.exits import exit_now
-from ncclguard.recovery._verdict.agreement import agreement
 from ncclguard.recovery._verdict.levers import ask_supervisor, post_stuck_death, stuck_notices
 from ncclguard.recovery._verdict.seen import Seen
+from ncclguard.watching.judge.agreement import agreement
+from ncclguard.watching.judge.rules import rule_self
 from ncclguard.world import current_world
 
 __all__ = ["POLL_S", "SELF_ASK_S", "SelfCheck"]
@@ -90,10 +91,12 @@ class SelfCheck:
             return
         me = dist.get_rank()  # the world's rank is not known to the World in generation 0
         agreed = agreement(me, me, beats, fresh_s, about)
-        if not (agreed.agreed and agreed.voters):  # one rank's judgment, even of itself, is no verdict
+        # Called under the driver's lock while this step's look is the open one: ``about`` is open.
+        ruling = rule_self(j.state, j.evidence, agreed, about, about)
+        if not ruling.acts:  # one rank's judgment, even of itself, is no verdict
             if not seen.self_awaiting:
                 seen.self_awaiting = True
-                self._event("self-awaiting", me, j, ahead=ahead, why=agreed.why or "no peer judges it yet")
+                self._event("self-awaiting", me, j, ahead=ahead, why=ruling.why)
             return
         world = current_world()
         if self.restarts() and seen.self_asked is None:
@@ -101,7 +104,9 @@ class SelfCheck:
             # and ends it): one decision, where the peers' asks go too. Said to the peers by the
             # supervisor; this process goes on looking, and falls back below if nothing ends it.
             seen.self_asked = now
-            asked = ask_supervisor(world.origin(me), (os.getpid(), ""), "stuck", True, seen.still_s, world.origin(me))
+            asked = ask_supervisor(
+                world.origin(me), (os.getpid(), ""), "stuck", True, seen.still_s, world.origin(me), ruling
+            )
             self._event("self-asked", me, j, ahead=ahead, posted=asked)
             log.critical(
                 "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "
@@ -113,7 +118,7 @@ class SelfCheck:
             return
         if seen.self_asked is not None and now - seen.self_asked < SELF_ASK_S:
             return
-        posted = post_stuck_death(world, me, os.getpid(), HOSTNAME)
+        posted = post_stuck_death(world, me, os.getpid(), HOSTNAME, ruling)
         self._event("self-fenced", me, j, ahead=ahead, death_notice=posted)
         log.critical(
             "%s: verdict: ranks %s wait in an op this rank never reached, and this rank is stuck (%s); "

@@ -6,7 +6,7 @@ peer that is slow but moving. So while a step runs, a thread (``ncclguard-verdic
 it judges the watched peers behind this rank (a lower world-group backend sequence number) from
 their progress (:mod:`ncclguard.watching.sensors.progress`). A moving one is reported once per step. A
 stuck one is acted on only once every other waiting rank judges it stuck too
-(:mod:`~ncclguard.recovery._verdict.agreement`). Where the engine heals under a supervisor with
+(:mod:`~ncclguard.watching.judge.agreement`). Where the engine heals under a supervisor with
 restarts, its supervisor is asked to end it at once and restart it (it rejoins and is healed: the
 full world back); otherwise it gets a death notice (``STUCK_RC``: the commit and the rebuild meeting
 settle without it). Either way, on this host, this process's connections to it are shut down (its
@@ -36,8 +36,7 @@ from ncclguard._log import log
 from ncclguard.backend_rules import rules_for
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recording.steps import steps
-from ncclguard.recovery._rebuild.restarts import supervised_restarts
-from ncclguard.recovery._verdict.agreement import agreement
+from ncclguard.recovery._rebuild.restarts import supervised, supervised_restarts
 from ncclguard.recovery._verdict.levers import (
     DEFAULT_JUDGE_S,
     STUCK_AFTER_VAR,
@@ -53,6 +52,8 @@ from ncclguard.recovery._verdict.levers import (
 from ncclguard.recovery._verdict.release import Release
 from ncclguard.recovery._verdict.seen import Seen
 from ncclguard.recovery._verdict.self_check import POLL_S, SelfCheck
+from ncclguard.watching.judge.agreement import Agreement, agreement
+from ncclguard.watching.judge.rules import rule_peer, rule_silent
 from ncclguard.watching.sensors.progress import (
     JUDGED,
     JUDGED_ABOUT,
@@ -223,8 +224,7 @@ class VerdictDriver:
         )
 
     def _restarts(self) -> bool:
-        """A stuck rank is ended by its supervisor and restarted, to rejoin healed: the engine heals
-        and runs under ``python -m ncclguard.supervise`` with restarts (every rank alike)."""
+        """A stuck rank is restarted by its supervisor: the engine heals, under restarts (every rank alike)."""
         return self.heals and supervised_restarts() > 0
 
     def _judge(
@@ -242,82 +242,85 @@ class VerdictDriver:
                 if self._seen is not seen:
                     return
                 current_world().get(JUDGED)[str(r)] = text[:MAX_JUDGED_CHARS]
-        if j.state == "moving":
-            if r not in seen.reported:
-                seen.reported.add(r)
-                behind = round(now - seen.started, 3)
-                self._event("busy", r, j, site=hb.site, behind_s=behind)
-                log.warning(
-                    "%s: verdict: rank %d is behind (at %s, this step %.1f s old) but moving (%s); no action "
-                    "until the step bound",
-                    self.name,
-                    r,
-                    hb.site,
-                    behind,
-                    j.evidence,
-                )
-            return
-        if j.state != "stuck":
-            return
-        # Published above (the next heartbeat carries it): the other waiting ranks read it there.
-        agreed = agreement(r, dist.get_rank(), beats or {}, 2 * _heartbeat_s(), seen.about)
-        if not agreed.agreed:
-            if r not in seen.awaiting:
-                seen.awaiting.add(r)
-                self._event("awaiting", r, j, site=hb.site, why=agreed.why)
-                log.warning(
-                    "%s: verdict: rank %d looks stuck here (%s), but no action until the waiting ranks agree: %s",
-                    self.name,
-                    r,
-                    j.evidence,
-                    agreed.why,
-                )
-            return
+        if j.state == "moving" and r not in seen.reported:
+            seen.reported.add(r)
+            behind = round(now - seen.started, 3)
+            self._event("busy", r, j, site=hb.site, behind_s=behind)
+            log.warning(
+                "%s: verdict: rank %d is behind (at %s, this step %.1f s old) but moving (%s); no action until the "
+                "step bound",
+                self.name, r, hb.site, behind, j.evidence,
+            )  # fmt: skip
+        if j.state == "stuck":  # published above: the other waiting ranks read it in the next heartbeat
+            self._stuck(seen, r, hb, j, now, agreement(r, dist.get_rank(), beats or {}, 2 * _heartbeat_s(), seen.about))
+
+    def _stuck(self, seen: Seen, r: int, hb: Heartbeat, j: Judgment, now: float, agreed: Agreement) -> None:
+        """Peer ``r``, judged stuck here: what the one judge allows (:func:`~ncclguard.watching.judge.rules.rule_peer`)."""
         with self._cond:  # a look that raced the step's end acts on nothing; disarm waits for an act begun
-            if self._seen is not seen or r in seen.acted:
+            ruling = rule_peer(
+                dist.get_rank(), j.state, j.evidence, agreed, seen.about, seen.about if self._seen is seen else None,
+                supervised(),
+            )  # fmt: skip
+            if ruling.kind == "stale" or r in seen.acted or (ruling.kind == "confirm" and r in seen.asked):
                 return
-            seen.acted.add(r)
             world = current_world()
-            # Healing under a supervisor: its supervisor ends it now and restarts it, and posts its death
-            # as a kill, so that the rebuild waits for the restart (the full world back). Otherwise its
-            # death is posted as stuck here (the rebuild settles without it) and its supervisor, if any,
-            # ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
-            restarts = self._restarts()
-            posted = False if restarts else post_stuck_death(world, r, hb.pid, hb.host)
-            ask_supervisor(world.origin(r), hb, "stuck", restarts, seen.still_s, world.origin(dist.get_rank()))
-            cut = cut_connections(hb.pid) if on_this_host(hb) else 0
-        self._event(
-            "acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=round(now - seen.started, 3),
-            agreed=agreed.why, restart=restarts,
-        )  # fmt: skip
-        log.error(
-            "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; %s; %s%s, the step fails now",
-            self.name,
-            r,
-            hb.pid,
-            hb.host,
-            hb.site,
-            j.evidence,
-            agreed.why,
-            "its supervisor is asked to end and restart it" if restarts else "its death is posted",
-            f" and {cut} connection(s) to it are shut down" if cut else "",
-        )
+            asker, origin, restarts = world.origin(dist.get_rank()), world.origin(r), self._restarts()
+            if ruling.kind == "confirm":  # the only rank waiting: its supervisor's look is the second view
+                seen.asked[r] = (hb.pid, origin, hb.site)
+                posted = ask_supervisor(origin, hb, "confirm", restarts, seen.still_s, asker, ruling)
+            elif ruling.acts:
+                seen.acted.add(r)
+                # Healing under a supervisor: its supervisor ends it now and restarts it, and posts its death
+                # as a kill, so that the rebuild waits for the restart (the full world back). Otherwise its
+                # death is posted as stuck here (the rebuild settles without it) and its supervisor, if any,
+                # ends it where it does not exit by itself (SIGSTOPped, the GIL held in C).
+                posted = False if restarts else post_stuck_death(world, r, hb.pid, hb.host, ruling)
+                ask_supervisor(origin, hb, "stuck", restarts, seen.still_s, asker, ruling)
+                cut = cut_connections(hb.pid) if on_this_host(hb) else 0
+            elif r in seen.awaiting or ruling.kind not in ("await", "victim"):
+                return
+            else:
+                seen.awaiting.add(r)
+        waited = round(now - seen.started, 3)
+        if ruling.kind == "confirm":
+            self._event("asked", r, j, site=hb.site, posted=posted, confirm=True, waited_s=waited)
+            log.warning(
+                "%s: verdict: rank %d (pid %d on %s, at %s) looks stuck here (%s); %s",
+                self.name, r, hb.pid, hb.host, hb.site, j.evidence, ruling.why,
+            )  # fmt: skip
+        elif not ruling.acts:
+            self._event("awaiting", r, j, site=hb.site, why=ruling.why)
+            log.warning(
+                "%s: verdict: rank %d looks stuck here (%s), but no action: %s", self.name, r, j.evidence, ruling.why
+            )
+        else:
+            self._event(
+                "acted", r, j, site=hb.site, death_notice=posted, cut=cut, waited_s=waited, agreed=agreed.why,
+                restart=restarts, views=list(ruling.views),
+            )  # fmt: skip
+            log.error(
+                "%s: verdict: rank %d (pid %d on %s, at %s) is stuck: %s; %s; %s%s, the step fails now",
+                self.name, r, hb.pid, hb.host, hb.site, j.evidence, ruling.why,
+                "its supervisor is asked to end and restart it" if restarts else "its death is posted",
+                f" and {cut} connection(s) to it are shut down" if cut else "",
+            )  # fmt: skip
 
     def _ask_remote(self, seen: Seen, world: Any, behind: dict[int, tuple[Heartbeat, float]], now: float) -> None:
         """Peers behind on another host with no beat for two periods: neither their heartbeats nor
         this host's ``/proc`` can judge them, so their supervisor is asked, once per step; its answer
         is reported (a busy rank stays a report; a stuck one was ended there)."""
         for r, (hb, age) in behind.items():
-            if on_this_host(hb) or r in seen.acted or (r not in seen.asked and age < 2 * _heartbeat_s()):
+            if r in seen.acted or (r not in seen.asked and (on_this_host(hb) or age < 2 * _heartbeat_s())):
                 continue
             origin = world.origin(r)
             if r not in seen.asked:
                 with self._cond:  # a look that raced the step's end asks nothing
-                    if self._seen is not seen:
+                    ruling = rule_silent(age, seen.about, seen.about if self._seen is seen else None)
+                    if not ruling.asks:
                         return
                     seen.asked[r] = (hb.pid, origin, hb.site)
                     posted = ask_supervisor(
-                        origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank())
+                        origin, hb, "unknown", self.heals, seen.still_s, world.origin(dist.get_rank()), ruling
                     )
                 j = Judgment("unknown", round(age, 3), f"no heartbeat for {age:.1f} s, on another host")
                 self._event("asked", r, j, site=hb.site, posted=posted, waited_s=round(now - seen.started, 3))

@@ -55,6 +55,7 @@ from ncclguard.errors import CollectiveTimeout
 from ncclguard.exits import exit_now
 from ncclguard.incidents.model import ActionEntry, IncidentDoc, MergedNote, OpRecord
 from ncclguard.watching.base.settings import LADDERS
+from ncclguard.watching.judge.rules import rule_fence
 from ncclguard.world import current_world
 
 if TYPE_CHECKING:
@@ -307,11 +308,13 @@ class Fence(Action):
 
     def __call__(self, incident: IncidentRef, ctx: ActionContext) -> Outcome:
         note = ctx.merged()
+        ruling = rule_fence(ctx.rank, None if note is None else list(note.culprits))
         if note is None:
-            return Outcome(done=False, why="no merged report in the store yet: no rank is named the culprit")
-        if ctx.rank not in note.culprits:
+            return Outcome(done=False, why=ruling.why)
+        if not ruling.acts:
             named = f"rank(s) {rank_ranges(note.culprits)} named the culprit" if note.culprits else "no culprit named"
             return Outcome(done=False, why=f"{named}; this rank is not fenced", details={"culprits": note.culprits})
+        ruling.require("the fence's exit")
         marked = ctx.mark_fenced()
         outcome = Outcome(done=True, details={"fenced": True, "code": 0, "marked": marked, "culprits": note.culprits})
         ctx.save(outcome)

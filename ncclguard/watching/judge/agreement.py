@@ -30,6 +30,7 @@ class Agreement:
     agreed: bool
     why: str
     voters: tuple[int, ...] = ()
+    victim: bool = False  # the accused itself waits for a rank it judged stuck
 
 
 def _says_stuck(text: str | None) -> bool:
@@ -62,7 +63,9 @@ def agreement(
     if own is not None and own[1] < fresh_s:
         waits_for = sorted(int(k) for k, v in _votes(own[0], about).items() if _says_stuck(v) and int(k) != accused)
         if waits_for:
-            return Agreement(False, f"rank {accused} itself waits for rank(s) {waits_for}, which it judged stuck")
+            return Agreement(
+                False, f"rank {accused} itself waits for rank(s) {waits_for}, which it judged stuck", victim=True
+            )
     voters = []
     for r, (hb, age) in sorted(beats.items()):
         if r in (me, accused) or age >= fresh_s:
