@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
 
 # The acts, in order. Each module: TITLE (str) and run(args) -> int (0 = the act showed what it should).
@@ -21,10 +22,15 @@ ACTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", help="run only the act whose module name ends with this")
+    names = ", ".join(n.rsplit(".", 1)[1] for n in ACTS)
+    parser.add_argument("--only", help=f"run only the act whose module name ends with this ({names})")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.only and not any(name.endswith(args.only) for name in ACTS):
+        names = ", ".join(n.rsplit(".", 1)[1] for n in ACTS)
+        print(f"ncclguard demo: no act named {args.only!r}; the acts: {names}", file=sys.stderr)
+        return 2
     failed = []
     for name in ACTS:
         if args.only and not name.endswith(args.only):

@@ -1,6 +1,6 @@
 """``python -m ncclguard report DIR``: print a merged incident (who waited, who was elsewhere).
 
-DIR is an incident directory (``<incident_dir>/<id>``) or the incident root, in which case the
+DIR (default: where the watchdog writes them from here) is an incident directory (``<incident_dir>/<id>``) or the incident root, in which case the
 newest incident is shown (``--list`` lists them all). Without an ``incident.json`` (the merging
 rank died first), the rank dumps found there are merged on the spot. Files of format version 1
 (ncclguard before the typed model) and 2 both read; ``--json`` prints version 2, ``--schema`` its
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,11 +21,16 @@ from ncclguard.incidents.model import Incident, RankDump, upgrade_incident
 from ncclguard.incidents.pictures import plot_timeline, timeline
 from ncclguard.incidents.render import render
 from ncclguard.incidents.trace import chrome_trace
+from ncclguard.watching.base.settings import WatchdogConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "dir", type=Path, nargs="?", help="an incident directory, or the incident root (newest incident)"
+        "dir",
+        type=Path,
+        nargs="?",
+        help="an incident directory, or the incident root (newest incident); default: where the watchdog "
+        "writes them from here ($NCCLGUARD_WATCHDOG_INCIDENT_DIR, else ./ncclguard-incidents)",
     )
     parser.add_argument("--json", action="store_true", help="print the merged incident as JSON (format version 2)")
     parser.add_argument("--list", action="store_true", help="list the incidents under DIR, oldest first")
@@ -54,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="the plot's window before the report (default: from when the story started, at least 10)",
     )
+
+
+def default_dir() -> Path:
+    """Where the watchdog writes incidents when started from here: ``NCCLGUARD_WATCHDOG_INCIDENT_DIR``,
+    else its default (``ncclguard-incidents`` in the current directory)."""
+    raw = os.environ.get(f"{WatchdogConfig.model_config.get('env_prefix', '')}INCIDENT_DIR", "").strip()
+    return Path(raw) if raw else Path(WatchdogConfig.model_fields["incident_dir"].default)
 
 
 def _summary(merged: Path) -> str:
@@ -111,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(schemas, indent=1))
         return 0
     if args.dir is None:
-        print("ncclguard report: give an incident directory (or the incident root), or --schema")
-        return 2
+        args.dir = default_dir()
+        if not args.dir.exists():
+            print(f"ncclguard report: no incident directory given, and none at {args.dir} (the default here)")
+            return 2
     if args.stack_lines < 0:
         print("--stack-lines must be >= 0")
         return 2

@@ -167,10 +167,18 @@ class Launch:
         self.stop_grace_s = DEFAULT_STOP_GRACE_S
 
 
+def _dashed(token: str) -> str:
+    """``--ncclguard-hang_timeout_s=10`` as ``--ncclguard-hang-timeout-s=10``: both spellings, as torchrun
+    takes ``--nproc_per_node`` and ``--nproc-per-node``."""
+    name, sep, value = token.partition("=")
+    return PREFIX + name[len(PREFIX) :].replace("_", "-") + sep + value
+
+
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(the ``--ncclguard-*`` tokens before the script, torchrun's arguments with the script's)."""
     from torch.distributed.run import get_args_parser
 
+    orig, argv = list(argv), [_dashed(t) if t.startswith(PREFIX) else t for t in argv]
     taken: list[int] = []
     i = 0
     while i < len(argv):
@@ -188,7 +196,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     parsed = torchrun.parse_args(rest)  # torchrun's own errors, and its exit status 2
     script_at = kept[len(rest) - len(parsed.training_script_args) - 1]
     mine = [argv[j] for j in taken if j < script_at]
-    theirs = [argv[j] for j in range(script_at) if j not in set(taken)] + list(argv[script_at:])
+    theirs = [argv[j] for j in range(script_at) if j not in set(taken)] + orig[script_at:]  # the script's as given
     return mine, theirs
 
 
@@ -219,7 +227,7 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
     """
     if not argv:
         raise ValueError(f"give the script to run: {USAGE}")
-    _unknown([t for t in argv if t.startswith(PREFIX)])
+    _unknown([_dashed(t) for t in argv if t.startswith(PREFIX)])
     mine, theirs = _split(argv)
     ns = _parser().parse_args(mine)
     given = {name: getattr(ns, f"wd_{name}") for name in WatchdogConfig.model_fields}

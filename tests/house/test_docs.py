@@ -3,6 +3,7 @@ and a link to a heading reaches a heading of that page, as GitHub makes its anch
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -76,6 +77,51 @@ def test_a_link_to_a_missing_heading_or_page_is_caught(tmp_path: Path) -> None:
 def test_each_stack_page_starts_with_the_lines_to_add_then_the_command(page: str) -> None:
     # docs/stacks/: one short page per stack for a user who wants the lines to add and the command.
     text = (REPO / "docs" / "stacks" / page).read_text()
-    first_code = text.index("```python")
+    first_code = text.index("```diff")
     assert text.startswith("# ") and "\n+" in text[first_code : text.index("```", first_code + 3)]
     assert "ncclguard run --ncclguard-restarts" in text[: text.index("\n## ") if "\n## " in text else len(text)]
+
+
+def snippet_problems(root: Path) -> list[str]:
+    """Every ``python`` block of README.md and docs/ that does not compile, and every ``diff`` block
+    whose result (its context and ``+`` lines, the marker column dropped) does not; a diff with an
+    elided context line (`` ...``) is an excerpt, not a whole script, and is not compiled."""
+    out = []
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        for m in re.finditer(r"^```(python|diff)\n(.*?)^```", text, re.S | re.M):
+            lang, code = m.group(1), m.group(2)
+            where = f"{page.relative_to(root)}:{text[: m.start()].count(chr(10)) + 1}"
+            lines = code.splitlines()
+            marked = [n for n, line in enumerate(lines, 1) if lang == "python" and re.match(r"[+-][A-Za-z_]", line)]
+            if marked:  # +guard(x) compiles (a unary plus) and fails when run
+                out.append(f"{where}: python block: a diff marker on its line {marked[0]} (a diff block is ```diff)")
+                continue
+            if lang == "diff":
+                if any(line.strip() == "..." for line in lines):
+                    continue
+                code = "\n".join(line[1:] for line in lines if not line.startswith("-"))
+            try:
+                ast.parse(code)
+            except SyntaxError as exc:
+                out.append(f"{where}: {lang} block: {exc.msg} (its line {exc.lineno})")
+    return out
+
+
+def test_every_python_snippet_compiles_and_every_diff_ends_in_code_that_compiles() -> None:
+    # A diff marker inside a python block is a TypeError or a SyntaxError for whoever pastes it.
+    assert snippet_problems(REPO) == []
+
+
+def test_a_diff_marker_in_a_python_block_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("```python\nimport x\n+guard = x\n```\n```python\nimport x\n+guard(x)\n```\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "```diff\n import x\n+if x:\n+guard(x)\n```\n```diff\n x\n ...\n+  y\n```\n"
+    )
+    got = snippet_problems(tmp_path)
+    assert got == [
+        "README.md:1: python block: a diff marker on its line 2 (a diff block is ```diff)",
+        "README.md:5: python block: a diff marker on its line 2 (a diff block is ```diff)",
+        "docs/a.md:1: diff block: expected an indented block after 'if' statement on line 2 (its line 3)",
+    ]
