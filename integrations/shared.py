@@ -83,6 +83,37 @@ def watchdog_config(watchdog: WatchdogConfig | dict[str, Any] | bool | None) -> 
     )
 
 
+def watchdog_given(watchdog: WatchdogConfig | dict[str, Any] | bool | None) -> bool:
+    """Whether an integration's ``watchdog`` argument names settings of its own (a dict or a
+    ``WatchdogConfig``), rather than the defaults read from the environment."""
+    return isinstance(watchdog, WatchdogConfig | dict)
+
+
+def settings_not_used(mine: WatchdogConfig, running: WatchdogConfig, who: str) -> str | None:
+    """What to tell the user when an integration keeps the watchdog already running in the process
+    (``ncclguard run``'s, or the script's own) although its ``watchdog=`` named other settings.
+
+    Args:
+        mine: the settings the integration was given.
+        running: the running watchdog's settings.
+        who: the integration, as the log names it.
+
+    Returns:
+        A warning naming each setting not used, with the running value and how to set it; None
+        when the running watchdog already has them.
+    """
+    a, b = mine.model_dump(), running.model_dump()
+    differ = [f"{k}={a[k]!r} (running: {b[k]!r})" for k in sorted(a) if a[k] != b.get(k)]
+    if not differ:
+        return None
+    flags = " ".join(f"--ncclguard-{k.replace('_', '-')}" for k in sorted(a) if a[k] != b.get(k))
+    return (
+        f"{who}: a watchdog already runs in this process and is kept (one per rank); these settings of "
+        f"watchdog= are not used: {', '.join(differ)}. Under ncclguard run, pass them as {flags} (or "
+        "NCCLGUARD_WATCHDOG_<FIELD>)"
+    )
+
+
 def recovery_for(recover: bool, keywords: RecoveryKeywords, who: str) -> RecoveryOptions | None:
     """The recovery engine's options a callback's ``recover`` flag asks for, or None without it.
 

@@ -46,7 +46,15 @@ from ncclguard.toolkit import log
 from ncclguard.watching.watchdog import Watchdog
 
 from ..accelerate import dataloaders_restored_on_skip
-from ..shared import SKIPPED, SkippedEvaluation, recovery_for, skip_record, timeout_problems
+from ..shared import (
+    SKIPPED,
+    SkippedEvaluation,
+    recovery_for,
+    settings_not_used,
+    skip_record,
+    timeout_problems,
+    watchdog_given,
+)
 from ..shared import watchdog_config as _watchdog_config
 from .deepspeed import deepspeed_refusal
 from .recovery import TrainerRecovery
@@ -122,6 +130,7 @@ class TrainerGuardCallback(TrainerCallback):
 
     def __init__(self, watchdog: WatchdogConfig | dict[str, Any] | bool | None = None) -> None:
         self.watchdog_config = _watchdog_config(watchdog)
+        self._watchdog_given = watchdog_given(watchdog)
         self.watchdog: Watchdog | None = None
         self.eval_timeout_s: float | None = None
         self.last_eval_report: EvalReport | None = None
@@ -142,8 +151,13 @@ class TrainerGuardCallback(TrainerCallback):
             log.warning("TrainerGuardCallback: %s", problem)
         if self.watchdog_config is None or self.watchdog is not None:
             return
-        if current_watchdog() is not None:
-            log.info("TrainerGuardCallback: a watchdog already runs in this process; using it")
+        running = current_watchdog()
+        if running is not None:
+            said = settings_not_used(self.watchdog_config, running.config, "TrainerGuardCallback")
+            if self._watchdog_given and said:
+                log.warning("%s", said)
+            else:
+                log.info("TrainerGuardCallback: a watchdog already runs in this process; using it")
             return
         self.watchdog = start_watchdog(self.watchdog_config)
 

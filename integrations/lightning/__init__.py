@@ -59,9 +59,11 @@ from ..shared import (
     SKIPPED,
     SkippedEvaluation,
     recovery_for,
+    settings_not_used,
     skip_record,
     timeout_problems,
     watchdog_config,
+    watchdog_given,
 )
 from .preempt import preempt_wrappers
 from .recovery import StepRecovery, check_recoverable
@@ -136,6 +138,7 @@ class NcclGuardCallback(Callback):
             None if eval_timeout_s is None else eval_options(eval_timeout_s=eval_timeout_s).eval_timeout_s
         )
         self.watchdog_config = watchdog_config(watchdog)
+        self._watchdog_given = watchdog_given(watchdog)
         self.watchdog: Watchdog | None = None
         self.last_eval_report: EvalReport | None = None
         self.skipped: list[SkippedEvaluation] = []
@@ -153,8 +156,13 @@ class NcclGuardCallback(Callback):
         ):
             log.warning("NcclGuardCallback: %s", problem)
         if self.watchdog_config is not None and self.watchdog is None:
-            if current_watchdog() is not None:
-                log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
+            running = current_watchdog()
+            if running is not None:
+                said = settings_not_used(self.watchdog_config, running.config, "NcclGuardCallback")
+                if self._watchdog_given and said:
+                    log.warning("%s", said)
+                else:
+                    log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
             else:
                 self.watchdog = start_watchdog(self.watchdog_config)
         self._wrap(trainer, "save_checkpoint", _saving(trainer))

@@ -60,3 +60,43 @@ def test_a_skip_record_carries_the_last_agreed_reason():
     report = EvalReport(ok=False, value=None, attempts=2, reasons=["attempt 1: a", "attempt 2: b"])
     assert skip_record(report, 7, 1.5) == SkippedEvaluation(step=7, elapsed_s=1.5, reason="attempt 2: b")
     assert dataclasses.asdict(skip_record(None, None, 0.1)) == {"step": None, "elapsed_s": 0.1, "reason": ""}
+
+
+def test_settings_an_integration_cannot_use_are_named_at_warning(tmp_path, caplog):
+    """One watchdog per rank: a callback given watchdog= settings while one already runs (ncclguard
+    run's, or the script's) keeps the running one, and says at WARNING which of its settings are not
+    used and how to pass them; with no settings of its own it says nothing above INFO."""
+    import logging
+
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import ncclguard
+    from ncclguard.integrations.hf import TrainerGuardCallback
+    from ncclguard.integrations.shared import settings_not_used, watchdog_given
+
+    assert watchdog_given({"hang_timeout_s": 1}) and watchdog_given(WatchdogConfig())
+    assert not watchdog_given(None) and not watchdog_given(True)
+    assert settings_not_used(WatchdogConfig(), WatchdogConfig(), "x") is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    running = ncclguard.start_watchdog(heartbeat_s=0.5, hang_timeout_s=60)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        given = TrainerGuardCallback(watchdog={"hang_timeout_s": 120, "heartbeat_s": 0.5})
+        plain = TrainerGuardCallback()
+        with caplog.at_level(logging.INFO, logger="ncclguard"):
+            given.on_train_begin(args, TrainerState(), TrainerControl())
+            warned = [
+                r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "not used" in r.getMessage()
+            ]
+            caplog.clear()
+            plain.on_train_begin(args, TrainerState(), TrainerControl())
+            quiet = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "these settings of watchdog= are not used: hang_timeout_s=120.0 (running: 60.0)" in warned[0]
+        assert "pass them as --ncclguard-hang-timeout-s" in warned[0]
+        assert quiet == [] and given.watchdog is None and plain.watchdog is None
+        assert ncclguard.current_watchdog() is running
+    finally:
+        running.stop()
+        dist.destroy_process_group()
