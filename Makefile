@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 install: $(STAMP)
 
 # torch: keep one that is already importable (system site packages are visible); otherwise take
-# the CPU build torch==2.13.0 (a bare `torch` would pull several GB of CUDA packages).
+# torch==2.13.0 from the configured index (a CPU wheel on this project's CI index; on PyPI, the CUDA
+# build: README.md says how to take the CPU one first).
 # deepspeed builds from source against that torch, so it is installed without build isolation.
 $(STAMP): pyproject.toml setup.py ncclguard/recording/_hotpath.c autostart/ncclguard-autostart.pth Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)

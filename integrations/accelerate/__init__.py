@@ -234,8 +234,10 @@ def recovering_step(
 
     Args:
         accelerator: the loop's ``Accelerator``.
-        model: the model ``accelerator.prepare`` returned.
-        optimizer: the optimizer ``accelerator.prepare`` returned.
+        model: under DDP, the model ``accelerator.prepare`` returned; with the DeepSpeed plugin, the
+            model before ``prepare`` (the step prepares it; the engine ``prepare`` returned is taken
+            too, except by a restarted process on ZeRO-3: docs/stacks/accelerate.md).
+        optimizer: the optimizer, prepared or not as ``model``.
         rebuild: with the DeepSpeed plugin only, builds a fresh module and optimizer
             (:class:`~ncclguard.integrations.accelerate.deepspeed.AcceleratorDeepSpeedStep`).
         scheduler: your LR scheduler, which your loop steps once per applied step: a healed rank

@@ -87,7 +87,11 @@ class DeepSpeedState(StateCodec):
                 "optimizer (a bf16/fp16 wrapper or a client ZeRO?); use DeepSpeed's ZeRO optimizer"
             )
         if getattr(opt, "swap_optimizer", False) or getattr(opt, "offload_param_nvme", False):
-            raise ValueError("DeepSpeedState: NVMe offload keeps the state on disk; use offload to cpu or none")
+            raise ValueError(
+                "DeepSpeedState: NVMe offload keeps the optimizer's state on disk, out of any snapshot: set the "
+                'config\'s "offload_optimizer" and "offload_param" "device" to "none" (CPU offload is not '
+                "covered either: docs/stacks/deepspeed.md)"
+            )
         if self.stage == 3 and int(engine.zero_hpz_partition_size()) > 1:
             raise ValueError(
                 "DeepSpeedState: hpZ (zero_hpz_partition_size > 1) keeps secondary partitions; set it to 1"

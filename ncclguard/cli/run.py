@@ -272,7 +272,13 @@ def _config(given: dict[str, Any]) -> WatchdogConfig:
     try:
         return WatchdogConfig(**given)
     except ValidationError as exc:
-        lines = [f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
+        # pydantic words a validator's ValueError "Value error, <text>", with no field for a check of
+        # the whole model: the user reads the text, after the field's name where there is one.
+        lines = []
+        for e in exc.errors():
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            field = ".".join(str(x) for x in e["loc"])
+            lines.append(f"{field}: {msg}" if field else msg)
         raise ValueError("bad watchdog setting: " + "; ".join(lines)) from None
 
 

@@ -63,3 +63,10 @@ def test_report_reads_where_the_watchdog_writes_when_given_no_directory(
     monkeypatch.setenv("NCCLGUARD_WATCHDOG_INCIDENT_DIR", str(fixtures))
     assert main(["report", "--list"]) == 0
     assert "20261122-090619-001" in capsys.readouterr().out
+
+
+def test_a_bad_setting_is_said_in_the_users_words(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--ncclguard-hang-timeout-s", "0.1", "--ncclguard-heartbeat-s", "1", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "ncclguard run: bad watchdog setting: hang_timeout_s (0.1) must be > heartbeat_s (1.0)" in err, err
+    assert "Value error" not in err
