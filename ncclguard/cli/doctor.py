@@ -1,7 +1,9 @@
 """``python -m ncclguard doctor``: the network and timeout environment of this rank, and what to change.
 
 Exit status: 0 when nothing needs changing, 1 when there are warnings (or ranks disagree
-with ``--check-ranks``), 2 when the doctor could not run as asked.
+with ``--check-ranks``) or a variable to set (recommended, unset, one that matters on the backend
+and that no rank sets at start: on NCCL, its error handling, dump on timeout and InfiniBand switch),
+2 when the doctor could not run as asked.
 
 With ``--ddp-timeout`` or ``--training-args`` (a Hugging Face Trainer job) the process-group
 timeout is ``TrainingArguments.ddp_timeout`` and the rules broken against it say so.
@@ -40,6 +42,11 @@ from ncclguard.testing.launch import under_launcher
 
 # A TrainingArguments JSON file is a few KiB; anything far larger is not one.
 TRAINING_ARGS_MAX_BYTES = 1 << 20
+# The recommended variables that matter on each backend and that no rank sets at start by itself.
+USERS: dict[str, frozenset[str]] = {
+    "nccl": frozenset({"NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT"}),
+    "gloo": frozenset(),
+}
 # Variables shown in the table when set, besides the recommended ones.
 SHOWN_WHEN_SET = (
     "DEEPSPEED_TIMEOUT",
@@ -87,7 +94,9 @@ def _seconds(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the doctor's options to its subcommand parser."""
-    parser.epilog = "exit status: 0 nothing to change, 1 warnings or ranks that disagree, 2 could not run"
+    parser.epilog = (
+        "exit status: 0 nothing to change, 1 warnings, ranks that disagree or variables to set, 2 could not run"
+    )
     parser.add_argument(
         "--master-addr", metavar="HOST", help="peer to route to (default: MASTER_ADDR, else the default route)"
     )
@@ -212,8 +221,18 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     warnings = list(plan.warnings) + [f"timeouts: {p}" for p in problems]
     if sockets.refusal is not None:
         warnings.append(f"refused at start: {sockets.refusal}")
+    import torch  # the doctor needs it anyway (versions, --check-ranks); --help does not
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # What the user must set: a recommended variable unset, that matters on this backend, and that no
+    # rank sets at start (the socket plan sets the interfaces, the start-up hook the flight recorder).
+    to_set = [
+        v.name for v in variables if v.recommended is not None and v.status == "unset" and v.name in USERS[backend]
+    ]
     return {
         "host": plan.hostname,
+        "backend": backend,
+        "to_set": to_set,
         "rank": int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None,
         "plan": plan.model_dump(mode="json"),
         "sockets": sockets.model_dump(mode="json"),
@@ -410,7 +429,14 @@ def _print_problems(report: dict[str, Any], console: Console) -> None:
         console.print(f"[bold red]{len(problems)} warning(s):[/]")
         for w in problems:
             console.print(f"  - {w}", highlight=False, markup=False, soft_wrap=True)
-    else:
+    if report["to_set"]:
+        console.print(
+            f"[bold yellow]{len(report['to_set'])} variable(s) to set for {report['backend']}[/] (no rank sets them "
+            f"by itself): {', '.join(report['to_set'])}; `ncclguard doctor --export` prints the lines.",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif not problems:
         console.print("[bold green]nothing to change.[/]")
 
 
@@ -458,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             os._exit(1)  # a half-made gloo group can block interpreter shutdown
     problems = report["warnings"] + report.get("ranks", {}).get("disagreements", [])
     report["ok"] = not problems
-    rc = 0 if report["ok"] else 1
+    rc = 0 if report["ok"] and not report["to_set"] else 1
     # Under --check-ranks only rank 0 prints (the comparison is the same on every rank).
     if not (args.check_ranks and report["rank"] not in (0, None)):
         if args.json:

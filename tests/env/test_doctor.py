@@ -16,7 +16,19 @@ from ncclguard.cli.doctor import compare_ranks
 from ncclguard.env.envvars import DEPRECATED, IGNORED
 
 REPO = Path(__file__).parents[2]
-REPORT_KEYS = {"host", "rank", "plan", "sockets", "variables", "timeouts", "versions", "warnings", "ok"}
+REPORT_KEYS = {
+    "host",
+    "rank",
+    "plan",
+    "sockets",
+    "variables",
+    "timeouts",
+    "versions",
+    "warnings",
+    "ok",
+    "backend",
+    "to_set",
+}
 # Variables the tests decide on; anything of the runner's environment among them is removed.
 CONTROLLED = [
     *IGNORED,
@@ -335,3 +347,21 @@ def test_doctor_refuses_a_bad_training_arguments_file(env, capsys, tmp_path, con
     with pytest.raises(SystemExit) as exc:
         main(["doctor", "--ddp-timeout", "600", "--group-timeout", "600"])  # one process-group timeout, not two
     assert exc.value.code == 2
+
+
+def test_on_nccl_the_variables_no_rank_sets_by_itself_are_a_change_to_make(env, capsys):
+    """The doctor recommends variables; the ones that matter on the backend and that no rank sets at
+    start (the socket plan sets the interfaces, the start-up hook the flight recorder) are a change to
+    make: listed on the last line, exit 1. Set, nothing to change, exit 0; on gloo none matter."""
+    rc, out, _ = _doctor(capsys, "--json", "--backend", "nccl", "--group-timeout", "3600")
+    report = json.loads(out)
+    assert (rc, report["ok"], report["backend"]) == (1, True, "nccl")
+    assert report["to_set"] == ["NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT"]
+    rc, out, _ = _doctor(capsys, "--backend", "nccl", "--group-timeout", "3600")
+    assert rc == 1 and out.rstrip().endswith("`ncclguard doctor --export` prints the lines.")
+    assert "3 variable(s) to set for nccl (no rank sets them by itself): NCCL_IB_DISABLE, " in out
+    for name, value in (("NCCL_IB_DISABLE", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")):
+        env.setenv(name, value)
+    env.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    rc, out, _ = _doctor(capsys, "--backend", "nccl", "--group-timeout", "3600")
+    assert rc == 0 and out.rstrip().endswith("nothing to change."), out[-300:]
