@@ -125,3 +125,20 @@ def test_a_diff_marker_in_a_python_block_is_caught(tmp_path: Path) -> None:
         "README.md:5: python block: a diff marker on its line 2 (a diff block is ```diff)",
         "docs/a.md:1: diff block: expected an indented block after 'if' statement on line 2 (its line 3)",
     ]
+
+
+def test_the_recovery_picture_draws_the_placement_the_ranks_compute(tmp_path: Path) -> None:
+    """docs/recovery.png is made by docs/examples/recovery_picture.py; it draws the buddies the
+    library's placement gives (each rank's replica at its place on the next host), and runs here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "recovery_picture", REPO / "docs" / "examples" / "recovery_picture.py"
+    )
+    assert spec is not None and spec.loader is not None
+    picture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(picture)
+    drawn = picture.draw(tmp_path / "recovery.png")
+    assert drawn == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert (tmp_path / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (REPO / "docs" / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
