@@ -149,10 +149,12 @@ class StuckWatch:
             # to act on this ask. A process stopped now is no answer yet: the window tells once it has passed.
             self._settled.add(ask.at)
             if ruling.kind == "veto":  # the peers' agreement is one view; what moves on this host vetoes it
-                said = f"{who} (asked by launch rank {ask.asker}), but this supervisor sees it moving ({mine.evidence})"
+                said = (
+                    f": {who} (asked by launch rank {ask.asker}), but this supervisor sees it moving ({mine.evidence})"
+                )
             else:
-                said = f"is behind but moving ({mine.evidence})"
-            self._say(f"launch rank {self.origin} (pid {ask.pid}) {said}; left alone")
+                said = f" is behind but moving ({mine.evidence})"
+            self._say(f"launch rank {self.origin} (pid {ask.pid}){said}; left alone")
             self._answer(ask.pid, "moving", mine.evidence, False)
             return None
         if not ruling.acts:
