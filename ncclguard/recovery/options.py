@@ -190,7 +190,8 @@ class RecoveryOptions(BaseModel):
             return self
         if not self.heal_auto:
             raise ValueError(why)
-        log.info("recovery: heal is off (it is on by default under restarts, but %s)", why)
+        # A setting the user counted on (heal is on under restarts) is turned off: said where they look.
+        log.warning("recovery: heal is off (it is on by default under restarts, but %s)", why)
         return self.model_copy(update={"heal": False})
 
     @field_validator("collective_timeout_s", "commit_timeout_s", "rebuild_timeout_s", "heal_timeout_s", mode="before")

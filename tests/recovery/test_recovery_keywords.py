@@ -10,6 +10,7 @@ tests/integrations/test_accelerate_deepspeed_multirank.py build them on real ran
 from __future__ import annotations
 
 import inspect
+import logging
 import typing
 from datetime import timedelta
 from pathlib import Path
@@ -217,7 +218,7 @@ def test_the_deepspeed_engine_step_passes_every_keyword_but_a_shrink(given: dict
 
 
 def test_heal_is_on_by_default_only_under_a_supervisors_restarts_and_without_allow_shrink(
-    monkeypatch: pytest.MonkeyPatch, fresh_accelerate
+    monkeypatch: pytest.MonkeyPatch, fresh_accelerate, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``heal`` left out: on where ``python -m ncclguard.supervise --restarts N`` (N > 0) runs the rank
     (it sets NCCLGUARD_SUPERVISED_RESTARTS) and allow_shrink is not asked for; what the user passes wins."""
@@ -237,7 +238,10 @@ def test_heal_is_on_by_default_only_under_a_supervisors_restarts_and_without_all
     assert recovery_options(heal=True, allow_shrink=True).heal is True
     assert _stepper_options().heal is True
     # An adapter that cannot heal its stack turns the default off; heal=True asked for is refused.
-    assert recovery_options().without_auto_heal("it cannot").heal is False
+    with caplog.at_level(logging.INFO, logger="ncclguard"):
+        assert recovery_options().without_auto_heal("it cannot").heal is False
+    said = [(r.levelno, r.getMessage().split("] ", 1)[-1]) for r in caplog.records if "heal is off" in r.getMessage()]
+    assert said == [(logging.WARNING, "recovery: heal is off (it is on by default under restarts, but it cannot)")]
     with pytest.raises(ValueError, match="^it cannot$"):
         recovery_options(heal=True).without_auto_heal("it cannot")
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
