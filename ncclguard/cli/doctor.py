@@ -1,9 +1,8 @@
 """``python -m ncclguard doctor``: the network and timeout environment of this rank, and what to change.
 
-Exit status: 0 when nothing needs changing, 1 when there are warnings (or ranks disagree
-with ``--check-ranks``) or a variable to set (recommended, unset, one that matters on the backend
-and that no rank sets at start: on NCCL, its error handling, dump on timeout and InfiniBand switch),
-2 when the doctor could not run as asked.
+Exit status: 0 when nothing needs changing, 1 on warnings (or ranks that disagree with ``--check-ranks``)
+or a variable to set (recommended, unset, that matters on the backend and no rank sets at start: on
+NCCL, its error handling, dump on timeout and InfiniBand switch), 2 when the doctor could not run.
 
 With ``--ddp-timeout`` or ``--training-args`` (a Hugging Face Trainer job) the process-group
 timeout is ``TrainingArguments.ddp_timeout`` and the rules broken against it say so.
