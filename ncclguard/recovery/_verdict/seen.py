@@ -23,6 +23,7 @@ class Seen:
     acted: set[int] = field(default_factory=set)
     awaiting: set[int] = field(default_factory=set)  # judged stuck here, not yet by the other waiting ranks
     asked: dict[int, tuple[int, int, str]] = field(default_factory=dict)  # rank -> (pid, launch rank, site) asked about
+    confirming: set[int] = field(default_factory=set)  # asked to confirm: its supervisor decides, once per step
     self_asked: float | None = None  # when this rank, judging itself stuck, asked its supervisor to end it
     self_awaiting: bool = False  # it judged itself stuck, and its peers did not (yet): no action
     generation: int = 0  # the world it was armed in: its ranks' numbers and progress are that world's

@@ -261,12 +261,13 @@ class VerdictDriver:
                 dist.get_rank(), j.state, j.evidence, agreed, seen.about, seen.about if self._seen is seen else None,
                 supervised(),
             )  # fmt: skip
-            if ruling.kind == "stale" or r in seen.acted or (ruling.kind == "confirm" and r in seen.asked):
+            # Asked to confirm: the supervisor's for this step (an agreement now would post a second death).
+            if ruling.kind == "stale" or r in seen.acted or r in seen.confirming:
                 return
             world = current_world()
             asker, origin, restarts = world.origin(dist.get_rank()), world.origin(r), self._restarts()
             if ruling.kind == "confirm":  # the only rank waiting: its supervisor's look is the second view
-                seen.asked[r] = (hb.pid, origin, hb.site)
+                seen.asked[r], seen.confirming = (hb.pid, origin, hb.site), seen.confirming | {r}
                 posted = ask_supervisor(origin, hb, "confirm", restarts, seen.still_s, asker, ruling)
             elif ruling.acts:
                 seen.acted.add(r)
