@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ncclguard import WatchdogConfig
+from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.env.trainer import HF_DDP_TIMEOUT_DEFAULT_S, timeout_problems, trainer_timeout_notes
 from ncclguard.evaluation.guard import EvalReport
 from ncclguard.recovery.options import RecoveryKeywords, RecoveryOptions, check_recovery_keywords, recovery_options
+from ncclguard.toolkit import log
+from ncclguard.watching.watchdog import Watchdog
 
 __all__ = [
     "HF_DDP_TIMEOUT_DEFAULT_S",
@@ -112,6 +114,30 @@ def settings_not_used(mine: WatchdogConfig, running: WatchdogConfig, who: str) -
         f"watchdog= are not used: {', '.join(differ)}. Under ncclguard run, pass them as {flags} (or "
         "NCCLGUARD_WATCHDOG_<FIELD>)"
     )
+
+
+def start_or_keep(config: WatchdogConfig, given: bool, who: str) -> Watchdog | None:
+    """An integration's watchdog: started with ``config``, unless one already runs in this process
+    (``ncclguard run``'s, or the script's own), which is kept (one per rank). Settings of ``watchdog=``
+    the running one lacks are said at WARNING (:func:`settings_not_used`), never dropped unsaid.
+
+    Args:
+        config: the integration's settings.
+        given: its ``watchdog=`` named settings of its own (:func:`watchdog_given`).
+        who: the integration, as the log names it.
+
+    Returns:
+        The watchdog started here, or None when the running one was kept.
+    """
+    running = current_watchdog()
+    if running is None:
+        return start_watchdog(config)
+    said = settings_not_used(config, running.config, who) if given else None
+    if said:
+        log.warning("%s", said)
+    else:
+        log.info("%s: a watchdog already runs in this process; using it", who)
+    return None
 
 
 def recovery_for(recover: bool, keywords: RecoveryKeywords, who: str) -> RecoveryOptions | None:

@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
+from ncclguard import WatchdogConfig, phase
 from ncclguard.evaluation.guard import EvalReport, guarded_evaluate, last_report
 from ncclguard.evaluation.options import GuardOptions, eval_options
 from ncclguard.recovery.options import RecoveryKeywords
@@ -50,8 +50,8 @@ from ..shared import (
     SKIPPED,
     SkippedEvaluation,
     recovery_for,
-    settings_not_used,
     skip_record,
+    start_or_keep,
     timeout_problems,
     watchdog_given,
 )
@@ -151,15 +151,7 @@ class TrainerGuardCallback(TrainerCallback):
             log.warning("TrainerGuardCallback: %s", problem)
         if self.watchdog_config is None or self.watchdog is not None:
             return
-        running = current_watchdog()
-        if running is not None:
-            said = settings_not_used(self.watchdog_config, running.config, "TrainerGuardCallback")
-            if self._watchdog_given and said:
-                log.warning("%s", said)
-            else:
-                log.info("TrainerGuardCallback: a watchdog already runs in this process; using it")
-            return
-        self.watchdog = start_watchdog(self.watchdog_config)
+        self.watchdog = start_or_keep(self.watchdog_config, self._watchdog_given, "TrainerGuardCallback")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         """After a rebuild that changed the world, re-shards the training data loader (``recover=True``)."""

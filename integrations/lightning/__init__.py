@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ncclguard import WatchdogConfig, current_watchdog, phase, start_watchdog
+from ncclguard import WatchdogConfig, phase
 from ncclguard.evaluation.guard import FAILED_METRIC, EvalReport, guarded_evaluate, last_report
 from ncclguard.evaluation.options import eval_options
 from ncclguard.recovery.options import RecoveryKeywords
@@ -59,8 +59,8 @@ from ..shared import (
     SKIPPED,
     SkippedEvaluation,
     recovery_for,
-    settings_not_used,
     skip_record,
+    start_or_keep,
     timeout_problems,
     watchdog_config,
     watchdog_given,
@@ -156,15 +156,7 @@ class NcclGuardCallback(Callback):
         ):
             log.warning("NcclGuardCallback: %s", problem)
         if self.watchdog_config is not None and self.watchdog is None:
-            running = current_watchdog()
-            if running is not None:
-                said = settings_not_used(self.watchdog_config, running.config, "NcclGuardCallback")
-                if self._watchdog_given and said:
-                    log.warning("%s", said)
-                else:
-                    log.info("NcclGuardCallback: a watchdog already runs in this process; using it")
-            else:
-                self.watchdog = start_watchdog(self.watchdog_config)
+            self.watchdog = start_or_keep(self.watchdog_config, self._watchdog_given, "NcclGuardCallback")
         self._wrap(trainer, "save_checkpoint", _saving(trainer))
         if self.recovery is not None and stage == "fit":
             check_recoverable(trainer, pl_module, allow_shrink=self.recovery.engine.options.allow_shrink)

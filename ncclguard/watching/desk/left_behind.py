@@ -31,7 +31,7 @@ from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.exits import exit_now
 from ncclguard.incidents.model import FenceNote
 from ncclguard.watching.base.watchdog_store import WatchdogStore
-from ncclguard.watching.judge.rules import Ruling, rule_left_behind
+from ncclguard.watching.judge.rules import rule_left_behind
 from ncclguard.world import current_world
 
 __all__ = ["LeftBehind", "arm", "fence_if_left_behind"]
@@ -49,7 +49,6 @@ class LeftBehind:
 
     grace_s: float
     since: float | None = None  # monotonic time a newer generation was first seen
-    ruling: Ruling | None = None  # the judge's last ruling (what the fence acts on)
 
     def observe(self, recorded: int | None, mine: int, told: bool, member: bool, now: float) -> bool:
         """Takes one reading; True when the rank is to be fenced now.
@@ -65,14 +64,12 @@ class LeftBehind:
         Returns:
             True once a newer generation has been seen for ``grace_s`` and nothing excuses it.
         """
-        behind = not (told or not member or recorded is None or recorded <= mine)
-        if not behind:
-            self.since = None
-        elif self.since is None:
+        if self.since is None:
             self.since = now
-        seen_for = None if self.since is None else now - self.since
-        self.ruling = rule_left_behind(recorded, mine, told, member, seen_for, self.grace_s)
-        return self.ruling.acts
+        ruling = rule_left_behind(recorded, mine, told, member, now - self.since, self.grace_s)
+        if ruling.kind == "await":  # not behind, or excused: the clock starts afresh
+            self.since = None
+        return ruling.acts
 
 
 def arm(watchdog: Any) -> None:
@@ -113,8 +110,7 @@ def fence_if_left_behind(
     member = dist.is_available() and dist.is_initialized()
     if not watch.observe(record.generation if record else None, generation, world.left_behind, member, now):
         return
-    assert record is not None and watch.ruling is not None
-    watch.ruling.require("the left-behind fence's exit")
+    assert record is not None
     note = FenceNote(rank=rank, host=HOSTNAME, pid=os.getpid(), incident=f"left-behind-g{generation}", time=time.time())
     try:
         store.put_fenced(note)

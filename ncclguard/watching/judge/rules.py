@@ -2,8 +2,9 @@
 
 Five seats can see a stuck rank. Each sees something the others cannot, none decides alone: each
 asks these rules, and only a ruling that says so opens a lever (a death notice, an ask to end a
-rank, a cut of its connections, a SIGKILL, an exit: each lever calls :meth:`Ruling.require` first,
-and a lever reached without one raises :class:`~ncclguard.errors.UnjudgedAction` before acting).
+rank, a cut of its connections, a SIGKILL, an exit). The levers other parts reach (the death notice,
+the ask, the supervisor's SIGKILL) call :meth:`Ruling.require` first, and one reached without an
+acting ruling raises :class:`~ncclguard.errors.UnjudgedAction` before acting.
 
 ============== ======================================================= ==========================================
 seat           who                                                     what it sees

@@ -314,7 +314,6 @@ class Fence(Action):
         if not ruling.acts:
             named = f"rank(s) {rank_ranges(note.culprits)} named the culprit" if note.culprits else "no culprit named"
             return Outcome(done=False, why=f"{named}; this rank is not fenced", details={"culprits": note.culprits})
-        ruling.require("the fence's exit")
         marked = ctx.mark_fenced()
         outcome = Outcome(done=True, details={"fenced": True, "code": 0, "marked": marked, "culprits": note.culprits})
         ctx.save(outcome)
