@@ -43,7 +43,7 @@ from typing import Any, NoReturn, Unpack
 
 import torch
 
-from ncclguard.errors import RebuildFailed
+from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.engine import Adapter, Recovery
@@ -196,7 +196,10 @@ class CommittedEngineStep(Adapter):
         # Made now, on the live world: it refuses, before any step, an engine whose state it cannot take.
         self.state = None if rebuild_engine is None or self._joining else DeepSpeedState(engine)
         self.recovery = Recovery(self, options)
-        joined = self.recovery.join_if_restarted()
+        try:
+            joined = self.recovery.join_if_restarted()
+        except HealFailed as exc:  # refused or failed: this process holds nothing of the run's state
+            self._exit_unrestored(exc)
         # A restarted process: how it was restored (its bytes and timings), and where it goes on.
         self.healed: HealResult | Restored | None = joined
         self.resume_step: int | None = joined.step if joined is not None else None
@@ -295,6 +298,8 @@ class CommittedEngineStep(Adapter):
             return EngineStepResult(res.output, res.commits[-1], restored=restored)
         if res.rewound_to is not None:  # every rank went back to a snapshot: the loop goes back too (steps())
             return EngineStepResult(None, res.commits[-1], res.rewound_to, res.timings, restored)
+        if isinstance(res.error, HealFailed):  # every snapshot refused: a restarted rank holds fresh partitions
+            self._exit_unrestored(res.error)
         if isinstance(res.error, RebuildFailed):  # a rank is missing: no complete checkpoint can be written
             log.error(
                 "CommittedEngineStep: %s. Exiting %d; the launcher restarts from your last checkpoint",
@@ -303,6 +308,23 @@ class CommittedEngineStep(Adapter):
             )
             exit_now(self.exit_code)  # no interpreter shutdown: see the doc above
         self.checkpoint_and_exit(res.commits[-1], tx.number)
+
+    def _exit_unrestored(self, error: HealFailed) -> NoReturn:
+        """Ends the process with ``exit_code`` and writes no checkpoint: a restarted rank that was not
+        restored holds its fresh engine's partitions, and a checkpoint of this world would save them
+        as the run's (and point DeepSpeed's ``latest`` at it). The launcher's restart goes to the last
+        whole checkpoint on disk, which is named."""
+        last = last_checkpoint(self.checkpoint_dir)
+        log.error(
+            "CommittedEngineStep: the restarted rank(s) could not be restored (%s). No checkpoint is written: "
+            "their fresh partitions would be saved as the run's. Exiting %d; the launcher restarts from %s",
+            error,
+            self.exit_code,
+            f"your last checkpoint on disk, {last} (engine.load_checkpoint({str(self.checkpoint_dir)!r}))"
+            if last is not None
+            else f"the start: {self.checkpoint_dir} holds no DeepSpeed checkpoint ('latest' names none)",
+        )
+        exit_now(self.exit_code)  # no interpreter shutdown: see __call__
 
     def checkpoint_and_exit(self, res: CommitResult, step: int) -> NoReturn:
         """Rebuilds the world (the engine's rebuild and left-out policy), saves the engine's
@@ -357,6 +379,17 @@ class _Pending:
         if name == "gradient_accumulation_steps":
             return lambda: 1
         raise AttributeError(f"the engine is built when this restarted process joins ({name})")
+
+
+def last_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint ``engine.load_checkpoint(directory)`` would load: the tag DeepSpeed's ``latest``
+    file names, where that tag's directory exists; None otherwise."""
+    try:
+        tag = (directory / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    found = directory / tag
+    return found if tag and "/" not in tag and found.is_dir() else None
 
 
 def number_parameters_afresh() -> None:

@@ -5,6 +5,8 @@ dropout. Rank side: tests/workers/deepspeed_heal_worker.py:
 (no scenario, ``kill``) 3 ranks: rank 1 killed at step K and restored from its buddy's replica.
 ``host`` 4 ranks on two simulated hosts of 2: both ranks of the second killed at once and restored
     from the replicas the first holds.
+``refused`` 3 ranks: as ``kill``, every replica of rank 1 damaged by its buddy first: every rank exits
+    75 at once and no checkpoint holds the restarted rank's fresh partitions.
 """
 
 from __future__ import annotations
@@ -103,3 +105,36 @@ def test_a_whole_host_of_zero3_ranks_lost_is_restored_from_the_replicas_on_the_o
         assert host_job[r]["generation"] == 1  # one rebuild: both restarted ranks joined it together
         assert host_job[r]["global_steps"] == STEPS  # DeepSpeed's own count, restored with the partitions
         assert host_job[r]["digest"] == reference  # the full (gathered) parameters, bit for bit
+
+
+@pytest.fixture(scope="module")
+def refused_job():
+    # One run of 3 ZeRO-3 steps on 3 ranks, a SIGKILL, a restart that imports torch and DeepSpeed
+    # again, every snapshot refused, every rank exiting 75 at once: 20-40 s here. Hang guard: 240 s
+    # (the survivors' rebuild would wait out its 90 s for a rank that is gone).
+    return run_ranks(
+        "deepspeed_heal_worker",
+        3,
+        "refused",
+        launcher="spawn",
+        restarts=1,
+        restart_on=[-9],
+        timeout_s=240,
+        expect_rc={0: 75, 1: 75, 2: 75},
+    )
+
+
+def test_a_restarted_rank_whose_snapshots_are_all_refused_ends_every_rank_with_75_and_no_checkpoint(refused_job):
+    """Issue 59: after every snapshot was refused, the restarted rank holds its fresh engine's
+    partitions; a checkpoint of that world would save them as the run's and point ``latest`` at it.
+    Every rank exits 75 at once, writes nothing, and names where the launcher's restart goes."""
+    out = refused_job.output
+    assert refused_job[2]["damaged"] == [BASE + 2], refused_job[2]  # the buddy held rank 1's replicas and damaged each
+    assert "rank 2's snapshot of step" in out and "arrived damaged" in out
+    assert out.count("CommittedEngineStep: the restarted rank(s) could not be restored") == 3, out[-6000:]
+    assert out.count("No checkpoint is written") == 3
+    assert out.count("holds no DeepSpeed checkpoint ('latest' names none)") == 3
+    assert "did not reach rebuild_world" not in out  # no survivor waited for the rank that left
+    assert "saved in" not in out and "Traceback" not in out
+    written = sorted(p.name for p in refused_job.out_dir.iterdir())
+    assert not [n for n in written if n.startswith("global_step") or n == "latest"], written

@@ -14,7 +14,11 @@ Usage: ``deepspeed_heal_worker.py [SCENARIO]``: ``kill`` (the default) as above,
 host; ``host`` on 4 ranks, two simulated hosts of 2 (``GROUP_RANK`` is the launch rank // 2, as
 torchrun sets it per node): ranks 2 and 3, the whole second host, SIGKILL themselves at step K; both
 restarted, they take their partitions from their buddies on the other host (rank 2's from rank 0,
-rank 3's from rank 1), and every rank goes back to the snapshot of step K-1 as above.
+rank 3's from rank 1), and every rank goes back to the snapshot of step K-1 as above. ``refused``
+(no reference run): as ``kill``, but rank 2 damages every replica of rank 1 it holds as step K begins,
+so every snapshot is refused at the restore: no rank may write a checkpoint in which the restarted
+rank's fresh partitions would stand for the run's (every rank exits 75; the launcher's restart goes
+to the last whole checkpoint on disk, here none).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ rankkit.rank = lambda: ME  # results go by launch rank
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
-KILLED = {"kill": [1], "host": [2, 3]}[SCENARIO]
+KILLED = {"kill": [1], "host": [2, 3], "refused": [1]}[SCENARIO]
 STEPS, K = 6, 3
 BASE = STEPS  # the faulty run's step numbers follow the reference's (the commit's count grows)
 
@@ -70,6 +74,8 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
             if step - base == kill_at and ME in KILLED and LIFE == 0:
                 put("results", results)
                 rankkit.kill(ME)
+            if step - base == kill_at and SCENARIO == "refused" and LIFE == 0:
+                damage_replicas_of(KILLED[0], stepper)
             x, y = batch(step - base, ME)
             loss = torch.nn.functional.mse_loss(eng(x), y)
             eng.backward(loss)
@@ -84,12 +90,24 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
     return stepper, results
 
 
+def damage_replicas_of(rank: int, stepper: CommittedEngineStep) -> None:
+    """Flips a bit in every replica of ``rank``'s snapshots this rank holds: each fails its digest."""
+    keeper = stepper.recovery.keeper
+    assert keeper is not None
+    held = keeper.replicas.get(rank, [])
+    for snap in held:
+        snap.payload[12345] ^= 1
+    put("damaged", [s.step for s in held])
+    rankkit.save()  # every rank ends in the adapter's exit 75, without rankkit.done()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     put("life", LIFE)
     if LIFE == 0:
         rankkit.init(timeout_s=60)
         deepspeed.init_distributed(dist_backend="gloo")
+    if LIFE == 0 and SCENARIO != "refused":
         ref, ref_results = train(None, 0)
         put("reference_results", ref_results)
         put("reference", gathered_digest(ref.engine))
