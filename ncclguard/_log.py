@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import MutableMapping
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["log", "current_rank"]
+__all__ = ["LEVEL_VAR", "current_rank", "log", "show_on_stderr"]
+
+LEVEL_VAR = "NCCLGUARD_LOG_LEVEL"  # the level of ncclguard's lines on stderr under ncclguard run
 
 
 def current_rank() -> int | None:
@@ -28,3 +31,37 @@ class _RankAdapter(logging.LoggerAdapter):
 
 
 log = _RankAdapter(logging.getLogger("ncclguard"), {})
+
+
+class _UntilConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """Prints on stderr while the script has configured no logging of its own (the root logger has
+    no handler); once it has, its handlers print ncclguard's lines and this one stays silent, so
+    that no line is printed twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def show_on_stderr() -> None:
+    """Makes ncclguard's own lines reach the user under ``ncclguard run`` / ``NCCLGUARD_AUTO``:
+    at ``NCCLGUARD_LOG_LEVEL`` (default INFO) and above, on stderr, where the script configured no
+    logging (Python alone shows WARNING and above, without a time). Idempotent; a logger the
+    script gave a handler or a level is left as it is.
+    """
+    logger = logging.getLogger("ncclguard")
+    if any(isinstance(h, _UntilConfigured) for h in logger.handlers):
+        return
+    raw = os.environ.get(LEVEL_VAR, "INFO").strip().upper()
+    level = logging.getLevelName(raw)
+    if not isinstance(level, int):
+        print(
+            f"ncclguard: {LEVEL_VAR}={raw!r} is no logging level (DEBUG, INFO, WARNING, ERROR); INFO is used",
+            file=sys.stderr,
+        )
+        level = logging.INFO
+    handler = _UntilConfigured(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s ncclguard %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(level)

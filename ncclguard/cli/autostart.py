@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from ncclguard._log import log
+from ncclguard._log import log, show_on_stderr
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.env.hostview import prepare_sockets
 from ncclguard.env.sockets import SocketPlan
@@ -83,6 +83,7 @@ def before_init(backend: Any, init_method: Any) -> SocketPlan | None:
     Raises:
         BadInterface: the user's interface does not exist or has no route to the master.
     """
+    show_on_stderr()  # first: the plan's own lines are ncclguard's first INFO lines
     if str(backend) == "fake":
         return None
     master = (
@@ -174,6 +175,7 @@ def started() -> Watchdog | None:
     """
     import torch.distributed as dist
 
+    show_on_stderr()
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_backend() == "fake":  # a restarted rank's stand-in: the watchdog starts at its join
