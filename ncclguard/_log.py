@@ -33,7 +33,7 @@ class _RankAdapter(logging.LoggerAdapter):
 log = _RankAdapter(logging.getLogger("ncclguard"), {})
 
 
-class _UntilConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+class _UntilConfigured(logging.StreamHandler):
     """Prints on stderr while the script has configured no logging of its own (the root logger has
     no handler); once it has, its handlers print ncclguard's lines and this one stays silent, so
     that no line is printed twice."""
@@ -54,14 +54,10 @@ def show_on_stderr() -> None:
         return
     raw = os.environ.get(LEVEL_VAR, "INFO").strip().upper()
     level = logging.getLevelName(raw)
-    if not isinstance(level, int):
-        print(
-            f"ncclguard: {LEVEL_VAR}={raw!r} is no logging level (DEBUG, INFO, WARNING, ERROR); INFO is used",
-            file=sys.stderr,
-        )
-        level = logging.INFO
     handler = _UntilConfigured(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s ncclguard %(levelname)s %(message)s"))
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
-        logger.setLevel(level)
+        logger.setLevel(level if isinstance(level, int) else logging.INFO)
+    if not isinstance(level, int):
+        log.warning("%s=%r is no logging level (DEBUG, INFO, WARNING, ERROR); INFO is used", LEVEL_VAR, raw)

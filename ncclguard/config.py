@@ -62,6 +62,11 @@ class Config(BaseSettings):
     # Barrier and the cross-rank check.
     barrier_timeout_s: float = Field(300.0, gt=0)
     postmortem_grace_s: float = Field(0.5, ge=0, le=0.9)
+    # safe_all_reduce's check of its input for NaN and Inf (check_finite=None): "verified" where
+    # the call's cross-rank check runs anyway (at or above chunk_direct_below, verify=True, a tag),
+    # "always" (every call then runs the cross-rank check), "never". Off by default: measured, the
+    # scan adds well over 1% to a gloo call (docs/numerics.md, benchmarks/finite_check_cost.py).
+    check_finite: Literal["verified", "always", "never"] = "never"
 
     # How a guarded call waits for an NCCL collective (ncclguard.collectives.completion):
     # "poll" asks the work every nccl_poll_us (seen ~20 µs after the GPU finished, about a quarter

@@ -39,6 +39,8 @@ __all__ = [
     "BadInterface",
     "MemoryRefused",
     "BenchCallFailed",
+    "NonFiniteGradient",
+    "NonFiniteInput",
 ]
 
 
@@ -111,6 +113,23 @@ class CollectiveMismatch(CollectiveError):
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "fingerprints": {str(k): v for k, v in self.fingerprints.items()}}
+
+
+class NonFiniteInput(CollectiveError):
+    """``safe_all_reduce(check_finite=...)`` found a NaN or an infinity in some rank's input: nothing
+    was reduced on any rank, each tensor holds its own values, and the group stays usable.
+
+    Attributes:
+        ranks: the global ranks whose input was not finite (sorted; the same on every rank).
+        kinds: by those ranks, ``"NaN"`` or ``"Inf"``.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int], kinds: dict[int, str], **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.ranks, self.kinds = list(ranks), dict(kinds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "ranks": self.ranks, "kinds": {str(k): v for k, v in self.kinds.items()}}
 
 
 class BarrierTimeout(CollectiveTimeout):
@@ -252,6 +271,35 @@ class GeneratorsApart(NcclGuardError, ValueError):
     from a live peer, which hands a restarted rank its peer's generators: the healed run could not
     be the run without the fault. Raised on every rank at the first commit that shows it, before
     the step is applied; it says which generators and how to seed instead."""
+
+
+class NonFiniteGradient(NcclGuardError):
+    """A step's gradient held a NaN or an infinity on some rank before the reduction spread it (the
+    recovery engine's check, docs/numerics.md): the step was not applied on any rank. Raised on every
+    rank alike with ``on_nonfinite="raise"``; the ``error`` of a step skipped otherwise.
+
+    Attributes:
+        step: the loop's step number (the count of steps applied when the loop passes none).
+        ranks: the ranks whose contribution was not finite (sorted; the world's numbering then).
+        buckets: by those ranks, each flagged bucket as ``{"index", "kind", "params", "more_params"}``
+            (``kind``: ``"NaN"`` or ``"Inf"``; ``params``: the first parameter names in it).
+        finite_ranks: the ranks whose checked contribution was finite.
+        action: what the engine did: ``"redo"``, ``"skip"`` or ``"raise"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        ranks: list[int],
+        buckets: dict[int, list[dict[str, Any]]],
+        finite_ranks: list[int],
+        action: str,
+    ) -> None:
+        super().__init__(message)
+        self.step, self.ranks, self.buckets = step, list(ranks), dict(buckets)
+        self.finite_ranks, self.action = list(finite_ranks), action
 
 
 class UnjudgedAction(NcclGuardError, RuntimeError):

@@ -7,7 +7,10 @@ Failure model (docs/collectives.md has the long form):
   complete and write later), so later safe_* calls on that group refuse at once;
 - with ``atomic=True`` the reduction runs in a private buffer (kept between calls, dropped after a
   failure) and is copied into the tensor only when every chunk completed, so a late write can
-  never touch the caller's tensor.
+  never touch the caller's tensor;
+- with the input check (``check_finite``, off by default: ``Config.check_finite``), a NaN or an
+  infinity in any rank's input fails the call on every rank before any data moves, naming the
+  ranks (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ncclguard.collectives import plan as _plans
 from ncclguard.collectives.calls import Call, begin_call, check_tag
 from ncclguard.collectives.chunking import chunk_bounds
 from ncclguard.collectives.failures import check_fingerprints, wire_error
+from ncclguard.collectives.finite import nonfinite_kind
 from ncclguard.collectives.groups import failure_of, no_group_reason
 from ncclguard.collectives.plan import CallShape, GroupPlan, check_input, forget_plans, plan_for
 from ncclguard.collectives.wire import (
@@ -39,7 +43,7 @@ from ncclguard.collectives.wire import (
 )
 from ncclguard.config import get_config
 from ncclguard.deadlines import check_below_group_timeout, to_seconds
-from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError
+from ncclguard.errors import CollectiveError, GroupFailed, NcclGuardError, NonFiniteInput
 from ncclguard.recording.flight import doors, recorder
 from ncclguard.results import Result
 
@@ -65,6 +69,9 @@ _REUSE_WAIT_S = 1e-3
 # The recorder's doors for a call that records itself (recorder.open_fast/close_ok, compiled where
 # the hot path was built): open(op, group, numel, dtype) -> record or None; close(record).
 _open_record, _close_record = doors(recorder)
+# check_finite=None, by Config.check_finite: True checks (the cross-rank check then runs at any size),
+# None checks where that check runs anyway, False never.
+_FINITE_BY_SETTING: dict[str, bool | None] = {"always": True, "verified": None, "never": False}
 
 
 @dataclass(slots=True)
@@ -110,6 +117,7 @@ def safe_all_reduce(
     atomic: bool = False,
     verify: bool | None = None,
     tag: str | None = None,
+    check_finite: bool | None = None,
 ) -> CollectiveResult:
     """All-reduces ``tensor`` in place with a deadline; never hangs.
 
@@ -130,11 +138,12 @@ def safe_all_reduce(
             threshold, or with a ``tag``. All ranks must pass the same value.
         tag: meet the ranks that pass the same tag, whatever their call counts (implies
             ``verify``); see :mod:`ncclguard.collectives.calls`.
+        check_finite: a NaN or Inf in any rank's input fails every rank, nothing moved (docs/numerics.md).
 
     Returns:
-        A :class:`CollectiveResult`; falsy with ``error`` set to a :class:`CollectiveTimeout`
-        (ncclguard's deadline passed), :class:`CollectiveFailed` (the backend failed, or its own
-        timeout ended the op first), :class:`CollectiveMismatch` or :class:`GroupFailed`.
+        A :class:`CollectiveResult`; falsy with ``error`` set to a :class:`CollectiveTimeout` (ncclguard's deadline
+        passed), :class:`CollectiveFailed` (the backend failed, or its own timeout ended the op first),
+        :class:`CollectiveMismatch`, :class:`NonFiniteInput` (nothing reduced, the ranks named) or :class:`GroupFailed`.
 
     Raises:
         TypeError, ValueError: bad input (a timeout at or above the group's own timeout
@@ -153,13 +162,14 @@ def safe_all_reduce(
     if plan is None:
         plan = plan_for(group)
     if plan is None or not plan.multi:
-        return _alone(plan, tensor, op, start, timeout, chunk_numel, tag)
+        return _alone(plan, tensor, op, start, (timeout, chunk_numel, tag), check_finite)
     config = get_config()
     if config is not plan.config:
         plan.use_config(config)
     if tag is not None:
         check_tag(tag)
     try:
+        check_finite = _finite_wanted(check_finite, config.check_finite)
         shape = plan.shape(tensor, op, chunk_numel)
         timeout_s = None
         if timeout is not None:
@@ -171,11 +181,12 @@ def safe_all_reduce(
     failed = failure_of(plan.group) if _groups.hot.table.marked else None
     if failed is not None:
         return _refused(plan, shape, tag, failed, start)
-    check = verify or tag is not None or (verify is None and shape.verify_default)
+    check = verify or tag is not None or (verify is None and shape.verify_default) or check_finite is True
     direct = shape.direct and not atomic and tensor.is_contiguous()
     if direct and not check and dist.all_reduce is _TORCH_ALL_REDUCE:  # not instrumented: see _issue_first
         return _issue_first(plan, tensor, shape, start, timeout_s)
-    return _guarded(plan, tensor, op, shape, start, timeout_s, check, direct, atomic, tag)
+    checks = (bool(check), bool(check) and check_finite is not False)  # the round; the input's scan in it
+    return _guarded(plan, tensor, op, shape, start, timeout_s, checks, direct, atomic, tag)
 
 
 def _issue_first(
@@ -233,15 +244,17 @@ def _guarded(
     shape: CallShape,
     start: float,
     timeout_s: float | None,
-    check: bool,
+    checks: tuple[bool, bool],
     direct: bool,
     atomic: bool,
     tag: str | None,
 ) -> CollectiveResult:
     """Every other call: numbered (by its tag, when it has one) and recorded before anything moves;
-    the fingerprint check when asked; then the wire: one op on the tensor itself (through
-    dist.all_reduce, whose instrument() wrapper then sees our open record) or run_chunks (several
-    chunks, ``atomic``, or a non-contiguous tensor)."""
+    the fingerprint check when asked (``checks``: the round, and the input's scan for NaN and Inf
+    carried in it); then the wire: one op on the tensor itself (through dist.all_reduce, whose
+    instrument() wrapper then sees our open record) or run_chunks (several chunks, ``atomic``, or
+    a non-contiguous tensor)."""
+    check, finite = checks
     # The call's number: the Call object (its round name) is made only when a round needs it.
     call: Call | None = None
     base, n = "", 0
@@ -260,7 +273,7 @@ def _guarded(
         if check:
             call = call or Call(plan.info, "all_reduce", base=base, n=n)
             error = check_fingerprints(
-                call, tensor, op, list(shape.bounds), start + timeout_s, start, _fields(plan, shape)
+                call, tensor, op, list(shape.bounds), start + timeout_s, start, _fields(plan, shape), finite
             )
             if error is not None:
                 log.warning("%s", error)
@@ -324,6 +337,15 @@ def _failed(
     )
 
 
+def _finite_wanted(check_finite: Any, setting: str) -> bool | None:
+    """``check_finite`` checked (TypeError before any communication), None read from the setting."""
+    if check_finite is None:
+        return _FINITE_BY_SETTING[setting]
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True, False or None, got {check_finite!r}")
+    return check_finite
+
+
 def _number(plan: GroupPlan, tag: str | None) -> None:
     """Takes the call's number (or its tag's use) for a call refused before any communication."""
     begin_call(plan.info, "all_reduce", tag)
@@ -339,14 +361,17 @@ def _alone(
     tensor: Any,
     op: Any,
     start: float,
-    timeout: float | timedelta | None,
-    chunk_numel: Any,
-    tag: str | None,
+    given: tuple[float | timedelta | None, Any, str | None],
+    check_finite: bool | None,
 ) -> CollectiveResult:
     """A world of one (no process group, or a group of one rank): the input is checked as on any
     group, nothing moves, the tensor is the result. No group in a world that a failed handshake
-    left is no world of one: falsy, the tensor unchanged (nothing reduced)."""
+    left is no world of one: falsy, the tensor unchanged (nothing reduced). ``given``: the call's
+    timeout, chunk_numel and tag. With ``check_finite=True`` a NaN or an infinity fails it, as on a
+    group (no cross-rank check runs here otherwise)."""
+    timeout, chunk_numel, tag = given
     check_tag(tag)
+    _finite_wanted(check_finite, "never")
     check_input(tensor, op, chunk_numel, plan.backend if plan is not None else None)
     if timeout is not None:
         to_seconds(timeout, "timeout")
@@ -357,4 +382,16 @@ def _alone(
     why = no_group_reason() if plan is None else None
     if why is not None:
         return CollectiveResult(False, opname, numel, nbytes, chunks, 0, _monotonic() - start, GroupFailed(why))
+    kind = nonfinite_kind(tensor) if check_finite else None
+    if kind is not None:
+        bad = NonFiniteInput(
+            f"{opname} in a world of one: non-finite input (rank 0: {kind}); nothing was reduced",
+            ranks=[0],
+            kinds={0: kind},
+            op=opname,
+            numel=numel,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            elapsed_s=_monotonic() - start,
+        )
+        return CollectiveResult(False, opname, numel, nbytes, chunks, 0, _monotonic() - start, bad)
     return CollectiveResult(True, opname, numel, nbytes, chunks, numel, _monotonic() - start)

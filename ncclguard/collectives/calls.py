@@ -40,6 +40,7 @@ from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 
 __all__ = [
+    "NONFINITE_FIELD",
     "Call",
     "CallPrint",
     "FingerprintRound",
@@ -50,6 +51,8 @@ __all__ = [
     "postmortem",
 ]
 
+# A fingerprint's field for a rank's own input's values ("NaN", "Inf", or None): said, not compared.
+NONFINITE_FIELD = "nonfinite"
 # What a tag may look like: it becomes part of a store key and of messages.
 _TAG = re.compile(r"^[A-Za-z0-9_.:=+-]{1,128}$")
 
@@ -144,8 +147,9 @@ class CallPrint(BaseModel):
     site: str = Field(max_length=4096)
 
     def data(self) -> dict[str, Any]:
-        """The fields that must agree across ranks (everything but the kind and the site)."""
-        return dict(self.model_extra or {})
+        """The fields that must agree across ranks (everything but the kind, the site and what a
+        rank says of its own input's values, :data:`NONFINITE_FIELD`)."""
+        return {k: v for k, v in (self.model_extra or {}).items() if k != NONFINITE_FIELD}
 
     def where(self) -> str:
         return f"{self.kind} at {self.site}"

@@ -1,5 +1,6 @@
 """What a guarded all_reduce tells when it cannot go on: the cross-rank check before any data
-moves (:func:`check_fingerprints`) and the error after a failed wire (:func:`wire_error`)."""
+moves (:func:`check_fingerprints`, which also carries each rank's check of its input for NaN and
+Inf) and the error after a failed wire (:func:`wire_error`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 import torch
 
 from ncclguard._log import log
-from ncclguard._naming import REDUCE_OP_NAMES, dtype_name
-from ncclguard.collectives.calls import Call, meet_prints, postmortem
+from ncclguard._naming import REDUCE_OP_NAMES, dtype_name, rank_ranges
+from ncclguard.collectives.calls import NONFINITE_FIELD, Call, meet_prints, postmortem
 from ncclguard.collectives.completion import DeadlinePassed
+from ncclguard.collectives.finite import nonfinite_kind
 from ncclguard.collectives.groups import GroupInfo, mark_failed
 from ncclguard.collectives.wire import WireFailure
 from ncclguard.config import get_config
@@ -20,10 +22,11 @@ from ncclguard.errors import (
     CollectiveFailed,
     CollectiveMismatch,
     CollectiveTimeout,
+    NonFiniteInput,
     StoreUnreachable,
 )
 
-__all__ = ["backend_failure", "check_fingerprints", "wire_error"]
+__all__ = ["backend_failure", "check_fingerprints", "nonfinite_ranks", "wire_error"]
 
 
 def wire_error(
@@ -99,14 +102,24 @@ def check_fingerprints(
     deadline: float,
     start: float,
     fields: dict[str, Any],
+    finite: bool = False,
 ) -> CollectiveError | None:
+    """The call's round: every rank in the same call with the same tensor and op, and, with
+    ``finite``, every rank's input free of NaN and Inf; before any data moves.
+
+    Returns:
+        None when the reduction may go on, else the error every rank that arrived gets alike
+        (:class:`CollectiveMismatch`, :class:`NonFiniteInput`, a timeout, a failed store).
+    """
     info = call.info
+    said = {NONFINITE_FIELD: nonfinite_kind(tensor)} if finite else {}  # scanned before the round: a sync
     mine = call.print(
         numel=tensor.numel(),
         dtype=dtype_name(tensor.dtype),
         op=REDUCE_OP_NAMES[op],
         device=tensor.device.type,
         chunks=[len(bounds), bounds[0][1] - bounds[0][0]],
+        **said,
     )
     try:
         met = meet_prints(call, mine, deadline)
@@ -131,4 +144,29 @@ def check_fingerprints(
         if met.mismatch is not None:
             message += f"; of those that came, {met.mismatch}"
         return CollectiveTimeout(message, elapsed_s=time.monotonic() - start, missing_ranks=met.missing, **fields)
+    kinds = nonfinite_ranks(met.prints)
+    if kinds:
+        finite_ranks = sorted(r for r in met.prints if r not in kinds)
+        listing = ", ".join(f"rank {r}: {k}" for r, k in sorted(kinds.items()))
+        others = f"; ranks {rank_ranges(finite_ranks)} were finite" if finite_ranks else ""
+        return NonFiniteInput(
+            f"{where}: non-finite input ({listing}){others}; nothing was reduced, each rank's tensor holds its "
+            "own values",
+            ranks=sorted(kinds),
+            kinds=kinds,
+            elapsed_s=time.monotonic() - start,
+            **fields,
+        )
     return None
+
+
+def nonfinite_ranks(prints: dict[int, dict[str, Any]]) -> dict[int, str]:
+    """The ranks whose fingerprint says their input held a NaN or an infinity (pure).
+
+    Args:
+        prints: each rank's fingerprint as sent.
+
+    Returns:
+        ``{rank: "NaN" or "Inf"}``; empty when none did or none said.
+    """
+    return {r: str(p[NONFINITE_FIELD]) for r, p in prints.items() if p.get(NONFINITE_FIELD) in ("NaN", "Inf")}

@@ -18,6 +18,7 @@ of the round before (rank 0 its counters and outcome too): every rank has left t
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,14 @@ from ncclguard.deadlines import Deadline, default_deadline, to_seconds
 from ncclguard.errors import CommitFailed, StoreUnreachable
 from ncclguard.recording.flight import recorder
 from ncclguard.recording.rungs import ActedRung, acted
-from ncclguard.recovery._commit.said import generators_noted, note_point_to_point, other_sequences, p2p_groups, sequence
+from ncclguard.recovery._commit.said import (
+    generators_noted,
+    note_point_to_point,
+    numerics_noted,
+    other_sequences,
+    p2p_groups,
+    sequence,
+)
 from ncclguard.recovery._commit.statements import (
     MAX_PROBLEMS,
     MAX_STATEMENT_BYTES,
@@ -46,8 +54,11 @@ from ncclguard.recovery._commit.statements import (
     clip,
     commit_keys,
     decide,
+    flag_nonfinite,
+    only_nonfinite,
     outcome_limit,
 )
+from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid
 from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
 from ncclguard.store.clients import store_for_this_thread
@@ -83,6 +94,10 @@ class CommitResult(Result):
             (:mod:`ncclguard.recovery.preempt`); the same on every rank.
         generators_apart: by generator name, the ranks whose generator differs from most ranks'
             (ranks seeded apart), where the recovery engine stated them; the same on every rank.
+        nonfinite: by rank, the gradient buckets that held a NaN or an infinity before the
+            reduction, where the recovery engine's check stated them (docs/numerics.md); those
+            ranks are in ``failed_ranks`` too. The same on every rank.
+        finite_ranks: the ranks whose checked gradient was finite.
     """
 
     ok: bool
@@ -96,6 +111,13 @@ class CommitResult(Result):
     early: bool = False
     stop: bool = False
     generators_apart: dict[str, list[int]] = field(default_factory=dict)
+    nonfinite: dict[int, list[BucketFinding]] = field(default_factory=dict)
+    finite_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def only_nonfinite(self) -> bool:
+        """The step failed for non-finite gradients alone: the world is fine, the values are not."""
+        return not self.ok and only_nonfinite(self.reasons, self.nonfinite)
 
 
 class _Commits:
@@ -296,6 +318,7 @@ def should_commit(
         n, since, now = state.n, state.since, time.time()
         problems = _problems(info, since, failure)
         generators = generators_noted()  # taken whatever the path: a note is for this commit only
+        numerics = numerics_noted()
         # Counted before the round: a round that raised (the store gone) is not met again.
         state.n, state.since = n + 1, now
         if step is not None:
@@ -304,17 +327,24 @@ def should_commit(
         if no_group is not None:  # committing alone would let each member train on by itself
             outcome, late = _no_group(world, n, no_group, problems), False
         elif info is None:  # a world of one: no one to agree with
-            failed = {0: problems} if problems else {}
-            outcome = CommitOutcome(ok=not problems, step=n, arrived=[0], failed=failed, stop=stop_requested())
-            late = False
+            outcome, late = _alone(n, problems, numerics), False
         else:
-            outcome, late = _agree(info, world.generation, n, step, (problems, generators), start, timeout_s)
+            outcome, late = _agree(info, world.generation, n, step, (problems, generators, numerics), start, timeout_s)
         if outcome.ok:
             state.committed = n
         count_commit(outcome.ok)
     finally:
         state.lock.release()
     return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else world.rank or 0)
+
+
+def _alone(n: int, problems: list[str], numerics: NumericsSaid | None) -> CommitOutcome:
+    """The outcome of a world of one: what went wrong here, the gradient's values included."""
+    failed = {0: problems} if problems else {}
+    nonfinite, finite = flag_nonfinite({0: numerics}, failed)
+    return CommitOutcome(
+        ok=not failed, step=n, arrived=[0], failed=failed, stop=stop_requested(), nonfinite=nonfinite, finite=finite
+    )
 
 
 def _no_group(world: World, n: int, why: str, problems: list[str]) -> CommitOutcome:
@@ -330,7 +360,7 @@ def _agree(
     generation: int,
     n: int,
     step: int | None,
-    said: tuple[list[str], dict[str, str]],
+    said: tuple[list[str], dict[str, str], NumericsSaid | None],
     start: float,
     timeout_s: float | None,
 ) -> tuple[CommitOutcome, bool]:
@@ -342,8 +372,9 @@ def _agree(
         generation: the world's generation.
         n: the commit's number in this world.
         step: the caller's step number, or None.
-        said: what went wrong on this rank since its last commit, and the generators' digests
-            the engine noted for it (:func:`~ncclguard.recovery._commit.said.note_generators`).
+        said: what went wrong on this rank since its last commit, the generators' digests the
+            engine noted for it (:func:`~ncclguard.recovery._commit.said.note_generators`), and
+            what its numerical check saw (:func:`~ncclguard.recovery._commit.said.note_numerics`).
         start: ``time.monotonic()`` at the commit's entry (its deadline counts from there).
         timeout_s: the caller's bound, or None for the default.
 
@@ -355,7 +386,7 @@ def _agree(
     """
     if timeout_s is None:
         timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
-    problems, generators = said
+    problems, generators, numerics = said
     statement = CommitStatement(
         rank=info.rank,
         step=n,
@@ -369,6 +400,7 @@ def _agree(
         problems=problems,
         stop=stop_requested(),
         generators=generators,
+        numerics=numerics,
     )
     return _settle(info, generation, n, statement, Deadline(start + timeout_s), timeout_s)
 
@@ -419,16 +451,24 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
     if not outcome.ok:
         first = failed[0] if failed else rank
         why = "; ".join(outcome.failed.get(first, ["?"]))
+        # A non-finite gradient alone leaves the world whole: the step is redone or skipped, not
+        # rebuilt, and the engine that stated it says so in the loop's words (info here).
+        values = only_nonfinite(outcome.failed, outcome.nonfinite)
+        then = (
+            "redo the step or skip its batch (docs/numerics.md)"
+            if values
+            else "recover (ncclguard.rebuild_world, then redo the step)"
+        )
         error = CommitFailed(
             f"step {outcome.step} (world generation {generation}) may not be applied: ranks {rank_ranges(failed)} "
             f"failed it (rank {first}: {why}){'; this rank came after the outcome' if late else ''}. Skip the "
-            "optimizer step and recover (ncclguard.rebuild_world, then redo the step)",
+            f"optimizer step and {then}",
             step=outcome.step,
             failed_ranks=failed,
             reasons=dict(outcome.failed),
             late=late,
         )
-        log.warning("%s", error)
+        log.log(logging.INFO if values else logging.WARNING, "%s", error)
     return CommitResult(
         ok=outcome.ok,
         step=outcome.step,
@@ -441,4 +481,6 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
         early=outcome.early,
         stop=outcome.stop,
         generators_apart={k: list(v) for k, v in outcome.generators_apart.items()},
+        nonfinite={r: list(v) for r, v in outcome.nonfinite.items()},
+        finite_ranks=list(outcome.finite),
     )

@@ -16,7 +16,11 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
    (:func:`~ncclguard.recovery.rebuild.rebuild_world`); a rank the others went on without is
    left out (the left-out policy below); restarted ranks the rebuild admitted are healed from
    a live peer (:func:`~ncclguard.recovery.heal.heal_from_peer`); the adapter re-wraps the model
-   on the new world; the snapshot is put back; the step runs again, up to ``max_attempts``.
+   on the new world; the snapshot is put back; the step runs again, up to ``max_attempts``;
+5. **not ok for the values alone**: a commit that names only gradients that held a NaN or an
+   infinity before the reduction (the adapter's check, :mod:`ncclguard.recovery._numerics`) rebuilds
+   nothing: the snapshot is put back, and the step runs again on the same world once, is skipped,
+   or raises :class:`~ncclguard.errors.NonFiniteGradient`, per ``on_nonfinite`` (docs/numerics.md).
 
 The framework-specific parts are an :class:`Adapter`: what to keep beyond the snapshot, how to
 re-wrap the model on a new world, where to log. ``RecoveringStep``, ``guard_trainer(recover=True)``,
@@ -52,6 +56,7 @@ from ncclguard._log import log
 from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
+from ncclguard.recovery._numerics.policy import NonFiniteWatch
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._step.guards import StepBound, StepTiming, arm_left_behind_fence, not_rewound
 from ncclguard.recovery._step.seeds import SeedCheck
@@ -119,6 +124,8 @@ class Recovery:
         explicit = options.heal and not options.heal_auto
         self.seeds = SeedCheck(adapter.name, states=options.heal and self.keeper is None, explicit=explicit)
         self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
+        # A gradient's NaN or Inf, found before the reduction: the adapter puts the check on its wrapper.
+        self.numerics = NonFiniteWatch(options.on_nonfinite, options.nonfinite_suspect_steps, adapter.name)
         install_handler()
 
     def join_if_restarted(self) -> HealResult | Restored | None:
@@ -228,6 +235,7 @@ class Recovery:
             step if step is not None else number
         )  # the heartbeat's step and the straggler windows' count; a redo is the same step
         arm_left_behind_fence()
+        self.numerics.begin()
         carried, self._carried = self._carried, None
         if carried is not None and carried.number != (number if number is not None else step):
             carried = None  # a different step: the one left by Reenter is not coming back

@@ -82,6 +82,9 @@ class StepResult(Result, Generic[T]):
         timings: with ``rewound_to``, where the seconds of the failed step went, as
             :attr:`Recovered.timings` (no :class:`Recovered` is made: the step was not applied);
             empty otherwise.
+        skipped: a gradient held a NaN or an infinity on some rank and the step was skipped
+            (``on_nonfinite``; falsy, ``error`` the :class:`~ncclguard.errors.NonFiniteGradient`
+            that names it): its batch left no trace, and the loop goes on with the next.
     """
 
     ok: bool
@@ -96,6 +99,7 @@ class StepResult(Result, Generic[T]):
     rewound_to: int | None = None
     pending: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
 
     def raise_for_error(self) -> StepResult[T]:
         """Raises :attr:`error` if the step may not be applied; returns self otherwise (for chaining)."""

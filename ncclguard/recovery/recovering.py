@@ -96,10 +96,10 @@ class RecoveringStep(Adapter):
         module: the model, unwrapped (it is wrapped again after each rebuild).
         optimizer: its optimizer (stepped only after a commit that is ok).
         wrap: builds the wrapped model on the current default group; default
-            ``DistributedDataParallel(module)`` (the module itself without a process group),
-            which after a rebuild starts in the gradient buckets the old wrapper had rebuilt, so
-            that a redone step sums as the run without the fault did (docs/reference/recovery-mechanism.md,
-            "Bit-equality and DDP's buckets").
+            ``DistributedDataParallel(module)`` (the module itself without a process group), its
+            buckets checked for NaN and Inf before each all-reduce (docs/numerics.md); after a
+            rebuild it starts in the buckets the old wrapper had rebuilt, so a redone step sums as
+            the run without the fault did (docs/reference/recovery-mechanism.md, "Bit-equality and DDP's buckets").
             A wrap that calls :func:`~ncclguard.record_ddp` puts DDP's all-reduces in the flight
             recorder; a step redone with a comm hook can then differ from the fault-free run in
             the last bit (see docs/reference/recovery-mechanism.md). For FSDP2,
@@ -116,8 +116,8 @@ class RecoveringStep(Adapter):
         **recovery: the recovery keywords every adapter takes
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`: ``collective_timeout``,
             ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``, ``heal``,
-            ``heal_timeout``, ``heal_chunk_bytes``, ``left_out``, ``snapshot_every``,
-            ``preempt_dir``; what each bounds: docs/recovery.md, "The settings"). Here: with
+            ``heal_timeout``, ``heal_chunk_bytes``, ``left_out``, ``snapshot_every``, ``preempt_dir``,
+            ``on_nonfinite``; what each does: docs/recovery.md, "The settings"). Here: with
             ``heal``, a restarted process rejoins and receives the state, and a live rank sends it
             (pass the same on every rank); ``snapshot_every`` counts FSDP2's snapshots;
             ``preempt_dir`` receives the model and the optimizer on SIGTERM, written with
@@ -307,16 +307,25 @@ class RecoveringStep(Adapter):
             layout: this rank's old buckets (:func:`kept_layout`), or None.
         """
         if isinstance(self._wrap, FSDP2):
+            self.engine.numerics.unchecked("FSDP2's reductions are not checked yet")
             return self._wrap.first(self.module, self.optimizer)
         if self._wrap is not None:
+            self.engine.numerics.unchecked("wrap= builds your own wrapper, and its one comm hook stays yours")
             return self._wrap(self.module)
         if not (dist.is_available() and dist.is_initialized()):
             return self.module
-        from torch.nn.parallel import DistributedDataParallel
+        kept = None if layout_from is None else share_layout(layout, layout_from, self.module)
+        return self._checked(wrap_in_layout(self.module, kept))  # no layout: DistributedDataParallel(module)
 
-        if layout_from is None:
-            return DistributedDataParallel(self.module)
-        return wrap_in_layout(self.module, share_layout(layout, layout_from, self.module))
+    def _checked(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This adapter's own wrapper, each gradient bucket checked for NaN and Inf (docs/numerics.md)."""
+        if self.scaler is not None:
+            self.engine.numerics.unchecked(
+                "a GradScaler owns non-finite gradients (it skips the step, lowers the scale)"
+            )
+        else:
+            self.engine.numerics.install(model, self.module)
+        return model
 
     # ------------------------------------------------------------------------ the user's part
 
@@ -347,6 +356,7 @@ class RecoveringStep(Adapter):
         Raises:
             TypeError: ``step_fn`` is not callable.
             RebuildFailed: this rank was left out, with ``left_out="raise"``.
+            NonFiniteGradient: a gradient held a NaN or Inf, with ``on_nonfinite="raise"`` (docs/numerics.md).
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable (forward and backward), got {type(step_fn).__name__}")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.errors import CommitFailed, NcclGuardError
+from ncclguard.recovery._commit.said import note_numerics
 from ncclguard.recovery._step.guards import diverged
 from ncclguard.recovery._step.state import StepState
 from ncclguard.recovery.adapter import Reenter
@@ -56,6 +57,8 @@ class _Tally:
         healed: the last heal or restore (None: none yet).
         rebuilds: rebuilds taken.
         clock: where the seconds went.
+        nonfinite: attempts that ended in a non-finite gradient (no rebuild: their redo is not a
+            recovery).
     """
 
     commits: list[CommitResult]
@@ -63,6 +66,7 @@ class _Tally:
     healed: HealResult | Restored | None
     rebuilds: int
     clock: Clock
+    nonfinite: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ class Transaction(Generic[T]):
                 # A redo passes no step=: the first attempt's commit already checked it.
                 checked = self.step if attempt == 1 and not self._redo else None
                 self.engine.seeds.state(self.kept)
+                note_numerics(self.engine.numerics.take())  # this attempt's scans, read once
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
                 tally.commits.append(res)
                 tally.clock.lap("commit")
@@ -186,6 +191,11 @@ class Transaction(Generic[T]):
                 if loop is not None:  # a rebuild cannot mend it: every rank stops with the fix
                     log.critical("%s: %s", self.engine.adapter.name, loop)
                     raise loop
+                if res.only_nonfinite:  # the world is whole: the values went wrong, not a rank
+                    numeric = _on_nonfinite(self, res, attempt, tally, redo)
+                    if numeric is not None:
+                        return numeric
+                    continue
                 error = res.error or CommitFailed(f"step {self.number}'s commit failed")
                 if attempt == opts.max_attempts or redo is None:
                     break
@@ -218,8 +228,8 @@ class Transaction(Generic[T]):
         engine.applied += 1
         if res.stop:
             engine.stop_after = self.number
-        if attempt > 1:
-            self._recovered(self.number, attempt, tally.commits, tally.joined, tally.clock.laps)
+        if attempt - 1 > tally.nonfinite:  # a redo on a rebuilt world, not only for the values
+            _recovered(self, self.number, attempt, tally.commits, tally.joined, tally.clock.laps)
         return self._result(True, attempt, tally, None)
 
     def _recover(self, attempt: int, tally: _Tally) -> StepResult[T] | _NoRedo | None:
@@ -352,27 +362,6 @@ class Transaction(Generic[T]):
         self.run(redo)
         clock.lap("redo")
 
-    def _recovered(
-        self, number: int, attempts: int, commits: list[CommitResult], joined: list[int], timings: dict[str, float]
-    ) -> None:
-        record = Recovered(
-            step=number,
-            attempts=attempts,
-            generation=generation(),
-            world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            failed_ranks=sorted({r for c in commits if not c.ok for r in c.failed_ranks}),
-            healed_ranks=sorted(set(joined)),
-            elapsed_s=time.monotonic() - self._start,
-            timings={k: round(v, 4) for k, v in timings.items()},
-        )
-        engine = self.engine
-        engine.recoveries.append(record)
-        log.warning("%s: step %d redone on a rebuilt world: %s", engine.adapter.name, number, record.metrics())
-        try:
-            engine.adapter.log(record)
-        except Exception:  # noqa: BLE001 - a tracker must never take training down
-            log.exception("%s: logging the recovery of step %d failed", engine.adapter.name, number)
-
     def _result(self, ok: bool, attempts: int, tally: _Tally, error: NcclGuardError | None) -> StepResult[T]:
         self._clean = ok and attempts == 1
         return StepResult(
@@ -386,3 +375,61 @@ class Transaction(Generic[T]):
             error,
             tally.healed,
         )
+
+
+def _on_nonfinite(
+    tx: Transaction[T], res: CommitResult, attempt: int, tally: _Tally, redo: Callable[[], T] | None
+) -> StepResult[T] | None:
+    """A commit that named non-finite gradients alone: the policy's action, the same on every rank
+    (:mod:`ncclguard.recovery._numerics.policy`). The step's state is put back in every case.
+
+    Returns:
+        The step's result when it ends here (skipped), or None: the step ran again on this world.
+
+    Raises:
+        NonFiniteGradient: with ``on_nonfinite="raise"``.
+    """
+    engine = tx.engine
+    can_redo = redo is not None and attempt < engine.options.max_attempts
+    action, error = engine.numerics.act(tx.number, res.nonfinite, res.finite_ranks, can_redo)
+    tally.nonfinite += 1
+    tx._put_back()  # buffers, generators and gradients as the step found them: the batch leaves no trace
+    if action == "raise":
+        raise error
+    if action == "skip":
+        skipped = tx._result(False, attempt, tally, error)
+        skipped.skipped = True
+        return skipped
+    assert redo is not None  # choose() redoes only when it can
+    engine.bound.arm()  # the attempt's own bound, as after a rebuild
+    tx.failure = None
+    tx.run(redo)
+    tally.clock.lap("redo")
+    return None
+
+
+def _recovered(
+    tx: Transaction[T],
+    number: int,
+    attempts: int,
+    commits: list[CommitResult],
+    joined: list[int],
+    timings: dict[str, float],
+) -> None:
+    record = Recovered(
+        step=number,
+        attempts=attempts,
+        generation=generation(),
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        failed_ranks=sorted({r for c in commits if not c.ok for r in c.failed_ranks}),
+        healed_ranks=sorted(set(joined)),
+        elapsed_s=time.monotonic() - tx._start,
+        timings={k: round(v, 4) for k, v in timings.items()},
+    )
+    engine = tx.engine
+    engine.recoveries.append(record)
+    log.warning("%s: step %d redone on a rebuilt world: %s", engine.adapter.name, number, record.metrics())
+    try:
+        engine.adapter.log(record)
+    except Exception:  # noqa: BLE001 - a tracker must never take training down
+        log.exception("%s: logging the recovery of step %d failed", engine.adapter.name, number)

@@ -43,6 +43,8 @@ def given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "snapshot_spares": True,
         "snapshot_max_bytes": 1 << 30,
         "preempt_dir": tmp_path / "ck",
+        "on_nonfinite": "skip",
+        "nonfinite_suspect_steps": 7,
     }
 
 
@@ -111,6 +113,12 @@ def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, An
         ({"snapshot_keep": 3}, ValueError, "snapshot_keep must be 1 or 2 .*, got 3"),
         ({"snapshot_spares": 1}, TypeError, "snapshot_spares must be True or False, got 1"),
         ({"left_out": "stay"}, ValueError, "left_out must be 'exit' or 'raise', got 'stay'"),
+        (
+            {"on_nonfinite": "retry"},
+            ValueError,
+            "on_nonfinite must be 'redo' or 'skip' or 'raise' or 'off', got 'retry'",
+        ),
+        ({"nonfinite_suspect_steps": 0}, ValueError, "nonfinite_suspect_steps must be an int of at least 1, got 0"),
     ]:
         with pytest.raises(error, match=said):
             recovery_options(**keywords)

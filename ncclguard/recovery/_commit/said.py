@@ -1,9 +1,11 @@
 """What a rank states at a step's commit beside its problems: where the backend's sequence stands on
-each of its groups, the groups whose numbers are not compared, and its generators' digests.
+each of its groups, the groups whose numbers are not compared, its generators' digests, and what
+the recovery engine's check saw of its gradient's values.
 
 The commit (:mod:`ncclguard.recovery.commit`) builds its statement from these; the recovery engine
 notes the generators before it commits (:func:`note_generators`), so that a heal that hands a
-restarted rank its live peer's generators knows whether they can be its own.
+restarted rank its live peer's generators knows whether they can be its own, and the check's
+findings (:func:`note_numerics`), so that a non-finite gradient fails the step with this rank named.
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ from ncclguard.recovery._commit.statements import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
 )
+from ncclguard.recovery._numerics.findings import NumericsSaid
 from ncclguard.world import Slot, current_world
 
 if TYPE_CHECKING:
     from ncclguard.collectives.groups import GroupInfo
 
-__all__ = ["generators_noted", "note_generators", "note_point_to_point", "other_sequences", "p2p_groups", "sequence"]
+__all__ = [
+    "generators_noted",
+    "note_generators",
+    "note_numerics",
+    "note_point_to_point",
+    "numerics_noted",
+    "other_sequences",
+    "p2p_groups",
+    "sequence",
+]
 
 
 def sequence(group: dist.ProcessGroup, name: str) -> int | None:
@@ -82,10 +94,12 @@ def p2p_groups() -> list[str]:
 
 
 class _Noted:
-    """The generators' digests the engine noted for this thread's next commit (consumed by it)."""
+    """What the engine noted for this thread's next commit (consumed by it): the generators'
+    digests and the numerical check's findings."""
 
     def __init__(self) -> None:
         self.generators: dict[str, str] = {}
+        self.numerics: NumericsSaid | None = None
 
 
 _NOTED: Slot[_Noted] = Slot("generators noted for the next commit", lambda world: _Noted())
@@ -113,3 +127,19 @@ def generators_noted() -> dict[str, str]:
     noted = current_world().get(_NOTED)
     digests, noted.generators = noted.generators, {}
     return digests
+
+
+def note_numerics(said: NumericsSaid | None) -> None:
+    """States what the numerical check saw of this rank's gradient in its next commit statement, once.
+
+    Args:
+        said: the check's statement (None: nothing checked).
+    """
+    current_world().get(_NOTED).numerics = said
+
+
+def numerics_noted() -> NumericsSaid | None:
+    """The findings noted for this commit (emptied: a commit not preceded by a note states none)."""
+    noted = current_world().get(_NOTED)
+    said, noted.numerics = noted.numerics, None
+    return said

@@ -17,6 +17,14 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ncclguard._naming import rank_ranges
+from ncclguard.recovery._numerics.findings import (
+    MAX_FLAGGED_BUCKETS,
+    MAX_PARAM_NAME_CHARS,
+    MAX_PARAM_NAMES,
+    BucketFinding,
+    NumericsSaid,
+    describe,
+)
 from ncclguard.store.keys import RoundKeys
 
 __all__ = [
@@ -33,7 +41,9 @@ __all__ = [
     "CommitStatement",
     "commit_keys",
     "decide",
+    "flag_nonfinite",
     "generators_apart",
+    "only_nonfinite",
     "outcome_limit",
 ]
 
@@ -47,7 +57,9 @@ MAX_GENERATOR_NAME_CHARS, MAX_DIGEST_CHARS = 16, 64  # a generator's name, its d
 GeneratorName = Annotated[str, StringConstraints(max_length=MAX_GENERATOR_NAME_CHARS)]
 Digest = Annotated[str, StringConstraints(max_length=MAX_DIGEST_CHARS)]
 STEP_DIFFERS = "passed step="  # how a rank whose step number differs is worded (_step.guards.diverged reads it)
-MAX_STATEMENT_BYTES = 8 * 1024  # a statement's JSON, bounded by the two above
+MAX_STATEMENT_BYTES = 16 * 1024  # a statement's JSON, bounded by the bounds above and the numerics'
+# What one rank's numerics take at most in JSON (flagged buckets, their names and keys).
+_NUMERICS_BYTES = 128 + MAX_FLAGGED_BUCKETS * (96 + MAX_PARAM_NAMES * (MAX_PARAM_NAME_CHARS + 4))
 
 
 class CommitStatement(BaseModel):
@@ -71,6 +83,9 @@ class CommitStatement(BaseModel):
         generators: a digest of each random generator as the step found it, by generator name,
             stated where a heal from a live peer hands over the peer's generators (empty: not
             stated); compared, never failing the step (see CommitOutcome.generators_apart).
+        numerics: what the recovery engine's check saw of this rank's gradient before the
+            reduction (:mod:`ncclguard.recovery._numerics`); None: not checked. A flagged bucket
+            fails the step, this rank named.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,6 +102,7 @@ class CommitStatement(BaseModel):
     problems: list[str] = Field(default_factory=list, max_length=MAX_PROBLEMS)
     stop: bool = False
     generators: dict[GeneratorName, Digest] = Field(default_factory=dict, max_length=MAX_GENERATORS)
+    numerics: NumericsSaid | None = None
 
 
 class CommitOutcome(BaseModel):
@@ -102,6 +118,9 @@ class CommitOutcome(BaseModel):
         generators_apart: by generator name, the ranks whose generator differs from the one most
             ranks hold (every stating rank where no state is held by most): ranks seeded apart.
             Empty when the stated generators agree or none were stated.
+        nonfinite: by rank, the gradient buckets that held a NaN or an infinity before the
+            reduction (each such rank is in ``failed`` too); empty when none did.
+        finite: the ranks that stated a checked gradient with no such bucket (sorted).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -113,11 +132,13 @@ class CommitOutcome(BaseModel):
     early: bool = False
     stop: bool = False
     generators_apart: dict[GeneratorName, list[int]] = Field(default_factory=dict, max_length=MAX_GENERATORS)
+    nonfinite: dict[int, list[BucketFinding]] = Field(default_factory=dict)
+    finite: list[int] = Field(default_factory=list)
 
 
 def outcome_limit(size: int) -> int:
     """The most bytes a outcome among ``size`` ranks may take (every rank failed, at length)."""
-    return 4096 + size * (16 + MAX_GENERATORS * 8 + (MAX_PROBLEMS + 4) * (MAX_REASON_CHARS + 8))
+    return 4096 + size * (16 + MAX_GENERATORS * 8 + (MAX_PROBLEMS + 5) * (MAX_REASON_CHARS + 8) + _NUMERICS_BYTES)
 
 
 def commit_keys(group: str, generation: int, step: int, restart: str | None = None) -> RoundKeys:
@@ -261,6 +282,7 @@ def decide(
     for r, s in readable.items():
         if s.problems:
             failed[r] = [clip(p) for p in s.problems]
+    nonfinite, finite = flag_nonfinite({r: s.numerics for r, s in readable.items()}, failed)
     if len(readable) > 1:
         _disagreements(readable, failed)
     arrived = sorted(r for r in statements if 0 <= r < size)
@@ -273,7 +295,50 @@ def decide(
         early=early,
         stop=stop,
         generators_apart=generators_apart(readable),
+        nonfinite=nonfinite,
+        finite=finite,
     )
+
+
+def flag_nonfinite(
+    said: Mapping[int, NumericsSaid | None], failed: dict[int, list[str]]
+) -> tuple[dict[int, list[BucketFinding]], list[int]]:
+    """The ranks whose stated gradient held a NaN or an infinity, each added to ``failed`` with its
+    buckets in words, and those whose checked gradient was finite (pure).
+
+    Args:
+        said: by rank, what its check stated (None: not checked).
+        failed: the outcome's reasons by failed rank, added to.
+
+    Returns:
+        The flagged buckets by rank, and the finite ranks (sorted).
+    """
+    nonfinite: dict[int, list[BucketFinding]] = {}
+    finite: list[int] = []
+    for r in sorted(said):
+        numerics = said[r]
+        if numerics is None or numerics.checked == 0:
+            continue
+        if numerics.nonfinite:
+            nonfinite[r] = list(numerics.nonfinite)
+            failed.setdefault(r, []).append(clip(describe(numerics.nonfinite, numerics.more_buckets)))
+        else:
+            finite.append(r)
+    return nonfinite, finite
+
+
+def only_nonfinite(failed: Mapping[int, list[str]], nonfinite: Mapping[int, object]) -> bool:
+    """Whether a failed outcome failed for non-finite gradients alone: every failed rank flagged a
+    bucket and gave no other reason (pure; the engine then acts on the values, not the world).
+
+    Args:
+        failed: the outcome's reasons by failed rank.
+        nonfinite: the outcome's flagged ranks.
+
+    Returns:
+        True when there is a finding and nothing else failed.
+    """
+    return bool(nonfinite) and all(r in nonfinite and len(reasons) == 1 for r, reasons in failed.items())
 
 
 def generators_apart(statements: Mapping[int, CommitStatement]) -> dict[str, list[int]]:

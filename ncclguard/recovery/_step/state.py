@@ -31,7 +31,8 @@ builds itself, after every rebuild:
   wrapper (a restarted rank has none; it takes part in the same broadcast);
 - :func:`wrap_in_layout` builds the new wrapper with those buckets as its first ones
   (:func:`~ncclguard._torch_compat.ddp_initial_buckets`), and checks that it took them. Its reducer
-  then runs as in the run without the fault: the same buckets, DDP's own arithmetic, no comm hook.
+  then runs as in the run without the fault: the same buckets, DDP's own arithmetic (the non-finite
+  check's comm hook, :mod:`ncclguard.recovery._numerics.hook`, does the same, bit for bit).
   After its first backward it rebuilds them as any wrapper does (a broadcast in the next forward),
   in the order that backward's gradients became ready: the same order again.
 """
