@@ -148,6 +148,8 @@ class DeepSpeedState(StateCodec):
                 f"of {eng.gradient_accumulation_steps()}; capture after engine.step() closed the window"
             )
         tensors: dict[str, torch.Tensor] = self._buffers()
+        if self.stage == 3:
+            _zero_padding(self.opt, self._groups(), self.dp_rank)
         for i, (master, flat) in enumerate(self._groups()):
             tensors[f"master.{i}"] = master
             tensors[f"flat.{i}"] = flat
@@ -334,6 +336,39 @@ class DeepSpeedState(StateCodec):
                 param.data.copy_(whole)
             else:  # the next forward gathers it from the partitions just copied
                 param.partition(param_list=[param])
+
+
+def _padding(params: list[Any], dp_rank: int, numel: int) -> list[tuple[int, int]]:
+    """The ranges of a ZeRO-3 group's flat partition that hold no parameter (each parameter's
+    partition is padded to an equal size; the last ranks' tails are padding), or [] where the
+    layout is not the one read here (then nothing is touched)."""
+    ranges, at = [], 0
+    for param in params:
+        size = param.ds_tensor.numel()
+        valid = max(0, min(int(param.ds_numel) - size * dp_rank, size))
+        if valid < size:
+            ranges.append((at + valid, at + size))
+        at += size
+    return ranges if at == numel else []
+
+
+def _zero_padding(opt: Any, groups: list[tuple[torch.Tensor, torch.Tensor]], dp_rank: int) -> None:
+    """Zeroes the padding of every ZeRO-3 partition this rank holds (master, low-precision flat,
+    optimizer state). DeepSpeed leaves it as ``torch.empty`` made it (``partition_parameters.py``,
+    ``_partition_param``: only a parameter's own elements are copied into its partition), so on the
+    last rank it can hold NaN; no parameter ever reads it, but a snapshot holding it would be refused
+    as NaN at a restore. Zeroed, it is the same in every capture. ZeRO 1/2 pad with zeros already
+    (``flatten_dense_tensors_aligned``)."""
+    with torch.no_grad():
+        for i, (master, flat) in enumerate(groups):
+            ranges = _padding(opt.fp16_groups[i], dp_rank, master.numel())
+            if not ranges:
+                continue
+            state = opt.optimizer.state.get(master, {})
+            alike = [t for t in (master, flat, *state.values()) if torch.is_tensor(t) and t.numel() == master.numel()]
+            for a, b in ranges:
+                for t in alike:
+                    t.view(-1)[a:b].zero_()
 
 
 def _gathered(param: torch.nn.Parameter) -> bool:

@@ -12,6 +12,11 @@ Per stage (results under ``z<stage>.``):
 - ``check`` of a capture from an engine of another shape, and of the other rank's capture (its
   tensors all-gathered, its meta through the store as JSON): refused, and ``apply`` raises
   before copying anything (the engine's state is unchanged, bit for bit).
+
+Then ``padding``: a ZeRO-3 parameter of 35 elements on 2 ranks is partitioned 18 + 17; rank 1's
+partition ends in one element DeepSpeed leaves as ``torch.empty`` made it. NaN written there (in the
+master weights, the low-precision flat, and Adam's state), as garbage memory can hold: a capture
+holds none of it.
 """
 
 from __future__ import annotations
@@ -179,6 +184,40 @@ def mid_window() -> None:
         put("mid_window_error", str(exc))
 
 
+def padding(rank: int) -> None:
+    """The pad of a ZeRO-3 partition never reaches a capture as NaN (see the module doc)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20},
+        "steps_per_print": 1_000_000,
+    }
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    eng.backward(eng(torch.ones(4, 5)).sum())
+    eng.step()  # Adam's state exists
+    opt = eng.optimizer
+    master, flat = opt.fp32_partitioned_groups_flat[0], opt.fp16_partitioned_groups_flat[0]
+    pads, at = [], 0
+    for p in opt.fp16_groups[0]:  # DeepSpeed's own numbers: a partition's size, the parameter's elements
+        size = p.ds_tensor.numel()
+        valid = max(0, min(p.ds_numel - size * rank, size))
+        pads += [[at + valid, at + size]] if valid < size else []
+        at += size
+    with torch.no_grad():
+        for a, b in pads:
+            for t in (master, flat, *opt.optimizer.state[master].values()):
+                if torch.is_tensor(t) and t.numel() == master.numel():
+                    t[a:b] = float("nan")
+    cap = DeepSpeedState(eng).capture()
+    put("padding.ranges", pads)
+    put(
+        "padding.nonfinite",
+        sorted(n for n, t in cap.tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()),
+    )
+
+
 def main() -> None:
     rank = rankkit.init(timeout_s=60)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -186,6 +225,7 @@ def main() -> None:
         run_stage(stage, rank)
         run_bf16(stage, rank)
     mid_window()
+    padding(rank)
     dist.barrier()
     dist.destroy_process_group()
     rankkit.done()
