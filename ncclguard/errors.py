@@ -41,6 +41,7 @@ __all__ = [
     "BenchCallFailed",
     "NonFiniteGradient",
     "NonFiniteInput",
+    "ReplicasDiverged",
 ]
 
 
@@ -300,6 +301,22 @@ class NonFiniteGradient(NcclGuardError):
         super().__init__(message)
         self.step, self.ranks, self.buckets = step, list(ranks), dict(buckets)
         self.finite_ranks, self.action = list(finite_ranks), action
+
+
+class ReplicasDiverged(NcclGuardError):
+    """The recovery engine's replica check (docs/numerics.md, "Replicas checked") found the ranks'
+    replicas apart with no digest held by a majority (two ranks that differ): which one drifted
+    cannot be told, so none is healed. Raised on every rank alike, the step not applied.
+
+    Attributes:
+        step: the loop's step number.
+        ranks: the ranks whose digests differ (sorted).
+        parts: the parts that differ (``"parameters"``, ``"optimizer"``).
+    """
+
+    def __init__(self, message: str, *, step: int, ranks: list[int], parts: list[str]) -> None:
+        super().__init__(message)
+        self.step, self.ranks, self.parts = step, list(ranks), list(parts)
 
 
 class UnjudgedAction(NcclGuardError, RuntimeError):

@@ -44,6 +44,7 @@ from ncclguard.recovery._commit.said import (
     numerics_noted,
     other_sequences,
     p2p_groups,
+    replicas_noted,
     sequence,
 )
 from ncclguard.recovery._commit.statements import (
@@ -58,6 +59,7 @@ from ncclguard.recovery._commit.statements import (
     only_nonfinite,
     outcome_limit,
 )
+from ncclguard.recovery._numerics.drift import ReplicaDrift, only_drift
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid
 from ncclguard.recovery.preempt import stop_requested
 from ncclguard.results import Result
@@ -98,6 +100,7 @@ class CommitResult(Result):
             reduction, where the recovery engine's check stated them (docs/numerics.md); those
             ranks are in ``failed_ranks`` too. The same on every rank.
         finite_ranks: the ranks whose checked gradient was finite.
+        drift: the ranks whose replica digest differs from the majority's (docs/numerics.md); None: none.
     """
 
     ok: bool
@@ -113,11 +116,17 @@ class CommitResult(Result):
     generators_apart: dict[str, list[int]] = field(default_factory=dict)
     nonfinite: dict[int, list[BucketFinding]] = field(default_factory=dict)
     finite_ranks: list[int] = field(default_factory=list)
+    drift: ReplicaDrift | None = None
 
     @property
     def only_nonfinite(self) -> bool:
         """The step failed for non-finite gradients alone: the world is fine, the values are not."""
         return not self.ok and only_nonfinite(self.reasons, self.nonfinite)
+
+    @property
+    def only_drift(self) -> bool:
+        """The step failed for drifted replicas alone: heal them from the majority, not the world."""
+        return not self.ok and only_drift(self.reasons, self.drift)
 
 
 class _Commits:
@@ -318,7 +327,7 @@ def should_commit(
         n, since, now = state.n, state.since, time.time()
         problems = _problems(info, since, failure)
         generators = generators_noted()  # taken whatever the path: a note is for this commit only
-        numerics = numerics_noted()
+        numerics, replicas = numerics_noted(), replicas_noted()
         # Counted before the round: a round that raised (the store gone) is not met again.
         state.n, state.since = n + 1, now
         if step is not None:
@@ -329,7 +338,9 @@ def should_commit(
         elif info is None:  # a world of one: no one to agree with
             outcome, late = _alone(n, problems, numerics), False
         else:
-            outcome, late = _agree(info, world.generation, n, step, (problems, generators, numerics), start, timeout_s)
+            outcome, late = _agree(
+                info, world.generation, n, step, (problems, generators, numerics, replicas), start, timeout_s
+            )
         if outcome.ok:
             state.committed = n
         count_commit(outcome.ok)
@@ -360,7 +371,7 @@ def _agree(
     generation: int,
     n: int,
     step: int | None,
-    said: tuple[list[str], dict[str, str], NumericsSaid | None],
+    said: tuple[list[str], dict[str, str], NumericsSaid | None, dict[str, str]],
     start: float,
     timeout_s: float | None,
 ) -> tuple[CommitOutcome, bool]:
@@ -374,7 +385,8 @@ def _agree(
         step: the caller's step number, or None.
         said: what went wrong on this rank since its last commit, the generators' digests the
             engine noted for it (:func:`~ncclguard.recovery._commit.said.note_generators`), and
-            what its numerical check saw (:func:`~ncclguard.recovery._commit.said.note_numerics`).
+            what its numerical check saw (:func:`~ncclguard.recovery._commit.said.note_numerics`), its
+            replica's digests (:func:`~ncclguard.recovery._commit.said.note_replicas`).
         start: ``time.monotonic()`` at the commit's entry (its deadline counts from there).
         timeout_s: the caller's bound, or None for the default.
 
@@ -386,7 +398,7 @@ def _agree(
     """
     if timeout_s is None:
         timeout_s = default_deadline(get_config().barrier_timeout_s, group_timeout_s(info.group))
-    problems, generators, numerics = said
+    problems, generators, numerics, replicas = said
     statement = CommitStatement(
         rank=info.rank,
         step=n,
@@ -401,6 +413,7 @@ def _agree(
         stop=stop_requested(),
         generators=generators,
         numerics=numerics,
+        replicas=replicas,
     )
     return _settle(info, generation, n, statement, Deadline(start + timeout_s), timeout_s)
 
@@ -451,9 +464,8 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
     if not outcome.ok:
         first = failed[0] if failed else rank
         why = "; ".join(outcome.failed.get(first, ["?"]))
-        # A non-finite gradient alone leaves the world whole: the step is redone or skipped, not
-        # rebuilt, and the engine that stated it says so in the loop's words (info here).
-        values = only_nonfinite(outcome.failed, outcome.nonfinite)
+        # A NaN or a drifted replica alone leaves the world whole: the engine says what it does (info here).
+        values = only_nonfinite(outcome.failed, outcome.nonfinite) or only_drift(outcome.failed, outcome.drift)
         then = (
             "redo the step or skip its batch (docs/numerics.md)"
             if values
@@ -483,4 +495,5 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
         generators_apart={k: list(v) for k, v in outcome.generators_apart.items()},
         nonfinite={r: list(v) for r, v in outcome.nonfinite.items()},
         finite_ranks=list(outcome.finite),
+        drift=outcome.drift,
     )

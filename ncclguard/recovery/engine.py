@@ -21,6 +21,8 @@ A step's transaction, on every rank of the world (:meth:`Recovery.begin`, :meth:
    infinity before the reduction (the adapter's check, :mod:`ncclguard.recovery._numerics`) rebuilds
    nothing: the snapshot is put back, and the step runs again on the same world once, is skipped,
    or raises :class:`~ncclguard.errors.NonFiniteGradient`, per ``on_nonfinite`` (docs/numerics.md).
+   One that names only replicas whose digest differs from the majority's (``replica_check_every``)
+   heals them from a majority peer in the same world and runs the step again.
 
 The framework-specific parts are an :class:`Adapter`: what to keep beyond the snapshot, how to
 re-wrap the model on a new world, where to log. ``RecoveringStep``, ``guard_trainer(recover=True)``,
@@ -57,6 +59,7 @@ from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
 from ncclguard.recovery._numerics.policy import NonFiniteWatch
+from ncclguard.recovery._numerics.replicas import ReplicaCheck
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._step.guards import StepBound, StepTiming, arm_left_behind_fence, not_rewound
 from ncclguard.recovery._step.seeds import SeedCheck
@@ -126,6 +129,15 @@ class Recovery:
         self.stop_after: int | None = None  # a stop agreed at this step's commit (SIGTERM)
         # A gradient's NaN or Inf, found before the reduction: the adapter puts the check on its wrapper.
         self.numerics = NonFiniteWatch(options.on_nonfinite, options.nonfinite_suspect_steps, adapter.name)
+        # A replica that drifted (a flipped bit): digests compared every replica_check_every steps, where
+        # the adapter's own DDP wrapper puts the check on (ReplicaCheck.install).
+        self.replicas = ReplicaCheck(
+            options.replica_check_every,
+            adapter,
+            self.numerics.suspects,
+            options.heal_timeout_s,
+            options.heal_chunk_bytes,
+        )
         install_handler()
 
     def join_if_restarted(self) -> HealResult | Restored | None:

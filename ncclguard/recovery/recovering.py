@@ -117,7 +117,7 @@ class RecoveringStep(Adapter):
             (:class:`~ncclguard.recovery.options.RecoveryKeywords`: ``collective_timeout``,
             ``commit_timeout``, ``rebuild_timeout``, ``allow_shrink``, ``max_attempts``, ``heal``,
             ``heal_timeout``, ``heal_chunk_bytes``, ``left_out``, ``snapshot_every``, ``preempt_dir``,
-            ``on_nonfinite``; what each does: docs/recovery.md, "The settings"). Here: with
+            ``on_nonfinite``, ``replica_check_every``; docs/recovery.md, "The settings"). Here: with
             ``heal``, a restarted process rejoins and receives the state, and a live rank sends it
             (pass the same on every rank); ``snapshot_every`` counts FSDP2's snapshots;
             ``preempt_dir`` receives the model and the optimizer on SIGTERM, written with
@@ -318,14 +318,14 @@ class RecoveringStep(Adapter):
         return self._checked(wrap_in_layout(self.module, kept))  # no layout: DistributedDataParallel(module)
 
     def _checked(self, model: torch.nn.Module) -> torch.nn.Module:
-        """This adapter's own wrapper, each gradient bucket checked for NaN and Inf (docs/numerics.md)."""
+        """This adapter's own wrapper: its buckets checked for NaN and Inf, its replicas compared (docs/numerics.md)."""
         if self.scaler is not None:
             self.engine.numerics.unchecked(
                 "a GradScaler owns non-finite gradients (it skips the step, lowers the scale)"
             )
         else:
             self.engine.numerics.install(model, self.module)
-        return model
+        return self.engine.replicas.install(model)
 
     # ------------------------------------------------------------------------ the user's part
 

@@ -57,8 +57,8 @@ class _Tally:
         healed: the last heal or restore (None: none yet).
         rebuilds: rebuilds taken.
         clock: where the seconds went.
-        nonfinite: attempts that ended in a non-finite gradient (no rebuild: their redo is not a
-            recovery).
+        nonfinite: attempts that ended in a non-finite gradient or a drifted replica (no rebuild:
+            their redo is not a recovery).
     """
 
     commits: list[CommitResult]
@@ -181,6 +181,7 @@ class Transaction(Generic[T]):
                 checked = self.step if attempt == 1 and not self._redo else None
                 self.engine.seeds.state(self.kept)
                 note_numerics(self.engine.numerics.take())  # this attempt's scans, read once
+                self.engine.replicas.state(self.number)  # the replica's digests, at the check's steps
                 res = should_commit(timeout=opts.commit_timeout_s, step=checked, failure=self.failure)
                 tally.commits.append(res)
                 tally.clock.lap("commit")
@@ -195,6 +196,11 @@ class Transaction(Generic[T]):
                     numeric = _on_nonfinite(self, res, attempt, tally, redo)
                     if numeric is not None:
                         return numeric
+                    continue
+                if res.only_drift:  # a replica drifted: healed from the majority in this world
+                    healed = _on_drift(self, res, attempt, tally, redo)
+                    if healed is not None:
+                        return healed
                     continue
                 error = res.error or CommitFailed(f"step {self.number}'s commit failed")
                 if attempt == opts.max_attempts or redo is None:
@@ -401,6 +407,38 @@ def _on_nonfinite(
         skipped.skipped = True
         return skipped
     assert redo is not None  # choose() redoes only when it can
+    engine.bound.arm()  # the attempt's own bound, as after a rebuild
+    tx.failure = None
+    tx.run(redo)
+    tally.clock.lap("redo")
+    return None
+
+
+def _on_drift(
+    tx: Transaction[T], res: CommitResult, attempt: int, tally: _Tally, redo: Callable[[], T] | None
+) -> StepResult[T] | None:
+    """A commit that named drifted replicas alone (docs/numerics.md, "Replicas checked"): the step's
+    state is put back on every rank, the drifted ranks are healed from a majority peer in this world
+    (:meth:`~ncclguard.recovery._numerics.replicas.ReplicaCheck.heal`), and the step runs again.
+
+    Returns:
+        The step's result when it ends here (no redo left: not applied), or None: the step ran
+        again, or the heal failed and the next commit fails on this rank (every rank rebuilds).
+
+    Raises:
+        ReplicasDiverged: no digest was held by a majority (every rank alike).
+    """
+    engine = tx.engine
+    tally.nonfinite += 1  # a redo on this world for the values: no recovery
+    tx._put_back()
+    healed = engine.replicas.heal(res, tx.number)
+    tally.clock.lap("heal")
+    tally.healed = healed
+    if not healed:  # the world may be dead: the next commit fails here, and every rank rebuilds
+        tx.failure = healed.error
+        return None
+    if redo is None or attempt == engine.options.max_attempts:
+        return tx._result(False, attempt, tally, res.error)
     engine.bound.arm()  # the attempt's own bound, as after a rebuild
     tx.failure = None
     tx.run(redo)

@@ -45,6 +45,7 @@ def given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "preempt_dir": tmp_path / "ck",
         "on_nonfinite": "skip",
         "nonfinite_suspect_steps": 7,
+        "replica_check_every": 9,
     }
 
 
@@ -116,9 +117,11 @@ def test_the_options_are_a_frozen_model_validated_where_made(given: dict[str, An
         (
             {"on_nonfinite": "retry"},
             ValueError,
-            "on_nonfinite must be 'redo' or 'skip' or 'raise' or 'off', got 'retry'",
+            "on_nonfinite must be 'auto' or 'redo' or 'skip' or 'raise' or 'off', got 'retry'",
         ),
         ({"nonfinite_suspect_steps": 0}, ValueError, "nonfinite_suspect_steps must be an int of at least 1, got 0"),
+        ({"replica_check_every": -1}, ValueError, r"replica_check_every must be None or 0 \(off\) .*, got -1"),
+        ({"replica_check_every": 2.5}, ValueError, r"replica_check_every must be None or 0 \(off\) .*, got 2.5"),
     ]:
         with pytest.raises(error, match=said):
             recovery_options(**keywords)

@@ -25,6 +25,7 @@ from ncclguard.recovery._commit.statements import (
     MAX_GROUP_NAME_CHARS,
     MAX_GROUPS,
 )
+from ncclguard.recovery._numerics.drift import MAX_REPLICA_PARTS, PART_CHARS
 from ncclguard.recovery._numerics.findings import NumericsSaid
 from ncclguard.world import Slot, current_world
 
@@ -36,9 +37,11 @@ __all__ = [
     "note_generators",
     "note_numerics",
     "note_point_to_point",
+    "note_replicas",
     "numerics_noted",
     "other_sequences",
     "p2p_groups",
+    "replicas_noted",
     "sequence",
 ]
 
@@ -100,6 +103,7 @@ class _Noted:
     def __init__(self) -> None:
         self.generators: dict[str, str] = {}
         self.numerics: NumericsSaid | None = None
+        self.replicas: dict[str, str] = {}
 
 
 _NOTED: Slot[_Noted] = Slot("generators noted for the next commit", lambda world: _Noted())
@@ -143,3 +147,26 @@ def numerics_noted() -> NumericsSaid | None:
     noted = current_world().get(_NOTED)
     said, noted.numerics = noted.numerics, None
     return said
+
+
+def note_replicas(digests: dict[str, str]) -> None:
+    """States the digests of this rank's replica (by part) in its next commit statement, once.
+
+    Args:
+        digests: :func:`~ncclguard.recovery._numerics.digest.replica_digests` (empty: none stated).
+
+    Raises:
+        ValueError: more than MAX_REPLICA_PARTS parts, or a name or digest too long to state.
+    """
+    if len(digests) > MAX_REPLICA_PARTS or any(
+        len(k) > PART_CHARS or len(v) > MAX_DIGEST_CHARS for k, v in digests.items()
+    ):
+        raise ValueError(f"note_replicas takes at most {MAX_REPLICA_PARTS} short digests, got {sorted(digests)}")
+    current_world().get(_NOTED).replicas = dict(digests)
+
+
+def replicas_noted() -> dict[str, str]:
+    """The replica digests noted for this commit (emptied: a commit not preceded by a note states none)."""
+    noted = current_world().get(_NOTED)
+    digests, noted.replicas = noted.replicas, {}
+    return digests

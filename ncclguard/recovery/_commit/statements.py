@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ncclguard._naming import rank_ranges
+from ncclguard.recovery._numerics.drift import MAX_REPLICA_PARTS, PartName, ReplicaDrift, drift_reason, replica_drift
 from ncclguard.recovery._numerics.findings import (
     MAX_FLAGGED_BUCKETS,
     MAX_PARAM_NAME_CHARS,
@@ -86,6 +87,9 @@ class CommitStatement(BaseModel):
         numerics: what the recovery engine's check saw of this rank's gradient before the
             reduction (:mod:`ncclguard.recovery._numerics`); None: not checked. A flagged bucket
             fails the step, this rank named.
+        replicas: a digest of this rank's replica by part (``"parameters"``, ``"optimizer"``) as the
+            step found it, at the replica check's steps (empty: not stated); a rank whose digest
+            differs from the majority's fails the step (CommitOutcome.drift).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -103,6 +107,7 @@ class CommitStatement(BaseModel):
     stop: bool = False
     generators: dict[GeneratorName, Digest] = Field(default_factory=dict, max_length=MAX_GENERATORS)
     numerics: NumericsSaid | None = None
+    replicas: dict[PartName, Digest] = Field(default_factory=dict, max_length=MAX_REPLICA_PARTS)
 
 
 class CommitOutcome(BaseModel):
@@ -121,6 +126,8 @@ class CommitOutcome(BaseModel):
         nonfinite: by rank, the gradient buckets that held a NaN or an infinity before the
             reduction (each such rank is in ``failed`` too); empty when none did.
         finite: the ranks that stated a checked gradient with no such bucket (sorted).
+        drift: the ranks whose stated replica digest differs from the majority's (each in
+            ``failed`` too) and the majority; None when the stated digests agree or none were stated.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -134,11 +141,12 @@ class CommitOutcome(BaseModel):
     generators_apart: dict[GeneratorName, list[int]] = Field(default_factory=dict, max_length=MAX_GENERATORS)
     nonfinite: dict[int, list[BucketFinding]] = Field(default_factory=dict)
     finite: list[int] = Field(default_factory=list)
+    drift: ReplicaDrift | None = None
 
 
 def outcome_limit(size: int) -> int:
     """The most bytes a outcome among ``size`` ranks may take (every rank failed, at length)."""
-    return 4096 + size * (16 + MAX_GENERATORS * 8 + (MAX_PROBLEMS + 5) * (MAX_REASON_CHARS + 8) + _NUMERICS_BYTES)
+    return 4096 + size * (16 + MAX_GENERATORS * 8 + (MAX_PROBLEMS + 6) * (MAX_REASON_CHARS + 8) + _NUMERICS_BYTES)
 
 
 def commit_keys(group: str, generation: int, step: int, restart: str | None = None) -> RoundKeys:
@@ -283,6 +291,10 @@ def decide(
         if s.problems:
             failed[r] = [clip(p) for p in s.problems]
     nonfinite, finite = flag_nonfinite({r: s.numerics for r, s in readable.items()}, failed)
+    drift = replica_drift({r: s.replicas for r, s in readable.items()})
+    if drift is not None:
+        for r in drift.ranks:
+            failed.setdefault(r, []).append(clip(drift_reason(r, drift)))
     if len(readable) > 1:
         _disagreements(readable, failed)
     arrived = sorted(r for r in statements if 0 <= r < size)
@@ -297,6 +309,7 @@ def decide(
         generators_apart=generators_apart(readable),
         nonfinite=nonfinite,
         finite=finite,
+        drift=drift,
     )
 
 
