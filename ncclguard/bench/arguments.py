@@ -139,7 +139,7 @@ def _default_nproc() -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m ncclguard.bench``."""
     p = argparse.ArgumentParser(
-        prog="python -m ncclguard.bench",
+        prog="ncclguard bench",  # also python -m ncclguard.bench: one CLI, one name in its help
         description="all_reduce benchmark with nccl-tests conventions: plain dist.all_reduce against "
         "ncclguard.safe_all_reduce, side by side. Spawns its own ranks on this host unless started by torchrun.",
         epilog="exit status: 0 ok; 1 --check found wrong values, the average busbw fell below --min-busbw, "

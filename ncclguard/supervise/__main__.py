@@ -12,7 +12,7 @@ from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S, KILL_WAIT_S, run_rank
 def main(args: Sequence[str] | None = None) -> int:
     """The command line; returns the rank's last exit status."""
     ap = argparse.ArgumentParser(
-        prog="python -m ncclguard.supervise",
+        prog="ncclguard supervise",  # also python -m ncclguard.supervise
         description="Run one rank's command; when it dies, post its death in the job's store and restart it alone.",
     )
     ap.add_argument("--restarts", type=int, default=1, help="restarts of this rank at most (default 1)")

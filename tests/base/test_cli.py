@@ -24,7 +24,11 @@ def test_every_command_is_one_entry_point_with_a_version(capsys: pytest.CaptureF
     assert info.value.code == 2 and "invalid choice: 'frobnicate'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["supervise", "--help"])  # the supervisor's own parser, reached through the one entry point
-    assert info.value.code == 0 and "--restarts" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--restarts" in out and out.startswith("usage: ncclguard supervise ")
+    from ncclguard.bench.arguments import build_parser
+
+    assert build_parser().format_usage().startswith("usage: ncclguard bench ")  # one name in every help
 
 
 def test_help_imports_no_command_and_no_torch() -> None:
