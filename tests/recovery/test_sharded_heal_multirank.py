@@ -198,8 +198,10 @@ def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not
     }
     assert all(failed.values()), ring_job.output[-3000:]
     # rank 1 is no buddy of rank 3: its swap went through, and its launcher's notice ended its wait in
-    # the take's agreement, nothing else
-    assert "the take's agreement: rank(s) [3] did not come (rank 3: its process died (pid" in failed[1].group(1)
+    # the take's agreement, nothing else. The ranks named with 3 are those whose word had not reached the
+    # store when the notice ended the wait: usually none, once in a fresh-clone CI run "[1, 2, 3]".
+    ended = r"the take's agreement: rank\(s\) \[(?:\d, )*3\] did not come \(rank 3: its process died \(pid"
+    assert re.search(ended, failed[1].group(1)), failed[1].group(1)
     for r in range(3):  # nobody waited out the take's deadline (gloo: a wait that timed out closes its pair)
         assert "deadline passed" not in failed[r].group(1) and "Application timeout" not in failed[r].group(1)
     back = BASE + KILL_TAKE - 2  # the take of step 10 committed nowhere: back to step 8's
