@@ -96,8 +96,8 @@ class RecoveringStep(Adapter):
         module: the model, unwrapped (it is wrapped again after each rebuild).
         optimizer: its optimizer (stepped only after a commit that is ok).
         wrap: builds the wrapped model on the current default group; default
-            ``DistributedDataParallel(module)`` (the module itself without a process group), its
-            buckets checked for NaN and Inf before each all-reduce (docs/numerics.md); after a
+            ``DistributedDataParallel(module)`` (the module itself without a process group; its values
+            checked: ``on_nonfinite``, ``replica_check_every``, docs/numerics.md); after a
             rebuild it starts in the buckets the old wrapper had rebuilt, so a redone step sums as
             the run without the fault did (docs/reference/recovery-mechanism.md, "Bit-equality and DDP's buckets").
             A wrap that calls :func:`~ncclguard.record_ddp` puts DDP's all-reduces in the flight
