@@ -407,10 +407,7 @@ def _on_nonfinite(
         skipped.skipped = True
         return skipped
     assert redo is not None  # choose() redoes only when it can
-    engine.bound.arm()  # the attempt's own bound, as after a rebuild
-    tx.failure = None
-    tx.run(redo)
-    tally.clock.lap("redo")
+    _redo_here(tx, redo, tally)
     return None
 
 
@@ -439,11 +436,16 @@ def _on_drift(
         return None
     if redo is None or attempt == engine.options.max_attempts:
         return tx._result(False, attempt, tally, res.error)
-    engine.bound.arm()  # the attempt's own bound, as after a rebuild
+    _redo_here(tx, redo, tally)
+    return None
+
+
+def _redo_here(tx: Transaction[T], redo: Callable[[], T], tally: _Tally) -> None:
+    """Runs the step again on this world, under its own bound (a redo for the values: no rebuild)."""
+    tx.engine.bound.arm()  # the attempt's own bound, as after a rebuild
     tx.failure = None
     tx.run(redo)
     tally.clock.lap("redo")
-    return None
 
 
 def _recovered(

@@ -22,6 +22,7 @@ from typing import Any
 import rankkit
 import torch
 import torch.distributed as dist
+from numerics_worker import BATCH, CLASSES, FEATURES, Net  # the same 956,042-parameter classifier
 from rankkit import put
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -30,24 +31,6 @@ from ncclguard.errors import ReplicasDiverged
 from ncclguard.recovery.records import StepResult
 
 STEPS, EVERY, FLIP_AFTER, INDEX, BIT = 10, 4, 7, 12345, 20
-BATCH, FEATURES, CLASSES = 8, 64, 10
-
-
-class Net(torch.nn.Module):
-    """A 956,042-parameter classifier with dropout after each hidden layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(FEATURES, 512)
-        self.fc2 = torch.nn.Linear(512, 1024)
-        self.fc3 = torch.nn.Linear(1024, 384)
-        self.head = torch.nn.Linear(384, CLASSES)
-        self.drop = torch.nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (self.fc1, self.fc2, self.fc3):
-            x = self.drop(torch.relu(layer(x)))
-        return self.head(x)
 
 
 def start() -> tuple[Net, torch.optim.Optimizer, Any, DataLoader]:
