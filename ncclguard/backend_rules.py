@@ -17,7 +17,16 @@ the backend's name where it acts:
   NCCL group's timeout ends in its watchdog tearing the process down, so a timer aborts the groups
   at the bound instead (:attr:`BackendRules.step_bound`);
 - **the rebuild**: every old group is aborted, then destroyed (both backends; on gloo the abort
-  wakes nothing and the rebuild's reaper ends the wait).
+  wakes nothing and the rebuild's reaper ends the wait);
+- **NCCL's own error handling under recovery** (:func:`survivor_handling`): torch's default,
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, makes the group's watchdog end the process
+  (``std::terminate``, exit -6) once NCCL reports a peer gone ("remote process exited"), within a
+  second of the peer's death and before any recovery can act: seen on an H200 with two ranks, the
+  survivor of a SIGKILLed peer torn down, both ranks restarted, nobody left to heal from
+  (docs/nccl.md). Under recovery every NCCL group is made with 2 (CleanUpOnly: the watchdog aborts
+  the communicator and the op fails in the step, which the engine redoes on a rebuilt world), and
+  the watchdog's wait for its dump before it acts is bounded (the same run: the survivor's rebuild
+  waited 60 s for it).
 
 **The NCCL stand-in.** With ``NCCLGUARD_NCCL_STAND_IN=1`` a gloo world obeys NCCL's rules, so that
 CI (no GPU) runs the kill, the stuck rank and the heal down the NCCL path at every commit:
@@ -30,6 +39,7 @@ cannot show (CUDA streams, NCCL's own error handling, its version's bugs) is in 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,7 +49,11 @@ import torch.distributed as dist
 from ncclguard.errors import BackendRuleError
 
 __all__ = [
+    "DUMP_WAIT_VAR",
+    "ERROR_HANDLING_VAR",
     "NCCL_ERROR_HANDLING",
+    "RECOVERY_DUMP_WAIT_MS",
+    "RECOVERY_ERROR_HANDLING",
     "STAND_IN_VAR",
     "BackendRules",
     "ReleaseBy",
@@ -47,6 +61,7 @@ __all__ = [
     "rules_for",
     "rules_of",
     "stand_in_on",
+    "survivor_handling",
 ]
 
 STAND_IN_VAR = "NCCLGUARD_NCCL_STAND_IN"
@@ -56,6 +71,15 @@ STAND_IN_VAR = "NCCLGUARD_NCCL_STAND_IN"
 # the groups first, being shorter than the groups' timeout (``ncclguard doctor`` checks the
 # hierarchy), so NCCL's own timeout is the last resort.
 NCCL_ERROR_HANDLING = "3"
+ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ERROR_HANDLING_ALIAS = "NCCL_ASYNC_ERROR_HANDLING"  # torch's deprecated name, still read
+# Under recovery: 2, CleanUpOnly. torch's ProcessGroupNCCL tears the process down for 1 and 3
+# (``SHOULD_TEAR_DOWN``) and aborts the communicator for 1 and 2 (``SHOULD_CLEAN_UP``): 2 is the one
+# where a survivor of a peer's death lives on and its op fails instead.
+RECOVERY_ERROR_HANDLING = "2"
+DUMP_WAIT_VAR = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+# The watchdog's wait for its dump before it handles an error, under recovery (torch's own: 60 s in 2.11).
+RECOVERY_DUMP_WAIT_MS = "2000"
 
 
 class ReleaseBy(str, Enum):
@@ -158,3 +182,45 @@ def rules_for(group: dist.ProcessGroup | None = None) -> BackendRules:
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("no process group: the backend's rules are asked after init_process_group")
     return rules_of(str(dist.get_backend(group)), stand_in_on())
+
+
+def survivor_handling(environ: Mapping[str, str], group_made: bool) -> tuple[dict[str, str], str | None]:
+    """NCCL's error handling a survivor of a peer's death needs under recovery (pure).
+
+    Two of torch's settings decide it, both read when a group is made: the error handling (3, torch's
+    default, ends the process; 2 aborts the communicator and fails the op) and, with
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT`` on (ncclguard's network plan turns it on), how long the watchdog
+    waits for its flight-recorder dump before it handles the error (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``,
+    60 s in torch 2.11): a rebuild that destroys the old group waits for that watchdog, so the wait
+    is bounded to :data:`RECOVERY_DUMP_WAIT_MS`.
+
+    Args:
+        environ: the environment NCCL groups are (or were) made in.
+        group_made: an NCCL group exists already, made with what ``environ`` said then.
+
+    Returns:
+        The variables to set for the groups made from now on (the dump wait where nothing set it;
+        the error handling 2 unless it is 0 or 2 already: torchrun sets 1 for its workers), and a
+        warning where a group already made tears a survivor down, or a setting is replaced (None
+        where neither).
+    """
+    to_set = {} if DUMP_WAIT_VAR in environ else {DUMP_WAIT_VAR: RECOVERY_DUMP_WAIT_MS}
+    raw = environ.get(ERROR_HANDLING_VAR, environ.get(_ERROR_HANDLING_ALIAS))
+    value = None if raw is None else raw.strip()
+    if value in ("0", RECOVERY_ERROR_HANDLING):  # 0: nothing acts on its own; recovery's abort does
+        return to_set, None
+    to_set[ERROR_HANDLING_VAR] = RECOVERY_ERROR_HANDLING
+    given = "3, torch's default" if value is None else value
+    ends = "torch's watchdog ends the process when a peer dies (exit -6), before recovery can act"
+    if not group_made:
+        if value is None:
+            return to_set, None
+        return to_set, (
+            f"{ERROR_HANDLING_VAR}={value} is replaced by {RECOVERY_ERROR_HANDLING} for the ranks: with {value}, {ends}"
+        )
+    return to_set, (
+        f"the world's NCCL group was made with {ERROR_HANDLING_VAR}={given} (torchrun sets 1 for its workers where "
+        f"nothing is set): {ends}, until the first rebuild, whose groups are made with {RECOVERY_ERROR_HANDLING}; "
+        f"set {ERROR_HANDLING_VAR}={RECOVERY_ERROR_HANDLING} in the job's environment, or launch with ncclguard run "
+        "--ncclguard-restarts N, which does"
+    )

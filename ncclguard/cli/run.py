@@ -52,6 +52,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ncclguard.backend_rules import survivor_handling
 from ncclguard.env.hostview import check_interfaces
 from ncclguard.env.sockets import NET_PLAN_VAR
 from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S
@@ -249,6 +250,10 @@ def plan(argv: Sequence[str], cwd: Path | None = None) -> Launch:
         warnings = check_interfaces(torchrun.rdzv_endpoint or torchrun.master_addr, nodes=_min_nodes(torchrun.nnodes))
     if ns.ncclguard_restarts is not None:
         _supervise(torchrun, ns)
+        # A survivor of a peer's death must outlive NCCL's own error handling (backend_rules).
+        to_set, warning = survivor_handling(os.environ, group_made=False)
+        env.update(to_set)
+        warnings += [warning] if warning is not None else []
     elif ns.ncclguard_warm_spare or ns.ncclguard_preload:
         raise ValueError("--ncclguard-warm-spare and --ncclguard-preload go with --ncclguard-restarts N")
     elif ns.ncclguard_stop_grace is not None:

@@ -49,12 +49,14 @@ such a rank exits 0 once the world record shows the others went on without it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ncclguard._log import log
+from ncclguard.backend_rules import rules_for, survivor_handling
 from ncclguard.errors import HealFailed, RebuildFailed
 from ncclguard.exits import exit_now
 from ncclguard.recording.steps import mark_step
@@ -97,6 +99,7 @@ class Recovery:
         if not isinstance(options, RecoveryOptions):
             raise TypeError(f"options must come from recovery_options(), got {type(options).__name__}")
         self.adapter, self.options = adapter, options
+        _keep_survivors()
         self.bound = StepBound(options.collective_timeout_s)
         self.timing = StepTiming(  # the verdict
             options.collective_timeout_s, adapter.name, options.left_out == "exit", heals=options.heal
@@ -350,3 +353,17 @@ class Recovery:
         if restored.rolled_back:
             self._redo_next = True  # the loop goes back to the snapshot's step, a redo everywhere
         return restored
+
+
+def _keep_survivors() -> None:
+    """On NCCL, every group made from now on (a rebuild's, a rejoin's) lets a survivor of a peer's
+    death live on (``backend_rules.survivor_handling``); a group made before that would not is said."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rules = rules_for()
+    if not (rules.nccl or "nccl" in rules.backend.lower()):
+        return  # NCCL's rules: real NCCL, and the stand-in, which obeys them on gloo
+    to_set, warning = survivor_handling(os.environ, group_made=True)
+    os.environ.update(to_set)
+    if warning is not None:
+        log.warning("recovery on NCCL: %s", warning)

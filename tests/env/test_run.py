@@ -56,6 +56,25 @@ def test_restarts_run_every_rank_under_its_supervisor(tmp_path: Path) -> None:
     assert job.torchrun.training_script_args == ["--restarts", "1", "--", "./train.sh"]
 
 
+def test_restarts_make_every_nccl_group_let_a_survivor_of_a_peers_death_live(tmp_path: Path, monkeypatch) -> None:
+    """torch's default NCCL error handling (3) ends a survivor when a peer dies (seen on an H200,
+    docs/nccl.md): under restarts the ranks' groups are made with 2 (a 3 or a 1 replaced, and said)
+    and a bounded dump wait (unless set)."""
+    for var in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"):
+        monkeypatch.delenv(var, raising=False)
+    job = plan(["--ncclguard-restarts", "1", "train.py"], cwd=tmp_path)
+    assert job.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert job.env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "2000"
+    assert not any("ERROR_HANDLING" in w for w in job.warnings)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in plan(["train.py"], cwd=tmp_path).env  # no recovery: torch's own
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "30000")
+    job = plan(["--ncclguard-restarts", "1", "train.py"], cwd=tmp_path)
+    assert job.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC" not in job.env
+    said = [w for w in job.warnings if "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 is replaced by 2" in w]
+    assert len(said) == 1 and "exit -6" in said[0], job.warnings
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncclguard.backend_rules import STAND_IN_VAR, ReleaseBy, StepBoundBy, rules_of, stand_in_on
+from ncclguard.backend_rules import STAND_IN_VAR, ReleaseBy, StepBoundBy, rules_of, stand_in_on, survivor_handling
 from ncclguard.errors import BackendRuleError, NcclGuardError
 
 
@@ -69,3 +69,33 @@ def test_an_abort_of_groups_already_aborted_says_so_and_raises_nothing(monkeypat
         assert abort_world(rules) == (["0"], [], 0)
     finally:
         dist.destroy_process_group()
+
+
+BOTH = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "group_made", "to_set", "said"),
+    [
+        ({}, False, BOTH, None),
+        ({}, True, BOTH, "made with TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default"),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, False, BOTH, "=3 is replaced by 2 for the ranks"),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, True, BOTH, "made with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun"),
+        ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, False, BOTH, "=1 is replaced"),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500"}, True, {}, None),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, True, {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000"}, None),
+    ],
+)
+def test_a_survivor_of_a_peers_death_needs_nccl_error_handling_2_and_a_bounded_dump_wait(
+    environ, group_made, to_set, said
+):
+    got, warning = survivor_handling(environ, group_made)
+    assert got == to_set
+    if said is None:
+        assert warning is None
+    else:
+        assert warning is not None and said in warning and "exit -6" in warning
+        if group_made:
+            assert (
+                "set TORCH_NCCL_ASYNC_ERROR_HANDLING=2" in warning and "ncclguard run --ncclguard-restarts" in warning
+            )

@@ -99,6 +99,11 @@ def test_a_stuck_rank_under_ddp_is_ended_released_by_abort_and_healed_over_the_s
         acted = [e for e in stuck_job[r].get("events", []) if e["what"] in ("acted", "self-asked", "asked", "ended")]
         assert all(e["rank"] == 2 and e["state"] == "stuck" for e in acted), acted
     _released_by_abort(stuck_job, (0, 1))  # none is needed here (see the module doc); any is an abort
+    # Its group was made by the script before recovery started, with torchrun's NCCL error handling for
+    # its workers (1: on real NCCL a survivor of a peer's death is ended with it, seen on an H200,
+    # docs/nccl.md): every process's engine says so and what to set; the groups made from then on get 2.
+    said = "recovery on NCCL: the world's NCCL group was made with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun"
+    assert stuck_job.output.count(said) == 4, stuck_job.output[-3000:]  # ranks 0-2, then the restarted one
 
 
 def test_a_survivor_held_by_a_live_peer_is_released_by_an_abort_and_the_full_world_comes_back(held_job):
