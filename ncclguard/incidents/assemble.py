@@ -21,6 +21,7 @@ from ncclguard.incidents.model import (
     Statement,
     StatementView,
 )
+from ncclguard.incidents.numerics_text import numerics_line
 
 __all__ = ["assemble"]
 
@@ -52,11 +53,15 @@ def assemble(
         statements, heartbeats, stale, world_size, waiting_after_s: see :func:`analyse`.
         merged_by: the rank that merges (-1: ``python -m ncclguard report``).
         extra_findings: findings known to the merger only (a lost store: a :class:`StoreFinding`).
-        analyse_ranks: False when the statements say nothing about the others (a lost store).
+        analyse_ranks: False when the statements say nothing about the others (a lost store); an
+            incident of the recovery engine's numerical finding is never analysed: its summary is
+            the finding (:func:`~ncclguard.incidents.numerics_text.numerics_line`).
 
     Returns:
         The merged incident.
     """
+    if doc.numerics is not None:  # the engine's finding: the ranks were training, not waiting (no analysis)
+        analyse_ranks = False
     focus = (doc.group, doc.seq) if doc.group is not None and doc.seq is not None else None
     backend = doc.group if doc.kind is IncidentKind.BACKEND_DESYNC else None
     stuck = doc.group if doc.kind is IncidentKind.BACKEND_STUCK else None
@@ -74,7 +79,7 @@ def assemble(
             stuck_group=stuck,
         )
         if analyse_ranks
-        else Analysis()
+        else Analysis(summary=numerics_line(doc.numerics) if doc.numerics is not None else "")
     )
     if extra_findings:
         texts = [getattr(f, "text", "") for f in extra_findings] + ([result.summary] if result.findings else [])

@@ -36,6 +36,7 @@ class IncidentKind(str, Enum):
     BACKEND_STUCK = "stuck"  # a group's ranks stand at one backend sequence number, its op open past the timeout
     STRAGGLER = "straggler"  # a rank slower than its peers window after window (a report, never escalated)
     SENSOR = "sensor"  # a registered sensor's finding (watching/sensors/sensor.py; a report, never escalated)
+    NUMERICS = "numerics"  # the recovery engine's commit named a NaN, an Inf or a drifted replica (a report)
 
 
 class FindingKind(str, Enum):

@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field
 
 from ncclguard.incidents.base import IncidentKind, Model, OpRecord
+from ncclguard.incidents.numerics_model import NumericsReport
 from ncclguard.incidents.straggler_model import StragglerReport, StragglerWindow
 
 __all__ = [
@@ -122,6 +123,7 @@ class IncidentDoc(Model):
     rank_map: dict[str, int] | None = None
     left_out: list[int] | None = None  # previous generation's ranks not in this one
     straggler: StragglerReport | None = None  # straggler: who, how much slower, the evidence
+    numerics: NumericsReport | None = None  # numerics: the ranks, step, buckets and names (docs/numerics.md)
 
     @property
     def op_key(self) -> tuple[str, int] | None:

@@ -30,10 +30,13 @@ File format version 2 (``format_version: 2``) is version 1 plus:
 - straggler windows may carry ``input_s``, ``clock_offset_s`` and ``links``, their evidence
   ``input_frac``, ``peers_input_frac``, ``clock_offset_s`` and ``links``, straggler reports cause
   ``input`` and a ``culprit`` (docs/stragglers.md).
+- incident kind ``numerics`` and the incident's ``numerics``: a NaN or an infinity in a gradient, or a
+  replica that drifted, as the recovery engine's commit named it (docs/numerics.md): optional.
 
 The model is split by role: :mod:`~ncclguard.incidents.base` (the enums, a flight record),
 :mod:`~ncclguard.incidents.beats` (what the watchdog publishes), :mod:`~ncclguard.incidents.findings`
-(what the analysis finds), :mod:`~ncclguard.incidents.straggler_model` (a straggler's figures), and
+(what the analysis finds), :mod:`~ncclguard.incidents.straggler_model` (a straggler's figures),
+:mod:`~ncclguard.incidents.numerics_model` (a numerical fault), and
 this module (the files, and every name above, importable from here).
 
 :func:`upgrade_incident` and :func:`upgrade_rank_dump` read both versions. The JSON schemas are
@@ -82,6 +85,13 @@ from ncclguard.incidents.findings import (
     StuckFinding,
     Variant,
     Whereabouts,
+)
+from ncclguard.incidents.numerics_model import (
+    DriftReport,
+    FlaggedBucket,
+    NamedRank,
+    NonFiniteReport,
+    NumericsReport,
 )
 from ncclguard.incidents.straggler_model import (
     MAX_ARRIVALS,
@@ -133,6 +143,7 @@ __all__ = [
     "upgrade_rank_dump",
 ]
 __all__ += ["Analysis", "BackendEntry", "FenceNote", "INCIDENT_KIND", "RANK_DUMP_KIND", "TrackSpan"]
+__all__ += ["DriftReport", "FlaggedBucket", "NamedRank", "NonFiniteReport", "NumericsReport"]
 
 
 class StatementView(Statement):

@@ -14,7 +14,9 @@ records and the ops in flight of each rank that spoke). :func:`~ncclguard.incide
 - **backend**: torch's flight-recorder entries (a tick each; one still open drawn as a bar from
   when the rank reached it to the report);
 
-with the incident raised (a dashed line) and the culprits named (in red, with why and where).
+with the incident raised (a dashed line) and the culprits named (in red, with why and where); for the
+recovery engine's numerical finding, each rank it names is marked where the commit named it, with
+what it held (``NaN in bucket 1 (fc2.bias, ...)``, ``replica drifted (parameters)``).
 :func:`draw_later` writes ``timeline.png`` into an incident directory from a thread of its own,
 which the interpreter's exit waits for (:func:`finish_drawings`).
 """
@@ -41,6 +43,7 @@ from ncclguard.incidents.model import (
     TrackSpan,
     upgrade_rank_dump,
 )
+from ncclguard.incidents.numerics_text import marks as numerics_marks
 
 __all__ = [
     "DRAW_EXIT_WAIT_S",
@@ -78,6 +81,8 @@ class Timeline:
         title: the incident's id, kind and summary.
         culprits: the culprit ranks and why (``behind``, ``lost``, ...).
         culprit_where: the culprits' place, as the report names it (``evaluate() at eval.py:88``).
+        marks: the ranks a numerical finding names, and what each held (docs/numerics.md).
+        marked_at: when the commit named it (``time.time()``).
     """
 
     records: dict[int, list[OpRecord]] = field(default_factory=dict)
@@ -89,6 +94,8 @@ class Timeline:
     title: str = ""
     culprits: dict[int, str] = field(default_factory=dict)
     culprit_where: dict[int, str] = field(default_factory=dict)
+    marks: dict[int, str] = field(default_factory=dict)
+    marked_at: float = 0.0
 
 
 def _add(into: dict[tuple[str, int, str], OpRecord], recs: list[OpRecord]) -> None:
@@ -123,6 +130,9 @@ def timeline(incident: Incident, where: Path | None = None) -> Timeline:
         culprits={c.rank: c.why.value for c in incident.culprits},
         culprit_where={c.rank: _place(c.phase, c.func, c.site) for c in incident.culprits if c.site != "?"},
     )
+    found = incident.incident.numerics
+    if found is not None:
+        tl.marks, tl.marked_at = numerics_marks(found), found.at or tl.raised
     for f in sorted(where.glob("rank*.json")) if where is not None else []:
         try:
             dump = upgrade_rank_dump(json.loads(f.read_text()), str(f))
@@ -158,6 +168,8 @@ def auto_window(tl: Timeline) -> float:
     for r in tl.culprits:
         if tl.spans.get(r):
             starts.append(tl.spans[r][-1].start)
+    if tl.marks:
+        starts.append(tl.marked_at)
     starts = [t for t in starts if 0 < t <= tl.report]
     if not starts:
         return MIN_WINDOW_S
@@ -211,6 +223,8 @@ def plot_timeline(tl: Timeline, path: Path, seconds: float | None = None) -> Non
             _draw_backend(c, lane, r)
         if r in tl.culprits and c.few:
             _draw_culprit(c, lane, r)
+        if r in tl.marks:
+            _draw_mark(c, lane, r)
     c.ax.axvline(c.x(tl.raised), color="black", linestyle="--", linewidth=1)
     _draw_axes(c, ranks)
     _draw_legend(c)
@@ -324,6 +338,18 @@ def _draw_culprit(c: _Canvas, lane: int, r: int) -> None:
     )
 
 
+def _draw_mark(c: _Canvas, lane: int, r: int) -> None:
+    """Rank ``r`` named by a numerical finding: a purple line across its lane where the commit named
+    it, and what it held (when the ranks are few)."""
+    y0, _ = c.row(lane, c.rows[0])
+    y1, h1 = c.row(lane, c.rows[-1])
+    at = c.x(min(max(c.tl.marked_at, c.lo), c.tl.report))  # at the window's edge when outside it
+    c.ax.vlines([at], y0, y1 + h1, colors="tab:purple", linewidth=2.0)
+    if c.few:
+        side = "right" if at > -c.window / 2 else "left"  # the text stays inside the axes
+        c.ax.text(at, y0 - 0.01, c.tl.marks[r][:80], color="tab:purple", fontsize=8, va="bottom", ha=side)
+
+
 def _row_labels(c: _Canvas, ranks: list[int]) -> tuple[list[float], list[str]]:
     """Each row's place on the y axis and its label (the rank on its first row; each row named when
     the ranks are few)."""
@@ -384,6 +410,7 @@ def _draw_legend(c: _Canvas) -> None:
                 [Line2D([], [], color=_COLORS["backend"], label="backend op (torch's flight recorder)")]
                 * has("backend")
             ),
+            *([Line2D([], [], color="tab:purple", linewidth=2, label="numerical finding")] * int(bool(c.tl.marks))),
         ],
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),

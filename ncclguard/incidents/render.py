@@ -25,6 +25,7 @@ from ncclguard.incidents.model import (
     StatementView,
     StuckFinding,
 )
+from ncclguard.incidents.numerics_text import advice, done_lines, seen_lines
 from ncclguard.incidents.summary import (
     func_text,
     last_text,
@@ -215,6 +216,10 @@ def render(incident: Incident, *, stack_lines: int = 8) -> str:
         f"  {incident.summary}",
         "",
     ]
+    if doc.numerics is not None:  # the recovery engine's numerical finding: no culprit, no victim
+        out.extend([*seen_lines(doc.numerics), "", *done_lines(doc.numerics), "", "WHAT TO DO"])
+        out.extend([*(f"  - {line}" for line in advice(doc.numerics)), "", *_dump_lines(incident)])
+        return "\n".join(out) + "\n"
     culprits = incident.culprits
     out.append("CULPRITS (not where the others are)" if culprits else "CULPRITS: none found")
     for block in _culprit_blocks(culprits):

@@ -1,6 +1,6 @@
 """An incident's timeline as a Chrome/Perfetto trace (``trace.json``; open it in ui.perfetto.dev or
 chrome://tracing): one process per rank with its collectives, its main thread's spans and the
-backend's ops, the incident and each culprit marked (:func:`chrome_trace`, over
+backend's ops, the incident and each culprit marked, and each rank a numerical finding names (:func:`chrome_trace`, over
 :func:`ncclguard.incidents.pictures.timeline`).
 """
 
@@ -23,8 +23,8 @@ def chrome_trace(tl: Timeline) -> dict[str, Any]:
     ``main thread`` (``tid`` 1: its spans, named by phase or function) and ``backend`` (``tid`` 2:
     torch's flight-recorder entries, an instant event each, a complete one up to the report for an
     op still open). The incident is a global instant event, each culprit an instant event on its
-    main thread. Times are microseconds from the earliest record (``otherData.t0``: that time,
-    ``time.time()`` seconds).
+    main thread, and so is each rank a numerical finding names (at the commit that named it). Times
+    are microseconds from the earliest record (``otherData.t0``: that time, ``time.time()`` seconds).
 
     Args:
         tl: the timeline.
@@ -43,6 +43,9 @@ def chrome_trace(tl: Timeline) -> dict[str, Any]:
         if r in tl.culprits:
             name = culprit_text(tl, r)
             events.append({"ph": "i", "s": "p", "name": name, "pid": r, "tid": TID_MAIN, "ts": _us(tl.raised, t0)})
+        if r in tl.marks:  # a numerical finding names it, where the commit named it
+            name = f"numerical finding: {tl.marks[r]}"
+            events.append({"ph": "i", "s": "p", "name": name, "pid": r, "tid": TID_MAIN, "ts": _us(tl.marked_at, t0)})
     events.append({"ph": "i", "s": "g", "name": f"incident {tl.title}", "pid": 0, "tid": 0, "ts": _us(tl.raised, t0)})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"t0": t0, "incident": tl.title}}
 
@@ -52,7 +55,8 @@ def _trace_t0(tl: Timeline) -> float:
     starts = [rec.start for recs in tl.records.values() for rec in recs]
     starts += [s.start for spans in tl.spans.values() for s in spans]
     starts += [e.created for entries in tl.backend.values() for e in entries]
-    return min([*starts, tl.raised]) if starts or tl.raised else 0.0
+    marked = [tl.marked_at] if tl.marks else []
+    return min([*starts, *marked, tl.raised]) if starts or tl.raised else 0.0
 
 
 def _us(t: float, t0: float) -> float:

@@ -397,7 +397,7 @@ def _on_nonfinite(
     """
     engine = tx.engine
     can_redo = redo is not None and attempt < engine.options.max_attempts
-    action, error = engine.numerics.act(tx.number, res.nonfinite, res.finite_ranks, can_redo)
+    action, error = engine.numerics.act(tx.number, res.nonfinite, res.finite_ranks, can_redo, attempt, res.step)
     tally.nonfinite += 1
     tx._put_back()  # buffers, generators and gradients as the step found them: the batch leaves no trace
     if action == "raise":
@@ -428,7 +428,7 @@ def _on_drift(
     engine = tx.engine
     tally.nonfinite += 1  # a redo on this world for the values: no recovery
     tx._put_back()
-    healed = engine.replicas.heal(res, tx.number)
+    healed = engine.replicas.heal(res, tx.number, attempt)
     tally.clock.lap("heal")
     tally.healed = healed
     if not healed:  # the world may be dead: the next commit fails here, and every rank rebuilds

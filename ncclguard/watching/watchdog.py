@@ -49,7 +49,9 @@ from ncclguard.watching.base.hang_bound import HangBound, given
 from ncclguard.watching.base.settings import ACTIONS, EXIT_CODE, WatchdogConfig
 from ncclguard.watching.desk.casebook import Casebook
 from ncclguard.watching.desk.left_behind import LeftBehind
+from ncclguard.watching.desk.told import Told
 from ncclguard.watching.ladder.actions import Action, Ladder, MainThreadRaiser, build_ladder
+from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.sensor import Sensor
 from ncclguard.watching.sensors.story import MainThreadTrack
 from ncclguard.watching.sensors.straggler.clocks import join_tickers
@@ -58,7 +60,7 @@ from ncclguard.watching.world_watch import WorldWatch
 from ncclguard.watching.worlds import Announced, attach, connect
 from ncclguard.world import World, current_world, subscribe
 
-__all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog"]
+__all__ = ["ACTIONS", "EXIT_CODE", "Watchdog", "WatchdogConfig", "current_watchdog", "start_watchdog", "tell"]
 
 
 class _Running:
@@ -170,6 +172,7 @@ class Watchdog:
         self._closing = ending.Closing(config, lambda: self._thread)
         self._thread: threading.Thread | None = None
         self._book = Casebook()  # this rank's cases across the worlds followed
+        self._told = Told()  # what the training thread tells it to raise (the engine's numerical findings)
         self._signum = getattr(signal, config.raise_signal)
         self._raiser: MainThreadRaiser | None = None
         self._handler_installed = False
@@ -209,6 +212,7 @@ class Watchdog:
         self._raiser = MainThreadRaiser(self._signum, self._completed) if needs_handler else None
         self.watch, self._announced = None, Announced()  # a restarted watchdog starts afresh
         self._book.clear()
+        self._told.clear()
         acted.clear()  # the rungs a commit names are this watchdog's, as its cases are
         self._track = MainThreadTrack(threading.main_thread().ident)
         self._unsubscribe = subscribe(self._announced.put)  # first: a world announced meanwhile is followed
@@ -316,6 +320,7 @@ class Watchdog:
                     views.beat(self, desk)
                 watch.check_hang(self._hang_s)
                 watch.check_peers()
+                self._told.open_in(desk)
                 desk.poll()
                 desk.progress()
                 desk.store_back()  # a store that stopped answering, asked again
@@ -412,6 +417,26 @@ class Watchdog:
         """Whether this rank's op ``key`` completed, in the world watched now (the raise rung asks)."""
         watch = self.watch
         return watch is not None and watch.state.completed(key)
+
+
+def tell(det: Detection, wait_s: float = 0.0) -> bool:
+    """Raises ``det`` from another thread through the watchdog running here (the recovery engine's
+    numerical findings, docs/numerics.md): its thread opens it at its next tick, claimed once across
+    ranks by its signature; nothing without a watchdog.
+
+    Args:
+        det: the detection.
+        wait_s: wait this long at most until this rank has handled its incident: its dump written and
+            its statement published, and the report merged when this rank merges it.
+
+    Returns:
+        Whether it was handled within ``wait_s`` (False without a watchdog, or with no wait).
+    """
+    wd = current_watchdog()
+    if wd is None:
+        return False
+    wd._told.put(det)
+    return wait_s > 0 and wd._book.wait_handled(det, wait_s)
 
 
 def start_watchdog(

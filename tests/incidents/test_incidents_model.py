@@ -152,7 +152,16 @@ def test_a_file_cut_short_says_so(tmp_path, capsys):
 
 
 def test_enum_values_are_the_words_on_disk():
-    assert [k.value for k in IncidentKind] == ["hang", "desync", "lost", "store", "stuck", "straggler", "sensor"]
+    assert [k.value for k in IncidentKind] == [
+        "hang",
+        "desync",
+        "lost",
+        "store",
+        "stuck",
+        "straggler",
+        "sensor",
+        "numerics",
+    ]
     assert [k.value for k in CulpritReason] == ["behind", "mismatch", "p2p", "lost"]
     assert {k.value for k in FindingKind} == {"desync", "stuck", "mismatch", "p2p", "lost", "silent", "store"}
     assert Incident.model_fields["stale_ranks"].alias == "lost"

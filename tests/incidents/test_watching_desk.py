@@ -298,3 +298,52 @@ def test_the_stores_host_is_named_with_the_ranks_last_seen_there():
     liveness.observe(beats, 0.0)
     assert store_host_text("10.0.0.1:29500", liveness) == "the store's host is 10.0.0.1 (node0, ranks 0-1 as last seen)"
     assert store_host_text("[fd00::9]:29500", liveness) == "the store's host is fd00::9"
+
+
+def test_a_numerical_finding_told_by_each_rank_is_one_incident_resolved_at_once_and_reported_in_its_words(tmp_path):
+    # Every rank's engine tells the same finding (its commit's outcome); the watchdog's thread opens
+    # what it was told at its next tick (Told), and the store's claim makes it one incident.
+    from ncclguard.incidents.model import FlaggedBucket, NamedRank, NonFiniteReport
+    from ncclguard.watching.desk.casebook import Casebook
+    from ncclguard.watching.desk.told import Told
+
+    report = NonFiniteReport(
+        step=5,
+        ranks="1",
+        named=[NamedRank(rank=1, buckets=[FlaggedBucket(index=0, kind="NaN", params=["fc.weight"])])],
+        finite="0,2",
+        action="redo",
+    )
+    found = Detection(IncidentKind.NUMERICS, "step 5: ...", "numerics/nonfinite/5/1", ranks=(1,), numerics=report)
+    d = desks(tmp_path)
+    told = [Told() for _ in d]
+    book = Casebook()
+    book.follow(d[0])
+    assert not book.wait_handled(found, 0.0)
+    for desk, mine in zip(d, told, strict=True):
+        mine.put(found)
+        mine.open_in(desk)
+        mine.open_in(desk)  # opened once: nothing waits any more
+    assert d[0].store.incident_count() == 1
+    for desk in d:
+        desk.poll()
+    case = d[0].cases[0]
+    # A past event (the engine acted at its commit): resolved in the store as it is handled, so that
+    # `ncclguard status` does not read it open; nothing for the ladder to clear.
+    assert d[0].store.has_mark(d[0].store.keys.resolved(case.doc.n))
+    assert not book.wait_handled(found, 0.0)  # rank 0 merges it: not merged yet
+    for desk in d:
+        desk.progress()
+    assert (case.doc.kind, case.doc.numerics, case.doc.ranks) == (IncidentKind.NUMERICS, report, [1])
+    assert book.wait_handled(found, 0.0)  # handled here, and merged
+    assert [s.rung for s in case.ladder.steps] == ["report"] and case.ladder.settled
+    inc = json.loads((tmp_path / case.doc.id / "incident.json").read_text())
+    assert (inc["culprits"], inc["victims"], inc["findings"]) == ([], [], [])  # the statements are not analysed
+    assert (
+        inc["summary"]
+        == "step 5: rank 1's gradient held NaN in bucket 0 (fc.weight); ranks 0,2 finite; the step was redone"
+    )
+    assert (
+        "  rank 1: NaN in bucket 0 (fc.weight)\n  ranks 0,2: finite\n"
+        in (tmp_path / case.doc.id / "summary.txt").read_text()
+    )

@@ -20,12 +20,24 @@ holds it:
 Then ``safe_all_reduce``'s input check: NaN on rank 1 with ``check_finite=True``, Inf on rank 2 with
 ``verify=True`` under ``Config.check_finite="verified"``: every rank's call fails naming the rank,
 nothing reduced; a finite call after it works; under the default (``"never"``) nothing is checked.
+
+A watchdog runs on every rank (tests/workers/numerics_views.py), each step in phase ``train``: each of
+the four findings is one ``numerics`` incident, and nothing else is (``clean`` raised none); ``ncclguard
+status``, read by rank 0 from the job's store, lists them resolved; this test runs ``ncclguard report``
+on each incident's directory after the launch and draws its timeline and trace.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from harness import run_ranks
+
+from ncclguard.cli import main
+from ncclguard.incidents.files import load
+from ncclguard.incidents.pictures import timeline
+from ncclguard.incidents.trace import chrome_trace
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]  # 60 s past the launch's own hang guard
 
@@ -149,3 +161,68 @@ def test_safe_all_reduce_names_a_non_finite_input_before_anything_is_reduced(dri
         assert said["verified"]["kinds"] == {"2": "Inf"} and said["verified"]["untouched"] is True
         # Off by default (its measured cost, docs/numerics.md): not checked, even in the round; the NaN spreads.
         assert said["default"]["ok"] is True and said["default"]["values"] == [3.0, 6.0, "nan", 12.0]
+
+
+NAMED = "(fc2.bias, fc2.weight, fc1.bias, fc1.weight)"
+FOUND = [  # each finding's incident, in words: its reason, its summary and status's row
+    f"step 103 (phase train): rank 1's gradient held NaN in bucket 1 {NAMED}; ranks 0,2 finite; the step was redone",
+    f"step 203 (phase train): rank 1's gradient held Inf in bucket 1 {NAMED}; ranks 0,2 finite; the step was skipped "
+    "(not applied)",
+    f"step 206 (phase train): rank 1's gradient held Inf in bucket 1 {NAMED}; ranks 0,2 finite; the step was skipped "
+    "(not applied); rank 1 is now a suspect device (flagged again soon after)",
+    f"step 303 (phase train): rank 1's gradient held NaN in bucket 1 {NAMED}; ranks 0,2 finite; the step was not "
+    "applied: NonFiniteGradient raised on every rank",
+]
+DONE = [
+    "its state was put back and the step ran again on the same world (no rebuild; on_nonfinite='redo')",
+    "its state was put back and its batch skipped: the loop went on with the next (on_nonfinite='skip')",
+    "its state was put back and its batch skipped: the loop went on with the next (on_nonfinite='skip')\n"
+    "  rank 1: named a suspect device (flagged again soon after an earlier finding)",
+    "NonFiniteGradient was raised on every rank (on_nonfinite='raise')",
+]
+
+
+def test_each_finding_is_one_incident_that_status_lists_and_nothing_else_is_raised(drill):
+    for r in range(3):  # the same incidents on every rank, in the order found; none from the clean run
+        assert [(i["kind"], i["reason"]) for i in drill[r]["incidents"]] == [("numerics", f) for f in FOUND]
+        assert [i["id"] for i in drill[r]["incidents"]] == [i["id"] for i in drill[0]["incidents"]]
+    status = drill[0]["status"]
+    assert (status["code"], status["health"], status["incident_count"]) == (0, "healthy", 4)
+    assert status["incidents"] == [
+        {"n": n, "kind": "numerics", "reason": f, "open": False} for n, f in enumerate(FOUND, 1)
+    ]  # past events: the engine acted at the commit, nothing is open
+    screen = status["screen"]
+    assert screen.startswith("HEALTHY  3 ranks") and "incidents (4 in this generation, newest shown)" in screen
+    for f in FOUND:  # each row's reason, on its first line of the table
+        assert f[:80] in screen, screen
+
+
+def test_ncclguard_report_names_the_rank_step_bucket_parameters_and_finite_ranks(drill, capsys):
+    for incident, found, done in zip(drill[0]["incidents"], FOUND, DONE, strict=True):
+        assert main(["report", incident["dir"]]) == 0
+        out = capsys.readouterr().out
+        step = found.split(" ", 2)[1]
+        kind = "NaN" if "held NaN" in found else "Inf"
+        assert out.startswith(f"ncclguard incident {incident['id']}: {found}\n")
+        assert "from the statements of 3/3 ranks" in out
+        assert (
+            f"\nIN ONE LINE\n  {found}\n\n"
+            f"NON-FINITE GRADIENT (step {step}, attempt 1, phase train; each bucket checked in the backward, before its "
+            "all-reduce)\n"
+            f"  rank 1: {kind} in bucket 1 {NAMED}\n"
+            "  ranks 0,2: finite\n\n"
+            "WHAT WAS DONE (the same on every rank; the step was not applied on any rank)\n"
+            f"  {done}\n\nWHAT TO DO\n"
+        ) in out
+        assert "CULPRITS" not in out and "VICTIMS" not in out
+
+
+def test_the_timeline_marks_the_rank_where_the_commit_named_it(drill):
+    where = Path(drill[0]["incidents"][0]["dir"])
+    incident, _, merged_here = load(where)
+    assert not merged_here and incident.summary == FOUND[0]
+    tl = timeline(incident, where)
+    assert tl.marks == {1: f"NaN in bucket 1 {NAMED}"} and 0 < tl.marked_at <= tl.raised
+    assert tl.title == f"{incident.incident.id} (numerics): {FOUND[0]}"
+    marked = [e for e in chrome_trace(tl)["traceEvents"] if e["name"].startswith("numerical finding")]
+    assert [(e["pid"], e["name"]) for e in marked] == [(1, f"numerical finding: NaN in bucket 1 {NAMED}")]

@@ -13,12 +13,23 @@ schedule stepped every iteration, shuffled data, 10 steps, RecoveringStep with e
    ``clean`` (every parameter and every optimizer state tensor, on every rank).
 3. ``split``: ranks 1 and 2 each flip a different bit: three digests, no majority: every rank raises
    ``ReplicasDiverged`` at step 8 naming ranks 0-2, nothing healed.
+
+A watchdog runs on every rank (tests/workers/numerics_views.py): each of the two findings is one
+``numerics`` incident saying a silent corruption was seen, and nothing else is (``clean`` raised none);
+``ncclguard status``, read by rank 0 from the job's store, lists them; this test runs ``ncclguard
+report`` on each incident's directory after the launch and draws the timeline of the healed one.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from harness import run_ranks
+
+from ncclguard.cli import main
+from ncclguard.incidents.files import load
+from ncclguard.incidents.pictures import timeline
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(210)]  # 60 s past the launch's own hang guard
 
@@ -78,3 +89,47 @@ def test_without_a_majority_every_rank_raises_and_nothing_is_healed(drill):
         assert split["seen"] == []
         (critical,) = drill[r]["split_critical"]
         assert "the replicas of ranks 0-2 differ at step 208 (parameters)" in critical
+
+
+FOUND = [  # each finding's incident, in words: its reason, its summary and status's row
+    "step 108: a silent corruption was seen: rank 2's replica drifted from ranks 0-1's (parameters: rank 2); the step "
+    "was not applied; rank 2 was healed from rank 0 in this world and the step redone",
+    "step 208: a silent corruption was seen: the replicas of ranks 0-2 differ (parameters: ranks 0-2) and no digest "
+    "is held by a majority, so which one drifted cannot be told; the step was not applied: ReplicasDiverged raised "
+    "on every rank",
+]
+SEEN = [
+    "  parameters: rank 2 differed\n  ranks 0-1: the majority (the same digests)\n\n"
+    "WHAT WAS DONE (the same on every rank; the step was not applied on any rank)\n"
+    "  rank 2 healed from rank 0 in this world (no rebuild), the step redone\n",
+    "  parameters: ranks 0-2 differed\n  no digest is held by a majority: which replica drifted cannot be told\n\n"
+    "WHAT WAS DONE (the same on every rank; the step was not applied on any rank)\n"
+    "  ReplicasDiverged was raised on every rank; nothing was healed\n",
+]
+
+
+def test_each_drift_is_one_incident_that_status_lists_and_nothing_else_is_raised(drill):
+    for r in range(3):  # the same incidents on every rank; none from the clean run
+        assert [(i["kind"], i["reason"]) for i in drill[r]["incidents"]] == [("numerics", f) for f in FOUND]
+    status = drill[0]["status"]
+    assert (status["code"], status["health"], status["incident_count"]) == (0, "healthy", 2)
+    assert status["incidents"] == [
+        {"n": n, "kind": "numerics", "reason": f, "open": False} for n, f in enumerate(FOUND, 1)
+    ]
+    for f in FOUND:
+        assert f[:80] in status["screen"], status["screen"]
+
+
+def test_ncclguard_report_says_a_silent_corruption_was_seen_and_whom_the_drifted_rank_was_healed_from(drill, capsys):
+    for incident, found, seen in zip(drill[0]["incidents"], FOUND, SEEN, strict=True):
+        assert main(["report", incident["dir"]]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"ncclguard incident {incident['id']}: {found}\n")
+        assert (
+            f"\nIN ONE LINE\n  {found}\n\n"
+            f"SILENT CORRUPTION (step {found.split(' ', 2)[1][:-1]}, attempt 1, no phase set; the replicas' digests "
+            f"compared at the commit, before the step was applied)\n{seen}"
+        ) in out
+    where = Path(drill[0]["incidents"][0]["dir"])
+    tl = timeline(load(where)[0], where)
+    assert tl.marks == {2: "replica drifted (parameters)"}

@@ -4,7 +4,7 @@
 start (seed, model, data), a model of 956,042 parameters with dropout, AdamW, a warm-up LR schedule
 stepped every iteration, shuffled data (DistributedSampler), STEPS steps, every default of
 RecoveringStep unless said (``on_nonfinite="redo"`` where nothing else is said: the default,
-``"auto"``, checks a model on a GPU only):
+``"auto"``, checks a model on a GPU only), each step in phase ``train``:
 
 1. ``clean``: no fault (the reference of ``redo``).
 2. ``redo``: rank 1's gradient of ``fc1.weight`` turned NaN at step K, first attempt only.
@@ -16,6 +16,10 @@ RecoveringStep unless said (``on_nonfinite="redo"`` where nothing else is said: 
 Then ``safe_all_reduce``'s input check: rank 1's input NaN with ``check_finite=True``, a finite call
 after it, rank 2's input Inf with ``verify=True`` under ``Config.check_finite="verified"``, and rank 1's
 NaN with ``verify=True`` under the default (``"never"``: not checked).
+
+A watchdog runs on every rank throughout (numerics_views.py): each finding is raised as a
+``numerics`` incident; once the four findings' incidents are merged, rank 0 reads ``ncclguard
+status`` from the job's store.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Any
 import rankkit
 import torch
 import torch.distributed as dist
+from numerics_views import merged, status, watch
 from rankkit import put
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ncclguard import RecoveringStep, configure, safe_all_reduce
+from ncclguard import RecoveringStep, configure, phase, safe_all_reduce
 from ncclguard.errors import NonFiniteGradient
 from ncclguard.recovery.records import StepResult
 
@@ -123,7 +128,8 @@ def stepper_run(base: int, faults: dict[int, float], once: bool, steps: int = ST
 
         before = flat(model).clone()
         try:
-            res = stepper(step_fn, step=base + step)
+            with phase("train"):  # the finding's incident names its phase
+                res = stepper(step_fn, step=base + step)
         except NonFiniteGradient as exc:
             error = {"step": exc.step, "ranks": exc.ranks, "finite": exc.finite_ranks, "action": exc.action}
             error["buckets"] = {str(r): b for r, b in exc.buckets.items()}
@@ -196,6 +202,7 @@ def all_reduce_checks(me: int) -> dict[str, Any]:
 def drill() -> None:
     rankkit.init(timeout_s=60)
     me = dist.get_rank()
+    wd = watch()
     warnings: list[str] = []
 
     class Keep(logging.Handler):
@@ -225,6 +232,9 @@ def drill() -> None:
     put("raise", {k: v for k, v in raised.items() if k != "params"})
     put("runs_s", time.monotonic() - t0)
     put("all_reduce", all_reduce_checks(me))
+    put("incidents", merged(wd, 4))  # redo's NaN, skip's two Infs, raise's NaN
+    if me == 0:
+        put("status", status())
     dist.barrier()
     dist.destroy_process_group()
     rankkit.save()

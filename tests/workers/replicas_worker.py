@@ -10,6 +10,10 @@ default but ``replica_check_every=EVERY`` (and a collective bound, as every test
    ``fc2.weight`` is flipped under no_grad; the next step is a check's (FLIP_AFTER + 1 = 2 * EVERY).
 3. ``split``: after step FLIP_AFTER, rank 1 and rank 2 each flip a different bit: three digests, no
    majority; every rank raises ``ReplicasDiverged`` at the check, nothing applied.
+
+A watchdog runs on every rank throughout (numerics_views.py): each finding is raised as a
+``numerics`` incident; once the two findings' incidents are merged, rank 0 reads ``ncclguard
+status`` from the job's store.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import rankkit
 import torch
 import torch.distributed as dist
+from numerics_views import merged, status, watch
 from numerics_worker import BATCH, CLASSES, FEATURES, Net  # the same 956,042-parameter classifier
 from rankkit import put
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -110,6 +115,7 @@ def same_everywhere(t: torch.Tensor) -> bool:
 
 def drill() -> None:
     rankkit.init(timeout_s=60)
+    wd = watch()
     warnings: list[str] = []
 
     class Keep(logging.Handler):
@@ -131,8 +137,12 @@ def drill() -> None:
     warnings.clear()
     split = run(200, {1: BIT, 2: BIT - 1})
     put("split", {k: v for k, v in split.items() if k != "bits"})
-    put("split_critical", [w for w in warnings if "no digest is held by a majority" in w])
+    # The engine's own line (the watchdog's incident of it says the same words: tests/recovery/test_replicas_multirank.py).
+    put("split_critical", [w for w in warnings if "no digest is held by a majority" in w and "RecoveringStep:" in w])
     put("runs_s", time.monotonic() - t0)
+    put("incidents", merged(wd, 2))  # flipped's drift, healed; split's, raised
+    if dist.get_rank() == 0:
+        put("status", status())
     dist.barrier()
     dist.destroy_process_group()
     rankkit.save()

@@ -26,6 +26,7 @@ from ncclguard._log import log
 from ncclguard.errors import NonFiniteGradient
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid, outcome_words
 from ncclguard.recovery._numerics.hook import GradCheck
+from ncclguard.recovery._numerics.told import tell_nonfinite
 
 __all__ = ["Action", "NonFiniteSeen", "NonFiniteWatch", "Policy", "Suspects", "choose"]
 
@@ -176,14 +177,19 @@ class NonFiniteWatch:
         nonfinite: Mapping[int, Sequence[BucketFinding]],
         finite: Sequence[int],
         can_redo: bool,
+        attempt: int = 1,
+        commit: int = 0,
     ) -> tuple[Action, NonFiniteGradient]:
-        """Chooses the action on a finding every rank read, says it, and names a suspect device.
+        """Chooses the action on a finding every rank read, says it, names a suspect device, and tells
+        the watchdog (an incident: :mod:`ncclguard.recovery._numerics.told`).
 
         Args:
             step: the loop's step number.
             nonfinite: by rank, its flagged buckets (the commit's outcome).
             finite: the ranks whose checked gradient was finite.
             can_redo: an attempt is left and the caller can run the step again.
+            attempt: the step's attempt whose commit named it.
+            commit: that commit's number in its world (the incident's signature).
 
         Returns:
             The action, and the error that names the finding (raised by the caller for ``"raise"``,
@@ -199,7 +205,8 @@ class NonFiniteWatch:
         text = f"{outcome_words(step, nonfinite, finite)}; the step was not applied on any rank: {then}"
         ranks = sorted(nonfinite)
         log.warning("%s: %s (on_nonfinite=%r)", self.who, text, self.policy)
-        for rank in self.suspects.seen(ranks, step):
+        suspects = self.suspects.seen(ranks, step)
+        for rank in suspects:
             log.warning(
                 "%s: rank %d gave a non-finite gradient again at step %d, within %d steps of the last time: its "
                 "device is suspect (a failing GPU or its memory); consider taking it out of the job",
@@ -210,6 +217,9 @@ class NonFiniteWatch:
             )
         buckets = {r: list(nonfinite[r]) for r in ranks}
         self.seen.append(NonFiniteSeen(step, ranks, list(finite), buckets, action))
+        tell_nonfinite(
+            step, attempt, buckets, finite, action, suspects, commit, self.who
+        )  # an incident, before a raise
         error = NonFiniteGradient(
             text,
             step=step,

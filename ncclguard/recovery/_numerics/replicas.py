@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from ncclguard.recovery._commit.said import note_replicas
 from ncclguard.recovery._numerics.digest import replica_digests
 from ncclguard.recovery._numerics.drift import ReplicaDrift
 from ncclguard.recovery._numerics.policy import Suspects
+from ncclguard.recovery._numerics.told import tell_drift
 from ncclguard.recovery.adapter import Adapter
 from ncclguard.recovery.commit import CommitResult
 from ncclguard.recovery.heal import HealResult, heal_from_peer
@@ -110,13 +112,15 @@ class ReplicaCheck:
         if self.due(number):
             note_replicas(replica_digests(self.adapter.get_module(), self.adapter.get_optimizer()))
 
-    def heal(self, res: CommitResult, step: int) -> HealResult:
+    def heal(self, res: CommitResult, step: int, attempt: int = 1) -> HealResult:
         """Heals the drifted ranks a commit named from the lowest majority rank, in this world; on
-        every rank, after the step's state was put back.
+        every rank, after the step's state was put back. The finding is told to the watchdog (an
+        incident: :mod:`ncclguard.recovery._numerics.told`), healed or not.
 
         Args:
             res: the commit (``res.drift`` set, the same on every rank).
             step: the loop's step number.
+            attempt: the step's attempt whose commit found it.
 
         Returns:
             The heal's result (falsy: the world may be dead, the next commit rebuilds it).
@@ -127,7 +131,9 @@ class ReplicaCheck:
         drift = res.drift
         assert drift is not None  # res.only_drift
         if not drift.majority:
-            raise self._undecided(drift, step)
+            error = self._undecided(drift, step)
+            tell_drift(step, attempt, drift, "raised", None, (), res.step, self.adapter.name)  # before the raise
+            raise error
         source = drift.majority[0]
         log.warning(
             "%s: silent data corruption seen at step %d: %s's %s differed from ranks %s's before the step (%s); "
@@ -142,7 +148,8 @@ class ReplicaCheck:
             f"{_ranks(drift.ranks)} {'is' if len(drift.ranks) == 1 else 'are'}",
             source,
         )
-        for rank in self.suspects.seen(drift.ranks, step):
+        suspects = self.suspects.seen(drift.ranks, step)
+        for rank in suspects:
             log.warning(
                 "%s: rank %d was flagged again at step %d (a drifted replica), within %d steps of the last time: "
                 "its device is suspect (a failing GPU or its memory); consider taking it out of the job",
@@ -161,6 +168,8 @@ class ReplicaCheck:
             chunk_bytes=self.chunk_bytes,
         )
         self.seen.append(DriftSeen(step, list(drift.ranks), dict(drift.parts), source, bool(healed)))
+        outcome: Literal["healed", "heal failed"] = "healed" if healed else "heal failed"
+        tell_drift(step, attempt, drift, outcome, source, suspects, res.step, self.adapter.name)
         return healed
 
     def _undecided(self, drift: ReplicaDrift, step: int) -> ReplicasDiverged:

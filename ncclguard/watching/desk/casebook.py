@@ -10,6 +10,7 @@ from typing import Any
 from ncclguard.incidents.files import INCIDENT_FILE
 from ncclguard.watching.desk.cases import Case
 from ncclguard.watching.desk.desk import IncidentDesk
+from ncclguard.watching.sensors.detect import Detection
 
 __all__ = ["Casebook"]
 
@@ -63,3 +64,29 @@ class Casebook:
                 if left <= 0:
                     break
                 self.cond.wait(min(left, 0.05))
+
+    def wait_handled(self, det: Detection, timeout: float) -> bool:
+        """Waits until this rank has handled the incident of ``det`` (raised here or by a peer: the
+        same signature; or raised here alone, without a store), and merged it when this rank is its
+        merger, at most ``timeout`` seconds.
+
+        Returns:
+            True once it was.
+        """
+        deadline = time.monotonic() + timeout
+
+        def handled() -> bool:
+            for case in self.cases():
+                doc = case.doc
+                mine = doc.signature == det.signature or (case.local and doc.numerics == det.numerics)
+                if mine and doc.kind is det.kind:
+                    return case.merged or not case.merger
+            return False
+
+        with self.cond:
+            while not handled():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True

@@ -42,6 +42,7 @@ __all__ = ["Case", "blocked_in", "describe", "incident_path", "past_op", "stale_
 __all__ += ["MAX_NEW_INCIDENTS", "gen_tag", "mark_fenced", "merged_note", "write_report"]
 
 _BACKEND_KINDS = (IncidentKind.BACKEND_DESYNC, IncidentKind.BACKEND_STUCK)  # numbered by the backend
+_REPORTS = (IncidentKind.STRAGGLER, IncidentKind.SENSOR, IncidentKind.NUMERICS)  # never a rung past report
 MAX_NEW_INCIDENTS = 256  # more new incidents in one poll is not the watchdog's doing (a counter someone set)
 
 
@@ -131,14 +132,15 @@ def describe(
         ranks=list(det.ranks) if det.ranks is not None else None,
         store_text=det.store_text,
         straggler=det.straggler,
+        numerics=det.numerics,
     )
 
 
 def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     """Whether this rank is past the op of ``doc``: its recorded op completed (a hang), or its
     backend number moved beyond the op's (a desync); always for a report (a straggler, a sensor's
-    finding); None for kinds without an op."""
-    if doc.kind in (IncidentKind.STRAGGLER, IncidentKind.SENSOR):
+    finding, the recovery engine's numerical finding); None for kinds without an op."""
+    if doc.kind in _REPORTS:
         return True  # a report: nothing to clear, and never a rung past report (docs/stragglers.md)
     key = doc.op_key
     if key is not None:

@@ -316,6 +316,8 @@ class IncidentDesk:
             try:
                 self.store.put_statement(doc.n, statement)
                 self.store.add_dumped(doc.n)
+                if doc.kind is IncidentKind.NUMERICS:  # a past event: the engine acted at its commit (status)
+                    self.store.set_mark(self.store.keys.resolved(doc.n))
                 case.merger = self.store.claim_merger(doc.n, self.rank, self.world_size)
                 case.merge_deadline = now + cfg.merge_wait
             except (StoreTimeout, StoreUnreachable) as exc:

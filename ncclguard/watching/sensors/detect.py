@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from ncclguard.incidents.model import BackendOp, IncidentKind, OpRecord, StragglerReport
+from ncclguard.incidents.model import BackendOp, IncidentKind, NumericsReport, OpRecord, StragglerReport
 from ncclguard.recording.flight import seq_key
 
 __all__ = [
@@ -60,6 +60,7 @@ class Detection:
         ranks: the peers that went stale.
         store_text: what happened to the store.
         straggler: a straggler's report (kind ``straggler``).
+        numerics: the recovery engine's numerical finding (kind ``numerics``).
     """
 
     kind: IncidentKind
@@ -71,6 +72,7 @@ class Detection:
     ranks: tuple[int, ...] | None = None
     store_text: str | None = None
     straggler: StragglerReport | None = None
+    numerics: NumericsReport | None = None
 
     @property
     def op_key(self) -> tuple[str, int] | None:
