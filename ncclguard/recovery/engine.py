@@ -53,6 +53,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ncclguard._log import log
@@ -357,13 +358,19 @@ class Recovery:
 
 def _keep_survivors() -> None:
     """On NCCL, every group made from now on (a rebuild's, a rejoin's) lets a survivor of a peer's
-    death live on (``backend_rules.survivor_handling``); a group made before that would not is said."""
+    death live on (``backend_rules.survivor_handling``); a group made before that would not is said.
+    A restarted process's stand-in world of one (torch's ``fake`` backend) gets the variables for the
+    world it joins next, and no warning: its own group carries nothing."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     rules = rules_for()
-    if not (rules.nccl or "nccl" in rules.backend.lower()):
-        return  # NCCL's rules: real NCCL, and the stand-in, which obeys them on gloo
-    to_set, warning = survivor_handling(os.environ, group_made=True)
+    backend = rules.backend.lower()
+    stand_in_world = backend == "fake"
+    # A mixed default backend ("cpu:gloo,cuda:nccl") on a machine without a GPU runs no NCCL op.
+    on_nccl = rules.stand_in or ("nccl" in backend and torch.cuda.is_available())
+    if not (on_nccl or stand_in_world):
+        return
+    to_set, warning = survivor_handling(os.environ, group_made=not stand_in_world)
     os.environ.update(to_set)
-    if warning is not None:
+    if warning is not None and on_nccl:
         log.warning("recovery on NCCL: %s", warning)
