@@ -29,7 +29,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from ncclguard._naming import rank_ranges
-from ncclguard.backend_rules import ERROR_HANDLING_VAR, RECOVERY_ERROR_HANDLING
 from ncclguard.deadlines import Deadline
 from ncclguard.env.envvars import DEPRECATED, IGNORED, audit
 from ncclguard.env.hierarchy import TimeoutHierarchy
@@ -448,11 +447,6 @@ def _print_export(report: dict[str, Any]) -> None:
     for v in report["variables"]:
         if v["recommended"] is not None and v["status"] == "unset":
             print(f"export {v['name']}={shlex.quote(v['recommended'])}")
-            if v["name"] == ERROR_HANDLING_VAR:  # a survivor of a peer's death must outlive torch's watchdog
-                print(
-                    f"# under recovery {ERROR_HANDLING_VAR}={RECOVERY_ERROR_HANDLING} instead "
-                    "(ncclguard run --ncclguard-restarts N sets it; docs/nccl.md)"
-                )
         elif v["recommended"] is not None and v["status"] == "set by user":
             print(
                 f"# {v['name']} is yours ({v['value'] if v['value'] is not None else v['note']}); "

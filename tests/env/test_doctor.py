@@ -171,8 +171,6 @@ def test_export_lines(env, capsys):
         "export GLOO_SOCKET_IFNAME=lo",
         "# NCCL_IB_DISABLE is yours (0); ncclguard would set 1",
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
-        "# under recovery TORCH_NCCL_ASYNC_ERROR_HANDLING=2 instead (ncclguard run --ncclguard-restarts N sets it; "
-        "docs/nccl.md)",
         "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
         "export TORCH_FR_BUFFER_SIZE=2000",
         "# NCCL_TIMEOUT=1800: ignored by NCCL and PyTorch; " + IGNORED["NCCL_TIMEOUT"],
