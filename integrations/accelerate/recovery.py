@@ -265,6 +265,14 @@ class AcceleratorRecoveringStep(RecoveringStep):
         self.accelerator.save_state(str(path))
         return path
 
+    def _wrapped(self, layout_from: int | None = None, layout: Any = None) -> torch.nn.Module:
+        """Accelerate's wrapper on the current world (:meth:`_repointed`), its gradient buckets checked
+        for NaN and Inf as ``RecoveringStep``'s own are, where DDP's one comm hook slot is free and no
+        GradScaler owns them (docs/numerics.md)."""
+        model = self._repointed(self.module)
+        self.engine.numerics.adopt(model, self.module, "Accelerate", self.accelerator.scaler)
+        return model
+
     def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:
         # At construction (nothing to do, unless this process just joined: its wrapper was built on
         # the stand-in) and after each rebuild.

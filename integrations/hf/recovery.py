@@ -131,6 +131,7 @@ class TrainerRecovery(Adapter):
         """
         if self._tx is None:  # the step's first micro-batch: the transaction opens
             self._model = model
+            _check_gradients(self.engine, self.trainer, model, self._ds is not None)
             if self._resume is not None and self._resume.get("generators") is not None:
                 # Here, not in the Trainer's _load_rng_state: the loop draws between the two
                 # (a data loader's base seed at an epoch's start), and the step found them here.
@@ -375,6 +376,15 @@ class TrainerRecovery(Adapter):
                 size,
             )
         return done
+
+
+def _check_gradients(engine: Recovery, trainer: Any, model: torch.nn.Module, deepspeed: bool) -> None:
+    """The Trainer's DDP wrapper checked for NaN and Inf before each bucket's all-reduce, as
+    ``RecoveringStep``'s own is (docs/numerics.md; once per wrapper), or said once why not."""
+    if deepspeed:
+        engine.numerics.unchecked("DeepSpeed's reductions are not checked yet")
+    else:
+        engine.numerics.adopt(model, unwrapped(model), "the Trainer", trainer.accelerator.scaler)
 
 
 def _resume_dir(trainer: Any) -> str:

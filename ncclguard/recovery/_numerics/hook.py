@@ -13,7 +13,9 @@ while it copies it into the bucket (``reducer.cpp``, ``mark_variable_ready_dense
 gradient is divided), then sums the bucket with one ``allreduce`` on the wrapper's group. The hook
 does the same to the bucket, in the same order, so a run with it is bit-equal to one without it
 (unlike torch's ``allreduce_hook``, which divides after the copy). That holds for DDP's defaults
-(``gradient_as_bucket_view=False``), which are what the engine builds.
+(``gradient_as_bucket_view=False``), which are what the engine builds; a framework's wrapper
+(Accelerate's, the HF Trainer's, Lightning's) is checked only where :func:`refusal` finds none of the
+settings under which DDP divides in place instead, and its one hook slot free.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard._log import log
 from ncclguard.collectives.finite import extremes, kind_of, unchecked_reason
 from ncclguard.recovery._numerics.findings import NumericsSaid, bucket_finding, numerics_said
 
-__all__ = ["GradCheck", "checked_allreduce"]
+__all__ = ["GradCheck", "checked_allreduce", "comm_hook_of", "refusal"]
 
 
 @dataclass
@@ -72,6 +75,44 @@ def checked_allreduce(state: _Wire, bucket: dist.GradBucket) -> torch.futures.Fu
 checked_allreduce.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
+def comm_hook_of(model: torch.nn.Module) -> str | None:
+    """The comm hook a ``DistributedDataParallel`` carries, by name (DDP takes one), or None.
+
+    Read from DDP's own bookkeeping (torch 2.13): a Python hook in ``_comm_hooks`` (``register_comm_hook``,
+    DDP's ``mixed_precision``), a built-in one in the wrapper's logging data.
+
+    Raises:
+        AttributeError: this torch keeps neither.
+    """
+    hooks, logged = getattr(model, "_comm_hooks", None), getattr(model, "_get_ddp_logging_data", None)
+    if not isinstance(hooks, list) or not callable(logged):
+        raise AttributeError("DistributedDataParallel._comm_hooks")
+    name = getattr(hooks[0][0], "__qualname__", "a hook") if hooks else logged().get("comm_hook")
+    return str(name) if name else None
+
+
+def refusal(model: torch.nn.Module) -> str | None:
+    """Why the hook cannot go on a framework's wrapper, or None when it can and stays bit-equal.
+
+    DDP divides a gradient in place (``div_``) where ``gradient_as_bucket_view=True`` finds it in its
+    bucket already, and with ``batched_grad_copy=True`` (one flat ``div_`` per bucket); the hook's
+    multiply by ``1 / world size`` would differ there in the last bit on a world whose size is not a
+    power of two.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return f"it is a {type(model).__name__}, not a DistributedDataParallel"
+    try:
+        hook = comm_hook_of(model)
+    except AttributeError:
+        return f"torch {torch.__version__} does not say whether the wrapper carries a comm hook"
+    if hook is not None:
+        return f"the wrapper carries a comm hook already ({hook}): DDP takes one, and it stays"
+    for setting in ("gradient_as_bucket_view", "batched_grad_copy"):
+        if getattr(model, setting, False):
+            return f"{setting}=True: DDP divides in place there, which the check could not match bit for bit"
+    return None
+
+
 class GradCheck:
     """This rank's bucket scans of one attempt of a step, filled by the hook, read at the commit.
 
@@ -85,6 +126,7 @@ class GradCheck:
         self._passed = 0
         self._names: dict[int, str] = {}
         self._reasons_said: set[str] = set()
+        self._on: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the wrappers that carry the hook
 
     def install(self, model: torch.nn.Module, module: torch.nn.Module) -> None:
         """Registers the hook on ``model`` (a ``DistributedDataParallel`` of ``module`` with no hook
@@ -99,7 +141,12 @@ class GradCheck:
         """
         self._names = {id(p): name for name, p in module.named_parameters()}
         model.register_comm_hook(_Wire(self, weakref.ref(model)), checked_allreduce)  # type: ignore[operator]
+        self._on.add(model)
         self.installed = True
+
+    def carries(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` carries this check's hook (a wrapper re-pointed in place keeps it)."""
+        return model in self._on
 
     def clear(self) -> None:
         """Forgets the scans noted so far (a new attempt starts)."""

@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ncclguard._log import log
 from ncclguard.errors import NonFiniteGradient
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid, outcome_words
-from ncclguard.recovery._numerics.hook import GradCheck
+from ncclguard.recovery._numerics.hook import GradCheck, refusal
 from ncclguard.recovery._numerics.told import tell_nonfinite
 
 __all__ = ["Action", "NonFiniteSeen", "NonFiniteWatch", "Policy", "Suspects", "choose"]
@@ -145,6 +145,35 @@ class NonFiniteWatch:
             log.warning("%s: gradients are not checked for NaN or Inf on this wrapper (%s)", self.who, exc)
             return False
         return True
+
+    def adopt(self, model: torch.nn.Module, module: torch.nn.Module, built_by: str, scaler: Any = None) -> bool:
+        """Puts the check on the wrapper a framework built (Accelerate's ``prepare``, the HF Trainer,
+        Lightning's DDP strategy) where its one comm hook slot is free and the check stays bit-equal
+        (:func:`~ncclguard.recovery._numerics.hook.refusal`); again on each new wrapper, once on each.
+
+        Args:
+            model: the framework's wrapper of this step.
+            module: the module it wraps (its parameter names name the findings).
+            built_by: who built it, for the log.
+            scaler: the framework's ``GradScaler`` (fp16), which owns non-finite gradients; None: none.
+
+        Returns:
+            Whether the wrapper carries the check (False: said once why not).
+        """
+        if self.check is None:
+            return False
+        if self.check.carries(model):
+            return True
+        why = (
+            "a GradScaler owns non-finite gradients (it skips the step, lowers the scale)"
+            if scaler is not None
+            else None
+        )
+        why = why or refusal(model)
+        if why is not None:
+            self.unchecked(f"{built_by}'s wrapper: {why}")
+            return False
+        return self.install(model, module)
 
     def unchecked(self, why: str) -> None:
         """Says once (at info level) why the adapter's gradients are not checked; nothing when off."""

@@ -1,0 +1,69 @@
+"""A NaN under a framework's own DDP wrapper, named at its rank and bucket and never applied, on 3 gloo ranks.
+
+One launch of tests/workers/framework_numerics_worker.py (``accelerate``): ``Accelerator(cpu=True)``,
+numerics_worker's 956,042-parameter classifier prepared by Accelerate and stepped by
+``recovering_step(..., on_nonfinite="redo")``, three runs of 6 steps over the same batches (``off``: no
+check, DDP's own path; ``clean``; ``redo``: rank 1's loss times NaN at step 3, first attempt), then two
+wrappers the check leaves alone (constructed only).
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]  # 60 s past the launch's own hang guard
+
+STEPS, K = 6, 3  # framework_numerics_worker's
+FINITE = {"ok": True, "attempts": 1, "rebuilds": 0, "skipped": False, "commits": [[True, []]], "nonfinite": [{}]}
+BUCKETS = [  # DDP's two buckets once rebuilt after step 0, each in its order
+    {"index": 0, "kind": "NaN", "params": ["head.bias", "head.weight", "fc3.bias", "fc3.weight"], "more_params": 0},
+    {"index": 1, "kind": "NaN", "params": ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"], "more_params": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def accelerate():
+    # Three 6-step runs and two constructions after torchrun's start: about 20 s here. Hang guard: 9x that.
+    return run_ranks("framework_numerics_worker", 3, "accelerate", timeout_s=180)
+
+
+def test_accelerates_wrapper_is_checked_and_a_fault_free_run_reports_nothing(accelerate):
+    for r in range(3):
+        clean = accelerate[r]["clean"]
+        assert clean["carries"] is True and accelerate[r]["off"]["carries"] is False
+        assert clean["results"] == [{**FINITE, "finite": [[0, 1, 2]], "error": None}] * STEPS
+        assert clean["seen"] == [] and accelerate[r]["clean_said"] == []
+
+
+def test_a_nan_in_one_ranks_loss_is_named_redone_once_and_ends_bit_equal_to_ddps_own_path(accelerate):
+    redone = {
+        "ok": True,
+        "attempts": 2,
+        "rebuilds": 0,
+        "skipped": False,
+        "commits": [[False, [1]], [True, []]],
+        "nonfinite": [{"1": BUCKETS}, {}],
+        "finite": [[0, 2], [0, 1, 2]],
+        "error": None,
+    }
+    for r in range(3):
+        redo = accelerate[r]["redo"]
+        assert redo["results"][K] == redone
+        assert redo["results"][:K] + redo["results"][K + 1 :] == [{**FINITE, "finite": [[0, 1, 2]], "error": None}] * (
+            STEPS - 1
+        )
+        assert redo["seen"] == [[K, [1], [0, 2], "redo"]]
+        # The hook reduces as DDP's own path does (the clean run), and the redone step left no trace.
+        assert accelerate[r]["clean_equal_to_off"] is True and accelerate[r]["redo_equal_to_off"] is True
+        assert accelerate[r]["redo_same_everywhere"] is True
+
+
+def test_a_wrapper_with_its_own_comm_hook_or_bucket_views_is_left_unchecked_and_said_once(accelerate):
+    for r in range(3):
+        alone = accelerate[r]["left_alone"]
+        assert alone["own_hook"]["carries"] is False and alone["bucket_view"]["carries"] is False
+        (hook,) = alone["own_hook"]["said"]
+        assert "carries a comm hook already (allreduce_hook)" in hook
+        (view,) = alone["bucket_view"]["said"]
+        assert "gradient_as_bucket_view=True" in view and "bit for bit" in view
