@@ -126,7 +126,7 @@ class CommitResult(Result):
     @property
     def only_drift(self) -> bool:
         """The step failed for drifted replicas alone: heal them from the majority, not the world."""
-        return not self.ok and only_drift(self.reasons, self.drift)
+        return not self.ok and only_drift(self.reasons, self.drift, self.nonfinite)
 
 
 class _Commits:
@@ -465,7 +465,8 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
         first = failed[0] if failed else rank
         why = "; ".join(outcome.failed.get(first, ["?"]))
         # A NaN or a drifted replica alone leaves the world whole: the engine says what it does (info here).
-        values = only_nonfinite(outcome.failed, outcome.nonfinite) or only_drift(outcome.failed, outcome.drift)
+        bad, nf = outcome.failed, outcome.nonfinite
+        values = only_nonfinite(bad, nf) or only_drift(bad, outcome.drift, nf)
         then = (
             "redo the step or skip its batch (docs/numerics.md)"
             if values

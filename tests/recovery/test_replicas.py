@@ -175,6 +175,21 @@ def test_the_commit_fails_the_drifted_rank_alone_the_same_outcome_for_every_rank
     assert decide({r: _statement(r, {}) for r in range(3)}, 3, 4, 10.0).ok
 
 
+def test_a_drifted_rank_whose_gradient_the_drift_made_nan_is_healed_not_rebuilt():
+    """A flipped exponent bit can make the drifted rank's own gradient NaN: its two reasons are still
+    the values alone (heal it from the majority, redo), where a rebuild would copy rank 0's parameters
+    to every rank, a drifted rank 0's too (found by benchmarks/nan_detection_drill.py)."""
+    drift = ReplicaDrift(ranks=[0], majority=[1, 2], parts={"parameters": [0]})
+    reason = "replica drifted: its parameters digest differs from ranks 1-2's before the step"
+    both = {0: [reason, "NaN in bucket 1 (w)"]}
+    assert only_drift(both, drift, {0: ["NaN"]})
+    assert not only_drift(both, drift)  # a second reason that is not the rank's own NaN: not the values alone
+    # A NaN on a rank that did not drift, beside the drifted one: not the drift alone.
+    assert not only_drift({0: [reason], 1: ["NaN in bucket 0 (w)"]}, drift, {1: ["NaN"]})
+    # Three reasons: something else failed too.
+    assert not only_drift({0: [reason, "NaN in bucket 1 (w)", "the caller reported: boom"]}, drift, {0: ["NaN"]})
+
+
 def test_a_statement_bounds_its_digests():
     with pytest.raises(ValueError):
         _statement(0, {f"p{i}": "0" * 16 for i in range(5)})

@@ -106,21 +106,28 @@ def drift_reason(rank: int, drift: ReplicaDrift) -> str:
     )
 
 
-def only_drift(failed: Mapping[int, list[str]], drift: ReplicaDrift | None) -> bool:
+def only_drift(
+    failed: Mapping[int, list[str]], drift: ReplicaDrift | None, nonfinite: Mapping[int, object] | None = None
+) -> bool:
     """Whether a failed outcome failed for drifted replicas alone: every failed rank is a drifted
-    one with no other reason (the engine then heals in the same world, no rebuild).
+    one with no other reason but a non-finite gradient of its own (the engine then heals in the same
+    world, no rebuild). A drifted value can make that rank's gradient NaN (a flipped exponent bit):
+    healed from the majority, the redo computes it again; a rebuild instead would copy rank 0's
+    parameters to every rank, a drifted rank 0's too (found by benchmarks/nan_detection_drill.py).
 
     Args:
         failed: the outcome's reasons by failed rank.
         drift: the outcome's drift, or None.
+        nonfinite: the outcome's ranks with a non-finite gradient (their one other reason), or None.
 
     Returns:
         True when there is a drift and nothing else failed.
     """
-    return (
-        drift is not None
-        and bool(failed)
-        and all(
-            r in drift.ranks and len(reasons) == 1 and reasons[0].startswith(DRIFTED) for r, reasons in failed.items()
-        )
-    )
+    if drift is None or not failed:
+        return False
+    for r, reasons in failed.items():
+        drifted = [x for x in reasons if x.startswith(DRIFTED)]
+        allowed = 2 if nonfinite is not None and r in nonfinite else 1
+        if r not in drift.ranks or len(drifted) != 1 or len(reasons) > allowed:
+            return False
+    return True

@@ -135,8 +135,8 @@ class NonFiniteWatch:
         if self.check is None:
             return False
         if self.policy == "auto" and not any(p.is_cuda for p in module.parameters()):
-            # Measured: the scan adds 6-8% to a CPU DDP step (docs/numerics.md, "What it costs"),
-            # over the 1% it may cost by default; on a GPU it reads at memory speed, far above the link's.
+            # Measured: the scan adds 6-8% to a CPU DDP step (docs/numerics.md, "What it costs"); on an
+            # H200 a nearly fixed 0.4-0.8 ms a step, under 1% of the steps of 80 ms and more.
             self.unchecked("on_nonfinite='auto' leaves a model on the CPU unchecked; on_nonfinite='redo' checks it")
             return False
         try:
