@@ -4,7 +4,12 @@ One launch of tests/workers/framework_numerics_worker.py (``accelerate``): ``Acc
 numerics_worker's 956,042-parameter classifier prepared by Accelerate and stepped by
 ``recovering_step(..., on_nonfinite="redo")``, three runs of 6 steps over the same batches (``off``: no
 check, DDP's own path; ``clean``; ``redo``: rank 1's loss times NaN at step 3, first attempt), then two
-wrappers the check leaves alone (constructed only).
+wrappers the check leaves alone (constructed only). One launch of ``hf``: the same three runs as HF Trainers
+(``TrainingArguments(use_cpu=True, ddp_backend="gloo")``, ``guard_trainer(recover=True, on_nonfinite=...)``,
+the same seed, so the same batches; rank 1's loss times NaN in ``compute_loss``), each step's ``StepResult``
+read where the adapter settles it. One launch of ``lightning``: the same three runs as Lightning fits
+(``DDPStrategy(process_group_backend="gloo")``, ``NcclGuardCallback(recover=True, on_nonfinite=...)``; rank 1's
+loss times NaN in ``training_step``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,30 @@ def accelerate():
     return run_ranks("framework_numerics_worker", 3, "accelerate", timeout_s=180)
 
 
+@pytest.fixture(scope="module")
+def lightning():
+    # Three 6-step fits after torchrun's start: about 15 s here. Hang guard: 12x that.
+    return run_ranks("framework_numerics_worker", 3, "lightning", timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    # Three 6-step Trainer runs after torchrun's start: about 15 s here. Hang guard: 12x that.
+    return run_ranks("framework_numerics_worker", 3, "hf", timeout_s=180)
+
+
+REDONE = {
+    "ok": True,
+    "attempts": 2,
+    "rebuilds": 0,
+    "skipped": False,
+    "commits": [[False, [1]], [True, []]],
+    "nonfinite": [{"1": BUCKETS}, {}],
+    "finite": [[0, 2], [0, 1, 2]],
+    "error": None,
+}
+
+
 def test_accelerates_wrapper_is_checked_and_a_fault_free_run_reports_nothing(accelerate):
     for r in range(3):
         clean = accelerate[r]["clean"]
@@ -37,19 +66,9 @@ def test_accelerates_wrapper_is_checked_and_a_fault_free_run_reports_nothing(acc
 
 
 def test_a_nan_in_one_ranks_loss_is_named_redone_once_and_ends_bit_equal_to_ddps_own_path(accelerate):
-    redone = {
-        "ok": True,
-        "attempts": 2,
-        "rebuilds": 0,
-        "skipped": False,
-        "commits": [[False, [1]], [True, []]],
-        "nonfinite": [{"1": BUCKETS}, {}],
-        "finite": [[0, 2], [0, 1, 2]],
-        "error": None,
-    }
     for r in range(3):
         redo = accelerate[r]["redo"]
-        assert redo["results"][K] == redone
+        assert redo["results"][K] == REDONE
         assert redo["results"][:K] + redo["results"][K + 1 :] == [{**FINITE, "finite": [[0, 1, 2]], "error": None}] * (
             STEPS - 1
         )
@@ -67,3 +86,31 @@ def test_a_wrapper_with_its_own_comm_hook_or_bucket_views_is_left_unchecked_and_
         assert "carries a comm hook already (allreduce_hook)" in hook
         (view,) = alone["bucket_view"]["said"]
         assert "gradient_as_bucket_view=True" in view and "bit for bit" in view
+
+
+def three_runs(job) -> None:
+    """The off, clean and redo runs of ``hf`` or ``lightning``, as the Accelerate test asserts them."""
+    checked = [{**FINITE, "finite": [[0, 1, 2]], "error": None}]
+    for r in range(3):
+        off, clean, redo = job[r]["off"], job[r]["clean"], job[r]["redo"]
+        # Fault-free: the off run carries no hook; the checked one carries it and reports nothing.
+        assert off["carries"] is False and off["seen"] == [] and off["global_step"] == STEPS
+        assert off["results"] == [{**FINITE, "finite": [[]], "error": None}] * STEPS
+        assert clean["carries"] is True and clean["results"] == checked * STEPS
+        assert clean["seen"] == [] and job[r]["clean_said"] == [] and clean["global_step"] == STEPS
+        # Rank 1's NaN: named with its buckets and parameters, ranks 0 and 2 finite, the step redone once in place.
+        assert redo["carries"] is True and redo["global_step"] == STEPS
+        assert redo["results"][K] == REDONE
+        assert redo["results"][:K] + redo["results"][K + 1 :] == checked * (STEPS - 1)
+        assert redo["seen"] == [[K, [1], [0, 2], "redo"]] and redo["tries_at_k"] == 2
+        # The hook reduces as DDP's own path does (the clean run), and the redone step left no trace.
+        assert job[r]["clean_equal_to_off"] is True and job[r]["redo_equal_to_off"] is True
+        assert job[r]["redo_same_everywhere"] is True
+
+
+def test_the_hf_trainers_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(hf):
+    three_runs(hf)
+
+
+def test_lightnings_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(lightning):
+    three_runs(lightning)

@@ -1,4 +1,4 @@
-"""Rank side of tests/integrations/test_framework_numerics_multirank.py. Usage: framework_numerics_worker.py accelerate.
+"""Rank side of tests/integrations/test_framework_numerics_multirank.py. Usage: framework_numerics_worker.py accelerate|hf|lightning.
 
 ``accelerate`` (torchrun, 3 ranks): ``Accelerator(cpu=True)`` makes the group; three runs in a row from
 the same start (numerics_worker's 956,042-parameter classifier with dropout, AdamW, its shuffled shard;
@@ -11,6 +11,9 @@ the loader is not prepared, so every run sees the same batches), each a model an
 
 Then two wrappers the check must leave alone (constructed, not stepped): one that carries a comm hook
 of its own, and one prepared with ``gradient_as_bucket_view=True``.
+
+``hf``, ``lightning`` (torchrun, 3 ranks): the same three runs under the HF Trainer
+(framework_numerics_hf.py) and Lightning (framework_numerics_lightning.py).
 """
 
 from __future__ import annotations
@@ -97,6 +100,22 @@ def left_alone(accelerator: Any, said: Said) -> dict[str, Any]:
     return out
 
 
+def hf() -> None:
+    from framework_numerics_hf import hf as run
+
+    run()
+    dist.destroy_process_group()
+    rankkit.save()
+
+
+def lightning() -> None:
+    from framework_numerics_lightning import lightning as run
+
+    run()
+    dist.destroy_process_group()
+    rankkit.save()
+
+
 def accelerate() -> None:
     from accelerate import Accelerator
 
@@ -124,5 +143,5 @@ def accelerate() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    {"accelerate": accelerate}[sys.argv[1]]()
+    {"accelerate": accelerate, "hf": hf, "lightning": lightning}[sys.argv[1]]()
     sys.exit(0)

@@ -1,0 +1,156 @@
+"""The ``hf`` part of tests/workers/framework_numerics_worker.py: the NaN check on the HF Trainer's DDP wrapper.
+
+``TrainingArguments(use_cpu=True, ddp_backend="gloo")`` makes the group; three Trainers in a row from
+the same start (numerics_worker's 956,042-parameter classifier with dropout, as a model that returns its
+loss; the Trainer's AdamW and its own shuffled, sharded data, the same seed: every run sees the same
+batches), each under ``guard_trainer(recover=True, on_nonfinite=...)``, STEPS optimizer steps:
+
+1. ``off``: ``on_nonfinite="off"``: no hook, DDP's own path (the reference);
+2. ``clean``: ``on_nonfinite="redo"``, no fault: the check on the Trainer's wrapper;
+3. ``redo``: the same, rank 1's loss times NaN at step K in the first attempt only (``compute_loss``).
+
+Each step's ``StepResult`` is read where the adapter settles it (the engine's transactions, wrapped).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rankkit import put
+from transformers import Trainer, TrainingArguments
+
+STEPS, K = 6, 3  # framework_numerics_worker's
+
+
+class Said(logging.Handler):
+    """What the ncclguard logger said at info level and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class Rows(torch.utils.data.Dataset):
+    """numerics_worker's samples as the Trainer's dicts (``x``, ``labels``)."""
+
+    def __init__(self, n: int) -> None:
+        from numerics_worker import CLASSES, FEATURES
+
+        g = torch.Generator().manual_seed(99)
+        self.x, self.y = torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Faulty(Trainer):
+    """Rank 1's loss times NaN at step K, in the step's first attempt only (``fault``)."""
+
+    fault = False
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.state.global_step == K:
+            self.tries_at_k = getattr(self, "tries_at_k", 0) + 1
+            if self.fault and dist.get_rank() == 1 and self.tries_at_k == 1:
+                loss = loss * float("nan")
+        return loss
+
+
+def recorded(engine: Any, results: list[dict[str, Any]], base: int = 0) -> None:
+    """Each settled step's summary appended to ``results`` (the engine's transactions, wrapped); a step
+    the adapter numbers positionally is given to the engine as ``base`` + it (the commit's step numbers
+    must grow across the runs of one process)."""
+    from numerics_worker import summary
+
+    begin = engine.begin
+
+    def wrapped_begin(step: int | None = None, **kwargs: Any) -> Any:
+        tx = begin(None if step is None else base + step, **kwargs)
+        settle = tx.settle
+
+        def wrapped_settle(redo: Any) -> Any:
+            res = settle(redo)
+            results.append(summary(res))
+            return res
+
+        tx.settle = wrapped_settle
+        return tx
+
+    engine.begin = wrapped_begin
+
+
+def hf_run(policy: str, fault: bool) -> dict[str, Any]:
+    """One Trainer from the same start."""
+    from numerics_worker import BATCH, Net, flat
+
+    from ncclguard.integrations.hf import find_guard, guard_trainer
+
+    class LossNet(Net):  # the same parameters and names as numerics_worker's
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = super().forward(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    torch.manual_seed(1234)
+    module = LossNet()
+    args = TrainingArguments(
+        output_dir=f"{os.environ['NCCLGUARD_TEST_OUT']}/hf-{policy}-{fault}",
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=False,  # as Accelerate's default: the same buckets
+        learning_rate=1e-3,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        logging_steps=STEPS,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Faulty(model=module, args=args, train_dataset=Rows(BATCH * STEPS * dist.get_world_size()))
+    trainer.fault = fault
+    guard_trainer(trainer, recover=True, watchdog=False, collective_timeout=30, on_nonfinite=policy)
+    engine = find_guard(trainer).recovery.engine
+    results: list[dict[str, Any]] = []
+    recorded(engine, results)
+    trainer.train()
+    check = engine.numerics.check
+    seen = [[s.step, s.ranks, s.finite_ranks, s.action] for s in engine.numerics.seen]
+    return {
+        "carries": check is not None and check.carries(trainer.model_wrapped),
+        "results": results,
+        "seen": seen,
+        "global_step": trainer.state.global_step,
+        "tries_at_k": getattr(trainer, "tries_at_k", 0),
+        "params": flat(module),
+    }
+
+
+def hf() -> None:
+    from numerics_worker import same_everywhere
+
+    said = Said()
+    logging.getLogger("ncclguard").addHandler(said)
+    off = hf_run("off", fault=False)  # its TrainingArguments make the group (gloo)
+    put("off", {k: v for k, v in off.items() if k != "params"})
+    said.lines.clear()
+    clean = hf_run("redo", fault=False)
+    put("clean", {k: v for k, v in clean.items() if k != "params"})
+    put("clean_said", [line for line in said.lines if "non-finite" in line or "not checked for NaN" in line])
+    redo = hf_run("redo", fault=True)
+    put("redo", {k: v for k, v in redo.items() if k != "params"})
+    put("clean_equal_to_off", torch.equal(clean["params"], off["params"]))
+    put("redo_equal_to_off", torch.equal(redo["params"], off["params"]))
+    put("redo_same_everywhere", same_everywhere(redo["params"]))
+    dist.barrier()
