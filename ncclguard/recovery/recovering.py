@@ -283,8 +283,8 @@ class RecoveringStep(Adapter):
         self._model = None
         self._wrapper_steps = 0
         if isinstance(self._wrap, FSDP2):
-            self.module = self._wrap.again(self.module, self.optimizer)
-            self._model = self.module
+            self._model = self.module = self._wrap.again(self.module, self.optimizer)
+            self.engine.numerics.install_sharded(self.module)
         else:
             # The layout of the rank that sends the heal (the lowest that did not join): a restarted
             # rank, wrapping in its constructor, takes it from the same rank.
@@ -307,8 +307,8 @@ class RecoveringStep(Adapter):
             layout: this rank's old buckets (:func:`kept_layout`), or None.
         """
         if isinstance(self._wrap, FSDP2):
-            self.engine.numerics.unchecked("FSDP2's reductions are not checked yet")
-            return self._wrap.first(self.module, self.optimizer)
+            self.engine.numerics.install_sharded(model := self._wrap.first(self.module, self.optimizer))
+            return model
         if self._wrap is not None:
             self.engine.numerics.unchecked("wrap= builds your own wrapper, and its one comm hook stays yours")
             return self._wrap(self.module)

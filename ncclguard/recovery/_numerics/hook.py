@@ -144,6 +144,13 @@ class GradCheck:
         self._on.add(model)
         self.installed = True
 
+    def watch(self, model: torch.nn.Module, names: dict[int, str]) -> None:
+        """Takes ``model`` as checked by another path than DDP's hook (FSDP2's reduce-scatter,
+        :mod:`ncclguard.recovery._numerics.fsdp2_check`), its parameters named by ``names`` (by ``id``)."""
+        self._names = dict(names)
+        self._on.add(model)
+        self.installed = True
+
     def carries(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` carries this check's hook (a wrapper re-pointed in place keeps it)."""
         return model in self._on

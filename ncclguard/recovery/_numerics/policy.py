@@ -24,6 +24,7 @@ import torch
 
 from ncclguard._log import log
 from ncclguard.errors import NonFiniteGradient
+from ncclguard.recovery._numerics import fsdp2_check
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid, outcome_words
 from ncclguard.recovery._numerics.hook import GradCheck, refusal
 from ncclguard.recovery._numerics.told import tell_nonfinite
@@ -143,6 +144,26 @@ class NonFiniteWatch:
             self.check.install(model, module)
         except RuntimeError as exc:  # DDP's own refusal: the wrapper keeps working unchecked
             log.warning("%s: gradients are not checked for NaN or Inf on this wrapper (%s)", self.who, exc)
+            return False
+        return True
+
+    def install_sharded(self, model: torch.nn.Module) -> bool:
+        """Puts the check on each FSDP module's reduce-scatter (:mod:`~ncclguard.recovery._numerics.fsdp2_check`),
+        again on every module FSDP2 shards anew after a rebuild.
+
+        Returns:
+            Whether it carries it (False: off, ``"auto"``, which leaves FSDP2 unchecked until its
+            check has run on a GPU, or no FSDP module holds parameters; said once).
+        """
+        if self.check is None:
+            return False
+        if self.policy == "auto":
+            self.unchecked(
+                "on_nonfinite='auto' leaves FSDP2 unchecked (its check has not run on a GPU yet); 'redo' checks it"
+            )
+            return False
+        if fsdp2_check.install(self.check, model) == 0:
+            self.unchecked("no FSDP2 module holds parameters of its own")
             return False
         return True
 
