@@ -24,6 +24,7 @@ import torch.distributed as dist
 from framework_numerics_worker import Said
 from numerics_worker import start, summary
 from rankkit import put
+from recovering_worker import full_state  # the full parameters and Adam's state, gathered
 
 from ncclguard import FSDP2, RecoveringStep
 
@@ -36,20 +37,6 @@ def shard(module: torch.nn.Module, mesh: Any) -> None:
     for layer in (module.fc1, module.fc2, module.fc3, module.head):
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
-
-
-def full_state(stepper: RecoveringStep) -> torch.Tensor:
-    """The full parameters and AdamW's full state, gathered over the world."""
-    from torch.distributed.tensor import DTensor
-
-    def full(t: Any) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    tensors = [full(p.detach()) for p in stepper.model.parameters()]
-    for p in stepper.model.parameters():
-        held = stepper.optimizer.state[p]
-        tensors += [full(held["exp_avg"]), full(held["exp_avg_sq"]), held["step"]]
-    return torch.cat([t.reshape(-1).double() for t in tensors])
 
 
 def run(base: int, policy: str, fault: bool) -> dict[str, Any]:
