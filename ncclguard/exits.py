@@ -7,7 +7,10 @@ At exit the interpreter must not finalize while a daemon thread is inside C++ co
 GIL back to Python: the thread is ended by ``pthread_exit`` as it takes the GIL again, the forced
 unwind meets a C++ frame that cannot pass it (pybind11's ``gil_scoped_release``, matplotlib's
 ``ft2font``), and the process dies with ``terminate called without an active exception`` (status
-134, pytorch/pytorch#38228), however well its work ended.
+134, pytorch/pytorch#38228), however well its work ended. So the exit first stops the threads that
+start torch calls of their own on a period (:func:`poller`: the left-behind fence's store read, the
+verdict's look): an :class:`ExitWait` drained while one of them could still start a call would let
+that call run into finalization.
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 from ncclguard._log import log
 
-__all__ = ["ExitWait", "exit_now"]
+__all__ = ["EXITING", "ExitWait", "exit_now", "poller", "stop_pollers"]
+
+POLLERS_WAIT_S = 5.0  # how long the exit waits, in all, for the pollers to end their current look
+
+EXITING = threading.Event()  # set at the interpreter's exit (stop_pollers): a poller starts nothing after it
+_pollers_lock = threading.Lock()
+_pollers: list[tuple[threading.Thread, Callable[[], None] | None]] = []
+_pollers_hooked = False
 
 
 def exit_now(code: int) -> NoReturn:
@@ -41,10 +52,59 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def poller(thread: threading.Thread, wake: Callable[[], None] | None = None) -> threading.Thread:
+    """Counts ``thread``, which starts torch calls of its own on a period, as one the exit stops
+    before it waits for the calls under way. The thread waits with ``EXITING.wait(period)`` and
+    returns once :data:`EXITING` is set.
+
+    Args:
+        thread: the poller, not yet started.
+        wake: wakes it from a wait of its own (a condition's), if it waits on something else.
+
+    Returns:
+        ``thread``, started.
+    """
+    global _pollers_hooked
+    with _pollers_lock:
+        _pollers[:] = [(t, w) for t, w in _pollers if t.is_alive()]
+        _pollers.append((thread, wake))
+        if not _pollers_hooked:
+            atexit.register(stop_pollers)
+            _pollers_hooked = True
+    thread.start()
+    return thread
+
+
+def stop_pollers(wait_s: float = POLLERS_WAIT_S) -> list[str]:
+    """Sets :data:`EXITING` and waits, ``wait_s`` in all, for the pollers to end. Run at exit only:
+    :data:`EXITING` stays set.
+
+    Args:
+        wait_s: how long to wait for them, in all.
+
+    Returns:
+        The names of the pollers still running (a look blocked past the wait; logged).
+    """
+    EXITING.set()
+    until = time.monotonic() + wait_s
+    with _pollers_lock:
+        pollers = [(t, w) for t, w in _pollers if t.is_alive() and t is not threading.current_thread()]
+    for _, wake in pollers:
+        if wake is not None:
+            wake()
+    threads = [t for t, _ in pollers]
+    for thread in threads:
+        thread.join(max(until - time.monotonic(), 0.0))
+    left = [t.name for t in threads if t.is_alive()]
+    if left:
+        log.warning("ncclguard: %s still running at exit after %.0f s", ", ".join(left), wait_s)
+    return left
+
+
 class ExitWait:
     """Work under way on helper threads that the interpreter's exit waits for, each piece until
-    ``wait_s`` after its start (see the module doc). :meth:`drain` is registered with atexit at the
-    first :meth:`enter`.
+    ``wait_s`` after its start (see the module doc). :meth:`drain`, after :func:`stop_pollers`, is
+    registered with atexit at the first :meth:`enter`.
 
     Args:
         what: what the work is, for the warning on what is left (``"store call(s)"``).
@@ -66,13 +126,17 @@ class ExitWait:
         with self.lock:
             self.under_way[done] = time.monotonic()
             if not self._hooked:
-                atexit.register(self.drain)
+                atexit.register(self._at_exit)
                 self._hooked = True
 
     def leave(self, done: threading.Event) -> None:
         """The piece of work keyed by ``done`` is over."""
         with self.lock:
             self.under_way.pop(done, None)
+
+    def _at_exit(self) -> None:
+        stop_pollers()  # none starts a call once the wait below has seen none under way
+        self.drain()
 
     def drain(self, wait_s: float | None = None) -> int:
         """Waits until no piece is under way, each at most until ``wait_s`` after its start.

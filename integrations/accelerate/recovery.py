@@ -268,9 +268,10 @@ class AcceleratorRecoveringStep(RecoveringStep):
     def _wrapped(self, layout_from: int | None = None, layout: Any = None) -> torch.nn.Module:
         """Accelerate's wrapper on the current world (:meth:`_repointed`), its gradient buckets checked
         for NaN and Inf as ``RecoveringStep``'s own are, where DDP's one comm hook slot is free and no
-        GradScaler owns them (docs/numerics.md)."""
+        GradScaler owns them, and its replicas compared (docs/numerics.md)."""
         model = self._repointed(self.module)
         self.engine.numerics.adopt(model, self.module, "Accelerate", self.accelerator.scaler)
+        self.engine.replicas.adopt(model, "Accelerate")
         return model
 
     def _repointed(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -379,12 +379,15 @@ class TrainerRecovery(Adapter):
 
 
 def _check_gradients(engine: Recovery, trainer: Any, model: torch.nn.Module, deepspeed: bool) -> None:
-    """The Trainer's DDP wrapper checked for NaN and Inf before each bucket's all-reduce, as
-    ``RecoveringStep``'s own is (docs/numerics.md; once per wrapper), or said once why not."""
+    """The Trainer's DDP wrapper checked for NaN and Inf before each bucket's all-reduce, and its
+    replicas compared, as ``RecoveringStep``'s own are (docs/numerics.md; once per wrapper), or said
+    once why not."""
     if deepspeed:
         engine.numerics.unchecked("DeepSpeed's reductions are not checked yet")
+        engine.replicas.unchecked("DeepSpeed's ZeRO partitions the optimizer's state: no rank holds a whole replica")
     else:
         engine.numerics.adopt(model, unwrapped(model), "the Trainer", trainer.accelerator.scaler)
+        engine.replicas.adopt(model, "the Trainer")
 
 
 def _resume_dir(trainer: Any) -> str:

@@ -196,11 +196,13 @@ class NcclGuardCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Phase ``train step=<global_step>``; with ``recover``, the strategy's DDP wrapper checked for NaN
-        and Inf before each bucket's all-reduce (docs/numerics.md; once per wrapper), or said once why not."""
+        and Inf before each bucket's all-reduce and its replicas compared (docs/numerics.md; once per
+        wrapper), or said once why not."""
         self._open("train", phase("train", step=trainer.global_step))
         if self.recovery is not None:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.recovery.engine.numerics.adopt(trainer.strategy.model, pl_module, "Lightning", scaler)
+            self.recovery.engine.replicas.adopt(trainer.strategy.model, "Lightning")
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

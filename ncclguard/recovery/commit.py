@@ -31,7 +31,6 @@ from torch.distributed import DistStoreError
 
 from ncclguard import _torch_compat as compat
 from ncclguard._log import log
-from ncclguard._naming import rank_ranges
 from ncclguard.collectives.groups import failure_of, group_info, group_timeout_s, no_group_reason
 from ncclguard.config import get_config
 from ncclguard.deadlines import Deadline, default_deadline, to_seconds
@@ -58,6 +57,7 @@ from ncclguard.recovery._commit.statements import (
     flag_nonfinite,
     only_nonfinite,
     outcome_limit,
+    refused_text,
 )
 from ncclguard.recovery._numerics.drift import ReplicaDrift, only_drift
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid
@@ -346,7 +346,7 @@ def should_commit(
         count_commit(outcome.ok)
     finally:
         state.lock.release()
-    return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else world.rank or 0)
+    return _result(outcome, world.generation, late, time.monotonic() - start, info.rank if info else world.rank, step)
 
 
 def _alone(n: int, problems: list[str], numerics: NumericsSaid | None) -> CommitOutcome:
@@ -458,24 +458,19 @@ def _forget(store: dist.Store, info: GroupInfo, generation: int, n: int, deadlin
         log.info("should_commit: the keys of commit %d stay in the store (%s)", n, exc)
 
 
-def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: float, rank: int) -> CommitResult:
+def _result(
+    outcome: CommitOutcome, gen: int, late: bool, elapsed_s: float, rank: int | None, step: int | None
+) -> CommitResult:
     failed = sorted(outcome.failed)
     error = None
     if not outcome.ok:
-        first = failed[0] if failed else rank
-        why = "; ".join(outcome.failed.get(first, ["?"]))
+        first = failed[0] if failed else rank or 0
         # A NaN or a drifted replica alone leaves the world whole: the engine says what it does (info here).
-        bad, nf = outcome.failed, outcome.nonfinite
-        values = only_nonfinite(bad, nf) or only_drift(bad, outcome.drift, nf)
-        then = (
-            "redo the step or skip its batch (docs/numerics.md)"
-            if values
-            else "recover (ncclguard.rebuild_world, then redo the step)"
+        values = only_nonfinite(outcome.failed, outcome.nonfinite) or only_drift(
+            outcome.failed, outcome.drift, outcome.nonfinite
         )
         error = CommitFailed(
-            f"step {outcome.step} (world generation {generation}) may not be applied: ranks {rank_ranges(failed)} "
-            f"failed it (rank {first}: {why}){'; this rank came after the outcome' if late else ''}. Skip the "
-            f"optimizer step and {then}",
+            refused_text(outcome, gen, step, first, late, values),
             step=outcome.step,
             failed_ranks=failed,
             reasons=dict(outcome.failed),
@@ -485,7 +480,7 @@ def _result(outcome: CommitOutcome, generation: int, late: bool, elapsed_s: floa
     return CommitResult(
         ok=outcome.ok,
         step=outcome.step,
-        generation=generation,
+        generation=gen,
         failed_ranks=failed,
         reasons={r: list(v) for r, v in outcome.failed.items()},
         late=late,

@@ -134,7 +134,7 @@ class Recovery:
         # A gradient's NaN or Inf, found before the reduction: the adapter puts the check on its wrapper.
         self.numerics = NonFiniteWatch(options.on_nonfinite, options.nonfinite_suspect_steps, adapter.name)
         # A replica that drifted (a flipped bit): digests compared every replica_check_every steps, where
-        # the adapter's own DDP wrapper puts the check on (ReplicaCheck.install).
+        # the adapter's DDP wrapper puts the check on (ReplicaCheck.install; a framework's: ReplicaCheck.adopt).
         self.replicas = ReplicaCheck(
             options.replica_check_every,
             adapter,

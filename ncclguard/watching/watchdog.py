@@ -39,6 +39,7 @@ from typing import Any
 
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.exits import stop_pollers
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.incidents.pictures import finish_drawings
 from ncclguard.recording.flight import recorder
@@ -95,6 +96,7 @@ def _stop_at_exit() -> None:
     waited for once it has stopped (:func:`~ncclguard.store.bounded.drain_at_exit`), and so are the
     pictures its desk is still drawing (:func:`~ncclguard.incidents.pictures.finish_drawings`).
     """
+    stop_pollers()  # the verdict's and the left-behind fence's threads start no store call from here on
     watchdog = _running.watchdog
     if watchdog is not None:
         # An uncaught exception ends the script with sys.last_value set (before atexit runs): a

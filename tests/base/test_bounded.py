@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,19 @@ def test_exit_waits_for_a_store_call_under_way_instead_of_dying_of_sigabrt():
     # With it, exit waits for the call: none is under way when finalization begins, and nothing aborts.
     assert "given up, the call still under way" in on.stdout and "under way at finalization: 0" in on.stdout, on
     assert on.returncode == 0 and "terminate called" not in on.stderr, on
+
+
+def test_exit_stops_a_poller_before_it_waits_so_no_call_starts_into_finalization():
+    """A poller (the left-behind fence, the verdict) that could start a store call after the exit's wait
+    had seen none under way would leave it running into finalization (the SIGABRT above)."""
+    worker = str(Path(__file__).parents[1] / "workers" / "exit_mid_call_worker.py")
+    # 60 s: hang guard (about 4 s here: the last call's 3 s wait). Without the stop, the wait never ends.
+    run = subprocess.run([sys.executable, worker, "poller"], capture_output=True, text=True, timeout=60)
+    assert "the poller polls" in run.stdout, run
+    stopped = re.search(r"poller stopped at exit after (\d+) calls", run.stdout)
+    assert stopped and int(stopped.group(1)) >= 1, run
+    assert "under way at finalization: 0" in run.stdout, run
+    assert run.returncode == 0 and "terminate called" not in run.stderr, run
 
 
 def test_exit_waits_for_a_call_under_way_until_it_returns_and_leaves_one_past_its_wait():

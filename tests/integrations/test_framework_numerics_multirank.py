@@ -9,7 +9,11 @@ wrappers the check leaves alone (constructed only). One launch of ``hf``: the sa
 the same seed, so the same batches; rank 1's loss times NaN in ``compute_loss``), each step's ``StepResult``
 read where the adapter settles it. One launch of ``lightning``: the same three runs as Lightning fits
 (``DDPStrategy(process_group_backend="gloo")``, ``NcclGuardCallback(recover=True, on_nonfinite=...)``; rank 1's
-loss times NaN in ``training_step``).
+loss times NaN in ``training_step``). Each launch ends with a fourth run, ``flipped``: ``replica_check_every=3``,
+no NaN, and once step 2 is applied one bit of one element of rank 2's ``fc2.weight`` flipped: the check of
+step 3 names rank 2, heals it from rank 0 in the same world and redoes the step, which ends bit-equal
+to the run without the flip (the framework's own wrapper, as ``RecoveringStep``'s own in
+tests/recovery/test_replicas_multirank.py).
 """
 
 from __future__ import annotations
@@ -29,19 +33,19 @@ BUCKETS = [  # DDP's two buckets once rebuilt after step 0, each in its order
 
 @pytest.fixture(scope="module")
 def accelerate():
-    # Three 6-step runs and two constructions after torchrun's start: about 20 s here. Hang guard: 9x that.
+    # Four 6-step runs and two constructions after torchrun's start: about 25 s here. Hang guard: 7x that.
     return run_ranks("framework_numerics_worker", 3, "accelerate", timeout_s=180)
 
 
 @pytest.fixture(scope="module")
 def lightning():
-    # Three 6-step fits after torchrun's start: about 15 s here. Hang guard: 12x that.
+    # Four 6-step fits after torchrun's start: about 20 s here. Hang guard: 9x that.
     return run_ranks("framework_numerics_worker", 3, "lightning", timeout_s=180)
 
 
 @pytest.fixture(scope="module")
 def hf():
-    # Three 6-step Trainer runs after torchrun's start: about 15 s here. Hang guard: 12x that.
+    # Four 6-step Trainer runs after torchrun's start: about 20 s here. Hang guard: 9x that.
     return run_ranks("framework_numerics_worker", 3, "hf", timeout_s=180)
 
 
@@ -114,3 +118,23 @@ def test_the_hf_trainers_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_
 
 def test_lightnings_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(lightning):
     three_runs(lightning)
+
+
+@pytest.mark.parametrize("which", ["accelerate", "hf", "lightning"])
+def test_a_flipped_bit_in_one_ranks_replica_under_a_frameworks_wrapper_is_named_healed_and_ends_bit_equal(
+    which, request
+):
+    job = request.getfixturevalue(which)
+    for r in range(3):
+        flipped = job[r]["flipped"]
+        # Step 3's check: rank 2 named, healed from rank 0 (the lowest of the majority), no rebuild.
+        assert flipped["replicas_seen"] == [[3, [2], 0, True]]
+        assert [(s["attempts"], s["rebuilds"], s["ok"]) for s in flipped["results"]] == [(1, 0, True)] * 3 + [
+            (2, 0, True)
+        ] + [(1, 0, True)] * 2
+        assert flipped["results"][3]["commits"] == [[False, [2]], [True, []]]
+        assert flipped["seen"] == []  # no NaN was named
+        # The healed rank redid the step from rank 0's replica: every rank ends as the run without the flip.
+        assert job[r]["flipped_equal_to_off"] is True and job[r]["flipped_same_everywhere"] is True
+    # The other runs keep the default period (the steps whose number 100 divides): nothing drifted there.
+    assert all(job[r][run]["replicas_seen"] == [] for r in range(3) for run in ("off", "clean", "redo"))

@@ -1,5 +1,5 @@
-"""Rank side of tests/base/test_bounded.py's exit test: a process that ends while one of ncclguard's
-helper threads is inside a store call. Usage: exit_mid_call_worker.py {on,off}.
+"""Rank side of tests/base/test_bounded.py's exit tests: a process that ends while one of ncclguard's
+helper threads is inside a store call. Usage: exit_mid_call_worker.py {on,off,poller}.
 
 A real TCPStore (server and client in this process); the helper waits on a key nobody sets (the
 client's timeout, 3 s), the caller gives up after 0.2 s and the script ends. Its teardown then takes
@@ -10,6 +10,11 @@ wait is over) prints how many store calls are still under way when finalization 
 ``off`` (the process then dies of SIGABRT, ``terminate called without an active exception``, when
 the call comes back during finalization: every time on a quiet machine, not always on a loaded one),
 0 with ``on``.
+
+``poller``: no call is under way when the script ends, but a poller (a thread that starts store calls of
+its own, as the left-behind fence and the verdict do, registered with ``ncclguard.exits.poller``) starts
+one every 50 ms, each given up after 0.2 s and left in its 3 s wait. Exit stops the poller before it
+waits for the calls under way: the poller says how it ended, and none is under way at finalization.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -41,12 +47,34 @@ def under_way_at_finalization() -> None:
     print(f"under way at finalization: {len(bounded._under_way.under_way)}", flush=True)
 
 
+def poll(client: dist.TCPStore, started: threading.Event) -> None:
+    from ncclguard.exits import EXITING
+
+    calls = 0
+    while not EXITING.wait(0.05):
+        try:
+            bounded.Helper().call(lambda: client.wait(["never"]), Deadline.within(0.2), "wait")
+        except StoreUnreachable:
+            calls += 1
+            started.set()
+    print(f"poller stopped at exit after {calls} calls", flush=True)
+
+
 def main() -> None:
     atexit.register(under_way_at_finalization)  # before the library's wait registers: runs after it
     if sys.argv[1] == "off":
         bounded._under_way.wait_s = 0.0
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=3))
+    builtins._ncclguard_server = server  # the store lives to the end: the calls under way wait, not fail
+    if sys.argv[1] == "poller":
+        from ncclguard.exits import poller
+
+        started = threading.Event()
+        poller(threading.Thread(target=poll, args=(client, started), daemon=True))
+        started.wait(30)  # hang guard; one call given up, the next ones started every 50 ms
+        print("the poller polls", flush=True)
+        return
     try:
         bounded.Helper().call(lambda: client.wait(["never"]), Deadline.within(0.2), "wait")
     except StoreUnreachable:

@@ -7,7 +7,10 @@ batches), each under ``guard_trainer(recover=True, on_nonfinite=...)``, STEPS op
 
 1. ``off``: ``on_nonfinite="off"``: no hook, DDP's own path (the reference);
 2. ``clean``: ``on_nonfinite="redo"``, no fault: the check on the Trainer's wrapper;
-3. ``redo``: the same, rank 1's loss times NaN at step K in the first attempt only (``compute_loss``).
+3. ``redo``: the same, rank 1's loss times NaN at step K in the first attempt only (``compute_loss``);
+4. ``flipped``: ``replica_check_every=EVERY``, no NaN; once step FLIP_AFTER is applied, one bit of one
+   element of rank 2's ``fc2.weight`` flipped (``replicas_worker.flip``, in ``on_step_end``): the next
+   step's check names rank 2, heals it from rank 0 and redoes the step.
 
 Each step's ``StepResult`` is read where the adapter settles it (the engine's transactions, wrapped).
 """
@@ -21,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rankkit import put
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 STEPS, K = 6, 3  # framework_numerics_worker's
+EVERY, FLIP_AFTER = 3, 2  # the flipped run's check period, and the step after which rank 2's bit flips
 
 
 class Said(logging.Handler):
@@ -90,8 +94,26 @@ def recorded(engine: Any, results: list[dict[str, Any]], base: int = 0) -> None:
     engine.begin = wrapped_begin
 
 
-def hf_run(policy: str, fault: bool) -> dict[str, Any]:
-    """One Trainer from the same start."""
+class FlipAfter(TrainerCallback):
+    """Rank 2 flips one bit of its ``fc2.weight`` once step FLIP_AFTER is applied."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from replicas_worker import BIT, flip
+
+        if state.global_step == FLIP_AFTER + 1 and dist.get_rank() == 2:
+            flip(self.module, BIT)  # type: ignore[arg-type]  # a Net's fc2
+
+
+def replicas_seen(engine: Any, base: int = 0) -> list[list[Any]]:
+    """The engine's replica findings: step (from ``base``), drifted ranks, the source, healed."""
+    return [[s.step - base, s.ranks, s.source, s.healed] for s in engine.replicas.seen]
+
+
+def hf_run(policy: str, fault: bool, every: int | None = None) -> dict[str, Any]:
+    """One Trainer from the same start; with ``every``, replicas checked that often and rank 2's bit flipped."""
     from numerics_worker import BATCH, Net, flat
 
     from ncclguard.integrations.hf import find_guard, guard_trainer
@@ -120,7 +142,10 @@ def hf_run(policy: str, fault: bool) -> dict[str, Any]:
     )
     trainer = Faulty(model=module, args=args, train_dataset=Rows(BATCH * STEPS * dist.get_world_size()))
     trainer.fault = fault
-    guard_trainer(trainer, recover=True, watchdog=False, collective_timeout=30, on_nonfinite=policy)
+    checks = {} if every is None else {"replica_check_every": every}
+    guard_trainer(trainer, recover=True, watchdog=False, collective_timeout=30, on_nonfinite=policy, **checks)
+    if every is not None:
+        trainer.add_callback(FlipAfter(module))  # after the guard's own callbacks
     engine = find_guard(trainer).recovery.engine
     results: list[dict[str, Any]] = []
     recorded(engine, results)
@@ -131,6 +156,7 @@ def hf_run(policy: str, fault: bool) -> dict[str, Any]:
         "carries": check is not None and check.carries(trainer.model_wrapped),
         "results": results,
         "seen": seen,
+        "replicas_seen": replicas_seen(engine),
         "global_step": trainer.state.global_step,
         "tries_at_k": getattr(trainer, "tries_at_k", 0),
         "params": flat(module),
@@ -153,4 +179,8 @@ def hf() -> None:
     put("clean_equal_to_off", torch.equal(clean["params"], off["params"]))
     put("redo_equal_to_off", torch.equal(redo["params"], off["params"]))
     put("redo_same_everywhere", same_everywhere(redo["params"]))
+    flipped = hf_run("redo", fault=False, every=EVERY)
+    put("flipped", {k: v for k, v in flipped.items() if k != "params"})
+    put("flipped_equal_to_off", torch.equal(flipped["params"], off["params"]))
+    put("flipped_same_everywhere", same_everywhere(flipped["params"]))
     dist.barrier()

@@ -8,7 +8,10 @@ Lightning inserts, not shuffled: every fit sees the same batches), each under
 
 1. ``off``: ``on_nonfinite="off"``: no hook, DDP's own path (the reference);
 2. ``clean``: ``on_nonfinite="redo"``, no fault: the check on Lightning's wrapper;
-3. ``redo``: the same, rank 1's loss times NaN at step K in the first attempt only (``training_step``).
+3. ``redo``: the same, rank 1's loss times NaN at step K in the first attempt only (``training_step``);
+4. ``flipped``: ``replica_check_every=EVERY``, no NaN; once step FLIP_AFTER is applied, one bit of one
+   element of rank 2's ``fc2.weight`` flipped (in ``on_train_batch_end``): the next step's check names
+   rank 2, heals it from rank 0 and redoes the step.
 
 Each step's ``StepResult`` is read where the adapter settles it (the engine's transactions, wrapped).
 """
@@ -22,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from framework_numerics_hf import STEPS, K, Said, recorded
-from lightning.pytorch import LightningModule, Trainer
+from framework_numerics_hf import EVERY, FLIP_AFTER, STEPS, K, Said, recorded, replicas_seen
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from rankkit import put
 from torch.utils.data import DataLoader, TensorDataset
@@ -63,6 +66,16 @@ class Model(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class FlipAfter(Callback):
+    """Rank 2 flips one bit of its ``fc2.weight`` once step FLIP_AFTER is applied."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        from replicas_worker import BIT, flip
+
+        if trainer.global_step == FLIP_AFTER + 1 and dist.get_rank() == 2:
+            flip(pl_module, BIT)  # type: ignore[arg-type]  # Net's fc2, under its name
+
+
 def data() -> DataLoader:
     from numerics_worker import BATCH, CLASSES, FEATURES
 
@@ -72,13 +85,15 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH)
 
 
-def lightning_run(base: int, policy: str, fault: bool) -> dict[str, Any]:
-    """One fit from the same start; the engine's step numbers start at ``base`` (they grow across fits)."""
+def lightning_run(base: int, policy: str, fault: bool, every: int | None = None) -> dict[str, Any]:
+    """One fit from the same start; the engine's step numbers start at ``base`` (they grow across fits);
+    with ``every``, replicas checked that often and rank 2's bit flipped."""
     from numerics_worker import flat
 
     from ncclguard.integrations.lightning import NcclGuardCallback
 
-    guard = NcclGuardCallback(watchdog=False, recover=True, collective_timeout=30, on_nonfinite=policy)
+    checks = {} if every is None else {"replica_check_every": every}
+    guard = NcclGuardCallback(watchdog=False, recover=True, collective_timeout=30, on_nonfinite=policy, **checks)
     assert guard.recovery is not None
     results: list[dict[str, Any]] = []
     recorded(guard.recovery.engine, results, base)
@@ -90,7 +105,7 @@ def lightning_run(base: int, policy: str, fault: bool) -> dict[str, Any]:
         max_steps=STEPS,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[guard],
+        callbacks=[guard] if every is None else [guard, FlipAfter()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -104,6 +119,7 @@ def lightning_run(base: int, policy: str, fault: bool) -> dict[str, Any]:
         "carries": check is not None and check.carries(model.wrapper[0]),
         "results": results,
         "seen": [[s.step - base, s.ranks, s.finite_ranks, s.action] for s in engine.numerics.seen],
+        "replicas_seen": replicas_seen(engine, base),
         "global_step": trainer.global_step,
         "tries_at_k": model.tries_at_k,
         "params": flat(model),
@@ -126,4 +142,8 @@ def lightning() -> None:
     put("clean_equal_to_off", torch.equal(clean["params"], off["params"]))
     put("redo_equal_to_off", torch.equal(redo["params"], off["params"]))
     put("redo_same_everywhere", same_everywhere(redo["params"]))
+    flipped = lightning_run(300, "redo", fault=False, every=EVERY)
+    put("flipped", {k: v for k, v in flipped.items() if k != "params"})
+    put("flipped_equal_to_off", torch.equal(flipped["params"], off["params"]))
+    put("flipped_same_everywhere", same_everywhere(flipped["params"]))
     dist.barrier()

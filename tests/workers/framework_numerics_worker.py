@@ -41,15 +41,19 @@ class Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def accelerate_run(accelerator: Any, base: int, policy: str, fault: bool) -> dict[str, Any]:
-    """One run from the same start; the loop's step numbers start at ``base`` (they grow across runs)."""
+def accelerate_run(accelerator: Any, base: int, policy: str, fault: bool, every: int | None = None) -> dict[str, Any]:
+    """One run from the same start; the loop's step numbers start at ``base`` (they grow across runs);
+    with ``every``, replicas checked that often and rank 2's bit flipped once step FLIP_AFTER is applied."""
+    from framework_numerics_hf import FLIP_AFTER, replicas_seen
     from numerics_worker import flat, start, summary
+    from replicas_worker import BIT, flip
 
     from ncclguard.integrations.accelerate import recovering_step
 
     module, opt, _sched, loader = start()
     model, opt = accelerator.prepare(module, opt)
-    stepper = recovering_step(accelerator, model, opt, on_nonfinite=policy, collective_timeout=30)
+    checks = {} if every is None else {"replica_check_every": every}
+    stepper = recovering_step(accelerator, model, opt, on_nonfinite=policy, collective_timeout=30, **checks)
     check = stepper.engine.numerics.check
     carries = check is not None and check.carries(stepper.model)
     results = []
@@ -68,8 +72,11 @@ def accelerate_run(accelerator: Any, base: int, policy: str, fault: bool) -> dic
             accelerator.backward(loss)
 
         results.append(summary(stepper(step_fn, step=base + step)))
+        if every is not None and step == FLIP_AFTER and dist.get_rank() == 2:
+            flip(module, BIT)
     seen = [[s.step - base, s.ranks, s.finite_ranks, s.action] for s in stepper.engine.numerics.seen]
-    return {"carries": carries, "results": results, "seen": seen, "params": flat(module)}
+    out = {"carries": carries, "results": results, "seen": seen, "params": flat(module)}
+    return {**out, "replicas_seen": replicas_seen(stepper.engine, base)}
 
 
 def left_alone(accelerator: Any, said: Said) -> dict[str, Any]:
@@ -135,6 +142,12 @@ def accelerate() -> None:
     put("clean_equal_to_off", torch.equal(clean["params"], off["params"]))
     put("redo_equal_to_off", torch.equal(redo["params"], off["params"]))
     put("redo_same_everywhere", same_everywhere(redo["params"]))
+    from framework_numerics_hf import EVERY
+
+    flipped = accelerate_run(accelerator, 300, "redo", fault=False, every=EVERY)
+    put("flipped", {k: v for k, v in flipped.items() if k != "params"})
+    put("flipped_equal_to_off", torch.equal(flipped["params"], off["params"]))
+    put("flipped_same_everywhere", same_everywhere(flipped["params"]))
     put("left_alone", left_alone(accelerator, said))
     dist.barrier()
     dist.destroy_process_group()

@@ -46,6 +46,7 @@ __all__ = [
     "generators_apart",
     "only_nonfinite",
     "outcome_limit",
+    "refused_text",
 ]
 
 MAX_PROBLEMS = 8  # problems one rank states at most (the rest are summed up in the last)
@@ -372,3 +373,29 @@ def generators_apart(statements: Mapping[int, CommitStatement]) -> dict[str, lis
         if odd:
             apart[name] = sorted(odd)
     return apart
+
+
+def refused_text(outcome: CommitOutcome, gen: int, step: int | None, first: int, late: bool, values: bool) -> str:
+    """What a refused commit says: the caller's step (where it gave one: the commit's own count also
+    counts redone attempts), the ranks that failed it, the first one's reasons, and what to do.
+
+    Args:
+        outcome: the refused outcome.
+        gen: the world's generation.
+        step: the caller's step number, or None.
+        first: the rank whose reasons are quoted.
+        late: this rank came after the outcome.
+        values: only a NaN or a drifted replica refused it (the world is whole).
+    """
+    which = f"commit {outcome.step} (" if step is None else f"step {step} (commit {outcome.step}, "
+    why = "; ".join(outcome.failed.get(first, ["?"]))
+    then = (
+        "redo the step or skip its batch (docs/numerics.md)"
+        if values
+        else "recover (ncclguard.rebuild_world, then redo the step)"
+    )
+    return (
+        f"{which}world generation {gen}) may not be applied: ranks {rank_ranges(sorted(outcome.failed))} "
+        f"failed it (rank {first}: {why}){'; this rank came after the outcome' if late else ''}. Skip the "
+        f"optimizer step and {then}"
+    )

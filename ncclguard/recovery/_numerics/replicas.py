@@ -8,8 +8,9 @@ transport, :func:`~ncclguard.recovery.heal.heal_from_peer`; no rebuild) and the 
 step. Without a majority (two ranks that differ) nobody can be named:
 :class:`~ncclguard.errors.ReplicasDiverged` on every rank.
 
-Only on the DDP wrapper ``RecoveringStep`` builds (:meth:`ReplicaCheck.install`); FSDP2 and the
-other adapters are not covered.
+On the DDP wrapper ``RecoveringStep`` builds (:meth:`ReplicaCheck.install`) and on a framework's own
+``DistributedDataParallel`` (Accelerate's, the HF Trainer's, Lightning's: :meth:`ReplicaCheck.adopt`),
+where every rank holds the whole replica. FSDP2 and DeepSpeed shard it: not covered, said once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ncclguard._log import log
 from ncclguard._naming import rank_ranges
@@ -90,6 +92,23 @@ class ReplicaCheck:
         self.on = self.every is not None
         return model
 
+    def adopt(self, model: torch.nn.Module, framework: str) -> None:
+        """A framework built the wrapper (Accelerate, the HF Trainer, Lightning): its replicas are checked
+        where it is a ``DistributedDataParallel``; anything else is said once (at info level) and left.
+        Cheap: a framework's hook may call it every step.
+
+        Args:
+            model: the framework's wrapper of the current world.
+            framework: how the log names the framework.
+        """
+        if isinstance(model, DistributedDataParallel):
+            self.on = self.every is not None
+            return
+        self.on = False
+        self.unchecked(
+            f"{framework}'s model is a {type(model).__name__}, not a DistributedDataParallel whose ranks hold whole replicas"
+        )
+
     def unchecked(self, why: str) -> None:
         """Says once (at info level) why the replicas are not checked; nothing when the check is off."""
         if self.every is not None and not self._said_unchecked:
@@ -102,7 +121,7 @@ class ReplicaCheck:
             return False
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if several and not self.on:  # FSDP2, a wrap= of the user's, another adapter
-            self.unchecked(f"{self.adapter.name}'s model is not covered (only RecoveringStep's own DDP wrapper is)")
+            self.unchecked(f"{self.adapter.name}'s model is not covered (only a DistributedDataParallel wrapper is)")
             return False
         return several
 

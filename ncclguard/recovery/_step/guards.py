@@ -70,7 +70,7 @@ from ncclguard._naming import rank_ranges
 from ncclguard.backend_rules import StepBoundBy, rules_of, stand_in_on
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import LoopDiverged, StoreUnreachable, TorchCompatError
-from ncclguard.exits import exit_now
+from ncclguard.exits import EXITING, exit_now, poller
 from ncclguard.recovery._commit.statements import STEP_DIFFERS
 from ncclguard.recovery._verdict.levers import DEFAULT_JUDGE_S, abort_world, job_store, judge_after
 from ncclguard.recovery._verdict.verdict import VerdictDriver
@@ -311,13 +311,11 @@ class _Monitor:
     def ensure(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ncclguard-left-behind", daemon=True)
-                self._thread.start()
+                self._thread = poller(threading.Thread(target=self._run, name="ncclguard-left-behind", daemon=True))
 
     def _run(self) -> None:
         watch = LeftBehind(GRACE_S)
-        while True:
-            time.sleep(POLL_S)
+        while not EXITING.wait(POLL_S):  # at exit it reads nothing more (ncclguard/exits.py)
             wd = current_watchdog()
             if wd is not None:  # the watchdog's check takes over
                 arm(wd)

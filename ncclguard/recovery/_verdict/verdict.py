@@ -28,12 +28,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 
 from ncclguard._log import log
 from ncclguard.backend_rules import rules_for
+from ncclguard.exits import EXITING, poller
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recording.steps import steps
 from ncclguard.recovery._rebuild.restarts import supervised, supervised_restarts
@@ -104,8 +106,8 @@ class VerdictDriver:
             world.get(JUDGED).clear()  # votes of another step, if a disarm was missed
             world.get(JUDGED_ABOUT).key = about
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="ncclguard-verdict", daemon=True)
+                self._thread = poller(thread, wake=partial(_notify, self._cond))
             self._cond.notify_all()
         self._settle(before)
 
@@ -119,10 +121,10 @@ class VerdictDriver:
 
     def _run(self) -> None:
         idle = 0.0
-        while idle < 60.0:  # the thread ends after a minute without a step
+        while idle < 60.0 and not EXITING.is_set():  # it ends after a minute without a step, and at exit
             with self._cond:
                 self._cond.wait(POLL_S)
-                seen = self._seen
+                seen = None if EXITING.is_set() else self._seen  # at exit no look starts a store call
             if seen is None:
                 idle += POLL_S
                 continue
@@ -410,6 +412,11 @@ def _sample(seen: Seen, r: int, hb: Heartbeat, age: float, now: float) -> None:
         sample = sample_process(hb.pid, now)
         if sample is not None:
             prog.observe(sample)
+
+
+def _notify(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
 
 
 def _heartbeat_s() -> float:
