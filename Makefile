@@ -37,7 +37,10 @@ $(STAMP): pyproject.toml setup.py ncclguard/recording/_hotpath.c autostart/ncclg
 demo: $(STAMP)
 	$(PY) -m ncclguard demo
 
+# Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (this project's CI), each of the suite's
+# hundreds of rank processes would otherwise compile ncclguard and the workers from source again.
 test: $(STAMP)
+	$(PY) -m compileall -q ncclguard integrations autostart tests
 	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 $(PYTEST_ARGS)
 
 # ruff (lint and format) over everything we ship and test; types over the library.

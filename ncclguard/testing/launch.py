@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -113,11 +114,54 @@ class SpawnResult:
         )
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000  # below the kernel's ephemeral range and above the ports services keep
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (``bind(0)``, an outgoing connection); 32768 by default."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(count: int = 1) -> int:
+    """A TCP port on loopback that was free a moment ago (with ``count``, the ``count - 1`` after it too),
+    chosen at random below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` comes from that range, and in the seconds before the store binds it any
+    outgoing connection or gloo's own listeners on this host may take it (CI: ``EADDRINUSE`` at the
+    store's bind, and the launcher's death poster connected to another job's gloo listener there).
+    Below the range only an explicit bind takes a port.
+
+    Args:
+        count: how many consecutive ports must be free (a rank per port: ``port + LOCAL_RANK``).
+
+    Returns:
+        The first port.
+
+    Raises:
+        OSError: no free port found in 200 tries.
+    """
+    low = _ephemeral_low()
+    ports = range(LOWEST_PORT, low - count) if low - count > LOWEST_PORT + 1000 else range(1024, 65536 - count)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(ports)
+        if all(_bindable(port + i) for i in range(count)):
+            return port
+    raise OSError(f"no {count} free consecutive port(s) on loopback in 200 tries")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))  # the store listens on every address
+        except OSError:
+            return False
+    return True
 
 
 def under_launcher() -> bool:

@@ -5,7 +5,6 @@ thread per store client and thread, and the key schema per generation."""
 from __future__ import annotations
 
 import ast
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -26,6 +25,7 @@ from ncclguard.store.clients import Connecting, store_for_this_thread
 from ncclguard.store.codec import DecodeError, decode, encode
 from ncclguard.store.keys import Keys, MeetingKeys, RoundKeys, round_keys, world_prefix
 from ncclguard.store.rounds import Members, Peek, Rule, Settled, read_present, settle_round
+from ncclguard.testing.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -634,16 +634,10 @@ def test_values_poll_and_delete_on_a_real_store() -> None:
 # ----------------------------------------------------------------- clients
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_store_that_answers_late_is_connected_to_and_one_that_never_does_ends_the_tries() -> None:
     # Nothing listens yet: the tries go on in the background (the watchdog's first connect, which a
     # loaded host once missed by its 0.3 s bound, ends here when it misses: watching/worlds.py).
-    port = _free_port()
+    port = free_port()
     link = Connecting("127.0.0.1", port, within_s=60.0, timeout_s=0.3)
     try:
         assert link.wait(0.5) is None and link.trying
@@ -656,10 +650,10 @@ def test_a_store_that_answers_late_is_connected_to_and_one_that_never_does_ends_
     finally:
         link.close()
     # Nothing ever listens there: the tries end at ``within_s`` with the last failure said.
-    gone = Connecting("127.0.0.1", _free_port(), within_s=1.0, timeout_s=0.3)
+    gone = Connecting("127.0.0.1", free_port(), within_s=1.0, timeout_s=0.3)
     assert gone.wait(60) is None and not gone.trying and gone.why
     # Closed while trying: a client made after the close is dropped.
-    port = _free_port()
+    port = free_port()
     closed = Connecting("127.0.0.1", port, within_s=60.0, timeout_s=0.3)
     closed.close()
     late = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)

@@ -16,6 +16,7 @@ from torch.distributed import device_mesh, distributed_c10d
 import ncclguard
 from ncclguard.cli import main
 from ncclguard.cli.run import plan
+from ncclguard.testing.launch import free_port
 from ncclguard.watching.watchdog import Watchdog, current_watchdog
 
 
@@ -201,14 +202,6 @@ print(json.dumps(dict(first=first, bad=bad, took=took, stood=stood, active=activ
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("auto", ["1", None])
 def test_a_restarted_process_stands_in_before_the_scripts_first_line_whatever_its_order(
     tmp_path: Path, auto: str | None
@@ -225,7 +218,7 @@ def test_a_restarted_process_stands_in_before_the_scripts_first_line_whatever_it
         LOCAL_RANK="2",
         WORLD_SIZE="3",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         NCCLGUARD_WATCHDOG_INCIDENT_DIR=str(tmp_path),
         NCCLGUARD_WATCHDOG_STRAGGLER="false",
     )
@@ -256,7 +249,7 @@ def test_a_cold_restart_runs_through_the_spare_where_the_hook_does_not_load(tmp_
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLGUARD_", "TORCHELASTIC_"))}
     env.update(NCCLGUARD_RESTART_COUNT="1", RANK="2", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1")
-    env["MASTER_PORT"] = str(_free_port())
+    env["MASTER_PORT"] = str(free_port())
     assert hook_loads(sys.executable, env) is True
     script = tmp_path / "train.py"
     script.write_text(_RESTARTED_SCRIPT)

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from ncclguard.incidents.model import Heartbeat
+from ncclguard.testing.launch import free_port
 from ncclguard.watching.sensors.progress import (
     IO_WAIT_S,
     NET_RATE,
@@ -307,9 +308,7 @@ WORLD_OF_ONE = textwrap.dedent(
 
 
 def test_world_groups_lists_every_copy_of_the_world_with_its_number() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PORT": str(port)}
     out = subprocess.run([sys.executable, "-c", WORLD_OF_ONE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -23,6 +23,7 @@ from test_straggler import arrivals_lockstep, backend_windows, defaults, lockste
 from torch.utils.data import DataLoader, Dataset
 
 from ncclguard.incidents.model import StragglerWindow
+from ncclguard.testing.launch import free_port
 from ncclguard.watching.sensors.straggler import assess
 from ncclguard.watching.sensors.straggler.clocks import ClockTicker, OffsetFilter, join_tickers
 from ncclguard.watching.sensors.straggler.inputs import (
@@ -302,7 +303,7 @@ def test_the_offset_is_the_least_sample() -> None:
 
 
 def test_clock_offsets_are_measured_through_a_real_store() -> None:
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     ticking, waiting = threading.Event(), threading.Event()
     ticking.set()
@@ -342,7 +343,7 @@ def test_a_waiting_ticker_ends_soon_after_its_watch_and_exit_waits_for_it() -> N
     done, with a 5 s period). It waits a slice at a time, so it ends within about a slice once its
     watch is over, and join_tickers (the exit's wait) sees it end: a ticker left running started new
     store calls after the exit's wait, and the process aborted at finalization."""
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     watching = threading.Event()
     watching.set()
@@ -361,12 +362,6 @@ def test_a_waiting_ticker_ends_soon_after_its_watch_and_exit_waits_for_it() -> N
         watching.clear()
         waiter.join(30)
         del server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_clock_offset_told_is_taken_out_of_the_arrivals() -> None:

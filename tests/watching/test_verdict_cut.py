@@ -24,6 +24,7 @@ from ncclguard.backend_rules import rules_of
 from ncclguard.incidents.model import Heartbeat
 from ncclguard.recovery._verdict.levers import cut_connections, job_peer_pids, store_ports
 from ncclguard.recovery._verdict.release import Release
+from ncclguard.testing.launch import free_port
 
 PEER = textwrap.dedent(
     """
@@ -48,9 +49,7 @@ def peer():
 @pytest.fixture
 def job_peer(monkeypatch):
     """A peer of this process's job: both have MASTER_ADDR and MASTER_PORT (its store's port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", port)
     yield from _peer({**os.environ})

@@ -34,6 +34,7 @@ from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRe
 from ncclguard.incidents.pictures import timeline
 from ncclguard.incidents.trace import chrome_trace
 from ncclguard.store.keys import Keys, index_key
+from ncclguard.testing.launch import free_port
 from ncclguard.watching.base.index import WatchIndex
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "incidents_v1" / "20261122-090619-001"
@@ -222,9 +223,7 @@ def test_healthy_then_an_open_incident_then_resolved(server, capsys):
 
 
 def test_a_store_nobody_answers_is_a_clear_error_within_the_timeout(capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
+    port = free_port()  # closed again: nobody listens there
     t0 = time.monotonic()
     code = main(["status", "--store", f"127.0.0.1:{port}", "--timeout", "2"])
     took = time.monotonic() - t0

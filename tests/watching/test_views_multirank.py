@@ -22,6 +22,7 @@ from harness import run_ranks
 from ncclguard.cli import main
 from ncclguard.cli.status import EXIT_CODES
 from ncclguard.incidents.pictures import PICTURE_FILE
+from ncclguard.testing.launch import free_port
 
 pytestmark = pytest.mark.multirank
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -29,23 +30,6 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # after hang_timeout_s (4 s); every wait below is over 3x that.
 START_GUARD_S = 90.0
 HANG_GUARD_S = 40.0
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (ranks serve on port + LOCAL_RANK)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise AssertionError("no pair of free ports")
 
 
 def status(addr: str, capsys) -> tuple[int, dict | None]:
@@ -87,7 +71,7 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 def test_status_metrics_and_pictures_of_a_live_job(tmp_path, capsys):
-    port = free_port_pair()
+    port = free_port(2)
     box: dict = {}
 
     def launch() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pydantic import ValidationError
 
 from ncclguard import WatchdogConfig, current_watchdog, start_watchdog
 from ncclguard.recording.instrument import is_instrumented
+from ncclguard.testing.launch import free_port
 from ncclguard.watching.base.settings import LADDERS
 from ncclguard.watching.base.watchdog_store import Keys
 from ncclguard.watching.watchdog import ACTIONS, EXIT_CODE, Watchdog
@@ -164,9 +164,7 @@ def test_a_store_that_answers_late_is_joined_and_one_that_never_answers_leaves_t
     # handled its incidents alone for the whole job: the other ranks' merged report lacked its statement.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     caplog.set_level(logging.INFO, logger="ncclguard")
     wd = start_watchdog(
         heartbeat_s=0.1, hang_timeout_s=5, incident_dir=tmp_path, store_addr=f"127.0.0.1:{port}", instrument=False
@@ -182,9 +180,7 @@ def test_a_store_that_answers_late_is_joined_and_one_that_never_answers_leaves_t
         wd.stop()
     # A store that never answers within startup_grace_s: said once, and the watchdog goes on alone.
     caplog.clear()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     wd = start_watchdog(
         heartbeat_s=0.1,
         hang_timeout_s=5,
@@ -205,9 +201,7 @@ def test_a_process_that_ends_while_its_watchdog_still_tries_to_reach_the_store_e
     # Each try of the first connect is a c10d call on a thread of its own; finalizing the interpreter
     # with a thread inside torch aborts it (docs/run.md). The tries are counted as calls under way,
     # which exit waits for, and a try's bound is below that wait.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = (
         "import atexit, threading, time, ncclguard\n"
         "def last():\n"  # registered first, so it runs after the library's exit hooks
