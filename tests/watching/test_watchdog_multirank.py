@@ -177,8 +177,16 @@ def test_sigalrm_cannot_interrupt_a_blocked_gloo_collective_but_the_watchdog_rep
 
 def test_every_rank_dumped_every_incident(desync):
     found = incidents(desync)
-    assert len(found) == 3
-    for where in found:
+    # The three incidents of the scenario come first. While rank 0 then sits 8 s in the slow group's
+    # all_reduce, a starved machine can keep a rank's heartbeats from the store for seconds (CI, a
+    # slower host: 4.2 s and 8.1 s): that is told as it is, in incidents of their own after the three,
+    # naming a silent or lost rank, and nothing else.
+    expected, told_late = found[:3], found[3:]
+    assert len(expected) == 3
+    for where in told_late:
+        kinds = {f["kind"] for f in merged(where)["findings"]}
+        assert kinds & {"silent", "lost"} and kinds <= {"desync", "silent", "lost"}, merged(where)["summary"]
+    for where in expected:
         assert listing(where) == ["incident.json", "rank0.json", "rank1.json", "rank2.json", "summary.txt"]
         for r in range(3):
             d = dump(where, r)
@@ -188,7 +196,7 @@ def test_every_rank_dumped_every_incident(desync):
             assert sorted(d["heartbeats"]) == ["0", "1", "2"]
             assert d["records"] and d["actions"][0]["rung"] == "report"
     for r in range(3):
-        assert [i["id"] for i in desync[r]["incidents"]] == [p.name for p in found]
+        assert [i["id"] for i in desync[r]["incidents"]][:3] == [p.name for p in expected]
 
 
 def test_report_command_prints_the_merged_incident(desync, capsys):
