@@ -33,7 +33,7 @@ POLLERS_WAIT_S = 5.0  # how long the exit waits, in all, for the pollers to end 
 EXITING = threading.Event()  # set at the interpreter's exit (stop_pollers): a poller starts nothing after it
 _pollers_lock = threading.Lock()
 _pollers: list[tuple[threading.Thread, Callable[[], None] | None]] = []
-_pollers_hooked = False
+_pollers_hooked = threading.Event()  # stop_pollers is registered with atexit
 
 
 def exit_now(code: int) -> NoReturn:
@@ -64,13 +64,12 @@ def poller(thread: threading.Thread, wake: Callable[[], None] | None = None) -> 
     Returns:
         ``thread``, started.
     """
-    global _pollers_hooked
     with _pollers_lock:
         _pollers[:] = [(t, w) for t, w in _pollers if t.is_alive()]
         _pollers.append((thread, wake))
-        if not _pollers_hooked:
+        if not _pollers_hooked.is_set():
             atexit.register(stop_pollers)
-            _pollers_hooked = True
+            _pollers_hooked.set()
     thread.start()
     return thread
 
