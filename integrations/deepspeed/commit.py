@@ -59,6 +59,7 @@ from .state import CurrentEngineState, DeepSpeedState
 __all__ = ["EX_TEMPFAIL", "CommittedEngineStep", "EngineStepResult", "release_deepspeed_groups"]
 
 EX_TEMPFAIL = 75  # sysexits.h: a temporary failure; launchers restart on a non-zero status
+CHECKED_BY = "DeepSpeed's ZeRO"  # who reduces the gradients the numerical check sees (docs/numerics.md)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class EngineStepResult:
             ``StepResult.timings``: attempt, commit, rebuild, rewrap, heal).
         restored: this rank's part in a restore from snapshots during the step (its bytes and
             timings; the redo's seconds are in ``stepper.recovery.recoveries``), or None.
+        skipped: the step held a NaN or an infinity and ``on_nonfinite="skip"`` dropped its batch
+            on every rank (not applied, the result is falsy): go on with the next batch.
     """
 
     output: Any
@@ -81,9 +84,10 @@ class EngineStepResult:
     rewound_to: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     restored: Restored | None = None
+    skipped: bool = False
 
     def __bool__(self) -> bool:
-        return self.rewound_to is None
+        return self.rewound_to is None and not self.skipped
 
 
 def _engine_options(recovery: RecoveryKeywords, redo: bool) -> RecoveryOptions:
@@ -144,12 +148,15 @@ class CommittedEngineStep(Adapter):
             ``snapshot_every`` steps), each snapshot swap and restore bounded by ``heal_timeout``;
             ``preempt_dir`` receives ``engine.save_checkpoint(preempt_dir)`` on SIGTERM, after the
             step every rank agreed to stop at (resume: ``engine.load_checkpoint(preempt_dir)``);
-            ``allow_shrink=True`` is refused (ZeRO partitions do not fit a smaller world).
+            ``allow_shrink=True`` is refused (ZeRO partitions do not fit a smaller world);
+            ``on_nonfinite`` checks each parameter's gradient before ZeRO reduces it (off under
+            ``"auto"``), and its ``"redo"`` and ``"skip"`` need ``rebuild_engine`` (a new engine holds
+            the last applied step's state without the refused gradients; docs/numerics.md).
 
     Raises:
         TypeError, ValueError: not an engine, gradient accumulation, a bad directory, recovery keyword
-            or ``rebuild_engine``, ``allow_shrink=True``, or an engine whose state ``DeepSpeedState``
-            cannot take.
+            or ``rebuild_engine``, ``allow_shrink=True``, ``on_nonfinite="redo"`` or ``"skip"`` without
+            ``rebuild_engine``, or an engine whose state ``DeepSpeedState`` cannot take.
     """
 
     name = "CommittedEngineStep"
@@ -164,6 +171,12 @@ class CommittedEngineStep(Adapter):
         **recovery: Unpack[RecoveryKeywords],
     ) -> None:
         options = _engine_options(recovery, rebuild_engine is not None)
+        if options.on_nonfinite in ("redo", "skip") and rebuild_engine is None:
+            raise ValueError(
+                f"on_nonfinite={options.on_nonfinite!r} needs rebuild_engine: ZeRO keeps a refused step's gradients in its "
+                "own partitions, and only a new engine given the last applied step's state is rid of them. Pass "
+                "rebuild_engine, or on_nonfinite='raise' (the step is not applied; end the process after it)"
+            )
         if rebuild_engine is None:  # heal=True asked for raises; heal by default is turned off
             options = options.without_auto_heal(
                 "heal=True needs rebuild_engine: a restarted rank and the survivors build a new engine on the "
@@ -196,6 +209,8 @@ class CommittedEngineStep(Adapter):
         # Made now, on the live world: it refuses, before any step, an engine whose state it cannot take.
         self.state = None if rebuild_engine is None or self._joining else DeepSpeedState(engine)
         self.recovery = Recovery(self, options)
+        if not self._joining:  # a restarted process puts it on the engine it builds on the joined world
+            self.recovery.numerics.install_params(engine.module, CHECKED_BY)
         try:
             joined = self.recovery.join_if_restarted()
         except HealFailed as exc:  # refused or failed: this process holds nothing of the run's state
@@ -222,6 +237,7 @@ class CommittedEngineStep(Adapter):
         number_parameters_afresh()
         self.engine = self.rebuild_engine()
         self.state = DeepSpeedState(self.engine)
+        self.recovery.numerics.install_params(self.engine.module, CHECKED_BY)
 
     def steps(self, stop: int, start: int = 0) -> Iterator[int]:
         """Your loop's step numbers, from ``start`` (a restarted process: from the step it was
@@ -242,6 +258,35 @@ class CommittedEngineStep(Adapter):
         """
         if self.rebuild_engine is None or self.state is None:
             return
+        new = self._renew()
+        log.warning(
+            "CommittedEngineStep: a new engine in world generation %d holds the state of global step %d",
+            rebuilt.generation,
+            new.global_steps,
+        )
+
+    def discard_gradients(self) -> None:
+        """After a step whose gradients every rank refused (a NaN or an Inf): with ``rebuild_engine``,
+        a new engine on this world holds the old one's state (the last applied step's:
+        ``engine.step()`` did not run), and none of the refused gradients ZeRO keeps in its
+        partitions and buckets. Without it the engine keeps them; only ``on_nonfinite="raise"`` is
+        taken then (see :meth:`__init__`)."""
+        if self.rebuild_engine is None or self.state is None:
+            log.warning(
+                "CommittedEngineStep: the engine still holds the refused step's gradients (no rebuild_engine to "
+                "build a clean one); do not step it again"
+            )
+            return
+        new = self._renew()
+        log.warning(
+            "CommittedEngineStep: a new engine holds the state of global step %d, without the refused gradients",
+            new.global_steps,
+        )
+
+    def _renew(self) -> Any:
+        """A new engine from ``rebuild_engine`` on the current world, given the current one's state,
+        its gradients checked as the old one's were; it becomes :attr:`engine`."""
+        assert self.rebuild_engine is not None and self.state is not None
         state = self.state.capture()  # the live tensors, no collective: the old engine is dropped after
         release_deepspeed_groups()
         number_parameters_afresh()
@@ -253,11 +298,8 @@ class CommittedEngineStep(Adapter):
         self.state = DeepSpeedState(new)
         self.state.apply(state)
         self.engine = new
-        log.warning(
-            "CommittedEngineStep: a new engine in world generation %d holds the state of global step %d",
-            rebuilt.generation,
-            new.global_steps,
-        )
+        self.recovery.numerics.install_params(new.module, CHECKED_BY)
+        return new
 
     def save_checkpoint(self, directory: Path, step: int) -> Path:
         """DeepSpeed's own checkpoint after a preemption stop: ``engine.save_checkpoint(directory)``
@@ -296,6 +338,8 @@ class CommittedEngineStep(Adapter):
         if res:
             self.engine.step()
             return EngineStepResult(res.output, res.commits[-1], restored=restored)
+        if res.skipped:  # a non-finite gradient, on_nonfinite="skip": the batch is dropped on every rank
+            return EngineStepResult(None, res.commits[-1], skipped=True)
         if res.rewound_to is not None:  # every rank went back to a snapshot: the loop goes back too (steps())
             return EngineStepResult(None, res.commits[-1], res.rewound_to, res.timings, restored)
         if isinstance(res.error, HealFailed):  # every snapshot refused: a restarted rank holds fresh partitions

@@ -12,7 +12,8 @@ Exit status (of the last read with ``--watch``):
 3     suspect: a rank's heartbeat is missing, stopped or unreadable, a rank waits in an op for
       ranks that have not reached it (``waiting``; those are ``culprit``, with the verdict on
       them where one was published), a rank has been in one op for over half of its hang
-      bound, or a straggler score is below 0.8
+      bound, a straggler score is below 0.8, or a numerical finding among the incidents shown
+      named a suspect device (after its incident was handled)
 4     incident: an incident is open (raised and not resolved)
 5     the store did not answer within ``--timeout``
 6     the store answers, but no ncclguard watchdog named a session there (or its index is garbage)

@@ -113,6 +113,7 @@ class IncidentRow(BaseModel):
     report: str | None = None  # host:dir of the merged report
     ranks: list[int] | None = None  # a lost incident: the ranks that stopped beating
     ranks_back: bool = False  # a lost incident whose ranks all beat again since: no longer open
+    suspects: list[int] = Field(default_factory=list)  # a numerical finding: the ranks it named suspect devices
     problem: str | None = None
 
 
@@ -342,6 +343,7 @@ def _incidents(reader: StatusReader, keys: Keys) -> tuple[int, list[IncidentRow]
                 open=resolved.get(i) != b"1",
                 report=f"{note.host}:{note.dir}" if note is not None else None,
                 ranks=doc.ranks,
+                suspects=list(doc.numerics.suspects) if doc.numerics is not None else [],
             )
         )
     return count, rows
@@ -389,6 +391,15 @@ def _health(rows: Sequence[RankRow], incidents: Sequence[IncidentRow], index: Wa
     slow = [r.rank for r in rows if r.straggler_score is not None and r.straggler_score < SLOW_SCORE]
     if slow:
         reasons.append(f"straggler score below {SLOW_SCORE}: ranks {rank_ranges(slow)}")
+    # A suspect device stays a reason after its incident was handled: the step was dealt with, the
+    # device was not (the numerical check names a rank flagged again soon after an earlier finding).
+    named = [i for i in incidents if i.suspects]
+    if named:
+        ranks = sorted({r for i in named for r in i.suspects})
+        reasons.append(
+            f"suspect device named by the numerical check: ranks {rank_ranges(ranks)} "
+            f"(incident {', '.join(i.id for i in named)}); consider taking it out of the job"
+        )
     health: Health = "incident" if opened else "suspect" if reasons else "healthy"
     return health, reasons
 

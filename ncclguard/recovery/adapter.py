@@ -67,6 +67,13 @@ class Adapter(abc.ABC):
         if opt is not None:
             opt.zero_grad(set_to_none=True)
 
+    def discard_gradients(self) -> None:
+        """After a step whose values every rank refused (a NaN or an Inf, no rebuild) and
+        :meth:`zero_grad`: drops what the framework still holds of that step's gradients beyond
+        the parameters' ``.grad`` (DeepSpeed's ZeRO keeps them in its own partitions), so that the
+        redo, the next batch or the caller of a raise starts clean. Default: nothing."""
+        return None
+
     @abc.abstractmethod
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """Drops what was built on the old world and builds it on the new one (DDP, a framework's

@@ -400,6 +400,7 @@ def _on_nonfinite(
     action, error = engine.numerics.act(tx.number, res.nonfinite, res.finite_ranks, can_redo, attempt, res.step)
     tally.nonfinite += 1
     tx._put_back()  # buffers, generators and gradients as the step found them: the batch leaves no trace
+    engine.adapter.discard_gradients()  # and the framework's own copies of them (DeepSpeed's partitions)
     if action == "raise":
         raise error
     if action == "skip":

@@ -187,12 +187,20 @@ def test_each_finding_is_one_incident_that_status_lists_and_nothing_else_is_rais
         assert [(i["kind"], i["reason"]) for i in drill[r]["incidents"]] == [("numerics", f) for f in FOUND]
         assert [i["id"] for i in drill[r]["incidents"]] == [i["id"] for i in drill[0]["incidents"]]
     status = drill[0]["status"]
-    assert (status["code"], status["health"], status["incident_count"]) == (0, "healthy", 4)
+    ids = [i["id"] for i in drill[0]["incidents"]]
+    # Past events: the engine acted at the commit, nothing is open; but the device it named stays a
+    # reason to look (exit 3), after its incident was handled.
+    assert (status["code"], status["health"], status["incident_count"]) == (3, "suspect", 4)
+    assert status["reasons"] == [
+        f"suspect device named by the numerical check: ranks 1 (incident {ids[2]}); consider taking it out of the job"
+    ]
     assert status["incidents"] == [
-        {"n": n, "kind": "numerics", "reason": f, "open": False} for n, f in enumerate(FOUND, 1)
-    ]  # past events: the engine acted at the commit, nothing is open
+        {"n": n, "kind": "numerics", "reason": f, "open": False, "suspects": [1] if n == 3 else []}
+        for n, f in enumerate(FOUND, 1)
+    ]
     screen = status["screen"]
-    assert screen.startswith("HEALTHY  3 ranks") and "incidents (4 in this generation, newest shown)" in screen
+    assert screen.startswith("SUSPECT  3 ranks") and "incidents (4 in this generation, newest shown)" in screen
+    assert "suspect device named by the numerical check: ranks 1" in screen, screen
     for f in FOUND:  # each row's reason, on its first line of the table
         assert f[:80] in screen, screen
 

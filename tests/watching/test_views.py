@@ -31,6 +31,7 @@ from ncclguard.cli.status_read import (
 )
 from ncclguard.incidents.files import load
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, OpRecord
+from ncclguard.incidents.numerics_model import NonFiniteReport
 from ncclguard.incidents.pictures import timeline
 from ncclguard.incidents.trace import chrome_trace
 from ncclguard.store.keys import Keys, index_key
@@ -186,6 +187,7 @@ def test_healthy_then_an_open_incident_then_resolved(server, capsys):
             "report": None,
             "ranks": None,
             "ranks_back": False,
+            "suspects": [],
             "problem": None,
         }
     ]
@@ -627,3 +629,27 @@ def test_takes_that_keep_failing_are_said_once_for_the_ranks_that_say_it(server,
     fill(server, "lost", 3, time.time())  # a take committed: the keeper says nothing
     code, out = status_json(server, "lost", capsys)
     assert (code, out["reasons"]) == (0, [])
+
+
+def test_a_suspect_device_a_handled_numerical_finding_named_keeps_the_job_suspect(server, capsys):
+    keys = fill(server, "sdc", 4, time.time())
+    finding = NonFiniteReport(step=206, ranks="2", finite="0-1,3", action="skip", suspects=[2])
+    doc = IncidentDoc(
+        kind=IncidentKind.NUMERICS, reason="step 206: rank 2's gradient held Inf", id="20260101-000002-001", by=0, n=1
+    )
+    doc.numerics = finding
+    server.set(keys.incident(1), doc.model_dump_json())
+    server.set(keys.resolved(1), "1")  # handled at the commit: not open
+    server.add(keys.count, 1)
+    code, out = status_json(server, "sdc", capsys)
+    assert (code, out["health"]) == (EXIT_CODES["suspect"], "suspect")
+    assert out["reasons"] == [
+        "suspect device named by the numerical check: ranks 2 (incident 20260101-000002-001); "
+        "consider taking it out of the job"
+    ]
+    assert [(i["open"], i["suspects"]) for i in out["incidents"]] == [(False, [2])]
+    # A finding that named no suspect device is a past event: the job is healthy.
+    doc.numerics = finding.model_copy(update={"suspects": []})
+    server.set(keys.incident(1), doc.model_dump_json())
+    code, out = status_json(server, "sdc", capsys)
+    assert (code, out["health"], out["reasons"]) == (0, "healthy", [])

@@ -65,7 +65,8 @@ def status() -> dict[str, Any]:
     return {
         "code": code,
         "health": said["health"],
+        "reasons": said["reasons"],
         "incident_count": said["incident_count"],
-        "incidents": [{k: i[k] for k in ("n", "kind", "reason", "open")} for i in said["incidents"]],
+        "incidents": [{k: i[k] for k in ("n", "kind", "reason", "open", "suspects")} for i in said["incidents"]],
         "screen": screen.getvalue(),
     }

@@ -24,7 +24,7 @@ import torch
 
 from ncclguard._log import log
 from ncclguard.errors import NonFiniteGradient
-from ncclguard.recovery._numerics import fsdp2_check
+from ncclguard.recovery._numerics import fsdp2_check, param_check
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid, outcome_words
 from ncclguard.recovery._numerics.hook import GradCheck, refusal
 from ncclguard.recovery._numerics.told import tell_nonfinite
@@ -164,6 +164,33 @@ class NonFiniteWatch:
             return False
         if fsdp2_check.install(self.check, model) == 0:
             self.unchecked("no FSDP2 module holds parameters of its own")
+            return False
+        return True
+
+    def install_params(self, module: torch.nn.Module, built_by: str) -> bool:
+        """Puts the check on each parameter's gradient, before the framework reduces it
+        (:mod:`~ncclguard.recovery._numerics.param_check`: DeepSpeed's ZeRO), again on every module
+        the framework builds anew.
+
+        Args:
+            module: the module whose parameters take the gradients.
+            built_by: who reduces them, for the log.
+
+        Returns:
+            Whether it carries it (False: off, ``"auto"``, which leaves it unchecked until it has
+            run on a GPU, or no parameter takes a gradient; said once).
+        """
+        if self.check is None:
+            return False
+        if self.check.carries(module):
+            return True
+        if self.policy == "auto":
+            self.unchecked(
+                f"on_nonfinite='auto' leaves {built_by} unchecked (its check has not run on a GPU yet); 'redo' checks it"
+            )
+            return False
+        if param_check.install(self.check, module) == 0:
+            self.unchecked("no parameter takes a gradient")
             return False
         return True
 
