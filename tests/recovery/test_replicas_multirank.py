@@ -112,9 +112,10 @@ def test_each_drift_is_one_incident_that_status_lists_and_nothing_else_is_raised
     for r in range(3):  # the same incidents on every rank; none from the clean run
         assert [(i["kind"], i["reason"]) for i in drill[r]["incidents"]] == [("numerics", f) for f in FOUND]
     status = drill[0]["status"]
-    assert (status["code"], status["health"], status["incident_count"]) == (0, "healthy", 2)
+    # Past events that named no suspect device: the job is healthy.
+    assert (status["code"], status["health"], status["reasons"], status["incident_count"]) == (0, "healthy", [], 2)
     assert status["incidents"] == [
-        {"n": n, "kind": "numerics", "reason": f, "open": False} for n, f in enumerate(FOUND, 1)
+        {"n": n, "kind": "numerics", "reason": f, "open": False, "suspects": []} for n, f in enumerate(FOUND, 1)
     ]
     for f in FOUND:
         assert f[:80] in status["screen"], status["screen"]
