@@ -103,6 +103,17 @@ class Probe(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         self.watchdog_running.append(ncclguard.current_watchdog() is not None)
+        # Once in ~30 launches (CI, d5abbf7) DDP's backward found its wrapper gone (`ddp_weakref.reducer`
+        # on None) at step 6 of the `ddp` scenario; which wrapper each step starts with, and who holds
+        # it, is in the launch's log for the next time.
+        wrapped = self.trainer.model_wrapped
+        logging.getLogger("hf_worker").info(
+            "step %d begins: model_wrapped %s at %#x, %d references",
+            state.global_step + 1,
+            type(wrapped).__name__,
+            id(wrapped),
+            sys.getrefcount(wrapped),
+        )
         refs = self.trainer.accelerator.gradient_state.dataloader_references
         self.loaders.append([type(r).__name__ for r in refs])
 
