@@ -42,6 +42,12 @@ HANG_S = 1.5
 # above the 1.9 s a loaded machine once starved a watchdog thread: a lost incident beside the ones a
 # scenario raises would change what the test counts. raise_lost's kill is reported within it + beats.
 PEER_S = 4.0
+# The desync scenario's: rank 0 merges its incidents and draws each one's timeline.png in a thread
+# (the default, incident_plot=True), and matplotlib's rendering holds the GIL. On a loaded 2-core
+# host (a CI run, load 5-7) that stood rank 0's watchdog, heartbeat included, for ~10 s while its
+# main thread waited in the slow group's all_reduce: its peers called it lost, and incident 3 was
+# told as a lost rank instead of the desync the test checks. Over 3x that: no rank is lost here.
+DESYNC_PEER_S = 30.0
 
 
 class Marker(Action):
@@ -126,7 +132,7 @@ def desync() -> None:
     wd = start_watchdog(
         heartbeat_s=HEARTBEAT_S,
         hang_timeout_s=HANG_S,
-        peer_timeout_s=PEER_S,
+        peer_timeout_s=DESYNC_PEER_S,
         incident_dir=INCIDENTS,
         actions=["report", Marker()],
     )
