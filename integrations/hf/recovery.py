@@ -383,7 +383,7 @@ def _check_gradients(engine: Recovery, trainer: Any, model: torch.nn.Module, dee
     replicas compared, as ``RecoveringStep``'s own are (docs/numerics.md; once per wrapper), or said
     once why not."""
     if deepspeed:
-        engine.numerics.unchecked("DeepSpeed's reductions are not checked yet")
+        engine.numerics.unchecked("the Trainer on DeepSpeed is not checked yet (CommittedEngineStep is)")
         engine.replicas.unchecked("DeepSpeed's ZeRO partitions the optimizer's state: no rank holds a whole replica")
     else:
         engine.numerics.adopt(model, unwrapped(model), "the Trainer", trainer.accelerator.scaler)
