@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from finite_check_cost import _ratios, _times
+from finite_check_cost import _ratios, _times, end_rank, launch_two
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -100,14 +100,11 @@ def _rank(ns: argparse.Namespace) -> None:
         out = RESULTS / f"deepspeed_check_cost_zero{ns.stage}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()
 
 
 def main() -> int:
-    from ncclguard.testing.launch import spawn, under_launcher
+    from ncclguard.testing.launch import under_launcher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=10)
@@ -115,8 +112,7 @@ def main() -> int:
     ns = ap.parse_args()
     if under_launcher():
         _rank(ns)
-    res = spawn([sys.executable, __file__, *sys.argv[1:]], 2, timeout_s=1200, capture=False)
-    return 0 if res.ok else 1
+    return launch_two(__file__)
 
 
 if __name__ == "__main__":

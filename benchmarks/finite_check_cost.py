@@ -140,6 +140,24 @@ def _ratios(t: dict[str, dict[str, float]], pairs: list[tuple[str, str]]) -> dic
     }
 
 
+def end_rank() -> None:
+    """A benchmark rank's end: a barrier, the group destroyed, out at once (no interpreter teardown)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def launch_two(script: str) -> int:
+    """Runs ``script`` with this process's arguments on 2 ranks (ncclguard's launcher); its status."""
+    from ncclguard.testing.launch import spawn
+
+    res = spawn([sys.executable, script, *sys.argv[1:]], 2, timeout_s=1200, capture=False)
+    return 0 if res.ok else 1
+
+
 def _rank(ns: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -170,14 +188,11 @@ def _rank(ns: argparse.Namespace) -> None:
         doc["command"] = " ".join([Path(sys.executable).name, "benchmarks/finite_check_cost.py", *sys.argv[1:]])
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(doc, indent=1) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()
 
 
 def main() -> int:
-    from ncclguard.testing.launch import spawn, under_launcher
+    from ncclguard.testing.launch import under_launcher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters-small", type=int, default=200)
@@ -186,8 +201,7 @@ def main() -> int:
     ns = ap.parse_args()
     if under_launcher():
         _rank(ns)
-    res = spawn([sys.executable, __file__, *sys.argv[1:]], 2, timeout_s=1200, capture=False)
-    return 0 if res.ok else 1
+    return launch_two(__file__)
 
 
 if __name__ == "__main__":
