@@ -75,9 +75,21 @@ def eval_loop(wanted: int, bound_s: float = 20.0) -> None:
         rankkit.when(lambda: merged_incidents() >= wanted, bound_s).wait(bound_s)  # MARK: eval
 
 
+def own_statement(rank: int, wanted: int) -> bool:
+    """Whether incident number ``wanted`` is merged and holds this rank's own dump (its statement)."""
+    if merged_incidents() < wanted:
+        return False
+    latest = sorted(p for p in INCIDENTS.iterdir() if p.is_dir())[wanted - 1]
+    return (latest / f"rank{rank}.json").is_file()
+
+
 def frozen(wanted: int, bound_s: float = 20.0) -> None:
+    """Rank 1 stays on its line until the incident is merged and its own statement written: its stack
+    is sampled then. Ending at the merge alone let a loaded run (a CI run) take the late statement's
+    stack after the freeze, in the next wait_for_incident."""
+    r = dist.get_rank()
     with phase("checkpoint", step=9):
-        rankkit.when(lambda: merged_incidents() >= wanted, bound_s).wait(bound_s)  # MARK: frozen
+        rankkit.when(lambda: own_statement(r, wanted), bound_s).wait(bound_s)  # MARK: frozen
 
 
 def exercise_ops(r: int, world: int) -> dict[str, str]:
