@@ -265,7 +265,7 @@ class CommittedEngineStep(Adapter):
             new.global_steps,
         )
 
-    def discard_gradients(self) -> None:
+    def discard_gradients(self, redo: bool) -> None:
         """After a step whose gradients every rank refused (a NaN or an Inf): with ``rebuild_engine``,
         a new engine on this world holds the old one's state (the last applied step's:
         ``engine.step()`` did not run), and none of the refused gradients ZeRO keeps in its

@@ -268,6 +268,25 @@ class DeepSpeedPart:
             {k: t.detach().clone() for k, t in live.tensors.items()}, json.loads(json.dumps(live.meta))
         )
 
+    def discard(self, redo: bool) -> bool:
+        """After a step whose gradients every rank refused (a NaN or an Inf): the engine keeps them in
+        ZeRO's partitions and buckets, so a redo runs on a new engine on the same world, built by the
+        Trainer as after a failure, with this rank's state as the step found it (``engine.step()``
+        ran nowhere; :meth:`keep_for_next_engine`).
+
+        Returns:
+            Whether the Trainer must build that engine (``redo``); else the log says the engine
+            still holds the refused gradients (``train()`` raises).
+        """
+        if not redo:
+            log.warning(
+                "guard_trainer: the DeepSpeed engine still holds the refused step's gradients; train() raises "
+                "NonFiniteGradient (on_nonfinite='redo' runs the step again on a new engine)"
+            )
+            return False
+        self.keep_for_next_engine()
+        return True
+
     def enter_again(self, recovery: Recovery, joined: bool) -> dict[str, Any] | None:
         """Before ``train()`` is entered again on a new world: DeepSpeed's numbering and groups
         restart, the Trainer gets a fresh module, and with restarted ranks every rank takes its part

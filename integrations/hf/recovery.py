@@ -186,6 +186,17 @@ class TrainerRecovery(Adapter):
         if self._model is not None and self._ds is None:
             self._model.zero_grad(set_to_none=True)
 
+    def discard_gradients(self, redo: bool) -> None:
+        """Under DeepSpeed, after a step whose gradients every rank refused: a redo runs on a new engine
+        on the same world (:meth:`DeepSpeedPart.discard`). DDP: nothing (they are the ``.grad``).
+
+        Raises:
+            Reenter: ``redo`` under DeepSpeed: every rank enters ``train()`` again at this step.
+        """
+        if self._ds is not None and self._ds.discard(redo):
+            self._joined, self._resume = False, self.heal_extra()  # every rank alive: its own state goes in
+            raise Reenter("a new DeepSpeed engine without the refused step's gradients")
+
     def rewrap(self, rebuilt: RebuildResult) -> None:
         """The Trainer's DDP wrapper pointed at the new group; Accelerate's state follows the world.
 
@@ -364,26 +375,32 @@ class TrainerRecovery(Adapter):
 
     def on_epoch_begin(self, train_dataloader: Any) -> list[str]:
         """Re-shards the training data loader for the new world, once, at an epoch's start."""
-        if self._reshard is None or train_dataloader is None:
-            return []
-        rank, size = self._reshard
-        self._reshard = None
-        done = repoint_sampler(train_dataloader, rank, size)
-        if not done:
-            log.warning(
-                "guard_trainer: the world is now %d rank(s), but the training data loader shards with nothing "
-                "ncclguard can re-point; each rank goes on reading its old shard",
-                size,
-            )
-        return done
+        reshard, self._reshard = self._reshard, None
+        return _reshard(train_dataloader, reshard)
+
+
+def _reshard(train_dataloader: Any, reshard: tuple[int, int] | None) -> list[str]:
+    """The training data loader re-pointed at (rank, size) ``reshard``; what was re-pointed."""
+    if reshard is None or train_dataloader is None:
+        return []
+    rank, size = reshard
+    done = repoint_sampler(train_dataloader, rank, size)
+    if not done:
+        log.warning(
+            "guard_trainer: the world is now %d rank(s), but the training data loader shards with nothing "
+            "ncclguard can re-point; each rank goes on reading its old shard",
+            size,
+        )
+    return done
 
 
 def _check_gradients(engine: Recovery, trainer: Any, model: torch.nn.Module, deepspeed: bool) -> None:
     """The Trainer's DDP wrapper checked for NaN and Inf before each bucket's all-reduce, and its
     replicas compared, as ``RecoveringStep``'s own are (docs/numerics.md; once per wrapper), or said
-    once why not."""
+    once why not. Under DeepSpeed each parameter's gradient is checked before ZeRO reduces it (a
+    hook on the parameter, as ``CommittedEngineStep``'s; again on each new engine's parameters)."""
     if deepspeed:
-        engine.numerics.unchecked("the Trainer on DeepSpeed is not checked yet (CommittedEngineStep is)")
+        engine.numerics.install_params(getattr(model, "module", model), "the Trainer on DeepSpeed")
         engine.replicas.unchecked("DeepSpeed's ZeRO partitions the optimizer's state: no rank holds a whole replica")
     else:
         engine.numerics.adopt(model, unwrapped(model), "the Trainer", trainer.accelerator.scaler)

@@ -67,11 +67,20 @@ class Adapter(abc.ABC):
         if opt is not None:
             opt.zero_grad(set_to_none=True)
 
-    def discard_gradients(self) -> None:
+    def discard_gradients(self, redo: bool) -> None:
         """After a step whose values every rank refused (a NaN or an Inf, no rebuild) and
         :meth:`zero_grad`: drops what the framework still holds of that step's gradients beyond
         the parameters' ``.grad`` (DeepSpeed's ZeRO keeps them in its own partitions), so that the
-        redo, the next batch or the caller of a raise starts clean. Default: nothing."""
+        redo, the next batch or the caller of a raise starts clean. Default: nothing.
+
+        Args:
+            redo: the step runs again now (else it is skipped or raised).
+
+        Raises:
+            Reenter: (``redo`` only) the framework must enter its loop again at this step to build
+                what holds no refused gradient (the HF Trainer's DeepSpeed engine); the step's
+                attempts so far are carried to it.
+        """
         return None
 
     @abc.abstractmethod

@@ -251,10 +251,13 @@ class Recovery:
             step if step is not None else number
         )  # the heartbeat's step and the straggler windows' count; a redo is the same step
         arm_left_behind_fence()
-        self.numerics.begin()
         carried, self._carried = self._carried, None
         if carried is not None and carried.number != (number if number is not None else step):
             carried = None  # a different step: the one left by Reenter is not coming back
+        if carried is None:
+            self.numerics.begin()
+        else:  # the same step's next attempt: a second finding in it is not redone again
+            self.numerics.clear()
         tx: Transaction[Any] = Transaction(self, step, number, redo=self._redo_next, carried=carried)
         self._open, self._redo_next = tx, False
         if self.rewind_to is not None and step is not None:  # the loop's step after every rank went back

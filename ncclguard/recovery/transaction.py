@@ -45,6 +45,8 @@ class Carried:
     joined: list[int]
     healed: HealResult | Restored | None
     start: float
+    rebuilds: int = 1  # the attempt before the Reenter rebuilt once (a re-wrap's)
+    nonfinite: int = 0  # or refused its values (no rebuild: a new engine for a clean redo)
 
 
 @dataclass
@@ -67,6 +69,12 @@ class _Tally:
     rebuilds: int
     clock: Clock
     nonfinite: int = 0
+
+    def carried(self, number: int, attempt: int, start: float) -> Carried:
+        """These attempts of step ``number`` (the last ``attempt``), left by :class:`Reenter`."""
+        return Carried(
+            number, attempt, self.commits, self.clock, self.joined, self.healed, start, self.rebuilds, self.nonfinite
+        )
 
 
 @dataclass(frozen=True)
@@ -222,8 +230,9 @@ class Transaction(Generic[T]):
         carried = self._carried
         if carried is None:
             tally, first = _Tally(commits=[], joined=[], healed=None, rebuilds=0, clock=Clock(self._start)), 1
-        else:  # the attempt before the Reenter rebuilt once
-            tally = _Tally(list(carried.commits), list(carried.joined), carried.healed, 1, carried.clock)
+        else:  # the attempts before the Reenter
+            tally = _Tally(list(carried.commits), list(carried.joined), carried.healed, carried.rebuilds, carried.clock)
+            tally.nonfinite = carried.nonfinite
             first = carried.attempt + 1
         tally.clock.lap("redo" if carried else "attempt")  # this attempt ran before the commit
         return tally, first
@@ -308,9 +317,7 @@ class Transaction(Generic[T]):
             engine.adapter.rewrap(rebuilt)
         except Reenter:
             tally.clock.lap("rewrap")
-            engine._carried = Carried(
-                number, attempt, tally.commits, tally.clock, tally.joined, tally.healed, self._start
-            )
+            engine._carried = tally.carried(number, attempt, self._start)
             raise
         except Exception as exc:  # noqa: BLE001 - the new world failed under the wrap: rebuild again
             tally.clock.lap("rewrap")
@@ -400,7 +407,11 @@ def _on_nonfinite(
     action, error = engine.numerics.act(tx.number, res.nonfinite, res.finite_ranks, can_redo, attempt, res.step)
     tally.nonfinite += 1
     tx._put_back()  # buffers, generators and gradients as the step found them: the batch leaves no trace
-    engine.adapter.discard_gradients()  # and the framework's own copies of them (DeepSpeed's partitions)
+    try:  # and the framework's own copies of them (DeepSpeed's partitions)
+        engine.adapter.discard_gradients(action == "redo")
+    except Reenter:  # its loop builds them anew and runs the step again: this attempt is carried there
+        engine._carried = tally.carried(tx.number, attempt, tx._start)
+        raise
     if action == "raise":
         raise error
     if action == "skip":

@@ -9,7 +9,10 @@ Launches (tests/workers/hf_deepspeed_worker.py, which says more), each under tor
     partitions from its buddy and every rank goes back to the snapshot of step 4.
 ``stages`` 2 ranks: what ``guard_trainer(recover=True)`` refuses before any step; ZeRO-1 and ZeRO-2 Trainers
     (ZeRO-2 with ``model_init`` and 2 micro-batches a step), each a reference run and a guarded run whose
-    step 1 raises on rank 1; a snapshot's state that does not fit the engine it is offered to is refused."""
+    step 1 raises on rank 1; a snapshot's state that does not fit the engine it is offered to is refused.
+``numerics`` 3 ranks: ZeRO-2 and ZeRO-3 Trainers under ``on_nonfinite="redo"``: a NaN loss on rank 1 at step 2
+    and on rank 2 at step 3 (first attempts), each named and redone on a new engine, bit-equal to the run
+    without them; ZeRO-2 under ``"raise"``."""
 
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ def heal_job():
 def stages_job():
     # The refusals, then ZeRO-1 and ZeRO-2: 3 steps each, twice, a redo each: 20 s on a quiet machine.
     return run_ranks("hf_deepspeed_worker", 2, "stages", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def numerics_job():
+    # Seven 4-step Trainer runs on 3 ranks, four redos on a new engine: 26 s on a quiet machine. Hang guard: 300 s.
+    return run_ranks("hf_deepspeed_worker", 3, "numerics", timeout_s=300)
 
 
 def test_a_killed_zero3_rank_heals_from_its_buddy_and_every_rank_ends_bit_equal(heal_job):
@@ -96,3 +105,47 @@ def test_a_snapshot_of_another_model_is_refused_and_nothing_is_copied(stages_job
             "parameter bert.embeddings.word_embeddings.weight: shape [100, 32] in the capture, [100, 64] here"
             in (res["shape_refusal"])
         )
+
+
+NAN_AT = 2  # the worker's: rank 1's NaN at step 2, rank 2's at step 3
+EMBEDDINGS = [  # each parameter a bucket: the first four of the model's, in its order (all NaN: the loss was)
+    [f"bert.embeddings.{name}"]
+    for name in (
+        "word_embeddings.weight",
+        "position_embeddings.weight",
+        "token_type_embeddings.weight",
+        "LayerNorm.weight",
+    )
+]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_trainer_on_zero_names_a_nan_at_its_rank_and_redoes_the_step_on_a_new_engine_bit_equal(numerics_job, stage):
+    for r in range(3):
+        res = numerics_job[r]
+        # Fault-free: checked, nothing seen, no step entered twice.
+        assert (res[f"clean{stage}_checked"], res[f"clean{stage}_seen"]) == (True, [])
+        assert res[f"clean{stage}_begun"] == [0, 1, 2, 3] and res[f"clean{stage}_digest"] == res[f"reference{stage}"]
+        # Each NaN named at its rank and parameters, the other two ranks finite, the step redone once; the
+        # second on the engine the first redo built (its new parameters carry the check too).
+        assert res[f"nan{stage}_seen"] == [
+            [NAN_AT, [1], [0, 2], "redo", {"1": EMBEDDINGS}],
+            [NAN_AT + 1, [2], [0, 1], "redo", {"2": EMBEDDINGS}],
+        ]
+        assert res[f"nan{stage}_begun"] == [0, 1, 2, 2, 3, 3]  # each redo entered the Trainer's loop again there
+        assert res[f"nan{stage}_recoveries"] == [] and res[f"nan{stage}_logged"] == []  # no world rebuilt
+        # The full gathered parameters and every logged loss: the fault-free run's, bit for bit (ZeRO-3 is
+        # not without the new engine: the old one kept rank 1's NaN in its partitions).
+        assert res[f"nan{stage}_digest"] == res[f"reference{stage}"]
+        assert res[f"nan{stage}_losses"] == res[f"reference_losses{stage}"]
+        assert res[f"nan{stage}_global_step"] == res[f"nan{stage}_global_steps"] == 4
+
+
+def test_the_trainer_on_zero_raises_a_nan_with_raise_on_every_rank_and_the_world_was_never_rebuilt(numerics_job):
+    for r in range(3):
+        res = numerics_job[r]
+        assert res["raised"].startswith("step 2: non-finite gradient on rank 1 (NaN in bucket 0 (bert.embeddings.")
+        assert res["raised"].endswith(
+            "ranks 0,2 were finite; the step was not applied on any rank: NonFiniteGradient is raised"
+        )
+        assert res["generation"] == 0

@@ -1,6 +1,6 @@
 """Rank side of tests/integrations/test_hf_deepspeed_multirank.py: the HF Trainer on DeepSpeed ZeRO under
 ``guard_trainer(recover=True, heal=True)``, on real gloo ranks under torchrun.
-Usage: ``hf_deepspeed_worker.py heal|stages``.
+Usage: ``hf_deepspeed_worker.py heal|stages|numerics``.
 
 ``heal`` (3 ranks, each under its supervisor, ``--restarts=1``): every rank's first life trains
 STEPS steps of a tiny BERT on ZeRO-3 with no fault and no ncclguard (the reference: its gathered
@@ -21,6 +21,10 @@ it cannot recover, ``allow_shrink``, a model it cannot build afresh) and what th
 ``fsdp=`` on the CPU; then ZeRO-1 and ZeRO-2 Trainers (ZeRO-2: ``model_init`` and 2 micro-batches a
 step), each a reference run and a guarded run whose step 1 raises on rank 1; then a ZeRO-2 Trainer's
 snapshot state is offered to the ZeRO-1 engine, and the ZeRO-1 Trainer's to a wider model: both refused.
+
+``numerics`` (3 ranks): ZeRO-2 and ZeRO-3 Trainers under ``on_nonfinite="redo"``, a NaN loss on rank 1 at
+step NAN_AT and on rank 2 at the next step (each in its first attempt), against a reference run; then
+ZeRO-2 under ``"raise"``.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ from rankkit import put
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 import ncclguard
+from ncclguard.errors import NonFiniteGradient
 from ncclguard.integrations.hf import find_guard, guard_trainer
 
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
 LIFE = ncclguard.restart_count()
 STEPS, RAISE, STALL, KILL, VICTIM = 8, 1, 2, 5, 1
+NAN_STEPS, NAN_AT = 4, 2  # the numerics launch: rank 1's loss times NaN in step NAN_AT's first attempt
 BOUND_S, STALL_S = 3.0, 8.0
 rankkit.rank = lambda: ME
 
@@ -97,6 +103,8 @@ class FaultyTrainer(Trainer):
         if fault is not None and fault[0] == ME:
             if fault[1] == "raise":
                 raise RuntimeError(f"injected failure at step {self.state.global_step}")
+            if fault[1] == "nan":  # a NaN loss: every gradient of this rank's backward is NaN
+                return super().compute_loss(model, inputs, *args, **kwargs) * float("nan")
             time.sleep(STALL_S)  # "stall": past the step bound; the others fail their collectives
         return super().compute_loss(model, inputs, *args, **kwargs)
 
@@ -149,6 +157,7 @@ def guarded(
     faults: dict[int, tuple[int, str, int]],
     kill: bool,
     init: bool = False,
+    policy: str = "auto",
     **kw: Any,
 ) -> tuple[Trainer, Steps]:
     steps_seen = Steps(kill)
@@ -165,6 +174,7 @@ def guarded(
         rebuild_timeout=120,  # the restarted process imports torch, transformers and DeepSpeed again
         heal_timeout=60,
         snapshot_every=2,
+        on_nonfinite=policy,
     )
     trainer.train()
     return trainer, steps_seen
@@ -268,9 +278,42 @@ def refusals(zero1: Trainer, zero2: Trainer) -> None:
     put("shape_refusal", find_guard(other).recovery.state_codec().check(codec1.capture()))
 
 
+def numerics() -> None:
+    """ZeRO-2 and ZeRO-3 Trainers, each a reference run, a clean run under ``on_nonfinite="redo"`` and
+    one whose step NAN_AT gives rank 1 a NaN loss in its first attempt, and step NAN_AT + 1 rank 2 (on
+    the new engine the first redo built); then ZeRO-2 under ``"raise"``."""
+    for stage in (2, 3):
+        ref, ref_losses = reference(stage, f"nan_reference{stage}", NAN_STEPS)
+        put(f"reference{stage}", ref)
+        put(f"reference_losses{stage}", ref_losses)
+        twice = {NAN_AT: (1, "nan", 1), NAN_AT + 1: (2, "nan", 1)}
+        for name, faults in (("clean", {}), ("nan", twice)):
+            trainer, seen = guarded(stage, f"{name}{stage}", NAN_STEPS, faults, kill=False, policy="redo")
+            report(trainer, seen, prefix=f"{name}{stage}_")
+            numerics = find_guard(trainer).recovery.engine.numerics
+            found = [
+                [
+                    f.step,
+                    f.ranks,
+                    f.finite_ranks,
+                    f.action,
+                    {str(r): [b.params for b in bs] for r, bs in f.buckets.items()},
+                ]
+                for f in numerics.seen
+            ]
+            put(f"{name}{stage}_seen", found)
+            put(f"{name}{stage}_checked", numerics.check is not None and numerics.check.installed)
+    try:
+        guarded(2, "raise2", NAN_STEPS, {NAN_AT: (1, "nan", 1)}, kill=False, policy="raise")
+        put("raised", None)
+    except NonFiniteGradient as exc:
+        put("raised", str(exc))
+    put("generation", ncclguard.recovery.generation())
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    {"heal": heal, "stages": stages}[sys.argv[1]]()
+    {"heal": heal, "stages": stages, "numerics": numerics}[sys.argv[1]]()
     rankkit.done()
 
 

@@ -155,6 +155,13 @@ class GradCheck:
         """Whether ``model`` carries this check's hook (a wrapper re-pointed in place keeps it)."""
         return model in self._on
 
+    def names_every(self, module: torch.nn.Module) -> bool:
+        """Whether each parameter of ``module`` that takes a gradient is one this check names: false
+        for a module whose parameters were replaced in place (the HF Trainer's new DeepSpeed engine
+        after a redo, :func:`~ncclguard.integrations.hf.deepspeed.renew_in_place`), whose new
+        parameters carry no hook yet."""
+        return all(id(p) in self._names for p in module.parameters() if p.requires_grad)
+
     def clear(self) -> None:
         """Forgets the scans noted so far (a new attempt starts)."""
         self._pending.clear()
