@@ -53,17 +53,28 @@ WORKERS = {"deepspeed": ("defaults_ds_worker", ())}  # the others: defaults_work
 ACTIONS = ("acted", "self-asked", "self-fenced", "asked", "ended")
 
 
-def _one(stack: str, timeout_s: float) -> dict[str, Any]:
+def _one(stack: str, timeout_s: float, ranks: int = 3, fault: str = "asleep") -> dict[str, Any]:
     incidents = Path(tempfile.mkdtemp(prefix="ncclguard-stuck-drill-"))
-    env = {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": str(incidents)}
+    env = {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": str(incidents), "DRILL_FAULT": fault}
     t0 = time.monotonic()
     try:
         worker, args = WORKERS.get(stack, ("defaults_worker", (stack,)))
-        job = run_ranks(worker, 3, *args, timeout_s=timeout_s, supervise=["--restarts=1"], env=env)
+        job = run_ranks(worker, ranks, *args, timeout_s=timeout_s, supervise=["--restarts=1"], env=env)
     except AssertionError as exc:  # a launch that failed or hung: its reason, first line
         return {"ok": False, "error": str(exc).splitlines()[0][:300], "wall_s": round(time.monotonic() - t0, 1)}
     finally:
         shutil.rmtree(incidents, ignore_errors=True)
+    res = job.results
+    events = [(r, e) for r in res for e in res[r].get("events", [])]
+    healthy = [(r, e["what"], e["rank"]) for r, e in events if e["what"] in ACTIONS and e["rank"] != ASLEEP]
+    try:
+        return _row(stack, job, ranks, events, healthy)
+    except KeyError as exc:  # a healthy rank ended (its first life left no results): what was acted on
+        return {"ok": False, "error": f"no {exc} in a rank's results", "healthy_acted_on": healthy}
+
+
+def _row(stack: str, job: Any, ranks: int, events: list[tuple[int, Any]], healthy: list[Any]) -> dict[str, Any]:
+    """One good launch's figures (see the module doc)."""
     res = job.results
     stall = res[ASLEEP]["stall_at"]
     at, steps = res[0]["plan"]
@@ -75,14 +86,13 @@ def _one(stack: str, timeout_s: float) -> dict[str, Any]:
         on = next(x["ended"] for x in rows[failed + 1 :] if x["applied"])
     else:  # the step after the stalled one ended: global step at + 1 done
         on = res[0]["step_ends"][str(at + 1)]
-    events = [(r, e) for r in res for e in res[r].get("events", [])]
-    healthy = [(r, e["what"], e["rank"]) for r, e in events if e["what"] in ACTIONS and e["rank"] != ASLEEP]
+    ends = [r for r in range(ranks) if r != ASLEEP] + [10 + ASLEEP]  # the survivors and the restarted rank
     return {
         "ok": True,
         "wall_s": round(job.wall_s, 1),
         "stall_to_on_s": round(on - stall, 2),
-        "world": [res[r]["final"][1] for r in (0, 1, 10 + ASLEEP)],
-        "equal": len({res[r]["digest"] for r in (0, 1, 10 + ASLEEP)}) == 1,
+        "world": [res[r]["final"][1] for r in ends],
+        "equal": len({res[r]["digest"] for r in ends}) == 1,
         "healthy_acted_on": healthy,
         "awaiting": sorted({e["rank"] for _, e in events if e["what"] == "awaiting"}),
         "by": sorted({e["what"] for _, e in events if e["what"] in ACTIONS}),
@@ -103,13 +113,22 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
     p.add_argument("--launch-timeout", type=float, default=300.0, help="hang guard of each launch")
+    p.add_argument(
+        "--ranks", type=int, default=3, help="the world's size (the loop and the Trainer: any; 3 for the others)"
+    )
+    p.add_argument(
+        "--fault",
+        choices=("asleep", "stopped"),
+        default="asleep",
+        help="the loop's stuck rank: asleep in Python (its heartbeats go on) or SIGSTOPped (they stop too)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    out: dict[str, Any] = {"runs": args.runs, "stacks": {}}
+    out: dict[str, Any] = {"runs": args.runs, "ranks": args.ranks, "fault": args.fault, "stacks": {}}
     for stack in args.stacks:
         rows = []
         for i in range(args.runs):
-            row = _one(stack, args.launch_timeout)
+            row = _one(stack, args.launch_timeout, args.ranks, args.fault)
             rows.append(row)
             print(f"{stack} {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
         good = [r for r in rows if r["ok"]]
@@ -117,8 +136,8 @@ def main() -> None:
         out["stacks"][stack] = {
             "launches": rows,
             "ok": len(good),
-            "full_world": sum(r["world"] == [3, 3, 3] and r["equal"] for r in good),
-            "healthy_acted_on": sum(len(r["healthy_acted_on"]) for r in good),
+            "full_world": sum(r["world"] == [args.ranks] * args.ranks and r["equal"] for r in good),
+            "healthy_acted_on": sum(len(r.get("healthy_acted_on", [])) for r in rows),
             "torch_poll_warnings": sum(r["torch_poll_warnings"] for r in good),
             "stall_to_on_s": {
                 "median": statistics.median(times) if times else None,

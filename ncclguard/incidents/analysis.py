@@ -168,11 +168,7 @@ def _group_finding(
     acc.findings.append(
         DesyncFinding.model_validate({**base, "waiting": sorted(at_top), "behind": behind, "lost": gone})
     )
-    for entry, why in [(e, CulpritReason.BEHIND) for e in behind] + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
-        fields = {"group": group, "seq": top, "last_seq": entry.last_seq, "last_completed": entry.last_completed}
-        if entry.stale_s is not None:
-            fields["stale_s"] = entry.stale_s
-        acc.culprit(Whereabouts.model_validate(dict(entry)), why, **fields)
+    _name_behind(acc, group, top, behind, gone)
 
 
 def _backend_side(
@@ -267,7 +263,18 @@ def _backend_finding(
         return
     acc.victims.update(at_top)
     acc.findings.append(DesyncFinding.model_validate({**base, "waiting": at_top, "behind": behind, "lost": gone}))
-    for entry, why in [(e, CulpritReason.BEHIND) for e in behind] + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
+    _name_behind(acc, group, top, behind, gone)
+
+
+def _name_behind(acc: _Findings, group: str, top: int, behind: list[Straggler], gone: list[Straggler]) -> None:
+    """Names the culprits of a desync in ``group`` at ``top``: the ranks that stopped beating, and the
+    ranks behind at the lowest count. A rank behind the top but ahead of another issued an op that one
+    never reached, which cannot complete: it waits for it, a victim (4 ranks, one SIGSTOPped: a
+    broadcast relayed through it holds one receiver below the ranks that went on into the backward)."""
+    lowest = min((e.last_seq for e in [*behind, *gone]), default=0)
+    acc.victims.update(e.rank for e in behind if e.last_seq > lowest)
+    named = [(e, CulpritReason.BEHIND) for e in behind if e.last_seq == lowest]
+    for entry, why in named + [(e, CulpritReason.STOPPED_BEATING) for e in gone]:
         fields = {"group": group, "seq": top, "last_seq": entry.last_seq, "last_completed": entry.last_completed}
         if entry.stale_s is not None:
             fields["stale_s"] = entry.stale_s

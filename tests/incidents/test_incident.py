@@ -192,6 +192,24 @@ def test_a_lost_rank_during_a_desync_comes_from_its_last_heartbeat():
     assert out["lost"] == [3]
 
 
+def test_a_rank_behind_the_others_but_ahead_of_the_one_behind_it_waits_for_it_a_victim_not_a_culprit():
+    # 4 ranks (the stuck drill's): 1 and 3 wait in the backward's #12; rank 0 waits in #9, a broadcast
+    # relayed through rank 2, which never issued #9: #9 cannot complete on rank 0, which waits for rank 2.
+    sts = {r: waiting(r, 12) for r in (1, 3)}
+    sts[0] = waiting(0, 9, op="broadcast", phase="train step=3")
+    sts[2] = statement(2, last={"0": 8}, done={"0": 8}, site="/job/train.py:30")
+    out = analyse(sts, {}, {}, 4, now=NOW, waiting_after_s=5.0)
+    assert [(c["rank"], c["why"], c["last_completed"]) for c in out["culprits"]] == [(2, "behind", 8)]
+    assert out["victims"] == [0, 1, 3]
+    (finding,) = out["findings"]
+    assert [b["rank"] for b in finding["behind"]] == [0, 2]  # where each stands, as it was
+    # Rank 2 stopped (SIGSTOP: no heartbeat since): lost, and rank 0 still its victim.
+    stopped = {r: sts[r] for r in (0, 1, 3)}
+    out = analyse(stopped, {2: sts[2]}, {2: 12.0}, 4, now=NOW, waiting_after_s=5.0)
+    assert [(c["rank"], c["why"]) for c in out["culprits"]] == [(2, "lost")]
+    assert out["victims"] == [0, 1, 3]
+
+
 def test_a_lost_rank_alone_makes_the_others_victims_and_its_stale_state_is_not_evidence():
     sts = {r: statement(r, last={"0": 5}, done={"0": 5}, phase="idle", site="/job/loop.py:3") for r in (0, 1, 2)}
     # Its last beat still showed #5 in flight: old news, not a reason to call the others "behind".

@@ -38,19 +38,19 @@ def _env(tmp: str) -> dict[str, str]:
     return {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_INCIDENT_DIR": tmp}
 
 
-def _group_first_and_the_restart_stood_in(job: dict, asleep: int = 2) -> None:
+def _group_first_and_the_restart_stood_in(job: dict, asleep: int = 2, world: int = 3) -> None:
     """Every life made its group before ncclguard was imported; the first lives made the job's world,
     the restarted process the stand-in world of one (it then joined the survivors' world)."""
-    for r in (0, 1, asleep, 10 + asleep):
+    for r in [*range(world), 10 + asleep]:
         assert job[r]["order"]["ncclguard_first"] is False, (r, job[r]["order"])
-        assert job[r]["order"]["group"] == ([0, 1] if r >= 10 else [r, 3]), (r, job[r]["order"])
+        assert job[r]["order"]["group"] == ([0, 1] if r >= 10 else [r, world]), (r, job[r]["order"])
 
 
-def _acted_on_the_sleeper_only(job: dict, asleep: int = 2) -> None:
+def _acted_on_the_sleeper_only(job: dict, asleep: int = 2, world: int = 3) -> None:
     """Whoever acted (a waiting rank once the others agreed, or the sleeper on itself) acted on the
     sleeper, and only once it was stuck; a healthy rank judged stuck by one rank alone waited for an
     agreement that never came (``awaiting``) and was never acted on."""
-    for r in (0, 1, 10 + asleep):
+    for r in [*(x for x in range(world) if x != asleep), 10 + asleep]:
         events = job[r].get("events", [])
         acted = [e for e in events if e["what"] in ("acted", "self-asked", "self-fenced", "asked", "ended")]
         assert all(e["rank"] == asleep and e["state"] == "stuck" for e in acted), (r, events)
@@ -91,6 +91,36 @@ def test_a_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_fo
     ]
     _acted_on_the_sleeper_only(loop_job)
     _group_first_and_the_restart_stood_in(loop_job)
+
+
+@pytest.fixture(scope="module")
+def stopped_job(tmp_path_factory):
+    # About 45 s here: the loop on 4 ranks, launch rank 2 SIGSTOPped at step 12 (its heartbeats stop
+    # too), judged from /proc ~10 s into its step, a cold restart, a heal. Hang guard 240 s.
+    where = str(tmp_path_factory.mktemp("incidents"))
+    env = {**_env(where), "DRILL_FAULT": "stopped"}
+    return run_ranks("defaults_worker", 4, "loop", timeout_s=240, supervise=DEFAULTS, env=env)
+
+
+def test_a_loop_of_four_ranks_ends_on_its_full_world_after_a_rank_stopped_and_no_healthy_rank_is_judged(stopped_job):
+    """The loop above on 4 ranks, launch rank 2 stopped for good (SIGSTOP: its heartbeats stop with it).
+    Rank 0 waits in DDP's broadcast of the buffers, relayed through rank 2; ranks 1 and 3 go on into the
+    backward: rank 0 is behind them, ahead of rank 2. Judged by its count alone, ranks 1 and 3 agreed on
+    it before its own vote was in its heartbeat, and its supervisor killed it (1 launch of 3 before the
+    verdict judged only the peers furthest behind; benchmarks/stuck_drill.py --ranks 4 --fault stopped)."""
+    ASLEEP, STEPS = stopped_job[0]["plan"]
+    for r in (0, 1, 3):
+        rows = [(x["step"], x["ok"], x["attempts"], x["size"]) for x in stopped_job[r]["results"]]
+        assert rows == [(s, True, 2 if s == ASLEEP else 1, 4) for s in range(STEPS)], (r, rows)
+        assert stopped_job[r]["final"] == [r, 4, 1]
+    # No rank judged another than the stopped one: not even "awaiting" an agreement.
+    judged = [(r, e["what"], e["rank"]) for r in (0, 1, 3) for e in stopped_job[r]["events"]]
+    assert {j for _, what, j in judged if what in ("awaiting", "acted")} == {2}, judged
+    back = stopped_job[12]
+    assert back["resume_step"] == ASLEEP and back["final"] == [2, 4, 1]
+    assert len({stopped_job[r]["digest"] for r in (0, 1, 3, 12)}) == 1
+    _acted_on_the_sleeper_only(stopped_job, world=4)
+    _group_first_and_the_restart_stood_in(stopped_job, world=4)
 
 
 @pytest.fixture(scope="module")

@@ -292,6 +292,19 @@ def test_a_peer_whose_beat_has_no_count_in_the_group_is_neither_behind_nor_level
     assert standing({}, "0", 3) == Standing(frozenset(), frozenset(), frozenset())  # no peer beat yet
 
 
+def test_only_the_peers_furthest_behind_are_judged_a_peer_between_may_wait_for_them() -> None:
+    from ncclguard.recovery._verdict.levers import standing
+
+    # The stuck drill, 4 ranks, rank 2 SIGSTOPped before its step's broadcast of DDP's buffers: rank 0
+    # waits in that broadcast (relayed through rank 2), ranks 1 and 3 went on into the backward. Rank 2's
+    # last beat carries its count (stale: it stopped); rank 0 is behind rank 3 but ahead of rank 2.
+    got = standing({0: {"0": 41}, 1: {"0": 45}, 2: {"0": 40}}, "0", 45)
+    assert (got.behind, got.furthest, got.ahead) == ({0, 2}, {2}, set())
+    # Several at the lowest count: each is judged; none behind: none.
+    assert standing({0: {"0": 40}, 1: {"0": 45}, 2: {"0": 40}}, "0", 45).furthest == {0, 2}
+    assert standing({0: {"0": 45}, 1: {"0": 46}}, "0", 45).furthest == frozenset()
+
+
 WORLD_OF_ONE = textwrap.dedent(
     """
     import os, torch, torch.distributed as dist

@@ -45,6 +45,14 @@ ASLEEP, STEPS = 12, 16  # loop: past the judge bound's warm-up (10 intervals)
 HF_ASLEEP, HF_STEPS = 3, 10
 
 
+def stuck() -> None:
+    """The loop's fault: asleep in Python for good, or with ``DRILL_FAULT=stopped`` (benchmarks/stuck_drill.py
+    --fault stopped) stopped for good, its heartbeats too."""
+    if os.environ.get("DRILL_FAULT") == "stopped":
+        rankkit.stopped_for_good()
+    rankkit.asleep_for_good()
+
+
 def _digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
@@ -85,12 +93,12 @@ def loop() -> None:
     rankkit.save()
     data, results = dataset(), []
     for step in range(stepper.resume_step or 0, STEPS):
-        ids, labels = batch(data, step)
+        ids, labels = batch(data, step, world=int(os.environ["WORLD_SIZE"]))  # the launch's (the drill runs 4 too)
 
         def step_fn(model: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
             if ME == 2 and LIFE == 0 and step == ASLEEP:
                 put("results", results)
-                rankkit.asleep_for_good()
+                stuck()
             model(input_ids=ids, labels=labels).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 

@@ -52,6 +52,16 @@ def asleep_for_good(key: str = "stall_at") -> NoReturn:
         time.sleep(0.1)
 
 
+def stopped_for_good(key: str = "stall_at") -> NoReturn:
+    """This rank stops for good (SIGSTOP to itself: every thread stands, its heartbeats with them, as
+    a process frozen in the kernel or a GPU driver call); when is saved first under ``key``."""
+    put(key, time.time())
+    save()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    while True:  # continued by someone (not in the tests): still stuck
+        time.sleep(0.1)
+
+
 def beats_uncounted(seconds: float) -> None:
     """From now on this rank's heartbeats carry no backend count, as the one its watchdog publishes
     inside a rebuild's ``init_process_group`` (before the new group exists); waits ``seconds`` here,

@@ -189,11 +189,18 @@ class Standing:
         uncounted: peers whose heartbeat carries no count in that group (one published while the
             group was being made, inside a rebuild's ``init_process_group``): it tells nothing, so they
             are judged as peers with no heartbeat in this world (from ``/proc``, or by their supervisor).
+        furthest: the peers behind at the lowest count any peer's newest heartbeat carries, a stale
+            one's too. Only they are judged: a peer behind this rank but ahead of another may be
+            waiting for that one (a victim: a broadcast relayed through a stopped rank holds its
+            receivers at a lower count than the ranks that went on into the backward), and two
+            waiting ranks that judged it in the same look, before its own vote was in its heartbeat,
+            agreed on a healthy rank (the stuck drill, 4 ranks, the culprit SIGSTOPped: 1 of 3).
     """
 
     behind: frozenset[int]
     ahead: frozenset[int]
     uncounted: frozenset[int]
+    furthest: frozenset[int] = frozenset()
 
 
 def standing(counts: dict[int, dict[str, int] | None], group: str, seq: int) -> Standing:
@@ -208,10 +215,13 @@ def standing(counts: dict[int, dict[str, int] | None], group: str, seq: int) -> 
         The :class:`Standing`.
     """
     known = {r: c[group] for r, c in counts.items() if c and group in c}
+    behind = frozenset(r for r, n in known.items() if n < seq)
+    lowest = min((known[r] for r in behind), default=None)
     return Standing(
-        behind=frozenset(r for r, n in known.items() if n < seq),
+        behind=behind,
         ahead=frozenset(r for r, n in known.items() if n > seq),
         uncounted=frozenset(set(counts) - set(known)),
+        furthest=frozenset(r for r in behind if known[r] == lowest),
     )
 
 

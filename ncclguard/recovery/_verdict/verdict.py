@@ -182,7 +182,7 @@ class VerdictDriver:
         if now - seen.started < self.judge_s() or now < seen.stood_until:
             return
         self._own.judged_by_peers(world, now)
-        behind = {r: beats[r][0] for r in where.behind}
+        behind = {r: beats[r][0] for r in where.furthest}  # a peer ahead of another behind may wait for it
         if where.ahead and not behind:
             with self._cond:  # a look that raced the step's end acts on nothing
                 if self._seen is seen:
