@@ -46,7 +46,7 @@ HF_ASLEEP, HF_STEPS = 3, 10
 
 
 def stuck() -> None:
-    """The loop's fault: asleep in Python for good, or with ``DRILL_FAULT=stopped`` (benchmarks/stuck_drill.py
+    """The loop's and the Trainer's fault: asleep in Python for good, or with ``DRILL_FAULT=stopped`` (benchmarks/stuck_drill.py
     --fault stopped) stopped for good, its heartbeats too."""
     if os.environ.get("DRILL_FAULT") == "stopped":
         rankkit.stopped_for_good()
@@ -250,7 +250,7 @@ def hf() -> None:
 
     def asleep(_module: torch.nn.Module, _inputs: object) -> None:
         if ME == 2 and LIFE == 0 and holder["t"].state.global_step == HF_ASLEEP:
-            rankkit.asleep_for_good()
+            stuck()
 
     model.register_forward_pre_hook(asleep)
     before = "ncclguard" in sys.modules
