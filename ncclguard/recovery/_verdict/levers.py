@@ -194,7 +194,7 @@ class Standing:
             waiting for that one (a victim: a broadcast relayed through a stopped rank holds its
             receivers at a lower count than the ranks that went on into the backward), and two
             waiting ranks that judged it in the same look, before its own vote was in its heartbeat,
-            agreed on a healthy rank (the stuck drill, 4 ranks, the culprit SIGSTOPped: 1 of 3).
+            agreed on a healthy rank (the stuck drill, 4 ranks, the culprit SIGSTOPped: 1 launch of 4).
     """
 
     behind: frozenset[int]
