@@ -26,8 +26,14 @@ parameters, and the **healthy ranks acted on** (any action of the verdict, by an
 other than the one asleep: target 0), with the ranks judged stuck by one rank alone (``awaiting``:
 no action) counted apart.
 
+``--ranks 4`` widens the loop's and the Trainer's world (the others run 3); ``--fault stopped`` makes
+their stuck rank SIGSTOP itself instead of sleeping in Python, so that its heartbeats stop too and it
+has no say in the waiting ranks' agreement. A launch whose rank 0 was ended (a healthy rank acted on)
+is counted not ok, with what was acted on.
+
 Usage:
     python benchmarks/stuck_drill.py --runs 20 --stacks loop hf accelerate lightning --json benchmarks/results/stuck_drill_defaults.json
+    python benchmarks/stuck_drill.py --runs 5 --stacks loop --ranks 4 --fault stopped --json benchmarks/results/stuck_drill_four_ranks_stopped.json
 """
 
 from __future__ import annotations
