@@ -26,8 +26,8 @@ parameters, and the **healthy ranks acted on** (any action of the verdict, by an
 other than the one asleep: target 0), with the ranks judged stuck by one rank alone (``awaiting``:
 no action) counted apart.
 
-``--ranks 4`` widens the loop's and the Trainer's world (the others run 3); ``--fault stopped`` makes
-their stuck rank SIGSTOP itself instead of sleeping in Python, so that its heartbeats stop too and it
+``--ranks 4`` widens the world (run at 4: the loop and the Trainer); ``--fault stopped`` makes every
+stack's stuck rank SIGSTOP itself instead of sleeping in Python, so that its heartbeats stop too and it
 has no say in the waiting ranks' agreement. A launch whose rank 0 was ended (a healthy rank acted on)
 is counted not ok, with what was acted on.
 
@@ -119,14 +119,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
     p.add_argument("--launch-timeout", type=float, default=300.0, help="hang guard of each launch")
-    p.add_argument(
-        "--ranks", type=int, default=3, help="the world's size (the loop and the Trainer: any; 3 for the others)"
-    )
+    p.add_argument("--ranks", type=int, default=3, help="the world's size (run at 4: the loop and the Trainer)")
     p.add_argument(
         "--fault",
         choices=("asleep", "stopped"),
         default="asleep",
-        help="the loop's stuck rank: asleep in Python (its heartbeats go on) or SIGSTOPped (they stop too)",
+        help="the stuck rank: asleep in Python (its heartbeats go on) or SIGSTOPped (they stop too)",
     )
     p.add_argument("--json", type=Path)
     args = p.parse_args()

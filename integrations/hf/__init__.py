@@ -307,7 +307,7 @@ def _recovery(trainer: Trainer, recover: bool, keywords: RecoveryKeywords) -> Tr
             trainer.accelerator.distributed_type,
         )
     if trainer.is_deepspeed_enabled:
-        problem = deepspeed_refusal(trainer, checked.allow_shrink)
+        problem = deepspeed_refusal(trainer, checked.allow_shrink, checked.on_nonfinite)
         if problem is not None:
             raise ValueError(problem)
     return TrainerRecovery(trainer, checked)

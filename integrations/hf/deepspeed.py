@@ -53,13 +53,14 @@ __all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_modul
 _TRAINER = "trainer_state"  # the Trainer's state in a snapshot's meta (JSON text)
 
 
-def deepspeed_refusal(trainer: Any, allow_shrink: bool) -> str | None:
+def deepspeed_refusal(trainer: Any, allow_shrink: bool, on_nonfinite: str = "auto") -> str | None:
     """Why ``guard_trainer(recover=True)`` cannot recover this DeepSpeed Trainer, or None; read from
     the DeepSpeed config and the Trainer before any step (the engine is built in ``train()``).
 
     Args:
         trainer: a ``transformers.Trainer`` with ``is_deepspeed_enabled``.
         allow_shrink: the ``allow_shrink`` asked for.
+        on_nonfinite: the ``on_nonfinite`` asked for.
 
     Returns:
         One sentence naming what cannot be recovered and what to use instead, or None.
@@ -84,6 +85,12 @@ def deepspeed_refusal(trainer: Any, allow_shrink: bool) -> str | None:
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is not None and getattr(pc, "sp_enabled", False):
         return "recover=True with DeepSpeed covers data parallelism only; this Trainer uses sequence parallelism"
+    if on_nonfinite == "skip":
+        return (
+            "on_nonfinite='skip' cannot drop a batch under DeepSpeed: ZeRO keeps the refused gradients in its own "
+            "partitions, and the Trainer's loop has no step to skip them in. Use on_nonfinite='redo' (the step runs "
+            "again on a new engine) or 'raise'"
+        )
     if allow_shrink:
         return (
             "allow_shrink=True cannot go on with DeepSpeed ZeRO: each rank's partitions are laid out for the world "

@@ -150,13 +150,15 @@ class TrainerRecovery(Adapter):
         if not sync:
             return loss
         try:
-            self._tx.settle(lambda: self._redo(model)).raise_for_error()
+            res = self._tx.settle(lambda: self._redo(model))
+            if res.skipped and self._ds is None:  # on_nonfinite="skip": the batch leaves no trace
+                _skip_next_step(self.trainer.optimizer)
+                return loss
+            res.raise_for_error()
             if self._ds is not None:  # the engine's step, held from the last micro-batch's backward
                 self._between.run(self._ds.apply_held, "DeepSpeed's optimizer step, after the commit")
-            if not self._redone:  # committed as it ran (a step entered again after a join too)
-                return loss
-            _replace_losses(self.trainer, self._given, self._redone)
-            return self._redone[-1]
+            # Committed as it ran (a step entered again after a join too), or redone.
+            return _replace_losses(self.trainer, self._given, self._redone) if self._redone else loss
         finally:
             self._tx, self._micro, self._given, self._redone = None, [], [], []
             if self._ds is not None:
@@ -428,19 +430,58 @@ def _count_items_again(trainer: Any, micro: list[Micro]) -> None:
         m.inputs = (m.inputs[0], n)
 
 
-def _replace_losses(trainer: Any, given: list[torch.Tensor], losses: list[torch.Tensor]) -> None:
+def _replace_losses(trainer: Any, given: list[torch.Tensor], losses: list[torch.Tensor]) -> torch.Tensor:
     """The Trainer summed the failed attempt's losses of the earlier micro-batches (``given``): it
-    gets the redo's (``losses``) instead."""
+    gets the redo's (``losses``) instead.
+
+    Returns:
+        The redo's loss of the last micro-batch (the one ``training_step`` returns).
+    """
     earlier_new, earlier_old = losses[:-1], given[:-1]
     total = getattr(trainer, "_tr_loss", None)
     if not earlier_new or not isinstance(total, torch.Tensor):
-        return
+        return losses[-1]
     delta = (
         torch.stack([t.detach().to(total.device) for t in earlier_new]).sum()
         - torch.stack([t.detach().to(total.device) for t in earlier_old]).sum()
     )
     if torch.isfinite(delta):  # the Trainer's NaN filter replaced a non-finite loss: leave the sum
         total += delta
+    return losses[-1]
+
+
+def _skip_next_step(optimizer: Any) -> None:
+    """The Trainer's next ``optimizer.step()`` skipped, and with it its LR scheduler's step, as
+    Accelerate skips both for an fp16 overflow: ``AcceleratedOptimizer.step_was_skipped`` is True until
+    the step after (the Trainer steps the scheduler only ``if not accelerator.optimizer_step_was_skipped``,
+    transformers 5.x ``Trainer._inner_training_loop``). The gradients are cleared already.
+
+    Raises:
+        TypeError: the optimizer is not Accelerate's (the Trainer's always is).
+    """
+    if not hasattr(optimizer, "_is_overflow"):
+        raise TypeError(
+            f"on_nonfinite='skip' needs the Trainer's AcceleratedOptimizer, not a {type(optimizer).__name__}"
+        )
+    own, set_here = optimizer.step, "step" in vars(optimizer)  # the class's, or one set on the instance
+
+    def put_back() -> None:
+        if set_here:
+            optimizer.step = own
+        else:
+            del optimizer.step
+
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        optimizer._is_overflow = True  # read by the Trainer before its scheduler's step
+
+        def after(*args: Any, **kwargs: Any) -> Any:
+            optimizer._is_overflow = False
+            put_back()
+            return own(*args, **kwargs)
+
+        optimizer.step = after
+
+    optimizer.step = skipped
 
 
 def _no_sync(model: torch.nn.Module) -> AbstractContextManager[Any]:

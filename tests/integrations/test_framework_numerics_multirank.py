@@ -45,7 +45,7 @@ def lightning():
 
 @pytest.fixture(scope="module")
 def hf():
-    # Four 6-step Trainer runs after torchrun's start: about 20 s here. Hang guard: 9x that.
+    # Six 6-step Trainer runs after torchrun's start: about 25 s here. Hang guard: 7x that.
     return run_ranks("framework_numerics_worker", 3, "hf", timeout_s=180)
 
 
@@ -114,6 +114,28 @@ def three_runs(job) -> None:
 
 def test_the_hf_trainers_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(hf):
     three_runs(hf)
+
+
+def test_with_skip_the_trainer_drops_the_batch_on_every_rank_as_a_run_that_never_trained_on_it(hf):
+    for r in range(3):
+        skip, never = hf[r]["skip"], hf[r]["never"]
+        # Named at step K, not redone: the step's result is falsy and skipped on every rank.
+        assert skip["seen"] == [[K, [1], [0, 2], "skip"]] and skip["tries_at_k"] == 1
+        assert skip["results"][K] == {
+            "ok": False,
+            "attempts": 1,
+            "rebuilds": 0,
+            "skipped": True,
+            "commits": [[False, [1]]],
+            "nonfinite": [{"1": BUCKETS}],
+            "finite": [[0, 2]],
+            "error": "NonFiniteGradient",
+        }
+        # The Trainer went on (its count includes the dropped batch), and neither the optimizer nor the LR
+        # scheduler stepped for it: the parameters of a run that never trained on batch K, bit for bit.
+        assert skip["global_step"] == never["global_step"] == STEPS
+        assert hf[r]["skip_equal_to_never"] is True and hf[r]["skip_equal_to_off"] is False
+        assert skip["lr"] == never["lr"]
 
 
 def test_lightnings_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(lightning):

@@ -141,7 +141,7 @@ def test_the_trainer_on_zero_names_a_nan_at_its_rank_and_redoes_the_step_on_a_ne
         assert res[f"nan{stage}_global_step"] == res[f"nan{stage}_global_steps"] == 4
 
 
-def test_the_trainer_on_zero_raises_a_nan_with_raise_on_every_rank_and_the_world_was_never_rebuilt(numerics_job):
+def test_the_trainer_on_zero_raises_a_nan_with_raise_on_every_rank_refuses_skip_and_never_rebuilt(numerics_job):
     for r in range(3):
         res = numerics_job[r]
         assert res["raised"].startswith("step 2: non-finite gradient on rank 1 (NaN in bucket 0 (bert.embeddings.")
@@ -149,3 +149,5 @@ def test_the_trainer_on_zero_raises_a_nan_with_raise_on_every_rank_and_the_world
             "ranks 0,2 were finite; the step was not applied on any rank: NonFiniteGradient is raised"
         )
         assert res["generation"] == 0
+        assert res["refused_skip"].startswith("on_nonfinite='skip' cannot drop a batch under DeepSpeed")
+        assert res["refused_skip"].endswith("Use on_nonfinite='redo' (the step runs again on a new engine) or 'raise'")

@@ -81,7 +81,7 @@ def main() -> None:
         def step_fn(eng: deepspeed.DeepSpeedEngine, step: int = step) -> float:
             if ME == 2 and LIFE == 0 and step == ASLEEP:
                 put("results", results)
-                rankkit.asleep_for_good()
+                rankkit.stuck_for_good()
             x, y = batch(step, ME)
             loss = torch.nn.functional.mse_loss(eng(x), y)
             eng.backward(loss)

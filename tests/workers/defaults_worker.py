@@ -45,14 +45,6 @@ ASLEEP, STEPS = 12, 16  # loop: past the judge bound's warm-up (10 intervals)
 HF_ASLEEP, HF_STEPS = 3, 10
 
 
-def stuck() -> None:
-    """The loop's and the Trainer's fault: asleep in Python for good, or with ``DRILL_FAULT=stopped`` (benchmarks/stuck_drill.py
-    --fault stopped) stopped for good, its heartbeats too."""
-    if os.environ.get("DRILL_FAULT") == "stopped":
-        rankkit.stopped_for_good()
-    rankkit.asleep_for_good()
-
-
 def _digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
@@ -98,7 +90,7 @@ def loop() -> None:
         def step_fn(model: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
             if ME == 2 and LIFE == 0 and step == ASLEEP:
                 put("results", results)
-                stuck()
+                rankkit.stuck_for_good()
             model(input_ids=ids, labels=labels).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
@@ -154,12 +146,12 @@ def accelerate() -> None:
     rankkit.save()
     data, results = dataset(), []
     for step in range(stepper.resume_step or 0, STEPS):
-        ids, labels = batch(data, step)
+        ids, labels = batch(data, step, world=int(os.environ["WORLD_SIZE"]))
 
         def step_fn(m: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
             if ME == 2 and LIFE == 0 and step == ASLEEP:
                 put("results", results)
-                rankkit.asleep_for_good()
+                rankkit.stuck_for_good()
             accelerator.backward(m(input_ids=ids, labels=labels).loss)
             accelerator.clip_grad_norm_(m.parameters(), 1.0)
 
@@ -205,7 +197,7 @@ def lightning() -> None:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if ME == 2 and LIFE == 0 and self.trainer.global_step == ASLEEP:
-                rankkit.asleep_for_good()
+                rankkit.stuck_for_good()
             ids, labels = batch
             return self.bert(input_ids=ids, labels=labels).loss
 
@@ -250,7 +242,7 @@ def hf() -> None:
 
     def asleep(_module: torch.nn.Module, _inputs: object) -> None:
         if ME == 2 and LIFE == 0 and holder["t"].state.global_step == HF_ASLEEP:
-            stuck()
+            rankkit.stuck_for_good()
 
     model.register_forward_pre_hook(asleep)
     before = "ncclguard" in sys.modules

@@ -58,9 +58,17 @@ class Rows(torch.utils.data.Dataset):
 
 
 class Faulty(Trainer):
-    """Rank 1's loss times NaN at step K, in the step's first attempt only (``fault``)."""
+    """Rank 1's loss times NaN at step K, in the step's first attempt only (``fault``); or (``never``)
+    batch K never trained on: no forward, no backward, every rank (the reference of a skipped batch,
+    with :class:`NoStep`)."""
 
     fault = False
+    never = False
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.never and self.state.global_step == K:
+            return torch.zeros(())
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -94,6 +102,25 @@ def recorded(engine: Any, results: list[dict[str, Any]], base: int = 0) -> None:
     engine.begin = wrapped_begin
 
 
+class NoStep(TrainerCallback):
+    """The reference of a skipped batch: at step K no gradient reaches AdamW (it leaves a parameter
+    without one alone) and the LR scheduler is not stepped."""
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step == K:
+            for p in model.parameters():
+                p.grad = None
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if state.global_step == K:
+            own = lr_scheduler.step
+
+            def once(*args: Any, **kwargs: Any) -> None:
+                lr_scheduler.step = own  # stepped from the next step on
+
+            lr_scheduler.step = once
+
+
 class FlipAfter(TrainerCallback):
     """Rank 2 flips one bit of its ``fc2.weight`` once step FLIP_AFTER is applied."""
 
@@ -112,8 +139,9 @@ def replicas_seen(engine: Any, base: int = 0) -> list[list[Any]]:
     return [[s.step - base, s.ranks, s.source, s.healed] for s in engine.replicas.seen]
 
 
-def hf_run(policy: str, fault: bool, every: int | None = None) -> dict[str, Any]:
-    """One Trainer from the same start; with ``every``, replicas checked that often and rank 2's bit flipped."""
+def hf_run(policy: str, fault: bool, every: int | None = None, never: bool = False) -> dict[str, Any]:
+    """One Trainer from the same start; with ``every``, replicas checked that often and rank 2's bit flipped;
+    with ``never``, batch K never trained on (:class:`NoStep`)."""
     from numerics_worker import BATCH, Net, flat
 
     from ncclguard.integrations.hf import find_guard, guard_trainer
@@ -126,7 +154,7 @@ def hf_run(policy: str, fault: bool, every: int | None = None) -> dict[str, Any]
     torch.manual_seed(1234)
     module = LossNet()
     args = TrainingArguments(
-        output_dir=f"{os.environ['NCCLGUARD_TEST_OUT']}/hf-{policy}-{fault}",
+        output_dir=f"{os.environ['NCCLGUARD_TEST_OUT']}/hf-{policy}-{fault}-{never}",
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,  # as Accelerate's default: the same buckets
@@ -141,7 +169,9 @@ def hf_run(policy: str, fault: bool, every: int | None = None) -> dict[str, Any]
         seed=0,
     )
     trainer = Faulty(model=module, args=args, train_dataset=Rows(BATCH * STEPS * dist.get_world_size()))
-    trainer.fault = fault
+    trainer.fault, trainer.never = fault, never
+    if never:
+        trainer.add_callback(NoStep())
     checks = {} if every is None else {"replica_check_every": every}
     guard_trainer(trainer, recover=True, watchdog=False, collective_timeout=30, on_nonfinite=policy, **checks)
     if every is not None:
@@ -160,6 +190,7 @@ def hf_run(policy: str, fault: bool, every: int | None = None) -> dict[str, Any]
         "global_step": trainer.state.global_step,
         "tries_at_k": getattr(trainer, "tries_at_k", 0),
         "params": flat(module),
+        "lr": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
     }
 
 
@@ -179,6 +210,12 @@ def hf() -> None:
     put("clean_equal_to_off", torch.equal(clean["params"], off["params"]))
     put("redo_equal_to_off", torch.equal(redo["params"], off["params"]))
     put("redo_same_everywhere", same_everywhere(redo["params"]))
+    # on_nonfinite="skip": rank 1's NaN at step K drops the batch on every rank, as a run that never trained on it.
+    skip, never = hf_run("skip", fault=True), hf_run("off", fault=False, never=True)
+    put("skip", {k: v for k, v in skip.items() if k != "params"})
+    put("never", {k: v for k, v in never.items() if k != "params"})
+    put("skip_equal_to_never", torch.equal(skip["params"], never["params"]))
+    put("skip_equal_to_off", torch.equal(skip["params"], off["params"]))
     flipped = hf_run("redo", fault=False, every=EVERY)
     put("flipped", {k: v for k, v in flipped.items() if k != "params"})
     put("flipped_equal_to_off", torch.equal(flipped["params"], off["params"]))

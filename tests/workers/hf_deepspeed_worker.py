@@ -24,7 +24,7 @@ snapshot state is offered to the ZeRO-1 engine, and the ZeRO-1 Trainer's to a wi
 
 ``numerics`` (3 ranks): ZeRO-2 and ZeRO-3 Trainers under ``on_nonfinite="redo"``, a NaN loss on rank 1 at
 step NAN_AT and on rank 2 at the next step (each in its first attempt), against a reference run; then
-ZeRO-2 under ``"raise"``.
+ZeRO-2 under ``"raise"``; ``"skip"`` refused before any step.
 """
 
 from __future__ import annotations
@@ -308,6 +308,8 @@ def numerics() -> None:
         put("raised", None)
     except NonFiniteGradient as exc:
         put("raised", str(exc))
+    skip = Trainer(model=tiny_bert(), args=arguments(2, "skip", 1), train_dataset=Dataset(96, seed=96))
+    put("refused_skip", refused(skip, on_nonfinite="skip"))
     put("generation", ncclguard.recovery.generation())
 
 

@@ -62,6 +62,14 @@ def stopped_for_good(key: str = "stall_at") -> NoReturn:
         time.sleep(0.1)
 
 
+def stuck_for_good() -> NoReturn:
+    """The stuck drill's fault: asleep in Python for good, or with ``DRILL_FAULT=stopped``
+    (benchmarks/stuck_drill.py --fault stopped) stopped for good, its heartbeats too."""
+    if os.environ.get("DRILL_FAULT") == "stopped":
+        stopped_for_good()
+    asleep_for_good()
+
+
 def beats_uncounted(seconds: float) -> None:
     """From now on this rank's heartbeats carry no backend count, as the one its watchdog publishes
     inside a rebuild's ``init_process_group`` (before the new group exists); waits ``seconds`` here,
