@@ -48,6 +48,7 @@ PEER_S = 4.0
 # main thread waited in the slow group's all_reduce: its peers called it lost, and incident 3 was
 # told as a lost rank instead of the desync the test checks. Over 3x that: no rank is lost here.
 DESYNC_PEER_S = 30.0
+SLOW_S = 25  # the desync scenario's "slow" group: its gloo timeout (see where it is made)
 
 
 class Marker(Action):
@@ -183,8 +184,10 @@ def desync() -> None:
 
     # 3. SIGALRM cannot interrupt a blocked gloo collective; the watchdog still reports it.
     safe_barrier(timeout=20)
-    # Its timeout is over 3x the ~2.2 s a loaded machine takes to report, so the report comes first.
-    slow = dist.new_group(timeout=timedelta(seconds=8))
+    # Its timeout is over 3x the 8.1 s a loaded CI run once took to report it (rank 0's watchdog learned
+    # of the hang at 7.6 s while the job's store answered its clients late; 1.6-2.2 s is usual), so the
+    # report comes first.
+    slow = dist.new_group(timeout=timedelta(seconds=SLOW_S))
     if r == 0:
         t0 = time.monotonic()
         put("alarm_start", time.time())
@@ -202,7 +205,7 @@ def desync() -> None:
                 },
             )
         put("alarm_elapsed", time.monotonic() - t0)
-    safe_barrier(timeout=30)
+    safe_barrier(timeout=SLOW_S + 60)  # ranks 1-2 wait here while rank 0 sits in the slow group's op
     put("incidents", wd.wait_for_incident(10, count=3, merged=r == 0, settled=True))
     put("group_names", {"world": dist.distributed_c10d._get_default_group().group_name, "slow": slow.group_name})
     rankkit.done()
