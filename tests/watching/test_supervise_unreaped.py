@@ -167,7 +167,8 @@ def test_a_stuck_rank_that_sigkill_does_not_end_has_its_death_posted_within_the_
     err = capfd.readouterr().err
     assert rc == 0, err
     assert stuck.signals == [signal.SIGKILL]
-    assert KILL_WAIT_S <= took < KILL_WAIT_S + 2.0, took  # the bound, then the post (a store call) and the rest
+    # The bound, then the post and the rest; the upper one is a hang guard.
+    assert KILL_WAIT_S <= took < KILL_WAIT_S + 15.0, took
     assert sup.unreaped == [stuck.pid]
     _, notices = read_deaths(job, 0)
     assert [(n.origin, n.pid, n.returncode, n.life) for n in notices] == [
@@ -194,7 +195,7 @@ def test_a_stopped_rank_that_sigkill_does_not_end_leaves_the_supervisor_exiting_
     err = capfd.readouterr().err
     assert rc == 128 + signal.SIGKILL, err
     assert deaf.signals == [signal.SIGTERM, signal.SIGKILL]
-    assert 0.1 + 0.2 + KILL_WAIT_S <= took < 0.1 + 0.2 + KILL_WAIT_S + 1.5, took
+    assert 0.1 + 0.2 + KILL_WAIT_S <= took < 0.1 + 0.2 + KILL_WAIT_S + 15.0, took  # the upper bound: a hang guard
     assert read_deaths(job, 0) == (0, [])
     assert f"(pid {deaf.pid}) was not reaped after signal 15: told to stop, it stays down" in err
 
