@@ -18,9 +18,11 @@ import pytest
 from harness import run_ranks
 
 pytestmark = pytest.mark.multirank
-# Upper bounds on a call's time are hang guards, over 3x what a loaded 2-core machine took (figures
-# from full-suite runs beside other jobs). That our deadline, not gloo's, ended a call is asserted by
-# the error's type and message, which load cannot change; lower bounds (not before the deadline) stay.
+# Upper bounds on a call's time are hang guards, over 10x the 2-2.7 s (deadline + post-mortem) a loaded
+# 2-core machine took (full-suite runs beside other jobs). That our deadline, not gloo's, ended a call is
+# asserted by the error's type and message, which load cannot change; lower bounds (not before the
+# deadline) stay.
+HANG_GUARD_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +47,12 @@ def test_default_deadline_fires_before_a_3s_group_timeout(gt):
     d = gt[0]["default"]
     assert d["ok"] is False and d["type"] == "CollectiveTimeout" and d["missing"] == [1]
     assert "(deadline 2.2 s)" in d["message"]  # 3 s x 0.9 - 0.5 s
-    assert 2.2 <= d["elapsed"] < 9.0  # hang guard: 3x the 2.7 s (deadline + post-mortem) loaded runs took
+    assert 2.2 <= d["elapsed"] < HANG_GUARD_S  # not before the deadline
     # The late peer finds the group torn down and returns at once: the connection rank 0 closed, not
-    # its own 2.2 s deadline (a CollectiveTimeout), ends its call. The bound is a hang guard, as above.
+    # its own 2.2 s deadline (a CollectiveTimeout), ends its call.
     late = gt[1]["late_peer"]
     assert late["ok"] is False and late["type"] == "CollectiveFailed" and late["missing"] == []
-    assert "Connection closed by peer" in late["message"] and late["elapsed"] < 9.0
+    assert "Connection closed by peer" in late["message"] and late["elapsed"] < HANG_GUARD_S
 
 
 def test_explicit_deadline_at_or_above_the_group_timeout_is_refused_before_communication(gt):
@@ -67,12 +69,12 @@ def test_explicit_deadline_at_or_above_the_group_timeout_is_refused_before_commu
 def test_default_barrier_deadline_is_capped_too(gt):
     b = gt[0]["barrier_default"]
     assert b["ok"] is False and b["type"] == "BarrierTimeout" and b["missing"] == [1]
-    assert "within 2.2 s" in b["message"] and 2.2 <= b["elapsed"] < 9.0  # hang guard: 3x the 2.7 s measured
+    assert "within 2.2 s" in b["message"] and 2.2 <= b["elapsed"] < HANG_GUARD_S  # not before the deadline
     late = gt[1]["barrier_default"]
     # At once, not at its own 2.2 s deadline: the store told it the others had given up (``late``);
-    # a rank that waited out its deadline would name rank 0 missing. The bound is a hang guard, as above.
+    # a rank that waited out its deadline would name rank 0 missing.
     assert late["late"] is True and late["type"] == "BarrierTimeout" and late["missing"] == []
-    assert "arrived after the other ranks gave up" in late["message"] and late["elapsed"] < 9.0
+    assert "arrived after the other ranks gave up" in late["message"] and late["elapsed"] < HANG_GUARD_S
 
 
 def test_backend_giving_up_first_is_a_failure_that_names_its_timeout(gt):
@@ -83,9 +85,8 @@ def test_backend_giving_up_first_is_a_failure_that_names_its_timeout(gt):
         in b["message"]
     )
     # The queued op hit 3 s at 1 s into the call; then the post-mortem. What ended it is the message
-    # above; the bound is a hang guard, as above: over 4x the 2 s loaded runs took (when the op was
-    # queued 1.5 s before the call).
-    assert b["elapsed"] < 9.0
+    # above (2 s in loaded runs, the op queued 1.5 s before the call).
+    assert b["elapsed"] < HANG_GUARD_S
 
 
 # ---------------------------------------------------------------- 2. calls that do not line up
