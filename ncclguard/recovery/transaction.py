@@ -40,13 +40,8 @@ class Carried:
 
     number: int
     attempt: int
-    commits: list[CommitResult]
-    clock: Clock
-    joined: list[int]
-    healed: HealResult | Restored | None
     start: float
-    rebuilds: int = 1  # the attempt before the Reenter rebuilt once (a re-wrap's)
-    nonfinite: int = 0  # or refused its values (no rebuild: a new engine for a clean redo)
+    tally: _Tally  # what the attempts before the Reenter gathered (rebuilt, or refused their values)
 
 
 @dataclass
@@ -72,9 +67,7 @@ class _Tally:
 
     def carried(self, number: int, attempt: int, start: float) -> Carried:
         """These attempts of step ``number`` (the last ``attempt``), left by :class:`Reenter`."""
-        return Carried(
-            number, attempt, self.commits, self.clock, self.joined, self.healed, start, self.rebuilds, self.nonfinite
-        )
+        return Carried(number, attempt, start, self)
 
 
 @dataclass(frozen=True)
@@ -230,10 +223,8 @@ class Transaction(Generic[T]):
         carried = self._carried
         if carried is None:
             tally, first = _Tally(commits=[], joined=[], healed=None, rebuilds=0, clock=Clock(self._start)), 1
-        else:  # the attempts before the Reenter
-            tally = _Tally(list(carried.commits), list(carried.joined), carried.healed, carried.rebuilds, carried.clock)
-            tally.nonfinite = carried.nonfinite
-            first = carried.attempt + 1
+        else:  # the attempts before the Reenter go on here
+            tally, first = carried.tally, carried.attempt + 1
         tally.clock.lap("redo" if carried else "attempt")  # this attempt ran before the commit
         return tally, first
 
