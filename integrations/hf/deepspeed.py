@@ -53,7 +53,7 @@ __all__ = ["DeepSpeedPart", "batch_for_world", "deepspeed_refusal", "fresh_modul
 _TRAINER = "trainer_state"  # the Trainer's state in a snapshot's meta (JSON text)
 
 
-def deepspeed_refusal(trainer: Any, allow_shrink: bool, on_nonfinite: str = "auto") -> str | None:
+def deepspeed_refusal(trainer: Any, allow_shrink: bool, on_nonfinite: str) -> str | None:
     """Why ``guard_trainer(recover=True)`` cannot recover this DeepSpeed Trainer, or None; read from
     the DeepSpeed config and the Trainer before any step (the engine is built in ``train()``).
 
