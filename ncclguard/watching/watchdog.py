@@ -315,13 +315,14 @@ class Watchdog:
                 self._track.sample()
                 watch.tick_sensors()
                 self._hang_s = watch.learn_hang(self.hang, _launch_rank(self.rank), now)
+                watch.check_hang(self._hang_s)  # before any store call that a slow store holds up
                 if now >= next_beat:
                     next_beat = now + cfg.heartbeat_s
                     watch.publish(self.hang, self._hang_s, _launch_rank(self.rank))
                     watch.read_peers(self._left)
                     views.beat(self, desk)
-                watch.check_hang(self._hang_s)
                 watch.check_peers()
+                watch.raise_found()  # what the store does not take now waits for the next tick
                 self._told.open_in(desk)
                 desk.poll()
                 desk.progress()

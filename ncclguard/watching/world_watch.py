@@ -24,6 +24,7 @@ from ncclguard.watching.base.hang_bound import HangBound, phase_kind
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.desk.desk import IncidentDesk
 from ncclguard.watching.desk.left_behind import LeftBehind, fence_if_left_behind
+from ncclguard.watching.desk.told import Told
 from ncclguard.watching.ladder.actions import Ladder, MainThreadRaiser
 from ncclguard.watching.sensors import detect
 from ncclguard.watching.sensors.backend_watch import BackendWatch
@@ -82,6 +83,9 @@ class WorldWatch:
         self.sensors: list[Sensor] = []
         self._failures: dict[str, int] = {}  # by sensor name: failures in this world
         self.track = track
+        # What this watch found and the store has not taken yet (it timed out): raised again at the
+        # next tick, never dropped (a hang found while the store is slow is still a hang).
+        self.found = Told()
         self.desk = IncidentDesk(config, self.state, self.liveness, ladder, raiser, self.statement, cond, self.story)
         take_over(self.desk, before.desk if before is not None else None, world, config.session)
 
@@ -111,22 +115,23 @@ class WorldWatch:
         return bound
 
     def check_hang(self, hang_s: float) -> None:
-        """Opens an incident for each op of this rank in flight past ``hang_s``, and for each
-        backend op the peers' numbers confirm stuck or out of step."""
-        desk = self.desk
+        """Finds each op of this rank in flight past ``hang_s``, and each backend op the peers'
+        numbers (as last read) confirm stuck or out of step; :meth:`raise_found` raises them. No
+        store call: a slow store holds up no detection."""
         inflight = self.state.inflight()
         found = detect.find_hangs(self.rank, inflight, time.time(), hang_s, self.reported_ops)
         for hang in found:
             assert hang.op_key is not None
             self.reported_ops.add(hang.op_key)
-        if desk.store is not None:  # the peers' backend numbers come through the store
+        if self.desk.store is not None:  # the peers' backend numbers come through the store
             found += self.backend.confirm(self.backend.suspects(inflight))
         for hang in found:
             log.error("watchdog: hang: %s", hang.reason)
-            desk.open(hang)
+            self.found.put(hang)
 
     def check_peers(self) -> None:
-        """Opens an incident for the watched peers whose heartbeat stood still past ``peer_timeout_s``."""
+        """Finds the watched peers whose heartbeat stood still past ``peer_timeout_s`` (as last
+        read); :meth:`raise_found` raises them."""
         desk = self.desk
         if desk.store is None:
             return  # without a store no beat can arrive: silence says nothing about the peers
@@ -137,7 +142,15 @@ class WorldWatch:
         log.error("watchdog: peer lost: %s", lost.reason)
         if any(not c.ladder.settled and c.doc.kind is IncidentKind.PEERS_LOST for c in desk.cases):
             return  # an open lost-incident's merge will list these ranks too
-        desk.open(lost)
+        self.found.put(lost)
+
+    def raise_found(self) -> None:
+        """Raises what this watch found and the store did not take yet, oldest first.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not answer; what was not raised waits.
+        """
+        self.found.open_in(self.desk)
 
     # ----------------------------------------------------------------- each beat
 
@@ -160,7 +173,7 @@ class WorldWatch:
         for sensor in self.sensors:
             found = self._guarded(sensor, partial(sensor.check, peers))
             if found is not None:
-                desk.open(found)
+                self.found.put(found)  # raised by raise_found
         hb = self.state.heartbeat(self.beats)
         for sensor in self.sensors:
             self._guarded(sensor, sensor.tick)

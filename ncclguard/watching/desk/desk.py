@@ -145,6 +145,9 @@ class IncidentDesk:
         self.world: dict[str, Any] = {"generation": 0}
         self._waiting_docs: dict[int, float] = {}
         self._local_count = 0
+        # A raise the store timed out on is tried again at the next tick (world_watch.found), with the
+        # claim's token and the number it already took: a retry must not lose its own claim.
+        self._raising: dict[str, tuple[str, int | None]] = {}
         self.merger = Merger(self)
 
     def close(self) -> None:
@@ -170,19 +173,24 @@ class IncidentDesk:
         if self.store is None:
             self.open_local(det)
             return
-        token = f"{self.rank}:{uuid.uuid4().hex[:8]}"
-        if not self.store.claim(det.signature, token):
-            return  # another rank raised it; poll() picks it up
-        try:
-            n = self.store.number_incident()
-        except StoreRefused as exc:  # the counter holds something else: no number in the store
-            log.error("watchdog: incident counter unusable (%s); handling %s on this rank only", exc, det.signature)
-            self.open_local(det)
-            return
+        token, n = self._raising.setdefault(det.signature, (f"{self.rank}:{uuid.uuid4().hex[:8]}", None))
+        if n is None:
+            if not self.store.claim(det.signature, token):
+                self._raising.pop(det.signature, None)
+                return  # another rank raised it; poll() picks it up
+            try:
+                n = self.store.number_incident()
+            except StoreRefused as exc:  # the counter holds something else: no number in the store
+                self._raising.pop(det.signature, None)
+                log.error("watchdog: incident counter unusable (%s); handling %s on this rank only", exc, det.signature)
+                self.open_local(det)
+                return
+            self._raising[det.signature] = (token, n)
         created = time.time()
         ident = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}-{gen_tag(self.world)}{n:03d}"
         doc = describe(det, self.rank, n, ident, created).model_copy(update=self.world)
         self.store.put_incident(doc)
+        self._raising.pop(det.signature, None)
 
     def open_local(self, det: Detection) -> None:
         """Handles ``det`` on this rank alone."""
