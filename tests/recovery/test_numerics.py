@@ -30,6 +30,7 @@ from ncclguard.recovery._commit.statements import (
     only_nonfinite,
     outcome_limit,
 )
+from ncclguard.recovery._numerics import param_check
 from ncclguard.recovery._numerics.findings import (
     MAX_FLAGGED_BUCKETS,
     MAX_PARAM_NAME_CHARS,
@@ -268,6 +269,31 @@ def test_the_hooks_check_passes_through_what_it_cannot_scan_and_names_the_rest()
     ]
     check.clear()
     assert check.said() == NumericsSaid(checked=0, passed=0)
+
+
+def test_a_parameter_hook_is_put_once_each_and_on_a_parameter_that_came_later():
+    """DeepSpeed's path (param_check): the check hooks each parameter's gradient. A module whose
+    parameters changed (a new engine after a redo) is hooked again, but only where a hook is missing:
+    a second hook on a parameter would scan its gradient twice at every step."""
+    check, module = GradCheck(), torch.nn.Linear(4, 3)
+    assert param_check.install(check, module) == 2 and param_check.carries_every(check, module)
+    module(torch.ones(2, 4)).sum().backward()
+    assert sorted(i for i, _, _ in check._pending) == [0, 1]
+    check.clear()
+    module.scale = torch.nn.Parameter(torch.ones(3))  # a parameter the module did not have
+    assert not param_check.carries_every(check, module)
+    assert param_check.install(check, module) == 3 and param_check.carries_every(check, module)
+    (module(torch.ones(2, 4)) * module.scale).sum().backward()
+    assert sorted(i for i, _, _ in check._pending) == [0, 1, 2]  # each once: no second hook
+    check.clear()
+    module.scale = torch.nn.Parameter(
+        torch.full((3,), float("nan"))
+    )  # replaced: a new tensor, hooked anew; it turns the others NaN
+    assert not param_check.carries_every(check, module)
+    param_check.install(check, module)
+    (module(torch.ones(2, 4)) * module.scale).sum().backward()
+    said = check.said()
+    assert (said.checked, [(f.index, f.params) for f in said.nonfinite]) == (3, [(0, ["weight"]), (1, ["bias"])])
 
 
 # --- in a gloo world of one, in this process --------------------------------------------------------------

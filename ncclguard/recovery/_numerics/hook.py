@@ -127,6 +127,7 @@ class GradCheck:
         self._names: dict[int, str] = {}
         self._reasons_said: set[str] = set()
         self._on: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the wrappers that carry the hook
+        self.hooked: dict[int, weakref.ref[torch.Tensor]] = {}  # the parameters with a hook of their own (param_check)
 
     def install(self, model: torch.nn.Module, module: torch.nn.Module) -> None:
         """Registers the hook on ``model`` (a ``DistributedDataParallel`` of ``module`` with no hook
@@ -154,13 +155,6 @@ class GradCheck:
     def carries(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` carries this check's hook (a wrapper re-pointed in place keeps it)."""
         return model in self._on
-
-    def names_every(self, module: torch.nn.Module) -> bool:
-        """Whether each parameter of ``module`` that takes a gradient is one this check names: false
-        for a module whose parameters were replaced in place (the HF Trainer's new DeepSpeed engine
-        after a redo, :func:`~ncclguard.integrations.hf.deepspeed.renew_in_place`), whose new
-        parameters carry no hook yet."""
-        return all(id(p) in self._names for p in module.parameters() if p.requires_grad)
 
     def clear(self) -> None:
         """Forgets the scans noted so far (a new attempt starts)."""

@@ -18,7 +18,14 @@ import torch
 
 from ncclguard.recovery._numerics.hook import GradCheck
 
-__all__ = ["install"]
+__all__ = ["carries_every", "install"]
+
+
+def _carries(check: GradCheck, param: torch.Tensor) -> bool:
+    # A weak reference, not the ``id`` alone: a new parameter at a dead one's address is not hooked.
+    # Not an attribute on the parameter: ``copy.deepcopy`` and ``torch.save`` of a module copy those.
+    ref = check.hooked.get(id(param))
+    return ref is not None and ref() is param
 
 
 class _Scan:
@@ -34,7 +41,8 @@ class _Scan:
 
 
 def install(check: GradCheck, module: torch.nn.Module) -> int:
-    """Puts the check on every parameter of ``module`` that takes a gradient.
+    """Puts the check on every parameter of ``module`` that takes a gradient and does not carry it
+    yet (a second hook would scan its gradient twice).
 
     Args:
         check: the engine's check (its findings named from ``module``'s parameter names).
@@ -44,8 +52,19 @@ def install(check: GradCheck, module: torch.nn.Module) -> int:
         How many parameters carry it (0: none takes a gradient; nothing is checked).
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    check.hooked = {k: ref for k, ref in check.hooked.items() if ref() is not None}  # the dead let go
     for index, (_, param) in enumerate(named):
+        if _carries(check, param):
+            continue
         param.register_hook(_Scan(check, index, param))
+        check.hooked[id(param)] = weakref.ref(param)
     if named:
         check.watch(module, {id(p): name for name, p in named})
     return len(named)
+
+
+def carries_every(check: GradCheck, module: torch.nn.Module) -> bool:
+    """Whether each parameter of ``module`` that takes a gradient carries ``check``'s hook: false for a
+    module whose parameters were replaced in place (the HF Trainer's new DeepSpeed engine after a redo,
+    :func:`~ncclguard.integrations.hf.deepspeed.renew_in_place`)."""
+    return all(_carries(check, p) for p in module.parameters() if p.requires_grad)

@@ -182,7 +182,7 @@ class NonFiniteWatch:
         """
         if self.check is None:
             return False
-        if self.check.carries(module) and self.check.names_every(module):
+        if self.check.carries(module) and param_check.carries_every(self.check, module):
             return True
         if self.policy == "auto":
             self.unchecked(
