@@ -322,11 +322,7 @@ class Watchdog:
                     watch.read_peers(self._left)
                     views.beat(self, desk)
                 watch.check_peers()
-                watch.raise_found()  # what the store does not take now waits for the next tick
-                self._told.open_in(desk)
-                desk.poll()
-                desk.progress()
-                desk.store_back()  # a store that stopped answering, asked again
+                watch.tend(self._told, now)
                 slow_store = False
             except StoreUnreachable as exc:
                 desk.store_gone(exc)

@@ -86,6 +86,7 @@ class WorldWatch:
         # What this watch found and the store has not taken yet (it timed out): raised again at the
         # next tick, never dropped (a hang found while the store is slow is still a hang).
         self.found = Told()
+        self.reads_failing = False  # the last read of the peers' heartbeats timed out
         self.desk = IncidentDesk(config, self.state, self.liveness, ladder, raiser, self.statement, cond, self.story)
         take_over(self.desk, before.desk if before is not None else None, world, config.session)
 
@@ -133,8 +134,8 @@ class WorldWatch:
         """Finds the watched peers whose heartbeat stood still past ``peer_timeout_s`` (as last
         read); :meth:`raise_found` raises them."""
         desk = self.desk
-        if desk.store is None:
-            return  # without a store no beat can arrive: silence says nothing about the peers
+        if desk.store is None or self.reads_failing:
+            return  # no beat can arrive through a store that does not answer: silence says nothing
         hosts = {r: node_name(hb.host, hb.address) for r, hb in self.liveness.heartbeats().items()}
         lost = detect.find_lost(self.liveness.newly_stale(time.monotonic()), hosts)
         if lost is None:
@@ -143,6 +144,26 @@ class WorldWatch:
         if any(not c.ladder.settled and c.doc.kind is IncidentKind.PEERS_LOST for c in desk.cases):
             return  # an open lost-incident's merge will list these ranks too
         self.found.put(lost)
+
+    def tend(self, told: Told, now: float) -> None:
+        """The desk's part of a tick: raises what was found (:meth:`raise_found`) and what another
+        thread told, reads the incidents raised (when due), merges and climbs, and asks a store that
+        stopped answering again.
+
+        Args:
+            told: what the training thread told the watchdog to raise.
+            now: ``time.monotonic()``.
+
+        Raises:
+            StoreTimeout, StoreUnreachable: the store did not answer; what was not raised waits.
+        """
+        desk = self.desk
+        self.raise_found()
+        told.open_in(desk)
+        if desk.poll_due(now):
+            desk.poll()
+        desk.progress()
+        desk.store_back()
 
     def raise_found(self) -> None:
         """Raises what this watch found and the store did not take yet, oldest first.
@@ -198,7 +219,9 @@ class WorldWatch:
         try:
             beats = desk.store.read_heartbeats(self.liveness.watched)
         except StoreTimeout:
+            self.reads_failing = True
             return
+        self.reads_failing = False
         for r in self.liveness.observe(beats, now := time.monotonic()):
             log.warning("watchdog: rank %d is beating again", r)
         fence_if_left_behind(left, desk.store, self.rank, self.generation, now, bool(self.liveness.stale(now)))

@@ -18,6 +18,7 @@ from ncclguard.incidents.model import Heartbeat, IncidentKind, OpRecord, Stateme
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore
 from ncclguard.watching.desk import merging
+from ncclguard.watching.desk.cases import op_resolved
 from ncclguard.watching.desk.desk import IncidentDesk, blocked_in
 from ncclguard.watching.ladder.actions import Ladder, build_ladder
 from ncclguard.watching.sensors.detect import Detection
@@ -152,14 +153,14 @@ def test_a_resolved_hang_is_seen_by_the_other_ranks(tmp_path):
     d[0].open(HANG)
     for desk in d:
         desk.poll()
-    assert not d[1].resolved(d[1].cases[0])
+    assert not op_resolved(d[1].cases[0], d[1].state, d[1].store)
     d[0].state.done_ops.add(("0", 5))  # type: ignore[attr-defined]
-    assert d[0].resolved(d[0].cases[0])
-    assert d[1].resolved(d[1].cases[0])  # through the store
+    assert op_resolved(d[0].cases[0], d[0].state, d[0].store)
+    assert op_resolved(d[1].cases[0], d[1].state, d[1].store)  # through the store
     lost = Detection(IncidentKind.PEERS_LOST, "no heartbeat from rank 2", "lost/2", ranks=(2,))
     d[0].open(lost)
     d[0].poll()
-    assert not d[0].resolved(d[0].cases[1])  # a lost rank never resolves
+    assert not op_resolved(d[0].cases[1], d[0].state, d[0].store)  # a lost rank never resolves
 
 
 class GoneStore:
@@ -268,13 +269,14 @@ def test_a_backend_desync_resolves_once_the_rank_moves_past_its_number(tmp_path)
     for desk in d:
         desk.poll()
     case = d[0].cases[0]
-    assert case.doc.op_key is None and not d[0].resolved(case)
+    assert case.doc.op_key is None and not op_resolved(case, d[0].state, d[0].store)
     # Waiting at #9, with nothing recorded in Python: the raise rung sees the C++ op.
     assert blocked_in(case.doc, d[0].state) == OpRecord(seq=9, op="gloo:all_reduce", group="0", start=case.doc.created)
     d[1].state.seqs["0"] = 8  # type: ignore[attr-defined]
     assert blocked_in(d[1].cases[0].doc, d[1].state) is None  # behind: not in the op
     d[0].state.seqs["0"] = 10  # type: ignore[attr-defined]
-    assert d[0].resolved(case) and d[2].resolved(d[2].cases[0])  # the other ranks learn it through the store
+    assert op_resolved(case, d[0].state, d[0].store)
+    assert op_resolved(d[2].cases[0], d[2].state, d[2].store)  # the other ranks learn it through the store
 
 
 def test_the_stores_host_is_named_with_the_ranks_last_seen_there():
@@ -347,3 +349,24 @@ def test_a_numerical_finding_told_by_each_rank_is_one_incident_resolved_at_once_
         "  rank 1: NaN in bucket 0 (fc.weight)\n  ranks 0,2: finite\n"
         in (tmp_path / case.doc.id / "summary.txt").read_text()
     )
+
+
+def test_the_incident_counter_is_read_each_half_beat_and_at_each_tick_while_something_happens(tmp_path):
+    """Read at every tick, the counter was 10 of a healthy rank's 13 store requests a beat. Now half a
+    beat apart (0.05 s here), and at once after a raise, a lost claim, and while an incident is open."""
+    d = desks(tmp_path)  # heartbeat_s 0.1: every half beat is 0.05 s
+    assert d[0].poll_due(100.0) and not d[0].poll_due(100.01) and not d[0].poll_due(100.04)
+    assert d[0].poll_due(100.06)  # half a beat later
+    assert d[1].poll_due(100.0) and not d[1].poll_due(100.01)
+    d[1].open(HANG)  # raised by rank 1: read back (handled) at this tick
+    assert d[1].poll_due(100.02)
+    d[1].poll()
+    assert [c.doc.kind for c in d[1].cases] == [IncidentKind.HANG]
+    assert d[1].poll_due(100.03) and d[1].poll_due(100.031)  # open: every tick
+    assert not d[0].poll_due(100.07)
+    d[0].open(HANG)  # the same hang, claimed by rank 1 already: read it now, not half a beat later
+    assert d[0].poll_due(100.071)
+    d[0].poll()
+    assert [c.doc.n for c in d[0].cases] == [1]
+    for desk in d:
+        desk.close()

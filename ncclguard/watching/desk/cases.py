@@ -4,6 +4,7 @@ and what the store says of its report. Nothing is written outside ``incident_dir
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.rank_state import RankState
 
 __all__ = ["Case", "blocked_in", "describe", "incident_path", "past_op", "stale_from_statements"]
-__all__ += ["MAX_NEW_INCIDENTS", "gen_tag", "mark_fenced", "merged_note", "write_report"]
+__all__ += ["MAX_NEW_INCIDENTS", "CounterReads", "gen_tag", "mark_fenced", "merged_note", "op_resolved", "write_report"]
 
 _BACKEND_KINDS = (IncidentKind.BACKEND_DESYNC, IncidentKind.BACKEND_STUCK)  # numbered by the backend
 _REPORTS = (IncidentKind.STRAGGLER, IncidentKind.SENSOR, IncidentKind.NUMERICS)  # never a rung past report
@@ -148,6 +149,51 @@ def past_op(doc: IncidentDoc, state: RankState) -> bool | None:
     if doc.kind in _BACKEND_KINDS and doc.group is not None and doc.seq is not None:
         return (state.backend_seq() or {}).get(doc.group, -1) > doc.seq
     return None
+
+
+def op_resolved(case: Case, state: RankState, store: WatchdogStore | None) -> bool:
+    """True once the op of a hang or desync incident completed somewhere (never for lost ranks):
+    here (then marked in the store, for the others) or on a rank that marked it."""
+    passed = past_op(case.doc, state)
+    if passed is None:
+        return False
+    if passed:
+        if not case.local and store is not None:
+            with contextlib.suppress(StoreTimeout, StoreUnreachable):
+                store.set_mark(store.keys.resolved(case.doc.n))
+        return True
+    if case.local or store is None:
+        return False
+    try:
+        return store.has_mark(store.keys.resolved(case.doc.n))
+    except (StoreTimeout, StoreUnreachable):
+        return False
+
+
+class CounterReads:
+    """When the watchdog reads the store's incident counter: at every tick while something happens
+    (an incident of this rank open, one just raised here or by another rank), else every half beat,
+    at most a quarter of ``merge_wait_s``. Read at every tick, the counter was 10 of a healthy rank's
+    13 store requests a beat (``benchmarks/watchdog_scale.py``); a rank an incident is about learns
+    it at most half a beat late, well within the merge's wait.
+
+    Args:
+        every: the seconds between reads while nothing happens.
+    """
+
+    def __init__(self, every: float) -> None:
+        self.every, self._at = every, 0.0
+
+    def now(self) -> None:
+        """Has the next tick read it (an incident was just raised)."""
+        self._at = 0.0
+
+    def due(self, now: float, busy: bool) -> bool:
+        """Whether to read it at this tick (``now``: ``time.monotonic()``; ``busy``: something is open)."""
+        if now < self._at and not busy:
+            return False
+        self._at = now + self.every
+        return True
 
 
 def blocked_in(doc: IncidentDoc, state: RankState) -> OpRecord | None:

@@ -16,7 +16,6 @@ holds a case and its files, :mod:`~ncclguard.watching.desk.merging` the merge.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -44,12 +43,14 @@ from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
 from ncclguard.watching.desk.cases import (
     MAX_NEW_INCIDENTS,
     Case,
+    CounterReads,
     blocked_in,
     describe,
     gen_tag,
     incident_path,
     mark_fenced,
     merged_note,
+    op_resolved,
     past_op,
     stale_from_statements,
     write_report,
@@ -148,6 +149,7 @@ class IncidentDesk:
         # A raise the store timed out on is tried again at the next tick (world_watch.found), with the
         # claim's token and the number it already took: a retry must not lose its own claim.
         self._raising: dict[str, tuple[str, int | None]] = {}
+        self.counter_reads = CounterReads(min(config.heartbeat_s / 2, config.merge_wait / 4))
         self.merger = Merger(self)
 
     def close(self) -> None:
@@ -177,7 +179,8 @@ class IncidentDesk:
         if n is None:
             if not self.store.claim(det.signature, token):
                 self._raising.pop(det.signature, None)
-                return  # another rank raised it; poll() picks it up
+                self.counter_reads.now()  # another rank raised it: read it at this tick
+                return
             try:
                 n = self.store.number_incident()
             except StoreRefused as exc:  # the counter holds something else: no number in the store
@@ -191,6 +194,7 @@ class IncidentDesk:
         doc = describe(det, self.rank, n, ident, created).model_copy(update=self.world)
         self.store.put_incident(doc)
         self._raising.pop(det.signature, None)
+        self.counter_reads.now()  # handled, as on every rank, once read back: at this tick
 
     def open_local(self, det: Detection) -> None:
         """Handles ``det`` on this rank alone."""
@@ -243,6 +247,11 @@ class IncidentDesk:
         return True
 
     # ----------------------------------------------------------------- handling
+
+    def poll_due(self, now: float) -> bool:
+        """Whether the watchdog reads the incident counter (:meth:`poll`) at this tick (:class:`CounterReads`)."""
+        busy = not all(c.ladder.settled for c in self.cases) or bool(self._waiting_docs)
+        return self.counter_reads.due(now, busy)
 
     def poll(self) -> None:
         """Handles the incidents numbered in the store since the last poll."""
@@ -362,23 +371,6 @@ class IncidentDesk:
 
     # ----------------------------------------------------------------- the ladder
 
-    def resolved(self, case: Case) -> bool:
-        """True once the op of a hang or desync incident completed somewhere (never for lost ranks)."""
-        passed = past_op(case.doc, self.state)
-        if passed is None:
-            return False
-        if passed:
-            if not case.local and self.store is not None:
-                with contextlib.suppress(StoreTimeout, StoreUnreachable):
-                    self.store.set_mark(self.store.keys.resolved(case.doc.n))
-            return True
-        if case.local or self.store is None:
-            return False
-        try:
-            return self.store.has_mark(self.store.keys.resolved(case.doc.n))
-        except (StoreTimeout, StoreUnreachable):
-            return False
-
     def _act(self, case: Case, action: Action, step: Step) -> Outcome:
         def save(outcome: Outcome) -> None:
             step.outcome = outcome
@@ -393,7 +385,10 @@ class IncidentDesk:
         state = case.ladder
         following = self.ladder.names[state.rung + 1] if state.rung + 1 < len(self.ladder.names) else ""
         result = self.ladder.climb(
-            state, time.monotonic(), lambda: self.resolved(case), lambda a, s: self._act(case, a, s)
+            state,
+            time.monotonic(),
+            lambda: op_resolved(case, self.state, self.store),
+            lambda a, s: self._act(case, a, s),
         )
         if result == "waiting":
             return
