@@ -34,8 +34,8 @@ HANG_S = 4.0
 # max_report_wait.
 REPORT_GUARD_S = 60.0
 # The requests per beat at 128 ranks over those at 32: equal by the protocol (watch_peers = 16 peers
-# read per beat, one counter read per tick; per second, 1.00 at 256 and 0.92 at 1,024 ranks against
-# 64, benchmarks/results/watchdog_scale.json). Reading every peer would make it about 4x; 2x leaves a
+# read per beat, the incident counter read every half beat; per second, 1.00 at 256 and 0.92 at 1,024
+# ranks against 64, benchmarks/results/watchdog_scale.json, before the counter was read less often). Reading every peer would make it about 4x; 2x leaves a
 # loaded machine room while still telling flat from growing.
 RATE_FACTOR = 2.0
 SIZES = (32, 128)
