@@ -27,6 +27,10 @@ from ncclguard.collectives.all_reduce import CollectiveResult
 from ncclguard.collectives.barrier import BarrierResult
 from ncclguard.recording.flight import recorder
 
+# The deadline of the calls that must fail at once (a mismatch told by the cross-rank check): long, so
+# that a call ended by its deadline instead can never pass the test's bound (a third of it).
+AT_ONCE_DEADLINE_S = 30.0
+
 
 def barrier_at_a(**kw: Any) -> BarrierResult:
     return safe_barrier(**kw)
@@ -136,9 +140,9 @@ def alignment() -> None:
     # Different kinds in one round: both ranks are told at once, nothing moves.
     t0 = time.monotonic()
     if r == 0:
-        res: Any = barrier_at_a(timeout=10)
+        res: Any = barrier_at_a(timeout=AT_ONCE_DEADLINE_S)
     else:
-        res = all_reduce_at_c(torch.ones(3), verify=True, timeout=10)
+        res = all_reduce_at_c(torch.ones(3), verify=True, timeout=AT_ONCE_DEADLINE_S)
     put("kinds", outcome(res, t0))
     # ... and a later call made at the same point by both works.
     t = torch.full((3,), float(r + 1))
@@ -161,7 +165,7 @@ def alignment() -> None:
     else:
         rankkit.wait_for("extra", at_least_s=1.5)  # after rank 0 gave that round up, however late
         t0 = time.monotonic()
-        put("extra_victim", outcome(all_reduce_at_c(torch.ones(2), verify=True, timeout=10), t0))
+        put("extra_victim", outcome(all_reduce_at_c(torch.ones(2), verify=True, timeout=AT_ONCE_DEADLINE_S), t0))
     t = torch.full((2,), float(r + 1))
     put("extra_then", {"ok": bool(all_reduce_at_c(t, verify=True, timeout=10)), "value": t.tolist()})
 
