@@ -124,4 +124,5 @@ def test_a_raise_the_store_refuses_for_good_is_handled_on_this_rank(tmp_path):
     watch.raise_found()
     kinds = [c.doc.kind for c in watch.desk.cases]
     assert kinds == [IncidentKind.STORE_GONE, IncidentKind.HANG], kinds
+    assert watch.desk._raising == {}  # the claim begun in the store that went is not kept
     watch.desk.close()

@@ -173,6 +173,7 @@ class IncidentDesk:
             StoreTimeout, StoreUnreachable: the store did not answer.
         """
         if self.store is None:
+            self._raising.pop(det.signature, None)  # a claim left in a store that went is not taken up again
             self.open_local(det)
             return
         token, n = self._raising.setdefault(det.signature, (f"{self.rank}:{uuid.uuid4().hex[:8]}", None))
