@@ -51,7 +51,7 @@ fi
 
 if on tests; then
   say "3. the tests that skip without CUDA"
-  timeout -k 5 90 $py -m pytest -q -p no:cacheprovider -o addopts="" tests/watching/test_watching_nccl.py 2>&1 | tail -n 30 | tee -a "$log"
+  timeout -k 5 90 $py -m pytest -q -p no:cacheprovider -o addopts="" tests/watching/test_watching_nccl.py tests/recovery/test_host_memory.py 2>&1 | tail -n 30 | tee -a "$log"
 fi
 if on snapshot; then
   say "4. snapshots of CUDA state through pinned memory"

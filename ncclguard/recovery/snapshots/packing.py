@@ -32,6 +32,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard.errors import HealFailed, SnapshotDamaged
+from ncclguard.recovery.snapshots.host_memory import host_buffer
 from ncclguard.recovery.snapshots.state import OwnState
 from ncclguard.store.codec import DecodeError, decode
 
@@ -184,7 +185,7 @@ def pack(state: OwnState, step: int, rank: int, reuse: torch.Tensor | None = Non
     if reuse is not None and reuse.numel() == offset:
         payload = reuse
     else:  # pinned where a GPU sends: a pageable copy from a GPU is synchronous and slower
-        payload = torch.empty(offset, dtype=torch.uint8, pin_memory=cuda)
+        payload = host_buffer(offset, pinned=cuda)
     pieces = _Pieces(payload)
     stream = torch.cuda.Stream() if cuda else None
     if stream is not None:
