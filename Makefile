@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test drills lint bench clean
 
 install: $(STAMP)
 
@@ -41,7 +41,11 @@ demo: $(STAMP)
 # hundreds of rank processes would otherwise compile ncclguard and the workers from source again.
 test: $(STAMP)
 	$(PY) -m compileall -q ncclguard integrations autostart tests
-	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m "not drill" $(PYTEST_ARGS)
+
+# The longer variants (marked drill): each has its short form in `make test` (tests/README.md).
+drills: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m drill $(PYTEST_ARGS)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)

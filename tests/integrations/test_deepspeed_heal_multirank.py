@@ -74,6 +74,10 @@ def test_a_killed_zero3_rank_is_restored_from_its_buddy_and_every_rank_ends_bit_
         assert job[r]["digest"] == reference  # the full (gathered) parameters, bit for bit
 
 
+# A drill (`make drills`): a whole ZeRO-3 host lost and restored from the other host's replicas stays in
+# the suite through the Trainer (tests/integrations/test_hf_bitequal_multirank.py, the ``host`` launch),
+# on the same placement and restore code.
+@pytest.mark.drill
 def test_a_whole_host_of_zero3_ranks_lost_is_restored_from_the_replicas_on_the_other_host(host_job):
     assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
     holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1

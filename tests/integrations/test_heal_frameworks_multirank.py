@@ -70,6 +70,10 @@ def hf_job():
     return run_ranks("heal_frameworks_worker", 3, "hf", supervise=supervise, timeout_s=400)
 
 
+# A drill (`make drills`): a killed rank of the Trainer on DDP healed from a live peer stays in the
+# suite, checked bit-equal to a run without the fault step by step, in
+# tests/integrations/test_hf_bitequal_multirank.py (``ddp``); the warm spare, in this module's other two.
+@pytest.mark.drill
 def test_a_killed_rank_heals_inside_the_hf_trainer_with_its_defaults(hf_job):
     killed_and_healed(hf_job)
     for r in range(3):

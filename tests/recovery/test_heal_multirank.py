@@ -55,6 +55,11 @@ def twice_job():
     return run_ranks("heal_worker", 3, "twice", launcher="spawn", restarts=2, restart_on=[-9], timeout_s=360)
 
 
+# A drill (`make drills`): a rank restarted from its warm spare by its supervisor under torchrun and
+# healed, bit-equal to the run without the fault, stays in the suite in the failure drill's short
+# form (tests/recovery/test_failure_drill.py, its ``spare`` mode) and in
+# tests/integrations/test_heal_frameworks_multirank.py.
+@pytest.mark.drill
 def test_under_torchrun_a_supervisor_restarts_the_rank_alone_from_its_warm_spare_and_it_is_healed(torchrun_job):
     assert "ncclguard.supervise: the rank (pid " in torchrun_job.output
     assert "exited -9; restart 1 of 1" in torchrun_job.output
