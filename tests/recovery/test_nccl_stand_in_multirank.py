@@ -13,11 +13,12 @@ an op in flight). The same scenarios as on gloo, with the stand-in's env added a
 ``held`` tests/workers/held_worker.py: rank 2 SIGKILLed at step 4 while rank 0 waits on live rank 1
     in a pair group's all_reduce; the survivors' release aborts (never a plain cut), rank 0's op
     fails, the step is redone on the full world and the three end equal.
-``stall`` tests/workers/recovering_worker.py ``stall``: DDP, a 6 s step bound, rank 2 asleep 10 s in step 2;
-    no watchdog. The bound's timer aborts the groups (NCCL's step bound; on gloo the groups' own
-    timeout would be lowered instead), every rank redoes step 2 on a rebuilt world, bit-equal to the
-    fault-free run.
-``fsdp2-stall`` the same with the module sharded by FSDP2 and Adam: redone on a module sharded again.
+``stall`` tests/workers/recovering_worker.py ``stall`` then ``fsdp2``, one launch, the two scenarios on the
+    same process group. First DDP, a 6 s step bound, rank 2 asleep 10 s in step 2; no watchdog. The
+    bound's timer aborts the groups (NCCL's step bound; on gloo the groups' own timeout would be
+    lowered instead), every rank redoes step 2 on a rebuilt world (generation 1), bit-equal to the
+    fault-free run. Then the same with the module sharded by FSDP2 and Adam, from generation 1 where
+    the first left the world: redone in generation 2 on a module sharded again.
 ``fsdp2`` tests/workers/sharded_heal_worker.py ``kill``: FSDP2 on 3 ranks, rank 1 SIGKILLed inside
     its snapshot take; restored from its buddy's replica, every rank bit-equal to the fault-free run.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import pytest
 from harness import run_ranks
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]  # past each launch's own hang guard
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(540)]  # past each launch's own hang guard
 
 STAND_IN = {"NCCLGUARD_NCCL_STAND_IN": "1"}
 
@@ -52,14 +53,9 @@ def held_job():
 
 @pytest.fixture(scope="module")
 def stall_job():
-    # As tests/recovery/test_recovering_multirank.py's stall launch (15-25 s here). Hang guard 240 s.
-    return run_ranks("recovering_worker", 3, "stall", timeout_s=240, env=STAND_IN)
-
-
-@pytest.fixture(scope="module")
-def fsdp2_stall_job():
-    # As tests/recovery/test_recovering_multirank.py's fsdp2 launch (15-25 s here). Hang guard 240 s.
-    return run_ranks("recovering_worker", 3, "fsdp2", timeout_s=240, env=STAND_IN)
+    # As tests/recovery/test_recovering_multirank.py's first launch, its stall and fsdp2 scenarios only
+    # (27 s here; they were two launches of 16-17 s). Hang guard: the two launches' 240 s, summed.
+    return run_ranks("recovering_worker", 3, "stall", "fsdp2", timeout_s=480, env=STAND_IN)
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +123,19 @@ def test_a_survivor_held_by_a_live_peer_is_released_by_an_abort_and_the_full_wor
     assert all((e["rank"], e["state"]) == (2, "dead") for e in released), released
 
 
-@pytest.mark.parametrize("launch", ["stall_job", "fsdp2_stall_job"])
-def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(launch, request):
+# The launch's scenario and the generation its fault-free run is on: fsdp2 starts where stall left the
+# world (its redone step 2 on generation 1), so its own fault-free run is on 1 and its redone step on 2.
+@pytest.mark.parametrize(("scenario", "start"), [("stall", 0), ("fsdp2", 1)], ids=["stall", "fsdp2"])
+def test_a_step_past_its_bound_is_aborted_by_the_timer_and_redone_bit_equal(scenario, start, stall_job):
     """DDP, then FSDP2 (full parameters and Adam's state compared)."""
-    job = request.getfixturevalue(launch)
     k = 2  # the worker's stalled step
     for r in range(3):
-        res = job[r]
+        res = stall_job[r][scenario]
         # The fault-free run first: every step at its first attempt, no rebuild.
-        assert [(s["ok"], s["attempts"], s["generation"]) for s in res["reference_results"]] == [(True, 1, 0)] * 5
+        assert [(s["ok"], s["attempts"], s["generation"]) for s in res["reference_results"]] == [(True, 1, start)] * 5
         steps = res["results"]
         assert [s["ok"] for s in steps] == [True] * 5 and [s["attempts"] for s in steps] == [1, 1, 2, 1, 1]
-        assert steps[k]["generation"] == 1 and steps[k]["commits"] == [[False, [0, 1, 2]], [True, []]], steps[k]
+        assert steps[k]["generation"] == start + 1 and steps[k]["commits"] == [[False, [0, 1, 2]], [True, []]], steps[k]
         assert res["equal_to_reference"] is True and res["equal_across_ranks"] is True
         assert res["final"] == [r, 3]
         # The bound acted by its timer's abort, not by a lowered gloo timeout.

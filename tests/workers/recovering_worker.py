@@ -1,19 +1,27 @@
-"""Rank side of tests/recovery/test_recovering_multirank.py. Usage: recovering_worker.py SCENARIO.
+"""Rank side of tests/recovery/test_recovering_multirank.py (and of the NCCL stand-in's
+tests/recovery/test_nccl_stand_in_multirank.py). Usage: recovering_worker.py SCENARIO [SCENARIO ...].
 
-``stall`` (torchrun, 3 ranks): a fault-free DDP run of STEPS steps, then the same run from the same
-start through RecoveringStep with rank 2 stalled past the step bound at step K: every rank
-redoes step K in generation 1, and the parameters end bit-equal to the fault-free run's.
+``stall``, ``handshake`` and ``fsdp2`` (torchrun, 3 ranks) run one after another in one launch, in
+the order given, on the same process group: the world's generation grows across them (each redone
+step is on a later generation than the scenario before left it), the loop's step numbers grow across
+every run, and each scenario's results are saved under its own name. ``stall`` and ``handshake``
+compare with one fault-free DDP run of STEPS steps, made once, before the first of them.
 
-``fsdp2`` (torchrun, 3 ranks): ``stall`` with the module sharded by FSDP2 (``ncclguard.FSDP2``,
-each Linear then the root) and Adam: step K is redone on a world whose module was sharded again
-from each rank's shards; the full parameters and Adam's state end bit-equal to the fault-free run.
+``stall``: after that fault-free run, the same run from the same start through RecoveringStep with
+rank 2 stalled past the step bound at step K: every rank redoes step K in the next generation, and
+the parameters end bit-equal to the fault-free run's.
 
-``shrink`` (torchrun, 3 ranks): rank 2 is stuck for good at step K (it sleeps until the survivors
-are done, then finds itself left out and exits 0); ranks 0-1 go on in a world of 2.
+``handshake``: ``stall``'s fault-free run, then rank 2 raising in step K's first attempt and rank 1's
+handshake into the rebuilt world failing once: no rank commits alone, every rank rebuilds again, and
+step K is redone two generations on, bit-equal to the fault-free run.
 
-``handshake`` (torchrun, 3 ranks): ``stall``'s runs with rank 2 raising in step K's first attempt
-and rank 1's handshake into the rebuilt world failing once: no rank commits alone, every rank
-rebuilds again, and step K is redone in generation 2, bit-equal to the fault-free run.
+``fsdp2``: ``stall`` with the module sharded by FSDP2 (``ncclguard.FSDP2``, each Linear then the
+root) and Adam, its own fault-free run first: step K is redone on a world whose module was sharded
+again from each rank's shards; the full parameters and Adam's state end bit-equal to the fault-free run.
+
+``shrink`` (torchrun, 3 ranks, alone in its launch: rank 2 ends in it): rank 2 is stuck for good at
+step K (it sleeps until the survivors are done, then finds itself left out and exits 0); ranks 0-1
+go on in a world of 2.
 """
 
 from __future__ import annotations
@@ -100,9 +108,11 @@ def train(
     wait_s: float | None = None,
 ) -> tuple[RecoveringStep, list[dict[str, Any]]]:
     module = make_module()
-    # The commit waits for the stalled rank (10 s, then its own failure) unless it is stuck for good.
-    if wait_s is None:
-        wait_s = 20 if shrink else 60
+    # The commit waits for the stalled rank (10 s, then its own failure). One stuck for good (shrink)
+    # is given up at the commit's 8 s, and the rebuild waits 20 s for it before going on without it.
+    commit_s, rebuild_s = (8.0, 20.0) if shrink else (60.0, 60.0)
+    if wait_s is not None:
+        commit_s = rebuild_s = wait_s
     opt: torch.optim.Optimizer
     if fsdp2:
         opt = torch.optim.Adam(module.parameters(), lr=0.05)
@@ -113,8 +123,8 @@ def train(
         opt,
         wrap=FSDP2(shard_layers) if fsdp2 else (recorded_ddp if shrink else None),
         collective_timeout=STEP_BOUND_S,
-        commit_timeout=wait_s,
-        rebuild_timeout=wait_s,
+        commit_timeout=commit_s,
+        rebuild_timeout=rebuild_s,
         allow_shrink=shrink,
     )
     me = int(os.environ["RANK"])
@@ -124,7 +134,7 @@ def train(
         put("results", [*results, {"left_out": True, "error": type(change.error).__name__, **event_of(change)}])
         rankkit.save()
 
-    # The world's one hook, for this run only (a process trains twice: the reference, then the run).
+    # The world's one hook, for this run only (a process trains more than once: references, then runs).
     unsubscribe = subscribe(left_out, kinds=("left_out",))
     try:
         _steps(stepper, results, me, stall_at, stall, base)
@@ -187,40 +197,64 @@ def fsdp2_refusals() -> list[str]:
     return said
 
 
-def stall(fsdp2: bool = False) -> None:
-    rankkit.init(timeout_s=60)
+class Launch:
+    """What the scenarios of one launch share: the loop's step number, growing across every run (a
+    commit's step must grow), and the fault-free DDP run that ``stall`` and ``handshake`` compare with."""
+
+    def __init__(self) -> None:
+        self.steps_run = 0
+        self._ddp: tuple[list[dict[str, Any]], torch.Tensor] | None = None
+
+    def base(self) -> int:
+        """The first loop step of the next run of STEPS steps."""
+        self.steps_run += STEPS
+        return self.steps_run - STEPS
+
+    def ddp_reference(self) -> tuple[list[dict[str, Any]], torch.Tensor]:
+        """The fault-free DDP run's step results and final parameters, run at the first call only."""
+        if self._ddp is None:
+            reference, ref_results = train(stall_at=None, base=self.base())
+            self._ddp = ref_results, flat(reference.module)
+        return self._ddp
+
+
+def stall(launch: Launch, fsdp2: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    reference_model = None
     if fsdp2:
-        put("refusals", fsdp2_refusals())
-    reference, ref_results = train(stall_at=None, fsdp2=fsdp2)
-    put("reference_results", ref_results)
-    # Read now: the reference's FSDP2 shards are gathered over this world's group, gone after a rebuild.
-    theirs = full_state(reference) if fsdp2 else flat(reference.module)
-    reference_model = reference.model
-    del reference
+        out["refusals"] = fsdp2_refusals()
+        reference, ref_results = train(stall_at=None, base=launch.base(), fsdp2=True)
+        # Read now: the reference's FSDP2 shards are gathered over this world's group, gone after a rebuild.
+        theirs, reference_model = full_state(reference), reference.model
+        del reference
+    else:
+        ref_results, theirs = launch.ddp_reference()
+    out["reference_results"] = ref_results
     t0 = time.monotonic()
-    stepper, results = train(stall_at=K, stall=lambda: rankkit.stall(2, STALL_S), base=STEPS, fsdp2=fsdp2)
-    put("results", results)
-    put("faulty_s", time.monotonic() - t0)
+    stepper, results = train(stall_at=K, stall=lambda: rankkit.stall(2, STALL_S), base=launch.base(), fsdp2=fsdp2)
+    out["results"] = results
+    out["faulty_s"] = time.monotonic() - t0
     bound = stepper.engine.bound  # how the step bound acted: gloo lowers timeouts, NCCL's rules abort
-    put("step_bound", {"aborted": bound.aborted, "lowered": bound.lowered})
+    out["step_bound"] = {"aborted": bound.aborted, "lowered": bound.lowered}
     if fsdp2:
         mine = full_state(stepper)
-        put("module_is_new", stepper.model is not reference_model and stepper.module is stepper.model)
-        put("sharded", sorted({type(p).__name__ for p in stepper.model.parameters()}))
+        out["module_is_new"] = stepper.model is not reference_model and stepper.module is stepper.model
+        out["sharded"] = sorted({type(p).__name__ for p in stepper.model.parameters()})
     else:
         mine = flat(stepper.module)
     del reference_model
-    compare(mine, theirs)
-    rankkit.done()
+    return {**out, **compare(mine, theirs)}
 
 
-def compare(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+def compare(mine: torch.Tensor, theirs: torch.Tensor) -> dict[str, Any]:
     """This rank's state against the fault-free run's and every rank's, and where it ended."""
-    put("equal_to_reference", torch.equal(mine, theirs))
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    put("equal_across_ranks", all(torch.equal(everyone[0], t) for t in everyone))
-    put("final", [dist.get_rank(), dist.get_world_size()])
+    return {
+        "equal_to_reference": torch.equal(mine, theirs),
+        "equal_across_ranks": all(torch.equal(everyone[0], t) for t in everyone),
+        "final": [dist.get_rank(), dist.get_world_size()],
+    }
 
 
 def shrink() -> None:
@@ -254,13 +288,9 @@ def shrink() -> None:
     rankkit.done()
 
 
-def handshake() -> None:
-    rankkit.init(timeout_s=60)
+def handshake(launch: Launch) -> dict[str, Any]:
     me = int(os.environ["RANK"])
-    reference, ref_results = train(stall_at=None)
-    put("reference_results", ref_results)
-    theirs = flat(reference.module)
-    del reference
+    ref_results, theirs = launch.ddp_reference()
     from ncclguard.recovery._rebuild import stand_in
 
     real = stand_in.torch_init_process_group
@@ -276,11 +306,8 @@ def handshake() -> None:
             raise RuntimeError("injected: step K failed on rank 2")
 
     # 10 s to meet and shake hands: the ranks whose handshake waits on rank 1 give up after about 10 s.
-    stepper, results = train(stall_at=K, stall=fault, base=STEPS, wait_s=10)
-    put("results", results)
-    compare(flat(stepper.module), theirs)
-    dist.barrier()
-    rankkit.done()
+    stepper, results = train(stall_at=K, stall=fault, base=launch.base(), wait_s=10)
+    return {"reference_results": ref_results, "results": results, **compare(flat(stepper.module), theirs)}
 
 
 def reference_shrunk() -> torch.Tensor:
@@ -296,5 +323,24 @@ def reference_shrunk() -> torch.Tensor:
     return flat(module)
 
 
+PARTS = {"stall": stall, "handshake": handshake, "fsdp2": lambda launch: stall(launch, fsdp2=True)}
+
+
+def main(scenarios: list[str]) -> None:
+    if scenarios == ["shrink"]:  # rank 2 ends in it: a launch of its own
+        shrink()  # every rank ends in it
+        return
+    unknown = [s for s in scenarios if s not in PARTS]
+    if unknown or not scenarios:
+        raise SystemExit(f"recovering_worker.py: unknown scenarios {unknown} (shrink alone, or of {sorted(PARTS)})")
+    rankkit.init(timeout_s=60)
+    launch = Launch()
+    for name in scenarios:
+        put(name, PARTS[name](launch))
+        dist.barrier()  # the ranks leave a scenario together, and the next starts on the world it left
+        rankkit.save()
+    rankkit.done()
+
+
 if __name__ == "__main__":
-    {"stall": stall, "fsdp2": lambda: stall(fsdp2=True), "shrink": shrink, "handshake": handshake}[sys.argv[1]]()
+    main(sys.argv[1:])
