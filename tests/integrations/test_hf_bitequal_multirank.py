@@ -24,6 +24,9 @@ Launches (tests/workers/hf_bitequal_worker.py, which says more):
     logged loss, outside any step; it used to raise out of ``train()`` on every survivor (issue 59, a
     kill between steps), and now fails the next step on every rank, which goes back to a snapshot
     inside the epoch and ends as the reference did.
+``kill short2`` (``short1``, a drill: on ZeRO-1) issue 59's ZeRO-2 case written short (stage 2, AdamW, clipping at 1.0), the Trainer's
+    cosine schedule with warm-up, accumulation 2, launch rank 2 SIGKILLed at the first epoch's edge (in
+    ``on_step_end`` once its 8 steps are applied): back to a snapshot, every rank ends as the reference.
 
 In every launch the model object the script passed to the Trainer is the module trained at the end:
 a redo on a new engine used to train a fresh module and leave the script's object behind (ZeRO-2: at
@@ -41,6 +44,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(450)]
 
 STEPS, KILL, VICTIM = 8, 5, 2
 SHORT_STEPS, SHORT_KILL = 10, 4  # the short config's launch: 8 steps an epoch, the kill inside the first
+SHORT2_KILL = 8  # the ZeRO-2 short config's launch: the kill at the first epoch's edge
 
 
 SHARDED = ("zero3", "zero2", "zero1")  # restored from snapshots; "ddp" from a live peer
@@ -65,6 +69,13 @@ def short_job():
     # Two runs of 10 steps on 3 ranks of a 32-wide BERT and a cold restart: 35 s on a quiet 2-core
     # machine, 60-70 s at a load of 5-7. Hang guard: 240 s.
     return run_ranks("hf_bitequal_worker", 3, "kill", "short", supervise=["--restarts=1"], timeout_s=240)
+
+
+# ZeRO-1 is a drill (`make drills`): it runs ZeRO-2's state code (see kill_job).
+@pytest.fixture(scope="module", params=["short2", pytest.param("short1", marks=pytest.mark.drill)])
+def short2_job(request):
+    # As short_job, on ZeRO-2 (or 1): 29-34 s here. Hang guard: 240 s.
+    return run_ranks("hf_bitequal_worker", 3, "kill", request.param, supervise=["--restarts=1"], timeout_s=240)
 
 
 @pytest.fixture(scope="module")
@@ -165,4 +176,23 @@ def test_a_killed_rank_of_a_trainer_on_zero3_configured_short_heals_bit_equal_in
         assert [(x["ok"], x["step"]) for x in short_job[r]["restores"]] == [(True, back)]
         if r != VICTIM:
             (redo,) = short_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
+            assert back == redo[0] and redo[2:] == [1, [VICTIM]]
+
+
+def test_a_killed_rank_of_a_trainer_on_zero2_configured_short_heals_bit_equal_at_an_epochs_edge(short2_job):
+    """Issue 59's ZeRO-2 case: stage 2, AdamW and clipping at 1.0 in the config and nothing else, the
+    Trainer's cosine schedule with warm-up, accumulation 2, a kill between two steps at the first
+    epoch's edge (``on_step_end`` once its 8 steps are applied): back to a snapshot, the full world,
+    every rank's parameters read through the script's own model object, and every step's record (the
+    batch after the resume's skip, the generator, the loss, the learning rate) the reference's."""
+    back = min(_last_per_step(short2_job[VICTIM]["trace"]))
+    assert "exited -9; restart 1 of 1" in short2_job.output
+    assert "Traceback" not in short2_job.output
+    assert "every rank is back at step" in short2_job.output
+    assert 1 <= back < SHORT2_KILL
+    for r in range(3):
+        _ends_as_the_reference(short2_job, r, r == VICTIM, 3, back if r == VICTIM else 0, steps=SHORT_STEPS)
+        assert [(x["ok"], x["step"]) for x in short2_job[r]["restores"]] == [(True, back)]
+        if r != VICTIM:
+            (redo,) = short2_job[r]["recoveries"]  # [step, attempts, generation, healed ranks]
             assert back == redo[0] and redo[2:] == [1, [VICTIM]]

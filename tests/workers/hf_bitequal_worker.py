@@ -1,8 +1,9 @@
 """Rank side of tests/integrations/test_hf_bitequal_multirank.py: issue 44's setup, the HF
 Trainer on DeepSpeed ZeRO-3 with a realistic BERT under ``guard_trainer(recover=True, heal=True)``
-and nothing else of ncclguard's. Usage: ``hf_bitequal_worker.py kill|host [zero3|zero2|zero1|ddp|short]``
-(the stack: the ZeRO stage of the config below, the Trainer's own DDP with no DeepSpeed config, or
-``short``: issue 59's ZeRO-3 config as users write it, below).
+and nothing else of ncclguard's. Usage: ``hf_bitequal_worker.py kill|host [zero3|zero2|zero1|ddp|short|short2]``
+(the stack: the ZeRO stage of the config below, the Trainer's own DDP with no DeepSpeed config,
+``short``: issue 59's ZeRO-3 config as users write it, below, or ``short2``/``short1``: its ZeRO-2
+case, on ZeRO-2 or ZeRO-1).
 
 ``kill`` (3 ranks, each under its supervisor, ``--restarts=1``): a ``BertForSequenceClassification``
 from a transformers config with its default dropout (0.1) and vocabulary (hidden 128, 2 layers,
@@ -30,6 +31,12 @@ the config's ``"auto"``), 8 steps an epoch, STEPS 10, launch rank VICTIM SIGKILL
 steps: in ``on_step_end`` once 4 steps are applied, before the Trainer logs the step's loss
 (``logging_steps=1``: the survivors' ``nested_gather`` of the loss, outside any step, is what fails);
 the resume is inside the first epoch.
+
+``kill short2`` (3 ranks, as ``kill short``): issue 59's ZeRO-2 case written short (``SHORT2_CONFIG``:
+stage 2, AdamW, clipping at 1.0, nothing else), the Trainer's cosine schedule with warm-up (handed to
+DeepSpeed), 2 batches a step, launch rank VICTIM SIGKILLed at an epoch's edge: in ``on_step_end``
+once the first epoch's 8 steps are applied; the resume is in the second epoch's first steps or at its
+start.
 
 Every rank also records whether the model object it passed to the Trainer is the module trained at
 the end (``own_model``), and the sum is read through that object.
@@ -71,8 +78,12 @@ ME = int(os.environ["RANK"])  # the launch rank: a restarted process keeps it
 if SCENARIO == "host":
     os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
 LIFE = ncclguard.restart_count()
-SHORT = STACK == "short"  # the config as users write it short: DeepSpeed's defaults, the Trainer's schedule
-STEPS, KILL, VICTIM, WARMUP = (10, 4, 2, 3) if SHORT else (8, 5, 2, 3)
+SHORT2 = STACK in (
+    "short2",
+    "short1",
+)  # ZeRO-2 (or 1) written short: clipping, the Trainer's cosine schedule, a kill at an epoch's edge
+SHORT = STACK == "short" or SHORT2  # the config as users write it short: DeepSpeed's defaults, the Trainer's schedule
+STEPS, KILL, VICTIM, WARMUP = (10, 8 if SHORT2 else 4, 2, 3) if SHORT else (8, 5, 2, 3)
 KILLED = {"kill": [VICTIM], "host": [2, 3]}[SCENARIO]
 # 3 steps an epoch (18 rows on 3 ranks, 24 on 4): the resume crosses epochs and skips batches;
 # short: 8 steps an epoch (192 rows on 3 ranks, 4 a batch, 2 batches a step), the kill inside the first
@@ -126,6 +137,16 @@ SHORT_CONFIG: dict[str, Any] = {
 }
 
 
+# Issue 59's ZeRO-2 case as users write it: the stage, the optimizer and clipping; DeepSpeed's defaults else.
+SHORT2_CONFIG: dict[str, Any] = {
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
 def bert() -> BertForSequenceClassification:
     """A realistic small BERT: the config's default dropout (0.1) and vocabulary."""
     torch.manual_seed(0)
@@ -154,7 +175,10 @@ def ds_config() -> dict[str, Any] | None:
     if STACK == "ddp":
         return None
     if SHORT:
-        return json.loads(json.dumps(SHORT_CONFIG))
+        config = json.loads(json.dumps(SHORT2_CONFIG if SHORT2 else SHORT_CONFIG))
+        if STACK == "short1":
+            config["zero_optimization"]["stage"] = 1
+        return config
     config: dict[str, Any] = json.loads(json.dumps(DS_CONFIG))
     config["zero_optimization"]["stage"] = int(STACK.removeprefix("zero"))
     return config
@@ -171,7 +195,8 @@ def arguments(name: str) -> TrainingArguments:
         gradient_accumulation_steps=ACCUMULATE,  # short: 2, into the config's "auto"
         learning_rate=1e-3,
         warmup_steps=WARMUP,
-        lr_scheduler_type="linear",  # the Trainer's default, written out: short hands it to DeepSpeed
+        # The Trainer's default, written out (short hands it to DeepSpeed); short2: cosine after the warm-up.
+        lr_scheduler_type="cosine" if SHORT2 else "linear",
         logging_steps=1,
         save_strategy="no",
         report_to=[],
