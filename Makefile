@@ -43,7 +43,7 @@ test: $(STAMP)
 	$(PY) -m compileall -q ncclguard integrations autostart tests
 	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m "not drill" $(PYTEST_ARGS)
 
-# The longer variants (marked drill): each has its short form in `make test` (tests/README.md).
+# The longer variants (marked drill): each has its short form in `make test` (docs/architecture.md, "Checks").
 drills: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m drill $(PYTEST_ARGS)
 
