@@ -7,9 +7,11 @@ rank's heartbeat and the newest incidents of that namespace, and groups the rank
 (:func:`group_rows`) so that a thousand ranks fit on one screen.
 
 Reading is read-only (``check``, ``get``, ``multi_get``; never ``add``, which would create a key)
-and bounded: heartbeats are checked and read :data:`CHUNK` keys a request, a chunk with missing
-keys is split in halves until the missing ones are found, and only the newest
-:data:`MAX_INCIDENTS` incidents are read. Every value goes through the store codec under a size
+and bounded: keys are checked :data:`CHUNK` a request (a chunk with missing keys is split in halves
+until the missing ones are found) and read by ``multi_get`` in chunks sized to about
+:data:`READ_BYTES` of values each (the first :data:`FIRST_READ` keys, then as many as the values read
+so far say fit, at most :data:`CHUNK`), and only the newest :data:`MAX_INCIDENTS` incidents are read.
+So 16,384 ranks' heartbeats are about 50 requests (``tests/watching/test_views.py``). Every value goes through the store codec under a size
 bound into a pydantic model; a value that does not fit is shown as ``bad``, never raised.
 """
 
@@ -31,7 +33,9 @@ from ncclguard.watching.base.watchdog_store import LIMITS
 
 __all__ = [
     "CHUNK",
+    "FIRST_READ",
     "MAX_INCIDENTS",
+    "READ_BYTES",
     "SLOW_SCORE",
     "Health",
     "IncidentRow",
@@ -44,7 +48,9 @@ __all__ = [
     "read_status",
 ]
 
-CHUNK = 128  # keys per check and per multi_get
+CHUNK = 1024  # keys per check, and the most per multi_get (a request names ~40 KB of keys)
+FIRST_READ = 64  # keys of the first multi_get, before any value's size is known
+READ_BYTES = 4 << 20  # about this many bytes of values per multi_get (a heartbeat is ~1-3 KB)
 MAX_INCIDENTS = 16  # the newest incidents read
 SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
 Health = Literal["healthy", "suspect", "incident"]
@@ -143,6 +149,7 @@ class StatusReader:
     def __init__(self, store: Any, timeout: float) -> None:  # Any: a Store or a test double
         self._calls = BoundedCalls(store, timeout, timeout)
         self.requests = 0
+        self.largest_read = 0  # bytes of values the largest multi_get brought back
 
     def close(self) -> None:
         """Ends the helper thread."""
@@ -170,14 +177,21 @@ class StatusReader:
         return out
 
     def read(self, keys: Sequence[str]) -> dict[int, bytes]:
-        """The values of ``keys`` that exist, by index: :meth:`present`, then one ``multi_get`` per
-        :data:`CHUNK` keys."""
+        """The values of ``keys`` that exist, by index: :meth:`present`, then ``multi_get`` in chunks
+        of :data:`FIRST_READ` keys, then of as many as fit :data:`READ_BYTES` at the mean size read so
+        far (from 1 to :data:`CHUNK`)."""
         idx = self.present(keys)
         out: dict[int, bytes] = {}
-        for lo in range(0, len(idx), CHUNK):
-            part = idx[lo : lo + CHUNK]
+        lo, size, got = 0, FIRST_READ, 0
+        while lo < len(idx):
+            part, before = idx[lo : lo + size], got
             for i, blob in zip(part, self._run("multi_get", [keys[i] for i in part]), strict=True):
                 out[i] = bytes(blob)
+                got += len(out[i])
+            self.largest_read = max(self.largest_read, got - before)
+            lo += len(part)
+            mean = max(1.0, got / lo)  # a key's value, on average so far (an empty value counts as 1 byte)
+            size = max(1, min(CHUNK, int(READ_BYTES / mean)))
         return out
 
 

@@ -22,6 +22,8 @@ from ncclguard.cli import main
 from ncclguard.cli.status import _WIDE_COLUMNS, EXIT_CODES, show
 from ncclguard.cli.status_read import (
     CHUNK,
+    FIRST_READ,
+    READ_BYTES,
     IncidentRow,
     JobStatus,
     RankGroup,
@@ -146,24 +148,47 @@ def test_1024_ranks_are_grouped_and_read_in_a_flat_number_of_requests(server, ca
     ]
     assert status.health == "suspect"
     assert status.reasons == ["no heartbeat: ranks 7", "straggler score below 0.8: ranks 512"]
-    # Requests: the index (check, multi_get); the heartbeats: a check per chunk of 128 (7 whole
-    # ones), the chunk holding rank 7 split in halves down to it (1 + 2 * 7 checks), a multi_get
-    # per 128 keys read; the incident counter's check (absent: nothing more to read).
-    chunks = world // CHUNK
-    assert status.requests == 2 + (chunks - 1) + (1 + 2 * 7) + chunks + 1 == 33
-    assert status.requests / world < 0.04
+    # Requests: the index (check, multi_get); the heartbeats: one check of all 1,024 (CHUNK), split in
+    # halves down to rank 7 (1 + 2 * 10 checks), a multi_get of FIRST_READ keys, then one of the
+    # other 959 (their size known: far under READ_BYTES); the incident counter's check (absent:
+    # nothing more to read).
+    assert CHUNK == world and FIRST_READ == 64
+    assert status.requests == 2 + (1 + 2 * 10) + 2 + 1 == 26
+    assert status.requests / world < 0.03
 
     code, out = status_json(server, "big", capsys)
     assert code == EXIT_CODES["suspect"] == 3
     assert out["groups"][0]["ranks"] == "0-6,8-99,102-511,513-899,901-1023"
     assert out["groups"][3]["score"] == [0.5, 0.5]
     assert [r["state"] for r in out["ranks"]].count("ok") == 1023
-    assert out["requests"] == 33
+    assert out["requests"] == 26
 
     main(["status", "--store", f"127.0.0.1:{server.port}", "--session", "big"])
     screen = capsys.readouterr().out
     assert screen.startswith("SUSPECT  1024 ranks in 5 group(s), world generation 0\n")
     assert len(screen.splitlines()) < 40  # one screen
+
+
+def test_16384_ranks_are_read_in_under_100_requests_and_no_read_is_over_its_byte_budget(server):
+    """Issue 63's bound for ``status`` at 16,384 ranks, from one store: under 100 requests. The
+    heartbeats are read in chunks sized by what the first read's values weigh, each under
+    READ_BYTES, whatever a heartbeat weighs."""
+    world, now = 16_384, time.time()
+    fill(server, "huge", world, now, skip=(9000,))
+    reader = StatusReader(dist.TCPStore("127.0.0.1", server.port, is_master=False), 30.0)
+    status = read_status(reader, read_index(reader, "huge"), "here")
+    reader.close()
+    assert [(g.ranks, g.count, g.state) for g in status.groups] == [
+        ("0-8999,9001-16383", 16383, "ok"),
+        ("9000", 1, "missing"),
+    ]
+    hb = len(beat(1, now).model_dump_json())
+    per_read = min(CHUNK, READ_BYTES // hb)
+    reads = 1 + -(-(world - 1 - FIRST_READ) // per_read)  # FIRST_READ keys, then per_read a request
+    # The index (2); 16 checks of 1,024 keys, the one holding rank 9000 split down to it (2 * 10 more);
+    # the heartbeats' reads; the incident counter's check.
+    assert status.requests == 2 + 16 + 2 * 10 + reads + 1 == 56
+    assert per_read * hb <= reader.largest_read <= READ_BYTES
 
 
 def test_healthy_then_an_open_incident_then_resolved(server, capsys):
