@@ -68,6 +68,9 @@ def server():
     del store
 
 
+HANG_GUARD_S = 30.0  # 3x the status CLI's default --timeout (10 s): a bound that only ends a hang
+
+
 def index(session: str, world: int, run: str = "run-a") -> WatchIndex:
     return WatchIndex(
         run_id=run,
@@ -257,9 +260,9 @@ def test_a_store_nobody_answers_is_a_clear_error_within_the_timeout(capsys):
     out = capsys.readouterr().out
     assert code == EXIT_CODES["no-store"] == 5
     assert out.startswith(f"ncclguard status: nobody listens at 127.0.0.1:{port} (connection refused)")
-    # A hang guard: refused at once; over 2-4 s stalls of a loaded machine, and under the default
-    # --timeout (10 s) still.
-    assert took < 9.0
+    # A hang guard, not a speed: refused at once (the message says so, asserted above), so no bound
+    # of the request's is waited out; 3x the default --timeout (10 s) leaves a loaded machine's stalls room.
+    assert took < HANG_GUARD_S
 
 
 def test_a_store_that_takes_the_connection_and_never_answers_is_an_error_within_the_timeout(capsys):
@@ -273,9 +276,9 @@ def test_a_store_that_takes_the_connection_and_never_answers_is_an_error_within_
     out = capsys.readouterr().out
     assert code == EXIT_CODES["no-store"]
     assert out.startswith(f"ncclguard status: the store at 127.0.0.1:{port} did not answer within 2 s")
-    # Waited for its bound; the upper bound is a hang guard (the 2 s bound plus a loaded machine's 2-4 s
-    # stall fit well under it) that still tells the 2 s bound from the default --timeout (10 s).
-    assert 1.5 < took < 9.0
+    # Waited for its bound (the message names the 2 s given, not the default 10 s: asserted above);
+    # the upper bound is a hang guard.
+    assert 1.5 < took < HANG_GUARD_S
 
 
 def test_no_store_address_and_no_watchdog(server, capsys, monkeypatch):
@@ -476,6 +479,7 @@ def test_metrics_count_waits_once_and_follow_a_rebuild():
     assert value("ncclguard_collective_wait_seconds_total", {"rank": "0"}) == pytest.approx(0.5)
     assert value("ncclguard_collectives_total", {"rank": "0"}) == 1.0
     assert value("ncclguard_inflight_ops", {"rank": "0"}) == 1.0
+    # The op opened 2 s before `now`: its age is at least that; the upper bound is a hang guard (30x).
     assert 2.0 <= value("ncclguard_oldest_inflight_seconds", {"rank": "0"}) < 60.0
     assert value("ncclguard_peer_stale", {"rank": "0", "peer": "2"}) == 1.0
     assert value("ncclguard_rebuilds_total", {"rank": "0"}) == 0.0

@@ -27,7 +27,7 @@ __all__ = ["host_buffer", "is_registered"]
 
 # data_ptr of each buffer this module registered and has not unregistered yet.
 _REGISTERED: set[int] = set()
-_FELL_BACK: list[str] = []  # the first reason registering failed (logged once)
+_FELL_BACK: list[bool] = []  # not empty once a failed registration was logged (once a process)
 
 
 def is_registered(buffer: torch.Tensor) -> bool:
@@ -58,21 +58,22 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """
     if nbytes < 0:
         raise ValueError(f"a host buffer of {nbytes} bytes: the size must be >= 0")
-    if not pinned or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if not pinned or nbytes == 0:
+        return buffer
     cudart = torch.cuda.cudart()
     ptr = buffer.data_ptr()
     err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
     if err != 0:
         if not _FELL_BACK:
-            _FELL_BACK.append(f"cudaHostRegister of {nbytes} bytes returned error {err}")
+            _FELL_BACK.append(True)
             log.warning(
-                "snapshot buffers: %s (a locked-memory limit? `ulimit -l`); they come from torch's caching "
-                "host allocator instead, which rounds each up to a power of two and keeps freed ones: the "
-                "host memory held can be up to twice the snapshot line's",
-                _FELL_BACK[0],
-            )
+                "snapshot buffers: cudaHostRegister of %d bytes returned error %d (a locked-memory limit? "
+                "`ulimit -l`); they come from torch's caching host allocator instead, which rounds each up to a "
+                "power of two and keeps freed ones: the host memory held can be up to twice the snapshot line's",
+                nbytes, err,
+            )  # fmt: skip
+        del buffer  # freed before its replacement is allocated: never both held at once
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     _REGISTERED.add(ptr)
     weakref.finalize(buffer, _unregister, cudart, ptr)
