@@ -3,6 +3,10 @@
 A worker script (tests/workers/*.py) runs on every rank, uses the fault vocabulary of
 ``workers/rankkit.py`` (stall, kill, leave, skip_collective) and saves what it saw with
 ``rankkit.save(...)``; the test asserts on ``Job.results[rank]``.
+
+Every launch is also checked for issue 59's rule (:func:`check_health`): a launch in which no fault
+fired ends with no rebuild (world generation 0) and no lost snapshot take on every rank; a launch
+with faults, up to its first fault.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +45,8 @@ class Job:
     out_dir: Path | None = None
     restarts: list[Any] = field(default_factory=list)  # spawn's Restart records
     lives: dict[int, list[int | None]] = field(default_factory=dict)  # exit code of each process, by rank
+    faults: list[dict[str, Any]] = field(default_factory=list)  # rankkit's line of each fault fired, any rank
+    health: str = ""  # what check_health checked, in words
 
     def __getitem__(self, rank: int) -> dict[str, Any]:
         if rank not in self.results:
@@ -106,6 +113,88 @@ def _failed(what: str, output: str, out_dir: Path) -> AssertionError:
     return AssertionError(f"{what} (whole output: {log})\n{output[-8000:]}")
 
 
+HEALTH_KEY = "_ncclguard"  # rankkit.HEALTH_KEY: a rank's world generation and lost takes
+FAULTS_FILE = "faults.jsonl"  # rankkit.FAULTS_FILE: one line per fault fired, any rank
+# A rank started again: ncclguard's launcher's line, or its supervisor's (ncclguard.supervise).
+RESTARTED = re.compile(r"exited -?\d+; restart \d+|; restart \d+ of \d+")
+
+
+def launch_faults(job: Job, fault_free: bool | None = None) -> list[str]:
+    """Why a finished launch is not fault-free, in words (empty: it is).
+
+    Args:
+        job: the launch, its faults read back.
+        fault_free: False where the test injects a fault the ranks cannot see (a network, a mount);
+            None or True: what the launch shows decides.
+
+    Returns:
+        The faults fired, an exit other than 0, a restart; empty for a fault-free launch.
+    """
+    why = ["the test says it injects a fault (fault_free=False)"] if fault_free is False else []
+    why += [f"rank {f.get('rank')}: {f.get('what')}" for f in job.faults]
+    if codes := {r: rc for r, rc in job.returncodes.items() if rc != 0}:
+        why.append(f"exit codes {codes}")
+    if job.restarts or any(len(lives) > 1 for lives in job.lives.values()) or RESTARTED.search(job.output):
+        why.append("a rank was restarted")
+    return why
+
+
+def _unhealthy(health: dict[str, Any]) -> bool:
+    return bool(health.get("generation") or health.get("failed_takes"))
+
+
+def check_health(job: Job, fault_free: bool | None = None) -> None:
+    """Issue 59's rule for every launch: a fault-free run rebuilds nothing and loses no snapshot take.
+
+    A launch in which no fault fired (:func:`launch_faults`) must end on every rank that saved its
+    results in world generation 0 with no take lost. A launch with faults is held to it up to its
+    first fault: the rank that fired it was in generation 0 with no take lost then (a rebuild, and
+    a take's outcome, are the same on every rank). Sets ``job.health`` to what was checked.
+
+    Args:
+        job: the finished launch, its results and faults read back.
+        fault_free: as :func:`launch_faults`; True also fails a launch in which a fault fired.
+
+    Raises:
+        AssertionError: a rank rebuilt or lost a take where no fault came before, naming the rank
+            and its numbers.
+    """
+    faults = launch_faults(job, fault_free)
+    if fault_free and faults:
+        raise AssertionError(f"a launch declared fault-free had faults: {'; '.join(faults)}")
+    if not faults:
+        bad = {r: res[HEALTH_KEY] for r, res in sorted(job.results.items()) if _unhealthy(res.get(HEALTH_KEY, {}))}
+        if bad:
+            said = "; ".join(
+                f"rank {r}: generation {h['generation']}, {h['failed_takes']} failed take(s)" for r, h in bad.items()
+            )
+            raise AssertionError(f"a fault-free launch rebuilt or lost a snapshot take (issue 59: none may): {said}")
+        job.health = f"fault-free: {sum(HEALTH_KEY in res for res in job.results.values())} rank(s) checked"
+        return
+    first = min(job.faults, key=lambda f: f.get("at", 0.0)) if job.faults else None
+    if first is None or "generation" not in first:  # no line, or ncclguard not yet imported there
+        job.health = f"not checked: {'; '.join(faults)}"
+        return
+    if _unhealthy(first):
+        raise AssertionError(
+            f"before the launch's first fault (rank {first['rank']}: {first['what']}) that rank was in world "
+            f"generation {first['generation']} with {first['failed_takes']} failed take(s): the fault-free part "
+            "rebuilt or lost a snapshot take (issue 59: none may), or a fault before it is not marked "
+            "(rankkit.fault_fired)"
+        )
+    job.health = f"checked up to its first fault (rank {first['rank']}: {first['what']})"
+
+
+def _read_back(job: Job) -> None:
+    """The ranks' results and the faults they fired, from the launch's directory."""
+    assert job.out_dir is not None
+    for path in job.out_dir.glob("rank*.json"):
+        job.results[int(path.stem[4:])] = json.loads(path.read_text())
+    log = job.out_dir / FAULTS_FILE
+    if log.exists():
+        job.faults = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
 def run_ranks(
     worker: str,
     nproc: int,
@@ -117,6 +206,7 @@ def run_ranks(
     restarts: int = 0,
     restart_on: Sequence[int] | None = None,
     supervise: Sequence[str] | None = None,
+    fault_free: bool | None = None,
 ) -> Job:
     """Runs ``tests/workers/<worker>.py <args>`` on ``nproc`` ranks and returns their results.
 
@@ -133,6 +223,12 @@ def run_ranks(
         restart_on: the exit codes that earn a restart (spawn's ``restart_on``).
         supervise: torchrun only: run each rank under ``python -m ncclguard.supervise`` with these
             options (``["--restarts=1"]``: a rank restarted alone, without torchrun's teardown).
+        fault_free: False for a launch whose fault the test injects from outside the ranks (see
+            :func:`check_health`, run on every launch); None: the faults the ranks fired decide.
+
+    Raises:
+        AssertionError: the launch ran past ``timeout_s``, exited otherwise than expected, or
+            rebuilt or lost a snapshot take with no fault before (:func:`check_health`).
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ncclguard-{worker}-"))
     rank_env = {**os.environ, "NCCLGUARD_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -195,6 +291,9 @@ def run_ranks(
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     job.wall_s = time.monotonic() - start
-    for path in out_dir.glob("rank*.json"):
-        job.results[int(path.stem[4:])] = json.loads(path.read_text())
+    _read_back(job)
+    try:
+        check_health(job, fault_free)
+    except AssertionError as exc:
+        raise _failed(f"{worker} {args}: {exc}", job.output, out_dir) from None
     return job

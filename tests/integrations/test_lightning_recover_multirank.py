@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 
 import pytest
-from harness import run_ranks
+from harness import HEALTH_KEY, run_ranks
 
 from ncclguard.integrations.lightning import NcclGuardCallback
 from ncclguard.integrations.lightning.recovery import check_recoverable
@@ -103,8 +103,10 @@ def test_with_allow_shrink_the_survivors_finish_as_a_world_of_two(shrink):
         assert shrink[r]["final"] == [r, 2, 1]
     stuck = shrink[2]
     # It woke after ranks 0-1 were done and never came back from fit: the callback ended it with
-    # status 0 (run_ranks requires torchrun's status 0, which needs every rank's).
-    assert stuck == {"woke_after_survivors": True}
+    # status 0 (run_ranks requires torchrun's status 0, which needs every rank's). Nothing else saved
+    # but what rankkit adds to every rank's results (its world generation, its faults).
+    assert {k: v for k, v in stuck.items() if k != HEALTH_KEY} == {"woke_after_survivors": True}
+    assert stuck[HEALTH_KEY]["faults"] == ["stuck at step 2"]
     assert [(row["step"], row["ncclguard_recover_world_size"]) for row in metric_rows(shrink, "shrink")] == [
         ("2", "2.0")
     ]

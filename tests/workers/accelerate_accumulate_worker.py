@@ -111,8 +111,10 @@ def faulty(accelerator: Any) -> tuple[torch.nn.Module, Any, Any, Any, list[Any],
         tries[where] = tries.get(where, 0) + 1
         seen.append([*where, generation()])
         if tries[where] == 1 and FAULTS.get(where) == "stall":
+            rankkit.fault_fired(f"stall in micro-batch {where}")
             time.sleep(STALL_S)
         if tries[where] == 1 and FAULTS.get(where) == "raise":
+            rankkit.fault_fired(f"raise in micro-batch {where}")
             raise RuntimeError(f"rank {ME}: a bad micro-batch {where}")
         accelerator.backward(loss_of(model, batch))
 

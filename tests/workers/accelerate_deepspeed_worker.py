@@ -187,6 +187,7 @@ def guarded(
             put("results", results)
             rankkit.kill(VICTIM)
         if fault == "raise":
+            rankkit.fault_fired(f"raise at step {step}")
             raise RuntimeError(f"injected failure at step {step}")
         acc.backward(loss)
         losses[step] = float(loss.detach())

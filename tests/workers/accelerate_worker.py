@@ -134,6 +134,7 @@ def main() -> None:
         for step in range(first, first + n):
             with ncclguard.phase("train", step=step):
                 if step == slow_at and rank == 0:
+                    rankkit.fault_fired("slow in its training loop")
                     put("slow_started", time.time())
                     rankkit.when(lambda: reported(1), BOUND_S).wait(BOUND_S)  # MARK: slow-train
                     put("slow_ended", time.time())
@@ -151,6 +152,7 @@ def main() -> None:
             for i, (x, y) in enumerate(loader):
                 pred = model(x).argmax(-1)
                 if i == 1 and rank == stall_rank:
+                    rankkit.fault_fired("stall in an evaluation")
                     stalls.append(time.time())
                     time.sleep(STALL_S)  # MARK: stall
                 pred, y = accelerator.gather_for_metrics((pred, y))

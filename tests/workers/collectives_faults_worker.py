@@ -290,4 +290,5 @@ def frozen_store(r: int) -> None:
 
 
 if __name__ == "__main__":
+    rankkit.fault_fired(f"{sys.argv[1]}: late peers and lone calls")  # every scenario here is made of faults
     {"group_timeout": group_timeout, "alignment": alignment, "threads": threads}[sys.argv[1]]()

@@ -91,6 +91,8 @@ def semantics() -> None:
     )
 
     # A rank passes a different numel: every rank refuses, nothing changes.
+    if r == 1:
+        rankkit.fault_fired("a different numel")
     n = 12 if r == 1 else 10
     before = torch.arange(n, dtype=torch.float32)
     t = before.clone()
@@ -155,6 +157,7 @@ def stalls() -> None:
     # learns rank 0's verdict before its own deadline: it was on time, not late. Rank 2's own
     # deadline is 20 s: told at once, it ends long before it, however loaded the machine.
     if r == 2:
+        rankkit.fault_fired("late for a barrier")
         rankkit.wait_for("barrier-0", at_least_s=3.5)
         rankkit.wait_for("barrier-1")
     t0 = time.monotonic()
@@ -236,6 +239,7 @@ def partial() -> None:
                 },
             )
         else:
+            rankkit.fault_fired("stops after two chunks")
             for _ in range(2):
                 dist.all_reduce(torch.full((2,), 1.0, dtype=torch.float64), group=group)
         safe_barrier(timeout=15)

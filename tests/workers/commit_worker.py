@@ -112,6 +112,7 @@ def agree() -> None:
         put("b_commit", fields(should_commit(timeout=2)))
         rankkit.announce(f"b-verdict-{r}")
     else:
+        rankkit.fault_fired("6 s late to an all_reduce")  # (c) to (e) are faults too, all after it
         t0 = time.monotonic()
         rankkit.wait_for("b-verdict-0", timeout_s=60)
         rankkit.wait_for("b-verdict-1", at_least_s=max(0.0, 6.0 - (time.monotonic() - t0)), timeout_s=60)

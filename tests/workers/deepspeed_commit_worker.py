@@ -85,6 +85,7 @@ def gathered_digest(eng: deepspeed.DeepSpeedEngine) -> str:
 def step_fn(step: int, rank: int, stall: bool | list[bool] = False):
     def run(eng: deepspeed.DeepSpeedEngine) -> float:
         if stall is True or (isinstance(stall, list) and stall and stall.pop()):  # a list: the first attempt only
+            rankkit.fault_fired(f"stall {STALL_S} s at step {step}")
             time.sleep(STALL_S)
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(eng(x), y)

@@ -92,6 +92,7 @@ def train(kill_at: int | None, base: int) -> tuple[CommittedEngineStep, list[dic
 
 def damage_replicas_of(rank: int, stepper: CommittedEngineStep) -> None:
     """Flips a bit in every replica of ``rank``'s snapshots this rank holds: each fails its digest."""
+    rankkit.fault_fired(f"damages every replica of rank {rank}")
     keeper = stepper.recovery.keeper
     assert keeper is not None
     held = keeper.replicas.get(rank, [])

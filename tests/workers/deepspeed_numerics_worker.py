@@ -62,6 +62,7 @@ def train(stage: int, base: int, poison: bool, policy: str = "redo", drop: int |
             x, y = batch(s, ME)
             loss = torch.nn.functional.mse_loss(eng(x), y)
             if poison and s == K and ME == POISONED and attempts[s] == 1:
+                rankkit.fault_fired(f"a NaN loss at step {s}")
                 loss = loss * float("nan")  # MARK: poison
             eng.backward(loss)
             return float(loss.detach())

@@ -194,6 +194,7 @@ def eval_group_checks(rank: int) -> dict:
                 res["op"] = str(exc)
             res["op_elapsed_s"] = time.monotonic() - start
         else:
+            rankkit.fault_fired("never joins an op of a side group")
             time.sleep(2.5)
     dist.barrier()  # the world group is untouched by the side group's failure
     res["world_ok_after"] = True
@@ -228,6 +229,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "deepspeed
 
 def main() -> None:
     if sys.argv[1] == "example":
+        if "--stall-rank" in sys.argv:
+            rankkit.fault_fired("the example's --stall-rank")  # on every rank: the example stalls one by its own code
         sys.argv = [str(EXAMPLE), *sys.argv[2:]]
         runpy.run_path(str(EXAMPLE), run_name="__main__")
         put("example_finished", True)

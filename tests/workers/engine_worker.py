@@ -43,6 +43,7 @@ def reenter() -> None:
     tx = engine.begin(0)
 
     def backward_then_fail() -> None:
+        rankkit.fault_fired("a failed attempt")
         module(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
         raise RuntimeError("the gradient all_reduce failed after the local backward")
 

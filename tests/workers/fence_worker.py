@@ -71,6 +71,7 @@ def stuck(mode: str = "stuck") -> None:
         def step_fn(model: torch.nn.Module, step: int = step, x=x, y=y, tries: list[int] = tries) -> float:
             tries.append(dist.get_world_size())
             if me == 2 and step == K:
+                rankkit.fault_fired("stuck for good in a step")
                 put("pid", os.getpid())
                 rankkit.save()
                 while True:  # stuck for good: nothing in this rank will ever leave this loop

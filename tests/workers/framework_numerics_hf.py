@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rankkit import put
+from rankkit import fault_fired, put
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 STEPS, K = 6, 3  # framework_numerics_worker's
@@ -75,6 +75,7 @@ class Faulty(Trainer):
         if self.state.global_step == K:
             self.tries_at_k = getattr(self, "tries_at_k", 0) + 1
             if self.fault and dist.get_rank() == 1 and self.tries_at_k == 1:
+                fault_fired(f"a NaN loss at step {K}")
                 loss = loss * float("nan")
         return loss
 

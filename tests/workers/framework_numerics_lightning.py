@@ -28,7 +28,7 @@ import torch.distributed as dist
 from framework_numerics_hf import EVERY, FLIP_AFTER, STEPS, K, Said, recorded, replicas_seen
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from rankkit import put
+from rankkit import fault_fired, put
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -59,6 +59,7 @@ class Model(LightningModule):
         if self.trainer.global_step == K:
             self.tries_at_k += 1
             if self.fault and dist.get_rank() == 1 and self.tries_at_k == 1:
+                fault_fired(f"a NaN loss at step {K}")
                 loss = loss * float("nan")
         return loss
 

@@ -68,6 +68,7 @@ def accelerate_run(accelerator: Any, base: int, policy: str, fault: bool, every:
             tries.append(1)
             loss = torch.nn.functional.cross_entropy(m(x), y)
             if fault and dist.get_rank() == 1 and step == K and len(tries) == 1:
+                rankkit.fault_fired(f"a NaN loss at step {K}")
                 loss = loss * float("nan")
             accelerator.backward(loss)
 

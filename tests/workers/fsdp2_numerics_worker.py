@@ -57,6 +57,7 @@ def run(base: int, policy: str, fault: bool) -> dict[str, Any]:
             tries.append(1)
             loss = torch.nn.functional.cross_entropy(m(x), y)
             if fault and dist.get_rank() == 1 and step == K and len(tries) == 1:
+                rankkit.fault_fired(f"a NaN loss at step {K}")
                 loss = loss * float("nan")  # every gradient of this rank: FSDP2 reduces the unsharded ones
             loss.backward()
 

@@ -39,6 +39,7 @@ rankkit.rank = lambda: ME
 def die_here(step: int, results: list[Any]) -> None:
     """Launch rank 1's first life dies at step K: its results so far are saved first."""
     if step == K and ME == VICTIM and LIFE == 0:
+        rankkit.fault_fired(f"SIGKILL at step {step}")
         put("results", results)
         put("life", LIFE)
         (OUT / f"life0-rank{ME}.json").write_text(json.dumps(rankkit._results, default=str))

@@ -142,6 +142,7 @@ def train(kill_at: int | None, base: int) -> tuple[torch.nn.Module, torch.optim.
 
         def step_fn(model: torch.nn.Module, step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             if step == kill_at and ME == 1 and LIFE == 0:
+                rankkit.fault_fired(f"SIGKILL at step {step}")
                 life_file(results)
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye to the peers
             torch.nn.functional.mse_loss(model(x), y).backward()

@@ -56,6 +56,7 @@ def peers_beating() -> None:
 def hold(pair: dist.ProcessGroup | None) -> None:
     """Step KILL of the first world (see the module doc)."""
     if ME == 2:
+        rankkit.fault_fired("SIGKILL as the step begins")
         rankkit.save()
         os.kill(os.getpid(), signal.SIGKILL)
     if ME == 1:

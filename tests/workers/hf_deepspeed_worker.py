@@ -101,6 +101,7 @@ class FaultyTrainer(Trainer):
         else:
             fault = None
         if fault is not None and fault[0] == ME:
+            rankkit.fault_fired(f"{fault[1]} at step {step}")
             if fault[1] == "raise":
                 raise RuntimeError(f"injected failure at step {self.state.global_step}")
             if fault[1] == "nan":  # a NaN loss: every gradient of this rank's backward is NaN

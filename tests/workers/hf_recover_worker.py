@@ -140,6 +140,7 @@ def part_a() -> None:
     def stall(module, args) -> None:
         t = trainer_a
         if ME == 2 and t.state.global_step == K and not stalled and module.training:
+            rankkit.fault_fired(f"part A: stall at step {K}")
             stalled.append(time.time())
             wait_for_peers_to_fail("a")  # past the group timeout: they gave up on rank 2
 
@@ -187,6 +188,7 @@ def part_b() -> None:
             def step_fn(m, step=step, x=x, y=y, tries=tries) -> float:
                 tries.append(dist.get_world_size())
                 if stall and step == K and len(tries) == 1 and ME == 2:
+                    rankkit.fault_fired(f"part B: stall at step {K}")
                     wait_for_peers_to_fail("b")
                 loss = torch.nn.functional.mse_loss(m(x), y)
                 accelerator.backward(loss)
@@ -216,6 +218,7 @@ class StuckForGood(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         if ME == 2 and state.global_step == K:
+            rankkit.fault_fired(f"part C: asleep for good at step {K}")
             rankkit.save()  # parts A and B
             while True:
                 time.sleep(1.0)

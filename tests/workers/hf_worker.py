@@ -66,6 +66,7 @@ class Faults(TrainerCallback):
 
     def on_prediction_step(self, args, state, control, **kw):
         if self.rank == 1 and state.global_step == EVAL_EVERY and not self.stalls:
+            rankkit.fault_fired("stall in an evaluation")
             self.stalls.append(time.time())
             time.sleep(STALL_S)  # MARK: stall
 
@@ -75,6 +76,7 @@ class Faults(TrainerCallback):
         started = OUT / "upload-started"
         deadline = time.monotonic() + BOUND_S
         if self.rank == 0:
+            rankkit.fault_fired("a slow upload after the save")
             self.upload.append(time.time())
             started.touch()
             rankkit.when(lambda: reported(1), deadline - time.monotonic()).wait(BOUND_S)  # MARK: upload

@@ -79,6 +79,8 @@ class Net(LightningModule):
         self.micro_seen.append([step, micro, generation()])
         if self.tries[where] == 1:
             fault = self.faults.get(where)
+            if fault is not None:
+                rankkit.fault_fired(f"{fault} at step {step}")
             if fault == "stall":
                 time.sleep(STALL_S)
             elif fault == "raise":

@@ -89,8 +89,10 @@ class Net(LightningModule):
         self.seen.append([step, ncclguard.recovery.generation(), float(x.sum())])
         if self.faults and self.tries[step] == 1:
             if step == STALL_AT and ME == STALLER:
+                rankkit.fault_fired(f"stall at step {step}")
                 time.sleep(STALL_S)
             if step == KILL_AT and ME == VICTIM and LIFE == 0:
+                rankkit.fault_fired(f"SIGKILL at step {step}")
                 put("seen", self.seen)
                 (OUT / f"life0-rank{ME}.json").write_text(json.dumps(rankkit._results))
                 os.kill(os.getpid(), signal.SIGKILL)

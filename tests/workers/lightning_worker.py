@@ -79,10 +79,12 @@ class Regression(LightningModule):
     def validation_step(self, batch, batch_idx):
         first = self.global_step == VAL_EVERY and batch_idx == 0 and self.global_rank == 1
         if first and self.scenario == "watch":
+            rankkit.fault_fired("slow in a validation step")
             self.stalls.append(time.time())
             rankkit.when(lambda: reported(SLOW_EVAL_PHASE), BOUND_S).wait(BOUND_S)  # MARK: slow-eval
             self.stalls.append(time.time())  # [start, end] of the slow part
         elif first and self.scenario == "guard":
+            rankkit.fault_fired("stall in a validation step")
             self.stalls.append(time.time())
             time.sleep(STALL_S)  # MARK: stall
         x, y = batch
@@ -103,6 +105,7 @@ class SlowUpload(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_rank == 0 and trainer.global_step == 4:
+            rankkit.fault_fired("a slow upload after the save")
             self.started.append(time.time())
             rankkit.when(lambda: reported(SLOW_SAVE_PHASE), BOUND_S).wait(BOUND_S)  # MARK: upload
             self.started.append(time.time())  # [start, end] of the slow part

@@ -117,6 +117,8 @@ def stepper_run(base: int, faults: dict[int, float], once: bool, steps: int = ST
         ) -> float:
             tries.append(1)
             bad = me == 1 and step in faults and (len(tries) == 1 or not once)
+            if bad:
+                rankkit.fault_fired(f"a gradient of {faults[step]} at step {step}")
             undo = poisoned(model, faults[step]) if bad else None
             try:
                 loss = torch.nn.functional.cross_entropy(m(x), y)

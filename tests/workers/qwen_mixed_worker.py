@@ -73,6 +73,8 @@ def reference_losses(cfg, world: int) -> list[list[float]]:
 
 def main() -> None:
     fixed = {"fixed": True, "unfixed": False}[sys.argv[1]]
+    if not fixed:
+        rankkit.fault_fired("rank 1 skips the vision tower: ZeRO-3's collectives stop matching")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     # Before deepspeed.comm starts: it keeps references to torch.distributed's functions, and the

@@ -5,6 +5,12 @@ Faults read like what they do to the job:
     kill(1)                 # rank 1 dies with SIGKILL here
     leave(2)                # rank 2 exits cleanly here (a rank gone before the collective)
     if not skip_collective(3): dist.all_reduce(t)   # rank 3 skips this collective
+
+Every fault of the vocabulary, and each fault a worker injects by its own code
+(``fault_fired("rank 2 raises in step 4")`` where it fires), is written at once to
+``$NCCLGUARD_TEST_OUT/faults.jsonl``; ``save()`` adds this process's world generation and lost
+snapshot takes under ``_ncclguard``. tests/harness.py reads both: a launch with no fault must end
+with no rebuild and no lost take on every rank (issue 59).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 _results: dict[str, Any] = {}
+_fired: list[str] = []  # the faults fired in this process, in order
+HEALTH_KEY = "_ncclguard"  # the results' key of what ncclguard did here (tests/harness.py checks it)
+FAULTS_FILE = "faults.jsonl"  # under $NCCLGUARD_TEST_OUT: one JSON line per fault fired, any rank
+RESTART_VAR = "NCCLGUARD_RESTART_COUNT"  # set by ncclguard's launcher and supervisor: 1, 2, ... in a restart
 
 
 def init(timeout_s: float = 60.0) -> int:
@@ -37,15 +47,72 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
 
 
+def _health() -> dict[str, int]:
+    """This process's world generation and snapshot takes lost, read from the ncclguard modules it
+    already imported (a worker that never imported ncclguard has none; nothing is imported here)."""
+    world = sys.modules.get("ncclguard.world")
+    if world is None:
+        return {}
+    agreement = sys.modules.get("ncclguard.recovery.snapshots.agreement")  # no keeper ran without it
+    return {
+        "generation": world.current_world().generation,
+        "failed_takes": agreement.takes_lost() if agreement is not None else 0,
+    }
+
+
+def _restarted() -> bool:
+    return os.environ.get(RESTART_VAR, "0") not in ("", "0")
+
+
+def fault_fired(what: str) -> None:
+    """Records that a fault fires in this process: this launch is not fault-free.
+
+    Called by every fault of this vocabulary, and by a worker where a fault of its own fires (a
+    raise, a NaN, a stall or a kill of its own code, a rebuild it asks for), before the fault acts.
+    The line is written at once, so that a rank that never saves again (killed, stuck, fenced)
+    still marks its launch. It holds the generation and the takes lost before the fault, but in a
+    restarted process: there the first life's end came before, a fault whatever ended it.
+
+    Args:
+        what: the fault, in words (the harness's message names it).
+    """
+    _fired.append(what)
+    try:
+        me: int | None = rank()
+    except (KeyError, ValueError, RuntimeError):  # before init, outside a launcher
+        me = None
+    before = {} if _restarted() else _health()
+    line = {"rank": me, "pid": os.getpid(), "what": what, "at": time.time(), **before}
+    out = os.environ.get("NCCLGUARD_TEST_OUT")
+    if out is None:
+        return
+    # One write on a file opened to append: lines of several ranks never interleave.
+    fd = os.open(Path(out) / FAULTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(line, default=str) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _note_restart() -> None:
+    """A restarted process marks its launch, whatever ended its first life (once; the restart count is
+    read at each save: a warm spare learns it only when it takes over)."""
+    what = f"a restarted process ({RESTART_VAR}={os.environ.get(RESTART_VAR)})"
+    if _restarted() and what not in _fired:
+        fault_fired(what)
+
+
 def stall(who: int, seconds: float) -> None:
     """Rank ``who`` sleeps ``seconds`` here; the others go on."""
     if rank() == who:
+        fault_fired(f"stall {seconds} s")
         time.sleep(seconds)
 
 
 def asleep_for_good(key: str = "stall_at") -> NoReturn:
     """This rank sleeps in Python for good, its threads running and nothing of it moving; when it
     fell asleep is saved first under ``key`` (the stuck-rank tests' fault)."""
+    fault_fired("asleep for good")
     put(key, time.time())
     save()
     while True:
@@ -55,6 +122,7 @@ def asleep_for_good(key: str = "stall_at") -> NoReturn:
 def stopped_for_good(key: str = "stall_at") -> NoReturn:
     """This rank stops for good (SIGSTOP to itself: every thread stands, its heartbeats with them, as
     a process frozen in the kernel or a GPU driver call); when is saved first under ``key``."""
+    fault_fired("stopped for good")
     put(key, time.time())
     save()
     os.kill(os.getpid(), signal.SIGSTOP)
@@ -76,6 +144,7 @@ def beats_uncounted(seconds: float) -> None:
     so that at least one such beat goes out (the watchdog beats every 5 s by default)."""
     from ncclguard.watching.sensors.rank_state import RankState
 
+    fault_fired("heartbeats without a backend count")
     RankState.backend_seq = staticmethod(dict)  # type: ignore[method-assign]
     time.sleep(seconds)
 
@@ -83,6 +152,7 @@ def beats_uncounted(seconds: float) -> None:
 def kill(who: int) -> None:
     """Rank ``who`` dies here with SIGKILL: no cleanup, no goodbye to its peers."""
     if rank() == who:
+        fault_fired("SIGKILL")
         save()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -99,13 +169,17 @@ def dead(pid: int) -> bool:
 def leave(who: int) -> None:
     """Rank ``who`` exits cleanly (status 0) here, as a rank that never reaches the collective."""
     if rank() == who:
+        fault_fired("leaves before the collective")
         save()
         os._exit(0)
 
 
 def skip_collective(who: int) -> bool:
     """True on rank ``who``: the caller skips the collective there (a desync)."""
-    return rank() == who
+    if rank() != who:
+        return False
+    fault_fired("skips a collective")
+    return True
 
 
 def _job_store() -> Any:
@@ -137,7 +211,12 @@ def put(key: str, value: Any) -> None:
 
 
 def save() -> None:
-    """Writes this rank's results to ``$NCCLGUARD_TEST_OUT/rank<r>.json``."""
+    """Writes this rank's results to ``$NCCLGUARD_TEST_OUT/rank<r>.json``, with what ncclguard did
+    here under :data:`HEALTH_KEY` (its world generation, the takes lost, the faults fired)."""
+    _note_restart()
+    health = _health()
+    if health:
+        _results[HEALTH_KEY] = {**health, "faults": list(_fired)}
     out = Path(os.environ["NCCLGUARD_TEST_OUT"])
     tmp = out / f".rank{rank()}.json"
     tmp.write_text(json.dumps(_results, default=str))

@@ -263,6 +263,7 @@ def shrink() -> None:
 
     def stuck() -> None:
         if me == 2:  # stuck for good, as far as the others can tell: until they are done
+            rankkit.fault_fired("stuck until the survivors are done")
             store, deadline = rankkit._job_store(), time.monotonic() + 300
             while time.monotonic() < deadline and not store.check(
                 ["rankkit/survivors-done-0", "rankkit/survivors-done-1"]
@@ -300,6 +301,8 @@ def handshake(launch: Launch) -> dict[str, Any]:
         raise RuntimeError("injected: this rank's handshake failed")
 
     def fault() -> None:  # step K's first attempt: rank 2 raises, rank 1's next handshake fails
+        if me in (1, 2):
+            rankkit.fault_fired("a failed handshake next" if me == 1 else "raise in step K")
         if me == 1:
             stand_in.torch_init_process_group = fails_once  # type: ignore[assignment]
         if me == 2:

@@ -268,6 +268,7 @@ def absent() -> None:
     #    outrun): falsy at once, late.
     t0 = time.monotonic()
     if r == 2:
+        rankkit.fault_fired("late to a rebuild")
         rankkit.wait_for("absent-0", at_least_s=3.5)
         rankkit.wait_for("absent-1")
     res = rebuild_world(timeout=2) if r != 2 else rebuild_world(timeout=20)
@@ -349,6 +350,7 @@ def handshake() -> None:
     me = rankkit.rank()  # the launch's rank: a failed rebuild leaves no default group to ask
     real = stand_in.torch_init_process_group
     if me == 1:
+        rankkit.fault_fired("a failed handshake")
 
         def fails(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("injected: this rank's handshake failed")

@@ -95,6 +95,7 @@ def run(base: int, flips: dict[int, int]) -> dict[str, Any]:
         sched.step()
         results.append(summary(res))
         if step == FLIP_AFTER and me in flips:
+            rankkit.fault_fired(f"bit {flips[me]} flipped after step {step}")
             flip(model, flips[me])
     seen = [[s.step - base, s.ranks, s.parts, s.source, s.healed] for s in stepper.engine.replicas.seen]
     return {

@@ -84,6 +84,7 @@ class BrokenSensor:
 def main() -> None:
     rank = rankkit.init()
     register_sensor("queue", QueueSensor)
+    rankkit.fault_fired("a sensor that raises in every call")
     register_sensor("broken", BrokenSensor)
     put("registered", list(registered()))
     try:

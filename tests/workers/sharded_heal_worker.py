@@ -248,6 +248,7 @@ def refused(stepper: RecoveringStep) -> None:
     """Rank 1 is given its replica again, into a module of another shape: every rank refuses."""
     assert stepper.engine.keeper is not None
     if ME == 1:
+        rankkit.fault_fired("a replica restored into a module of another shape")
         other = torch.nn.Sequential(torch.nn.Linear(64, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1))
         before = [t.detach().clone() for t in other.parameters()]
         keeper = Keeper(ModuleState(lambda: other, None))
@@ -269,6 +270,7 @@ def damaged(stepper: RecoveringStep) -> None:
     held = sorted(s.step for s in keeper.own)
     put("held", held)
     if ME == 2:
+        rankkit.fault_fired("a bit of a replica flipped")
         keeper.replicas[1][-1].payload[12345] ^= 1
     if ME == 1:  # as a restarted rank: its live model takes the replica, its own snapshots are not used
         keeper = Keeper(ModuleState(lambda: stepper.model, lambda: stepper.optimizer))
@@ -290,6 +292,7 @@ def poisoned(stepper: RecoveringStep) -> None:
     assert keeper is not None
     held = sorted(s.step for s in keeper.own)
     if ME == 2:
+        rankkit.fault_fired("a NaN in a replica, its digest made to match")
         snap = keeper.replicas[1][-1]
         snap.payload[12345] ^= 1  # the bit damaged() flipped, back: only the NaN is wrong now
         entry = next(e for e in snap.manifest.entries if e.dtype == "float32" and e.shape and e.shape[0])

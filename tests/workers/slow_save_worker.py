@@ -108,6 +108,7 @@ def main() -> None:
 
         def step_fn(model: torch.nn.Module, step: int = step, ids: torch.Tensor = ids, labels: torch.Tensor = labels):
             if me == SAVER and life == 0 and step == SAVE:
+                rankkit.fault_fired("a save to a slow mount inside the step")
                 put("save", _save(module, opt, target))  # ranks 1-2 wait in this step's all_reduce
             model(input_ids=ids, labels=labels).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

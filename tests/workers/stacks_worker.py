@@ -147,6 +147,7 @@ def main() -> None:
     for k, (name, step) in enumerate(stacks.items(), 1):
         safe_barrier(timeout=60)
         if r == 1:
+            rankkit.fault_fired(f"evaluates while rank 0 is in {name}'s collectives")
             eval_loop(wanted=k)  # evaluates until this desync's report is merged
         with phase("train", step=k):
             starts[name] = time.time()

@@ -83,8 +83,10 @@ def main() -> None:
     rows = []
     for step in stepper.steps(STEPS):
         if step == SLOW_AT and ME == 1:
+            rankkit.fault_fired(f"a slow capture at step {step}")
             slow_capture(keeper)
         if step == REFUSE_FROM and ME == 1:
+            rankkit.fault_fired(f"a buffer of its own from step {step}")
             stepper.model.register_buffer("only_here", torch.zeros(8))
         g = torch.Generator().manual_seed(100 * step + ME)
         x, y = torch.randn(8, 64, generator=g), torch.randn(8, 1, generator=g)

@@ -104,6 +104,7 @@ def main(mode: str) -> None:
             if mode == "busy":
                 time.sleep(BUSY_STEP_S)
             if mode == "busy" and me == 1 and step == BUSY:
+                rankkit.fault_fired(f"busy in Python for {BUSY_S} s")
                 busy_for(BUSY_S)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -178,6 +179,7 @@ def remote() -> None:
     for step in range(stepper.resume_step or 0, REMOTE_STEPS):
         x, y = batch(step, me)
         if me == 1 and step == (REMOTE_ASLEEP if life == 0 else REMOTE_STOPPED):
+            rankkit.fault_fired(f"stopped (SIGSTOP) at step {step}")
             put("results", results)
             put("steps", stalls)
             put("hang", _learned())
@@ -246,6 +248,7 @@ def upload(port: int, seconds: float) -> None:
 
         def step_fn(model: torch.nn.Module, step: int = step, x=x, y=y) -> float:
             if me == 0 and step == UPLOAD:
+                rankkit.fault_fired("a slow upload inside the step")
                 put("upload_at", time.time())
                 rankkit.save()
                 put("upload", send_slowly(port, data))

@@ -67,6 +67,7 @@ def main() -> None:
             time.sleep(0.05)
     put("steps", steps)
     if r == 1:
+        rankkit.fault_fired("a hang: stays in eval while rank 0 waits in an all_reduce")
         with phase("eval"):
             rankkit.when(lambda: exists("go-end"), BOUND_S).wait(BOUND_S)
     with phase("sync"):

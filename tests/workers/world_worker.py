@@ -120,6 +120,7 @@ def same_size() -> None:
     rankkit.init(timeout_s=GROUP_TIMEOUT_S)
     wd = watchdog(instrument=True)
     dist.all_reduce(torch.ones(1))
+    rankkit.fault_fired("a rebuild the scenario asks for")  # not a fault, but no fault-free run either
     res = rebuild_world(timeout=20)
     world = current_world()
     put("rebuild", {"ok": res.ok, "generation": res.generation, "rank": res.rank, "size": res.world_size})
@@ -136,6 +137,7 @@ def shrink() -> None:
     dist.all_reduce(torch.ones(1))
     if r == 1:
         # Alive, but busy past the others' meeting: they go on without it.
+        rankkit.fault_fired("late to the rebuild")
         time.sleep(5.0)
         res = rebuild_world(timeout=10, allow_shrink=True)
         put("rebuild", {"ok": res.ok, "late": res.late, "generation": res.generation})

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +58,7 @@ __all__ = [
     "keeper_serial",
     "take_deadline_s",
     "take_keys",
+    "takes_lost",
 ]
 
 TAKE_OK, TAKE_REFUSED, TAKE_FAILED = 0, 1, 2  # how a take went on a rank: the outcome takes the worst
@@ -292,6 +294,9 @@ class TakeLosses:
     refused: int = 0
     in_a_row: int = 0
     _said: set[str] = field(default_factory=set)
+    # Every keeper's lost takes in this process, read by :func:`takes_lost`: a keeper (and its
+    # count) goes with its engine, and a process may run several loops one after another.
+    in_process: ClassVar[int] = 0
 
     def put_off(self, step: int, k: int, outcome: TakeOutcome, newest: int | None) -> int:
         """Counts a lost take of ``step`` and says so: once per reason; from the third in a row in
@@ -310,6 +315,7 @@ class TakeLosses:
         """
         refused = outcome.kind == TAKE_REFUSED
         self.failed += 1
+        TakeLosses.in_process += 1
         self.refused += refused
         self.in_a_row += 1
         due = step + 2 * max(k, 1) * min(self.in_a_row, MAX_PUT_OFF)
@@ -377,5 +383,20 @@ class TakeRounds:
             n, self.n = self.n, self.n + 1
             previous = take_keys(generation, self.serial, n - 1) if n else None
             return agree(store, take_keys(generation, self.serial, n), previous, statement, size, deadline, dead)
+        except HealFailed:  # a rank did not come: the take is lost with the step
+            TakeLosses.in_process += 1
+            raise
         except (StoreUnreachable, RuntimeError) as exc:  # the store's own errors
+            TakeLosses.in_process += 1
             raise HealFailed(f"the take's agreement: the job's store failed: {exc}") from exc
+
+
+def takes_lost() -> int:
+    """The snapshot takes lost in this process so far, by every keeper it ran: failed or refused
+    with every rank at the agreement (:class:`TakeLosses`), or lost with their step when a rank did
+    not come or the store failed. A fault-free run loses none (the test harness checks it).
+
+    Returns:
+        The count (0 before the first take).
+    """
+    return TakeLosses.in_process
