@@ -25,11 +25,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ncclguard._naming import rank_ranges
+from ncclguard.cli.status_reader import CHUNK, FIRST_READ, READ_BYTES, StatusReader
 from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, MergedNote
-from ncclguard.store.bounded_calls import BoundedCalls
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import Keys, index_key
 from ncclguard.watching.base.index import INDEX_LIMIT, WatchIndex
+from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest
 from ncclguard.watching.base.watchdog_store import LIMITS
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
     "read_status",
 ]
 
-CHUNK = 1024  # keys per check, and the most per multi_get (a request names ~40 KB of keys)
-FIRST_READ = 64  # keys of the first multi_get, before any value's size is known
-READ_BYTES = 4 << 20  # about this many bytes of values per multi_get (a heartbeat is ~1-3 KB)
 MAX_INCIDENTS = 16  # the newest incidents read
 SLOW_SCORE = 0.8  # a straggler score below this makes a rank suspect
 Health = Literal["healthy", "suspect", "incident"]
@@ -137,63 +135,6 @@ class JobStatus(BaseModel):
     ranks: list[RankRow]
     incident_count: int
     incidents: list[IncidentRow]
-
-
-class StatusReader:
-    """Read-only, counted, bounded reads of a store for the status view.
-
-    Args:
-        store: a c10d Store client (or a double with ``check``, ``get``, ``multi_get``).
-        timeout: the bound of each request.
-    """
-
-    def __init__(self, store: Any, timeout: float) -> None:  # Any: a Store or a test double
-        self._calls = BoundedCalls(store, timeout, timeout)
-        self.requests = 0
-        self.largest_read = 0  # bytes of values the largest multi_get brought back
-
-    def close(self) -> None:
-        """Ends the helper thread."""
-        self._calls.close()
-
-    def _run(self, method: str, arg: Any) -> Any:
-        self.requests += 1
-        return self._calls.run(lambda: getattr(self._calls.store, method)(arg), what=method)
-
-    def present(self, keys: Sequence[str]) -> list[int]:
-        """Indices of ``keys`` that exist: a ``check`` per :data:`CHUNK` keys, halves of a chunk
-        with missing keys checked again (m missing keys cost about 2 m log2(CHUNK / m) checks)."""
-        out: list[int] = []
-
-        def walk(lo: int, hi: int) -> None:
-            if self._run("check", list(keys[lo:hi])):
-                out.extend(range(lo, hi))
-            elif hi - lo > 1:
-                mid = (lo + hi) // 2
-                walk(lo, mid)
-                walk(mid, hi)
-
-        for lo in range(0, len(keys), CHUNK):
-            walk(lo, min(lo + CHUNK, len(keys)))
-        return out
-
-    def read(self, keys: Sequence[str]) -> dict[int, bytes]:
-        """The values of ``keys`` that exist, by index: :meth:`present`, then ``multi_get`` in chunks
-        of :data:`FIRST_READ` keys, then of as many as fit :data:`READ_BYTES` at the mean size read so
-        far (from 1 to :data:`CHUNK`)."""
-        idx = self.present(keys)
-        out: dict[int, bytes] = {}
-        lo, size, got = 0, FIRST_READ, 0
-        while lo < len(idx):
-            part, before = idx[lo : lo + size], got
-            for i, blob in zip(part, self._run("multi_get", [keys[i] for i in part]), strict=True):
-                out[i] = bytes(blob)
-                got += len(out[i])
-            self.largest_read = max(self.largest_read, got - before)
-            lo += len(part)
-            mean = max(1.0, got / lo)  # a key's value, on average so far (an empty value counts as 1 byte)
-            size = max(1, min(CHUNK, int(READ_BYTES / mean)))
-        return out
 
 
 def _parse(model: Any, blob: bytes, key: str, limit: int) -> tuple[Any, str | None]:
@@ -429,6 +370,30 @@ def read_index(reader: StatusReader, session: str) -> WatchIndex | str:
     return index if index is not None else f"the value under {key} is not a watchdog index: {problem}"
 
 
+def _rank_rows(reader: StatusReader, index: WatchIndex, t: float) -> list[RankRow]:
+    """Every rank's row, from its heartbeat: in the job's store, or with the node tier
+    (``index.nodes``) in its node's digest; a rank a digest does not hold, or holds late, is
+    looked up in the job's store too (its node's store was gone), and the fresher one is shown."""
+    keys = index.keys
+    hb_keys = [keys.heartbeat(r) for r in range(index.world_size)]
+    if not index.nodes:
+        blobs = reader.read(hb_keys)
+        return [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    blobs = {}
+    digest_keys = [keys.digest(n) for n in range(index.nodes)]
+    for i, blob in reader.read(digest_keys).items():
+        digest, _ = _parse(Digest, blob, digest_keys[i], DIGEST_LIMIT)
+        if digest is not None and digest.node == i and digest.generation == index.generation:
+            blobs.update({r: text.encode() for r, text in digest.beats.items() if 0 <= r < index.world_size})
+    rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    behind = [row.rank for row in rows if row.state in ("missing", "late", "stale")]
+    for i, blob in reader.read([hb_keys[r] for r in behind]).items():
+        row, old = _row(behind[i], blob, hb_keys[behind[i]], index, t), rows[behind[i]]
+        if row.age_s is not None and (old.age_s is None or row.age_s < old.age_s):
+            rows[behind[i]] = row
+    return rows
+
+
 def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callable[[], float] = time.time) -> JobStatus:
     """Reads every rank's heartbeat and the newest incidents of ``index``'s namespace.
 
@@ -445,10 +410,8 @@ def read_status(reader: StatusReader, index: WatchIndex, store: str, now: Callab
         StoreTimeout, StoreUnreachable: the store did not answer.
     """
     keys = index.keys
-    hb_keys = [keys.heartbeat(r) for r in range(index.world_size)]
-    blobs = reader.read(hb_keys)
     t = now()
-    rows = [_row(r, blobs.get(r), hb_keys[r], index, t) for r in range(index.world_size)]
+    rows = _rank_rows(reader, index, t)
     # A fenced rank exited: its heartbeat ages. Only such ranks are looked up (none in a healthy job).
     aging = [r.rank for r in rows if r.state in ("late", "stale")]
     for i in reader.read([keys.fenced(r) for r in aging]):

@@ -259,6 +259,19 @@ class Keys:
         """Set by ``rank``'s ``fence`` rung before it exits (a :class:`FenceNote`)."""
         return f"{self.ns}/fenced/{rank}"
 
+    def digest(self, node: int) -> str:
+        """``node``'s digest of its ranks' heartbeats, put by its agent (the node tier, docs/scale.md)."""
+        return f"{self.ns}/digest/{node}"
+
+    def member(self, local_rank: int) -> str:
+        """In a node's own store: the rank in this world of the node's process ``local_rank``."""
+        return f"{self.ns}/member/{local_rank}"
+
+    def node_addr(self, node: int) -> str:
+        """Where ``node``'s agent names its store's ``host:port``: outside every generation, as the
+        agent serves it for the whole life of its process."""
+        return f"ncclguard/wd/{self.run_id}/{self.restart}/{self.session}/node/{node}"
+
 
 def index_key(session: str) -> str:
     """Where rank 0's watchdog names its current namespace (run id, restart, generation, size).

@@ -20,6 +20,7 @@ from ncclguard._log import log
 from ncclguard.recording.flight import recorder
 from ncclguard.watching.base.index import publish_index
 from ncclguard.watching.base.metrics import WatchdogMetrics, local_port
+from ncclguard.watching.base.near_store import TieredWatchdogStore
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.desk.desk import IncidentDesk
 
@@ -63,7 +64,9 @@ class Views:
         if desk.rank != 0 or desk.store is None or self._indexed == world:
             return
         cfg = self.config
-        publish_index(desk.store, cfg.heartbeat_s, cfg.peer_timeout, cfg.hang_timeout_s, desk.world_size)
+        store = desk.store
+        nodes = store.layout.nodes if isinstance(store, TieredWatchdogStore) else 0  # status reads the digests
+        publish_index(store, cfg.heartbeat_s, cfg.peer_timeout, cfg.hang_timeout_s, desk.world_size, nodes)
         self._indexed = world
 
     def _start_metrics(self, rank: int) -> WatchdogMetrics | None:

@@ -305,7 +305,7 @@ class Watchdog:
                 next_beat = 0.0  # beat at once in the new world
             watch = self.watch
             desk = watch.desk
-            store = attach(desk, cfg)  # the store, at the tick its client is first made (worlds.py)
+            store = attach(desk, cfg, watch.world_size)  # the store, once its client is made (worlds.py)
             if store is not None:  # a restarted process goes on from what its predecessor learned
                 self.hang.load(store, _launch_rank(self.rank))
             try:

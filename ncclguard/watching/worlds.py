@@ -10,6 +10,9 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
 from ncclguard.store.clients import Connecting
+from ncclguard.watching.base.near_store import TieredWatchdogStore
+from ncclguard.watching.base.node_agent import start_agent
+from ncclguard.watching.base.node_layout import NodeLayout, tier_wanted
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import Keys, WatchdogStore, store_addr
 from ncclguard.watching.desk.desk import IncidentDesk
@@ -66,8 +69,10 @@ def connect(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int, given: Any
         )
 
 
-def attach(desk: IncidentDesk, cfg: WatchdogConfig) -> WatchdogStore | None:
-    """Gives ``desk`` the store its :func:`connect` made, once made.
+def attach(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int = 1) -> WatchdogStore | None:
+    """Gives ``desk`` the store its :func:`connect` made, once made: with the node tier on
+    (:func:`~ncclguard.watching.base.node_layout.tier_wanted` for ``world_size``), one whose
+    heartbeats go through the node's store (:mod:`~ncclguard.watching.base.near_store`).
 
     Returns:
         The store, the once it is given (the watchdog then reads what the store kept for this
@@ -89,7 +94,20 @@ def attach(desk: IncidentDesk, cfg: WatchdogConfig) -> WatchdogStore | None:
         return None
     desk.connecting = None
     keys = Keys.from_env(cfg.session, generation=desk.world["generation"])
-    store = WatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout)
+    layout = NodeLayout.from_env()
+    store: WatchdogStore
+    if layout is not None and tier_wanted(cfg.node_tier, world_size, cfg.node_tier_min_ranks, layout):
+        store = TieredWatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout, layout, cfg.heartbeat_s)
+        store.agent = start_agent(store, cfg.watch_peers)  # on the node's LOCAL_RANK 0 (node_agent.py)
+        log.info(
+            "watchdog: node tier on: node %d of %d, local rank %d of %d",
+            layout.node,
+            layout.nodes,
+            layout.local_rank,
+            layout.local_size,
+        )
+    else:
+        store = WatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout)
     try:
         desk.seen_count = store.incident_count()  # incidents from before this watchdog are not its own
     except (StoreTimeout, StoreUnreachable):

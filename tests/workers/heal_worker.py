@@ -8,6 +8,9 @@ it runs from ``resume_step``. All three then compare parameters, buffers and the
 state with each other and with the reference (rank 0 broadcasts its copy). Last, a heal whose
 receiver has a module of another shape is refused on every rank and copies nothing.
 
+With ``HEAL_KILL_RANK=2`` another rank is the one killed (tests/watching/test_node_tier_multirank.py:
+two hosts of two ranks, the node tier on, host B's agent killed and healed).
+
 ``heal_worker.py twice`` (restarts=2): the same, and rank 1's restart dies too, inside the heal (as
 its bytes begin to move). The survivors' heal fails, the world is rebuilt again with rank 1's second
 restart, which is healed, and every rank ends bit-equal to the fault-free run.
@@ -54,6 +57,8 @@ HEAL_S = 30.0  # hang guard for the transfer (a few ms here)
 HEAL_TWICE_S = 150.0
 CHUNK = 256  # bytes per broadcast: the state (about 3 KiB) goes in many chunks
 STEPS, K = 6, 3
+KILL = int(os.environ.get("HEAL_KILL_RANK", "1"))  # the launch rank killed at step K (the node tier's test: 2)
+TIER_GUARD_S = 30.0  # hang guard of the wait for every rank's link to its node's store (the node tier's test)
 BASE = STEPS  # the faulty run's step numbers follow the reference run's
 
 
@@ -141,7 +146,7 @@ def train(kill_at: int | None, base: int) -> tuple[torch.nn.Module, torch.optim.
         x, y = batch(step, ME)
 
         def step_fn(model: torch.nn.Module, step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            if step == kill_at and ME == 1 and LIFE == 0:
+            if step == kill_at and ME == KILL and LIFE == 0:
                 rankkit.fault_fired(f"SIGKILL at step {step}")
                 life_file(results)
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye to the peers
@@ -194,6 +199,20 @@ def refused_heal() -> None:
     )
 
 
+def tier() -> dict[str, Any] | None:
+    """With the node tier on (tests/watching/test_node_tier_multirank.py): this rank's watchdog store,
+    once linked to its node's store (waited for: a restarted agent names a new one); else None."""
+    from ncclguard.watching.base.near_store import TieredWatchdogStore
+    from ncclguard.watching.watchdog import current_watchdog
+
+    wd = current_watchdog()
+    store = wd.watch.desk.store if wd is not None and wd.watch is not None else None
+    if not isinstance(store, TieredWatchdogStore):
+        return None
+    rankkit.when(lambda: store.near is not None and wd.generation == 1, TIER_GUARD_S).wait(TIER_GUARD_S)
+    return {"linked": store.near is not None, "near_addr": store.near_addr, "generation": wd.generation}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     put("life", LIFE)
@@ -227,6 +246,7 @@ def main() -> None:
     own = Path(os.environ["NCCLGUARD_TEST_OUT"]) / f"reference-buffers-rank{ME}.json"
     put("buffers_equal_to_own_reference", torch.equal(buffers(module), from_hex(json.loads(own.read_text()))))
     put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
+    put("tier", tier())
     refused_heal()
     rankkit.done()
 

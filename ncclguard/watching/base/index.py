@@ -38,6 +38,7 @@ class WatchIndex(BaseModel):
     written: float
     host: str = Field("", max_length=256)
     pid: int = 0
+    nodes: int = Field(0, ge=0, le=1 << 20)  # with the node tier: the job's nodes, whose digests hold the heartbeats
 
     @property
     def keys(self) -> Keys:
@@ -46,7 +47,12 @@ class WatchIndex(BaseModel):
 
 
 def publish_index(
-    store: WatchdogStore, heartbeat_s: float, peer_timeout_s: float, hang_timeout_s: float, world_size: int
+    store: WatchdogStore,
+    heartbeat_s: float,
+    peer_timeout_s: float,
+    hang_timeout_s: float,
+    world_size: int,
+    nodes: int = 0,
 ) -> None:
     """Names ``store``'s namespace under the session's index key (rank 0, first beat of a world).
 
@@ -54,6 +60,7 @@ def publish_index(
         store: rank 0's watchdog store (its keys say run id, restart, session and generation).
         heartbeat_s, peer_timeout_s, hang_timeout_s: the watchdog's settings, for the reader's health call.
         world_size: the ranks of this world.
+        nodes: with the node tier on, the job's nodes (their digests hold the heartbeats); else 0.
     """
     keys = store.keys
     index = WatchIndex(
@@ -67,6 +74,7 @@ def publish_index(
         hang_timeout_s=hang_timeout_s,
         written=time.time(),
         host=HOSTNAME,
+        nodes=nodes,
     )
     try:
         store.put_index(index_key(keys.session), index)

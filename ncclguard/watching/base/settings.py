@@ -59,6 +59,10 @@ class WatchdogConfig(BaseSettings):
         session: a name for this watchdog's keys in the store; give a new one to a second
             watchdog started in the same job.
         store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
+        node_tier: heartbeats through a store per node (served by ``LOCAL_RANK`` 0), one digest a
+            node in the job's store: ``"auto"`` (on from ``node_tier_min_ranks`` ranks, with more
+            than one node and rank a node), ``"on"``, ``"off"`` (docs/scale.md).
+        node_tier_min_ranks: the world size from which ``"auto"`` turns the node tier on.
         instrument: also call :func:`ncclguard.recording.instrument` so plain ``torch.distributed`` calls
             are recorded.
     """
@@ -81,6 +85,9 @@ class WatchdogConfig(BaseSettings):
     session: str = Field("main", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     store_addr: str | None = None
     instrument: bool = True
+    # The node tier (docs/scale.md): heartbeats through a store per node, one digest a node in the job's store.
+    node_tier: Literal["auto", "on", "off"] = "auto"
+    node_tier_min_ranks: int = Field(512, ge=2)
     # Metrics (the ``metrics`` extra; off by default; see ncclguard/watching/base/metrics.py and docs/status.md).
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus metrics over HTTP on this port + LOCAL_RANK"

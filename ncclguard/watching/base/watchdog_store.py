@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from pydantic import BaseModel
 
@@ -37,7 +37,16 @@ from ncclguard.store.keys import Keys, world_record_key
 from ncclguard.store.rounds import read_present
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord
 
-__all__ = ["INCIDENT_ID", "LIMITS", "BoundedCalls", "Keys", "StoreRefused", "WatchdogStore", "check_finite"]
+__all__ = [
+    "INCIDENT_ID",
+    "LIMITS",
+    "BoundedCalls",
+    "Keys",
+    "StoreExchange",
+    "StoreRefused",
+    "WatchdogStore",
+    "check_finite",
+]
 __all__ += ["default_store_addr", "parse_value", "store_addr"]
 
 M = TypeVar("M", bound=BaseModel)
@@ -83,8 +92,9 @@ def _of_rank(rank: int) -> Callable[[Heartbeat], str | None]:
     return lambda value: None if value.rank == rank else f"says rank {value.rank}"
 
 
-class WatchdogStore:
-    """The watchdog's reads and writes, typed, bounded and validated.
+class StoreExchange:
+    """What every read and write of the watchdog stands on: its calls bounded, its values parsed and
+    checked, its counters and claims kept sound (:class:`WatchdogStore` is the protocol on it).
 
     Args:
         store: a c10d Store (a ``TCPStore`` client of its own; an in-memory ``HashStore`` in tests).
@@ -113,6 +123,10 @@ class WatchdogStore:
         """Moves to another namespace (a new world generation): what was learned about the old
         keys (parsed heartbeats, warned and refused keys) is forgotten."""
         self._keys = keys
+        self._new_namespace()
+
+    def _new_namespace(self) -> None:
+        """Forgets what was learned about the keys of the namespace before."""
         self._warned.clear()
         self._refused.clear()
         self._beats.clear()
@@ -127,7 +141,7 @@ class WatchdogStore:
         return self.calls.store
 
     @classmethod
-    def connect(cls, addr: str, keys: Keys, timeout: float, gone_after: float) -> WatchdogStore:
+    def connect(cls, addr: str, keys: Keys, timeout: float, gone_after: float) -> Self:
         """A new TCPStore client of the server at ``addr`` (``host:port``).
 
         Raises:
@@ -214,12 +228,20 @@ class WatchdogStore:
     def _encode(value: BaseModel) -> str:
         return encode(value)
 
+
+class WatchdogStore(StoreExchange):
+    """The watchdog's reads and writes, typed, bounded and validated (the arguments: :class:`StoreExchange`'s)."""
+
     # ----------------------------------------------------------------- heartbeats
 
     def publish_heartbeat(self, hb: Heartbeat) -> None:
-        """Sets this rank's heartbeat, cut to its size bound: the oldest 16 ops in flight, then
-        without the sensors' readings (a peer refuses a heartbeat over the bound, and a rank whose
-        heartbeats are refused looks lost)."""
+        """Sets this rank's heartbeat, cut to its size bound (:meth:`heartbeat_text`)."""
+        self._call("set", self.keys.heartbeat(hb.rank), self.heartbeat_text(hb))
+
+    def heartbeat_text(self, hb: Heartbeat) -> str:
+        """``hb`` as published, cut to its size bound: the oldest 16 ops in flight, then without the
+        sensors' readings (a peer refuses a heartbeat over the bound, and a rank whose heartbeats
+        are refused looks lost)."""
         text = self._encode(hb)
         if len(text) > LIMITS[Heartbeat]:
             text = self._encode(hb := hb.model_copy(update={"inflight": hb.inflight[:16]}))
@@ -228,15 +250,22 @@ class WatchdogStore:
                 log.warning("watchdog: the sensors' readings make a heartbeat %d bytes; they are left out", len(text))
                 self._readings_cut = True
             text = self._encode(hb.model_copy(update={"readings": None}))
-        self._call("set", self.keys.heartbeat(hb.rank), text)
+        return text
 
     def read_heartbeats(self, ranks: Sequence[int]) -> dict[int, Heartbeat]:
         """The heartbeats of ``ranks`` that exist and parse, by rank. A value that has not changed
         since the last read is not parsed again (a peer beats every ``heartbeat_s``; this rank may
         read more often, and a parse and check cost ~100 us)."""
         keys = [self.keys.heartbeat(r) for r in ranks]
+        return self.parse_heartbeats(ranks, keys, self._read_present(keys))
+
+    def parse_heartbeats(
+        self, ranks: Sequence[int], keys: Sequence[str], found: Sequence[tuple[int, bytes]]
+    ) -> dict[int, Heartbeat]:
+        """The heartbeats ``found`` (index into ``ranks`` and ``keys``, raw value) that parse, by rank;
+        an unchanged value is not parsed again (:meth:`read_heartbeats`)."""
         out = {}
-        for i, blob in self._read_present(keys):
+        for i, blob in found:
             key, raw = keys[i], bytes(blob)
             last = self._beats.get(key)
             if last is not None and last[0] == raw:
@@ -351,6 +380,10 @@ class WatchdogStore:
         key = world_record_key()
         got = self._read_present([key])
         return self._parse(WorldRecord, got[0][1], key) if got else None
+
+    def put_value(self, key: str, text: str) -> None:
+        """Sets ``text`` (encoded by its owner: a node's digest, its store's address) under ``key``."""
+        self._call("set", key, text)
 
     def put_learned(self, key: str, blob: str) -> None:
         """Sets what this rank learned (:mod:`ncclguard.watching.base.hang_bound`) under ``key``, outside

@@ -1,0 +1,184 @@
+"""A node's agent in the node tier (docs/scale.md): the node's store, and one digest a beat.
+
+The watchdog of the node's ``LOCAL_RANK`` 0 process runs the agent: it serves a store of the node's
+own (a ``TCPStore`` on a free port (:mod:`ncclguard.store.node_store`), named in the job's store under
+:meth:`~ncclguard.store.keys.Keys.node_addr`), where the node's ranks publish their heartbeats
+(:class:`~ncclguard.watching.base.near_store.TieredWatchdogStore`). At each of its beats it
+
+1. reads which rank each of the node's processes is in the world, and their heartbeats (node's store);
+2. puts them as one :class:`~ncclguard.watching.base.node_layout.Digest` into the job's store;
+3. reads the digests of the nodes its ranks watch (:func:`~ncclguard.watching.base.node_layout.watched_nodes`)
+   and copies their heartbeats into the node's store, where its ranks read them;
+4. copies the job's ``closing`` mark in.
+
+That is 4 requests a beat to the job's store for the whole node (a check more while a peer's
+digest is missing), where each rank made 4 of its own. A failed call to the job's store is logged
+once a spell and tried again at the next beat: the ranks' own calls to the job's store (incidents,
+the incident counter) tell a store that is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ncclguard._log import log
+from ncclguard.errors import StoreTimeout, StoreUnreachable
+from ncclguard.incidents.model import Heartbeat
+from ncclguard.store import node_store
+from ncclguard.store.bounded_calls import BoundedCalls
+from ncclguard.store.codec import encode
+from ncclguard.store.keys import Keys
+from ncclguard.store.rounds import read_present
+from ncclguard.watching.base.near_store import TieredWatchdogStore, read_digests
+from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout, watched_nodes
+from ncclguard.watching.base.watchdog_store import WatchdogStore, parse_value
+
+__all__ = ["NodeAgent", "start_agent"]
+
+
+class NodeAgent:
+    """One node's agent (see the module doc); driven by its watchdog's thread, one :meth:`beat` a
+    heartbeat.
+
+    Args:
+        layout: the node and its place among the nodes.
+        watch_peers: the ranks each rank watches (which nodes' digests are copied in).
+        job: the watchdog's store of the job (its keys follow the world).
+        near: the node's store (a c10d Store: :func:`ncclguard.store.node_store.serve`'s, or a test's ``HashStore``).
+        host: the address the node's ranks reach ``near`` at (``127.0.0.1``).
+    """
+
+    def __init__(
+        self, layout: NodeLayout, watch_peers: int, job: WatchdogStore, near: Any, host: str = "127.0.0.1"
+    ) -> None:
+        self.layout, self.job = layout, job
+        self.watched = watched_nodes(layout.node, layout.nodes, watch_peers, layout.local_size)
+        self.near = BoundedCalls(near, job.calls.timeout, job.calls.gone_after)
+        port = getattr(near, "port", None)
+        self.addr = f"{host}:{port}" if isinstance(port, int) else ""
+        self.beats = 0
+        self._named = False  # the node's store's address is in the job's store
+        self._copied: dict[int, int] = {}  # watched node -> the digest beat last copied in
+        self._failing = False  # the last beat failed (logged once a spell)
+
+    def close(self) -> None:
+        """Ends the helper thread of the node store's calls."""
+        self.near.close()
+
+    def beat(self) -> bool:
+        """One beat of the agent (see the module doc).
+
+        Returns:
+            True when every step of it went through.
+        """
+        self.beats += 1
+        keys = self.job.keys
+        try:
+            if not self._named and self.addr:
+                self.job.put_value(keys.node_addr(self.layout.node), self.addr)
+                self._named = True
+            self._put_digest(keys, self._gather(keys))
+            self._copy_in(keys)
+            # The job's own mark (a tiered store reads ``closing`` from the node's store, where this copies it).
+            if WatchdogStore.has_mark(self.job, keys.closing):
+                self.near.run(lambda: node_store.put(self.near.store, keys.closing, "1"), what=f"set {keys.closing}")
+        except (StoreTimeout, StoreUnreachable) as exc:
+            if not self._failing:
+                log.warning(
+                    "watchdog: node tier: node %d's agent missed a beat (%s); trying again next beat",
+                    self.layout.node,
+                    exc,
+                )
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("watchdog: node tier: node %d's agent beats again", self.layout.node)
+        self._failing = False
+        return True
+
+    def _gather(self, keys: Keys) -> dict[int, str]:
+        """The node's ranks' heartbeats in the node's store, by rank in the world (as each said)."""
+        members = [keys.member(lr) for lr in range(self.layout.local_size)]
+
+        def read() -> dict[int, str]:
+            said = read_present(self.near.store, members)
+            ranks = sorted(
+                {int(v) for v in (bytes(b)[:12].decode(errors="replace") for b in said.values()) if v.isdigit()}
+            )
+            beats = read_present(self.near.store, [keys.heartbeat(r) for r in ranks])
+            return {
+                r: bytes(beats[keys.heartbeat(r)]).decode(errors="replace") for r in ranks if keys.heartbeat(r) in beats
+            }
+
+        got: dict[int, str] = self.near.run(read, what="read the node's heartbeats")
+        return got
+
+    def _put_digest(self, keys: Keys, beats: dict[int, str]) -> None:
+        share = (DIGEST_LIMIT - 4096) // max(1, len(beats))  # each heartbeat's part of the digest's bound
+        beats = {r: text if len(text) <= share else self._cut(keys, r, text, share) for r, text in beats.items()}
+        digest = Digest(node=self.layout.node, beat=self.beats, generation=keys.generation, beats=beats)
+        self.job.put_value(keys.digest(self.layout.node), encode(digest))
+
+    def _cut(self, keys: Keys, rank: int, text: str, share: int) -> str:
+        """Rank ``rank``'s heartbeat cut to ``share`` bytes: without its sensors' readings and with its
+        oldest 4 ops in flight; ``"{}"`` (read as no heartbeat: logged) if it still does not fit."""
+        try:
+            hb = parse_value(Heartbeat, text, keys.heartbeat(rank))
+            text = encode(hb.model_copy(update={"readings": None, "inflight": hb.inflight[:4]}))
+        except ValueError:
+            pass  # not a heartbeat: its readers would refuse it anyway
+        if len(text) > share:
+            self.job.warn_once(
+                keys.heartbeat(rank), f"rank {rank}'s heartbeat is {len(text)} bytes, over its {share} in the digest"
+            )
+            return "{}"
+        return text
+
+    def _copy_in(self, keys: Keys) -> None:
+        """Copies the watched nodes' new digests' heartbeats into the node's store."""
+        if not self.watched:
+            return
+        digests = read_digests(self.job, keys, self.watched)
+        names: list[str] = []
+        values: list[str] = []
+        for node, digest in digests.items():
+            if self._copied.get(node) == digest.beat:
+                continue  # its agent did not beat since: nothing new to copy
+            self._copied[node] = digest.beat
+            for rank, text in digest.beats.items():
+                names.append(keys.heartbeat(rank))
+                values.append(text)
+        if names:
+            self.near.run(
+                lambda: node_store.put_all(self.near.store, names, values), what=f"copy {len(names)} heartbeats in"
+            )
+
+
+def start_agent(store: WatchdogStore, watch_peers: int) -> NodeAgent | None:
+    """The node's agent, for the watchdog of the node's ``LOCAL_RANK`` 0 process with the tier on;
+    None elsewhere, or when no store could be served here (logged: the node's ranks then publish
+    to the job's store, as without the tier).
+
+    Args:
+        store: the watchdog's store of the job (a tiered one runs the agent on ``LOCAL_RANK`` 0).
+        watch_peers: the ranks each rank watches.
+    """
+    if not isinstance(store, TieredWatchdogStore) or not store.layout.is_agent:
+        return None
+    try:
+        near = node_store.serve(store.calls.timeout)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or DistStoreError; the ranks go direct
+        log.warning(
+            "watchdog: node tier: could not serve node %d's store here (%s); its ranks use the job's store",
+            store.layout.node,
+            exc,
+        )
+        return None
+    agent = NodeAgent(store.layout, watch_peers, store, near)
+    log.info(
+        "watchdog: node tier: node %d's agent serves its store at %s, watching nodes %s",
+        store.layout.node,
+        agent.addr,
+        agent.watched,
+    )
+    return agent

@@ -1,0 +1,254 @@
+"""The node tier's parts in one process (issue 63): the layout read from a launcher's environment,
+which nodes a node watches, when the tier is on; three nodes of two ranks each against one real job
+``TCPStore``, each node's agent serving a real ``TCPStore`` of its own; and ``status`` reading the
+digests of 16,384 simulated ranks.
+
+The tier on real ranks in two hosts is tests/watching/test_node_tier_multirank.py; its cost at scale,
+benchmarks/node_tier_scale.py.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ncclguard.cli.status_read import StatusReader, read_index, read_status
+from ncclguard.incidents.model import Heartbeat
+from ncclguard.store import node_store
+from ncclguard.store.codec import encode
+from ncclguard.store.keys import Keys, index_key
+from ncclguard.watching.base.index import WatchIndex
+from ncclguard.watching.base.near_store import FROZEN_BEATS, TieredWatchdogStore, read_digests
+from ncclguard.watching.base.node_agent import NodeAgent
+from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout, tier_wanted, watched_nodes
+from ncclguard.watching.base.settings import WatchdogConfig
+from ncclguard.watching.base.watchdog_store import WatchdogStore
+
+HEARTBEAT_S = 0.2  # the simulated ranks' beat: FROZEN_BEATS of it is the wait for a frozen copy
+
+
+class Counted:
+    """A store client that counts its requests."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.requests = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any) -> Any:
+            self.requests += 1
+            return method(*args)
+
+        return call
+
+
+def torchrun_env(node: int, local: int, **extra: str) -> dict[str, str]:
+    env = {"GROUP_RANK": str(node), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16384"}
+    return {**env, **extra}
+
+
+def test_the_layout_is_what_torchrun_says_or_none():
+    assert NodeLayout.from_env(torchrun_env(5, 3)) == NodeLayout(node=5, nodes=2048, local_rank=3, local_size=8)
+    assert NodeLayout.from_env(torchrun_env(5, 0, GROUP_WORLD_SIZE="2048")).is_agent
+    assert NodeLayout.from_env({"LOCAL_RANK": "0", "WORLD_SIZE": "4"}) is None  # not launched by torchrun
+    assert NodeLayout.from_env(torchrun_env(2048, 0)) is None  # a node past the nodes
+    assert NodeLayout.from_env(torchrun_env(1, 8)) is None  # a local rank past the node's ranks
+    assert NodeLayout.from_env(torchrun_env(1, 0, LOCAL_WORLD_SIZE="65", WORLD_SIZE="130")) is None
+
+
+def test_a_node_watches_the_next_nodes_that_hold_its_ranks_peers():
+    assert watched_nodes(5, 2048, 16, 8) == [6, 7, 8]  # ranks 40-47 watch up to rank 63: nodes 6-7, one more
+    assert watched_nodes(2047, 2048, 16, 8) == [0, 1, 2]
+    assert watched_nodes(0, 2, 16, 8) == [1]
+    assert watched_nodes(0, 1, 16, 8) == []
+
+
+def test_the_tier_is_on_from_its_threshold_with_several_nodes_of_several_ranks():
+    many = NodeLayout(0, 2048, 0, 8)
+    cfg = WatchdogConfig()
+    assert (cfg.node_tier, cfg.node_tier_min_ranks) == ("auto", 512)
+    assert tier_wanted("auto", 16384, 512, many) and not tier_wanted("auto", 256, 512, many)
+    assert tier_wanted("on", 4, 512, NodeLayout(0, 2, 0, 2)) and not tier_wanted("off", 16384, 512, many)
+    assert not tier_wanted("on", 8, 512, NodeLayout(0, 1, 0, 8))  # one node: nothing to aggregate
+    assert not tier_wanted("on", 8, 512, NodeLayout(0, 8, 0, 1))  # one rank a node: nothing either
+    assert not tier_wanted("on", 8, 512, None)
+
+
+def heartbeat(rank: int, beat: int, **kw: Any) -> Heartbeat:
+    fields = dict(rank=rank, host=f"node{rank // 2}", pid=100 + rank, beat=beat, time=time.time(), phase="train")
+    fields.update(site="train.py:40", last_seq={"0": beat}, last_completed={"0": beat}, inflight=[])
+    return Heartbeat(**{**fields, **kw})
+
+
+@pytest.fixture
+def job():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield server
+    del server
+
+
+NODES, LOCAL = 3, 2
+
+
+def tiered(job_port: int, rank: int) -> TieredWatchdogStore:
+    client = Counted(dist.TCPStore("127.0.0.1", job_port, is_master=False, timeout=timedelta(seconds=10)))
+    layout = NodeLayout(rank // LOCAL, NODES, rank % LOCAL, LOCAL)
+    return TieredWatchdogStore(client, Keys("main"), 5.0, 30.0, layout, HEARTBEAT_S)
+
+
+def test_three_nodes_beat_through_their_stores_and_the_job_store_sees_one_digest_a_node(job):
+    ranks = {r: tiered(job.port, r) for r in range(NODES * LOCAL)}
+    agents = {
+        n: NodeAgent(ranks[n * LOCAL].layout, 2, ranks[n * LOCAL], node_store.serve(5.0, fresh=True))
+        for n in range(NODES)
+    }
+    keys = Keys("main")
+    seen: dict[int, dict[int, int]] = {}
+    for b in range(1, 5):
+        before = {r: s.calls.store.requests for r, s in ranks.items()}
+        for r, store in ranks.items():
+            store.publish_heartbeat(heartbeat(r, b))
+        for agent in agents.values():
+            assert agent.beat()
+        time.sleep(HEARTBEAT_S)  # a rank looks for its node's store at most once a heartbeat
+        seen = {
+            r: {p: hb.beat for p, hb in s.read_heartbeats([(r + 1) % 6, (r + 2) % 6]).items()} for r, s in ranks.items()
+        }
+        if b >= 3:  # linked since beat 2: only the agents talk to the job's store, 4 requests a beat each
+            used = {r: s.calls.store.requests - before[r] for r, s in ranks.items()}
+            assert used == {0: 4, 1: 0, 2: 4, 3: 0, 4: 4, 5: 0}, (b, used)
+    # Each rank sees its two next peers: those of its node at this beat; another node's as of the
+    # last digest its own agent copied in: this beat's for the nodes whose agent beat before its own
+    # (agents beat in the order 0, 1, 2 here), the beat before for the others (the tier's one beat
+    # of lag, docs/scale.md).
+    assert seen == {
+        0: {1: 4, 2: 3},
+        1: {2: 3, 3: 3},
+        2: {3: 4, 4: 3},
+        3: {4: 3, 5: 3},
+        4: {5: 4, 0: 4},
+        5: {0: 4, 1: 4},
+    }
+    digests = read_digests(ranks[0], keys, [0, 1, 2])
+    assert {n: (d.beat, sorted(d.beats)) for n, d in digests.items()} == {
+        0: (4, [0, 1]),
+        1: (4, [2, 3]),
+        2: (4, [4, 5]),
+    }
+    # The job's store holds each rank's first heartbeat only (published before its node's store was named).
+    for r in range(6):
+        assert Heartbeat.model_validate_json(job.get(keys.heartbeat(r))).beat == 1
+    # The job's closing mark reaches the ranks through their node's store, copied by its agent.
+    assert not ranks[3].has_mark(keys.closing)
+    job.set(keys.closing, "1")
+    agents[1].beat()
+    assert ranks[3].has_mark(keys.closing) and not ranks[5].has_mark(keys.closing)
+
+
+def test_a_node_whose_agent_stopped_is_read_from_the_job_store_where_its_ranks_go_on(job):
+    """Node 1's agent stops beating; its rank 3 goes on through the job's store (as a rank whose node's
+    store is gone does), rank 2 is silent. Rank 1 reads rank 3's fresh heartbeats there once its copy
+    stood still FROZEN_BEATS heartbeats, and rank 2's stays the last copied."""
+    ranks = {r: tiered(job.port, r) for r in range(4)}
+    layout = {r: NodeLayout(r // LOCAL, 2, r % LOCAL, LOCAL) for r in range(4)}
+    for r, s in ranks.items():
+        s.layout = layout[r]
+    agents = {n: NodeAgent(layout[n * LOCAL], 2, ranks[n * LOCAL], node_store.serve(5.0, fresh=True)) for n in (0, 1)}
+    for b in (1, 2, 3):
+        for r, store in ranks.items():
+            store.publish_heartbeat(heartbeat(r, b))
+        for agent in agents.values():
+            agent.beat()
+    assert {p: hb.beat for p, hb in ranks[1].read_heartbeats([2, 3]).items()} == {2: 3, 3: 3}
+    direct = WatchdogStore(dist.TCPStore("127.0.0.1", job.port, is_master=False), Keys("main"), 5.0, 30.0)
+    deadline = time.monotonic() + (FROZEN_BEATS + 1) * HEARTBEAT_S
+    b = 4
+    while time.monotonic() < deadline:  # node 1's agent and rank 2 stand still; rank 3 publishes directly
+        direct.publish_heartbeat(heartbeat(3, b))
+        for r in (0, 1):
+            ranks[r].publish_heartbeat(heartbeat(r, b))
+        agents[0].beat()
+        got = {p: hb.beat for p, hb in ranks[1].read_heartbeats([2, 3]).items()}
+        b += 1
+        time.sleep(HEARTBEAT_S)
+    assert got == {2: 3, 3: b - 1}, got
+
+
+def test_status_reads_16384_ranks_from_2048_digests_in_a_handful_of_requests(job):
+    world, nodes, now = 16384, 2048, time.time()
+    idx = WatchIndex(
+        run_id="run", restart="0", session="tier", generation=0, world_size=world, heartbeat_s=5.0,
+        peer_timeout_s=30.0, hang_timeout_s=300.0, written=now, nodes=nodes,
+    )  # fmt: skip
+    job.set(index_key("tier"), idx.model_dump_json())
+    keys = idx.keys
+    names, values = [], []
+    for n in range(nodes):
+        beats = {r: encode(heartbeat(r, 7)) for r in range(8 * n, 8 * n + 8) if r != 9000}
+        names.append(keys.digest(n))
+        values.append(encode(Digest(node=n, beat=7, generation=0, beats=beats)))
+    job.multi_set(names, values)
+    job.get(names[-1])  # the server took the whole multi_set (a set is not answered; a get on its connection is)
+    job.set(keys.heartbeat(9000), encode(heartbeat(9000, 7)))  # rank 9000 went on without its node's store
+    reader = StatusReader(dist.TCPStore("127.0.0.1", job.port, is_master=False), 30.0)
+    status = read_status(reader, read_index(reader, "tier"), "here")
+    reader.close()
+    assert [(g.count, g.state) for g in status.groups] == [(16384, "ok")]
+    # The index (2); the digests: 2 checks of 1,024 keys, then reads of 64 and of as many as fit
+    # READ_BYTES (4 reads of ~4.4 KB digests); rank 9000's look in the job's store (a check and a
+    # read); the incident counter's check. Without the tier: 56 (tests/watching/test_views.py).
+    assert status.requests == 2 + 2 + 4 + 2 + 1 == 11, status.requests
+
+
+def test_hostile_values_in_the_tiers_keys_are_refused_and_logged(job, caplog):
+    """A node's store address that is none, digests that are no digest, too big, another node's or
+    another world's, a member that is no rank: each refused with one log line, nothing raised, and
+    the ranks go on (unlinked ones through the job's store)."""
+    keys = Keys("main")
+    caplog.set_level("WARNING", logger="ncclguard")
+    bad = {
+        "{not json": "not a valid Digest (value: Invalid JSON",
+        "x" * (DIGEST_LIMIT + 1): f"over the {DIGEST_LIMIT}-byte bound of a Digest",  # and under what the store takes
+        encode(Digest(node=0, beat=1, generation=0, beats={})): "holds node 0's digest of generation 0",
+        encode(Digest(node=1, beat=1, generation=5, beats={})): "holds node 1's digest of generation 5",
+        encode(Digest(node=1, beat=1, generation=0, beats={1: "x"})).replace(
+            '"beat":1', '"beat":0'
+        ): "greater than or equal to 1",
+    }
+    for value, why in bad.items():
+        job.set(keys.digest(1), value)
+        job.get(keys.digest(1))  # the server took it (a set is not answered; a get on its connection is)
+        reader = WatchdogStore(dist.TCPStore("127.0.0.1", job.port, is_master=False), keys, 5.0, 30.0)
+        caplog.clear()
+        assert read_digests(reader, keys, [1]) == {}
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert keys.digest(1) in line and why in line, (why, line)
+    # The agent and the ranks go on beside hostile values: node 1's store named as no address, its
+    # digest no digest, a member of node 0 that names no rank.
+    ranks = {r: tiered(job.port, r) for r in range(4)}
+    for r, s in ranks.items():
+        s.layout = NodeLayout(r // LOCAL, 2, r % LOCAL, LOCAL)
+    job.set(keys.node_addr(1), "no address here")
+    near = node_store.serve(5.0, fresh=True)
+    agent = NodeAgent(ranks[0].layout, 2, ranks[0], near)
+    near.set(keys.member(1), "rank one")
+    caplog.clear()
+    for b in (1, 2, 3):
+        for r in (0, 2, 3):
+            ranks[r].publish_heartbeat(heartbeat(r, b))
+        assert agent.beat()
+        time.sleep(HEARTBEAT_S)
+    assert ranks[0].near is not None and ranks[2].near is None and ranks[3].near is None
+    assert set(agent._gather(keys)) == {0}  # rank 1's member key names no rank
+    # Ranks 2-3 stayed on the job's store: rank 0 reads them there (node 1's digest is no digest).
+    assert {p: hb.beat for p, hb in ranks[0].read_heartbeats([2, 3]).items()} == {2: 3, 3: 3}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("'no address here', not the 'host:port'" in m for m in said) == 2, said  # ranks 2 and 3, once each
+    assert sum(keys.digest(1) in m for m in said) == 1, said  # once, however often it is read

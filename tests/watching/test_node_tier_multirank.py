@@ -1,0 +1,191 @@
+"""The node tier on real ranks (issue 63): two hosts (network namespaces, tests/netns.py), two ranks
+each under ``ncclguard run --nnodes 2 --nproc-per-node 2`` (torchrun, with the network set for two
+hosts), the tier turned on by its setting
+(``NCCLGUARD_WATCHDOG_NODE_TIER=on``) in the script's watchdog, started after the group.
+
+Two launches. tests/workers/node_tier_worker.py ``two_nodes``: the heartbeats go through each node's
+store and one digest a node reaches the job's store; a desync across the nodes names the skipping
+rank with its phase and site; host B's agent stopped (its process and its node's store with it)
+is a lost rank 2 alone, its node's other rank going on through the job's store. And
+tests/workers/heal_worker.py under ``ncclguard run --ncclguard-restarts 1`` with ``HEAL_KILL_RANK=2``:
+host B's agent SIGKILLed in training, restarted, healed bit-equal, its node's ranks linked to the
+store its restart serves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from netns import ADDR_A, WORKERS, _env, _run_in
+
+pytestmark = pytest.mark.multirank
+
+WORKER = "node_tier_worker.py"
+HANG_S, HEARTBEAT_S = 3.0, 0.5  # the worker's
+# Hang guard of the whole launch: ~35 s of work (warm-up, a desync's report, a loss after 8 s) and
+# two torchruns' start on a loaded 2-core machine; over 3x that.
+LAUNCH_GUARD_S = 240
+
+
+def mark(name: str) -> int:
+    """The line of the worker that ends in ``# MARK: <name>``."""
+    lines = (WORKERS / WORKER).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.rstrip().endswith(f"# MARK: {name}"))
+
+
+@pytest.fixture(scope="module")
+def tier(hosts):
+    out = Path(tempfile.mkdtemp(prefix="ncclguard-tier-"))
+    runs = []
+    for n, ns in enumerate((hosts.ns_a, hosts.ns_b)):
+        argv = [sys.executable, "-m", "ncclguard", "run", "--nnodes", "2", "--node-rank", str(n)]
+        argv += [
+            "--master-addr",
+            ADDR_A,
+            "--master-port",
+            "29540",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.1",
+        ]
+        argv += [str(WORKERS / WORKER), "two_nodes"]
+        env = _env(NCCLGUARD_TEST_OUT=str(out), OMP_NUM_THREADS="1", NCCLGUARD_WATCHDOG_NODE_TIER="on")
+        runs.append((ns, argv, env))
+    a, b = _run_in(runs, LAUNCH_GUARD_S)
+    got = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4) if (out / f"rank{r}.json").exists()}
+    yield a, b, got, out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def healed(hosts):
+    """Host B's agent (launch rank 2) SIGKILLed at step 3 of RecoveringStep(heal=True), restarted by its
+    supervisor (``--ncclguard-restarts 1``) and healed (tests/workers/heal_worker.py), the watchdog
+    started by ``ncclguard run`` with the tier on and a 1 s heartbeat."""
+    out = Path(tempfile.mkdtemp(prefix="ncclguard-tier-heal-"))
+    runs = []
+    for n, ns in enumerate((hosts.ns_a, hosts.ns_b)):
+        argv = [sys.executable, "-m", "ncclguard", "run", "--nnodes", "2", "--node-rank", str(n)]
+        argv += [
+            "--master-addr",
+            ADDR_A,
+            "--master-port",
+            "29542",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.1",
+        ]
+        argv += ["--ncclguard-restarts", "1", "--ncclguard-incident-dir", str(out / f"inc{n}")]
+        argv += [str(WORKERS / "heal_worker.py")]
+        env = _env(
+            NCCLGUARD_TEST_OUT=str(out),
+            OMP_NUM_THREADS="1",
+            NCCLGUARD_WATCHDOG_NODE_TIER="on",
+            NCCLGUARD_WATCHDOG_HEARTBEAT_S="1",
+            HEAL_KILL_RANK="2",
+        )
+        runs.append((ns, argv, env))
+    a, b = _run_in(runs, LAUNCH_GUARD_S)
+    got = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4) if (out / f"rank{r}.json").exists()}
+    yield a, b, got
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def test_host_bs_agent_killed_is_restarted_healed_bit_equal_and_its_node_linked_again(healed):
+    a, b, got = healed
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-4000:] + b.stderr[-4000:]
+    assert "restart 1 of 1" in b.stderr + b.stdout, b.stderr[-3000:]
+    assert [got[r]["life"] for r in range(4)] == [0, 0, 1, 0]
+    for r in range(4):
+        res = got[r]
+        assert res["final"] == [r, 4, 1], (r, res["final"])
+        assert (res["equal_across_ranks"], res["equal_to_reference"], res["buffers_equal_to_own_reference"]) == (
+            True,
+            True,
+            True,
+        ), r
+        # Every rank through its node's store again in the rebuilt world: rank 3 found the store its
+        # restarted agent serves.
+        assert res["tier"] == {"linked": True, "near_addr": res["tier"]["near_addr"], "generation": 1}, (r, res["tier"])
+    assert got[0]["tier"]["near_addr"] == got[1]["tier"]["near_addr"] != got[2]["tier"]["near_addr"]
+    assert got[2]["tier"]["near_addr"] == got[3]["tier"]["near_addr"]
+    assert got[2]["healed"][:2] == [True, "receiver"]
+
+
+def test_heartbeats_go_through_each_nodes_store_and_one_digest_a_node_reaches_the_jobs_store(tier):
+    a, b, got, _ = tier
+    assert a.returncode == 0, a.stderr[-6000:]
+    assert sorted(got) == [0, 1, 2, 3], (sorted(got), a.stderr[-3000:], b.stderr[-3000:])
+    for r in range(4):
+        state = got[r]["tier"]
+        assert state["tiered"] and state["linked"] and state["generation"] == 0, (r, state)
+    # Each node's ranks publish to their own node's store: one address per node, two nodes.
+    assert got[0]["tier"]["near_addr"] == got[1]["tier"]["near_addr"]
+    assert got[2]["tier"]["near_addr"] == got[3]["tier"]["near_addr"]
+    job = got[0]["job"]
+    assert {n: d["ranks"] for n, d in job["digests"].items()} == {"0": [0, 1], "1": [2, 3]}
+    assert all(d["beat"] >= 4 for d in job["digests"].values()), job
+    # What reached the job's store directly is a rank's first beats, before its node's store was
+    # named: each is older than the same rank's heartbeat in its node's digest.
+    for r, beat in job["direct_beats"].items():
+        assert beat < job["digest_beats"][str(int(r) // 2)][r], job
+    # Every rank saw each of its 3 peers (watch_peers 16 > 3) beating, through its node's store.
+    for r in range(4):
+        assert sorted(int(p) for p in got[r]["peers"]) == sorted({0, 1, 2, 3} - {r}), got[r]["peers"]
+        assert all(beat >= 4 for beat in got[r]["peers"].values()), (r, got[r]["peers"])
+
+
+def merged(out: Path) -> list[dict]:
+    """The merged reports of the launch, oldest first."""
+    found = sorted(p for p in (out / "incidents").iterdir() if (p / "incident.json").is_file())
+    return [json.loads((p / "incident.json").read_text()) for p in found]
+
+
+def test_a_desync_across_the_nodes_names_the_skipping_rank_with_its_phase_and_site(tier):
+    _, _, got, out = tier
+    inc = merged(out)[0]
+    (finding,) = inc["findings"]
+    assert (finding["kind"], finding["op"], finding["phase"]) == ("desync", "all_reduce(SUM)", "train step=4")
+    assert finding["site"].endswith(f"{WORKER}:{mark('desync')}")
+    assert finding["waiting"] == [0, 1, 2] and inc["victims"] == [0, 1, 2]
+    (culprit,) = inc["culprits"]
+    assert (culprit["rank"], culprit["why"], culprit["phase"]) == (3, "behind", "eval batch=7")
+    assert culprit["site"].endswith(f"{WORKER}:{mark('eval')}")
+    assert inc["summary"].startswith("ranks 0-2 waiting in all_reduce(SUM)")
+    # Named within the issue's bound (hang_timeout_s + 2 beats), one beat more for the tier's copy.
+    hang_to_disk = inc["written_at"] - min(got[r]["desync_start"] for r in (0, 1, 2))
+    assert HANG_S <= hang_to_disk, hang_to_disk
+    put_down = {r: len(got[r]["after_desync"]) for r in range(4)}
+    assert put_down == {0: 1, 1: 1, 2: 1, 3: 1}, put_down
+
+
+def test_a_stopped_agent_is_its_own_rank_lost_and_its_nodes_other_rank_goes_on_through_the_jobs_store(tier):
+    a, b, got, out = tier
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-4000:] + b.stderr[-4000:]
+    lost = merged(out)[1]
+    assert [f["kind"] for f in lost["findings"]] == ["lost"]
+    assert [c["rank"] for c in lost["culprits"]] == [2] and lost["victims"] == [0, 1, 3]
+    assert lost["culprits"][0]["why"] == "lost"
+    for r in (0, 1, 3):
+        assert [i["kind"] for i in got[r]["after_lost"]] == ["hang", "lost"], (r, got[r]["after_lost"])
+    # Rank 3 lost its node's store with its agent and went on through the job's store.
+    assert got[3]["tier_after"]["tiered"] and not got[3]["tier_after"]["linked"]
+    assert got[0]["tier_after"]["linked"] and got[1]["tier_after"]["linked"]
+    # Ranks 0 and 1 still see rank 3 beating (read from the job's store), not rank 2.
+    for r in (0, 1):
+        peers = got[r]["peers_after"]
+        assert peers["3"][1] < PEER_FRESH_S, (r, peers)
+        assert peers["2"][1] >= PEER_S, (r, peers)
+
+
+PEER_S = 8.0  # the worker's peer_timeout_s
+# Rank 3's last beat seen this recently: its copy in node 0's store is read from the job's store
+# after FROZEN_BEATS (3) beats of 0.5 s; over 2x that.
+PEER_FRESH_S = 4.0
