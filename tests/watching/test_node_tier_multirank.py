@@ -130,6 +130,8 @@ def test_heartbeats_go_through_each_nodes_store_and_one_digest_a_node_reaches_th
     assert got[0]["tier"]["near_addr"] == got[1]["tier"]["near_addr"]
     assert got[2]["tier"]["near_addr"] == got[3]["tier"]["near_addr"]
     job = got[0]["job"]
+    # `status` from outside finds the tier named in rank 0's index and reads every rank in the digests.
+    assert job["status"] == {"nodes": 2, "states": ["ok", "ok", "ok", "ok"]}, job["status"]
     assert {n: d["ranks"] for n, d in job["digests"].items()} == {"0": [0, 1], "1": [2, 3]}
     assert all(d["beat"] >= 4 for d in job["digests"].values()), job
     # What reached the job's store directly is a rank's first beats, before its node's store was

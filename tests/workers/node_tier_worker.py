@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rankkit import put, skip_collective
 
 from ncclguard import phase, safe_barrier, start_watchdog
+from ncclguard.cli.status_read import StatusReader, read_index, read_status
 from ncclguard.incidents.files import INCIDENT_FILE
 from ncclguard.store.clients import connect
 from ncclguard.watching.base.near_store import TieredWatchdogStore, read_digests
@@ -65,7 +66,12 @@ def job_view(wd) -> dict:
     for r in range(dist.get_world_size()):
         if client.check([keys.heartbeat(r)]):
             direct[r] = rankkit.json.loads(client.get(keys.heartbeat(r)))["beat"]
+    reader = StatusReader(client, 10.0)  # what `python -m ncclguard status` reads from outside
+    index = read_index(reader, "main")
+    status = read_status(reader, index, "here") if not isinstance(index, str) else None
+    reader.close()
     return {
+        "status": None if status is None else {"nodes": status.index.nodes, "states": [r.state for r in status.ranks]},
         "digests": {n: {"beat": d.beat, "ranks": sorted(d.beats)} for n, d in digests.items()},
         "digest_beats": {n: {r: rankkit.json.loads(t)["beat"] for r, t in d.beats.items()} for n, d in digests.items()},
         "direct_beats": direct,
