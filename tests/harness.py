@@ -12,6 +12,7 @@ with faults, up to its first fault.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import psutil
@@ -54,6 +56,17 @@ class Job:
                 f"rank {rank} saved no results (rc={self.returncodes.get(rank)})\n{self.output[-6000:]}"
             )
         return self.results[rank]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package), registered
+    under ``name`` so that its dataclasses and its pickled worker functions resolve."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(ready: Callable[[], T], bound_s: float, what: str, every_s: float = 0.005) -> T:

@@ -3,20 +3,17 @@ rules (library calls counted once per module and thread, module bodies not), the
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from harness import load_benchmark
 
 REPO = Path(__file__).parents[2]
 
 
 def walks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("module_walks", REPO / "benchmarks" / "module_walks.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("module_walks")
 
 
 SOURCE = '''"""A module docstring

@@ -252,3 +252,26 @@ def test_hostile_values_in_the_tiers_keys_are_refused_and_logged(job, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert sum("'no address here', not the 'host:port'" in m for m in said) == 2, said  # ranks 2 and 3, once each
     assert sum(keys.digest(1) in m for m in said) == 1, said  # once, however often it is read
+
+
+def test_an_agent_of_many_heavy_ranks_cuts_their_heartbeats_to_fit_one_digest(job):
+    """32 ranks a node, each heartbeat ~200 KB of sensors' readings (under its own 256 KiB bound):
+    whole, they would make a digest of ~7 MB, over its 4 MiB. The agent sends each without its
+    readings, and the digest is read back whole."""
+    keys = Keys("main")
+    local = 32
+    store = WatchdogStore(dist.TCPStore("127.0.0.1", job.port, is_master=False), keys, 5.0, 30.0)
+    near = dist.HashStore()
+    agent = NodeAgent(NodeLayout(0, 2, 0, local), 16, store, near)
+    readings = {f"s{i}": {f"k{j}": "x" * 180 for j in range(60)} for i in range(16)}  # ~190 KB of figures
+    for r in range(local):
+        text = encode(heartbeat(r, 1, readings=readings))
+        assert 150_000 < len(text) <= 256 * 1024
+        near.set(keys.member(r), str(r))
+        near.set(keys.heartbeat(r), text)
+    assert agent.beat()
+    raw = job.get(keys.digest(0))
+    assert len(raw) <= DIGEST_LIMIT
+    (digest,) = read_digests(store, keys, [0]).values()
+    beats = {r: Heartbeat.model_validate_json(t) for r, t in digest.beats.items()}
+    assert sorted(beats) == list(range(local)) and all(hb.readings is None and hb.beat == 1 for hb in beats.values())

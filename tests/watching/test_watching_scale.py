@@ -17,12 +17,10 @@ With ``watch_peers`` = 16, reading every peer instead would read 127 peers a bea
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from harness import load_benchmark
 
 pytestmark = pytest.mark.multirank  # worker processes, tens of seconds
 
@@ -42,13 +40,7 @@ SIZES = (32, 128)
 
 
 def _scale_module():
-    path = Path(__file__).parents[2] / "benchmarks" / "watchdog_scale.py"
-    spec = importlib.util.spec_from_file_location("watchdog_scale", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["watchdog_scale"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("watchdog_scale")
 
 
 @pytest.fixture(scope="module")

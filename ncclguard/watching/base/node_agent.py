@@ -19,6 +19,7 @@ the incident counter) tell a store that is gone.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ncclguard._log import log
@@ -103,7 +104,7 @@ class NodeAgent:
         def read() -> dict[int, str]:
             said = read_present(self.near.store, members)
             ranks = sorted(
-                {int(v) for v in (bytes(b)[:12].decode(errors="replace") for b in said.values()) if v.isdigit()}
+                {int(v) for v in (bytes(b)[:12].decode(errors="replace") for b in said.values()) if v.isdecimal()}
             )
             beats = read_present(self.near.store, [keys.heartbeat(r) for r in ranks])
             return {
@@ -115,7 +116,7 @@ class NodeAgent:
 
     def _put_digest(self, keys: Keys, beats: dict[int, str]) -> None:
         share = (DIGEST_LIMIT - 4096) // max(1, len(beats))  # each heartbeat's part of the digest's bound
-        beats = {r: text if len(text) <= share else self._cut(keys, r, text, share) for r, text in beats.items()}
+        beats = {r: text if _inside(text) <= share else self._cut(keys, r, text, share) for r, text in beats.items()}
         digest = Digest(node=self.layout.node, beat=self.beats, generation=keys.generation, beats=beats)
         self.job.put_value(keys.digest(self.layout.node), encode(digest))
 
@@ -127,9 +128,10 @@ class NodeAgent:
             text = encode(hb.model_copy(update={"readings": None, "inflight": hb.inflight[:4]}))
         except ValueError:
             pass  # not a heartbeat: its readers would refuse it anyway
-        if len(text) > share:
+        if _inside(text) > share:
             self.job.warn_once(
-                keys.heartbeat(rank), f"rank {rank}'s heartbeat is {len(text)} bytes, over its {share} in the digest"
+                keys.heartbeat(rank),
+                f"rank {rank}'s heartbeat is {_inside(text)} bytes in the digest, over its share of {share}",
             )
             return "{}"
         return text
@@ -152,6 +154,11 @@ class NodeAgent:
             self.near.run(
                 lambda: node_store.put_all(self.near.store, names, values), what=f"copy {len(names)} heartbeats in"
             )
+
+
+def _inside(text: str) -> int:
+    """What ``text`` weighs inside a digest's JSON: its quotes escaped (about 12% more for a heartbeat)."""
+    return len(json.dumps(text))
 
 
 def start_agent(store: WatchdogStore, watch_peers: int) -> NodeAgent | None:

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["DIGEST_LIMIT", "Digest", "NodeLayout", "tier_wanted", "watched_nodes"]
 
 # The largest digest, in bytes of JSON: half the largest value torch's TCPStore server takes (8 MiB
-# went through, 15 MiB reset the connection: torch 2.13, its libuv server). 16 heartbeats at their
-# own bound (256 KiB) fit; an agent of more ranks cuts its heartbeats to their share (node_agent.py).
+# went through, 15 MiB reset the connection: torch 2.13, its libuv server). 8 heartbeats at their
+# own bound (256 KiB, about 12% more escaped inside the digest's JSON) fit; an agent whose heartbeats
+# weigh more cuts each over its share (node_agent.py).
 DIGEST_LIMIT = 4 << 20
 MAX_LOCAL = 64  # ranks a node at most (torchrun's nproc_per_node; 8 on a GPU node)
 
@@ -69,11 +70,11 @@ class NodeLayout:
         """
         env = os.environ if env is None else env
         raw = {k: env.get(k, "") for k in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
-        if not all(v.isdigit() for v in raw.values()):
+        if not all(v.isdecimal() for v in raw.values()):
             return None
         node, local_rank, local_size, world = (int(raw[k]) for k in raw)
         given = env.get("GROUP_WORLD_SIZE", "")
-        nodes = int(given) if given.isdigit() else (world // local_size if local_size else 0)
+        nodes = int(given) if given.isdecimal() else (world // local_size if local_size else 0)
         if not (0 < local_size <= MAX_LOCAL and 0 <= node < nodes and 0 <= local_rank < local_size):
             return None
         return cls(node, nodes, local_rank, local_size)
