@@ -236,6 +236,14 @@ def test_hostile_values_in_the_tiers_keys_are_refused_and_logged(job, caplog):
     for r, s in ranks.items():
         s.layout = NodeLayout(r // LOCAL, 2, r % LOCAL, LOCAL)
     job.set(keys.node_addr(1), "no address here")
+    job.set(keys.node_addr(0), "127.0.0.1:²")  # a digit that is no decimal: refused, never an int() that raises
+    job.get(keys.node_addr(0))
+    lone = tiered(job.port, 1)
+    lone.layout = NodeLayout(0, 2, 1, LOCAL)
+    caplog.clear()
+    lone.publish_heartbeat(heartbeat(1, 1))  # looks, refuses the address, publishes to the job's store
+    assert lone.near is None and Heartbeat.model_validate_json(job.get(keys.heartbeat(1))).beat == 1
+    assert ["'127.0.0.1:²', not the 'host:port'" in r.getMessage() for r in caplog.records] == [True]
     near = node_store.serve(5.0, fresh=True)
     agent = NodeAgent(ranks[0].layout, 2, ranks[0], near)
     near.set(keys.member(1), "rank one")

@@ -98,7 +98,7 @@ class TieredWatchdogStore(WatchdogStore):
             return
         addr = bytes(got[0][1])[:ADDR_MAX].decode(errors="replace")
         host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdecimal() or len(port) > 5:
             self.warn_once(key, f"{key} holds {addr[:60]!r}, not the 'host:port' a node's agent writes")
             return
         if self._failed[0] == addr and now < self._failed[1]:
