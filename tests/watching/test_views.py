@@ -42,6 +42,7 @@ from ncclguard.watching.base.index import WatchIndex
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "incidents_v1" / "20261122-090619-001"
 PNG = b"\x89PNG\r\n\x1a\n"
+INFLIGHT_AGE_GUARD_S = 60.0  # hang guard on an op's age (2 s when read): 30x, only a runaway clock passes it
 
 
 class Applied:
@@ -480,7 +481,7 @@ def test_metrics_count_waits_once_and_follow_a_rebuild():
     assert value("ncclguard_collectives_total", {"rank": "0"}) == 1.0
     assert value("ncclguard_inflight_ops", {"rank": "0"}) == 1.0
     # The op opened 2 s before `now`: its age is at least that; the upper bound is a hang guard (30x).
-    assert 2.0 <= value("ncclguard_oldest_inflight_seconds", {"rank": "0"}) < 60.0
+    assert 2.0 <= value("ncclguard_oldest_inflight_seconds", {"rank": "0"}) < INFLIGHT_AGE_GUARD_S
     assert value("ncclguard_peer_stale", {"rank": "0", "peer": "2"}) == 1.0
     assert value("ncclguard_rebuilds_total", {"rank": "0"}) == 0.0
     m.update(1, 1, [], {"0": PeerView(age_s=0.1, stale=False, seen=True)}, {}, [])  # rebuilt: now rank 1

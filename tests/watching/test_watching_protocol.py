@@ -18,6 +18,9 @@ from ncclguard.incidents.model import Heartbeat, IncidentDoc, IncidentKind, Merg
 from ncclguard.store import bounded_calls
 from ncclguard.watching.base.watchdog_store import LIMITS, BoundedCalls, Keys, WatchdogStore, parse_value
 
+# Hang guard: a bounded call that must end at its 0.1 s bound; 100x that, far below the blocked 60 s.
+BLOCKED_CALL_GUARD_S = 10.0
+
 
 def heartbeat(rank: int, beat: int = 1, inflight: int = 0) -> Heartbeat:
     recs = [OpRecord(seq=i + 1, op="all_reduce(SUM)", group="0", start=1.0, site="x" * 100) for i in range(inflight)]
@@ -71,7 +74,7 @@ def test_a_call_that_blocks_times_out_then_the_store_counts_as_gone(monkeypatch)
     # The message gives the time waited (the 0.1 s bound, more on a loaded machine): never more than the
     # call took. The upper bound is a hang guard, far below the blocked call's 60 s.
     waited = float(re.search(r"within (\d+\.\d+) s", str(info.value)).group(1))
-    assert waited <= took + 0.005 and took < 10.0
+    assert waited <= took + 0.005 and took < BLOCKED_CALL_GUARD_S
     # The call is still blocked: the next one fails at once instead of queueing behind it.
     with pytest.raises(StoreTimeout, match="an earlier call to the store has not returned"):
         calls.run(store.add, "k", 1)
