@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -59,6 +58,7 @@ from ncclguard.recovery._commit.statements import (
     outcome_limit,
     refused_text,
 )
+from ncclguard.recovery._commit.tier import forget_commit, settle_commit, tier_of, tier_peek
 from ncclguard.recovery._numerics.drift import ReplicaDrift, only_drift
 from ncclguard.recovery._numerics.findings import BucketFinding, NumericsSaid
 from ncclguard.recovery.preempt import stop_requested
@@ -221,12 +221,14 @@ def _problems(info: GroupInfo | None, since: float, failure: str | BaseException
     return [clip(p) for p in found]
 
 
-def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float) -> Rule[CommitOutcome]:
+def _rule(
+    store: dist.Store, info: GroupInfo, generation: int, step: int, timeout_s: float, peek: Peek | None = None
+) -> Rule[CommitOutcome]:
     keys = commit_keys(info.name, generation, step)
     size = info.size
-    statements = Peek(store, keys, size)  # the settling rank reads them; nobody else does
-
-    known = _known_dead(store, info, size)
+    statements = peek or Peek(store, keys, size)  # the settling rank reads them; nobody else does
+    watch = _known_dead(store, info, size)
+    known = watch.look if watch is not None else None
 
     def statements_of(raw: dict[int, bytes]) -> dict[int, CommitStatement | None]:
         return decode_each(CommitStatement, raw, "commit statement", MAX_STATEMENT_BYTES, "should_commit")
@@ -263,15 +265,14 @@ def _rule(store: dist.Store, info: GroupInfo, generation: int, step: int, timeou
     )
 
 
-def _known_dead(store: dist.Store, info: GroupInfo, size: int) -> Callable[[], dict[int, str]] | None:
-    """For a commit on the world group: a reader of the job's death notices posted since this world
-    was made (:mod:`ncclguard.store.deaths`), as ``{group rank: how it is known}``; None elsewhere
-    (a subgroup's ranks are not mapped to launch ranks)."""
+def _known_dead(store: dist.Store, info: GroupInfo, size: int) -> DeathWatch | None:
+    """For a commit on the world group: a watch of the job's death notices posted since this world
+    was made (:mod:`ncclguard.store.deaths`), ``{group rank: how it is known}``; None elsewhere (a
+    subgroup's ranks are not mapped to launch ranks)."""
     world = current_world()
     if not dist.is_initialized() or info.group is not compat.default_group() or world.size not in (None, size):
         return None
-    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, info.rank)
-    return watch.look
+    return DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, info.rank)
 
 
 def should_commit(
@@ -422,25 +423,28 @@ def _settle(
     info: GroupInfo, generation: int, n: int, statement: CommitStatement, deadline: Deadline, timeout_s: float
 ) -> tuple[CommitOutcome, bool]:
     """Runs the commit round; returns the settled outcome and whether this rank came late."""
+    keys = commit_keys(info.name, generation, n)
     try:
         store = store_for_this_thread(cast("dist.Store", info.store), deadline)
-        settled = settle_round(
-            store,
-            commit_keys(info.name, generation, n),
-            info.rank,
-            info.size,
-            encode(statement),
-            deadline,
-            _rule(store, info, generation, n, timeout_s),
-            f"commit {n} on group {info.name!r}",
-        )
+        tier = tier_of(info, current_world(), timeout_s, deadline)
+        if tier is None:
+            rule = _rule(store, info, generation, n, timeout_s)
+            what, text = f"commit {n} on group {info.name!r}", encode(statement)
+            outcome = settle_round(store, keys, info.rank, info.size, text, deadline, rule, what).outcome
+        else:  # through the node tier (docs/scale.md): the node's ranks first, one carrier a node
+            peek = tier_peek(store, keys, tier[0], MAX_STATEMENT_BYTES)
+            rule, watch = _rule(store, info, generation, n, timeout_s, peek), _known_dead(store, info, info.size)
+            known = (lambda: watch.look_within(deadline)) if watch is not None else None
+            outcome = settle_commit(store, keys, tier, n, encode(statement), deadline, timeout_s, rule, peek, known)
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
         if isinstance(exc, StoreUnreachable):
             raise
         raise StoreUnreachable(f"the group's store did not answer during commit {n}: {exc}") from exc
-    outcome = settled.outcome
     if n > 0 and len(outcome.arrived) == info.size:
-        _forget(store, info, generation, n - 1, deadline.plus(GRACE_S))
+        if tier is None:
+            _forget(store, info, generation, n - 1, deadline.plus(GRACE_S))
+        else:
+            forget_commit(store, commit_keys(info.name, generation, n - 1), tier, n - 1, deadline.plus(GRACE_S))
     return outcome, info.rank not in outcome.arrived
 
 

@@ -4,6 +4,10 @@ and the few exchanges made with it.
 One server per process for the process's life: ``ncclguard run``'s watchdog gives way to the
 script's, and the ranks linked to the store the first one served stay linked. Unbounded calls: make
 them inside a bounded call (:class:`~ncclguard.store.bounded_calls.BoundedCalls`).
+
+The node store this process's watchdog is linked to is noted here (:func:`note_linked`), so that
+another thread's two-tier round (``should_commit``, :mod:`~ncclguard.store.tier_round`) connects
+its own client to it (:func:`near_client`): a client runs one request at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["get_present", "put", "put_all", "serve"]
+from ncclguard._log import log
+from ncclguard.deadlines import Deadline
+from ncclguard.errors import StoreUnreachable
+from ncclguard.store.bounded import bounded_store_call
+from ncclguard.store.clients import connect
+
+__all__ = ["drop_near_client", "get_present", "linked_address", "near_client", "note_linked", "put", "put_all", "serve"]
 
 
 class _Served:
@@ -67,3 +77,65 @@ def put_all(store: Any, keys: Sequence[str], values: Sequence[str]) -> None:
 def get_present(store: Any, key: str) -> bytes | None:
     """The value under ``key``, or None when there is none (a ``check``, then a ``get``)."""
     return bytes(store.get(key)) if store.check([key]) else None
+
+
+class _Linked:
+    """The node store this process's watchdog reads and writes (``""``: none), and each thread's
+    client of it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.addr = ""
+        self.local = threading.local()  # .clients: {addr: client}
+
+
+_linked = _Linked()
+
+
+def note_linked(addr: str) -> None:
+    """Notes the ``host:port`` of the node store this process's watchdog is linked to (``""``: it
+    dropped it)."""
+    with _linked.lock:
+        _linked.addr = addr
+
+
+def linked_address() -> str:
+    """The ``host:port`` of the node store this process's watchdog is linked to, or ``""``."""
+    with _linked.lock:
+        return _linked.addr
+
+
+def near_client(timeout_s: float, deadline: Deadline) -> Any | None:
+    """The calling thread's client of the node store the watchdog is linked to, connected once per
+    thread and address.
+
+    Args:
+        timeout_s: the client's own timeout.
+        deadline: when its connection must be made.
+
+    Returns:
+        The client; None when the watchdog is linked to none, or the connection failed (one log line).
+    """
+    addr = linked_address()
+    if not addr:
+        return None
+    clients: dict[str, Any] | None = getattr(_linked.local, "clients", None)
+    if clients is None:
+        clients = _linked.local.clients = {}
+    if addr not in clients:
+        host, _, port = addr.rpartition(":")
+        try:
+            clients[addr] = bounded_store_call(
+                _linked, lambda: connect(host, int(port), timeout_s), deadline, f"connect to the node's store at {addr}"
+            )
+        except (StoreUnreachable, RuntimeError, dist.DistStoreError, ValueError) as exc:
+            log.info("node tier: no client of the node's store at %s (%s)", addr, exc)
+            return None
+    return clients[addr]
+
+
+def drop_near_client(client: Any) -> None:
+    """Forgets the calling thread's ``client`` (its store failed): the next round connects anew."""
+    clients: dict[str, Any] = getattr(_linked.local, "clients", {})
+    for addr in [a for a, c in clients.items() if c is client]:
+        del clients[addr]

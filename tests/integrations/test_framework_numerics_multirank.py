@@ -9,7 +9,9 @@ wrappers the check leaves alone (constructed only). One launch of ``hf``: the sa
 the same seed, so the same batches; rank 1's loss times NaN in ``compute_loss``), each step's ``StepResult``
 read where the adapter settles it. One launch of ``lightning``: the same three runs as Lightning fits
 (``DDPStrategy(process_group_backend="gloo")``, ``NcclGuardCallback(recover=True, on_nonfinite=...)``; rank 1's
-loss times NaN in ``training_step``). Each launch ends with a fourth run, ``flipped``: ``replica_check_every=3``,
+loss times NaN in ``training_step``; a drill, `make drills`: Lightning's DDP strategy wraps torch's
+``DistributedDataParallel``, checked through the engine's one hook as Accelerate's and the Trainer's are in the
+other two launches, which stay in the suite). Each launch ends with a fourth run, ``flipped``: ``replica_check_every=3``,
 no NaN, and once step 2 is applied one bit of one element of rank 2's ``fc2.weight`` flipped: the check of
 step 3 names rank 2, heals it from rank 0 in the same world and redoes the step, which ends bit-equal
 to the run without the flip (the framework's own wrapper, as ``RecoveringStep``'s own in
@@ -138,11 +140,14 @@ def test_with_skip_the_trainer_drops_the_batch_on_every_rank_as_a_run_that_never
         assert skip["lr"] == never["lr"]
 
 
+# A drill (`make drills`), with the lightning case of the flipped bit below: the same check of a framework's
+# DDP wrapper (the engine's numerics.adopt) stays in the suite under Accelerate and the HF Trainer.
+@pytest.mark.drill
 def test_lightnings_wrapper_is_checked_a_nan_is_named_redone_once_and_ends_bit_equal(lightning):
     three_runs(lightning)
 
 
-@pytest.mark.parametrize("which", ["accelerate", "hf", "lightning"])
+@pytest.mark.parametrize("which", ["accelerate", "hf", pytest.param("lightning", marks=pytest.mark.drill)])
 def test_a_flipped_bit_in_one_ranks_replica_under_a_frameworks_wrapper_is_named_healed_and_ends_bit_equal(
     which, request
 ):

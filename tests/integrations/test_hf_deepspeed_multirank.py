@@ -6,7 +6,8 @@ Launches (tests/workers/hf_deepspeed_worker.py, which says more), each under tor
 ``heal`` 3 ranks, each under its supervisor (``--restarts=1``): a tiny BERT on ZeRO-3, 8 steps without a
     fault (the reference), then guarded: rank 2 raises at step 1, rank 0 sleeps 8 s past the 3 s step bound
     at step 2 (both redone on a new engine), rank 1 SIGKILLs itself at step 5; restarted, it takes its
-    partitions from its buddy and every rank goes back to the snapshot of step 4.
+    partitions from its buddy and every rank goes back to the snapshot of step 4. A drill (`make drills`; its
+    test says what stays in the suite).
 ``stages`` 2 ranks: what ``guard_trainer(recover=True)`` refuses before any step; ZeRO-1 and ZeRO-2 Trainers
     (ZeRO-2 with ``model_init`` and 2 micro-batches a step), each a reference run and a guarded run whose
     step 1 raises on rank 1; a snapshot's state that does not fit the engine it is offered to is refused.
@@ -46,6 +47,12 @@ def numerics_job():
     return run_ranks("hf_deepspeed_worker", 3, "numerics", timeout_s=300)
 
 
+# A drill (`make drills`): a killed rank of a ZeRO-3 Trainer restored from its snapshots, bit-equal step by step, stays
+# in the suite in tests/integrations/test_hf_bitequal_multirank.py (``kill short`` and ``host``); a Trainer's step
+# redone on a new engine, in this module's ``stages`` (a raise on ZeRO-1 and ZeRO-2) and ``numerics`` (ZeRO-2 and
+# ZeRO-3) launches; a stall past the step bound redone on a new engine, in
+# tests/integrations/test_deepspeed_commit_multirank.py (``rebuild_engine``).
+@pytest.mark.drill
 def test_a_killed_zero3_rank_heals_from_its_buddy_and_every_rank_ends_bit_equal(heal_job):
     assert "exited -9; restart 1 of 1" in heal_job.output
     reference, ref_losses = heal_job[0]["reference"], heal_job[0]["reference_losses"]

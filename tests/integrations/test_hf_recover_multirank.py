@@ -12,6 +12,15 @@ Launches (tests/workers/hf_recover_worker.py): one launch, 3 ranks under torchru
     start of step 2: the survivors finish as a world of 2 and rank 2 is fenced (exit 0).
 The pure parts run in this process: bad input, a step redone in a world of one, re-sharding a
 ``DistributedSampler``.
+
+The launch is a drill (`make drills`). What stays in the suite: a step of the Trainer redone and logged
+(tests/integrations/test_hf_recover.py, in one process), the Trainer recovering on real ranks with
+``TrainingArguments``' defaults (tests/watching/test_verdict_multirank.py, ``hf``: a rank asleep for good, the
+survivors finish as a world of 2) and a killed rank redone on the rebuilt world, healed and bit-equal
+(tests/integrations/test_hf_bitequal_multirank.py, ``ddp``); a stall past the step bound redone bit-equal on
+the same engine (tests/recovery/test_recovering_multirank.py, ``stall``) and through ``recovering_step``, past a
+3 s bound (tests/integrations/test_accelerate_accumulate_multirank.py); a rank left behind fenced with status 0
+(tests/recovery/test_fence_multirank.py, ``left_behind``).
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ def recover_entries(history: list[dict]) -> list[dict]:
     return [e for e in history if any("recover" in k for k in e)]
 
 
+# A drill (`make drills`): what stays in the suite is in the module doc (``a``).
+@pytest.mark.drill
 @pytest.mark.multirank
 def test_the_trainer_redoes_a_stalled_step_on_generation_1_and_ends_bit_equal(job):
     for r in range(3):
@@ -73,6 +84,8 @@ def test_the_trainer_redoes_a_stalled_step_on_generation_1_and_ends_bit_equal(jo
     assert len({job[r]["a"]["recoveries"][0]["ncclguard_recover_failed_ranks"] for r in range(3)}) == 1
 
 
+# A drill (`make drills`): what stays in the suite is in the module doc (``b``).
+@pytest.mark.drill
 @pytest.mark.multirank
 def test_an_accelerate_loop_redoes_a_stalled_step_on_the_next_generation(job):
     clean = [True, 1, None, [[True, []]]]
@@ -92,6 +105,8 @@ def test_an_accelerate_loop_redoes_a_stalled_step_on_the_next_generation(job):
         assert b["accelerate"] == [r, 3]
 
 
+# A drill (`make drills`): what stays in the suite is in the module doc (``c``).
+@pytest.mark.drill
 @pytest.mark.multirank
 def test_a_rank_asleep_for_good_is_left_behind_and_the_survivors_finish_as_a_world_of_2(job):
     for r in (0, 1):

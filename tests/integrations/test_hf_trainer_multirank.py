@@ -9,7 +9,10 @@ order, and a real Trainer on one process (phases, watchdog, a skip with ``metric
 
 Launches (tests/workers/hf_worker.py), each 2 ranks under torchrun, the story above:
 ``ddp``: ``TrainingArguments(use_cpu=True, ddp_backend="gloo")``; rank 1 waits in DDP's C++ all_reduce.
-``deepspeed``: ``TrainingArguments(deepspeed=<ZeRO-2 dict>)``; rank 1 waits in ZeRO-2's gradient reduction.
+``deepspeed``: ``TrainingArguments(deepspeed=<ZeRO-2 dict>)``; rank 1 waits in ZeRO-2's gradient reduction. A drill
+    (`make drills`): the same callback's story stays in the suite in ``ddp``; an evaluation skipped on every rank by the
+    deadline on DeepSpeed engines (ZeRO 0 and 2) in tests/integrations/test_deepspeed_eval_multirank.py; a wait in
+    ZeRO-2's gradient reduction named in tests/watching/test_watching_stacks_multirank.py (its ``deepspeed`` stack).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ GRACE_S = 2.0  # the guard's default verdict grace: max(2, timeout / 20)
 SKIP_GUARD_S = 3 * (EVAL_TIMEOUT_S + GRACE_S)  # the skip: 4.02-4.03 s after the 4 s deadline under load
 REPORT_GUARD_S = 3 * (HANG_S + 1)  # the report: 3x the hang timeout and its merge (8.2-8.3 s under load)
 WORKER = "hf_worker.py"
-FRAMEWORKS = ["ddp", "deepspeed"]
+FRAMEWORKS = ["ddp", pytest.param("deepspeed", marks=pytest.mark.drill)]  # deepspeed: a drill (the module doc)
 
 
 def mark(name: str) -> int:

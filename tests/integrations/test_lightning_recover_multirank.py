@@ -4,7 +4,9 @@ group keeps the strategy's 60 s). Rank side: tests/workers/lightning_recover_wor
 
 ``redo``: a plain Lightning fit, then the same fit with a stall (rank 2, 9 s) at step 2 and an
 exception (rank 1) at step 4: both steps are redone on every rank on a rebuilt world, and the run
-ends bit-equal to the plain one. ``shrink``: with ``allow_shrink=True`` rank 2 is stuck for good
+ends bit-equal to the plain one (a drill, `make drills`: the same faults at the same steps, with the
+same checks, stay in the suite in ``accumulate``, and the recovery's metrics in the logger in
+``shrink``). ``shrink``: with ``allow_shrink=True`` rank 2 is stuck for good
 at step 2; ranks 0-1 finish as a world of 2, rank 2 is left out and exits 0. ``accumulate``: with
 ``accumulate_grad_batches=3``, a stall in a window's first micro-batch and an exception in another's
 second (both under DDP's ``no_sync``): each whole window is redone, bit-equal to the plain fit with
@@ -48,6 +50,10 @@ def metric_rows(job, name: str) -> list[dict[str, str]]:
     return [row for row in csv.DictReader(path.open()) if row.get("ncclguard_recover_attempts")]
 
 
+# A drill (`make drills`): the stall at step 2 and the exception at step 4 redone on every rank, the optimizer, the
+# LR scheduler, the epoch's loss and BatchNorm's buffers as in the plain fit, bit-equal, stay in the suite in the
+# accumulation test below (windows of 3 micro-batches); the recovery's metrics in the CSV logger, in the shrink test.
+@pytest.mark.drill
 @pytest.mark.multirank
 def test_failed_steps_are_redone_on_every_rank_and_the_run_ends_bit_equal_to_a_plain_one(redo):
     for r in range(3):

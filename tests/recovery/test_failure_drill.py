@@ -2,7 +2,9 @@
 a stall past the step bound, and a run whose ranks are killed (SIGKILL) and restarted by their
 supervisor from a warm spare; 3 real gloo ranks each under torchrun. Then the sharded stacks'
 restart-from-disk baseline (``--framework fsdp2 --modes disk``): plain FSDP2, DCP checkpoints,
-torchrun restarting every rank after each kill."""
+torchrun restarting every rank after each kill; a drill (`make drills`): it checks the benchmark's baseline, no
+ncclguard code (an FSDP2 job's DCP checkpoint resumed bit-equal stays in the suite in
+tests/recovery/test_preempt_multirank.py, ``fsdp2``)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def test_the_short_drill_recovers_every_stall_and_reports_its_numbers(tmp_path):
     assert res["runs"].keys() == set(modes)
 
 
+# A drill (`make drills`): the drill's baseline, no ncclguard in its ranks (the module doc).
+@pytest.mark.drill
 def test_the_short_disk_baseline_resumes_fsdp2_from_its_dcp_checkpoint_and_accounts_for_every_lost_step(tmp_path):
     # One torchrun launch of 3 plain FSDP2 ranks (no ncclguard), a DCP checkpoint every 20 steps, a
     # kill every 6 s that torchrun answers by restarting every rank: 30-60 s here. Hang guard 3x.

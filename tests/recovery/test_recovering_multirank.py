@@ -17,7 +17,7 @@ generation grows across them, so each scenario starts on the generation the one 
 The second launch:
 ``shrink``: ``allow_shrink=True``, rank 2 stuck at step 2 until the others are done (an 8 s commit and a
     20 s rebuild wait for it): ranks 0-1 go on as a world of 2; rank 2 then finds itself left out and
-    exits 0.
+    exits 0. A drill (`make drills`; its test says what stays in the suite).
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def test_an_fsdp2_step_is_redone_on_a_world_sharded_again_and_ends_bit_equal(job
         assert res["step_bound"] == {"aborted": 0, "lowered": 6}  # gloo's rule, as for DDP
 
 
+# A drill (`make drills`): RecoveringStep(allow_shrink=True) with rank 2 stuck at step 2, the step bound ending the
+# survivors' op and ranks 0-1 going on as a world of 2, stays in the suite in
+# tests/recovery/test_fence_multirank.py::test_a_stuck_rank_nobody_names_is_fenced_once_the_others_went_on_without_it;
+# a stuck rank that wakes after the survivors went on, ended with status 0 by the engine's left-out policy, through
+# Lightning's callback in tests/integrations/test_lightning_recover_multirank.py (``shrink``).
+@pytest.mark.drill
 def test_with_allow_shrink_the_survivors_go_on_without_a_stuck_rank(shrink_job):
     for r in (0, 1):
         res = shrink_job[r]

@@ -13,7 +13,7 @@ Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank k
 ``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), a snapshot every step, the
     same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
     their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
-    reference.
+    reference. A drill (`make drills`; its test says what stays in the suite).
 ``twice`` 3 ranks, one host, a snapshot every step, two restarts: rank 1 SIGKILLs itself at step 9; its first
     restart SIGKILLs itself inside its restore, its replica received; the survivors' restore fails at its
     death notice, the world is rebuilt again, the second restart is restored, every rank redoes step 9 at
@@ -147,6 +147,12 @@ def test_a_damaged_replica_makes_every_rank_fall_back_to_the_step_before(kill_jo
     assert "rank 2's replica of step" in kill_job.output and "holds NaN or Inf in" in kill_job.output
 
 
+# A drill (`make drills`): a whole host lost and restored from the replicas the other host holds stays in the suite
+# through the Trainer on ZeRO-3 (tests/integrations/test_hf_bitequal_multirank.py, the ``host`` launch: two
+# simulated hosts of 2, both of the second killed at once), on the same placement (unit-tested in
+# tests/recovery/test_snapshots.py::test_two_hosts_put_each_replica_on_the_other_host_at_the_same_place); an FSDP2
+# rank restored from its buddy's replica, in this module's kill launch.
+@pytest.mark.drill
 def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_job):
     assert sorted((r.rank, r.count, r.returncode) for r in host_job.restarts) == [(2, 1, -9), (3, 1, -9)]
     holders = {"2": 0, "3": 1}  # host 0 holds host 1's replicas: rank 2's on rank 0, rank 3's on rank 1

@@ -9,6 +9,13 @@ joins, every rank builds a new engine, the restarted rank takes its partitions f
 in-memory snapshot, every rank goes back to that snapshot's step, and training ends on 3 ranks with
 equal parameters. No healthy rank is acted on. Rank side: tests/workers/defaults_ds_worker.py.
 The same fault in a DDP loop and the HF Trainer: tests/watching/test_defaults_multirank.py.
+
+A drill (`make drills`; the long form: benchmarks/stuck_drill.py --stacks deepspeed). What stays in the suite: the
+verdict, the supervisor's restart and the heal with every default in the loop under the NCCL stand-in
+(tests/recovery/test_nccl_stand_in_multirank.py, its stuck test); a killed ZeRO-3 rank of ``CommittedEngineStep``
+restored from its buddy's snapshot, bit-equal, in tests/integrations/test_deepspeed_heal_multirank.py; the verdict's
+reading of DeepSpeed's copy of the world group in tests/watching/test_progress_evidence.py
+(``test_world_groups_lists_every_copy_of_the_world_with_its_number``, and the choice on numbers).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def ds_job(tmp_path_factory):
     return run_ranks("defaults_ds_worker", 3, timeout_s=240, supervise=DEFAULTS, env=env)
 
 
+# A drill (`make drills`): what stays in the suite is in the module doc.
+@pytest.mark.drill
 def test_a_deepspeed_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(ds_job):
     """CommittedEngineStep(engine, checkpoint_dir=..., rebuild_engine=make) and nothing else; ZeRO-2,
     a 2.11M-parameter model with dropout; launch rank 2 asleep for good in its step function at step ASLEEP."""

@@ -21,6 +21,16 @@ The loops and the Trainer make their process group before they import ncclguard,
 restarted process stands in all the same (the start-up hook), never waits in the job's first world.
 
 The same fault with ``allow_shrink=True`` (a world of 2): tests/watching/test_verdict_multirank.py.
+
+Every launch here is a drill (`make drills`; the long form with statistics: benchmarks/stuck_drill.py, each
+stack 20 times). What keeps each capability in `make test`: the ``loop`` launch itself, with the NCCL
+stand-in's variable added, in tests/recovery/test_nccl_stand_in_multirank.py (its stuck test: the same worker,
+ranks, supervisors and defaults); the rule the ``loop`` of four ranks stopped checks, on its numbers, in
+tests/watching/test_progress_evidence.py, and a SIGSTOPped rank judged from ``/proc`` on real ranks in
+tests/watching/test_verdict_multirank.py; the verdict through the Trainer's and Accelerate's adapters in
+tests/watching/test_verdict_multirank.py (``hf``); a restarted rank healed from a live peer inside the Trainer,
+Accelerate and Lightning in tests/integrations/test_hf_bitequal_multirank.py (``ddp``) and
+tests/integrations/test_heal_frameworks_multirank.py; each test below names its own.
 """
 
 from __future__ import annotations
@@ -66,6 +76,10 @@ def loop_job(tmp_path_factory):
     return run_ranks("defaults_worker", 3, "loop", timeout_s=240, supervise=DEFAULTS, env=_env(where))
 
 
+# A drill (`make drills`): the same launch with the NCCL stand-in's variable added stays in the suite
+# (tests/recovery/test_nccl_stand_in_multirank.py::test_a_stuck_rank_under_ddp_is_ended_released_by_abort_and_healed_over_the_side_group_bit_equal:
+# the rank asleep agreed stuck, ended by its supervisor, restarted, healed, every step on the full world, bit-equal).
+@pytest.mark.drill
 def test_a_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(loop_job):
     """RecoveringStep(module, opt, scheduler=...) and nothing else; a 2.05M-parameter BERT, shuffled data."""
     ASLEEP, STEPS = loop_job[0]["plan"]
@@ -102,6 +116,10 @@ def stopped_job(tmp_path_factory):
     return run_ranks("defaults_worker", 4, "loop", timeout_s=240, supervise=DEFAULTS, env=env)
 
 
+# A drill (`make drills`): the rule it checks (only the peers furthest behind are judged) stays in the suite on
+# this launch's numbers (tests/watching/test_progress_evidence.py::test_only_the_peers_furthest_behind_are_judged_a_peer_between_may_wait_for_them),
+# a SIGSTOPped rank judged from /proc on real ranks in tests/watching/test_verdict_multirank.py (``stuck``).
+@pytest.mark.drill
 def test_a_loop_of_four_ranks_ends_on_its_full_world_after_a_rank_stopped_and_no_healthy_rank_is_judged(stopped_job):
     """The loop above on 4 ranks, launch rank 2 stopped for good (SIGSTOP: its heartbeats stop with it).
     Rank 0 waits in DDP's broadcast of the buffers, relayed through rank 2; ranks 1 and 3 go on into the
@@ -131,6 +149,11 @@ def hf_job(tmp_path_factory):
     return run_ranks("defaults_worker", 3, "hf", timeout_s=240, supervise=DEFAULTS, env=_env(where))
 
 
+# A drill (`make drills`): the verdict through guard_trainer with TrainingArguments' defaults stays in the suite in
+# tests/watching/test_verdict_multirank.py::test_the_hf_trainer_with_every_default_goes_on_without_a_rank_asleep_for_good,
+# a restarted Trainer rank healed from a live peer in tests/integrations/test_hf_bitequal_multirank.py (``ddp``), and
+# the judge bound's 30 s default before the warm-up in tests/watching/test_learned_progress.py.
+@pytest.mark.drill
 def test_the_hf_trainer_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(hf_job):
     """guard_trainer(trainer, recover=True) and TrainingArguments' defaults, as the issue ran it: a rank
     asleep for good at the start of step 3; the Trainer finishes max_steps on 3 ranks, within 60 s of
@@ -159,6 +182,11 @@ def accelerate_job(tmp_path_factory):
     return run_ranks("defaults_worker", 3, "accelerate", timeout_s=240, supervise=DEFAULTS, env=_env(where))
 
 
+# A drill (`make drills`): the verdict through recovering_step stays in the suite in
+# tests/watching/test_verdict_multirank.py::test_an_accelerate_loop_with_every_default_goes_on_without_a_rank_asleep_for_good,
+# a restarted rank healed inside an Accelerate loop in tests/integrations/test_heal_frameworks_multirank.py, and
+# scheduler= for a step that heals in tests/recovery/test_recovery_keywords.py.
+@pytest.mark.drill
 def test_an_accelerate_loop_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(accelerate_job):
     """The loop as the Accelerate page writes it: Accelerator() first, then recovering_step(accelerator,
     model, optimizer, scheduler=schedule) and nothing else; the BERT of the loop above, its warm-up
@@ -189,6 +217,10 @@ def lightning_job(tmp_path_factory):
     return run_ranks("defaults_worker", 3, "lightning", timeout_s=240, supervise=DEFAULTS, env=_env(where))
 
 
+# A drill (`make drills`): a restarted rank healed from a live peer inside a Lightning fit with its defaults stays in
+# the suite in tests/integrations/test_heal_frameworks_multirank.py; the verdict, its supervisor's restart and the
+# heal under every default (the engine the callback runs) in the loop's stand-in launch (see the loop's test).
+@pytest.mark.drill
 def test_a_lightning_fit_with_every_default_ends_on_its_full_world_after_a_rank_asleep_for_good(lightning_job):
     """Trainer(callbacks=[NcclGuardCallback(recover=True)]) with Lightning's defaults (DDP on gloo, its
     sampler), the BERT of the loop above, AdamW and a warm-up schedule from configure_optimizers."""

@@ -13,7 +13,8 @@ Launches (tests/workers/verdict_worker.py), RecoveringStep(allow_shrink=True) or
 ``upload`` 3 ranks, ``RecoveringStep(module, opt)`` with every default (it heals under restarts): 12
     healthy steps, then at step 12 rank 0 uploads for 25 s inside its step, its main thread blocked in
     ``sendall`` to a slow reader in another process (the test's): only its network bytes move.
-    Reported ("net"), no action; the run ends on its 3 ranks.
+    Reported ("net"), no action; the run ends on its 3 ranks. A drill (`make drills`; its test says what stays
+    in the suite).
 ``hf`` 3 ranks: the HF Trainer with its defaults and ``guard_trainer(recover=True, allow_shrink=True)``, rank 2
     asleep for good at step 12, ranks 0-1 finish 16 steps; then an Accelerate loop through
     ``recovering_step``, rank 1 asleep for good at its step 3, rank 0 finishes alone.
@@ -176,6 +177,12 @@ def _children(pid: int) -> list[psutil.Process]:
         return []
 
 
+# A drill (`make drills`; benchmarks/busy_drill.py --upload-s is its long form): the network-bytes evidence stays in
+# the suite on a process blocked in sendall to a slow reader
+# (tests/watching/test_progress_evidence.py::test_a_process_blocked_in_sendall_to_a_slow_reader_is_moving_by_its_network_bytes),
+# a busy rank reported and never acted on with every default in this module's busy test and, with heal on by default
+# under restarts, in tests/watching/test_slow_save_multirank.py.
+@pytest.mark.drill
 def test_a_rank_busy_uploading_with_only_its_network_bytes_moving_is_never_acted_on(upload_job):
     """Under restarts the engine heals by default: a rank judged stuck would be ended and restarted.
     Rank 0's main thread is blocked in sendall for 25 s, 2.5 x the judge bound; its CPU, I/O and

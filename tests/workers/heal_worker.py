@@ -201,7 +201,9 @@ def refused_heal() -> None:
 
 def tier() -> dict[str, Any] | None:
     """With the node tier on (tests/watching/test_node_tier_multirank.py): this rank's watchdog store,
-    once linked to its node's store (waited for: a restarted agent names a new one); else None."""
+    once linked to its node's store (waited for: a restarted agent names a new one), and how this
+    process's commits went through the tier; else None."""
+    from ncclguard.store.tier_round import tier_counts
     from ncclguard.watching.base.near_store import TieredWatchdogStore
     from ncclguard.watching.watchdog import current_watchdog
 
@@ -210,7 +212,8 @@ def tier() -> dict[str, Any] | None:
     if not isinstance(store, TieredWatchdogStore):
         return None
     rankkit.when(lambda: store.near is not None and wd.generation == 1, TIER_GUARD_S).wait(TIER_GUARD_S)
-    return {"linked": store.near is not None, "near_addr": store.near_addr, "generation": wd.generation}
+    linked = {"linked": store.near is not None, "near_addr": store.near_addr, "generation": wd.generation}
+    return {**linked, "commits": tier_counts()}
 
 
 def main() -> None:

@@ -112,6 +112,7 @@ class TieredWatchdogStore(WatchdogStore):
             self._failed = (addr, now + RETRY_BEATS * self.heartbeat_s)
             return
         self.near, self.near_addr, self._member_ns = BoundedCalls(client, self.timeout, self.gone_after), addr, ""
+        node_store.note_linked(addr)  # should_commit's rounds go through it too (store/tier_round.py)
         log.info("watchdog: node tier: heartbeats through node %d's store at %s", self.layout.node, addr)
 
     @property
@@ -143,6 +144,7 @@ class TieredWatchdogStore(WatchdogStore):
             )
             near.close()
             self.near = None
+            node_store.note_linked("")
             self._failed = (self.near_addr, time.monotonic() + RETRY_BEATS * self.heartbeat_s)
         except StoreTimeout:
             pass  # slow (a loaded host, an agent stopped): the job's store this time
