@@ -1,9 +1,17 @@
-"""should_commit's round in the job's store at 64 to 16,384 simulated ranks, through the node tier
-(``tier``: one carrier a node of 8) beside the flat round (``flat``: every rank), against one real
-TCPStore (issue 63: "a commit round under 1 s of store work").
+"""should_commit's round (and, with ``--what meeting``, the rebuild's meeting) in the job's store at 64
+to 16,384 simulated ranks, through the node tier (``tier``: one carrier a node of 8) beside the flat
+round (``flat``: every rank), against one real TCPStore (issue 63: "a commit round under 1 s of store
+work", "a rebuild meeting's store work under 1 s").
 
     python benchmarks/commit_tier_scale.py [--ranks 64 1024 4096 16384] [--modes tier flat] \
-        [--procs 4] [--rounds 5] [--json benchmarks/results/commit_tier_scale.json]
+        [--procs 4] [--rounds 5] [--what commit|meeting] [--json benchmarks/results/commit_tier_scale.json]
+
+``--what meeting``: each rank's ``Arrival`` (a survivor's, as ``rebuild_world`` writes it) instead of
+a statement. The settling rank (carrier) reads every arrival once and puts the members' roster in the
+outcome (``meeting.with_roster``); nobody else reads them. Through the tier the meeting's keys are
+left in the store, as ncclguard leaves them; flat, each member counts itself out (``add``), and the
+clean-up is the commit's. ``--modes flat-read``: the flat meeting as it was before the roster, every
+member reading every arrival (one ``multi_get`` each) before it counts itself out.
 
 The job's store is torch's ``TCPStore`` server in a process of its own pinned to CPU 0
 (``node_tier_scale._server``), a fresh one per size and mode. ``--procs`` client processes pinned to
@@ -79,13 +87,56 @@ def statement_text(rank: int, size: int) -> str:
     )
 
 
-def _settle(client: Any, mode: str, size: int, keys: Any) -> tuple[str, float]:
+def arrival_text(rank: int, size: int) -> str:
+    """A surviving rank's arrival at a rebuild meeting, as ``rebuild_world`` encodes it."""
+    from ncclguard.recovery._rebuild.meeting import Arrival
+    from ncclguard.store.codec import encode
+
+    host = f"gpu-node-{rank // PER_NODE:05d}.cluster.example"
+    return encode(
+        Arrival(
+            rank=rank,
+            world_size=size,
+            generation=0,
+            backend="nccl",
+            allow_shrink=True,
+            host=host,
+            pid=4242,
+            origin=rank,
+        )
+    )
+
+
+def _settle_meeting(client: Any, mode: str, size: int, keys: Any) -> tuple[str, float]:
+    """The meeting's settling rank: everyone arrived. Through the tier it reads every arrival and
+    puts the roster in the outcome, flat too; ``flat-read`` (the meeting before the roster) reads none,
+    and each member then reads them all."""
+    from ncclguard.recovery._rebuild.meeting import decide, with_roster
+    from ncclguard.store.codec import encode
+    from ncclguard.store.rounds import Peek
+    from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace
+
+    t0 = time.perf_counter()
+    outcome = decide(list(range(size)), size, False)
+    if mode == "tier":
+        place = TierPlace(0, [r // PER_NODE for r in range(size)], None)
+        outcome = with_roster(outcome, TierPeek(client, TierKeys(keys), place, 4096).arrivals(complete=True), size)
+    elif mode == "flat":  # the roster from one read of every arrival (a check and a multi_get)
+        outcome = with_roster(outcome, Peek(client, keys, size).arrivals(list(range(size))), size)
+    text = encode(outcome)
+    client.compare_set(keys.outcome, "", text)
+    return json.dumps({"ok": outcome.ok}), time.perf_counter() - t0
+
+
+def _settle(client: Any, mode: str, size: int, keys: Any, what: str = "commit") -> tuple[str, float]:
     """The settling rank's read, decision and compare-and-set; the seconds it took."""
     from ncclguard.recovery._commit.statements import CommitStatement, decide
     from ncclguard.store.codec import decode_each, encode
     from ncclguard.store.rounds import Peek
     from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace
 
+    if what == "meeting":
+        return _settle_meeting(client, mode, size, keys)
     t0 = time.perf_counter()
     if mode == "tier":
         peek: Peek = TierPeek(client, TierKeys(keys), TierPlace(0, [r // PER_NODE for r in range(size)], None), 4096)
@@ -98,7 +149,7 @@ def _settle(client: Any, mode: str, size: int, keys: Any) -> tuple[str, float]:
     return outcome, time.perf_counter() - t0
 
 
-def _player(mode: str, size: int, port: int, share: list[int], go: Any, left: Any, out: Any) -> None:
+def _player(mode: str, what: str, size: int, port: int, share: list[int], go: Any, left: Any, out: Any) -> None:
     """One client process: its carriers (tier) or ranks (flat), through a round and its clean-up."""
     from ncclguard.store.codec import encode
     from ncclguard.store.keys import RoundKeys
@@ -108,15 +159,14 @@ def _player(mode: str, size: int, port: int, share: list[int], go: Any, left: An
     client = _client(port)
     keys = RoundKeys("ncclguard/commit/0/default_pg/g0/s7")
     tier = TierKeys(keys)
+    text_of = arrival_text if what == "meeting" else statement_text
     if mode == "tier":
         texts = {
-            n: encode(
-                Carried(node=n, arrivals={r: statement_text(r, size) for r in range(n * PER_NODE, (n + 1) * PER_NODE)})
-            )
+            n: encode(Carried(node=n, arrivals={r: text_of(r, size) for r in range(n * PER_NODE, (n + 1) * PER_NODE)}))
             for n in share
         }
     else:
-        texts = {r: statement_text(r, size) for r in share}
+        texts = {r: text_of(r, size) for r in share}
     requests, settle_s, ok = 0, None, None
     go.wait()
     t0 = time.time()
@@ -126,17 +176,39 @@ def _player(mode: str, size: int, port: int, share: list[int], go: Any, left: An
         number = int(client.add(keys.count, PER_NODE if mode == "tier" else 1))
         requests += 2
         if number >= size:
-            outcome, settle_s = _settle(client, mode, size, keys)
+            outcome, settle_s = _settle(client, mode, size, keys, what)
             ok = json.loads(outcome)["ok"]
-            requests += 4 if mode == "tier" else 2  # check + multi_get (+ the solos' check) + compare_set
+            # check + multi_get (+ the solos' check) + compare_set; the flat meeting's reading members
+            # (flat-read): the compare_set alone
+            requests += 4 if mode == "tier" else 1 if mode == "flat-read" else 3 if what == "meeting" else 2
         else:
             waiting.append(unit)
     for _ in waiting:
         client.wait([keys.outcome], datetime.timedelta(seconds=ROUND_BOUND_S))
         client.get(keys.outcome)
         requests += 2
+    if what == "meeting" and mode.startswith("flat"):  # each member counts itself out
+        everyone = [keys.arrival(r) for r in range(size)]
+        for _ in texts:
+            if mode == "flat-read":  # the meeting before the roster: each member read every arrival
+                client.multi_get(everyone)
+                requests += 1
+            client.add(keys.gone, 1)  # the last member out deletes the keys
+            requests += 1
     t_outcome = time.time()
     left.wait(ROUND_BOUND_S)  # every rank has read the outcome (ncclguard deletes after the next round)
+    if what == "meeting" and mode == "tier":  # the tiered meeting's keys stay (docs/scale.md)
+        out.put(
+            {
+                "t0": t0,
+                "t_outcome": t_outcome,
+                "t_end": time.time(),
+                "requests": requests,
+                "settle_s": settle_s,
+                "ok": ok,
+            }
+        )
+        return
     for unit in texts:  # the clean-up: each its own key
         client.delete_key(tier.nodes.arrival(unit) if mode == "tier" else keys.arrival(unit))
         requests += 1
@@ -150,7 +222,7 @@ def _player(mode: str, size: int, port: int, share: list[int], go: Any, left: An
     )
 
 
-def run_round(mode: str, size: int, procs: int) -> dict[str, Any]:
+def run_round(mode: str, size: int, procs: int, what: str = "commit") -> dict[str, Any]:
     """One round on a fresh server: requests, the server's CPU seconds, the wall times."""
     ctx = mp.get_context("spawn")
     port_q, stop, out, go, left = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Barrier(procs)
@@ -160,7 +232,7 @@ def run_round(mode: str, size: int, procs: int) -> dict[str, Any]:
         port = port_q.get(timeout=SETUP_BOUND_S)
         units = list(range(size // PER_NODE if mode == "tier" else size))
         shares = [units[i::procs] for i in range(procs)]
-        players = [ctx.Process(target=_player, args=(mode, size, port, s, go, left, out)) for s in shares]
+        players = [ctx.Process(target=_player, args=(mode, what, size, port, s, go, left, out)) for s in shares]
         for p in players:
             p.start()
         time.sleep(2.0)  # the players import, connect and build their statements before the round
@@ -189,9 +261,10 @@ def run_round(mode: str, size: int, procs: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
-    ap.add_argument("--modes", nargs="+", choices=["tier", "flat"], default=["tier", "flat"])
+    ap.add_argument("--modes", nargs="+", choices=["tier", "flat", "flat-read"], default=["tier", "flat"])
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--what", choices=["commit", "meeting"], default="commit")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = []
@@ -199,12 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         if size % PER_NODE:
             ap.error(f"--ranks {size}: a multiple of {PER_NODE} (ranks a node)")
         for mode in args.modes:
-            runs = [run_round(mode, size, args.procs) for _ in range(args.rounds)]
+            runs = [run_round(mode, size, args.procs, args.what) for _ in range(args.rounds)]
             med = {
                 k: statistics.median(r[k] for r in runs)
                 for k in ("server_cpu_s", "outcome_wall_s", "wall_s", "settle_s")
             }
-            row = {"mode": mode, "ranks": size, "rounds": args.rounds, "requests": runs[0]["requests"]}
+            row = {
+                "what": args.what,
+                "mode": mode,
+                "ranks": size,
+                "rounds": args.rounds,
+                "requests": runs[0]["requests"],
+            }
             row |= {f"{k}_p50": round(v, 4) for k, v in med.items()}
             row |= {
                 "server_cpu_s_max": max(r["server_cpu_s"] for r in runs),
@@ -212,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             print(
-                f"{mode:5} {size:6} ranks: {row['requests']:6} requests, server {row['server_cpu_s_p50']:.3f} s CPU "
+                f"{args.what} {mode:5} {size:6} ranks: {row['requests']:6} requests, server {row['server_cpu_s_p50']:.3f} s CPU "
                 f"(max {row['server_cpu_s_max']:.3f}), outcome on every rank in {row['outcome_wall_s_p50']:.3f} s, "
                 f"settler {row['settle_s_p50']:.3f} s, ok={row['every_round_ok']}",
                 flush=True,

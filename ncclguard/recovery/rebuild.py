@@ -34,6 +34,7 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, rank_ranges
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import RebuildFailed, StoreUnreachable
+from ncclguard.recovery._commit.tier import meeting_place
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import (
     Arrival,
@@ -331,7 +332,9 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
     attempt = attempts.n
     attempts.n += 1  # late or not, the next call of every rank meets in the next attempt
     try:
-        meeting = meet(world.store, me, attempt, deadline)
+        origins = [world.origin(r) for r in range(world.size)]
+        tier = meeting_place(origins, world.rank, timeout_s, deadline)  # the node tier's, from 512 ranks
+        meeting = meet(world.store, me, attempt, deadline, tier)
     except StoreUnreachable as exc:
         return _failed(
             world,
@@ -411,15 +414,15 @@ def _next_world(
         The next :class:`~ncclguard.world.World` (not announced yet; its group not built).
     """
     assert world.rank is not None and world.store is not None
-    arrivals = meeting.arrivals
+    rejoined = set(meeting.rejoined())
     return World(
         generation=world.generation + 1,
         rank=rank_map[world.rank],
         size=len(rank_map),
         rank_map=rank_map,
         left_out=tuple(missing),
-        joined=tuple(rank_map[r] for r in meeting.outcome.arrived if arrivals[r].rejoined),
-        origins=tuple(a.origin if a.origin is not None else r for r, a in sorted(arrivals.items())),
+        joined=tuple(rank_map[r] for r in meeting.outcome.arrived if r in rejoined),
+        origins=tuple(meeting.origins()),
         deaths_seen=deaths_before(world.store, deadline),
         backend=world.backend,
         store=world.store,

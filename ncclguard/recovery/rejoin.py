@@ -27,10 +27,12 @@ from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.deadlines import Deadline, to_seconds
 from ncclguard.errors import DecodeError, RebuildFailed, StoreUnreachable
+from ncclguard.recovery._commit.tier import meeting_place
 from ncclguard.recovery._rebuild import stand_in
 from ncclguard.recovery._rebuild.meeting import (
     MAX_OUTCOME_BYTES,
     Arrival,
+    Meeting,
     MeetingKeys,
     MeetingOutcome,
     WorldRecord,
@@ -200,11 +202,9 @@ def _rejoin(
             target,
             attempt,
         )
-        meeting = meet(store, me, attempt, deadline)
+        meeting = meet(store, me, attempt, deadline, meeting_place(rec.origins, slot, timeout_s, deadline))
         if meeting.goes_on:
-            return _build(
-                store, rec, meeting.outcome.arrived, meeting.arrivals, slot, origin, start, deadline, timeout_s
-            )
+            return _build(store, rec, meeting, slot, origin, start, deadline, timeout_s)
         if deadline.passed():
             missing = meeting.outcome.missing(len(rec.origins))
             return _failure(
@@ -220,16 +220,17 @@ def _rejoin(
 def _build(
     store: dist.Store,
     rec: WorldRecord,
-    members: list[int],
-    arrivals: dict[int, Arrival],
+    meeting: Meeting,
     slot: int,
     origin: int,
     start: float,
     deadline: Deadline,
     timeout_s: float,
 ) -> RebuildResult:
+    members = meeting.outcome.arrived
     rank_map = dense_rank_map(members)
-    joined = [rank_map[r] for r in members if arrivals[r].rejoined]
+    rejoined = set(meeting.rejoined())
+    joined = [rank_map[r] for r in members if r in rejoined]
     target = rec.generation + 1
     if len(joined) == len(members):
         # No survivor among them: nobody holds the training state to heal from, and nobody records
@@ -237,7 +238,7 @@ def _build(
         return _failure(
             start,
             f"every member of generation {target} is a restarted process (launch ranks "
-            f"{sorted(o if (o := arrivals[r].origin) is not None else r for r in members)}): no survivor holds the "
+            f"{sorted(meeting.origins())}): no survivor holds the "
             "training state to heal from; the job cannot go on from memory: resume it from its last checkpoint",
         )
     new_rec = wait_world_record(store, target, deadline)  # the survivors record it before connecting

@@ -148,10 +148,13 @@ class Members:
             among them leaves at once, reading nothing.
         complete: every member's arrival was in the store when the outcome was settled, so all of
             them are read in one ``multi_get``; otherwise each is checked first.
+        read: the members read the arrivals (False: the outcome says what they need of them, and
+            they only count themselves out; every member reading every arrival is n² bytes).
     """
 
     ranks: Sequence[int]
     complete: bool
+    read: bool = True
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,9 @@ def settle_round(
         if rank not in members.ranks:
             return Settled(outcome, number, None, time.monotonic() - start)
         wanted = [keys.arrival(r) for r in members.ranks]
-        if members.complete:
+        if not members.read:
+            arrivals: dict[int, bytes] = {}
+        elif members.complete:
             arrivals = dict(zip(members.ranks, store.multi_get(wanted), strict=True))
         else:
             arrivals = {keys.rank_of(k): v for k, v in read_present(store, wanted).items()}

@@ -145,12 +145,16 @@ def _node_side(
         number = int(near.add(k.count, 1))
         if number >= len(local):
             return claim(True)
+        if number > 1:  # only the node's first rank asks who went elsewhere: the rest wait, woken by the server
+            if wait_for(near, k.outcome, node_by):
+                return _NodeSide("outcome", raw=bytes(near.get(k.outcome)))
+            return claim(False)
         start = time.monotonic()
         ask_at = start + NODE_FIRST_ASK_S
         while (now := time.monotonic()) < node_by.at:
             if near.check([k.outcome]):
                 return _NodeSide("outcome", raw=bytes(near.get(k.outcome)))
-            if number == 1 and now >= ask_at:
+            if now >= ask_at:
                 ask_at = now + NODE_POLL_S
                 present = {k.rank_of(key) for key in read_present(near, [k.arrival(r) for r in local])}
                 missing = set(local) - present

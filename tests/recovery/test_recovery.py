@@ -23,6 +23,7 @@ from ncclguard.recovery._rebuild.meeting import (
     Meeting,
     MeetingKeys,
     MeetingOutcome,
+    Roster,
     check_arrivals,
     decide,
     dense_rank_map,
@@ -173,8 +174,10 @@ def test_meeting_of_everyone_agrees_and_cleans_up():
     for rank in range(3):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on and not m.late
-        assert m.outcome == MeetingOutcome(arrived=[0, 1, 2], ok=True)
-        assert sorted(m.arrivals) == [0, 1, 2]
+        # The settling rank read the arrivals once: the roster stands for them, and no member reads them.
+        roster = Roster(origins=[0, 1, 2], rejoined=[], problem=None, world_size=3)
+        assert m.outcome == MeetingOutcome(arrived=[0, 1, 2], ok=True, roster=roster)
+        assert (m.origins(), m.rejoined(), m.arrivals) == ([0, 1, 2], [], {})
     assert store.list_keys() == [MeetingKeys(1, 0).outcome]  # only the outcome stays
 
 
@@ -202,7 +205,8 @@ def test_meeting_with_shrink_goes_on_without_the_absent_rank():
     out = run_meeting(store, {0: (0, True), 2: (0, True)}, settler=0)
     for rank in (0, 2):
         assert out[rank].goes_on
-        assert out[rank].outcome == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True)
+        roster = Roster(origins=[0, 2], rejoined=[], problem=None, world_size=3)
+        assert out[rank].outcome == MeetingOutcome(arrived=[0, 2], ok=True, shrunk=True, roster=roster)
     # Late: it reads the kept verdict at once, so its deadline is a hang guard (a 1 s one could pass
     # before a starved helper thread answers, failing the call instead of reading the verdict).
     left_out = run_meeting(store, {1: (0, True)}, deadline_s=HANG_GUARD_S)[1]

@@ -103,6 +103,9 @@ def test_host_bs_agent_killed_is_restarted_healed_bit_equal_and_its_node_linked_
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-4000:] + b.stderr[-4000:]
     assert "restart 1 of 1" in b.stderr + b.stdout, b.stderr[-3000:]
     assert [got[r]["life"] for r in range(4)] == [0, 0, 1, 0]
+    # The survivors' rebuild_world and the restarted rank's rejoin_world met through the tier
+    # (recovery/_rebuild/meeting.py): a log line a rank, the roster standing for the arrivals.
+    assert (a.stderr + b.stderr).count("rebuild: the meeting through the node tier") >= 4, a.stderr[-3000:]
     for r in range(4):
         res = got[r]
         assert res["final"] == [r, 4, 1], (r, res["final"])

@@ -1,6 +1,7 @@
-"""should_commit through the node tier (docs/scale.md): with the tier on, a step's statements meet
-in each node's store first, and one rank a node carries them to the job's store
-(:mod:`ncclguard.store.tier_round`). The job's store then takes four requests a node, not four a rank.
+"""should_commit and the rebuild's meeting through the node tier (docs/scale.md): with the tier on, a
+step's statements (a meeting's arrivals) meet in each node's store first, and one rank a node carries
+them to the job's store (:mod:`ncclguard.store.tier_round`). The job's store then takes a few
+requests a node, not a few a rank.
 
 Whether a commit goes through the tier is decided once per world, the same on every rank, from
 what the launcher and the settings say (torchrun's ``GROUP_RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``,
@@ -28,12 +29,12 @@ from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.world import Slot, World
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from ncclguard.collectives.groups import GroupInfo
     from ncclguard.recovery._commit.statements import CommitOutcome
 
-__all__ = ["TierState", "tier_of", "tier_peek"]
+__all__ = ["TierState", "forget_commit", "meeting_place", "nodes_of", "settle_commit", "tier_of", "tier_peek"]
 
 
 class TierState:
@@ -49,8 +50,10 @@ class TierState:
 _TIER: Slot[TierState] = Slot("commit tier", TierState)
 
 
-def _node_of(world: World, size: int) -> tuple[int, ...] | None:
-    """Each member's node when the tier is on for a world of ``size``, else None."""
+def nodes_of(origins: Sequence[int]) -> tuple[int, ...] | None:
+    """Each member's node, from its launch rank (``origins[r]``), when the tier is on for a world
+    of ``len(origins)``; else None."""
+    size = len(origins)
     layout = NodeLayout.from_env()
     if layout is None:
         return None
@@ -61,10 +64,25 @@ def _node_of(world: World, size: int) -> tuple[int, ...] | None:
         return None
     if not tier_wanted(cfg.node_tier, size, cfg.node_tier_min_ranks, layout):
         return None
-    nodes = tuple(world.origin(r) // layout.local_size for r in range(size))
-    if max(nodes) >= layout.nodes:  # a placement torchrun's numbering does not describe
+    nodes = tuple(o // layout.local_size for o in origins)
+    if not nodes or max(nodes) >= layout.nodes:  # a placement torchrun's numbering does not describe
         return None
     return nodes
+
+
+def meeting_place(origins: Sequence[int], rank: int, timeout_s: float, deadline: Deadline) -> TierPlace | None:
+    """Where a rank stands in a rebuild meeting through the node tier, or None (the meeting is flat).
+
+    Args:
+        origins: the launch rank of each member of the world being left.
+        rank: this rank in it.
+        timeout_s: the client's timeout, for a first connection to the node's store.
+        deadline: when that connection must be made.
+    """
+    nodes = nodes_of(origins)
+    if nodes is None or not 0 <= rank < len(nodes):
+        return None
+    return TierPlace(rank, nodes, node_store.near_client(timeout_s, deadline))
 
 
 def tier_of(info: GroupInfo, world: World, timeout_s: float, deadline: Deadline) -> tuple[TierPlace, TierState] | None:
@@ -83,7 +101,7 @@ def tier_of(info: GroupInfo, world: World, timeout_s: float, deadline: Deadline)
         return None
     state = world.get(_TIER)
     if not state.decided:
-        state.node_of, state.decided = _node_of(world, info.size), True
+        state.node_of, state.decided = nodes_of([world.origin(r) for r in range(info.size)]), True
         if state.node_of is not None:
             log.info("should_commit: through the node tier, %d nodes", max(state.node_of) + 1)
     if state.node_of is None or len(state.node_of) != info.size:

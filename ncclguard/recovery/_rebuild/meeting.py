@@ -49,6 +49,7 @@ from ncclguard.store.codec import DecodeError, decode, decode_outcome, encode
 from ncclguard.store.deaths import STUCK_RC, deaths_so_far, read_deaths
 from ncclguard.store.keys import MeetingKeys, world_prefix
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
+from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace, node_deadline, settle_tiered
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord, write_world_record
 from ncclguard.world import World, current_world
 
@@ -60,6 +61,7 @@ __all__ = [
     "Meeting",
     "MeetingKeys",
     "MeetingOutcome",
+    "Roster",
     "WorldRecord",
     "check_arrivals",
     "deaths_before",
@@ -70,6 +72,7 @@ __all__ = [
     "parse",
     "record_new_world",
     "validate_arguments",
+    "with_roster",
     "world_prefix",
 ]
 
@@ -108,6 +111,25 @@ class Arrival(BaseModel):
     rejoined: bool = False
 
 
+class Roster(BaseModel):
+    """What the members need of each other's arrivals, read once by the settling rank and put in
+    the outcome (a meeting through the node tier, where no member reads the arrivals).
+
+    Attributes:
+        origins: each arrived rank's launch rank, in the order of ``arrived``.
+        rejoined: the arrived ranks that are restarted processes.
+        problem: why the members refuse the outcome (:func:`check_arrivals`), or None.
+        world_size: the size of the world the arrivals say they leave.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    origins: list[int] = Field(max_length=1 << 20)
+    rejoined: list[int] = Field(default_factory=list, max_length=1 << 20)
+    problem: str | None = Field(default=None, max_length=2000)
+    world_size: int = Field(ge=1)
+
+
 class MeetingOutcome(BaseModel):
     """The meeting's outcome, settled once by compare-and-set and read by every rank.
 
@@ -115,6 +137,8 @@ class MeetingOutcome(BaseModel):
         arrived: old ranks whose arrival was in the store when the outcome was settled (sorted).
         ok: a new world is built, of the ranks in ``arrived``.
         shrunk: the new world leaves out ranks that did not arrive (``allow_shrink``).
+        roster: the members' origins and the settling rank's check of the arrivals (a meeting
+            through the node tier); None where each member reads the arrivals itself.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,6 +146,7 @@ class MeetingOutcome(BaseModel):
     arrived: list[int] = Field(max_length=1 << 20)
     ok: bool
     shrunk: bool = False
+    roster: Roster | None = None
 
     def missing(self, world_size: int) -> list[int]:
         """The old ranks that had not arrived when the outcome was settled (sorted)."""
@@ -229,7 +254,8 @@ class Meeting:
     Attributes:
         outcome: the settled outcome, the same on every rank.
         late: this rank's arrival was not in the store when the outcome was settled.
-        arrivals: the members' arrivals (empty when ``late``).
+        arrivals: the members' arrivals, where a member read them (none does now: the outcome's
+            roster stands for them; see :meth:`origins` and :meth:`rejoined`).
         problem: why the members refuse a settled ``ok`` outcome (they disagree), or None.
         elapsed_s: seconds spent meeting.
     """
@@ -244,6 +270,21 @@ class Meeting:
     def goes_on(self) -> bool:
         """This rank is in the new world."""
         return self.outcome.ok and not self.late and self.problem is None
+
+    def origins(self) -> list[int]:
+        """Each member's launch rank, in the order of ``outcome.arrived``."""
+        if self.outcome.roster is not None:
+            return list(self.outcome.roster.origins)
+        return [
+            a.origin if (a := self.arrivals.get(r)) is not None and a.origin is not None else r
+            for r in self.outcome.arrived
+        ]
+
+    def rejoined(self) -> list[int]:
+        """The members (old ranks) that are restarted processes."""
+        if self.outcome.roster is not None:
+            return list(self.outcome.roster.rejoined)
+        return [r for r in self.outcome.arrived if (a := self.arrivals.get(r)) is not None and a.rejoined]
 
 
 def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
@@ -264,36 +305,71 @@ def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
     return known
 
 
+def with_roster(outcome: MeetingOutcome, raw: dict[int, bytes], world_size: int) -> MeetingOutcome:
+    """``outcome`` with its :class:`Roster`, from the arrivals ``raw`` of its arrived ranks (read once,
+    by the settling rank).
+
+    Args:
+        outcome: the outcome decided.
+        raw: the arrived ranks' arrivals as the store holds them.
+        world_size: the size of the world being left, as the settling rank knows it.
+    """
+    arrivals: dict[int, Arrival] = {}
+    for rank, blob in raw.items():
+        try:
+            arrivals[rank] = decode(Arrival, blob, f"rank {rank}'s arrival", MAX_ARRIVAL_BYTES)
+        except DecodeError as exc:
+            log.error("rebuild: rank %d's arrival is unreadable (%s)", rank, exc)
+    problem = check_arrivals(outcome, arrivals, world_size) if outcome.ok else None
+    origins = [a.origin if (a := arrivals.get(r)) is not None and a.origin is not None else r for r in outcome.arrived]
+    rejoined = [r for r in outcome.arrived if (a := arrivals.get(r)) is not None and a.rejoined]
+    left = next(iter(arrivals.values())).world_size if arrivals else world_size
+    roster = Roster(origins=origins, rejoined=rejoined, problem=problem[:2000] if problem else None, world_size=left)
+    return outcome.model_copy(update={"roster": roster})
+
+
 def _rule(
-    keys: MeetingKeys, size: int, allow_shrink: bool, stuck: Callable[[], set[int]] | None = None
+    keys: MeetingKeys, size: int, allow_shrink: bool, stuck: Callable[[], set[int]] | None, peek: Peek, tiered: bool
 ) -> Rule[MeetingOutcome]:
+    """The meeting's rule: the settling rank reads the arrived ranks' arrivals once (through
+    ``peek``) and puts their :class:`Roster` in the outcome, so that no member reads them (every
+    member reading every arrival was n² bytes: 76 s of the store's CPU at 4,096 ranks,
+    benchmarks/commit_tier_scale.py). Flat, the members still count themselves out and the last one
+    deletes the keys; through the node tier (``tiered``), nobody does."""
+
     def read(raw: bytes) -> MeetingOutcome:
         return decode_outcome(MeetingOutcome, raw, "the rebuild's outcome", keys.outcome, MAX_OUTCOME_BYTES)
 
-    def given_up(peek: Peek) -> str:
-        return encode(decide(peek.present(), size, allow_shrink))
+    def settle(outcome: MeetingOutcome, seen: Peek) -> str:
+        return encode(with_roster(outcome, seen.arrivals(outcome.arrived), size))
 
-    def early(peek: Peek) -> str | None:
+    def given_up(seen: Peek) -> str:
+        return settle(decide(seen.present(), size, allow_shrink), seen)
+
+    def early(seen: Peek) -> str | None:
         assert stuck is not None
         gone = stuck()
-        present = peek.present()
-        if not gone or any(r not in present for r in range(size) if r not in gone):
+        if not gone:  # the usual case: nothing to read (through the tier, a read of every node's value)
             return None
-        return encode(decide([r for r in present if r not in gone], size, allow_shrink))
+        present = seen.present()
+        if any(r not in present for r in range(size) if r not in gone):
+            return None
+        return settle(decide([r for r in present if r not in gone], size, allow_shrink), seen)
+
+    def members(outcome: MeetingOutcome) -> Members:
+        return Members((), True) if tiered else Members(outcome.arrived, complete=True, read=False)
 
     return Rule(
-        everyone=lambda: encode(decide(list(range(size)), size, False)),
+        everyone=lambda: settle(decide(list(range(size)), size, False), peek),
         given_up=given_up,
         read=read,
         early=early if stuck is not None else None,
-        # Every rank in the outcome wrote its arrival before it was settled, and nobody deletes
-        # before all of them have left: one multi_get finds them all.
-        members=lambda outcome: Members(outcome.arrived, complete=True),
+        members=members,
         keep_outcome=True,
     )
 
 
-def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Meeting:
+def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline, tier: TierPlace | None = None) -> Meeting:
     """Runs one attempt of the meeting toward generation ``me.generation + 1``.
 
     Args:
@@ -301,6 +377,9 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
         me: this rank's arrival.
         attempt: this rank's count of earlier attempts toward that generation.
         deadline: when the ranks not there are given up.
+        tier: where this rank stands in the node tier (``recovery/_commit/tier.py``), when the
+            meeting goes through it: the node's ranks meet in their node's store first, and the
+            outcome carries the members' :class:`Roster` (docs/scale.md).
 
     Returns:
         The meeting as this rank saw it.
@@ -312,32 +391,47 @@ def meet(store: dist.Store, me: Arrival, attempt: int, deadline: Deadline) -> Me
     keys = MeetingKeys(me.generation + 1, attempt)
     size = me.world_size
     try:
-        settled = settle_round(
-            store,
-            keys,
-            me.rank,
-            size,
-            encode(me),
-            deadline,
-            _rule(keys, size, me.allow_shrink, _stuck_reader(store, size)),
-            "the rebuild meeting",
-        )
+        if tier is not None:
+            return _meet_tiered(store, me, keys, tier, deadline, start)
+        rule = _rule(keys, size, me.allow_shrink, _stuck_reader(store, size), Peek(store, keys, size), False)
+        settled = settle_round(store, keys, me.rank, size, encode(me), deadline, rule, "the rebuild meeting")
     except (DistStoreError, RuntimeError) as exc:  # connection refused / reset surface as RuntimeError
         if isinstance(exc, StoreUnreachable):  # no answer by the deadline, or an unreadable outcome
             raise
         raise StoreUnreachable(f"the job's store did not answer during the rebuild meeting: {exc}") from exc
-    outcome = settled.outcome
-    if settled.arrivals is None:  # not in the outcome: late
-        return Meeting(outcome, True, elapsed_s=time.monotonic() - start)
+    return _meeting(settled.outcome, me, settled.arrivals is None, start)
 
-    arrivals: dict[int, Arrival] = {}
-    for rank, blob in settled.arrivals.items():
-        try:
-            arrivals[rank] = decode(Arrival, blob, f"rank {rank}'s arrival", MAX_ARRIVAL_BYTES)
-        except DecodeError as exc:
-            log.error("rebuild: rank %d's arrival is unreadable (%s)", rank, exc)
-    problem = check_arrivals(outcome, arrivals, size) if outcome.ok else None
-    return Meeting(outcome, False, arrivals, problem, time.monotonic() - start)
+
+def _meet_tiered(
+    store: dist.Store, me: Arrival, keys: MeetingKeys, tier: TierPlace, deadline: Deadline, start: float
+) -> Meeting:
+    """The meeting through the node tier (:func:`~ncclguard.store.tier_round.settle_tiered`)."""
+    size = me.world_size
+    peek = TierPeek(store, TierKeys(keys), tier, MAX_ARRIVAL_BYTES)
+    rule = _rule(keys, size, me.allow_shrink, _stuck_reader(store, size), peek, True)
+    settled, path = settle_tiered(
+        store, keys, tier, encode(me), deadline, rule, node_by=node_deadline(deadline, deadline.left()), peek=peek
+    )
+    log.info("rebuild: the meeting through the node tier (%s): ranks %s arrived", path, settled.outcome.arrived)
+    return _meeting(settled.outcome, me, me.rank not in settled.outcome.arrived, start)
+
+
+def _meeting(outcome: MeetingOutcome, me: Arrival, late: bool, start: float) -> Meeting:
+    """The meeting as this rank saw it, from the outcome's roster: whether its members refuse it
+    (the settling rank's check of the arrivals, and this rank's own world size)."""
+    if late:  # not in the outcome
+        return Meeting(outcome, True, elapsed_s=time.monotonic() - start)
+    roster = outcome.roster
+    problem: str | None = None
+    if not outcome.ok:
+        pass
+    elif roster is None:
+        problem = "the meeting's outcome names no roster (a rank of another ncclguard version settled it)"
+    elif roster.world_size != me.world_size:
+        problem = f"the ranks left a world of {roster.world_size}, this rank one of {me.world_size}"
+    else:
+        problem = roster.problem
+    return Meeting(outcome, False, {}, problem, time.monotonic() - start)
 
 
 def _record_world(store: dist.Store, record: WorldRecord, deadline: Deadline) -> None:
