@@ -1,6 +1,7 @@
 """Two-tier rounds with threads as ranks (ncclguard/store/tier_round.py): a job's ``TCPStore`` and one
 ``TCPStore`` a node on 127.0.0.1, each rank with clients of its own, and a client that counts its
-requests. Used by tests/base/test_tier_round.py and tests/recovery/test_meeting_tier.py."""
+requests. Used by tests/base/test_tier_round.py and tests/recovery/test_meeting_tier.py;
+:func:`run_threads` by every round's test with threads as ranks (tests/base/test_store_layer.py too)."""
 
 from __future__ import annotations
 

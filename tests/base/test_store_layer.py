@@ -10,12 +10,12 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 from harness import wait_for
 from pydantic import BaseModel, ConfigDict, Field
+from tier_kit import run_threads
 
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
@@ -192,26 +192,6 @@ def majority_rule(size: int, tag: str = "") -> Rule[str]:
     )
 
 
-def run_ranks(fn: Any, ranks: dict[int, float]) -> dict[int, Any]:
-    """``fn(rank)`` on one thread per rank, each started after its delay; results (or errors) by rank."""
-    out: dict[int, Any] = {}
-
-    def one(rank: int, delay: float) -> None:
-        time.sleep(delay)
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            out[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r, d)) for r, d in ranks.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)  # a hang guard above the longest deadline (30 s) plus its grace
-    assert not any(t.is_alive() for t in threads)
-    return out
-
-
 def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
     store = dist.HashStore()
     keys = RoundKeys("test/all")
@@ -220,7 +200,7 @@ def test_a_round_of_everyone_settles_ok_and_leaves_no_keys():
         # A hang guard: every rank arrives long before (a loaded machine may start a thread seconds late).
         return settle_round(store, keys, r, 3, f"from {r}", Deadline.within(30), majority_rule(3), "round 'all'")
 
-    out = run_ranks(rank, {0: 0.0, 1: 0.05, 2: 0.1})
+    out = run_threads(rank, {0: 0.0, 1: 0.05, 2: 0.1})
     for r in range(3):
         s = out[r]
         assert isinstance(s, Settled), s
@@ -248,7 +228,7 @@ def test_a_late_rank_reads_the_same_outcome_and_learns_it_was_late():
         return rank(0, 0.3)
 
     t0 = time.monotonic()
-    first = run_ranks(first_round, {0: 0.0, 1: 0.0})
+    first = run_threads(first_round, {0: 0.0, 1: 0.0})
     # Rank 0's deadline waited; the hang guard is well below rank 1's 30 s (it would settle then).
     assert 0.29 <= time.monotonic() - t0 < 20.0
     assert first[0].outcome == first[1].outcome == "timeout 2"
@@ -292,7 +272,7 @@ def test_the_outcome_is_settled_once_when_several_ranks_give_up():
         deadline = Deadline.within(0.2 + 0.1 * r)
         return settle_round(store, keys, r, 4, "x", deadline, rule, "round 'once'", grace_s=30)  # grace: a hang guard
 
-    out = run_ranks(rank, {0: 0.0, 1: 0.0, 2: 0.0})
+    out = run_threads(rank, {0: 0.0, 1: 0.0, 2: 0.0})
     outcomes = {out[r].outcome for r in range(3)}
     assert len(outcomes) == 1, outcomes
     (outcome,) = outcomes
@@ -331,7 +311,7 @@ def test_an_early_rule_settles_before_the_deadline_and_every_rank_reads_it():
     killer = threading.Thread(target=die)
     killer.start()
     t0 = time.monotonic()
-    out = run_ranks(rank, {0: 0.0, 1: 0.0})
+    out = run_threads(rank, {0: 0.0, 1: 0.0})
     killer.join(5)
     assert time.monotonic() - t0 < 20  # a hang guard: the round's deadline is 60 s
     assert out[0].outcome == out[1].outcome == "dead [2] with [0, 1]"
@@ -405,7 +385,7 @@ def test_an_outcome_that_names_its_members_keeps_the_outcome_for_late_ranks():
         wait_for(lambda: store.check([keys.count]), 30, "rank 2 counted in")
         return rank(0, 0.3)
 
-    out = run_ranks(first_round, {0: 0.0, 2: 0.0})
+    out = run_threads(first_round, {0: 0.0, 2: 0.0})
     assert out[0].outcome == out[2].outcome == [0, 2]
     assert out[0].arrivals == out[2].arrivals == {0: b"0", 2: b"2"}
     assert store.list_keys() == [keys.outcome]  # the members left; only the outcome stays
@@ -426,7 +406,7 @@ def test_a_round_over_tcp_with_a_client_per_thread():
         assert store_for_this_thread(client, deadline) is mine  # made once per thread
         return settle_round(mine, keys, r, 2, f"{r}", deadline, majority_rule(2), "round 'tcp'"), mine is client
 
-    out = run_ranks(rank, {0: 0.0, 1: 0.0})
+    out = run_threads(rank, {0: 0.0, 1: 0.0})
     for r in range(2):
         settled, shared = out[r]
         assert settled.outcome == "ok" and settled.arrivals == {0: b"0", 1: b"1"} and not shared
@@ -476,7 +456,7 @@ def test_a_round_on_a_frozen_store_ends_by_its_deadline_and_the_store_is_refused
     # Not before the deadline and its grace; a hang guard, well below the 20 s the frozen calls block.
     assert 0.4 <= time.monotonic() - t0 < 10.0
     # While that call is stuck, a call on the same store fails at once, from this thread or another.
-    errors = run_ranks(lambda r: bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0)), {0: 0.0})
+    errors = run_threads(lambda r: bounded_store_call(store, lambda: store.add("k", 1), Deadline.within(5.0)), {0: 0.0})
     assert isinstance(errors[0], StoreUnreachable) and "has not returned" in str(errors[0])
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachable, match="earlier call to the store has not returned"):
@@ -499,7 +479,7 @@ def test_calls_on_one_store_share_one_helper_thread_per_calling_thread():
     here = {bounded_store_call(store, threading.get_ident, Deadline.within(30.0)) for _ in range(5)}
     assert len(here) == 1 and threading.get_ident() not in here
     assert helper_for(store) is helper_for(store)
-    there = run_ranks(
+    there = run_threads(
         lambda r: (bounded_store_call(store, threading.get_ident, Deadline.within(30.0)), helper_for(store)), {0: 0.0}
     )
     assert there[0][0] not in here and there[0][1] is not helper_for(store)
