@@ -43,7 +43,10 @@ if ! on drills; then
   :
 elif [ "$two" = 0 ]; then
   say "2. the drills on real NCCL"
-  NCCL_DEBUG=WARN timeout -k 5 270 $py benchmarks/nccl_drill.py --backend nccl --json "$out/nccl_drill.json" --logs /tmp/drill-logs 2>&1 | tee -a "$log"
+  # NCCLGUARD_DRILLS picks and orders the drills (default: all three, the one never run on a GPU second)
+  # shellcheck disable=SC2086
+  NCCL_DEBUG=WARN timeout -k 5 330 $py benchmarks/nccl_drill.py --backend nccl --drills ${NCCLGUARD_DRILLS:-ddp-kill fsdp2-kill ddp-stuck} \
+    --json "$out/nccl_drill.json" --logs /tmp/drill-logs 2>&1 | tee -a "$log"
   tar czf "$out/drill-logs.tgz" -C /tmp drill-logs 2>/dev/null
 else
   say "2. skipped: two NCCL ranks did not run on one GPU (step 1 says what NCCL said)"

@@ -78,8 +78,11 @@ _ERROR_HANDLING_ALIAS = "NCCL_ASYNC_ERROR_HANDLING"  # torch's deprecated name, 
 # where a survivor of a peer's death lives on and its op fails instead.
 RECOVERY_ERROR_HANDLING = "2"
 DUMP_WAIT_VAR = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
-# The watchdog's wait for its dump before it handles an error, under recovery (torch's own: 60 s in 2.11).
-RECOVERY_DUMP_WAIT_MS = "2000"
+# Under recovery, the dump wait. torch's watchdog sleeps four times this value for each failed op
+# in its list before it aborts (torch 2.11: 15 s, so 60 s), and a rebuild that destroys the old
+# group waits for that sleep. On an H200, 2000 cost 8.0 s per failed op and 16 s per kill. 250
+# costs 1 s per failed op.
+RECOVERY_DUMP_WAIT_MS = "250"
 
 
 class ReleaseBy(str, Enum):
@@ -187,12 +190,12 @@ def rules_for(group: dist.ProcessGroup | None = None) -> BackendRules:
 def survivor_handling(environ: Mapping[str, str], group_made: bool) -> tuple[dict[str, str], str | None]:
     """NCCL's error handling a survivor of a peer's death needs under recovery (pure).
 
-    Two of torch's settings decide it, both read when a group is made: the error handling (3, torch's
-    default, ends the process; 2 aborts the communicator and fails the op) and, with
-    ``TORCH_NCCL_DUMP_ON_TIMEOUT`` on (ncclguard's network plan turns it on), how long the watchdog
-    waits for its flight-recorder dump before it handles the error (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``,
-    60 s in torch 2.11): a rebuild that destroys the old group waits for that watchdog, so the wait
-    is bounded to :data:`RECOVERY_DUMP_WAIT_MS`.
+    Two of torch's settings decide it, both read when a group is made. The first is the error
+    handling: 3, torch's default, ends the process; 2 aborts the communicator and fails the op. The
+    second is the dump wait (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s in torch 2.11). For each
+    failed op in its list, the watchdog sleeps four times that wait before it aborts, dump on or
+    off. A rebuild that destroys the old group waits for those sleeps, so the wait is set to
+    :data:`RECOVERY_DUMP_WAIT_MS`.
 
     Args:
         environ: the environment NCCL groups are (or were) made in.

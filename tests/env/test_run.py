@@ -65,7 +65,7 @@ def test_restarts_make_every_nccl_group_let_a_survivor_of_a_peers_death_live(tmp
         monkeypatch.delenv(var, raising=False)
     job = plan(["--ncclguard-restarts", "1", "train.py"], cwd=tmp_path)
     assert job.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
-    assert job.env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "2000"
+    assert job.env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "250"
     assert not any("ERROR_HANDLING" in w for w in job.warnings)
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in plan(["train.py"], cwd=tmp_path).env  # no recovery: torch's own
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")

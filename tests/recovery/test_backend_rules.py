@@ -71,7 +71,7 @@ def test_an_abort_of_groups_already_aborted_says_so_and_raises_nothing(monkeypat
         dist.destroy_process_group()
 
 
-BOTH = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000"}
+BOTH = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ BOTH = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MI
         ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, True, BOTH, "made with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun"),
         ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, False, BOTH, "=1 is replaced"),
         ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500"}, True, {}, None),
-        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, True, {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000"}, None),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, True, {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}, None),
     ],
 )
 def test_a_survivor_of_a_peers_death_needs_nccl_error_handling_2_and_a_bounded_dump_wait(
