@@ -16,7 +16,10 @@ after; a 3.2M-parameter MLP with dropout on the GPU, Adam, a warm-up schedule pa
 - ``ddp-stuck``: the same, rank 1 asleep for good in Python at step K: the peers' agreement, its
   supervisor's kill, the restart and the heal;
 - ``fsdp2-kill``: ``wrap=FSDP2(each Linear, then the root)``, ``heal=True``, ``snapshot_every=1``;
-  rank 1 SIGKILLs itself at step K, restored from rank 0's snapshot of its shards.
+  rank 1 SIGKILLs itself at step K, restored from rank 0's snapshot of its shards;
+- ``ddp-slow``: ``collective_timeout=5``; rank 1 sleeps 12 s once in step K's forward, so rank 0 waits
+  in NCCL past the step's bound: its timer aborts the groups, both ranks fail the step, the world is
+  rebuilt without a restart and the step redone.
 
 On NCCL, two ranks share the one GPU: NCCL refuses two ranks of a communicator on one GPU
 ("Duplicate GPU detected") unless their host hashes differ, which ``NCCL_HOSTID`` sets, so each
@@ -45,8 +48,9 @@ from typing import Any
 
 STEPS, K = 8, 4  # steps per run; the step of the fault
 WIDTH, CLASSES, BATCH = 1024, 16, 32
-LAUNCH_BOUND_S = {"ddp-kill": 120.0, "ddp-stuck": 150.0, "fsdp2-kill": 120.0, "ref": 90.0}
-DRILLS = ("ddp-kill", "ddp-stuck", "fsdp2-kill")
+LAUNCH_BOUND_S = {"ddp-kill": 120.0, "ddp-stuck": 150.0, "fsdp2-kill": 120.0, "ddp-slow": 120.0, "ref": 90.0}
+DRILLS = ("ddp-kill", "ddp-stuck", "fsdp2-kill", "ddp-slow")
+SLOW_BOUND_S, SLOW_SLEEP_S = 5.0, 12.0  # ddp-slow: the step bound, and rank 1's one sleep past it
 
 
 # ---------------------------------------------------------------- rank side
@@ -135,6 +139,8 @@ def rank_side(drill: str, backend: str, out: Path, fault: bool) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     fsdp2 = drill.startswith("fsdp2")
     extra: dict[str, Any] = {"wrap": ncclguard.FSDP2(_shard), "heal": True, "snapshot_every": 1} if fsdp2 else {}
+    if drill == "ddp-slow":
+        extra["collective_timeout"] = SLOW_BOUND_S
     stepper = ncclguard.RecoveringStep(module, opt, scheduler=sched, **extra)
     said: dict[str, Any] = {"rank": rank, "life": life, "backend": dist.get_backend(), "steps": []}
     said["restored"] = getattr(stepper.healed, "lane", None) if stepper.healed is not None else None
@@ -146,7 +152,10 @@ def rank_side(drill: str, backend: str, out: Path, fault: bool) -> None:
         x, y = _batch(step, rank, device)
 
         def step_fn(model: Any, step: int = step, x: Any = x, y: Any = y) -> None:
-            if fault and rank == 1 and life == 0 and step == K:
+            if fault and drill == "ddp-slow" and rank == 1 and step == K and "fault_at" not in said:
+                said["fault_at"] = time.time()
+                time.sleep(SLOW_SLEEP_S)  # once: the redo runs at full speed
+            elif fault and drill != "ddp-slow" and rank == 1 and life == 0 and step == K:
                 said["fault_at"] = time.time()
                 mine.write_text(json.dumps(said))
                 if drill.endswith("kill"):
