@@ -2,7 +2,8 @@
 # The device checks of issues 59-61 on a lent GPU, as one bounded run (docs/nccl.md says what ran).
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR [STAGE ...]     (stages: check drills tests snapshot finite pinned;
-#                                                           default: all, in that order)
+#                                                           default: all, in that order;
+#                                                           NCCLGUARD_DRILLS="ddp-slow ..." picks the drills)
 #
 # Expects ncclguard's dependencies that the machine's image lacks as wheels in .whl/ (pydantic,
 # pydantic-core, pydantic-settings, python-dotenv, annotated-types, typing-inspection); installs them
