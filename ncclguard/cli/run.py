@@ -55,6 +55,7 @@ from pydantic import ValidationError
 from ncclguard.backend_rules import survivor_handling
 from ncclguard.env.hostview import check_interfaces
 from ncclguard.env.sockets import NET_PLAN_VAR
+from ncclguard.store import node_store
 from ncclguard.supervise.loop import DEFAULT_STOP_GRACE_S
 from ncclguard.supervise.parent import LAUNCHER_VAR
 from ncclguard.supervise.reaper import Guard
@@ -341,6 +342,11 @@ def launch(job: Launch) -> int:
 
     guard = _guard(job)
     os.environ.update(job.env)  # torchrun's agent gives its workers a copy of this environment
+    served = _serve_node_store(job)
+    if served:
+        os.environ[node_store.LAUNCHER_VAR] = served
+    else:
+        os.environ.pop(node_store.LAUNCHER_VAR, None)  # another launcher's, or the user's: not this node's
     if guard is not None:
         os.environ[LAUNCHER_VAR] = guard.token  # every worker, and all they start, carry it
     try:
@@ -356,6 +362,29 @@ def launch(job: Launch) -> int:
         if guard is not None:
             guard.done()  # returned (torchrun stopped its workers): the guard leaves what is left alone
     return 0
+
+
+def _serve_node_store(job: Launch) -> str:
+    """Serves the node tier's store of this node in this process (docs/scale.md), where the tier can
+    be on: more than one node, the tier not off. This process outlives every rank of the node, so the
+    node's store does too, and a dead rank's agent is taken over by another rank (node_agent.py).
+
+    Returns:
+        Its ``127.0.0.1:PORT``, or ``""`` where none is served (said once where it failed).
+    """
+    if job.config.node_tier == "off":
+        return ""
+    most = str(getattr(job.torchrun, "nnodes", "1")).rpartition(":")[2]
+    if most.isdecimal() and int(most) < 2:
+        return ""
+    try:
+        server = node_store.serve(job.config.store_timeout)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or DistStoreError; each rank's own agent then
+        print(
+            f"ncclguard run: warning: the node's store was not served here ({exc}); a rank serves it", file=sys.stderr
+        )
+        return ""
+    return f"127.0.0.1:{server.port}"
 
 
 def _guard(job: Launch) -> Guard | None:

@@ -1,7 +1,10 @@
-"""The node tier's own store (docs/scale.md): the ``TCPStore`` a node's agent serves its node's ranks,
-and the few exchanges made with it.
+"""The node tier's own store (docs/scale.md): the ``TCPStore`` served to a node's ranks, and the few
+exchanges made with it.
 
-One server per process for the process's life: ``ncclguard run``'s watchdog gives way to the
+Under ``ncclguard run`` the launcher serves it (one process a node, which outlives its ranks) and
+names it to them in :data:`LAUNCHER_VAR`; the node's agent is then whichever rank holds the lease
+in it (:func:`claim_agent`). Without a launcher, the ``LOCAL_RANK`` 0 process serves it and runs the
+agent. One server per process for the process's life: ``ncclguard run``'s watchdog gives way to the
 script's, and the ranks linked to the store the first one served stay linked. Unbounded calls: make
 them inside a bounded call (:class:`~ncclguard.store.bounded_calls.BoundedCalls`).
 
@@ -12,20 +15,54 @@ its own client to it (:func:`near_client`): a client runs one request at a time.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
 
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import connect
+from ncclguard.store.codec import decode, encode
 
-__all__ = ["drop_near_client", "get_present", "linked_address", "near_client", "note_linked", "put", "put_all", "serve"]
+__all__ = [
+    "AGENT_KEY",
+    "LAUNCHER_VAR",
+    "AgentLease",
+    "claim_agent",
+    "drop_near_client",
+    "get_present",
+    "launcher_address",
+    "linked_address",
+    "near_client",
+    "note_linked",
+    "put",
+    "put_all",
+    "serve",
+]
+
+# The node's store that ``ncclguard run``'s launcher serves its node's ranks ("127.0.0.1:PORT").
+LAUNCHER_VAR = "NCCLGUARD_NODE_STORE"
+ADDR_MAX = 300  # bytes of a node store's "host:port"
+# The lease on the node's agent, in the launcher's store. Not per world: the store outlives worlds
+# and ranks, and a lease names a process.
+AGENT_KEY = "ncclguard/node_agent"
+LEASE_LIMIT = 512  # bytes of a lease
+
+
+class AgentLease(BaseModel):
+    """Which process runs the node's agent, and until when (``time.time()``: one host's clock)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    holder: str = Field(min_length=1, max_length=64)  # "pid/local_rank"
+    until: float
 
 
 class _Served:
@@ -62,6 +99,46 @@ def serve(timeout_s: float, fresh: bool = False) -> Any:
                 return store
             _served.store = store
         return _served.store
+
+
+def launcher_address(env: Mapping[str, str] | None = None) -> str:
+    """The ``host:port`` of the node's store the launcher serves (:data:`LAUNCHER_VAR`), or ``""``
+    where none is named or the value is not a ``host:port``.
+
+    Args:
+        env: the environment to read; default ``os.environ``.
+    """
+    raw = (os.environ if env is None else env).get(LAUNCHER_VAR, "").strip()
+    host, _, port = raw.rpartition(":")
+    if not host or len(raw) > ADDR_MAX or not port.isdecimal() or not 0 < int(port) < 65536:
+        return ""
+    return raw
+
+
+def claim_agent(store: Any, me: str, now: float, span_s: float) -> bool:
+    """Takes or renews the lease on the node's agent for ``me`` (a compare-and-set, so two ranks that
+    claim together do not both win).
+
+    Args:
+        store: a client of the node's store.
+        me: this process (``"pid/local_rank"``).
+        now: ``time.time()``.
+        span_s: how long the lease holds unless renewed.
+
+    Returns:
+        True when ``me`` holds the lease now: it was free, lapsed, unreadable, or already ``me``'s.
+    """
+    raw = get_present(store, AGENT_KEY)
+    if raw is not None:
+        try:
+            held = decode(AgentLease, raw, AGENT_KEY, LEASE_LIMIT)
+            if held.holder != me and held.until > now:
+                return False
+        except ValueError:
+            pass  # not a lease (junk, or too big): taken over, by a compare-and-set on what is there
+    new = encode(AgentLease(holder=me, until=now + span_s))
+    got = store.compare_set(AGENT_KEY, b"" if raw is None else raw, new)
+    return bytes(got) == new.encode()
 
 
 def put(store: Any, key: str, value: str) -> None:

@@ -272,3 +272,23 @@ def test_a_cold_restart_runs_through_the_spare_where_the_hook_does_not_load(tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["stood"] == ["fake", 0, 1] and got["joined"] == ["gloo", 0, 1]
+
+
+def test_the_launcher_serves_its_nodes_store_where_the_tier_can_be_on(tmp_path: Path, monkeypatch) -> None:
+    """docs/scale.md: ``ncclguard run`` serves the node tier's store of its node (one per process) for
+    a job of more than one node, unless the tier is off; its ranks find it in NCCLGUARD_NODE_STORE."""
+    from ncclguard.cli.run import _serve_node_store
+    from ncclguard.store.clients import connect
+
+    monkeypatch.delenv("NCCLGUARD_WATCHDOG_NODE_TIER", raising=False)
+    one = ["--standalone", "--nproc-per-node", "2", "train.py"]
+    assert _serve_node_store(plan(one, cwd=tmp_path)) == ""
+    addr = _serve_node_store(plan(["--nnodes", "2", "--nproc-per-node", "2", "train.py"], cwd=tmp_path))
+    host, _, port = addr.rpartition(":")
+    assert host == "127.0.0.1"
+    client = connect(host, int(port), 10.0)
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    assert _serve_node_store(plan(["--nnodes", "1:4", "train.py"], cwd=tmp_path)) == addr  # one for the process
+    monkeypatch.setenv("NCCLGUARD_WATCHDOG_NODE_TIER", "off")
+    assert _serve_node_store(plan(["--nnodes", "2", "train.py"], cwd=tmp_path)) == ""

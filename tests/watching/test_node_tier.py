@@ -23,7 +23,7 @@ from ncclguard.store.codec import encode
 from ncclguard.store.keys import Keys, index_key
 from ncclguard.watching.base.index import WatchIndex
 from ncclguard.watching.base.near_store import FROZEN_BEATS, TieredWatchdogStore, read_digests
-from ncclguard.watching.base.node_agent import NodeAgent
+from ncclguard.watching.base.node_agent import LEASE_BEATS, LeasedAgent, NodeAgent, start_agent
 from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout, tier_wanted, watched_nodes
 from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import WatchdogStore
@@ -283,3 +283,84 @@ def test_an_agent_of_many_heavy_ranks_cuts_their_heartbeats_to_fit_one_digest(jo
     (digest,) = read_digests(store, keys, [0]).values()
     beats = {r: Heartbeat.model_validate_json(t) for r, t in digest.beats.items()}
     assert sorted(beats) == list(range(local)) and all(hb.readings is None and hb.beat == 1 for hb in beats.values())
+
+
+def test_a_lease_on_the_agent_is_won_by_one_claimant_renewed_by_it_and_taken_over_when_it_lapses() -> None:
+    near = dist.HashStore()
+    assert node_store.claim_agent(near, "10/0", 100.0, 1.5)
+    assert not node_store.claim_agent(near, "11/1", 100.5, 1.5)  # held by 10/0 until 101.5
+    assert node_store.claim_agent(near, "10/0", 101.0, 1.5)  # renewed: until 102.5
+    assert not node_store.claim_agent(near, "11/1", 102.0, 1.5)
+    assert node_store.claim_agent(near, "11/1", 102.6, 1.5)  # lapsed: taken over
+    assert not node_store.claim_agent(near, "10/0", 102.7, 1.5)  # the old holder back: not its any more
+    near.set(node_store.AGENT_KEY, "not a lease")  # junk is taken over, by compare-and-set on what is there
+    assert node_store.claim_agent(near, "12/0", 103.0, 1.5)
+    assert node_store.AgentLease.model_validate_json(near.get(node_store.AGENT_KEY)).holder == "12/0"
+    env = {node_store.LAUNCHER_VAR: "127.0.0.1:29511"}
+    assert node_store.launcher_address(env) == "127.0.0.1:29511"
+    for bad in ("", "29511", "127.0.0.1:", "127.0.0.1:port", "127.0.0.1:70000", "h:" + "1" * 400):
+        assert node_store.launcher_address({node_store.LAUNCHER_VAR: bad}) == "", bad
+
+
+def test_under_a_launchers_store_one_rank_a_node_runs_the_agent_and_another_takes_over_when_it_stops(job):
+    """Two nodes of two ranks, each node's store served as ``ncclguard run``'s launcher serves it
+    (a process of its own here: this test's). Every rank links at its first beat and none publishes
+    to the job's store; one rank a node holds the agent's lease and only it talks to the job's store.
+    Node 1's holder stops: within LEASE_BEATS + 1 beats its node's other rank runs the agent, node 1's
+    digest goes on with that rank's fresh heartbeats (its number never going back), and rank 0 reads
+    them through its own node's store. The stopped rank, back, finds the lease taken and runs nothing."""
+    launchers = {n: node_store.serve(5.0, fresh=True) for n in (0, 1)}
+    layout = {r: NodeLayout(r // LOCAL, 2, r % LOCAL, LOCAL) for r in range(4)}
+    ranks: dict[int, TieredWatchdogStore] = {}
+    for r in range(4):
+        client = Counted(dist.TCPStore("127.0.0.1", job.port, is_master=False, timeout=timedelta(seconds=10)))
+        addr = f"127.0.0.1:{launchers[r // LOCAL].port}"
+        ranks[r] = TieredWatchdogStore(client, Keys("main"), 5.0, 30.0, layout[r], HEARTBEAT_S, launcher=addr)
+        ranks[r].agent = start_agent(ranks[r], 2)
+    keys = Keys("main")
+
+    def beat(who: list[int], b: int) -> None:
+        for r in who:
+            ranks[r].publish_heartbeat(heartbeat(r, b))
+
+    def holders() -> list[int]:
+        return [r for r, s in ranks.items() if isinstance(s.agent, LeasedAgent) and s.agent.holding]
+
+    b = 1
+    for b in range(1, 4):
+        before = {r: s.calls.store.requests for r, s in ranks.items()}
+        beat([0, 1, 2, 3], b)
+        used = {r: s.calls.store.requests - before[r] for r, s in ranks.items()}
+        assert sorted(r // LOCAL for r in holders()) == [0, 1], holders()
+        # Only the holders talk to the job's store: 4 requests a beat (5 at the first: the store named).
+        assert {r: u for r, u in used.items() if r not in holders()} == {r: 0 for r in range(4) if r not in holders()}
+        assert all(used[r] in (4, 5) for r in holders()), used
+    assert all(not job.check([keys.heartbeat(r)]) for r in range(4))  # no rank went to the job's store
+    first = holders()
+    stopped = next(r for r in first if r // LOCAL == 1)
+    other = 5 - stopped  # node 1's other rank
+    last_digest = read_digests(ranks[0], keys, [1])[1].beat
+    taken_after = None
+    for i in range(1, 3 * (LEASE_BEATS + 1)):
+        b += 1
+        beat([r for r in range(4) if r != stopped], b)
+        time.sleep(HEARTBEAT_S)
+        digest = read_digests(ranks[0], keys, [1])[1]
+        assert digest.beat >= last_digest, (digest.beat, last_digest)  # its number never goes back
+        last_digest = digest.beat
+        if taken_after is None and other in holders():
+            taken_after = i
+    assert taken_after is not None and taken_after <= LEASE_BEATS + 1, taken_after
+    # (The stopped rank still thinks it holds the lease: it has not beaten since.)
+    assert sorted(r for r in holders() if r != stopped) == sorted([r for r in first if r != stopped] + [other])
+    digest = read_digests(ranks[0], keys, [1])[1]
+    assert Heartbeat.model_validate_json(digest.beats[other]).beat == b
+    assert Heartbeat.model_validate_json(digest.beats[stopped]).beat == 3  # the stopped rank's last
+    # Rank 0 sees node 1's ranks through its own node's store, as the agents copied them in.
+    seen = {p: hb.beat for p, hb in ranks[0].read_heartbeats([2, 3]).items()}
+    assert seen[other] >= b - 1 and seen[stopped] == 3, seen
+    # Back: the stopped rank finds the lease another's and runs nothing.
+    beat([stopped], b + 1)
+    assert stopped not in holders() and other in holders()
+    for s in ranks.values():
+        s.close()

@@ -4,12 +4,12 @@ hosts), the tier turned on by its setting
 (``NCCLGUARD_WATCHDOG_NODE_TIER=on``) in the script's watchdog, started after the group.
 
 Two launches. tests/workers/node_tier_worker.py ``two_nodes``: the heartbeats go through each node's
-store and one digest a node reaches the job's store; a desync across the nodes names the skipping
-rank with its phase and site; host B's agent stopped (its process and its node's store with it)
-is a lost rank 2 alone, its node's other rank going on through the job's store. And
-tests/workers/heal_worker.py under ``ncclguard run --ncclguard-restarts 1`` with ``HEAL_KILL_RANK=2``:
-host B's agent SIGKILLed in training, restarted, healed bit-equal, its node's ranks linked to the
-store its restart serves.
+store (the one its launcher serves) and one digest a node reaches the job's store; a desync across
+the nodes names the skipping rank with its phase and site; host B's ``LOCAL_RANK`` 0 stopped is a
+lost rank 2 alone, its node's other rank still linked to its launcher's store and running its
+node's agent. And tests/workers/heal_worker.py under ``ncclguard run --ncclguard-restarts 1`` with
+``HEAL_KILL_RANK=2``: host B's ``LOCAL_RANK`` 0 SIGKILLed in training, restarted, healed bit-equal,
+its node's ranks linked to the same launcher's store before and after.
 """
 
 from __future__ import annotations
@@ -114,11 +114,17 @@ def test_host_bs_agent_killed_is_restarted_healed_bit_equal_and_its_node_linked_
             True,
             True,
         ), r
-        # Every rank through its node's store again in the rebuilt world: rank 3 found the store its
-        # restarted agent serves.
+        # Every rank through its node's store in the rebuilt world: the one its launcher serves
+        # (NCCLGUARD_NODE_STORE), which outlived the killed rank.
         commits = {**res["tier"]}.pop("commits")
         linked = {k: v for k, v in res["tier"].items() if k != "commits"}
-        assert linked == {"linked": True, "near_addr": res["tier"]["near_addr"], "generation": 1}, (r, res["tier"])
+        assert linked == {
+            "linked": True,
+            "near_addr": res["tier"]["launcher"],
+            "generation": 1,
+            "launcher": res["tier"]["launcher"],
+        }, (r, res["tier"])
+        assert res["tier"]["launcher"].startswith("127.0.0.1:"), res["tier"]
         # Its commits went through the tier (store/tier_round.py): met in its node's store, carried
         # or read there; the first ones, before its watchdog linked, by itself. The restarted rank
         # 2 commits 3 steps, all before its new watchdog links: by itself.
@@ -179,7 +185,7 @@ def test_a_desync_across_the_nodes_names_the_skipping_rank_with_its_phase_and_si
     assert put_down == {0: 1, 1: 1, 2: 1, 3: 1}, put_down
 
 
-def test_a_stopped_agent_is_its_own_rank_lost_and_its_nodes_other_rank_goes_on_through_the_jobs_store(tier):
+def test_a_stopped_local_rank_0_is_its_own_rank_lost_and_its_nodes_other_rank_runs_the_agent(tier):
     a, b, got, out = tier
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-4000:] + b.stderr[-4000:]
     lost = merged(out)[1]
@@ -188,9 +194,13 @@ def test_a_stopped_agent_is_its_own_rank_lost_and_its_nodes_other_rank_goes_on_t
     assert lost["culprits"][0]["why"] == "lost"
     for r in (0, 1, 3):
         assert [i["kind"] for i in got[r]["after_lost"]] == ["hang", "lost"], (r, got[r]["after_lost"])
-    # Rank 3 lost its node's store with its agent and went on through the job's store.
-    assert got[3]["tier_after"]["tiered"] and not got[3]["tier_after"]["linked"]
-    assert got[0]["tier_after"]["linked"] and got[1]["tier_after"]["linked"]
+    # Host B's store is its launcher's, not rank 2's: rank 3 stays linked to it and runs host B's
+    # agent (taken over from rank 2 where rank 2 held the lease).
+    after = {r: got[r]["tier_after"] for r in (0, 1, 3)}
+    assert all(s["tiered"] and s["linked"] and s["near_addr"] == s["launcher"] for s in after.values()), after
+    assert after[3]["agent"] and after[3]["near_addr"] == got[3]["tier"]["near_addr"], after
+    # Said in host B's log (node_agent.LeasedAgent), at its start or at the take-over.
+    assert "node 1's agent now runs in this rank (local rank 1)" in b.stderr, b.stderr[-3000:]
     # Ranks 0 and 1 still see rank 3 beating (read from the job's store), not rank 2.
     for r in (0, 1):
         peers = got[r]["peers_after"]

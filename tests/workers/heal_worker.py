@@ -201,7 +201,7 @@ def refused_heal() -> None:
 
 def tier() -> dict[str, Any] | None:
     """With the node tier on (tests/watching/test_node_tier_multirank.py): this rank's watchdog store,
-    once linked to its node's store (waited for: a restarted agent names a new one), and how this
+    once linked to its node's store (waited for), and how this
     process's commits went through the tier; else None."""
     from ncclguard.store.tier_round import tier_counts
     from ncclguard.watching.base.near_store import TieredWatchdogStore
@@ -213,6 +213,7 @@ def tier() -> dict[str, Any] | None:
         return None
     rankkit.when(lambda: store.near is not None and wd.generation == 1, TIER_GUARD_S).wait(TIER_GUARD_S)
     linked = {"linked": store.near is not None, "near_addr": store.near_addr, "generation": wd.generation}
+    linked["launcher"] = store.launcher  # ncclguard run's store of this node (NCCLGUARD_NODE_STORE)
     return {**linked, "commits": tier_counts()}
 
 

@@ -4,13 +4,15 @@ Two hosts (network namespaces), two ranks each (``torchrun --nnodes 2 --nproc-pe
 node tier turned on as a user would (``NCCLGUARD_WATCHDOG_NODE_TIER=on``), the watchdog started
 after the group:
 
-1. a few seconds of all_reduces: every rank's heartbeats go through its node's store, and each
-   node's agent (launch ranks 0 and 2) puts one digest a beat in the job's store;
+1. a few seconds of all_reduces: every rank's heartbeats go through its node's store (the one
+   ``ncclguard run``'s launcher serves), and each node's agent (the rank that holds its lease) puts
+   one digest a beat in the job's store;
 2. a desync across the nodes: rank 3 (host B, not an agent) skips an all_reduce and evaluates
    until the report is merged; the report names it, with its phase and site;
-3. host B's agent stops (rank 2 SIGSTOPs itself: its process, its node's store with it): rank 3
-   goes on through the job's store, and the lost incident names rank 2 alone. Rank 3 then
-   continues rank 2 (SIGCONT), which ends at once, so that both torchruns end with success.
+3. rank 2 (host B's ``LOCAL_RANK`` 0) stops (SIGSTOP): its node's store, its launcher's, goes on;
+   rank 3 stays linked to it and runs host B's agent (it takes the lease over if rank 2 held it),
+   and the lost incident names rank 2 alone. Rank 3 then continues rank 2 (SIGCONT), which ends at
+   once, so that both torchruns end with success.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ def merged_incidents() -> int:
 
 
 def tier_state(wd) -> dict:
-    """What this rank's watchdog store says of the tier: tiered, linked to its node's store."""
+    """What this rank's watchdog store says of the tier: tiered, linked to its node's store (the
+    launcher's?), running its node's agent."""
     store = wd.watch.desk.store
+    agent = getattr(store, "agent", None)
     return {
         "tiered": isinstance(store, TieredWatchdogStore),
         "linked": getattr(store, "near", None) is not None,
         "near_addr": getattr(store, "near_addr", ""),
+        "launcher": getattr(store, "launcher", ""),
+        "agent": bool(getattr(agent, "holding", agent is not None)),
         "generation": wd.generation,
     }
 
@@ -126,7 +132,7 @@ def two_nodes() -> None:
     time.sleep(4 * HEARTBEAT_S)  # a few more beats: rank 3's through the job's store
     put("tier_after", tier_state(wd))
     put("peers_after", {p: [hb.beat, round(age, 2)] for p, (hb, age) in wd.peer_beats()[1].items()})
-    # Every rank read before any leaves: rank 0's process serves its node's store, and its end ends it.
+    # Every rank read before any leaves (the job's store is host A's torchrun's).
     (OUT / f"end{r}").write_text("")
     ends = [OUT / f"end{p}" for p in (0, 1, 3)]
     rankkit.when(lambda: all(p.exists() for p in ends), WAIT_GUARD_S).wait(WAIT_GUARD_S)

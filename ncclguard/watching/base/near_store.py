@@ -2,8 +2,9 @@
 
 :class:`TieredWatchdogStore` is the watchdog's store (:class:`WatchdogStore`) of a rank whose job
 runs the node tier (docs/scale.md). Its heartbeat, its reads of the watched peers' heartbeats and
-its look at the ``closing`` mark go to the store its node's agent serves
-(:mod:`~ncclguard.watching.base.node_agent`), which holds the node's ranks' heartbeats and the
+its look at the ``closing`` mark go to its node's store: the one ``ncclguard run``'s launcher serves
+(named in ``NCCLGUARD_NODE_STORE``), else the one its node's agent serves
+(:mod:`~ncclguard.watching.base.node_agent`). That store holds the node's ranks' heartbeats and the
 copies of the watched nodes' digests; everything else (incidents, statements, counters) goes to the
 job's store as before.
 
@@ -33,14 +34,14 @@ from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout
 from ncclguard.watching.base.watchdog_store import WatchdogStore
 
 if TYPE_CHECKING:
-    from ncclguard.watching.base.node_agent import NodeAgent
+    from ncclguard.watching.base.node_agent import LeasedAgent, NodeAgent
 
 __all__ = ["FROZEN_BEATS", "TieredWatchdogStore", "read_digests"]
 
 T = TypeVar("T")
 FROZEN_BEATS = 3  # a copy unchanged this many heartbeats is also read from the job's store
 RETRY_BEATS = 10  # heartbeats before a node's store that failed is tried again at the same address
-ADDR_MAX = 300  # bytes of a node store's "host:port"
+ADDR_MAX = node_store.ADDR_MAX
 
 
 class TieredWatchdogStore(WatchdogStore):
@@ -54,13 +55,23 @@ class TieredWatchdogStore(WatchdogStore):
         layout: where this process stands among the nodes.
         heartbeat_s: the watchdog's heartbeat (how often the node's store is looked for, and what
             "frozen" counts in).
+        launcher: the ``host:port`` of the node's store the launcher serves; default: the one
+            ``NCCLGUARD_NODE_STORE`` names, ``""`` for none (the node's agent names its own).
     """
 
     def __init__(
-        self, store: Any, keys: Keys, timeout: float, gone_after: float, layout: NodeLayout, heartbeat_s: float
+        self,
+        store: Any,
+        keys: Keys,
+        timeout: float,
+        gone_after: float,
+        layout: NodeLayout,
+        heartbeat_s: float,
+        launcher: str | None = None,
     ):
         super().__init__(store, keys, timeout, gone_after)
         self.layout, self.heartbeat_s = layout, heartbeat_s
+        self.launcher = node_store.launcher_address() if launcher is None else launcher
         self.near: BoundedCalls | None = None  # the node's store, while it answers
         self.near_addr = ""
         self._next_look = 0.0  # monotonic time of the next look for the node's store's address
@@ -69,7 +80,8 @@ class TieredWatchdogStore(WatchdogStore):
         # The address that last failed, and when it may be tried again: a stopped agent's port still
         # takes a TCP connection, and each try would hold this watchdog's thread a call's bound.
         self._failed: tuple[str, float] = ("", 0.0)
-        self.agent: NodeAgent | None = None  # the node's agent, where this process runs it (LOCAL_RANK 0)
+        # The node's agent where this process runs it: LOCAL_RANK 0's, or the lease's under a launcher's store.
+        self.agent: NodeAgent | LeasedAgent | None = None
 
     def _new_namespace(self) -> None:
         super()._new_namespace()
@@ -87,16 +99,20 @@ class TieredWatchdogStore(WatchdogStore):
     # ----------------------------------------------------------------- the node's store
 
     def _look(self) -> None:
-        """Connects to the node's store once its agent named it (looked for at most every heartbeat)."""
+        """Connects to the node's store: the launcher's, else the one its agent named in the job's
+        store (looked for at most every heartbeat; the named one also while the launcher's fails)."""
         now = time.monotonic()
         if self.near is not None or now < self._next_look:
             return
         self._next_look = now + self.heartbeat_s
         key = self.keys.node_addr(self.layout.node)
-        got = self._read_present([key])
-        if not got:
-            return
-        addr = bytes(got[0][1])[:ADDR_MAX].decode(errors="replace")
+        if self.launcher and not (self._failed[0] == self.launcher and now < self._failed[1]):
+            addr = self.launcher
+        else:
+            got = self._read_present([key])
+            if not got:
+                return
+            addr = bytes(got[0][1])[:ADDR_MAX].decode(errors="replace")
         host, _, port = addr.rpartition(":")
         if not host or not port.isdecimal() or len(port) > 5:
             self.warn_once(key, f"{key} holds {addr[:60]!r}, not the 'host:port' a node's agent writes")
@@ -124,6 +140,10 @@ class TieredWatchdogStore(WatchdogStore):
     def gone_after(self) -> float:
         """Silence after which a store counts as gone."""
         return self.calls.gone_after
+
+    def on_near(self, fn: Callable[[Any], T], what: str) -> tuple[bool, T | None]:
+        """``(True, fn(client))`` on the node's store, or ``(False, None)`` (see :meth:`_on_near`)."""
+        return self._on_near(fn, what)
 
     def _on_near(self, fn: Callable[[Any], T], what: str) -> tuple[bool, T | None]:
         """``(True, fn(client))`` on the node's store, or ``(False, None)``: no node store, or it did

@@ -59,7 +59,7 @@ class WatchdogConfig(BaseSettings):
         session: a name for this watchdog's keys in the store; give a new one to a second
             watchdog started in the same job.
         store_addr: ``host:port`` of the store (default ``MASTER_ADDR:MASTER_PORT``).
-        node_tier: heartbeats through a store per node (served by ``LOCAL_RANK`` 0), one digest a
+        node_tier: heartbeats through a store per node (served by ``ncclguard run``'s launcher, else by ``LOCAL_RANK`` 0), one digest a
             node in the job's store: ``"auto"`` (on from ``node_tier_min_ranks`` ranks, with more
             than one node and rank a node), ``"on"``, ``"off"`` (docs/scale.md).
         node_tier_min_ranks: the world size from which ``"auto"`` turns the node tier on.
