@@ -50,7 +50,7 @@ def _view(rank: int, statements: Mapping[int, Statement], heartbeats: Mapping[in
 
 def _members(group: str, views: Mapping[int, Heartbeat], world_size: int) -> list[int]:
     for view in views.values():
-        ranks = view.groups.get(group) if isinstance(view, Statement) else None
+        ranks = view.members(group) if isinstance(view, Statement) else None
         if ranks:
             return sorted(ranks)
     if group == "0":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from ncclguard.incidents.base import IncidentKind, Model, OpRecord
 from ncclguard.incidents.numerics_model import NumericsReport
@@ -19,6 +21,8 @@ __all__ = [
     "MergedNote",
     "PeerView",
     "Statement",
+    "compact_ranks",
+    "expand_ranks",
 ]
 
 
@@ -91,15 +95,104 @@ class PeerView(Model):
     seen: bool
 
 
+# A group's ranks are kept as runs where long (``"start:stop:step"``, Python's range), in memory and
+# in JSON: a statement carries each of its groups' ranks, and at 16,384 ranks the world's and a
+# data-parallel group's made it ~100 KB of JSON, 1.6 GB for one incident's statements, and the
+# merging rank that held them as lists of ints ran out of 24 GB (benchmarks/desk_scale.py).
+COMPACT_FROM = 64  # a group of fewer ranks is written as a plain list
+RUN_MIN = 4  # ranks in a run at one step, at least
+MAX_GROUP_RANKS = 1 << 20  # the ranks a group's runs may stand for, read back
+_RUN = re.compile(r"^([0-9]{1,9}):([0-9]{1,9}):([0-9]{1,9})$")
+
+
+def compact_ranks(ranks: Sequence[int]) -> list[int | str]:
+    """``ranks`` with each run of :data:`RUN_MIN` or more at one rising step written
+    ``"start:stop:step"``; :func:`expand_ranks` gives them back."""
+    out: list[int | str] = []
+    i, n = 0, len(ranks)
+    while i < n:
+        j = i
+        step = ranks[i + 1] - ranks[i] if i + 1 < n else 0
+        while step > 0 and j + 1 < n and ranks[j + 1] - ranks[j] == step:
+            j += 1
+        if j - i + 1 >= RUN_MIN:
+            out.append(f"{ranks[i]}:{ranks[j] + step}:{step}")
+            i = j + 1
+        else:
+            out.append(ranks[i])
+            i += 1
+    return out
+
+
+def _runs(items: Sequence[Any]) -> list[range]:
+    """Each item of a group's ranks as a range (a rank, or a run), checked and bounded.
+
+    Raises:
+        ValueError: an item that is neither a rank nor a run, a run that is empty or goes back, or
+            more than :data:`MAX_GROUP_RANKS` ranks in all.
+    """
+    out: list[range] = []
+    total = 0
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool):
+            run = range(item, item + 1)
+        else:
+            m = _RUN.match(item) if isinstance(item, str) else None
+            if m is None:
+                raise ValueError(f"{str(item)[:40]!r} is neither a rank nor a run 'start:stop:step'")
+            start, stop, step = (int(g) for g in m.groups())
+            if step < 1 or stop <= start:
+                raise ValueError(f"{item!r} is not a run of ranks")
+            run = range(start, stop, step)
+        total += len(run)
+        if total > MAX_GROUP_RANKS:
+            raise ValueError(f"a group of more than {MAX_GROUP_RANKS} ranks")
+        out.append(run)
+    return out
+
+
+def expand_ranks(items: Sequence[Any]) -> list[int]:
+    """A group's ranks from what :func:`compact_ranks` wrote (or a plain list).
+
+    Raises:
+        ValueError: as :func:`_runs`.
+    """
+    return [r for run in _runs(items) for r in run]
+
+
 class Statement(Heartbeat):
-    """What a rank says about itself when it handles an incident: a heartbeat and more."""
+    """What a rank says about itself when it handles an incident: a heartbeat and more.
+
+    ``groups`` holds a long group's ranks as runs (:func:`compact_ranks`); :meth:`members` gives
+    a group's ranks as a list.
+    """
 
     world_size: int = 0
     stack: list[str] = Field(default_factory=list)
     recent: list[OpRecord] = Field(default_factory=list)
-    groups: dict[str, list[int]] = Field(default_factory=dict)
+    groups: dict[str, list[int | str]] = Field(default_factory=dict)
     peers: dict[str, PeerView] = Field(default_factory=dict)
     backend_ops: dict[str, BackendOp] = Field(default_factory=dict)  # per group: the newest backend op
+
+    @field_validator("groups", mode="before")
+    @classmethod
+    def _as_runs(cls, value: Any) -> Any:
+        """Checks each group's ranks (:func:`_runs`), and keeps a long plain list as runs."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[Any, Any] = {}
+        for name, ranks in value.items():
+            if isinstance(ranks, list | tuple):
+                _runs(ranks)
+                plain = len(ranks) >= COMPACT_FROM and all(type(r) is int for r in ranks)
+                ranks = compact_ranks(ranks) if plain else list(ranks)
+            out[name] = ranks
+        return out
+
+    def members(self, group: str) -> list[int] | None:
+        """The ranks of ``group`` as this rank said them; None where it named no such group."""
+        ranks = self.groups.get(group)
+        return None if ranks is None else expand_ranks(ranks)
 
 
 class IncidentDoc(Model):

@@ -9,9 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from ncclguard.cli import main
+from ncclguard.incidents.beats import compact_ranks, expand_ranks
 from ncclguard.incidents.files import load, write_json
 from ncclguard.incidents.model import (
     FORMAT_VERSION,
@@ -21,6 +24,7 @@ from ncclguard.incidents.model import (
     IncidentKind,
     LostRanksFinding,
     RankDump,
+    Statement,
     upgrade_incident,
     upgrade_rank_dump,
 )
@@ -165,3 +169,27 @@ def test_enum_values_are_the_words_on_disk():
     assert [k.value for k in CulpritReason] == ["behind", "mismatch", "p2p", "lost"]
     assert {k.value for k in FindingKind} == {"desync", "stuck", "mismatch", "p2p", "lost", "silent", "store"}
     assert Incident.model_fields["stale_ranks"].alias == "lost"
+
+
+@given(st.lists(st.integers(0, 5000), max_size=300, unique=True).map(sorted))
+def test_a_groups_ranks_written_as_runs_read_back_as_they_were(ranks):
+    assert expand_ranks(compact_ranks(ranks)) == ranks
+
+
+def test_a_statement_of_16384_ranks_writes_its_groups_as_runs_and_reads_them_back():
+    """benchmarks/desk_scale.py: a statement carrying its world's and its data-parallel group's
+    ranks was ~100 KB at 16,384 ranks, and a merging rank holding 16,384 of them as lists ran out of
+    24 GB; kept as runs, its groups take a few bytes. A short group stays a plain list, as files
+    from before read."""
+    groups = {"0": list(range(16384)), "1": list(range(3, 16384, 8)), "2": list(range(8, 16))}
+    fields = dict(rank=3, host="n", pid=1, beat=1, time=0.0, phase="", site="", last_seq={}, last_completed={})
+    st16k = Statement(**fields, inflight=[], groups=groups)
+    text = st16k.model_dump_json()
+    assert json.loads(text)["groups"] == {"0": ["0:16384:1"], "1": ["3:16387:8"], "2": list(range(8, 16))}
+    back = Statement.model_validate_json(text)
+    assert len(text) < 1000 and {g: back.members(g) for g in groups} == groups and back.members("9") is None
+    # Kept as runs in memory too: a merging rank holds 16,384 statements.
+    assert st16k.groups == back.groups == json.loads(text)["groups"]
+    for bad in (["1:0:1"], ["0:8:0"], ["a"], [True], [f"0:{(1 << 20) + 1}:1"], [[1]]):
+        with pytest.raises(ValidationError):
+            Statement(**fields, inflight=[], groups={"0": bad})

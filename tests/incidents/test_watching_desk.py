@@ -370,3 +370,65 @@ def test_the_incident_counter_is_read_each_half_beat_and_at_each_tick_while_some
     assert [c.doc.n for c in d[0].cases] == [1]
     for desk in d:
         desk.close()
+
+
+class CountedStore:
+    """A HashStore whose checks and multi_gets are counted (the merger's reads)."""
+
+    def __init__(self) -> None:
+        self.inner, self.calls = dist.HashStore(), {"check": 0, "multi_get": 0}
+
+    def __getattr__(self, name: str):
+        method = getattr(self.inner, name)
+        if name not in self.calls:
+            return method
+
+        def call(*args):
+            self.calls[name] += 1
+            return method(*args)
+
+        return call
+
+
+def test_the_merger_reads_every_statement_in_bounded_chunks_of_read_chunk_keys(tmp_path):
+    """benchmarks/desk_scale.py: 4,096 statements in one multi_get outran the 5 s bound of a store
+    call; each call now reads READ_CHUNK keys (128), under its own bound."""
+    from ncclguard.watching.base.watchdog_store import READ_CHUNK
+
+    counted = CountedStore()
+    store = WatchdogStore(counted, Keys("t"), 30.0, 60.0)
+    n = 2 * READ_CHUNK + 44
+    for r in range(n):
+        st = statement(r, waiting=True).model_copy(update={"rank": r})
+        store.put_statement(7, st)
+    got = store.read_statements(7, list(range(n)) + [n + 5])  # one rank that said nothing
+    assert sorted(got) == list(range(n)) and got[n - 1].rank == n - 1
+    # 3 chunks: each a check of its keys and a multi_get; the chunk with the missing key checks
+    # each of its keys once more (multi_get would wait for a missing one).
+    assert counted.calls == {"check": 3 + 45, "multi_get": 3}, counted.calls
+
+
+def test_a_follower_on_another_host_copies_the_report_only_up_to_copy_max_ranks(tmp_path, monkeypatch, caplog):
+    """Merging.follow: above COPY_MAX_RANKS a node's first rank on another host does not read every
+    statement again (each node doing so costs the store nodes x the merge: benchmarks/desk_scale.py);
+    it logs where the report is, as below it, where it also copies the report."""
+    d = desks(tmp_path)
+    d[0].open(HANG)
+    for desk in d:
+        desk.poll()
+    for desk in d:
+        desk.progress()
+    where = tmp_path / d[0].cases[0].doc.id
+    (where / "incident.json").unlink()  # rank 1 on a host whose incident directory is its own
+    monkeypatch.setattr(merging, "HOSTNAME", "another-host")
+    monkeypatch.setattr(merging, "COPY_MAX_RANKS", WORLD - 1)
+    with caplog.at_level(logging.ERROR, logger="ncclguard"):
+        assert d[1].merger.follow(d[1].cases[0])
+    assert not (where / "incident.json").exists()
+    assert f"not copied here: over {WORLD - 1} ranks only the merger reads every statement" in caplog.text
+    monkeypatch.setattr(merging, "COPY_MAX_RANKS", WORLD)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="ncclguard"):
+        assert d[1].merger.follow(d[1].cases[0])
+    assert json.loads((where / "incident.json").read_text())["culprits"][0]["rank"] == 2
+    assert "the same report here" in caplog.text

@@ -62,6 +62,10 @@ LIMITS: dict[type[BaseModel], int] = {
     WorldRecord: MAX_RECORD_BYTES,
 }
 
+# Keys read in one call (one bound): a merge reads every rank's statement, and 4,096 statements in
+# one multi_get (134 MB) outran the 5 s bound of a store call (benchmarks/desk_scale.py).
+READ_CHUNK = 128
+
 # An incident id names a directory under incident_dir: a plain name, never a path. The ids the
 # watchdog makes (``20250101-120000-001``, ``20250101-120000-r3-store-1``) fit it.
 INCIDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -200,15 +204,20 @@ class StoreExchange:
         return bytes(self._call("compare_set", key, got, mine)).decode(errors="replace") == mine
 
     def _read_present(self, keys: Sequence[str]) -> list[tuple[int, bytes]]:
-        """(index, value) of each of ``keys`` that exists, read in one call. ``check`` of them all is
-        one request (true when all exist: the usual case, watched peers that beat); only when some
-        are missing is each checked (``multi_get`` waits for a missing key instead of failing)."""
+        """(index, value) of each of ``keys`` that exists, read :data:`READ_CHUNK` keys a call, each
+        call under its own bound. ``check`` of a chunk's keys is one request (true when all exist:
+        the usual case, watched peers that beat); only when some are missing is each checked
+        (``multi_get`` waits for a missing key instead of failing)."""
+        out: list[tuple[int, bytes]] = []
+        for lo in range(0, len(keys), READ_CHUNK):
+            part = keys[lo : lo + READ_CHUNK]
 
-        def read() -> list[tuple[int, bytes]]:
-            found = read_present(self.store, keys)
-            return [(i, found[k]) for i, k in enumerate(keys) if k in found]
+            def read(part: Sequence[str] = part, lo: int = lo) -> list[tuple[int, bytes]]:
+                found = read_present(self.store, part)
+                return [(lo + i, found[k]) for i, k in enumerate(part) if k in found]
 
-        return list(self.calls.run(read))
+            out.extend(self.calls.run(read))
+        return out
 
     def _parse(self, model: type[M], blob: bytes, key: str, check: Callable[[M], str | None] | None = None) -> M | None:
         """``blob`` parsed into ``model``, checked by ``check`` (a complaint, or None); None and one

@@ -30,6 +30,13 @@ from ncclguard.watching.sensors.native import add_outside_stacks
 __all__ = ["MergeDesk", "Merger"]
 
 
+# Above this many ranks, a node's first rank on another host does not copy the merged report into
+# its own incident directory: the copy reads every statement again, and each node doing so would
+# cost the job's store (number of nodes) times the merge (benchmarks/desk_scale.py). It logs where
+# the report is, as below this size.
+COPY_MAX_RANKS = 1024
+
+
 class MergeDesk(Protocol):
     """What the merger reads of its desk: the settings, this rank, the peers, the store (which the
     desk drops when it goes away), and the desk's two calls."""
@@ -124,7 +131,8 @@ class Merger:
     def follow(self, case: Case) -> bool:
         """On a node's first rank that did not merge: once the merger's note is in the store, logs the
         merged report here, and writes the merged report into this host's incident directory when it
-        is not there (a directory that is not shared), from the same statements.
+        is not there (a directory that is not shared), from the same statements, in a world of at
+        most :data:`COPY_MAX_RANKS` ranks.
 
         Returns:
             True when done (or nothing is left to wait for); False to look again next tick.
@@ -142,7 +150,9 @@ class Merger:
         if (note.host, note.address) == (HOSTNAME, node_address()):
             return True  # merged on this host: its merger logged it here
         copied = ""
-        if not (case.dir / INCIDENT_FILE).exists():
+        if not (case.dir / INCIDENT_FILE).exists() and self.desk.world_size > COPY_MAX_RANKS:
+            copied = f"; not copied here: over {COPY_MAX_RANKS} ranks only the merger reads every statement"
+        elif not (case.dir / INCIDENT_FILE).exists():
             ranks = list(range(self.desk.world_size))
             statements, heartbeats = (
                 self.desk.store.read_statements(case.doc.n, ranks),

@@ -1,0 +1,301 @@
+"""A desync's incident in the job's store at 64 to 16,384 simulated ranks (issue 63: "a desync named
+within ``hang_timeout_s`` + 2 beats"): every rank's statement in, the merging rank's read and
+analysis, and one follower's read.
+
+    python benchmarks/desk_scale.py [--ranks 64 1024 4096 16384] [--procs 4] \
+        [--json benchmarks/results/desk_scale.json]
+
+The job's store is torch's ``TCPStore`` server in a process of its own pinned to CPU 0
+(``node_tier_scale._server``), a fresh one per size. The ranks are simulated; the incident's part
+in the store is ncclguard's own code:
+
+1. **Set-up (not timed).** Each rank's heartbeat (``node_tier_scale.heartbeat_template``, ~1.5 KB)
+   is in the store, as the watchdogs leave them.
+2. **Statements.** ``--procs`` client processes pinned to CPU 1 each play their share of the ranks:
+   :meth:`WatchdogStore.put_statement` of a realistic :class:`Statement` and
+   :meth:`WatchdogStore.add_dumped`, as each rank's desk does. The statement is what a rank of a
+   job with data and tensor parallelism says: waiting in an all_reduce of the world group (rank
+   ``n // 3`` one op behind, in ``eval``), a 30-frame stack, its 20 recent ops, its 16 watched
+   peers, and its groups' ranks: the world's ``n``, its data-parallel group's ``n / 8``, its
+   tensor-parallel group's 8 (what ``RankState.groups`` reads from torch). The statements are
+   encoded before the clock starts.
+3. **The merge.** One client process: :meth:`WatchdogStore.read_statements` and
+   :meth:`WatchdogStore.read_heartbeats` of every rank with the product's store-call bound
+   (``store_timeout_s``: 5 s at the default heartbeat), then :func:`ncclguard.incidents.assemble.assemble`,
+   which names the culprit. A read past its bound is reported as such (the desk would try again at
+   its next tick).
+4. **One follower.** A node's first rank on another host, whose incident directory the merger's
+   report is not in, read the statements and heartbeats again (``Merging.follow``); its cost is
+   measured once and multiplied by the job's other nodes (8 ranks a node) in the results. Since
+   this harness's first run, a follower copies only in a world of at most
+   ``merging.COPY_MAX_RANKS`` (1,024) ranks: above it the product reads nothing more.
+
+Measured per size: the bytes of a statement, the statements' wall time (from the start signal to
+the last client's last count; ``statements_client_s``: the slowest client's own loop) and the
+store's CPU seconds for them, the merge's read, analysis and wall time, the culprit it named, and the follower's read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from node_tier_scale import _client, _pin, _server, heartbeat_template  # the same server, pinned the same way
+
+PER_NODE = 8
+INCIDENT = 3  # the incident's number in the store
+STORE_TIMEOUT_S = 5.0  # the product's store_timeout_s at the default 5 s heartbeat
+SETUP_BOUND_S = 600.0  # hang guard of a phase (16,384 ranks' set-up takes tens of seconds here)
+GROUP_SEQ = 184_213  # the world group's op every rank but the culprit waits in
+
+
+def statement(rank: int, size: int, now: float) -> Any:
+    """What ``rank`` of a ``size``-rank job says on a desync (the module doc, step 2)."""
+    from ncclguard.incidents.model import BackendOp, OpRecord, PeerView, Statement
+
+    behind = rank == size // 3
+    seq = GROUP_SEQ - 1 if behind else GROUP_SEQ
+    site = "/workspace/model/eval.py:88" if behind else "/workspace/model/trainer.py:412"
+    phase = "eval" if behind else "train"
+
+    def op(s: int, state: str = "completed") -> OpRecord:
+        return OpRecord(
+            seq=s,
+            op="all_reduce",
+            group="0",
+            numel=26_214_400,
+            dtype="torch.bfloat16",
+            start=now - (GROUP_SEQ - s) * 0.4,
+            state=state,
+            end=None if state == "started" else now - (GROUP_SEQ - s) * 0.4 + 0.05,
+            phase=phase,
+            site=site,
+            thread=140_235_114_518_336,
+            async_op=True,
+        )
+
+    dp = rank % PER_NODE  # the data-parallel group: the ranks of one local rank across the nodes
+    groups = {"0": list(range(size)), "1": list(range(dp, size, PER_NODE))}
+    groups["2"] = list(range(rank - rank % PER_NODE, rank - rank % PER_NODE + PER_NODE))
+    peers = {str((rank + i) % size): PeerView(age_s=0.8, stale=False, seen=True) for i in range(1, 17)}
+    stack = [
+        f"/workspace/lib/python3.12/site-packages/torch/nn/modules/module.py:{1700 + i} in _call_impl"
+        for i in range(29)
+    ]
+    return Statement(
+        rank=rank,
+        host=f"gpu-node-{rank // PER_NODE:05d}",
+        pid=200_000 + rank,
+        beat=912,
+        address=f"10.12.{rank // 2048}.{rank // PER_NODE % 256}",
+        time=now,
+        phase=phase,
+        site=site,
+        last_seq={"0": seq, "1": 9_211, "2": 9_207},
+        last_completed={"0": GROUP_SEQ - 1, "1": 9_211, "2": 9_207},
+        inflight=[] if behind else [op(GROUP_SEQ, "started")],
+        backend_seq={"0": seq, "1": 9_211, "2": 9_207},
+        step=4_821,
+        world_size=size,
+        stack=[*stack, f"{site} in {'evaluate' if behind else 'train_step'}"],
+        recent=[op(GROUP_SEQ - 20 + i) for i in range(20)],
+        groups=groups,
+        peers=peers,
+        backend_ops={
+            "0": BackendOp(seq=seq, name="nccl:all_reduce", sizes=[[26_214_400]], dtypes=["BFloat16"], created=now - 1)
+        },
+    )
+
+
+def _store(port: int) -> Any:
+    from ncclguard.store.keys import Keys
+    from ncclguard.watching.base.watchdog_store import WatchdogStore
+
+    return WatchdogStore(_client(port), Keys("main"), STORE_TIMEOUT_S, 600.0)
+
+
+def _setup(port: int, share: list[int]) -> None:
+    """The ranks' heartbeats in the store, as the watchdogs leave them."""
+    _pin({1})
+    client = _client(port)
+    from ncclguard.store.keys import Keys
+
+    keys = Keys("main")
+    for lo in range(0, len(share), 512):
+        part = share[lo : lo + 512]
+        texts = []
+        for r in part:
+            head, tail = heartbeat_template(r)
+            texts.append(f"{head}912{tail}")
+        client.multi_set([keys.heartbeat(r) for r in part], texts)
+
+
+def _stater(port: int, size: int, share: list[int], ready: Any, go: Any, out: Any) -> None:
+    """One client process's share of the ranks: each one's statement and its count."""
+    _pin({1})
+    store = _store(port)
+    now = time.time()
+    said = [statement(r, size, now) for r in share]
+    nbytes = sum(len(store._encode(s)) for s in said[:8]) // max(1, min(8, len(said)))
+    ready.put(len(said))
+    go.wait()
+    t0 = time.perf_counter()
+    for s in said:
+        store.put_statement(INCIDENT, s)
+        store.add_dumped(INCIDENT)
+    out.put({"seconds": time.perf_counter() - t0, "bytes": nbytes})
+    store.close()
+
+
+def _read_all(store: Any, size: int) -> dict[str, Any]:
+    """Every rank's statement and heartbeat, as the merger (and a follower) reads them."""
+    from ncclguard.errors import StoreTimeout, StoreUnreachable
+
+    ranks = list(range(size))
+    got: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        got["statements"] = store.read_statements(INCIDENT, ranks)
+    except (StoreTimeout, StoreUnreachable) as exc:
+        got["error"] = f"read_statements: {type(exc).__name__}: {str(exc)[:200]}"
+        got["read_s"] = time.perf_counter() - t0
+        return got
+    t1 = time.perf_counter()
+    try:
+        got["heartbeats"] = store.read_heartbeats(ranks)
+    except (StoreTimeout, StoreUnreachable) as exc:
+        got["error"] = f"read_heartbeats: {type(exc).__name__}: {str(exc)[:200]}"
+    t2 = time.perf_counter()
+    got["statements_s"], got["heartbeats_s"], got["read_s"] = t1 - t0, t2 - t1, t2 - t0
+    return got
+
+
+def _merger(port: int, size: int, out: Any) -> None:
+    """The merging rank: the count, every statement and heartbeat, the analysis; then one follower."""
+    _pin({1})
+    from ncclguard.incidents.assemble import assemble
+    from ncclguard.incidents.model import IncidentDoc, IncidentKind
+
+    store = _store(port)
+    res: dict[str, Any] = {"dumped": store.add_dumped(INCIDENT, 0)}
+    t0 = time.perf_counter()
+    got = _read_all(store, size)
+    res.update({k: round(v, 3) for k, v in got.items() if k.endswith("_s")})
+    if "error" in got:
+        res["error"] = got["error"]
+    if "heartbeats" in got:
+        doc = IncidentDoc(
+            kind=IncidentKind.HANG, reason="all_reduce(SUM) in flight 15 s", id="20261129-000000-003", n=INCIDENT
+        )
+        doc = doc.model_copy(update={"group": "0", "seq": GROUP_SEQ, "op": "all_reduce", "by": 0})
+        t1 = time.perf_counter()
+        incident = assemble(doc, got["statements"], got["heartbeats"], {}, size, merged_by=0, waiting_after_s=5.0)
+        res["assemble_s"] = round(time.perf_counter() - t1, 3)
+        res["statements"] = len(got["statements"])
+        res["culprits"] = [(c.rank, str(c.why.value if hasattr(c.why, "value") else c.why)) for c in incident.culprits]
+        res["summary"] = incident.summary[:200]
+        res["report_bytes"] = len(incident.model_dump_json())
+    res["merge_s"] = round(time.perf_counter() - t0, 3)
+    out.put(res)
+    # One follower (another host's node's first rank, the report not in its directory): the same reads.
+    got = _read_all(store, size)
+    out.put(
+        {k: round(v, 3) for k, v in got.items() if k.endswith("_s")}
+        | ({"error": got["error"]} if "error" in got else {})
+    )
+    store.close()
+
+
+def _cpu(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def run_size(size: int, procs: int) -> dict[str, Any]:
+    """One incident at ``size`` ranks against a fresh server."""
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_server, args=(port_q, stop), daemon=True)
+    server.start()
+    port = port_q.get(timeout=SETUP_BOUND_S)
+    shares = [list(range(i, size, procs)) for i in range(procs)]
+    try:
+        setups = [ctx.Process(target=_setup, args=(port, s)) for s in shares]
+        for p in setups:
+            p.start()
+        for p in setups:
+            p.join(SETUP_BOUND_S)
+        ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+        staters = [ctx.Process(target=_stater, args=(port, size, s, ready, go, out)) for s in shares]
+        for p in staters:
+            p.start()
+        for _ in staters:  # each makes its statements before the clock starts
+            ready.get(timeout=SETUP_BOUND_S)
+        cpu0, t0 = _cpu(server.pid), time.perf_counter()
+        go.set()
+        said = [out.get(timeout=SETUP_BOUND_S) for _ in staters]
+        stated_wall, stated_cpu = time.perf_counter() - t0, _cpu(server.pid) - cpu0
+        for p in staters:
+            p.join(SETUP_BOUND_S)
+        cpu1 = _cpu(server.pid)
+        merger = ctx.Process(target=_merger, args=(port, size, out))
+        merger.start()
+        merged = out.get(timeout=SETUP_BOUND_S)
+        merge_cpu = _cpu(server.pid) - cpu1
+        cpu2 = _cpu(server.pid)
+        follow = out.get(timeout=SETUP_BOUND_S)
+        follow_cpu = _cpu(server.pid) - cpu2
+        merger.join(SETUP_BOUND_S)
+    finally:
+        stop.set()
+        server.join(10)
+    nodes = max(1, size // PER_NODE)
+    return {
+        "ranks": size,
+        "statement_bytes": said[0]["bytes"],
+        "statements_wall_s": round(stated_wall, 3),
+        "statements_client_s": round(max(s["seconds"] for s in said), 3),
+        "statements_server_cpu_s": round(stated_cpu, 3),
+        "merge": merged,
+        "merge_server_cpu_s": round(merge_cpu, 3),
+        "follower": follow,
+        "follower_server_cpu_s": round(follow_cpu, 3),
+        "followers_server_cpu_s_all_nodes": round(follow_cpu * (nodes - 1), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for size in args.ranks:
+        row = run_size(size, args.procs)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if args.json is not None:
+            doc = {
+                "command": "python benchmarks/desk_scale.py " + " ".join(sys.argv[1:]),
+                "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
+                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "rows": rows,
+            }
+            args.json.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
