@@ -30,7 +30,8 @@ in the store is ncclguard's own code:
    this harness's first run, a follower copies only in a world of at most
    ``merging.COPY_MAX_RANKS`` (1,024) ranks: above it the product reads nothing more.
 
-Measured per size: the bytes of a statement, the statements' wall time (from the start signal to
+Measured per size: the bytes of a statement as stored (above 1,024 ranks ``put_statement`` keeps
+its newest 4 ops and innermost 12 frames), the statements' wall time (from the start signal to
 the last client's last count; ``statements_client_s``: the slowest client's own loop) and the
 store's CPU seconds for them, the merge's read, analysis and wall time, the culprit it named, and the follower's read.
 """
@@ -147,14 +148,15 @@ def _stater(port: int, size: int, share: list[int], ready: Any, go: Any, out: An
     store = _store(port)
     now = time.time()
     said = [statement(r, size, now) for r in share]
-    nbytes = sum(len(store._encode(s)) for s in said[:8]) // max(1, min(8, len(said)))
     ready.put(len(said))
     go.wait()
     t0 = time.perf_counter()
     for s in said:
         store.put_statement(INCIDENT, s)
         store.add_dumped(INCIDENT)
-    out.put({"seconds": time.perf_counter() - t0, "bytes": nbytes})
+    seconds = time.perf_counter() - t0
+    nbytes = len(store.store.get(store.keys.statement(INCIDENT, share[0])))  # as stored (put_statement's cuts)
+    out.put({"seconds": seconds, "bytes": nbytes})
     store.close()
 
 

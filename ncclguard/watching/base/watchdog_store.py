@@ -62,6 +62,11 @@ LIMITS: dict[type[BaseModel], int] = {
     WorldRecord: MAX_RECORD_BYTES,
 }
 
+# Above this many ranks a statement keeps its newest BRIEF_RECENT ops and innermost BRIEF_FRAMES
+# frames: the merging rank parses every statement, and at 16,384 ranks their 20 ops and 30 frames
+# each (11 KB) took it 7.4 s, over the two beats a report has (benchmarks/desk_scale.py).
+BRIEF_FROM, BRIEF_RECENT, BRIEF_FRAMES = 1024, 4, 12
+
 # Keys read in one call (one bound): a merge reads every rank's statement, and 4,096 statements in
 # one multi_get (134 MB) outran the 5 s bound of a store call (benchmarks/desk_scale.py).
 READ_CHUNK = 128
@@ -336,7 +341,12 @@ class WatchdogStore(StoreExchange):
         return self._parse(IncidentDoc, self._call("get", key), key, check)
 
     def put_statement(self, n: int, statement: Statement) -> None:
-        """Publishes this rank's statement on incident ``n`` (cut to its size bound if needed)."""
+        """Publishes this rank's statement on incident ``n``: in a world of more than
+        :data:`BRIEF_FROM` ranks with its newest :data:`BRIEF_RECENT` ops and innermost
+        :data:`BRIEF_FRAMES` frames, and cut to its size bound if needed."""
+        if statement.world_size > BRIEF_FROM:
+            brief = {"recent": statement.recent[-BRIEF_RECENT:], "stack": statement.stack[-BRIEF_FRAMES:]}
+            statement = statement.model_copy(update=brief)
         text = self._encode(statement)
         cuts: list[dict[str, Any]] = [
             {"recent": []},
