@@ -2,7 +2,8 @@
 tier is on, and what a node's digest holds (docs/scale.md).
 
 With the tier on, a node's ranks publish their heartbeats to a store of the node's own (served by
-the process of ``LOCAL_RANK`` 0, :mod:`~ncclguard.watching.base.node_agent`), whose agent puts one
+``ncclguard run``'s launcher, else by the process of ``LOCAL_RANK`` 0:
+:mod:`~ncclguard.watching.base.node_agent`), whose agent puts one
 digest of them per beat into the job's store and copies the digests of the nodes its ranks watch
 back into the node's store. No clock, socket or process here.
 """
@@ -81,7 +82,8 @@ class NodeLayout:
 
     @property
     def is_agent(self) -> bool:
-        """True for the process that serves the node's store and runs its agent (``LOCAL_RANK`` 0)."""
+        """True for the process that serves the node's store and runs its agent where no launcher
+        serves it (``LOCAL_RANK`` 0)."""
         return self.local_rank == 0
 
 
