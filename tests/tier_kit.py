@@ -62,7 +62,8 @@ def run_threads(fn: Any, delays: dict[int, float]) -> dict[int, Any]:
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             out[rank] = exc
 
-    threads = [threading.Thread(target=one, args=(r, d)) for r, d in delays.items()]
+    # Daemons: a thread that never returns fails the test at the join's guard, it does not hang the run.
+    threads = [threading.Thread(target=one, args=(r, d), daemon=True) for r, d in delays.items()]
     for t in threads:
         t.start()
     for t in threads:

@@ -47,7 +47,7 @@ def test_six_ranks_meet_through_their_nodes_and_the_outcome_carries_the_roster()
         m = out[r]
         assert isinstance(m, Meeting) and m.goes_on and not m.late, (r, m)
         assert m.outcome == MeetingOutcome(arrived=[0, 1, 2, 3, 4, 5], ok=True, roster=roster)
-        assert (m.origins(), m.rejoined(), m.arrivals) == ([10, 11, 12, 13, 14, 15], [3], {})
+        assert (m.origins(), m.rejoined(), m.problem) == ([10, 11, 12, 13, 14, 15], [3], None)
     talking = sorted(r for r, c in calls.items() if c)
     assert len(talking) == 3 and {job.node_of[r] for r in talking} == {0, 1, 2}, calls
     total = sum((calls[r] for r in talking), collections.Counter())

@@ -174,10 +174,10 @@ def test_meeting_of_everyone_agrees_and_cleans_up():
     for rank in range(3):
         m = out[rank]
         assert isinstance(m, Meeting) and m.goes_on and not m.late
-        # The settling rank read the arrivals once: the roster stands for them, and no member reads them.
+        # The settling rank read the arrivals once: the roster stands for them (a Meeting holds none).
         roster = Roster(origins=[0, 1, 2], rejoined=[], problem=None, world_size=3)
         assert m.outcome == MeetingOutcome(arrived=[0, 1, 2], ok=True, roster=roster)
-        assert (m.origins(), m.rejoined(), m.arrivals) == ([0, 1, 2], [], {})
+        assert (m.origins(), m.rejoined(), m.problem) == ([0, 1, 2], [], None)
     assert store.list_keys() == [MeetingKeys(1, 0).outcome]  # only the outcome stays
 
 

@@ -6,13 +6,13 @@ rank there, the take fails alone (the step goes on); a rank missing or dead, the
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from tier_kit import run_threads
 
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
@@ -31,25 +31,12 @@ from ncclguard.recovery.snapshots.agreement import (
     take_keys,
 )
 
-HANG_GUARD_S = 60.0  # a thread that never returns fails the test here, it does not hang it
+HANG_GUARD_S = 60.0  # the hang guard of a wait here (run_threads joins its threads within the same 60 s)
 
 
 def _ranks(run, size: int) -> dict[int, object]:
-    out: dict[int, object] = {}
-
-    def one(r: int) -> None:
-        try:
-            out[r] = run(r)
-        except Exception as exc:  # noqa: BLE001 - the test looks at what each rank raised
-            out[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(HANG_GUARD_S)
-    assert not any(t.is_alive() for t in threads)
-    return out
+    """``run(rank)`` on a thread per rank; what each returned or raised."""
+    return run_threads(run, dict.fromkeys(range(size), 0.0))
 
 
 def _nobody_dead(deadline: Deadline) -> dict[int, str]:

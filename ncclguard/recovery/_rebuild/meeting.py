@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -254,15 +254,12 @@ class Meeting:
     Attributes:
         outcome: the settled outcome, the same on every rank.
         late: this rank's arrival was not in the store when the outcome was settled.
-        arrivals: the members' arrivals, where a member read them (none does now: the outcome's
-            roster stands for them; see :meth:`origins` and :meth:`rejoined`).
         problem: why the members refuse a settled ``ok`` outcome (they disagree), or None.
         elapsed_s: seconds spent meeting.
     """
 
     outcome: MeetingOutcome
     late: bool
-    arrivals: dict[int, Arrival] = field(default_factory=dict)
     problem: str | None = None
     elapsed_s: float = 0.0
 
@@ -272,19 +269,15 @@ class Meeting:
         return self.outcome.ok and not self.late and self.problem is None
 
     def origins(self) -> list[int]:
-        """Each member's launch rank, in the order of ``outcome.arrived``."""
-        if self.outcome.roster is not None:
-            return list(self.outcome.roster.origins)
-        return [
-            a.origin if (a := self.arrivals.get(r)) is not None and a.origin is not None else r
-            for r in self.outcome.arrived
-        ]
+        """Each member's launch rank, in the order of ``outcome.arrived`` (from the outcome's roster;
+        without one, which no member goes on with, the old ranks themselves)."""
+        roster = self.outcome.roster
+        return list(roster.origins) if roster is not None else list(self.outcome.arrived)
 
     def rejoined(self) -> list[int]:
         """The members (old ranks) that are restarted processes."""
-        if self.outcome.roster is not None:
-            return list(self.outcome.roster.rejoined)
-        return [r for r in self.outcome.arrived if (a := self.arrivals.get(r)) is not None and a.rejoined]
+        roster = self.outcome.roster
+        return list(roster.rejoined) if roster is not None else []
 
 
 def _stuck_reader(store: dist.Store, size: int) -> Callable[[], set[int]]:
@@ -421,17 +414,19 @@ def _meeting(outcome: MeetingOutcome, me: Arrival, late: bool, start: float) -> 
     (the settling rank's check of the arrivals, and this rank's own world size)."""
     if late:  # not in the outcome
         return Meeting(outcome, True, elapsed_s=time.monotonic() - start)
+    return Meeting(outcome, False, _refusal(outcome, me), time.monotonic() - start)
+
+
+def _refusal(outcome: MeetingOutcome, me: Arrival) -> str | None:
+    """Why the members refuse an ``ok`` outcome, or None (see :func:`_meeting`)."""
     roster = outcome.roster
-    problem: str | None = None
     if not outcome.ok:
-        pass
-    elif roster is None:
-        problem = "the meeting's outcome names no roster (a rank of another ncclguard version settled it)"
-    elif roster.world_size != me.world_size:
-        problem = f"the ranks left a world of {roster.world_size}, this rank one of {me.world_size}"
-    else:
-        problem = roster.problem
-    return Meeting(outcome, False, {}, problem, time.monotonic() - start)
+        return None
+    if roster is None:
+        return "the meeting's outcome names no roster (a rank of another ncclguard version settled it)"
+    if roster.world_size != me.world_size:
+        return f"the ranks left a world of {roster.world_size}, this rank one of {me.world_size}"
+    return roster.problem
 
 
 def _record_world(store: dist.Store, record: WorldRecord, deadline: Deadline) -> None:

@@ -142,10 +142,6 @@ class TieredWatchdogStore(WatchdogStore):
         return self.calls.gone_after
 
     def on_near(self, fn: Callable[[Any], T], what: str) -> tuple[bool, T | None]:
-        """``(True, fn(client))`` on the node's store, or ``(False, None)`` (see :meth:`_on_near`)."""
-        return self._on_near(fn, what)
-
-    def _on_near(self, fn: Callable[[Any], T], what: str) -> tuple[bool, T | None]:
         """``(True, fn(client))`` on the node's store, or ``(False, None)``: no node store, or it did
         not answer this time (the caller turns to the job's store for this call). A node's store
         gone (no answer for ``gone_after`` seconds, or its process ended) is dropped with one log
@@ -203,7 +199,7 @@ class TieredWatchdogStore(WatchdogStore):
                 node_store.put(client, self.keys.member(self.layout.local_rank), str(hb.rank))
             node_store.put(client, key, text)
 
-        done, _ = self._on_near(put, f"set {key}")  # not done: the job's store has it, and peers look there
+        done, _ = self.on_near(put, f"set {key}")  # not done: the job's store has it, and peers look there
         if done:
             self._member_ns = ns
         if not done or hb.finished:
@@ -215,7 +211,7 @@ class TieredWatchdogStore(WatchdogStore):
         """The watched peers' heartbeats: from the node's store, and from the job's store
         (:meth:`_from_job`) for those it does not hold or holds frozen (the newer one wins)."""
         keys = [self.keys.heartbeat(r) for r in ranks]
-        done, found = self._on_near(lambda client: read_present(client, keys), f"read {len(keys)} heartbeats")
+        done, found = self.on_near(lambda client: read_present(client, keys), f"read {len(keys)} heartbeats")
         if not done or found is None:
             return self._from_job(ranks)
         now = time.monotonic()
@@ -239,7 +235,7 @@ class TieredWatchdogStore(WatchdogStore):
         """The ``closing`` mark from the node's store (its agent copies it in), others from the job's."""
         if key != self.keys.closing:
             return super().has_mark(key)
-        done, raw = self._on_near(lambda client: node_store.get_present(client, key), f"check {key}")
+        done, raw = self.on_near(lambda client: node_store.get_present(client, key), f"check {key}")
         if not done:
             return super().has_mark(key)
         return raw is not None and bytes(raw) == b"1"

@@ -149,27 +149,7 @@ class Merger:
             )
         if (note.host, note.address) == (HOSTNAME, node_address()):
             return True  # merged on this host: its merger logged it here
-        copied = ""
-        if not (case.dir / INCIDENT_FILE).exists() and self.desk.world_size > COPY_MAX_RANKS:
-            copied = f"; not copied here: over {COPY_MAX_RANKS} ranks only the merger reads every statement"
-        elif not (case.dir / INCIDENT_FILE).exists():
-            ranks = list(range(self.desk.world_size))
-            statements, heartbeats = (
-                self.desk.store.read_statements(case.doc.n, ranks),
-                self.desk.store.read_heartbeats(ranks),
-            )
-            stale = stale_from_statements(self.desk.liveness.stale(time.monotonic()), statements)
-            incident = assemble(
-                case.doc,
-                statements,
-                heartbeats,
-                {r: a for r, a in stale.items() if r not in statements},
-                self.desk.world_size,
-                merged_by=note.rank if note.rank is not None else self.desk.rank,
-                waiting_after_s=self.desk.config.heartbeat_s,
-            )
-            write_report(case, incident, announce=False, plot=self.desk.config.incident_plot)
-            copied = f"; the same report here: {case.dir / SUMMARY_FILE}"
+        copied = "" if (case.dir / INCIDENT_FILE).exists() else self._copy_here(case, note)
         where = node_name(note.host, note.address)
         log.error(
             "watchdog: incident %s merged by rank %s on %s: %s; its report there: %s%s",
@@ -181,3 +161,27 @@ class Merger:
             copied,
         )
         return True
+
+    def _copy_here(self, case: Case, note: MergedNote) -> str:
+        """Writes the merged report into this host's incident directory, from the statements in the
+        store, in a world of at most :data:`COPY_MAX_RANKS` ranks; the log line's words for it."""
+        assert self.desk.store is not None
+        if self.desk.world_size > COPY_MAX_RANKS:
+            return f"; not copied here: over {COPY_MAX_RANKS} ranks only the merger reads every statement"
+        ranks = list(range(self.desk.world_size))
+        statements, heartbeats = (
+            self.desk.store.read_statements(case.doc.n, ranks),
+            self.desk.store.read_heartbeats(ranks),
+        )
+        stale = stale_from_statements(self.desk.liveness.stale(time.monotonic()), statements)
+        incident = assemble(
+            case.doc,
+            statements,
+            heartbeats,
+            {r: a for r, a in stale.items() if r not in statements},
+            self.desk.world_size,
+            merged_by=note.rank if note.rank is not None else self.desk.rank,
+            waiting_after_s=self.desk.config.heartbeat_s,
+        )
+        write_report(case, incident, announce=False, plot=self.desk.config.incident_plot)
+        return f"; the same report here: {case.dir / SUMMARY_FILE}"
