@@ -1,10 +1,15 @@
-"""should_commit's round (and, with ``--what meeting``, the rebuild's meeting) in the job's store at 64
+"""should_commit's round (with ``--what meeting``, the rebuild's meeting; with ``--what take``, a snapshot
+take's agreement) in the job's store at 64
 to 16,384 simulated ranks, through the node tier (``tier``: one carrier a node of 8) beside the flat
 round (``flat``: every rank), against one real TCPStore (issue 63: "a commit round under 1 s of store
 work", "a rebuild meeting's store work under 1 s").
 
     python benchmarks/commit_tier_scale.py [--ranks 64 1024 4096 16384] [--modes tier flat] \
-        [--procs 4] [--rounds 5] [--what commit|meeting] [--json benchmarks/results/commit_tier_scale.json]
+        [--procs 4] [--rounds 5] [--what commit|meeting|take] [--json benchmarks/results/commit_tier_scale.json]
+
+``--what take``: each rank's ``TakeStatement`` (a swap that went well, as the snapshot keeper states
+it), decided by the take's own rule (``recovery/snapshots/agreement.py``); its round and clean-up are
+the commit's (a take's keys go with the next take, as a commit's with the next commit).
 
 ``--what meeting``: each rank's ``Arrival`` (a survivor's, as ``rebuild_world`` writes it) instead of
 a statement. The settling rank (carrier) reads every arrival once and puts the members' roster in the
@@ -87,6 +92,14 @@ def statement_text(rank: int, size: int) -> str:
     )
 
 
+def take_text(rank: int, size: int) -> str:
+    """A rank's account of a snapshot take whose swap went well, as the keeper states it."""
+    from ncclguard.recovery.snapshots.agreement import TAKE_OK, TakeStatement
+    from ncclguard.store.codec import encode
+
+    return encode(TakeStatement(rank=rank, kind=TAKE_OK, want=4))
+
+
 def arrival_text(rank: int, size: int) -> str:
     """A surviving rank's arrival at a rebuild meeting, as ``rebuild_world`` encodes it."""
     from ncclguard.recovery._rebuild.meeting import Arrival
@@ -131,6 +144,7 @@ def _settle_meeting(client: Any, mode: str, size: int, keys: Any) -> tuple[str, 
 def _settle(client: Any, mode: str, size: int, keys: Any, what: str = "commit") -> tuple[str, float]:
     """The settling rank's read, decision and compare-and-set; the seconds it took."""
     from ncclguard.recovery._commit.statements import CommitStatement, decide
+    from ncclguard.recovery.snapshots import agreement
     from ncclguard.store.codec import decode_each, encode
     from ncclguard.store.rounds import Peek
     from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace
@@ -143,8 +157,14 @@ def _settle(client: Any, mode: str, size: int, keys: Any, what: str = "commit") 
     else:
         peek = Peek(client, keys, size)
     raw = peek.arrivals(complete=True)
-    said = decode_each(CommitStatement, raw, "commit statement", 1 << 16, "bench")
-    outcome = encode(decide(said, size, 7, 60.0))
+    if what == "take":  # the keeper's rule (recovery/snapshots/agreement.py): the worst kind, the largest K
+        taken = decode_each(agreement.TakeStatement, raw, "take statement", 4096, "bench")
+        decided = agreement.decide(taken, size)
+        client.compare_set(keys.outcome, "", encode(decided))
+        return json.dumps({"ok": decided.kind == agreement.TAKE_OK}), time.perf_counter() - t0
+    else:
+        said = decode_each(CommitStatement, raw, "commit statement", 1 << 16, "bench")
+        outcome = encode(decide(said, size, 7, 60.0))
     client.compare_set(keys.outcome, "", outcome)
     return outcome, time.perf_counter() - t0
 
@@ -159,7 +179,7 @@ def _player(mode: str, what: str, size: int, port: int, share: list[int], go: An
     client = _client(port)
     keys = RoundKeys("ncclguard/commit/0/default_pg/g0/s7")
     tier = TierKeys(keys)
-    text_of = arrival_text if what == "meeting" else statement_text
+    text_of = {"meeting": arrival_text, "take": take_text}.get(what, statement_text)
     if mode == "tier":
         texts = {
             n: encode(Carried(node=n, arrivals={r: text_of(r, size) for r in range(n * PER_NODE, (n + 1) * PER_NODE)}))
@@ -264,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", choices=["tier", "flat", "flat-read"], default=["tier", "flat"])
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--what", choices=["commit", "meeting"], default="commit")
+    ap.add_argument("--what", choices=["commit", "meeting", "take"], default="commit")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = []

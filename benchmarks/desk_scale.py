@@ -1,6 +1,6 @@
 """A desync's incident in the job's store at 64 to 16,384 simulated ranks (issue 63: "a desync named
 within ``hang_timeout_s`` + 2 beats"): every rank's statement in, the merging rank's read and
-analysis, and one follower's read.
+analysis, and its report on disk.
 
     python benchmarks/desk_scale.py [--ranks 64 1024 4096 16384] [--procs 4] \
         [--json benchmarks/results/desk_scale.json]
@@ -19,21 +19,25 @@ in the store is ncclguard's own code:
    peers, and its groups' ranks: the world's ``n``, its data-parallel group's ``n / 8``, its
    tensor-parallel group's 8 (what ``RankState.groups`` reads from torch). The statements are
    encoded before the clock starts.
-3. **The merge.** One client process: :meth:`WatchdogStore.read_statements` and
-   :meth:`WatchdogStore.read_heartbeats` of every rank with the product's store-call bound
-   (``store_timeout_s``: 5 s at the default heartbeat), then :func:`ncclguard.incidents.assemble.assemble`,
-   which names the culprit. A read past its bound is reported as such (the desk would try again at
+3. **The merge.** One client process does what ``Merger.merge`` does, with the product's own
+   functions and store-call bound (``store_timeout_s``: 5 s at the default heartbeat):
+   ``merging.gather`` (each rank's statement, or above 1,024 ranks each rank's head, and the
+   heartbeats of the ranks that said nothing), :func:`ncclguard.incidents.assemble.assemble`, which
+   names the culprit, ``merging.whole_of`` (above 1,024 ranks: the whole statements of the culprits
+   and of a few victims), and ``cases.write_report`` (``incident.json`` and ``summary.txt`` into a
+   temporary directory). A read past its bound is reported as such (the desk would try again at
    its next tick).
-4. **One follower.** A node's first rank on another host, whose incident directory the merger's
-   report is not in, read the statements and heartbeats again (``Merging.follow``); its cost is
-   measured once and multiplied by the job's other nodes (8 ranks a node) in the results. Since
-   this harness's first run, a follower copies only in a world of at most
-   ``merging.COPY_MAX_RANKS`` (1,024) ranks: above it the product reads nothing more.
 
 Measured per size: the bytes of a statement as stored (above 1,024 ranks ``put_statement`` keeps
-its newest 4 ops and innermost 12 frames), the statements' wall time (from the start signal to
-the last client's last count; ``statements_client_s``: the slowest client's own loop) and the
-store's CPU seconds for them, the merge's read, analysis and wall time, the culprit it named, and the follower's read.
+its newest 4 ops and innermost 12 frames, and puts its head beside it), the statements' wall time
+(from the start signal to the last client's last count; ``statements_client_s``: the slowest
+client's own loop) and the store's CPU seconds for them, the merge's read, analysis, whole
+statements, report writing and wall time, the culprit it named, and the report's size.
+
+The harness's first runs (``desk_scale_before.json``, ``desk_scale_full_statements.json``, and
+``desk_scale_20261129.json``) also timed one follower (a node's first rank on another host
+reading every statement again to copy the report); a follower copies only in a world of at most
+``merging.COPY_MAX_RANKS`` (1,024) ranks since, and this harness no longer plays it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import json
 import multiprocessing as mp
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -156,66 +161,67 @@ def _stater(port: int, size: int, share: list[int], ready: Any, go: Any, out: An
         store.add_dumped(INCIDENT)
     seconds = time.perf_counter() - t0
     nbytes = len(store.store.get(store.keys.statement(INCIDENT, share[0])))  # as stored (put_statement's cuts)
-    out.put({"seconds": seconds, "bytes": nbytes})
+    head = store.keys.head(INCIDENT, share[0])
+    head_bytes = len(store.store.get(head)) if store.store.check([head]) else 0  # above 1,024 ranks
+    out.put({"seconds": seconds, "bytes": nbytes, "head_bytes": head_bytes})
     store.close()
 
 
-def _read_all(store: Any, size: int) -> dict[str, Any]:
-    """Every rank's statement and heartbeat, as the merger (and a follower) reads them."""
+def _gather(store: Any, size: int) -> dict[str, Any]:
+    """What the ranks said, read as the merger reads it (``merging.gather``: above 1,024 ranks each
+    rank's head, and the heartbeats of the ranks that said nothing)."""
     from ncclguard.errors import StoreTimeout, StoreUnreachable
+    from ncclguard.watching.desk.merging import gather
 
-    ranks = list(range(size))
-    got: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
-        got["statements"] = store.read_statements(INCIDENT, ranks)
+        said, heartbeats, heads = gather(store, INCIDENT, size)
     except (StoreTimeout, StoreUnreachable) as exc:
-        got["error"] = f"read_statements: {type(exc).__name__}: {str(exc)[:200]}"
-        got["read_s"] = time.perf_counter() - t0
-        return got
-    t1 = time.perf_counter()
-    try:
-        got["heartbeats"] = store.read_heartbeats(ranks)
-    except (StoreTimeout, StoreUnreachable) as exc:
-        got["error"] = f"read_heartbeats: {type(exc).__name__}: {str(exc)[:200]}"
-    t2 = time.perf_counter()
-    got["statements_s"], got["heartbeats_s"], got["read_s"] = t1 - t0, t2 - t1, t2 - t0
-    return got
+        return {"error": f"gather: {type(exc).__name__}: {str(exc)[:200]}", "read_s": time.perf_counter() - t0}
+    return {"said": said, "heartbeats": heartbeats, "heads": heads, "read_s": time.perf_counter() - t0}
 
 
-def _merger(port: int, size: int, out: Any) -> None:
-    """The merging rank: the count, every statement and heartbeat, the analysis; then one follower."""
+def _merger(port: int, size: int, where: str, out: Any) -> None:
+    """The merging rank, as ``Merger.merge`` does it: what the ranks said, the analysis, the whole
+    statements of the culprits and a few victims (above 1,024 ranks), the report on disk."""
     _pin({1})
     from ncclguard.incidents.assemble import assemble
     from ncclguard.incidents.model import IncidentDoc, IncidentKind
+    from ncclguard.watching.desk.cases import Case, write_report
+    from ncclguard.watching.desk.merging import whole_of
 
     store = _store(port)
     res: dict[str, Any] = {"dumped": store.add_dumped(INCIDENT, 0)}
     t0 = time.perf_counter()
-    got = _read_all(store, size)
-    res.update({k: round(v, 3) for k, v in got.items() if k.endswith("_s")})
+    got = _gather(store, size)
+    res["read_s"] = round(got["read_s"], 3)
     if "error" in got:
         res["error"] = got["error"]
-    if "heartbeats" in got:
+    else:
         doc = IncidentDoc(
             kind=IncidentKind.HANG, reason="all_reduce(SUM) in flight 15 s", id="20261129-000000-003", n=INCIDENT
         )
         doc = doc.model_copy(update={"group": "0", "seq": GROUP_SEQ, "op": "all_reduce", "by": 0})
         t1 = time.perf_counter()
-        incident = assemble(doc, got["statements"], got["heartbeats"], {}, size, merged_by=0, waiting_after_s=5.0)
-        res["assemble_s"] = round(time.perf_counter() - t1, 3)
-        res["statements"] = len(got["statements"])
+        incident = assemble(
+            doc, got["said"], got["heartbeats"], {}, size, merged_by=0, waiting_after_s=5.0, heads=got["heads"]
+        )
+        t2 = time.perf_counter()
+        if got["heads"]:
+            incident = whole_of(store, INCIDENT, incident, {})
+        t3 = time.perf_counter()
+        case = Case(doc, Path(where), False, got["said"][0], {}, {}, [])
+        write_report(case, incident, announce=False)
+        t4 = time.perf_counter()
+        res.update(assemble_s=round(t2 - t1, 3), whole_s=round(t3 - t2, 3), write_s=round(t4 - t3, 3))
+        res["heads"] = got["heads"]
+        res["said"] = len(got["said"])
         res["culprits"] = [(c.rank, str(c.why.value if hasattr(c.why, "value") else c.why)) for c in incident.culprits]
+        res["whole"] = sum(v.source == "statement" for v in incident.ranks.values())
         res["summary"] = incident.summary[:200]
-        res["report_bytes"] = len(incident.model_dump_json())
+        res["report_bytes"] = (Path(where) / "incident.json").stat().st_size
     res["merge_s"] = round(time.perf_counter() - t0, 3)
     out.put(res)
-    # One follower (another host's node's first rank, the report not in its directory): the same reads.
-    got = _read_all(store, size)
-    out.put(
-        {k: round(v, 3) for k, v in got.items() if k.endswith("_s")}
-        | ({"error": got["error"]} if "error" in got else {})
-    )
     store.close()
 
 
@@ -251,29 +257,24 @@ def run_size(size: int, procs: int) -> dict[str, Any]:
         for p in staters:
             p.join(SETUP_BOUND_S)
         cpu1 = _cpu(server.pid)
-        merger = ctx.Process(target=_merger, args=(port, size, out))
-        merger.start()
-        merged = out.get(timeout=SETUP_BOUND_S)
-        merge_cpu = _cpu(server.pid) - cpu1
-        cpu2 = _cpu(server.pid)
-        follow = out.get(timeout=SETUP_BOUND_S)
-        follow_cpu = _cpu(server.pid) - cpu2
-        merger.join(SETUP_BOUND_S)
+        with tempfile.TemporaryDirectory() as where:
+            merger = ctx.Process(target=_merger, args=(port, size, where, out))
+            merger.start()
+            merged = out.get(timeout=SETUP_BOUND_S)
+            merge_cpu = _cpu(server.pid) - cpu1
+            merger.join(SETUP_BOUND_S)
     finally:
         stop.set()
         server.join(10)
-    nodes = max(1, size // PER_NODE)
     return {
         "ranks": size,
         "statement_bytes": said[0]["bytes"],
+        "head_bytes": said[0]["head_bytes"],
         "statements_wall_s": round(stated_wall, 3),
         "statements_client_s": round(max(s["seconds"] for s in said), 3),
         "statements_server_cpu_s": round(stated_cpu, 3),
         "merge": merged,
         "merge_server_cpu_s": round(merge_cpu, 3),
-        "follower": follow,
-        "follower_server_cpu_s": round(follow_cpu, 3),
-        "followers_server_cpu_s_all_nodes": round(follow_cpu * (nodes - 1), 1),
     }
 
 

@@ -113,6 +113,7 @@ __all__ = [
     "Finding",
     "FindingKind",
     "Heartbeat",
+    "HeadView",
     "HeartbeatView",
     "Incident",
     "IncidentDoc",
@@ -150,6 +151,14 @@ class StatementView(Statement):
     source: Literal["statement"] = "statement"
 
 
+class HeadView(StatementView):
+    """A rank's statement as its head (:meth:`Statement.head`): above 1,024 ranks the report holds the
+    whole statements of the culprits and a few victims only; each rank's whole statement is in its
+    host's ``rank<N>.json``."""
+
+    source: Literal["head"] = "head"  # type: ignore[assignment]
+
+
 class HeartbeatView(Heartbeat):
     source: Literal["heartbeat"] = "heartbeat"
 
@@ -158,7 +167,7 @@ class NoView(_Model):
     source: Literal["none"] = "none"
 
 
-RankView = Annotated[StatementView | HeartbeatView | NoView, Field(discriminator="source")]
+RankView = Annotated[StatementView | HeadView | HeartbeatView | NoView, Field(discriminator="source")]
 
 
 class OutsideStack(_Model):

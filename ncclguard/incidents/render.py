@@ -243,7 +243,7 @@ def _dump_lines(incident: Incident) -> list[str]:
     hosts: dict[str, list[int]] = {}
     for r, view in incident.ranks.items():
         host = getattr(view, "host", None)
-        if host and view.source == "statement":  # a rank that spoke wrote its dump on its own host
+        if host and view.source in ("statement", "head"):  # a rank that spoke wrote its dump on its own host
             hosts.setdefault(node_name(host, getattr(view, "address", None)), []).append(int(r))
     if len(hosts) < 2:
         return [f"{head} next to this file."]

@@ -227,6 +227,10 @@ class Keys:
         """``rank``'s statement on incident ``n``."""
         return f"{self.ns}/incident/{n}/st/{rank}"
 
+    def head(self, n: int, rank: int) -> str:
+        """The head of ``rank``'s statement on incident ``n`` (above 1,024 ranks)."""
+        return f"{self.ns}/incident/{n}/head/{rank}"
+
     def dumped(self, n: int) -> str:
         """Counts the ranks that dumped incident ``n``."""
         return f"{self.ns}/incident/{n}/dumped"

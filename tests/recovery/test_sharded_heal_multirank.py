@@ -10,10 +10,11 @@ Launches (tests/workers/sharded_heal_worker.py), spawn, one restart for a rank k
     rank gets its shards from its buddy (rank 2), every rank ends bit-equal to the reference; then a replica
     that does not fit rank 1's module is refused on every rank at its manifest, and a damaged replica makes
     every rank fall back to the step before, bit-equal to the reference's state there.
-``host`` 4 ranks on two simulated hosts of 2 (``GROUP_RANK`` set by the worker), a snapshot every step, the
-    same two runs: ranks 2 and 3, the whole second host, SIGKILL themselves at step 9; restarted, they get
-    their shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
-    reference. A drill (`make drills`; its test says what stays in the suite).
+``host`` 4 ranks on two simulated hosts of 2 (torchrun's per-node variables set by the worker), a snapshot
+    every step, the watchdog on (``NCCLGUARD_AUTO``) with the node tier on, the same two runs: ranks 2 and 3,
+    the whole second host (and its node's store), SIGKILL themselves at step 9; restarted, they get their
+    shards from ranks 0 and 1, every rank redoes step 9 with no rollback and ends bit-equal to the
+    reference, its rounds through the tier. A drill (`make drills`; its test says what stays in the suite).
 ``twice`` 3 ranks, one host, a snapshot every step, two restarts: rank 1 SIGKILLs itself at step 9; its first
     restart SIGKILLs itself inside its restore, its replica received; the survivors' restore fails at its
     death notice, the world is rebuilt again, the second restart is restored, every rank redoes step 9 at
@@ -59,7 +60,12 @@ def twice_job():
 
 @pytest.fixture(scope="module")
 def host_job():
-    return run_ranks("sharded_heal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360)
+    # The watchdog as NCCLGUARD_AUTO starts it, the node tier on: each host's LOCAL_RANK 0 serves its
+    # node's store, which dies with the second host and is served again by its restart.
+    tier = {"NCCLGUARD_AUTO": "1", "NCCLGUARD_WATCHDOG_NODE_TIER": "on", "NCCLGUARD_WATCHDOG_HEARTBEAT_S": "1"}
+    return run_ranks(
+        "sharded_heal_worker", 4, "host", launcher="spawn", restarts=1, restart_on=[-9], timeout_s=360, env=tier
+    )
 
 
 def clean(step: int, generation: int) -> dict:
@@ -194,6 +200,19 @@ def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_
         assert host_job[r]["final"] == [r, 4, 1]
         assert host_job[r]["every"] == 1
         assert host_job[r]["equal_to_reference"] is True
+    # The takes' agreements, the commits and the meeting went through the node tier: met in their node's
+    # store (carried or read there) once its watchdog linked, by itself before (store/tier_round.py). The
+    # restarted ranks' 3 steps come before their new watchdogs link: by themselves.
+    # A line a keeper and world: ranks 0 and 1 three (the reference's keeper, the run's in worlds 0 and 1),
+    # ranks 2 and 3 two in their first life, one in their second.
+    assert host_job.output.count("snapshots: the takes' agreements through the node tier, 2 nodes") == 12
+    for r in range(4):
+        tier = host_job[r]["tier"]
+        # Ranks 0 and 1: the reference's 12 rounds (a take and a commit a step), 14 of the run and its rebuild's
+        # meeting. Ranks 2 and 3, restarted:
+        # the takes and commits of 3 steps (their first life's count went with it).
+        assert sum(tier.values()) == (26 if r < 2 else 2 * K), (r, tier)
+        assert tier["fell_back"] == 0 and (tier["carried"] + tier["waited"] >= 1 or r >= 2), (r, tier)
 
 
 def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not_at_the_deadline(ring_job):

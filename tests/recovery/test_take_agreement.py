@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from tier_kit import run_threads
+from tier_kit import ROUND_GUARD_S, Job, run_threads
 
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed
@@ -24,12 +24,14 @@ from ncclguard.recovery.snapshots.agreement import (
     TAKE_REFUSED,
     TakeOutcome,
     TakeStatement,
+    TakeTier,
     agree,
     decide,
     keeper_serial,
     take_deadline_s,
     take_keys,
 )
+from ncclguard.store.tier_round import TierKeys
 
 HANG_GUARD_S = 60.0  # the hang guard of a wait here (run_threads joins its threads within the same 60 s)
 
@@ -147,3 +149,52 @@ def test_a_second_keeper_in_one_world_never_reads_the_first_ones_last_outcome():
     # a new world counts from 1.
     assert keeper_serial(store, 0, 1, Deadline.within(30)) == 3
     assert keeper_serial(store, 1, 1, Deadline.within(30)) == 1
+
+
+def test_six_ranks_on_three_nodes_agree_through_the_tier_and_only_one_carrier_a_node_talks_to_the_jobs_store():
+    """With the node tier on, a take's round goes through it as a commit's does (docs/scale.md): the
+    same outcome on every rank, a node's ranks meeting in its store, one carrier a node making the
+    job store's requests; the round before deleted in both stores; a rank missing fails the step."""
+    job = Job(6, 2)
+    clients = {r: job.clients(r) for r in range(6)}
+    tiers = {r: TakeTier(job.node_of, near=clients[r][1]) for r in range(6)}
+    kinds = {r: TAKE_FAILED if r == 4 else TAKE_OK for r in range(6)}
+
+    def run(r: int, n: int, kind: int, deadline_s: float = ROUND_GUARD_S) -> TakeOutcome:
+        why = "the deadline passed before the replica of rank 5" if kind == TAKE_FAILED else ""
+        previous = take_keys(2, 1, n - 1) if n else None
+        statement = TakeStatement(rank=r, kind=kind, want=r + 1, why=why)
+        return agree(
+            clients[r][0],
+            take_keys(2, 1, n),
+            previous,
+            statement,
+            6,
+            Deadline.within(deadline_s),
+            _nobody_dead,
+            tiers[r],
+        )
+
+    first = run_threads(lambda r: run(r, 0, kinds[r]), dict.fromkeys(range(6), 0.0))
+    expected = TakeOutcome(kind=TAKE_FAILED, k=6, whys={4: "the deadline passed before the replica of rank 5"})
+    assert first == dict.fromkeys(range(6), expected)
+    talking = sorted(r for r in range(6) if clients[r][0].calls)
+    assert len(talking) == 3 and {job.node_of[r] for r in talking} == {0, 1, 2}, {
+        r: c[0].calls for r, c in clients.items()
+    }
+    keys, look = take_keys(2, 1, 0), job.clients(0)[0]
+    in_job = [keys.count, keys.outcome, *(TierKeys(keys).nodes.arrival(n) for n in range(3))]
+    near = {r: job.clients(r)[1] for r in range(6)}  # each rank's arrival, in its node's store
+
+    def left() -> list[bool]:
+        return [look.check([k]) for k in in_job] + [near[r].check([keys.arrival(r)]) for r in range(6)]
+
+    assert all(left())
+    second = run_threads(lambda r: run(r, 1, TAKE_OK), dict.fromkeys(range(6), 0.0))
+    assert second == {r: TakeOutcome(kind=TAKE_OK, k=6) for r in range(6)}
+    assert not any(left())  # the first round's keys went with the second, in both stores
+    assert look.check([take_keys(2, 1, 1).outcome])  # the newest stays for a late reader
+    # Rank 5 never comes: every other rank fails the step, naming it.
+    third = run_threads(lambda r: run(r, 2, TAKE_OK, 3.0), dict.fromkeys(range(5), 0.0))
+    for r in range(5):
+        assert isinstance(third[r], HealFailed) and "rank(s) [5] did not come" in str(third[r]), (r, third[r])

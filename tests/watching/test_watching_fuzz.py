@@ -515,9 +515,13 @@ def test_a_running_watchdog_survives_hostile_values_in_every_key(server, lines, 
         assert wd.watch is not None and wd.watch.desk.store_closing is False
 
         # Every key of the schema was given hostile values above; the node tier's (a watchdog of one
-        # process has none) in tests/watching/test_node_tier.py::test_hostile_values_in_the_tiers_keys_are_refused_and_logged.
+        # process has none) in tests/watching/test_node_tier.py::test_hostile_values_in_the_tiers_keys_are_refused_and_logged,
+        # a statement's head (above 1,024 ranks only) in
+        # tests/incidents/test_watching_desk.py::test_above_1024_ranks_the_merge_reads_heads_and_the_culprits_whole_statements.
         tier = {"digest", "member", "node_addr"}
-        schema = {name for name, _ in inspect.getmembers(Keys) if not name.startswith("_")} - {"from_env"} - tier
+        schema = (
+            {name for name, _ in inspect.getmembers(Keys) if not name.startswith("_")} - {"from_env", "head"} - tier
+        )
         assert schema == {
             "count",
             "heartbeat",

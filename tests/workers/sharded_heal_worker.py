@@ -21,10 +21,12 @@ flipped bit): every rank falls back to the step before, and the full state is th
 reference's at the start of that step. Then that replica holds NaN instead, with a digest that matches
 (numbers that went bad before the take): refused all the same, the same fallback.
 
-``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK`` is the launch rank // 2, as torchrun
-sets it per node; a snapshot every step): ranks 2 and 3, the whole second host, SIGKILL themselves
-at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other host, and
-every rank redoes step K (the survivors' live state is that snapshot: no rollback).
+``host`` (4 ranks on two simulated hosts of 2: ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+as torchrun sets them per node; a snapshot every step; its test turns the watchdog on as
+``NCCLGUARD_AUTO=1`` does, with the node tier on): ranks 2 and 3, the whole second host, SIGKILL
+themselves at step K; restarted, they get their shards of step K from ranks 0 and 1 on the other
+host, and every rank redoes step K (the survivors' live state is that snapshot: no rollback). Each
+rank records how its two-tier rounds went (the takes' agreements, the commits, the meeting).
 
 ``twice`` (3 ranks, one host, a snapshot every step, two restarts): rank 1 SIGKILLs itself at step K;
 its first restart SIGKILLs itself inside its restore, once its replica from rank 2 has arrived. The
@@ -73,8 +75,8 @@ from ncclguard.recovery.snapshots.state import ModuleState
 SCENARIO = sys.argv[1]
 ME = int(os.environ["RANK"])
 rankkit.rank = lambda: ME  # results go by launch rank, whatever the world
-if SCENARIO == "host":
-    os.environ["GROUP_RANK"] = str(ME // 2)  # two hosts of two ranks, as torchrun --nnodes 2 places them
+if SCENARIO == "host":  # two hosts of two ranks, numbered as torchrun --nnodes 2 --nproc-per-node 2 numbers them
+    os.environ.update(GROUP_RANK=str(ME // 2), LOCAL_RANK=str(ME % 2), LOCAL_WORLD_SIZE="2")
 LIFE = ncclguard.restart_count()
 KILLED = {"kill": [1], "host": [2, 3], "ring": [3], "twice": [1]}[SCENARIO]
 EVERY = {"kill": 2, "host": 1, "ring": 2, "twice": 1}[SCENARIO]
@@ -342,6 +344,10 @@ def main() -> None:
     put("equal_to_reference", torch.equal(mine, ref_t))
     put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
     put("every", stepper.engine.keeper.k if stepper.engine.keeper is not None else None)
+    if SCENARIO == "host":  # with the node tier on (its test's environment): this process's two-tier rounds
+        from ncclguard.store.tier_round import tier_counts
+
+        put("tier", tier_counts())
     if SCENARIO == "kill":
         refused(stepper)
         damaged(stepper)

@@ -1,6 +1,6 @@
-"""should_commit and the rebuild's meeting through the node tier (docs/scale.md): with the tier on, a
-step's statements (a meeting's arrivals) meet in each node's store first, and one rank a node carries
-them to the job's store (:mod:`ncclguard.store.tier_round`). The job's store then takes a few
+"""should_commit, the rebuild's meeting and a snapshot take's agreement through the node tier
+(docs/scale.md): with the tier on, a step's statements (a meeting's arrivals, a take's accounts)
+meet in each node's store first, and one rank a node carries them to the job's store (:mod:`ncclguard.store.tier_round`). The job's store then takes a few
 requests a node, not a few a rank.
 
 Whether a commit goes through the tier is decided once per world, the same on every rank, from
@@ -12,7 +12,7 @@ watchdog linked to it) can differ from rank to rank: a rank without one is carri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 from pydantic import ValidationError
@@ -34,7 +34,18 @@ if TYPE_CHECKING:
     from ncclguard.collectives.groups import GroupInfo
     from ncclguard.recovery._commit.statements import CommitOutcome
 
-__all__ = ["TierState", "forget_commit", "meeting_place", "nodes_of", "settle_commit", "tier_of", "tier_peek"]
+__all__ = [
+    "TierState",
+    "forget_commit",
+    "meeting_place",
+    "nodes_of",
+    "settle_commit",
+    "settle_on_tier",
+    "tier_of",
+    "tier_peek",
+]
+
+T = TypeVar("T")
 
 
 class TierState:
@@ -114,6 +125,43 @@ def tier_peek(store: dist.Store, keys: RoundKeys, place: TierPlace, limit: int) 
     return TierPeek(store, TierKeys(keys), place, limit)
 
 
+def settle_on_tier(
+    store: dist.Store,
+    keys: RoundKeys,
+    place: TierPlace,
+    arrival: str,
+    deadline: Deadline,
+    timeout_s: float,
+    rule: Rule[T],
+    peek: TierPeek,
+    known_dead: Callable[[], dict[int, str]] | None,
+) -> tuple[T, bool]:
+    """Runs one round through the tier (``rule`` reads the arrivals through ``peek``; ``known_dead``
+    is bounded by the caller): a commit's, or a snapshot take's agreement.
+
+    Returns:
+        The settled outcome, and whether this rank went to the job's store by itself (it then
+        deletes its own arrival with the round's keys: :func:`~ncclguard.store.tier_round.forget_tiered`).
+
+    Raises:
+        StoreUnreachable, DistStoreError, RuntimeError: the job's store failed.
+    """
+    settled, path = settle_tiered(
+        store,
+        keys,
+        place,
+        arrival,
+        deadline,
+        rule,
+        node_by=node_deadline(deadline, timeout_s),
+        peek=peek,
+        known_dead=known_dead,
+    )
+    if path in ("solo", "fell_back") and place.near is not None:
+        node_store.drop_near_client(place.near)  # connect anew next time (its agent may serve a new one)
+    return settled.outcome, path == "solo"
+
+
 def settle_commit(
     store: dist.Store,
     keys: RoundKeys,
@@ -126,8 +174,7 @@ def settle_commit(
     peek: TierPeek,
     known_dead: Callable[[], dict[int, str]] | None,
 ) -> CommitOutcome:
-    """Runs commit ``n``'s round through the tier (``rule`` reads the arrivals through ``peek``;
-    ``known_dead`` is bounded by the caller).
+    """Runs commit ``n``'s round through the tier (:func:`settle_on_tier`).
 
     Returns:
         The settled outcome.
@@ -136,21 +183,8 @@ def settle_commit(
         StoreUnreachable, DistStoreError, RuntimeError: the job's store failed.
     """
     place, state = tier
-    settled, path = settle_tiered(
-        store,
-        keys,
-        place,
-        statement,
-        deadline,
-        rule,
-        node_by=node_deadline(deadline, timeout_s),
-        peek=peek,
-        known_dead=known_dead,
-    )
-    state.solo[n] = path == "solo"
-    if path in ("solo", "fell_back") and place.near is not None:
-        node_store.drop_near_client(place.near)  # connect anew next time (its agent may serve a new one)
-    return settled.outcome
+    outcome, state.solo[n] = settle_on_tier(store, keys, place, statement, deadline, timeout_s, rule, peek, known_dead)
+    return outcome
 
 
 def forget_commit(

@@ -12,6 +12,9 @@ apart the two ways a take can fail:
 - a rank did not come within the round's deadline, or its launcher says it died: the step fails
   (:class:`~ncclguard.errors.HealFailed`) and the engine recovers.
 
+With the node tier on (docs/scale.md), the round goes through it as a commit's does: each node's
+ranks meet in their node's store and one carrier a node talks to the job's store (:class:`TakeTier`).
+
 Each rank states its swap's kind (:data:`TAKE_OK`, :data:`TAKE_REFUSED`, :data:`TAKE_FAILED`),
 why, and the ``K`` it asks for; the settling rank reads the statements once and writes the outcome:
 the worst kind, the largest ``K``, the reasons. Statements and the outcome are JSON read into the
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,10 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, StoreUnreachable
+from ncclguard.recovery._commit.tier import nodes_of, settle_on_tier
+from ncclguard.store import node_store
 from ncclguard.store.clients import store_for_this_thread
 from ncclguard.store.codec import decode_each, decode_outcome, encode
 from ncclguard.store.keys import RoundKeys
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
+from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace, forget_tiered
 from ncclguard.store.values import count_up, delete_keys
 from ncclguard.watching.sensors.progress import MAX_SNAPSHOTS_CHARS, SNAPSHOTS_SAY
 from ncclguard.world import current_world
@@ -53,6 +59,7 @@ __all__ = [
     "TakeOutcome",
     "TakeRounds",
     "TakeStatement",
+    "TakeTier",
     "agree",
     "decide",
     "keeper_serial",
@@ -199,9 +206,13 @@ def _statements(peek: Peek) -> dict[int, TakeStatement | None]:
 
 
 def _rule(
-    store: dist.Store, keys: RoundKeys, size: int, dead: Callable[[Deadline], dict[int, str]]
+    store: dist.Store,
+    keys: RoundKeys,
+    size: int,
+    dead: Callable[[Deadline], dict[int, str]],
+    peek: Peek | None = None,
 ) -> Rule[TakeOutcome]:
-    everyone = Peek(store, keys, size)  # the settling rank reads the statements; nobody else does
+    everyone = peek or Peek(store, keys, size)  # the settling rank reads the statements; nobody else does
 
     def early(peek: Peek) -> str | None:
         gone = dead(Deadline.within(1.0))
@@ -224,6 +235,23 @@ def _rule(
     )
 
 
+@dataclass
+class TakeTier:
+    """A keeper's takes through the node tier (``recovery/_commit/tier.py``), in one world.
+
+    Attributes:
+        node_of: each member's node (from its launch rank).
+        near: a client of this rank's node's store; None: the one its watchdog is linked to
+            (``node_store.near_client``), or none, when it is linked to none yet.
+        solo: round prefix -> this rank went to the job's store by itself in that round (it deletes
+            its own arrival with the round's keys).
+    """
+
+    node_of: tuple[int, ...]
+    near: Any | None = None
+    solo: dict[str, bool] = field(default_factory=dict)
+
+
 def agree(
     store: dist.Store,
     keys: RoundKeys,
@@ -232,6 +260,7 @@ def agree(
     size: int,
     deadline: Deadline,
     dead: Callable[[Deadline], dict[int, str]],
+    tier: TakeTier | None = None,
 ) -> TakeOutcome:
     """Runs one take's round: states this rank's swap and reads the outcome every rank reads.
 
@@ -239,11 +268,14 @@ def agree(
         store: the job's store.
         keys: this take's round keys (:func:`take_keys`).
         previous: the keys of this world's take before it, deleted here once every rank came to
-            this one (each rank its own statement, rank 0 the rest), or None.
+            this one (flat: each rank its own statement, rank 0 the rest; through the tier:
+            :func:`~ncclguard.store.tier_round.forget_tiered`), or None.
         statement: this rank's account.
         size: the world's size.
         deadline: when the ranks not there are given up (sooner where their launcher says they died).
         dead: the members known dead (:func:`~ncclguard.recovery.snapshots.exchange.death_watch`).
+        tier: the round goes through the node tier: each node's ranks meet in their node's store,
+            one carrier a node talks to the job's store (docs/scale.md); None: flat.
 
     Returns:
         The outcome.
@@ -254,24 +286,28 @@ def agree(
     """
     rank, waited_s = statement.rank, deadline.left()
     thread_store = store_for_this_thread(store, deadline)
-    settled = settle_round(
-        thread_store,
-        keys,
-        rank,
-        size,
-        encode(statement),
-        deadline,
-        _rule(thread_store, keys, size, dead),
-        f"take {keys.prefix}",
-    )
-    outcome = settled.outcome
+    place = None
+    if tier is None:
+        rule = _rule(thread_store, keys, size, dead)
+        what = f"take {keys.prefix}"
+        outcome = settle_round(thread_store, keys, rank, size, encode(statement), deadline, rule, what).outcome
+    else:
+        near = tier.near if tier.near is not None else node_store.near_client(waited_s, deadline)
+        place = TierPlace(rank, tier.node_of, near)
+        peek = TierPeek(thread_store, TierKeys(keys), place, _MAX_STATEMENT_BYTES)
+        rule, known = _rule(thread_store, keys, size, dead, peek), (lambda: dead(Deadline.within(1.0)))
+        outcome, tier.solo[keys.prefix] = settle_on_tier(
+            thread_store, keys, place, encode(statement), deadline, waited_s, rule, peek, known
+        )
     if outcome.missing:
         gone = "; ".join(f"rank {r}: {why}" for r, why in outcome.dead.items())
         raise HealFailed(
             f"the take's agreement: rank(s) {outcome.missing} did not come"
             + (f" ({gone})" if gone else f" within {waited_s:.0f} s")
         )
-    if previous is not None:
+    if previous is not None and tier is not None and place is not None:
+        forget_tiered(thread_store, previous, place, tier.solo.pop(previous.prefix, False), deadline.plus(1.0))
+    elif previous is not None:
         mine = [previous.arrival(rank), *((previous.count, previous.gone, previous.outcome) if rank == 0 else ())]
         try:
             delete_keys(thread_store, mine, deadline.plus(1.0), "clean-up of the take before")
@@ -361,6 +397,7 @@ class TakeRounds:
     generation: int = -1
     serial: int = 0
     n: int = 0
+    tier: TakeTier | None = None  # decided at the world's first take, the same on every rank
 
     def agree(
         self,
@@ -380,15 +417,28 @@ class TakeRounds:
             if self.generation != generation:
                 serial = keeper_serial(store, generation, statement.rank, deadline)
                 self.generation, self.serial, self.n = generation, serial, 0
+                self.tier = _tier(size)
             n, self.n = self.n, self.n + 1
             previous = take_keys(generation, self.serial, n - 1) if n else None
-            return agree(store, take_keys(generation, self.serial, n), previous, statement, size, deadline, dead)
+            keys = take_keys(generation, self.serial, n)
+            return agree(store, keys, previous, statement, size, deadline, dead, self.tier)
         except HealFailed:  # a rank did not come: the take is lost with the step
             TakeLosses.in_process += 1
             raise
         except (StoreUnreachable, RuntimeError) as exc:  # the store's own errors
             TakeLosses.in_process += 1
             raise HealFailed(f"the take's agreement: the job's store failed: {exc}") from exc
+
+
+def _tier(size: int) -> TakeTier | None:
+    """Whether this world's takes go through the node tier: as its commits do, decided from the
+    launcher's variables and the tier's settings (``recovery/_commit/tier.py``, ``nodes_of``)."""
+    world = current_world()
+    nodes = nodes_of([world.origin(r) for r in range(size)])
+    if nodes is None:
+        return None
+    log.info("snapshots: the takes' agreements through the node tier, %d nodes", max(nodes) + 1)
+    return TakeTier(nodes)
 
 
 def takes_lost() -> int:

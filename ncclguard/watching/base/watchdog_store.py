@@ -341,10 +341,12 @@ class WatchdogStore(StoreExchange):
         return self._parse(IncidentDoc, self._call("get", key), key, check)
 
     def put_statement(self, n: int, statement: Statement) -> None:
-        """Publishes this rank's statement on incident ``n``: in a world of more than
-        :data:`BRIEF_FROM` ranks with its newest :data:`BRIEF_RECENT` ops and innermost
-        :data:`BRIEF_FRAMES` frames, and cut to its size bound if needed."""
-        if statement.world_size > BRIEF_FROM:
+        """Publishes this rank's statement on incident ``n``, cut to its size bound if needed. In a
+        world of more than :data:`BRIEF_FROM` ranks, with its newest :data:`BRIEF_RECENT` ops and
+        innermost :data:`BRIEF_FRAMES` frames, and its head (:meth:`Statement.head`) beside it in the
+        same request: the merge reads every rank's head, and whole statements of a few."""
+        head = statement.head() if statement.world_size > BRIEF_FROM else None
+        if head is not None:
             brief = {"recent": statement.recent[-BRIEF_RECENT:], "stack": statement.stack[-BRIEF_FRAMES:]}
             statement = statement.model_copy(update=brief)
         text = self._encode(statement)
@@ -356,7 +358,11 @@ class WatchdogStore(StoreExchange):
             if len(text) <= LIMITS[Statement]:
                 break
             text = self._encode(statement.model_copy(update=cut))
-        self._call("set", self.keys.statement(n, statement.rank), text)
+        key = self.keys.statement(n, statement.rank)
+        if head is None:
+            self._call("set", key, text)
+        else:
+            self._call("multi_set", [key, self.keys.head(n, statement.rank)], [text, self._encode(head)])
 
     def add_dumped(self, n: int, k: int = 1) -> int:
         """Counts ``k`` more ranks as having dumped incident ``n``; the count.
@@ -373,7 +379,14 @@ class WatchdogStore(StoreExchange):
 
     def read_statements(self, n: int, ranks: Sequence[int]) -> dict[int, Statement]:
         """The statements of ``ranks`` on incident ``n`` that exist and parse, by rank."""
-        keys = [self.keys.statement(n, r) for r in ranks]
+        return self._read_statements([self.keys.statement(n, r) for r in ranks], ranks)
+
+    def read_heads(self, n: int, ranks: Sequence[int]) -> dict[int, Statement]:
+        """The heads (:meth:`Statement.head`) of ``ranks``' statements on incident ``n`` that exist and
+        parse, by rank: put beside the statements in a world of more than :data:`BRIEF_FROM` ranks."""
+        return self._read_statements([self.keys.head(n, r) for r in ranks], ranks)
+
+    def _read_statements(self, keys: Sequence[str], ranks: Sequence[int]) -> dict[int, Statement]:
         out = {}
         for i, blob in self._read_present(keys):
             st = self._parse(Statement, blob, keys[i], _of_rank(ranks[i]))

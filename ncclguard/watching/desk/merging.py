@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME, node_address, node_name
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.assemble import assemble
+from ncclguard.incidents.assemble import assemble, with_whole
 from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE
 from ncclguard.incidents.model import (
     Finding,
     Heartbeat,
+    Incident,
     IncidentKind,
     MergedNote,
     Statement,
     StoreFinding,
 )
 from ncclguard.watching.base.settings import WatchdogConfig
-from ncclguard.watching.base.watchdog_store import StoreRefused, WatchdogStore
+from ncclguard.watching.base.watchdog_store import BRIEF_FROM, StoreRefused, WatchdogStore
 from ncclguard.watching.desk.cases import Case, stale_from_statements, write_report
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.native import add_outside_stacks
 
-__all__ = ["MergeDesk", "Merger"]
+__all__ = ["MergeDesk", "Merger", "gather", "whole_of"]
 
 
 # Above this many ranks, a node's first rank on another host does not copy the merged report into
@@ -35,6 +37,40 @@ __all__ = ["MergeDesk", "Merger"]
 # cost the job's store (number of nodes) times the merge (benchmarks/desk_scale.py). It logs where
 # the report is, as below this size.
 COPY_MAX_RANKS = 1024
+
+
+# Above BRIEF_FROM ranks the merge reads each rank's head (Statement.head), then the whole statements
+# of the culprits and of the first WHOLE_VICTIMS victims: a head holds what the analysis reads.
+WHOLE_VICTIMS = 8
+
+# What a merge gathered: each rank's statement (or its head), the last heartbeat of each rank that
+# said nothing, and whether the statements are heads.
+Gathered = tuple[dict[int, Statement], dict[int, Heartbeat], bool]
+
+
+def gather(store: WatchdogStore, n: int, world_size: int) -> Gathered:
+    """What the ranks of a ``world_size``-rank world said on incident ``n``: their statements, or
+    above :data:`BRIEF_FROM` ranks their heads; and the heartbeats of the ranks that said nothing.
+
+    Raises:
+        StoreTimeout, StoreUnreachable: the store did not answer.
+    """
+    ranks = list(range(world_size))
+    heads = world_size > BRIEF_FROM
+    said = store.read_heads(n, ranks) if heads else store.read_statements(n, ranks)
+    return said, store.read_heartbeats([r for r in ranks if r not in said]), heads
+
+
+def whole_of(store: WatchdogStore, n: int, incident: Incident, known: Mapping[int, Statement]) -> Incident:
+    """``incident``, assembled from heads, with the whole statements of its culprits and of its first
+    :data:`WHOLE_VICTIMS` victims read from the store (``known``: statements at hand, not read).
+
+    Raises:
+        StoreTimeout, StoreUnreachable: the store did not answer.
+    """
+    chosen = {c.rank for c in incident.culprits} | set(incident.victims[:WHOLE_VICTIMS])
+    whole = store.read_statements(n, sorted(chosen - set(known)))
+    return with_whole(incident, {**whole, **known})
 
 
 class MergeDesk(Protocol):
@@ -64,8 +100,8 @@ class Merger:
     def __init__(self, desk: MergeDesk) -> None:
         self.desk = desk
 
-    def _gather(self, case: Case, stale: dict[int, float]) -> tuple[dict[int, Statement], dict[int, Heartbeat]] | None:
-        """The statements and heartbeats of ``case`` from the store; None while still waiting."""
+    def _gather(self, case: Case, stale: dict[int, float]) -> Gathered | None:
+        """What the ranks said on ``case`` (:func:`gather`); None while still waiting."""
         assert self.desk.store is not None
         try:
             dumped = self.desk.store.add_dumped(case.doc.n, 0)
@@ -73,8 +109,7 @@ class Merger:
             dumped = 0
         if dumped < self.desk.world_size - len(stale) and time.monotonic() < case.merge_deadline:
             return None
-        ranks = list(range(self.desk.world_size))
-        return self.desk.store.read_statements(case.doc.n, ranks), self.desk.store.read_heartbeats(ranks)
+        return gather(self.desk.store, case.doc.n, self.desk.world_size)
 
     def merge(self, case: Case) -> bool:
         """Merges when every live rank has spoken or the wait is over; returns True once merged."""
@@ -83,6 +118,7 @@ class Merger:
         statements: dict[int, Statement] = {self.desk.rank: case.statement}
         heartbeats: dict[int, Heartbeat] = self.desk.liveness.heartbeats()
         extra: list[Finding] = []
+        heads = False
         if doc.kind is IncidentKind.STORE_GONE:
             heartbeats = {}
             extra = [StoreFinding(text=doc.store_text or doc.reason)]
@@ -97,7 +133,7 @@ class Merger:
                 return False  # merge from what this rank has, next tick
             if gathered is None:
                 return False
-            statements, heartbeats = gathered
+            statements, heartbeats, heads = gathered
             stale = stale_from_statements(stale, statements)
         incident = assemble(
             doc,
@@ -109,7 +145,10 @@ class Merger:
             waiting_after_s=self.desk.config.heartbeat_s,
             extra_findings=extra,
             analyse_ranks=doc.kind is not IncidentKind.STORE_GONE,
+            heads=heads,
         )
+        if heads:
+            incident = self._whole(case, incident)
         write_report(case, incident, plot=self.desk.config.incident_plot)
         add_outside_stacks(incident, lambda more: write_report(case, more, announce=False))
         case.merged = True
@@ -127,6 +166,16 @@ class Merger:
                 self.desk.store.put_merged(doc.n, note)
         self.desk.notify()
         return True
+
+    def _whole(self, case: Case, incident: Incident) -> Incident:
+        """``incident`` with the whole statements of its culprits and a few victims (:func:`whole_of`),
+        this rank's own as it made it; from the heads alone when the store does not answer."""
+        assert self.desk.store is not None
+        try:
+            return whole_of(self.desk.store, case.doc.n, incident, {self.desk.rank: case.statement})
+        except (StoreTimeout, StoreUnreachable) as exc:
+            log.warning("watchdog: incident %s: the report holds the ranks' heads only: %s", case.doc.id, exc)
+            return with_whole(incident, {self.desk.rank: case.statement})
 
     def follow(self, case: Case) -> bool:
         """On a node's first rank that did not merge: once the merger's note is in the store, logs the
