@@ -29,6 +29,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,6 +53,8 @@ __all__ = [
     "notice_now",
     "post_death",
     "read_deaths",
+    "relay_deaths",
+    "relay_slot",
 ]
 
 MAX_NOTICE_BYTES = 4 * 1024
@@ -58,6 +62,7 @@ MAX_NOTICE_BYTES = 4 * 1024
 # SIGSTOP's number negated): the commit and the rebuild meeting settle without waiting for it.
 STUCK_RC = -19
 _MAX_READ = 256  # notices read in one call at most; the rest wait for the next poll
+RELAY_S = 0.5  # a window of relay_deaths: one rank of a node reads the job's notices in each
 _MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT on 64 bits
 _MAX_COUNT = 1 << 20  # a bound on launch ranks and restarts no job reaches
 _MAX_AT = 1e11  # seconds since 1970: the year 5138
@@ -176,6 +181,59 @@ def read_deaths(store: dist.Store, seen: int, restart: str | None = None) -> tup
     return upto, found
 
 
+def relay_slot(now: float | None = None) -> int:
+    """The relay's window (:func:`relay_deaths`) that ``now`` (default: the clock) falls in."""
+    return int((time.time() if now is None else now) / RELAY_S)
+
+
+def relay_deaths(near: Any, job: dist.Store, slot: int, restart: str | None = None) -> bool:
+    """Copies the job's new death notices into a node's store, from one rank of the node a window.
+
+    Each rank of a node that looks at the notices (a take's waits look every 0.5 s) calls this with
+    its node's store first, then reads the copy there (:func:`read_deaths` on ``near``): the first
+    rank of the node to come in window ``slot`` reads the job's store, the others none. At 16,384
+    ranks, 8 a node, that is 2,048 job-store reads a window, not 16,384. The notices are copied as
+    they are (each read later under its bound, never unpickled; one over :data:`MAX_NOTICE_BYTES`
+    is copied empty, so refused), then the node's count moves by compare-and-set to the last one
+    copied: two ranks copying in turn never count a notice that is not there.
+
+    Args:
+        near: the node's store.
+        job: the job's store.
+        slot: the window (:func:`relay_slot`).
+        restart: the job's restart count; default ``TORCHELASTIC_RESTART_COUNT``.
+
+    Returns:
+        True when this rank copied (it was the window's first).
+
+    Raises:
+        RuntimeError, DistStoreError: a store failed (callers bound each call).
+    """
+    prefix = _prefix(restart)
+    if int(near.add(f"{prefix}/relay/{slot}", 1)) != 1:
+        return False
+    _forget_window(near, f"{prefix}/relay", slot)
+    if not job.check([f"{prefix}/n"]):  # none posted
+        return True
+    count, copied = death_count(job, restart), death_count(near, restart)
+    if count > copied:
+        keys = [f"{prefix}/{i}" for i in range(copied + 1, min(count, copied + _MAX_READ) + 1)]
+        raws = [bytes(v) for v in job.multi_get(keys)]  # the job's count moves once its notice is set
+        near.multi_set(keys, [v if len(v) <= MAX_NOTICE_BYTES else b"" for v in raws])
+        near.compare_set(f"{prefix}/n", str(copied), str(copied + len(keys)))
+    return True
+
+
+def _forget_window(near: Any, relay: str, slot: int) -> None:
+    """Deletes the key of the last window that copied (named under ``<relay>/at``): one is left."""
+    at = f"{relay}/at"
+    if near.check([at]):
+        last = bytes(near.get(at)).decode(errors="replace")
+        if last.isdecimal() and int(last) != slot:
+            near.delete_key(f"{relay}/{int(last)}")
+    near.set(at, str(slot))
+
+
 class DeathWatch:
     """The members of a world that their launchers reported dead since the world was made.
 
@@ -184,17 +242,28 @@ class DeathWatch:
         seen: the notices read before (the world's ``deaths_seen``).
         origins: each member's launch rank, by its number in the world.
         me: this rank's number (never named dead: a restarted process's own notice).
+        near: this rank's node's store, or None, looked up at each look (the node tier,
+            docs/scale.md): the notices are read through it (:func:`relay_deaths`); a node's store
+            that fails is dropped for the job's.
 
     Attributes:
         dead: ``{member: how it is known}``, what the looks found so far.
         notices: ``{member: its notice}``, the same members.
     """
 
-    def __init__(self, store: dist.Store, seen: int, origins: dict[int, int], me: int) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        seen: int,
+        origins: dict[int, int],
+        me: int,
+        near: Callable[[], Any | None] | None = None,
+    ) -> None:
         self._store = unprefixed(store)
         self._seen = seen
         self._by_origin = {origin: r for r, origin in origins.items()}
         self._me = me
+        self._near = near
         self.dead: dict[int, str] = {}
         self.notices: dict[int, DeathNotice] = {}
 
@@ -205,6 +274,15 @@ class DeathWatch:
             Every member known dead so far, with how it is known.
         """
         self._seen, notices = read_deaths(self._store, self._seen)
+        return self._note(notices)
+
+    def _look_near(self, near: Any) -> dict[int, str]:
+        """:meth:`look` through the node's store ``near`` (:func:`relay_deaths`)."""
+        relay_deaths(near, self._store, relay_slot())
+        self._seen, notices = read_deaths(near, self._seen)
+        return self._note(notices)
+
+    def _note(self, notices: list[DeathNotice]) -> dict[int, str]:
         for n in notices:
             r = self._by_origin.get(n.origin)
             if r is not None and r != self._me:
@@ -216,7 +294,16 @@ class DeathWatch:
         return self.dead
 
     def look_within(self, deadline: Deadline) -> dict[int, str]:
-        """:meth:`look` within ``deadline``; what was known before when the store does not answer."""
+        """:meth:`look` within ``deadline``, through the node's store where there is one; what was
+        known before when the store does not answer."""
+        near = self._near() if self._near is not None else None
+        if near is not None:
+            try:
+                what = "the death notices through the node's store"
+                return bounded_store_call(near, lambda: self._look_near(near), deadline, what)
+            except (StoreUnreachable, RuntimeError, ValueError, dist.DistStoreError) as exc:
+                log.info("the death notices: the node's store failed (%s); read in the job's store from now on", exc)
+                self._near = None
         try:
             return bounded_store_call(self._store, self.look, deadline, "the death notices")
         except (StoreUnreachable, RuntimeError, dist.DistStoreError):

@@ -34,10 +34,10 @@ from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.liveness import Liveness
 from ncclguard.watching.sensors.rank_state import RankState
 
-WORLD = 2 * BRIEF_FROM  # 2,048 ranks: 8 a node, 256 nodes
+WORLD = BRIEF_FROM + 8  # 1,032 ranks, 8 a node: just past the size that reads heads first
 TOP = 90_211  # the world group's op every rank but the culprit waits in
 CULPRIT = WORLD // 3
-BAD = (1500, 1501, 1700)  # ranks whose head in the store is hostile
+BAD = (900, 901, 1000)  # ranks whose head in the store is hostile
 NOW = time.time()
 
 _files = st.sampled_from(["/job/train.py", "/job/model.py", "/lib/torch/nn/module.py"])

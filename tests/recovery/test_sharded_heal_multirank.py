@@ -213,6 +213,9 @@ def test_a_whole_host_lost_is_restored_from_the_replicas_on_the_other_host(host_
         # the takes and commits of 3 steps (their first life's count went with it).
         assert sum(tier.values()) == (26 if r < 2 else 2 * K), (r, tier)
         assert tier["fell_back"] == 0 and (tier["carried"] + tier["waited"] >= 1 or r >= 2), (r, tier)
+    # The survivors' waits read the death notices through their node's store (store/deaths.py, relay_deaths):
+    # its window's key is there, in the store rank 0's process serves.
+    assert host_job[0]["relayed"] is True
 
 
 def test_a_rank_dead_in_a_take_ends_every_survivors_wait_at_its_death_notice_not_at_the_deadline(ring_job):

@@ -1,8 +1,8 @@
 """Rank side of tests/watching/test_node_tier_multirank.py. Usage: node_tier_worker.py two_nodes.
 
 Two hosts (network namespaces), two ranks each (``torchrun --nnodes 2 --nproc-per-node 2``), the
-node tier turned on as a user would (``NCCLGUARD_WATCHDOG_NODE_TIER=on``), the watchdog started
-after the group:
+node tier turned on as a user would (``NCCLGUARD_WATCHDOG_NODE_TIER=on``), the group made first,
+ncclguard imported and the watchdog started after it:
 
 1. a few seconds of all_reduces: every rank's heartbeats go through its node's store (the one
    ``ncclguard run``'s launcher serves), and each node's agent (the rank that holds its lease) puts
@@ -28,12 +28,6 @@ import torch
 import torch.distributed as dist
 from rankkit import put, skip_collective
 
-from ncclguard import phase, safe_barrier, start_watchdog
-from ncclguard.cli.status_read import StatusReader, read_index, read_status
-from ncclguard.incidents.files import INCIDENT_FILE
-from ncclguard.store.clients import connect
-from ncclguard.watching.base.near_store import TieredWatchdogStore, read_digests
-
 OUT = Path(os.environ["NCCLGUARD_TEST_OUT"])
 INCIDENTS = OUT / "incidents"
 HEARTBEAT_S = 0.5
@@ -45,12 +39,14 @@ WAIT_GUARD_S = 60.0  # hang guard of each wait for an incident (a report comes w
 
 
 def merged_incidents() -> int:
-    return len(list(INCIDENTS.glob(f"*/{INCIDENT_FILE}"))) if INCIDENTS.is_dir() else 0
+    return len(list(INCIDENTS.glob("*/incident.json"))) if INCIDENTS.is_dir() else 0
 
 
 def tier_state(wd) -> dict:
     """What this rank's watchdog store says of the tier: tiered, linked to its node's store (the
     launcher's?), running its node's agent."""
+    from ncclguard.watching.base.near_store import TieredWatchdogStore
+
     store = wd.watch.desk.store
     agent = getattr(store, "agent", None)
     return {
@@ -65,9 +61,25 @@ def tier_state(wd) -> dict:
 
 def job_view(wd) -> dict:
     """Rank 0's read of the job's store: the digests, and the heartbeats published there directly."""
+    from ncclguard.cli.status_read import StatusReader, read_index, read_status
+    from ncclguard.errors import StoreTimeout
+    from ncclguard.store.clients import connect
+    from ncclguard.watching.base.near_store import read_digests
+
     keys = wd.watch.desk.store.keys
     client = connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 10.0)
-    digests = read_digests(wd.watch.desk.store, keys, [0, 1])
+    # Through the watchdog's own bounded calls, which its thread uses too: a call of its that outlived
+    # its bound on a loaded machine refuses this one ("an earlier call ... has not returned") until it
+    # returns. Read again then, within the hang guard.
+    deadline = time.monotonic() + WAIT_GUARD_S
+    while True:
+        try:
+            digests = read_digests(wd.watch.desk.store, keys, [0, 1])
+            break
+        except StoreTimeout:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(HEARTBEAT_S)
     direct = {}
     for r in range(dist.get_world_size()):
         if client.check([keys.heartbeat(r)]):
@@ -85,7 +97,9 @@ def job_view(wd) -> dict:
 
 
 def two_nodes() -> None:
-    r = rankkit.init()
+    r = rankkit.init()  # the group first, ncclguard imported after: the user's order
+    from ncclguard import phase, safe_barrier, start_watchdog
+
     wd = start_watchdog(
         heartbeat_s=HEARTBEAT_S,
         hang_timeout_s=HANG_S,

@@ -345,9 +345,16 @@ def main() -> None:
     put("final", [dist.get_rank(), dist.get_world_size(), ncclguard.recovery.generation()])
     put("every", stepper.engine.keeper.k if stepper.engine.keeper is not None else None)
     if SCENARIO == "host":  # with the node tier on (its test's environment): this process's two-tier rounds
+        from ncclguard.deadlines import Deadline
+        from ncclguard.store import node_store
         from ncclguard.store.tier_round import tier_counts
 
         put("tier", tier_counts())
+        if ME % 2 == 0:  # the node's store lives in this process (LOCAL_RANK 0, no launcher's store)
+            # Whether a wait read the death notices through it (store/deaths.py, relay_deaths).
+            near = node_store.near_client(30.0, Deadline.within(30.0))
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            put("relayed", near is not None and near.check([f"ncclguard/dead/{restart}/relay/at"]))
     if SCENARIO == "kill":
         refused(stepper)
         damaged(stepper)
