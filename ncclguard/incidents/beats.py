@@ -196,10 +196,10 @@ class Statement(Heartbeat):
         return None if ranks is None else expand_ranks(ranks)
 
     def head(self) -> Statement:
-        """What a merge's analysis reads of this statement, and no more (~1.2 KB as stored, not 4-11 KB): its
-        heartbeat's whereabouts and counts, its ops in flight, its groups, its backend ops, the
-        frames that name the function at its site (:func:`site_frames`) and the peers it found
-        stale. No recent ops, sensors' readings or straggler window. Above 1,024 ranks the merging
+        """What a merge's analysis reads of this statement, and no more (~1.2 KB as stored, not
+        4-11 KB): its heartbeat's whereabouts and counts, its ops in flight, its groups, its backend
+        ops, the frames that name the function at its site (:func:`site_frames`) and the peers it
+        found stale. No recent ops, sensors' readings or straggler window. Above 1,024 ranks the merging
         rank reads every rank's head and the whole statements of the culprits and a few victims
         only (``watching/desk/merging.py``): parsing 16,384 whole statements took it 3.6 s, their
         heads 0.35 s (``benchmarks/desk_scale.py``)."""

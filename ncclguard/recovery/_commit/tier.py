@@ -1,7 +1,8 @@
 """should_commit, the rebuild's meeting and a snapshot take's agreement through the node tier
 (docs/scale.md): with the tier on, a step's statements (a meeting's arrivals, a take's accounts)
-meet in each node's store first, and one rank a node carries them to the job's store (:mod:`ncclguard.store.tier_round`). The job's store then takes a few
-requests a node, not a few a rank.
+meet in each node's store first, and one rank a node carries them to the job's store
+(:mod:`ncclguard.store.tier_round`). The job's store then takes a few requests a node, not a few a
+rank.
 
 Whether a commit goes through the tier is decided once per world, the same on every rank, from
 what the launcher and the settings say (torchrun's ``GROUP_RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``,
