@@ -217,11 +217,7 @@ class Merger:
         assert self.desk.store is not None
         if self.desk.world_size > COPY_MAX_RANKS:
             return f"; not copied here: over {COPY_MAX_RANKS} ranks only the merger reads every statement"
-        ranks = list(range(self.desk.world_size))
-        statements, heartbeats = (
-            self.desk.store.read_statements(case.doc.n, ranks),
-            self.desk.store.read_heartbeats(ranks),
-        )
+        statements, heartbeats, heads = gather(self.desk.store, case.doc.n, self.desk.world_size)
         stale = stale_from_statements(self.desk.liveness.stale(time.monotonic()), statements)
         incident = assemble(
             case.doc,
@@ -231,6 +227,7 @@ class Merger:
             self.desk.world_size,
             merged_by=note.rank if note.rank is not None else self.desk.rank,
             waiting_after_s=self.desk.config.heartbeat_s,
+            heads=heads,
         )
         write_report(case, incident, announce=False, plot=self.desk.config.incident_plot)
         return f"; the same report here: {case.dir / SUMMARY_FILE}"
