@@ -22,7 +22,6 @@ HEARTBEAT_S = 0.3  # as in the worker
 HANG_S = 1.5
 SKEW_S = 0.25  # how much earlier than rank 2 the others may enter an op (a loaded machine)
 PEER_S = 4.0  # the worker's peer_timeout_s: above a loaded machine's starved beats (tests/workers/diagnosis_worker.py)
-SLOW_GROUP_TIMEOUT_S = 25  # the worker's "slow" group (SLOW_S), which SIGALRM cannot interrupt
 # Hang guard on a report: over 3x the 1.6-2.2 s from the hang to the report on disk that loaded runs
 # took (docs/diagnosis.md; the bound hang_timeout_s + 2 * heartbeat_s is 2.1 s). How soon it comes
 # is a latency: benchmarks/watchdog_scale.py --ranks --gloo-ranks 3 measures it on this scenario.
@@ -163,21 +162,23 @@ def test_a_rank_frozen_in_python_is_named(desync):
 
 def test_sigalrm_cannot_interrupt_a_blocked_gloo_collective_but_the_watchdog_reports_it(desync):
     alarm = desync[0]["alarm"]
-    # The 1 s alarm fired only when gloo gave up at its 25 s timeout; its exception then replaced gloo's.
-    assert desync[0]["alarm_elapsed"] >= SLOW_GROUP_TIMEOUT_S - 0.5  # far past the 1 s alarm: gloo's timeout ended it
-    assert (alarm["raised"], alarm["context"]) == ("DeadlineExceeded", "RuntimeError")
+    released = min(desync[r]["released_at"] for r in (1, 2))
+    returned = desync[0]["alarm_start"] + desync[0]["alarm_elapsed"]
+    # The 1 s alarm was delivered only when the op returned, once ranks 1-2 joined it: seconds later.
+    assert returned >= released - 0.05 and desync[0]["alarm_elapsed"] > 1.5, (desync[0], released)
+    assert (alarm["raised"], alarm["context"]) == ("DeadlineExceeded", None)  # the op itself succeeded
     inc = merged(incidents(desync)[2])
     slow = desync[0]["group_names"]["slow"]
     (finding,) = [f for f in inc["findings"] if f["kind"] != "silent"]  # a late statement adds "silent"
     assert (finding["kind"], finding["group"], finding["seq"], finding["waiting"]) == ("desync", slow, 1, [0])
     assert [(c["rank"], c["last_seq"]) for c in inc["culprits"]] == [(1, 0), (2, 0)]
-    # On disk before the collective returned (the group's 25 s is over 3x the 8.1 s a loaded run once needed).
-    assert inc["written_at"] < desync[0]["alarm_start"] + desync[0]["alarm_elapsed"]
+    # On disk while the op was still blocked: ranks 1-2 joined it only after.
+    assert inc["written_at"] < released
 
 
 def test_every_rank_dumped_every_incident(desync):
     found = incidents(desync)
-    # The three incidents of the scenario come first. While rank 0 then sits 25 s in the slow group's
+    # The three incidents of the scenario come first. While rank 0 then sits in the slow group's
     # all_reduce, a starved machine can keep a rank's heartbeats from the store for seconds (CI, a
     # slower host: 4.2 s, 8.1 s, and ~10 s while rank 0 drew an earlier incident's picture): that is
     # told as it is, in incidents of their own after the three, naming a silent or lost rank, and

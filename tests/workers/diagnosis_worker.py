@@ -182,11 +182,11 @@ def desync() -> None:
         dist.all_reduce(torch.ones(8, dtype=torch.float64))
     put("after_frozen", wd.wait_for_incident(10, count=2))
 
-    # 3. SIGALRM cannot interrupt a blocked gloo collective; the watchdog still reports it.
+    # 3. SIGALRM cannot interrupt a blocked gloo collective; the watchdog still reports it. Ranks 1-2
+    # join rank 0's op only once the merged report is on disk: the alarm is delivered when the op
+    # returns, not at its 1 s. The group's gloo timeout is a hang guard, over 3x the 8.1 s a loaded
+    # CI run once took to report it (1.6-2.2 s is usual).
     safe_barrier(timeout=20)
-    # Its timeout is over 3x the 8.1 s a loaded CI run once took to report it (rank 0's watchdog learned
-    # of the hang at 7.6 s while the job's store answered its clients late; 1.6-2.2 s is usual), so the
-    # report comes first.
     slow = dist.new_group(timeout=timedelta(seconds=SLOW_S))
     if r == 0:
         t0 = time.monotonic()
@@ -205,7 +205,11 @@ def desync() -> None:
                 },
             )
         put("alarm_elapsed", time.monotonic() - t0)
-    safe_barrier(timeout=SLOW_S + 60)  # ranks 1-2 wait here while rank 0 sits in the slow group's op
+    else:
+        wd.wait_for_incident(SLOW_S, count=3, merged=True)
+        put("released_at", time.time())
+        dist.all_reduce(torch.ones(3), group=slow)
+    safe_barrier(timeout=SLOW_S + 60)
     put("incidents", wd.wait_for_incident(10, count=3, merged=r == 0, settled=True))
     put("group_names", {"world": dist.distributed_c10d._get_default_group().group_name, "slow": slow.group_name})
     rankkit.done()
