@@ -39,13 +39,16 @@ demo: $(STAMP)
 
 # Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (this project's CI), each of the suite's
 # hundreds of rank processes would otherwise compile ncclguard and the workers from source again.
+# --no-loadscope-reorder: the files run in the order tests/conftest.py gives them (the launches of
+# real ranks first); pytest-xdist's default since 3.5 reorders them by their number of tests, which
+# put the launches, a few tests a file, last (the option came with 3.8).
 test: $(STAMP)
 	$(PY) -m compileall -q ncclguard integrations autostart tests
-	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m "not drill" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=30 -m "not drill" $(PYTEST_ARGS)
 
 # The longer variants (marked drill): each has its short form in `make test` (docs/architecture.md, "Checks").
 drills: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q --durations=30 -m drill $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=30 -m drill $(PYTEST_ARGS)
 
 # ruff (lint and format) over everything we ship and test; types over the library.
 lint: $(STAMP)

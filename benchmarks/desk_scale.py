@@ -2,7 +2,7 @@
 within ``hang_timeout_s`` + 2 beats"): every rank's statement in, the merging rank's read and
 analysis, and its report on disk.
 
-    python benchmarks/desk_scale.py [--ranks 64 1024 4096 16384] [--procs 4] \
+    python benchmarks/desk_scale.py [--ranks 64 1024 4096 16384] [--procs 4] [--modes flat tier] \
         [--json benchmarks/results/desk_scale.json]
 
 The job's store is torch's ``TCPStore`` server in a process of its own pinned to CPU 0
@@ -11,10 +11,13 @@ in the store is ncclguard's own code:
 
 1. **Set-up (not timed).** Each rank's heartbeat (``node_tier_scale.heartbeat_template``, ~1.5 KB)
    is in the store, as the watchdogs leave them.
-2. **Statements.** ``--procs`` client processes pinned to CPU 1 each play their share of the ranks:
-   :meth:`WatchdogStore.put_statement` of a realistic :class:`Statement` and
-   :meth:`WatchdogStore.add_dumped`, as each rank's desk does. The statement is what a rank of a
-   job with data and tensor parallelism says: waiting in an all_reduce of the world group (rank
+2. **Statements.** ``--procs`` client processes pinned to CPU 1 each play their share of the ranks
+   (whole nodes of 8), in one of two modes (``--modes``): ``flat``, each rank's
+   :meth:`WatchdogStore.file_statement` (its statement, its count, its claim to merge), as each
+   rank's desk does without the node tier; ``tier``, each node's carrier's part in the job's store
+   (``near_filing.carry_to_job``: its 8 ranks' statements in one request, their count, its claim),
+   as with the node tier (the node's own store is not simulated). The statement is what a rank of
+   a job with data and tensor parallelism says: waiting in an all_reduce of the world group (rank
    ``n // 3`` one op behind, in ``eval``), a 30-frame stack, its 20 recent ops, its 16 watched
    peers, and its groups' ranks: the world's ``n``, its data-parallel group's ``n / 8``, its
    tensor-parallel group's 8 (what ``RankState.groups`` reads from torch). The statements are
@@ -147,20 +150,30 @@ def _setup(port: int, share: list[int]) -> None:
         client.multi_set([keys.heartbeat(r) for r in part], texts)
 
 
-def _stater(port: int, size: int, share: list[int], ready: Any, go: Any, out: Any) -> None:
-    """One client process's share of the ranks: each one's statement and its count."""
+def _stater(port: int, size: int, share: list[int], mode: str, ready: Any, go: Any, out: Any) -> None:
+    """One client process's share of the ranks filing their statements: ``flat``, each rank's
+    ``file_statement`` (its statement, its count, its claim to merge); ``tier``, each node's carrier
+    taking its 8 ranks' statements to the job's store (``near_filing.carry_to_job``: one request of
+    them all, the count, the claim; the node's own store is not simulated)."""
     _pin({1})
+    from ncclguard.watching.base.near_filing import carry_to_job
+
     store = _store(port)
     now = time.time()
     said = [statement(r, size, now) for r in share]
+    nodes: list[list[Any]] = [said[i : i + PER_NODE] for i in range(0, len(said), PER_NODE)]
+    carried = [[it for s in node for it in store.statement_items(INCIDENT, s)] for node in nodes]
     ready.put(len(said))
     go.wait()
     t0 = time.perf_counter()
-    for s in said:
-        store.put_statement(INCIDENT, s)
-        store.add_dumped(INCIDENT)
+    if mode == "flat":
+        for s in said:
+            store.file_statement(INCIDENT, s)
+    else:
+        for node, items in zip(nodes, carried, strict=True):
+            carry_to_job(store, INCIDENT, items, len(node), node[0].rank, size)
     seconds = time.perf_counter() - t0
-    nbytes = len(store.store.get(store.keys.statement(INCIDENT, share[0])))  # as stored (put_statement's cuts)
+    nbytes = len(store.store.get(store.keys.statement(INCIDENT, share[0])))  # as stored (statement_items' cuts)
     head = store.keys.head(INCIDENT, share[0])
     head_bytes = len(store.store.get(head)) if store.store.check([head]) else 0  # above 1,024 ranks
     out.put({"seconds": seconds, "bytes": nbytes, "head_bytes": head_bytes})
@@ -230,14 +243,17 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def run_size(size: int, procs: int) -> dict[str, Any]:
-    """One incident at ``size`` ranks against a fresh server."""
+def run_size(size: int, procs: int, mode: str = "flat") -> dict[str, Any]:
+    """One incident at ``size`` ranks against a fresh server, its statements filed flat or through
+    the node tier (``mode``)."""
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=_server, args=(port_q, stop), daemon=True)
     server.start()
     port = port_q.get(timeout=SETUP_BOUND_S)
-    shares = [list(range(i, size, procs)) for i in range(procs)]
+    # Whole nodes to each client process (torchrun's numbering: node n holds ranks 8n to 8n + 7).
+    nodes = [list(range(lo, min(lo + PER_NODE, size))) for lo in range(0, size, PER_NODE)]
+    shares = [[r for node in nodes[i::procs] for r in node] for i in range(procs)]
     try:
         setups = [ctx.Process(target=_setup, args=(port, s)) for s in shares]
         for p in setups:
@@ -245,7 +261,7 @@ def run_size(size: int, procs: int) -> dict[str, Any]:
         for p in setups:
             p.join(SETUP_BOUND_S)
         ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-        staters = [ctx.Process(target=_stater, args=(port, size, s, ready, go, out)) for s in shares]
+        staters = [ctx.Process(target=_stater, args=(port, size, s, mode, ready, go, out)) for s in shares]
         for p in staters:
             p.start()
         for _ in staters:  # each makes its statements before the clock starts
@@ -268,6 +284,7 @@ def run_size(size: int, procs: int) -> dict[str, Any]:
         server.join(10)
     return {
         "ranks": size,
+        "mode": mode,
         "statement_bytes": said[0]["bytes"],
         "head_bytes": said[0]["head_bytes"],
         "statements_wall_s": round(stated_wall, 3),
@@ -282,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
     ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", choices=["flat", "tier"], default=["flat", "tier"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
     for size in args.ranks:
-        row = run_size(size, args.procs)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for mode in args.modes:
+            row = run_size(size, args.procs, mode)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
         if args.json is not None:
             doc = {
                 "command": "python benchmarks/desk_scale.py " + " ".join(sys.argv[1:]),

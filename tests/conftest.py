@@ -62,7 +62,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """The launches of real ranks first, then everything else, each in its collected order: under
     ``pytest -n 2 --dist loadfile`` a file goes whole to one worker, and a launch of a minute or more
     left for the end kept the other worker idle (the suite's last 5% took 10 of its 27 minutes). The
-    many short tests now fill the end on both workers. Three workers were tried: 3-4 minutes faster,
+    many short tests now fill the end on both workers (the Makefile's ``--no-loadscope-reorder`` keeps
+    this order: pytest-xdist's own puts the files with the most tests first). Three workers were tried: 3-4 minutes faster,
     but two runs of three failed on load (a heartbeat read before its set landed; the stacks' and the
     stragglers' timing under a starved rank), so two it stays."""
     heavy = {it.path for it in items if it.get_closest_marker("multirank") or it.path.name in _HEAVY}

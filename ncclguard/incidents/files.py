@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = [
     "rank_ranges",
     "render",
     "write_json",
+    "write_text",
 ]
 
 INCIDENT_FILE = "incident.json"
@@ -69,9 +71,15 @@ def write_json(path: Path, doc: Any) -> None:
         text = doc.model_dump_json(indent=1, by_alias=True)
         if not text.isascii():
             text, doc = None, doc.model_dump(mode="json", by_alias=True)
+    write_text(path, text if text is not None else json.dumps(doc, indent=1, default=str))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically: a reader never sees half a file, and two threads
+    writing the same report (the merge, then the outside stacks' rewrite) each write their own."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text if text is not None else json.dumps(doc, indent=1, default=str))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ncclguard._log import log
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import StoreUnreachable
+from ncclguard.store import node_store
 from ncclguard.store.bounded import bounded_store_call
 from ncclguard.store.clients import connect, unprefixed
 from ncclguard.store.codec import DecodeError, decode, encode
@@ -244,7 +245,9 @@ class DeathWatch:
         me: this rank's number (never named dead: a restarted process's own notice).
         near: this rank's node's store, or None, looked up at each look (the node tier,
             docs/scale.md): the notices are read through it (:func:`relay_deaths`); a node's store
-            that fails is dropped for the job's.
+            that fails is dropped for the job's. Default: the calling thread's client of the node's
+            store this process's watchdog is linked to (:func:`~ncclguard.store.node_store.near_getter`),
+            none where it is linked to none.
 
     Attributes:
         dead: ``{member: how it is known}``, what the looks found so far.
@@ -263,7 +266,7 @@ class DeathWatch:
         self._seen = seen
         self._by_origin = {origin: r for r, origin in origins.items()}
         self._me = me
-        self._near = near
+        self._near: Callable[[], Any | None] | None = near if near is not None else node_store.near_getter()
         self.dead: dict[int, str] = {}
         self.notices: dict[int, DeathNotice] = {}
 

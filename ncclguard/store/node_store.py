@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,11 +36,14 @@ __all__ = [
     "LAUNCHER_VAR",
     "AgentLease",
     "claim_agent",
+    "claim_carry",
     "drop_near_client",
+    "file_in_node",
     "get_present",
     "launcher_address",
     "linked_address",
     "near_client",
+    "near_getter",
     "note_linked",
     "put",
     "put_all",
@@ -54,6 +57,9 @@ ADDR_MAX = 300  # bytes of a node store's "host:port"
 # and ranks, and a lease names a process.
 AGENT_KEY = "ncclguard/node_agent"
 LEASE_LIMIT = 512  # bytes of a lease
+# A read through the node's store (store/deaths.py, relay_deaths): each call on the node's own host,
+# a frozen store given up in time for the reader to read the job's store at its next look.
+NEAR_TIMEOUT_S = 2.0
 
 
 class AgentLease(BaseModel):
@@ -156,6 +162,37 @@ def get_present(store: Any, key: str) -> bytes | None:
     return bytes(store.get(key)) if store.check([key]) else None
 
 
+def file_in_node(store: Any, items: Sequence[tuple[str, str]], filed: str, count: str, rank: int) -> int:
+    """Sets ``items`` (a rank's statement on an incident) in the node's store, appends ``rank`` to
+    the list under ``filed`` and counts it under ``count``, in that order; the count.
+
+    Args:
+        store: the node's store.
+        items: ``(key, value)`` pairs, set in one request.
+        filed: the node's list of the ranks that filed (``"r,"`` each).
+        count: the node's count of them.
+        rank: this rank.
+    """
+    store.multi_set([k for k, _ in items], [v for _, v in items])
+    store.append(filed, f"{rank},")
+    return int(store.add(count, 1))
+
+
+def claim_carry(store: Any, claim: str, filed: str, carried: str, max_bytes: int) -> bytes | None:
+    """Claims the carrying of what a node's ranks filed (:func:`file_in_node`): the first ``add``
+    under ``claim`` takes it. The claimer reads the list under ``filed`` (at most ``max_bytes``) and
+    sets it under ``carried`` before it carries: a rank whose name is not there files by itself.
+
+    Returns:
+        The list as read (raw: the caller parses it), for the claimer; None for the others.
+    """
+    if int(store.add(claim, 1)) != 1:
+        return None
+    raw = bytes(store.get(filed))[:max_bytes] if store.check([filed]) else b""
+    store.set(carried, raw)
+    return raw
+
+
 class _Linked:
     """The node store this process's watchdog reads and writes (``""``: none), and each thread's
     client of it."""
@@ -209,6 +246,19 @@ def near_client(timeout_s: float, deadline: Deadline) -> Any | None:
             log.info("node tier: no client of the node's store at %s (%s)", addr, exc)
             return None
     return clients[addr]
+
+
+def near_getter(timeout_s: float = NEAR_TIMEOUT_S) -> Callable[[], Any | None]:
+    """A getter of the calling thread's client of the node's store (:func:`near_client`), for the
+    reads that go through the node tier where it is on (``DeathWatch(near=...)``).
+
+    Args:
+        timeout_s: the client's own timeout, and the bound on connecting it.
+
+    Returns:
+        A function returning the client, or None where the watchdog is linked to no node's store.
+    """
+    return lambda: near_client(timeout_s, Deadline.within(timeout_s))
 
 
 def drop_near_client(client: Any) -> None:

@@ -97,7 +97,11 @@ def attach(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int = 1) -> Watc
     layout = NodeLayout.from_env()
     store: WatchdogStore
     if layout is not None and tier_wanted(cfg.node_tier, world_size, cfg.node_tier_min_ranks, layout):
-        store = TieredWatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout, layout, cfg.heartbeat_s)
+        # A node's statements carried well inside the merger's wait (near_filing.py).
+        carry_wait = min(cfg.heartbeat_s / 2, cfg.merge_wait / 4)
+        store = TieredWatchdogStore(
+            client, keys, cfg.store_timeout, cfg.peer_timeout, layout, cfg.heartbeat_s, carry_wait_s=carry_wait
+        )
         store.agent = start_agent(store, cfg.watch_peers)  # on the node's LOCAL_RANK 0 (node_agent.py)
         log.info(
             "watchdog: node tier on: node %d of %d, local rank %d of %d",

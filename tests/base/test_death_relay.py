@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 from tier_kit import Job
 
 from ncclguard.deadlines import Deadline
+from ncclguard.store import node_store
 from ncclguard.store.deaths import (
     MAX_NOTICE_BYTES,
     RELAY_S,
@@ -101,3 +103,22 @@ def test_a_watch_reads_through_its_nodes_store_and_the_jobs_when_that_store_is_g
 
 def test_the_relays_window_is_half_a_second():
     assert relay_slot(10.0) == 20 and relay_slot(10.49) == 20 and relay_slot(10.5) == 21
+
+
+def test_a_watch_reads_through_the_linked_node_store_by_default_and_the_jobs_where_none_is_linked(monkeypatch):
+    # A commit's, a take's and the verdict's watches read through node_store.near_getter by default:
+    # the calling thread's client of the node's store the watchdog linked to, looked up at each look.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", RESTART)
+    monkeypatch.setattr(node_store._linked, "addr", "")
+    get = node_store.near_getter()
+    assert get() is None  # no node tier: the watch reads the job's store
+    job = Job(2, 2)
+    monkeypatch.setattr(node_store._linked, "addr", f"127.0.0.1:{job.nodes[0].port}")
+    monkeypatch.setattr(node_store._linked, "local", threading.local())
+    near = get()
+    assert near is not None and get() is near  # one client a thread, connected once
+    store, poster = job.clients(0)[0], job.clients(1)[0]
+    post_death(poster, notice(11), RESTART)
+    watch = DeathWatch(store, 0, {0: 10, 1: 11}, 0)  # the default: the linked node's store, as near_getter gives it
+    assert list(watch.look_within(Deadline.within(30))) == [1]
+    assert job.nodes[0].check([f"{PREFIX}/1"])  # read through the node's store's copy

@@ -183,6 +183,10 @@ def test_a_desync_across_the_nodes_names_the_skipping_rank_with_its_phase_and_si
     assert HANG_S <= hang_to_disk, hang_to_disk
     put_down = {r: len(got[r]["after_desync"]) for r in range(4)}
     assert put_down == {0: 1, 1: 1, 2: 1, 3: 1}, put_down
+    # The statements went through each node's store: one rank of each host carried its node's two
+    # to the job's store (ncclguard/watching/base/near_filing.py).
+    carried = {r: got[r]["carried"] for r in range(4)}
+    assert sorted([carried[0], carried[1]]) == sorted([carried[2], carried[3]]) == [0, 2], carried
 
 
 def test_a_stopped_local_rank_0_is_its_own_rank_lost_and_its_nodes_other_rank_runs_the_agent(tier):

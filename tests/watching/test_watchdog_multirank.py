@@ -38,7 +38,7 @@ def mark(name: str) -> int:
 
 def listing(where: Path) -> list[str]:
     """The files of an incident directory, without a write in progress when the rank exited
-    (``.<name>.<pid>.tmp``: write_json renames it into place when done) and without timeline.png
+    (``.<name>.<pid>.<thread>.tmp``: write_json renames it into place when done) and without timeline.png
     (drawn from a thread of its own when matplotlib is installed; tests/watching/test_views_multirank.py
     checks it)."""
     return sorted(p.name for p in where.iterdir() if not p.name.startswith(".") and p.name != "timeline.png")

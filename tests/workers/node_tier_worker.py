@@ -129,6 +129,7 @@ def two_nodes() -> None:
             rankkit.when(lambda: merged_incidents() >= 1, WAIT_GUARD_S).wait(WAIT_GUARD_S)  # MARK: eval
         dist.all_reduce(torch.ones(4))  # back in step: the others are released
     put("after_desync", wd.wait_for_incident(WAIT_GUARD_S, count=1, merged=True))
+    put("carried", getattr(getattr(wd.watch.desk.store, "filing", None), "carried", None))
     safe_barrier(timeout=30)
     # Out of the barrier, said on the shared disk: rank 2 stops only once no rank waits on it in one.
     (OUT / f"out{r}").write_text("")

@@ -24,7 +24,6 @@ from ncclguard import _torch_compat as compat
 from ncclguard.deadlines import Deadline
 from ncclguard.errors import HealFailed, SnapshotDamaged, SnapshotRefused
 from ncclguard.recovery.snapshots.packing import MAX_MANIFEST_BYTES, Manifest, Snapshot, digest, read_manifest
-from ncclguard.store import node_store
 from ncclguard.store.bounded import run_into
 from ncclguard.store.deaths import DeathWatch
 from ncclguard.world import current_world
@@ -42,9 +41,6 @@ __all__ = [
     "swap",
 ]
 
-# The node's store's client, for the notices read through it (store/deaths.py, relay_deaths): each
-# call on the node's own host, a frozen one given up in time to read the job's store at the next look.
-NEAR_TIMEOUT_S = 2.0
 LOOK_EVERY_S = 0.5  # how often a watched wait reads the death notices (one store call when none is new)
 
 #: The members known dead (``{rank: how it is known}``), read within a deadline.
@@ -70,11 +66,7 @@ def death_watch() -> Dead:
     if store is None:
         return lambda deadline: {}
     size = dist.get_world_size()
-
-    def near() -> Any | None:  # the node's store, where the tier is on and the watchdog linked to it
-        return node_store.near_client(NEAR_TIMEOUT_S, Deadline.within(NEAR_TIMEOUT_S))
-
-    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, dist.get_rank(), near)
+    watch = DeathWatch(store, world.deaths_seen, {r: world.origin(r) for r in range(size)}, dist.get_rank())
     return watch.look_within
 
 

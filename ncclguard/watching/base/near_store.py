@@ -5,8 +5,9 @@ runs the node tier (docs/scale.md). Its heartbeat, its reads of the watched peer
 its look at the ``closing`` mark go to its node's store: the one ``ncclguard run``'s launcher serves
 (named in ``NCCLGUARD_NODE_STORE``), else the one its node's agent serves
 (:mod:`~ncclguard.watching.base.node_agent`). That store holds the node's ranks' heartbeats and the
-copies of the watched nodes' digests; everything else (incidents, statements, counters) goes to the
-job's store as before.
+copies of the watched nodes' digests. An incident's statements are filed there too, one carrier a
+node taking them to the job's store (:mod:`~ncclguard.watching.base.near_filing`); everything else
+(incidents, counters, the merge) goes to the job's store as before.
 
 Nothing waits on the node's store: a call to it that fails drops it (one log line), and the rank
 talks to the job's store directly until the agent names a store again. A watched peer that the
@@ -23,13 +24,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.model import Heartbeat
+from ncclguard.incidents.model import Heartbeat, Statement
 from ncclguard.store import node_store
 from ncclguard.store.bounded_calls import BoundedCalls
 from ncclguard.store.clients import connect
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import Keys
 from ncclguard.store.rounds import read_present
+from ncclguard.watching.base.near_filing import NodeFiling
 from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout, watched_nodes
 from ncclguard.watching.base.watchdog_store import WatchdogStore
 
@@ -57,6 +59,9 @@ class TieredWatchdogStore(WatchdogStore):
             "frozen" counts in).
         launcher: the ``host:port`` of the node's store the launcher serves; default: the one
             ``NCCLGUARD_NODE_STORE`` names, ``""`` for none (the node's agent names its own).
+        carry_wait_s: how long a node's ranks wait for all of its statements on an incident
+            before one carries what came (:mod:`~ncclguard.watching.base.near_filing`); default
+            half a heartbeat.
     """
 
     def __init__(
@@ -68,8 +73,10 @@ class TieredWatchdogStore(WatchdogStore):
         layout: NodeLayout,
         heartbeat_s: float,
         launcher: str | None = None,
+        carry_wait_s: float | None = None,
     ):
         super().__init__(store, keys, timeout, gone_after)
+        self.filing = NodeFiling(self, heartbeat_s / 2 if carry_wait_s is None else carry_wait_s)
         self.layout, self.heartbeat_s = layout, heartbeat_s
         self.launcher = node_store.launcher_address() if launcher is None else launcher
         self.near: BoundedCalls | None = None  # the node's store, while it answers
@@ -85,6 +92,7 @@ class TieredWatchdogStore(WatchdogStore):
 
     def _new_namespace(self) -> None:
         super()._new_namespace()
+        self.filing.pending.clear()
         self._member_ns = ""
         self._seen.clear()
 
@@ -239,6 +247,21 @@ class TieredWatchdogStore(WatchdogStore):
         if not done:
             return super().has_mark(key)
         return raw is not None and bytes(raw) == b"1"
+
+    # ----------------------------------------------------------------- statements
+
+    def file_statement(self, n: int, statement: Statement) -> bool | None:
+        """Files this rank's statement on incident ``n`` through its node's store, one carrier a node
+        taking them to the job's store (:class:`~ncclguard.watching.base.near_filing.NodeFiling`);
+        in the job's store by itself without a node's store."""
+        self._look()
+        if self.near is None:
+            return super().file_statement(n, statement)
+        return self.filing.file(n, statement)
+
+    def file_later(self, n: int) -> bool | None:
+        """Goes on with a statement waiting in the node's store (:meth:`NodeFiling.later`)."""
+        return self.filing.later(n)
 
 
 def _newer(a: Heartbeat, b: Heartbeat) -> bool:

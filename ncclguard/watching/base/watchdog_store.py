@@ -340,11 +340,11 @@ class WatchdogStore(StoreExchange):
 
         return self._parse(IncidentDoc, self._call("get", key), key, check)
 
-    def put_statement(self, n: int, statement: Statement) -> None:
-        """Publishes this rank's statement on incident ``n``, cut to its size bound if needed. In a
-        world of more than :data:`BRIEF_FROM` ranks, with its newest :data:`BRIEF_RECENT` ops and
-        innermost :data:`BRIEF_FRAMES` frames, and its head (:meth:`Statement.head`) beside it in the
-        same request: the merge reads every rank's head, and whole statements of a few."""
+    def statement_items(self, n: int, statement: Statement) -> list[tuple[str, str]]:
+        """This rank's statement on incident ``n`` as stored, under its key: cut to its size bound if
+        needed. In a world of more than :data:`BRIEF_FROM` ranks, with its newest :data:`BRIEF_RECENT`
+        ops and innermost :data:`BRIEF_FRAMES` frames, and its head (:meth:`Statement.head`) beside
+        it: the merge reads every rank's head, and whole statements of a few."""
         head = statement.head() if statement.world_size > BRIEF_FROM else None
         if head is not None:
             brief = {"recent": statement.recent[-BRIEF_RECENT:], "stack": statement.stack[-BRIEF_FRAMES:]}
@@ -358,11 +358,35 @@ class WatchdogStore(StoreExchange):
             if len(text) <= LIMITS[Statement]:
                 break
             text = self._encode(statement.model_copy(update=cut))
-        key = self.keys.statement(n, statement.rank)
-        if head is None:
-            self._call("set", key, text)
+        items = [(self.keys.statement(n, statement.rank), text)]
+        return items if head is None else [*items, (self.keys.head(n, statement.rank), self._encode(head))]
+
+    def put_statement(self, n: int, statement: Statement) -> None:
+        """Publishes this rank's statement on incident ``n`` (:meth:`statement_items`), in one request."""
+        self.put_items(self.statement_items(n, statement))
+
+    def put_items(self, items: Sequence[tuple[str, str | bytes]]) -> None:
+        """Sets each ``(key, value)`` of ``items`` in one request."""
+        if len(items) == 1:
+            self._call("set", *items[0])
         else:
-            self._call("multi_set", [key, self.keys.head(n, statement.rank)], [text, self._encode(head)])
+            self._call("multi_set", [k for k, _ in items], [v for _, v in items])
+
+    def file_statement(self, n: int, statement: Statement) -> bool | None:
+        """Files this rank's statement on incident ``n``, counts it dumped, and asks to merge.
+
+        Returns:
+            True when this rank merges (:meth:`claim_merger`); None where the statement waits in
+            the node's store to be carried (:meth:`file_later`; the node tier's store).
+        """
+        self.put_statement(n, statement)
+        self.add_dumped(n)
+        return self.claim_merger(n, statement.rank, statement.world_size)
+
+    def file_later(self, n: int) -> bool | None:
+        """Goes on with a filing that :meth:`file_statement` left waiting: None while it waits, else
+        whether this rank merges. Nothing waits in the job's store alone: False."""
+        return False
 
     def add_dumped(self, n: int, k: int = 1) -> int:
         """Counts ``k`` more ranks as having dumped incident ``n``; the count.

@@ -15,7 +15,7 @@ from typing import Any
 from ncclguard._log import log
 from ncclguard._naming import HOSTNAME
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE, write_json
+from ncclguard.incidents.files import INCIDENT_FILE, SUMMARY_FILE, write_json, write_text
 from ncclguard.incidents.model import (
     BackendEntry,
     FenceNote,
@@ -75,6 +75,7 @@ class Case:
     threads: dict[str, list[str]]
     records: list[OpRecord]
     merger: bool = False
+    filing: bool = False  # its statement waits in the node's store to be carried (the node tier)
     merge_deadline: float = 0.0
     merged: bool = False
     followed: bool = False  # a node's first rank: the merged report logged (and copied) here
@@ -248,7 +249,7 @@ def write_report(case: Case, incident: Incident, *, announce: bool = True, plot:
     text = render(incident)
     try:
         write_json(case.dir / INCIDENT_FILE, incident)
-        (case.dir / SUMMARY_FILE).write_text(text)
+        write_text(case.dir / SUMMARY_FILE, text)
     except OSError as exc:
         log.error("watchdog: could not write incident %s: %s", case.doc.id, exc)
     if plot:

@@ -332,11 +332,10 @@ class IncidentDesk:
             case.merger, case.merge_deadline = True, now
         else:
             try:
-                self.store.put_statement(doc.n, statement)
-                self.store.add_dumped(doc.n)
+                merges = self.store.file_statement(doc.n, statement)
                 if doc.kind is IncidentKind.NUMERICS:  # a past event: the engine acted at its commit (status)
                     self.store.set_mark(self.store.keys.resolved(doc.n))
-                case.merger = self.store.claim_merger(doc.n, self.rank, self.world_size)
+                case.merger, case.filing = bool(merges), merges is None
                 case.merge_deadline = now + cfg.merge_wait
             except (StoreTimeout, StoreUnreachable) as exc:
                 # Nobody can collect this rank's statement: it merges what it has itself.
@@ -360,6 +359,8 @@ class IncidentDesk:
         """Merges what is ready to merge and climbs the ladders."""
         for case in list(self.cases):
             try:
+                if case.filing:
+                    file_later(self.store, case, self.config.merge_wait)
                 if not case.merger and not case.followed and self.node_leader:
                     case.followed = self.merger.follow(case)  # whatever the ladder does meanwhile
                 if case.ladder.settled:
@@ -400,3 +401,20 @@ class IncidentDesk:
         if result in ("resolved", "stepped"):
             self.write_dump(case)
         self.notify()
+
+
+def file_later(store: WatchdogStore | None, case: Case, merge_wait: float) -> None:
+    """Goes on with ``case``'s statement waiting in the node's store to be carried (the node tier:
+    ``WatchdogStore.file_later``); with the job's store gone meanwhile, this rank merges what it has,
+    as :meth:`IncidentDesk.handle` does."""
+    if store is None:
+        case.filing, case.merger, case.merge_deadline = False, True, time.monotonic()
+        return
+    try:
+        merges = store.file_later(case.doc.n)
+    except StoreTimeout:
+        return  # the next tick tries again
+    if merges is not None:
+        case.filing = False
+        if merges:
+            case.merger, case.merge_deadline = True, time.monotonic() + merge_wait
