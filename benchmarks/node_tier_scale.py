@@ -2,7 +2,7 @@
 sizes without it.
 
     python benchmarks/node_tier_scale.py [--ranks 64 1024 4096 16384] [--modes tier direct] [--threads 8] \
-        [--heartbeat 5] [--warm 2] [--window 4] [--json benchmarks/results/node_tier_scale.json]
+        [--heartbeat 5] [--warm 2] [--window 4] [--counter relay] [--json benchmarks/results/node_tier_scale.json]
 
 The job's store is torch's ``TCPStore`` server in a process of its own pinned to CPU 0 (as
 ``store_ceiling.py`` runs it), a fresh one per run. Everything else runs in one driver process pinned
@@ -15,8 +15,10 @@ proxies (``watchdog_scale.CountingStore``: one count for the agents' requests, o
   agent uses only its ``keys``, ``calls``, ``store``, ``put_value``, ``has_mark`` and ``warn_once``).
   Each simulated rank, once a beat, puts its ``member`` key and a ~1.5 KB heartbeat (a real
   :class:`~ncclguard.incidents.model.Heartbeat`'s JSON, with a straggler window) into its node's store
-  and reads the incident counter twice from the job's store (``add(count, 0)``: what
-  ``WatchdogStore.incident_count()`` sends, without its helper thread's hand-off).
+  and reads the incident counter at its beat and half a beat later, through its node
+  (``--counter relay``, the default: the product's ``near_filing.RelayedCount``, one rank a node a
+  window reading the job's store with ``add(count, 0)`` and copying it into the node's store), or
+  twice at its beat from the job's store (``--counter job``, the tier before the relay).
 - ``direct``: each simulated rank makes the watchdog's 6 requests itself on the job's store, as
   ``store_ceiling.py``'s loop does (``set`` its heartbeat, ``check`` + ``multi_get`` of its 16 next
   ranks, ``check`` of ``closing``, two counter reads), but once per heartbeat.
@@ -153,6 +155,30 @@ def counter_reads(client: Any, keys: Any) -> None:
     client.add(keys.count, 0)
 
 
+class NodeCounter:
+    """What :class:`~ncclguard.watching.base.near_filing.RelayedCount` uses of a rank's
+    ``TieredWatchdogStore``, for a simulated node: the keys, the node's store (its ``HashStore``,
+    which answers at once), the job's counter read through the thread's counting client.
+
+    Args:
+        near: the node's store.
+        client: the thread's counting client of the job's store.
+        keys: the key schema.
+    """
+
+    def __init__(self, near: Any, client: Any, keys: Any) -> None:
+        self.near, self.client, self.keys = near, client, keys
+
+    def on_near(self, fn: Callable[[Any], Any], what: str) -> tuple[bool, Any]:
+        return True, fn(self.near)
+
+    def job_incident_count(self) -> int:
+        return int(self.client.add(self.keys.count, 0))
+
+    def warn_once(self, key: str, text: str) -> None:
+        raise RuntimeError(f"{key}: {text}")
+
+
 def direct_beat(client: Any, keys: Any, rank: int, world: int, text: str) -> None:
     """A rank's 6 requests a beat without the tier (``store_ceiling.py``'s loop; ``read_present``)."""
     peers = [keys.heartbeat((rank + k) % world) for k in range(1, WATCH_PEERS + 1)]
@@ -171,9 +197,13 @@ Unit = tuple[float, str, int, Callable[[int], None]]  # (offset in the beat, "ra
 
 
 def _tier_units(
-    nodes: int, clients: list[Any], keys: Any, hb: float
+    nodes: int, clients: list[Any], keys: Any, hb: float, relay: bool
 ) -> tuple[list[list[Unit]], list[Any], list[SimNode]]:
-    """Each thread's units of the tier, their counters ([agents, counter reads] per thread), the nodes."""
+    """Each thread's units of the tier, their counters ([agents, counter reads] per thread), the
+    nodes. With ``relay``, each rank reads the counter through its node (the product's
+    ``RelayedCount``, windows of half a beat, at most 1 s) at its beat and half a beat later (a
+    ``read`` unit); without, twice from the job's store at its beat."""
+    from ncclguard.watching.base.near_filing import RelayedCount
     from ncclguard.watching.base.watchdog_store import WatchdogStore
 
     threads, world = len(clients), nodes * LOCAL
@@ -193,14 +223,25 @@ def _tier_units(
                 raise RuntimeError(f"node {agent.layout.node}'s agent missed its beat")
 
         plans[t].append(((n + 0.5) * hb / nodes, "agent", n, agent_beat))
+        counter = RelayedCount(NodeCounter(node.near, reads[t], keys), min(hb / 2, 1.0))  # type: ignore[arg-type]
         for lr, rank in enumerate(node.ranks):
             client = reads[t]
 
-            def rank_beat(b: int, node: SimNode = node, lr: int = lr, client: Any = client) -> None:
+            def rank_beat(
+                b: int, node: SimNode = node, lr: int = lr, client: Any = client, counter: RelayedCount = counter
+            ) -> None:
                 node.publish(lr, b + 1)
-                counter_reads(client, keys)
+                if relay:
+                    counter.read()
+                else:
+                    counter_reads(client, keys)
+
+            def half_beat(_b: int, counter: RelayedCount = counter) -> None:
+                counter.read()
 
             plans[t].append((rank * hb / world, "rank", rank, rank_beat))
+            if relay:
+                plans[t].append((rank * hb / world + hb / 2, "read", rank, half_beat))
     return plans, counts, sim
 
 
@@ -229,7 +270,7 @@ def _direct_units(world: int, clients: list[Any], keys: Any, hb: float) -> tuple
 def _run_plan(plan: list[Unit], t0: float, hb: float, w0: float, w1: float, out: dict[str, Any]) -> None:
     """Runs one thread's units in due order until the window's end; records lateness and agent beats."""
     plan = sorted(plan, key=lambda u: u[0])
-    lags: dict[str, list[float]] = {"rank": [], "agent": []}
+    lags: dict[str, list[float]] = {"rank": [], "agent": [], "read": []}
     worst: dict[tuple[str, int], float] = {}
     done: dict[tuple[str, int], int] = {}
     agent_s: list[float] = []
@@ -274,9 +315,10 @@ def _digest_bytes(client: Any, keys: Any, nodes: int) -> dict[str, Any]:
 def _merge(results: list[dict[str, Any]], units: dict[str, int], hb: float, window: int) -> dict[str, Any]:
     """The threads' records together, and the ranks and agents behind: a beat started over a
     heartbeat late, or fewer than ``window`` beats started in the window."""
-    merged: dict[str, Any] = {"lags": {"rank": [], "agent": []}, "worst": {}, "done": {}, "agent_s": [], "errors": []}
+    merged: dict[str, Any] = {"lags": {"rank": [], "agent": [], "read": []}, "worst": {}, "done": {}, "agent_s": []}
+    merged["errors"] = []
     for r in results:
-        for kind in ("rank", "agent"):
+        for kind in ("rank", "agent", "read"):
             merged["lags"][kind] += r["lags"][kind]
         for name in ("worst", "done"):
             merged[name].update(r[name])
@@ -292,7 +334,9 @@ def _merge(results: list[dict[str, Any]], units: dict[str, int], hb: float, wind
     return merged
 
 
-def _driver(mode: str, world: int, port: int, threads: int, hb: float, warm: int, window: int, out: Any) -> None:
+def _driver(
+    mode: str, world: int, port: int, threads: int, hb: float, warm: int, window: int, relay: bool, out: Any
+) -> None:
     """The driver process: builds the units, announces the window, runs it, sends what it measured."""
     _pin({1} if (os.cpu_count() or 1) > 1 else {0})
     from ncclguard.store.keys import Keys
@@ -302,7 +346,7 @@ def _driver(mode: str, world: int, port: int, threads: int, hb: float, warm: int
     clients = [_client(port) for _ in range(threads)]
     nodes, sim = world // LOCAL, list[SimNode]()
     if mode == "tier":
-        plans, counts, sim = _tier_units(nodes, clients, keys, hb)
+        plans, counts, sim = _tier_units(nodes, clients, keys, hb, relay)
     else:
         plans, counts = _direct_units(world, clients, keys, hb)
     t0 = time.time() + T0_AHEAD_S
@@ -326,6 +370,8 @@ def _driver(mode: str, world: int, port: int, threads: int, hb: float, warm: int
         t.join()
     agents, ranks = snaps[1][0] - snaps[0][0], snaps[1][1] - snaps[0][1]
     units = {"rank": world, "agent": nodes if mode == "tier" else 0}
+    if mode == "tier" and relay:
+        units["read"] = world
     merged = _merge(results, units, hb, window)
     out.put(
         {
@@ -389,7 +435,18 @@ def run_one(mode: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         port = port_q.get(timeout=SETUP_BOUND_S)
         drv = ctx.Process(
-            target=_driver, args=(mode, world, port, args.threads, args.heartbeat, args.warm, args.window, out)
+            target=_driver,
+            args=(
+                mode,
+                world,
+                port,
+                args.threads,
+                args.heartbeat,
+                args.warm,
+                args.window,
+                args.counter == "relay",
+                out,
+            ),
         )
         drv.start()
         hello = out.get(timeout=SETUP_BOUND_S)
@@ -420,6 +477,7 @@ def _row(mode: str, world: int, args: argparse.Namespace, got: dict[str, Any], s
     done = got["beats_done"]
     row = {
         "mode": mode,
+        "counter": args.counter if mode == "tier" else "job",
         "ranks": world,
         "nodes": world // LOCAL if mode == "tier" else None,
         "requests_per_s": round(total / seconds, 1),
@@ -473,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=5.0, help="heartbeat_s (the watchdog's default 5)")
     ap.add_argument("--warm", type=int, default=2, help="beats before the window")
     ap.add_argument("--window", type=int, default=4, help="beats measured")
+    ap.add_argument(
+        "--counter",
+        choices=["relay", "job"],
+        default="relay",
+        help="tier: the incident counter read through each node (the product's RelayedCount), or from the job's store",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if any(n < 2 * LOCAL or n % LOCAL for n in args.ranks) or args.threads < 1 or args.warm < 1 or args.window < 1:

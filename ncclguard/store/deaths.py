@@ -211,9 +211,8 @@ def relay_deaths(near: Any, job: dist.Store, slot: int, restart: str | None = No
         RuntimeError, DistStoreError: a store failed (callers bound each call).
     """
     prefix = _prefix(restart)
-    if int(near.add(f"{prefix}/relay/{slot}", 1)) != 1:
+    if not node_store.claim_window(near, f"{prefix}/relay", slot):
         return False
-    _forget_window(near, f"{prefix}/relay", slot)
     if not job.check([f"{prefix}/n"]):  # none posted
         return True
     count, copied = death_count(job, restart), death_count(near, restart)
@@ -223,16 +222,6 @@ def relay_deaths(near: Any, job: dist.Store, slot: int, restart: str | None = No
         near.multi_set(keys, [v if len(v) <= MAX_NOTICE_BYTES else b"" for v in raws])
         near.compare_set(f"{prefix}/n", str(copied), str(copied + len(keys)))
     return True
-
-
-def _forget_window(near: Any, relay: str, slot: int) -> None:
-    """Deletes the key of the last window that copied (named under ``<relay>/at``): one is left."""
-    at = f"{relay}/at"
-    if near.check([at]):
-        last = bytes(near.get(at)).decode(errors="replace")
-        if last.isdecimal() and int(last) != slot:
-            near.delete_key(f"{relay}/{int(last)}")
-    near.set(at, str(slot))
 
 
 class DeathWatch:

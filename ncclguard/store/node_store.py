@@ -37,6 +37,7 @@ __all__ = [
     "AgentLease",
     "claim_agent",
     "claim_carry",
+    "claim_window",
     "drop_near_client",
     "file_in_node",
     "get_present",
@@ -160,6 +161,27 @@ def put_all(store: Any, keys: Sequence[str], values: Sequence[str]) -> None:
 def get_present(store: Any, key: str) -> bytes | None:
     """The value under ``key``, or None when there is none (a ``check``, then a ``get``)."""
     return bytes(store.get(key)) if store.check([key]) else None
+
+
+def claim_window(store: Any, relay: str, slot: int) -> bool:
+    """True for the first caller in window ``slot`` under ``relay`` (an ``add``): the one rank of
+    the node that reads the job's store for the others in that window. It deletes the key of the
+    window claimed before (named under ``<relay>/at``), so that one is left.
+
+    Args:
+        store: the node's store.
+        relay: the windows' prefix.
+        slot: the window's number (the time over its length).
+    """
+    if int(store.add(f"{relay}/{slot}", 1)) != 1:
+        return False
+    at = f"{relay}/at"
+    if store.check([at]):
+        last = bytes(store.get(at)).decode(errors="replace")
+        if last.isdecimal() and int(last) != slot:
+            store.delete_key(f"{relay}/{int(last)}")
+    store.set(at, str(slot))
+    return True
 
 
 def file_in_node(store: Any, items: Sequence[tuple[str, str]], filed: str, count: str, rank: int) -> int:

@@ -113,7 +113,7 @@ def attach(desk: IncidentDesk, cfg: WatchdogConfig, world_size: int = 1) -> Watc
     else:
         store = WatchdogStore(client, keys, cfg.store_timeout, cfg.peer_timeout)
     try:
-        desk.seen_count = store.incident_count()  # incidents from before this watchdog are not its own
+        desk.seen_count = store.job_incident_count()  # incidents from before this watchdog are not its own
     except (StoreTimeout, StoreUnreachable):
         desk.seen_count = 0
     desk.store = store
@@ -149,6 +149,6 @@ def take_over(desk: IncidentDesk, old: IncidentDesk | None, world: World, sessio
     if desk.store is not None:
         desk.store.keys = Keys.from_env(session, generation=world.generation)
         try:
-            desk.seen_count = desk.store.incident_count()
+            desk.seen_count = desk.store.job_incident_count()
         except (StoreTimeout, StoreUnreachable):
             desk.seen_count = 0  # a fresh generation's counter starts at 0 anyway

@@ -14,7 +14,7 @@ import pytest
 from harness import wait_for
 from tier_kit import JOIN_GUARD_S, Job
 
-from ncclguard.incidents.model import Statement
+from ncclguard.incidents.model import IncidentDoc, IncidentKind, Statement
 from ncclguard.store.keys import Keys
 from ncclguard.watching.base import near_filing
 from ncclguard.watching.base.near_filing import parse_filed
@@ -193,3 +193,72 @@ def test_a_carrier_sets_its_nodes_statements_in_requests_of_at_most_carry_bytes(
     assert got == [None, None, None, True]
     assert requests(ranks[3]) == {"set": 4, "add": 1, "compare_set": 1}, requests(ranks[3])
     assert sorted(view[0].read_statements(N, range(4))) == [0, 1, 2, 3] and view[0].add_dumped(N, 0) == 4
+
+
+class Clock:
+    """``near_filing``'s clock in the counter's tests: the windows move when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+        self.monotonic = time.monotonic
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_one_rank_a_node_a_window_reads_the_incident_counter_and_descriptions_and_the_others_read_its_copy(
+    ranks, view, monkeypatch
+):
+    clock = Clock()
+    monkeypatch.setattr(near_filing, "time", clock)
+    counters = {r: near_filing.RelayedCount(ranks[r], 1.0) for r in range(8)}
+    base = view[0].job_incident_count()
+
+    def read_all() -> list[int]:
+        for store in ranks.values():
+            store.calls.store.calls.clear()
+        return [counters[r].read() for r in range(8)]
+
+    assert read_all() == [base] * 8
+    # The job's store: one read a node (its window's first rank), none from the others.
+    used = {r: requests(ranks[r]) for r in range(8)}
+    assert used[0] == used[4] == {"add": 1} and all(used[r] == {} for r in (1, 2, 3, 5, 6, 7)), used
+    # An incident numbered inside the window: read at the next one, everywhere (the window's price).
+    n = view[0].number_incident()
+    doc = IncidentDoc(kind=IncidentKind.HANG, reason="all_reduce in flight 30 s", id=f"20261130-000000-{n:03d}", n=n)
+    view[0].put_incident(doc)
+    assert read_all() == [base] * 8
+    clock.now += 1.0
+    assert read_all() == [base + 1] * 8
+    assert (counters[0].relayed, counters[4].relayed) == (2, 2)
+    # Its description came with the count: every rank reads it in its node's store.
+    for store in ranks.values():
+        store.calls.store.calls.clear()
+    assert all(ranks[r].has_incident(n) and ranks[r].read_incident(n) == doc for r in range(8))
+    assert all(requests(ranks[r]) == {} for r in range(8))
+    # One numbered, not yet described: the job's store says so; its description is copied once set.
+    late = view[0].number_incident()
+    clock.now += 1.0
+    assert read_all() == [base + 2] * 8 and not ranks[1].has_incident(late)
+    view[0].put_incident(doc.model_copy(update={"n": late, "id": f"20261130-000000-{late:03d}"}))
+    clock.now += 1.0
+    read_all()
+    assert ranks[1].has_incident(late) and requests(ranks[1]) == {} and ranks[1].read_incident(late).n == late
+    base += 2
+    # A copy older than STALE_WINDOWS windows (its relay stopped, the job's store gone): each rank
+    # reads the job's store itself, and copies what it read.
+    clock.now += 0.5  # the same window: ranks 0 and 4 claimed it
+    stale = f"{base} {clock.now - 10:.3f}"
+    for r in (0, 4):
+        ranks[r].near.store.set(f"{ranks[r].keys.count}/copy", stale)
+    assert counters[1].read() == base and requests(ranks[1]) == {"add": 1}
+    assert counters[2].read() == base and requests(ranks[2]) == {}  # rank 1's fresh copy
+    # A copy that is not what a rank writes: said once, the job's store read.
+    ranks[0].near.store.set(f"{ranks[0].keys.count}/copy", "x")
+    with_log = []
+    monkeypatch.setattr(ranks[3], "warn_once", lambda key, text: with_log.append(text))
+    assert counters[3].read() == base and len(with_log) == 1 and "not '<count> <time>'" in with_log[0]
+    # One window's key is left in a node's store.
+    node = ranks[0].near.store
+    assert node.check([f"{ranks[0].keys.count}/relay/{int(clock.now)}"])
+    assert not node.check([f"{ranks[0].keys.count}/relay/{int(clock.now) - 1}"])

@@ -1,5 +1,5 @@
-"""An incident's statements through the node tier (docs/scale.md): one carrier a node takes its
-ranks' statements to the job's store.
+"""An incident through the node tier (docs/scale.md): one carrier a node takes its ranks' statements
+to the job's store, and one rank a node a window reads the incident counter for the others.
 
 Flat, every rank sets its statement in the job's store, counts itself dumped there and asks to merge:
 three requests a rank, 49,000 at 16,384 ranks for one incident. Through the node tier, a rank files
@@ -18,10 +18,20 @@ more for the carrier's list. A statement is counted dumped once: by its carrier,
 (One case counts it twice: a call to the node's store that timed out after it was done, the rank
 then filing by itself too. The merge may then start with one statement missing, and reads that
 rank's heartbeat instead, as for any rank that said nothing.)
+
+The incident counter (:class:`RelayedCount`): every rank reads it every half beat, and at every tick
+while an incident is open: 2 requests a rank a beat, most of the tier's traffic at 16,384 ranks, and
+32,768 a second while an incident is open. Through the node's store, in each window (half a beat,
+at most 1 s) the first rank of the node to read it reads the job's store and sets a copy, stamped
+with the time, in its node's store, with the descriptions of the incidents numbered since; the
+node's other ranks read the copy, and each new incident's description there. A copy older than
+:data:`STALE_WINDOWS` windows is not taken: the rank reads the job's store itself, so that a job's
+store that is gone is still found so by every rank (its calls there fail), as without the tier.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +46,7 @@ from ncclguard.watching.base.watchdog_store import BRIEF_FROM, WatchdogStore
 if TYPE_CHECKING:
     from ncclguard.watching.base.near_store import TieredWatchdogStore
 
-__all__ = ["Filing", "NodeFiling", "carry_to_job", "keys_of", "parse_filed"]
+__all__ = ["Filing", "NodeFiling", "RelayedCount", "carry_to_job", "keys_of", "parse_filed"]
 
 MAX_LIST_BYTES = 64 * 12  # a node's list: at most 64 ranks (node_layout.MAX_LOCAL), "r," each
 # A statement is at most 1 MB as stored (watchdog_store.LIMITS): the carrier reads READ_KEYS keys a
@@ -58,6 +68,89 @@ def keys_of(store: TieredWatchdogStore, n: int, rank: int, world_size: int) -> t
     """``rank``'s statement key on incident ``n``, and its head's above :data:`BRIEF_FROM` ranks."""
     st = store.keys.statement(n, rank)
     return (st, store.keys.head(n, rank)) if world_size > BRIEF_FROM else (st,)
+
+
+STALE_WINDOWS = 3  # a copy of the counter older than this many windows: the job's store is read
+COPY_MAX = 64  # bytes of the node's copy of the counter: "<count> <time.time()>"
+COPY_DOCS = 16  # incidents' descriptions copied into a node's store at most at a time
+DOC_MAX = 64 * 1024 + 1  # bytes of a description copied: one over its bound (LIMITS) is refused by its readers
+
+
+class RelayedCount:
+    """The incident counter through the node's store (see the module doc).
+
+    Args:
+        store: the rank's store with the node tier on.
+        window_s: the windows' length.
+    """
+
+    def __init__(self, store: TieredWatchdogStore, window_s: float) -> None:
+        self.store, self.window_s = store, window_s
+        self.relayed = 0  # reads of the job's store this rank made for its node (tests, logs)
+
+    def read(self) -> int:
+        """The count: the node's copy when fresh, else the job's store's (then copied for the node).
+
+        Raises:
+            StoreTimeout, StoreUnreachable, StoreRefused: reading the job's store, as flat.
+        """
+        store, key = self.store, self.store.keys.count
+        slot = int(time.time() // self.window_s)
+
+        def look(client: Any) -> bytes | None:  # None: this rank's window; else the copy (b"": none)
+            if node_store.claim_window(client, f"{key}/relay", slot):
+                return None
+            return node_store.get_present(client, f"{key}/copy") or b""
+
+        done, copy = store.on_near(look, f"read {key} in the node's store")
+        if done and copy:
+            count = self._fresh(copy)
+            if count is not None:
+                return count
+        count = store.job_incident_count()
+        if done:  # the node's store answers: its ranks read this copy, and the descriptions there
+            self._copy_docs(count)
+            text = f"{count} {time.time():.3f}"
+            store.on_near(lambda client: node_store.put(client, f"{key}/copy", text), f"set {key}/copy")
+            self.relayed += 1
+        return count
+
+    def _copy_docs(self, count: int) -> None:
+        """Copies the descriptions of the incidents numbered since the node's last copy (at most
+        :data:`COPY_DOCS` a read) into its store, as they are (each reader parses its copy under its
+        bound); one numbered but not described yet, and those after it, are left for the next copy
+        (meanwhile its ranks read them in the job's store)."""
+        store, mark = self.store, f"{self.store.keys.count}/docs"
+        done, raw = store.on_near(lambda client: node_store.get_present(client, mark), f"check {mark}")
+        have = int(raw) if done and raw is not None and raw.isdigit() and len(raw) <= 9 else 0
+        wanted = list(range(have + 1, min(count, have + COPY_DOCS) + 1))
+        if not done or not wanted:
+            return
+        found = store.read_raw([store.keys.incident(n) for n in wanted])
+        keys, values, upto = [], [], have
+        for n in wanted:
+            doc = found.get(store.keys.incident(n))
+            if doc is None:
+                break
+            keys.append(store.keys.incident(n))
+            values.append(doc[:DOC_MAX].decode(errors="replace"))
+            upto = n
+        if keys:
+            store.on_near(lambda client: node_store.put_all(client, [*keys, mark], [*values, str(upto)]), f"set {mark}")
+
+    def _fresh(self, raw: bytes) -> int | None:
+        """The count in the node's copy ``raw``, or None: stale (:data:`STALE_WINDOWS`), or not what
+        a rank writes (said once)."""
+        key = f"{self.store.keys.count}/copy"
+        parts = raw[: COPY_MAX + 1].decode(errors="replace").split()
+        try:
+            count, at = int(parts[0]), float(parts[1])
+            if len(raw) > COPY_MAX or len(parts) != 2 or count < 0 or not math.isfinite(at):
+                raise ValueError(raw[:40])
+        except (ValueError, IndexError):
+            self.store.warn_once(key, f"{key} holds {raw[:40]!r}, not '<count> <time>' as a rank copies it")
+            return None
+        return count if time.time() - at <= STALE_WINDOWS * self.window_s else None
 
 
 @dataclass

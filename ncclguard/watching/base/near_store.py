@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ncclguard._log import log
 from ncclguard.errors import StoreTimeout, StoreUnreachable
-from ncclguard.incidents.model import Heartbeat, Statement
+from ncclguard.incidents.model import Heartbeat, IncidentDoc, Statement
 from ncclguard.store import node_store
 from ncclguard.store.bounded_calls import BoundedCalls
 from ncclguard.store.clients import connect
 from ncclguard.store.codec import decode
 from ncclguard.store.keys import Keys
 from ncclguard.store.rounds import read_present
-from ncclguard.watching.base.near_filing import NodeFiling
+from ncclguard.watching.base.near_filing import NodeFiling, RelayedCount
 from ncclguard.watching.base.node_layout import DIGEST_LIMIT, Digest, NodeLayout, watched_nodes
 from ncclguard.watching.base.watchdog_store import WatchdogStore
 
@@ -77,6 +77,8 @@ class TieredWatchdogStore(WatchdogStore):
     ):
         super().__init__(store, keys, timeout, gone_after)
         self.filing = NodeFiling(self, heartbeat_s / 2 if carry_wait_s is None else carry_wait_s)
+        self.counter = RelayedCount(self, min(heartbeat_s / 2, 1.0))
+        self._docs: dict[int, bytes] = {}  # incidents' descriptions read in the node's store, not yet parsed
         self.layout, self.heartbeat_s = layout, heartbeat_s
         self.launcher = node_store.launcher_address() if launcher is None else launcher
         self.near: BoundedCalls | None = None  # the node's store, while it answers
@@ -93,6 +95,7 @@ class TieredWatchdogStore(WatchdogStore):
     def _new_namespace(self) -> None:
         super()._new_namespace()
         self.filing.pending.clear()
+        self._docs.clear()
         self._member_ns = ""
         self._seen.clear()
 
@@ -248,7 +251,32 @@ class TieredWatchdogStore(WatchdogStore):
             return super().has_mark(key)
         return raw is not None and bytes(raw) == b"1"
 
-    # ----------------------------------------------------------------- statements
+    # ----------------------------------------------------------------- incidents
+
+    def incident_count(self) -> int:
+        """The incident counter through the node's store, one rank a node a window reading the job's
+        (:class:`~ncclguard.watching.base.near_filing.RelayedCount`); the job's without one."""
+        if self.near is None:
+            return super().incident_count()
+        return self.counter.read()
+
+    def has_incident(self, n: int) -> bool:
+        """Whether incident ``n`` is described: in the node's store, where the counter's relay copies
+        the descriptions, else in the job's."""
+        key = self.keys.incident(n)
+        done, raw = self.on_near(lambda client: node_store.get_present(client, key), f"check {key}")
+        if done and raw is not None:
+            self._docs[n] = raw
+            return True
+        return super().has_incident(n)
+
+    def read_incident(self, n: int, blob: bytes | None = None) -> IncidentDoc | None:
+        """Incident ``n``'s description: the node's copy that :meth:`has_incident` found, else the job's."""
+        return super().read_incident(n, blob if blob is not None else self._docs.pop(n, None))
+
+    def read_raw(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The values of those of ``keys`` the job's store holds (bounded reads)."""
+        return {keys[i]: value for i, value in self._read_present(keys)}
 
     def file_statement(self, n: int, statement: Statement) -> bool | None:
         """Files this rank's statement on incident ``n`` through its node's store, one carrier a node

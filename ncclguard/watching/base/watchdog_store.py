@@ -300,11 +300,17 @@ class WatchdogStore(StoreExchange):
     # ----------------------------------------------------------------- incidents
 
     def incident_count(self) -> int:
-        """Incidents numbered so far in this namespace.
+        """Incidents numbered so far in this namespace (with the node tier, possibly as its node's
+        copy of a moment ago: :meth:`job_incident_count` reads the job's store itself).
 
         Raises:
             StoreRefused: the counter holds something that is not a number.
         """
+        return self.job_incident_count()
+
+    def job_incident_count(self) -> int:
+        """Incidents numbered so far in this namespace, as the job's store counts them (StoreRefused:
+        not a number there)."""
         return self._counter(self.keys.count, 0)
 
     def claim(self, signature: str, token: str) -> bool:
@@ -326,9 +332,9 @@ class WatchdogStore(StoreExchange):
     def has_incident(self, n: int) -> bool:
         return bool(self._call("check", [self.keys.incident(n)]))
 
-    def read_incident(self, n: int) -> IncidentDoc | None:
-        """Incident ``n`` as described by its creator; None when its value does not parse, names
-        another number, or has an id that is not a plain directory name (:data:`INCIDENT_ID`)."""
+    def read_incident(self, n: int, blob: bytes | None = None) -> IncidentDoc | None:
+        """Incident ``n`` as described by its creator (``blob``: as read already, a node's copy); None when
+        it does not parse, names another number, or has an id that is no plain name (:data:`INCIDENT_ID`)."""
         key = self.keys.incident(n)
 
         def check(doc: IncidentDoc) -> str | None:
@@ -338,7 +344,7 @@ class WatchdogStore(StoreExchange):
                 return f"id {doc.id[:80]!r} is not a plain directory name (letters, digits, '_', '.', '-'; 128 at most)"
             return None
 
-        return self._parse(IncidentDoc, self._call("get", key), key, check)
+        return self._parse(IncidentDoc, self._call("get", key) if blob is None else blob, key, check)
 
     def statement_items(self, n: int, statement: Statement) -> list[tuple[str, str]]:
         """This rank's statement on incident ``n`` as stored, under its key: cut to its size bound if
@@ -373,19 +379,15 @@ class WatchdogStore(StoreExchange):
             self._call("multi_set", [k for k, _ in items], [v for _, v in items])
 
     def file_statement(self, n: int, statement: Statement) -> bool | None:
-        """Files this rank's statement on incident ``n``, counts it dumped, and asks to merge.
-
-        Returns:
-            True when this rank merges (:meth:`claim_merger`); None where the statement waits in
-            the node's store to be carried (:meth:`file_later`; the node tier's store).
-        """
+        """Files this rank's statement on incident ``n``, counts it dumped, and asks to merge: whether
+        this rank merges (:meth:`claim_merger`), or None while it waits in the node's store to be
+        carried (the node tier's store; :meth:`file_later`)."""
         self.put_statement(n, statement)
         self.add_dumped(n)
         return self.claim_merger(n, statement.rank, statement.world_size)
 
     def file_later(self, n: int) -> bool | None:
-        """Goes on with a filing that :meth:`file_statement` left waiting: None while it waits, else
-        whether this rank merges. Nothing waits in the job's store alone: False."""
+        """Goes on with a filing :meth:`file_statement` left waiting (None: still; nothing here: False)."""
         return False
 
     def add_dumped(self, n: int, k: int = 1) -> int:

@@ -93,7 +93,7 @@ class LostStore:
             return False
         self._asked_at = now
         try:
-            self.store.incident_count()
+            self.store.job_incident_count()  # the job's store itself, not a node's copy
         except (StoreTimeout, StoreUnreachable, StoreRefused):
             return False
         log.warning(
