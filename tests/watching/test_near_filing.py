@@ -236,6 +236,10 @@ def test_one_rank_a_node_a_window_reads_the_incident_counter_and_descriptions_an
         store.calls.store.calls.clear()
     assert all(ranks[r].has_incident(n) and ranks[r].read_incident(n) == doc for r in range(8))
     assert all(requests(ranks[r]) == {} for r in range(8))
+    # A node's copy that does not read (not what its creator wrote): the job's description is read.
+    ranks[1].near.store.set(ranks[1].keys.incident(n), "not json")
+    monkeypatch.setattr(ranks[1], "warn_once", lambda key, text: None)
+    assert ranks[1].has_incident(n) and ranks[1].read_incident(n) == doc and requests(ranks[1]) == {"get": 1}
     # One numbered, not yet described: the job's store says so; its description is copied once set.
     late = view[0].number_incident()
     clock.now += 1.0

@@ -6,8 +6,9 @@ its look at the ``closing`` mark go to its node's store: the one ``ncclguard run
 (named in ``NCCLGUARD_NODE_STORE``), else the one its node's agent serves
 (:mod:`~ncclguard.watching.base.node_agent`). That store holds the node's ranks' heartbeats and the
 copies of the watched nodes' digests. An incident's statements are filed there too, one carrier a
-node taking them to the job's store (:mod:`~ncclguard.watching.base.near_filing`); everything else
-(incidents, counters, the merge) goes to the job's store as before.
+node taking them to the job's store, and the incident counter and new incidents' descriptions are
+read there, one rank a node a window copying them in (:mod:`~ncclguard.watching.base.near_filing`);
+the merge and everything else go to the job's store as before.
 
 Nothing waits on the node's store: a call to it that fails drops it (one log line), and the rank
 talks to the job's store directly until the agent names a store again. A watched peer that the
@@ -271,8 +272,11 @@ class TieredWatchdogStore(WatchdogStore):
         return super().has_incident(n)
 
     def read_incident(self, n: int, blob: bytes | None = None) -> IncidentDoc | None:
-        """Incident ``n``'s description: the node's copy that :meth:`has_incident` found, else the job's."""
-        return super().read_incident(n, blob if blob is not None else self._docs.pop(n, None))
+        """Incident ``n``'s description: the node's copy that :meth:`has_incident` found, else (or
+        when that copy does not read) the job's."""
+        copy = blob if blob is not None else self._docs.pop(n, None)
+        doc = super().read_incident(n, copy) if copy is not None else None
+        return doc if doc is not None else super().read_incident(n)
 
     def read_raw(self, keys: Sequence[str]) -> dict[str, bytes]:
         """The values of those of ``keys`` the job's store holds (bounded reads)."""
