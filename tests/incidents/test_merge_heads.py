@@ -10,6 +10,7 @@ import threading
 import time
 
 import torch.distributed as dist
+from desk_kit import QuietState
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,7 +33,6 @@ from ncclguard.watching.desk.desk import IncidentDesk
 from ncclguard.watching.ladder.actions import Ladder, build_ladder
 from ncclguard.watching.sensors.detect import Detection
 from ncclguard.watching.sensors.liveness import Liveness
-from ncclguard.watching.sensors.rank_state import RankState
 
 WORLD = BRIEF_FROM + 8  # 1,032 ranks, 8 a node: just past the size that reads heads first
 TOP = 90_211  # the world group's op every rank but the culprit waits in
@@ -171,19 +171,6 @@ class Reads:
         return call
 
 
-class State(RankState):
-    """Rank 0's state, without a live process behind it."""
-
-    def threads(self) -> dict[str, list[str]]:
-        return {"MainThread (1)": ["/job/train.py:412 in train_step"]}
-
-    def records(self) -> list[OpRecord]:
-        return []
-
-    def blocked_in(self) -> OpRecord | None:
-        return None
-
-
 def _merge(tmp_path, reads: Reads, *, hostile: bool = True) -> tuple[dict, IncidentDesk]:
     """Rank 0's desk merges a desync of WORLD ranks whose other ranks' statements are in the store."""
     store = WatchdogStore(reads, Keys("t"), 30.0, 60.0)
@@ -202,7 +189,7 @@ def _merge(tmp_path, reads: Reads, *, hostile: bool = True) -> tuple[dict, Incid
     config = WatchdogConfig(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path)
     desk = IncidentDesk(
         config,
-        State(0, WORLD),
+        QuietState(0, WORLD),
         Liveness(0, WORLD, 16, config.peer_timeout, config.startup_grace_s),
         Ladder(build_ladder("report"), config.escalate_after_s),
         None,

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from desk_kit import QuietState
 from harness import wait_for
 from tier_kit import JOIN_GUARD_S, Job
 
@@ -20,7 +21,12 @@ from ncclguard.watching.base import near_filing
 from ncclguard.watching.base.near_filing import parse_filed
 from ncclguard.watching.base.near_store import TieredWatchdogStore
 from ncclguard.watching.base.node_layout import NodeLayout
+from ncclguard.watching.base.settings import WatchdogConfig
 from ncclguard.watching.base.watchdog_store import WatchdogStore
+from ncclguard.watching.desk.desk import IncidentDesk
+from ncclguard.watching.ladder.actions import Ladder, build_ladder
+from ncclguard.watching.sensors.detect import Detection
+from ncclguard.watching.sensors.liveness import Liveness
 
 WAIT_S = 1.0  # carry_wait_s: a node's ranks wait this long for all of its statements
 PER_NODE = 4
@@ -266,3 +272,39 @@ def test_one_rank_a_node_a_window_reads_the_incident_counter_and_descriptions_an
     node = ranks[0].near.store
     assert node.check([f"{ranks[0].keys.count}/relay/{int(clock.now)}"])
     assert not node.check([f"{ranks[0].keys.count}/relay/{int(clock.now) - 1}"])
+
+
+def test_a_desk_whose_statement_waits_to_be_carried_merges_when_its_carry_makes_it_the_merger(ranks, tmp_path):
+    # Rank 3 alone states (its node's other ranks are frozen): it carries its node after the wait,
+    # and so claims the merge. Its ladder (report only) waits until it knows: a ladder that climbed
+    # while the statement waited settled before the claim, and the merge never came (seen on two hosts).
+    config = WatchdogConfig(heartbeat_s=0.1, hang_timeout_s=1, incident_dir=tmp_path)
+    desk = IncidentDesk(
+        config,
+        QuietState(3, 8),
+        Liveness(3, 8, 16, config.peer_timeout, config.startup_grace_s),
+        Ladder(build_ladder("report"), config.escalate_after_s),
+        None,
+        lambda: statement(3, 8),
+        threading.Condition(),
+    )
+    store = desk.store = ranks[3]
+    store.keys = Keys("desk")  # incidents of its own, numbered from 1 (the other tests' are in "main")
+    try:
+        desk.seen_count = store.job_incident_count()
+        detection = Detection(IncidentKind.HANG, "rank 3 waited 30 s", "hang/3/55", group="0", seq=55, op="all_reduce")
+        desk.open(detection)
+        deadline = time.monotonic() + 30.0  # hang guard: the carry comes after WAIT_S, the merge after merge_wait
+        while time.monotonic() < deadline and not (
+            desk.cases and desk.cases[0].merged and desk.cases[0].ladder.settled
+        ):
+            desk.poll()
+            desk.progress()
+            time.sleep(0.05)
+    finally:
+        store.keys = Keys("main")
+    (case,) = desk.cases
+    assert case.merger and case.merged and not case.filing and case.ladder.settled
+    assert (case.dir / "incident.json").is_file()
+    assert [s.rung for s in case.ladder.steps] == ["report"]
+    assert ranks[3].filing.carried >= 1

@@ -359,8 +359,8 @@ class IncidentDesk:
         """Merges what is ready to merge and climbs the ladders."""
         for case in list(self.cases):
             try:
-                if case.filing:
-                    file_later(self.store, case, self.config.merge_wait)
+                if case.filing and file_later(self.store, case, self.config.merge_wait):
+                    continue  # whether this rank merges is not known yet: its ladder waits, as a merger's does
                 if not case.merger and not case.followed and self.node_leader:
                     case.followed = self.merger.follow(case)  # whatever the ladder does meanwhile
                 if case.ladder.settled:
@@ -403,18 +403,19 @@ class IncidentDesk:
         self.notify()
 
 
-def file_later(store: WatchdogStore | None, case: Case, merge_wait: float) -> None:
+def file_later(store: WatchdogStore | None, case: Case, merge_wait: float) -> bool:
     """Goes on with ``case``'s statement waiting in the node's store to be carried (the node tier:
     ``WatchdogStore.file_later``); with the job's store gone meanwhile, this rank merges what it has,
-    as :meth:`IncidentDesk.handle` does."""
+    as :meth:`IncidentDesk.handle` does. Returns whether it still waits."""
     if store is None:
         case.filing, case.merger, case.merge_deadline = False, True, time.monotonic()
-        return
+        return False
     try:
         merges = store.file_later(case.doc.n)
     except StoreTimeout:
-        return  # the next tick tries again
+        return True  # the next tick tries again
     if merges is not None:
         case.filing = False
         if merges:
             case.merger, case.merge_deadline = True, time.monotonic() + merge_wait
+    return case.filing
