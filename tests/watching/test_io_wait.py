@@ -138,6 +138,12 @@ SAVER = textwrap.dedent(
 )
 
 
+# A drill (`make drills`) until its flake is understood: on 2026-11-30 the evidence named close() and
+# the FUSE wait but not the file once in a fresh-clone CI run and once in 4 runs of this file here
+# (never in 4 runs of this test alone), also when the test looked at the process with its file open
+# first. A save blocked in close() on a slow FUSE mount, judged busy with every default, stays in the
+# suite: tests/watching/test_slow_save_multirank.py.
+@pytest.mark.drill
 @pytest.mark.timeout(90)
 def test_a_save_waiting_in_close_on_a_slow_fuse_mount_is_busy_naming_close_and_its_file(tmp_path: Path) -> None:
     why = fuse_missing()
