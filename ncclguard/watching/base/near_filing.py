@@ -191,14 +191,13 @@ class NodeFiling:
             Whether this rank merges; None while the statement waits to be carried.
         """
         store, items = self.store, self.store.statement_items(n, statement)
+        filing = Filing(items, statement.rank, statement.world_size, time.monotonic() + self.carry_wait_s, 0.0)
         count, filed, _, _ = self._keys(n)
         done, got = store.on_near(
             lambda c: node_store.file_in_node(c, items, filed, count, statement.rank), f"file statement {n}"
         )
         if not done or got is None:
-            return self._direct(n, items, statement.rank, statement.world_size)
-        now = time.monotonic()
-        filing = Filing(items, statement.rank, statement.world_size, now + self.carry_wait_s, 0.0)
+            return self._direct(n, filing)
         self.pending[n] = filing
         if got >= store.layout.local_size:
             return self._carry(n, filing)
@@ -213,19 +212,19 @@ class NodeFiling:
         _, _, _, carried = self._keys(n)
         done, raw = self.store.on_near(lambda c: node_store.get_present(c, carried), f"check {carried}")
         if not done:
-            return self._direct(n, filing.items, filing.rank, filing.world_size)
+            return self._direct(n, filing)
         now = time.monotonic()
         if raw is not None:
             ranks, _ = parse_filed(raw, filing.world_size)
             if filing.rank in ranks:
                 self.pending.pop(n, None)
                 return False
-            return self._direct(n, filing.items, filing.rank, filing.world_size)
+            return self._direct(n, filing)
         if not filing.tried and now >= filing.carry_at:
             return self._carry(n, filing)
         if filing.tried and now >= filing.give_up_at:
             log.info("watchdog: incident %d: the node's carrier named no list in time; this rank files by itself", n)
-            return self._direct(n, filing.items, filing.rank, filing.world_size)
+            return self._direct(n, filing)
         return None
 
     def _carry(self, n: int, filing: Filing) -> bool | None:
@@ -237,7 +236,7 @@ class NodeFiling:
             lambda c: node_store.claim_carry(c, claim, filed, carried, MAX_LIST_BYTES), f"claim {claim}"
         )
         if not done:
-            return self._direct(n, filing.items, filing.rank, filing.world_size)
+            return self._direct(n, filing)
         if raw is None:
             filing.tried, filing.give_up_at = True, time.monotonic() + self.carry_wait_s
             return None
@@ -254,7 +253,7 @@ class NodeFiling:
 
             done, got = store.on_near(read, f"read {len(part)} statement keys")
             if not done or got is None:
-                return self._direct(n, filing.items, filing.rank, filing.world_size)
+                return self._direct(n, filing)
             found.update(got)
         # Counted dumped: the ranks whose statement is there (each set its own before its name).
         ranks = [r for r in ranks if store.keys.statement(n, r) in found and r != filing.rank]
@@ -268,10 +267,10 @@ class NodeFiling:
         log.info("watchdog: incident %d: carried %d statements of node %d", n, len(ranks) + 1, store.layout.node)
         return merges
 
-    def _direct(self, n: int, items: list[tuple[str, str]], rank: int, world_size: int) -> bool:
+    def _direct(self, n: int, filing: Filing) -> bool:
         """Files this rank's statement in the job's store by itself, as flat."""
         self.pending.pop(n, None)
-        return carry_to_job(self.store, n, items, 1, rank, world_size)
+        return carry_to_job(self.store, n, filing.items, 1, filing.rank, filing.world_size)
 
 
 def carry_to_job(
