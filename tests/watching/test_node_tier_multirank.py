@@ -183,10 +183,12 @@ def test_a_desync_across_the_nodes_names_the_skipping_rank_with_its_phase_and_si
     assert HANG_S <= hang_to_disk, hang_to_disk
     put_down = {r: len(got[r]["after_desync"]) for r in range(4)}
     assert put_down == {0: 1, 1: 1, 2: 1, 3: 1}, put_down
-    # The statements went through each node's store: one rank of each host carried its node's two
-    # to the job's store (ncclguard/watching/base/near_filing.py).
+    # The statements went through each node's store: a rank of each host carried its node's (both,
+    # or the one filed within the carry's wait, the other then filed by itself), and the report holds
+    # every rank's (ncclguard/watching/base/near_filing.py).
     carried = {r: got[r]["carried"] for r in range(4)}
-    assert sorted([carried[0], carried[1]]) == sorted([carried[2], carried[3]]) == [0, 2], carried
+    assert max(carried[0], carried[1]) >= 1 and max(carried[2], carried[3]) >= 1, carried
+    assert sum(carried.values()) <= 4 and inc["statements_from"] == [0, 1, 2, 3], (carried, inc["statements_from"])
 
 
 def test_a_stopped_local_rank_0_is_its_own_rank_lost_and_its_nodes_other_rank_runs_the_agent(tier):
