@@ -11,7 +11,8 @@ the kernel function it waits in (``request_wait_answer`` for FUSE, ``nfs_...``/`
 raises (a piece that cannot be read is no evidence).
 
 ``close()`` drops the descriptor from the table before it waits for the flush, so its file is found
-only in an earlier look at the process's descriptors (``known``, which proc_reading keeps per process).
+only in an earlier look at the process's descriptors (``known``, which proc_reading keeps per process
+with :func:`files_to_keep`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "MAX_THREADS",
     "BlockedIO",
     "file_target",
+    "files_to_keep",
     "is_fs_wait",
     "parse_syscall_line",
     "read_blocked_io",
@@ -225,3 +227,26 @@ def read_blocked_io(
         if found is not None:
             out.append(found)
     return tuple(out)
+
+
+def files_to_keep(
+    was_open: Mapping[int, str], known: Mapping[int, str], open_now: Mapping[int, str], waited: set[str]
+) -> dict[int, str]:
+    """The files of a process's descriptors gone since they were open, kept for its next look (pure).
+
+    A look reads the threads' waits before the descriptors. A ``close()`` that begins between the two
+    drops its descriptor unseen in a wait; kept one more look, its file is named when that look finds
+    the wait (then it stays as long as a thread waits on it).
+
+    Args:
+        was_open: descriptor -> path, open at the last look.
+        known: what this look's threads were read with (the open ones and the ones kept).
+        open_now: the descriptors open at this look.
+        waited: the files this look's threads wait on.
+
+    Returns:
+        descriptor -> path for the ones not open now that were open at the last look, or are waited on.
+    """
+    return {
+        fd: p for fd, p in known.items() if fd not in open_now and (was_open.get(fd) == p or file_target(p) in waited)
+    }

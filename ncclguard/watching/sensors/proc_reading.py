@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ncclguard.watching.sensors.io_wait import MAX_PATH, BlockedIO, file_target, read_blocked_io
+from ncclguard.watching.sensors.io_wait import MAX_PATH, BlockedIO, file_target, files_to_keep, read_blocked_io
 
 __all__ = [
     "BLOCKED_READING",
@@ -284,16 +284,29 @@ def _net(pids: list[int], files: dict[int, str] | None = None) -> tuple[Pairs | 
     return None, tuple(sorted((k, float(v)) for k, v in queues.items()))
 
 
-_known: dict[int, dict[int, str]] = {}  # pid -> its open files at the last look (descriptor -> path)
+# pid -> its open files at the last look, and the ones kept since (descriptor -> path each).
+_known: dict[int, tuple[dict[int, str], dict[int, str]]] = {}
 
 
-def _remember(pid: int, files: dict[int, str], before: dict[int, str], blocked: tuple[BlockedIO, ...] | None) -> None:
-    """Keeps ``pid``'s open files for its next look, and the ones its threads still wait to close."""
-    waited = {b.path for b in blocked or ()}
-    files.update({fd: p for fd, p in before.items() if fd not in files and file_target(p) in waited})
+def _files_known(pid: int) -> tuple[dict[int, str], dict[int, str]]:
+    """``pid``'s files at its last look: open then, and the descriptors gone but kept (``known``: both)."""
+    with _cache_lock:
+        was_open, kept = _known.get(pid, ({}, {}))
+    return was_open, {**kept, **was_open}
+
+
+def _remember(
+    pid: int,
+    files: dict[int, str],
+    was_open: dict[int, str],
+    known: dict[int, str],
+    blocked: tuple[BlockedIO, ...] | None,
+) -> None:
+    """Keeps ``pid``'s open files for its next look, with the ones gone since (:func:`files_to_keep`)."""
+    kept = files_to_keep(was_open, known, files, {b.path for b in blocked or ()})
     with _cache_lock:
         _known.pop(pid, None)
-        _known[pid] = files
+        _known[pid] = (files, kept)
         while len(_known) > MAX_KNOWN:
             _known.pop(next(iter(_known)))
 
@@ -346,13 +359,12 @@ def sample_process(pid: int, now: float | None = None) -> Sample | None:
             t = _read("a child's cpu", kid, lambda k=kid: psutil.Process(k).cpu_times())
             if t is not None:
                 children.append((kid, float(t.user + t.system)))
-        with _cache_lock:
-            before = dict(_known.get(pid, {}))
-        blocked = _read("threads' waits", pid, lambda: read_blocked_io(pid, before))
+        was_open, known = _files_known(pid)
+        blocked = _read("threads' waits", pid, lambda: read_blocked_io(pid, known))
         files: dict[int, str] = {}
         read_net = _read("sockets", pid, lambda: _net([pid, *kids], files))
         if read_net is not None:
-            _remember(pid, files, before, blocked)
+            _remember(pid, files, was_open, known, blocked)
         net, queues = read_net or (None, None)
         chars = getattr(io, "read_chars", None), getattr(io, "write_chars", None)
         return Sample(
