@@ -3,7 +3,7 @@ within ``hang_timeout_s`` + 2 beats"): every rank's statement in, the merging ra
 analysis, and its report on disk.
 
     python benchmarks/desk_scale.py [--ranks 64 1024 4096 16384] [--procs 4] [--modes flat tier] \
-        [--json benchmarks/results/desk_scale.json]
+        [--together] [--json benchmarks/results/desk_scale.json]
 
 The job's store is torch's ``TCPStore`` server in a process of its own pinned to CPU 0
 (``node_tier_scale._server``), a fresh one per size. The ranks are simulated; the incident's part
@@ -29,7 +29,9 @@ in the store is ncclguard's own code:
    names the culprit, ``merging.whole_of`` (above 1,024 ranks: the whole statements of the culprits
    and of a few victims), and ``cases.write_report`` (``incident.json`` and ``summary.txt`` into a
    temporary directory). A read past its bound is reported as such (the desk would try again at
-   its next tick).
+   its next tick). With ``--together`` (end to end), the merger is there from the start: it looks
+   at the count at the watchdog's tick (0.5 s) until every rank is counted, as the desk does, and
+   ``end_to_end_s`` is from the start signal to its report on disk.
 
 Measured per size: the bytes of a statement as stored (above 1,024 ranks ``put_statement`` keeps
 its newest 4 ops and innermost 12 frames, and puts its head beside it), the statements' wall time
@@ -66,6 +68,7 @@ PER_NODE = 8
 INCIDENT = 3  # the incident's number in the store
 STORE_TIMEOUT_S = 5.0  # the product's store_timeout_s at the default 5 s heartbeat
 SETUP_BOUND_S = 600.0  # hang guard of a phase (16,384 ranks' set-up takes tens of seconds here)
+TICK_S = 0.5  # the watchdog's tick at the default 5 s heartbeat (min(heartbeat_s / 5, 0.5)): the merger's looks
 GROUP_SEQ = 184_213  # the world group's op every rank but the culprit waits in
 
 
@@ -194,9 +197,11 @@ def _gather(store: Any, size: int) -> dict[str, Any]:
     return {"said": said, "heartbeats": heartbeats, "heads": heads, "read_s": time.perf_counter() - t0}
 
 
-def _merger(port: int, size: int, where: str, out: Any) -> None:
+def _merger(port: int, size: int, where: str, out: Any, go: Any = None) -> None:
     """The merging rank, as ``Merger.merge`` does it: what the ranks said, the analysis, the whole
-    statements of the culprits and a few victims (above 1,024 ranks), the report on disk."""
+    statements of the culprits and a few victims (above 1,024 ranks), the report on disk. With
+    ``go`` (end to end), it first waits for it, then looks at the count at the watchdog's tick until
+    every rank is counted, as the desk does; ``done_at`` is when its report is on disk."""
     _pin({1})
     from ncclguard.incidents.assemble import assemble
     from ncclguard.incidents.model import IncidentDoc, IncidentKind
@@ -204,7 +209,15 @@ def _merger(port: int, size: int, where: str, out: Any) -> None:
     from ncclguard.watching.desk.merging import whole_of
 
     store = _store(port)
-    res: dict[str, Any] = {"dumped": store.add_dumped(INCIDENT, 0)}
+    res: dict[str, Any] = {}
+    if go is not None:
+        go.wait()
+        end, looks = time.monotonic() + SETUP_BOUND_S, 0
+        while store.add_dumped(INCIDENT, 0) < size and time.monotonic() < end:
+            looks += 1
+            time.sleep(TICK_S)
+        res["looks"] = looks
+    res["dumped"] = store.add_dumped(INCIDENT, 0)
     t0 = time.perf_counter()
     got = _gather(store, size)
     res["read_s"] = round(got["read_s"], 3)
@@ -234,6 +247,7 @@ def _merger(port: int, size: int, where: str, out: Any) -> None:
         res["summary"] = incident.summary[:200]
         res["report_bytes"] = (Path(where) / "incident.json").stat().st_size
     res["merge_s"] = round(time.perf_counter() - t0, 3)
+    res["done_at"] = time.monotonic()
     out.put(res)
     store.close()
 
@@ -243,9 +257,9 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def run_size(size: int, procs: int, mode: str = "flat") -> dict[str, Any]:
+def run_size(size: int, procs: int, mode: str = "flat", together: bool = False) -> dict[str, Any]:
     """One incident at ``size`` ranks against a fresh server, its statements filed flat or through
-    the node tier (``mode``)."""
+    the node tier (``mode``); ``together``: the merger waits for them at the same time (end to end)."""
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=_server, args=(port_q, stop), daemon=True)
@@ -266,25 +280,33 @@ def run_size(size: int, procs: int, mode: str = "flat") -> dict[str, Any]:
             p.start()
         for _ in staters:  # each makes its statements before the clock starts
             ready.get(timeout=SETUP_BOUND_S)
-        cpu0, t0 = _cpu(server.pid), time.perf_counter()
-        go.set()
-        said = [out.get(timeout=SETUP_BOUND_S) for _ in staters]
-        stated_wall, stated_cpu = time.perf_counter() - t0, _cpu(server.pid) - cpu0
-        for p in staters:
-            p.join(SETUP_BOUND_S)
-        cpu1 = _cpu(server.pid)
         with tempfile.TemporaryDirectory() as where:
-            merger = ctx.Process(target=_merger, args=(port, size, where, out))
-            merger.start()
-            merged = out.get(timeout=SETUP_BOUND_S)
+            merged_q = ctx.Queue()
+            merger = ctx.Process(target=_merger, args=(port, size, where, merged_q, go if together else None))
+            if together:
+                merger.start()
+                time.sleep(1.0)  # its imports and its client made before the clock starts
+            cpu0, t0, start = _cpu(server.pid), time.perf_counter(), time.monotonic()
+            go.set()
+            said = [out.get(timeout=SETUP_BOUND_S) for _ in staters]
+            stated_wall, stated_cpu = time.perf_counter() - t0, _cpu(server.pid) - cpu0
+            for p in staters:
+                p.join(SETUP_BOUND_S)
+            cpu1 = _cpu(server.pid)
+            if not together:
+                merger.start()
+            merged = merged_q.get(timeout=SETUP_BOUND_S)
             merge_cpu = _cpu(server.pid) - cpu1
             merger.join(SETUP_BOUND_S)
+            if together:
+                merged["end_to_end_s"] = round(merged["done_at"] - start, 3)
+            merged.pop("done_at")
     finally:
         stop.set()
         server.join(10)
     return {
         "ranks": size,
-        "mode": mode,
+        "mode": mode + (" together" if together else ""),
         "statement_bytes": said[0]["bytes"],
         "head_bytes": said[0]["head_bytes"],
         "statements_wall_s": round(stated_wall, 3),
@@ -300,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--modes", nargs="+", choices=["flat", "tier"], default=["flat", "tier"])
+    ap.add_argument("--together", action="store_true", help="end to end: the merger waits for the statements")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
     for size in args.ranks:
         for mode in args.modes:
-            row = run_size(size, args.procs, mode)
+            row = run_size(size, args.procs, mode, args.together)
             print(json.dumps(row), flush=True)
             rows.append(row)
         if args.json is not None:

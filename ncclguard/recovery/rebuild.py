@@ -41,6 +41,7 @@ from ncclguard.recovery._rebuild.meeting import (
     Meeting,
     deaths_before,
     dense_rank_map,
+    forget_meeting,
     handshake_timeout,
     meet,
     record_new_world,
@@ -369,6 +370,7 @@ def _rebuild(world: World, timeout_s: float, allow_shrink: bool) -> tuple[Rebuil
         # there could pass just as they arrive: it waits the bound out, so they meet together.
         handshake_end.sleep(handshake_end.left())
         return _failed(new, start, missing, problem), new
+    forget_meeting(world.store, meeting, Deadline.within(max(deadline.left(), 1.0)))  # its members all left it
     if new.rank == 0 and world.generation >= 1:
         _forget_generation(world.store, world.generation, Deadline.within(max(deadline.left(), 1.0)))
     return RebuildResult(

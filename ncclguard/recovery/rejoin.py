@@ -38,6 +38,7 @@ from ncclguard.recovery._rebuild.meeting import (
     WorldRecord,
     deaths_before,
     dense_rank_map,
+    forget_meeting,
     handshake_timeout,
     meet,
     world_prefix,
@@ -275,6 +276,7 @@ def _build(
     new.group = weakref.ref(pg)
     compat.set_group_timeout(pg, timedelta(seconds=new_rec.timeout_s))
     del pg
+    forget_meeting(store, meeting, Deadline.within(max(deadline.left(), 1.0)))  # its members all left it
     result = RebuildResult(
         ok=True,
         generation=target,

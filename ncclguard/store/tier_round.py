@@ -361,24 +361,41 @@ def _copy_to_node(place: TierPlace, keys: TierKeys, raw: bytes, deadline: Deadli
         log.warning("two-tier round: the outcome could not be copied into the node's store (%s)", exc)
 
 
-def forget_tiered(store: Any, keys: RoundKeys, place: TierPlace, solo: bool, deadline: Deadline) -> None:
-    """Deletes a two-tier round's keys, once every rank has left it: from the node's first rank, the
+def forget_tiered(
+    store: Any,
+    keys: RoundKeys,
+    place: TierPlace,
+    path: str,
+    deadline: Deadline,
+    *,
+    counters_by: int = 0,
+    keep_outcome: bool = False,
+) -> None:
+    """Deletes a two-tier round's keys, once every rank has left it: from the node's carrier, the
     round's keys in its node's store and the node's carried arrivals in the job's store; from a
-    rank that went alone, its arrival there; from rank 0, the job's counters. Each store's deletes
-    are one bounded call; a store that fails leaves its keys.
+    rank that went alone, its arrival there; from ``counters_by``, the job's counters. Each store's
+    deletes are one bounded call; a store that fails leaves its keys.
+
+    The carrier, not the node's first rank: a node's first rank may have gone alone (a restarted
+    rank not linked to its node's store yet), or not come at all (a rebuild's meeting).
 
     Args:
         store: the job's store.
         keys: the round's keys.
         place: where the ranks are.
-        solo: this rank went to the job's store by itself in that round.
+        path: how this rank went through the round (:func:`settle_tiered`'s: ``carried``, ``waited``,
+            ``solo`` or ``fell_back``).
         deadline: when to stop waiting for the stores.
+        counters_by: the rank that deletes the job's counters (one that came: rank 0 in a commit).
+        keep_outcome: the outcome stays in both stores (a few bytes), for a rank that comes late.
     """
     tier = TierKeys(keys)
-    first = place.rank == place.local[0]
-    near_keys = tier.node_store_keys(place.local) if first else []
-    job_keys = [*([tier.nodes.arrival(place.node)] if first else []), *([keys.arrival(place.rank)] if solo else [])]
-    job_keys += tier.job_keys() if place.rank == 0 else []
+    carrier = path == "carried"
+    drop = {keys.outcome} if keep_outcome else set()
+    near_keys = [k for k in tier.node_store_keys(place.local) if k not in drop] if carrier else []
+    job_keys = [*([tier.nodes.arrival(place.node)] if carrier else [])]
+    job_keys += [keys.arrival(place.rank)] if path == "solo" else []
+    job_keys += [k for k in tier.job_keys() if k not in drop] if place.rank == counters_by else []
     for client, wanted in ((place.near, near_keys), (store, job_keys)):
         if client is None or not wanted:
             continue

@@ -11,7 +11,8 @@ from typing import Any
 from tier_kit import ROUND_GUARD_S, Job, run_threads
 
 from ncclguard.deadlines import Deadline
-from ncclguard.recovery._rebuild.meeting import Arrival, Meeting, MeetingOutcome, Roster, meet
+from ncclguard.recovery._rebuild.meeting import Arrival, Meeting, MeetingOutcome, Roster, forget_meeting, meet
+from ncclguard.store.clients import connect
 from ncclguard.store.tier_round import TierPlace
 
 
@@ -38,6 +39,19 @@ def meet_all(
     return out, {r: clients[r][0].calls for r in ranks}
 
 
+def forget_all(job: Job, out: dict[int, Meeting]) -> dict[str, list[str]]:
+    """Each member forgets its meeting (as after the new world's group is built: one thread each);
+    then every key left under the meetings' prefix, in the job's store and in each node's."""
+    run_threads(
+        lambda r: forget_meeting(job.clients(r)[0], out[r], Deadline.within(ROUND_GUARD_S)), dict.fromkeys(out, 0.0)
+    )
+    left = {}
+    for name, server in [("job", job.server), *((f"node {n}", node) for n, node in enumerate(job.nodes))]:
+        client = connect("127.0.0.1", server.port, ROUND_GUARD_S)
+        left[name] = sorted(k for k in client.list_keys() if k.startswith("ncclguard/rebuild/"))
+    return left
+
+
 def test_six_ranks_meet_through_their_nodes_and_the_outcome_carries_the_roster():
     job = Job(6, 2)
     ranks = {r: arrival(r, rejoined=(r == 3)) for r in range(6)}
@@ -56,6 +70,9 @@ def test_six_ranks_meet_through_their_nodes_and_the_outcome_carries_the_roster()
     # the settler's (the nodes' values, the solos' list) and the first carrier's looks for an outcome
     # and for death notices, their number the loaded machine's.
     assert (total["set"], total["add"], total["multi_get"], total["compare_set"]) == (3, 3, 1, 1), total
+    # Once the new world is built, the members delete the meeting's keys but its outcome, in every store.
+    outcome = "ncclguard/rebuild/g1/t0/v"
+    assert forget_all(job, out) == {"job": [outcome], "node 0": [outcome], "node 1": [outcome], "node 2": [outcome]}
 
 
 def test_a_shrink_through_the_tier_names_the_late_rank_and_a_rank_refusing_it_stops_all():
@@ -66,6 +83,10 @@ def test_a_shrink_through_the_tier_names_the_late_rank_and_a_rank_refusing_it_st
         m = out[r]
         assert m.goes_on and m.outcome.arrived == [0, 1, 2, 3, 5] and m.outcome.shrunk, (r, m)
         assert m.origins() == [10, 11, 12, 13, 15]
+    # Rank 4, node 2's first rank, never came: rank 5 deletes node 2's keys. A late rank still finds
+    # the outcome.
+    outcome = "ncclguard/rebuild/g1/t0/v"
+    assert forget_all(job, out) == {"job": [outcome], "node 0": [outcome], "node 1": [outcome], "node 2": [outcome]}
     late = meet_all(job, 0, {4: arrival(4, allow_shrink=True)}, ROUND_GUARD_S)[0][4]
     assert late.late and not late.goes_on and late.outcome == out[0].outcome
     # The next attempt: rank 1 refuses a shrink that another rank settles (rank 1's own deadline is

@@ -116,8 +116,12 @@ def test_host_bs_agent_killed_is_restarted_healed_bit_equal_and_its_node_linked_
         ), r
         # Every rank through its node's store in the rebuilt world: the one its launcher serves
         # (NCCLGUARD_NODE_STORE), which outlived the killed rank.
-        commits = {**res["tier"]}.pop("commits")
-        linked = {k: v for k, v in res["tier"].items() if k != "commits"}
+        commits, meeting = res["tier"]["commits"], res["tier"]["meeting_keys"]
+        linked = {k: v for k, v in res["tier"].items() if k not in ("commits", "meeting_keys")}
+        # The meetings' keys are gone but their outcomes (recovery/_rebuild/meeting.py forget_meeting),
+        # in the job's store and in this node's.
+        assert meeting["job"] and all(k.endswith("/v") for k in meeting["job"]), (r, meeting)
+        assert meeting["node"] and all(k.endswith("/v") for k in meeting["node"]), (r, meeting)
         assert linked == {
             "linked": True,
             "near_addr": res["tier"]["launcher"],

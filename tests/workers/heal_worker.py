@@ -203,9 +203,13 @@ def tier() -> dict[str, Any] | None:
     """With the node tier on (tests/watching/test_node_tier_multirank.py): this rank's watchdog store,
     once linked to its node's store (waited for), and how this
     process's commits went through the tier; else None."""
+    from ncclguard.deadlines import Deadline
+    from ncclguard.store import node_store
+    from ncclguard.store.clients import unprefixed
     from ncclguard.store.tier_round import tier_counts
     from ncclguard.watching.base.near_store import TieredWatchdogStore
     from ncclguard.watching.watchdog import current_watchdog
+    from ncclguard.world import current_world
 
     wd = current_watchdog()
     store = wd.watch.desk.store if wd is not None and wd.watch is not None else None
@@ -214,7 +218,12 @@ def tier() -> dict[str, Any] | None:
     rankkit.when(lambda: store.near is not None and wd.generation == 1, TIER_GUARD_S).wait(TIER_GUARD_S)
     linked = {"linked": store.near is not None, "near_addr": store.near_addr, "generation": wd.generation}
     linked["launcher"] = store.launcher  # ncclguard run's store of this node (NCCLGUARD_NODE_STORE)
-    return {**linked, "commits": tier_counts()}
+    # What the rebuild's meetings left in the job's store and in this node's (every member has
+    # forgotten its share by now: each went through a collective since).
+    job, near = unprefixed(current_world().store), node_store.near_client(10.0, Deadline.within(20.0))
+    left = {"job": job.list_keys(), "node": near.list_keys() if near is not None else ["no node store"]}
+    meeting = {k: sorted(x for x in v if x.startswith("ncclguard/rebuild/")) for k, v in left.items()}
+    return {**linked, "commits": tier_counts(), "meeting_keys": meeting}
 
 
 def main() -> None:

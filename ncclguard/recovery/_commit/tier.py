@@ -56,7 +56,7 @@ class TierState:
     def __init__(self, world: World) -> None:
         self.decided = False
         self.node_of: tuple[int, ...] | None = None
-        self.solo: dict[int, bool] = {}  # commit number -> went alone
+        self.paths: dict[int, str] = {}  # commit number -> how this rank went through it (settle_tiered's)
 
 
 _TIER: Slot[TierState] = Slot("commit tier", TierState)
@@ -136,13 +136,13 @@ def settle_on_tier(
     rule: Rule[T],
     peek: TierPeek,
     known_dead: Callable[[], dict[int, str]] | None,
-) -> tuple[T, bool]:
+) -> tuple[T, str]:
     """Runs one round through the tier (``rule`` reads the arrivals through ``peek``; ``known_dead``
     is bounded by the caller): a commit's, or a snapshot take's agreement.
 
     Returns:
-        The settled outcome, and whether this rank went to the job's store by itself (it then
-        deletes its own arrival with the round's keys: :func:`~ncclguard.store.tier_round.forget_tiered`).
+        The settled outcome, and how this rank went through the round (``settle_tiered``'s path:
+        what it deletes of the round's keys, :func:`~ncclguard.store.tier_round.forget_tiered`).
 
     Raises:
         StoreUnreachable, DistStoreError, RuntimeError: the job's store failed.
@@ -160,7 +160,7 @@ def settle_on_tier(
     )
     if path in ("solo", "fell_back") and place.near is not None:
         node_store.drop_near_client(place.near)  # connect anew next time (its agent may serve a new one)
-    return settled.outcome, path == "solo"
+    return settled.outcome, path
 
 
 def settle_commit(
@@ -184,7 +184,7 @@ def settle_commit(
         StoreUnreachable, DistStoreError, RuntimeError: the job's store failed.
     """
     place, state = tier
-    outcome, state.solo[n] = settle_on_tier(store, keys, place, statement, deadline, timeout_s, rule, peek, known_dead)
+    outcome, state.paths[n] = settle_on_tier(store, keys, place, statement, deadline, timeout_s, rule, peek, known_dead)
     return outcome
 
 
@@ -193,4 +193,4 @@ def forget_commit(
 ) -> None:
     """Deletes commit ``n``'s keys in both stores (every rank has left it)."""
     place, state = tier
-    forget_tiered(store, keys, place, state.solo.pop(n, False), deadline)
+    forget_tiered(store, keys, place, state.paths.pop(n, ""), deadline)

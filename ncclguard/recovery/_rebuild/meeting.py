@@ -18,7 +18,8 @@ with keys from :class:`~ncclguard.store.keys.MeetingKeys`:
    every rank, late ones included, reads the same outcome, so all agree on the new world;
 3. each rank named in the outcome increments ``gone`` when it leaves; the last one deletes the
    attempt's keys but the outcome, which stays (a few bytes) so that a rank arriving late learns
-   at once that it was left out.
+   at once that it was left out. Through the node tier nobody counts itself out: once the new
+   world's group is built, each member deletes its share of the keys (:func:`forget_meeting`).
 
 The whole attempt is bounded by its deadline (plus the round's grace): a store whose host is cut
 off never answers ``add``/``set``.
@@ -49,7 +50,7 @@ from ncclguard.store.codec import DecodeError, decode, decode_outcome, encode
 from ncclguard.store.deaths import STUCK_RC, deaths_so_far, read_deaths
 from ncclguard.store.keys import MeetingKeys, world_prefix
 from ncclguard.store.rounds import Members, Peek, Rule, settle_round
-from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace, node_deadline, settle_tiered
+from ncclguard.store.tier_round import TierKeys, TierPeek, TierPlace, forget_tiered, node_deadline, settle_tiered
 from ncclguard.store.world_record import MAX_RECORD_BYTES, WorldRecord, write_world_record
 from ncclguard.world import World, current_world
 
@@ -67,6 +68,7 @@ __all__ = [
     "deaths_before",
     "decide",
     "dense_rank_map",
+    "forget_meeting",
     "handshake_timeout",
     "meet",
     "parse",
@@ -256,12 +258,16 @@ class Meeting:
         late: this rank's arrival was not in the store when the outcome was settled.
         problem: why the members refuse a settled ``ok`` outcome (they disagree), or None.
         elapsed_s: seconds spent meeting.
+        tiered: through the node tier, its keys, this rank's place and how it went through
+            (``settle_tiered``'s path, for :func:`forget_meeting`); None for a flat meeting, whose
+            last member deleted its keys.
     """
 
     outcome: MeetingOutcome
     late: bool
     problem: str | None = None
     elapsed_s: float = 0.0
+    tiered: tuple[MeetingKeys, TierPlace, str] | None = None
 
     @property
     def goes_on(self) -> bool:
@@ -406,7 +412,26 @@ def _meet_tiered(
         store, keys, tier, encode(me), deadline, rule, node_by=node_deadline(deadline, deadline.left()), peek=peek
     )
     log.info("rebuild: the meeting through the node tier (%s): ranks %s arrived", path, settled.outcome.arrived)
-    return _meeting(settled.outcome, me, me.rank not in settled.outcome.arrived, start)
+    meeting = _meeting(settled.outcome, me, me.rank not in settled.outcome.arrived, start)
+    meeting.tiered = (keys, tier, path)
+    return meeting
+
+
+def forget_meeting(store: dist.Store, meeting: Meeting, deadline: Deadline) -> None:
+    """Deletes a meeting's keys through the node tier but its outcome, once the new world's group is
+    built (every member has read the outcome then): each node's carrier its node's keys, a member
+    that went alone its arrival, the first member the job's counters
+    (:func:`~ncclguard.store.tier_round.forget_tiered`). A flat meeting's keys are gone already.
+
+    Args:
+        store: the job's store.
+        meeting: this rank's meeting, which it goes on from.
+        deadline: when to stop waiting for the stores (a store that fails leaves its keys).
+    """
+    if meeting.tiered is None or not meeting.goes_on:
+        return
+    keys, place, path = meeting.tiered
+    forget_tiered(store, keys, place, path, deadline, counters_by=meeting.outcome.arrived[0], keep_outcome=True)
 
 
 def _meeting(outcome: MeetingOutcome, me: Arrival, late: bool, start: float) -> Meeting:

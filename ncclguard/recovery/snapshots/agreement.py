@@ -243,13 +243,13 @@ class TakeTier:
         node_of: each member's node (from its launch rank).
         near: a client of this rank's node's store; None: the one its watchdog is linked to
             (``node_store.near_client``), or none, when it is linked to none yet.
-        solo: round prefix -> this rank went to the job's store by itself in that round (it deletes
-            its own arrival with the round's keys).
+        paths: round prefix -> how this rank went through that round (``settle_tiered``'s path:
+            what it deletes of the round's keys).
     """
 
     node_of: tuple[int, ...]
     near: Any | None = None
-    solo: dict[str, bool] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
 
 
 def agree(
@@ -296,7 +296,7 @@ def agree(
         place = TierPlace(rank, tier.node_of, near)
         peek = TierPeek(thread_store, TierKeys(keys), place, _MAX_STATEMENT_BYTES)
         rule, known = _rule(thread_store, keys, size, dead, peek), (lambda: dead(Deadline.within(1.0)))
-        outcome, tier.solo[keys.prefix] = settle_on_tier(
+        outcome, tier.paths[keys.prefix] = settle_on_tier(
             thread_store, keys, place, encode(statement), deadline, waited_s, rule, peek, known
         )
     if outcome.missing:
@@ -306,7 +306,7 @@ def agree(
             + (f" ({gone})" if gone else f" within {waited_s:.0f} s")
         )
     if previous is not None and tier is not None and place is not None:
-        forget_tiered(thread_store, previous, place, tier.solo.pop(previous.prefix, False), deadline.plus(1.0))
+        forget_tiered(thread_store, previous, place, tier.paths.pop(previous.prefix, ""), deadline.plus(1.0))
     elif previous is not None:
         mine = [previous.arrival(rank), *((previous.count, previous.gone, previous.outcome) if rank == 0 else ())]
         try:
