@@ -153,7 +153,7 @@ def _setup(port: int, share: list[int]) -> None:
         client.multi_set([keys.heartbeat(r) for r in part], texts)
 
 
-def _stater(port: int, size: int, share: list[int], mode: str, ready: Any, go: Any, out: Any) -> None:
+def _stater(port: int, size: int, share: list[int], mode: str, ready: Any, go: Any, out: Any, end: Any) -> None:
     """One client process's share of the ranks filing their statements: ``flat``, each rank's
     ``file_statement`` (its statement, its count, its claim to merge); ``tier``, each node's carrier
     taking its 8 ranks' statements to the job's store (``near_filing.carry_to_job``: one request of
@@ -180,6 +180,7 @@ def _stater(port: int, size: int, share: list[int], mode: str, ready: Any, go: A
     head = store.keys.head(INCIDENT, share[0])
     head_bytes = len(store.store.get(head)) if store.store.check([head]) else 0  # above 1,024 ranks
     out.put({"seconds": seconds, "bytes": nbytes, "head_bytes": head_bytes})
+    end.wait(SETUP_BOUND_S)  # its exit (an interpreter with torch) off the merger's core while it merges
     store.close()
 
 
@@ -197,7 +198,7 @@ def _gather(store: Any, size: int) -> dict[str, Any]:
     return {"said": said, "heartbeats": heartbeats, "heads": heads, "read_s": time.perf_counter() - t0}
 
 
-def _merger(port: int, size: int, where: str, out: Any, go: Any = None) -> None:
+def _merger(port: int, size: int, where: str, out: Any, go: Any = None, ready: Any = None) -> None:
     """The merging rank, as ``Merger.merge`` does it: what the ranks said, the analysis, the whole
     statements of the culprits and a few victims (above 1,024 ranks), the report on disk. With
     ``go`` (end to end), it first waits for it, then looks at the count at the watchdog's tick until
@@ -211,6 +212,8 @@ def _merger(port: int, size: int, where: str, out: Any, go: Any = None) -> None:
     store = _store(port)
     res: dict[str, Any] = {}
     if go is not None:
+        store.add_dumped(INCIDENT, 0)  # its connection made
+        ready.put("merger")
         go.wait()
         end, looks = time.monotonic() + SETUP_BOUND_S, 0
         while store.add_dumped(INCIDENT, 0) < size and time.monotonic() < end:
@@ -274,30 +277,35 @@ def run_size(size: int, procs: int, mode: str = "flat", together: bool = False) 
             p.start()
         for p in setups:
             p.join(SETUP_BOUND_S)
-        ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-        staters = [ctx.Process(target=_stater, args=(port, size, s, mode, ready, go, out)) for s in shares]
+        ready, go, out, end = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
+        staters = [ctx.Process(target=_stater, args=(port, size, s, mode, ready, go, out, end)) for s in shares]
         for p in staters:
             p.start()
         for _ in staters:  # each makes its statements before the clock starts
             ready.get(timeout=SETUP_BOUND_S)
         with tempfile.TemporaryDirectory() as where:
             merged_q = ctx.Queue()
-            merger = ctx.Process(target=_merger, args=(port, size, where, merged_q, go if together else None))
+            merger = ctx.Process(target=_merger, args=(port, size, where, merged_q, go if together else None, ready))
             if together:
                 merger.start()
-                time.sleep(1.0)  # its imports and its client made before the clock starts
+                ready.get(timeout=SETUP_BOUND_S)  # its imports and its client made before the clock starts
             cpu0, t0, start = _cpu(server.pid), time.perf_counter(), time.monotonic()
             go.set()
             said = [out.get(timeout=SETUP_BOUND_S) for _ in staters]
             stated_wall, stated_cpu = time.perf_counter() - t0, _cpu(server.pid) - cpu0
-            for p in staters:
-                p.join(SETUP_BOUND_S)
+            if not together:
+                end.set()
+                for p in staters:
+                    p.join(SETUP_BOUND_S)
             cpu1 = _cpu(server.pid)
             if not together:
                 merger.start()
             merged = merged_q.get(timeout=SETUP_BOUND_S)
             merge_cpu = _cpu(server.pid) - cpu1
             merger.join(SETUP_BOUND_S)
+            end.set()
+            for p in staters:
+                p.join(SETUP_BOUND_S)
             if together:
                 merged["end_to_end_s"] = round(merged["done_at"] - start, 3)
             merged.pop("done_at")
