@@ -389,14 +389,13 @@ def forget_tiered(
         counters_by: the rank that deletes the job's counters (one that came: rank 0 in a commit).
         keep_outcome: the outcome stays in both stores (a few bytes), for a rank that comes late.
     """
-    tier = TierKeys(keys)
-    carrier = path == "carried"
-    drop = {keys.outcome} if keep_outcome else set()
-    near_keys = [k for k in tier.node_store_keys(place.local) if k not in drop] if carrier else []
-    job_keys = [*([tier.nodes.arrival(place.node)] if carrier else [])]
+    tier, carrier = TierKeys(keys), path == "carried"
+    near_keys = tier.node_store_keys(place.local) if carrier else []
+    job_keys = [tier.nodes.arrival(place.node)] if carrier else []
     job_keys += [keys.arrival(place.rank)] if path == "solo" else []
-    job_keys += [k for k in tier.job_keys() if k not in drop] if place.rank == counters_by else []
-    for client, wanted in ((place.near, near_keys), (store, job_keys)):
+    job_keys += tier.job_keys() if place.rank == counters_by else []
+    for client, listed in ((place.near, near_keys), (store, job_keys)):
+        wanted = [k for k in listed if not (keep_outcome and k == keys.outcome)]
         if client is None or not wanted:
             continue
         try:
